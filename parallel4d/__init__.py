@@ -1,0 +1,1 @@
+from .mesh import Mesh, init_mesh

@@ -1,0 +1,185 @@
+"""The few collective / point-to-point helpers the strategies share.
+
+Every helper counts the payload it moves in a :class:`CommStats` (the mesh
+carries one per rank) so benchmarks and tests can compare measured bytes with
+analytic formulas. Counting convention: ``sent``/``received`` are the bytes of
+the tensors this rank hands to / gets from the operation, independent of the
+backend's internal algorithm (a ring all-reduce moves more on the wire):
+
+* ``broadcast``: the source counts ``nbytes`` sent, every other member ``nbytes`` received.
+* ``reduce``: every non-destination member counts ``nbytes`` sent, the destination
+  ``nbytes·(n-1)`` received.
+* ``all_reduce``: ``nbytes`` sent and received.
+* ``all_gather``: the local shard sent, the other ``n-1`` shards received.
+* ``reduce_scatter``: the ``n-1`` shards for others sent, ``n-1`` shards received.
+* ``send`` / ``recv``: the tensor's bytes.
+
+Waits take a timeout and raise a ``CommTimeout`` naming what was being waited for.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Iterable
+
+import torch
+import torch.distributed as dist
+
+
+class CommTimeout(RuntimeError):
+    """A collective or p2p transfer did not finish within its timeout."""
+
+
+@dataclass
+class CommStats:
+    """Per-rank byte counters, keyed by an operation label."""
+
+    sent: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    received: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    calls: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+
+    def add(self, label: str, sent: int = 0, received: int = 0) -> None:
+        self.sent[label] += int(sent)
+        self.received[label] += int(received)
+        self.calls[label] += 1
+
+    def total_sent(self) -> int:
+        return sum(self.sent.values())
+
+    def total_received(self) -> int:
+        return sum(self.received.values())
+
+    def reset(self) -> None:
+        self.sent.clear()
+        self.received.clear()
+        self.calls.clear()
+
+    def as_dict(self) -> dict:
+        return {
+            "sent": dict(self.sent),
+            "received": dict(self.received),
+            "calls": dict(self.calls),
+        }
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _count(stats: CommStats | None, label: str, sent: int, received: int) -> None:
+    if stats is not None:
+        stats.add(label, sent, received)
+
+
+def group_size(group: dist.ProcessGroup | None) -> int:
+    return dist.get_world_size(group)
+
+
+def group_rank(group: dist.ProcessGroup | None) -> int:
+    return dist.get_rank(group)
+
+
+def broadcast(tensor, src: int, group=None, *, stats=None, label="broadcast", async_op=False):
+    """Broadcast ``tensor`` from global rank ``src`` to the group (in place)."""
+    n = group_size(group)
+    if n > 1:
+        me = dist.get_rank()
+        _count(stats, label, _nbytes(tensor) if me == src else 0, 0 if me == src else _nbytes(tensor))
+        return dist.broadcast(tensor, src=src, group=group, async_op=async_op)
+    return None
+
+
+def reduce(tensor, dst: int, group=None, *, stats=None, label="reduce", async_op=False):
+    """Sum ``tensor`` over the group into global rank ``dst`` (in place there)."""
+    n = group_size(group)
+    if n > 1:
+        me = dist.get_rank()
+        nb = _nbytes(tensor)
+        _count(stats, label, 0 if me == dst else nb, nb * (n - 1) if me == dst else 0)
+        return dist.reduce(tensor, dst=dst, group=group, async_op=async_op)
+    return None
+
+
+def all_reduce(tensor, group=None, *, op=dist.ReduceOp.SUM, stats=None, label="all_reduce", async_op=False):
+    """In-place all-reduce; a no-op on a group of one."""
+    if group_size(group) > 1:
+        _count(stats, label, _nbytes(tensor), _nbytes(tensor))
+        return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
+    return None
+
+
+def all_gather(tensor: torch.Tensor, group=None, *, dim: int = 0, stats=None, label="all_gather") -> torch.Tensor:
+    """Concatenate every member's ``tensor`` along ``dim`` (same shape on all members)."""
+    n = group_size(group)
+    if n == 1:
+        return tensor
+    parts = [torch.empty_like(tensor) for _ in range(n)]
+    dist.all_gather(parts, tensor.contiguous(), group=group)
+    _count(stats, label, _nbytes(tensor), _nbytes(tensor) * (n - 1))
+    return torch.cat(parts, dim=dim)
+
+
+def reduce_scatter(tensor: torch.Tensor, group=None, *, dim: int = 0, stats=None, label="reduce_scatter") -> torch.Tensor:
+    """Sum over the group, then keep this member's ``1/n`` slice along ``dim``.
+
+    Implemented as all-reduce + slice where the backend lacks reduce_scatter
+    (gloo); the counted bytes follow the logical reduce-scatter.
+    """
+    n = group_size(group)
+    if n == 1:
+        return tensor
+    if tensor.shape[dim] % n:
+        raise ValueError(f"reduce_scatter: size {tensor.shape[dim]} along dim {dim} not divisible by group size {n}")
+    shard = _nbytes(tensor) // n
+    _count(stats, label, shard * (n - 1), shard * (n - 1))
+    if dist.get_backend(group) == "nccl":
+        chunks = [c.contiguous() for c in tensor.chunk(n, dim=dim)]
+        out = torch.empty_like(chunks[0])
+        dist.reduce_scatter(out, chunks, group=group)
+        return out
+    full = tensor.contiguous().clone()
+    dist.all_reduce(full, group=group)
+    return full.chunk(n, dim=dim)[group_rank(group)].contiguous()
+
+
+def p2p(ops: Iterable[tuple[str, torch.Tensor, int]], group=None, *, stats=None, label="p2p") -> list:
+    """Post sends/receives together; returns the works to :func:`wait`.
+
+    ``ops`` holds ``("send" | "recv", tensor, peer_global_rank)``. Posting both
+    directions in one batch avoids the send-before-recv ordering deadlock.
+    """
+    p2p_ops = []
+    for kind, tensor, peer in ops:
+        if kind == "send":
+            _count(stats, label, _nbytes(tensor), 0)
+            p2p_ops.append(dist.P2POp(dist.isend, tensor, peer, group))
+        elif kind == "recv":
+            _count(stats, label, 0, _nbytes(tensor))
+            p2p_ops.append(dist.P2POp(dist.irecv, tensor, peer, group))
+        else:
+            raise ValueError(f"p2p op kind must be 'send' or 'recv', got {kind!r}")
+    if not p2p_ops:
+        return []
+    return list(dist.batch_isend_irecv(p2p_ops))
+
+
+def wait(works, timeout_s: float | None = None, what: str = "communication") -> None:
+    """Wait for ``works`` (a work or a list); ``CommTimeout`` naming ``what`` on expiry."""
+    if works is None:
+        return
+    if not isinstance(works, (list, tuple)):
+        works = [works]
+    for w in works:
+        if w is None:
+            continue
+        try:
+            if timeout_s is None:
+                w.wait()
+            else:
+                w.wait(timeout=timedelta(seconds=timeout_s))
+        except RuntimeError as e:
+            if "timed out" in str(e).lower() or "timeout" in str(e).lower():
+                raise CommTimeout(f"rank {dist.get_rank()}: {what} did not finish within {timeout_s}s") from e
+            raise

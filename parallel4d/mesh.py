@@ -1,0 +1,175 @@
+"""Named process-group mesh over ``torch.distributed.device_mesh.DeviceMesh``.
+
+Axes, outermost first: ``pp, dp, sp, tp_row, tp_col`` with ``tp = q²`` and
+``tp_row = tp_col = q``. Global rank layout (row-major over the axes)::
+
+    rank = (((p·dp + d)·sp + r)·q + i)·q + j
+
+``group(axis)`` is the group of ranks whose coordinate along ``axis`` varies
+while every other coordinate equals this rank's (so ``group("tp_col")`` holds
+the q ranks of one grid *row* i, indexed by column j). Strategies resolve
+peers only through :meth:`Mesh.global_rank` / :meth:`Mesh.group`: no rank
+arithmetic over a fixed layout elsewhere, and no process-global mesh.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from .comm import CommStats
+
+AXES = ("pp", "dp", "sp", "tp_row", "tp_col")
+
+
+def grid_side(tp: int) -> int:
+    """q for ``tp = q²``; ``ValueError`` naming the nearest squares otherwise."""
+    if tp < 1:
+        raise ValueError(f"parallel.tp={tp} must be ≥ 1")
+    q = math.isqrt(tp)
+    if q * q != tp:
+        raise ValueError(
+            f"parallel.tp={tp} is not a perfect square (tp = q² for the q×q SUMMA grid); "
+            f"use parallel.tp={q * q} or parallel.tp={(q + 1) ** 2}"
+        )
+    return q
+
+
+def mesh_shape(pp: int = 1, dp: int = 1, sp: int = 1, tp: int = 1) -> tuple[int, ...]:
+    """The 5-D shape ``(pp, dp, sp, q, q)`` of the mesh for these sizes."""
+    for name, v in (("pp", pp), ("dp", dp), ("sp", sp)):
+        if int(v) != v or v < 1:
+            raise ValueError(f"parallel.{name}={v} must be an integer ≥ 1")
+    q = grid_side(tp)
+    return (pp, dp, sp, q, q)
+
+
+def default_backend() -> str:
+    """NCCL when this process has its own GPU, gloo otherwise."""
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+class Mesh:
+    """Named axes over a :class:`DeviceMesh`; see the module docstring for the layout.
+
+    Also carries this rank's :class:`CommStats` (bytes counted by ``comm``
+    helpers) so that strategies need no global counters.
+    """
+
+    def __init__(self, device_mesh: DeviceMesh):
+        if tuple(device_mesh.mesh_dim_names or ()) != AXES:
+            raise ValueError(f"DeviceMesh axes must be {AXES}, got {device_mesh.mesh_dim_names}")
+        self.device_mesh = device_mesh
+        self.comm_stats = CommStats()
+        self._coords = tuple(int(c) for c in device_mesh.get_coordinate())
+        self._groups: dict[str, dist.ProcessGroup] = {}
+
+    # --- sizes and coordinates -------------------------------------------------
+    @property
+    def shape(self) -> dict[str, int]:
+        return dict(zip(AXES, self.device_mesh.mesh.shape))
+
+    @property
+    def world_size(self) -> int:
+        return self.device_mesh.mesh.numel()
+
+    @property
+    def q(self) -> int:
+        """Side of the tensor-parallel grid (``tp = q²``)."""
+        return self.size("tp_row")
+
+    @property
+    def coords(self) -> dict[str, int]:
+        """This rank's coordinate along every axis."""
+        return dict(zip(AXES, self._coords))
+
+    @property
+    def device(self) -> torch.device:
+        if self.device_mesh.device_type == "cuda":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device(self.device_mesh.device_type)
+
+    def _dim(self, axis: str) -> int:
+        try:
+            return AXES.index(axis)
+        except ValueError:
+            raise ValueError(f"unknown mesh axis {axis!r}; axes are {AXES}") from None
+
+    def size(self, axis: str) -> int:
+        return int(self.device_mesh.mesh.shape[self._dim(axis)])
+
+    def rank(self, axis: str) -> int:
+        """This rank's coordinate along ``axis``."""
+        return self._coords[self._dim(axis)]
+
+    def global_rank(self, axis: str, index: int) -> int:
+        """Global rank at ``index`` along ``axis``, every other coordinate equal to mine."""
+        dim = self._dim(axis)
+        n = self.size(axis)
+        if not 0 <= index < n:
+            raise ValueError(f"index {index} out of range for axis {axis!r} of size {n}")
+        where = list(self._coords)
+        where[dim] = index
+        return int(self.device_mesh.mesh[tuple(where)].item())
+
+    def ranks_along(self, axis: str) -> list[int]:
+        """Global ranks of :meth:`group` (``axis`` varies), in coordinate order."""
+        return [self.global_rank(axis, i) for i in range(self.size(axis))]
+
+    def group(self, axis: str) -> dist.ProcessGroup:
+        """Process group of the ranks along ``axis`` (that coordinate varies, others fixed)."""
+        if axis not in self._groups:
+            self._groups[axis] = self.device_mesh.get_group(axis)
+        return self._groups[axis]
+
+    group_along = group
+
+    def __repr__(self) -> str:
+        dims = ", ".join(f"{a}={self.size(a)}" for a in AXES)
+        return f"Mesh({dims}; coords={self.coords})"
+
+
+def init_process_group_from_env(backend: str | None = None, timeout_s: float = 300.0) -> None:
+    """Join the job described by RANK/WORLD_SIZE/MASTER_ADDR (torchrun's env://)."""
+    if dist.is_initialized():
+        return
+    missing = [k for k in ("RANK", "WORLD_SIZE") if k not in os.environ]
+    if missing:
+        raise RuntimeError(
+            f"no default process group and {missing} not set: call "
+            "torch.distributed.init_process_group first, run under torchrun, or use parallel4d.launch"
+        )
+    backend = backend or default_backend()
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s))
+
+
+def init_mesh(pp: int = 1, dp: int = 1, sp: int = 1, tp: int = 1, *, timeout_s: float = 300.0) -> Mesh:
+    """Build the mesh; uses the default process group if one exists, else joins from env.
+
+    Raises ``ValueError`` (before any collective) when ``tp`` is not a square or
+    ``pp·dp·sp·tp`` differs from the world size.
+    """
+    shape = mesh_shape(pp, dp, sp, tp)
+    if not dist.is_initialized():
+        world = int(os.environ.get("WORLD_SIZE", "0") or 0)
+        if world and world != math.prod(shape):
+            raise ValueError(
+                f"pp·dp·sp·tp = {pp}·{dp}·{sp}·{tp} = {math.prod(shape)} but WORLD_SIZE={world}; "
+                "change the parallel sizes or the number of processes"
+            )
+        init_process_group_from_env(timeout_s=timeout_s)
+    world = dist.get_world_size()
+    if world != math.prod(shape):
+        raise ValueError(
+            f"pp·dp·sp·tp = {pp}·{dp}·{sp}·{tp} = {math.prod(shape)} but the process group has "
+            f"{world} ranks; change the parallel sizes so that their product is {world}"
+        )
+    device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    return Mesh(init_device_mesh(device_type, shape, mesh_dim_names=AXES))

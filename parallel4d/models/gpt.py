@@ -1,0 +1,187 @@
+"""Reference GPT decoder (pre-LN, causal attention, GELU MLP, tied or untied LM head).
+
+Every sub-module comes from a :class:`LayerFactory`; strategies supply their own
+factory (2D-parallel linears, ring attention, ...) while this file stays the
+single-process dense reference they are tested against.
+
+Shapes (dense): tokens ``[b, s]`` → hidden ``[b, s, h]`` → logits ``[b, s, V]``.
+The model is also a flat list of *stages* (``embed, block_0..block_{L-1}, head``)
+that pipeline partitioning cuts into chunks; ``model(tokens)`` just runs them in order.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class GPTShape:
+    """The architecture numbers the layers need (a subset of ``config.ModelConfig``)."""
+
+    vocab_size: int = 256
+    seq_len: int = 64
+    hidden: int = 64
+    heads: int = 4
+    layers: int = 2
+    mlp_ratio: int = 4
+    tie_embeddings: bool = True
+    norm_eps: float = 1e-5
+    init_std: float = 0.02
+
+    @classmethod
+    def from_config(cls, model_cfg) -> "GPTShape":
+        fields = cls.__dataclass_fields__
+        return cls(**{k: getattr(model_cfg, k) for k in fields if hasattr(model_cfg, k)})
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+
+def dense_attention(q, k, v, causal: bool = True):
+    """Softmax attention on ``[b, heads, s, d]``; the single-process reference."""
+    return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+
+class Embedding(nn.Module):
+    """Token + learned position embedding: tokens ``[b, s]`` → ``[b, s, h]``."""
+
+    def __init__(self, shape: GPTShape):
+        super().__init__()
+        self.tok = nn.Embedding(shape.vocab_size, shape.hidden)
+        self.pos = nn.Embedding(shape.seq_len, shape.hidden)
+
+    def forward(self, tokens, positions=None):
+        if positions is None:
+            positions = torch.arange(tokens.shape[1], device=tokens.device)
+        return self.tok(tokens) + self.pos(positions)
+
+
+class Attention(nn.Module):
+    """Multi-head self-attention ``[b, s, h]`` → ``[b, s, h]`` with a pluggable core."""
+
+    def __init__(self, shape: GPTShape, attention_fn=dense_attention):
+        super().__init__()
+        self.heads = shape.heads
+        self.qkv = nn.Linear(shape.hidden, 3 * shape.hidden)
+        self.proj = nn.Linear(shape.hidden, shape.hidden)
+        self.attention_fn = attention_fn
+
+    def forward(self, x):
+        b, s, h = x.shape
+        q, k, v = self.qkv(x).view(b, s, 3, self.heads, h // self.heads).permute(2, 0, 3, 1, 4)
+        y = self.attention_fn(q, k, v, causal=True)  # [b, heads, s, d]
+        return self.proj(y.transpose(1, 2).reshape(b, s, h))
+
+
+class MLP(nn.Module):
+    def __init__(self, shape: GPTShape):
+        super().__init__()
+        self.fc1 = nn.Linear(shape.hidden, shape.mlp_ratio * shape.hidden)
+        self.fc2 = nn.Linear(shape.mlp_ratio * shape.hidden, shape.hidden)
+
+    def forward(self, x):
+        return self.fc2(F.gelu(self.fc1(x)))
+
+
+class Block(nn.Module):
+    """Pre-LN transformer block: ``x + attn(ln1(x))``, then ``x + mlp(ln2(x))``."""
+
+    def __init__(self, shape: GPTShape, attention_fn=dense_attention):
+        super().__init__()
+        self.ln1 = nn.LayerNorm(shape.hidden, eps=shape.norm_eps)
+        self.attn = Attention(shape, attention_fn)
+        self.ln2 = nn.LayerNorm(shape.hidden, eps=shape.norm_eps)
+        self.mlp = MLP(shape)
+
+    def forward(self, x):
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class Head(nn.Module):
+    """Final LayerNorm + LM head: ``[b, s, h]`` → logits ``[b, s, V]``.
+
+    With tied embeddings the head has no weight of its own: it uses the token
+    embedding's (``tied_weight``), which may be set after construction.
+    """
+
+    def __init__(self, shape: GPTShape, tied_weight: nn.Parameter | None = None):
+        super().__init__()
+        self.ln_f = nn.LayerNorm(shape.hidden, eps=shape.norm_eps)
+        if tied_weight is None:
+            self.weight = nn.Parameter(torch.empty(shape.vocab_size, shape.hidden))
+        else:
+            self.weight = tied_weight  # same Parameter object as the embedding's
+
+    def forward(self, x):
+        return F.linear(self.ln_f(x), self.weight)
+
+
+def cross_entropy(logits, targets, ignore_index: int = -100):
+    """Mean token cross entropy of ``[b, s, V]`` logits against ``[b, s]`` targets."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=ignore_index)
+
+
+class LayerFactory:
+    """Builds each part of the GPT; subclass to swap in parallel layers."""
+
+    def embedding(self, shape: GPTShape) -> nn.Module:
+        return Embedding(shape)
+
+    def block(self, shape: GPTShape, index: int) -> nn.Module:
+        return Block(shape)
+
+    def head(self, shape: GPTShape, embedding: nn.Module) -> nn.Module:
+        return Head(shape, embedding.tok.weight if shape.tie_embeddings else None)
+
+    def loss(self, logits, targets):
+        return cross_entropy(logits, targets)
+
+
+class GPT(nn.Module):
+    """Stages ``embed → blocks → head``; ``forward(tokens, targets=None)`` → logits or loss."""
+
+    def __init__(self, shape: GPTShape, factory: LayerFactory | None = None):
+        super().__init__()
+        self.shape = shape
+        self.factory = factory or LayerFactory()
+        self.embed = self.factory.embedding(shape)
+        self.blocks = nn.ModuleList(self.factory.block(shape, i) for i in range(shape.layers))
+        self.head = self.factory.head(shape, self.embed)
+        init_weights(self, shape)
+
+    def stages(self) -> list[nn.Module]:
+        """The model as a flat list a pipeline cuts into contiguous chunks."""
+        return [self.embed, *self.blocks, self.head]
+
+    def forward(self, tokens, targets=None):
+        x = tokens
+        for stage in self.stages():
+            x = stage(x)
+        return x if targets is None else self.factory.loss(x, targets)
+
+
+def init_weights(model: nn.Module, shape: GPTShape) -> None:
+    """GPT-2 style init: N(0, 0.02) matrices, output projections scaled by 1/sqrt(2L),
+    zero biases, unit LayerNorm gains."""
+    for name, p in model.named_parameters():
+        if name.endswith("bias"):
+            nn.init.zeros_(p)
+        elif p.dim() == 1:  # LayerNorm gain
+            nn.init.ones_(p)
+        else:
+            scaled = name.endswith("proj.weight") or name.endswith("fc2.weight")
+            nn.init.normal_(p, 0.0, shape.init_std / (math.sqrt(2 * shape.layers) if scaled else 1.0))
+
+
+def build_gpt(shape: GPTShape, seed: int = 0, factory: LayerFactory | None = None) -> GPT:
+    """Build the dense reference deterministically from ``seed``."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return GPT(shape, factory)

@@ -1,0 +1,172 @@
+"""Spawn local worker processes joined by a file-based rendezvous.
+
+Used by :func:`parallel4d.launch` when not under torchrun, and by the tests.
+Guarantees: every collective has the process-group timeout; when one worker
+raises, the others are terminated and :class:`WorkerError` carries that
+worker's rank and traceback; a job that outlives ``timeout_s`` is killed with
+:class:`WorkerTimeout`; a worker whose parent dies exits by itself.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import pickle
+import shutil
+import tempfile
+import threading
+import time
+import traceback
+from datetime import timedelta
+from typing import Any, Callable
+
+
+class WorkerError(RuntimeError):
+    """A worker raised or died; ``rank`` and ``details`` say which and why."""
+
+    def __init__(self, rank: int, details: str):
+        self.rank = rank
+        self.details = details
+        super().__init__(f"worker rank {rank} failed:\n{details}")
+
+
+class WorkerTimeout(RuntimeError):
+    """The job did not finish within its time limit."""
+
+
+def _watch_parent(parent_pid: int) -> None:
+    # A worker orphaned by a killed launcher would otherwise block its peers forever.
+    while True:
+        if os.getppid() != parent_pid:
+            os._exit(3)
+        time.sleep(1.0)
+
+
+def _worker_main(fn, rank, world_size, backend, init_file, pg_timeout_s, args, kwargs, out_dir, parent_pid, env):
+    os.environ.update(env)
+    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
+                       "LOCAL_WORLD_SIZE": str(world_size)})
+    threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
+    result_path = os.path.join(out_dir, f"result{rank}.pkl")
+    try:
+        import torch
+        import torch.distributed as dist
+
+        torch.set_num_threads(int(env.get("PARALLEL4D_THREADS", "1")))
+        if backend == "nccl":
+            torch.cuda.set_device(rank % torch.cuda.device_count())
+        dist.init_process_group(
+            backend=backend, init_method=f"file://{init_file}", rank=rank, world_size=world_size,
+            timeout=timedelta(seconds=pg_timeout_s),
+        )
+        try:
+            result = fn(*args, **kwargs)
+        finally:
+            try:
+                dist.destroy_process_group()
+            except Exception:  # the group may be broken after a peer died
+                pass
+        with open(result_path + ".tmp", "wb") as f:
+            pickle.dump(("ok", result), f)
+        os.replace(result_path + ".tmp", result_path)
+    except BaseException as e:  # report everything, including KeyboardInterrupt, to the parent
+        with open(result_path + ".tmp", "wb") as f:
+            pickle.dump(("error", f"{type(e).__name__}: {e}\n\n{traceback.format_exc()}"), f)
+        os.replace(result_path + ".tmp", result_path)
+        os._exit(1)
+
+
+def _stop(procs, grace_s: float = 5.0) -> None:
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+    deadline = time.monotonic() + grace_s
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join()
+
+
+def spawn(
+    fn: Callable[..., Any],
+    world_size: int,
+    args: tuple = (),
+    kwargs: dict | None = None,
+    *,
+    backend: str = "gloo",
+    timeout_s: float = 600.0,
+    pg_timeout_s: float | None = None,
+    threads_per_worker: int = 1,
+    env: dict[str, str] | None = None,
+) -> list[Any]:
+    """Run ``fn(*args, **kwargs)`` on ``world_size`` fresh processes; return each rank's result.
+
+    ``fn`` must be importable (module level). Each process has the default
+    process group initialised (``backend``, file rendezvous, collective timeout
+    ``pg_timeout_s``, default ``timeout_s``). Raises :class:`WorkerError` with
+    the first failing rank's traceback, :class:`WorkerTimeout` after ``timeout_s``.
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size={world_size} must be ≥ 1")
+    kwargs = kwargs or {}
+    pg_timeout_s = pg_timeout_s or timeout_s
+    tmp = tempfile.mkdtemp(prefix="parallel4d-")
+    init_file = os.path.join(tmp, "rendezvous")
+    child_env = {"PARALLEL4D_THREADS": str(threads_per_worker), **(env or {})}
+    ctx = mp.get_context("spawn")
+    procs = [
+        ctx.Process(
+            target=_worker_main,
+            args=(fn, r, world_size, backend, init_file, pg_timeout_s, args, kwargs, tmp, os.getpid(), child_env),
+            name=f"parallel4d-rank{r}",
+        )
+        for r in range(world_size)
+    ]
+    try:
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + timeout_s
+        while True:
+            failed = _first_failure(procs, tmp)
+            if failed is not None:
+                _stop(procs)
+                raise WorkerError(*failed)
+            if all(p.exitcode == 0 for p in procs):
+                break
+            if time.monotonic() > deadline:
+                running = [r for r, p in enumerate(procs) if p.is_alive()]
+                _stop(procs)
+                raise WorkerTimeout(f"job did not finish within {timeout_s:.0f}s; ranks still running: {running}")
+            time.sleep(0.05)
+        results = []
+        for r in range(world_size):
+            with open(os.path.join(tmp, f"result{r}.pkl"), "rb") as f:
+                results.append(pickle.load(f)[1])
+        return results
+    except BaseException:
+        _stop(procs)
+        raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _first_failure(procs, tmp) -> tuple[int, str] | None:
+    """(rank, details) of the earliest failed worker, preferring one that reported an error."""
+    failed = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
+    if not failed:
+        return None
+    reported = []
+    for r in failed:
+        path = os.path.join(tmp, f"result{r}.pkl")
+        if os.path.exists(path):
+            with open(path, "rb") as f:
+                status, details = pickle.load(f)
+            reported.append((os.path.getmtime(path), r, details))
+    if reported:
+        # The first to fail is the cause; later ones usually fail because it left.
+        _, r, details = min(reported)
+        return r, details
+    r = failed[0]
+    return r, f"process exited with code {procs[r].exitcode} without reporting an error (killed?)"

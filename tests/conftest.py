@@ -1,0 +1,20 @@
+"""Shared pytest helpers: run a function on N gloo workers with a timeout."""
+
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+
+def run_workers(fn, world_size, *args, timeout_s=180.0, **kwargs):
+    """Run ``fn(*args, **kwargs)`` on ``world_size`` gloo CPU workers; per-rank results."""
+    from parallel4d.workers import spawn
+
+    return spawn(fn, world_size, args, kwargs, backend="gloo", timeout_s=timeout_s)
+
+
+@pytest.fixture
+def workers():
+    return run_workers

@@ -1,0 +1,63 @@
+"""Mesh groups checked against an independent computation at world 8 and 16."""
+
+import itertools
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from conftest import run_workers
+from parallel4d.mesh import AXES, init_mesh, mesh_shape
+
+
+def _expected_coords(shape):
+    """rank -> coordinate tuple, by plain enumeration (row-major, pp outermost)."""
+    return {r: c for r, c in enumerate(itertools.product(*(range(n) for n in shape)))}
+
+
+def _check_mesh(pp, dp, sp, tp):
+    mesh = init_mesh(pp=pp, dp=dp, sp=sp, tp=tp)
+    me = dist.get_rank()
+    # What every process *actually* reports as its coordinates.
+    mine = torch.tensor([mesh.coords[a] for a in AXES])
+    everyone = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(everyone, mine)
+    actual = {r: tuple(int(x) for x in c) for r, c in enumerate(everyone)}
+    assert actual == _expected_coords(mesh_shape(pp, dp, sp, tp))
+    for dim, axis in enumerate(AXES):
+        members = dist.get_process_group_ranks(mesh.group(axis))
+        # Independent: the ranks whose coords differ from mine only along `axis`.
+        expect = sorted(r for r, c in actual.items()
+                        if all(c[k] == actual[me][k] for k in range(len(AXES)) if k != dim))
+        assert sorted(members) == expect, (axis, members, expect)
+        assert mesh.ranks_along(axis) == expect
+        assert mesh.rank(axis) == actual[me][dim]
+        assert mesh.size(axis) == len(expect)
+        assert mesh.global_rank(axis, mesh.rank(axis)) == me
+        # The group really communicates among exactly those ranks.
+        t = torch.tensor([float(me)])
+        dist.all_reduce(t, group=mesh.group(axis))
+        assert t.item() == float(sum(expect))
+    return mesh.coords
+
+
+@pytest.mark.parametrize("sizes", [dict(pp=2, dp=1, sp=1, tp=4), dict(pp=1, dp=2, sp=1, tp=4)])
+def test_mesh_world_8(sizes):
+    coords = run_workers(_check_mesh, 8, **sizes)
+    assert len(coords) == 8
+
+
+def test_mesh_world_16():
+    coords = run_workers(_check_mesh, 16, pp=2, dp=1, sp=2, tp=4, timeout_s=300)
+    assert len({tuple(c.values()) for c in coords}) == 16
+
+
+def test_mesh_world_8_all_axes():
+    run_workers(_check_mesh, 8, pp=2, dp=2, sp=2, tp=1)
+
+
+def test_mesh_rejects_bad_sizes():
+    with pytest.raises(ValueError, match="perfect square"):
+        mesh_shape(tp=8)
+    with pytest.raises(ValueError, match="parallel.dp"):
+        mesh_shape(dp=0)
