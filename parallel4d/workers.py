@@ -13,6 +13,7 @@ import multiprocessing as mp
 import os
 import pickle
 import shutil
+import sys
 import tempfile
 import threading
 import time
@@ -100,6 +101,7 @@ def spawn(
     pg_timeout_s: float | None = None,
     threads_per_worker: int = 1,
     env: dict[str, str] | None = None,
+    interrupt_grace_s: float = 120.0,
 ) -> list[Any]:
     """Run ``fn(*args, **kwargs)`` on ``world_size`` fresh processes; return each rank's result.
 
@@ -129,17 +131,30 @@ def spawn(
             p.start()
         deadline = time.monotonic() + timeout_s
         while True:
-            failed = _first_failure(procs, tmp)
-            if failed is not None:
+            try:
+                failed = _first_failure(procs, tmp)
+                if failed is not None:
+                    _stop(procs)
+                    raise WorkerError(*failed)
+                if all(p.exitcode == 0 for p in procs):
+                    break
+                if time.monotonic() > deadline:
+                    running = [r for r, p in enumerate(procs) if p.is_alive()]
+                    _stop(procs)
+                    raise WorkerTimeout(f"job did not finish within {timeout_s:.0f}s; ranks still running: {running}")
+                time.sleep(0.05)
+            except KeyboardInterrupt:
+                # Ctrl-C reached the workers too: give them time to finish the step and save.
+                print(f"[parallel4d] interrupted: waiting up to {interrupt_grace_s:.0f}s for the workers to save "
+                      "(press Ctrl-C again to stop at once)", file=sys.stderr, flush=True)
+                for p in procs:
+                    if p.is_alive():
+                        p.terminate()  # SIGTERM: the same graceful path where Ctrl-C did not reach them
+                end = time.monotonic() + interrupt_grace_s
+                for p in procs:
+                    p.join(max(0.0, end - time.monotonic()))
                 _stop(procs)
-                raise WorkerError(*failed)
-            if all(p.exitcode == 0 for p in procs):
-                break
-            if time.monotonic() > deadline:
-                running = [r for r, p in enumerate(procs) if p.is_alive()]
-                _stop(procs)
-                raise WorkerTimeout(f"job did not finish within {timeout_s:.0f}s; ranks still running: {running}")
-            time.sleep(0.05)
+                raise
         results = []
         for r in range(world_size):
             with open(os.path.join(tmp, f"result{r}.pkl"), "rb") as f:

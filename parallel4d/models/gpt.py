@@ -125,7 +125,9 @@ class Head(nn.Module):
 
 def cross_entropy(logits, targets, ignore_index: int = -100):
     """Mean token cross entropy of ``[b, s, V]`` logits against ``[b, s]`` targets."""
-    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=ignore_index)
+    if logits.dtype in (torch.float16, torch.bfloat16):  # the softmax wants ≥ fp32 accuracy
+        logits = logits.float()
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=ignore_index)
 
 
 class LayerFactory:

@@ -1,0 +1,84 @@
+"""Command line: ``parallel4d launch | validate | plan | schedule``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from .config import ConfigError, load_config
+
+
+def _add_config_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("config", help="job YAML file (see configs/)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.FIELD=VALUE",
+                   help="override one field, e.g. --set train.steps=50 (repeatable)")
+
+
+def _cmd_validate(args) -> int:
+    cfg = load_config(args.config, args.overrides)
+    print(cfg.to_yaml(), end="")
+    print(f"# world size: {cfg.world_size} = pp·dp·sp·tp = {cfg.parallel.pp}·{cfg.parallel.dp}·"
+          f"{cfg.parallel.sp}·{cfg.parallel.tp}")
+    return 0
+
+
+def _cmd_plan(args) -> int:
+    """The resolved layout: mesh shape, per-rank shapes and batch split, without running anything."""
+    cfg = load_config(args.config, args.overrides)
+    p, m = cfg.parallel, cfg.model
+    q = p.q
+    micro = cfg.data.batch_size // (p.dp * q * cfg.pipeline.microbatches)
+    seq = m.seq_len // p.sp
+    print(f"world size      {cfg.world_size}  (pp={p.pp} dp={p.dp} sp={p.sp} tp={p.tp} → q={q})")
+    print(f"mesh shape      (pp, dp, sp, tp_row, tp_col) = ({p.pp}, {p.dp}, {p.sp}, {q}, {q})")
+    print(f"model           {m.layers} layers, hidden {m.hidden}, {m.heads} heads, vocab {m.vocab_size}, seq {m.seq_len}")
+    print(f"pipeline        {cfg.pipeline.schedule}, {cfg.pipeline.num_chunks(p.pp)} chunks, "
+          f"{cfg.pipeline.microbatches} micro-batches")
+    print(f"activation/rank [b/(dp·q)/m, s/sp, h/q] = [{micro}, {seq}, {m.hidden // q}]")
+    return 0
+
+
+def _cmd_launch(args) -> int:
+    from .launch import launch
+
+    summary = launch(args.config, args.overrides)
+    losses = summary.get("losses", [])
+    print(json.dumps({"steps": summary.get("steps"), "first_loss": losses[0] if losses else None,
+                      "last_loss": losses[-1] if losses else None,
+                      "tokens_per_second": summary.get("tokens_per_second")}))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="parallel4d", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("launch", help="train a job (spawns local workers, or joins torchrun)")
+    _add_config_args(p)
+    p.set_defaults(func=_cmd_launch)
+    p = sub.add_parser("validate", help="print the resolved config, or its errors (exit 2)")
+    _add_config_args(p)
+    p.set_defaults(func=_cmd_validate)
+    p = sub.add_parser("plan", help="print the mesh and per-rank shapes a config implies")
+    _add_config_args(p)
+    p.set_defaults(func=_cmd_plan)
+    try:
+        from .pipeline.cli import add_schedule_parser
+    except ImportError:
+        add_schedule_parser = None
+    if add_schedule_parser is not None:
+        add_schedule_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except ConfigError as e:
+        print(f"parallel4d: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,68 @@
+"""launch(config): join a torchrun job, or spawn the local workers, and train.
+
+Under torchrun (``RANK``/``WORLD_SIZE`` set) this process *is* one rank and
+joins through env://. Otherwise ``pp·dp·sp·tp`` local workers are spawned with
+a file-based rendezvous: gloo on CPU, NCCL when every rank gets its own GPU.
+If a worker raises, the others are stopped and the error is re-raised here.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from .config import Config, ConfigError, load_config
+from .workers import spawn
+
+
+def _device_and_backend(cfg: Config) -> tuple[str, str]:
+    want = cfg.train.device
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if want == "cuda" and gpus == 0:
+        raise ConfigError("train.device=cuda but no CUDA device is visible; use train.device=cpu or auto")
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", cfg.world_size))
+    if want == "cuda" and gpus < local_world:
+        raise ConfigError(f"train.device=cuda needs one GPU per local rank ({local_world}) but {gpus} are visible; "
+                          "use train.device=cpu or fewer ranks (parallel.pp·dp·sp·tp)")
+    use_cuda = want == "cuda" or (want == "auto" and gpus >= local_world)
+    return ("cuda", "nccl") if use_cuda else ("cpu", "gloo")
+
+
+def _train_entry(cfg_dict: dict) -> dict:
+    from .train import run_training
+
+    return run_training(Config.model_validate(cfg_dict))
+
+
+def launch(config: str | Path | Config | dict, overrides: list[str] | None = None) -> dict:
+    """Validate ``config`` (a YAML path, dict or :class:`Config`) and train it.
+
+    Returns rank 0's summary (the content of ``<train.out_dir>/summary.json``).
+    """
+    cfg = load_config(config, overrides)
+    device, backend = _device_and_backend(cfg)
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        world = int(os.environ["WORLD_SIZE"])
+        if world != cfg.world_size:
+            raise ConfigError(f"WORLD_SIZE={world} but parallel.pp·dp·sp·tp = {cfg.parallel.pp}·{cfg.parallel.dp}·"
+                              f"{cfg.parallel.sp}·{cfg.parallel.tp} = {cfg.world_size}; start {cfg.world_size} "
+                              "processes or change the parallel sizes")
+        import torch.distributed as dist
+
+        from .mesh import init_process_group_from_env
+        from .train import run_training
+
+        init_process_group_from_env(backend, cfg.train.timeout_s)
+        try:
+            return run_training(cfg)
+        finally:
+            dist.destroy_process_group()
+    threads = cfg.train.threads_per_worker or max(1, (os.cpu_count() or 1) // cfg.world_size)
+    results = spawn(
+        _train_entry, cfg.world_size, (cfg.model_dump(mode="json"),), backend=backend,
+        timeout_s=cfg.train.job_timeout_s or 7 * 24 * 3600.0, pg_timeout_s=cfg.train.timeout_s,
+        threads_per_worker=threads,
+    )
+    return results[0]

@@ -1,0 +1,96 @@
+"""launch(): spawned and torchrun-style jobs, summary.json, DP = single process, failures."""
+
+import json
+import multiprocessing
+import os
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from conftest import run_workers
+from parallel4d import launch
+from parallel4d.config import ConfigError
+from parallel4d.workers import WorkerError, spawn
+
+
+def tiny(tmp_path, name, **parallel):
+    return {
+        "parallel": parallel,
+        "model": {"vocab_size": 64, "seq_len": 16, "hidden": 32, "heads": 2, "layers": 2},
+        "data": {"source": "synthetic", "batch_size": 8},
+        "train": {"steps": 4, "dtype": "float64", "out_dir": str(tmp_path / name), "timeout_s": 60,
+                  "job_timeout_s": 240},
+        "checkpoint": {"enabled": False},
+    }
+
+
+def test_data_parallel_equals_single_process(tmp_path):
+    one = launch(tiny(tmp_path, "dp1"))
+    two = launch(tiny(tmp_path, "dp2", dp=2))
+    assert len(one["losses"]) == len(two["losses"]) == 4
+    torch.testing.assert_close(torch.tensor(two["losses"]), torch.tensor(one["losses"]), rtol=1e-12, atol=0)
+    assert one["losses"][-1] < one["losses"][0]
+    summary = json.loads((tmp_path / "dp2" / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["parallel"]["dp"] == 2
+    assert summary["tokens_per_second"] > 0 and summary["losses"] == two["losses"]
+    assert summary["config"]["train"]["steps"] == 4
+    assert summary["bytes_communicated"]["sent"]["dp_grad"] > 0
+
+
+def _join_like_torchrun(cfg):
+    # The spawn helper sets RANK/WORLD_SIZE like torchrun does: launch() must join, not spawn.
+    return launch(cfg)
+
+
+def test_launch_joins_an_existing_job(tmp_path):
+    results = run_workers(_join_like_torchrun, 2, tiny(tmp_path, "joined", dp=2), timeout_s=240)
+    ref = launch(tiny(tmp_path, "ref"))
+    assert results[1] == {"rank": 1}
+    torch.testing.assert_close(torch.tensor(results[0]["losses"]), torch.tensor(ref["losses"]), rtol=1e-12, atol=0)
+
+
+def test_world_size_mismatch_under_torchrun(tmp_path, monkeypatch):
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    with pytest.raises(ConfigError, match="WORLD_SIZE=3"):
+        launch(tiny(tmp_path, "bad", dp=2))
+    assert not dist.is_initialized()
+
+
+def _fail_on_rank_one():
+    if dist.get_rank() == 1:
+        raise RuntimeError("boom from rank one")
+    dist.barrier()  # rank 0 would wait here forever without the launcher stepping in
+    time.sleep(600)
+
+
+def test_failing_worker_brings_job_down(tmp_path):
+    start = time.monotonic()
+    with pytest.raises(WorkerError) as err:
+        spawn(_fail_on_rank_one, 3, backend="gloo", timeout_s=120, pg_timeout_s=60)
+    assert err.value.rank == 1 and "boom from rank one" in str(err.value)
+    assert time.monotonic() - start < 60
+    assert multiprocessing.active_children() == []
+
+
+def _hang():
+    time.sleep(600)
+
+
+def test_hung_job_times_out():
+    from parallel4d.workers import WorkerTimeout
+
+    with pytest.raises(WorkerTimeout, match="ranks still running"):
+        spawn(_hang, 2, timeout_s=8)
+    assert multiprocessing.active_children() == []
+
+
+def test_cli_launch_bad_config_exits_2(tmp_path, capsys):
+    from parallel4d.cli import main
+
+    path = tmp_path / "job.yaml"
+    path.write_text("parallel: {tp: 2}\n")
+    assert main(["launch", str(path)]) == 2
+    assert "perfect square" in capsys.readouterr().err
