@@ -1,0 +1,274 @@
+"""Local block compute of ring attention: one (query block, key block) kernel call
+returning the output *and* its log-sum-exp, the LSE merge, and the per-step loops.
+
+Shapes: ``q [b, h, lq, d]``, ``k, v [b, h_kv, lk, d]`` with ``h % h_kv == 0`` (query
+head ``i`` uses K/V head ``i // (h/h_kv)``, as SDPA's ``enable_gqa``); ``out [b, h, lq, d]``;
+``lse [b, h, lq]`` (natural log of the softmax denominator, scale included).
+
+Backends (``backend=``):
+
+* ``math``: plain matmul/softmax in the accumulation dtype; any device and dtype.
+  Scores are ``[b, h_kv, h/h_kv, lq, lk]`` — one block pair, never a full row of the sequence.
+* ``cpu_flash``: ATen's fused CPU flash kernel (``_scaled_dot_product_flash_attention_for_cpu``
+  and its backward). Exercises the same protocol as the CUDA kernels on CPU.
+* ``cudnn`` / ``flash``: ATen's CUDA cuDNN / FlashAttention-2 SDPA ops, which return the
+  LSE. Their backward ops are called per block with the **final** merged ``out`` and
+  ``lse`` of the query rows, which makes the per-block gradients exact pieces of the
+  full gradient (the softmax normaliser is the global one).
+* ``auto``: ``cudnn`` for fp16/bf16 CUDA tensors with head dim ≤ 128 and a multiple of
+  8, else ``flash`` for fp16/bf16 CUDA, else ``math``.
+
+The fused kernels get K/V expanded to ``h`` heads for GQA (a local copy of the
+visiting block only; the ring still carries ``h_kv`` heads) and their dK/dV are
+summed back over each query group.
+
+Accumulators (ring output, LSE, dQ, travelling dK/dV) use :func:`acc_dtype`:
+fp32 for fp16/bf16 inputs, the input dtype otherwise.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+
+from .layout import BlockCall
+
+aten = torch.ops.aten
+
+BACKENDS = ("auto", "math", "cpu_flash", "cudnn", "flash")
+_HALF = (torch.float16, torch.bfloat16)
+
+
+def acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Dtype of merges and gradient sums: fp32 for half types, else ``dtype``."""
+    return torch.float32 if dtype in _HALF else dtype
+
+
+def resolve_backend(backend: str, q: torch.Tensor) -> str:
+    """The concrete backend for ``q``; ``ValueError`` for a name that cannot run on it."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend={backend!r} is not one of {BACKENDS}")
+    if backend == "auto":
+        if q.is_cuda and q.dtype in _HALF:
+            d = q.shape[-1]
+            if torch.backends.cudnn.is_available() and d <= 128 and d % 8 == 0:
+                return "cudnn"
+            return "flash"
+        return "math"
+    if backend in ("cudnn", "flash") and not (q.is_cuda and q.dtype in _HALF):
+        raise ValueError(f"backend={backend!r} needs fp16/bf16 CUDA tensors (got {q.dtype} on {q.device}); "
+                         "use backend='math' or 'auto'")
+    if backend == "cpu_flash" and q.is_cuda:
+        raise ValueError("backend='cpu_flash' runs on CPU tensors only; use 'auto', 'cudnn' or 'flash' on CUDA")
+    return backend
+
+
+def default_scale(d: int) -> float:
+    return 1.0 / math.sqrt(d)
+
+
+# --------------------------------------------------------------------------- math path
+
+
+def _grouped(x: torch.Tensor, hkv: int, dtype: torch.dtype) -> torch.Tensor:
+    """``[b, h, l, d]`` → ``[b, h_kv, g, l, d]`` in ``dtype``."""
+    b, h, l, d = x.shape
+    return x.to(dtype).reshape(b, hkv, h // hkv, l, d)
+
+
+def _scores(q, k, causal, scale, ad):
+    hkv = k.shape[1]
+    s = torch.matmul(_grouped(q, hkv, ad), k.to(ad).unsqueeze(2).transpose(-1, -2)).mul_(scale)
+    if causal:  # top-left aligned: only used on the diagonal, where lq == lk
+        lq, lk = s.shape[-2:]
+        s.masked_fill_(torch.ones(lq, lk, dtype=torch.bool, device=s.device).triu_(1), float("-inf"))
+    return s  # [b, h_kv, g, lq, lk]
+
+
+def _math_forward(q, k, v, causal, scale):
+    ad = acc_dtype(q.dtype)
+    b, h, lq, d = q.shape
+    s = _scores(q, k, causal, scale, ad)
+    lse = torch.logsumexp(s, dim=-1)
+    p = s.sub_(lse.unsqueeze(-1)).exp_()
+    out = torch.matmul(p, v.to(ad).unsqueeze(2))
+    return out.reshape(b, h, lq, v.shape[-1]), lse.reshape(b, h, lq)
+
+
+def _math_backward(dout, q, k, v, out, lse, causal, scale):
+    ad = acc_dtype(q.dtype)
+    b, h, lq, d = q.shape
+    hkv = k.shape[1]
+    p = _scores(q, k, causal, scale, ad).sub_(lse.to(ad).reshape(b, hkv, h // hkv, lq, 1)).exp_()
+    do = _grouped(dout, hkv, ad)
+    vv = v.to(ad).unsqueeze(2)
+    dv = torch.matmul(p.transpose(-1, -2), do).sum(2)
+    dp = torch.matmul(do, vv.transpose(-1, -2))
+    delta = (do * _grouped(out, hkv, ad)).sum(-1, keepdim=True)  # rowsum(dO ∘ O) = Σ_k P·dP
+    ds = p.mul_(dp.sub_(delta))
+    dq = torch.matmul(ds, k.to(ad).unsqueeze(2)).mul_(scale).reshape(b, h, lq, d)
+    dk = torch.matmul(ds.transpose(-1, -2), _grouped(q, hkv, ad)).sum(2).mul_(scale)
+    return dq, dk, dv
+
+
+# --------------------------------------------------------------------------- fused paths
+
+
+def _expand_kv(x: torch.Tensor, h: int) -> torch.Tensor:
+    b, hkv, l, d = x.shape
+    if hkv == h:
+        return x
+    return x.unsqueeze(2).expand(b, hkv, h // hkv, l, d).reshape(b, h, l, d)
+
+
+def _fold_kv(g: torch.Tensor, hkv: int) -> torch.Tensor:
+    b, h, l, d = g.shape
+    if hkv == h:
+        return g
+    return g.reshape(b, hkv, h // hkv, l, d).sum(2)
+
+
+@functools.lru_cache(maxsize=None)
+def _rng_placeholders(backend: str, device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """RNG-state tensors of the right kind for the CUDA backward ops.
+
+    Dropout is 0, so their values are never read; they are taken from one tiny
+    forward call so that type and device are what the op expects.
+    """
+    t = torch.zeros(1, 1, 8, 64, device=device, dtype=torch.bfloat16)
+    if backend == "flash":
+        r = aten._scaled_dot_product_flash_attention(t, t, t, 0.0, False, False)
+        return r[6], r[7]
+    r = aten._scaled_dot_product_cudnn_attention(t, t, t, None, True, 0.0, False, False)
+    return r[6], r[7]
+
+
+def _fused_forward(backend, q, k, v, causal, scale):
+    h = q.shape[1]
+    k, v = _expand_kv(k, h), _expand_kv(v, h)
+    b, _, lq, _ = q.shape
+    if backend == "cpu_flash":
+        out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+    elif backend == "flash":
+        r = aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)
+        out, lse = r[0], r[1]
+    else:  # cudnn: logsumexp comes as [b, h, lq, 1]
+        r = aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, causal, False, scale=scale)
+        out, lse = r[0], r[1]
+    return out, lse.reshape(b, h, lq)
+
+
+def _fused_backward(backend, dout, q, k, v, out, lse, causal, scale):
+    h, hkv = q.shape[1], k.shape[1]
+    ke, ve = _expand_kv(k, h), _expand_kv(v, h)
+    lq, lk = q.shape[2], k.shape[2]
+    if backend == "cpu_flash":
+        dq, dk, dv = aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            dout, q, ke, ve, out, lse.contiguous(), 0.0, causal, scale=scale)
+    elif backend == "flash":
+        seed, offset = _rng_placeholders("flash", str(q.device))
+        dq, dk, dv = aten._scaled_dot_product_flash_attention_backward(
+            dout, q, ke, ve, out, lse.contiguous(), None, None, lq, lk, 0.0, causal, seed, offset, scale=scale)
+    else:
+        seed, offset = _rng_placeholders("cudnn", str(q.device))
+        dq, dk, dv = aten._scaled_dot_product_cudnn_attention_backward(
+            dout, q, ke, ve, out, lse.unsqueeze(-1).contiguous(), seed, offset, None, None, None, lq, lk,
+            0.0, causal, scale=scale)
+    return dq, _fold_kv(dk, hkv), _fold_kv(dv, hkv)
+
+
+# --------------------------------------------------------------------------- public block ops
+
+
+def block_forward(q, k, v, causal: bool, scale: float, backend: str):
+    """Attention of one block pair → ``(out [b, h, lq, d], lse [b, h, lq])``.
+
+    ``out`` is in the kernel's dtype (``q.dtype`` for fused kernels, the accumulation
+    dtype for ``math``); ``lse`` in fp32 (fp64 for fp64 inputs).
+    """
+    if backend == "math":
+        return _math_forward(q, k, v, causal, scale)
+    return _fused_forward(backend, q, k, v, causal, scale)
+
+
+def block_backward(dout, q, k, v, out, lse, causal: bool, scale: float, backend: str):
+    """Gradients of one block pair given the **final** ``out`` / ``lse`` of these query rows.
+
+    Returns ``dq [b, h, lq, d]``, ``dk, dv [b, h_kv, lk, d]`` (summed over each query group).
+    """
+    if backend == "math":
+        return _math_backward(dout, q, k, v, out, lse, causal, scale)
+    return _fused_backward(backend, dout, q, k, v, out, lse.to(acc_dtype(q.dtype)), causal, scale)
+
+
+def merge_(out_acc: torch.Tensor, lse_acc: torch.Tensor, out_blk: torch.Tensor, lse_blk: torch.Tensor) -> None:
+    """In-place log-sum-exp merge of a block result into the running one.
+
+    ``out = (e^lse_acc·out_acc + e^lse_blk·out_blk) / (e^lse_acc + e^lse_blk)`` is a lerp with
+    weight ``σ(lse_blk − lse_acc)``; ``lse = logaddexp(lse_acc, lse_blk)``. Both forms stay
+    finite for any gap between the two LSEs, and an accumulator at ``-inf`` (nothing yet)
+    takes the block as is. Accumulators are ``[b, h, l, d]`` / ``[b, h, l]`` (views allowed).
+    """
+    lse_blk = lse_blk.to(lse_acc.dtype)
+    w = torch.sigmoid(lse_blk - lse_acc).unsqueeze(-1)
+    out_acc.lerp_(out_blk.to(out_acc.dtype), w)
+    torch.logaddexp(lse_acc, lse_blk, out=lse_acc)
+
+
+# --------------------------------------------------------------------------- one ring step
+
+
+def _rows(x: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+    return x[:, :, lo:hi]
+
+
+def forward_step(q, k, v, calls: list[BlockCall], out_acc, lse_acc, scale: float, backend: str,
+                 merge=merge_) -> None:
+    """Run one ring step's calls (queries of this rank × the visiting K/V block) and merge.
+
+    ``out_acc [b, h, L, d]`` / ``lse_acc [b, h, L]`` are updated in place (rows with nothing
+    accumulated yet hold ``0`` / ``-inf``).
+    """
+    for c in calls:
+        out, lse = block_forward(_rows(q, c.q_lo, c.q_hi), _rows(k, c.k_lo, c.k_hi), _rows(v, c.k_lo, c.k_hi),
+                                 c.causal, scale, backend)
+        merge(_rows(out_acc, c.q_lo, c.q_hi), _rows(lse_acc, c.q_lo, c.q_hi), out, lse)
+
+
+def first_step_forward(q, k, v, calls: list[BlockCall], scale: float, backend: str):
+    """The local (diagonal) step, which covers every query row exactly once: its
+    result initialises the accumulators without a merge. Returns ``(out_acc, lse_acc)``."""
+    b, h, L, d = q.shape
+    ad = acc_dtype(q.dtype)
+    if len(calls) == 1 and calls[0].q_lo == 0 and calls[0].q_hi == L:
+        c = calls[0]
+        out, lse = block_forward(q, _rows(k, c.k_lo, c.k_hi), _rows(v, c.k_lo, c.k_hi), c.causal, scale, backend)
+        return out.to(ad), lse.to(ad)
+    out_acc = torch.zeros(b, h, L, v.shape[-1], dtype=ad, device=q.device)
+    lse_acc = torch.full((b, h, L), float("-inf"), dtype=ad, device=q.device)
+    forward_step(q, k, v, calls, out_acc, lse_acc, scale, backend)
+    return out_acc, lse_acc
+
+
+def backward_step(dout, q, k, v, out, lse, calls: list[BlockCall], dq_acc, scale: float, backend: str):
+    """Gradients of one ring step: adds into ``dq_acc [b, h, L, d]`` and returns
+    ``[(call, dk, dv)]`` for the visiting block (added to its travelling dK/dV later,
+    once that buffer has arrived)."""
+    grads = []
+    for c in calls:
+        qs = (c.q_lo, c.q_hi)
+        dq, dk, dv = block_backward(_rows(dout, *qs), _rows(q, *qs), _rows(k, c.k_lo, c.k_hi),
+                                    _rows(v, c.k_lo, c.k_hi), _rows(out, *qs), _rows(lse, *qs),
+                                    c.causal, scale, backend)
+        _rows(dq_acc, *qs).add_(dq)
+        grads.append((c, dk, dv))
+    return grads
+
+
+def add_kv_grads_(dkv: torch.Tensor, grads) -> None:
+    """Add a step's ``[(call, dk, dv)]`` into the travelling ``dkv [2, b, h_kv, L, d]``."""
+    for c, dk, dv in grads:
+        dkv[0, :, :, c.k_lo:c.k_hi].add_(dk)
+        dkv[1, :, :, c.k_lo:c.k_hi].add_(dv)
