@@ -1,0 +1,60 @@
+"""Optimus 2D tensor parallelism: SUMMA matmuls on a q×q grid (``tp = q²``).
+
+Layout on grid rank (i, j) (``i = mesh.rank("tp_row")``, ``j = mesh.rank("tp_col")``):
+activations ``x[b, s, h]`` → ``[b/q, s, h/q]`` (batch block i, hidden block j);
+tokens/targets ``[b, s]`` → ``[b/q, s]`` (batch block i, the same on every j);
+logits ``[b, s, V]`` → ``[b/q, s, V/q]`` (batch block i, vocab block j).
+Groups are named by the axis that varies: ``mesh.group("tp_col")`` is my grid row
+(LayerNorm statistics, loss reductions over the vocab), ``mesh.group("tp_row")`` my
+grid column (gradient sums of row-replicated parameters).
+
+How the engine converts a dense GPT (``GPT.stages() = [embed, *blocks, head]``)
+-------------------------------------------------------------------------------
+1. Build the dense model with the same seed on every rank, check the shapes with
+   :func:`check_tensor2d` (the config does it before any process group exists).
+2. ``emb = TokenPositionEmbedding2D.from_dense(gpt.embed, mesh)``;
+   ``blocks = [Block2D.from_dense(b, mesh, attention_fn) for b in gpt.blocks]``;
+   ``head = Head2D.from_dense(gpt.head, mesh, embedding=emb)`` (shares ``emb.tok.weight``
+   when the dense head is tied to the token table; :func:`from_dense_stage` dispatches
+   on a stage's attributes). ``from_dense`` only slices local copies: no communication.
+   If embedding and head live on different pipeline stages, convert the head without
+   ``embedding=``: it gets its own copy of the table, and the engine must sum the two
+   copies' gradients between the first and last stage (as for any tied weight under pp).
+3. Data: ``split_batch(tokens, mesh)`` / ``split_batch(targets, mesh)`` give row i its
+   batch block ``[b/q, s]``; under dp each dp replica first takes its own ``b/dp`` slice.
+   Forward stage by stage; loss ``VocabParallelCrossEntropy2D(mesh)(logits, targets)`` is
+   the token mean over the grid's batch, identical on all q² ranks; call ``backward()``
+   on it on every rank.
+4. Gradients: every parameter's ``.grad`` after backward is the exact dense gradient of
+   its local block — parameters replicated over grid rows (``tensor2d_replicated_over ==
+   ("tp_row",)``: all biases, LayerNorm gains/biases, the position table) get their
+   gradient summed over ``mesh.group("tp_row")`` inside the backward. Nothing is
+   replicated over ``tp_col``. The engine only averages over ``dp`` as usual, and a
+   plain optimizer (e.g. AdamW, weight decay included) on the local tensors equals the
+   dense one, since replicas see identical parameters and gradients. A global gradient
+   norm must count replicated parameters once (divide their squared norm by q when
+   summing over the grid).
+5. ``dense_state_dict()`` / ``dense_grads()`` on each converted stage gather the dense
+   tensors under the dense module's keys (collective over the grid).
+
+Public API: ``summa_ab, summa_abt, summa_atb`` (autograd; backward of each uses the
+other two), ``Linear2D, LayerNorm2D, Embedding2D, VocabParallelEmbedding2D, LMHead2D,
+VocabParallelCrossEntropy2D`` (``from_dense`` / ``to_dense``), ``Block2D,
+TokenPositionEmbedding2D, Head2D, from_dense_stage``, ``scatter_2d, gather_2d,
+split_batch``, ``check_tensor2d``.
+"""
+
+from .block import Block2D, Head2D, TokenPositionEmbedding2D, from_dense_stage, loss_2d, qkv_permutation, sdpa_attention
+from .checks import check_tensor2d
+from .grid import Grid, gather_2d, scatter_2d, split_batch
+from .layers import (Embedding2D, LayerNorm2D, Linear2D, LMHead2D, VocabParallelCrossEntropy2D,
+                     VocabParallelEmbedding2D, vocab_parallel_cross_entropy)
+from .summa import summa_ab, summa_abt, summa_atb
+
+__all__ = [
+    "summa_ab", "summa_abt", "summa_atb",
+    "Linear2D", "LayerNorm2D", "Embedding2D", "VocabParallelEmbedding2D", "LMHead2D",
+    "VocabParallelCrossEntropy2D", "vocab_parallel_cross_entropy",
+    "Block2D", "TokenPositionEmbedding2D", "Head2D", "from_dense_stage", "loss_2d", "qkv_permutation",
+    "sdpa_attention", "scatter_2d", "gather_2d", "split_batch", "Grid", "check_tensor2d",
+]

@@ -1,0 +1,104 @@
+"""Up-front shape checks for 2D tensor parallelism (pure Python, no torch, no side effects).
+
+The config module calls :func:`check_tensor2d` before any process group exists;
+the layers call the small helpers at construction, before any collective. Every
+error is a ``ValueError`` that names the offending field and the nearest valid
+values, e.g. ``model.hidden=70 is not divisible by q=4; use model.hidden=68 or 72``.
+"""
+
+from __future__ import annotations
+
+import math
+
+#: Default field names, as spelled in ``parallel4d.config``.
+FIELD_NAMES = {
+    "tp": "parallel.tp",
+    "dp": "parallel.dp",
+    "hidden": "model.hidden",
+    "heads": "model.heads",
+    "vocab": "model.vocab_size",
+    "batch": "data.batch_size",
+    "microbatches": "pipeline.microbatches",
+}
+
+
+def nearest_multiples(value: int, m: int) -> list[int]:
+    """The multiples of ``m`` nearest to ``value`` (below if positive, and above)."""
+    below = (value // m) * m
+    above = below + m if below != value else value
+    return [v for v in dict.fromkeys((below, above)) if v > 0]
+
+
+def _use(field: str, options: list[int]) -> str:
+    return f"use {field}={' or '.join(str(o) for o in options)}"
+
+
+def grid_side(tp: int, field: str = FIELD_NAMES["tp"]) -> int:
+    """``q`` with ``tp = q²``; ``ValueError`` naming the nearest perfect squares otherwise."""
+    if int(tp) != tp or tp < 1:
+        raise ValueError(f"{field}={tp} must be an integer ≥ 1 (a perfect square q²)")
+    q = math.isqrt(tp)
+    if q * q != tp:
+        raise ValueError(
+            f"{field}={tp} is not a perfect square (2D tensor parallelism runs on a q×q grid, tp = q²); "
+            f"{_use(field, [q * q, (q + 1) ** 2])}"
+        )
+    return q
+
+
+def check_divisible(field: str, value: int, q: int, what: str = "q") -> None:
+    """``ValueError`` unless ``value % q == 0``, naming ``field`` and the nearest multiples."""
+    if value < 1 or value % q:
+        raise ValueError(
+            f"{field}={value} is not divisible by {what}={q}; {_use(field, nearest_multiples(max(value, 1), q))}"
+        )
+
+
+def check_heads(heads: int, hidden: int, q: int, *, heads_field: str = FIELD_NAMES["heads"],
+                hidden_field: str = FIELD_NAMES["hidden"]) -> None:
+    """Heads are split over the q grid columns: ``heads % q == 0`` and ``hidden % heads == 0``."""
+    if heads < 1 or hidden % heads:
+        good = [a for a in range(1, hidden + 1) if hidden % a == 0 and a % q == 0]
+        hint = _use(heads_field, _closest(good, heads)) if good else f"change {hidden_field}"
+        raise ValueError(f"{hidden_field}={hidden} is not divisible by {heads_field}={heads}; {hint}")
+    if heads % q:
+        # Prefer head counts that also divide hidden, so the suggestion is usable as is.
+        good = [a for a in range(q, hidden + 1, q) if hidden % a == 0]
+        options = _closest(good, heads) if good else nearest_multiples(heads, q)
+        raise ValueError(
+            f"{heads_field}={heads} is not divisible by q={q} (whole heads per grid column); "
+            f"{_use(heads_field, options)}"
+        )
+
+
+def _closest(candidates: list[int], value: int) -> list[int]:
+    below = [c for c in candidates if c <= value]
+    above = [c for c in candidates if c >= value]
+    return list(dict.fromkeys(([max(below)] if below else []) + ([min(above)] if above else [])))
+
+
+def check_tensor2d(tp: int, hidden: int, heads: int, vocab: int, batch: int | None = None, *,
+                   dp: int = 1, microbatches: int = 1, names: dict[str, str] | None = None) -> int:
+    """Check that a GPT of this shape can be split over a q×q grid; return ``q``.
+
+    Requirements (q = √tp): ``hidden % q == 0`` (weight and activation blocks ``h/q``),
+    ``heads % q == 0`` and ``hidden % heads == 0`` (whole heads per grid column),
+    ``vocab % q == 0`` (vocab-parallel embedding / LM head / loss), and
+    ``batch % (dp·q·microbatches) == 0`` (each grid row takes batch block ``b/q`` of
+    every micro-batch of every data-parallel replica). ``names`` overrides the field
+    names used in messages (defaults in :data:`FIELD_NAMES`). Raises ``ValueError``.
+    """
+    n = {**FIELD_NAMES, **(names or {})}
+    q = grid_side(tp, n["tp"])
+    check_divisible(n["hidden"], hidden, q)
+    check_heads(heads, hidden, q, heads_field=n["heads"], hidden_field=n["hidden"])
+    check_divisible(n["vocab"], vocab, q)
+    if batch is not None:
+        per_step = dp * q * microbatches
+        if batch < 1 or batch % per_step:
+            raise ValueError(
+                f"{n['batch']}={batch} is not divisible by {n['dp']}·q·{n['microbatches']} = "
+                f"{dp}·{q}·{microbatches} = {per_step}; "
+                f"{_use(n['batch'], nearest_multiples(max(batch, 1), per_step))}"
+            )
+    return q

@@ -1,0 +1,155 @@
+"""The q×q grid of a :class:`~parallel4d.mesh.Mesh` and the few grid collectives.
+
+Coordinates: ``i = mesh.rank("tp_row")`` (grid row: batch block / first matrix
+dim), ``j = mesh.rank("tp_col")`` (grid column: hidden block / second matrix dim).
+Groups are named by the axis that *varies* inside them:
+
+* ``along_j = mesh.group("tp_col")`` — the q ranks of my grid **row** i (j varies);
+  they hold the other hidden blocks of my batch block (LayerNorm statistics,
+  vocab-parallel loss reductions, SUMMA broadcasts of A-blocks).
+* ``along_i = mesh.group("tp_row")`` — the q ranks of my grid **column** j (i varies);
+  they hold the other batch blocks of my hidden block (gradients of parameters
+  replicated over rows, SUMMA broadcasts of B-blocks).
+
+Peers are resolved through :meth:`Mesh.global_rank` only.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from .. import comm
+from .checks import check_divisible
+
+
+class Grid:
+    """This rank's place on the tensor-parallel grid of ``mesh`` (cheap to build)."""
+
+    def __init__(self, mesh):
+        self.mesh = mesh
+        self.stats = mesh.comm_stats
+        self.q = mesh.q
+        self.i = mesh.rank("tp_row")
+        self.j = mesh.rank("tp_col")
+        self.along_j = mesh.group("tp_col")
+        self.along_i = mesh.group("tp_row")
+        # Global ranks of my row (index j) and of my column (index i).
+        self.row_ranks = [mesh.global_rank("tp_col", t) for t in range(self.q)]
+        self.col_ranks = [mesh.global_rank("tp_row", t) for t in range(self.q)]
+        if self.q > 1 and (dist.get_rank(self.along_j) != self.j or dist.get_rank(self.along_i) != self.i):
+            # all_gather / reduce_scatter order their pieces by group rank.
+            raise RuntimeError("tensor-parallel group ranks do not follow grid coordinates")
+
+
+# --- autograd-aware collectives ---------------------------------------------------
+
+
+class _AllReduceSum(torch.autograd.Function):
+    """Sum over ``group``; every member then uses the sum, so the backward is a sum too."""
+
+    @staticmethod
+    def forward(ctx, x, group, stats, label):
+        ctx.group, ctx.stats, ctx.label = group, stats, label
+        y = x.clone()
+        comm.all_reduce(y, group, stats=stats, label=label)
+        return y
+
+    @staticmethod
+    def backward(ctx, g):
+        g = g.clone()
+        comm.all_reduce(g, ctx.group, stats=ctx.stats, label=ctx.label + ".bwd")
+        return g, None, None, None
+
+
+def all_reduce_sum(x, group, stats=None, label="all_reduce"):
+    return _AllReduceSum.apply(x, group, stats, label)
+
+
+class _SumGradAlong(torch.autograd.Function):
+    """Identity forward; backward sums the gradient over ``group``.
+
+    Used on parameters replicated over a group whose members see different
+    tokens: each member's gradient is a partial sum of the dense gradient.
+    """
+
+    @staticmethod
+    def forward(ctx, p, group, stats, label):
+        ctx.group, ctx.stats, ctx.label = group, stats, label
+        return p.view_as(p)
+
+    @staticmethod
+    def backward(ctx, g):
+        g = g.contiguous().clone()
+        comm.all_reduce(g, ctx.group, stats=ctx.stats, label=ctx.label)
+        return g, None, None, None
+
+
+def replicated_over_rows(p, grid: Grid, label: str):
+    """Use parameter ``p`` (identical on the q ranks of my grid column) so that its
+    gradient is the sum over that column (``along_i``, ``tp_row`` varies)."""
+    return _SumGradAlong.apply(p, grid.along_i, grid.stats, label)
+
+
+class _ReduceScatterBatch(torch.autograd.Function):
+    """Sum over ``along_i`` and keep batch block i (dim 0); backward all-gathers."""
+
+    @staticmethod
+    def forward(ctx, x, grid, label):
+        ctx.grid, ctx.label = grid, label
+        return comm.reduce_scatter(x, grid.along_i, dim=0, stats=grid.stats, label=label)
+
+    @staticmethod
+    def backward(ctx, g):
+        g = comm.all_gather(g.contiguous(), ctx.grid.along_i, dim=0, stats=ctx.grid.stats, label=ctx.label + ".bwd")
+        return g, None, None
+
+
+def reduce_scatter_batch(x, grid: Grid, label: str):
+    return _ReduceScatterBatch.apply(x, grid, label)
+
+
+# --- activations: scatter / gather --------------------------------------------------
+
+
+def split_batch(t: torch.Tensor, mesh, field: str = "batch") -> torch.Tensor:
+    """Full ``[b, ...]`` (same on every grid rank) → batch block i ``[b/q, ...]``.
+
+    Tokens, targets and position ids follow this layout (replicated over j)."""
+    grid = Grid(mesh)
+    check_divisible(f"{field} (dim 0 of {tuple(t.shape)})", t.shape[0], grid.q)
+    return t.chunk(grid.q, dim=0)[grid.i].contiguous()
+
+
+def scatter_2d(x: torch.Tensor, mesh) -> torch.Tensor:
+    """Full ``[b, s, h]`` (same on every grid rank) → my block ``[b/q, s, h/q]``
+    (batch block i, hidden block j). No communication."""
+    grid = Grid(mesh)
+    check_divisible(f"batch (dim 0 of {tuple(x.shape)})", x.shape[0], grid.q)
+    check_divisible(f"hidden (last dim of {tuple(x.shape)})", x.shape[-1], grid.q)
+    return x.chunk(grid.q, dim=0)[grid.i].chunk(grid.q, dim=-1)[grid.j].contiguous()
+
+
+def gather_2d(y: torch.Tensor, mesh, label: str = "gather_2d") -> torch.Tensor:
+    """Inverse of :func:`scatter_2d`: my ``[b/q, ..., n/q]`` → full ``[b, ..., n]`` on every
+    grid rank (all-gather over ``along_j`` on the last dim, then over ``along_i`` on dim 0).
+    Not differentiable; for checks, logging and ``to_dense``."""
+    grid = Grid(mesh)
+    y = comm.all_gather(y.detach().contiguous(), grid.along_j, dim=-1, stats=grid.stats, label=label)
+    return comm.all_gather(y.contiguous(), grid.along_i, dim=0, stats=grid.stats, label=label)
+
+
+def gather_blocks(w: torch.Tensor, grid: Grid, label: str = "to_dense") -> torch.Tensor:
+    """A matrix stored as q×q blocks (block (i, j) here) → the full matrix."""
+    w = comm.all_gather(w.detach().contiguous(), grid.along_j, dim=1, stats=grid.stats, label=label)
+    return comm.all_gather(w.contiguous(), grid.along_i, dim=0, stats=grid.stats, label=label)
+
+
+def gather_columns(v: torch.Tensor, grid: Grid, dim: int = -1, label: str = "to_dense") -> torch.Tensor:
+    """A tensor split into q blocks along ``dim`` by grid column j (replicated over i) → full."""
+    return comm.all_gather(v.detach().contiguous(), grid.along_j, dim=dim, stats=grid.stats, label=label)
+
+
+def block_of(t: torch.Tensor, index: int, q: int, dim: int) -> torch.Tensor:
+    """Block ``index`` of ``q`` equal blocks along ``dim`` (a contiguous copy)."""
+    return t.chunk(q, dim=dim)[index].contiguous()

@@ -1,0 +1,412 @@
+"""2D-parallel layers. Activations are ``[b/q, s, h/q]`` (batch block i, hidden block j).
+
+Parameter layouts (rank (i, j)); "replicated over rows" = identical on the q ranks
+of grid column j (``tp_row`` varies), gradients summed over them inside backward:
+
+=============================  =============================================  =======================
+layer                          local parameter                                 shared by
+=============================  =============================================  =======================
+``Linear2D``                   weight ``[in/q, out/q]`` = (W as ``x @ W``)_ij   unique
+                               bias ``[out/q]`` = block j                       replicated over rows
+``LayerNorm2D``                weight, bias ``[h/q]`` = block j                 replicated over rows
+``Embedding2D``                weight ``[V, h/q]`` = hidden block j             replicated over rows
+``VocabParallelEmbedding2D``   weight ``[V/q, h/q]`` = (E ``[V, h]``)_ij        unique
+``LMHead2D``                   weight ``[V/q, h/q]`` = (E ``[V, h]``)_ij        unique (may be tied)
+=============================  =============================================  =======================
+
+Every parameter carries ``tensor2d_replicated_over``: ``()`` or ``("tp_row",)``
+(for gradient-norm clipping or checkpoint de-duplication). Each layer has
+``from_dense(module, mesh)`` (slices locally, no communication) and
+``to_dense()`` / ``dense_state_dict()`` / ``dense_grads()`` (gather over the grid;
+collective: every grid rank must call them).
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .. import comm
+from .checks import check_divisible
+from .grid import (Grid, all_reduce_sum, block_of, gather_blocks, gather_columns,
+                   reduce_scatter_batch, replicated_over_rows)
+from .summa import summa_ab, summa_abt
+
+_HALF = (torch.float16, torch.bfloat16)
+
+
+def _param(t: torch.Tensor, replicated_over: tuple[str, ...] = ()) -> nn.Parameter:
+    p = nn.Parameter(t.detach().clone().contiguous())
+    p.tensor2d_replicated_over = replicated_over
+    return p
+
+
+class _Layer2D(nn.Module):
+    """Base: holds the grid, gathers per-parameter dense tensors."""
+
+    def __init__(self, mesh, name: str):
+        super().__init__()
+        self.mesh = mesh
+        self.grid = Grid(mesh)
+        self.name = name
+
+    # Subclasses define ``_dense(get)``: dense tensors keyed like the dense module's
+    # state dict, where ``get(param)`` picks the local tensor (data or grad) to gather.
+
+    def dense_state_dict(self) -> dict[str, torch.Tensor]:
+        return self._dense(lambda p: p.detach())
+
+    def dense_grads(self) -> dict[str, torch.Tensor]:
+        """Gathered gradients (zeros where a gradient is missing), keyed like the dense state dict."""
+        return self._dense(lambda p: p.grad if p.grad is not None else torch.zeros_like(p))
+
+
+class Linear2D(_Layer2D):
+    """``y = x @ W + b``: x ``[b/q, s, in/q]`` → y ``[b/q, s, out/q]`` via SUMMA AB
+    (forward 1 SUMMA, backward 2: dX = abt(dY, W), dW = atb(X, dY))."""
+
+    def __init__(self, in_features: int, out_features: int, mesh, bias: bool = True, *, name: str = "linear",
+                 overlap: bool = True, dtype=None, device=None):
+        super().__init__(mesh, name)
+        q = self.grid.q
+        check_divisible(f"{name}.in_features", in_features, q)
+        check_divisible(f"{name}.out_features", out_features, q)
+        self.in_features, self.out_features, self.overlap = in_features, out_features, overlap
+        device = device or mesh.device
+        self.weight = _param(torch.empty(in_features // q, out_features // q, dtype=dtype, device=device))
+        self.bias = _param(torch.zeros(out_features // q, dtype=dtype, device=device), ("tp_row",)) if bias else None
+        self.register_buffer("out_perm", None, persistent=False)
+        nn.init.normal_(self.weight, 0.0, 0.02)
+
+    @classmethod
+    def from_dense(cls, module: nn.Module, mesh, *, name: str = "linear", out_perm: torch.Tensor | None = None,
+                   overlap: bool = True) -> "Linear2D":
+        """From an ``nn.Linear``-like module (``weight [out, in]``, optional ``bias``).
+
+        ``out_perm`` reorders the output features first (dense feature ``out_perm[k]``
+        becomes feature k); ``to_dense`` undoes it."""
+        w = module.weight.detach()
+        b = getattr(module, "bias", None)
+        out_f, in_f = w.shape
+        self = cls(in_f, out_f, mesh, bias=b is not None, name=name, overlap=overlap, dtype=w.dtype, device=w.device)
+        if out_perm is not None:
+            w = w[out_perm]
+            b = b.detach()[out_perm] if b is not None else None
+        g = self.grid
+        with torch.no_grad():
+            self.weight.copy_(block_of(block_of(w.t(), g.i, g.q, 0), g.j, g.q, 1))
+            if b is not None:
+                self.bias.copy_(block_of(b.detach(), g.j, g.q, 0))
+        self.out_perm = out_perm
+        return self
+
+    def forward(self, x):
+        y = summa_ab(x, self.weight, self.grid, name=self.name, overlap=self.overlap)
+        if self.bias is not None:
+            y = y + replicated_over_rows(self.bias, self.grid, f"{self.name}.bias.grad")
+        return y
+
+    def _dense(self, get):
+        w = gather_blocks(get(self.weight), self.grid).t()
+        out = {"weight": w}
+        if self.bias is not None:
+            out["bias"] = gather_columns(get(self.bias), self.grid)
+        perm = self.out_perm
+        if perm is not None:
+            inv = torch.argsort(perm)
+            out = {k: v[inv] for k, v in out.items()}
+        return {k: v.contiguous() for k, v in out.items()}
+
+    def to_dense(self) -> nn.Linear:
+        sd = self.dense_state_dict()
+        lin = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None,
+                        dtype=self.weight.dtype, device=self.weight.device)
+        lin.load_state_dict(sd)
+        return lin
+
+
+class LayerNorm2D(_Layer2D):
+    """LayerNorm over the full hidden dim of ``[b/q, s, h/q]`` blocks.
+
+    Two-pass statistics in fp32 (mean first, then the centred second moment), each a
+    sum all-reduced over ``along_j`` (``tp_col`` varies: my grid row, which holds the
+    other hidden blocks of the same tokens)."""
+
+    def __init__(self, hidden: int, mesh, eps: float = 1e-5, *, name: str = "layernorm", dtype=None, device=None):
+        super().__init__(mesh, name)
+        check_divisible(f"{name}.normalized_shape", hidden, self.grid.q)
+        self.hidden, self.eps = hidden, eps
+        device = device or mesh.device
+        n = hidden // self.grid.q
+        self.weight = _param(torch.ones(n, dtype=dtype, device=device), ("tp_row",))
+        self.bias = _param(torch.zeros(n, dtype=dtype, device=device), ("tp_row",))
+
+    @classmethod
+    def from_dense(cls, module: nn.Module, mesh, *, name: str = "layernorm") -> "LayerNorm2D":
+        (hidden,) = tuple(module.normalized_shape)
+        if module.weight is None or module.bias is None:
+            raise ValueError(f"{name}: LayerNorm2D needs elementwise_affine=True with a bias")
+        self = cls(hidden, mesh, eps=module.eps, name=name, dtype=module.weight.dtype, device=module.weight.device)
+        g = self.grid
+        with torch.no_grad():
+            self.weight.copy_(block_of(module.weight.detach(), g.j, g.q, 0))
+            self.bias.copy_(block_of(module.bias.detach(), g.j, g.q, 0))
+        return self
+
+    def forward(self, x):
+        g = self.grid
+        xf = x.float() if x.dtype in _HALF else x
+        mean = all_reduce_sum(xf.sum(-1, keepdim=True), g.along_j, g.stats, f"{self.name}.stats") / self.hidden
+        xc = xf - mean
+        var = all_reduce_sum((xc * xc).sum(-1, keepdim=True), g.along_j, g.stats, f"{self.name}.stats") / self.hidden
+        y = xc * torch.rsqrt(var + self.eps)
+        w = replicated_over_rows(self.weight, g, f"{self.name}.weight.grad")
+        b = replicated_over_rows(self.bias, g, f"{self.name}.bias.grad")
+        return (y * w + b).to(x.dtype)
+
+    def _dense(self, get):
+        return {"weight": gather_columns(get(self.weight), self.grid),
+                "bias": gather_columns(get(self.bias), self.grid)}
+
+    def to_dense(self) -> nn.LayerNorm:
+        ln = nn.LayerNorm(self.hidden, eps=self.eps, dtype=self.weight.dtype, device=self.weight.device)
+        ln.load_state_dict(self.dense_state_dict())
+        return ln
+
+
+class Embedding2D(_Layer2D):
+    """Table ``[V, h]`` split by hidden block j (replicated over rows): ids of my batch
+    block (any shape, e.g. ``[b/q, s]`` tokens or ``[s]`` positions) → ``[..., h/q]``.
+    No forward communication; the backward sums the weight gradient over rows.
+    Used for the learned position embedding."""
+
+    def __init__(self, num_embeddings: int, dim: int, mesh, *, name: str = "embedding", dtype=None, device=None):
+        super().__init__(mesh, name)
+        check_divisible(f"{name}.embedding_dim", dim, self.grid.q)
+        self.num_embeddings, self.dim = num_embeddings, dim
+        device = device or mesh.device
+        self.weight = _param(torch.empty(num_embeddings, dim // self.grid.q, dtype=dtype, device=device), ("tp_row",))
+        nn.init.normal_(self.weight)
+
+    @classmethod
+    def from_dense(cls, module: nn.Module, mesh, *, name: str = "embedding") -> "Embedding2D":
+        v, h = module.weight.shape
+        self = cls(v, h, mesh, name=name, dtype=module.weight.dtype, device=module.weight.device)
+        with torch.no_grad():
+            self.weight.copy_(block_of(module.weight.detach(), self.grid.j, self.grid.q, 1))
+        return self
+
+    def forward(self, ids):
+        return F.embedding(ids, replicated_over_rows(self.weight, self.grid, f"{self.name}.weight.grad"))
+
+    def _dense(self, get):
+        return {"weight": gather_columns(get(self.weight), self.grid)}
+
+    def to_dense(self) -> nn.Embedding:
+        e = nn.Embedding(self.num_embeddings, self.dim, dtype=self.weight.dtype, device=self.weight.device)
+        e.load_state_dict(self.dense_state_dict())
+        return e
+
+
+class VocabParallelEmbedding2D(_Layer2D):
+    """Table ``E[V, h]`` as q×q blocks: rank (i, j) holds vocab block i, hidden block j.
+
+    ids ``[b/q, s]`` (my batch block) → ``[b/q, s, h/q]``. The ranks of my grid column
+    (``along_i``) hold every vocab block of hidden block j: they all-gather the ids
+    (``[b, s]``), embed the ids of their vocab block (others → 0) and reduce-scatter over
+    the batch dim, which sums the vocab partials and hands batch block i back to row i.
+    Backward: all-gather of the output gradient, local scatter-add. Same layout as
+    :class:`LMHead2D`, so the two can share the weight."""
+
+    def __init__(self, num_embeddings: int, dim: int, mesh, *, name: str = "vocab_embedding", dtype=None, device=None):
+        super().__init__(mesh, name)
+        q = self.grid.q
+        check_divisible(f"{name}.num_embeddings (vocab)", num_embeddings, q)
+        check_divisible(f"{name}.embedding_dim", dim, q)
+        self.num_embeddings, self.dim = num_embeddings, dim
+        self.vocab_start = self.grid.i * (num_embeddings // q)
+        device = device or mesh.device
+        self.weight = _param(torch.empty(num_embeddings // q, dim // q, dtype=dtype, device=device))
+        nn.init.normal_(self.weight)
+        self._dense_source = None
+
+    @classmethod
+    def from_dense(cls, module: nn.Module, mesh, *, name: str = "vocab_embedding") -> "VocabParallelEmbedding2D":
+        v, h = module.weight.shape
+        self = cls(v, h, mesh, name=name, dtype=module.weight.dtype, device=module.weight.device)
+        g = self.grid
+        with torch.no_grad():
+            self.weight.copy_(block_of(block_of(module.weight.detach(), g.i, g.q, 0), g.j, g.q, 1))
+        # Remembered (weakly) so that a tied dense LM head can be recognised.
+        self._dense_source = weakref.ref(module.weight)
+        return self
+
+    def converted_from(self, weight: torch.Tensor) -> bool:
+        """Whether this table was converted from the dense tensor ``weight``."""
+        return self._dense_source is not None and self._dense_source() is weight
+
+    def forward(self, ids):
+        g = self.grid
+        all_ids = comm.all_gather(ids.contiguous(), g.along_i, dim=0, stats=g.stats, label=f"{self.name}.ids")
+        local = all_ids - self.vocab_start
+        outside = (local < 0) | (local >= self.weight.shape[0])
+        emb = F.embedding(local.masked_fill(outside, 0), self.weight)
+        emb = emb.masked_fill(outside.unsqueeze(-1), 0.0)
+        return reduce_scatter_batch(emb, g, f"{self.name}.reduce_scatter")
+
+    def _dense(self, get):
+        return {"weight": gather_blocks(get(self.weight), self.grid)}
+
+    def to_dense(self) -> nn.Embedding:
+        e = nn.Embedding(self.num_embeddings, self.dim, dtype=self.weight.dtype, device=self.weight.device)
+        e.load_state_dict(self.dense_state_dict())
+        return e
+
+
+class LMHead2D(_Layer2D):
+    """Logits = x·Eᵀ (no bias) via SUMMA ABᵀ: x ``[b/q, s, h/q]`` → ``[b/q, s, V/q]``
+    (batch block i, vocab block j). ``E [V, h]`` is stored like
+    :class:`VocabParallelEmbedding2D` (vocab block i, hidden block j) and, when tied,
+    *is* that layer's Parameter."""
+
+    def __init__(self, hidden: int, vocab: int, mesh, *, name: str = "lm_head", weight: nn.Parameter | None = None,
+                 overlap: bool = True, dtype=None, device=None):
+        super().__init__(mesh, name)
+        q = self.grid.q
+        check_divisible(f"{name}.vocab", vocab, q)
+        check_divisible(f"{name}.hidden", hidden, q)
+        self.hidden, self.vocab, self.overlap = hidden, vocab, overlap
+        if weight is None:
+            weight = _param(torch.empty(vocab // q, hidden // q, dtype=dtype, device=device or mesh.device))
+            nn.init.normal_(weight, 0.0, 0.02)
+        elif tuple(weight.shape) != (vocab // q, hidden // q):
+            raise ValueError(f"{name}: tied weight has local shape {tuple(weight.shape)}, "
+                             f"expected [V/q, h/q] = [{vocab // q}, {hidden // q}]")
+        self.weight = weight
+
+    @classmethod
+    def from_dense(cls, module: nn.Module, mesh, *, name: str = "lm_head", tied: VocabParallelEmbedding2D | None = None,
+                   overlap: bool = True) -> "LMHead2D":
+        """From a module with ``weight [V, h]`` (``nn.Linear(h, V, bias=False)`` or the dense
+        ``Head``). With ``tied``, share that embedding's Parameter (its layout and the
+        dense weight's shape are checked)."""
+        if getattr(module, "bias", None) is not None:
+            raise ValueError(f"{name}: LMHead2D has no bias; the dense LM head must use bias=False")
+        v, h = module.weight.shape
+        if tied is not None:
+            if not isinstance(tied, VocabParallelEmbedding2D) or (tied.num_embeddings, tied.dim) != (v, h):
+                raise ValueError(f"{name}: can only tie to a VocabParallelEmbedding2D of shape [{v}, {h}]")
+            return cls(h, v, mesh, name=name, weight=tied.weight, overlap=overlap)
+        self = cls(h, v, mesh, name=name, overlap=overlap, dtype=module.weight.dtype, device=module.weight.device)
+        g = self.grid
+        with torch.no_grad():
+            self.weight.copy_(block_of(block_of(module.weight.detach(), g.i, g.q, 0), g.j, g.q, 1))
+        return self
+
+    def forward(self, x):
+        return summa_abt(x, self.weight, self.grid, name=self.name, overlap=self.overlap)
+
+    def _dense(self, get):
+        return {"weight": gather_blocks(get(self.weight), self.grid)}
+
+    def to_dense(self) -> nn.Linear:
+        lin = nn.Linear(self.hidden, self.vocab, bias=False, dtype=self.weight.dtype, device=self.weight.device)
+        lin.load_state_dict(self.dense_state_dict())
+        return lin
+
+
+class _VocabParallelCE(torch.autograd.Function):
+    """Cross entropy of logits ``[b/q, s, V/q]`` (vocab block j) against targets ``[b/q, s]``.
+
+    Max, Σexp, target logit (and Σlogits for label smoothing) are reduced over my grid
+    row (``along_j``); token loss sums and counts over my grid column (``along_i``).
+    The result is the loss over the whole grid batch, identical on every grid rank;
+    the backward returns this rank's slice of its gradient (no further reduction)."""
+
+    @staticmethod
+    def forward(ctx, logits, targets, grid, ignore_index, smoothing, reduction, name):
+        vq = logits.shape[-1]
+        vocab = vq * grid.q
+        x = logits.float() if logits.dtype in _HALF else logits
+        m = x.detach().amax(-1, keepdim=True)
+        comm.all_reduce(m, grid.along_j, op=torch.distributed.ReduceOp.MAX, stats=grid.stats, label=f"{name}.max")
+        x = x - m
+        e = x.exp()
+        start = grid.j * vq
+        local_t = targets - start
+        valid = targets != ignore_index
+        mine = (local_t >= 0) & (local_t < vq) & valid
+        tl = x.gather(-1, local_t.clamp(0, vq - 1).unsqueeze(-1)).squeeze(-1) * mine
+        parts = [e.sum(-1), tl] + ([x.sum(-1)] if smoothing else [])
+        sums = torch.stack(parts)
+        comm.all_reduce(sums, grid.along_j, stats=grid.stats, label=f"{name}.sums")
+        lse = sums[0].log()
+        tok = lse - sums[1]
+        if smoothing:
+            tok = (1.0 - smoothing) * tok + smoothing * (lse - sums[2] / vocab)
+        tok = tok * valid
+        tot = torch.stack([tok.sum(), valid.sum().to(tok.dtype)])
+        comm.all_reduce(tot, grid.along_i, stats=grid.stats, label=f"{name}.tokens")
+        scale = 1.0 / tot[1] if reduction == "mean" else torch.ones_like(tot[1])
+        ctx.smoothing, ctx.vocab, ctx.dtype = smoothing, vocab, logits.dtype
+        ctx.save_for_backward(e / sums[0].unsqueeze(-1), local_t.clamp(0, vq - 1), mine, valid, scale)
+        return tot[0] * scale
+
+    @staticmethod
+    def backward(ctx, g):
+        p, local_t, mine, valid, scale = ctx.saved_tensors
+        grad = p.clone()
+        grad.scatter_add_(-1, local_t.unsqueeze(-1), -(1.0 - ctx.smoothing) * mine.unsqueeze(-1).to(grad.dtype))
+        if ctx.smoothing:
+            grad -= ctx.smoothing / ctx.vocab
+        grad *= valid.unsqueeze(-1) * (g * scale)
+        return grad.to(ctx.dtype), None, None, None, None, None, None
+
+
+class VocabParallelCrossEntropy2D(nn.Module):
+    """Mean (or summed) token cross entropy of vocab-parallel logits.
+
+    logits ``[b/q, s, V/q]`` (batch block i, vocab block j; any leading dims), targets
+    ``[b/q, s]`` (batch block i, replicated over j) → scalar loss over the grid's whole
+    batch, equal on every grid rank. Numerically stable (global max subtracted; fp32),
+    ``ignore_index`` tokens count neither in the sum nor in the mean's denominator,
+    optional ``label_smoothing`` as in ``F.cross_entropy``. Data-parallel replicas each
+    see their own mean: the engine averages gradients over ``dp``."""
+
+    def __init__(self, mesh, ignore_index: int = -100, label_smoothing: float = 0.0, reduction: str = "mean",
+                 *, name: str = "cross_entropy"):
+        super().__init__()
+        if reduction not in ("mean", "sum"):
+            raise ValueError(f"{name}.reduction={reduction!r} must be 'mean' or 'sum'")
+        if not 0.0 <= label_smoothing < 1.0:
+            raise ValueError(f"{name}.label_smoothing={label_smoothing} must be in [0, 1)")
+        self.mesh, self.grid, self.name = mesh, Grid(mesh), name
+        self.ignore_index, self.label_smoothing, self.reduction = ignore_index, label_smoothing, reduction
+
+    @classmethod
+    def from_dense(cls, module: nn.Module | None, mesh, *, name: str = "cross_entropy") -> "VocabParallelCrossEntropy2D":
+        """From an ``nn.CrossEntropyLoss`` (its ignore_index / label_smoothing / reduction) or
+        ``None`` for the defaults of ``F.cross_entropy``."""
+        if module is None:
+            return cls(mesh, name=name)
+        return cls(mesh, module.ignore_index, module.label_smoothing, module.reduction, name=name)
+
+    def forward(self, logits, targets):
+        if logits.shape[:-1] != targets.shape:
+            raise ValueError(f"{self.name}: logits {tuple(logits.shape)} and targets {tuple(targets.shape)} "
+                             "must share the leading dims ([b/q, s, V/q] and [b/q, s])")
+        return _VocabParallelCE.apply(logits, targets, self.grid, self.ignore_index, self.label_smoothing,
+                                      self.reduction, self.name)
+
+    def to_dense(self) -> nn.CrossEntropyLoss:
+        return nn.CrossEntropyLoss(ignore_index=self.ignore_index, label_smoothing=self.label_smoothing,
+                                   reduction=self.reduction)
+
+
+def vocab_parallel_cross_entropy(logits, targets, mesh, ignore_index: int = -100, label_smoothing: float = 0.0,
+                                 reduction: str = "mean"):
+    """Functional form of :class:`VocabParallelCrossEntropy2D`."""
+    return VocabParallelCrossEntropy2D(mesh, ignore_index, label_smoothing, reduction)(logits, targets)

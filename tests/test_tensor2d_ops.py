@@ -1,0 +1,184 @@
+"""SUMMA ops against the dense product (q=2 on 4 workers, q=3 on 9), shape checks."""
+
+import pytest
+import torch
+
+from conftest import run_workers
+from parallel4d.mesh import init_mesh
+from parallel4d.tensor2d import check_tensor2d, summa_ab, summa_abt, summa_atb
+from parallel4d.tensor2d import summa as summa_mod
+
+TOL = dict(rtol=1e-10, atol=1e-10)
+
+
+def _blk(x, q, i, j):
+    """Block (i, j): rows (dim 0) block i, last-dim block j."""
+    return x.chunk(q, 0)[i].chunk(q, -1)[j].contiguous()
+
+
+def _check_ops(mesh, dtype=torch.float64, overlap=True):
+    """All three ops, forward and both gradients, on 3-D activations and 2-D weights."""
+    q, i, j = mesh.q, mesh.rank("tp_row"), mesh.rank("tp_col")
+    g = torch.Generator().manual_seed(1234)
+    b, s, k, n, m = 2 * q, 3, 3 * q, 2 * q, 5 * q  # non-square everywhere
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=g, dtype=dtype)
+
+    cases = {
+        # name: (dense a, dense b, dense fn, local a, local b)
+        "ab": (rnd(b, s, k), rnd(k, n), lambda a, w: a @ w, summa_ab),
+        "abt": (rnd(b, s, k), rnd(n, k), lambda a, w: a @ w.t(), summa_abt),
+        "atb": (rnd(b, s, m), rnd(b, s, n), lambda a, y: a.reshape(-1, m).t() @ y.reshape(-1, n), summa_atb),
+    }
+    for name, (A, B, dense_fn, op) in cases.items():
+        A.requires_grad_(True)
+        B.requires_grad_(True)
+        C = dense_fn(A, B)
+        G = rnd(*C.shape)
+        (C * G).sum().backward()
+        a = _blk(A.detach(), q, i, j).requires_grad_(True)
+        bb = _blk(B.detach(), q, i, j).requires_grad_(True)
+        c = op(a, bb, mesh, overlap=overlap)
+        assert c.dtype == dtype
+        torch.testing.assert_close(c, _blk(C.detach(), q, i, j), **TOL, msg=f"{name} forward")
+        (c * _blk(G, q, i, j)).sum().backward()
+        torch.testing.assert_close(a.grad, _blk(A.grad, q, i, j), **TOL, msg=f"{name} dA")
+        torch.testing.assert_close(bb.grad, _blk(B.grad, q, i, j), **TOL, msg=f"{name} dB")
+
+
+def _check_bytes(mesh):
+    """Counted bytes per rank equal the analytic SUMMA volumes."""
+    q = mesh.q
+    ab = torch.randn(4, 3, dtype=torch.float64)  # local block [M/q, K/q] of A [4q, 3q]
+    bb = torch.randn(3, 2, dtype=torch.float64)  # local block [K/q, N/q] of B [3q, 2q]
+    eb = 8
+    st = mesh.comm_stats
+    st.reset()
+    summa_ab(ab, bb, mesh, name="x")
+    assert st.sent["x:summa_ab/bcast_a"] == ab.numel() * eb
+    assert st.received["x:summa_ab/bcast_a"] == (q - 1) * ab.numel() * eb
+    assert st.sent["x:summa_ab/bcast_b"] == bb.numel() * eb
+    assert st.received["x:summa_ab/bcast_b"] == (q - 1) * bb.numel() * eb
+    assert st.calls["x:summa_ab/bcast_a"] == q
+    st.reset()
+    bt = torch.randn(5, 3, dtype=torch.float64)  # block of B [5q, 3q]
+    summa_abt(ab, bt, mesh, name="y")
+    cblk = ab.shape[0] * bt.shape[0] * eb
+    assert st.sent["y:summa_abt/bcast_b"] == bt.numel() * eb
+    assert st.received["y:summa_abt/bcast_b"] == (q - 1) * bt.numel() * eb
+    assert st.sent["y:summa_abt/reduce_c"] == (q - 1) * cblk  # q-1 steps as a non-root
+    assert st.received["y:summa_abt/reduce_c"] == (q - 1) * cblk  # once root, q-1 contributions
+    st.reset()
+
+
+def _check_overlap_order(mesh):
+    """Step t+1's broadcast is posted before step t's local product (ab and abt)."""
+    log = []
+    orig_b, orig_p = summa_mod.comm.broadcast, summa_mod._local_product
+
+    def bcast(t, src, group, **kw):
+        log.append(("bcast", kw["label"].rsplit("/", 1)[1]))
+        return orig_b(t, src, group, **kw)
+
+    def prod(x, y):
+        log.append(("mm", None))
+        return orig_p(x, y)
+
+    summa_mod.comm.broadcast, summa_mod._local_product = bcast, prod
+    try:
+        q = mesh.q
+        a, b = torch.randn(4, 3, dtype=torch.float64), torch.randn(3, 2, dtype=torch.float64)
+        for op, per_step in ((summa_ab, 2), (summa_abt, 1)):
+            log.clear()
+            op(a, b if op is summa_ab else b.t().contiguous(), mesh)
+            kinds = [k for k, _ in log]
+            for t in range(q - 1):
+                # index of the (t+1)-th step's first broadcast vs the t-th product
+                bpos = [n for n, k in enumerate(kinds) if k == "bcast"][(t + 1) * per_step]
+                mpos = [n for n, k in enumerate(kinds) if k == "mm"][t]
+                assert bpos < mpos, (op.__name__, kinds)
+    finally:
+        summa_mod.comm.broadcast, summa_mod._local_product = orig_b, orig_p
+
+
+def _check_autocast_bf16(mesh):
+    """Under CPU autocast the ops compute and communicate in bf16 (never fp16)."""
+    q, i, j = mesh.q, mesh.rank("tp_row"), mesh.rank("tp_col")
+    g = torch.Generator().manual_seed(7)
+    A = torch.randn(2 * q, 3, 4 * q, generator=g)
+    W = torch.randn(4 * q, 6 * q, generator=g)
+    Ad, Wd = A.clone().requires_grad_(True), W.clone().requires_grad_(True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        Cd = Ad @ Wd
+    assert Cd.dtype == torch.bfloat16
+    Cd.float().sum().backward()
+    a, w = _blk(A, q, i, j).requires_grad_(True), _blk(W, q, i, j).requires_grad_(True)
+    mesh.comm_stats.reset()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        c = summa_ab(a, w, mesh, name="amp")
+    assert c.dtype == torch.bfloat16
+    # bytes prove the transfer was in a 2-byte dtype
+    assert mesh.comm_stats.sent["amp:summa_ab/bcast_a"] == a.numel() * 2
+    torch.testing.assert_close(c.float(), _blk(Cd.detach().float(), q, i, j), rtol=2e-2, atol=5e-2)
+    c.float().sum().backward()
+    assert a.grad.dtype == torch.float32 and w.grad.dtype == torch.float32
+    torch.testing.assert_close(a.grad, _blk(Ad.grad, q, i, j), rtol=2e-2, atol=5e-2)
+    torch.testing.assert_close(w.grad, _blk(Wd.grad, q, i, j), rtol=2e-2, atol=1e-1)
+    # and the backward ops ran in bf16 as well
+    assert mesh.comm_stats.sent["amp.bwd:summa_abt/bcast_b"] == w.numel() * 2
+
+
+def _q2_job():
+    mesh = init_mesh(tp=4)
+    _check_ops(mesh)
+    _check_ops(mesh, overlap=False)
+    _check_bytes(mesh)
+    _check_overlap_order(mesh)
+    _check_autocast_bf16(mesh)
+    return mesh.coords
+
+
+def _q3_job():
+    mesh = init_mesh(tp=9)
+    _check_ops(mesh)
+    _check_bytes(mesh)
+    _check_overlap_order(mesh)
+    # layers and a whole block at q=3 (non-power-of-two grid)
+    from test_tensor2d_layers import check_block, check_layers
+    check_layers(mesh)
+    check_block(mesh, hidden=18, heads=6)
+    return mesh.coords
+
+
+def test_summa_ops_q2():
+    coords = run_workers(_q2_job, 4, timeout_s=300)
+    assert {(c["tp_row"], c["tp_col"]) for c in coords} == {(0, 0), (0, 1), (1, 0), (1, 1)}
+
+
+def test_summa_ops_and_layers_q3():
+    coords = run_workers(_q3_job, 9, timeout_s=300)
+    assert len({(c["tp_row"], c["tp_col"]) for c in coords}) == 9
+
+
+@pytest.mark.parametrize("kw, field, hint", [
+    (dict(tp=5, hidden=64, heads=4, vocab=64), "parallel.tp=5", "use parallel.tp=4 or 9"),
+    (dict(tp=16, hidden=70, heads=4, vocab=64), "model.hidden=70", "use model.hidden=68 or 72"),
+    (dict(tp=4, hidden=72, heads=3, vocab=64), "model.heads=3", "use model.heads=2 or 4"),
+    (dict(tp=4, hidden=64, heads=4, vocab=255), "model.vocab_size=255", "use model.vocab_size=254 or 256"),
+    (dict(tp=4, hidden=64, heads=4, vocab=256, batch=10, dp=2), "data.batch_size=10", "use data.batch_size=8 or 12"),
+    (dict(tp=9, hidden=48, heads=4, vocab=99), "model.heads=4 is not divisible by q=3", "use model.heads=3 or 6"),
+    (dict(tp=4, hidden=64, heads=5, vocab=64), "model.hidden=64 is not divisible by model.heads=5", "model.heads=4 or 8"),
+])
+def test_check_tensor2d_messages(kw, field, hint):
+    with pytest.raises(ValueError) as e:
+        check_tensor2d(**kw)
+    assert field in str(e.value) and hint in str(e.value), str(e.value)
+
+
+def test_check_tensor2d_ok_and_pure():
+    assert check_tensor2d(4, 64, 4, 256, 8, dp=2) == 2
+    assert check_tensor2d(9, 36, 6, 99, 9) == 3
+    # importable without torch side effects: the module has no torch import
+    import parallel4d.tensor2d.checks as checks
+    assert "torch" not in vars(checks)
