@@ -241,3 +241,31 @@ def _q2_job():
 def test_layers_block_gpt_q2():
     coords = run_workers(_q2_job, 4, timeout_s=300)
     assert len(coords) == 4
+
+
+def _gpu_job():
+    """Block2D on CUDA under bf16 autocast vs the dense block under the same autocast."""
+    tp = dist.get_world_size()
+    mesh = init_mesh(tp=tp)
+    q, dev = mesh.q, mesh.device
+    torch.manual_seed(0)
+    dense = Block(GPTShape(hidden=16 * q, heads=2 * q, seq_len=32)).to(dev)
+    blk = Block2D.from_dense(dense, mesh)
+    assert all(p.device.type == "cuda" for p in blk.parameters())
+    X = torch.randn(2 * q, 32, 16 * q, device=dev)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        ref = dense(X)
+        y = blk(scatter_2d(X, mesh))
+    assert y.dtype == torch.bfloat16
+    torch.testing.assert_close(y.float(), scatter_2d(ref.float(), mesh), rtol=3e-2, atol=3e-2)
+    y.float().sum().backward()
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in blk.parameters())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_block2d_cuda_autocast():
+    from parallel4d.workers import spawn
+
+    world = 4 if torch.cuda.device_count() >= 4 else 1
+    spawn(_gpu_job, world, backend="nccl", timeout_s=300)
