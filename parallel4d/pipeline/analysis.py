@@ -1,0 +1,275 @@
+"""Pure tools over a :class:`~.schedule.Schedule`: validate, simulate, message plan.
+
+Dependencies (``S`` chunks, last chunk ``S-1`` computes the loss):
+
+* ``F(i, c)`` needs ``F(i, c-1)`` (for ``c > 0``);
+* ``B(i, c)`` needs ``F(i, c)`` and ``B(i, c+1)`` (for ``c < S-1``).
+
+A dependency on another rank's action is a point-to-point message (activation
+for F, input-gradient for B); on the same rank it is a local hand-off. Every
+rank runs its list strictly in order and blocks until the inputs of its next
+action exist, exactly like the executor, so a schedule deadlocks iff this
+blocking simulation stops before every list is done.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .schedule import Action, Schedule
+
+
+class ScheduleError(ValueError):
+    """A schedule breaks a rule; the message names the first rank/action that does."""
+
+
+def dependencies(a: Action, num_chunks: int) -> list[Action]:
+    """The actions whose results ``a`` consumes."""
+    if a.kind == "F":
+        return [Action("F", a.microbatch, a.chunk - 1)] if a.chunk > 0 else []
+    deps = [Action("F", a.microbatch, a.chunk)]
+    if a.chunk < num_chunks - 1:
+        deps.append(Action("B", a.microbatch, a.chunk + 1))
+    return deps
+
+
+def consumer(a: Action, num_chunks: int) -> Action | None:
+    """The action on the next chunk that consumes ``a``'s output (``None`` at the ends)."""
+    if a.kind == "F":
+        return Action("F", a.microbatch, a.chunk + 1) if a.chunk < num_chunks - 1 else None
+    return Action("B", a.microbatch, a.chunk - 1) if a.chunk > 0 else None
+
+
+def _where(r: int, i: int, a: Action) -> str:
+    return f"rank {r}, action #{i} {a.describe()}"
+
+
+def _check_structure(s: Schedule) -> None:
+    if s.pp < 1 or s.microbatches < 1 or s.num_chunks < 1:
+        raise ScheduleError(f"pp={s.pp}, microbatches={s.microbatches}, num_chunks={s.num_chunks} must all be ≥ 1")
+    if sorted(s.placement) != list(range(s.pp)):
+        raise ScheduleError(f"placement must name ranks 0..{s.pp - 1}, got {sorted(s.placement)}")
+    if sorted(s.actions) != list(range(s.pp)):
+        raise ScheduleError(f"actions must name ranks 0..{s.pp - 1}, got {sorted(s.actions)}")
+    seen: dict[int, int] = {}
+    for r in range(s.pp):
+        chunks = s.placement[r]
+        if not chunks:
+            raise ScheduleError(f"rank {r} holds no chunk")
+        if list(chunks) != sorted(chunks):
+            raise ScheduleError(f"rank {r}: placement {chunks} is not in model order (ascending)")
+        for c in chunks:
+            if not 0 <= c < s.num_chunks:
+                raise ScheduleError(f"rank {r}: chunk {c} out of range 0..{s.num_chunks - 1}")
+            if c in seen:
+                raise ScheduleError(f"rank {r}: chunk {c} is also placed on rank {seen[c]}")
+            seen[c] = r
+    missing = sorted(set(range(s.num_chunks)) - set(seen))
+    if missing:
+        raise ScheduleError(f"chunks {missing} are placed on no rank")
+
+
+def _check_actions(s: Schedule) -> None:
+    owner = {c: r for r, cs in s.placement.items() for c in cs}
+    done: set[Action] = set()
+    for r in range(s.pp):
+        local: set[Action] = set()
+        for i, a in enumerate(s.actions[r]):
+            if not isinstance(a, Action) or a.kind not in ("F", "B"):
+                raise ScheduleError(f"rank {r}, action #{i} {a!r}: kind must be 'F' or 'B'")
+            if not 0 <= a.microbatch < s.microbatches:
+                raise ScheduleError(f"{_where(r, i, a)}: micro-batch out of range 0..{s.microbatches - 1}")
+            if not 0 <= a.chunk < s.num_chunks:
+                raise ScheduleError(f"{_where(r, i, a)}: chunk out of range 0..{s.num_chunks - 1}")
+            if owner[a.chunk] != r:
+                raise ScheduleError(f"{_where(r, i, a)}: chunk {a.chunk} is held by rank {owner[a.chunk]}, not rank {r}")
+            if a in done:
+                raise ScheduleError(f"{_where(r, i, a)}: runs a second time (each F and B exactly once)")
+            for d in dependencies(a, s.num_chunks):
+                # Same-rank dependencies must come earlier in this rank's own list.
+                if owner[d.chunk] == r and d not in local:
+                    raise ScheduleError(f"{_where(r, i, a)}: comes before {d.describe()} that it needs, "
+                                        f"which is on the same rank")
+            done.add(a)
+            local.add(a)
+    for c in range(s.num_chunks):
+        for mb in range(s.microbatches):
+            for kind in ("F", "B"):
+                a = Action(kind, mb, c)
+                if a not in done:
+                    raise ScheduleError(f"rank {owner[c]}: missing {a.describe()} (each F and B exactly once)")
+
+
+@dataclass
+class SimResult:
+    """What :func:`simulate` measures.
+
+    ``makespan``: time from the first action to the last. ``bubble_ratio``:
+    idle share of all ranks' time, ``1 - Σ busy / (P · makespan)``.
+    ``peak_activations[r]``: most chunk activations stored at once on rank ``r``
+    (forward done, backward not yet). ``peak_microbatches[r]``: most distinct
+    micro-batches with a stored activation on rank ``r``. ``start``/``end``:
+    per action, keyed by ``(rank, index in its list)``.
+    """
+
+    makespan: float
+    bubble_ratio: float
+    busy: list[float]
+    peak_activations: list[int]
+    peak_microbatches: list[int]
+    start: dict[tuple[int, int], float] = field(repr=False)
+    end: dict[tuple[int, int], float] = field(repr=False)
+
+    @property
+    def rank_bubble(self) -> list[float]:
+        """Idle share of each rank."""
+        return [1.0 - b / self.makespan if self.makespan else 0.0 for b in self.busy]
+
+
+def _run(s: Schedule, forward_cost: float, backward_cost: float, p2p_cost: float) -> SimResult:
+    """Blocking in-order simulation; raises ScheduleError on a deadlock."""
+    owner = {c: r for r, cs in s.placement.items() for c in cs}
+    pos = [0] * s.pp
+    free = [0.0] * s.pp
+    finished: dict[Action, float] = {}
+    start: dict[tuple[int, int], float] = {}
+    end: dict[tuple[int, int], float] = {}
+    total = sum(len(a) for a in s.actions.values())
+    n = 0
+    while n < total:
+        progressed = False
+        for r in range(s.pp):
+            acts = s.actions[r]
+            while pos[r] < len(acts):
+                a = acts[pos[r]]
+                deps = dependencies(a, s.num_chunks)
+                if any(d not in finished for d in deps):
+                    break
+                t0 = free[r]
+                for d in deps:
+                    t0 = max(t0, finished[d] + (p2p_cost if owner[d.chunk] != r else 0.0))
+                t1 = t0 + (forward_cost if a.kind == "F" else backward_cost)
+                finished[a] = t1
+                start[(r, pos[r])], end[(r, pos[r])] = t0, t1
+                free[r] = t1
+                pos[r] += 1
+                n += 1
+                progressed = True
+        if not progressed:
+            raise ScheduleError(_deadlock_report(s, pos, finished, owner))
+    makespan = max(end.values()) - min(start.values()) if end else 0.0
+    busy = [sum(end[(r, i)] - start[(r, i)] for i in range(len(s.actions[r]))) for r in range(s.pp)]
+    ratio = 1.0 - sum(busy) / (s.pp * makespan) if makespan else 0.0
+    peaks, peak_mbs = [], []
+    for r in range(s.pp):
+        live: dict[int, int] = {}
+        n_live = best = best_mb = 0
+        for a in s.actions[r]:
+            n_live += 1 if a.kind == "F" else -1
+            live[a.microbatch] = live.get(a.microbatch, 0) + (1 if a.kind == "F" else -1)
+            if live[a.microbatch] == 0:
+                del live[a.microbatch]
+            best, best_mb = max(best, n_live), max(best_mb, len(live))
+        peaks.append(best)
+        peak_mbs.append(best_mb)
+    return SimResult(makespan, ratio, busy, peaks, peak_mbs, start, end)
+
+
+def _deadlock_report(s: Schedule, pos, finished, owner) -> str:
+    lines = []
+    for r in range(s.pp):
+        if pos[r] >= len(s.actions[r]):
+            continue
+        a = s.actions[r][pos[r]]
+        missing = [d for d in dependencies(a, s.num_chunks) if d not in finished]
+        waits = ", ".join(f"{d.describe()} on rank {owner[d.chunk]}" for d in missing)
+        lines.append(f"rank {r}, action #{pos[r]} {a.describe()} waits for {waits}")
+    return "deadlock: no rank can make progress (cycle of waits across ranks):\n  " + "\n  ".join(lines)
+
+
+def validate(schedule: Schedule) -> None:
+    """Raise :class:`ScheduleError` naming the first rank/action that breaks a rule.
+
+    Rules: placement covers every chunk once; each F and B exactly once per
+    (micro-batch, chunk); an action only on the rank holding its chunk;
+    ``F(i,c)`` after ``F(i,c-1)``, ``B(i,c)`` after ``F(i,c)`` and ``B(i,c+1)``;
+    no cycle of blocking waits across ranks (simulated).
+    """
+    _check_structure(schedule)
+    _check_actions(schedule)
+    _run(schedule, 1.0, 2.0, 0.0)
+
+
+def simulate(schedule: Schedule, forward_cost: float = 1.0, backward_cost: float = 2.0,
+             p2p_cost: float = 0.0) -> SimResult:
+    """Timeline of ``schedule`` with per-chunk costs (uniform chunks).
+
+    ``forward_cost`` / ``backward_cost``: time of one chunk's forward / backward
+    for one micro-batch; ``p2p_cost``: latency added when a dependency crosses
+    ranks (wave turns on one rank cost nothing). Validates first.
+    """
+    validate(schedule)
+    if forward_cost <= 0 or backward_cost <= 0 or p2p_cost < 0:
+        raise ValueError("forward_cost and backward_cost must be > 0 and p2p_cost ≥ 0")
+    return _run(schedule, forward_cost, backward_cost, p2p_cost)
+
+
+# --- closed forms ------------------------------------------------------------------
+
+
+def bubble_formula(name: str, pp: int, microbatches: int, chunks_per_rank: int = 1) -> float:
+    """``(P-1)/(c·m + P-1)`` with ``c`` chunks per rank (GPipe/1F1B: c=1,
+    interleaved: c=v, Hanayo: c=2W — the bound, see :func:`~.schedule.hanayo`)."""
+    del name
+    return (pp - 1) / (chunks_per_rank * microbatches + pp - 1)
+
+
+# --- message plan for the executor ---------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Message:
+    """One p2p transfer: ``producer`` on rank ``src`` feeds ``consumer`` on ``dst``.
+
+    ``kind`` is ``"act"`` (output of a forward) or ``"grad"`` (input-gradient of
+    a backward); the tensor has the shape of chunk ``boundary``'s output.
+    """
+
+    src: int
+    dst: int
+    producer: Action
+    consumer: Action
+
+    @property
+    def kind(self) -> str:
+        return "act" if self.producer.kind == "F" else "grad"
+
+    @property
+    def boundary(self) -> int:
+        """The chunk whose *output* this tensor is (or the gradient of)."""
+        return self.producer.chunk if self.producer.kind == "F" else self.consumer.chunk
+
+
+def message_plan(schedule: Schedule) -> dict[tuple[int, int], list[Message]]:
+    """Per unordered rank pair ``(a, b)``, ``a < b``: every message between them,
+    both directions, in one canonical order both ranks derive alike.
+
+    The order is by the simulated end time of the producing action (then sender,
+    then its position). Posting each pair's sends/receives in this order on both
+    sides keeps FIFO matching right (gloo and NCCL match p2p per pair in order,
+    without tags) and never asks a rank to post a send it has not produced before
+    a receive it needs: an earlier send in the order finished earlier in the
+    simulation, so it comes earlier in that rank's list.
+    """
+    sim = simulate(schedule)
+    owner = {c: r for r, cs in schedule.placement.items() for c in cs}
+    plan: dict[tuple[int, int], list[tuple]] = {}
+    for r in range(schedule.pp):
+        for i, a in enumerate(schedule.actions[r]):
+            nxt = consumer(a, schedule.num_chunks)
+            if nxt is None or owner[nxt.chunk] == r:
+                continue
+            dst = owner[nxt.chunk]
+            key = (min(r, dst), max(r, dst))
+            plan.setdefault(key, []).append((sim.end[(r, i)], r, i, Message(r, dst, a, nxt)))
+    return {k: [m for *_, m in sorted(v, key=lambda x: x[:3])] for k, v in plan.items()}

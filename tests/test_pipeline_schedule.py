@@ -1,0 +1,228 @@
+"""Schedules as data: generators, validation, simulation against closed forms, plot, CLI, arg checks."""
+
+import dataclasses
+import itertools
+
+import pytest
+
+from parallel4d.pipeline import (
+    Action, Schedule, ScheduleError, bubble_formula, check_pipeline_args, gpipe, hanayo, interleaved_1f1b,
+    make_schedule, message_plan, one_f_one_b, plot, simulate, validate, wave_placement, wave_rank,
+)
+from parallel4d.pipeline.analysis import dependencies
+
+GRID = [(p, m) for p in (2, 3, 4, 8) for m in (p, 2 * p, 4 * p)]
+
+
+def _independent_deadlock_free(s: Schedule) -> bool:
+    """Kahn's algorithm on (rank order edges + data edges): acyclic ⇔ no deadlock."""
+    nodes = [(r, i) for r in range(s.pp) for i in range(len(s.actions[r]))]
+    where = {s.actions[r][i]: (r, i) for (r, i) in nodes}
+    indeg = {n: 0 for n in nodes}
+    out = {n: [] for n in nodes}
+    for (r, i) in nodes:
+        preds = [where[d] for d in dependencies(s.actions[r][i], s.num_chunks)]
+        if i:
+            preds.append((r, i - 1))
+        for p in preds:
+            out[p].append((r, i))
+            indeg[(r, i)] += 1
+    todo = [n for n in nodes if indeg[n] == 0]
+    seen = 0
+    while todo:
+        n = todo.pop()
+        seen += 1
+        for k in out[n]:
+            indeg[k] -= 1
+            if indeg[k] == 0:
+                todo.append(k)
+    return seen == len(nodes)
+
+
+def _all_schedules():
+    for p, m in GRID:
+        yield gpipe(p, m)
+        yield one_f_one_b(p, m)
+        for v in (2, 3):
+            yield interleaved_1f1b(p, m, v)
+        for w in (1, 2, 3):
+            yield hanayo(p, m, w)
+
+
+def test_every_generator_is_valid_on_the_grid():
+    n = 0
+    for s in _all_schedules():
+        validate(s)
+        assert _independent_deadlock_free(s), s.name
+        # Every (kind, mb, chunk) exactly once, on its owner.
+        seen = sorted((a.kind, a.microbatch, a.chunk) for acts in s.actions.values() for a in acts)
+        assert seen == sorted(itertools.product("BF", range(s.microbatches), range(s.num_chunks)))
+        for r, acts in s.actions.items():
+            assert all(a.chunk in s.placement[r] for a in acts)
+        n += 1
+    assert n == len(GRID) * 7
+
+
+def test_hanayo_placement_matches_the_issue_rule():
+    for p, w in itertools.product((2, 3, 4, 8), (1, 2, 3)):
+        pl = wave_placement(p, w)
+        for c in range(2 * w * p):
+            expect = c % p if (c // p) % 2 == 0 else p - 1 - (c % p)
+            assert wave_rank(c, p) == expect and c in pl[expect]
+        assert all(len(cs) == 2 * w for cs in pl.values())
+        assert 0 in pl[0] and 2 * w * p - 1 in pl[0]  # first and last chunk on rank 0
+    assert wave_placement(4, 2) == {0: [0, 7, 8, 15], 1: [1, 6, 9, 14], 2: [2, 5, 10, 13], 3: [3, 4, 11, 12]}
+
+
+@pytest.mark.parametrize("p,m", GRID)
+def test_bubble_matches_closed_forms(p, m):
+    for s, c in ((gpipe(p, m), 1), (one_f_one_b(p, m), 1), (interleaved_1f1b(p, m, 2), 2),
+                 (interleaved_1f1b(p, m, 3), 3)):
+        sim = simulate(s)
+        assert sim.bubble_ratio == pytest.approx((p - 1) / (c * m + p - 1), abs=1e-12), s.name
+        # The formula is also what bubble_formula reports.
+        assert bubble_formula(s.name, p, m, c) == pytest.approx(sim.bubble_ratio, abs=1e-12)
+    # Memory: GPipe stores m, 1F1B stores P - r.
+    assert simulate(gpipe(p, m)).peak_activations == [m] * p
+    assert simulate(one_f_one_b(p, m)).peak_activations == [min(p - r, m) for r in range(p)]
+
+
+@pytest.mark.parametrize("p,m", GRID)
+def test_hanayo_against_the_bound_and_baselines(p, m):
+    for w in (1, 2, 3):
+        h = simulate(hanayo(p, m, w))
+        bound = bubble_formula("hanayo", p, m, 2 * w)
+        one = simulate(one_f_one_b(p, m)).bubble_ratio
+        il = simulate(interleaved_1f1b(p, m, 2 * w))
+        # (P-1)/(2Wm+P-1) is a lower bound on the wave placement (see hanayo's docstring) ...
+        assert h.bubble_ratio >= bound - 1e-12
+        # ... reached exactly by the greedy order for one wave once m ≥ 2P.
+        if w == 1 and m >= 2 * p:
+            assert h.bubble_ratio == pytest.approx(bound, abs=1e-12)
+        # Always better than 1F1B, never more activation memory than interleaved(v=2W).
+        assert h.bubble_ratio < one
+        assert max(h.peak_activations) <= max(il.peak_activations)
+
+
+def test_wave_turns_save_hops_and_p2p_cost_adds_latency():
+    # Cross-rank messages per micro-batch and direction: wave 2W(P-1), looped vP-1 (v=2W).
+    for p, w in ((2, 1), (4, 2), (3, 3)):
+        m = p
+        n_h = sum(len(v) for v in message_plan(hanayo(p, m, w)).values())
+        n_i = sum(len(v) for v in message_plan(interleaved_1f1b(p, m, 2 * w)).values())
+        assert n_h == 2 * m * 2 * w * (p - 1)
+        assert n_i == 2 * m * (2 * w * p - 1)
+    # With one micro-batch the critical path is the whole chain: latency only on hops.
+    s = hanayo(4, 1, 2)
+    assert simulate(s, p2p_cost=0.5).makespan == simulate(s).makespan + 0.5 * 2 * 2 * 2 * 3
+    assert simulate(gpipe(4, 1), p2p_cost=0.5).makespan == 4 * 3 + 0.5 * 2 * 3
+
+
+def _broken(s: Schedule, rank: int, acts: list) -> Schedule:
+    actions = {r: list(a) for r, a in s.actions.items()}
+    actions[rank] = acts
+    return dataclasses.replace(s, actions=actions)
+
+
+def test_hand_broken_schedules_are_rejected_with_the_right_message():
+    s = one_f_one_b(2, 2)  # rank0: F0 F1 B0 B1 / rank1: F0 B0 F1 B1
+    r0 = s.actions[0]
+    with pytest.raises(ScheduleError, match=r"rank 0: missing B\(mb=1, chunk=0\)"):
+        validate(_broken(s, 0, r0[:-1]))
+    with pytest.raises(ScheduleError, match=r"rank 0, action #1 F\(mb=0, chunk=0\).*second time"):
+        validate(_broken(s, 0, [r0[0], r0[0]] + r0[1:]))
+    with pytest.raises(ScheduleError, match=r"rank 0, action #0 F\(mb=0, chunk=1\).*held by rank 1"):
+        validate(_broken(s, 0, [Action("F", 0, 1)] + r0))
+    with pytest.raises(ScheduleError, match=r"rank 0, action #0 B\(mb=0, chunk=0\).*comes before F\(mb=0, chunk=0\)"):
+        validate(_broken(s, 0, [Action("B", 0, 0), Action("F", 0, 0), Action("F", 1, 0), Action("B", 1, 0)]))
+    with pytest.raises(ScheduleError, match="micro-batch out of range"):
+        validate(_broken(s, 0, r0 + [Action("F", 7, 0)]))
+    with pytest.raises(ScheduleError, match="kind must be 'F' or 'B'"):
+        validate(_broken(s, 0, [Action("X", 0, 0)] + r0))
+    # Cross-rank cycle: rank 1 wants mb 1's backward before running mb 0's.
+    cyc = _broken(s, 1, [Action("F", 1, 1), Action("B", 1, 1), Action("F", 0, 1), Action("B", 0, 1)])
+    cyc = _broken(cyc, 0, [Action("F", 0, 0), Action("B", 0, 0), Action("F", 1, 0), Action("B", 1, 0)])
+    with pytest.raises(ScheduleError, match=r"(?s)deadlock.*rank 0, action #1 B\(mb=0, chunk=0\).*rank 1, action #0 "
+                                            r"F\(mb=1, chunk=1\) waits for F\(mb=1, chunk=0\) \[forward\] on rank 0"):
+        validate(cyc)
+    assert not _independent_deadlock_free(cyc)
+    # Interleaved forward order swapped on one rank creates a cross-rank wait cycle, not just a delay.
+    il = interleaved_1f1b(2, 4, 2)
+    acts = list(il.actions[1])
+    i = next(k for k, a in enumerate(acts) if a.kind == "F" and a.chunk == 3)
+    acts.insert(0, acts.pop(i))
+    with pytest.raises(ScheduleError, match="deadlock"):
+        validate(_broken(il, 1, acts))
+    # Placement errors.
+    with pytest.raises(ScheduleError, match="chunk 1 is also placed on rank 0"):
+        validate(dataclasses.replace(s, placement={0: [0, 1], 1: [1]}))
+
+
+def test_message_plan_is_fifo_consistent():
+    # Each pair's canonical order lists every cross-rank message once; per sender the
+    # order equals that sender's action order (so it can post sends as it produces them).
+    for s in (interleaved_1f1b(4, 8, 2), hanayo(4, 8, 2), one_f_one_b(3, 6)):
+        plan = message_plan(s)
+        n = sum(len(v) for v in plan.values())
+        owner = {c: r for r, cs in s.placement.items() for c in cs}
+        expect = sum(1 for r in range(s.pp) for a in s.actions[r]
+                     if (a.kind == "F" and a.chunk < s.num_chunks - 1 and owner[a.chunk + 1] != r)
+                     or (a.kind == "B" and a.chunk > 0 and owner[a.chunk - 1] != r))
+        assert n == expect
+        for (a, b), msgs in plan.items():
+            for src in (a, b):
+                pos = {x: i for i, x in enumerate(s.actions[src])}
+                order = [pos[mm.producer] for mm in msgs if mm.src == src]
+                assert order == sorted(order)
+
+
+def test_plot_writes_a_png(tmp_path):
+    path = plot(hanayo(4, 8, 2), str(tmp_path / "h.png"))
+    with open(path, "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_cli_prints_table_and_simulation(tmp_path, capsys):
+    from parallel4d.pipeline.cli import schedule_command
+
+    out_png = tmp_path / "o.png"
+    assert schedule_command(["--schedule", "hanayo", "--pp", "4", "--microbatches", "8", "--waves", "2",
+                             "--plot", str(out_png)]) == 0
+    out = capsys.readouterr().out
+    sim = simulate(hanayo(4, 8, 2))
+    assert "rank 0 [chunks 0,7,8,15]" in out and f"makespan            {sim.makespan:g}" in out
+    assert f"bubble ratio        {sim.bubble_ratio:.4f}" in out and str(sim.peak_activations) in out
+    assert out_png.exists()
+    assert schedule_command(["--schedule", "hanyo"]) == 2
+    assert "did you mean 'hanayo'" in capsys.readouterr().err
+
+
+def test_make_schedule_and_generator_errors():
+    assert make_schedule("hanayo", 2, 4, waves=2).num_chunks == 8
+    assert make_schedule("interleaved", 2, 4, chunks_per_rank=3).num_chunks == 6
+    with pytest.raises(ValueError, match="waves=0"):
+        hanayo(2, 4, 0)
+    with pytest.raises(ValueError, match=r"pipeline.microbatches=6.*use pipeline.microbatches=4 or 8"):
+        interleaved_1f1b(4, 6, 2)
+    # m < P is fine everywhere (a single short group).
+    for s in (gpipe(4, 1), one_f_one_b(4, 2), interleaved_1f1b(4, 3, 2), hanayo(4, 1, 2)):
+        validate(s)
+
+
+def test_check_pipeline_args():
+    check_pipeline_args(layers=6, pp=4, microbatches=8, schedule="hanayo", waves=1, batch=16)
+    with pytest.raises(ValueError, match=r"pipeline.waves=0 must be an integer ≥ 1.*use pipeline.waves=1"):
+        check_pipeline_args(layers=6, pp=4, microbatches=8, schedule="hanayo", waves=0)
+    with pytest.raises(ValueError, match=r"16 chunks.*model.layers\+2 = 8.*use model.layers≥14 or pipeline.waves≤1"):
+        check_pipeline_args(layers=6, pp=4, microbatches=8, schedule="hanayo", waves=2)
+    with pytest.raises(ValueError, match=r"data.batch_size=12 is not divisible by pipeline.microbatches = 8; "
+                                         r"use data.batch_size=8 or 16 or pipeline.microbatches=6 or 12"):
+        check_pipeline_args(layers=6, pp=2, microbatches=8, batch=12)
+    with pytest.raises(ValueError, match=r"data.batch_size=20 is not divisible by 2·pipeline.microbatches = 8"):
+        check_pipeline_args(layers=6, pp=2, microbatches=4, batch=20, batch_divisor=2)
+    with pytest.raises(ValueError, match=r"interleaved.*use pipeline.microbatches=4 or 8"):
+        check_pipeline_args(layers=6, pp=4, microbatches=5, schedule="interleaved")
+    with pytest.raises(ValueError, match="pipeline.microbatches=0"):
+        check_pipeline_args(layers=6, pp=2, microbatches=0)
+    with pytest.raises(ValueError, match="did you mean 'gpipe'"):
+        check_pipeline_args(layers=6, pp=2, microbatches=2, schedule="gpip")
