@@ -1,0 +1,344 @@
+"""Ring attention against dense softmax attention (float64), on 2/3/4 gloo ranks.
+
+One spawn per ring size runs every case; the dense reference is computed on each
+worker from the same seeded full tensors (gathered ring results are compared to it).
+"""
+
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from conftest import run_workers
+from parallel4d.comm import CommStats
+from parallel4d.mesh import init_mesh
+from parallel4d.sequence import (LAYOUTS, causal_balance, gather_sequence, local_positions, make_ring_attention_fn,
+                                 positions_for, ring_attention, ring_bytes, split_sequence, step_plan)
+from parallel4d.sequence.emulate import ring_backward, ring_forward, shard, unshard
+from parallel4d.sequence.ring import BWD_DKV, BWD_KV, FWD_KV
+
+TOL = dict(rtol=1e-10, atol=1e-10)
+
+
+def dense_attention(q, k, v, causal, scale=None):
+    """Independent reference: explicit scores over the whole sequence, K/V repeated for GQA."""
+    g = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
+    s = q @ k.transpose(-1, -2) * (1 / math.sqrt(q.shape[-1]) if scale is None else scale)
+    if causal:
+        s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool).triu(1), float("-inf"))
+    return s.softmax(-1) @ v
+
+
+def _inputs(seed, b, h, hkv, s, d):
+    g = torch.Generator().manual_seed(seed)
+    mk = lambda *shape: torch.randn(*shape, generator=g, dtype=torch.float64)  # noqa: E731
+    return mk(b, h, s, d), mk(b, hkv, s, d), mk(b, hkv, s, d), mk(b, h, s, d)
+
+
+class _Largest(TorchDispatchMode):
+    """Records the shape of every tensor an op returns."""
+
+    def __init__(self):
+        super().__init__()
+        self.shapes = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in (out if isinstance(out, (tuple, list)) else [out]):
+            if isinstance(t, torch.Tensor):
+                self.shapes.append((str(func), tuple(t.shape)))
+        return out
+
+
+def _run_case(group, n, layout, causal, b, h, hkv, s, d, backend="math", scale=None, seed=0, record=False):
+    """One ring forward+backward vs dense; returns max errors, byte checks, recorded shapes."""
+    q, k, v, dout = _inputs(seed, b, h, hkv, s, d)
+    ql, kl, vl = (split_sequence(x, group, 2, layout).requires_grad_() for x in (q, k, v))
+    dl = split_sequence(dout, group, 2, layout)
+    stats = CommStats()
+    mode = _Largest() if record else None
+    if mode:
+        mode.__enter__()
+    try:
+        out = ring_attention(ql, kl, vl, group, causal=causal, layout=layout, scale=scale, stats=stats,
+                             timeout_s=60, backend=backend)
+        fwd_sent = dict(stats.sent)
+        n_fwd = len(mode.shapes) if mode else 0
+        out.backward(dl)
+    finally:
+        if mode:
+            mode.__exit__(None, None, None)
+    qr, kr, vr = (x.clone().requires_grad_() for x in (q, k, v))
+    ref = dense_attention(qr, kr, vr, causal, scale)
+    ref.backward(dout)
+    got = [gather_sequence(x, group, 2, layout) for x in (out.detach(), ql.grad, kl.grad, vl.grad)]
+    errs = [float((a - r).abs().max()) for a, r in zip(got, (ref.detach(), qr.grad, kr.grad, vr.grad))]
+    want = ring_bytes(n, b, hkv, s // n, d, q.dtype)
+    bytes_ok = (fwd_sent.get(FWD_KV, 0) == want[FWD_KV] and set(fwd_sent) <= {FWD_KV}
+                and all(stats.sent.get(lbl, 0) == want[lbl] and stats.received.get(lbl, 0) == want[lbl]
+                        for lbl in want)
+                and set(stats.sent) <= set(want))
+    return dict(case=(layout, causal, h, hkv, s, backend), errs=errs, bytes_ok=bytes_ok,
+                sent=dict(stats.sent), want=want, shapes=mode.shapes if mode else None, n_fwd=n_fwd,
+                out_shape=tuple(out.shape))
+
+
+def _event_order(group, n):
+    """Order of posts, waits and block computes in one forward+backward (non-causal)."""
+    import parallel4d.comm as C
+    import parallel4d.sequence.kernels as K
+
+    events = []
+    orig = (C.p2p, C.wait, K.block_forward, K.block_backward)
+
+    def p2p(ops, *a, **kw):
+        events.append("P" + kw["label"].split(".")[-1])
+        return orig[0](ops, *a, **kw)
+
+    def wait(works, timeout_s=None, what=""):
+        events.append("W" + ("dkv" if "dK/dV" in what else "kv"))
+        return orig[1](works, timeout_s, what)
+
+    def fwd(*a, **kw):
+        events.append("C")
+        return orig[2](*a, **kw)
+
+    def bwd(*a, **kw):
+        events.append("C")
+        return orig[3](*a, **kw)
+
+    C.p2p, C.wait, K.block_forward, K.block_backward = p2p, wait, fwd, bwd
+    try:
+        q, k, v, dout = (split_sequence(x, group, 2, "zigzag") for x in _inputs(0, 1, 2, 2, 4 * n, 4))
+        q.requires_grad_()
+        out = ring_attention(q, k, v, group, causal=False, layout="zigzag")
+        n_fwd = len(events)
+        out.backward(dout)
+    finally:
+        C.p2p, C.wait, K.block_forward, K.block_backward = orig
+    return events[:n_fwd], events[n_fwd:]
+
+
+def _ring_job(n, sp_world):
+    """All exactness/bytes/memory cases for ring size ``n`` (run on every worker)."""
+    if sp_world == n:
+        group = dist.group.WORLD
+    else:  # embed the ring in a larger mesh so group-local ≠ global ranks
+        group = init_mesh(dp=sp_world // n, sp=n).group("sp")
+    b, d = 2, 8
+    results = []
+    for layout in LAYOUTS:
+        for causal in (False, True):
+            for h, hkv in ((4, 4), (4, 2)):
+                results.append(_run_case(group, n, layout, causal, b, h, hkv, 6 * n, d))
+            # the fused CPU kernel (same LSE/backward protocol as the CUDA kernels), GQA
+            results.append(_run_case(group, n, layout, causal, b, 4, 1, 4 * n, d, backend="cpu_flash"))
+    # one token per rank, explicit scale
+    for causal in (False, True):
+        results.append(_run_case(group, n, "contiguous", causal, 1, 2, 1, n, 4, scale=0.7))
+    # memory: record every tensor created in forward+backward (L = s/N = 16 > 2d)
+    mem = [_run_case(group, n, layout, True, 2, 4, hkv, 16 * n, 4, record=True, seed=1)
+           for layout, hkv in (("contiguous", 4), ("zigzag", 2))]
+    for m in mem:
+        s = m["case"][4]
+        L, bh = s // n, 2 * 4
+        m["largest"] = max(math.prod(shape) for _, shape in m["shapes"])
+        m["largest_dim"] = max((max(shape) if shape else 0) for _, shape in m["shapes"])
+        m["n_backward_ops"] = len(m["shapes"]) - m["n_fwd"]
+        m["bound"] = bh * L * L
+        m["full_row"] = bh * L * s
+        m["shapes"] = None
+    return dict(rank=dist.get_rank(), results=results, mem=mem, order=_event_order(group, n))
+
+
+def _check_job(out, n):
+    for worker in out:
+        for r in worker["results"] + worker["mem"]:
+            assert max(r["errs"]) <= 1e-10, (n, r["case"], r["errs"])
+            assert r["bytes_ok"], (n, r["case"], r["sent"], r["want"])
+        for m in worker["mem"]:
+            # Nothing of [s/N, s] or larger: the largest tensor is one block pair's scores.
+            assert m["largest"] <= m["bound"] < m["full_row"], (n, m["case"], m["largest"], m["bound"])
+            assert m["largest_dim"] < m["case"][4], (n, m["case"], m["largest_dim"])
+            assert m["n_backward_ops"] > 0  # the mode really saw the backward
+        # Overlap: the next block's transfer is posted before this block's compute; the
+        # dK/dV accumulator is waited for only after this step's compute.
+        fwd, bwd = worker["order"]
+        want_f, want_b = [], []
+        for t in range(n):
+            want_f += (["Wkv"] if t else []) + (["Pkv"] if t < n - 1 else []) + ["C"]
+            want_b += (["Wkv"] if t else []) + (["Pkv"] if t < n - 1 else []) + ["C"] + (["Wdkv"] if t else [])
+            want_b += ["Pdkv"]
+        assert fwd == want_f and bwd == want_b + ["Wdkv"], (n, fwd, bwd)
+
+
+@pytest.mark.parametrize("n,world", [(2, 4), (3, 3), (4, 4)])
+def test_ring_attention_matches_dense(n, world):
+    out = run_workers(_ring_job, world, n, world, timeout_s=300)
+    _check_job(out, n)
+
+
+# --------------------------------------------------------------------------- adapter in the GPT
+
+
+def _gpt_job(n):
+    from parallel4d.models.gpt import GPTShape, build_gpt, cross_entropy
+
+    group = dist.group.WORLD
+    shape = GPTShape(vocab_size=32, seq_len=8 * n, hidden=16, heads=4, layers=2)
+    g = torch.Generator().manual_seed(3)
+    tokens = torch.randint(0, 32, (2, shape.seq_len), generator=g)
+    targets = torch.randint(0, 32, (2, shape.seq_len), generator=g)
+    ref = build_gpt(shape, seed=0).double()
+    ref_logits = ref(tokens)
+    cross_entropy(ref_logits, targets).backward()
+    res = {}
+    for layout in LAYOUTS:
+        model = build_gpt(shape, seed=0).double()
+        fn = make_ring_attention_fn(group, layout)
+        for blk in model.blocks:
+            blk.attn.attention_fn = fn
+        tl, yl = (split_sequence(x, group, 1, layout) for x in (tokens, targets))
+        x = model.embed(tl, positions_for(shape.seq_len, group, layout))
+        for blk in model.blocks:
+            x = blk(x)
+        logits = model.head(x)
+        (cross_entropy(logits, yl) / n).backward()
+        for p in model.parameters():
+            dist.all_reduce(p.grad, group=group)
+        full = gather_sequence(logits.detach().unsqueeze(1), group, 2, layout).squeeze(1)
+        res[layout] = (float((full - ref_logits.detach()).abs().max()),
+                       max(float((p.grad - pr.grad).abs().max()) for p, pr in zip(model.parameters(),
+                                                                                     ref.parameters())))
+    return res
+
+
+def test_adapter_in_reference_gpt():
+    out = run_workers(_gpt_job, 2, 2, timeout_s=300)
+    for res in out:
+        for layout, (logit_err, grad_err) in res.items():
+            assert logit_err <= 1e-10 and grad_err <= 1e-10, (layout, logit_err, grad_err)
+
+
+# --------------------------------------------------------------------------- pure functions
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 8])
+def test_step_plan_covers_exactly_the_causal_mask(n, layout):
+    """Every visible (query, key) pair of every rank is computed exactly once, no other."""
+    s = (2 * n) * 3
+    L = s // n
+    for r in range(n):
+        pq = torch.tensor(local_positions(s, r, n, layout))
+        for src in range(n):
+            pk = torch.tensor(local_positions(s, src, n, layout))
+            for causal in (False, True):
+                cover = torch.zeros(L, L, dtype=torch.long)
+                for c in step_plan(r, src, n, layout, causal, L):
+                    blk = torch.ones(c.q_hi - c.q_lo, c.k_hi - c.k_lo, dtype=torch.long)
+                    if c.causal:
+                        # the kernel's diagonal mask is only right where local order = global order
+                        assert torch.equal(pq[c.q_lo:c.q_hi], pk[c.k_lo:c.k_hi])
+                        blk = blk.tril()
+                    cover[c.q_lo:c.q_hi, c.k_lo:c.k_hi] += blk
+                want = (pk[None, :] <= pq[:, None]).long() if causal else torch.ones(L, L, dtype=torch.long)
+                assert torch.equal(cover, want), (n, layout, r, src, causal)
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 8])
+def test_causal_balance(n):
+    s = 2 * n * 8
+    zig, con = causal_balance(n, "zigzag", s), causal_balance(n, "contiguous", s)
+    for bal in (zig, con):  # exact pair counts from the positions alone
+        for r in range(n):
+            assert bal.pairs[r] == sum(p + 1 for p in local_positions(s, r, n, bal.layout))
+        assert sum(bal.work) == pytest.approx(2 * n * n)  # total area s²/2 in (s/2N)² units
+    assert max(zig.work) - min(zig.work) <= 1 and zig.imbalance == pytest.approx(1.0)
+    assert all(c == n for c in zig.calls)  # one kernel call per zigzag ring step
+    # contiguous: rank r does 4r+2 half-block pairs; the last rank sets the pace
+    assert con.work == pytest.approx(tuple(4 * r + 2 for r in range(n)))
+    assert con.imbalance == pytest.approx((2 * n - 1) / n)
+
+
+@pytest.mark.parametrize("backend", ["math", "cpu_flash"])
+def test_single_device_emulation_matches_dense(backend):
+    """The benchmark's all-ranks-on-one-device path, incl. the fused CPU kernel."""
+    for layout in LAYOUTS:
+        for causal in (False, True):
+            q, k, v, do = _inputs(5, 2, 4, 2, 48, 8)
+            qr, kr, vr = (x.clone().requires_grad_() for x in (q, k, v))
+            ref = dense_attention(qr, kr, vr, causal)
+            ref.backward(do)
+            n = 4
+            qs, ks, vs = shard(q, n, layout), shard(k, n, layout), shard(v, n, layout)
+            outs, lses = ring_forward(qs, ks, vs, layout, causal, backend=backend)
+            dqs, dks, dvs = ring_backward(shard(do, n, layout), qs, ks, vs, outs, lses, layout, causal,
+                                          backend=backend)
+            for got, want in ((outs, ref), (dqs, qr.grad), (dks, kr.grad), (dvs, vr.grad)):
+                torch.testing.assert_close(unshard(got, layout), want.detach(), **TOL)
+
+
+def test_merge_is_stable_for_far_apart_lse():
+    from parallel4d.sequence import merge_
+
+    out = torch.tensor([[[[1.0, 2.0]]]], dtype=torch.float64)
+    lse = torch.tensor([[[800.0]]], dtype=torch.float64)
+    merge_(out, lse, torch.tensor([[[[3.0, 5.0]]]], dtype=torch.float64), torch.tensor([[[-800.0]]],
+                                                                                        dtype=torch.float64))
+    assert torch.isfinite(out).all() and torch.allclose(out, torch.tensor([1.0, 2.0], dtype=torch.float64))
+    assert lse.item() == 800.0
+    empty_out = torch.zeros(1, 1, 1, 2, dtype=torch.float64)
+    empty_lse = torch.full((1, 1, 1), float("-inf"), dtype=torch.float64)
+    merge_(empty_out, empty_lse, torch.tensor([[[[3.0, 5.0]]]], dtype=torch.float64),
+           torch.tensor([[[2.5]]], dtype=torch.float64))
+    assert empty_out.flatten().tolist() == [3.0, 5.0] and empty_lse.item() == 2.5
+
+
+def test_user_errors_are_value_errors():
+    q = torch.zeros(1, 4, 3, 8)
+    kv = torch.zeros(1, 4, 3, 8)
+    with pytest.raises(ValueError, match="layout"):
+        ring_attention(q, kv, kv, None, layout="striped")
+    with pytest.raises(ValueError, match="k/v heads 3"):
+        ring_attention(q, torch.zeros(1, 3, 3, 8), torch.zeros(1, 3, 3, 8), None)
+    with pytest.raises(ValueError, match="even local length"):
+        ring_attention(q, kv, kv, None, causal=True, layout="zigzag")
+    with pytest.raises(ValueError, match="4-D"):
+        ring_attention(q[0], kv, kv, None)
+    with pytest.raises(ValueError, match="match q"):
+        ring_attention(q, torch.zeros(1, 4, 5, 8), torch.zeros(1, 4, 5, 8), None)
+    with pytest.raises(ValueError, match="backend"):
+        ring_attention(q, kv, kv, None, backend="cudnn")
+    from parallel4d.sequence import check_seq_len
+
+    with pytest.raises(ValueError, match="multiple of 8.*nearest valid values: 96 or 104"):
+        check_seq_len(100, 4, "zigzag")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("backend", ["cudnn", "flash"])
+def test_fused_cuda_blocks_match_sdpa(backend):
+    """bf16 fused block kernels + fp32 merges vs one SDPA call, within bf16 rounding."""
+    import torch.nn.functional as F
+
+    torch.manual_seed(0)
+    b, h, s, d, n = 1, 8, 2048, 128, 4
+    for layout in LAYOUTS:
+        for causal in (False, True):
+            q, k, v, do = (torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+            qr, kr, vr = (x.float().requires_grad_() for x in (q, k, v))
+            ref = F.scaled_dot_product_attention(qr, kr, vr, is_causal=causal)
+            ref.backward(do.float())
+            qs, ks, vs = shard(q, n, layout), shard(k, n, layout), shard(v, n, layout)
+            outs, lses = ring_forward(qs, ks, vs, layout, causal, backend=backend)
+            dqs, dks, dvs = ring_backward(shard(do, n, layout), qs, ks, vs, outs, lses, layout, causal,
+                                          backend=backend)
+            for got, want in ((outs, ref), (dqs, qr.grad), (dks, kr.grad), (dvs, vr.grad)):
+                got = unshard(got, layout).float()
+                rel = float((got - want).norm() / want.norm())
+                assert rel < 1e-2, (backend, layout, causal, rel)
