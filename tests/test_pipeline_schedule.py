@@ -143,7 +143,7 @@ def test_hand_broken_schedules_are_rejected_with_the_right_message():
     cyc = _broken(s, 1, [Action("F", 1, 1), Action("B", 1, 1), Action("F", 0, 1), Action("B", 0, 1)])
     cyc = _broken(cyc, 0, [Action("F", 0, 0), Action("B", 0, 0), Action("F", 1, 0), Action("B", 1, 0)])
     with pytest.raises(ScheduleError, match=r"(?s)deadlock.*rank 0, action #1 B\(mb=0, chunk=0\).*rank 1, action #0 "
-                                            r"F\(mb=1, chunk=1\) waits for F\(mb=1, chunk=0\) \[forward\] on rank 0"):
+                                            r"F\(mb=1, chunk=1\) \[forward\] waits for F\(mb=1, chunk=0\) \[forward\] on rank 0"):
         validate(cyc)
     assert not _independent_deadlock_free(cyc)
     # Interleaved forward order swapped on one rank creates a cross-rank wait cycle, not just a delay.
