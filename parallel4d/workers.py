@@ -49,6 +49,12 @@ def _worker_main(fn, rank, world_size, backend, init_file, pg_timeout_s, args, k
                        "LOCAL_WORLD_SIZE": str(world_size)})
     threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
     result_path = os.path.join(out_dir, f"result{rank}.pkl")
+
+    def report(status, payload):
+        with open(result_path + ".tmp", "wb") as f:
+            pickle.dump((status, payload), f)
+        os.replace(result_path + ".tmp", result_path)
+
     try:
         import torch
         import torch.distributed as dist
@@ -60,21 +66,17 @@ def _worker_main(fn, rank, world_size, backend, init_file, pg_timeout_s, args, k
             backend=backend, init_method=f"file://{init_file}", rank=rank, world_size=world_size,
             timeout=timedelta(seconds=pg_timeout_s),
         )
-        try:
-            result = fn(*args, **kwargs)
-        finally:
-            try:
-                dist.destroy_process_group()
-            except Exception:  # the group may be broken after a peer died
-                pass
-        with open(result_path + ".tmp", "wb") as f:
-            pickle.dump(("ok", result), f)
-        os.replace(result_path + ".tmp", result_path)
+        result = fn(*args, **kwargs)
     except BaseException as e:  # report everything, including KeyboardInterrupt, to the parent
-        with open(result_path + ".tmp", "wb") as f:
-            pickle.dump(("error", f"{type(e).__name__}: {e}\n\n{traceback.format_exc()}"), f)
-        os.replace(result_path + ".tmp", result_path)
+        # Report before tearing the group down: peers fail *because* we leave, and the
+        # parent names the earliest report as the cause.
+        report("error", f"{type(e).__name__}: {e}\n\n{traceback.format_exc()}")
         os._exit(1)
+    report("ok", result)
+    try:
+        dist.destroy_process_group()
+    except Exception:
+        pass
 
 
 def _stop(procs, grace_s: float = 5.0) -> None:
@@ -180,8 +182,19 @@ def _first_failure(procs, tmp) -> tuple[int, str] | None:
                 status, details = pickle.load(f)
             reported.append((os.path.getmtime(path), r, details))
     if reported:
-        # The first to fail is the cause; later ones usually fail because it left.
-        _, r, details = min(reported)
+        # The first to fail is the cause; later ones usually fail because it left
+        # (their error is a closed connection), so those rank last.
+        _, _, r, details = min((_is_peer_loss(d), t, r, d) for t, r, d in reported)
         return r, details
     r = failed[0]
     return r, f"process exited with code {procs[r].exitcode} without reporting an error (killed?)"
+
+
+_PEER_LOSS = ("connection closed by peer", "connection reset", "broken pipe", "socket closed",
+              "remote worker", "timed out", "timeout")
+
+
+def _is_peer_loss(details: str) -> bool:
+    """Does this error look like a consequence of another rank leaving?"""
+    first = details.splitlines()[0].lower() if details else ""
+    return any(k in first for k in _PEER_LOSS)
