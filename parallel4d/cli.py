@@ -7,6 +7,7 @@ import json
 import sys
 
 from .config import ConfigError, load_config
+from .workers import WorkerError, WorkerTimeout
 
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
@@ -78,6 +79,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"parallel4d: {e}", file=sys.stderr)
         return 2
+    except (WorkerError, WorkerTimeout) as e:
+        print(f"parallel4d: the job failed: {e}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

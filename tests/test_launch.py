@@ -94,3 +94,23 @@ def test_cli_launch_bad_config_exits_2(tmp_path, capsys):
     path.write_text("parallel: {tp: 2}\n")
     assert main(["launch", str(path)]) == 2
     assert "perfect square" in capsys.readouterr().err
+
+
+def test_cli_job_failure_exits_nonzero_with_the_error(tmp_path):
+    import subprocess
+    import sys
+
+    path = tmp_path / "job.yaml"
+    # A learning rate this large makes the loss non-finite after the first update on every rank.
+    cfg = tiny(tmp_path, "diverge", dp=2)
+    cfg["optimizer"] = {"lr": 1e30}
+    cfg["train"]["steps"] = 5
+    import yaml
+
+    path.write_text(yaml.safe_dump(cfg))
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "parallel4d", "launch", str(path)], capture_output=True,
+                          text=True, timeout=240)
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert "the job failed" in proc.stderr and "loss became" in proc.stderr
+    assert time.monotonic() - start < 120
