@@ -1,0 +1,58 @@
+"""Chunk-based heterogeneous memory (PatrickStar-style) with ZeRO over the ``dp`` axis.
+
+Engine-facing API::
+
+    from parallel4d.hetero import wrap, state_dict, load_state_dict
+
+    model, opt = wrap(model, cfg.optimizer, cfg.hetero, mesh=None | mesh)
+    loss = loss_fn(model(x), y)      # per-rank MEAN over this rank's slice of the batch
+    loss.backward()                  # gradients go into chunks; p.grad stays None
+    opt.clip_grad_norm_(max_norm)    # optional; global norm (over dp too), applied in step()
+    opt.param_groups[0]["lr"] = lr   # optional learning-rate schedule
+    opt.step()                       # chunk-wise Adam/AdamW; consumes the gradients
+    opt.zero_grad()                  # frees any gradient left (no-op after step())
+    opt.stats()                      # {"model_data_bytes", "device_budget_bytes",
+                                     #  "peak_resident_bytes", "bytes_moved", ...}
+    sd = state_dict(model, opt)      # {"model": {fqn: full tensor}, "optim": {...}}: DCP-ready,
+    load_state_dict(model, opt, sd)  # layout-independent (save at dp=2, load at dp=1)
+
+* ``wrap`` accepts the pydantic sections (:class:`~parallel4d.config.OptimizerConfig`,
+  :class:`~parallel4d.config.HeteroConfig`) or dicts of their fields.
+* With ``mesh`` and ``mesh.size("dp") > 1`` hetero does the data-parallel reduction
+  itself (ZeRO): gradients are **averaged** over dp (sum / dp), exactly like DDP, so
+  each rank's loss must be the mean over its own slice of the global batch — do not
+  scale by ``1/dp`` and do not all-reduce gradients elsewhere. Every dp rank must run
+  the same loop (same micro-batch count) with the same budget and policy.
+* ``model.state_dict()`` returns full parameter values under the original keys (tied
+  parameters under every alias); ``model.load_state_dict`` writes into the chunks.
+  Both are collective under ZeRO.
+* ``opt.stats()["bytes_moved"]`` is the cumulative host↔device bytes (loads +
+  write-backs); ``stats()["last_iteration"]`` has the per-iteration counters (loads,
+  write-backs, zero-fills, drops, all-gather / reduce-scatter bytes).
+* Limits: every parameter must be a direct parameter of a module whose ``forward``
+  uses it (module hooks drive residency); activation checkpointing must use
+  ``use_reentrant=False``; all parameters share one floating dtype.
+"""
+
+from ..config import HeteroConfig, OptimizerConfig
+from .chunk import InvalidTransition, TensorState, TRANSITIONS, search_chunk_elems
+from .manager import BudgetError, ChunkManager, MoveStats
+from .optim import HeteroOptimizer, adam_update
+from .tracer import AccessTrace, opt_loads
+from .wrap import HeteroRuntime, wrap
+
+
+def state_dict(model, opt) -> dict:
+    """``{"model": {fqn: tensor}, "optim": opt.state_dict()}`` with full (unsharded) tensors."""
+    return {"model": model.state_dict(), "optim": opt.state_dict()}
+
+
+def load_state_dict(model, opt, sd: dict) -> None:
+    """Inverse of :func:`state_dict`; works for any dp layout of the saved job."""
+    model.load_state_dict(sd["model"])
+    opt.load_state_dict(sd["optim"])
+
+
+__all__ = ["wrap", "state_dict", "load_state_dict", "HeteroConfig", "OptimizerConfig", "HeteroOptimizer",
+           "HeteroRuntime", "ChunkManager", "MoveStats", "BudgetError", "InvalidTransition", "TensorState",
+           "TRANSITIONS", "AccessTrace", "opt_loads", "adam_update", "search_chunk_elems"]

@@ -1,0 +1,394 @@
+"""Chunk residency: a slot arena on the compute device, a byte budget, eviction.
+
+The compute device owns one preallocated *arena* per pool: ``n_slots × slot_elems``
+elements. A chunk is resident iff it occupies a slot; its host ``backing`` (pinned
+on CUDA) is the home copy. A resident chunk is *dirty* when written since its load;
+eviction writes back only dirty live chunks, drops dead ones (all tensors FREE) and
+clean ones for free, and a load of dead content is a zero-fill instead of a copy.
+
+The budget is checked on every access: ``resident_bytes ≤ budget`` (static), or
+``≤ capacity − traced non-model peak`` (dynamic, PatrickStar's rule). Eviction victim:
+dead first; then farthest next use in the warm-up trace (Belady) with clean before
+dirty on ties, or least recently used (LRU; also the fallback while the trace is
+missing or has diverged).
+
+On CUDA every copy runs on a side stream: the copy stream first waits for the
+compute stream (the slot's previous readers/writers are done), and the compute
+stream waits for the copy before the slot is used.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field, asdict
+from typing import Callable, Optional
+
+import torch
+
+from .chunk import Chunk, TensorInfo, TensorState
+from .tracer import AccessTrace
+
+S = TensorState
+
+
+@dataclass
+class MoveStats:
+    """Bytes and counts of chunk movement (host↔device) and ZeRO collectives."""
+
+    load_bytes: int = 0        # host → device copies of live content
+    writeback_bytes: int = 0   # device → host copies of dirty live content
+    zero_fill_bytes: int = 0   # dead content materialised by zeroing, no copy
+    loads: int = 0
+    writebacks: int = 0
+    zero_fills: int = 0
+    drops: int = 0             # evictions without a copy (dead or clean)
+    evictions: int = 0
+    gather_bytes: int = 0      # ZeRO all-gather, bytes received
+    reduce_scatter_bytes: int = 0  # ZeRO reduce-scatter, bytes sent
+    copy_seconds: float = 0.0  # CUDA only when profiling: time inside chunk copies
+
+    @property
+    def moved_bytes(self) -> int:
+        return self.load_bytes + self.writeback_bytes
+
+    def as_dict(self) -> dict:
+        d = asdict(self)
+        d["moved_bytes"] = self.moved_bytes
+        return d
+
+
+@dataclass
+class Pool:
+    """``n_slots`` device slots of ``slot_elems`` elements (the arena); ``limit`` = budget in slots."""
+
+    name: str
+    slot_elems: int
+    n_slots: int
+    limit: int
+    arena: Optional[torch.Tensor] = None
+    free: list = field(default_factory=list)
+    owner: list = field(default_factory=list)
+    peak_pinned: int = 0
+
+
+class BudgetError(ValueError):
+    """The device budget cannot hold the chunks that must be resident at once."""
+
+
+class ChunkManager:
+    """Residency, budget, eviction and movement accounting for a set of chunks.
+
+    ``pools``: ``{name: (slot_elems, n_slots)}``; ``policy``: ``"belady" | "lru"``;
+    ``dynamic_capacity``: total device bytes for model + non-model data (dynamic budget)
+    or ``None`` (static: each pool's ``n_slots`` is its budget).
+    """
+
+    def __init__(self, device: torch.device, dtype: torch.dtype, pools: dict[str, tuple[int, int]],
+                 policy: str = "belady", dynamic_capacity: Optional[int] = None,
+                 nonmodel_fn: Optional[Callable[[], int]] = None, budget_bytes: Optional[int] = None):
+        self.device, self.dtype = device, dtype
+        self.esize = torch.empty((), dtype=dtype).element_size()
+        self.policy = policy
+        self.pools: dict[str, Pool] = {}
+        for name, (elems, n) in pools.items():
+            p = Pool(name, elems, n, n)
+            p.arena = torch.zeros(n * elems, dtype=dtype, device=device)
+            p.free = list(range(n - 1, -1, -1))
+            p.owner = [None] * n
+            self.pools[name] = p
+        self.budget_bytes = budget_bytes if budget_bytes is not None else self.arena_bytes
+        self.dynamic_capacity = dynamic_capacity
+        self.nonmodel_fn = nonmodel_fn or (lambda: 0)
+        self.chunks: list[Chunk] = []
+        self.trace = AccessTrace()
+        self.tick = 0
+        self.stats = MoveStats()     # cumulative
+        self.iter_stats = MoveStats()  # current iteration
+        self.history: list[dict] = []  # finished iterations: stats + trace
+        self.peak_resident_bytes = 0
+        self._iter_start_resident: set[int] = set()
+        self.cuda = device.type == "cuda"
+        self.copy_stream = torch.cuda.Stream(device) if self.cuda else None
+        self.profile_copies = False
+        self._copy_events: list = []
+        self.pinned_host = False
+
+    # --- setup -----------------------------------------------------------------
+    @property
+    def arena_bytes(self) -> int:
+        return sum(p.n_slots * p.slot_elems for p in self.pools.values()) * self.esize
+
+    def slot_bytes(self, pool: str) -> int:
+        return self.pools[pool].slot_elems * self.esize
+
+    def new_backing(self, n: int) -> torch.Tensor:
+        """Zeroed host buffer; page-locked when the compute device is CUDA (falls back to pageable)."""
+        if self.cuda:
+            try:
+                t = torch.zeros(n, dtype=self.dtype, pin_memory=True)
+                self.pinned_host = True
+                return t
+            except RuntimeError:
+                pass
+        return torch.zeros(n, dtype=self.dtype)
+
+    def add(self, chunk: Chunk, backing: bool = True) -> Chunk:
+        chunk.cid = len(self.chunks)
+        if chunk.capacity != self.pools[chunk.pool].slot_elems:
+            raise RuntimeError(f"chunk of {chunk.capacity} elements in pool {chunk.pool!r} of "
+                               f"{self.pools[chunk.pool].slot_elems}-element slots")
+        if backing:
+            chunk.backing = self.new_backing(chunk.capacity)
+        self.chunks.append(chunk)
+        return chunk
+
+    # --- views -----------------------------------------------------------------
+    def slot_view(self, c: Chunk) -> torch.Tensor:
+        p = self.pools[c.pool]
+        return p.arena.narrow(0, c.slot * p.slot_elems, p.slot_elems)
+
+    def view(self, c: Chunk, t: TensorInfo) -> torch.Tensor:
+        """The resident tensor ``t`` of chunk ``c`` with its shape (a view into the arena)."""
+        return self.slot_view(c).narrow(0, t.offset, t.numel).view(t.shape)
+
+    def read(self, c: Chunk) -> torch.Tensor:
+        """Current content of ``c`` (slot if resident, else backing), without an access."""
+        if c.slot is not None:
+            return self.slot_view(c)
+        if c.backing is None:
+            raise RuntimeError(f"chunk {c.kind}[{c.index}] has no content off the device")
+        self.sync_copies()
+        return c.backing
+
+    def locate(self, t: torch.Tensor):
+        """``(pool, chunk, offset_in_chunk)`` if ``t`` aliases an arena, else ``None``."""
+        ptr = t.untyped_storage().data_ptr()
+        for p in self.pools.values():
+            if p.arena.untyped_storage().data_ptr() == ptr:
+                off = t.storage_offset()
+                s = off // p.slot_elems
+                c = p.owner[s]
+                if c is None:
+                    raise RuntimeError("a tensor aliases a free slot of the chunk arena")
+                return p, c, off - s * p.slot_elems
+        return None
+
+    # --- copies ----------------------------------------------------------------
+    def _copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        if self.copy_stream is None:
+            dst.copy_(src)
+            return
+        cur = torch.cuda.current_stream(self.device)
+        self.copy_stream.wait_stream(cur)  # previous users of dst/src are done
+        with torch.cuda.stream(self.copy_stream):
+            if self.profile_copies:
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
+                dst.copy_(src, non_blocking=True)
+                b.record()
+                self._copy_events.append((a, b))
+            else:
+                dst.copy_(src, non_blocking=True)
+        cur.wait_stream(self.copy_stream)  # compute waits for the copy before using dst
+
+    def sync_copies(self) -> None:
+        """Host reads of backings need the copy stream drained."""
+        if self.copy_stream is not None:
+            self.copy_stream.synchronize()
+
+    # --- budget ----------------------------------------------------------------
+    def resident_bytes(self) -> int:
+        return sum((p.n_slots - len(p.free)) * p.slot_elems for p in self.pools.values()) * self.esize
+
+    def _pinned(self, p: Pool) -> int:
+        return sum(1 for c in p.owner if c is not None and c.pinned)
+
+    def _limit(self, p: Pool, extra: int = 0) -> int:
+        """Slots pool ``p`` may occupy now (``extra``: slots about to be pinned by this access).
+
+        Static: ``n_slots``. Dynamic (main pool): ``(capacity − other pools − max traced
+        non-model of this and the next moment) // slot``; during warm-up (no valid trace)
+        a quarter of the arena, as PatrickStar keeps most memory free while it traces.
+        Never below what is pinned right now (those chunks cannot leave).
+        """
+        if self.dynamic_capacity is None or p.name != "main":
+            return p.n_slots
+        if not self.trace.valid:
+            base = max(1, p.n_slots // 4)
+        else:
+            others = sum(q.n_slots * q.slot_elems for q in self.pools.values() if q is not p) * self.esize
+            avail = self.dynamic_capacity - self.trace.nonmodel_ahead() - others
+            base = avail // (p.slot_elems * self.esize)
+        return min(p.n_slots, max(base, self._pinned(p) + extra, 1))
+
+    def budget_now(self) -> int:
+        return sum(self._limit(p) * p.slot_elems for p in self.pools.values()) * self.esize
+
+    def _too_small(self, p: Pool, need: int) -> BudgetError:
+        sb = p.slot_elems * self.esize
+        pinned = [f"{c.kind}[{c.index}]" for c in p.owner if c is not None and c.pinned]
+        others = sum(q.n_slots * q.slot_elems for q in self.pools.values() if q is not p) * self.esize
+        minimum = need * sb + others
+        return BudgetError(
+            f"hetero.device_budget_bytes={self.budget_bytes} is too small: {need} chunks of {sb} bytes must be "
+            f"resident at once here (in use: {', '.join(pinned) or 'none'}, plus one more), so the minimum "
+            f"feasible value is at least {minimum}; use hetero.device_budget_bytes≥{minimum} "
+            f"(run once with hetero.device_budget_bytes=None and read stats()['min_feasible_budget_bytes'] "
+            f"for the exact minimum of this model and loop)")
+
+    def _check_budget(self) -> None:
+        r = self.resident_bytes()
+        self.peak_resident_bytes = max(self.peak_resident_bytes, r)
+        limit = self.budget_now()
+        if r > limit:
+            raise RuntimeError(f"hetero internal error: {r} resident bytes exceed the budget of {limit}")
+
+    # --- residency ---------------------------------------------------------------
+    def _victim(self, p: Pool) -> Optional[Chunk]:
+        cands = [c for c in p.owner if c is not None and not c.pinned]
+        if not cands:
+            return None
+        dead = [c for c in cands if c.dead]
+        if dead:
+            return min(dead, key=lambda c: c.last_use)
+        if self.policy == "belady" and self.trace.valid:
+            # farthest next use; on ties prefer clean (free to drop), then least recent
+            return max(cands, key=lambda c: (self.trace.next_use(c.cid), not c.dirty, -c.last_use))
+        return min(cands, key=lambda c: c.last_use)
+
+    def evict(self, c: Chunk) -> None:
+        """Give up ``c``'s slot; write back only dirty live content."""
+        p = self.pools[c.pool]
+        st = (self.stats, self.iter_stats)
+        if c.dirty and not c.dead and c.backing is not None:
+            self._copy(c.backing, self.slot_view(c))
+            for s in st:
+                s.writeback_bytes += c.capacity * self.esize
+                s.writebacks += 1
+        else:
+            for s in st:
+                s.drops += 1
+        for s in st:
+            s.evictions += 1
+        p.owner[c.slot] = None
+        p.free.append(c.slot)
+        c.slot = None
+        c.dirty = False
+
+    def _make_room(self, p: Pool, keep: int) -> None:
+        """Evict until at most ``keep`` slots of ``p`` are occupied."""
+        while p.n_slots - len(p.free) > keep:
+            v = self._victim(p)
+            if v is None:
+                raise self._too_small(p, p.n_slots - len(p.free) + 1)
+            self.evict(v)
+
+    def ensure_resident(self, c: Chunk) -> None:
+        p = self.pools[c.pool]
+        if c.slot is None:
+            limit = self._limit(p, extra=1)
+            if p.n_slots - len(p.free) >= limit:
+                try:
+                    self._make_room(p, limit - 1)
+                except BudgetError:
+                    raise self._too_small(p, self._pinned(p) + 1) from None
+            c.slot = p.free.pop()
+            p.owner[c.slot] = c
+            dst = self.slot_view(c)
+            st = (self.stats, self.iter_stats)
+            if c.loader is not None and not c.dead:
+                c.loader(dst)
+            elif c.dead or c.backing is None:
+                dst.zero_()
+                for s in st:
+                    s.zero_fill_bytes += c.capacity * self.esize
+                    s.zero_fills += 1
+            else:
+                self._copy(dst, c.backing)
+                for s in st:
+                    s.load_bytes += c.capacity * self.esize
+                    s.loads += 1
+            c.dirty = False
+        elif self.dynamic_capacity is not None:
+            self._make_room(p, self._limit(p))  # proactive: the budget may have shrunk
+
+    def access(self, c: Chunk, record: bool = True) -> None:
+        """Record the moment (unless ``record`` is False: state-dict traffic outside the
+        training loop) and make ``c`` resident (evicting per policy)."""
+        self.tick += 1
+        if record:
+            self.trace.record(c.cid, self.nonmodel_fn(), live=not c.dead)
+        self.ensure_resident(c)
+        c.last_use = self.tick
+        self._check_budget()
+
+    def _note_pins(self, c: Chunk) -> None:
+        p = self.pools[c.pool]
+        p.peak_pinned = max(p.peak_pinned, self._pinned(p))
+
+    # --- tensor-level holds ---------------------------------------------------------
+    def acquire(self, c: Chunk, tensors: Optional[list[TensorInfo]] = None, write: bool = False,
+                zero_free: bool = True, record: bool = True) -> None:
+        """Tensors of ``c`` → COMPUTE (nested holds counted); the chunk becomes resident and pinned.
+
+        A FREE tensor's range is zeroed on its way to COMPUTE unless ``zero_free`` is
+        False (the caller overwrites it).
+        """
+        self.access(c, record)
+        for t in (c.tensors if tensors is None else tensors):
+            if t.holds == 0:
+                if t.state == S.FREE and zero_free:
+                    self.view(c, t).zero_()
+                t.set_state(S.COMPUTE)
+            t.holds += 1
+        if write:
+            c.dirty = True
+        self._note_pins(c)
+
+    def release(self, c: Chunk, tensors: Optional[list[TensorInfo]], to: TensorState) -> None:
+        for t in (c.tensors if tensors is None else tensors):
+            if t.holds <= 0:
+                raise RuntimeError(f"hetero: release of tensor {t.name!r} that is not held")
+            t.holds -= 1
+            if t.holds == 0:
+                t.set_state(to)
+
+    def pin(self, c: Chunk) -> None:
+        self.access(c)
+        c.extra_pins += 1
+        self._note_pins(c)
+
+    def unpin(self, c: Chunk) -> None:
+        c.extra_pins -= 1
+
+    def invalidate(self, c: Chunk) -> None:
+        """Drop ``c`` from the device without write-back (its content is stale)."""
+        if c.slot is not None:
+            c.dirty = False
+            self.evict(c)
+
+    # --- iterations --------------------------------------------------------------
+    def end_iteration(self) -> dict:
+        if self.profile_copies and self._copy_events:
+            torch.cuda.synchronize(self.device)
+            secs = sum(a.elapsed_time(b) for a, b in self._copy_events) / 1e3
+            self.stats.copy_seconds += secs
+            self.iter_stats.copy_seconds += secs
+            self._copy_events.clear()
+        finished = self.trace.end_iteration()
+        rec = self.iter_stats.as_dict()
+        rec["start_resident"] = sorted(self._iter_start_resident)
+        rec.update(finished)
+        self.history.append(rec)
+        if len(self.history) > 4:  # keep the recent ones only (traces can be long)
+            self.history.pop(0)
+        self.iter_stats = MoveStats()
+        self._iter_start_resident = {c.cid for c in self.chunks if c.slot is not None}
+        return rec
+
+    def min_feasible_bytes(self) -> int:
+        """Smallest static budget that runs what was seen so far: the most chunks pinned at
+        once in the main pool, plus the fixed-size other pools (ZeRO shard slots)."""
+        return sum((max(p.peak_pinned, 1) if p.name == "main" else p.n_slots) * p.slot_elems
+                   for p in self.pools.values()) * self.esize

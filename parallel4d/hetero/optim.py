@@ -1,0 +1,94 @@
+"""Chunk-wise Adam / AdamW.
+
+The arithmetic is exactly that of ``torch.optim.Adam/AdamW(foreach=False)``
+(``_single_tensor_adam``), applied to flat chunk ranges (all tensors of the range
+share one step count) or per tensor, so results are bit-identical on CPU. Runs on
+the compute device where the chunks are resident (no compiler needed).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def adam_update(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, *, step: int,
+                lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
+                decoupled: bool) -> None:
+    """One Adam(W) update in place on equally shaped ``p, g, m, v`` (``step`` already incremented)."""
+    if weight_decay != 0:
+        if decoupled:
+            p.mul_(1 - lr * weight_decay)
+        else:
+            g = g.add(p, alpha=weight_decay)
+    m.lerp_(g, 1 - beta1)
+    v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+    step_f = float(step)
+    bias_correction1 = 1 - beta1 ** step_f
+    bias_correction2 = 1 - beta2 ** step_f
+    step_size = lr / bias_correction1
+    bias_correction2_sqrt = bias_correction2 ** 0.5
+    denom = (v.sqrt() / bias_correction2_sqrt).add_(eps)
+    p.addcdiv_(m, denom, value=-step_size)
+
+
+class HeteroOptimizer:
+    """Adam/AdamW over the chunks of a :class:`~parallel4d.hetero.wrap.HeteroRuntime`.
+
+    Looks like a ``torch.optim.Optimizer`` to a training loop: ``step()``,
+    ``zero_grad()``, ``param_groups`` (one group; set ``param_groups[0]["lr"]`` to
+    schedule the learning rate), ``state_dict()`` / ``load_state_dict()`` keyed by
+    parameter name. Gradients live in chunks (``p.grad`` stays ``None``); ``step()``
+    consumes them (they are FREE afterwards, so ``zero_grad`` is then a no-op).
+    """
+
+    def __init__(self, runtime, cfg):
+        self.rt = runtime
+        self.cfg = cfg
+        self.decoupled = cfg.name == "adamw"
+        self.param_groups = [{
+            "params": [r.param for r in runtime.records if r.trainable],
+            "lr": float(cfg.lr), "betas": tuple(cfg.betas), "eps": float(cfg.eps),
+            "weight_decay": float(cfg.weight_decay),
+        }]
+        self._clip_coef: float | None = None
+
+    # --- the training-loop surface ------------------------------------------------
+    def step(self, closure=None):
+        loss = closure() if closure is not None else None
+        g = self.param_groups[0]
+        b1, b2 = g["betas"]
+        self.rt.optimizer_step(lr=float(g["lr"]), beta1=float(b1), beta2=float(b2), eps=float(g["eps"]),
+                               weight_decay=float(g["weight_decay"]), decoupled=self.decoupled,
+                               grad_scale=self._clip_coef)
+        self._clip_coef = None
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.rt.zero_grad()
+
+    def clip_grad_norm_(self, max_norm: float) -> float:
+        """Global L2 norm of the gradients (over dp under ZeRO); the next ``step()``
+        scales them by ``min(1, max_norm/(norm+1e-6))`` like ``torch.nn.utils.clip_grad_norm_``."""
+        norm = self.rt.grad_norm()
+        self._clip_coef = min(1.0, max_norm / (norm + 1e-6))
+        return norm
+
+    # --- inspection -------------------------------------------------------------------
+    def gradients(self) -> dict[str, torch.Tensor]:
+        """Full gradients by parameter name (CPU copies; collective under ZeRO)."""
+        return self.rt.full_gradients()
+
+    def stats(self) -> dict:
+        return self.rt.stats()
+
+    def state_dict(self) -> dict:
+        """``{"state": {name: {"step", "exp_avg", "exp_avg_sq"}}, "param_groups": [...]}`` with full tensors."""
+        return self.rt.optimizer_state_dict(self.param_groups[0])
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.rt.load_optimizer_state_dict(sd)
+        for k in ("lr", "eps", "weight_decay"):
+            if k in sd.get("param_groups", [{}])[0]:
+                self.param_groups[0][k] = float(sd["param_groups"][0][k])
+        if "betas" in sd.get("param_groups", [{}])[0]:
+            self.param_groups[0]["betas"] = tuple(float(b) for b in sd["param_groups"][0]["betas"])
