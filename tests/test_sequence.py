@@ -342,3 +342,18 @@ def test_fused_cuda_blocks_match_sdpa(backend):
                 got = unshard(got, layout).float()
                 rel = float((got - want).norm() / want.norm())
                 assert rel < 1e-2, (backend, layout, causal, rel)
+
+
+def test_ring_of_one_without_process_group():
+    """sp = 1 needs no process group: the ring degenerates to one local causal call."""
+    assert not dist.is_initialized()
+    for layout in LAYOUTS:
+        q, k, v, do = _inputs(2, 1, 4, 2, 8, 8)
+        ql, kl, vl = (x.clone().requires_grad_() for x in (q, k, v))
+        out = ring_attention(ql, kl, vl, None, causal=True, layout=layout)
+        out.backward(do)
+        qr, kr, vr = (x.clone().requires_grad_() for x in (q, k, v))
+        ref = dense_attention(qr, kr, vr, True)
+        ref.backward(do)
+        for a, r in ((out, ref), (ql.grad, qr.grad), (kl.grad, kr.grad), (vl.grad, vr.grad)):
+            torch.testing.assert_close(a.detach(), r.detach(), **TOL)

@@ -29,6 +29,11 @@ global mean loss is the mean of the ``N`` local means (every rank has ``b·s/N``
 with ignored tokens weight by counts). Parameter gradients of the replicated weights are
 partial sums over the ranks' tokens: all-reduce them over ``sp`` (sum, when each rank's loss is
 ``loss_l / N``; or average when each uses its own mean) — the same as data parallelism.
+Block kernels (``backend=``): ``auto`` picks cuDNN SDPA (fp16/bf16 CUDA, d ≤ 128), else
+FlashAttention-2, else the plain ``math`` path (CPU, fp32/fp64); ``cpu_flash`` is ATen's fused
+CPU kernel. Merges and gradient sums run in fp32 for half inputs. ``benchmarks/sequence.py``
+measures the ring's local compute against one monolithic SDPA call (``--quick`` on CPU).
+
 Sequence length must be divisible by ``N`` (``2N`` for ``zigzag``). Use ``zigzag`` for causal
 models (balanced work, :func:`causal_balance`); ``contiguous`` is fine when not causal.
 """

@@ -154,7 +154,8 @@ def _fused_forward(backend, q, k, v, causal, scale):
     elif backend == "flash":
         r = aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)
         out, lse = r[0], r[1]
-    else:  # cudnn: logsumexp comes as [b, h, lq, 1]
+    else:  # cudnn: logsumexp comes as [b, h, lq, 1]; dense inputs (row slices copied, cheap next to the kernel)
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         r = aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, causal, False, scale=scale)
         out, lse = r[0], r[1]
     return out, lse.reshape(b, h, lq)
@@ -171,8 +172,9 @@ def _fused_backward(backend, dout, q, k, v, out, lse, causal, scale):
         seed, offset = _rng_placeholders("flash", str(q.device))
         dq, dk, dv = aten._scaled_dot_product_flash_attention_backward(
             dout, q, ke, ve, out, lse.contiguous(), None, None, lq, lk, 0.0, causal, seed, offset, scale=scale)
-    else:
+    else:  # cuDNN wants matching dense layouts for q/k/v/out/dout
         seed, offset = _rng_placeholders("cudnn", str(q.device))
+        dout, q, ke, ve, out = (x.contiguous() for x in (dout, q, ke, ve, out))
         dq, dk, dv = aten._scaled_dot_product_cudnn_attention_backward(
             dout, q, ke, ve, out, lse.unsqueeze(-1).contiguous(), seed, offset, None, None, None, lq, lk,
             0.0, causal, scale=scale)

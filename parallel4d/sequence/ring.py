@@ -92,12 +92,14 @@ class _Ring:
 
     def __init__(self, group):
         self.group = group
+        if group is None and not dist.is_initialized():  # single process: a ring of one
+            self.rank, self.n, self.next, self.prev = 0, 1, 0, 0
+            return
         self.rank = dist.get_rank(group)
         self.n = dist.get_world_size(group)
-        self.next = dist.get_global_rank(group, (self.rank + 1) % self.n) if group is not None else (
-            (self.rank + 1) % self.n)
-        self.prev = dist.get_global_rank(group, (self.rank - 1) % self.n) if group is not None else (
-            (self.rank - 1) % self.n)
+        peer = (lambda i: dist.get_global_rank(group, i)) if group is not None else (lambda i: i)
+        self.next = peer((self.rank + 1) % self.n)
+        self.prev = peer((self.rank - 1) % self.n)
 
     def shift(self, send: torch.Tensor, recv: torch.Tensor, stats, label):
         """Post send(→ next) and recv(← prev) together; returns the works."""
