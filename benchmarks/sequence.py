@@ -29,6 +29,7 @@ from datetime import datetime, timezone
 import torch
 import torch.nn.functional as F
 
+from parallel4d.sequence import causal_balance
 from parallel4d.sequence.emulate import ring_backward, ring_forward, shard, unshard
 from parallel4d.sequence.kernels import merge_
 
@@ -150,6 +151,10 @@ def main(argv=None):
     hdr = (f"{'s':>6} {'causal':>6} {'N':>3} {'blocks':>9} {'merge':>8} | {'mono':>9} {'mono fwd':>9} "
            f"{'mono f+b':>9} | {'ring fwd':>9} {'ring f+b':>9} | {'x fwd':>6} {'x f+b':>6} | {'rel err':>8}")
     print(f"device: {dev_name}; torch {torch.__version__}; dtype {dtype}; b={args.batch} h={heads} d={dim}")
+    balance = {n: {lay: causal_balance(n, lay).imbalance for lay in ("zigzag", "contiguous")} for n in rings}
+    for n, b in balance.items():
+        print(f"causal work imbalance (max/mean per rank), N={n}: zigzag {b['zigzag']:.2f}, "
+              f"contiguous {b['contiguous']:.2f}")
     print(hdr)
     print("-" * len(hdr))
     for s in seqs:
@@ -202,6 +207,7 @@ def main(argv=None):
         note=("CPU smoke run: tiny sizes, not comparable with GPU numbers" if device.type == "cpu" else
               "times in ms (median); ratio = ring blockwise work of all N ranks on this one GPU / "
               "one monolithic SDPA call of the fastest backend; communication excluded"),
+        causal_imbalance=balance,
         rows=rows,
     )
     path = args.out or os.path.join(RESULTS, f"sequence_{'cpu_quick' if device.type == 'cpu' else 'gpu'}.json")
