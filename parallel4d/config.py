@@ -204,12 +204,10 @@ def cross_field_problems(cfg: Config) -> list[str]:
         out.append(f"data.batch_size={cfg.data.batch_size} is not divisible by parallel.dp·q·pipeline.microbatches"
                    f" = {p.dp}·{q}·{pl.microbatches} = {per_step}; use data.batch_size="
                    f"{_near_divisible(cfg.data.batch_size, per_step)} or fewer pipeline.microbatches")
-    chunks = pl.num_chunks(p.pp)
-    if p.pp > 1 and m.layers + 2 < chunks:
-        # The stages are [embedding, layers..., head]; every chunk needs at least one.
-        out.append(f"{pl.schedule} with parallel.pp={p.pp} cuts the model into {chunks} chunks but it has only "
-                   f"model.layers+2 = {m.layers + 2} stages (embedding, layers, head); "
-                   f"use model.layers≥{chunks - 2}" + (" or fewer pipeline.waves" if pl.schedule == "hanayo" else ""))
+    if p.pp > 1:
+        from .pipeline.checks import pipeline_arg_problems  # pure arithmetic, no torch
+
+        out += pipeline_arg_problems(m.layers, p.pp, pl.microbatches, pl.schedule, pl.waves, pl.chunks_per_rank)
     if cfg.data.source == "synthetic" and m.vocab_size < 2:
         out.append("model.vocab_size must be ≥ 2")
     if cfg.data.source == "text" and m.vocab_size < 256:

@@ -1,26 +1,34 @@
 """compose(): build the model and apply the strategies in a fixed order.
 
-Order (DESIGN.md): build the dense reference through the layer factory from the
-job seed → (tensor2d / sequence swap layers) → (pipeline cuts chunks) → hand the
-parameters to hetero or to plain data parallelism → build the optimizer →
-:class:`Engine` with ``train_step``, ``state_dict``/``load_state_dict`` and counters.
+Order (DESIGN.md): build the dense reference from the job seed → sequence
+(ring attention in every block, global position ids) → tensor2d (each stage
+converted with ``from_dense``) → pipeline (stages cut into chunks, this rank
+keeps its own) → data parallelism over ``dp`` and ``sp`` (plain gradient
+averaging; hetero's chunked ZeRO when ``hetero.enabled``) → optimizer →
+:class:`Engine`.
 
-Building the dense model first, from the same seed, is what makes every
-parallel layout start from exactly the parameters of the single-process run.
+Building the dense model first, from the same seed on every rank, is what makes
+every layout start from exactly the parameters of the single-process run.
+This is the only module that knows several strategies exist.
+
+Data on the rank at (pp, dp=d, sp=r, tp_row=i, tp_col=j): the global batch
+``[B, S]`` → rows block ``d`` of ``dp`` → rows block ``i`` of ``q`` → sequence
+shard ``r`` of ``sp`` (in ``sequence.layout``) → ``m`` micro-batches:
+``[B/(dp·q·m), S/sp]`` tokens; activations ``[B/(dp·q·m), S/sp, h/q]``.
 """
 
 from __future__ import annotations
 
-import time
 from contextlib import nullcontext
 
 import torch
+import torch.nn as nn
 
 from . import comm
 from .config import Config, ConfigError
 from .data import local_slice
 from .mesh import Mesh
-from .models.gpt import GPTShape, build_gpt
+from .models.gpt import GPTShape, build_gpt, cross_entropy
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.float32}
 
@@ -39,99 +47,292 @@ def lr_at(step: int, opt_cfg) -> float:
     return opt_cfg.lr
 
 
-class DataParallel:
-    """Plain data parallelism: average gradients over the ``dp`` group in one flat buffer."""
+# --- the pieces of one rank's model -------------------------------------------------
 
-    def __init__(self, params: list[torch.nn.Parameter], mesh: Mesh, timeout_s: float):
-        self.params = params
-        self.mesh = mesh
-        self.timeout_s = timeout_s
 
-    def sync_gradients(self) -> None:
-        group = self.mesh.group("dp")
-        n = self.mesh.size("dp")
-        if n == 1:
-            return
-        grads = [p.grad for p in self.params if p.grad is not None]
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        work = comm.all_reduce(flat, group, stats=self.mesh.comm_stats, label="dp_grad", async_op=True)
-        comm.wait(work, self.timeout_s, "data-parallel gradient all-reduce")
-        flat /= n
-        offset = 0
-        for g in grads:
-            g.copy_(flat[offset:offset + g.numel()].view_as(g))
-            offset += g.numel()
+class PositionedEmbedding(nn.Module):
+    """An embedding stage fed the *global* position ids of this rank's sequence shard."""
+
+    def __init__(self, embed: nn.Module, positions: torch.Tensor):
+        super().__init__()
+        self.embed = embed
+        self.register_buffer("positions", positions, persistent=False)
+
+    def forward(self, tokens):
+        return self.embed(tokens, self.positions)
+
+
+class LocalModel(nn.Module):
+    """This rank's stages under their dense names (``embed``, ``blocks.<i>``, ``head``)."""
+
+    def __init__(self, stages: dict[str, nn.Module]):
+        super().__init__()
+        self.blocks = nn.ModuleDict()
+        for name, module in stages.items():
+            if name.startswith("blocks."):
+                self.blocks[name.split(".", 1)[1]] = module
+            else:
+                self.add_module(name, module)
+
+
+def _untie_head(dense) -> None:
+    """Give the LM head its own copy of the tied table (it lives on another pp rank)."""
+    head = dense.head
+    head.weight = nn.Parameter(head.weight.detach().clone())
+
+
+def _sequence(cfg: Config, mesh: Mesh):
+    """(attention_fn, positions) for ``parallel.sp``; (None, None) when sp = 1."""
+    if mesh.size("sp") == 1:
+        return None, None
+    from .sequence import make_ring_attention_fn, positions_for
+
+    group = mesh.group("sp")
+    fn = make_ring_attention_fn(group, layout=cfg.sequence.layout, stats=mesh.comm_stats,
+                                timeout_s=cfg.train.timeout_s)
+    return fn, positions_for(cfg.model.seq_len, group, cfg.sequence.layout, device=mesh.device)
+
+
+def build_stages(cfg: Config, mesh: Mesh, untie: bool = False):
+    """``(names, stages, loss_fn)`` of the whole model for this rank's layout.
+
+    ``names`` are the dense stage names; ``stages`` the modules (2D-parallel
+    when ``tp > 1``, ring attention when ``sp > 1``); ``loss_fn(logits, targets)``
+    is the mean token loss over this rank's data (over the grid's batch under tp).
+    """
+    shape = GPTShape.from_config(cfg.model)
+    dense = build_gpt(shape, seed=cfg.train.seed).to(device=mesh.device, dtype=DTYPES[cfg.train.dtype])
+    if untie and shape.tie_embeddings:
+        _untie_head(dense)
+    attention_fn, positions = _sequence(cfg, mesh)
+    names = ["embed", *(f"blocks.{i}" for i in range(shape.layers)), "head"]
+    if mesh.size("tp_row") == 1:
+        if attention_fn is not None:
+            for block in dense.blocks:
+                block.attn.attention_fn = attention_fn
+        stages = dense.stages()
+        loss_fn = cross_entropy
+    else:
+        from .tensor2d import Block2D, Head2D, TokenPositionEmbedding2D, loss_2d
+
+        overlap = cfg.tensor2d.overlap
+        embed = TokenPositionEmbedding2D.from_dense(dense.embed, mesh)
+        blocks = [Block2D.from_dense(b, mesh, attention_fn, name=f"blocks.{i}", overlap=overlap)
+                  for i, b in enumerate(dense.blocks)]
+        tied = shape.tie_embeddings and not untie
+        head = Head2D.from_dense(dense.head, mesh, embedding=embed if tied else None)
+        stages = [embed, *blocks, head]
+        loss_fn = loss_2d(mesh)
+    if positions is not None:
+        stages[0] = PositionedEmbedding(stages[0], positions)
+    return names, stages, loss_fn
+
+
+# --- gradient synchronisation and norms ------------------------------------------
+
+
+def average_gradients(params: list[nn.Parameter], mesh: Mesh, timeout_s: float) -> None:
+    """Average grads over the data-like axes ``dp`` and ``sp`` (every parameter is
+    replicated over both; each rank's loss is the mean over its own tokens)."""
+    replicas = mesh.size("dp") * mesh.size("sp")
+    if replicas == 1:
+        return
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    for axis in ("dp", "sp"):
+        work = comm.all_reduce(flat, mesh.group(axis), stats=mesh.comm_stats, label=f"{axis}_grad", async_op=True)
+        comm.wait(work, timeout_s, f"gradient all-reduce over {axis}")
+    flat /= replicas
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        offset += g.numel()
+
+
+def global_grad_norm(params: list[nn.Parameter], mesh: Mesh, tied_copies: set[int] = frozenset()) -> torch.Tensor:
+    """L2 norm of the whole model's gradient, each distinct dense element counted once.
+
+    Shards on different tp/pp ranks are summed; a parameter replicated over the
+    grid rows (``tensor2d_replicated_over``) is divided by q; a tied copy held on
+    two pp ranks (``tied_copies``: ids) counts half on each.
+    """
+    sq = torch.zeros((), dtype=torch.float64, device=mesh.device)
+    q = mesh.size("tp_row")
+    for p in params:
+        if p.grad is None:
+            continue
+        s = p.grad.detach().double().pow(2).sum()
+        if "tp_row" in getattr(p, "tensor2d_replicated_over", ()):
+            s = s / q
+        if id(p) in tied_copies:
+            s = s / 2
+        sq = sq + s
+    for axis in ("tp_row", "tp_col", "pp"):
+        comm.all_reduce(sq, mesh.group(axis), stats=mesh.comm_stats, label="grad_norm")
+    return sq.sqrt()
+
+
+# --- the engine -----------------------------------------------------------------
 
 
 class Engine:
-    """One rank's share of the job: ``train_step(step, tokens, targets)`` on the global batch."""
+    """One rank's share of the job: ``train_step(tokens, targets)`` on the global batch."""
 
-    def __init__(self, cfg: Config, mesh: Mesh, model: torch.nn.Module, optimizer, dp: DataParallel):
-        self.cfg, self.mesh, self.model, self.optimizer, self.dp = cfg, mesh, model, optimizer, dp
+    def __init__(self, cfg: Config, mesh: Mesh, model: LocalModel, optimizer, loss_fn, stages, *, executor=None,
+                 tied_sync=None, tied_params=(), hetero=None):
+        self.cfg, self.mesh, self.model, self.optimizer = cfg, mesh, model, optimizer
+        self._stages = list(stages)  # this rank's stages in model order (unused under pp)
+        self.loss_fn, self.executor, self.tied_sync, self.tied_params = loss_fn, executor, tied_sync, list(tied_params)
+        self.hetero = hetero
+        self.params = [p for p in model.parameters() if p.requires_grad]
         self.device = mesh.device
         self.step = 0
         self.tokens_seen = 0
-        self.compute_seconds = 0.0
-        dtype = cfg.train.dtype
+        self.last_step_info: dict = {}
         self.autocast = (torch.autocast(device_type=self.device.type, dtype=torch.bfloat16)
-                         if dtype == "bfloat16" else nullcontext())
+                         if cfg.train.dtype == "bfloat16" else nullcontext())
 
-    def local_batch(self, tokens: torch.Tensor, targets: torch.Tensor):
-        """This rank's rows of the global ``[B, S]`` batch: block ``dp`` of ``dp`` blocks."""
-        d, n = self.mesh.rank("dp"), self.mesh.size("dp")
-        return local_slice(tokens, d, n).to(self.device), local_slice(targets, d, n).to(self.device)
+    # --- data ---------------------------------------------------------------------
+    def local_batch(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's share of a global ``[B, S]`` tensor: ``[B/(dp·q), S/sp]``."""
+        m = self.mesh
+        x = local_slice(x, m.rank("dp"), m.size("dp"))
+        x = local_slice(x, m.rank("tp_row"), m.size("tp_row"))
+        if m.size("sp") > 1:
+            from .sequence import split_sequence
+
+            x = split_sequence(x, m.group("sp"), dim=1, layout=self.cfg.sequence.layout)
+        return x.contiguous().to(self.device)
+
+    # --- one step -----------------------------------------------------------------
+    def _forward_backward(self, x, y) -> torch.Tensor:
+        if self.executor is not None:
+            mb = self.cfg.pipeline.microbatches
+            with self.autocast:
+                result = self.executor.step(list(x.chunk(mb)), list(y.chunk(mb)))
+            self.last_step_info = {"peak_activations": result.peak_activations, "wait_s": result.wait_s}
+            if self.tied_sync is not None:
+                self.tied_sync(self.tied_params, timeout_s=self.cfg.train.timeout_s)
+            return torch.tensor([result.loss], dtype=torch.float64, device=self.device)
+        h = x
+        with self.autocast:
+            for stage in self._stages:
+                h = stage(h)
+            loss = self.loss_fn(h, y)
+        loss.backward()
+        return loss.detach().to(torch.float64).reshape(1)
 
     def train_step(self, tokens: torch.Tensor, targets: torch.Tensor) -> float:
         """One optimizer step on the global batch; returns the global mean loss."""
-        t0 = time.perf_counter()
         for group in self.optimizer.param_groups:
             group["lr"] = lr_at(self.step, self.cfg.optimizer)
-        x, y = self.local_batch(tokens, targets)
-        with self.autocast:
-            loss = self.model(x, y)
-        loss.backward()
-        self.dp.sync_gradients()
+        loss = self._forward_backward(self.local_batch(tokens), self.local_batch(targets))
+        if self.hetero is None:
+            average_gradients(self.params, self.mesh, self.cfg.train.timeout_s)
         if self.cfg.train.grad_clip:
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.train.grad_clip)
+            norm = global_grad_norm(self.params, self.mesh, {id(p) for p in self.tied_params})
+            scale = (self.cfg.train.grad_clip / (norm + 1e-6)).clamp(max=1.0)
+            for p in self.params:
+                if p.grad is not None:
+                    p.grad.mul_(scale.to(p.grad.dtype))
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        value = loss.detach().to(torch.float64).reshape(1)
-        comm.all_reduce(value, self.mesh.group("dp"), stats=self.mesh.comm_stats, label="loss")
+        for axis in ("dp", "sp"):
+            comm.all_reduce(loss, self.mesh.group(axis), stats=self.mesh.comm_stats, label="loss")
         self.step += 1
         self.tokens_seen += tokens.numel()
-        self.compute_seconds += time.perf_counter() - t0
-        return value.item() / self.mesh.size("dp")
+        return loss.item() / (self.mesh.size("dp") * self.mesh.size("sp"))
 
-    # --- checkpointing -----------------------------------------------------------
+    # --- checkpointing --------------------------------------------------------------
+    def _key(self, name: str, p: torch.Tensor) -> str:
+        """A DCP key that is equal on ranks holding equal data, distinct otherwise."""
+        if self.mesh.size("tp_row") == 1 or not hasattr(p, "tensor2d_replicated_over"):
+            return name
+        i, j = self.mesh.rank("tp_row"), self.mesh.rank("tp_col")
+        if "tp_row" in p.tensor2d_replicated_over:
+            return f"{name}@tp_col{j}"
+        return f"{name}@tp{i}.{j}"
+
     def state_dict(self) -> dict:
-        """Model and optimizer state keyed by parameter name, plus the step."""
-        from torch.distributed.checkpoint.state_dict import get_state_dict
-
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
-        return {"model": model_sd, "optim": optim_sd, "step": torch.tensor(self.step),
-                "tokens_seen": torch.tensor(self.tokens_seen)}
+        """Model and optimizer state as a flat DCP-ready dict, plus the step."""
+        if self.hetero is not None:
+            return {**self.hetero.state_dict(), "step": torch.tensor(self.step),
+                    "tokens_seen": torch.tensor(self.tokens_seen)}
+        out = {"step": torch.tensor(self.step), "tokens_seen": torch.tensor(self.tokens_seen)}
+        for name, p in self.model.named_parameters():
+            key = self._key(name, p)
+            out[f"model.{key}"] = p.data
+            if not p.requires_grad:
+                continue
+            state = self.optimizer.state.get(p) or {
+                "step": torch.tensor(0.0), "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
+            for k, v in state.items():
+                out[f"optim.{key}.{k}"] = v
+        return out
 
     def load_state_dict(self, state: dict) -> None:
-        from torch.distributed.checkpoint.state_dict import set_state_dict
-
-        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
-                       optim_state_dict=state["optim"])
+        """Restore what :meth:`state_dict` produced (after ``checkpoint.load`` filled it)."""
+        if self.hetero is not None:
+            self.hetero.load_state_dict(state)
+        else:
+            for name, p in self.model.named_parameters():
+                key = self._key(name, p)
+                with torch.no_grad():
+                    p.copy_(state[f"model.{key}"])
+                if not p.requires_grad:
+                    continue
+                loaded = {k: state[f"optim.{key}.{k}"] for k in ("step", "exp_avg", "exp_avg_sq")}
+                if float(loaded["step"]) > 0:
+                    self.optimizer.state[p] = loaded
         self.step = int(state["step"])
         self.tokens_seen = int(state["tokens_seen"])
 
 
 def unsupported(cfg: Config) -> list[str]:
-    """Config choices this build cannot run yet, as messages naming the field."""
+    """Config choices this build cannot run, as messages naming the field."""
     out = []
-    if cfg.parallel.pp > 1:
-        out.append(f"parallel.pp={cfg.parallel.pp}: pipeline parallelism is not available in this build; use parallel.pp=1")
-    if cfg.parallel.sp > 1:
-        out.append(f"parallel.sp={cfg.parallel.sp}: sequence parallelism is not available in this build; use parallel.sp=1")
-    if cfg.parallel.tp > 1:
-        out.append(f"parallel.tp={cfg.parallel.tp}: 2D tensor parallelism is not available in this build; use parallel.tp=1")
-    if cfg.hetero.enabled:
-        out.append("hetero.enabled=true: heterogeneous memory is not available in this build; use hetero.enabled=false")
+    if cfg.hetero.enabled and (cfg.parallel.pp > 1 or cfg.parallel.sp > 1 or cfg.parallel.tp > 1):
+        out.append("hetero.enabled=true composes with parallel.dp only in this version; "
+                   "use parallel.pp=1, parallel.sp=1 and parallel.tp=1 with hetero")
     return out
+
+
+def _pipeline(cfg: Config, mesh: Mesh, names, stages, loss_fn):
+    """Cut the stages into chunks; returns (local stage dict, executor, tied sync, tied params)."""
+    from .pipeline import make_schedule
+    from .pipeline.executor import PipelineExecutor, TiedGradSync
+    from .pipeline.partition import build_chunks, parameter_costs, partition
+
+    pl, p = cfg.pipeline, cfg.parallel
+    schedule = make_schedule(pl.schedule, p.pp, pl.microbatches, waves=pl.waves, chunks_per_rank=pl.chunks_per_rank)
+    ranges = partition(parameter_costs(stages), schedule.num_chunks)
+    me = mesh.rank("pp")
+    mine = schedule.placement[me]
+    chunks = build_chunks(stages, ranges, mine)
+    local = {names[i]: stages[i] for c in mine for i in ranges[c]}
+    q, sp = mesh.size("tp_row"), mesh.size("sp")
+    m = cfg.model
+    shape = [cfg.data.batch_size // (p.dp * q * pl.microbatches), m.seq_len // sp, m.hidden // q]
+    executor = PipelineExecutor(schedule, mesh, chunks, loss_fn, shape, DTYPES[cfg.train.dtype],
+                                timeout_s=cfg.train.timeout_s, device=mesh.device)
+    tied_sync, tied_params = None, []
+    if m.tie_embeddings and schedule.owner(0) != schedule.owner(schedule.num_chunks - 1):
+        tied_sync = TiedGradSync(mesh, schedule)
+        if "embed" in local:
+            tied_params.append(_tied_table(local["embed"]))
+        if "head" in local:
+            tied_params.append(_tied_table(local["head"], head=True))
+    return local, executor, tied_sync, tied_params
+
+
+def _tied_table(stage: nn.Module, head: bool = False) -> nn.Parameter:
+    """The token table of an embedding stage, or the LM-head weight of a head stage."""
+    stage = getattr(stage, "embed", stage)  # unwrap PositionedEmbedding
+    if head:
+        return stage.lm_head.weight if hasattr(stage, "lm_head") else stage.weight
+    return stage.tok.weight
 
 
 def compose(cfg: Config, mesh: Mesh) -> Engine:
@@ -139,16 +340,41 @@ def compose(cfg: Config, mesh: Mesh) -> Engine:
     problems = unsupported(cfg)
     if problems:
         raise ConfigError("this configuration cannot run:\n" + "\n".join(f"  - {p}" for p in problems))
-    shape = GPTShape.from_config(cfg.model)
-    model = build_gpt(shape, seed=cfg.train.seed).to(device=mesh.device, dtype=DTYPES[cfg.train.dtype])
-    params = [p for p in model.parameters() if p.requires_grad]
-    dp = DataParallel(params, mesh, cfg.train.timeout_s)
-    optimizer = build_optimizer(params, cfg.optimizer)
-    return Engine(cfg, mesh, model, optimizer, dp)
+    for axis, size in (("pp", cfg.parallel.pp), ("dp", cfg.parallel.dp), ("sp", cfg.parallel.sp),
+                       ("tp_row", cfg.parallel.q)):
+        if mesh.size(axis) != size:
+            raise ConfigError(f"the mesh has {axis}={mesh.size(axis)} but the config asks for {size}; "
+                              "build the mesh from cfg.parallel")
+    executor = tied_sync = None
+    tied_params: list = []
+    untie = False
+    if cfg.parallel.pp > 1:
+        from .pipeline import make_schedule
+
+        pl = cfg.pipeline
+        s = make_schedule(pl.schedule, cfg.parallel.pp, pl.microbatches, waves=pl.waves,
+                          chunks_per_rank=pl.chunks_per_rank)
+        untie = s.owner(0) != s.owner(s.num_chunks - 1)
+    names, stages, loss_fn = build_stages(cfg, mesh, untie=untie)
+    if cfg.parallel.pp > 1:
+        local, executor, tied_sync, tied_params = _pipeline(cfg, mesh, names, stages, loss_fn)
+    else:
+        local = dict(zip(names, stages))
+    model = LocalModel(local)
+    hetero = None
+    if cfg.hetero.enabled:
+        from .hetero import wrap
+
+        model, optimizer = wrap(model, cfg.optimizer, cfg.hetero, mesh=mesh)
+        hetero = optimizer
+    else:
+        optimizer = build_optimizer([p for p in model.parameters() if p.requires_grad], cfg.optimizer)
+    return Engine(cfg, mesh, model, optimizer, loss_fn, [local[n] for n in names if n in local],
+                  executor=executor, tied_sync=tied_sync, tied_params=tied_params, hetero=hetero)
 
 
-def parameter_count(model: torch.nn.Module) -> int:
-    """Distinct parameters (a tied weight counts once)."""
+def parameter_count(model: nn.Module) -> int:
+    """Distinct parameters on this rank (a tied weight counts once)."""
     return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
 
 
@@ -157,6 +383,3 @@ def flops_per_token(cfg: Config) -> float:
     m = cfg.model
     n = 12 * m.layers * m.hidden ** 2
     return 6 * n + 12 * m.layers * m.hidden * m.seq_len
-
-
-__all__ = ["compose", "Engine", "build_optimizer", "lr_at", "parameter_count", "flops_per_token"]

@@ -9,10 +9,10 @@ worker's rank and traceback; a job that outlives ``timeout_s`` is killed with
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import pickle
 import shutil
+import subprocess
 import sys
 import tempfile
 import threading
@@ -43,7 +43,16 @@ def _watch_parent(parent_pid: int) -> None:
         time.sleep(1.0)
 
 
-def _worker_main(fn, rank, world_size, backend, init_file, pg_timeout_s, args, kwargs, out_dir, parent_pid, env):
+def _worker_main(payload_path: str, rank: int) -> None:
+    """Entry point of one worker process (``python -m parallel4d.worker_entry PAYLOAD RANK``).
+
+    Workers are plain subprocesses rather than multiprocessing children, so the
+    caller's ``__main__`` is never re-imported: ``parallel4d.launch`` works from a
+    script without an ``if __name__ == "__main__"`` guard.
+    """
+    with open(payload_path, "rb") as f:
+        sys.path[:0] = [p for p in pickle.load(f) if p not in sys.path]  # before unpickling fn
+        fn, world_size, backend, init_file, pg_timeout_s, args, kwargs, out_dir, parent_pid, env = pickle.load(f)
     os.environ.update(env)
     os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
                        "LOCAL_WORLD_SIZE": str(world_size)})
@@ -77,19 +86,25 @@ def _worker_main(fn, rank, world_size, backend, init_file, pg_timeout_s, args, k
         dist.destroy_process_group()
     except Exception:
         pass
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # skip interpreter teardown: gloo threads can make it slow
 
 
-def _stop(procs, grace_s: float = 5.0) -> None:
+def _stop(procs: list[subprocess.Popen], grace_s: float = 5.0) -> None:
     for p in procs:
-        if p.is_alive():
+        if p.poll() is None:
             p.terminate()
     deadline = time.monotonic() + grace_s
     for p in procs:
-        p.join(max(0.0, deadline - time.monotonic()))
+        try:
+            p.wait(max(0.01, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
     for p in procs:
-        if p.is_alive():
+        if p.poll() is None:
             p.kill()
-            p.join()
+            p.wait()
 
 
 def spawn(
@@ -119,18 +134,14 @@ def spawn(
     tmp = tempfile.mkdtemp(prefix="parallel4d-")
     init_file = os.path.join(tmp, "rendezvous")
     child_env = {"PARALLEL4D_THREADS": str(threads_per_worker), **(env or {})}
-    ctx = mp.get_context("spawn")
-    procs = [
-        ctx.Process(
-            target=_worker_main,
-            args=(fn, r, world_size, backend, init_file, pg_timeout_s, args, kwargs, tmp, os.getpid(), child_env),
-            name=f"parallel4d-rank{r}",
-        )
-        for r in range(world_size)
-    ]
+    payload = os.path.join(tmp, "payload.pkl")
+    with open(payload, "wb") as f:
+        pickle.dump(list(sys.path), f)
+        pickle.dump((fn, world_size, backend, init_file, pg_timeout_s, args, kwargs, tmp, os.getpid(), child_env), f)
+    procs: list[subprocess.Popen] = []
     try:
-        for p in procs:
-            p.start()
+        for r in range(world_size):
+            procs.append(subprocess.Popen([sys.executable, "-m", "parallel4d.worker_entry", payload, str(r)]))
         deadline = time.monotonic() + timeout_s
         while True:
             try:
@@ -138,10 +149,10 @@ def spawn(
                 if failed is not None:
                     _stop(procs)
                     raise WorkerError(*failed)
-                if all(p.exitcode == 0 for p in procs):
+                if all(p.poll() == 0 for p in procs):
                     break
                 if time.monotonic() > deadline:
-                    running = [r for r, p in enumerate(procs) if p.is_alive()]
+                    running = [r for r, p in enumerate(procs) if p.poll() is None]
                     _stop(procs)
                     raise WorkerTimeout(f"job did not finish within {timeout_s:.0f}s; ranks still running: {running}")
                 time.sleep(0.05)
@@ -150,12 +161,9 @@ def spawn(
                 print(f"[parallel4d] interrupted: waiting up to {interrupt_grace_s:.0f}s for the workers to save "
                       "(press Ctrl-C again to stop at once)", file=sys.stderr, flush=True)
                 for p in procs:
-                    if p.is_alive():
+                    if p.poll() is None:
                         p.terminate()  # SIGTERM: the same graceful path where Ctrl-C did not reach them
-                end = time.monotonic() + interrupt_grace_s
-                for p in procs:
-                    p.join(max(0.0, end - time.monotonic()))
-                _stop(procs)
+                _stop(procs, grace_s=interrupt_grace_s)
                 raise
         results = []
         for r in range(world_size):
@@ -171,7 +179,7 @@ def spawn(
 
 def _first_failure(procs, tmp) -> tuple[int, str] | None:
     """(rank, details) of the earliest failed worker, preferring one that reported an error."""
-    failed = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
+    failed = [r for r, p in enumerate(procs) if p.poll() not in (None, 0)]
     if not failed:
         return None
     reported = []
@@ -187,7 +195,7 @@ def _first_failure(procs, tmp) -> tuple[int, str] | None:
         _, _, r, details = min((_is_peer_loss(d), t, r, d) for t, r, d in reported)
         return r, details
     r = failed[0]
-    return r, f"process exited with code {procs[r].exitcode} without reporting an error (killed?)"
+    return r, f"process exited with code {procs[r].poll()} without reporting an error (killed?)"
 
 
 _PEER_LOSS = ("connection closed by peer", "connection reset", "broken pipe", "socket closed",

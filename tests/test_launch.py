@@ -1,7 +1,6 @@
 """launch(): spawned and torchrun-style jobs, summary.json, DP = single process, failures."""
 
 import json
-import multiprocessing
 import os
 import time
 
@@ -13,6 +12,26 @@ from conftest import run_workers
 from parallel4d import launch
 from parallel4d.config import ConfigError
 from parallel4d.workers import WorkerError, spawn
+
+
+def worker_processes():
+    """PIDs of live worker processes started by this process."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmd = f.read()
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        state = stat.rsplit(")", 1)[1].split()[0]
+        if b"parallel4d.worker_entry" in cmd and ppid == os.getpid() and state != "Z":
+            found.append(int(entry))
+    return found
 
 
 def tiny(tmp_path, name, **parallel):
@@ -72,7 +91,7 @@ def test_failing_worker_brings_job_down(tmp_path):
         spawn(_fail_on_rank_one, 3, backend="gloo", timeout_s=120, pg_timeout_s=60)
     assert err.value.rank == 1 and "boom from rank one" in str(err.value)
     assert time.monotonic() - start < 60
-    assert multiprocessing.active_children() == []
+    assert worker_processes() == []
 
 
 def _hang():
@@ -84,7 +103,7 @@ def test_hung_job_times_out():
 
     with pytest.raises(WorkerTimeout, match="ranks still running"):
         spawn(_hang, 2, timeout_s=8)
-    assert multiprocessing.active_children() == []
+    assert worker_processes() == []
 
 
 def test_cli_launch_bad_config_exits_2(tmp_path, capsys):
