@@ -167,7 +167,7 @@ def search_chunk_elems(numels: list[int], align: int = 64, multiple_of: int = 1,
     """Waste-minimising chunk capacity (Gemini-style search).
 
     Scans capacities from the largest tensor (rounded up to ``align·multiple_of``)
-    to ``span``× that, in steps of ``align·multiple_of``, and returns the one with the
+    to ``span``× that (or to one chunk holding everything, if smaller), in steps of ``align·multiple_of``, and returns the one with the
     fewest unused elements (ties → the smaller capacity: finer-grained offloading).
     ``multiple_of`` = dp size so that ZeRO can split every chunk into equal shards.
     """
@@ -175,7 +175,8 @@ def search_chunk_elems(numels: list[int], align: int = 64, multiple_of: int = 1,
         raise ValueError("hetero: the model has no parameters to manage")
     step = align * multiple_of
     lo = round_up(max(numels), step)
-    hi = max(lo, min(span * lo, round_up(sum(numels), step)))
+    # beyond "everything in one chunk" (with alignment padding) nothing can improve
+    hi = max(lo, min(span * lo, round_up(sum(numels) + align * len(numels), step)))
     n_steps = (hi - lo) // step
     stride = max(1, n_steps // 512)  # bound the search cost for huge models
     best = None

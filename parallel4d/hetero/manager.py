@@ -107,6 +107,7 @@ class ChunkManager:
         self.iter_stats = MoveStats()  # current iteration
         self.history: list[dict] = []  # finished iterations: stats + trace
         self.peak_resident_bytes = 0
+        self.peak_steady_total = 0  # dynamic budget: max resident + live non-model after warm-up
         self._iter_start_resident: set[int] = set()
         self.cuda = device.type == "cuda"
         self.copy_stream = torch.cuda.Stream(device) if self.cuda else None
@@ -222,8 +223,10 @@ class ChunkManager:
             base = avail // (p.slot_elems * self.esize)
         return min(p.n_slots, max(base, self._pinned(p) + extra, 1))
 
-    def budget_now(self) -> int:
-        return sum(self._limit(p) * p.slot_elems for p in self.pools.values()) * self.esize
+    def budget_now(self, using: Optional[Chunk] = None) -> int:
+        """Bytes allowed now; ``using``: the chunk being accessed (about to be pinned)."""
+        return sum(self._limit(p, int(using is not None and using.pool == p.name and not using.pinned))
+                   * p.slot_elems for p in self.pools.values()) * self.esize
 
     def _too_small(self, p: Pool, need: int) -> BudgetError:
         sb = p.slot_elems * self.esize
@@ -237,16 +240,18 @@ class ChunkManager:
             f"(run once with hetero.device_budget_bytes=None and read stats()['min_feasible_budget_bytes'] "
             f"for the exact minimum of this model and loop)")
 
-    def _check_budget(self) -> None:
+    def _check_budget(self, using: Optional[Chunk] = None) -> None:
         r = self.resident_bytes()
         self.peak_resident_bytes = max(self.peak_resident_bytes, r)
-        limit = self.budget_now()
+        if self.dynamic_capacity is not None and self.trace.valid:
+            self.peak_steady_total = max(self.peak_steady_total, r + self.nonmodel_fn())
+        limit = self.budget_now(using)
         if r > limit:
             raise RuntimeError(f"hetero internal error: {r} resident bytes exceed the budget of {limit}")
 
     # --- residency ---------------------------------------------------------------
-    def _victim(self, p: Pool) -> Optional[Chunk]:
-        cands = [c for c in p.owner if c is not None and not c.pinned]
+    def _victim(self, p: Pool, protect: Optional[Chunk] = None) -> Optional[Chunk]:
+        cands = [c for c in p.owner if c is not None and not c.pinned and c is not protect]
         if not cands:
             return None
         dead = [c for c in cands if c.dead]
@@ -276,10 +281,10 @@ class ChunkManager:
         c.slot = None
         c.dirty = False
 
-    def _make_room(self, p: Pool, keep: int) -> None:
-        """Evict until at most ``keep`` slots of ``p`` are occupied."""
+    def _make_room(self, p: Pool, keep: int, protect: Optional[Chunk] = None) -> None:
+        """Evict until at most ``keep`` slots of ``p`` are occupied (never ``protect``)."""
         while p.n_slots - len(p.free) > keep:
-            v = self._victim(p)
+            v = self._victim(p, protect)
             if v is None:
                 raise self._too_small(p, p.n_slots - len(p.free) + 1)
             self.evict(v)
@@ -311,7 +316,8 @@ class ChunkManager:
                     s.loads += 1
             c.dirty = False
         elif self.dynamic_capacity is not None:
-            self._make_room(p, self._limit(p))  # proactive: the budget may have shrunk
+            # proactive: the budget may have shrunk since the last moment
+            self._make_room(p, self._limit(p, extra=int(not c.pinned)), protect=c)
 
     def access(self, c: Chunk, record: bool = True) -> None:
         """Record the moment (unless ``record`` is False: state-dict traffic outside the
@@ -321,7 +327,7 @@ class ChunkManager:
             self.trace.record(c.cid, self.nonmodel_fn(), live=not c.dead)
         self.ensure_resident(c)
         c.last_use = self.tick
-        self._check_budget()
+        self._check_budget(c)
 
     def _note_pins(self, c: Chunk) -> None:
         p = self.pools[c.pool]

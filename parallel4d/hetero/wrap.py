@@ -79,12 +79,21 @@ def _validate(cfg, cls, field_name: str):
     if isinstance(cfg, cls):
         return cfg
     if isinstance(cfg, dict):
+        import difflib
         from pydantic import ValidationError
-        from ..config import format_validation_error
         try:
             return cls.model_validate(cfg)
         except ValidationError as e:
-            raise ValueError(f"invalid {field_name} section:\n" + format_validation_error(e)) from None
+            lines = []
+            for err in e.errors():
+                where = ".".join(str(x) for x in err["loc"])
+                if err["type"] == "extra_forbidden":
+                    close = difflib.get_close_matches(where, list(cls.model_fields), n=1)
+                    hint = f"did you mean {field_name}.{close[0]}? " if close else ""
+                    lines.append(f"unknown field {field_name}.{where}; {hint}valid fields: {', '.join(cls.model_fields)}")
+                else:
+                    lines.append(f"{field_name}.{where}: {err['msg']}")
+            raise ValueError("\n".join(lines)) from None
     raise ValueError(f"{field_name} must be a {cls.__name__} or a dict of its fields, got {type(cfg).__name__}")
 
 
@@ -242,6 +251,7 @@ class HeteroRuntime:
                 if b is not None:
                     mod._buffers[bn] = b.to(self.device)
         self._cb_task = None
+        self.relocate_saved = True  # False only to demonstrate the relocation bug in tests
         self.steps: dict[str, int] = {}
         self._install_hooks()
 
@@ -444,7 +454,7 @@ class HeteroRuntime:
 
     # --- saved tensors --------------------------------------------------------------------
     def _pack(self, t: torch.Tensor):
-        if t.numel():
+        if t.numel() and self.relocate_saved:
             loc = self.mgr.locate(t)
             if loc is not None:
                 _, c, off = loc
