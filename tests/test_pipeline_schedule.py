@@ -226,3 +226,51 @@ def test_check_pipeline_args():
         check_pipeline_args(layers=6, pp=2, microbatches=0)
     with pytest.raises(ValueError, match="did you mean 'gpipe'"):
         check_pipeline_args(layers=6, pp=2, microbatches=2, schedule="gpip")
+
+
+def _brute_force_partition(costs, k):
+    """Smallest possible max chunk cost, by trying every cut."""
+    n = len(costs)
+    best = float("inf")
+    for cuts in itertools.combinations(range(1, n), k - 1):
+        bounds = (0, *cuts, n)
+        best = min(best, max(sum(costs[a:b]) for a, b in zip(bounds, bounds[1:])))
+    return best
+
+
+def test_partition_is_contiguous_and_minimises_the_max():
+    import random
+
+    from parallel4d.pipeline.partition import partition
+
+    rng = random.Random(0)
+    for _ in range(200):
+        n = rng.randint(1, 9)
+        k = rng.randint(1, n)
+        costs = [rng.choice([0.0, 1.0, 2.0, 5.0, rng.random() * 10]) for _ in range(n)]
+        parts = partition(costs, k)
+        assert len(parts) == k and all(len(p) >= 1 for p in parts)
+        assert [i for p in parts for i in p] == list(range(n))  # contiguous, in order, complete
+        got = max(sum(costs[i] for i in p) for p in parts)
+        assert got == pytest.approx(_brute_force_partition(costs, k), abs=1e-9)
+    # Evenness among optimal cuts: [embed, 6 equal blocks, head] into 4 → 2 stages each.
+    assert partition([1.0] * 8, 4) == [range(0, 2), range(2, 4), range(4, 6), range(6, 8)]
+    with pytest.raises(ValueError, match=r"num_chunks=5.*use num_chunks≤4"):
+        partition([1, 1, 1, 1], 5)
+
+
+def test_parameter_costs_and_chunks_on_the_gpt():
+    from parallel4d.models.gpt import GPTShape, build_gpt
+    from parallel4d.pipeline.partition import build_chunks, parameter_costs, partition
+
+    model = build_gpt(GPTShape(vocab_size=64, seq_len=8, hidden=16, heads=2, layers=6), seed=0)
+    stages = model.stages()
+    costs = parameter_costs(stages)
+    assert costs[0] == 64 * 16 + 8 * 16 and costs[-1] == 64 * 16 + 2 * 16  # tied weight counts in both
+    s = hanayo(2, 4, 1)
+    ranges = partition(costs, s.num_chunks)
+    assert ranges[0][0] == 0 and ranges[-1][-1] == len(stages) - 1  # embedding first, head last
+    chunks = build_chunks(stages, ranges, s.placement[0])
+    assert sorted(chunks) == [0, 3]
+    # Under Hanayo both ends are on rank 0 and share the very same tied Parameter.
+    assert chunks[0][0].tok.weight is chunks[3][-1].weight

@@ -1,0 +1,369 @@
+"""One executor for every :class:`~.schedule.Schedule`, over the mesh's ``pp`` axis.
+
+Per optimizer step, each pp rank walks its own action list in order:
+
+* ``F(i, c)``: input = micro-batch ``i`` (chunk 0), or the activation of chunk
+  ``c-1`` (received, or handed over locally at a wave turn); runs chunk ``c``;
+  the last chunk also applies ``loss_fn(output, targets[i])``. Stores
+  ``(input, output)`` for the backward and sends the output on.
+* ``B(i, c)``: backward of chunk ``c`` with the received output-gradient (or
+  ``loss / m`` for the last chunk), frees what ``F(i, c)`` stored, and sends the
+  input-gradient to chunk ``c-1``. Gradients accumulate in the modules' ``.grad``.
+
+Transfers: shapes/dtypes are known up front (no handshake); every message
+between two ranks has a canonical position (:func:`~.analysis.message_plan`)
+and both sides post their sends/receives for that pair in that order, so p2p
+matching is FIFO-correct on gloo and NCCL without tags, and no rank ever has to
+post a send it has not produced yet before a receive it needs. Receives are
+posted ahead (``recv_lookahead`` actions) and batched with the sends that are
+ready into one ``comm.p2p`` call. Each wait has ``timeout_s`` and a hang
+becomes a :class:`~parallel4d.comm.CommTimeout` naming the rank and action.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Sequence, Union
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from .. import comm
+from .analysis import Message, message_plan, validate
+from .schedule import Action, Schedule
+
+ShapeSpec = Union[Sequence[int], Callable[[int], Sequence[int]]]
+
+
+@dataclass
+class StepResult:
+    """What one :meth:`PipelineExecutor.step` did on this rank.
+
+    ``loss``: mean over micro-batches of the per-micro-batch loss (same on all
+    pp ranks). ``peak_activations``: most chunk activations stored at once
+    (equals ``simulate(schedule).peak_activations[pp_rank]``);
+    ``peak_microbatches``: most distinct micro-batches among them. ``trace``:
+    ``(action, start, end)`` in ``time.perf_counter`` seconds, compute only.
+    ``wait_s``: seconds spent waiting for receives.
+    """
+
+    loss: float
+    peak_activations: int
+    peak_microbatches: int
+    trace: list[tuple[Action, float, float]] = field(repr=False)
+    wait_s: float = 0.0
+
+
+class PipelineExecutor:
+    """Runs ``schedule`` for this rank's chunks on the ``pp`` axis of ``mesh``.
+
+    Args:
+        schedule: a valid schedule (checked with :func:`validate`); every pp rank
+            must pass the same one (compared once here unless ``check_schedule=False``).
+        mesh: a :class:`~parallel4d.mesh.Mesh`; peers are ``mesh.global_rank("pp", i)``.
+        chunks: ``{chunk id: module}`` for exactly ``schedule.placement[pp_rank]``.
+        loss_fn: ``loss_fn(output_of_last_chunk, targets) -> scalar`` (mean over
+            the micro-batch); the executor divides by ``m`` once.
+        activation_shape: shape of the tensor between chunks for one
+            micro-batch, e.g. ``[b/m, s, h]`` (local shard shape under TP/SP), or
+            ``f(c) -> shape`` for the output of chunk ``c``.
+        activation_dtype: dtype of those tensors (and of their gradients).
+        timeout_s: limit for any single wait.
+        recv_lookahead: post the receives of this many upcoming actions early.
+    """
+
+    def __init__(self, schedule: Schedule, mesh, chunks: dict[int, nn.Module], loss_fn: Callable,
+                 activation_shape: ShapeSpec, activation_dtype: torch.dtype = torch.float32, *,
+                 timeout_s: float = 300.0, recv_lookahead: int = 2, check_schedule: bool = True,
+                 device: torch.device | None = None):
+        validate(schedule)
+        if mesh.size("pp") != schedule.pp:
+            raise ValueError(f"schedule is for pp={schedule.pp} but the mesh has parallel.pp={mesh.size('pp')}")
+        self.schedule = schedule
+        self.mesh = mesh
+        self.me = mesh.rank("pp")
+        mine = sorted(schedule.placement[self.me])
+        if sorted(chunks) != mine:
+            raise ValueError(f"pp rank {self.me} must get the modules of chunks {mine} "
+                             f"(schedule.placement[{self.me}]), got chunks {sorted(chunks)}")
+        self.chunks = chunks
+        self.loss_fn = loss_fn
+        self._shape = activation_shape if callable(activation_shape) else (lambda c, s=tuple(activation_shape): s)
+        self.dtype = activation_dtype
+        self.timeout_s = float(timeout_s)
+        self.lookahead = max(0, int(recv_lookahead))
+        self.device = device or mesh.device
+        self.group = mesh.group("pp")
+        self.stats = mesh.comm_stats
+        self.last = schedule.num_chunks - 1
+        self.owner = {c: r for r, cs in schedule.placement.items() for c in cs}
+        self.actions = list(schedule.actions[self.me])
+        # Per peer: the canonical message list; per action: the message it needs / produces.
+        self.plan: dict[int, list[Message]] = {}
+        for (a, b), msgs in message_plan(schedule).items():
+            if self.me in (a, b):
+                self.plan[b if a == self.me else a] = msgs
+        self.need: dict[Action, tuple[int, int]] = {}
+        self.makes: dict[Action, tuple[int, int]] = {}
+        for peer, msgs in self.plan.items():
+            for idx, msg in enumerate(msgs):
+                if msg.dst == self.me:
+                    self.need[msg.consumer] = (peer, idx)
+                else:
+                    self.makes[msg.producer] = (peer, idx)
+        if check_schedule and schedule.pp > 1:
+            self._check_same_schedule()
+
+    # --- setup ------------------------------------------------------------------
+    def _check_same_schedule(self) -> None:
+        # Also the first collective on the pp group (NCCL creates communicators lazily).
+        mine = torch.tensor([int(self.schedule.fingerprint()[:15], 16)], dtype=torch.int64, device=self.device)
+        every = comm.all_gather(mine, self.group, stats=self.stats, label="pp.check")
+        if bool((every != mine).any()):
+            raise ValueError(f"pp ranks run different schedules (fingerprints {every.tolist()}); build the "
+                             f"schedule from the same config on every rank")
+
+    def _peer(self, pp_index: int) -> int:
+        return self.mesh.global_rank("pp", pp_index)
+
+    def _where(self, i: int, a: Action) -> str:
+        return f"pp rank {self.me} (global rank {dist.get_rank()}) at action #{i} {a.describe()}"
+
+    # --- one step ---------------------------------------------------------------
+    def step(self, inputs: Sequence[torch.Tensor] | None, targets: Sequence[torch.Tensor] | None) -> StepResult:
+        """Run one step's forwards and backwards; gradients accumulate into the chunks.
+
+        ``inputs[i]``: micro-batch ``i``'s input to chunk 0 (e.g. tokens
+        ``[b/m, s]``), needed on the rank holding chunk 0; ``targets[i]``: the
+        loss targets, needed on the rank holding the last chunk. Others may pass
+        ``None``. Returns the mean loss on every pp rank.
+        """
+        s, m = self.schedule, self.schedule.microbatches
+        if self.owner[0] == self.me and (inputs is None or len(inputs) != m):
+            raise ValueError(f"pp rank {self.me} holds chunk 0 and needs {m} input micro-batches, "
+                             f"got {None if inputs is None else len(inputs)}")
+        if self.owner[self.last] == self.me and (targets is None or len(targets) != m):
+            raise ValueError(f"pp rank {self.me} holds the last chunk and needs {m} target micro-batches, "
+                             f"got {None if targets is None else len(targets)}")
+        st = _StepState(self)
+        st.issue(st.lookahead_ops(0))
+        for i, a in enumerate(self.actions):
+            x_in = st.take_input(i, a)
+            t0 = time.perf_counter()
+            if a.kind == "F":
+                out = self._forward(st, a, x_in, inputs, targets)
+            else:
+                out = self._backward(st, a, x_in)
+            st.trace.append((a, t0, time.perf_counter()))
+            ops = st.deliver(a, out)
+            ops += st.lookahead_ops(i + 1)
+            st.issue(ops)
+            st.reap_sends()
+        st.finish_sends()
+        loss = self._mean_loss(st)
+        return StepResult(loss, st.peak, st.peak_mb, st.trace, st.wait_s)
+
+    def _forward(self, st: "_StepState", a: Action, x, inputs, targets):
+        i, c = a.microbatch, a.chunk
+        if c == 0:
+            x = inputs[i].to(self.device)
+        else:
+            x = x.detach().requires_grad_(x.is_floating_point())
+        y = self.chunks[c](x)
+        if c == self.last:
+            loss = self.loss_fn(y, targets[i].to(self.device))
+            st.losses.append(loss.detach())
+            st.store(a, x, loss)
+            return None
+        shape = tuple(self._shape(c))
+        if tuple(y.shape) != shape or y.dtype != self.dtype:
+            raise ValueError(f"chunk {c} produced {tuple(y.shape)} {y.dtype} but the executor was told "
+                             f"activation_shape {shape} {self.dtype} for its output")
+        st.store(a, x, y)
+        return y.detach()
+
+    def _backward(self, st: "_StepState", a: Action, grad):
+        x, y = st.release(a)
+        if a.chunk == self.last:
+            torch.autograd.backward(y * (1.0 / self.schedule.microbatches))
+        else:
+            torch.autograd.backward(y, grad)
+        if a.chunk == 0:
+            return None
+        return x.grad if x.grad is not None else torch.zeros_like(x)
+
+    def _mean_loss(self, st: "_StepState") -> float:
+        src = self.owner[self.last]
+        t = torch.zeros(1, dtype=torch.float64, device=self.device)
+        if src == self.me:
+            t += torch.stack([x.double() for x in st.losses]).sum() / self.schedule.microbatches
+        if self.schedule.pp > 1:
+            work = comm.broadcast(t, self._peer(src), self.group, stats=self.stats, label="pp.loss", async_op=True)
+            # Longer than one action's limit: a stalled action elsewhere should be what gets reported.
+            comm.wait(work, 2 * self.timeout_s, what=f"pp rank {self.me}: loss broadcast from pp rank {src}")
+        return float(t.item())
+
+
+class _StepState:
+    """Buffers, posted transfers and counters of one step on one rank."""
+
+    def __init__(self, ex: PipelineExecutor):
+        self.ex = ex
+        self.ptr = {p: 0 for p in ex.plan}            # next unposted canonical index per peer
+        self.outbox: dict[tuple[int, int], torch.Tensor] = {}
+        self.recv: dict[tuple[int, int], tuple[torch.Tensor, list]] = {}
+        self.sends: list[tuple[list, torch.Tensor]] = []
+        self.local: dict[Action, torch.Tensor] = {}   # wave-turn hand-offs, keyed by consumer
+        self.stash: dict[Action, tuple] = {}
+        self.losses: list[torch.Tensor] = []
+        self.trace: list = []
+        self.peak = self.peak_mb = 0
+        self.wait_s = 0.0
+
+    # activations stored between F and B
+    def store(self, a: Action, x, y) -> None:
+        self.stash[a] = (x, y)
+        self.peak = max(self.peak, len(self.stash))
+        self.peak_mb = max(self.peak_mb, len({k.microbatch for k in self.stash}))
+
+    def release(self, a: Action):
+        return self.stash.pop(Action("F", a.microbatch, a.chunk))
+
+    # posting
+    def _post_upto(self, peer: int, idx: int, ops: list) -> bool:
+        msgs = self.ex.plan[peer]
+        while self.ptr[peer] <= idx:
+            k = self.ptr[peer]
+            msg = msgs[k]
+            if msg.src == self.ex.me:
+                t = self.outbox.pop((peer, k), None)
+                if t is None:
+                    return False  # produced later; the canonical order guarantees the wait is not needed now
+                ops.append(("send", t, peer))
+            else:
+                buf = torch.empty(tuple(self.ex._shape(msg.boundary)), dtype=self.ex.dtype, device=self.ex.device)
+                ops.append(("recv", buf, peer, (peer, k)))
+            self.ptr[peer] = k + 1
+        return True
+
+    def lookahead_ops(self, start: int) -> list:
+        ops: list = []
+        for a in self.ex.actions[start:start + self.ex.lookahead]:
+            need = self.ex.need.get(a)
+            if need is not None:
+                self._post_upto(*need, ops)
+        return ops
+
+    def issue(self, ops: list) -> None:
+        if not ops:
+            return
+        flat = [(op[0], op[1], self.ex._peer(op[2])) for op in ops]
+        works = comm.p2p(flat, self.ex.group, stats=self.ex.stats, label="pp.p2p")
+        per_op = len(works) == len(ops)  # gloo: one work per op; coalesced backends: one for all
+        for j, op in enumerate(ops):
+            w = [works[j]] if per_op else works
+            if op[0] == "recv":
+                self.recv[op[3]] = (op[1], w)
+            else:
+                self.sends.append((w, op[1]))
+
+    def take_input(self, i: int, a: Action):
+        """The received / local tensor action ``a`` consumes (``None`` when it needs none)."""
+        if a in self.local:
+            return self.local.pop(a)
+        need = self.ex.need.get(a)
+        if need is None:
+            return None
+        if need not in self.recv:
+            ops: list = []
+            if not self._post_upto(*need, ops):
+                raise RuntimeError(f"{self.ex._where(i, a)}: message plan out of order (a bug)")
+            self.issue(ops)
+        buf, works = self.recv.pop(need)
+        peer = need[0]
+        what = "activation" if a.kind == "F" else "gradient"
+        src = Action("F", a.microbatch, a.chunk - 1) if a.kind == "F" else Action("B", a.microbatch, a.chunk + 1)
+        t0 = time.perf_counter()
+        comm.wait(works, self.ex.timeout_s,
+                  what=f"{self.ex._where(i, a)} waiting for the {what} of {src.describe()} from pp rank {peer}")
+        self.wait_s += time.perf_counter() - t0
+        return buf
+
+    def deliver(self, a: Action, out) -> list:
+        """Hand ``a``'s output to its consumer: local (wave turn) or a send op."""
+        ops: list = []
+        if out is None:
+            return ops
+        nxt = Action("F", a.microbatch, a.chunk + 1) if a.kind == "F" else Action("B", a.microbatch, a.chunk - 1)
+        if self.ex.owner[nxt.chunk] == self.ex.me:
+            self.local[nxt] = out
+            return ops
+        peer, idx = self.ex.makes[a]
+        self.outbox[(peer, idx)] = out.contiguous()
+        if not self._post_upto(peer, idx, ops):
+            raise RuntimeError(f"pp rank {self.ex.me}: message plan out of order at {a.describe()} (a bug)")
+        return ops
+
+    def reap_sends(self) -> None:
+        # Drop finished sends so their tensors can be freed before the step ends.
+        self.sends = [(w, t) for (w, t) in self.sends if not all(x.is_completed() for x in w)]
+
+    def finish_sends(self) -> None:
+        for w, _ in self.sends:
+            comm.wait(w, self.ex.timeout_s, what=f"pp rank {self.ex.me}: sends at the end of the step")
+        self.sends.clear()
+        leftover = [k for k in self.outbox]
+        if leftover or self.stash or self.local:
+            raise RuntimeError(f"pp rank {self.ex.me}: step ended with unsent {leftover}, "
+                               f"stored {list(self.stash)}, local {list(self.local)} (a bug)")
+
+
+# --- tied parameters across pp ranks ---------------------------------------------
+
+
+class TiedGradSync:
+    """Sum the gradient of a parameter shared by two chunks on different pp ranks.
+
+    Typical use: the token embedding (chunk 0) tied to the LM head (last chunk).
+    Under Hanayo both chunks live on pp rank 0, where they share one
+    ``nn.Parameter``: nothing to do (``active`` is False everywhere). Otherwise
+    each owner holds its own copy; call this after :meth:`PipelineExecutor.step`
+    on every rank (non-owners return at once) to all-reduce the copies' grads.
+
+    The constructor is collective over the *whole world* (``dist.new_group`` for
+    every pp line of the mesh, in the same order on all ranks), so build it once,
+    on every rank, before training.
+    """
+
+    def __init__(self, mesh, schedule: Schedule, chunks: Sequence[int] = (0, -1)):
+        owners = sorted({schedule.owner(c % schedule.num_chunks) for c in chunks})
+        self.owners = owners
+        self.group = None
+        self.mesh = mesh
+        if len(owners) < 2:
+            return
+        # One small group per pp line (all other coordinates fixed), created by everyone.
+        grid = mesh.device_mesh.mesh
+        lines = grid.reshape(grid.shape[0], -1).t().tolist()
+        me = dist.get_rank()
+        for line in lines:
+            ranks = sorted(int(line[o]) for o in owners)
+            g = dist.new_group(ranks)
+            if me in ranks:
+                self.group = g
+
+    @property
+    def active(self) -> bool:
+        return self.group is not None
+
+    def __call__(self, params: Sequence[nn.Parameter], timeout_s: float = 300.0) -> None:
+        """All-reduce (sum) the ``.grad`` of this rank's copies of the tied parameters."""
+        if self.group is None:
+            return
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            work = comm.all_reduce(p.grad, self.group, stats=self.mesh.comm_stats, label="pp.tied", async_op=True)
+            comm.wait(work, timeout_s, what=f"pp rank {self.mesh.rank('pp')}: tied-parameter gradient all-reduce")
