@@ -99,6 +99,7 @@ class Chunk:
     capacity: int
     tensors: list[TensorInfo]
     pool: str = "main"
+    base: int = 0  # ZeRO shard chunks hold elements [base, base+capacity) of the row's layout
     backing: Optional[torch.Tensor] = None
     slot: Optional[int] = None
     dirty: bool = False

@@ -345,7 +345,9 @@ class ChunkManager:
         for t in (c.tensors if tensors is None else tensors):
             if t.holds == 0:
                 if t.state == S.FREE and zero_free:
-                    self.view(c, t).zero_()
+                    a, b = max(t.offset, c.base), min(t.end, c.base + c.capacity)
+                    if a < b:
+                        self.slot_view(c)[a - c.base:b - c.base].zero_()
                 t.set_state(S.COMPUTE)
             t.holds += 1
         if write:

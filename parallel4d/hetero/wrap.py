@@ -259,7 +259,8 @@ class HeteroRuntime:
     def _make_chunk(self, row: Row, kind: str, state: TensorState, pool: str = "main", backing: bool = True) -> Chunk:
         cap = self.C if pool == "main" else self.Sz
         tensors = [TensorInfo(f"{kind}:{r.name}", r.shape, r.offset, r.param.numel(), state) for r in row.records]
-        return self.mgr.add(Chunk(-1, kind, row.index, cap, tensors, pool=pool), backing=backing)
+        base = self.dp_rank * self.Sz if pool == "shard" else 0
+        return self.mgr.add(Chunk(-1, kind, row.index, cap, tensors, pool=pool, base=base), backing=backing)
 
     def _static_min_slots(self, n_trainable_rows: int) -> int:
         """Lower bound on main-pool slots: the optimizer pins P, G, M, V of one row
@@ -606,7 +607,11 @@ class HeteroRuntime:
             m = self._full_row(row.M, row.M)
             v = self._full_row(row.V, row.V)
             for rec, t in zip(row.records, row.M.tensors):
+                # every trainable parameter has an entry (zeros, step 0 before its first
+                # update) so that a fresh optimizer's state_dict is a complete DCP load template
                 if t.state == S.FREE:
+                    state[rec.name] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros(rec.shape, dtype=self.dtype),
+                                       "exp_avg_sq": torch.zeros(rec.shape, dtype=self.dtype)}
                     continue
                 sl = lambda x: x.narrow(0, rec.offset, rec.param.numel()).view(rec.shape).clone()
                 state[rec.name] = {"step": torch.tensor(float(self.steps.get(rec.name, 0))),

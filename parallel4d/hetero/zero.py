@@ -33,11 +33,13 @@ def segment(t: TensorInfo, lo: int, hi: int) -> tuple[int, int] | None:
 
 def all_gather_into(full: torch.Tensor, local: torch.Tensor, group) -> None:
     """``full[C]`` ← concatenation of every rank's ``local[S]`` (rank order of ``group``)."""
-    dist.all_gather_into_tensor(full, local.contiguous(), group=group)
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    fn(full, local.contiguous(), group=group)
 
 
 def reduce_scatter_mean(full: torch.Tensor, group, dp: int) -> torch.Tensor:
     """Sum ``full[C]`` over the group and return this rank's ``[S]`` shard divided by ``dp``."""
     out = torch.empty(full.numel() // dp, dtype=full.dtype, device=full.device)
-    dist.reduce_scatter_tensor(out, full, op=dist.ReduceOp.SUM, group=group)
+    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    fn(out, full, op=dist.ReduceOp.SUM, group=group)
     return out.div_(dp)
