@@ -146,7 +146,7 @@ def _check_load_at_dp1(ckpt, expected_after_one_more_step):
     try:
         m, opt = wrap(build(), OPT, dict(compute_device="cpu"))
         sd = state_dict(m, opt)
-        dcp.load(sd, checkpoint_id=ckpt)
+        dcp.load(sd, checkpoint_id=ckpt, no_dist=True)
         load_state_dict(m, opt, sd)
         # the loaded values are the saved ones, bit for bit
         saved = state_dict(m, opt)
