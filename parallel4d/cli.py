@@ -82,6 +82,10 @@ def main(argv: list[str] | None = None) -> int:
     except (WorkerError, WorkerTimeout) as e:
         print(f"parallel4d: the job failed: {e}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        print("parallel4d: interrupted; the workers saved a checkpoint at the last finished step "
+              "(continue with --set train.resume=true)", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

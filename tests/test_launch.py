@@ -133,3 +133,39 @@ def test_cli_job_failure_exits_nonzero_with_the_error(tmp_path):
     assert proc.returncode == 1, proc.stderr[-2000:]
     assert "the job failed" in proc.stderr and "loss became" in proc.stderr
     assert time.monotonic() - start < 120
+
+
+def test_interrupt_saves_and_resume_continues(tmp_path):
+    """Ctrl-C (SIGINT to the launcher): the workers finish the step, save, and the job resumes."""
+    import json
+    import signal
+    import subprocess
+    import sys
+
+    import yaml
+
+    from parallel4d import checkpoint
+
+    cfg = tiny(tmp_path, "interrupted", dp=2)
+    cfg["train"].update(steps=100000, dtype="float32")
+    cfg["checkpoint"] = {"enabled": True}
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    proc = subprocess.Popen([sys.executable, "-m", "parallel4d", "launch", str(path)], stderr=subprocess.PIPE,
+                            text=True)
+    for line in proc.stderr:  # wait until training is under way
+        if "step 3/" in line:
+            break
+    proc.send_signal(signal.SIGINT)
+    rest = proc.communicate(timeout=120)[1]
+    assert proc.returncode == 130, rest[-2000:]
+    out = tmp_path / "interrupted"
+    summary = json.loads((out / "summary.json").read_text())
+    saved = checkpoint.latest_checkpoint(out / "checkpoints")
+    assert summary["interrupted"] is True and saved is not None
+    assert saved.name == f"step_{summary['steps']:08d}" and summary["steps"] >= 3
+    # Resuming continues from the saved step with the saved losses kept.
+    cfg["train"].update(steps=summary["steps"] + 2, resume=True)
+    resumed = launch(cfg)
+    assert resumed["losses"][: summary["steps"]] == summary["losses"]
+    assert len(resumed["losses"]) == summary["steps"] + 2
