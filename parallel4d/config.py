@@ -208,6 +208,9 @@ def cross_field_problems(cfg: Config) -> list[str]:
         from .pipeline.checks import pipeline_arg_problems  # pure arithmetic, no torch
 
         out += pipeline_arg_problems(m.layers, p.pp, pl.microbatches, pl.schedule, pl.waves, pl.chunks_per_rank)
+    if cfg.hetero.enabled and (p.pp > 1 or p.sp > 1 or p.tp > 1):
+        out.append("hetero.enabled=true composes with parallel.dp only in this version; "
+                   "use parallel.pp=1, parallel.sp=1 and parallel.tp=1 with hetero (or hetero.enabled=false)")
     if cfg.data.source == "synthetic" and m.vocab_size < 2:
         out.append("model.vocab_size must be ≥ 2")
     if cfg.data.source == "text" and m.vocab_size < 256:

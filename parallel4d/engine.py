@@ -185,7 +185,7 @@ class Engine:
         self.cfg, self.mesh, self.model, self.optimizer = cfg, mesh, model, optimizer
         self._stages = list(stages)  # this rank's stages in model order (unused under pp)
         self.loss_fn, self.executor, self.tied_sync, self.tied_params = loss_fn, executor, tied_sync, list(tied_params)
-        self.hetero = hetero
+        self.hetero = optimizer if hetero else None  # the HeteroOptimizer owns chunks, ZeRO and stats
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.device = mesh.device
         self.step = 0
@@ -231,14 +231,16 @@ class Engine:
         loss = self._forward_backward(self.local_batch(tokens), self.local_batch(targets))
         if self.hetero is None:
             average_gradients(self.params, self.mesh, self.cfg.train.timeout_s)
-        if self.cfg.train.grad_clip:
+        if self.cfg.train.grad_clip and self.hetero is not None:
+            self.optimizer.clip_grad_norm_(self.cfg.train.grad_clip)  # applied inside step()
+        elif self.cfg.train.grad_clip:
             norm = global_grad_norm(self.params, self.mesh, {id(p) for p in self.tied_params})
             scale = (self.cfg.train.grad_clip / (norm + 1e-6)).clamp(max=1.0)
             for p in self.params:
                 if p.grad is not None:
                     p.grad.mul_(scale.to(p.grad.dtype))
         self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        self.optimizer.zero_grad()
         for axis in ("dp", "sp"):
             comm.all_reduce(loss, self.mesh.group(axis), stats=self.mesh.comm_stats, label="loss")
         self.step += 1
@@ -258,7 +260,9 @@ class Engine:
     def state_dict(self) -> dict:
         """Model and optimizer state as a flat DCP-ready dict, plus the step."""
         if self.hetero is not None:
-            return {**self.hetero.state_dict(), "step": torch.tensor(self.step),
+            from .hetero import state_dict as hetero_state_dict
+
+            return {**hetero_state_dict(self.model, self.optimizer), "step": torch.tensor(self.step),
                     "tokens_seen": torch.tensor(self.tokens_seen)}
         out = {"step": torch.tensor(self.step), "tokens_seen": torch.tensor(self.tokens_seen)}
         for name, p in self.model.named_parameters():
@@ -275,7 +279,9 @@ class Engine:
     def load_state_dict(self, state: dict) -> None:
         """Restore what :meth:`state_dict` produced (after ``checkpoint.load`` filled it)."""
         if self.hetero is not None:
-            self.hetero.load_state_dict(state)
+            from .hetero import load_state_dict as hetero_load_state_dict
+
+            hetero_load_state_dict(self.model, self.optimizer, state)
         else:
             for name, p in self.model.named_parameters():
                 key = self._key(name, p)
@@ -288,15 +294,6 @@ class Engine:
                     self.optimizer.state[p] = loaded
         self.step = int(state["step"])
         self.tokens_seen = int(state["tokens_seen"])
-
-
-def unsupported(cfg: Config) -> list[str]:
-    """Config choices this build cannot run, as messages naming the field."""
-    out = []
-    if cfg.hetero.enabled and (cfg.parallel.pp > 1 or cfg.parallel.sp > 1 or cfg.parallel.tp > 1):
-        out.append("hetero.enabled=true composes with parallel.dp only in this version; "
-                   "use parallel.pp=1, parallel.sp=1 and parallel.tp=1 with hetero")
-    return out
 
 
 def _pipeline(cfg: Config, mesh: Mesh, names, stages, loss_fn):
@@ -337,9 +334,6 @@ def _tied_table(stage: nn.Module, head: bool = False) -> nn.Parameter:
 
 def compose(cfg: Config, mesh: Mesh) -> Engine:
     """Build this rank's model, optimizer and gradient synchronisation for ``cfg``."""
-    problems = unsupported(cfg)
-    if problems:
-        raise ConfigError("this configuration cannot run:\n" + "\n".join(f"  - {p}" for p in problems))
     for axis, size in (("pp", cfg.parallel.pp), ("dp", cfg.parallel.dp), ("sp", cfg.parallel.sp),
                        ("tp_row", cfg.parallel.q)):
         if mesh.size(axis) != size:
@@ -366,7 +360,7 @@ def compose(cfg: Config, mesh: Mesh) -> Engine:
         from .hetero import wrap
 
         model, optimizer = wrap(model, cfg.optimizer, cfg.hetero, mesh=mesh)
-        hetero = optimizer
+        hetero = True
     else:
         optimizer = build_optimizer([p for p in model.parameters() if p.requires_grad], cfg.optimizer)
     return Engine(cfg, mesh, model, optimizer, loss_fn, [local[n] for n in names if n in local],

@@ -135,6 +135,8 @@ def run_training(cfg: Config) -> dict:
         "torch": torch.__version__,
         "config": cfg.model_dump(mode="json"),
     }
+    if engine.hetero is not None:
+        summary["hetero"] = engine.hetero.stats()
     tmp = summary_path.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(summary, indent=2))
     os.replace(tmp, summary_path)
