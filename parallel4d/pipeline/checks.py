@@ -87,7 +87,9 @@ def pipeline_arg_problems(
         fix = f"use model.layers≥{chunks - 2}"
         if schedule == "hanayo":
             w_max = stages // (2 * pp)
-            fix += f" or pipeline.waves≤{w_max}" if w_max >= 1 else f" or parallel.pp≤{stages // 2}"
+            # Fewer waves first; if even one wave is too many chunks, fewer ranks as well.
+            fix += (f" or pipeline.waves≤{w_max}" if w_max >= 1
+                    else f" or pipeline.waves=1 with parallel.pp≤{max(1, stages // 2)}")
         elif schedule == "interleaved":
             v_max = stages // pp
             fix += f" or pipeline.chunks_per_rank≤{v_max}" if v_max >= 1 else ""
