@@ -261,6 +261,24 @@ def test_state_dict_roundtrip_and_unused_parameter():
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
+def test_clip_grad_norm_matches_torch():
+    ref = build()
+    ropt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=OPT["lr"], betas=OPT["betas"],
+                             eps=OPT["eps"], weight_decay=OPT["weight_decay"], foreach=False)
+    m, opt = wrap(build(), OPT, dict(compute_device="cpu", device_budget_bytes=None))
+    for s in range(3):
+        x, y = batch(s, 0)
+        ref(x, y).backward()
+        m(x, y).backward()
+        n_ref = torch.nn.utils.clip_grad_norm_([p for p in ref.parameters() if p.requires_grad], 0.05)
+        n = opt.clip_grad_norm_(0.05)
+        assert n > 0.05 and abs(n - float(n_ref)) <= 1e-6 * float(n_ref)  # clipping really happens
+        ropt.step(), ropt.zero_grad(), opt.step(), opt.zero_grad()
+    sd = m.state_dict()
+    for k, v in ref.state_dict().items():
+        torch.testing.assert_close(sd[k], v, rtol=1e-5, atol=1e-6)
+
+
 def test_state_table_and_derived_chunk_state():
     S = TensorState
     t = TensorInfo("w", (4,), 0, 4, S.FREE)

@@ -118,6 +118,7 @@ def build_named(ref_opt):
     return list(zip(names, ref_opt.param_groups[0]["params"]))
 
 
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 @pytest.mark.parametrize("dp", [2, 4])
 def test_zero_equals_single_process(dp, tmp_path):
     ckpt = str(tmp_path / "ckpt") if dp == 2 else None

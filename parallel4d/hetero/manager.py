@@ -114,6 +114,8 @@ class ChunkManager:
         self.profile_copies = False
         self._copy_events: list = []
         self.pinned_host = False
+        self._registered: list[torch.Tensor] = []
+        self.host_bytes = 0
 
     # --- setup -----------------------------------------------------------------
     @property
@@ -123,26 +125,53 @@ class ChunkManager:
     def slot_bytes(self, pool: str) -> int:
         return self.pools[pool].slot_elems * self.esize
 
-    def new_backing(self, n: int) -> torch.Tensor:
-        """Zeroed host buffer; page-locked when the compute device is CUDA (falls back to pageable)."""
-        if self.cuda:
-            try:
-                t = torch.zeros(n, dtype=self.dtype, pin_memory=True)
+    def _host_buffer(self, n: int) -> torch.Tensor:
+        """Zeroed host buffer of ``n`` elements; page-locked when the compute device is CUDA.
+
+        Pinned by ``cudaHostRegister`` on one plain allocation: torch's pinned allocator
+        rounds every request up to a power of two, which would cost up to 2× host memory.
+        Falls back to pageable memory if registration fails (slower copies, still correct).
+        """
+        t = torch.zeros(n, dtype=self.dtype)
+        if self.cuda and n:
+            rc = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), n * self.esize, 0)
+            if int(getattr(rc, "value", rc)) == 0:
                 self.pinned_host = True
-                return t
-            except RuntimeError:
-                pass
-        return torch.zeros(n, dtype=self.dtype)
+                self._registered.append(t)
+        return t
+
+    def __del__(self):
+        # hand registered host pages back before their memory is freed
+        try:
+            if self._registered:
+                torch.cuda.synchronize(self.device)
+                for t in self._registered:
+                    torch.cuda.cudart().cudaHostUnregister(t.data_ptr())
+                self._registered.clear()
+        except Exception:
+            pass
 
     def add(self, chunk: Chunk, backing: bool = True) -> Chunk:
+        """Register ``chunk``; its host backing is sliced later by :meth:`allocate_backings`."""
         chunk.cid = len(self.chunks)
         if chunk.capacity != self.pools[chunk.pool].slot_elems:
             raise RuntimeError(f"chunk of {chunk.capacity} elements in pool {chunk.pool!r} of "
                                f"{self.pools[chunk.pool].slot_elems}-element slots")
-        if backing:
-            chunk.backing = self.new_backing(chunk.capacity)
+        chunk.meta["needs_backing"] = backing
         self.chunks.append(chunk)
         return chunk
+
+    def allocate_backings(self) -> int:
+        """One host buffer for every chunk that needs a backing; returns its bytes."""
+        need = [c for c in self.chunks if c.meta.get("needs_backing") and c.backing is None]
+        total = sum(c.capacity for c in need)
+        buf = self._host_buffer(total)
+        off = 0
+        for c in need:
+            c.backing = buf.narrow(0, off, c.capacity)
+            off += c.capacity
+        self.host_bytes = total * self.esize
+        return self.host_bytes
 
     # --- views -----------------------------------------------------------------
     def slot_view(self, c: Chunk) -> torch.Tensor:

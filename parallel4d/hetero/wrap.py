@@ -221,8 +221,8 @@ class HeteroRuntime:
         # --- chunks (host backing) and initial contents -------------------------------------
         mk = self._make_chunk
         lo, hi = Z.window(self.dp_rank, self.Sz)
+        zero_mode = self.dp > 1
         for row in self.rows:
-            zero_mode = self.dp > 1
             row.P = mk(row, "param", S.HOLD, backing=not zero_mode)
             if row.trainable:
                 row.G = mk(row, "grad", S.FREE)
@@ -234,18 +234,20 @@ class HeteroRuntime:
                 if row.trainable:
                     row.GS = mk(row, "grad_shard", S.FREE, pool="shard")
                 row.P.loader = self._gather_loader(row)
+        self.mgr.allocate_backings()
+        for rec in self.records:
+            rec.placeholder = torch.full((1,), float("nan"), dtype=self.dtype, device=self.device).expand(rec.shape)
+        for row in self.rows:
             with torch.no_grad():
                 full = torch.zeros(C, dtype=self.dtype)
                 for rec in row.records:
                     full.narrow(0, rec.offset, rec.param.numel()).copy_(rec.param.detach().reshape(-1))
+                    rec.param.data = rec.placeholder  # free the original storage row by row
+                    rec.param.grad = None
                 if zero_mode:
                     row.PS.backing.copy_(full[lo:hi])
                 else:
                     row.P.backing.copy_(full)
-        for rec in self.records:
-            rec.placeholder = torch.full((1,), float("nan"), dtype=self.dtype, device=self.device).expand(rec.shape)
-            rec.param.data = rec.placeholder
-            rec.param.grad = None
         for mod in model.modules():
             for bn, b in list(mod._buffers.items()):
                 if b is not None:
