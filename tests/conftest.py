@@ -18,3 +18,15 @@ def run_workers(fn, world_size, *args, timeout_s=180.0, **kwargs):
 @pytest.fixture
 def workers():
     return run_workers
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``gpu`` run only where CUDA is available."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs CUDA")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

@@ -169,3 +169,16 @@ def test_interrupt_saves_and_resume_continues(tmp_path):
     resumed = launch(cfg)
     assert resumed["losses"][: summary["steps"]] == summary["losses"]
     assert len(resumed["losses"]) == summary["steps"] + 2
+
+
+@pytest.mark.gpu
+def test_quickstart_model_on_one_gpu(tmp_path):
+    """On a CUDA machine the same job runs on the GPU (NCCL) and matches the CPU run."""
+    cfg = tiny(tmp_path, "gpu")
+    cfg["train"].update(device="cuda", dtype="float64")
+    gpu = launch(cfg)
+    cfg = tiny(tmp_path, "cpu")
+    cfg["train"].update(device="cpu", dtype="float64")
+    cpu = launch(cfg)
+    assert gpu["device"].startswith("cuda")
+    torch.testing.assert_close(torch.tensor(gpu["losses"]), torch.tensor(cpu["losses"]), rtol=1e-9, atol=0)
