@@ -34,9 +34,18 @@ def _near_divisible(value: int, divisor: int) -> str:
     return f"{lo} or {hi}" if lo > 0 else f"{hi}"
 
 
-def _near_squares(tp: int) -> str:
+def grid_side(tp: int, field: str = "parallel.tp") -> int:
+    """``q`` with ``tp = q²``; ``ValueError`` naming the nearest perfect squares otherwise.
+
+    The single home of this rule: the config, the mesh and tensor2d all call it.
+    """
+    if int(tp) != tp or tp < 1:
+        raise ValueError(f"{field}={tp} must be an integer ≥ 1 (a perfect square q²)")
     q = math.isqrt(tp)
-    return f"{q * q} or {(q + 1) ** 2}" if q > 0 else "1"
+    if q * q != tp:
+        raise ValueError(f"{field}={tp} is not a perfect square (2D tensor parallelism runs on a q×q "
+                         f"SUMMA grid, tp = q²); use {field}={q * q} or {(q + 1) ** 2}")
+    return q
 
 
 class ParallelConfig(_Section):
@@ -50,9 +59,7 @@ class ParallelConfig(_Section):
     @field_validator("tp")
     @classmethod
     def _square(cls, tp: int) -> int:
-        if math.isqrt(tp) ** 2 != tp:
-            raise ValueError(f"parallel.tp={tp} is not a perfect square (tp = q² for the q×q SUMMA grid); "
-                             f"use parallel.tp={_near_squares(tp)}")
+        grid_side(tp)
         return tp
 
     @property

@@ -23,21 +23,9 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from .comm import CommStats
+from .config import grid_side
 
 AXES = ("pp", "dp", "sp", "tp_row", "tp_col")
-
-
-def grid_side(tp: int) -> int:
-    """q for ``tp = q²``; ``ValueError`` naming the nearest squares otherwise."""
-    if tp < 1:
-        raise ValueError(f"parallel.tp={tp} must be ≥ 1")
-    q = math.isqrt(tp)
-    if q * q != tp:
-        raise ValueError(
-            f"parallel.tp={tp} is not a perfect square (tp = q² for the q×q SUMMA grid); "
-            f"use parallel.tp={q * q} or parallel.tp={(q + 1) ** 2}"
-        )
-    return q
 
 
 def mesh_shape(pp: int = 1, dp: int = 1, sp: int = 1, tp: int = 1) -> tuple[int, ...]:

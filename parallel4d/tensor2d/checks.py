@@ -8,7 +8,8 @@ values, e.g. ``model.hidden=70 is not divisible by q=4; use model.hidden=68 or 7
 
 from __future__ import annotations
 
-import math
+
+from ..config import grid_side  # noqa: F401  (re-exported: the one home of the tp = q² rule)
 
 #: Default field names, as spelled in ``parallel4d.config``.
 FIELD_NAMES = {
@@ -31,19 +32,6 @@ def nearest_multiples(value: int, m: int) -> list[int]:
 
 def _use(field: str, options: list[int]) -> str:
     return f"use {field}={' or '.join(str(o) for o in options)}"
-
-
-def grid_side(tp: int, field: str = FIELD_NAMES["tp"]) -> int:
-    """``q`` with ``tp = q²``; ``ValueError`` naming the nearest perfect squares otherwise."""
-    if int(tp) != tp or tp < 1:
-        raise ValueError(f"{field}={tp} must be an integer ≥ 1 (a perfect square q²)")
-    q = math.isqrt(tp)
-    if q * q != tp:
-        raise ValueError(
-            f"{field}={tp} is not a perfect square (2D tensor parallelism runs on a q×q grid, tp = q²); "
-            f"{_use(field, [q * q, (q + 1) ** 2])}"
-        )
-    return q
 
 
 def check_divisible(field: str, value: int, q: int, what: str = "q") -> None:
