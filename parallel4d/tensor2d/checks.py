@@ -8,7 +8,6 @@ values, e.g. ``model.hidden=70 is not divisible by q=4; use model.hidden=68 or 7
 
 from __future__ import annotations
 
-
 from ..config import grid_side  # noqa: F401  (re-exported: the one home of the tp = q² rule)
 
 #: Default field names, as spelled in ``parallel4d.config``.
