@@ -37,8 +37,12 @@ def batch(step, micro, b=4):
 
 
 def build(ckpt=True, frozen=True):
-    """The test GPT: tied head, a frozen position embedding and LayerNorm, checkpointed blocks."""
+    """The test GPT: tied head, a frozen position embedding and LayerNorm, checkpointed blocks,
+    and a module that forward never uses (its parameter never gets a gradient)."""
     m = build_gpt(SHAPE, seed=0)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(1)
+        m.unused = torch.nn.Linear(SHAPE.hidden, 8)
     if frozen:
         m.embed.pos.weight.requires_grad_(False)
         m.blocks[1].ln1.weight.requires_grad_(False)

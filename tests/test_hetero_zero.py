@@ -31,7 +31,11 @@ def batch(step, micro):
 
 
 def build(dtype=torch.float32):
-    m = build_gpt(SHAPE, seed=0).to(dtype)
+    m = build_gpt(SHAPE, seed=0)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(1)
+        m.unused = torch.nn.Linear(SHAPE.hidden, 8)  # never called: its gradient never comes
+    m = m.to(dtype)
     m.embed.pos.weight.requires_grad_(False)  # frozen
     for blk in m.blocks:  # activation checkpointing
         blk.forward = (lambda f: (lambda x: checkpoint(f, x, use_reentrant=False)))(blk.forward)
@@ -81,6 +85,10 @@ def _zero_worker(ckpt_dir):
         train(m, opt, rank, dp)
         sd = m.state_dict()
         out[label] = {"rel": max_rel(sd, ref_sd), "stats": opt.stats()}
+        rows = [rw for rw in m._hetero_runtime.rows if rw.trainable]
+        used = [[not rec.name.startswith("unused.") for rec in rw.records] for rw in rows]
+        out["rows_all_used"] = sum(all(u) for u in used)
+        out["rows_mixed"] = sum(any(u) and not all(u) for u in used)
         assert opt.stats()["peak_resident_bytes"] <= opt.stats()["device_budget_bytes"]
         budget = opt.stats()["min_feasible_budget_bytes"]
     # float64: the same path, without float32 rounding noise
@@ -90,7 +98,8 @@ def _zero_worker(ckpt_dir):
     out["rel64"] = max_rel(m64.state_dict(), ref64)
     # optimizer state equals the reference's (full tensors by name)
     osd = opt.state_dict()["state"]
-    ref_state = {n: ref_opt.state[p] for n, p in build_named(ref_opt)}
+    ref_state = {n: ref_opt.state[p] for n, p in build_named(ref_opt) if ref_opt.state[p]}
+    assert "unused.weight" not in ref_state and not osd["unused.weight"]["exp_avg"].any()
     out["opt_rel"] = max(max_rel({k: osd[n][k] for k in ("exp_avg", "exp_avg_sq")},
                                  {k: ref_state[n][k] for k in ("exp_avg", "exp_avg_sq")}) for n in ref_state)
     out["steps"] = {n: float(v["step"]) for n, v in osd.items()}
@@ -131,7 +140,13 @@ def test_zero_equals_single_process(dp, tmp_path):
         st = r["tight"]["stats"]
         assert st["total"]["gather_bytes"] > 0 and st["total"]["reduce_scatter_bytes"] > 0
         assert st["last_iteration"]["moved_bytes"] > 0  # the tight budget really offloads
-        assert all(v == STEPS for v in r["steps"].values())
+        assert all(v == (0 if n.startswith("unused.") else STEPS) for n, v in r["steps"].items())
+        # a gradient row is reduce-scattered as soon as its last gradient is written; rows
+        # holding the unused parameter wait for the end-of-backward sweep (or, if it is all
+        # they hold, are never reduced)
+        rs = st["reduce_scatters"]
+        assert rs["on_completion"] == STEPS * MICRO * r["rows_all_used"] > 0
+        assert rs["end_of_backward"] == STEPS * MICRO * r["rows_mixed"] > 0
     if dp == 2:
         assert [(r["reload_equal"], r["continue_equal"]) for r in results] == [(True, True)] * dp
         _check_load_at_dp1(ckpt, results[0]["after_save_step"])

@@ -180,7 +180,6 @@ class HeteroRuntime:
         self.by_param = {id(r.param): r for r in self.records}
         n_tr = sum(r.trainable for r in self.rows)
         n_fr = len(self.rows) - n_tr
-        self.model_data_bytes = (4 * n_tr + n_fr) * C * esize  # P, G, M, V per trainable row
 
         # --- budget → slots ------------------------------------------------------------
         chunk_bytes = C * esize
@@ -234,7 +233,10 @@ class HeteroRuntime:
                 if row.trainable:
                     row.GS = mk(row, "grad_shard", S.FREE, pool="shard")
                 row.P.loader = self._gather_loader(row)
-        self.mgr.allocate_backings()
+        # model data this rank holds (= P, G, M, V of every row at dp=1; under ZeRO the
+        # shards plus the full-size gradient staging chunks)
+        self.model_data_bytes = self.mgr.allocate_backings()
+        self.reduce_scatters = {"on_completion": 0, "end_of_backward": 0}
         for rec in self.records:
             rec.placeholder = torch.full((1,), float("nan"), dtype=self.dtype, device=self.device).expand(rec.shape)
         for row in self.rows:
@@ -401,6 +403,7 @@ class HeteroRuntime:
         if rec.bwd_held:
             self._release_bwd(rec)
         if self.dp > 1 and all(t.state == S.HOLD_AFTER_BWD for t in row.G.tensors):
+            self.reduce_scatters["on_completion"] += 1
             self._reduce_row(row)
 
     def _queue_end_of_backward(self) -> None:
@@ -417,6 +420,7 @@ class HeteroRuntime:
         if self.dp > 1:  # rows whose tensors did not all get a gradient (unused parameters)
             for row in self.rows:
                 if row.trainable and any(t.state == S.HOLD_AFTER_BWD for t in row.G.tensors):
+                    self.reduce_scatters["end_of_backward"] += 1
                     self._reduce_row(row)
 
     def _reduce_row(self, row: Row) -> None:
@@ -701,6 +705,7 @@ class HeteroRuntime:
             "pinned_host": m.pinned_host,
             "iterations": m.trace.iterations,
             "trace_divergences": m.trace.divergences,
+            "reduce_scatters": dict(self.reduce_scatters),
             "bytes_moved": m.stats.moved_bytes,
             "total": m.stats.as_dict(),
             "last_iteration": {k: v for k, v in last.items() if k not in ("trace", "live", "nonmodel", "start_resident")}
