@@ -215,9 +215,11 @@ def list_schedule(
     microbatches: int,
     placement: dict[int, list[int]],
     *,
-    memory_cap: int,
+    memory_cap: int | list[int],
     policy: str = "alternate",
     group: int = 1,
+    forward_order: str = "microbatch",
+    backward_order: str = "group",
     forward_cost: float = 1.0,
     backward_cost: float = 2.0,
     p2p_cost: float = 0.0,
@@ -230,17 +232,30 @@ def list_schedule(
       ready (1F1B's steady state), else the other kind;
     * ``"backward_first"`` / ``"forward_first"``: that kind whenever ready.
 
-    Among forwards, the lowest micro-batch (then chunk); among backwards, the
-    lowest group of ``group`` micro-batches, then the highest chunk, then the
-    lowest micro-batch (``group=1``: plain oldest-first). A forward only starts
-    while the rank stores fewer than ``memory_cap`` chunk activations. Returns
+    Among forwards (``forward_order``): ``"microbatch"``, the lowest
+    micro-batch (then chunk); ``"diagonal"``, the lowest ``(i mod group) + c``
+    within the lowest group of ``group`` micro-batches ``i // group`` — the
+    action an ideal fill would reach first, so a rank mixes the chunks of
+    several waves instead of finishing one micro-batch first. Among backwards
+    (``backward_order``): ``"group"``, the lowest group of ``group``
+    micro-batches, then the highest chunk, then the lowest micro-batch
+    (``group=1``: plain oldest-first); ``"microbatch"``, oldest-first
+    whatever ``group``; ``"diagonal"``, the lowest
+    ``i + (S-1-c)`` (``S`` chunks), then micro-batch. A forward only starts
+    while the rank stores fewer than ``memory_cap`` chunk activations (one
+    int, or a list with one cap per rank). Returns
     ``None`` when the cap starves the pipeline. Costs are per chunk; the
     *order* is what the schedule keeps (deadlock-free by construction);
     ``p2p_cost`` delays an input that crosses ranks.
     """
     if policy not in POLICIES:
         raise ValueError(f"policy={policy!r} must be one of {POLICIES}")
+    if forward_order not in ("microbatch", "diagonal"):
+        raise ValueError(f"forward_order={forward_order!r} must be 'microbatch' or 'diagonal'")
+    if backward_order not in ("group", "microbatch", "diagonal"):
+        raise ValueError(f"backward_order={backward_order!r} must be 'group', 'microbatch' or 'diagonal'")
     m = microbatches
+    caps = list(memory_cap) if isinstance(memory_cap, (list, tuple)) else [memory_cap] * pp
     num_chunks = sum(len(c) for c in placement.values())
     owner = {c: r for r, cs in placement.items() for c in cs}
     last_chunk = num_chunks - 1
@@ -255,18 +270,29 @@ def list_schedule(
     remaining = 2 * m * num_chunks
     t = 0.0
 
-    def f_key(a: Action):
-        return (a.microbatch, a.chunk)
+    if forward_order == "microbatch":
+        def f_key(a: Action):
+            return (a.microbatch, a.chunk)
+    else:
+        def f_key(a: Action):
+            return (a.microbatch // g, a.microbatch % g + a.chunk, a.microbatch)
 
-    def b_key(a: Action):
-        return (a.microbatch // g, -a.chunk, a.microbatch)
+    if backward_order == "group":
+        def b_key(a: Action):
+            return (a.microbatch // g, -a.chunk, a.microbatch)
+    elif backward_order == "microbatch":
+        def b_key(a: Action):
+            return (a.microbatch, -a.chunk)
+    else:
+        def b_key(a: Action):
+            return (a.microbatch + last_chunk - a.chunk, a.microbatch)
 
     while remaining:
         for r in range(pp):
             if free_at[r] > t:
                 continue
             bs = [a for (rt, a) in ready[r] if rt <= t and a.kind == "B"]
-            fs = [a for (rt, a) in ready[r] if rt <= t and a.kind == "F"] if stored[r] < memory_cap else []
+            fs = [a for (rt, a) in ready[r] if rt <= t and a.kind == "F"] if stored[r] < caps[r] else []
             if not bs and not fs:
                 continue
             if policy == "alternate":
@@ -324,25 +350,52 @@ def interleaved_peak(pp: int, chunks_per_rank: int) -> int:
 def hanayo(pp: int, microbatches: int, waves: int = 1, memory_cap: int | None = None) -> Schedule:
     """Hanayo wave schedule: ``2·W·P`` chunks on the wave placement.
 
-    The order comes from :func:`list_schedule`. The generator tries its three
-    greedy policies (1F1B-style alternation, backward-first, forward-first)
-    and per-rank activation caps up
-    to ``memory_cap`` chunk activations (default: interleaved 1F1B's rank-0
-    peak for the same chunk count, ``2W·P + P - 1``, i.e. never more
-    activation memory than interleaved), and keeps the shortest simulated
-    makespan (uniform chunks, backward = 2 × forward, free transfers), ties
-    broken by the lower peak memory.
+    The order comes from :func:`list_schedule`: a small deterministic search
+    over greedy rules (oldest-micro-batch-first under the three policies, and
+    a "diagonal" forward priority — groups of ``P`` or ``m`` micro-batches,
+    lowest ``i + c`` first — with oldest-first or diagonal backwards) and
+    activation caps (one cap ``memory_cap``, or per-rank caps rising with the
+    rank around ``2W·P + r``, never above ``memory_cap``). ``memory_cap``
+    defaults to interleaved 1F1B's rank-0 peak for the same chunks per rank,
+    ``2W·P + P - 1``, so a Hanayo schedule never stores more activations than
+    interleaved. It keeps the shortest simulated makespan (uniform chunks,
+    backward = 2 × forward, free transfers), ties broken by the makespan with
+    a 0.5 latency per cross-rank hop, then by peak memory. ``hanayo(8, 32, 3)``
+    takes under a second.
 
-    Bubble: ``(P-1)/(2W·m + P-1)`` is a lower bound for any order on the wave
-    placement (rank ``P-1`` cannot start before ``P-1`` chunk forwards and
-    waits ``P-1`` chunk backwards at the end) and is the reference notes'
-    (inferred) reading of the paper's formula. For ``W = 1`` and ``m ≥ 2P`` the
-    greedy order reaches it exactly; for ``W ≥ 2`` under the memory cap it
-    lands between interleaved (``v = 2W``) and 1F1B — see the module tests and
-    ``benchmarks/pipeline.py`` for numbers. The order is tuned for free
-    transfers: with a simulated latency per hop it degrades more than
-    Megatron's interleaved order does, although it makes ``2W-1`` fewer
-    cross-rank hops per micro-batch and direction (turns are local). It also
+    Lower bounds on the wave placement (any order, free transfers): rank
+    ``P-1`` starts at ``P-1``, its first backward cannot start before
+    ``2WP + 2(P-1)`` (the loss is on rank 0), and after its last backward
+    ``P-1`` chunk backwards remain, so the makespan is at least
+    ``max(P-1 + 2Wm, 2WP + 2P - 2) + 4Wm + 2(P-1)`` chunk-forward units:
+    bubble ``(P-1)/(2W·m + P-1)`` (interleaved's with ``v = 2W``) once
+    ``m ≥ P + (P-1)/(2W)``, but ``2(P-1)/(3WP + 2(P-1))`` at ``m = P`` — above
+    interleaved(2W)'s ``(P-1)/(2WP + P-1)``; at ``m = P`` the wave placement
+    cannot match interleaved with the same chunks per rank, and W=1 cannot
+    match interleaved(2) (P=4: bound .333 vs .273). Holding rank ``P-1`` busy
+    also fills it to exactly ``2WP + P - 1`` activations, interleaved's peak.
+
+    Simulated bubble ratio, free transfers / ``p2p_cost=0.5`` per hop, before
+    → after this search; ``il(v)`` = interleaved 1F1B with ``v`` chunks/rank::
+
+        P  m   W=1 old → new        il(2)       W=2 old → new        il(4)       W=3 old → new        il(6)
+        4  4   .333/.442 → .333/.429  .273/.400  .213/.351 → .213/.351  .158/.333  .153/.308 → .153/.308  .111/.308
+        4  8   .158/.284 → .158/.238  .158/.250  .111/.238 → .086/.213  .086/.200  .077/.213 → .065/.204  .059/.182
+        4  16  .086/.179 → .086/.135  .086/.143  .103/.226 → .054/.165  .045/.111  .114/.246 → .040/.150  .030/.100
+        8  16  .179/.319 → .179/.267  .179/.273  .139/.289 → .107/.262  .099/.213  .080/.244 → .077/.230  .068/.191
+        8  32  .099/.203 → .099/.154  .099/.158  .094/.192 → .066/.203  .052/.119  .094/.209 → .078/.207  .035/.106
+
+    What holds (asserted in the tests): W=1 reaches the bound for ``m ≥ 2P``
+    and beats interleaved(2) under hop latency (fewer hops); with free
+    transfers every W ≥ 2 beats interleaved(2) and W=1; peak activations
+    never exceed interleaved's with the same chunks per rank. What does not: for W ≥ 2 the greedy orders stay
+    above interleaved(2W) (by up to .043 free at m ≥ 2P, more with
+    latency — there they can lose even to interleaved(2), e.g. P=8, m=32,
+    W=2: .203 vs .158 — as no rule here plans around latency).
+    Without the memory cap the same rules do reach the bound (P=8, m=32,
+    W=3: .035 at 69 stored activations vs 55), so the gap is the greedy's
+    handling of the cap, not the placement; a constructed order (warm-up,
+    steady 1F1B, cool-down in wave order) is the open route. The order also
     keeps a tied embedding/LM head on one rank.
     """
     pp, m = _positive("pp", pp), _positive("microbatches", microbatches)
@@ -364,17 +417,31 @@ def _hanayo(pp: int, m: int, w: int, memory_cap: int | None) -> Schedule:
     name = f"hanayo(W={w})"
     c = 2 * w
     top = memory_cap or interleaved_peak(pp, c)
-    caps = sorted({k for k in [c * j for j in range(1, pp + 1)] + list(range(c * pp, c * pp + pp)) if k <= top} | {top})
+    # Candidate (caps, policy, forward order, group, backward order). Rank r's first
+    # backward can start at 2WP + 2r, so a rank that never idles in the fill holds
+    # about 2WP + r activations then: per-rank caps around that line, never above top.
+    candidates = []
+    for policy in POLICIES:  # the original greedy: oldest micro-batch first
+        candidates.append((top, policy, "microbatch", 1, "group"))
+    ramps = [[min(top, c * pp + r + a) for r in range(pp)] for a in sorted({1, 2, 3, pp // 2, pp - 2, pp - 1})]
+    for caps in [top] + ramps:
+        for group in sorted({pp, m}):
+            for back in ("microbatch", "diagonal"):
+                candidates.append((caps, "alternate", "diagonal", group, back))
     best, best_key = None, None
-    for cap in caps:
-        for policy in POLICIES:
-            s = list_schedule(name, pp, m, placement, memory_cap=cap, policy=policy)
-            if s is None:
-                continue
-            sim = _run(s, 1.0, 2.0, 0.0)  # valid by construction; the tests validate every one
-            key = (round(sim.makespan, 9), max(sim.peak_activations))
-            if best_key is None or key < best_key:
-                best, best_key = s, key
+    for caps, policy, fwd, group, back in candidates:
+        s = list_schedule(name, pp, m, placement, memory_cap=caps, policy=policy, group=group,
+                          forward_order=fwd, backward_order=back)
+        if s is None:
+            continue
+        sim = _run(s, 1.0, 2.0, 0.0)  # valid by construction; the tests validate every one
+        if best_key is not None and round(sim.makespan, 9) > best_key[0]:
+            continue
+        # Ties on free transfers go to the order that suffers least from hop latency.
+        lat = _run(s, 1.0, 2.0, 0.5)
+        key = (round(sim.makespan, 9), round(lat.makespan, 9), max(sim.peak_activations))
+        if best_key is None or key < best_key:
+            best, best_key = s, key
     if best is None:
         raise ValueError(f"memory_cap={memory_cap} starves the hanayo pipeline (P={pp}, W={w}); "
                          f"use memory_cap≥{interleaved_peak(pp, c)}")
