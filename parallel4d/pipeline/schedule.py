@@ -388,7 +388,8 @@ def hanayo(pp: int, microbatches: int, waves: int = 1, memory_cap: int | None = 
     What holds (asserted in the tests): W=1 reaches the bound for ``m ≥ 2P``
     and beats interleaved(2) under hop latency (fewer hops); with free
     transfers every W ≥ 2 beats interleaved(2) and W=1; peak activations
-    never exceed interleaved's with the same chunks per rank. What does not: for W ≥ 2 the greedy orders stay
+    never exceed interleaved's with the same chunks per rank. What does
+    not: for W ≥ 2 the greedy orders stay
     above interleaved(2W) (by up to .043 free at m ≥ 2P, more with
     latency — there they can lose even to interleaved(2), e.g. P=8, m=32,
     W=2: .203 vs .158 — as no rule here plans around latency).
