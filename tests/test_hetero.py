@@ -134,6 +134,20 @@ def test_budgets_bit_exact(reference, resident, policy):
             assert st["last_iteration"]["moved_bytes"] > 0
 
 
+def test_prefetch_exact_within_budget(reference, resident):
+    """Trace-driven prefetch (on by default on CUDA) fills chunks ahead of use without
+    exceeding the budget or changing a bit."""
+    st0 = resident[1].stats()
+    for budget in (st0["min_feasible_budget_bytes"] + st0["chunk_bytes"], st0["model_data_bytes"] // 2):
+        m = build()
+        m, opt = wrap(m, OPT, dict(compute_device="cpu", device_budget_bytes=budget))
+        m._hetero_runtime.mgr.prefetch_depth = 2
+        losses, grads = train(m, opt)
+        assert_bit_equal(reference, m, losses, grads)
+        st = opt.stats()
+        assert st["total"]["prefetches"] > 0 and st["peak_resident_bytes"] <= budget
+
+
 def test_budget_too_small_names_field_and_minimum(resident):
     st = resident[1].stats()
     cb, minimum = st["chunk_bytes"], st["min_feasible_budget_bytes"]

@@ -47,6 +47,7 @@ class MoveStats:
     gather_bytes: int = 0      # ZeRO all-gather, bytes received
     reduce_scatter_bytes: int = 0  # ZeRO reduce-scatter, bytes sent
     copy_seconds: float = 0.0  # CUDA only when profiling: time inside chunk copies
+    prefetches: int = 0        # fills issued ahead of use from the replayed trace
 
     @property
     def moved_bytes(self) -> int:
@@ -112,6 +113,9 @@ class ChunkManager:
         self.cuda = device.type == "cuda"
         self.copy_stream = torch.cuda.Stream(device) if self.cuda else None
         self.profile_copies = False
+        # chunks filled ahead of use once the trace is replayed: overlap on CUDA; on the CPU
+        # there is nothing to overlap with (tests switch it on to exercise the logic)
+        self.prefetch_depth = 2 if self.cuda else 0
         self._copy_events: list = []
         self.pinned_host = False
         self._registered: list[torch.Tensor] = []
@@ -206,21 +210,10 @@ class ChunkManager:
 
     # --- copies ----------------------------------------------------------------
     def _copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        if self.copy_stream is None:
-            dst.copy_(src)
-            return
-        cur = torch.cuda.current_stream(self.device)
-        self.copy_stream.wait_stream(cur)  # previous users of dst/src are done
-        with torch.cuda.stream(self.copy_stream):
-            if self.profile_copies:
-                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                a.record()
-                dst.copy_(src, non_blocking=True)
-                b.record()
-                self._copy_events.append((a, b))
-            else:
-                dst.copy_(src, non_blocking=True)
-        cur.wait_stream(self.copy_stream)  # compute waits for the copy before using dst
+        """A copy the compute stream needs right away (ZeRO's local shard before a gather)."""
+        self._async(lambda: dst.copy_(src, non_blocking=self.cuda))
+        if self.copy_stream is not None:
+            torch.cuda.current_stream(self.device).wait_stream(self.copy_stream)
 
     def sync_copies(self) -> None:
         """Host reads of backings need the copy stream drained."""
@@ -292,11 +285,16 @@ class ChunkManager:
         return min(cands, key=lambda c: c.last_use)
 
     def evict(self, c: Chunk) -> None:
-        """Give up ``c``'s slot; write back only dirty live content."""
+        """Give up ``c``'s slot; write back only dirty live content.
+
+        On CUDA the write-back is queued on the copy stream after everything queued so
+        far on the compute stream (the slot's last readers/writers); the next fill of the
+        slot is queued behind it on the same stream, so nothing here blocks the host.
+        """
         p = self.pools[c.pool]
         st = (self.stats, self.iter_stats)
         if c.dirty and not c.dead and c.backing is not None:
-            self._copy(c.backing, self.slot_view(c))
+            self._async(lambda: c.backing.copy_(self.slot_view(c), non_blocking=self.cuda))
             for s in st:
                 s.writeback_bytes += c.capacity * self.esize
                 s.writebacks += 1
@@ -309,6 +307,25 @@ class ChunkManager:
         p.free.append(c.slot)
         c.slot = None
         c.dirty = False
+        c.meta.pop("ready", None)
+
+    def _async(self, op) -> None:
+        """Run a slot/backing copy: directly on the CPU; on CUDA on the copy stream,
+        ordered after the compute stream's queued work (the event-free half of the protocol;
+        consumers wait on the chunk's ``ready`` event)."""
+        if self.copy_stream is None:
+            op()
+            return
+        self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.copy_stream):
+            if self.profile_copies:
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
+                op()
+                b.record()
+                self._copy_events.append((a, b))
+            else:
+                op()
 
     def _make_room(self, p: Pool, keep: int, protect: Optional[Chunk] = None) -> None:
         """Evict until at most ``keep`` slots of ``p`` are occupied (never ``protect``)."""
@@ -317,6 +334,33 @@ class ChunkManager:
             if v is None:
                 raise self._too_small(p, p.n_slots - len(p.free) + 1)
             self.evict(v)
+
+    def _fill(self, c: Chunk) -> None:
+        """Give ``c`` a free slot and its content: gathered (ZeRO), zero-filled (dead) or loaded."""
+        p = self.pools[c.pool]
+        c.slot = p.free.pop()
+        p.owner[c.slot] = c
+        dst = self.slot_view(c)
+        st = (self.stats, self.iter_stats)
+        if c.loader is not None and not c.dead:
+            if self.copy_stream is not None:  # the slot's previous owner may still be written back
+                torch.cuda.current_stream(self.device).wait_stream(self.copy_stream)
+            c.loader(dst)
+        elif c.dead or c.backing is None:
+            self._async(dst.zero_)
+            for s in st:
+                s.zero_fill_bytes += c.capacity * self.esize
+                s.zero_fills += 1
+        else:
+            self._async(lambda: dst.copy_(c.backing, non_blocking=self.cuda))
+            for s in st:
+                s.load_bytes += c.capacity * self.esize
+                s.loads += 1
+        if self.copy_stream is not None and c.loader is None:
+            ev = torch.cuda.Event()
+            ev.record(self.copy_stream)
+            c.meta["ready"] = ev
+        c.dirty = False
 
     def ensure_resident(self, c: Chunk) -> None:
         p = self.pools[c.pool]
@@ -327,26 +371,41 @@ class ChunkManager:
                     self._make_room(p, limit - 1)
                 except BudgetError:
                     raise self._too_small(p, self._pinned(p) + 1) from None
-            c.slot = p.free.pop()
-            p.owner[c.slot] = c
-            dst = self.slot_view(c)
-            st = (self.stats, self.iter_stats)
-            if c.loader is not None and not c.dead:
-                c.loader(dst)
-            elif c.dead or c.backing is None:
-                dst.zero_()
-                for s in st:
-                    s.zero_fill_bytes += c.capacity * self.esize
-                    s.zero_fills += 1
-            else:
-                self._copy(dst, c.backing)
-                for s in st:
-                    s.load_bytes += c.capacity * self.esize
-                    s.loads += 1
-            c.dirty = False
+            self._fill(c)
         elif self.dynamic_capacity is not None:
             # proactive: the budget may have shrunk since the last moment
             self._make_room(p, self._limit(p, extra=int(not c.pinned)), protect=c)
+        ev = c.meta.pop("ready", None)
+        if ev is not None:  # compute waits for this chunk's fill, and only for it
+            torch.cuda.current_stream(self.device).wait_event(ev)
+
+    def prefetch(self, current: Chunk) -> None:
+        """Fill the next ``prefetch_depth`` chunks of the replayed trace ahead of use.
+
+        Only into a free slot or in place of a dead chunk or one whose next use comes
+        after the prefetched chunk's (Belady-consistent: never evict what is needed
+        sooner); never beyond the budget. On CUDA the fills overlap with compute.
+        """
+        if not self.prefetch_depth or not self.trace.valid or self.policy != "belady":
+            return
+        ref, pos = self.trace.ref, self.trace.pos
+        for j in range(pos, min(pos + self.prefetch_depth, len(ref))):
+            c = self.chunks[ref[j]]
+            if c.slot is not None or c.loader is not None:
+                continue
+            p = self.pools[c.pool]
+            if p.n_slots - len(p.free) >= self._limit(p):
+                cands = [x for x in p.owner if x is not None and not x.pinned and x is not current]
+                if not cands:
+                    return
+                v = max(cands, key=lambda x: (x.dead, self.trace.next_use(x.cid), not x.dirty))
+                if not v.dead and (v.dirty or self.trace.next_use(v.cid) <= j):
+                    return  # a write-back or a victim needed sooner: leave it to demand time
+                self.evict(v)
+            self._fill(c)
+            self.stats.prefetches += 1
+            self.iter_stats.prefetches += 1
+            self._check_budget()
 
     def access(self, c: Chunk, record: bool = True) -> None:
         """Record the moment (unless ``record`` is False: state-dict traffic outside the
@@ -357,6 +416,8 @@ class ChunkManager:
         self.ensure_resident(c)
         c.last_use = self.tick
         self._check_budget(c)
+        if record:
+            self.prefetch(c)
 
     def _note_pins(self, c: Chunk) -> None:
         p = self.pools[c.pool]

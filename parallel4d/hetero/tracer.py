@@ -75,11 +75,13 @@ class AccessTrace:
         return idx[j] if j < len(idx) else len(self.ref) + idx[0]
 
     def nonmodel_ahead(self) -> int:
-        """PatrickStar's rule: max non-model bytes of this moment and the next."""
+        """PatrickStar's rule: max non-model bytes of this moment and the next (the
+        current access is already recorded, so this moment is ``pos - 1``)."""
         if not self.valid or not self.ref_nonmodel:
             return 0
         n = len(self.ref_nonmodel)
-        return max(self.ref_nonmodel[min(self.pos, n - 1)], self.ref_nonmodel[min(self.pos + 1, n - 1)])
+        now = min(max(self.pos - 1, 0), n - 1)
+        return max(self.ref_nonmodel[now], self.ref_nonmodel[min(now + 1, n - 1)])
 
 
 def opt_loads(trace: list[int], live: list[bool], slots: int, resident: set[int] | None = None) -> int:
