@@ -14,8 +14,8 @@ In one run of the script:
    the LM head, excludes the embedding tables);
 3. copy bandwidth achieved during chunk moves (bytes / CUDA-event time of the copies) as a
    fraction of the measured pinned bandwidth;
-4. the largest GPT (h4096, growing depth) that trains two steps with host offload, each
-   size in a fresh subprocess, with host RSS per parameter.
+4. the largest GPT (h4096, growing depth, activation checkpointing per block) that trains
+   two steps with host offload, each size in a fresh subprocess, with host RSS per parameter.
 
 ``--dry-run`` runs every path on the CPU with a tiny model (no GPU numbers: the JSON says
 so and goes to a temporary file unless ``--out`` is given). Nothing here invents numbers:
@@ -152,8 +152,12 @@ def run_plain(shape, batch, device, warmup, iters) -> dict:
     return out
 
 
-def run_hetero(shape, batch, device, warmup, iters, budget_bytes, policy="belady") -> dict:
+def run_hetero(shape, batch, device, warmup, iters, budget_bytes, policy="belady", ckpt=False) -> dict:
     model = build_on(shape, device)  # built on the GPU, copied into pinned host chunks by wrap
+    if ckpt:  # activation checkpointing per block (the largest models need it for activations)
+        from torch.utils.checkpoint import checkpoint
+        for blk in model.blocks:
+            blk.forward = (lambda f: (lambda x: checkpoint(f, x, use_reentrant=False)))(blk.forward)
     model, opt = wrap(model, dict(name="adamw", lr=1e-4),
                       dict(compute_device=str(device), device_budget_bytes=budget_bytes, policy=policy))
     mgr = model._hetero_runtime.mgr
@@ -257,7 +261,7 @@ def single(args, device):
                      layers=layers, tie_embeddings=False)
     budget = int(args.budget_gb * GB) if args.budget_gb > 0 else None
     try:
-        r = run_hetero(shape, args.batch, device, warmup=1, iters=1, budget_bytes=budget)
+        r = run_hetero(shape, args.batch, device, warmup=1, iters=1, budget_bytes=budget, ckpt=True)
         print("SINGLE " + json.dumps({"ok": True, "params": param_count(shape), "step_s": r["step_s_median"],
                                       "TFLOPs": r["TFLOPs"], "host_bytes_per_param": r["host_bytes_per_param"],
                                       "peak_gpu_alloc_GB": r.get("peak_gpu_alloc_GB"),
@@ -282,7 +286,8 @@ def main():
     ap.add_argument("--budget-frac", type=float, default=0.5, help="offload run: budget = frac · model data")
     ap.add_argument("--skip-deepspeed", action="store_true")
     ap.add_argument("--skip-largest", action="store_true")
-    ap.add_argument("--ladder", default="4096x16,4096x24,4096x32,4096x36,4096x40,4096x48")
+    ap.add_argument("--ladder", default="4096x16,4096x24,4096x32,4096x34,4096x36,4096x40",
+                    help="hidden x layers to try in order (h4096: L32 ≈ 6.9B, L34 ≈ 7.3B, L36 ≈ 7.7B)")
     ap.add_argument("--largest-budget-gb", type=float, default=40.0)
     ap.add_argument("--largest-batch", type=int, default=8)
     ap.add_argument("--single-timeout", type=int, default=900)

@@ -189,6 +189,9 @@ class ChunkManager:
     def read(self, c: Chunk) -> torch.Tensor:
         """Current content of ``c`` (slot if resident, else backing), without an access."""
         if c.slot is not None:
+            ev = c.meta.pop("ready", None)
+            if ev is not None:  # a prefetched fill may still be in flight
+                torch.cuda.current_stream(self.device).wait_event(ev)
             return self.slot_view(c)
         if c.backing is None:
             raise RuntimeError(f"chunk {c.kind}[{c.index}] has no content off the device")

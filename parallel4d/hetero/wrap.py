@@ -282,7 +282,7 @@ class HeteroRuntime:
             local = dst.narrow(0, lo, self.Sz)
             ps = row.PS
             if ps.slot is not None:
-                local.copy_(self.mgr.slot_view(ps))
+                local.copy_(self.mgr.read(ps))
             else:
                 self.mgr._copy(local, ps.backing)
                 for s in (self.mgr.stats, self.mgr.iter_stats):
