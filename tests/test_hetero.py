@@ -177,6 +177,18 @@ def test_saved_views_relocated_when_slots_are_reused(resident):
         results[relocate] = max((sd[k] - v).abs().max().item() for k, v in ref.state_dict().items())
     assert results[True] == 0.0
     assert results[False] > 1e-4  # naive slot reuse silently trains on the wrong weights
+    # modules called one by one (as a pipeline stage runner does), not through model.forward
+    m, opt = wrap(build(ckpt=False), OPT, dict(compute_device="cpu", device_budget_bytes=minimum))
+    for s in range(2):
+        for mb in range(MICRO):
+            x, y = batch(s, mb)
+            for stage in m.stages():
+                x = stage(x)
+            (m.factory.loss(x, y) / MICRO).backward()
+        opt.step()
+        opt.zero_grad()
+    sd = m.state_dict()
+    assert all(torch.equal(sd[k], v) for k, v in ref.state_dict().items())
 
 
 def test_belady_beats_lru_and_matches_opt_bound_when_roomy(resident):

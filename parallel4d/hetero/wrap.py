@@ -179,7 +179,6 @@ class HeteroRuntime:
                 self.rows.append(row)
         self.by_param = {id(r.param): r for r in self.records}
         n_tr = sum(r.trainable for r in self.rows)
-        n_fr = len(self.rows) - n_tr
 
         # --- budget → slots ------------------------------------------------------------
         chunk_bytes = C * esize
@@ -219,7 +218,7 @@ class HeteroRuntime:
 
         # --- chunks (host backing) and initial contents -------------------------------------
         mk = self._make_chunk
-        lo, hi = Z.window(self.dp_rank, self.Sz)
+        lo, hi = Z.window(self.dp_rank, self.Sz)  # this rank's shard of every chunk (ZeRO)
         zero_mode = self.dp > 1
         for row in self.rows:
             row.P = mk(row, "param", S.HOLD, backing=not zero_mode)
@@ -255,6 +254,7 @@ class HeteroRuntime:
                 if b is not None:
                     mod._buffers[bn] = b.to(self.device)
         self._cb_task = None
+        self._hook_stack: list = []
         self.relocate_saved = True  # False only to demonstrate the relocation bug in tests
         self.steps: dict[str, int] = {}
         self._install_hooks()
@@ -267,13 +267,14 @@ class HeteroRuntime:
         return self.mgr.add(Chunk(-1, kind, row.index, cap, tensors, pool=pool, base=base), backing=backing)
 
     def _static_min_slots(self, n_trainable_rows: int) -> int:
-        """Lower bound on main-pool slots: the optimizer pins P, G, M, V of one row
-        (P, G under ZeRO); a module pins the chunks of its parameters (+1 grad chunk)."""
+        """Lower bound on main-pool slots: the optimizer pins P, G, M, V of one row (under
+        ZeRO it works in the shard pool); a module pins the chunks of its parameters, plus
+        one gradient chunk while a gradient is written."""
         spans = []
         for params in self.module_params.values():
             rows = {self.by_param[id(p)].row for p in params}
             spans.append(len(rows) + (1 if any(p.requires_grad for p in params) else 0))
-        opt = (2 if self.dp > 1 else 4) if n_trainable_rows else 0
+        opt = 4 if n_trainable_rows and self.dp == 1 else 0
         return max([opt, 1] + spans)
 
     def _gather_loader(self, row: Row):
@@ -314,7 +315,7 @@ class HeteroRuntime:
                     e[2].append(rec)
             self.mod_groups[mod] = list(by_chunk.values())
             self.handles.append(mod.register_forward_pre_hook(self._pre_forward))
-            self.handles.append(mod.register_forward_hook(self._post_forward))
+            self.handles.append(mod.register_forward_hook(self._post_forward, always_call=True))
         for rec in self.records:
             if rec.trainable:
                 self.handles.append(rec.param.register_post_accumulate_grad_hook(self._grad_ready))
@@ -346,7 +347,23 @@ class HeteroRuntime:
             if t.holds == 0:
                 rec.param.data = rec.placeholder
 
+    def _push_saved_hooks(self) -> None:
+        """Relocatable saved tensors also when a module is called outside ``model.forward``
+        (e.g. pipeline stages): push our hooks unless some are active already (ours from
+        ``model.forward``, or activation checkpointing's, which saves nothing)."""
+        ctx = None
+        if torch._C._autograd._top_saved_tensors_default_hooks(False) is None:
+            ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+            ctx.__enter__()
+        self._hook_stack.append(ctx)
+
+    def _pop_saved_hooks(self) -> None:
+        ctx = self._hook_stack.pop() if self._hook_stack else None
+        if ctx is not None:
+            ctx.__exit__(None, None, None)
+
     def _pre_forward(self, mod, args) -> None:
+        self._push_saved_hooks()
         if self._in_backward():  # activation-checkpoint recomputation
             self._queue_end_of_backward()
             for chunk, tensors, recs in self.mod_groups[mod]:
@@ -360,6 +377,7 @@ class HeteroRuntime:
             self._hold(chunk, tensors, recs)
 
     def _post_forward(self, mod, args, out) -> None:
+        self._pop_saved_hooks()
         if self._in_backward():
             return  # recomputation: the holds taken in _pre_forward are backward holds
         grad = torch.is_grad_enabled()
