@@ -12,9 +12,12 @@ dead first; then farthest next use in the warm-up trace (Belady) with clean befo
 dirty on ties, or least recently used (LRU; also the fallback while the trace is
 missing or has diverged).
 
-On CUDA every copy runs on a side stream: the copy stream first waits for the
-compute stream (the slot's previous readers/writers are done), and the compute
-stream waits for the copy before the slot is used.
+On CUDA every fill and write-back runs on a side stream: the copy stream first waits
+for the compute stream (the slot's previous readers/writers are done), a fill records a
+*ready* event, and the compute stream waits for that event when the chunk is next
+accessed (or read) — so fills issued ahead of use (trace-driven prefetch, Belady-consistent
+and never past the budget) overlap with compute. Host reads of a backing drain the copy
+stream first.
 """
 
 from __future__ import annotations
@@ -189,9 +192,7 @@ class ChunkManager:
     def read(self, c: Chunk) -> torch.Tensor:
         """Current content of ``c`` (slot if resident, else backing), without an access."""
         if c.slot is not None:
-            ev = c.meta.pop("ready", None)
-            if ev is not None:  # a prefetched fill may still be in flight
-                torch.cuda.current_stream(self.device).wait_event(ev)
+            self._wait_ready(c)
             return self.slot_view(c)
         if c.backing is None:
             raise RuntimeError(f"chunk {c.kind}[{c.index}] has no content off the device")
@@ -378,9 +379,7 @@ class ChunkManager:
         elif self.dynamic_capacity is not None:
             # proactive: the budget may have shrunk since the last moment
             self._make_room(p, self._limit(p, extra=int(not c.pinned)), protect=c)
-        ev = c.meta.pop("ready", None)
-        if ev is not None:  # compute waits for this chunk's fill, and only for it
-            torch.cuda.current_stream(self.device).wait_event(ev)
+        self._wait_ready(c)  # compute waits for this chunk's fill, and only for it
 
     def prefetch(self, current: Chunk) -> None:
         """Fill the next ``prefetch_depth`` chunks of the replayed trace ahead of use.
@@ -462,6 +461,21 @@ class ChunkManager:
 
     def unpin(self, c: Chunk) -> None:
         c.extra_pins -= 1
+
+    def flush(self, c: Chunk) -> None:
+        """Write ``c`` back if it is resident and dirty (it stays resident, now clean)."""
+        if c.slot is not None and c.dirty and not c.dead and c.backing is not None:
+            self._wait_ready(c)
+            self._async(lambda: c.backing.copy_(self.slot_view(c), non_blocking=self.cuda))
+            for s in (self.stats, self.iter_stats):
+                s.writeback_bytes += c.capacity * self.esize
+                s.writebacks += 1
+            c.dirty = False
+
+    def _wait_ready(self, c: Chunk) -> None:
+        ev = c.meta.pop("ready", None)
+        if ev is not None:  # a prefetched fill may still be in flight
+            torch.cuda.current_stream(self.device).wait_event(ev)
 
     def invalidate(self, c: Chunk) -> None:
         """Drop ``c`` from the device without write-back (its content is stale)."""

@@ -32,7 +32,7 @@ import torch.distributed as dist
 from ..config import HeteroConfig, OptimizerConfig
 from .chunk import Chunk, TensorInfo, TensorState, pack, round_up, search_chunk_elems
 from .manager import ChunkManager
-from .optim import HeteroOptimizer, adam_update
+from .optim import HeteroOptimizer, adam_update, fused_adam_update
 from . import zero as Z
 
 S = TensorState
@@ -256,6 +256,10 @@ class HeteroRuntime:
         self._cb_task = None
         self._hook_stack: list = []
         self.relocate_saved = True  # False only to demonstrate the relocation bug in tests
+        # where rows that are not fully resident take their Adam step: "off" (load them),
+        # "fused" (torch's fused CPU AdamW on the host backings), "exact" (single-tensor math)
+        self.host_optimizer = "fused" if self.device.type == "cuda" else "off"
+        self.host_steps = 0
         self.steps: dict[str, int] = {}
         self._install_hooks()
 
@@ -507,7 +511,13 @@ class HeteroRuntime:
 
     @torch.no_grad()
     def optimizer_step(self, *, lr, beta1, beta2, eps, weight_decay, decoupled, grad_scale=None) -> None:
+        """Adam(W) row by row. A row whose P, G, M, V chunks are all resident is updated in
+        its device slots; otherwise, when ``host_optimizer`` is on (default on CUDA), on the
+        host backings (PatrickStar's hybrid placement: no chunk crosses PCIe for the step;
+        ``"fused"`` uses torch's fused CPU AdamW, ``"exact"`` the single-tensor arithmetic)."""
         self._check_idle("optimizer.step()")
+        hp = dict(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, decoupled=decoupled)
+        mgr = self.mgr
         for row in self.rows:
             if not row.trainable:
                 continue
@@ -515,47 +525,66 @@ class HeteroRuntime:
             ks = [k for k, t in enumerate(G.tensors) if t.state == S.HOLD_AFTER_BWD]
             if not ks:
                 continue
-            gts = [G.tensors[k] for k in ks]
-            self.mgr.acquire(P, None, write=True)
-            self.mgr.acquire(G, gts, write=grad_scale is not None)
-            self.mgr.acquire(M, [M.tensors[k] for k in ks], write=True)
-            self.mgr.acquire(V, [V.tensors[k] for k in ks], write=True)
+            gts, mts, vts = ([c.tensors[k] for k in ks] for c in (G, M, V))
             steps = []
             for k in ks:
                 name = row.records[k].name
                 self.steps[name] = self.steps.get(name, 0) + 1
                 steps.append(self.steps[name])
-            views = [self.mgr.slot_view(c) for c in (P, G, M, V)]
-            hp = dict(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, decoupled=decoupled)
-            if len(ks) == len(G.tensors) and len(set(steps)) == 1:
-                # one flat update over the window (padding is zero in G, M, V and stays zero)
-                a, b = 0, min(hi, G.used) - lo
-                if b > a:
-                    p, g, m, v = (x[a:b] for x in views)
-                    if grad_scale is not None:
-                        g.mul_(grad_scale)
-                    adam_update(p, g, m, v, step=steps[0], **hp)
+            on_host = self.host_optimizer in ("exact", "fused") and any(c.slot is None for c in (P, G, M, V))
+            if on_host:
+                for c in (P, G, M, V):
+                    mgr.flush(c)
+                mgr.sync_copies()
+                for c, ts in ((P, P.tensors), (G, gts), (M, mts), (V, vts)):
+                    for t in ts:
+                        if t.state == S.FREE:  # fresh Adam moments start at zero
+                            a, b = max(t.offset, c.base), min(t.end, c.base + c.capacity)
+                            c.backing[a - c.base:b - c.base].zero_()
+                        t.set_state(S.COMPUTE)
+                views = [c.backing for c in (P, G, M, V)]
+                self.host_steps += 1
             else:
-                for k, st in zip(ks, steps):
-                    seg = Z.segment(G.tensors[k], lo, hi)
-                    if seg is None:
-                        continue
-                    a, b = seg[0] - lo, seg[1] - lo
-                    p, g, m, v = (x[a:b] for x in views)
-                    if grad_scale is not None:
-                        g.mul_(grad_scale)
-                    adam_update(p, g, m, v, step=st, **hp)
-            self.mgr.release(P, None, S.HOLD)
-            self.mgr.release(G, gts, S.FREE)  # consumed
-            self.mgr.release(M, [M.tensors[k] for k in ks], S.HOLD)
-            self.mgr.release(V, [V.tensors[k] for k in ks], S.HOLD)
+                mgr.acquire(P, None, write=True)
+                mgr.acquire(G, gts, write=grad_scale is not None)
+                mgr.acquire(M, mts, write=True)
+                mgr.acquire(V, vts, write=True)
+                views = [mgr.slot_view(c) for c in (P, G, M, V)]
+            update = fused_adam_update if on_host and self.host_optimizer == "fused" else adam_update
+            with torch.no_grad():
+                if len(ks) == len(G.tensors) and len(set(steps)) == 1:
+                    # one flat update over the window (padding is zero in G, M, V and stays zero)
+                    spans = [(0, min(hi, G.used) - lo, steps[0])]
+                else:
+                    spans = []
+                    for k, st in zip(ks, steps):
+                        seg = Z.segment(G.tensors[k], lo, hi)
+                        if seg is not None:
+                            spans.append((seg[0] - lo, seg[1] - lo, st))
+                for a, b, st in spans:
+                    if b > a:
+                        p, g, m, v = (x[a:b] for x in views)
+                        if grad_scale is not None:
+                            g.mul_(grad_scale)
+                        update(p, g, m, v, step=st, **hp)
+            if on_host:
+                for c, ts, to in ((P, P.tensors, S.HOLD), (G, gts, S.FREE), (M, mts, S.HOLD), (V, vts, S.HOLD)):
+                    for t in ts:
+                        t.set_state(to)
+                for c in (P, M, V):  # device copies are stale now
+                    mgr.invalidate(c)
+            else:
+                mgr.release(P, None, S.HOLD)
+                mgr.release(G, gts, S.FREE)  # consumed
+                mgr.release(M, mts, S.HOLD)
+                mgr.release(V, vts, S.HOLD)
             if self.dp > 1:  # the gathered parameters are stale now
-                self.mgr.invalidate(row.P)
+                mgr.invalidate(row.P)
         for row in self.rows:
             for t in row.P.tensors:
                 if t.state in (S.HOLD_AFTER_FWD, S.HOLD_AFTER_BWD):
                     t.set_state(S.HOLD)
-        self.mgr.end_iteration()
+        mgr.end_iteration()
 
     def zero_grad(self) -> None:
         self._check_idle("optimizer.zero_grad()")
@@ -724,6 +753,8 @@ class HeteroRuntime:
             "iterations": m.trace.iterations,
             "trace_divergences": m.trace.divergences,
             "reduce_scatters": dict(self.reduce_scatters),
+            "host_optimizer": self.host_optimizer,
+            "host_optimizer_rows": self.host_steps,
             "bytes_moved": m.stats.moved_bytes,
             "total": m.stats.as_dict(),
             "last_iteration": {k: v for k, v in last.items() if k not in ("trace", "live", "nonmodel", "start_resident")}
