@@ -179,6 +179,8 @@ def run_hetero(shape, batch, device, warmup, iters, budget_bytes, policy="belady
     last = st["last_iteration"]
     out.update({k: st[k] for k in ("model_data_bytes", "device_budget_bytes", "peak_resident_bytes", "chunk_bytes",
                                    "chunks", "pinned_host", "trace_divergences", "min_feasible_budget_bytes")})
+    out["host_optimizer_rows"] = st["host_optimizer_rows"]
+    out["prefetches_per_step"] = last["prefetches"]
     out["moved_bytes_per_step"] = last["moved_bytes"]
     out["load_bytes_per_step"] = last["load_bytes"]
     out["writeback_bytes_per_step"] = last["writeback_bytes"]

@@ -400,6 +400,7 @@ def test_cuda_matches_cpu_reference_closely():
                 (model(x.cuda(), y.cuda()) / MICRO).backward()
             o.step()
         sd = model.state_dict()
-        for k, v in ref.state_dict().items():
-            torch.testing.assert_close(sd[k].cpu(), v, rtol=1e-4, atol=1e-5)
-    assert opt2.stats()["pinned_host"]
+        for k, v in ref.state_dict().items():  # per-tensor ‖Δ‖/‖ref‖ (see the fused-optimizer test)
+            assert (sd[k].cpu() - v).norm() <= 1e-3 * v.norm(), k
+    st = opt2.stats()
+    assert st["pinned_host"] and st["total"]["prefetches"] > 0 and st["peak_resident_bytes"] <= st["device_budget_bytes"]
