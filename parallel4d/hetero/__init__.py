@@ -31,13 +31,16 @@ Engine-facing API::
   write-backs, zero-fills, drops, all-gather / reduce-scatter bytes).
 * On CUDA: host backings are one page-locked buffer (``cudaHostRegister``), fills and
   write-backs run on a side stream with per-chunk ready events, the next chunks of the
-  replayed trace are prefetched (``runtime.mgr.prefetch_depth``, 2), and rows that are
+  replayed trace are prefetched (``model._hetero_runtime.mgr.prefetch_depth``, 2), and rows that are
   not fully resident at ``step()`` are updated on the host with torch's fused CPU AdamW
-  (``runtime.host_optimizer``: "fused" | "exact" | "off"). On the CPU compute device
+  (``model._hetero_runtime.host_optimizer``: "fused" | "exact" | "off"). On the CPU compute device
   both are off by default (nothing to overlap) and switched on by the tests.
 * Limits: every parameter must be a direct parameter of a module whose ``forward``
   uses it (module hooks drive residency); activation checkpointing must use
-  ``use_reentrant=False``; all parameters share one floating dtype.
+  ``use_reentrant=False``; all parameters share one floating dtype; do not move the
+  model (``.to``/``.cuda``) after ``wrap``. ``hetero.enabled`` is the engine's switch:
+  ``wrap`` always wraps. The slot arena is preallocated, so on CUDA the dynamic budget
+  governs residency and traffic but empty slots are not lent to activations.
 """
 
 from ..config import HeteroConfig, OptimizerConfig
