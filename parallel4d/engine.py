@@ -296,14 +296,12 @@ class Engine:
         self.tokens_seen = int(state["tokens_seen"])
 
 
-def _pipeline(cfg: Config, mesh: Mesh, names, stages, loss_fn):
+def _pipeline(cfg: Config, mesh: Mesh, schedule, names, stages, loss_fn):
     """Cut the stages into chunks; returns (local stage dict, executor, tied sync, tied params)."""
-    from .pipeline import make_schedule
     from .pipeline.executor import PipelineExecutor, TiedGradSync
     from .pipeline.partition import build_chunks, parameter_costs, partition
 
     pl, p = cfg.pipeline, cfg.parallel
-    schedule = make_schedule(pl.schedule, p.pp, pl.microbatches, waves=pl.waves, chunks_per_rank=pl.chunks_per_rank)
     ranges = partition(parameter_costs(stages), schedule.num_chunks)
     me = mesh.rank("pp")
     mine = schedule.placement[me]
@@ -341,17 +339,18 @@ def compose(cfg: Config, mesh: Mesh) -> Engine:
                               "build the mesh from cfg.parallel")
     executor = tied_sync = None
     tied_params: list = []
-    untie = False
+    schedule = None
     if cfg.parallel.pp > 1:
         from .pipeline import make_schedule
 
         pl = cfg.pipeline
-        s = make_schedule(pl.schedule, cfg.parallel.pp, pl.microbatches, waves=pl.waves,
-                          chunks_per_rank=pl.chunks_per_rank)
-        untie = s.owner(0) != s.owner(s.num_chunks - 1)
+        schedule = make_schedule(pl.schedule, cfg.parallel.pp, pl.microbatches, waves=pl.waves,
+                                 chunks_per_rank=pl.chunks_per_rank)
+    # The LM head keeps the embedding's Parameter only where both sit on one rank.
+    untie = schedule is not None and schedule.owner(0) != schedule.owner(schedule.num_chunks - 1)
     names, stages, loss_fn = build_stages(cfg, mesh, untie=untie)
-    if cfg.parallel.pp > 1:
-        local, executor, tied_sync, tied_params = _pipeline(cfg, mesh, names, stages, loss_fn)
+    if schedule is not None:
+        local, executor, tied_sync, tied_params = _pipeline(cfg, mesh, schedule, names, stages, loss_fn)
     else:
         local = dict(zip(names, stages))
     model = LocalModel(local)
