@@ -137,6 +137,8 @@ def run_training(cfg: Config) -> dict:
     }
     if engine.hetero is not None:
         summary["hetero"] = engine.hetero.stats()
+    if engine.executor is not None:
+        summary["pipeline"] = {"schedule": cfg.pipeline.schedule, **engine.last_step_info}
     tmp = summary_path.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(summary, indent=2))
     os.replace(tmp, summary_path)
