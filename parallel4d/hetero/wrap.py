@@ -370,12 +370,7 @@ class HeteroRuntime:
         self._push_saved_hooks()
         if self._in_backward():  # activation-checkpoint recomputation
             self._queue_end_of_backward()
-            for chunk, tensors, recs in self.mod_groups[mod]:
-                need = [(t, r) for t, r in zip(tensors, recs) if not r.bwd_held]
-                if need:
-                    self._hold(chunk, [t for t, _ in need], [r for _, r in need])
-                    for _, r in need:
-                        r.bwd_held = True
+            self._hold_for_backward(mod)
             return
         for chunk, tensors, recs in self.mod_groups[mod]:
             self._hold(chunk, tensors, recs)
@@ -394,6 +389,10 @@ class HeteroRuntime:
 
     def _pre_backward(self, mod) -> None:
         self._queue_end_of_backward()
+        self._hold_for_backward(mod)
+
+    def _hold_for_backward(self, mod) -> None:
+        """Hold ``mod``'s parameters for its backward (once each: a module may run twice)."""
         for chunk, tensors, recs in self.mod_groups[mod]:
             need = [(t, r) for t, r in zip(tensors, recs) if not r.bwd_held]
             if need:
