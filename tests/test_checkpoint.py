@@ -64,3 +64,25 @@ def test_interrupted_save_leaves_previous_checkpoint(tmp_path, monkeypatch):
     checkpoint.save({"w": torch.ones(4)}, root, step=3)
     assert not list(root.glob(".*.tmp"))
     assert checkpoint.latest_checkpoint(root).name == "step_00000003"
+
+
+def test_resume_under_pipeline_and_tensor2d(tmp_path):
+    """pp=2 × tp=4 (8 workers): every rank saves its own chunks and grid blocks; 2 + resume + 2 == 4."""
+    def job2d(out, steps, resume=False):
+        cfg = job(out, steps, resume)
+        cfg["parallel"] = {"pp": 2, "tp": 4}
+        cfg["pipeline"] = {"schedule": "1f1b", "microbatches": 2}
+        cfg["model"].update(heads=4, layers=2)
+        return cfg
+
+    straight = launch(job2d(tmp_path / "a", 4))
+    launch(job2d(tmp_path / "b", 2))
+    resumed = launch(job2d(tmp_path / "b", 4, resume=True))
+    assert resumed["losses"] == straight["losses"]
+    a = read_state(checkpoint.latest_checkpoint(tmp_path / "a" / "checkpoints"))
+    b = read_state(checkpoint.latest_checkpoint(tmp_path / "b" / "checkpoints"))
+    assert a.keys() == b.keys()
+    # grid-sharded weights are saved per block (4 blocks of the first layer's qkv weight)
+    assert len([k for k in a if k.startswith("model.blocks.0.") and "qkv.weight@tp" in k]) == 4
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
