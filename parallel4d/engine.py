@@ -28,7 +28,7 @@ from . import comm
 from .config import Config, ConfigError
 from .data import local_slice
 from .mesh import Mesh
-from .models.gpt import GPTShape, build_gpt, cross_entropy
+from .models.gpt import GPTShape, build_stage, cross_entropy, stage_names
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.float32}
 
@@ -75,12 +75,6 @@ class LocalModel(nn.Module):
                 self.add_module(name, module)
 
 
-def _untie_head(dense) -> None:
-    """Give the LM head its own copy of the tied table (it lives on another pp rank)."""
-    head = dense.head
-    head.weight = nn.Parameter(head.weight.detach().clone())
-
-
 def _sequence(cfg: Config, mesh: Mesh):
     """(attention_fn, positions) for ``parallel.sp``; (None, None) when sp = 1."""
     if mesh.size("sp") == 1:
@@ -93,39 +87,54 @@ def _sequence(cfg: Config, mesh: Mesh):
     return fn, positions_for(cfg.model.seq_len, group, cfg.sequence.layout, device=mesh.device)
 
 
-def build_stages(cfg: Config, mesh: Mesh, untie: bool = False):
-    """``(names, stages, loss_fn)`` of the whole model for this rank's layout.
+def build_stages(cfg: Config, mesh: Mesh, wanted=None, untie: bool = False):
+    """``(stages, loss_fn)``: ``{stage index: module}`` for the stages in ``wanted``
+    (default: all) in this rank's layout, and the loss function.
 
-    ``names`` are the dense stage names; ``stages`` the modules (2D-parallel
-    when ``tp > 1``, ring attention when ``sp > 1``); ``loss_fn(logits, targets)``
-    is the mean token loss over this rank's data (over the grid's batch under tp).
+    Each stage is built alone from ``(seed, index)`` (as the dense reference builds
+    it), converted at once (2D-parallel when ``tp > 1``, ring attention when
+    ``sp > 1``), and its dense copy dropped: a rank never holds the whole model.
+    ``untie``: the LM head is on another pp rank than the embedding, so it gets its
+    own copy of the tied table. ``loss_fn(logits, targets)`` is the mean token loss
+    over this rank's data (over the grid's batch under tp).
     """
     shape = GPTShape.from_config(cfg.model)
-    dense = build_gpt(shape, seed=cfg.train.seed).to(device=mesh.device, dtype=DTYPES[cfg.train.dtype])
-    if untie and shape.tie_embeddings:
-        _untie_head(dense)
+    seed, last = cfg.train.seed, shape.layers + 1
+    wanted = set(range(last + 1)) if wanted is None else set(wanted)
+    dtype = DTYPES[cfg.train.dtype]
     attention_fn, positions = _sequence(cfg, mesh)
-    names = ["embed", *(f"blocks.{i}" for i in range(shape.layers)), "head"]
-    if mesh.size("tp_row") == 1:
-        if attention_fn is not None:
-            for block in dense.blocks:
-                block.attn.attention_fn = attention_fn
-        stages = dense.stages()
-        loss_fn = cross_entropy
-    else:
+    tp = mesh.size("tp_row") > 1
+    if tp:
         from .tensor2d import Block2D, Head2D, TokenPositionEmbedding2D, loss_2d
 
-        overlap = cfg.tensor2d.overlap
-        embed = TokenPositionEmbedding2D.from_dense(dense.embed, mesh)
-        blocks = [Block2D.from_dense(b, mesh, attention_fn, name=f"blocks.{i}", overlap=overlap)
-                  for i, b in enumerate(dense.blocks)]
-        tied = shape.tie_embeddings and not untie
-        head = Head2D.from_dense(dense.head, mesh, embedding=embed if tied else None)
-        stages = [embed, *blocks, head]
-        loss_fn = loss_2d(mesh)
-    if positions is not None:
+    def dense(index, tied_weight=None):
+        return build_stage(shape, index, seed, tied_weight=tied_weight).to(device=mesh.device, dtype=dtype)
+
+    stages: dict[int, nn.Module] = {}
+    # The head needs the dense token table when tied: shared here, or copied (untie).
+    dense_embed = dense(0) if 0 in wanted or (last in wanted and shape.tie_embeddings) else None
+    if 0 in wanted:
+        stages[0] = TokenPositionEmbedding2D.from_dense(dense_embed, mesh) if tp else dense_embed
+    for index in sorted(wanted - {0, last}):
+        block = dense(index)
+        if tp:
+            block = Block2D.from_dense(block, mesh, attention_fn, name=f"blocks.{index - 1}",
+                                       overlap=cfg.tensor2d.overlap)
+        elif attention_fn is not None:
+            block.attn.attention_fn = attention_fn
+        stages[index] = block
+    if last in wanted:
+        tied = dense_embed.tok.weight if shape.tie_embeddings else None
+        head = dense(last, tied_weight=tied)
+        if tied is not None and untie:
+            head.weight = nn.Parameter(tied.detach().clone())
+        if tp:
+            head = Head2D.from_dense(head, mesh, embedding=stages.get(0) if not untie else None)
+        stages[last] = head
+    if positions is not None and 0 in stages:
         stages[0] = PositionedEmbedding(stages[0], positions)
-    return names, stages, loss_fn
+    loss_fn = loss_2d(mesh) if tp else cross_entropy
+    return stages, loss_fn
 
 
 # --- gradient synchronisation and norms ------------------------------------------
@@ -296,30 +305,34 @@ class Engine:
         self.tokens_seen = int(state["tokens_seen"])
 
 
-def _pipeline(cfg: Config, mesh: Mesh, schedule, names, stages, loss_fn):
-    """Cut the stages into chunks; returns (local stage dict, executor, tied sync, tied params)."""
+def _pipeline(cfg: Config, mesh: Mesh, schedule):
+    """Cut the model into the schedule's chunks and build only this rank's.
+
+    Returns (local stages by index, loss_fn, executor, tied sync, tied params)."""
     from .pipeline.executor import PipelineExecutor, TiedGradSync
     from .pipeline.partition import build_chunks, parameter_costs, partition
 
-    pl, p = cfg.pipeline, cfg.parallel
-    ranges = partition(parameter_costs(stages), schedule.num_chunks)
-    me = mesh.rank("pp")
-    mine = schedule.placement[me]
+    pl, p, m = cfg.pipeline, cfg.parallel, cfg.model
+    shape = GPTShape.from_config(m)
+    # Costs from shapes alone (meta tensors): every rank computes the same cut.
+    costs = parameter_costs([build_stage(shape, i, meta=True) for i in range(shape.layers + 2)])
+    ranges = partition(costs, schedule.num_chunks)
+    mine = schedule.placement[mesh.rank("pp")]
+    untie = schedule.owner(0) != schedule.owner(schedule.num_chunks - 1)
+    stages, loss_fn = build_stages(cfg, mesh, {i for c in mine for i in ranges[c]}, untie=untie)
     chunks = build_chunks(stages, ranges, mine)
-    local = {names[i]: stages[i] for c in mine for i in ranges[c]}
     q, sp = mesh.size("tp_row"), mesh.size("sp")
-    m = cfg.model
-    shape = [cfg.data.batch_size // (p.dp * q * pl.microbatches), m.seq_len // sp, m.hidden // q]
-    executor = PipelineExecutor(schedule, mesh, chunks, loss_fn, shape, DTYPES[cfg.train.dtype],
+    act_shape = [cfg.data.batch_size // (p.dp * q * pl.microbatches), m.seq_len // sp, m.hidden // q]
+    executor = PipelineExecutor(schedule, mesh, chunks, loss_fn, act_shape, DTYPES[cfg.train.dtype],
                                 timeout_s=cfg.train.timeout_s, device=mesh.device)
     tied_sync, tied_params = None, []
-    if m.tie_embeddings and schedule.owner(0) != schedule.owner(schedule.num_chunks - 1):
+    if m.tie_embeddings and untie:
         tied_sync = TiedGradSync(mesh, schedule)
-        if "embed" in local:
-            tied_params.append(_tied_table(local["embed"]))
-        if "head" in local:
-            tied_params.append(_tied_table(local["head"], head=True))
-    return local, executor, tied_sync, tied_params
+        if 0 in stages:
+            tied_params.append(_tied_table(stages[0]))
+        if shape.layers + 1 in stages:
+            tied_params.append(_tied_table(stages[shape.layers + 1], head=True))
+    return stages, loss_fn, executor, tied_sync, tied_params
 
 
 def _tied_table(stage: nn.Module, head: bool = False) -> nn.Parameter:
@@ -339,20 +352,17 @@ def compose(cfg: Config, mesh: Mesh) -> Engine:
                               "build the mesh from cfg.parallel")
     executor = tied_sync = None
     tied_params: list = []
-    schedule = None
     if cfg.parallel.pp > 1:
         from .pipeline import make_schedule
 
         pl = cfg.pipeline
         schedule = make_schedule(pl.schedule, cfg.parallel.pp, pl.microbatches, waves=pl.waves,
                                  chunks_per_rank=pl.chunks_per_rank)
-    # The LM head keeps the embedding's Parameter only where both sit on one rank.
-    untie = schedule is not None and schedule.owner(0) != schedule.owner(schedule.num_chunks - 1)
-    names, stages, loss_fn = build_stages(cfg, mesh, untie=untie)
-    if schedule is not None:
-        local, executor, tied_sync, tied_params = _pipeline(cfg, mesh, schedule, names, stages, loss_fn)
+        stages, loss_fn, executor, tied_sync, tied_params = _pipeline(cfg, mesh, schedule)
     else:
-        local = dict(zip(names, stages))
+        stages, loss_fn = build_stages(cfg, mesh)
+    names = stage_names(GPTShape.from_config(cfg.model))
+    local = {names[i]: stages[i] for i in sorted(stages)}
     model = LocalModel(local)
     hetero = None
     if cfg.hetero.enabled:
@@ -362,7 +372,7 @@ def compose(cfg: Config, mesh: Mesh) -> Engine:
         hetero = True
     else:
         optimizer = build_optimizer([p for p in model.parameters() if p.requires_grad], cfg.optimizer)
-    return Engine(cfg, mesh, model, optimizer, loss_fn, [local[n] for n in names if n in local],
+    return Engine(cfg, mesh, model, optimizer, loss_fn, list(local.values()),
                   executor=executor, tied_sync=tied_sync, tied_params=tied_params, hetero=hetero)
 
 

@@ -139,24 +139,59 @@ class LayerFactory:
     def block(self, shape: GPTShape, index: int) -> nn.Module:
         return Block(shape)
 
-    def head(self, shape: GPTShape, embedding: nn.Module) -> nn.Module:
-        return Head(shape, embedding.tok.weight if shape.tie_embeddings else None)
+    def head(self, shape: GPTShape, tied_weight: nn.Parameter | None = None) -> nn.Module:
+        return Head(shape, tied_weight)
 
     def loss(self, logits, targets):
         return cross_entropy(logits, targets)
 
 
+def stage_names(shape: GPTShape) -> list[str]:
+    """``["embed", "blocks.0", ..., "head"]``: stage ``i`` of :meth:`GPT.stages`."""
+    return ["embed", *(f"blocks.{i}" for i in range(shape.layers)), "head"]
+
+
+def build_stage(shape: GPTShape, index: int, seed: int = 0, factory: LayerFactory | None = None,
+                tied_weight: nn.Parameter | None = None, meta: bool = False) -> nn.Module:
+    """Stage ``index`` (0 = embedding, 1..L = blocks, L+1 = head), initialised from
+    ``(seed, index)`` alone, so a rank can build just its own stages and get exactly
+    the values of the whole reference model. ``tied_weight``: the token table a tied
+    head shares (left as it is). ``meta``: shapes only, no memory, no init (for costs).
+    Built on the CPU (its RNG is the same everywhere); move it afterwards.
+    """
+    factory = factory or LayerFactory()
+    last = shape.layers + 1
+    if not 0 <= index <= last:
+        raise ValueError(f"stage index {index} out of range 0..{last}")
+
+    def make():
+        if index == 0:
+            return factory.embedding(shape)
+        if index < last:
+            return factory.block(shape, index - 1)
+        return factory.head(shape, tied_weight)
+
+    if meta:
+        with torch.device("meta"):
+            return make()
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed * 1_000_003 + index)
+        module = make()
+        init_weights(module, shape, skip=() if tied_weight is None else (tied_weight,))
+    return module
+
+
 class GPT(nn.Module):
     """Stages ``embed → blocks → head``; ``forward(tokens, targets=None)`` → logits or loss."""
 
-    def __init__(self, shape: GPTShape, factory: LayerFactory | None = None):
+    def __init__(self, shape: GPTShape, factory: LayerFactory | None = None, seed: int = 0):
         super().__init__()
         self.shape = shape
         self.factory = factory or LayerFactory()
-        self.embed = self.factory.embedding(shape)
-        self.blocks = nn.ModuleList(self.factory.block(shape, i) for i in range(shape.layers))
-        self.head = self.factory.head(shape, self.embed)
-        init_weights(self, shape)
+        self.embed = build_stage(shape, 0, seed, self.factory)
+        self.blocks = nn.ModuleList(build_stage(shape, i + 1, seed, self.factory) for i in range(shape.layers))
+        tied = self.embed.tok.weight if shape.tie_embeddings else None
+        self.head = build_stage(shape, shape.layers + 1, seed, self.factory, tied_weight=tied)
 
     def stages(self) -> list[nn.Module]:
         """The model as a flat list a pipeline cuts into contiguous chunks."""
@@ -169,10 +204,13 @@ class GPT(nn.Module):
         return x if targets is None else self.factory.loss(x, targets)
 
 
-def init_weights(model: nn.Module, shape: GPTShape) -> None:
+def init_weights(model: nn.Module, shape: GPTShape, skip=()) -> None:
     """GPT-2 style init: N(0, 0.02) matrices, output projections scaled by 1/sqrt(2L),
-    zero biases, unit LayerNorm gains."""
+    zero biases, unit LayerNorm gains. Parameters in ``skip`` are left as they are."""
+    skip_ids = {id(p) for p in skip}
     for name, p in model.named_parameters():
+        if id(p) in skip_ids:
+            continue
         if name.endswith("bias"):
             nn.init.zeros_(p)
         elif p.dim() == 1:  # LayerNorm gain
@@ -183,7 +221,5 @@ def init_weights(model: nn.Module, shape: GPTShape) -> None:
 
 
 def build_gpt(shape: GPTShape, seed: int = 0, factory: LayerFactory | None = None) -> GPT:
-    """Build the dense reference deterministically from ``seed``."""
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        return GPT(shape, factory)
+    """Build the dense reference deterministically from ``seed`` (stage by stage)."""
+    return GPT(shape, factory, seed)
