@@ -51,6 +51,29 @@ def _log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
+class _Progress:
+    """Rank 0's progress: a tqdm bar on a terminal, plain log lines elsewhere (CI, files)."""
+
+    def __init__(self, cfg: Config, initial: int, enabled: bool):
+        self.cfg, self.enabled, self.bar = cfg, enabled, None
+        if enabled and sys.stderr.isatty():
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=cfg.train.steps, initial=initial, desc="parallel4d", unit="step", file=sys.stderr)
+
+    def update(self, step: int, loss: float, tokens_per_second: float, elapsed: float) -> None:
+        if self.bar is not None:
+            self.bar.update(1)
+            self.bar.set_postfix(loss=f"{loss:.4f}", tokens_per_s=f"{tokens_per_second:,.0f}")
+        elif self.enabled and (step % self.cfg.train.log_every == 0 or step == self.cfg.train.steps):
+            _log(f"[parallel4d] step {step}/{self.cfg.train.steps} loss {loss:.4f} "
+                 f"{tokens_per_second:,.0f} tokens/s ({elapsed:.1f}s)")
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
 def run_training(cfg: Config) -> dict:
     """Train ``cfg`` on this rank (the default process group must exist or be joinable).
 
@@ -92,6 +115,7 @@ def run_training(cfg: Config) -> dict:
     interrupted = False
     start = time.perf_counter()
     start_step = engine.step
+    progress = _Progress(cfg, engine.step, enabled=lead)
     with _StopFlag() as stop:
         while engine.step < cfg.train.steps:
             tokens, targets = data.batch(engine.step)
@@ -102,9 +126,7 @@ def run_training(cfg: Config) -> dict:
                                          "or set train.grad_clip")
             elapsed = time.perf_counter() - start
             tps = (engine.step - start_step) * tokens.numel() / max(elapsed, 1e-9)
-            if lead and (engine.step % cfg.train.log_every == 0 or engine.step == cfg.train.steps):
-                _log(f"[parallel4d] step {engine.step}/{cfg.train.steps} loss {loss:.4f} "
-                     f"{tps:,.0f} tokens/s ({elapsed:.1f}s)")
+            progress.update(engine.step, loss, tps, elapsed)
             if cfg.checkpoint.enabled and cfg.checkpoint.every and engine.step % cfg.checkpoint.every == 0 \
                     and engine.step < cfg.train.steps:
                 save_checkpoint()
@@ -113,6 +135,7 @@ def run_training(cfg: Config) -> dict:
                 if lead:
                     _log(f"[parallel4d] interrupted at step {engine.step}: saving a checkpoint and stopping")
                 break
+    progress.close()
     elapsed = time.perf_counter() - start
     if cfg.checkpoint.enabled:
         save_checkpoint()
