@@ -44,7 +44,9 @@ def _cmd_launch(args) -> int:
     from .launch import launch
 
     summary = launch(args.config, args.overrides)
-    losses = summary.get("losses", [])
+    if "losses" not in summary:  # a non-zero rank under torchrun: rank 0 reports
+        return 0
+    losses = summary["losses"]
     print(json.dumps({"steps": summary.get("steps"), "first_loss": losses[0] if losses else None,
                       "last_loss": losses[-1] if losses else None,
                       "tokens_per_second": summary.get("tokens_per_second")}))

@@ -225,9 +225,6 @@ def cross_field_problems(cfg: Config) -> list[str]:
     if cfg.data.source == "text" and cfg.data.text_root and not Path(cfg.data.text_root).is_dir():
         out.append(f"data.text_root={cfg.data.text_root!r} is not a directory; point it at a folder of .py files "
                    "or leave it unset to use Python's standard library")
-    if cfg.checkpoint.every > cfg.train.steps:
-        out.append(f"checkpoint.every={cfg.checkpoint.every} exceeds train.steps={cfg.train.steps}; "
-                   f"use checkpoint.every≤{cfg.train.steps} (or 0 to save only at the end)")
     return out
 
 
