@@ -215,9 +215,13 @@ def cross_field_problems(cfg: Config) -> list[str]:
         from .pipeline.checks import pipeline_arg_problems  # pure arithmetic, no torch
 
         out += pipeline_arg_problems(m.layers, p.pp, pl.microbatches, pl.schedule, pl.waves, pl.chunks_per_rank)
-    if cfg.hetero.enabled and (p.pp > 1 or p.sp > 1 or p.tp > 1):
-        out.append("hetero.enabled=true composes with parallel.dp only in this version; "
-                   "use parallel.pp=1, parallel.sp=1 and parallel.tp=1 with hetero (or hetero.enabled=false)")
+    if cfg.hetero.enabled and cfg.train.grad_clip and (p.pp > 1 or p.tp > 1):
+        out.append("train.grad_clip with hetero.enabled=true needs parallel.pp=1 and parallel.tp=1 (hetero's "
+                   "gradient norm covers the data replicas only); unset train.grad_clip or hetero")
+    if cfg.hetero.enabled and p.pp > 1 and m.tie_embeddings and pl.schedule != "hanayo":
+        out.append(f"hetero.enabled=true with pipeline.schedule={pl.schedule} cannot keep a tied embedding and "
+                   "LM head on two pp ranks in step; use pipeline.schedule=hanayo (both ends on rank 0) or "
+                   "model.tie_embeddings=false")
     if cfg.data.source == "synthetic" and m.vocab_size < 2:
         out.append("model.vocab_size must be ≥ 2")
     if cfg.data.source == "text" and m.vocab_size < 256:

@@ -183,6 +183,32 @@ def global_grad_norm(params: list[nn.Parameter], mesh: Mesh, tied_copies: set[in
     return sq.sqrt()
 
 
+class DataReplicas:
+    """The mesh as hetero's ZeRO sees it: its ``dp`` axis is every data replica
+    (``dp × sp``: parameters are replicated over both, and each rank's loss is the
+    mean over its own tokens, so gradients are averaged over both)."""
+
+    def __init__(self, mesh: Mesh):
+        self.mesh, self.comm_stats, self.device = mesh, mesh.comm_stats, mesh.device
+        self._group = mesh.group_over("dp", "sp")
+
+    def _check(self, axis: str) -> None:
+        if axis != "dp":
+            raise ValueError(f"DataReplicas only answers for the 'dp' axis, not {axis!r}")
+
+    def size(self, axis: str) -> int:
+        self._check(axis)
+        return self.mesh.size("dp") * self.mesh.size("sp")
+
+    def rank(self, axis: str) -> int:
+        self._check(axis)
+        return self.mesh.rank_over("dp", "sp")
+
+    def group(self, axis: str):
+        self._check(axis)
+        return self._group
+
+
 # --- the engine -----------------------------------------------------------------
 
 
@@ -266,13 +292,29 @@ class Engine:
             return f"{name}@tp_col{j}"
         return f"{name}@tp{i}.{j}"
 
+    def _hetero_keys(self, sd: dict, to_dcp: bool) -> dict:
+        """Rename hetero's ``{"model": {name}, "optim": {"state": {name}}}`` entries to
+        (``to_dcp``) or from the grid-aware keys of :meth:`_key` (no-op without tp)."""
+        if self.mesh.size("tp_row") == 1:
+            return sd
+        params = dict(self.model.named_parameters(remove_duplicate=False))
+        rename = {n: self._key(n, p) for n, p in params.items()}
+        if not to_dcp:
+            rename = {v: k for k, v in rename.items()}
+        out = dict(sd)
+        out["model"] = {rename.get(k, k): v for k, v in sd["model"].items()}
+        optim = dict(sd["optim"])
+        optim["state"] = {rename.get(k, k): v for k, v in sd["optim"]["state"].items()}
+        out["optim"] = optim
+        return out
+
     def state_dict(self) -> dict:
         """Model and optimizer state as a flat DCP-ready dict, plus the step."""
         if self.hetero is not None:
             from .hetero import state_dict as hetero_state_dict
 
-            return {**hetero_state_dict(self.model, self.optimizer), "step": torch.tensor(self.step),
-                    "tokens_seen": torch.tensor(self.tokens_seen)}
+            return {**self._hetero_keys(hetero_state_dict(self.model, self.optimizer), to_dcp=True),
+                    "step": torch.tensor(self.step), "tokens_seen": torch.tensor(self.tokens_seen)}
         out = {"step": torch.tensor(self.step), "tokens_seen": torch.tensor(self.tokens_seen)}
         for name, p in self.model.named_parameters():
             key = self._key(name, p)
@@ -290,7 +332,7 @@ class Engine:
         if self.hetero is not None:
             from .hetero import load_state_dict as hetero_load_state_dict
 
-            hetero_load_state_dict(self.model, self.optimizer, state)
+            hetero_load_state_dict(self.model, self.optimizer, self._hetero_keys(state, to_dcp=False))
         else:
             for name, p in self.model.named_parameters():
                 key = self._key(name, p)
@@ -368,7 +410,7 @@ def compose(cfg: Config, mesh: Mesh) -> Engine:
     if cfg.hetero.enabled:
         from .hetero import wrap
 
-        model, optimizer = wrap(model, cfg.optimizer, cfg.hetero, mesh=mesh)
+        model, optimizer = wrap(model, cfg.optimizer, cfg.hetero, mesh=DataReplicas(mesh))
         hetero = True
     else:
         optimizer = build_optimizer([p for p in model.parameters() if p.requires_grad], cfg.optimizer)

@@ -117,6 +117,33 @@ class Mesh:
 
     group_along = group
 
+    def group_over(self, *axes: str) -> dist.ProcessGroup:
+        """Group of the ranks along several axes at once (those coordinates vary,
+        the others equal mine), e.g. ``group_over("dp", "sp")``: every data replica.
+
+        Collective on first use: every rank of the world must ask for the same axes
+        in the same order (it creates one group per combination of the other axes).
+        """
+        dims = sorted(self._dim(a) for a in axes)
+        key = tuple(AXES[d] for d in dims)
+        if len(key) == 1:
+            return self.group(key[0])
+        if key not in self._groups:
+            grid = self.device_mesh.mesh
+            others = [d for d in range(len(AXES)) if d not in dims]
+            # [combinations of the other axes, members]: each row is one group.
+            rows = grid.permute(*others, *dims).reshape(-1, math.prod(grid.shape[d] for d in dims))
+            mine, _ = dist.new_subgroups_by_enumeration(rows.tolist())
+            self._groups[key] = mine
+        return self._groups[key]
+
+    def rank_over(self, *axes: str) -> int:
+        """My index in :meth:`group_over` (row-major over ``axes`` in mesh order)."""
+        index = 0
+        for d in sorted(self._dim(a) for a in axes):
+            index = index * self.size(AXES[d]) + self._coords[d]
+        return index
+
     def __repr__(self) -> str:
         dims = ", ".join(f"{a}={self.size(a)}" for a in AXES)
         return f"Mesh({dims}; coords={self.coords})"

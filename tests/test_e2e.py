@@ -100,12 +100,21 @@ def test_pipeline_schedules(case, tmp_path, tmp_path_factory):
     assert_params_match(out, ref_out, rtol=1e-9, atol=1e-12)
 
 
-def test_all_four_axes(tmp_path, tmp_path_factory):
-    """pp=2 (Hanayo) × sp=2 (ring, zigzag) × tp=4 (2×2 SUMMA): 16 workers."""
-    got, _ = run("4d", tmp_path, [], "par")
-    ref, _ = reference("4d", tmp_path_factory)
+def test_all_four_techniques(tmp_path, tmp_path_factory):
+    """configs/4d.yaml, 16 workers: Hanayo pp=2 × ring sp=2 × 2D tp=4 × hetero (budget below each
+    rank's model data, ZeRO over the dp·sp replicas) equals one process with none of them;
+    then resume (grid-keyed hetero checkpoint) continues the same run."""
+    got, out = run("4d", tmp_path, [], "par")
+    ref, _ = reference("4d", tmp_path_factory, ["hetero.enabled=false"])
     assert got["world_size"] == 16
+    h = got["hetero"]
+    assert 0 < h["peak_resident_bytes"] <= h["device_budget_bytes"] < h["model_data_bytes"]
+    assert h["bytes_moved"] > 0
     assert_losses_match(got, ref)
+    more, _ = run("4d", tmp_path, ["train.resume=true", "train.steps=12"], "par")
+    longer, _ = reference("4d", tmp_path_factory, ["hetero.enabled=false", "train.steps=12"])
+    assert more["losses"][:10] == got["losses"] and len(more["losses"]) == 12
+    assert_losses_match(more, longer)
 
 
 def test_hetero(tmp_path, tmp_path_factory):

@@ -61,3 +61,23 @@ def test_mesh_rejects_bad_sizes():
         mesh_shape(tp=8)
     with pytest.raises(ValueError, match="parallel.dp"):
         mesh_shape(dp=0)
+
+
+def _check_group_over():
+    mesh = init_mesh(pp=1, dp=2, sp=2, tp=2 * 2)
+    me = dist.get_rank()
+    group = mesh.group_over("sp", "dp")
+    members = dist.get_process_group_ranks(group)
+    # independent: the ranks sharing my pp, tp_row and tp_col coordinates
+    layout = _expected_coords(mesh_shape(1, 2, 2, 4))
+    mine = layout[me]
+    expect = sorted(r for r, c in layout.items() if (c[0], c[3], c[4]) == (mine[0], mine[3], mine[4]))
+    assert sorted(members) == expect
+    assert dist.get_rank(group) == mesh.rank_over("dp", "sp") == mesh.rank("dp") * 2 + mesh.rank("sp")
+    t = torch.tensor([float(me)])
+    dist.all_reduce(t, group=group)
+    assert t.item() == float(sum(expect))
+
+
+def test_group_over_several_axes():
+    run_workers(_check_group_over, 16, timeout_s=300)
