@@ -1,14 +1,15 @@
 """compose(): build the model and apply the strategies in a fixed order.
 
-Order (DESIGN.md): build the dense reference from the job seed → sequence
-(ring attention in every block, global position ids) → tensor2d (each stage
-converted with ``from_dense``) → pipeline (stages cut into chunks, this rank
-keeps its own) → data parallelism over ``dp`` and ``sp`` (plain gradient
-averaging; hetero's chunked ZeRO when ``hetero.enabled``) → optimizer →
-:class:`Engine`.
+Order (DESIGN.md): pipeline (the schedule decides which stages this rank
+holds) → build those stages of the dense reference, each from ``(seed, stage)``
+→ sequence (ring attention in every block, global position ids) → tensor2d
+(each stage converted with ``from_dense`` as soon as it is built) → data
+parallelism over the replicas ``dp × sp`` (plain gradient averaging, or
+hetero's chunked ZeRO when ``hetero.enabled``) → optimizer → :class:`Engine`.
 
-Building the dense model first, from the same seed on every rank, is what makes
-every layout start from exactly the parameters of the single-process run.
+Every stage is initialised from ``(seed, stage)`` alone, exactly as the
+single-process reference initialises it: that is what makes every layout start
+from the same parameters, without any rank materialising the whole model.
 This is the only module that knows several strategies exist.
 
 Data on the rank at (pp, dp=d, sp=r, tp_row=i, tp_col=j): the global batch
