@@ -151,9 +151,8 @@ def average_gradients(params: list[nn.Parameter], mesh: Mesh, timeout_s: float) 
     if not grads:
         return
     flat = torch.cat([g.reshape(-1) for g in grads])
-    for axis in ("dp", "sp"):
-        work = comm.all_reduce(flat, mesh.group(axis), stats=mesh.comm_stats, label=f"{axis}_grad", async_op=True)
-        comm.wait(work, timeout_s, f"gradient all-reduce over {axis}")
+    work = comm.all_reduce(flat, mesh.group_over("dp", "sp"), stats=mesh.comm_stats, label="dp_grad", async_op=True)
+    comm.wait(work, timeout_s, "gradient all-reduce over the data replicas (dp·sp)")
     flat /= replicas
     offset = 0
     for g in grads:
@@ -277,8 +276,7 @@ class Engine:
                     p.grad.mul_(scale.to(p.grad.dtype))
         self.optimizer.step()
         self.optimizer.zero_grad()
-        for axis in ("dp", "sp"):
-            comm.all_reduce(loss, self.mesh.group(axis), stats=self.mesh.comm_stats, label="loss")
+        comm.all_reduce(loss, self.mesh.group_over("dp", "sp"), stats=self.mesh.comm_stats, label="loss")
         self.step += 1
         self.tokens_seen += tokens.numel()
         return loss.item() / (self.mesh.size("dp") * self.mesh.size("sp"))
