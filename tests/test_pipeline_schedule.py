@@ -308,10 +308,11 @@ def test_hanayo_against_interleaved_on_the_docstring_table(p, m):
     for w in (2, 3):
         h = simulate(hanayo(p, m, w))
         il = simulate(interleaved_1f1b(p, m, 2 * w))
-        # With free transfers more waves beat interleaved(2) and one wave (m = P included).
-        # (Not asserted, because not true: W ≥ 2 vs interleaved(2W), and vs interleaved(2)
-        # with p2p_cost=0.5 — see hanayo's docstring.)
+        # With free transfers more waves beat interleaved(2) and one wave (m = P included),
+        # and the latency-aware pick keeps them ahead of interleaved(2) with p2p_cost=0.5.
+        # (Not asserted, because not true: W ≥ 2 vs interleaved(2W) — see hanayo's docstring.)
         assert h.bubble_ratio < il2.bubble_ratio and h.bubble_ratio <= h1.bubble_ratio + 1e-12
+        assert simulate(hanayo(p, m, w), p2p_cost=0.5).bubble_ratio < il2_lat.bubble_ratio
         assert max(h.peak_activations) <= max(il.peak_activations)
 
 

@@ -363,6 +363,13 @@ def wave_slot_schedule(name: str, pp: int, microbatches: int, waves: int) -> Sch
     return Schedule(name, pp, microbatches, s, placement, actions)
 
 
+# hanayo's search keeps the orders within FREE_SLACK of the shortest makespan with free
+# transfers, then the one with the shortest summed makespan under these hop latencies
+# (per cross-rank transfer, in chunk-forward units): a real link is neither free nor known.
+FREE_SLACK = 0.01
+HOP_LATENCIES = (0.0, 0.25, 0.5)
+
+
 def peak_activations(actions: Iterable[Action]) -> int:
     """Most chunk activations one rank's list stores at once (F done, B not yet)."""
     n = best = 0
@@ -388,10 +395,8 @@ def hanayo(pp: int, microbatches: int, waves: int = 1, memory_cap: int | None = 
     rank around ``2W·P + r``, never above ``memory_cap``). ``memory_cap``
     defaults to interleaved 1F1B's rank-0 peak for the same chunks per rank,
     ``2W·P + P - 1``, so a Hanayo schedule never stores more activations than
-    interleaved. It keeps the shortest simulated makespan (uniform chunks,
-    backward = 2 × forward, free transfers), ties broken by the makespan with
-    a 0.5 latency per cross-rank hop, then by peak memory. ``hanayo(8, 32, 3)``
-    takes well under 1.5 s.
+    interleaved. How one order is kept is below; ``hanayo(8, 32, 3)`` takes
+    about 2 s on one core (cached per arguments).
 
     Lower bounds on the wave placement (any order, free transfers): rank
     ``P-1`` starts at ``P-1``, its first backward cannot start before
@@ -405,32 +410,43 @@ def hanayo(pp: int, microbatches: int, waves: int = 1, memory_cap: int | None = 
     match interleaved(2) (P=4: bound .333 vs .273). Holding rank ``P-1`` busy
     also fills it to exactly ``2WP + P - 1`` activations, interleaved's peak.
 
-    Simulated bubble ratio, free transfers / ``p2p_cost=0.5`` per hop, before
-    → after this search; ``il(v)`` = interleaved 1F1B with ``v`` chunks/rank::
+    Which order is kept: those within ``FREE_SLACK`` (1 %) of the shortest
+    simulated makespan with free transfers (uniform chunks, backward =
+    2 × forward), then the one with the shortest summed makespan at hop
+    latencies 0.25 and 0.5 (a real link is neither free nor known), then
+    the lower peak memory. Simulated bubble ratio, free transfers /
+    ``p2p_cost=0.5`` per hop; ``il(v)`` = interleaved 1F1B with ``v``
+    chunks/rank::
 
-        P  m   W=1 old → new        il(2)       W=2 old → new        il(4)       W=3 old → new        il(6)
-        4  4   .333/.442 → .333/.429  .273/.400  .213/.351 → .200/.351  .158/.333  .153/.308 → .143/.308  .111/.308
-        4  8   .158/.284 → .158/.238  .158/.250  .111/.238 → .086/.213  .086/.200  .077/.213 → .065/.204  .059/.182
-        4  16  .086/.179 → .086/.135  .086/.143  .103/.226 → .054/.165  .045/.111  .114/.246 → .040/.103  .030/.100
-        8  16  .179/.319 → .179/.267  .179/.273  .139/.289 → .107/.262  .099/.213  .080/.244 → .077/.230  .068/.191
-        8  32  .099/.203 → .099/.154  .099/.158  .094/.192 → .066/.203  .052/.119  .094/.209 → .046/.118  .035/.106
+        P  m   W=1        il(2)      W=2        il(4)      W=3        il(6)
+        4  4   .333/.429  .273/.400  .200/.351  .158/.333  .143/.308  .111/.308
+        4  8   .158/.238  .158/.250  .086/.213  .086/.200  .065/.204  .059/.182
+        4  16  .086/.135  .086/.143  .059/.123  .045/.111  .040/.103  .030/.100
+        8  16  .179/.267  .179/.273  .107/.262  .099/.213  .077/.230  .068/.191
+        8  32  .099/.154  .099/.158  .068/.141  .052/.119  .046/.118  .035/.106
+
+    (The latency tie-break replaced a free-transfer-only choice that gave
+    P=8, m=32, W=2 .066/.203 — worse than interleaved(2) with latency — and
+    P=4, m=16, W=2 .054/.165.)
 
     What holds (asserted in the tests): W=1 reaches the bound for ``m ≥ 2P``
     and beats interleaved(2) under hop latency (fewer hops); with free
-    transfers every W ≥ 2 beats interleaved(2) and W=1; peak activations
-    never exceed interleaved's with the same chunks per rank. What does
-    not: for W ≥ 2 the greedy orders stay
-    above interleaved(2W) (by up to .043 free at m ≥ 2P, more with
-    latency — there they can lose even to interleaved(2), e.g. P=8, m=32,
-    W=2: .203 vs .158 — as no rule here plans around latency).
-    Without the memory cap the same rules do reach the bound (P=8, m=32,
-    W=3: .035 at 69 stored activations vs 55), so the gap is the greedy's
-    handling of the cap, not the placement. The search also tries the
-    constructed slot order of :func:`wave_slot_schedule` (≤ 2WP activations);
-    it wins at m = P and for W=3 at P=4, m=16 (latency) and P=8, m=32
-    (.078 → .046), but its fill runs rank ``d`` at half density until slot
-    ``2P-1-d``, so it stays above interleaved(2W) too. The order also
-    keeps a tied embedding/LM head on one rank.
+    transfers every W ≥ 2 beats interleaved(2) and W=1, and with latency
+    0.5 it beats interleaved(2) on this table too; peak activations never exceed
+    interleaved's with the same chunks per rank. What does not: for W ≥ 2
+    the greedy orders stay above interleaved(2W) (by up to .016 free at
+    m ≥ 2P on this table, more with latency, as no rule here plans around
+    latency). That gap is our generator's, not the placement's: without
+    the memory cap the same rules reach the bound (P=8, m=32, W=3: .035 at
+    69 stored activations vs 55), and an exact CP-SAT search (offline,
+    OR-Tools, not a dependency) found for P=4, m=16, W=2 an order *on the
+    bound* (makespan 201, bubble .045) with every rank at ≤ 19 = 2WP + P - 1
+    activations — interleaved(4)'s bubble and peak. The search also tries
+    the constructed slot order of :func:`wave_slot_schedule` (≤ 2WP
+    activations); it wins at m = P and for W=3 at P=4, m=16 and P=8, m=32,
+    but its fill runs rank ``d`` at half density until slot ``2P-1-d``, so
+    it stays above interleaved(2W) too. The order also keeps a tied
+    embedding/LM head on one rank.
     """
     pp, m = _positive("pp", pp), _positive("microbatches", microbatches)
     w = _positive("waves", waves)
@@ -466,7 +482,7 @@ def _hanayo(pp: int, m: int, w: int, memory_cap: int | None) -> Schedule:
     slot = wave_slot_schedule(name, pp, m, w)
     if max(peak_activations(a) for a in slot.actions.values()) > top:
         slot = None
-    best, best_key = None, None
+    scored = []
     for cand in [None] + candidates:
         if cand is None:
             s = slot
@@ -474,16 +490,16 @@ def _hanayo(pp: int, m: int, w: int, memory_cap: int | None) -> Schedule:
             caps, policy, fwd, group, back = cand
             s = list_schedule(name, pp, m, placement, memory_cap=caps, policy=policy, group=group,
                               forward_order=fwd, backward_order=back)
-        if s is None:
-            continue
-        sim = _run(s, 1.0, 2.0, 0.0)  # valid by construction; the tests validate every one
-        if best_key is not None and round(sim.makespan, 9) > best_key[0]:
-            continue
-        # Ties on free transfers go to the order that suffers least from hop latency.
-        lat = _run(s, 1.0, 2.0, 0.5)
-        key = (round(sim.makespan, 9), round(lat.makespan, 9), max(sim.peak_activations))
-        if best_key is None or key < best_key:
-            best, best_key = s, key
+        if s is not None:  # valid by construction; the tests validate every one
+            free = _run(s, 1.0, 2.0, 0.0)
+            lat = sum(_run(s, 1.0, 2.0, hop).makespan for hop in HOP_LATENCIES[1:])
+            scored.append((free.makespan, lat, max(free.peak_activations), len(scored), s))
+    best = None
+    if scored:
+        # Near-best with free transfers (within FREE_SLACK), then the most robust to hop latency.
+        fastest = min(x[0] for x in scored)
+        near = [x for x in scored if x[0] <= fastest * (1 + FREE_SLACK) + 1e-9]
+        best = min(near, key=lambda x: (round(x[1], 9), round(x[0], 9), x[2], x[3]))[4]
     if best is None:
         raise ValueError(f"memory_cap={memory_cap} starves the hanayo pipeline (P={pp}, W={w}); "
                          f"use memory_cap≥{interleaved_peak(pp, c)}")
