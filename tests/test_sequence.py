@@ -357,3 +357,29 @@ def test_ring_of_one_without_process_group():
         ref.backward(do)
         for a, r in ((out, ref), (ql.grad, qr.grad), (kl.grad, kr.grad), (vl.grad, vr.grad)):
             torch.testing.assert_close(a.detach(), r.detach(), **TOL)
+
+
+@pytest.mark.parametrize("backend", ["cudnn", "flash"])
+def test_fused_cuda_protocol_on_meta_tensors(backend, monkeypatch):
+    """The CUDA block path without a GPU: ATen's meta kernels of the cuDNN / flash SDPA
+    forward and backward ops check our calls against the installed torch's schemas and
+    give the shapes and dtypes every step, merge and travelling dK/dV sees (GQA, both
+    layouts, causal and not). The numbers are checked by the gpu-marked test above."""
+    from parallel4d.sequence import emulate
+
+    # resolve_backend rightly refuses non-CUDA tensors; meta tensors stand in for them here.
+    monkeypatch.setattr(emulate, "resolve_backend", lambda name, q: name)
+    b, h, hkv, s, d, n = 2, 8, 2, 64, 128, 4
+    for layout in LAYOUTS:
+        for causal in (False, True):
+            q, do = (torch.empty(b, h, s, d, device="meta", dtype=torch.bfloat16) for _ in range(2))
+            k, v = (torch.empty(b, hkv, s, d, device="meta", dtype=torch.bfloat16) for _ in range(2))
+            qs, ks, vs = shard(q, n, layout), shard(k, n, layout), shard(v, n, layout)
+            outs, lses = ring_forward(qs, ks, vs, layout, causal, backend=backend)
+            assert all(o.shape == (b, h, s // n, d) and o.dtype == torch.bfloat16 for o in outs)
+            assert all(x.shape == (b, h, s // n) and x.dtype == torch.float32 for x in lses)
+            dqs, dks, dvs = ring_backward(shard(do, n, layout), qs, ks, vs, outs, lses, layout, causal,
+                                          backend=backend)
+            assert all(g.shape == (b, h, s // n, d) and g.dtype == torch.bfloat16 for g in dqs)
+            assert all(g.shape == (b, hkv, s // n, d) and g.dtype == torch.bfloat16 for g in dks + dvs)
+            assert unshard(outs, layout).shape == q.shape
