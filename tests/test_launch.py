@@ -151,13 +151,19 @@ def test_interrupt_saves_and_resume_continues(tmp_path):
     cfg["checkpoint"] = {"enabled": True}
     path = tmp_path / "job.yaml"
     path.write_text(yaml.safe_dump(cfg))
+    # A terminal delivers Ctrl-C; a suite started as a background job (`.ci/run &`) runs with
+    # SIGINT ignored, which the launcher would inherit: give it the terminal's default.
     proc = subprocess.Popen([sys.executable, "-m", "parallel4d", "launch", str(path)], stderr=subprocess.PIPE,
-                            text=True)
-    for line in proc.stderr:  # wait until training is under way
-        if "step 3/" in line:
-            break
-    proc.send_signal(signal.SIGINT)
-    rest = proc.communicate(timeout=120)[1]
+                            text=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    try:
+        for line in proc.stderr:  # wait until training is under way
+            if "step 3/" in line:
+                break
+        proc.send_signal(signal.SIGINT)
+        rest = proc.communicate(timeout=120)[1]
+    finally:  # a failed check must not leave a 100000-step job running under the rest of the suite
+        if proc.poll() is None:
+            proc.kill()
     assert proc.returncode == 130, rest[-2000:]
     out = tmp_path / "interrupted"
     summary = json.loads((out / "summary.json").read_text())

@@ -147,9 +147,12 @@ def check_block(mesh, hidden=8, heads=4, steps=3):
     blk = Block2D.from_dense(dense, mesh)
     assert blk.local_heads == heads // q
     # The key bias has an analytically zero gradient (softmax is shift invariant), so Adam
-    # divides pure round-off (~1e-15) by eps; eps=1e-6 keeps that below the tolerance.
-    dense_opt = torch.optim.AdamW(dense.parameters(), lr=2e-2, weight_decay=0.1, eps=1e-6)
-    opt = torch.optim.AdamW(blk.parameters(), lr=2e-2, weight_decay=0.1, eps=1e-6)
+    # moves it by lr·(round-off)/eps, and the round-off differs between the dense and the
+    # 2D sums (~1e-14 at q=3, hidden 18). eps=1e-6 let that reach 1.6e-10 after 3 steps
+    # (a CI failure at q=3); eps=1e-4 keeps it near 1e-12, and every other gradient is
+    # O(1), so the comparison is as strict as before.
+    dense_opt = torch.optim.AdamW(dense.parameters(), lr=2e-2, weight_decay=0.1, eps=1e-4)
+    opt = torch.optim.AdamW(blk.parameters(), lr=2e-2, weight_decay=0.1, eps=1e-4)
     for step in range(steps):
         X = torch.randn(2 * q, 5, hidden, dtype=F64, generator=gen)
         G = torch.randn(2 * q, 5, hidden, dtype=F64, generator=gen)
