@@ -16,7 +16,6 @@ import shutil
 from pathlib import Path
 
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 
 LATEST = "latest"
 
@@ -40,6 +39,16 @@ def _barrier() -> None:
         dist.barrier()
 
 
+def __getattr__(name: str):
+    # torch.distributed.checkpoint costs ~1 s to import; with 16 workers on a small
+    # machine that is seconds of start-up for jobs that never save. Imported on first use.
+    if name == "dcp":
+        import torch.distributed.checkpoint as dcp
+
+        return dcp
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 def _is_writer() -> bool:
     return not dist.is_initialized() or dist.get_rank() == 0
 
@@ -55,6 +64,8 @@ def save(state: dict, root: str | Path, step: int, keep: int = 2, extra_files: d
             shutil.rmtree(stale, ignore_errors=True)
         tmp.mkdir()
     _barrier()
+    import torch.distributed.checkpoint as dcp
+
     dcp.save(state, checkpoint_id=str(tmp))
     _barrier()
     if _is_writer():
@@ -75,5 +86,7 @@ def save(state: dict, root: str | Path, step: int, keep: int = 2, extra_files: d
 
 def load(state: dict, path: str | Path) -> dict:
     """Load checkpoint ``path`` into ``state`` in place (every rank calls this)."""
+    import torch.distributed.checkpoint as dcp
+
     dcp.load(state, checkpoint_id=str(path))
     return state

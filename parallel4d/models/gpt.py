@@ -146,6 +146,21 @@ class LayerFactory:
         return cross_entropy(logits, targets)
 
 
+class _SkipRandomInit(torch.overrides.TorchFunctionMode):
+    """Meta stages carry shapes only, so their random init is skipped: the meta kernel of
+    ``normal_`` is a Python reference that imports ``torch._dynamo`` (~2 s of CPU), which
+    every rank of a job would pay just to measure its stages' sizes."""
+
+    _INIT = frozenset({torch.Tensor.normal_, torch.Tensor.uniform_, nn.init.normal_, nn.init.uniform_,
+                       nn.init.trunc_normal_, nn.init.kaiming_uniform_, nn.init.kaiming_normal_,
+                       nn.init.xavier_uniform_, nn.init.xavier_normal_})
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in self._INIT:  # nn.init passes its tensor by keyword
+            return args[0] if args else kwargs["tensor"]
+        return func(*args, **(kwargs or {}))
+
+
 def stage_names(shape: GPTShape) -> list[str]:
     """``["embed", "blocks.0", ..., "head"]``: stage ``i`` of :meth:`GPT.stages`."""
     return ["embed", *(f"blocks.{i}" for i in range(shape.layers)), "head"]
@@ -172,7 +187,7 @@ def build_stage(shape: GPTShape, index: int, seed: int = 0, factory: LayerFactor
         return factory.head(shape, tied_weight)
 
     if meta:
-        with torch.device("meta"):
+        with torch.device("meta"), _SkipRandomInit():
             return make()
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed * 1_000_003 + index)
