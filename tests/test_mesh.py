@@ -41,19 +41,26 @@ def _check_mesh(pp, dp, sp, tp):
     return mesh.coords
 
 
-@pytest.mark.parametrize("sizes", [dict(pp=2, dp=1, sp=1, tp=4), dict(pp=1, dp=2, sp=1, tp=4)])
-def test_mesh_world_8(sizes):
-    coords = run_workers(_check_mesh, 8, **sizes)
-    assert len(coords) == 8
+def _check_meshes(layouts, group_over=False):
+    """Several meshes over the same workers (one start-up for all of them: the suite
+    runs on 2 cores, where starting 16 processes costs ~20 s)."""
+    out = [_check_mesh(**sizes) for sizes in layouts]
+    if group_over:
+        _check_group_over()
+    return out
 
 
-def test_mesh_world_16():
-    coords = run_workers(_check_mesh, 16, pp=2, dp=1, sp=2, tp=4, timeout_s=300)
-    assert len({tuple(c.values()) for c in coords}) == 16
+def test_mesh_world_8():
+    layouts = [dict(pp=2, dp=1, sp=1, tp=4), dict(pp=1, dp=2, sp=1, tp=4), dict(pp=2, dp=2, sp=2, tp=1)]
+    per_rank = run_workers(_check_meshes, 8, layouts)
+    assert len(per_rank) == 8
+    for i in range(len(layouts)):
+        assert len({tuple(coords[i].values()) for coords in per_rank}) == 8
 
 
-def test_mesh_world_8_all_axes():
-    run_workers(_check_mesh, 8, pp=2, dp=2, sp=2, tp=1)
+def test_mesh_world_16_and_group_over_several_axes():
+    per_rank = run_workers(_check_meshes, 16, [dict(pp=2, dp=1, sp=2, tp=4)], group_over=True, timeout_s=300)
+    assert len({tuple(coords[0].values()) for coords in per_rank}) == 16
 
 
 def test_mesh_rejects_bad_sizes():
@@ -78,6 +85,3 @@ def _check_group_over():
     dist.all_reduce(t, group=group)
     assert t.item() == float(sum(expect))
 
-
-def test_group_over_several_axes():
-    run_workers(_check_group_over, 16, timeout_s=300)
