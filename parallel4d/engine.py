@@ -276,7 +276,10 @@ class Engine:
                     p.grad.mul_(scale.to(p.grad.dtype))
         self.optimizer.step()
         self.optimizer.zero_grad()
-        comm.all_reduce(loss, self.mesh.group_over("dp", "sp"), stats=self.mesh.comm_stats, label="loss")
+        # The logged loss is the mean over the data replicas (a no-op when there is one).
+        work = comm.all_reduce(loss, self.mesh.group_over("dp", "sp"), stats=self.mesh.comm_stats,
+                               label="loss", async_op=True)
+        comm.wait(work, self.cfg.train.timeout_s, "loss all-reduce over the data replicas (dp·sp)")
         self.step += 1
         self.tokens_seen += tokens.numel()
         return loss.item() / (self.mesh.size("dp") * self.mesh.size("sp"))
