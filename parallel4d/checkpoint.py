@@ -39,13 +39,17 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def __getattr__(name: str):
+def _dcp():
     # torch.distributed.checkpoint costs ~1 s to import; with 16 workers on a small
     # machine that is seconds of start-up for jobs that never save. Imported on first use.
-    if name == "dcp":
-        import torch.distributed.checkpoint as dcp
+    import torch.distributed.checkpoint as dcp
 
-        return dcp
+    return dcp
+
+
+def __getattr__(name: str):  # ``checkpoint.dcp``, for callers (and tests) that patch it
+    if name == "dcp":
+        return _dcp()
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
@@ -64,9 +68,7 @@ def save(state: dict, root: str | Path, step: int, keep: int = 2, extra_files: d
             shutil.rmtree(stale, ignore_errors=True)
         tmp.mkdir()
     _barrier()
-    import torch.distributed.checkpoint as dcp
-
-    dcp.save(state, checkpoint_id=str(tmp))
+    _dcp().save(state, checkpoint_id=str(tmp))
     _barrier()
     if _is_writer():
         for name, text in (extra_files or {}).items():
@@ -86,7 +88,5 @@ def save(state: dict, root: str | Path, step: int, keep: int = 2, extra_files: d
 
 def load(state: dict, path: str | Path) -> dict:
     """Load checkpoint ``path`` into ``state`` in place (every rank calls this)."""
-    import torch.distributed.checkpoint as dcp
-
-    dcp.load(state, checkpoint_id=str(path))
+    _dcp().load(state, checkpoint_id=str(path))
     return state
