@@ -7,7 +7,7 @@ import json
 import sys
 
 from .config import ConfigError, load_config
-from .workers import WorkerError, WorkerTimeout
+from .workers import Terminated, WorkerError, WorkerTimeout
 
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
@@ -84,10 +84,11 @@ def main(argv: list[str] | None = None) -> int:
     except (WorkerError, WorkerTimeout) as e:
         print(f"parallel4d: the job failed: {e}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
-        print("parallel4d: interrupted; the workers saved a checkpoint at the last finished step "
-              "(continue with --set train.resume=true)", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as e:
+        terminated = isinstance(e, Terminated)
+        print(f"parallel4d: {'terminated (SIGTERM)' if terminated else 'interrupted'}; the workers finished the "
+              "step and saved a checkpoint (continue with --set train.resume=true)", file=sys.stderr)
+        return 143 if terminated else 130
 
 
 if __name__ == "__main__":

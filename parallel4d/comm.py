@@ -14,12 +14,17 @@ backend's internal algorithm (a ring all-reduce moves more on the wire):
 * ``reduce_scatter``: the ``n-1`` shards for others sent, ``n-1`` shards received.
 * ``send`` / ``recv``: the tensor's bytes.
 
-Waits take a timeout and raise a ``CommTimeout`` naming what was being waited for.
+Every failure of a collective or transfer is re-raised naming the action, the
+group's members and this rank: ``CommTimeout`` when it ran past its limit (a
+peer stopped answering), ``PeerLost`` when a peer's connection closed (that
+peer failed or exited). The group's own timeout (set by the ``Mesh``) bounds
+blocking calls; :func:`wait` can take a tighter one.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Iterable
@@ -29,7 +34,54 @@ import torch.distributed as dist
 
 
 class CommTimeout(RuntimeError):
-    """A collective or p2p transfer did not finish within its timeout."""
+    """A collective or p2p transfer did not finish within its timeout: a peer stopped answering."""
+
+
+class PeerLost(RuntimeError):
+    """A peer closed its connection during a collective or p2p transfer: it failed or exited."""
+
+
+_TIMED_OUT = ("timed out", "timeout")
+_LOST = ("connection closed", "connection reset", "broken pipe", "socket closed", "remote worker",
+         "connection refused", "end of file", "unexpected eof")
+
+
+_UNKNOWN = object()  # a wait on works: their group is not known here
+
+
+def _members(group) -> str:
+    if group is _UNKNOWN:
+        return ""
+    try:
+        return f" (group ranks {dist.get_process_group_ranks(group)})" if group is not None else " (all ranks)"
+    except Exception:  # a group this rank is not in, or no process group: say nothing
+        return ""
+
+
+def translate(err: BaseException, what: str, group=None, timeout_s: float | None = None) -> BaseException:
+    """``CommTimeout`` / ``PeerLost`` naming ``what``, its group and this rank, or ``err`` unchanged."""
+    text = str(err).lower()
+    me = dist.get_rank() if dist.is_initialized() else 0
+    if any(k in text for k in _TIMED_OUT):
+        limit = f"within {timeout_s:g}s" if timeout_s is not None else "within the group's timeout"
+        return CommTimeout(f"rank {me}: {what}{_members(group)} did not finish {limit}: a peer stopped answering")
+    if any(k in text for k in _LOST):
+        return PeerLost(f"rank {me}: {what}{_members(group)}: a peer closed its connection (it failed or exited)")
+    return err
+
+
+@contextmanager
+def named(what: str, group=None, timeout_s: float | None = None):
+    """Re-raise a communication failure inside the block as :func:`translate` says."""
+    try:
+        yield
+    except (CommTimeout, PeerLost):
+        raise
+    except RuntimeError as e:
+        new = translate(e, what, group, timeout_s)
+        if new is e:
+            raise
+        raise new from e
 
 
 @dataclass
@@ -87,7 +139,8 @@ def broadcast(tensor, src: int, group=None, *, stats=None, label="broadcast", as
     if n > 1:
         me = dist.get_rank()
         _count(stats, label, _nbytes(tensor) if me == src else 0, 0 if me == src else _nbytes(tensor))
-        return dist.broadcast(tensor, src=src, group=group, async_op=async_op)
+        with named(f"{label} from rank {src}", group):
+            return dist.broadcast(tensor, src=src, group=group, async_op=async_op)
     return None
 
 
@@ -98,7 +151,8 @@ def reduce(tensor, dst: int, group=None, *, stats=None, label="reduce", async_op
         me = dist.get_rank()
         nb = _nbytes(tensor)
         _count(stats, label, 0 if me == dst else nb, nb * (n - 1) if me == dst else 0)
-        return dist.reduce(tensor, dst=dst, group=group, async_op=async_op)
+        with named(f"{label} to rank {dst}", group):
+            return dist.reduce(tensor, dst=dst, group=group, async_op=async_op)
     return None
 
 
@@ -106,7 +160,8 @@ def all_reduce(tensor, group=None, *, op=dist.ReduceOp.SUM, stats=None, label="a
     """In-place all-reduce; a no-op on a group of one."""
     if group_size(group) > 1:
         _count(stats, label, _nbytes(tensor), _nbytes(tensor))
-        return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
+        with named(label, group):
+            return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
     return None
 
 
@@ -116,7 +171,8 @@ def all_gather(tensor: torch.Tensor, group=None, *, dim: int = 0, stats=None, la
     if n == 1:
         return tensor
     parts = [torch.empty_like(tensor) for _ in range(n)]
-    dist.all_gather(parts, tensor.contiguous(), group=group)
+    with named(label, group):
+        dist.all_gather(parts, tensor.contiguous(), group=group)
     _count(stats, label, _nbytes(tensor), _nbytes(tensor) * (n - 1))
     return torch.cat(parts, dim=dim)
 
@@ -134,13 +190,14 @@ def reduce_scatter(tensor: torch.Tensor, group=None, *, dim: int = 0, stats=None
         raise ValueError(f"reduce_scatter: size {tensor.shape[dim]} along dim {dim} not divisible by group size {n}")
     shard = _nbytes(tensor) // n
     _count(stats, label, shard * (n - 1), shard * (n - 1))
-    if dist.get_backend(group) == "nccl":
-        chunks = [c.contiguous() for c in tensor.chunk(n, dim=dim)]
-        out = torch.empty_like(chunks[0])
-        dist.reduce_scatter(out, chunks, group=group)
-        return out
-    full = tensor.contiguous().clone()
-    dist.all_reduce(full, group=group)
+    with named(label, group):
+        if dist.get_backend(group) == "nccl":
+            chunks = [c.contiguous() for c in tensor.chunk(n, dim=dim)]
+            out = torch.empty_like(chunks[0])
+            dist.reduce_scatter(out, chunks, group=group)
+            return out
+        full = tensor.contiguous().clone()
+        dist.all_reduce(full, group=group)
     return full.chunk(n, dim=dim)[group_rank(group)].contiguous()
 
 
@@ -162,24 +219,22 @@ def p2p(ops: Iterable[tuple[str, torch.Tensor, int]], group=None, *, stats=None,
             raise ValueError(f"p2p op kind must be 'send' or 'recv', got {kind!r}")
     if not p2p_ops:
         return []
-    return list(dist.batch_isend_irecv(p2p_ops))
+    with named(f"{label} with ranks {sorted({op.peer for op in p2p_ops})}", group):
+        return list(dist.batch_isend_irecv(p2p_ops))
 
 
 def wait(works, timeout_s: float | None = None, what: str = "communication") -> None:
-    """Wait for ``works`` (a work or a list); ``CommTimeout`` naming ``what`` on expiry."""
+    """Wait for ``works`` (a work or a list), at most ``timeout_s`` each (None: the
+    group's timeout); ``CommTimeout`` / ``PeerLost`` naming ``what`` on failure."""
     if works is None:
         return
     if not isinstance(works, (list, tuple)):
         works = [works]
-    for w in works:
-        if w is None:
-            continue
-        try:
+    with named(what, _UNKNOWN, timeout_s):
+        for w in works:
+            if w is None:
+                continue
             if timeout_s is None:
                 w.wait()
             else:
                 w.wait(timeout=timedelta(seconds=timeout_s))
-        except RuntimeError as e:
-            if "timed out" in str(e).lower() or "timeout" in str(e).lower():
-                raise CommTimeout(f"rank {dist.get_rank()}: {what} did not finish within {timeout_s}s") from e
-            raise

@@ -4,16 +4,24 @@ Under torchrun (``RANK``/``WORLD_SIZE`` set) this process *is* one rank and
 joins through env://. Otherwise ``pp·dp·sp·tp`` local workers are spawned with
 a file-based rendezvous: gloo on CPU, NCCL when every rank gets its own GPU.
 If a worker raises, the others are stopped and the error is re-raised here.
+
+Before any worker starts (:func:`prepared`): the job fits the local limits, the
+run and checkpoint directories are writable, no other job holds them, and a
+fresh run does not write over another run's checkpoints.
 """
 
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import torch
 
+from . import checkpoint
+from . import config as _config  # TEMP until local_job_problems lands
 from .config import Config, ConfigError, load_config
+from .rundir import RunLock, check_writable
 from .workers import spawn
 
 
@@ -28,6 +36,32 @@ def _device_and_backend(cfg: Config) -> tuple[str, str]:
                           "use train.device=cpu or fewer ranks (parallel.pp·dp·sp·tp)")
     use_cuda = want == "cuda" or (want == "auto" and gpus >= local_world)
     return ("cuda", "nccl") if use_cuda else ("cpu", "gloo")
+
+
+def checkpoint_dir(cfg: Config) -> Path:
+    return Path(cfg.checkpoint.dir or Path(cfg.train.out_dir) / "checkpoints")
+
+
+@contextmanager
+def prepared(cfg: Config, local: bool):
+    """Every check that needs no worker, then the run directories locked for the job.
+
+    ``local``: this process spawns the workers (the local size limit applies). The
+    lock comes before the look for another run's checkpoints, so a job still writing
+    them is reported as a job in use, not as leftovers.
+    """
+    problems = getattr(_config, "local_job_problems", lambda c: [])(cfg) if local else []
+    if problems:
+        raise ConfigError("invalid configuration:\n" + "\n".join(f"  - {p}" for p in problems))
+    check_writable(cfg.train.out_dir, "train.out_dir")
+    dirs = [Path(cfg.train.out_dir)]
+    if cfg.checkpoint.enabled:
+        check_writable(checkpoint_dir(cfg), "checkpoint.dir" if cfg.checkpoint.dir else "train.out_dir")
+        dirs.append(checkpoint_dir(cfg))
+    with RunLock(dirs):
+        if cfg.checkpoint.enabled:
+            checkpoint.check_start(checkpoint_dir(cfg), cfg.train.resume)
+        yield
 
 
 def _train_entry(cfg_dict: dict) -> dict:
@@ -54,15 +88,17 @@ def launch(config: str | Path | Config | dict, overrides: list[str] | None = Non
         from .mesh import init_process_group_from_env
         from .train import run_training
 
-        init_process_group_from_env(backend, cfg.train.timeout_s)
-        try:
-            return run_training(cfg)
-        finally:
-            dist.destroy_process_group()
+        with prepared(cfg, local=False) if os.environ["RANK"] == "0" else nullcontext():
+            init_process_group_from_env(backend, cfg.train.timeout_s)
+            try:
+                return run_training(cfg)
+            finally:
+                dist.destroy_process_group()
     threads = cfg.train.threads_per_worker or max(1, (os.cpu_count() or 1) // cfg.world_size)
-    results = spawn(
-        _train_entry, cfg.world_size, (cfg.model_dump(mode="json"),), backend=backend,
-        timeout_s=cfg.train.job_timeout_s or 7 * 24 * 3600.0, pg_timeout_s=cfg.train.timeout_s,
-        threads_per_worker=threads,
-    )
+    with prepared(cfg, local=True):
+        results = spawn(
+            _train_entry, cfg.world_size, (cfg.model_dump(mode="json"),), backend=backend,
+            timeout_s=cfg.train.job_timeout_s or 7 * 24 * 3600.0, pg_timeout_s=cfg.train.timeout_s,
+            threads_per_worker=threads,
+        )
     return results[0]

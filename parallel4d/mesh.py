@@ -10,6 +10,11 @@ while every other coordinate equals this rank's (so ``group("tp_col")`` holds
 the q ranks of one grid *row* i, indexed by column j). Strategies resolve
 peers only through :meth:`Mesh.global_rank` / :meth:`Mesh.group`: no rank
 arithmetic over a fixed layout elsewhere, and no process-global mesh.
+
+Every group the mesh creates (the five axes, :meth:`Mesh.group_over`,
+:meth:`Mesh.new_group`) carries the job's collective timeout: torch would give
+sub-groups its 30-minute default, and one stopped rank would then hang its
+tensor-parallel peers for half an hour instead of ``train.timeout_s``.
 """
 
 from __future__ import annotations
@@ -37,6 +42,18 @@ def mesh_shape(pp: int = 1, dp: int = 1, sp: int = 1, tp: int = 1) -> tuple[int,
     return (pp, dp, sp, q, q)
 
 
+def group_options(backend: str, timeout_s: float):
+    """``(backend, options)`` that create a group of ``backend`` with ``timeout_s`` as its limit."""
+    if backend == "nccl":
+        options = dist.ProcessGroupNCCL.Options()
+    elif backend == "gloo":
+        options = dist.ProcessGroupGloo._Options()
+    else:
+        raise ValueError(f"backend {backend!r}: parallel4d builds meshes over 'nccl' or 'gloo'")
+    options._timeout = timedelta(seconds=timeout_s)
+    return backend, options
+
+
 def default_backend() -> str:
     """NCCL when this process has its own GPU, gloo otherwise."""
     return "nccl" if torch.cuda.is_available() else "gloo"
@@ -49,10 +66,11 @@ class Mesh:
     helpers) so that strategies need no global counters.
     """
 
-    def __init__(self, device_mesh: DeviceMesh):
+    def __init__(self, device_mesh: DeviceMesh, timeout_s: float = 300.0):
         if tuple(device_mesh.mesh_dim_names or ()) != AXES:
             raise ValueError(f"DeviceMesh axes must be {AXES}, got {device_mesh.mesh_dim_names}")
         self.device_mesh = device_mesh
+        self.timeout_s = float(timeout_s)  # for the groups created here (group_over, new_group)
         self.comm_stats = CommStats()
         self._coords = tuple(int(c) for c in device_mesh.get_coordinate())
         self._groups: dict[str, dist.ProcessGroup] = {}
@@ -133,9 +151,13 @@ class Mesh:
             others = [d for d in range(len(AXES)) if d not in dims]
             # [combinations of the other axes, members]: each row is one group.
             rows = grid.permute(*others, *dims).reshape(-1, math.prod(grid.shape[d] for d in dims))
-            mine, _ = dist.new_subgroups_by_enumeration(rows.tolist())
+            mine, _ = dist.new_subgroups_by_enumeration(rows.tolist(), timeout=timedelta(seconds=self.timeout_s))
             self._groups[key] = mine
         return self._groups[key]
+
+    def new_group(self, ranks: list[int]) -> dist.ProcessGroup:
+        """``dist.new_group(ranks)`` with the mesh's timeout (collective over the whole world)."""
+        return dist.new_group(sorted(ranks), timeout=timedelta(seconds=self.timeout_s))
 
     def rank_over(self, *axes: str) -> int:
         """My index in :meth:`group_over` (row-major over ``axes`` in mesh order)."""
@@ -168,6 +190,8 @@ def init_process_group_from_env(backend: str | None = None, timeout_s: float = 3
 def init_mesh(pp: int = 1, dp: int = 1, sp: int = 1, tp: int = 1, *, timeout_s: float = 300.0) -> Mesh:
     """Build the mesh; uses the default process group if one exists, else joins from env.
 
+    Every group of the mesh has ``timeout_s`` as its collective limit.
+
     Raises ``ValueError`` (before any collective) when ``tp`` is not a square or
     ``pp·dp·sp·tp`` differs from the world size.
     """
@@ -186,5 +210,8 @@ def init_mesh(pp: int = 1, dp: int = 1, sp: int = 1, tp: int = 1, *, timeout_s: 
             f"pp·dp·sp·tp = {pp}·{dp}·{sp}·{tp} = {math.prod(shape)} but the process group has "
             f"{world} ranks; change the parallel sizes so that their product is {world}"
         )
-    device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
-    return Mesh(init_device_mesh(device_type, shape, mesh_dim_names=AXES))
+    backend = dist.get_backend()
+    device_type = "cuda" if backend == "nccl" else "cpu"
+    device_mesh = init_device_mesh(device_type, shape, mesh_dim_names=AXES,
+                                   backend_override={axis: group_options(backend, timeout_s) for axis in AXES})
+    return Mesh(device_mesh, timeout_s)

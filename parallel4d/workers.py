@@ -12,12 +12,14 @@ from __future__ import annotations
 import os
 import pickle
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
 import threading
 import time
 import traceback
+from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any, Callable
 
@@ -95,6 +97,7 @@ def _stop(procs: list[subprocess.Popen], grace_s: float = 5.0) -> None:
     for p in procs:
         if p.poll() is None:
             p.terminate()
+            _signal(p, signal.SIGCONT)  # a stopped worker acts on SIGTERM only once continued
     deadline = time.monotonic() + grace_s
     for p in procs:
         try:
@@ -105,6 +108,34 @@ def _stop(procs: list[subprocess.Popen], grace_s: float = 5.0) -> None:
         if p.poll() is None:
             p.kill()
             p.wait()
+
+
+def _signal(p: subprocess.Popen, sig: int) -> None:
+    try:
+        os.kill(p.pid, sig)
+    except OSError:
+        pass
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM reached the launcher (``timeout``, SLURM, Kubernetes): handled like Ctrl-C."""
+
+
+@contextmanager
+def _sigterm_as_interrupt():
+    """In the main thread, turn SIGTERM into :class:`Terminated` for the duration of the job."""
+    def handler(signum, frame):
+        raise Terminated("SIGTERM")
+
+    try:
+        old = signal.signal(signal.SIGTERM, handler)
+    except ValueError:  # not the main thread: leave signals alone
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old)
 
 
 def spawn(
@@ -139,70 +170,130 @@ def spawn(
         pickle.dump(list(sys.path), f)
         pickle.dump((fn, world_size, backend, init_file, pg_timeout_s, args, kwargs, tmp, os.getpid(), child_env), f)
     procs: list[subprocess.Popen] = []
-    try:
-        for r in range(world_size):
-            procs.append(subprocess.Popen([sys.executable, "-m", "parallel4d.worker_entry", payload, str(r)]))
-        deadline = time.monotonic() + timeout_s
-        while True:
-            try:
-                failed = _first_failure(procs, tmp)
-                if failed is not None:
-                    _stop(procs)
-                    raise WorkerError(*failed)
-                if all(p.poll() == 0 for p in procs):
-                    break
-                if time.monotonic() > deadline:
-                    running = [r for r, p in enumerate(procs) if p.poll() is None]
-                    _stop(procs)
-                    raise WorkerTimeout(f"job did not finish within {timeout_s:.0f}s; ranks still running: {running}")
-                time.sleep(0.05)
-            except KeyboardInterrupt:
-                # Ctrl-C reached the workers too: give them time to finish the step and save.
-                print(f"[parallel4d] interrupted: waiting up to {interrupt_grace_s:.0f}s for the workers to save "
-                      "(press Ctrl-C again to stop at once)", file=sys.stderr, flush=True)
-                for p in procs:
-                    if p.poll() is None:
-                        p.terminate()  # SIGTERM: the same graceful path where Ctrl-C did not reach them
-                _stop(procs, grace_s=interrupt_grace_s)
-                raise
-        results = []
-        for r in range(world_size):
-            with open(os.path.join(tmp, f"result{r}.pkl"), "rb") as f:
-                results.append(pickle.load(f)[1])
-        return results
-    except BaseException:
-        _stop(procs)
-        raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    with _sigterm_as_interrupt():
+        try:
+            for r in range(world_size):
+                procs.append(subprocess.Popen([sys.executable, "-m", "parallel4d.worker_entry", payload, str(r)]))
+            _supervise(procs, tmp, timeout_s, interrupt_grace_s)
+            results = []
+            for r in range(world_size):
+                with open(os.path.join(tmp, f"result{r}.pkl"), "rb") as f:
+                    results.append(pickle.load(f)[1])
+            return results
+        except BaseException:
+            _stop(procs)
+            raise
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _first_failure(procs, tmp) -> tuple[int, str] | None:
-    """(rank, details) of the earliest failed worker, preferring one that reported an error."""
-    failed = [r for r, p in enumerate(procs) if p.poll() not in (None, 0)]
-    if not failed:
-        return None
-    reported = []
-    for r in failed:
+# How long to wait, once only consequences (timeouts, lost peers) are reported, for
+# the cause to show itself before naming the ranks that stopped answering.
+BLAME_GRACE_S = 1.0
+
+
+def _supervise(procs: list[subprocess.Popen], tmp: str, timeout_s: float, interrupt_grace_s: float) -> None:
+    """Return when every worker exited 0; raise for the first failure, the deadline or a signal."""
+    deadline = time.monotonic() + timeout_s
+    first_failure_at = None
+    while True:
+        try:
+            if any(p.poll() not in (None, 0) for p in procs):
+                first_failure_at = first_failure_at or time.monotonic()
+                blamed = _blame(procs, tmp, settled=time.monotonic() - first_failure_at >= BLAME_GRACE_S)
+                if blamed is not None:
+                    _stop(procs)
+                    raise WorkerError(*blamed)
+            elif all(p.poll() == 0 for p in procs):
+                return
+            if time.monotonic() > deadline:
+                running = [r for r, p in enumerate(procs) if p.poll() is None]
+                _stop(procs)
+                raise WorkerTimeout(f"job did not finish within {timeout_s:.0f}s; ranks still running: {running}")
+            time.sleep(0.05)
+        except KeyboardInterrupt as e:
+            # Ctrl-C reached the workers too; SIGTERM reached only us: either way they get
+            # SIGTERM (their graceful path) and time to finish the step and save.
+            why = "terminated (SIGTERM)" if isinstance(e, Terminated) else "interrupted"
+            print(f"[parallel4d] {why}: waiting up to {interrupt_grace_s:.0f}s for the workers to finish the step "
+                  "and save (signal again to stop at once)", file=sys.stderr, flush=True)
+            for p in procs:
+                if p.poll() is None:
+                    p.terminate()
+            _stop(procs, grace_s=interrupt_grace_s)
+            raise
+
+
+def _reports(procs, tmp) -> dict[int, tuple[float, str]]:
+    """``{rank: (time, details)}`` of every error a worker has reported so far."""
+    out = {}
+    for r in range(len(procs)):
         path = os.path.join(tmp, f"result{r}.pkl")
-        if os.path.exists(path):
+        try:
             with open(path, "rb") as f:
                 status, details = pickle.load(f)
-            reported.append((os.path.getmtime(path), r, details))
-    if reported:
-        # The first to fail is the cause; later ones usually fail because it left
-        # (their error is a closed connection), so those rank last.
-        _, _, r, details = min((_is_peer_loss(d), t, r, d) for t, r, d in reported)
+            when = os.path.getmtime(path)
+        except (OSError, EOFError, pickle.UnpicklingError):
+            continue
+        if status == "error":
+            out[r] = (when, details)
+    return out
+
+
+def _blame(procs, tmp, settled: bool) -> tuple[int, str] | None:
+    """``(rank, details)`` of the failure that caused the others, or None to look again later.
+
+    Order: the earliest error that is not a consequence of another rank leaving; then a
+    worker that died without a word (killed); then, once ``settled``, a rank that stopped
+    answering (alive but silent while its peers timed out), else the earliest consequence.
+    """
+    reports = _reports(procs, tmp)
+    causes = sorted((t, r, d) for r, (t, d) in reports.items() if not is_consequence(d))
+    if causes:
+        _, r, details = causes[0]
         return r, details
-    r = failed[0]
-    return r, f"process exited with code {procs[r].poll()} without reporting an error (killed?)"
+    died = [r for r, p in enumerate(procs) if p.poll() not in (None, 0) and r not in reports]
+    if died:
+        r = died[0]
+        return r, f"process {_exit_status(procs[r].returncode)} without reporting an error (killed?)"
+    if not settled or not reports:
+        return None
+    t, first, details = min((t, r, d) for r, (t, d) in reports.items())
+    silent = [r for r, p in enumerate(procs) if p.poll() is None and r not in reports]
+    if not silent:
+        return first, details
+    states = {r: _process_state(procs[r].pid) for r in silent}
+    silent.sort(key=lambda r: states[r] != "stopped")  # a stopped process is the likeliest culprit
+    said = ", ".join(f"rank {r} ({states[r]})" for r in silent)
+    return silent[0], (f"stopped answering: {said} reported nothing while its peers gave up waiting; "
+                       f"rank {first} reported first:\n{details}")
 
 
+def _exit_status(code: int) -> str:
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+def _process_state(pid: int) -> str:
+    """'stopped' for a SIGSTOP-ed process, 'alive' otherwise (Linux /proc; 'alive' elsewhere)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return "alive"
+    return "stopped" if state in ("T", "t") else "alive, but not in the collective"
+
+
+_CONSEQUENCES = ("CommTimeout", "PeerLost")
 _PEER_LOSS = ("connection closed by peer", "connection reset", "broken pipe", "socket closed",
               "remote worker", "timed out", "timeout")
 
 
-def _is_peer_loss(details: str) -> bool:
-    """Does this error look like a consequence of another rank leaving?"""
-    first = details.splitlines()[0].lower() if details else ""
-    return any(k in first for k in _PEER_LOSS)
+def is_consequence(details: str) -> bool:
+    """Does this error look like a consequence of another rank leaving or stalling?"""
+    first = details.splitlines()[0] if details else ""
+    return first.startswith(_CONSEQUENCES) or any(k in first.lower() for k in _PEER_LOSS)

@@ -29,6 +29,7 @@ import torch
 import torch.nn as nn
 import torch.distributed as dist
 
+from .. import comm
 from ..config import HeteroConfig, OptimizerConfig
 from .chunk import Chunk, TensorInfo, TensorState, pack, round_up, search_chunk_elems
 from .manager import ChunkManager
@@ -618,7 +619,8 @@ class HeteroRuntime:
                 if seg is not None:
                     sq += content[seg[0] - lo:seg[1] - lo].double().pow(2).sum()
         if self.dp > 1:
-            dist.all_reduce(sq, group=self.group)
+            with comm.named("hetero gradient-norm all-reduce", self.group):
+                dist.all_reduce(sq, group=self.group)
         return float(sq.sqrt())
 
     # --- full tensors (state dicts, gradients) --------------------------------------------------

@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from .. import comm
 from .chunk import TensorInfo
 
 
@@ -34,12 +35,14 @@ def segment(t: TensorInfo, lo: int, hi: int) -> tuple[int, int] | None:
 def all_gather_into(full: torch.Tensor, local: torch.Tensor, group) -> None:
     """``full[C]`` ← concatenation of every rank's ``local[S]`` (rank order of ``group``)."""
     fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    fn(full, local.contiguous(), group=group)
+    with comm.named("hetero ZeRO parameter all-gather", group):
+        fn(full, local.contiguous(), group=group)
 
 
 def reduce_scatter_mean(full: torch.Tensor, group, dp: int) -> torch.Tensor:
     """Sum ``full[C]`` over the group and return this rank's ``[S]`` shard divided by ``dp``."""
     out = torch.empty(full.numel() // dp, dtype=full.dtype, device=full.device)
     fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    fn(out, full, op=dist.ReduceOp.SUM, group=group)
+    with comm.named("hetero ZeRO gradient reduce-scatter", group):
+        fn(out, full, op=dist.ReduceOp.SUM, group=group)
     return out.div_(dp)

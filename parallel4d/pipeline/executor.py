@@ -332,7 +332,7 @@ class TiedGradSync:
     each owner holds its own copy; call this after :meth:`PipelineExecutor.step`
     on every rank (non-owners return at once) to all-reduce the copies' grads.
 
-    The constructor is collective over the *whole world* (``dist.new_group`` for
+    The constructor is collective over the *whole world* (:meth:`Mesh.new_group` for
     every pp line of the mesh, in the same order on all ranks), so build it once,
     on every rank, before training.
     """
@@ -350,7 +350,7 @@ class TiedGradSync:
         me = dist.get_rank()
         for line in lines:
             ranks = sorted(int(line[o]) for o in owners)
-            g = dist.new_group(ranks)
+            g = mesh.new_group(ranks)
             if me in ranks:
                 self.group = g
 

@@ -1,0 +1,111 @@
+"""The run directory before any worker starts: writable, and used by one job at a time.
+
+``check_writable`` creates the directory and a probe file in it, so a chmod-555 or
+read-only ``train.out_dir`` is reported before training rather than at the first
+save. :class:`RunLock` holds an exclusive ``flock`` on ``<dir>/.parallel4d.lock``
+for the job's lifetime, with the holder's pid, host and start time written in
+it: a second job on the same directory is refused at once, naming them. The
+kernel drops the lock when its holder dies, so a lock file left by a killed job
+is stale by construction: the next job takes it over (and says so).
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import os
+import socket
+import sys
+import time
+from pathlib import Path
+
+from .config import ConfigError
+
+LOCK_NAME = ".parallel4d.lock"
+
+
+def check_writable(path: str | Path, field: str) -> None:
+    """Create ``path`` and a probe file in it; ``ConfigError`` naming ``field`` and why not."""
+    path = Path(path)
+    probe = path / f".parallel4d-probe-{os.getpid()}"
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe.write_bytes(b"probe")
+        probe.unlink()
+    except OSError as e:
+        why = os.strerror(e.errno) if e.errno else str(e)
+        raise ConfigError(f"{field}={str(path)!r} is not writable ({why}: {e.filename or path}); "
+                          f"choose a directory you can write to, or fix its permissions") from None
+
+
+class RunDirInUse(ConfigError):
+    """Another live job holds the run directory's lock."""
+
+
+class RunLock:
+    """Exclusive lock on each of ``dirs`` for one job (a context manager)."""
+
+    def __init__(self, dirs: list[str | Path], field: str = "train.out_dir"):
+        self.dirs = list(dict.fromkeys(Path(d).resolve() for d in dirs))
+        self.field = field
+        self._files: list = []
+
+    def __enter__(self) -> "RunLock":
+        try:
+            for d in self.dirs:
+                self._files.append(self._acquire(d))
+        except BaseException:
+            self.release()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+    def _acquire(self, directory: Path):
+        path = directory / LOCK_NAME
+        f = open(path, "a+")
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            holder = _describe(_read(f))
+            f.close()
+            if e.errno not in (errno.EAGAIN, errno.EACCES):
+                raise
+            raise RunDirInUse(f"{directory} is in use by another parallel4d job ({holder}); wait for it to "
+                              f"finish, or give this job another {self.field}") from None
+        stale = _read(f)
+        if stale and stale.get("pid") != os.getpid():
+            print(f"[parallel4d] taking over the stale lock of {directory} ({_describe(stale)}, no longer running)",
+                  file=sys.stderr, flush=True)
+        f.seek(0)
+        f.truncate()
+        json.dump({"pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+                   "command": " ".join(sys.argv)[:200]}, f)
+        f.flush()
+        return f
+
+    def release(self) -> None:
+        for f in self._files:
+            try:
+                f.seek(0)
+                f.truncate()  # an empty lock file is not reported as stale
+                fcntl.flock(f, fcntl.LOCK_UN)
+            finally:
+                f.close()
+        self._files.clear()
+
+
+def _read(f) -> dict:
+    try:
+        f.seek(0)
+        return json.loads(f.read() or "{}")
+    except (OSError, ValueError):
+        return {}
+
+
+def _describe(info: dict) -> str:
+    if not info:
+        return "holder unknown"
+    return f"pid {info.get('pid')} on host {info.get('host')}, started {info.get('started')}"

@@ -1,0 +1,254 @@
+"""Faults a user meets: a stopped or killed worker, SIGTERM, a shared or unwritable run
+directory. Each job must end within its limits, name the rank or path at fault, and
+keep what was trained."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+import pytest
+import torch
+import yaml
+
+from conftest import run_workers
+from parallel4d.workers import WorkerError, spawn
+
+TIMEOUT_S = 2.0  # the mesh groups' collective limit in the strategy scenarios
+GRACE_S = 1.5    # what a wait may take beyond it
+
+
+def tiny_job(out_dir, steps=100000, **parallel):
+    return {
+        "parallel": parallel,
+        "model": {"vocab_size": 64, "seq_len": 16, "hidden": 32, "heads": 2, "layers": 2},
+        "data": {"source": "synthetic", "batch_size": 8},
+        "train": {"steps": steps, "out_dir": str(out_dir), "timeout_s": 3, "job_timeout_s": 240},
+        "checkpoint": {"enabled": False},
+    }
+
+
+def worker_pid(launcher_pid: int, rank: int) -> int:
+    """The pid of the worker of ``rank`` started by the launcher ``launcher_pid``."""
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmd = f.read().split(b"\0")
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except OSError:
+            continue
+        if ppid == launcher_pid and b"parallel4d.worker_entry" in cmd and cmd[-2:] == [str(rank).encode(), b""]:
+            return int(entry)
+    raise LookupError(f"no worker of rank {rank} under pid {launcher_pid}")
+
+
+def start_job(tmp_path, cfg, name="job.yaml"):
+    """The CLI launcher on ``cfg``, after its third step (stderr lines read up to there)."""
+    path = tmp_path / name
+    path.write_text(yaml.safe_dump(cfg))
+    proc = subprocess.Popen([sys.executable, "-m", "parallel4d", "launch", str(path)], stderr=subprocess.PIPE,
+                            text=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    seen = []
+    for line in proc.stderr:
+        seen.append(line)
+        if "step 3/" in line:
+            return proc, seen
+    proc.wait()
+    raise AssertionError("the job ended before its third step:\n" + "".join(seen[-30:]))
+
+
+def finish(proc, timeout):
+    try:
+        return proc.communicate(timeout=timeout)[1]
+    finally:  # a failed check must not leave a job running under the rest of the suite
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+# --- every wait of every strategy ends within the mesh's timeout ---------------------------------
+
+
+def _scenarios(absent: int):
+    """Each strategy's communication with global rank ``absent`` not taking part; the other
+    ranks return ``(scenario, exception type, message, seconds)``."""
+    from parallel4d import comm
+    from parallel4d.hetero import zero
+    from parallel4d.mesh import init_mesh
+    from parallel4d.sequence import ring_attention
+    from parallel4d.tensor2d import summa_ab
+
+    me = torch.distributed.get_rank()
+    out = []
+
+    def attempt(name, fn):
+        if me == absent:  # stalls: takes no part until the others have given up
+            time.sleep(TIMEOUT_S + GRACE_S + 1.0)
+            return
+        t0 = time.monotonic()
+        try:
+            fn()
+            out.append((name, "finished", "", time.monotonic() - t0))
+        except Exception as e:
+            out.append((name, type(e).__name__, str(e), time.monotonic() - t0))
+
+    mesh = init_mesh(tp=4, timeout_s=TIMEOUT_S)
+    attempt("summa", lambda: summa_ab(torch.ones(2, 2), torch.ones(2, 2), mesh, name="test.summa"))
+    mesh = init_mesh(sp=4, timeout_s=TIMEOUT_S)
+    x = torch.ones(1, 2, 4, 8)
+    attempt("ring", lambda: ring_attention(x, x, x, mesh.group("sp"), causal=True))
+    mesh = init_mesh(dp=2, sp=2, timeout_s=TIMEOUT_S)
+    group = mesh.group_over("dp", "sp")
+    attempt("zero", lambda: zero.all_gather_into(torch.empty(8), torch.ones(2), group))
+    mesh = init_mesh(pp=4, timeout_s=TIMEOUT_S)
+    group = mesh.new_group([0, 1, 2, 3])
+    attempt("pp.group", lambda: comm.all_reduce(torch.ones(1), group, label="pp.tied"))
+    return out
+
+
+def test_every_strategy_wait_ends_within_the_timeout():
+    """tp SUMMA, sp ring, ZeRO over dp·sp and a pp group: a rank that takes no part makes the
+    others fail within the mesh's timeout (not torch's 30-minute default for sub-groups),
+    with the action and the group named."""
+    results = run_workers(_scenarios, 4, 2, timeout_s=200)
+    names = {"summa": "test.summa", "ring": "ring_attention forward", "zero": "hetero ZeRO parameter all-gather",
+             "pp.group": "pp.tied"}
+    for rank, rows in enumerate(results):
+        if rank == 2:
+            assert rows == []
+            continue
+        assert [r[0] for r in rows] == list(names), rows
+        for name, kind, msg, seconds in rows:
+            if name == "summa" and rank == 1:  # grid (0, 1) shares no row or column with rank 2 at (1, 0)
+                assert kind == "finished", (rank, name, kind, msg)
+                continue
+            assert kind in ("CommTimeout", "PeerLost"), (rank, name, kind, msg)
+            assert names[name] in msg and f"rank {rank}" in msg, (rank, name, msg)
+            assert seconds < TIMEOUT_S + GRACE_S, (rank, name, seconds, msg)
+        # the ranks waiting on rank 2 itself time out; later ones may see a peer that already left
+        assert any(kind == "CommTimeout" and "group ranks [0, 1, 2, 3]" in msg for _, kind, msg, _ in rows)
+
+
+# --- the launcher blames the right rank -----------------------------------------------------------
+
+
+def _collectives_forever():
+    while True:
+        torch.distributed.all_reduce(torch.ones(1000))
+
+
+def test_killed_worker_is_blamed_not_the_peer_that_saw_it_leave(tmp_path):
+    """kill -9 of rank 2 among 4: its peers report lost connections first, but rank 2 is named."""
+    import threading
+
+    for attempt in range(3):
+        def kill_rank_2():
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:
+                try:
+                    os.kill(worker_pid(os.getpid(), 2), signal.SIGKILL)
+                    return
+                except LookupError:
+                    time.sleep(0.05)
+
+        killer = threading.Timer(4.0, kill_rank_2)  # after the workers have joined
+        killer.start()
+        try:
+            with pytest.raises(WorkerError) as err:
+                spawn(_collectives_forever, 4, timeout_s=120, pg_timeout_s=30)
+        finally:
+            killer.cancel()
+        assert err.value.rank == 2, (attempt, str(err.value)[:2000])
+        assert "killed by SIGKILL" in str(err.value)
+
+
+def test_stopped_worker_ends_the_job_naming_it(tmp_path):
+    """With tp=4, SIGSTOP on rank 2: the job ends within train.timeout_s plus a grace and
+    names rank 2 as the one that stopped answering, with the action its peers waited in."""
+    cfg = tiny_job(tmp_path / "run", tp=4)
+    proc, _ = start_job(tmp_path, cfg)
+    os.kill(worker_pid(proc.pid, 2), signal.SIGSTOP)
+    t0 = time.monotonic()
+    err = finish(proc, timeout=120)
+    took = time.monotonic() - t0
+    assert proc.returncode == 1, err[-3000:]
+    assert "worker rank 2 failed" in err and "rank 2 (stopped)" in err, err[-3000:]
+    assert "CommTimeout" in err and "did not finish" in err, err[-3000:]
+    assert took < cfg["train"]["timeout_s"] + 10, took
+
+
+# --- signals, run directories ---------------------------------------------------------------------
+
+
+def test_sigterm_saves_like_ctrl_c_and_exits_143(tmp_path):
+    """SIGTERM to the launcher (timeout, SLURM, Kubernetes): finish the step, save, say so, exit 143;
+    the launcher's temporary directory is removed."""
+    from parallel4d import checkpoint
+
+    cfg = tiny_job(tmp_path / "run", dp=2)
+    cfg["checkpoint"] = {"enabled": True}
+    before = set(os.listdir(tempfile.gettempdir()))
+    proc, _ = start_job(tmp_path, cfg)
+    proc.send_signal(signal.SIGTERM)
+    err = finish(proc, timeout=120)
+    assert proc.returncode == 143, err[-3000:]
+    assert "terminated (SIGTERM)" in err
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    saved = checkpoint.latest_checkpoint(tmp_path / "run" / "checkpoints")
+    assert summary["interrupted"] is True and saved.name == f"step_{summary['steps']:08d}"
+    left = {n for n in set(os.listdir(tempfile.gettempdir())) - before if n.startswith("parallel4d-")}
+    assert not left, left
+
+
+def test_second_job_on_a_run_directory_in_use_is_refused(tmp_path):
+    """A second job on a directory in use refuses at once, naming the first job's pid and host;
+    once that job is killed, its stale lock is taken over."""
+    from parallel4d import launch
+    from parallel4d.config import ConfigError
+
+    cfg = tiny_job(tmp_path / "run")
+    proc, _ = start_job(tmp_path, cfg)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(ConfigError, match=rf"in use by another parallel4d job \(pid {proc.pid} on host "):
+            launch(tiny_job(tmp_path / "run", steps=2))
+        assert time.monotonic() - t0 < 5
+    finally:
+        proc.kill()  # the launcher dies without releasing anything: its lock is now stale
+        proc.wait()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:  # its workers notice their parent is gone within a second
+        try:
+            worker_pid(proc.pid, 0)
+            time.sleep(0.2)
+        except LookupError:
+            break
+    summary = launch(tiny_job(tmp_path / "run", steps=2))
+    assert summary["steps"] == 2
+
+
+def test_unwritable_run_directory_is_refused_before_any_worker(tmp_path, capsys, monkeypatch):
+    """A run directory that cannot be created (its parent is a file) stops at exit 2 naming
+    train.out_dir, before any worker is spawned (the launcher's spawn is never called)."""
+    from parallel4d import launch as launch_module
+    from parallel4d.cli import main
+
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    for field, cfg in (("train.out_dir", tiny_job(blocker / "run", steps=2)),
+                       ("checkpoint.dir", {**tiny_job(tmp_path / "ok", steps=2),
+                                           "checkpoint": {"enabled": True, "dir": str(blocker / "ckpt")}})):
+        path = tmp_path / "job.yaml"
+        path.write_text(yaml.safe_dump(cfg))
+        spawned = []
+        monkeypatch.setattr(launch_module, "spawn", lambda *a, **k: spawned.append(a))
+        assert main(["launch", str(path)]) == 2
+        err = capsys.readouterr().err
+        assert field in err and "not writable" in err and str(blocker) in err, err
+        assert spawned == []
