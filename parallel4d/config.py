@@ -6,17 +6,27 @@ Cross-field rules are checked here, before any process group exists, and each
 message names the fields involved and a value that would work.
 
 The world size is not a field: it is ``pp·dp·sp·tp`` (checked against
-``WORLD_SIZE`` at launch under torchrun).
+``WORLD_SIZE`` at launch under torchrun, against ``train.max_local_workers`` by
+:func:`local_job_problems` for a local launch).
+
+Bad input stops here, as a :class:`ConfigError`, never in a worker: types are
+strict (``steps: true`` or ``steps: "5"`` is an error, not 1 or 5), floats are
+finite, and the YAML reader refuses aliases and duplicated keys.
 """
 
 from __future__ import annotations
 
 import math
+import os
+import re
+import stat
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Annotated, Any, Literal, Optional
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (AfterValidator, AllowInfNan, BaseModel, ConfigDict, Field, ValidationError, field_validator,
+                      model_validator)
+from pydantic_core import PydanticUndefined
 
 
 class ConfigError(ValueError):
@@ -24,7 +34,25 @@ class ConfigError(ValueError):
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=False)
+    # strict: YAML has already typed every value, so `true` or "5" in an int field is a mistake, not 1 or 5.
+    model_config = ConfigDict(extra="forbid", strict=True, validate_assignment=False)
+
+
+def _check_path(value: str) -> str:
+    if not value:
+        raise ValueError("is an empty path; give a directory, or leave the field out for its default")
+    if "\0" in value:
+        raise ValueError(f"{value!r} contains a NUL byte, which no file system accepts; remove it")
+    return value
+
+
+MAX_SECONDS = 365 * 24 * 3600.0  # a longer timedelta overflows torch's millisecond timers
+
+Finite = Annotated[float, AllowInfNan(False)]
+Beta = Annotated[float, AllowInfNan(False), Field(ge=0, lt=1)]
+Seconds = Annotated[float, AllowInfNan(False), Field(ge=1, le=MAX_SECONDS)]
+Seed = Annotated[int, Field(ge=0, le=2**32 - 1)]  # data.py multiplies it by 1_000_003; torch seeds are 64-bit
+PathStr = Annotated[str, AfterValidator(_check_path)]
 
 
 def _near_divisible(value: int, divisor: int) -> str:
@@ -103,13 +131,22 @@ class HeteroConfig(_Section):
     compute_device: str = Field("auto", description="'auto', 'cpu', 'cuda' or 'cuda:N'")
     dynamic_budget: bool = Field(False, description="budget = device memory minus the traced non-model peak")
 
+    @field_validator("compute_device")
+    @classmethod
+    def _device(cls, spec: str) -> str:
+        if not re.fullmatch(r"auto|cpu|cuda(:[0-9]+)?", spec):
+            raise ValueError(f"hetero.compute_device={spec!r} is not one of 'auto', 'cpu', 'cuda', 'cuda:N' "
+                             "(N = a GPU index); use hetero.compute_device=auto")
+        return spec
+
 
 class OptimizerConfig(_Section):
     name: Literal["adamw", "adam"] = "adamw"
-    lr: float = Field(1e-3, gt=0)
-    betas: tuple[float, float] = (0.9, 0.999)
-    eps: float = Field(1e-8, gt=0)
-    weight_decay: float = Field(0.0, ge=0)
+    lr: Finite = Field(1e-3, gt=0)
+    # strict=False for the tuple only, so a YAML list is accepted; each beta stays strict and finite.
+    betas: tuple[Beta, Beta] = Field((0.9, 0.999), strict=False, description="each finite, 0 ≤ β < 1")
+    eps: Finite = Field(1e-8, gt=0)
+    weight_decay: Finite = Field(0.0, ge=0)
     warmup_steps: int = Field(0, ge=0, description="linear warm-up; constant learning rate after")
 
 
@@ -121,37 +158,43 @@ class ModelConfig(_Section):
     layers: int = Field(2, ge=1)
     mlp_ratio: int = Field(4, ge=1)
     tie_embeddings: bool = True
-    norm_eps: float = Field(1e-5, gt=0)
-    init_std: float = Field(0.02, gt=0)
+    norm_eps: Finite = Field(1e-5, gt=0)
+    init_std: Finite = Field(0.02, gt=0)
 
 
 class DataConfig(_Section):
     source: Literal["synthetic", "text"] = "synthetic"
     batch_size: int = Field(8, ge=1, description="global sequences per step")
-    seed: int = 0
-    text_root: Optional[str] = Field(None, description="directory of text files; None = Python's standard library")
+    seed: Seed = 0
+    text_root: Optional[PathStr] = Field(None, description="directory of .py files (≥ 1024 bytes of them); "
+                                                            "None = Python's standard library")
     max_bytes: int = Field(4_000_000, ge=1024, description="bytes of corpus to read")
 
 
 class TrainConfig(_Section):
     steps: int = Field(10, ge=1)
-    seed: int = 0
+    seed: Seed = 0
     dtype: Literal["float32", "float64", "bfloat16"] = Field(
         "float32", description="parameter dtype; bfloat16 means float32 weights under bf16 autocast")
     device: Literal["auto", "cpu", "cuda"] = "auto"
-    grad_clip: Optional[float] = Field(None, gt=0)
-    out_dir: str = "runs/default"
+    grad_clip: Optional[Finite] = Field(None, gt=0)
+    out_dir: PathStr = "runs/default"
     log_every: int = Field(1, ge=1)
     resume: bool = False
-    timeout_s: float = Field(300.0, gt=0, description="limit for any one collective / p2p wait")
-    job_timeout_s: Optional[float] = Field(None, gt=0, description="kill the whole local job after this many seconds")
+    timeout_s: Seconds = Field(300.0, description="limit for any one collective / p2p wait, in seconds: at least 1 "
+                                                   "(less fails healthy collectives on a busy host), at most a year")
+    job_timeout_s: Optional[Seconds] = Field(None, description="kill the whole local job after this many seconds "
+                                                               "(1 s to a year); None = a week")
     threads_per_worker: Optional[int] = Field(None, ge=1, description="torch threads per local worker; None = cores / workers")
+    max_local_workers: int = Field(64, ge=1, description="a local (non-torchrun) launch refuses a world size "
+                                                         "pp·dp·sp·tp above this; raise it only for a machine that "
+                                                         "really runs that many processes")
 
 
 class CheckpointConfig(_Section):
     enabled: bool = True
     every: int = Field(0, ge=0, description="save every N steps (0 = only at the end)")
-    dir: Optional[str] = Field(None, description="default: <train.out_dir>/checkpoints")
+    dir: Optional[PathStr] = Field(None, description="default: <train.out_dir>/checkpoints")
     keep: int = Field(2, ge=1, description="how many recent checkpoints to keep")
 
 
@@ -191,10 +234,10 @@ def cross_field_problems(cfg: Config) -> list[str]:
     q = p.q
     out = []
     if m.hidden % m.heads:
-        good = [h for h in range(1, m.hidden + 1) if m.hidden % h == 0]
-        near = min(good, key=lambda h: (abs(h - m.heads), h))
+        near = _nearest_divisor(m.hidden, m.heads)
+        heads = f"model.heads={near} or " if near else ""
         out.append(f"model.hidden={m.hidden} is not divisible by model.heads={m.heads}; "
-                   f"use model.heads={near} or model.hidden={_near_divisible(m.hidden, m.heads)}")
+                   f"use {heads}model.hidden={_near_divisible(m.hidden, m.heads)}")
     if q > 1:
         for name, value in (("model.heads", m.heads), ("model.hidden", m.hidden), ("model.vocab_size", m.vocab_size)):
             if value % q:
@@ -226,10 +269,129 @@ def cross_field_problems(cfg: Config) -> list[str]:
         out.append("model.vocab_size must be ≥ 2")
     if cfg.data.source == "text" and m.vocab_size < 256:
         out.append(f"data.source=text is byte-level and needs model.vocab_size≥256, got {m.vocab_size}; use 256")
-    if cfg.data.source == "text" and cfg.data.text_root and not Path(cfg.data.text_root).is_dir():
-        out.append(f"data.text_root={cfg.data.text_root!r} is not a directory; point it at a folder of .py files "
-                   "or leave it unset to use Python's standard library")
+    if cfg.data.source == "text" and cfg.data.text_root:
+        out += _text_root_problems(cfg.data.text_root)
     return out
+
+
+def _nearest_divisor(n: int, target: int, reach: int = 1024) -> Optional[int]:
+    """The divisor of ``n`` nearest ``target`` (the smaller on a tie), looked for within ±``reach``
+    only, so that an absurd ``n`` cannot turn validation into a loop of ``n`` steps."""
+    if target >= n:
+        return n
+    for k in range(reach + 1):
+        for d in (target - k, target + k):
+            if d >= 1 and n % d == 0:
+                return d
+    return None
+
+
+_CORPUS_MIN_BYTES = 1024  # data.read_corpus refuses less
+
+
+def _text_root_problems(root: str) -> list[str]:
+    """What ``data.read_corpus`` would refuse in a worker: no directory, or too few bytes of .py files."""
+    fix = "point it at a folder of .py files or leave it unset to use Python's standard library"
+    if not Path(root).is_dir():
+        return [f"data.text_root={root!r} is not a directory; {fix}"]
+    found = _py_bytes(root, _CORPUS_MIN_BYTES)
+    if found < _CORPUS_MIN_BYTES:
+        return [f"data.text_root={root!r} holds {found} bytes of .py files (the text corpus reads .py files only) "
+                f"and data.source=text needs ≥ {_CORPUS_MIN_BYTES}; {fix}"]
+    return []
+
+
+def _py_bytes(root: str, enough: int) -> int:
+    """Bytes of the .py files under ``root`` that read_corpus would read, stopping at ``enough``."""
+    total = 0
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = [d for d in dirnames if d not in ("site-packages", "__pycache__")]  # as read_corpus
+        for name in filenames:
+            if name.endswith(".py"):
+                try:
+                    total += os.path.getsize(os.path.join(dirpath, name))
+                except OSError:
+                    continue
+                if total >= enough:
+                    return total
+    return total
+
+
+def local_job_problems(cfg: Config) -> list[str]:
+    """Rules for a job the local launcher spawns itself (not under torchrun): one message per problem."""
+    p, limit = cfg.parallel, cfg.train.max_local_workers
+    if cfg.world_size <= limit:
+        return []
+    return [f"parallel.pp·dp·sp·tp = {p.pp}·{p.dp}·{p.sp}·{p.tp} = {cfg.world_size} local workers is more than "
+            f"train.max_local_workers={limit}; lower the parallel sizes, raise train.max_local_workers if this "
+            "machine really runs that many processes, or start the job with torchrun"]
+
+
+MAX_YAML_DEPTH = 32
+
+
+class _Refused(yaml.MarkedYAMLError):
+    """Well-formed YAML that a job file may not use (an alias, a duplicated key)."""
+
+
+class _YamlLoader(yaml.SafeLoader):
+    """``yaml.safe_load`` hardened for job files and ``--set`` values.
+
+    Aliases are refused: a 300-byte alias bomb expands to gigabytes once walked, and a config
+    needs none. A duplicated key is an error (PyYAML silently keeps the last). ``1e-3`` is a
+    float, as in YAML 1.2 (PyYAML reads it as a string, which the strict float fields refuse).
+    """
+
+    depth = 0
+
+    def compose_node(self, parent, index):
+        event = self.peek_event()
+        if isinstance(event, yaml.AliasEvent):
+            raise _Refused(problem=f"YAML aliases (*{event.anchor}) are not accepted in a config; "
+                                   "write the value out in full", problem_mark=event.start_mark)
+        if self.depth >= MAX_YAML_DEPTH:  # deeper input would end in a RecursionError here or when dumped
+            raise _Refused(problem=f"more than {MAX_YAML_DEPTH} levels of nesting; a job file is a few levels "
+                                   "of sections", problem_mark=event.start_mark)
+        self.depth += 1
+        try:
+            return super().compose_node(parent, index)
+        finally:
+            self.depth -= 1
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue
+            key = self.construct_object(key_node, deep=True)
+            try:
+                if key in seen:
+                    raise _Refused(problem=f"duplicate key {key!r}; keep only one of them",
+                                   problem_mark=key_node.start_mark)
+                seen.add(key)
+            except TypeError:  # an unhashable key: SafeConstructor reports it
+                pass
+        return super().construct_mapping(node, deep)
+
+
+_YamlLoader.add_implicit_resolver("tag:yaml.org,2002:float",
+                                  re.compile(r"^[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"), list("-+0123456789"))
+
+
+def _parse_yaml(text: str, what: str, fix: str) -> Any:
+    """``text`` parsed by :class:`_YamlLoader`; ``ConfigError`` naming ``what`` and the place otherwise."""
+    try:
+        return yaml.load(text, Loader=_YamlLoader)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
+        problem = getattr(e, "problem", None) or str(e)
+        context = f" ({e.context})" if getattr(e, "context", None) else ""
+        if isinstance(e, _Refused):  # the problem says what to do
+            raise ConfigError(f"{what}: {where}{problem}") from None
+        raise ConfigError(f"{what} is not valid YAML: {where}{problem}{context}; {fix}") from None
+    except RecursionError:
+        raise ConfigError(f"{what} nests too deeply to be a config") from None
 
 
 def _set_dotted(data: dict, dotted: str, value: Any) -> None:
@@ -252,31 +414,61 @@ def apply_overrides(data: dict, overrides: list[str] | None) -> dict:
         key = key.strip()
         if not key:
             raise ConfigError(f"override {item!r} has no field name; use section.field=value")
-        _set_dotted(data, key, yaml.safe_load(raw) if raw.strip() else None)
+        fix = "write a YAML value such as 64, 0.001, true, [0.9, 0.95] or a quoted string"
+        value = _parse_yaml(raw, f"override {item!r}: the value {raw!r}", fix) if raw.strip() else None
+        _set_dotted(data, key, value)
     return data
+
+
+def _model_at(keys: tuple) -> Optional[type[BaseModel]]:
+    """The section model at the path ``keys`` (``()`` = Config), or None past a plain field."""
+    model: type[BaseModel] = Config
+    for key in keys:
+        ann = getattr(model.model_fields.get(str(key)), "annotation", None)
+        if not (isinstance(ann, type) and issubclass(ann, BaseModel)):
+            return None
+        model = ann
+    return model
 
 
 def _suggest(loc: tuple) -> str:
     """'did you mean model?' for a misspelt key, from the fields valid at that place."""
     import difflib
 
-    model: type[BaseModel] = Config
-    for key in loc[:-1]:
-        field = model.model_fields.get(str(key))
-        ann = getattr(field, "annotation", None)
-        if not (isinstance(ann, type) and issubclass(ann, BaseModel)):
-            return "remove it"
-        model = ann
+    model = _model_at(loc[:-1])
+    if model is None:
+        return "remove it"
     valid = list(model.model_fields)
     close = difflib.get_close_matches(str(loc[-1]), valid, n=1)
     hint = f"did you mean '{close[0]}'? " if close else ""
     return f"{hint}valid fields here: {', '.join(valid)}"
 
 
+_WANT = {"int_type": "a whole number", "float_type": "a finite number", "finite_number": "a finite number",
+         "bool_type": "true or false", "string_type": "a string (quote it if YAML reads it as a number)"}
+
+
+def _shown(value: Any) -> str:
+    if isinstance(value, bool) or value is None:
+        return {True: "true", False: "false", None: "null"}[value]
+    text = f"the string {value!r}" if isinstance(value, str) else repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _type_hint(loc: tuple, where: str, kind: str) -> str:
+    """'; write a whole number, e.g. train.steps=10' for a value of the wrong type."""
+    model = _model_at(loc[:-1]) if loc and all(isinstance(k, str) for k in loc) else None
+    field = model.model_fields.get(loc[-1]) if model else None
+    default = getattr(field, "default", None)
+    if default is None or default is PydanticUndefined or isinstance(default, tuple):
+        return f"; write {_WANT[kind]}"
+    return f"; write {_WANT[kind]}, e.g. {where}={_shown(default).removeprefix('the string ')}"
+
+
 def format_validation_error(err: ValidationError) -> str:
     lines = []
     for e in err.errors():
-        where = ".".join(str(x) for x in e["loc"])
+        where = "".join(f"[{x}]" if isinstance(x, int) else f".{x}" for x in e["loc"]).lstrip(".")
         msg = e["msg"].removeprefix("Value error, ")
         if e["type"] == "extra_forbidden":
             msg = f"unknown field '{where}'; {_suggest(e['loc'])}"
@@ -284,6 +476,10 @@ def format_validation_error(err: ValidationError) -> str:
             msg = f"missing field '{where}'"
         elif where and not msg.startswith(where.split(".")[0]):
             msg = f"{where}: {msg}"
+        if e["type"] not in ("value_error", "extra_forbidden", "missing") and not isinstance(e.get("input"), dict):
+            msg += f", got {_shown(e['input'])}"  # strict types: say what YAML made of the value
+        if e["type"] in _WANT:
+            msg += _type_hint(e["loc"], where, e["type"])
         lines.extend(msg.splitlines())
     return "\n".join(f"  - {line}" for line in lines)
 
@@ -299,17 +495,61 @@ def make_config(data: dict | Config | None = None, overrides: list[str] | None =
         raise ConfigError("invalid configuration:\n" + format_validation_error(err)) from None
 
 
+MAX_CONFIG_BYTES = 1 << 20  # a job file is a few hundred bytes; refuse reading a huge one into memory
+
+_NOT_FILES = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO (named pipe)"),
+              (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
+
+
+def _config_kind(path: Path) -> Optional[str]:
+    """What ``path`` is when it is not a regular file (it is never opened: a FIFO would block)."""
+    try:
+        mode = path.stat().st_mode
+    except FileNotFoundError:
+        if path.is_symlink():
+            return "a broken symbolic link"
+        raise ConfigError(f"config file {str(path)!r} not found; check the path (the shipped jobs are in configs/)") \
+            from None
+    except (OSError, ValueError) as e:  # ValueError: a NUL byte in the path
+        raise ConfigError(f"config file {str(path)!r} cannot be read: {getattr(e, 'strerror', None) or e}") from None
+    if stat.S_ISREG(mode):
+        return None
+    return next((kind for test, kind in _NOT_FILES if test(mode)), "not a regular file")
+
+
+def _read_config_text(path: Path) -> str:
+    """The text of a job file; ``ConfigError`` saying what ``path`` is when it is not small UTF-8 text."""
+    name = repr(str(path))
+    kind = _config_kind(path)
+    if kind:
+        raise ConfigError(f"config file {name} is {kind}, not a YAML file; pass a job file such as "
+                          "configs/quickstart.yaml")
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(MAX_CONFIG_BYTES + 1)
+    except OSError as e:
+        raise ConfigError(f"config file {name} cannot be read: {e.strerror or e}") from None
+    if len(raw) > MAX_CONFIG_BYTES:
+        raise ConfigError(f"config file {name} is larger than {MAX_CONFIG_BYTES} bytes; a job file is a small YAML "
+                          "file (see configs/)")
+    try:
+        text = raw.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"config file {name} is not UTF-8 text (byte 0x{raw[e.start]:02x} at offset {e.start}): "
+                          "a binary file or a legacy encoding such as Latin-1; save the YAML as UTF-8") from None
+    if "\0" in text:
+        raise ConfigError(f"config file {name} is a binary file (it holds NUL bytes), not UTF-8 YAML text")
+    return text
+
+
 def load_config(path: str | Path | Config | dict, overrides: list[str] | None = None) -> Config:
     """Load a YAML job file (or take a dict / Config) and apply dotted ``overrides``."""
     if isinstance(path, (Config, dict)):
         return make_config(path, overrides)
     path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"config file {str(path)!r} not found")
-    try:
-        data = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{path}: not valid YAML: {e}") from None
+    data = _parse_yaml(_read_config_text(path), str(path), "fix the file at that place")
+    if data is None:  # an empty file: all defaults
+        data = {}
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: the top level must be a mapping of sections (parallel:, model:, ...)")
     try:

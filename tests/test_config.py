@@ -1,5 +1,9 @@
 """Config: defaults, YAML round trip, overrides, and cross-field errors that name the fix."""
 
+import contextlib
+import os
+import signal
+import time
 from pathlib import Path
 
 import pytest
@@ -110,3 +114,222 @@ def test_cli_validate(tmp_path, capsys):
 def test_cli_plan(capsys):
     assert main(["plan", str(ROOT / "configs" / "quickstart.yaml")]) == 0
     assert "world size      2" in capsys.readouterr().out
+
+
+# --- issue #12.9: bad input stops at validation (exit 2) with a message naming the field or file ---
+
+
+@contextlib.contextmanager
+def _within(seconds):
+    """Fail (instead of hanging the suite) if the body runs longer than ``seconds``."""
+    def expire(*_):
+        raise TimeoutError(f"took longer than {seconds}s")
+    old = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+
+
+def _fails(capsys, args, *expect):
+    assert main(["validate", *args]) == 2
+    err = capsys.readouterr().err
+    for text in expect:
+        assert text in err, (text, err)
+
+
+def _binary(tmp_path):
+    path = tmp_path / "job.yaml"
+    path.write_bytes(bytes(range(256)) * 4)
+    return str(path)
+
+
+def _latin1(tmp_path):
+    path = tmp_path / "job.yaml"
+    path.write_bytes("train:\n  out_dir: runs/café\n".encode("latin-1"))
+    return str(path)
+
+
+def _nul_bytes(tmp_path):
+    path = tmp_path / "job.yaml"
+    path.write_bytes(b"\x7fELF\x02\x01\x01\x00\x00train: {}\n")  # valid UTF-8, still binary
+    return str(path)
+
+
+def _huge(tmp_path):
+    path = tmp_path / "job.yaml"
+    path.write_text("# " + "x" * (1 << 20) + "\n")
+    return str(path)
+
+
+def _directory(tmp_path):
+    (tmp_path / "job.yaml").mkdir()
+    return str(tmp_path / "job.yaml")
+
+
+def _fifo(tmp_path):
+    if not hasattr(os, "mkfifo"):
+        pytest.skip("no FIFOs on this platform")
+    os.mkfifo(tmp_path / "job.yaml")  # nobody writes: opening it for reading would block
+    return str(tmp_path / "job.yaml")
+
+
+def _dev_null(tmp_path):
+    if not os.path.exists(os.devnull) or os.devnull != "/dev/null":
+        pytest.skip("no /dev/null")
+    return os.devnull
+
+
+@pytest.mark.parametrize("make, expect", [
+    (_binary, ["job.yaml", "not UTF-8"]),
+    (_latin1, ["job.yaml", "not UTF-8", "byte 0xe9 at offset 26"]),
+    (_nul_bytes, ["job.yaml", "binary file", "not UTF-8"]),
+    (_huge, ["job.yaml", "larger than 1048576 bytes"]),
+    (_directory, ["job.yaml", "is a directory, not a YAML file"]),
+    (_fifo, ["job.yaml", "FIFO"]),
+    (_dev_null, ["/dev/null", "character device"]),
+])
+def test_config_path_that_is_not_a_yaml_file(tmp_path, capsys, make, expect):
+    path = make(tmp_path)
+    with _within(5):
+        _fails(capsys, [path], *expect)
+
+
+@pytest.fixture
+def job(tmp_path):
+    path = tmp_path / "job.yaml"
+    path.write_text("train: {steps: 3}\n")
+    return str(path)
+
+
+@pytest.mark.parametrize("override, expect", [
+    ("model.hidden=[1", ["model.hidden=[1", "not valid YAML"]),
+    ('train.out_dir="runs/a', ["train.out_dir", "not valid YAML"]),
+    ("deepspeed={a: &x [1, 2], b: *x}", ["alias"]),
+    ("deepspeed={a: " + "[" * 100 + "]" * 100 + "}", ["deepspeed", "levels of nesting"]),
+])
+def test_override_value_that_is_not_yaml(job, capsys, override, expect):
+    _fails(capsys, [job, "--set", override], *expect)
+
+
+@pytest.mark.parametrize("override, expect", [
+    ("optimizer.lr=inf", ["optimizer.lr", "finite"]),
+    ("optimizer.lr=.inf", ["optimizer.lr", "finite"]),
+    ("optimizer.lr=nan", ["optimizer.lr", "finite"]),
+    ("optimizer.betas=[nan, 2]", ["optimizer.betas[0]", "finite", "optimizer.betas[1]", "less than 1"]),
+    ("optimizer.betas=[0.9, 1.0]", ["optimizer.betas[1]", "less than 1"]),
+    ("optimizer.betas=[-0.1, 0.9]", ["optimizer.betas[0]", "greater than or equal to 0"]),
+    ("optimizer.eps=.inf", ["optimizer.eps", "finite"]),
+    ("optimizer.weight_decay=.inf", ["optimizer.weight_decay", "finite"]),
+    ("train.grad_clip=.inf", ["train.grad_clip", "finite"]),
+    ("model.norm_eps=.inf", ["model.norm_eps", "finite"]),
+    ("model.init_std=.inf", ["model.init_std", "finite"]),
+    ("train.timeout_s=inf", ["train.timeout_s", "finite"]),
+    ("train.timeout_s=.inf", ["train.timeout_s", "finite"]),
+    ("train.timeout_s=1e-9", ["train.timeout_s", "greater than or equal to 1"]),
+    ("train.timeout_s=0.5", ["train.timeout_s", "greater than or equal to 1"]),
+    ("train.timeout_s=1e300", ["train.timeout_s", "less than or equal to"]),
+    ("train.job_timeout_s=.inf", ["train.job_timeout_s", "finite"]),
+    ("hetero.compute_device=banana", ["hetero.compute_device='banana'", "'cuda:N'"]),
+    ("hetero.compute_device=cuda:x", ["hetero.compute_device='cuda:x'"]),
+    (r'train.out_dir="runs/a\0b"', ["train.out_dir", "NUL"]),
+    (r'checkpoint.dir="ck\0pt"', ["checkpoint.dir", "NUL"]),
+    (r'data.text_root="src\0"', ["data.text_root", "NUL"]),
+    ('data.text_root=""', ["data.text_root", "empty"]),
+    ('train.out_dir=""', ["train.out_dir", "empty"]),
+    ("train.seed=-1", ["train.seed", "greater than or equal to 0"]),
+    ("data.seed=100000000000000000000", ["data.seed", "less than or equal to"]),
+    ("train.max_local_workers=0", ["train.max_local_workers", "greater than or equal to 1"]),
+])
+def test_field_value_errors_name_the_field(job, capsys, override, expect):
+    _fails(capsys, [job, "--set", override, "--set", "data.source=text"], *expect)
+
+
+@pytest.mark.parametrize("files, expect", [
+    ({"notes.txt": "x" * 4096}, ["holds 0 bytes of .py files"]),
+    ({"tiny.py": "x = 1\n"}, ["holds 6 bytes of .py files", "≥ 1024"]),
+])
+def test_text_root_without_enough_python_sources(tmp_path, capsys, job, files, expect):
+    root = tmp_path / "corpus"
+    root.mkdir()
+    for name, text in files.items():
+        (root / name).write_text(text)
+    _fails(capsys, [job, "--set", "data.source=text", "--set", f"data.text_root={root}"], "data.text_root", *expect)
+    (root / "big.py").write_text("y = 2\n" * 200)
+    assert main(["validate", job, "--set", "data.source=text", "--set", f"data.text_root={root}"]) == 0
+
+
+def test_local_world_size_limit():
+    from parallel4d.config import local_job_problems
+
+    huge = make_config({"parallel": {"dp": 10**12}, "data": {"batch_size": 10**12}})
+    assert huge.train.max_local_workers == 64
+    (msg,) = local_job_problems(huge)
+    for text in ("parallel.pp·dp·sp·tp", "1000000000000", "train.max_local_workers=64", "torchrun"):
+        assert text in msg, (text, msg)
+    job = {"parallel": {"dp": 65}, "data": {"batch_size": 65}}
+    assert local_job_problems(make_config(job))
+    assert local_job_problems(make_config(job, ["train.max_local_workers=65"])) == []
+    assert local_job_problems(make_config({"parallel": {"pp": 2, "dp": 2, "tp": 16}})) == []
+
+
+@pytest.mark.parametrize("data, expect", [
+    ({"model": {"hidden": 10**18, "heads": 7}}, ["model.hidden=1000000000000000000", "model.heads="]),
+    ({"model": {"hidden": 64, "heads": 10**18}}, ["model.heads=64"]),
+    ({"parallel": {"pp": 10**15, "dp": 10**15}, "pipeline": {"microbatches": 10**15}}, ["data.batch_size=8"]),
+])
+def test_absurd_sizes_are_refused_without_iterating(data, expect):
+    with _within(2), pytest.raises(ConfigError) as err:
+        make_config(data)
+    for text in expect:
+        assert text in str(err.value), (text, str(err.value))
+
+
+BOMB = "a: &a [x, x, x, x, x, x, x, x, x, x]\n" + "".join(
+    f"{c}: &{c} [*{p}, *{p}, *{p}, *{p}, *{p}, *{p}, *{p}, *{p}, *{p}, *{p}]\n" for p, c in zip("abcdefgh", "bcdefghi"))
+
+
+def test_yaml_alias_bomb_is_refused_quickly(tmp_path):
+    path = tmp_path / "bomb.yaml"
+    path.write_text("deepspeed:\n  " + BOMB.replace("\n", "\n  "))  # 10⁹ strings once expanded
+    assert len(path.read_bytes()) < 500
+    start = time.perf_counter()
+    with _within(2), pytest.raises(ConfigError, match="alias"):
+        load_config(path)
+    assert time.perf_counter() - start < 0.5
+
+
+@pytest.mark.parametrize("text, key", [
+    ("train:\n  steps: 3\n  steps: 5\n", "'steps'"),
+    ("train: {steps: 3}\nmodel: {}\ntrain: {steps: 4}\n", "'train'"),
+    ("deepspeed: {zero: {stage: 1, stage: 2}}\n", "'stage'"),
+])
+def test_duplicate_yaml_keys_are_errors(tmp_path, capsys, text, key):
+    path = tmp_path / "job.yaml"
+    path.write_text(text)
+    _fails(capsys, [str(path)], "job.yaml", "duplicate key " + key)
+
+
+@pytest.mark.parametrize("override, field", [
+    ("train.steps=true", "train.steps"),
+    ("optimizer.lr=true", "optimizer.lr"),
+    ("train.steps='5'", "train.steps"),
+    ("train.steps=10.0", "train.steps"),
+    ("optimizer.lr='0.1'", "optimizer.lr"),
+    ("model.tie_embeddings=1", "model.tie_embeddings"),
+    ("parallel.dp=1e400", "parallel.dp"),
+])
+def test_no_silent_type_coercion(job, capsys, override, field):
+    _fails(capsys, [job, "--set", override], field, "got ")
+
+
+def test_strict_types_keep_ordinary_yaml_working(tmp_path):
+    path = tmp_path / "job.yaml"
+    path.write_text("optimizer: {lr: 3e-4, eps: 1E-8, betas: [0.8, 0.9], weight_decay: 0}\n"
+                    "train: {timeout_s: 1e3, steps: 1_000}\nhetero: {compute_device: 'cuda:1'}\n")
+    cfg = load_config(path, ["train.steps=50", "optimizer.lr=2e-3"])
+    assert cfg.optimizer.lr == 2e-3 and cfg.optimizer.eps == 1e-8 and cfg.optimizer.betas == (0.8, 0.9)
+    assert cfg.train.timeout_s == 1000.0 and cfg.train.steps == 50 and cfg.hetero.compute_device == "cuda:1"
+    assert make_config(yaml.safe_load(cfg.to_yaml())) == cfg
