@@ -1,42 +1,477 @@
-"""Save / resume through ``torch.distributed.checkpoint`` (DCP), atomically.
+"""Save / resume through ``torch.distributed.checkpoint`` (DCP): atomic, verified, one run at a time.
 
 Layout under the checkpoint directory::
 
-    step_00000010/        one DCP checkpoint (written as .step_00000010.tmp, then renamed)
-    latest                the name of the newest complete checkpoint (replaced atomically)
+    step_00000010/         one checkpoint, written as .step_00000010.tmp and renamed once complete
+        .metadata, *.distcp    DCP's files (each rank writes its own shards)
+        config.yaml            the job's config (extra_files of the caller)
+        run.json               run id, step, save time and the caller's info (train.py: loss history)
+        checksums.json         size and sha256 of every other file; written last, before the rename
+    latest                 the name of the newest checkpoint (replaced atomically)
 
-A crash mid-save leaves only a ``.tmp`` directory, which is never loaded and is
-removed by the next save: a checkpoint either loads completely or is not seen.
+Rules, each there so that nothing a user trained is lost:
+
+* A crash mid-save leaves only a ``.tmp`` directory, never loaded, removed by the next save.
+* Every checkpoint belongs to a run (``run.json``'s ``run_id``: new at a fresh start, inherited on
+  resume). Retention (``keep``) deletes only older checkpoints of the saving run and never the one
+  ``latest`` names: checkpoints of other runs are left alone. :func:`check_start` refuses a fresh
+  run in a directory that already holds checkpoints.
+* A step that exists already is never deleted before its replacement is complete: the same run's
+  verified copy is kept and the save skipped; otherwise the old directory is renamed aside
+  (``.step_*.old``) only after the new one is complete, and removed after the new one is in
+  place. An aside directory whose step is missing (a crash between the two renames) is put back.
+* Loading checks every file against ``checksums.json``. :func:`choose_checkpoint` tries the one
+  ``latest`` names, then older ones, warning on stderr for each broken one; if none is usable it
+  raises :class:`CheckpointError` naming them. Checkpoints from before checksums (no ``run.json``
+  and no ``checksums.json``) load unverified.
+* A failing save raises :class:`CheckpointError` on every rank (the ranks agree after each step of
+  the save, so none waits for a peer that gave up), naming the directory and the diagnosed cause;
+  the previous checkpoints and ``latest`` are untouched.
+
+Every function works without a process group (one process); with one, rank 0 is the writer and
+the collective functions must be called by every rank.
 """
 
 from __future__ import annotations
 
+import errno
+import hashlib
+import json
 import os
+import re
 import shutil
+import sys
+import time
+import uuid
 from pathlib import Path
+from typing import Any, Callable
 
 import torch.distributed as dist
 
+from .config import ConfigError
+
 LATEST = "latest"
+RUN_INFO = "run.json"
+CHECKSUMS = "checksums.json"
+_STEP = re.compile(r"step_(\d+)")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be saved, verified or loaded; the message names the path and why."""
+
+
+# --- names and small files ------------------------------------------------------------------------
 
 
 def _name(step: int) -> str:
     return f"step_{step:08d}"
 
 
-def latest_checkpoint(root: str | Path) -> Path | None:
-    """The newest complete checkpoint under ``root``, or None."""
-    root = Path(root)
-    marker = root / LATEST
-    if not marker.is_file():
+def _step_of(path: Path) -> int | None:
+    m = _STEP.fullmatch(path.name)
+    return int(m.group(1)) if m else None
+
+
+def _step_dirs(root: Path) -> list[Path]:
+    """The checkpoint directories (final names only) under ``root``, newest step first."""
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if _step_of(p) is not None and p.is_dir()]
+    return sorted(found, key=_step_of, reverse=True)
+
+
+def _write_file(path: Path, text: str) -> None:
+    with open(path, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())  # the rename that publishes it must not outlive its content in a power cut
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError:  # not every file system syncs directories; the rename itself is still atomic
+        pass
+
+
+def _latest_name(root: Path) -> str | None:
+    try:
+        return (root / LATEST).read_text().strip() or None
+    except OSError:
         return None
-    path = root / marker.read_text().strip()
-    return path if (path / ".metadata").is_file() else None
 
 
-def _barrier() -> None:
+def _set_latest(root: Path, final: Path) -> None:
+    if _latest_name(root) == final.name:
+        return
+    tmp = root / f".{LATEST}.tmp"
+    _write_file(tmp, final.name)
+    os.replace(tmp, root / LATEST)
+    _fsync_dir(root)
+
+
+def read_info(path: str | Path) -> dict:
+    """``run.json`` of checkpoint ``path`` (run id, step, the saver's info); ``{}`` if absent or unreadable."""
+    try:
+        info = json.loads((Path(path) / RUN_INFO).read_text())
+    except (OSError, ValueError):
+        return {}
+    return info if isinstance(info, dict) else {}
+
+
+def new_run_id() -> str:
+    """A fresh run id: readable start time plus random bits."""
+    return f"{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:8]}"
+
+
+# --- checksums ------------------------------------------------------------------------------------
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _write_checksums(directory: Path) -> None:
+    files = sorted(p for p in directory.rglob("*") if p.is_file() and p.name != CHECKSUMS)
+    table = {p.relative_to(directory).as_posix(): {"size": p.stat().st_size, "sha256": _sha256(p)} for p in files}
+    _write_file(directory / CHECKSUMS, json.dumps({"files": table}, indent=1))
+
+
+def verify(path: str | Path) -> str | None:
+    """What is wrong with checkpoint ``path`` (naming the file), or None if every file matches.
+
+    Reads every file once (sha256). A checkpoint from before checksums (neither
+    ``run.json`` nor ``checksums.json``) is accepted unverified.
+    """
+    path = Path(path)
+    if not path.is_dir():
+        return "the directory does not exist"
+    if not (path / ".metadata").is_file():
+        return "no .metadata file (an incomplete save)"
+    if not (path / CHECKSUMS).is_file():
+        if not (path / RUN_INFO).exists():
+            return None  # the layout before checksums
+        return f"no {CHECKSUMS} (an incomplete save)"
+    try:
+        table = json.loads((path / CHECKSUMS).read_text())["files"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return f"{CHECKSUMS} is unreadable ({e})"
+    for name, want in table.items():
+        file = path / name
+        if not file.is_file():
+            return f"file {name} is missing"
+        try:
+            size = file.stat().st_size
+            if size != want["size"]:
+                return f"file {name} has {size} bytes, {want['size']} were saved (truncated or overwritten)"
+            if _sha256(file) != want["sha256"]:
+                return f"file {name} does not match its sha256 checksum (corrupted)"
+        except OSError as e:
+            return f"file {name} cannot be read ({e.strerror or e})"
+    return None
+
+
+# --- agreement between ranks -------------------------------------------------------------------
+
+
+def _is_writer() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def _failures() -> tuple[type[BaseException], ...]:
+    # DCP reports a failure on any rank as CheckpointException, a BaseException.
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    return (Exception, CheckpointException)
+
+
+def _plain(error: BaseException) -> str:
+    return str(error) if isinstance(error, CheckpointError) else f"{type(error).__name__}: {error}"
+
+
+def _on_writer(fn: Callable[[], Any], explain: Callable[[BaseException], str] = _plain) -> Any:
+    """Run ``fn`` on the writer; every rank returns its result, or raises CheckpointError(explain(error))."""
+    value, error, message = None, None, None
+    if _is_writer():
+        try:
+            value = fn()
+        except _failures() as e:
+            error, message = e, explain(e)
     if dist.is_initialized():
-        dist.barrier()
+        box = [(value, message)]
+        dist.broadcast_object_list(box, src=0)
+        value, message = box[0]
+    if message is not None:
+        raise CheckpointError(message) from error
+    return value
+
+
+def _any_failed(message: str | None, own: bool = True) -> str | None:
+    """Every rank's ``message`` (None: this rank succeeded) gathered: the first one about a rank's
+    own failure (``own``), else the first one; None if every rank succeeded."""
+    if not dist.is_initialized():
+        return message
+    out: list = [None] * dist.get_world_size()
+    dist.all_gather_object(out, (own, message))
+    failed = [(not o, m) for o, m in out if m is not None]
+    return min(failed, key=lambda f: f[0])[1] if failed else None
+
+
+def _own(error: BaseException) -> bool:
+    """False when ``error`` only reports that another rank failed (DCP lists the failing ranks)."""
+    failures = getattr(error, "failures", None)
+    return not (failures and dist.is_initialized() and dist.get_rank() not in failures)
+
+
+# --- why a save failed ------------------------------------------------------------------------------
+
+
+def _causes(exc: BaseException):
+    """``exc``, its chain, and the per-rank failures DCP wraps, depth first."""
+    seen, todo = set(), [exc]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        yield e
+        todo += [e.__cause__, e.__context__]
+        todo += [f[0] for f in getattr(e, "failures", {}).values() if isinstance(f, tuple) and f]
+
+
+def _existing(path: Path) -> Path:
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+def _file_size_limit() -> int | None:
+    try:
+        import resource
+    except ImportError:  # not on this platform
+        return None
+    soft = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    return None if soft == resource.RLIM_INFINITY else soft
+
+
+def diagnose(exc: BaseException, path: str | Path) -> str:
+    """Why writing under ``path`` failed with ``exc``: errno, permission, free space, file size limit."""
+    where = _existing(Path(path))
+    os_err = next((e for e in _causes(exc) if isinstance(e, OSError) and e.errno), None)
+    code = os_err.errno if os_err else None
+    facts = []
+    if code in (errno.EACCES, errno.EPERM, errno.EROFS) or not os.access(where, os.W_OK | os.X_OK):
+        facts.append(f"no permission to write in {where}")
+    free = shutil.disk_usage(where).free
+    if code in (errno.ENOSPC, errno.EDQUOT) or free < (1 << 20):
+        facts.append(f"the disk or the quota is full, {free} bytes free on the file system of {where}")
+    limit = _file_size_limit()
+    if code == errno.EFBIG or (code is None and limit is not None):
+        facts.append(f"the file size limit RLIMIT_FSIZE (ulimit -f) is {limit} bytes" if limit is not None
+                     else "a file grew past the largest size the file system allows")
+    if code:
+        detail = f"{os.strerror(code)}, errno {errno.errorcode.get(code, code)}" + \
+            (f", {os_err.filename}" if os_err.filename else "")
+    else:
+        lines = str(exc).strip().splitlines()
+        detail = f"{type(exc).__name__}: {lines[-1] if lines else ''}"
+    return f"{'; '.join(facts)} ({detail})" if facts else detail
+
+
+# --- save ---------------------------------------------------------------------------------------------
+
+
+_SKIP = "skip"
+
+
+def _recover(root: Path) -> None:
+    """Finish what a crash during a replacement left: put an aside step back if its step is missing."""
+    for aside in root.glob(".step_*.old"):
+        final = root / aside.name[1:-len(".old")]
+        if final.exists():
+            shutil.rmtree(aside, ignore_errors=True)
+        else:
+            os.replace(aside, final)
+
+
+def _prepare(root: Path, final: Path, tmp: Path, run_id: str | None) -> str:
+    """Writer: clean up, resolve the run id, and return it, or _SKIP if ``final`` is already this state."""
+    root.mkdir(parents=True, exist_ok=True)
+    _recover(root)
+    for stale in root.glob(".step_*.tmp"):  # leftovers of an interrupted save
+        shutil.rmtree(stale, ignore_errors=True)
+    if run_id is None:
+        named = _latest_name(root)
+        run_id = (read_info(root / named).get("run_id") if named else None) or new_run_id()
+    if final.is_dir() and read_info(final).get("run_id") == run_id and (final / CHECKSUMS).is_file() \
+            and verify(final) is None:
+        _set_latest(root, final)  # the same run's verified copy of this step: keep it
+        return _SKIP
+    tmp.mkdir()
+    return run_id
+
+
+def _publish(root: Path, final: Path, tmp: Path, run_id: str, step: int, info: dict | None,
+             extra_files: dict[str, str] | None, keep: int) -> None:
+    """Writer, after every rank wrote its shards: small files, checksums, rename, ``latest``, retention."""
+    for name, text in (extra_files or {}).items():
+        _write_file(tmp / name, text)
+    _write_file(tmp / RUN_INFO, json.dumps({**(info or {}), "run_id": run_id, "step": step, "saved": time.time()}))
+    _write_checksums(tmp)
+    _fsync_dir(tmp)
+    aside = root / f".{final.name}.old"
+    if final.exists():  # moved aside only now that its replacement is complete
+        os.replace(final, aside)
+    try:
+        os.replace(tmp, final)
+    except OSError:
+        if aside.exists():
+            os.replace(aside, final)
+        raise
+    _fsync_dir(root)
+    _set_latest(root, final)
+    shutil.rmtree(aside, ignore_errors=True)
+    _retain(root, run_id, keep, final)
+
+
+def _retain(root: Path, run_id: str, keep: int, latest: Path) -> None:
+    """Delete this run's checkpoints beyond the ``keep`` most recently saved; never ``latest``."""
+    mine = []
+    for p in _step_dirs(root):
+        info = read_info(p)
+        if info.get("run_id") == run_id:
+            mine.append((float(info.get("saved", 0.0)), _step_of(p), p))
+    for _, _, p in sorted(mine)[:-keep]:
+        if p != latest:
+            shutil.rmtree(p, ignore_errors=True)
+
+
+def save(state: dict, root: str | Path, step: int, keep: int = 2, extra_files: dict[str, str] | None = None,
+         *, run_id: str | None = None, info: dict | None = None) -> Path:
+    """Collectively save ``state`` as checkpoint ``step`` under ``root``; every rank calls this.
+
+    ``run_id``: the run this checkpoint belongs to (only the writer's value is used);
+    None continues the run of the checkpoint ``latest`` names, or starts a new one.
+    ``info`` (JSON-able) is stored in ``run.json``; ``extra_files`` maps names to texts.
+    A step this run saved already and that verifies is not written again.
+    Returns the checkpoint's path. Raises :class:`CheckpointError` on every rank,
+    naming the path and why, if any rank failed; earlier checkpoints stay intact.
+    """
+    root = Path(root)
+    final = root / _name(step)
+    tmp = root / f".{final.name}.tmp"
+
+    def explain(error: BaseException, where: Path) -> str:
+        return f"checkpoint {final} not saved: {diagnose(error, where)}"
+
+    def clean_up() -> None:  # the half-written directory; earlier checkpoints are untouched
+        if _is_writer():
+            shutil.rmtree(tmp, ignore_errors=True)
+
+    run = _on_writer(lambda: _prepare(root, final, tmp, run_id), lambda e: explain(e, root))
+    if run == _SKIP:
+        return final
+    error = None
+    try:
+        _dcp().save(state, checkpoint_id=str(tmp))
+    except _failures() as e:
+        error = e
+    # the same verdict on every rank, in the words of a rank that failed itself (its own disk, limits)
+    message = _any_failed(explain(error, root) if error is not None else None, error is None or _own(error))
+    if message is not None:
+        clean_up()
+        raise CheckpointError(message) from error
+    try:
+        _on_writer(lambda: _publish(root, final, tmp, run, step, info, extra_files, keep), lambda e: explain(e, root))
+    finally:
+        clean_up()  # gone already (renamed) unless publishing failed
+    return final
+
+
+# --- find and load ------------------------------------------------------------------------------------
+
+
+def latest_checkpoint(root: str | Path) -> Path | None:
+    """The checkpoint ``latest`` names if it has its data, else the newest one that has; None if none.
+
+    Cheap (no checksums): use :func:`choose_checkpoint` to pick one to resume from.
+    """
+    root = Path(root)
+    named = _latest_name(root)
+    if named and (root / named / ".metadata").is_file():
+        return root / named
+    return next((p for p in _step_dirs(root) if (p / ".metadata").is_file()), None)
+
+
+def _candidates(root: Path) -> list[Path]:
+    """``latest``'s checkpoint first, then the older ones, newest first (all of them without ``latest``)."""
+    named = _latest_name(root)
+    first = root / named if named and _step_of(Path(named)) is not None else None
+    rest = _step_dirs(root)
+    if first is None:
+        return rest
+    return [first] + [p for p in rest if _step_of(p) < _step_of(first)]
+
+
+def _warn(msg: str) -> None:
+    print(f"[parallel4d] warning: {msg}", file=sys.stderr, flush=True)
+
+
+def _choose(root: Path) -> Path | None:
+    if root.is_dir():
+        _recover(root)
+    broken = []
+    for path in _candidates(root):
+        problem = verify(path)
+        if problem is None:
+            if not (path / CHECKSUMS).is_file():
+                _warn(f"checkpoint {path} has no {CHECKSUMS} (saved before checksums): loading it unverified")
+            return path
+        _warn(f"checkpoint {path} is not usable: {problem}; trying the previous one")
+        broken.append(f"{path}: {problem}")
+    if broken:
+        raise CheckpointError(f"no usable checkpoint under {root}: " + "; ".join(broken)
+                              + ". Restore one, or start afresh with train.resume=false in another directory")
+    return None
+
+
+def choose_checkpoint(root: str | Path) -> Path | None:
+    """The checkpoint to resume from: ``latest``'s if it verifies, else the newest older one that does.
+
+    Warns on stderr for each broken checkpoint skipped; None if ``root`` holds no
+    checkpoint; :class:`CheckpointError` naming each one if none is usable. With a
+    process group every rank must call it: rank 0 chooses and broadcasts its choice.
+    """
+    return _on_writer(lambda: _choose(Path(root)))
+
+
+def check_start(root: str | Path, resume: bool) -> None:
+    """Refuse a fresh run (``resume`` false) in a checkpoint directory that already holds checkpoints.
+
+    Needs no process group and reads only directory names. ``ConfigError`` says
+    what to change.
+    """
+    root = Path(root)
+    if root.exists() and not root.is_dir():
+        raise ConfigError(f"the checkpoint directory {root} is a file; set checkpoint.dir (or train.out_dir) "
+                          "to a directory")
+    if resume:
+        return
+    found = [p.name for p in _step_dirs(root)]
+    if found:
+        shown = ", ".join(found[:3]) + (f" and {len(found) - 3} more" if len(found) > 3 else "")
+        raise ConfigError(
+            f"train.resume=false but the checkpoint directory {root} already holds checkpoints ({shown}) "
+            "from an earlier run. Set train.resume=true to continue that run, give this run another "
+            f"checkpoint.dir or train.out_dir, or delete {root} if it is no longer needed")
 
 
 def _dcp():
@@ -53,40 +488,26 @@ def __getattr__(name: str):  # ``checkpoint.dcp``, for callers (and tests) that 
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def _is_writer() -> bool:
-    return not dist.is_initialized() or dist.get_rank() == 0
+def _describe(exc: BaseException) -> str:
+    failures = getattr(exc, "failures", None)
+    if failures:
+        return "; ".join(f"rank {r}: {type(f[0]).__name__}: {f[0]}" for r, f in failures.items())
+    return f"{type(exc).__name__}: {exc}"
 
 
-def save(state: dict, root: str | Path, step: int, keep: int = 2, extra_files: dict[str, str] | None = None) -> Path:
-    """Collectively save ``state`` as checkpoint ``step``; every rank calls this."""
-    root = Path(root)
-    final = root / _name(step)
-    tmp = root / f".{_name(step)}.tmp"
-    if _is_writer():
-        root.mkdir(parents=True, exist_ok=True)
-        for stale in root.glob(".step_*.tmp"):  # leftovers of an interrupted save
-            shutil.rmtree(stale, ignore_errors=True)
-        tmp.mkdir()
-    _barrier()
-    _dcp().save(state, checkpoint_id=str(tmp))
-    _barrier()
-    if _is_writer():
-        for name, text in (extra_files or {}).items():
-            (tmp / name).write_text(text)
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        marker_tmp = root / f".{LATEST}.tmp"
-        marker_tmp.write_text(final.name)
-        os.replace(marker_tmp, root / LATEST)
-        old = sorted(p for p in root.glob("step_*") if p.is_dir())
-        for p in old[:-keep]:
-            shutil.rmtree(p, ignore_errors=True)
-    _barrier()
-    return final
+def load(state: dict, path: str | Path, verify_files: bool = True) -> dict:
+    """Load checkpoint ``path`` into ``state`` in place (every rank calls this).
 
-
-def load(state: dict, path: str | Path) -> dict:
-    """Load checkpoint ``path`` into ``state`` in place (every rank calls this)."""
-    _dcp().load(state, checkpoint_id=str(path))
+    ``verify_files`` checks every file against its checksum first (each rank reads
+    the whole checkpoint: pass False for one :func:`choose_checkpoint` verified).
+    Raises :class:`CheckpointError` naming the checkpoint (and the file) on failure.
+    """
+    if verify_files:
+        problem = verify(path)
+        if problem is not None:
+            raise CheckpointError(f"checkpoint {path} is not usable: {problem}")
+    try:
+        _dcp().load(state, checkpoint_id=str(path))
+    except _failures() as e:
+        raise CheckpointError(f"checkpoint {path} could not be loaded: {_describe(e)}") from e
     return state

@@ -74,39 +74,99 @@ class _Progress:
             self.bar.close()
 
 
+class _Run:
+    """What a run carries across restarts: its id, loss history, training time, and checkpoints.
+
+    The loss history and the seconds trained are stored in each checkpoint (``run.json``),
+    so a resumed run's summary covers the whole run whatever state summary.json is in.
+    """
+
+    def __init__(self, cfg: Config, engine, ckpt_dir: Path, lead: bool):
+        self.cfg, self.engine, self.ckpt_dir, self.lead = cfg, engine, ckpt_dir, lead
+        self.run_id = checkpoint.new_run_id()  # only rank 0's (the writer's) is used
+        self.losses: list[float] = []
+        self.prior_seconds = 0.0  # trained before this process started
+        self.resumed_from: int | None = None
+        self.saved_step: int | None = None  # the step whose state is on disk (saved or loaded here)
+        self.saved: Path | None = None
+
+    def resume(self, summary_path: Path) -> None:
+        """Load the checkpoint :func:`checkpoint.choose_checkpoint` picks (every rank calls this)."""
+        found = checkpoint.choose_checkpoint(self.ckpt_dir)
+        if found is None:
+            if self.lead:
+                _log(f"[parallel4d] train.resume: no checkpoint under {self.ckpt_dir}; starting from step 0")
+            return
+        state = self.engine.state_dict()
+        checkpoint.load(state, found, verify_files=False)  # choose_checkpoint verified it
+        self.engine.load_state_dict(state)
+        info = checkpoint.read_info(found)
+        self.run_id = info.get("run_id") or self.run_id
+        self.losses = list(info["losses"]) if "losses" in info else _summary_losses(summary_path)
+        del self.losses[self.engine.step:]
+        self.prior_seconds = float(info.get("seconds", 0.0))
+        self.resumed_from = self.saved_step = self.engine.step
+        self.saved = found
+        if self.lead:
+            _log(f"[parallel4d] resumed from {found} at step {self.engine.step}")
+
+    def save(self, seconds: float, final: bool) -> None:
+        """Checkpoint the current step. A failing periodic save warns and training goes on;
+        a failing final save raises :class:`checkpoint.CheckpointError`."""
+        step = self.engine.step
+        if step == self.saved_step:  # e.g. Ctrl-C right after a periodic save, or nothing left to train
+            return
+        try:
+            self.saved = checkpoint.save(
+                self.engine.state_dict(), self.ckpt_dir, step, keep=self.cfg.checkpoint.keep,
+                extra_files={"config.yaml": self.cfg.to_yaml()}, run_id=self.run_id,
+                info={"losses": self.losses, "seconds": self.prior_seconds + seconds})
+            self.saved_step = step
+        except checkpoint.CheckpointError as e:
+            if final:
+                raise
+            if self.lead:
+                _log(f"[parallel4d] warning: {e}. Training goes on (the state is in memory); "
+                     "the next checkpoint tries again")
+
+
+def _summary_losses(path: Path) -> list[float]:
+    """Losses of a summary.json (for checkpoints saved before they held the loss history)."""
+    try:
+        return list(json.loads(path.read_text()).get("losses", []))
+    except (OSError, ValueError):
+        return []
+
+
+def _write_json(path: Path, data: dict) -> None:
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(data, indent=2))
+    os.replace(tmp, path)
+
+
 def run_training(cfg: Config) -> dict:
     """Train ``cfg`` on this rank (the default process group must exist or be joinable).
 
-    Returns the summary on rank 0 (also written to ``<train.out_dir>/summary.json``)
-    and ``{"rank": r}`` elsewhere.
+    Returns the summary on rank 0 and ``{"rank": r}`` elsewhere. The summary is
+    written to ``<train.out_dir>/summary.json`` at each checkpoint and at the end;
+    after a resume it covers the whole run: ``losses`` from step 1, ``seconds``
+    (training time of all sessions), while ``tokens_per_second`` is this session's.
     """
+    out_dir = Path(cfg.train.out_dir)
+    ckpt_dir = Path(cfg.checkpoint.dir or out_dir / "checkpoints")
+    if cfg.checkpoint.enabled:  # a run that never saves cannot spoil a directory's checkpoints
+        checkpoint.check_start(ckpt_dir, cfg.train.resume)
     p = cfg.parallel
     mesh = init_mesh(pp=p.pp, dp=p.dp, sp=p.sp, tp=p.tp, timeout_s=cfg.train.timeout_s)
     rank = dist.get_rank()
     lead = rank == 0
     engine = compose(cfg, mesh)
     data = build_dataset(cfg)
-    out_dir = Path(cfg.train.out_dir)
-    ckpt_dir = Path(cfg.checkpoint.dir or out_dir / "checkpoints")
-    losses: list[float] = []
     summary_path = out_dir / "summary.json"
-
+    run = _Run(cfg, engine, ckpt_dir, lead)
     if cfg.train.resume:
-        found = checkpoint.latest_checkpoint(ckpt_dir)
-        if found is not None:
-            state = engine.state_dict()
-            checkpoint.load(state, found)
-            engine.load_state_dict(state)
-            if summary_path.is_file():
-                losses = json.loads(summary_path.read_text()).get("losses", [])[: engine.step]
-            if lead:
-                _log(f"[parallel4d] resumed from {found} at step {engine.step}")
-        elif lead:
-            _log(f"[parallel4d] train.resume: no checkpoint under {ckpt_dir}; starting from step 0")
-
-    def save_checkpoint():
-        checkpoint.save(engine.state_dict(), ckpt_dir, engine.step, keep=cfg.checkpoint.keep,
-                        extra_files={"config.yaml": cfg.to_yaml()})
+        run.resume(summary_path)
+    losses = run.losses
 
     if lead:
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -115,6 +175,12 @@ def run_training(cfg: Config) -> dict:
     interrupted = False
     start = time.perf_counter()
     start_step = engine.step
+
+    def write_summary(elapsed: float, finished: bool) -> dict:
+        summary = _summary(cfg, mesh, engine, run, elapsed, engine.step - start_step, interrupted, finished)
+        _write_json(summary_path, summary)
+        return summary
+
     progress = _Progress(cfg, engine.step, enabled=lead)
     with _StopFlag() as stop:
         while engine.step < cfg.train.steps:
@@ -129,7 +195,9 @@ def run_training(cfg: Config) -> dict:
             progress.update(engine.step, loss, tps, elapsed)
             if cfg.checkpoint.enabled and cfg.checkpoint.every and engine.step % cfg.checkpoint.every == 0 \
                     and engine.step < cfg.train.steps:
-                save_checkpoint()
+                run.save(elapsed, final=False)
+                if lead:
+                    _try_write(write_summary, elapsed, finished=False)
             if stop.agreed():
                 interrupted = True
                 if lead:
@@ -138,18 +206,37 @@ def run_training(cfg: Config) -> dict:
     progress.close()
     elapsed = time.perf_counter() - start
     if cfg.checkpoint.enabled:
-        save_checkpoint()
-    trained = engine.step - start_step
-    tokens_per_second = trained * cfg.data.batch_size * cfg.model.seq_len / max(elapsed, 1e-9)
+        if lead:  # the loss history is on disk even if the final save fails or is killed
+            _try_write(write_summary, elapsed, finished=False)
+        run.save(elapsed, final=True)
     if not lead:
         return {"rank": rank}
+    summary = write_summary(elapsed, finished=True)
+    _log(f"[parallel4d] done: {engine.step} steps, last loss {losses[-1] if losses else float('nan'):.4f}, "
+         f"{summary['tokens_per_second']:,.0f} tokens/s; summary in {summary_path}")
+    return summary
+
+
+def _try_write(write, *args, **kwargs) -> None:
+    try:
+        write(*args, **kwargs)
+    except OSError as e:  # a full disk must not stop training; the final write raises
+        _log(f"[parallel4d] warning: summary.json not written ({e}); training goes on")
+
+
+def _summary(cfg: Config, mesh, engine, run: _Run, elapsed: float, trained: int, interrupted: bool,
+             finished: bool) -> dict:
+    tokens_per_second = trained * cfg.data.batch_size * cfg.model.seq_len / max(elapsed, 1e-9)
     summary = {
-        "losses": losses,
+        "losses": run.losses,
         "steps": engine.step,
         "interrupted": interrupted,
+        "finished": finished,
+        "resumed_from": run.resumed_from,
+        "checkpoint": str(run.saved) if run.saved else None,
         "tokens_per_second": tokens_per_second,
         "model_flops_per_second": tokens_per_second * flops_per_token(cfg),
-        "seconds": elapsed,
+        "seconds": run.prior_seconds + elapsed,
         "world_size": mesh.world_size,
         "parallel": cfg.parallel.model_dump(),
         "parameters": parameter_count(engine.model),
@@ -162,9 +249,4 @@ def run_training(cfg: Config) -> dict:
         summary["hetero"] = engine.hetero.stats()
     if engine.executor is not None:
         summary["pipeline"] = {"schedule": cfg.pipeline.schedule, **engine.last_step_info}
-    tmp = summary_path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(summary, indent=2))
-    os.replace(tmp, summary_path)
-    _log(f"[parallel4d] done: {engine.step} steps, last loss {losses[-1]:.4f}, "
-         f"{tokens_per_second:,.0f} tokens/s; summary in {summary_path}")
     return summary

@@ -1,12 +1,25 @@
-"""Checkpoints: 10 straight steps == 5 + resume + 5 (losses and parameters); atomic saves."""
+"""Checkpoints: 10 straight steps == 7 + resume (past a corrupted step 7) + 5 (losses and parameters);
+atomic saves; nothing a user trained is lost (issue #12: retention per run, re-saves, checksums,
+failing saves, kill -9)."""
 
+import errno
 import json
+import os
+import re
+import resource
+import shutil
+import signal
+import subprocess
+import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+import yaml
 
-from parallel4d import checkpoint, launch
+from parallel4d import checkpoint, launch, train
+from parallel4d.config import Config, ConfigError
 
 
 def job(out_dir, steps, resume=False, every=0):
@@ -28,20 +41,13 @@ def read_state(path):
     return state
 
 
-def test_resume_equals_straight_run(tmp_path):
-    straight = launch(job(tmp_path / "a", 10, every=5))
-    launch(job(tmp_path / "b", 5))
-    resumed = launch(job(tmp_path / "b", 10, resume=True))
-    assert resumed["losses"] == straight["losses"]
-    assert len(resumed["losses"]) == 10
-    a = read_state(checkpoint.latest_checkpoint(tmp_path / "a" / "checkpoints"))
-    b = read_state(checkpoint.latest_checkpoint(tmp_path / "b" / "checkpoints"))
-    assert a.keys() == b.keys() and any(k.startswith("optim.") and k.endswith(".exp_avg") for k in a)
-    for k in a:
-        assert torch.equal(a[k], b[k]), k
-    # every=5 with 10 steps: step 5 and the final step 10 are kept
-    names = sorted(p.name for p in (tmp_path / "a" / "checkpoints").glob("step_*"))
-    assert names == ["step_00000005", "step_00000010"]
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    """One straight 10-step dp=2 run (every=5), the reference of the resume tests; states read by DCP itself."""
+    out = tmp_path_factory.mktemp("straight") / "a"
+    summary = launch(job(out, 10, every=5))
+    ckpt = out / "checkpoints"
+    return SimpleNamespace(out=out, summary=summary, state10=read_state(ckpt / "step_00000010"))
 
 
 def test_interrupted_save_leaves_previous_checkpoint(tmp_path, monkeypatch):
@@ -53,7 +59,7 @@ def test_interrupted_save_leaves_previous_checkpoint(tmp_path, monkeypatch):
         raise OSError("disk full in the middle of a save")
 
     monkeypatch.setattr(checkpoint.dcp, "save", crash)
-    with pytest.raises(OSError):
+    with pytest.raises(checkpoint.CheckpointError, match="step_00000002 not saved: .*disk full in the middle"):
         checkpoint.save({"w": torch.zeros(4)}, root, step=2)
     monkeypatch.undo()
     latest = checkpoint.latest_checkpoint(root)
@@ -86,3 +92,308 @@ def test_resume_under_pipeline_and_tensor2d(tmp_path):
     assert len([k for k in a if k.startswith("model.blocks.0.") and "qkv.weight@tp" in k]) == 4
     for k in a:
         assert torch.equal(a[k], b[k]), k
+
+
+# --- nothing a user trained is lost (issue #12): in-process, no process group ---------------------------
+
+
+def w(x, n=4096):
+    return {"w": torch.full((n,), float(x))}
+
+
+def data_file(path):
+    return max(path.glob("*.distcp"), key=lambda p: p.stat().st_size)
+
+
+def flip_byte(path):
+    """Same-size corruption, in the middle of the file (inside the tensor data)."""
+    raw = bytearray(path.read_bytes())
+    raw[len(raw) // 2] ^= 0x5A
+    path.write_bytes(bytes(raw))
+
+
+def test_retention_deletes_only_this_runs_older_checkpoints(tmp_path):
+    """#12.1: a run into a directory holding higher-numbered steps of an earlier run (its `latest`
+    deleted) keeps its own newest checkpoints and the earlier run's; before, sorting by name
+    deleted the fresh ones and `latest` named a deleted directory."""
+    root = tmp_path / "ckpt"
+    for step in (10, 12):
+        checkpoint.save(w(step), root, step)
+    (root / "latest").unlink()
+    for step in (1, 2, 3):
+        checkpoint.save(w(step), root, step, keep=2)
+    latest = checkpoint.latest_checkpoint(root)
+    assert latest is not None and latest.name == "step_00000003"
+    assert torch.equal(read_state(latest)["w"], w(3)["w"])
+    names = sorted(p.name for p in root.glob("step_*"))
+    assert names == ["step_00000002", "step_00000003", "step_00000010", "step_00000012"]  # step 1: this run's oldest
+    assert torch.equal(read_state(root / "step_00000012")["w"], w(12)["w"])
+
+
+def test_fresh_run_into_a_directory_with_checkpoints_is_refused(tmp_path):
+    """#12.1: train.resume=false where checkpoints exist stops before any process group exists,
+    naming train.resume, the directory and the alternatives."""
+    out = tmp_path / "run"
+    checkpoint.save(w(7), out / "checkpoints", 7)
+    with pytest.raises(ConfigError) as e:
+        train.run_training(Config.model_validate(job(out, 3)))
+    msg = str(e.value)
+    assert "train.resume" in msg and str(out / "checkpoints") in msg and "step_00000007" in msg, msg
+    assert "checkpoint.dir" in msg and "train.out_dir" in msg and "delete" in msg, msg
+    checkpoint.check_start(out / "checkpoints", resume=True)  # resuming there is the way on
+    checkpoint.check_start(tmp_path / "new", resume=False)  # a directory that does not exist yet
+    (tmp_path / "empty").mkdir()
+    checkpoint.check_start(tmp_path / "empty", resume=False)
+
+
+class Killed(BaseException):
+    """kill -9 at this point of a save (nothing after it runs)."""
+
+
+def kill_at_rename_of(monkeypatch, step):
+    real = os.replace
+
+    def replace(src, dst):
+        if str(src).endswith(f".step_{step:08d}.tmp"):
+            raise Killed
+        return real(src, dst)
+
+    monkeypatch.setattr(os, "replace", replace)
+
+
+def test_resaving_a_step_never_deletes_the_only_good_copy(tmp_path, monkeypatch):
+    """#12.3: kill -9 while step 5 is saved a second time (Ctrl-C on a checkpoint.every step, a resume
+    with train.steps = the latest step). Before, the old copy was deleted before the new one was
+    renamed in, and `latest` named a directory without data."""
+    root = tmp_path / "ckpt"
+    checkpoint.save(w(5), root, 5)
+    kill_at_rename_of(monkeypatch, 5)
+    try:
+        checkpoint.save(w(5), root, 5)
+    except Killed:
+        pass
+    monkeypatch.undo()
+    assert torch.equal(read_state(root / "step_00000005")["w"], w(5)["w"])
+    assert checkpoint.choose_checkpoint(root) == root / "step_00000005"
+
+
+def test_replacing_a_broken_step_survives_a_kill_between_the_renames(tmp_path, monkeypatch, capsys):
+    """#12.3: a broken step is replaced only once its replacement is complete; a kill after the old
+    copy was moved aside puts it back, and the resume falls back past it with a warning."""
+    root = tmp_path / "ckpt"
+    checkpoint.save(w(4), root, 4)
+    checkpoint.save(w(5), root, 5)
+    flip_byte(data_file(root / "step_00000005"))
+    kill_at_rename_of(monkeypatch, 5)
+    with pytest.raises(Killed):
+        checkpoint.save(w(5.5), root, 5)
+    monkeypatch.undo()
+    assert not (root / "step_00000005").exists()  # the kill came between the two renames
+    assert checkpoint.choose_checkpoint(root) == root / "step_00000004"
+    err = capsys.readouterr().err
+    assert f"{root / 'step_00000005'} is not usable" in err and "checksum" in err, err
+    checkpoint.save(w(5.5), root, 5)
+    assert checkpoint.choose_checkpoint(root) == root / "step_00000005"
+    assert torch.equal(read_state(root / "step_00000005")["w"], w(5.5)["w"])
+    assert not list(root.glob(".step_*"))
+
+
+def test_corrupted_or_truncated_files_are_named_and_skipped(tmp_path, capsys):
+    """#12.8: a same-size corruption used to load silently, a truncation to end in a bare EOFError.
+    Now loading names the checkpoint and the file; the resume choice falls back to the previous
+    checkpoint with a warning, and stops with the paths when none is usable."""
+    root = tmp_path / "ckpt"
+    checkpoint.save({"w": torch.arange(4096.0)}, root, 1)
+    checkpoint.save({"w": torch.arange(4096.0) * 2}, root, 2)
+    newest, older = root / "step_00000002", root / "step_00000001"
+    bad = data_file(newest)
+    flip_byte(bad)
+    with pytest.raises(Exception, match="checksum") as e:
+        checkpoint.load({"w": torch.empty(4096)}, newest)
+    assert str(newest) in str(e.value) and bad.name in str(e.value)
+    assert checkpoint.choose_checkpoint(root) == older
+    err = capsys.readouterr().err
+    assert f"checkpoint {newest} is not usable: file {bad.name} does not match its sha256 checksum" in err, err
+
+    cut = data_file(older)
+    size = cut.stat().st_size
+    os.truncate(cut, size // 2)
+    with pytest.raises(checkpoint.CheckpointError) as e:
+        checkpoint.load({"w": torch.empty(4096)}, older)
+    assert f"checkpoint {older} is not usable: file {cut.name} has {size // 2} bytes, {size} were saved" in str(e.value)
+    with pytest.raises(checkpoint.CheckpointError) as e:
+        checkpoint.choose_checkpoint(root)
+    assert f"no usable checkpoint under {root}" in str(e.value)
+    assert str(newest) in str(e.value) and str(older) in str(e.value)
+
+
+@pytest.fixture
+def file_size_limit():
+    """Lower RLIMIT_FSIZE (soft) in this process while the test wants it; always restored."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    limit = 64 * 1024
+
+    def apply(on: bool):
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit if on else soft, hard))
+
+    yield SimpleNamespace(bytes=limit, apply=apply)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+
+
+def test_a_failing_save_names_the_path_and_why(tmp_path, monkeypatch, file_size_limit):
+    """#12.6: over the file size limit DCP said only `inline_container.cc: unexpected pos`. The
+    error now names the checkpoint and the cause, and the earlier checkpoint stays the latest."""
+    root = tmp_path / "ckpt"
+    checkpoint.save(w(1, 65536), root, 1)
+    file_size_limit.apply(True)
+    try:
+        with pytest.raises(Exception) as e:
+            checkpoint.save(w(2, 65536), root, 2)
+    finally:
+        file_size_limit.apply(False)
+    msg = str(e.value)
+    assert f"{root / 'step_00000002'} not saved" in msg, msg
+    assert f"RLIMIT_FSIZE (ulimit -f) is {file_size_limit.bytes} bytes" in msg and "EFBIG" in msg, msg
+    assert checkpoint.latest_checkpoint(root).name == "step_00000001" and not list(root.glob(".step_*"))
+
+    for err, cause in ((OSError(errno.ENOSPC, "No space left on device"), "the disk or the quota is full, "),
+                       (PermissionError(errno.EACCES, "Permission denied"), f"no permission to write in {root}")):
+        def fail(*args, err=err, **kwargs):
+            raise RuntimeError("unexpected pos 704 vs 598") from err
+
+        monkeypatch.setattr(checkpoint.dcp, "save", fail)
+        with pytest.raises(checkpoint.CheckpointError, match="step_00000002 not saved: .*" + re.escape(cause)):
+            checkpoint.save(w(2, 65536), root, 2)
+        monkeypatch.undo()
+    assert checkpoint.latest_checkpoint(root).name == "step_00000001" and not list(root.glob(".step_*"))
+
+
+def _one_rank_over_the_file_size_limit(root, limit):
+    """On 2 gloo workers: rank 1 alone cannot write its shard of step 2."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    shard = {f"w{rank}": torch.full((65536,), float(rank))}
+    checkpoint.save(shard, root, 1)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit if rank == 1 else soft, hard))
+    try:
+        checkpoint.save(shard, root, 2)
+        outcome = "saved"
+    except checkpoint.CheckpointError as e:
+        outcome = str(e)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    checkpoint.save(shard, root, 3)  # the ranks still work together afterwards
+    return outcome, checkpoint.latest_checkpoint(root).name
+
+
+def test_a_save_failing_on_one_rank_fails_on_every_rank(tmp_path, workers):
+    """#12.6: every rank agrees that the save failed (none waits for the others), the message is the
+    failing rank's own diagnosis, and the next save works."""
+    root = tmp_path / "ckpt"
+    results = workers(_one_rank_over_the_file_size_limit, 2, root, 64 * 1024, timeout_s=120)
+    for outcome, latest in results:
+        assert f"checkpoint {root / 'step_00000002'} not saved: the file size limit RLIMIT_FSIZE (ulimit -f) " \
+               "is 65536 bytes" in outcome, outcome
+        assert latest == "step_00000003"
+    assert sorted(p.name for p in root.glob("*step_*")) == ["step_00000001", "step_00000003"]
+
+
+class FakeEngine:
+    """The engine surface train._Run uses: a step and a state dict."""
+
+    def __init__(self):
+        self.step, self.w = 0, torch.zeros(65536)
+
+    def state_dict(self):
+        return {"w": self.w, "step": torch.tensor(self.step)}
+
+    def load_state_dict(self, state):
+        self.w, self.step = state["w"], int(state["step"])
+
+
+def test_failing_periodic_save_warns_and_training_goes_on(tmp_path, capsys, file_size_limit):
+    """#12.6: a periodic save that fails warns (path and cause) and the next one is tried; a failing
+    final save raises. Each saved checkpoint holds the loss history (#12.10)."""
+    cfg = Config.model_validate(job(tmp_path / "run", 10, every=1))
+    root = tmp_path / "run" / "checkpoints"
+    engine = FakeEngine()
+    run = train._Run(cfg, engine, root, lead=True)
+    for step in (1, 2, 3):
+        engine.step, engine.w = step, torch.full((65536,), float(step))
+        run.losses.append(10.0 - step)
+        file_size_limit.apply(step != 2)
+        try:
+            run.save(seconds=step, final=step == 3)
+        except checkpoint.CheckpointError as e:
+            assert step == 3 and f"{root / 'step_00000003'} not saved" in str(e) and "RLIMIT_FSIZE" in str(e)
+        finally:
+            file_size_limit.apply(False)
+    err = capsys.readouterr().err
+    assert f"warning: checkpoint {root / 'step_00000001'} not saved: the file size limit RLIMIT_FSIZE" in err, err
+    assert "Training goes on" in err
+    assert checkpoint.latest_checkpoint(root).name == "step_00000002"
+    assert checkpoint.read_info(root / "step_00000002")["losses"] == [9.0, 8.0]
+    resumed = train._Run(cfg, FakeEngine(), root, lead=False)
+    resumed.resume(tmp_path / "run" / "summary.json")
+    assert resumed.engine.step == 2 and resumed.losses == [9.0, 8.0] and resumed.run_id == run.run_id
+
+
+# --- the same through launch(): two jobs of the tiny dp=2 model ------------------------------------------
+
+
+def test_resume_equals_straight_run_after_skipping_a_corrupted_checkpoint(tmp_path, straight, capfd):
+    """7 steps (checkpoints 5 and 7) + resume to 10 == 10 straight steps: losses, parameters and
+    optimizer state. Step 7 is corrupted (same size) and summary.json deleted first: the resume
+    warns naming the file and falls back to step 5 (#12.8, #12.3), and the losses of steps 1-5
+    come from the checkpoint itself (#12.10)."""
+    out = tmp_path / "b"
+    launch(job(out, 7, every=5))
+    ckpt = out / "checkpoints"
+    newest = ckpt / "step_00000007"
+    bad = data_file(newest)
+    flip_byte(bad)
+    (out / "summary.json").unlink()
+    resumed = launch(job(out, 10, resume=True, every=5))
+    err = capfd.readouterr().err
+    assert f"checkpoint {newest} is not usable: file {bad.name} does not match its sha256 checksum" in err, err
+    assert f"resumed from {ckpt / 'step_00000005'} at step 5" in err, err
+    assert resumed["losses"] == straight.summary["losses"] and resumed["resumed_from"] == 5
+    assert json.loads((out / "summary.json").read_text())["losses"] == straight.summary["losses"]
+    a, b = straight.state10, read_state(checkpoint.latest_checkpoint(ckpt))
+    assert a.keys() == b.keys() and any(k.startswith("optim.") and k.endswith(".exp_avg") for k in a)
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    # every=5 with 10 steps: step 5 and the final step 10 are kept
+    assert sorted(p.name for p in (straight.out / "checkpoints").glob("step_*")) == ["step_00000005", "step_00000010"]
+
+
+def test_kill_9_keeps_the_loss_history(tmp_path, straight):
+    """#12.10: summary.json is written at each checkpoint, so a job killed with SIGKILL (launcher
+    and workers) leaves the losses up to its last checkpoint; before, only the end wrote it."""
+    cfg = job(tmp_path / "k", 100000, every=2)
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    env = {**os.environ, "TMPDIR": str(tmp_path)}  # the launcher's rendezvous directory dies with it
+    proc = subprocess.Popen([sys.executable, "-m", "parallel4d", "launch", str(path)], stderr=subprocess.PIPE,
+                            text=True, start_new_session=True, env=env)
+    seen = []
+    try:
+        for line in proc.stderr:  # steps 2 and 4 are saved before step 5 is logged
+            seen.append(line)
+            if "step 5/" in line:
+                break
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:  # it ended by itself (the assertions below say how)
+            pass
+        proc.wait(timeout=60)
+    summary = json.loads((tmp_path / "k" / "summary.json").read_text())
+    n = summary["steps"]
+    assert n >= 4 and n % 2 == 0 and len(summary["losses"]) == n, "".join(seen[-20:])
+    assert summary["losses"][:10] == straight.summary["losses"][:n]
+    assert summary["finished"] is False
+    saved = checkpoint.latest_checkpoint(tmp_path / "k" / "checkpoints")
+    assert int(saved.name.split("_")[1]) >= n
