@@ -21,8 +21,9 @@ Rules, each there so that nothing a user trained is lost:
   (``.step_*.old``) only after the new one is complete, and removed after the new one is in
   place. An aside directory whose step is missing (a crash between the two renames) is put back.
 * Loading checks every file against ``checksums.json``. :func:`choose_checkpoint` tries the one
-  ``latest`` names, then older ones, warning on stderr for each broken one; if none is usable it
-  raises :class:`CheckpointError` naming them. Checkpoints from before checksums (no ``run.json``
+  ``latest`` names, then older ones, warning on stderr for each broken one and renaming it
+  ``step_*.broken`` (kept for inspection; retention then never keeps it in place of a good
+  one); if none is usable it raises :class:`CheckpointError` naming them. Checkpoints from before checksums (no ``run.json``
   and no ``checksums.json``) load unverified.
 * A failing save raises :class:`CheckpointError` on every rank (the ranks agree after each step of
   the save, so none waits for a peer that gave up), naming the directory and the diagnosed cause;
@@ -425,6 +426,19 @@ def _warn(msg: str) -> None:
     print(f"[parallel4d] warning: {msg}", file=sys.stderr, flush=True)
 
 
+def _set_aside(path: Path) -> Path:
+    """Rename a broken checkpoint out of the step names (kept for inspection, never loaded, never
+    counted by retention, never in the way of the step when it is saved again)."""
+    aside = path.with_name(f"{path.name}.broken")
+    n = 1
+    while aside.exists():
+        n += 1
+        aside = path.with_name(f"{path.name}.broken{n}")
+    if path.is_dir():
+        os.replace(path, aside)
+    return aside
+
+
 def _choose(root: Path) -> Path | None:
     if root.is_dir():
         _recover(root)
@@ -435,8 +449,9 @@ def _choose(root: Path) -> Path | None:
             if not (path / CHECKSUMS).is_file():
                 _warn(f"checkpoint {path} has no {CHECKSUMS} (saved before checksums): loading it unverified")
             return path
-        _warn(f"checkpoint {path} is not usable: {problem}; trying the previous one")
-        broken.append(f"{path}: {problem}")
+        aside = _set_aside(path)
+        _warn(f"checkpoint {path} is not usable: {problem}; kept as {aside.name} and trying the previous one")
+        broken.append(f"{aside}: {problem}")
     if broken:
         raise CheckpointError(f"no usable checkpoint under {root}: " + "; ".join(broken)
                               + ". Restore one, or start afresh with train.resume=false in another directory")

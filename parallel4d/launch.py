@@ -19,8 +19,7 @@ from pathlib import Path
 import torch
 
 from . import checkpoint
-from . import config as _config  # TEMP until local_job_problems lands
-from .config import Config, ConfigError, load_config
+from .config import Config, ConfigError, load_config, local_job_problems
 from .rundir import RunLock, check_writable
 from .workers import spawn
 
@@ -50,7 +49,7 @@ def prepared(cfg: Config, local: bool):
     lock comes before the look for another run's checkpoints, so a job still writing
     them is reported as a job in use, not as leftovers.
     """
-    problems = getattr(_config, "local_job_problems", lambda c: [])(cfg) if local else []
+    problems = local_job_problems(cfg) if local else []
     if problems:
         raise ConfigError("invalid configuration:\n" + "\n".join(f"  - {p}" for p in problems))
     check_writable(cfg.train.out_dir, "train.out_dir")

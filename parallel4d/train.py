@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from . import checkpoint
+from . import checkpoint, comm
 from .config import Config
 from .data import build_dataset
 from .engine import compose, flops_per_token, parameter_count
@@ -41,9 +41,10 @@ class _StopFlag:
         for sig, old in self._old.items():
             signal.signal(sig, old)
 
-    def agreed(self) -> bool:
-        flag = torch.tensor([1.0 if self.set else 0.0])
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    def agreed(self, device: torch.device) -> bool:
+        flag = torch.tensor([1.0 if self.set else 0.0], device=device)  # NCCL groups take device tensors only
+        with comm.named("stop-signal agreement at the step boundary", None):
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return flag.item() > 0
 
 
@@ -198,17 +199,17 @@ def run_training(cfg: Config) -> dict:
                 run.save(elapsed, final=False)
                 if lead:
                     _try_write(write_summary, elapsed, finished=False)
-            if stop.agreed():
+            if stop.agreed(mesh.device):
                 interrupted = True
                 if lead:
                     _log(f"[parallel4d] interrupted at step {engine.step}: saving a checkpoint and stopping")
                 break
-    progress.close()
-    elapsed = time.perf_counter() - start
-    if cfg.checkpoint.enabled:
-        if lead:  # the loss history is on disk even if the final save fails or is killed
-            _try_write(write_summary, elapsed, finished=False)
-        run.save(elapsed, final=True)
+        progress.close()
+        elapsed = time.perf_counter() - start
+        if cfg.checkpoint.enabled:  # still under the stop flag: a signal now must not kill the final save
+            if lead:  # the loss history is on disk even if the final save fails or is killed
+                _try_write(write_summary, elapsed, finished=False)
+            run.save(elapsed, final=True)
     if not lead:
         return {"rank": rank}
     summary = write_summary(elapsed, finished=True)

@@ -213,6 +213,8 @@ def test_corrupted_or_truncated_files_are_named_and_skipped(tmp_path, capsys):
     assert checkpoint.choose_checkpoint(root) == older
     err = capsys.readouterr().err
     assert f"checkpoint {newest} is not usable: file {bad.name} does not match its sha256 checksum" in err, err
+    # kept for inspection under a name that is no step: never loaded or counted by retention again
+    assert not newest.exists() and (root / "step_00000002.broken" / bad.name).is_file()
 
     cut = data_file(older)
     size = cut.stat().st_size
@@ -223,7 +225,7 @@ def test_corrupted_or_truncated_files_are_named_and_skipped(tmp_path, capsys):
     with pytest.raises(checkpoint.CheckpointError) as e:
         checkpoint.choose_checkpoint(root)
     assert f"no usable checkpoint under {root}" in str(e.value)
-    assert str(newest) in str(e.value) and str(older) in str(e.value)
+    assert f"{older}.broken: file {cut.name} has {size // 2} bytes" in str(e.value)
 
 
 @pytest.fixture
@@ -364,8 +366,10 @@ def test_resume_equals_straight_run_after_skipping_a_corrupted_checkpoint(tmp_pa
     assert a.keys() == b.keys() and any(k.startswith("optim.") and k.endswith(".exp_avg") for k in a)
     for k in a:
         assert torch.equal(a[k], b[k]), k
-    # every=5 with 10 steps: step 5 and the final step 10 are kept
+    # every=5 with 10 steps: step 5 and the final step 10 are kept; the broken step 7 stays aside
+    # and does not push the good step 5 out
     assert sorted(p.name for p in (straight.out / "checkpoints").glob("step_*")) == ["step_00000005", "step_00000010"]
+    assert sorted(p.name for p in ckpt.glob("step_*")) == ["step_00000005", "step_00000007.broken", "step_00000010"]
 
 
 def test_kill_9_keeps_the_loss_history(tmp_path, straight):

@@ -146,7 +146,7 @@ def test_mismatched_schedule_times_out_naming_rank_and_action():
     assert kind0 == "CommTimeout", (kind0, msg0)
     assert "pp rank 0 (global rank 0) at action #3 B(mb=1, chunk=0)" in msg0
     assert "gradient of B(mb=1, chunk=1) [backward] from pp rank 1" in msg0
-    assert dt0 < 30
+    assert dt0 < 3.0 + 1.5
     # Rank 1 finished its own actions; it fails (no hang) in the final loss broadcast.
     assert kind1 != "finished" and ("loss broadcast" in msg1 or "Connection closed" in msg1), (kind1, msg1)
 
