@@ -25,8 +25,10 @@ $(VENV)/.installed: $(BIN)/python pyproject.toml
 
 install: $(VENV)/.installed
 
+# resume=true: a second `make demo` continues (or just reports) the first one's run instead of
+# being refused for writing a fresh run over its checkpoints; an interrupted demo picks up where it stopped.
 demo: install
-	$(BIN)/parallel4d launch configs/quickstart.yaml
+	$(BIN)/parallel4d launch configs/quickstart.yaml --set train.resume=true
 
 test: install
 	$(BIN)/python -m pytest -q --durations=15 tests

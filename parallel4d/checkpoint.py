@@ -49,6 +49,7 @@ from typing import Any, Callable
 
 import torch.distributed as dist
 
+from . import comm
 from .config import ConfigError
 
 LATEST = "latest"
@@ -198,8 +199,9 @@ def _plain(error: BaseException) -> str:
     return str(error) if isinstance(error, CheckpointError) else f"{type(error).__name__}: {error}"
 
 
-def _on_writer(fn: Callable[[], Any], explain: Callable[[BaseException], str] = _plain) -> Any:
-    """Run ``fn`` on the writer; every rank returns its result, or raises CheckpointError(explain(error))."""
+def _on_writer(fn: Callable[[], Any], what: str, explain: Callable[[BaseException], str] = _plain) -> Any:
+    """Run ``fn`` on the writer; every rank returns its result, or raises CheckpointError(explain(error)).
+    ``what`` names the step for a peer that waits too long (``comm.CommTimeout``)."""
     value, error, message = None, None, None
     if _is_writer():
         try:
@@ -208,20 +210,22 @@ def _on_writer(fn: Callable[[], Any], explain: Callable[[BaseException], str] = 
             error, message = e, explain(e)
     if dist.is_initialized():
         box = [(value, message)]
-        dist.broadcast_object_list(box, src=0)
+        with comm.named(f"{what} (rank 0 decides, every rank waits for it)", None):
+            dist.broadcast_object_list(box, src=0)
         value, message = box[0]
     if message is not None:
         raise CheckpointError(message) from error
     return value
 
 
-def _any_failed(message: str | None, own: bool = True) -> str | None:
+def _any_failed(what: str, message: str | None, own: bool = True) -> str | None:
     """Every rank's ``message`` (None: this rank succeeded) gathered: the first one about a rank's
     own failure (``own``), else the first one; None if every rank succeeded."""
     if not dist.is_initialized():
         return message
     out: list = [None] * dist.get_world_size()
-    dist.all_gather_object(out, (own, message))
+    with comm.named(f"{what} (every rank's outcome gathered)", None):
+        dist.all_gather_object(out, (own, message))
     failed = [(not o, m) for o, m in out if m is not None]
     return min(failed, key=lambda f: f[0])[1] if failed else None
 
@@ -377,7 +381,7 @@ def save(state: dict, root: str | Path, step: int, keep: int = 2, extra_files: d
         if _is_writer():
             shutil.rmtree(tmp, ignore_errors=True)
 
-    run = _on_writer(lambda: _prepare(root, final, tmp, run_id), lambda e: explain(e, root))
+    run = _on_writer(lambda: _prepare(root, final, tmp, run_id), f"checkpoint {final.name}: preparing", lambda e: explain(e, root))
     if run == _SKIP:
         return final
     error = None
@@ -386,12 +390,14 @@ def save(state: dict, root: str | Path, step: int, keep: int = 2, extra_files: d
     except _failures() as e:
         error = e
     # the same verdict on every rank, in the words of a rank that failed itself (its own disk, limits)
-    message = _any_failed(explain(error, root) if error is not None else None, error is None or _own(error))
+    message = _any_failed(f"checkpoint {final.name}: writing", explain(error, root) if error is not None else None,
+                          error is None or _own(error))
     if message is not None:
         clean_up()
         raise CheckpointError(message) from error
     try:
-        _on_writer(lambda: _publish(root, final, tmp, run, step, info, extra_files, keep), lambda e: explain(e, root))
+        _on_writer(lambda: _publish(root, final, tmp, run, step, info, extra_files, keep),
+                   f"checkpoint {final.name}: publishing", lambda e: explain(e, root))
     finally:
         clean_up()  # gone already (renamed) unless publishing failed
     return final
@@ -465,7 +471,7 @@ def choose_checkpoint(root: str | Path) -> Path | None:
     checkpoint; :class:`CheckpointError` naming each one if none is usable. With a
     process group every rank must call it: rank 0 chooses and broadcasts its choice.
     """
-    return _on_writer(lambda: _choose(Path(root)))
+    return _on_writer(lambda: _choose(Path(root)), f"checkpoint choice under {root}")
 
 
 def check_start(root: str | Path, resume: bool) -> None:

@@ -137,6 +137,30 @@ def test_every_strategy_wait_ends_within_the_timeout():
         assert any(kind == "CommTimeout" and "group ranks [0, 1, 2, 3]" in msg for _, kind, msg, _ in rows)
 
 
+def _checkpoint_save_without_rank_1(root):
+    from parallel4d import checkpoint
+
+    if torch.distributed.get_rank() == 1:  # never joins the save
+        time.sleep(TIMEOUT_S + GRACE_S + 1.0)
+        return None
+    t0 = time.monotonic()
+    try:
+        checkpoint.save({"w": torch.ones(4)}, root, step=1)
+        return "finished", "", time.monotonic() - t0
+    except Exception as e:
+        return type(e).__name__, str(e), time.monotonic() - t0
+
+
+def test_checkpoint_save_waits_end_within_the_timeout(tmp_path):
+    """The checkpoint's agreements (on the default group, whose timeout is train.timeout_s) fail
+    within the limit, naming the checkpoint step, when a rank never joins the save."""
+    kind, msg, seconds = spawn(_checkpoint_save_without_rank_1, 2, (str(tmp_path / "ckpt"),), timeout_s=120,
+                               pg_timeout_s=TIMEOUT_S)[0]
+    assert kind in ("CommTimeout", "PeerLost", "CheckpointError"), (kind, msg)
+    assert "checkpoint" in msg and "did not finish" in msg, msg
+    assert seconds < TIMEOUT_S + GRACE_S, (seconds, msg)
+
+
 # --- the launcher blames the right rank -----------------------------------------------------------
 
 
@@ -271,6 +295,21 @@ def test_second_job_on_a_run_directory_in_use_is_refused(tmp_path):
             break
     summary = launch(tiny_job(tmp_path / "run", steps=2))
     assert summary["steps"] == 2
+
+
+def test_a_local_job_above_the_worker_limit_is_refused_before_spawning(tmp_path, monkeypatch):
+    """parallel.dp=10**12 used to start spawning workers without limit."""
+    from parallel4d import launch
+    from parallel4d.config import ConfigError
+
+    spawned = []
+    monkeypatch.setattr(sys.modules["parallel4d.launch"], "spawn", lambda *a, **k: spawned.append(a))
+    cfg = tiny_job(tmp_path / "run", steps=2)
+    cfg["data"]["batch_size"] = 10 ** 12
+    cfg["parallel"] = {"dp": 10 ** 12}
+    with pytest.raises(ConfigError, match="train.max_local_workers=64"):
+        launch(cfg)
+    assert spawned == [] and not (tmp_path / "run").exists()
 
 
 def test_unwritable_run_directory_is_refused_before_any_worker(tmp_path, capsys, monkeypatch):
