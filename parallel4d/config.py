@@ -224,6 +224,11 @@ class Config(_Section):
     def world_size(self) -> int:
         return self.parallel.world_size
 
+    @property
+    def checkpoint_dir(self) -> Path:
+        """``checkpoint.dir``, or ``<train.out_dir>/checkpoints`` when unset."""
+        return Path(self.checkpoint.dir or Path(self.train.out_dir) / "checkpoints")
+
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
 

@@ -37,10 +37,6 @@ def _device_and_backend(cfg: Config) -> tuple[str, str]:
     return ("cuda", "nccl") if use_cuda else ("cpu", "gloo")
 
 
-def checkpoint_dir(cfg: Config) -> Path:
-    return Path(cfg.checkpoint.dir or Path(cfg.train.out_dir) / "checkpoints")
-
-
 @contextmanager
 def prepared(cfg: Config, local: bool):
     """Every check that needs no worker, then the run directories locked for the job.
@@ -55,11 +51,11 @@ def prepared(cfg: Config, local: bool):
     check_writable(cfg.train.out_dir, "train.out_dir")
     dirs = [Path(cfg.train.out_dir)]
     if cfg.checkpoint.enabled:
-        check_writable(checkpoint_dir(cfg), "checkpoint.dir" if cfg.checkpoint.dir else "train.out_dir")
-        dirs.append(checkpoint_dir(cfg))
+        check_writable(cfg.checkpoint_dir, "checkpoint.dir" if cfg.checkpoint.dir else "train.out_dir")
+        dirs.append(cfg.checkpoint_dir)
     with RunLock(dirs):
         if cfg.checkpoint.enabled:
-            checkpoint.check_start(checkpoint_dir(cfg), cfg.train.resume)
+            checkpoint.check_start(cfg.checkpoint_dir, cfg.train.resume)
         yield
 
 

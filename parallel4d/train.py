@@ -154,7 +154,7 @@ def run_training(cfg: Config) -> dict:
     (training time of all sessions), while ``tokens_per_second`` is this session's.
     """
     out_dir = Path(cfg.train.out_dir)
-    ckpt_dir = Path(cfg.checkpoint.dir or out_dir / "checkpoints")
+    ckpt_dir = cfg.checkpoint_dir
     if cfg.checkpoint.enabled:  # a run that never saves cannot spoil a directory's checkpoints
         checkpoint.check_start(ckpt_dir, cfg.train.resume)
     p = cfg.parallel

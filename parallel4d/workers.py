@@ -2,9 +2,13 @@
 
 Used by :func:`parallel4d.launch` when not under torchrun, and by the tests.
 Guarantees: every collective has the process-group timeout; when one worker
-raises, the others are terminated and :class:`WorkerError` carries that
-worker's rank and traceback; a job that outlives ``timeout_s`` is killed with
-:class:`WorkerTimeout`; a worker whose parent dies exits by itself.
+raises, dies or stops answering, the others are terminated and :class:`WorkerError`
+names the cause (:func:`_blame`: a real error before a killed worker before one
+that stopped answering, never a peer that only saw it leave) with its traceback;
+a job that outlives ``timeout_s`` is killed with :class:`WorkerTimeout`; SIGTERM
+to the launcher is handled like Ctrl-C (the workers finish the step and save,
+then :class:`Terminated` is raised); a worker whose parent dies exits by itself;
+the temporary directory is always removed.
 """
 
 from __future__ import annotations

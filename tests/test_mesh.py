@@ -1,6 +1,7 @@
 """Mesh groups checked against an independent computation at world 8 and 16."""
 
 import itertools
+from datetime import timedelta
 
 import pytest
 import torch
@@ -15,8 +16,15 @@ def _expected_coords(shape):
     return {r: c for r, c in enumerate(itertools.product(*(range(n) for n in shape)))}
 
 
+MESH_TIMEOUT_S = 123.0  # not torch's default for groups (30 min), nor the world group's
+
+
+def group_timeout(group) -> timedelta:
+    return group._get_backend(torch.device("cpu")).options._timeout
+
+
 def _check_mesh(pp, dp, sp, tp):
-    mesh = init_mesh(pp=pp, dp=dp, sp=sp, tp=tp)
+    mesh = init_mesh(pp=pp, dp=dp, sp=sp, tp=tp, timeout_s=MESH_TIMEOUT_S)
     me = dist.get_rank()
     # What every process *actually* reports as its coordinates.
     mine = torch.tensor([mesh.coords[a] for a in AXES])
@@ -34,6 +42,7 @@ def _check_mesh(pp, dp, sp, tp):
         assert mesh.rank(axis) == actual[me][dim]
         assert mesh.size(axis) == len(expect)
         assert mesh.global_rank(axis, mesh.rank(axis)) == me
+        assert group_timeout(mesh.group(axis)) == timedelta(seconds=MESH_TIMEOUT_S), axis
         # The group really communicates among exactly those ranks.
         t = torch.tensor([float(me)])
         dist.all_reduce(t, group=mesh.group(axis))
@@ -71,9 +80,13 @@ def test_mesh_rejects_bad_sizes():
 
 
 def _check_group_over():
-    mesh = init_mesh(pp=1, dp=2, sp=2, tp=2 * 2)
+    mesh = init_mesh(pp=1, dp=2, sp=2, tp=2 * 2, timeout_s=MESH_TIMEOUT_S)
     me = dist.get_rank()
     group = mesh.group_over("sp", "dp")
+    assert group_timeout(group) == timedelta(seconds=MESH_TIMEOUT_S)
+    pair = mesh.new_group([0, 1])  # collective: every rank creates it, ranks 0 and 1 are in it
+    if me in (0, 1):
+        assert group_timeout(pair) == timedelta(seconds=MESH_TIMEOUT_S)
     members = dist.get_process_group_ranks(group)
     # independent: the ranks sharing my pp, tp_row and tp_col coordinates
     layout = _expected_coords(mesh_shape(1, 2, 2, 4))
