@@ -312,6 +312,46 @@ def test_a_local_job_above_the_worker_limit_is_refused_before_spawning(tmp_path,
     assert spawned == [] and not (tmp_path / "run").exists()
 
 
+def _chattr(flag: str, path) -> None:
+    try:
+        subprocess.run(["chattr", flag, str(path)], capture_output=True)
+    except FileNotFoundError:  # no e2fsprogs here
+        pass
+
+
+def _read_only(path) -> bool:
+    """Make ``path`` unwritable for this process: chmod 555, or for root (who writes through
+    modes) the immutable attribute; False where neither holds (then there is nothing to test)."""
+    path.chmod(0o555)
+    if os.geteuid() == 0:
+        _chattr("+i", path)
+    try:
+        (path / "probe").write_text("x")
+    except OSError:
+        return True
+    (path / "probe").unlink()
+    return False
+
+
+def test_read_only_run_directory_is_refused_before_training(tmp_path, capsys):
+    """The reported case: a chmod-555 run directory trained all its steps, then lost everything."""
+    from parallel4d.cli import main
+
+    run = tmp_path / "ro"
+    run.mkdir()
+    try:
+        if not _read_only(run):
+            pytest.skip("this file system lets this user write into a read-only directory")
+        path = tmp_path / "job.yaml"
+        path.write_text(yaml.safe_dump(tiny_job(run, steps=2)))
+        assert main(["launch", str(path)]) == 2
+        err = capsys.readouterr().err
+        assert f"train.out_dir='{run}' is not writable" in err, err
+    finally:
+        _chattr("-i", run)
+        run.chmod(0o755)
+
+
 def test_unwritable_run_directory_is_refused_before_any_worker(tmp_path, capsys, monkeypatch):
     """A run directory that cannot be created (its parent is a file) stops at exit 2 naming
     train.out_dir, before any worker is spawned (the launcher's spawn is never called)."""
