@@ -20,6 +20,7 @@ shard ``r`` of ``sp`` (in ``sequence.layout``) → ``m`` micro-batches:
 
 from __future__ import annotations
 
+import dataclasses
 from contextlib import nullcontext
 
 import torch
@@ -46,6 +47,12 @@ def lr_at(step: int, opt_cfg) -> float:
     if opt_cfg.warmup_steps and step < opt_cfg.warmup_steps:
         return opt_cfg.lr * (step + 1) / opt_cfg.warmup_steps
     return opt_cfg.lr
+
+
+def model_shape(cfg: Config) -> GPTShape:
+    """The model's shape: ``model.*``, plus ``sequence.causal`` (masked or bidirectional
+    attention, in the dense blocks as in the ring and the 2D blocks)."""
+    return dataclasses.replace(GPTShape.from_config(cfg.model), causal=cfg.sequence.causal)
 
 
 # --- the pieces of one rank's model -------------------------------------------------
@@ -99,7 +106,7 @@ def build_stages(cfg: Config, mesh: Mesh, wanted=None, untie: bool = False):
     own copy of the tied table. ``loss_fn(logits, targets)`` is the mean token loss
     over this rank's data (over the grid's batch under tp).
     """
-    shape = GPTShape.from_config(cfg.model)
+    shape = model_shape(cfg)
     seed, last = cfg.train.seed, shape.layers + 1
     wanted = set(range(last + 1)) if wanted is None else set(wanted)
     dtype = DTYPES[cfg.train.dtype]
@@ -251,12 +258,25 @@ class Engine:
             if self.tied_sync is not None:
                 self.tied_sync(self.tied_params, timeout_s=self.cfg.train.timeout_s)
             return torch.tensor([result.loss], dtype=torch.float64, device=self.device)
+        mb = self.cfg.pipeline.microbatches
+        if mb == 1:
+            return self._micro_step(x, y, 1)
+        # pp = 1: gradient accumulation over m equal micro-batches, so only one micro-batch's
+        # activations are alive at a time; each mean loss weighs 1/m, the sum is the big batch's.
+        total = torch.zeros(1, dtype=torch.float64, device=self.device)
+        for xm, ym in zip(x.chunk(mb), y.chunk(mb)):
+            total += self._micro_step(xm, ym, mb)
+        return total / mb
+
+    def _micro_step(self, x, y, mb: int) -> torch.Tensor:
+        """Forward and backward of the local ``[b, s]`` tokens through this rank's stages,
+        the gradient scaled by ``1/mb``; returns the (unscaled) mean loss as float64 ``[1]``."""
         h = x
         with self.autocast:
             for stage in self._stages:
                 h = stage(h)
             loss = self.loss_fn(h, y)
-        loss.backward()
+        (loss / mb if mb > 1 else loss).backward()
         return loss.detach().to(torch.float64).reshape(1)
 
     def train_step(self, tokens: torch.Tensor, targets: torch.Tensor) -> float:
@@ -357,7 +377,7 @@ def _pipeline(cfg: Config, mesh: Mesh, schedule):
     from .pipeline.partition import build_chunks, parameter_costs, partition
 
     pl, p, m = cfg.pipeline, cfg.parallel, cfg.model
-    shape = GPTShape.from_config(m)
+    shape = model_shape(cfg)
     # Costs from shapes alone (meta tensors): every rank computes the same cut.
     costs = parameter_costs([build_stage(shape, i, meta=True) for i in range(shape.layers + 2)])
     ranges = partition(costs, schedule.num_chunks)
@@ -405,7 +425,7 @@ def compose(cfg: Config, mesh: Mesh) -> Engine:
         stages, loss_fn, executor, tied_sync, tied_params = _pipeline(cfg, mesh, schedule)
     else:
         stages, loss_fn = build_stages(cfg, mesh)
-    names = stage_names(GPTShape.from_config(cfg.model))
+    names = stage_names(model_shape(cfg))
     local = {names[i]: stages[i] for i in sorted(stages)}
     model = LocalModel(local)
     hetero = None

@@ -20,6 +20,19 @@ def workers():
     return run_workers
 
 
+@pytest.fixture
+def single_rank(tmp_path):
+    """A one-rank gloo process group in this process (no spawn: ~0.01 s instead of ~6 s);
+    destroyed afterwards, so later tests see no process group."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/rendezvous", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
 def pytest_collection_modifyitems(config, items):
     """Tests marked ``gpu`` run only where CUDA is available."""
     import torch

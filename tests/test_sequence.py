@@ -185,42 +185,50 @@ def test_ring_attention_matches_dense(n, world):
 
 
 def _gpt_job(n):
+    """The ring adapter in the reference GPT, causal and bidirectional (``GPTShape.causal``, which
+    the engine sets from ``sequence.causal``), against the dense model: logit and gradient errors."""
     from parallel4d.models.gpt import GPTShape, build_gpt, cross_entropy
 
     group = dist.group.WORLD
-    shape = GPTShape(vocab_size=32, seq_len=8 * n, hidden=16, heads=4, layers=2)
-    g = torch.Generator().manual_seed(3)
-    tokens = torch.randint(0, 32, (2, shape.seq_len), generator=g)
-    targets = torch.randint(0, 32, (2, shape.seq_len), generator=g)
-    ref = build_gpt(shape, seed=0).double()
-    ref_logits = ref(tokens)
-    cross_entropy(ref_logits, targets).backward()
     res = {}
-    for layout in LAYOUTS:
-        model = build_gpt(shape, seed=0).double()
-        fn = make_ring_attention_fn(group, layout)
-        for blk in model.blocks:
-            blk.attn.attention_fn = fn
-        tl, yl = (split_sequence(x, group, 1, layout) for x in (tokens, targets))
-        x = model.embed(tl, positions_for(shape.seq_len, group, layout))
-        for blk in model.blocks:
-            x = blk(x)
-        logits = model.head(x)
-        (cross_entropy(logits, yl) / n).backward()
-        for p in model.parameters():
-            dist.all_reduce(p.grad, group=group)
-        full = gather_sequence(logits.detach().unsqueeze(1), group, 2, layout).squeeze(1)
-        res[layout] = (float((full - ref_logits.detach()).abs().max()),
-                       max(float((p.grad - pr.grad).abs().max()) for p, pr in zip(model.parameters(),
-                                                                                     ref.parameters())))
+    for causal in (True, False):
+        shape = GPTShape(vocab_size=32, seq_len=8 * n, hidden=16, heads=4, layers=2, causal=causal)
+        g = torch.Generator().manual_seed(3)
+        tokens = torch.randint(0, 32, (2, shape.seq_len), generator=g)
+        targets = torch.randint(0, 32, (2, shape.seq_len), generator=g)
+        ref = build_gpt(shape, seed=0).double()
+        ref_logits = ref(tokens)
+        cross_entropy(ref_logits, targets).backward()
+        res[("ref", causal)] = ref_logits.detach()
+        for layout in LAYOUTS:
+            model = build_gpt(shape, seed=0).double()
+            fn = make_ring_attention_fn(group, layout)
+            for blk in model.blocks:
+                blk.attn.attention_fn = fn
+            tl, yl = (split_sequence(x, group, 1, layout) for x in (tokens, targets))
+            x = model.embed(tl, positions_for(shape.seq_len, group, layout))
+            for blk in model.blocks:
+                x = blk(x)
+            logits = model.head(x)
+            (cross_entropy(logits, yl) / n).backward()
+            for p in model.parameters():
+                dist.all_reduce(p.grad, group=group)
+            full = gather_sequence(logits.detach().unsqueeze(1), group, 2, layout).squeeze(1)
+            res[(layout, causal)] = (
+                float((full - ref_logits.detach()).abs().max()),
+                max(float((p.grad - pr.grad).abs().max()) for p, pr in zip(model.parameters(), ref.parameters())))
+    # the two dense references differ: the bidirectional cases check something the causal ones do not
+    res["ref_gap"] = float((res.pop(("ref", True)) - res.pop(("ref", False))).abs().max())
     return res
 
 
 def test_adapter_in_reference_gpt():
     out = run_workers(_gpt_job, 2, 2, timeout_s=300)
     for res in out:
-        for layout, (logit_err, grad_err) in res.items():
-            assert logit_err <= 1e-10 and grad_err <= 1e-10, (layout, logit_err, grad_err)
+        assert res.pop("ref_gap") > 1e-3
+        assert len(res) == 2 * len(LAYOUTS)
+        for case, (logit_err, grad_err) in res.items():
+            assert logit_err <= 1e-10 and grad_err <= 1e-10, (case, logit_err, grad_err)
 
 
 # --------------------------------------------------------------------------- pure functions

@@ -1,4 +1,4 @@
-"""Reference GPT decoder (pre-LN, causal attention, GELU MLP, tied or untied LM head).
+"""Reference GPT decoder (pre-LN, causal or bidirectional attention, GELU MLP, tied or untied LM head).
 
 Every sub-module comes from a :class:`LayerFactory`; strategies supply their own
 factory (2D-parallel linears, ring attention, ...) while this file stays the
@@ -32,6 +32,7 @@ class GPTShape:
     tie_embeddings: bool = True
     norm_eps: float = 1e-5
     init_std: float = 0.02
+    causal: bool = True  # False: bidirectional attention (``sequence.causal`` of a job, see engine.model_shape)
 
     @classmethod
     def from_config(cls, model_cfg) -> "GPTShape":
@@ -63,11 +64,13 @@ class Embedding(nn.Module):
 
 
 class Attention(nn.Module):
-    """Multi-head self-attention ``[b, s, h]`` → ``[b, s, h]`` with a pluggable core."""
+    """Multi-head self-attention ``[b, s, h]`` → ``[b, s, h]`` with a pluggable core,
+    called as ``attention_fn(q, k, v, causal=self.causal)`` on ``[b, heads, s, d]``."""
 
     def __init__(self, shape: GPTShape, attention_fn=dense_attention):
         super().__init__()
         self.heads = shape.heads
+        self.causal = shape.causal
         self.qkv = nn.Linear(shape.hidden, 3 * shape.hidden)
         self.proj = nn.Linear(shape.hidden, shape.hidden)
         self.attention_fn = attention_fn
@@ -75,7 +78,7 @@ class Attention(nn.Module):
     def forward(self, x):
         b, s, h = x.shape
         q, k, v = self.qkv(x).view(b, s, 3, self.heads, h // self.heads).permute(2, 0, 3, 1, 4)
-        y = self.attention_fn(q, k, v, causal=True)  # [b, heads, s, d]
+        y = self.attention_fn(q, k, v, causal=self.causal)  # [b, heads, s, d]
         return self.proj(y.transpose(1, 2).reshape(b, s, h))
 
 

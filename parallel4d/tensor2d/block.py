@@ -74,10 +74,11 @@ class _Composite(nn.Module):
 class Block2D(_Composite):
     """Pre-LN block ``x + proj(attn(qkv(ln1 x)))``, then ``x + fc2(gelu(fc1(ln2 x)))`` on
     ``[b/q, s, h/q]``. 4 SUMMA AB forward, 4 ABᵀ + 4 AᵀB backward; the attention core
-    ``attention_fn(q, k, v, causal=True)`` sees local ``[b/q, heads/q, s_local, d]``."""
+    ``attention_fn(q, k, v, causal=self.causal)`` sees local ``[b/q, heads/q, s_local, d]``."""
 
-    def __init__(self, ln1, qkv, proj, ln2, fc1, fc2, heads: int, attention_fn=None):
+    def __init__(self, ln1, qkv, proj, ln2, fc1, fc2, heads: int, attention_fn=None, causal: bool = True):
         super().__init__()
+        self.causal = causal
         self.ln1, self.qkv, self.proj, self.ln2, self.fc1, self.fc2 = ln1, qkv, proj, ln2, fc1, fc2
         self.heads = heads
         self.local_heads = heads // qkv.grid.q
@@ -100,7 +101,7 @@ class Block2D(_Composite):
             LayerNorm2D.from_dense(block.ln2, mesh, name=f"{name}.ln2"),
             Linear2D.from_dense(block.mlp.fc1, mesh, name=f"{name}.mlp.fc1", overlap=overlap),
             Linear2D.from_dense(block.mlp.fc2, mesh, name=f"{name}.mlp.fc2", overlap=overlap),
-            heads, attention_fn,
+            heads, attention_fn, causal=getattr(block.attn, "causal", True),
         )
 
     def _parts(self):
@@ -111,7 +112,7 @@ class Block2D(_Composite):
         """``[b/q, s, h/q]`` → ``[b/q, s, h/q]`` (my heads only; no communication in the core)."""
         bq, s, hq = x.shape
         qkv = self.qkv(x).view(bq, s, 3, self.local_heads, hq // self.local_heads).permute(2, 0, 3, 1, 4)
-        y = self.attention_fn(qkv[0], qkv[1], qkv[2], causal=True)  # [b/q, a/q, s, d]
+        y = self.attention_fn(qkv[0], qkv[1], qkv[2], causal=self.causal)  # [b/q, a/q, s, d]
         return self.proj(y.transpose(1, 2).reshape(bq, s, hq))
 
     def forward(self, x):
