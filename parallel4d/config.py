@@ -28,6 +28,8 @@ from pydantic import (AfterValidator, AllowInfNan, BaseModel, ConfigDict, Field,
                       model_validator)
 from pydantic_core import PydanticUndefined
 
+from .rules import did_you_mean, grid_side, near_multiples, nearest_divisor, num_chunks, pipeline_arg_problems
+
 
 class ConfigError(ValueError):
     """A configuration that cannot run; the message says which field to change and how."""
@@ -53,27 +55,6 @@ Beta = Annotated[float, AllowInfNan(False), Field(ge=0, lt=1)]
 Seconds = Annotated[float, AllowInfNan(False), Field(ge=1, le=MAX_SECONDS)]
 Seed = Annotated[int, Field(ge=0, le=2**32 - 1)]  # data.py multiplies it by 1_000_003; torch seeds are 64-bit
 PathStr = Annotated[str, AfterValidator(_check_path)]
-
-
-def _near_divisible(value: int, divisor: int) -> str:
-    """'use 68 or 72' — the nearest values of ``value`` that ``divisor`` divides."""
-    lo = (value // divisor) * divisor
-    hi = lo + divisor
-    return f"{lo} or {hi}" if lo > 0 else f"{hi}"
-
-
-def grid_side(tp: int, field: str = "parallel.tp") -> int:
-    """``q`` with ``tp = q²``; ``ValueError`` naming the nearest perfect squares otherwise.
-
-    The single home of this rule: the config, the mesh and tensor2d all call it.
-    """
-    if int(tp) != tp or tp < 1:
-        raise ValueError(f"{field}={tp} must be an integer ≥ 1 (a perfect square q²)")
-    q = math.isqrt(tp)
-    if q * q != tp:
-        raise ValueError(f"{field}={tp} is not a perfect square (2D tensor parallelism runs on a q×q "
-                         f"SUMMA grid, tp = q²); use {field}={q * q} or {(q + 1) ** 2}")
-    return q
 
 
 class ParallelConfig(_Section):
@@ -103,19 +84,19 @@ class Tensor2DConfig(_Section):
     overlap: bool = Field(True, description="issue step t+1's broadcast before step t's matmul")
 
 
+# rules.SCHEDULES spelt out, as pydantic and type checkers want (tests/test_rules.py compares them)
+ScheduleName = Literal["gpipe", "1f1b", "interleaved", "hanayo"]
+
+
 class PipelineConfig(_Section):
-    schedule: Literal["gpipe", "1f1b", "interleaved", "hanayo"] = "1f1b"
+    schedule: ScheduleName = "1f1b"
     microbatches: int = Field(1, ge=1)
     waves: int = Field(1, ge=1, description="Hanayo waves W (2·W·pp chunks)")
     chunks_per_rank: int = Field(2, ge=1, description="model chunks per rank for the interleaved schedule")
 
     def num_chunks(self, pp: int) -> int:
         """How many model chunks this schedule cuts the model into for ``pp`` ranks."""
-        if self.schedule == "hanayo":
-            return 2 * self.waves * pp
-        if self.schedule == "interleaved":
-            return self.chunks_per_rank * pp
-        return pp
+        return num_chunks(self.schedule, pp, self.waves, self.chunks_per_rank)
 
 
 class SequenceConfig(_Section):
@@ -239,29 +220,27 @@ def cross_field_problems(cfg: Config) -> list[str]:
     q = p.q
     out = []
     if m.hidden % m.heads:
-        near = _nearest_divisor(m.hidden, m.heads)
+        near = nearest_divisor(m.hidden, m.heads)
         heads = f"model.heads={near} or " if near else ""
         out.append(f"model.hidden={m.hidden} is not divisible by model.heads={m.heads}; "
-                   f"use {heads}model.hidden={_near_divisible(m.hidden, m.heads)}")
+                   f"use {heads}model.hidden={near_multiples(m.hidden, m.heads)}")
     if q > 1:
         for name, value in (("model.heads", m.heads), ("model.hidden", m.hidden), ("model.vocab_size", m.vocab_size)):
             if value % q:
                 out.append(f"{name}={value} is not divisible by q={q} (parallel.tp={p.tp} is a {q}×{q} grid); "
-                           f"use {name}={_near_divisible(value, q)} or a smaller parallel.tp")
+                           f"use {name}={near_multiples(value, q)} or a smaller parallel.tp")
     if p.sp > 1:
         div = 2 * p.sp if cfg.sequence.layout == "zigzag" else p.sp
         if m.seq_len % div:
             why = f"2·parallel.sp={div} (zigzag cuts the sequence into 2·sp pieces)" if div != p.sp else f"parallel.sp={p.sp}"
             out.append(f"model.seq_len={m.seq_len} is not divisible by {why}; "
-                       f"use model.seq_len={_near_divisible(m.seq_len, div)}")
+                       f"use model.seq_len={near_multiples(m.seq_len, div)}")
     per_step = p.dp * q * pl.microbatches
     if cfg.data.batch_size % per_step:
         out.append(f"data.batch_size={cfg.data.batch_size} is not divisible by parallel.dp·q·pipeline.microbatches"
                    f" = {p.dp}·{q}·{pl.microbatches} = {per_step}; use data.batch_size="
-                   f"{_near_divisible(cfg.data.batch_size, per_step)} or fewer pipeline.microbatches")
+                   f"{near_multiples(cfg.data.batch_size, per_step)} or fewer pipeline.microbatches")
     if p.pp > 1:
-        from .pipeline.checks import pipeline_arg_problems  # pure arithmetic, no torch
-
         out += pipeline_arg_problems(m.layers, p.pp, pl.microbatches, pl.schedule, pl.waves, pl.chunks_per_rank)
     if cfg.hetero.enabled and cfg.train.grad_clip and (p.pp > 1 or p.tp > 1):
         out.append("train.grad_clip with hetero.enabled=true needs parallel.pp=1 and parallel.tp=1 (hetero's "
@@ -277,18 +256,6 @@ def cross_field_problems(cfg: Config) -> list[str]:
     if cfg.data.source == "text" and cfg.data.text_root:
         out += _text_root_problems(cfg.data.text_root)
     return out
-
-
-def _nearest_divisor(n: int, target: int, reach: int = 1024) -> Optional[int]:
-    """The divisor of ``n`` nearest ``target`` (the smaller on a tie), looked for within ±``reach``
-    only, so that an absurd ``n`` cannot turn validation into a loop of ``n`` steps."""
-    if target >= n:
-        return n
-    for k in range(reach + 1):
-        for d in (target - k, target + k):
-            if d >= 1 and n % d == 0:
-                return d
-    return None
 
 
 _CORPUS_MIN_BYTES = 1024  # data.read_corpus refuses less
@@ -438,15 +405,11 @@ def _model_at(keys: tuple) -> Optional[type[BaseModel]]:
 
 def _suggest(loc: tuple) -> str:
     """'did you mean model?' for a misspelt key, from the fields valid at that place."""
-    import difflib
-
     model = _model_at(loc[:-1])
     if model is None:
         return "remove it"
     valid = list(model.model_fields)
-    close = difflib.get_close_matches(str(loc[-1]), valid, n=1)
-    hint = f"did you mean '{close[0]}'? " if close else ""
-    return f"{hint}valid fields here: {', '.join(valid)}"
+    return f"{did_you_mean(loc[-1], valid)}valid fields here: {', '.join(valid)}"
 
 
 _WANT = {"int_type": "a whole number", "float_type": "a finite number", "finite_number": "a finite number",

@@ -28,7 +28,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from .comm import CommStats
-from .config import grid_side
+from .rules import grid_side
 
 AXES = ("pp", "dp", "sp", "tp_row", "tp_col")
 

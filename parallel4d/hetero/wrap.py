@@ -28,9 +28,11 @@ from typing import Optional
 import torch
 import torch.nn as nn
 import torch.distributed as dist
+from pydantic import ValidationError
 
 from .. import comm
 from ..config import HeteroConfig, OptimizerConfig
+from ..rules import did_you_mean
 from .chunk import Chunk, TensorInfo, TensorState, pack, round_up, search_chunk_elems
 from .manager import ChunkManager
 from .optim import HeteroOptimizer, adam_update, fused_adam_update
@@ -80,22 +82,24 @@ def _validate(cfg, cls, field_name: str):
     if isinstance(cfg, cls):
         return cfg
     if isinstance(cfg, dict):
-        import difflib
-        from pydantic import ValidationError
         try:
             return cls.model_validate(cfg)
         except ValidationError as e:
-            lines = []
-            for err in e.errors():
-                where = ".".join(str(x) for x in err["loc"])
-                if err["type"] == "extra_forbidden":
-                    close = difflib.get_close_matches(where, list(cls.model_fields), n=1)
-                    hint = f"did you mean {field_name}.{close[0]}? " if close else ""
-                    lines.append(f"unknown field {field_name}.{where}; {hint}valid fields: {', '.join(cls.model_fields)}")
-                else:
-                    lines.append(f"{field_name}.{where}: {err['msg']}")
-            raise ValueError("\n".join(lines)) from None
+            raise ValueError("\n".join(_field_errors(e, cls, field_name))) from None
     raise ValueError(f"{field_name} must be a {cls.__name__} or a dict of its fields, got {type(cfg).__name__}")
+
+
+def _field_errors(e: ValidationError, cls, field_name: str) -> list[str]:
+    """One line per error, fields named as in the job file (``hetero.policy``)."""
+    lines = []
+    for err in e.errors():
+        where = ".".join(str(x) for x in err["loc"])
+        if err["type"] == "extra_forbidden":
+            hint = did_you_mean(where, cls.model_fields, prefix=f"{field_name}.")
+            lines.append(f"unknown field {field_name}.{where}; {hint}valid fields: {', '.join(cls.model_fields)}")
+        else:
+            lines.append(f"{field_name}.{where}: {err['msg']}")
+    return lines
 
 
 def resolve_device(spec: str) -> torch.device:

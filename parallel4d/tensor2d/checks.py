@@ -8,7 +8,7 @@ values, e.g. ``model.hidden=70 is not divisible by q=4; use model.hidden=68 or 7
 
 from __future__ import annotations
 
-from ..config import grid_side  # noqa: F401  (re-exported: the one home of the tp = q² rule)
+from ..rules import closest, divisors, grid_side, nearest_multiples, or_list
 
 #: Default field names, as spelled in ``parallel4d.config``.
 FIELD_NAMES = {
@@ -22,22 +22,15 @@ FIELD_NAMES = {
 }
 
 
-def nearest_multiples(value: int, m: int) -> list[int]:
-    """The multiples of ``m`` nearest to ``value`` (below if positive, and above)."""
-    below = (value // m) * m
-    above = below + m if below != value else value
-    return [v for v in dict.fromkeys((below, above)) if v > 0]
-
-
 def _use(field: str, options: list[int]) -> str:
-    return f"use {field}={' or '.join(str(o) for o in options)}"
+    return f"use {field}={or_list(options)}"
 
 
 def check_divisible(field: str, value: int, q: int, what: str = "q") -> None:
     """``ValueError`` unless ``value % q == 0``, naming ``field`` and the nearest multiples."""
     if value < 1 or value % q:
         raise ValueError(
-            f"{field}={value} is not divisible by {what}={q}; {_use(field, nearest_multiples(max(value, 1), q))}"
+            f"{field}={value} is not divisible by {what}={q}; {_use(field, nearest_multiples(value, q))}"
         )
 
 
@@ -45,23 +38,22 @@ def check_heads(heads: int, hidden: int, q: int, *, heads_field: str = FIELD_NAM
                 hidden_field: str = FIELD_NAMES["hidden"]) -> None:
     """Heads are split over the q grid columns: ``heads % q == 0`` and ``hidden % heads == 0``."""
     if heads < 1 or hidden % heads:
-        good = [a for a in range(1, hidden + 1) if hidden % a == 0 and a % q == 0]
-        hint = _use(heads_field, _closest(good, heads)) if good else f"change {hidden_field}"
+        good = _head_counts(hidden, q)
+        hint = _use(heads_field, closest(good, heads)) if good else f"change {hidden_field}"
         raise ValueError(f"{hidden_field}={hidden} is not divisible by {heads_field}={heads}; {hint}")
     if heads % q:
         # Prefer head counts that also divide hidden, so the suggestion is usable as is.
-        good = [a for a in range(q, hidden + 1, q) if hidden % a == 0]
-        options = _closest(good, heads) if good else nearest_multiples(heads, q)
+        good = _head_counts(hidden, q)
+        options = closest(good, heads) if good else nearest_multiples(heads, q)
         raise ValueError(
             f"{heads_field}={heads} is not divisible by q={q} (whole heads per grid column); "
             f"{_use(heads_field, options)}"
         )
 
 
-def _closest(candidates: list[int], value: int) -> list[int]:
-    below = [c for c in candidates if c <= value]
-    above = [c for c in candidates if c >= value]
-    return list(dict.fromkeys(([max(below)] if below else []) + ([min(above)] if above else [])))
+def _head_counts(hidden: int, q: int) -> list[int]:
+    """Head counts that split over q columns and divide hidden."""
+    return [a for a in divisors(hidden) if a % q == 0]
 
 
 def check_tensor2d(tp: int, hidden: int, heads: int, vocab: int, batch: int | None = None, *,
@@ -86,6 +78,6 @@ def check_tensor2d(tp: int, hidden: int, heads: int, vocab: int, batch: int | No
             raise ValueError(
                 f"{n['batch']}={batch} is not divisible by {n['dp']}·q·{n['microbatches']} = "
                 f"{dp}·{q}·{microbatches} = {per_step}; "
-                f"{_use(n['batch'], nearest_multiples(max(batch, 1), per_step))}"
+                f"{_use(n['batch'], nearest_multiples(batch, per_step))}"
             )
     return q

@@ -1,0 +1,199 @@
+"""Pure rules shared by the config and the strategies, each in one place.
+
+Nearest working values for a message, "did you mean", the tp = q² grid, the pipeline's
+schedule names, chunk count and argument rules. The bottom of the import graph: the
+standard library only (no torch, nothing from parallel4d), so ``config`` and every
+strategy can import it at module top.
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+from typing import Iterable, Optional
+
+# --- nearest values, for "use X or Y" ------------------------------------------------
+
+
+def or_list(values: Iterable[int]) -> str:
+    """``[68, 72]`` → ``"68 or 72"``."""
+    return " or ".join(str(v) for v in values)
+
+
+def nearest_multiples(value: int, m: int) -> list[int]:
+    """The positive multiples of ``m`` nearest ``value``: itself if it is one, else below and above."""
+    value = max(value, 1)
+    below = (value // m) * m
+    if below == value:
+        return [value]
+    return [v for v in (below, below + m) if v > 0]
+
+
+def near_multiples(value: int, m: int) -> str:
+    """``"68 or 72"``: :func:`nearest_multiples` as message text."""
+    return or_list(nearest_multiples(value, m))
+
+
+def divisors(n: int) -> list[int]:
+    """The divisors of ``n``, ascending (√n trial divisions); none for ``n < 1``."""
+    if n < 1:
+        return []
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return small + [n // d for d in reversed(small) if d * d != n]
+
+
+def closest(candidates: Iterable[int], value: int) -> list[int]:
+    """The candidate nearest ``value`` from below and from above (one when equal or one-sided)."""
+    candidates = list(candidates)
+    below = [c for c in candidates if c <= value]
+    above = [c for c in candidates if c >= value]
+    return list(dict.fromkeys(([max(below)] if below else []) + ([min(above)] if above else [])))
+
+
+def nearest_divisor(n: int, target: int, reach: int = 1024) -> Optional[int]:
+    """The divisor of ``n`` nearest ``target`` (the smaller on a tie), looked for within ±``reach``
+    only, so that an absurd ``n`` cannot turn validation into a loop of ``n`` steps."""
+    if target >= n:
+        return n
+    for k in range(reach + 1):
+        for d in (target - k, target + k):
+            if d >= 1 and n % d == 0:
+                return d
+    return None
+
+
+def did_you_mean(word: str, choices: Iterable[str], prefix: str = "") -> str:
+    """``"did you mean 'steps'? "`` for the choice closest to ``word``, or ``""`` when none is close."""
+    close = difflib.get_close_matches(str(word), list(choices), n=1)
+    return f"did you mean '{prefix}{close[0]}'? " if close else ""
+
+
+def positive_int(name: str, value: int) -> int:
+    """``value`` as an int; ``ValueError`` unless it is a whole number ≥ 1."""
+    if int(value) != value or value < 1:
+        raise ValueError(f"{name}={value} must be an integer ≥ 1")
+    return int(value)
+
+
+# --- 2D tensor parallelism --------------------------------------------------------------
+
+
+def grid_side(tp: int, field: str = "parallel.tp") -> int:
+    """``q`` with ``tp = q²``; ``ValueError`` naming the nearest perfect squares otherwise."""
+    if int(tp) != tp or tp < 1:
+        raise ValueError(f"{field}={tp} must be an integer ≥ 1 (a perfect square q²)")
+    q = math.isqrt(tp)
+    if q * q != tp:
+        raise ValueError(f"{field}={tp} is not a perfect square (2D tensor parallelism runs on a q×q "
+                         f"SUMMA grid, tp = q²); use {field}={q * q} or {(q + 1) ** 2}")
+    return q
+
+
+# --- pipeline ---------------------------------------------------------------------------
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "hanayo")
+_ALIASES = {"one_f_one_b": "1f1b", "interleaved_1f1b": "interleaved", "wave": "hanayo", "dapple": "1f1b"}
+
+
+def check_schedule_name(name: str) -> str:
+    """The canonical schedule name; ``ValueError`` naming the valid ones otherwise."""
+    key = str(name).lower().replace("-", "_")
+    key = _ALIASES.get(key, key)
+    if key in SCHEDULES:
+        return key
+    hint = did_you_mean(str(name).lower(), SCHEDULES)
+    raise ValueError(f"pipeline.schedule={name!r} is unknown; {hint}valid: {', '.join(SCHEDULES)}")
+
+
+def num_chunks(schedule: str, pp: int, waves: int = 1, chunks_per_rank: int = 2) -> int:
+    """How many model chunks ``schedule`` cuts the model into on ``pp`` ranks."""
+    schedule = check_schedule_name(schedule)
+    if schedule == "hanayo":
+        return 2 * waves * pp
+    if schedule == "interleaved":
+        return chunks_per_rank * pp
+    return pp
+
+
+def interleaved_microbatch_problem(pp: int, m: int, chunks_per_rank: int) -> Optional[str]:
+    """Interleaved 1F1B takes ``m ≤ P`` or a multiple of ``P`` (see ``interleaved_1f1b``); None if fine."""
+    if chunks_per_rank > 1 and m > pp and m % pp:
+        return (f"pipeline.microbatches={m}: the interleaved schedule takes micro-batch counts ≤ parallel.pp={pp} "
+                f"or multiples of it; use pipeline.microbatches={near_multiples(m, pp)}")
+    return None
+
+
+def pipeline_arg_problems(
+    layers: int,
+    pp: int,
+    microbatches: int,
+    schedule: str = "1f1b",
+    waves: int = 1,
+    chunks_per_rank: int = 2,
+    batch: int | None = None,
+    batch_divisor: int = 1,
+) -> list[str]:
+    """Every broken pipeline rule as one readable message (empty list = fine).
+
+    ``layers``: transformer blocks (the model has ``layers + 2`` stages: embedding, blocks,
+    head; every chunk needs at least one stage). ``batch``: global sequences per step, split
+    over ``batch_divisor`` data replicas (dp·q) and then into ``microbatches`` micro-batches.
+    """
+    try:
+        schedule = check_schedule_name(schedule)
+    except ValueError as e:
+        return [str(e)]
+    out = _count_problems(layers, pp, microbatches, waves, chunks_per_rank)
+    if out:
+        return out
+    out += _chunk_problems(layers, pp, schedule, waves, chunks_per_rank)
+    if schedule == "interleaved":
+        out += filter(None, [interleaved_microbatch_problem(pp, microbatches, chunks_per_rank)])
+    if batch is not None:
+        out += _batch_problems(batch, batch_divisor, microbatches)
+    return out
+
+
+def _count_problems(layers: int, pp: int, microbatches: int, waves: int, chunks_per_rank: int) -> list[str]:
+    out = []
+    for field, value in (("parallel.pp", pp), ("pipeline.microbatches", microbatches), ("model.layers", layers)):
+        if int(value) != value or value < 1:
+            out.append(f"{field}={value} must be an integer ≥ 1; use {field}=1")
+    if int(waves) != waves or waves < 1:
+        out.append(f"pipeline.waves={waves} must be an integer ≥ 1 (Hanayo runs 2·waves chunks per rank); "
+                   f"use pipeline.waves=1")
+    if int(chunks_per_rank) != chunks_per_rank or chunks_per_rank < 1:
+        out.append(f"pipeline.chunks_per_rank={chunks_per_rank} must be an integer ≥ 1; use 2")
+    return out
+
+
+def _chunk_problems(layers: int, pp: int, schedule: str, waves: int, chunks_per_rank: int) -> list[str]:
+    """Every chunk needs one of the ``layers + 2`` stages."""
+    chunks = num_chunks(schedule, pp, waves, chunks_per_rank)
+    stages = layers + 2
+    if pp == 1 or stages >= chunks:
+        return []
+    fix = f"use model.layers≥{chunks - 2}"
+    if schedule == "hanayo":
+        w_max = stages // (2 * pp)
+        # Fewer waves first; if even one wave is too many chunks, fewer ranks as well.
+        fix += (f" or pipeline.waves≤{w_max}" if w_max >= 1
+                else f" or pipeline.waves=1 with parallel.pp≤{max(1, stages // 2)}")
+    elif schedule == "interleaved":
+        v_max = stages // pp
+        fix += f" or pipeline.chunks_per_rank≤{v_max}" if v_max >= 1 else ""
+    else:
+        fix += f" or parallel.pp≤{stages}"
+    return [f"{schedule} with parallel.pp={pp} cuts the model into {chunks} chunks but it has only "
+            f"model.layers+2 = {stages} stages (embedding, {layers} layers, head); {fix}"]
+
+
+def _batch_problems(batch: int, batch_divisor: int, microbatches: int) -> list[str]:
+    per = batch_divisor * microbatches
+    if batch >= 1 and batch % per == 0:
+        return []
+    what = "pipeline.microbatches" if batch_divisor == 1 else f"{batch_divisor}·pipeline.microbatches"
+    fix = f"use data.batch_size={near_multiples(batch, per)}"
+    if batch >= batch_divisor and batch % batch_divisor == 0:
+        fix += f" or pipeline.microbatches={or_list(closest(divisors(batch // batch_divisor), microbatches))}"
+    return [f"data.batch_size={batch} is not divisible by {what} = {per}; {fix}"]
