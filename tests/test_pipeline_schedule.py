@@ -328,7 +328,7 @@ def test_hanayo_search_improves_on_the_old_greedy(p, m, w):
 
 
 def test_hanayo_slot_order_is_a_candidate_and_improves_the_table():
-    from parallel4d.pipeline.schedule import wave_slot_schedule
+    from parallel4d.pipeline.hanayo import wave_slot_schedule
 
     for p, m, w in ((2, 3, 1), (3, 6, 2), (4, 16, 3), (8, 32, 3)):
         s = wave_slot_schedule("x", p, m, w)

@@ -1,6 +1,6 @@
 """Pipeline parallelism: schedules as data, one executor (GPipe, 1F1B, interleaved, Hanayo waves).
 
-Schedules (:mod:`.schedule`) are pure data — ``Schedule.placement`` (pp rank →
+Schedules (:mod:`.types`, built by :mod:`.schedule` and :mod:`.hanayo`) are pure data — ``Schedule.placement`` (pp rank →
 chunk ids) and ``Schedule.actions`` (pp rank → ordered ``Action(kind, microbatch,
 chunk)``). :func:`validate`, :func:`simulate`, :func:`plot` read them; the
 :class:`~.executor.PipelineExecutor` runs any valid one over the mesh's ``pp`` axis.
@@ -47,15 +47,15 @@ per-action timestamps; ``res.peak_activations`` equals
 ``simulate(sched).peak_activations[me]``.
 """
 
+from ..rules import SCHEDULES, check_schedule_name, num_chunks, pipeline_arg_problems
 from .analysis import Message, ScheduleError, SimResult, bubble_formula, message_plan, simulate, validate
-from .checks import check_pipeline_args, check_schedule_name, num_chunks, pipeline_arg_problems
+from .checks import check_pipeline_args
 from .executor import PipelineExecutor, StepResult, TiedGradSync
+from .hanayo import hanayo, list_schedule, wave_placement, wave_rank
 from .partition import build_chunks, parameter_costs, partition, timed_costs
 from .plot import plot
-from .schedule import (
-    SCHEDULES, Action, Schedule, gpipe, hanayo, interleaved_1f1b, linear_placement, list_schedule,
-    looped_placement, make_schedule, one_f_one_b, wave_placement, wave_rank,
-)
+from .schedule import gpipe, interleaved_1f1b, linear_placement, looped_placement, make_schedule, one_f_one_b
+from .types import Action, Schedule
 
 __all__ = [
     "Action", "Schedule", "ScheduleError", "SimResult", "Message", "SCHEDULES",

@@ -1,4 +1,4 @@
-"""Pure tools over a :class:`~.schedule.Schedule`: validate, simulate, message plan.
+"""Pure tools over a :class:`~.types.Schedule`: validate, simulate, message plan.
 
 Dependencies (``S`` chunks, last chunk ``S-1`` computes the loss):
 
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .schedule import Action, Schedule
+from .types import Action, Schedule
 
 
 class ScheduleError(ValueError):
@@ -219,7 +219,7 @@ def simulate(schedule: Schedule, forward_cost: float = 1.0, backward_cost: float
 
 def bubble_formula(name: str, pp: int, microbatches: int, chunks_per_rank: int = 1) -> float:
     """``(P-1)/(c·m + P-1)`` with ``c`` chunks per rank (GPipe/1F1B: c=1,
-    interleaved: c=v, Hanayo: c=2W — the bound, see :func:`~.schedule.hanayo`)."""
+    interleaved: c=v, Hanayo: c=2W — the bound, see :func:`~.hanayo.hanayo`)."""
     del name
     return (pp - 1) / (chunks_per_rank * microbatches + pp - 1)
 

@@ -8,9 +8,10 @@ from __future__ import annotations
 import argparse
 import sys
 
+from ..rules import SCHEDULES, check_schedule_name
 from .analysis import ScheduleError, bubble_formula, simulate
-from .checks import check_schedule_name
-from .schedule import SCHEDULES, make_schedule
+from .plot import plot
+from .schedule import make_schedule
 
 
 def add_schedule_parser(subparsers) -> argparse.ArgumentParser:
@@ -53,8 +54,6 @@ def run_schedule_command(args: argparse.Namespace) -> int:
     print(f"peak activations    {sim.peak_activations}  (chunk activations stored per rank)")
     print(f"peak micro-batches  {sim.peak_microbatches}  (distinct in-flight micro-batches per rank)")
     if args.plot:
-        from .plot import plot
-
         plot(s, args.plot, forward_cost=args.forward_cost, backward_cost=args.backward_cost,
              p2p_cost=args.p2p_cost)
         print(f"timeline written to {args.plot}")

@@ -32,7 +32,7 @@ import torch.nn as nn
 
 from .. import comm
 from .analysis import Message, message_plan, validate
-from .schedule import Action, Schedule
+from .types import Action, Schedule
 
 ShapeSpec = Union[Sequence[int], Callable[[int], Sequence[int]]]
 

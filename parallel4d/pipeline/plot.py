@@ -7,7 +7,7 @@ without it. Box colour = micro-batch (backward boxes hatched), text = chunk id.
 from __future__ import annotations
 
 from .analysis import simulate
-from .schedule import Schedule
+from .types import Schedule
 
 
 def plot(schedule: Schedule, path: str, *, forward_cost: float = 1.0, backward_cost: float = 2.0,

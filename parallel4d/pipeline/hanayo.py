@@ -1,0 +1,330 @@
+"""Hanayo: the wave placement and the search for an order of its actions.
+
+``2·W·P`` chunks placed as ``W`` waves (chunk ``c`` on rank ``c mod P`` when ``c // P``
+is even, on ``P-1-(c mod P)`` when odd). The order is the best of a few candidates: a
+constructed slot order (:func:`wave_slot_schedule`) and greedy list schedules
+(:func:`list_schedule`) under several rules and per-rank activation caps. The study
+behind these choices is in docs/hanayo.md.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from typing import Callable, Iterable, Iterator, Optional
+
+from ..rules import positive_int
+from .analysis import _run
+from .types import Action, Schedule
+
+# --- placement --------------------------------------------------------------------
+
+
+def wave_rank(chunk: int, pp: int) -> int:
+    """Hanayo placement: rank ``c mod P`` when ``c // P`` is even, else ``P-1-(c mod P)``."""
+    return chunk % pp if (chunk // pp) % 2 == 0 else pp - 1 - chunk % pp
+
+
+def wave_placement(pp: int, waves: int) -> dict[int, list[int]]:
+    """``2·W·P`` chunks as ``W`` waves; rank ``d`` holds ``{2kP+d, 2kP+2P-1-d}``."""
+    placement: dict[int, list[int]] = {r: [] for r in range(pp)}
+    for c in range(2 * waves * pp):
+        placement[wave_rank(c, pp)].append(c)
+    return placement
+
+
+# --- greedy list scheduling ---------------------------------------------------------
+
+POLICIES = ("alternate", "backward_first", "forward_first")
+
+
+def list_schedule(
+    name: str,
+    pp: int,
+    microbatches: int,
+    placement: dict[int, list[int]],
+    *,
+    memory_cap: int | list[int],
+    policy: str = "alternate",
+    group: int = 1,
+    forward_order: str = "microbatch",
+    backward_order: str = "group",
+    forward_cost: float = 1.0,
+    backward_cost: float = 2.0,
+    p2p_cost: float = 0.0,
+) -> Schedule | None:
+    """Order the actions of any placement by simulating the ranks greedily.
+
+    Each idle rank picks one of the actions whose inputs have arrived:
+
+    * ``policy="alternate"``: the kind (F/B) it did not run last, if one is
+      ready (1F1B's steady state), else the other kind;
+    * ``"backward_first"`` / ``"forward_first"``: that kind whenever ready.
+
+    Among forwards (``forward_order``): ``"microbatch"``, the lowest
+    micro-batch (then chunk); ``"diagonal"``, the lowest ``(i mod group) + c``
+    within the lowest group of ``group`` micro-batches ``i // group`` — the
+    action an ideal fill would reach first, so a rank mixes the chunks of
+    several waves instead of finishing one micro-batch first. Among backwards
+    (``backward_order``): ``"group"``, the lowest group of ``group``
+    micro-batches, then the highest chunk, then the lowest micro-batch
+    (``group=1``: plain oldest-first); ``"microbatch"``, oldest-first
+    whatever ``group``; ``"diagonal"``, the lowest
+    ``i + (S-1-c)`` (``S`` chunks), then micro-batch. A forward only starts
+    while the rank stores fewer than ``memory_cap`` chunk activations (one
+    int, or a list with one cap per rank). Returns
+    ``None`` when the cap starves the pipeline. Costs are per chunk; the
+    *order* is what the schedule keeps (deadlock-free by construction);
+    ``p2p_cost`` delays an input that crosses ranks.
+    """
+    _check_rules(policy, forward_order, backward_order)
+    num_chunks = sum(len(c) for c in placement.values())
+    caps = list(memory_cap) if isinstance(memory_cap, (list, tuple)) else [memory_cap] * pp
+    keys = _priorities(forward_order, backward_order, max(1, group), num_chunks - 1)
+    greedy = _Greedy(pp, microbatches, placement, caps, policy, keys, (forward_cost, backward_cost, p2p_cost))
+    actions = greedy.run()
+    if actions is None:
+        return None
+    return Schedule(name, pp, microbatches, num_chunks, {r: list(c) for r, c in placement.items()}, actions)
+
+
+def _check_rules(policy: str, forward_order: str, backward_order: str) -> None:
+    if policy not in POLICIES:
+        raise ValueError(f"policy={policy!r} must be one of {POLICIES}")
+    if forward_order not in ("microbatch", "diagonal"):
+        raise ValueError(f"forward_order={forward_order!r} must be 'microbatch' or 'diagonal'")
+    if backward_order not in ("group", "microbatch", "diagonal"):
+        raise ValueError(f"backward_order={backward_order!r} must be 'group', 'microbatch' or 'diagonal'")
+
+
+Key = Callable[[Action], tuple]
+
+
+def _priorities(forward_order: str, backward_order: str, g: int, last_chunk: int) -> tuple[Key, Key]:
+    """The sort keys (forward, backward) of :func:`list_schedule`'s rules; each is unique per action."""
+    if forward_order == "microbatch":
+        def f_key(a: Action):
+            return (a.microbatch, a.chunk)
+    else:
+        def f_key(a: Action):
+            return (a.microbatch // g, a.microbatch % g + a.chunk, a.microbatch)
+    if backward_order == "group":
+        def b_key(a: Action):
+            return (a.microbatch // g, -a.chunk, a.microbatch)
+    elif backward_order == "microbatch":
+        def b_key(a: Action):
+            return (a.microbatch, -a.chunk)
+    else:
+        def b_key(a: Action):
+            return (a.microbatch + last_chunk - a.chunk, a.microbatch)
+    return f_key, b_key
+
+
+class _Greedy:
+    """:func:`list_schedule`'s event simulation: ranks start ready actions, finished ones feed the next chunk."""
+
+    def __init__(self, pp: int, m: int, placement: dict[int, list[int]], caps: list[int], policy: str,
+                 keys: tuple[Key, Key], costs: tuple[float, float, float]):
+        self.pp, self.caps, self.policy = pp, caps, policy
+        self.f_key, self.b_key = keys
+        self.forward_cost, self.backward_cost, self.p2p_cost = costs
+        self.owner = {c: r for r, cs in placement.items() for c in cs}
+        self.last_chunk = len(self.owner) - 1
+        self.remaining = 2 * m * len(self.owner)
+        # per rank: (time its input arrives, action) not started yet
+        self.ready: dict[int, list[tuple[float, Action]]] = {r: [] for r in range(pp)}
+        self.ready[self.owner[0]] = [(0.0, Action("F", i, 0)) for i in range(m)]
+        self.free_at = [0.0] * pp
+        self.stored = [0] * pp
+        self.last_kind = ["B"] * pp
+        self.running: list[tuple[float, int, Action]] = []
+        self.actions: dict[int, list[Action]] = {r: [] for r in range(pp)}
+
+    def run(self) -> Optional[dict[int, list[Action]]]:
+        """Each rank's order, or None when the memory cap starves the pipeline."""
+        t = 0.0
+        while self.remaining:
+            for r in range(self.pp):
+                self._start(r, t)
+            upcoming = [e for (e, _, _) in self.running] + [rt for r in range(self.pp)
+                                                               for (rt, _) in self.ready[r] if rt > t]
+            if not upcoming:
+                return None
+            t = min(upcoming)
+            self._finish(t)
+        return self.actions
+
+    def _start(self, r: int, t: float) -> None:
+        if self.free_at[r] > t:
+            return
+        now = [a for (rt, a) in self.ready[r] if rt <= t]
+        bs = [a for a in now if a.kind == "B"]
+        fs = [a for a in now if a.kind == "F"] if self.stored[r] < self.caps[r] else []
+        if not bs and not fs:
+            return
+        want_b = self.last_kind[r] == "F" if self.policy == "alternate" else self.policy == "backward_first"
+        pick = min(bs, key=self.b_key) if bs and (want_b or not fs) else min(fs, key=self.f_key)
+        self.ready[r].remove(next(x for x in self.ready[r] if x[1] == pick))
+        end = t + (self.forward_cost if pick.kind == "F" else self.backward_cost)
+        self.free_at[r] = end
+        self.stored[r] += 1 if pick.kind == "F" else -1
+        self.last_kind[r] = pick.kind
+        self.actions[r].append(pick)
+        self.running.append((end, r, pick))
+
+    def _finish(self, t: float) -> None:
+        still = []
+        for (end, r, a) in self.running:
+            if end > t:
+                still.append((end, r, a))
+                continue
+            self.remaining -= 1
+            nxt = self._next(a)
+            if nxt is not None:
+                dst = self.owner[nxt.chunk]
+                self.ready[dst].append((t + (self.p2p_cost if dst != r else 0.0), nxt))
+        self.running = still
+
+    def _next(self, a: Action) -> Optional[Action]:
+        """The action ``a``'s result makes ready (None after chunk 0's backward)."""
+        if a.kind == "F":
+            # The loss is computed in the last chunk's forward: its backward may start on the same rank.
+            return Action("F", a.microbatch, a.chunk + 1) if a.chunk < self.last_chunk else Action("B", a.microbatch, a.chunk)
+        return Action("B", a.microbatch, a.chunk - 1) if a.chunk > 0 else None
+
+
+# --- the constructed slot order -------------------------------------------------------
+
+
+def wave_slot_schedule(name: str, pp: int, microbatches: int, waves: int) -> Schedule:
+    """A constructed (not greedy) order on the wave placement, in 1F1B slots.
+
+    Slot ``σ`` holds at most one forward then one backward per rank. Micro-batch
+    ``i`` enters at ``b(i) = 2·(i mod P) + S·(i div P)`` (``S = 2WP`` chunks);
+    ``F(i, c)`` sits in slot ``b(i) + c`` and ``B(i, c)`` in ``b(i) + 2(S-1) - c``.
+    Rank ``d`` holds chunks ``≡ d`` and ``≡ 2P-1-d (mod 2P)``, of opposite
+    parity, so a group of ``P`` micro-batches spaced 2 apart fills every slot of
+    a rank once, and the next group (``S`` slots later) continues it without a
+    collision; a chunk's set is symmetric (``c`` held ⇔ ``S-1-c`` held), so the
+    backwards tile the slots the same way. Each input is produced one slot
+    earlier (or earlier in the same slot on the same rank), so the order is
+    deadlock-free; a rank stores at most ``S`` activations, below interleaved's
+    ``S + P - 1``. The lists keep only the order: ranks run ahead of the slots
+    whenever their inputs allow.
+    """
+    placement = wave_placement(pp, waves)
+    s = 2 * waves * pp
+    actions = {}
+    for r in range(pp):
+        items = []
+        for i in range(microbatches):
+            base = 2 * (i % pp) + s * (i // pp)
+            for c in placement[r]:
+                items.append((base + c, 0, Action("F", i, c)))
+                items.append((base + 2 * (s - 1) - c, 1, Action("B", i, c)))
+        actions[r] = [a for _, _, a in sorted(items, key=lambda x: (x[0], x[1]))]
+    return Schedule(name, pp, microbatches, s, placement, actions)
+
+
+# --- the search -------------------------------------------------------------------------
+
+# hanayo's search keeps the orders within FREE_SLACK of the shortest makespan with free
+# transfers, then the one with the shortest summed makespan under these hop latencies
+# (per cross-rank transfer, in chunk-forward units): a real link is neither free nor known.
+FREE_SLACK = 0.01
+HOP_LATENCIES = (0.25, 0.5)
+
+
+def peak_activations(actions: Iterable[Action]) -> int:
+    """Most chunk activations one rank's list stores at once (F done, B not yet)."""
+    n = best = 0
+    for a in actions:
+        n += 1 if a.kind == "F" else -1
+        best = max(best, n)
+    return best
+
+
+def interleaved_peak(pp: int, chunks_per_rank: int) -> int:
+    """Rank 0's peak stored chunk activations under interleaved 1F1B (m ≥ P multiple of P)."""
+    return chunks_per_rank * pp + pp - 1 if chunks_per_rank > 1 else pp
+
+
+def hanayo(pp: int, microbatches: int, waves: int = 1, memory_cap: int | None = None) -> Schedule:
+    """Hanayo wave schedule: ``2·W·P`` chunks on the wave placement, in the best order found.
+
+    Candidates: the slot order of :func:`wave_slot_schedule` and :func:`list_schedule`
+    under a few greedy rules and activation caps. Kept: the orders within ``FREE_SLACK``
+    (1 %) of the shortest simulated makespan with free transfers (uniform chunks,
+    backward = 2 × forward), then the shortest summed makespan at ``HOP_LATENCIES``,
+    then the shorter free makespan, then the lower peak memory.
+
+    Guarantees: a valid, deadlock-free order; no rank stores more than ``memory_cap``
+    chunk activations (default: interleaved 1F1B's rank-0 peak for the same chunks per
+    rank, ``2W·P + P - 1``; a cap that starves the pipeline is a ``ValueError``); the
+    embedding (chunk 0) and LM head (last chunk) both on rank 0, so a tied weight stays
+    on one rank; the same arguments give the same order (cached; each call returns a
+    fresh copy). The bubble cannot go below ``(P-1)/(2W·m + P-1)`` once
+    ``m ≥ P + (P-1)/(2W)``; W=1 reaches it for ``m ≥ 2P``. ``hanayo(8, 32, 3)`` takes
+    about 1.2 s on one core.
+
+    docs/hanayo.md has the bound's derivation, the measured bubbles against interleaved
+    1F1B, where the search falls short and the offline CP-SAT study.
+    """
+    pp, m = positive_int("pp", pp), positive_int("microbatches", microbatches)
+    w = positive_int("waves", waves)
+    if memory_cap is not None:
+        memory_cap = positive_int("memory_cap", memory_cap)
+    s = _hanayo(pp, m, w, memory_cap)
+    # A fresh copy: callers may edit their schedule, the cache must not change.
+    return Schedule(s.name, s.pp, s.microbatches, s.num_chunks,
+                    {r: list(c) for r, c in s.placement.items()},
+                    {r: list(a) for r, a in s.actions.items()})
+
+
+@lru_cache(maxsize=256)
+def _hanayo(pp: int, m: int, w: int, memory_cap: int | None) -> Schedule:
+    name = f"hanayo(W={w})"
+    top = memory_cap or interleaved_peak(pp, 2 * w)
+    orders = [s for s in _orders(name, pp, m, w, top) if s is not None]  # valid by construction; tests validate
+    if not orders:
+        raise ValueError(f"memory_cap={memory_cap} starves the hanayo pipeline (P={pp}, W={w}); "
+                         f"use memory_cap≥{interleaved_peak(pp, 2 * w)}")
+    return _most_robust(orders)
+
+
+def _orders(name: str, pp: int, m: int, w: int, top: int) -> Iterator[Optional[Schedule]]:
+    """The slot order (if it fits ``top``), then each greedy candidate's order (None when starved)."""
+    slot = wave_slot_schedule(name, pp, m, w)
+    yield slot if max(peak_activations(a) for a in slot.actions.values()) <= top else None
+    placement = wave_placement(pp, w)
+    for caps, policy, fwd, group, back in _candidates(pp, m, w, top):
+        yield list_schedule(name, pp, m, placement, memory_cap=caps, policy=policy, group=group,
+                            forward_order=fwd, backward_order=back)
+
+
+def _candidates(pp: int, m: int, w: int, top: int) -> list[tuple]:
+    """(caps, policy, forward order, group, backward order) for :func:`list_schedule`.
+
+    Rank r's first backward can start at 2WP + 2r, so a rank that never idles in the fill
+    holds about 2WP + r activations then: per-rank caps around that line, never above top.
+    """
+    c = 2 * w
+    candidates = [(top, policy, "microbatch", 1, "group") for policy in POLICIES]  # oldest micro-batch first
+    ramps = [[min(top, c * pp + r + a) for r in range(pp)] for a in sorted({1, 2, 3, pp // 2, pp - 2, pp - 1})]
+    for caps in [top] + ramps:
+        for group in sorted({pp, m}):
+            for back in ("microbatch", "diagonal"):
+                candidates.append((caps, "alternate", "diagonal", group, back))
+    return candidates
+
+
+def _most_robust(orders: list[Schedule]) -> Schedule:
+    """Near-best with free transfers (within FREE_SLACK), then the most robust to hop latency
+    (simulated only for those), then the shorter free makespan, then memory; first on a tie."""
+    free = [_run(s, 1.0, 2.0, 0.0) for s in orders]
+    limit = min(f.makespan for f in free) * (1 + FREE_SLACK) + 1e-9
+
+    def key(i: int):
+        lat = sum(_run(orders[i], 1.0, 2.0, hop).makespan for hop in HOP_LATENCIES)
+        return round(lat, 9), round(free[i].makespan, 9), max(free[i].peak_activations)
+
+    return orders[min((i for i in range(len(orders)) if free[i].makespan <= limit), key=key)]

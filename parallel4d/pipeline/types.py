@@ -1,0 +1,78 @@
+"""The data a pipeline schedule is made of: :class:`Action` and :class:`Schedule`.
+
+A :class:`Schedule` is a placement (pp rank → the model chunks it holds, in model
+order) and, per rank, the ordered list of :class:`Action` it runs in one optimizer
+step. Everything else in the package (generators, validator, simulator, executor,
+plot) builds or reads these; this module imports nothing from it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, order=True)
+class Action:
+    """One compute step: ``kind`` ``"F"`` (forward) or ``"B"`` (backward) of
+    micro-batch ``microbatch`` through model chunk ``chunk``."""
+
+    kind: str
+    microbatch: int
+    chunk: int
+
+    def __str__(self) -> str:
+        return f"{self.kind}{self.microbatch}.c{self.chunk}"
+
+    def describe(self) -> str:
+        word = "forward" if self.kind == "F" else "backward" if self.kind == "B" else self.kind
+        return f"{self.kind}(mb={self.microbatch}, chunk={self.chunk}) [{word}]"
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """Placement + per-rank action order for one optimizer step.
+
+    ``placement[r]``: chunk ids held by pp rank ``r``, ascending (model order).
+    ``actions[r]``: the order rank ``r`` runs its actions.
+    """
+
+    name: str
+    pp: int
+    microbatches: int
+    num_chunks: int
+    placement: dict[int, list[int]]
+    actions: dict[int, list[Action]]
+
+    def owner(self, chunk: int) -> int:
+        """The pp rank that holds ``chunk``."""
+        return self._owners()[chunk]
+
+    def _owners(self) -> dict[int, int]:
+        # Cached on the (frozen) instance: owner() is called per action by the executor.
+        cache = self.__dict__.get("_owner_cache")
+        if cache is None:
+            cache = {c: r for r, cs in self.placement.items() for c in cs}
+            object.__setattr__(self, "_owner_cache", cache)
+        return cache
+
+    @property
+    def chunks_per_rank(self) -> int:
+        return self.num_chunks // self.pp
+
+    def table(self, width: int | None = None) -> str:
+        """Per-rank action lists as text, one line per rank."""
+        lines = []
+        for r in range(self.pp):
+            chunks = ",".join(str(c) for c in self.placement[r])
+            acts = " ".join(str(a) for a in self.actions[r])
+            lines.append(f"rank {r} [chunks {chunks}]: {acts}")
+        return "\n".join(lines)
+
+    def fingerprint(self) -> str:
+        """A short hash of placement + orders (ranks compare it before running)."""
+        text = repr((self.pp, self.microbatches, self.num_chunks,
+                     sorted((r, tuple(c)) for r, c in self.placement.items()),
+                     sorted((r, tuple((a.kind, a.microbatch, a.chunk) for a in acts))
+                            for r, acts in self.actions.items())))
+        return hashlib.sha1(text.encode()).hexdigest()[:16]
