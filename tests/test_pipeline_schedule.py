@@ -182,6 +182,16 @@ def test_plot_writes_a_png(tmp_path):
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
 
 
+def test_plot_leaves_matplotlib_global_state_alone(tmp_path, monkeypatch):
+    import matplotlib
+    import matplotlib.pyplot as plt
+
+    monkeypatch.setattr(matplotlib, "use", lambda *a, **k: pytest.fail("plot() switched the caller's backend"))
+    before = (matplotlib.get_backend(), plt.get_fignums())
+    plot(hanayo(2, 4), str(tmp_path / "p.png"))
+    assert (matplotlib.get_backend(), plt.get_fignums()) == before
+
+
 def test_cli_prints_table_and_simulation(tmp_path, capsys):
     from parallel4d.pipeline.cli import schedule_command
 

@@ -2,6 +2,8 @@
 
 matplotlib is imported lazily (only when plotting), so the package works
 without it. Box colour = micro-batch (backward boxes hatched), text = chunk id.
+The figure is drawn on its own Agg canvas, not through pyplot, so plotting
+leaves the caller's backend and pyplot's figures alone.
 """
 
 from __future__ import annotations
@@ -18,48 +20,61 @@ def plot(schedule: Schedule, path: str, *, forward_cost: float = 1.0, backward_c
     ``timings`` (rank → ``[(action, start_s, end_s), ...]``, e.g. measured by the
     executor) when given.
     """
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as e:  # pragma: no cover - matplotlib is an optional extra
-        raise ImportError("plot() needs matplotlib: pip install 'parallel4d[viz]'") from e
-
-    rows: dict[int, list[tuple]] = {}
     if timings is None:
-        sim = simulate(schedule, forward_cost, backward_cost, p2p_cost)
-        for r in range(schedule.pp):
-            rows[r] = [(a, sim.start[(r, i)], sim.end[(r, i)]) for i, a in enumerate(schedule.actions[r])]
-        makespan, bubble = sim.makespan, sim.bubble_ratio
-        unit = "time (forward of one chunk = 1)"
+        rows, makespan, bubble = _simulated(schedule, forward_cost, backward_cost, p2p_cost)
+        unit, width = "time (forward of one chunk = 1)", min(60.0, max(8.0, 0.25 * makespan + 2.0))
     else:
-        t0 = min(s for acts in timings.values() for (_, s, _) in acts)
-        rows = {r: [(a, s - t0, e - t0) for (a, s, e) in acts] for r, acts in timings.items()}
-        makespan = max(e for acts in rows.values() for (_, _, e) in acts)
-        busy = sum(e - s for acts in rows.values() for (_, s, e) in acts)
-        bubble = 1.0 - busy / (len(rows) * makespan) if makespan else 0.0
-        unit = "seconds (measured)"
-
-    cmap = plt.get_cmap("tab20")
-    height = 0.8
-    fig_w = min(60.0, max(8.0, 0.25 * makespan + 2.0)) if timings is None else 14.0
-    fig, ax = plt.subplots(figsize=(fig_w, 0.6 * schedule.pp + 1.4))
-    for r, acts in rows.items():
-        for (a, s, e) in acts:
-            color = cmap(a.microbatch % 20)
-            ax.barh(r, e - s, left=s, height=height, color=color, edgecolor="black", linewidth=0.4,
-                    hatch="//" if a.kind == "B" else None)
-            if schedule.num_chunks > 1 and (e - s) > 0.005 * makespan:
-                ax.text(s + (e - s) / 2, r, str(a.chunk), ha="center", va="center", fontsize=6)
-    ax.set_yticks(range(schedule.pp))
-    ax.set_yticklabels([f"rank {r}" for r in range(schedule.pp)])
-    ax.invert_yaxis()
+        rows, makespan, bubble = _measured(timings)
+        unit, width = "seconds (measured)", 14.0
+    fig = _figure(width, 0.6 * schedule.pp + 1.4)
+    ax = fig.add_subplot()
+    _draw(ax, schedule, rows, makespan)
     ax.set_xlabel(unit)
     ax.set_title(title or f"{schedule.name}: P={schedule.pp}, m={schedule.microbatches}, "
                           f"{schedule.num_chunks} chunks — makespan {makespan:.4g}, bubble {bubble:.1%} "
                           f"(colour = micro-batch, hatched = backward, text = chunk)", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=90)
-    plt.close(fig)
     return path
+
+
+def _figure(width: float, height: float):
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError as e:  # pragma: no cover - matplotlib is an optional extra
+        raise ImportError("plot() needs matplotlib: pip install 'parallel4d[viz]'") from e
+    fig = Figure(figsize=(width, height))
+    FigureCanvasAgg(fig)  # attaches itself to fig; no pyplot, no global backend
+    return fig
+
+
+def _simulated(schedule: Schedule, forward_cost: float, backward_cost: float, p2p_cost: float):
+    sim = simulate(schedule, forward_cost, backward_cost, p2p_cost)
+    rows = {r: [(a, sim.start[(r, i)], sim.end[(r, i)]) for i, a in enumerate(schedule.actions[r])]
+            for r in range(schedule.pp)}
+    return rows, sim.makespan, sim.bubble_ratio
+
+
+def _measured(timings: dict[int, list[tuple]]):
+    t0 = min(s for acts in timings.values() for (_, s, _) in acts)
+    rows = {r: [(a, s - t0, e - t0) for (a, s, e) in acts] for r, acts in timings.items()}
+    makespan = max(e for acts in rows.values() for (_, _, e) in acts)
+    busy = sum(e - s for acts in rows.values() for (_, s, e) in acts)
+    bubble = 1.0 - busy / (len(rows) * makespan) if makespan else 0.0
+    return rows, makespan, bubble
+
+
+def _draw(ax, schedule: Schedule, rows: dict[int, list[tuple]], makespan: float) -> None:
+    import matplotlib
+
+    cmap = matplotlib.colormaps["tab20"]
+    for r, acts in rows.items():
+        for (a, s, e) in acts:
+            ax.barh(r, e - s, left=s, height=0.8, color=cmap(a.microbatch % 20), edgecolor="black", linewidth=0.4,
+                    hatch="//" if a.kind == "B" else None)
+            if schedule.num_chunks > 1 and (e - s) > 0.005 * makespan:
+                ax.text(s + (e - s) / 2, r, str(a.chunk), ha="center", va="center", fontsize=6)
+    ax.set_yticks(range(schedule.pp))
+    ax.set_yticklabels([f"rank {r}" for r in range(schedule.pp)])
+    ax.invert_yaxis()
