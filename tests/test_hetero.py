@@ -191,7 +191,8 @@ def test_saved_views_relocated_when_slots_are_reused(resident):
     results = {}
     for relocate in (True, False):
         m, opt = wrap(build(ckpt=False), OPT, dict(compute_device="cpu", device_budget_bytes=minimum))
-        m._hetero_runtime.relocate_saved = relocate
+        if not relocate:  # a naive runtime: finds no chunk behind any saved tensor, keeps them as they are
+            m._hetero_runtime.mgr.locate = lambda t: None
         train(m, opt, steps=2)
         sd = m.state_dict()
         results[relocate] = max((sd[k] - v).abs().max().item() for k, v in ref.state_dict().items())

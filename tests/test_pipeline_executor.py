@@ -130,8 +130,12 @@ def _mismatch_worker():
     chunks = build_chunks(stages, partition(parameter_costs(stages), 2), sched.placement[me])
     m = sched.microbatches
     tokens, targets = _batch(2 * m)  # micro-batches of 2 rows on both ranks: same message shapes
-    ex = PipelineExecutor(sched, mesh, chunks, cross_entropy, (2, SEQ, HIDDEN), torch.float64,
-                          timeout_s=3.0, check_schedule=False)
+
+    class Unchecked(PipelineExecutor):  # skip the up-front fingerprint comparison to reach the p2p timeout
+        def _check_same_schedule(self):
+            pass
+
+    ex = Unchecked(sched, mesh, chunks, cross_entropy, (2, SEQ, HIDDEN), torch.float64, timeout_s=3.0)
     t0 = time.monotonic()
     try:
         ex.step(list(tokens.chunk(m)), list(targets.chunk(m)))

@@ -260,7 +260,6 @@ class HeteroRuntime:
                     mod._buffers[bn] = b.to(self.device)
         self._cb_task = None
         self._hook_stack: list = []
-        self.relocate_saved = True  # False only to demonstrate the relocation bug in tests
         # where rows that are not fully resident take their Adam step: "off" (load them),
         # "fused" (torch's fused CPU AdamW on the host backings), "exact" (single-tensor math)
         self.host_optimizer = "fused" if self.device.type == "cuda" else "off"
@@ -487,7 +486,7 @@ class HeteroRuntime:
 
     # --- saved tensors --------------------------------------------------------------------
     def _pack(self, t: torch.Tensor):
-        if t.numel() and self.relocate_saved:
+        if t.numel():
             loc = self.mgr.locate(t)
             if loc is not None:
                 _, c, off = loc

@@ -61,7 +61,7 @@ class PipelineExecutor:
 
     Args:
         schedule: a valid schedule (checked with :func:`validate`); every pp rank
-            must pass the same one (compared once here unless ``check_schedule=False``).
+            must pass the same one (compared once here).
         mesh: a :class:`~parallel4d.mesh.Mesh`; peers are ``mesh.global_rank("pp", i)``.
         chunks: ``{chunk id: module}`` for exactly ``schedule.placement[pp_rank]``.
         loss_fn: ``loss_fn(output_of_last_chunk, targets) -> scalar`` (mean over
@@ -76,7 +76,7 @@ class PipelineExecutor:
 
     def __init__(self, schedule: Schedule, mesh, chunks: dict[int, nn.Module], loss_fn: Callable,
                  activation_shape: ShapeSpec, activation_dtype: torch.dtype = torch.float32, *,
-                 timeout_s: float = 300.0, recv_lookahead: int = 2, check_schedule: bool = True,
+                 timeout_s: float = 300.0, recv_lookahead: int = 2,
                  device: torch.device | None = None):
         validate(schedule)
         if mesh.size("pp") != schedule.pp:
@@ -113,7 +113,7 @@ class PipelineExecutor:
                     self.need[msg.consumer] = (peer, idx)
                 else:
                     self.makes[msg.producer] = (peer, idx)
-        if check_schedule and schedule.pp > 1:
+        if schedule.pp > 1:
             self._check_same_schedule()
 
     # --- setup ------------------------------------------------------------------
