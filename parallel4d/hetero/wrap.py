@@ -102,8 +102,12 @@ def _field_errors(e: ValidationError, cls, field_name: str) -> list[str]:
     return lines
 
 
-def resolve_device(spec: str) -> torch.device:
+def resolve_device(spec: str, mesh=None) -> torch.device:
+    """``hetero.compute_device`` as a device; ``auto`` is the mesh's device (where its collectives
+    run), or without a mesh CUDA's current device when there is one, else the CPU."""
     if spec == "auto":
+        if mesh is not None:
+            return torch.device(mesh.device)
         return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     if spec == "cpu":
         return torch.device("cpu")
@@ -120,8 +124,12 @@ class HeteroRuntime:
 
     def __init__(self, model: nn.Module, opt_cfg: OptimizerConfig, cfg: HeteroConfig, mesh=None):
         self.model, self.cfg = model, cfg
-        self.device = resolve_device(cfg.compute_device)
+        self.device = resolve_device(cfg.compute_device, mesh)
         self.dp = mesh.size("dp") if mesh is not None else 1
+        if self.dp > 1 and self.device.type != torch.device(mesh.device).type:
+            # ZeRO's collectives take chunks on the compute device: NCCL refuses host tensors.
+            raise ValueError(f"hetero.compute_device={cfg.compute_device!r} computes on {self.device} but the data "
+                             f"replicas communicate on {mesh.device}; use hetero.compute_device=auto")
         self.group = mesh.group("dp") if self.dp > 1 else None
         self.dp_rank = mesh.rank("dp") if self.dp > 1 else 0
         self.mesh = mesh
