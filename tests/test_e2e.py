@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from parallel4d import checkpoint, launch
+from parallel4d.sequence import ring_bytes
 from test_checkpoint import read_state
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -29,7 +30,9 @@ def reference(name, tmp_path_factory, extra=()):
 
 
 def assert_losses_match(parallel, single, rtol=1e-4):
-    a, b = torch.tensor(parallel["losses"]), torch.tensor(single["losses"])
+    # float64: the summaries' losses are Python floats; a float32 tensor would round away
+    # differences far above the 1e-10 the float64 jobs are held to
+    a, b = (torch.tensor(x["losses"], dtype=torch.float64) for x in (parallel, single))
     assert len(a) == len(b) == single["steps"]
     rel = ((a - b).abs() / b.abs()).max().item()
     assert rel <= rtol, f"max relative loss difference {rel:.2e} > {rtol}"
@@ -59,8 +62,17 @@ def test_sequence(tmp_path, tmp_path_factory):
     got, _ = run("sequence", tmp_path, [], "par")
     ref, _ = reference("sequence", tmp_path_factory)
     assert got["world_size"] == 4 and got["config"]["sequence"]["layout"] == "zigzag"
-    assert got["bytes_communicated"]["sent"]["ring.fwd.kv"] > 0 if "ring.fwd.kv" in got["bytes_communicated"]["sent"] \
-        else any(k.startswith("ring") for k in got["bytes_communicated"]["sent"])
+    # rank 0's ring traffic: every layer's forward and backward of every step, exactly the formula's
+    # (the check used to look up "ring.fwd.kv", a label that never exists, and fell back to any label)
+    m = got["config"]["model"]
+    sp, dp = got["parallel"]["sp"], got["parallel"]["dp"]
+    per_call = ring_bytes(sp, got["config"]["data"]["batch_size"] // dp, m["heads"], m["seq_len"] // sp,
+                          m["hidden"] // m["heads"], torch.float32)
+    calls = got["steps"] * m["layers"]
+    for label, want in per_call.items():
+        assert want > 0
+        for way in ("sent", "received"):
+            assert got["bytes_communicated"][way][label] == calls * want, (label, way)
     assert_losses_match(got, ref)
 
 
@@ -113,19 +125,22 @@ def test_all_four_techniques(tmp_path, tmp_path_factory):
     assert_losses_match(got, ref)
     more, _ = run("4d", tmp_path, ["train.resume=true", "train.steps=12"], "par")
     longer, _ = reference("4d", tmp_path_factory, ["hetero.enabled=false", "train.steps=12"])
-    assert more["losses"][:10] == got["losses"] and len(more["losses"]) == 12
-    assert_losses_match(more, longer)
+    assert more["resumed_from"] == 10 and more["losses"][:10] == got["losses"]  # reloaded, not computed
+    assert_losses_match(more, longer)  # steps 11-12: what the resumed run computes
 
 
 def test_hetero(tmp_path, tmp_path_factory):
     """configs/hetero.yaml: chunked memory with a budget below the model data, ZeRO over dp=2."""
     got, out = run("hetero", tmp_path, [], "par")
-    ref, _ = reference("hetero", tmp_path_factory, ["hetero.enabled=false"])
+    # 22 single-process steps: the reference of the 20 here and of the 2 the resume computes
+    ref, _ = reference("hetero", tmp_path_factory, ["hetero.enabled=false", "train.steps=22"])
     h = got["hetero"]
     assert h["device_budget_bytes"] < h["model_data_bytes"]
     assert 0 < h["peak_resident_bytes"] <= h["device_budget_bytes"]
     assert h["bytes_moved"] > 0 and got["world_size"] == 2
-    assert_losses_match(got, ref, rtol=1e-5)
-    # Resume from the hetero checkpoint: two more steps continue the same run.
+    assert_losses_match(got, {**ref, "losses": ref["losses"][:20], "steps": 20}, rtol=1e-5)
+    # Resume from the hetero checkpoint: the two steps it computes are the straight run's steps
+    # 21-22 (steps 1-20 come back from the checkpoint's run.json and cannot differ).
     more, _ = run("hetero", tmp_path, ["train.resume=true", "train.steps=22"], "par")
-    assert more["losses"][:20] == got["losses"] and len(more["losses"]) == 22
+    assert more["resumed_from"] == 20 and more["losses"][:20] == got["losses"]
+    assert_losses_match(more, ref, rtol=1e-5)
