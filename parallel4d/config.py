@@ -192,7 +192,16 @@ class Config(_Section):
     data: DataConfig = Field(default_factory=DataConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
-    deepspeed: Optional[dict[str, Any]] = Field(None, description="passed through to the DeepSpeed plugin")
+    deepspeed: Optional[dict[str, Any]] = Field(None, description="for the DeepSpeed plugin, which does not exist "
+                                                                  "yet: refused until then rather than ignored")
+
+    @field_validator("deepspeed")
+    @classmethod
+    def _no_plugin_yet(cls, section):
+        if section is not None:
+            raise ValueError("deepspeed: parallel4d's DeepSpeed plugin is not available yet, so nothing would read "
+                             "this section; remove it")
+        return section
 
     @model_validator(mode="after")
     def _cross_field(self) -> "Config":
