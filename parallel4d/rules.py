@@ -34,12 +34,16 @@ def near_multiples(value: int, m: int) -> str:
     return or_list(nearest_multiples(value, m))
 
 
+_MAX_TRIALS = 10**6  # exact up to n = 10¹²; beyond, a message must not cost a √n loop
+
+
 def divisors(n: int) -> list[int]:
-    """The divisors of ``n``, ascending (√n trial divisions); none for ``n < 1``."""
+    """The divisors of ``n``, ascending (√n trial divisions); none for ``n < 1``. Above 10¹² only
+    those found by 10⁶ trials and their cofactors (all true divisors, for suggestions)."""
     if n < 1:
         return []
-    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
-    return small + [n // d for d in reversed(small) if d * d != n]
+    small = [d for d in range(1, min(math.isqrt(n), _MAX_TRIALS) + 1) if n % d == 0]
+    return sorted(set(small + [n // d for d in small]))
 
 
 def closest(candidates: Iterable[int], value: int) -> list[int]:
