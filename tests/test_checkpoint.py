@@ -7,6 +7,7 @@ import json
 import os
 import re
 import resource
+import shutil
 import signal
 import subprocess
 import sys
@@ -72,18 +73,20 @@ def test_interrupted_save_leaves_previous_checkpoint(tmp_path, monkeypatch):
 
 
 def test_resume_under_pipeline_and_tensor2d(tmp_path):
-    """pp=2 × tp=4 (8 workers): every rank saves its own chunks and grid blocks; 2 + resume + 2 == 4."""
-    def job2d(out, steps, resume=False):
-        cfg = job(out, steps, resume)
+    """pp=2 × tp=4 (8 workers): every rank saves its own chunks and grid blocks; a copy of the
+    straight run's step-2 checkpoint resumed to 4 computes the straight run's steps 3-4 and state."""
+    def job2d(out, steps, resume=False, every=0):
+        cfg = job(out, steps, resume, every)
         cfg["parallel"] = {"pp": 2, "tp": 4}
         cfg["pipeline"] = {"schedule": "1f1b", "microbatches": 2}
         cfg["model"].update(heads=4, layers=2)
         return cfg
 
-    straight = launch(job2d(tmp_path / "a", 4))
-    launch(job2d(tmp_path / "b", 2))
+    straight = launch(job2d(tmp_path / "a", 4, every=2))
+    (tmp_path / "b" / "checkpoints").mkdir(parents=True)
+    shutil.copytree(tmp_path / "a" / "checkpoints" / "step_00000002", tmp_path / "b" / "checkpoints" / "step_00000002")
     resumed = launch(job2d(tmp_path / "b", 4, resume=True))
-    assert resumed["losses"] == straight["losses"]
+    assert resumed["resumed_from"] == 2 and resumed["losses"][2:] == straight["losses"][2:]
     a = read_state(checkpoint.latest_checkpoint(tmp_path / "a" / "checkpoints"))
     b = read_state(checkpoint.latest_checkpoint(tmp_path / "b" / "checkpoints"))
     assert a.keys() == b.keys()
