@@ -1,0 +1,189 @@
+"""Gradient norm and clipping equal the dense ones (issue #13, point 5).
+
+One 8-worker job builds four layouts in turn and takes one clipped training step in each
+(float64, ``train.grad_clip`` small enough that clipping really scales):
+
+* ``tp``: 2D tensor parallel q=2 (tp=4) × dp=2: a parameter replicated over the grid rows
+  counts once, shards on different grid ranks are summed;
+* ``sp``: ring attention sp=2 × dp=4: parameters replicated over sp, gradients averaged
+  over dp·sp, nothing summed over the replicas;
+* ``pp``: 1F1B pp=2 × dp=4 with the embedding and the tied LM head on two pp ranks: each
+  copy of the table counts half;
+* ``hetero``: hetero's chunked ZeRO (``hetero.enabled``, its own clip path inside
+  ``HeteroOptimizer.step``) over the data replicas dp=2 × sp=4.
+
+Each is compared with the single-process dense GPT built from the same seed on the same
+batch: the norm ``engine.global_grad_norm`` (or ``HeteroOptimizer.clip_grad_norm_``)
+returns against ``torch.nn.utils.clip_grad_norm_``, the clipped gradients the optimizer
+sees (not under hetero: its gradients live in chunks and are scaled inside ``step``), and
+every parameter after the AdamW step, each to 1e-12 relative. Adam's eps is set to 1e-6,
+near the clipped gradients' elements, so the step's result depends on the clip
+coefficient (with eps → 0 Adam's first step is nearly scale-free and would hide a wrong
+norm).
+"""
+
+import torch
+
+from conftest import run_workers
+
+CLIP = 0.05
+RTOL = 1e-12
+
+BASE = {
+    "model": {"vocab_size": 64, "seq_len": 16, "hidden": 32, "heads": 4, "layers": 2, "tie_embeddings": True},
+    "data": {"batch_size": 8, "seed": 3},
+    "train": {"seed": 5, "dtype": "float64", "grad_clip": CLIP, "timeout_s": 60.0},
+    "optimizer": {"name": "adamw", "lr": 1e-2, "betas": [0.9, 0.95], "eps": 1e-6, "weight_decay": 0.1},
+    "checkpoint": {"enabled": False},
+}
+CASES = {
+    "tp": {"parallel": {"dp": 2, "tp": 4}},
+    "sp": {"parallel": {"dp": 4, "sp": 2}},
+    "pp": {"parallel": {"pp": 2, "dp": 4}, "pipeline": {"schedule": "1f1b", "microbatches": 2}},
+    "hetero": {"parallel": {"dp": 2, "sp": 4}, "hetero": {"enabled": True}},
+}
+
+
+def config(case):
+    from parallel4d.config import make_config
+
+    return make_config({**BASE, **CASES[case]})
+
+
+def _dense_name(name: str) -> str:
+    """The dense GPT's name of a LocalModel parameter (ring attention wraps the embedding)."""
+    return "embed." + name[len("embed.embed."):] if name.startswith("embed.embed.") else name
+
+
+def _dense_view(model, grads: bool) -> dict:
+    """This rank's parameters (or gradients) as dense tensors under dense names: 2D stages
+    gathered over the grid (collective), others as they are."""
+    from parallel4d.engine import PositionedEmbedding
+
+    stages = [(n, m) for n, m in model.named_children() if n != "blocks"]
+    stages += [(f"blocks.{k}", m) for k, m in model.blocks.items()]
+    out = {}
+    for prefix, stage in stages:
+        if isinstance(stage, PositionedEmbedding):
+            stage = stage.embed
+        if hasattr(stage, "dense_grads"):
+            tensors = stage.dense_grads() if grads else stage.dense_state_dict()
+        else:
+            tensors = {n: p.grad if grads else p.detach() for n, p in stage.named_parameters(remove_duplicate=False)}
+        out.update({f"{prefix}.{n}": t.detach().clone().cpu() for n, t in tensors.items() if t is not None})
+    return out
+
+
+def _worker(cases):
+    import parallel4d.engine as engine_mod
+    from parallel4d.data import build_dataset
+    from parallel4d.mesh import init_mesh
+
+    out = {}
+    real_norm = engine_mod.global_grad_norm
+    for case in cases:
+        cfg = config(case)
+        p = cfg.parallel
+        mesh = init_mesh(pp=p.pp, dp=p.dp, sp=p.sp, tp=p.tp, timeout_s=cfg.train.timeout_s)
+        engine = engine_mod.compose(cfg, mesh)
+        got = {"coords": mesh.coords, "norms": []}
+
+        if engine.hetero is not None:
+            real_clip = engine.optimizer.clip_grad_norm_
+
+            def clip(max_norm, real_clip=real_clip, got=got):
+                norm = real_clip(max_norm)
+                got["norms"].append(norm)
+                return norm
+
+            engine.optimizer.clip_grad_norm_ = clip
+        else:
+            def norm(*args, got=got, **kwargs):
+                n = real_norm(*args, **kwargs)
+                got["norms"].append(float(n))
+                return n
+
+            engine_mod.global_grad_norm = norm
+            real_step = engine.optimizer.step
+
+            def step(*args, real_step=real_step, engine=engine, got=got, **kwargs):
+                got["clipped_grads"] = _dense_view(engine.model, grads=True)  # what the optimizer is given
+                return real_step(*args, **kwargs)
+
+            engine.optimizer.step = step
+        try:
+            tokens, targets = build_dataset(cfg).batch(0)
+            got["loss"] = engine.train_step(tokens, targets)
+        finally:
+            engine_mod.global_grad_norm = real_norm
+        if engine.hetero is not None:
+            got["params"] = {_dense_name(n): t for n, t in engine.optimizer.rt.full_params().items()}
+        else:
+            got["params"] = _dense_view(engine.model, grads=False)
+        out[case] = got
+    return out
+
+
+def dense_reference(case):
+    """One clipped AdamW step of the dense single-process GPT on the same batch."""
+    from parallel4d.data import build_dataset
+    from parallel4d.engine import build_optimizer, lr_at, model_shape
+    from parallel4d.models.gpt import build_gpt
+
+    cfg = config(case)
+    model = build_gpt(model_shape(cfg), seed=cfg.train.seed).double()
+    tokens, targets = build_dataset(cfg).batch(0)
+    loss = model(tokens, targets)
+    loss.backward()
+    params = list(model.parameters())
+    norm = float(torch.nn.utils.clip_grad_norm_(params, cfg.train.grad_clip))
+    grads = {n: p.grad.clone() for n, p in model.named_parameters(remove_duplicate=False)}
+    opt = build_optimizer(params, cfg.optimizer)
+    for group in opt.param_groups:
+        group["lr"] = lr_at(0, cfg.optimizer)
+    opt.step()
+    return {"loss": loss.item(), "norm": norm, "grads": grads,
+            "params": {n: p.detach().clone() for n, p in model.named_parameters(remove_duplicate=False)},
+            "names": {n for n, _ in model.named_parameters()}}
+
+
+def _assert_tensors(got: dict, ref: dict, what: str, scale: float) -> set:
+    """Each tensor to RTOL relative; ``scale`` (the whole model's norm) bounds the error of a
+    tensor whose own norm is at rounding level (the key bias's gradient is zero in exact
+    arithmetic)."""
+    for name, t in got.items():
+        r = ref[name]
+        assert t.shape == r.shape, (what, name, t.shape, r.shape)
+        err = float((t - r).norm())
+        assert err <= RTOL * max(float(r.norm()), 1e-6 * scale), \
+            f"{what} {name}: ‖Δ‖ = {err:.3e}, ‖ref‖ = {float(r.norm()):.3e}"
+    return set(got)
+
+
+def _check(case, per_rank):
+    ref = dense_reference(case)
+    assert ref["norm"] > 2 * CLIP, f"{case}: the dense norm {ref['norm']} barely clips; lower CLIP"
+    gnorm = torch.cat([g.reshape(-1) for n, g in ref["grads"].items() if n in ref["names"]]).norm().item()
+    pnorm = torch.cat([p.reshape(-1) for n, p in ref["params"].items() if n in ref["names"]]).norm().item()
+    seen_grads, seen_params = set(), set()
+    for rank, r in enumerate(per_rank):
+        got = r[case]
+        assert abs(got["loss"] - ref["loss"]) <= RTOL * abs(ref["loss"]), (case, rank, got["loss"], ref["loss"])
+        assert len(got["norms"]) == 1, (case, rank, got["norms"])  # one norm, on every rank
+        norm = got["norms"][0]
+        assert abs(norm - ref["norm"]) <= RTOL * ref["norm"], \
+            f"{case} rank {rank}: norm {norm!r} != dense {ref['norm']!r} (rel {abs(norm / ref['norm'] - 1):.3e})"
+        if "clipped_grads" in got:
+            seen_grads |= _assert_tensors(got["clipped_grads"], ref["grads"], f"{case} rank {rank} clipped grad",
+                                          gnorm)
+        seen_params |= _assert_tensors(got["params"], ref["params"], f"{case} rank {rank} param", pnorm)
+    assert ref["names"] <= seen_params, (case, ref["names"] - seen_params)
+    if case != "hetero":
+        assert ref["names"] <= seen_grads, (case, ref["names"] - seen_grads)
+
+
+def test_grad_norm_and_clipping_equal_dense():
+    per_rank = run_workers(_worker, 8, list(CASES), timeout_s=300)
+    assert {tuple(r[c]["coords"].values()) for r in per_rank for c in CASES} and len(per_rank) == 8
+    for case in CASES:
+        _check(case, per_rank)
