@@ -167,6 +167,9 @@ class TrainConfig(_Section):
     job_timeout_s: Optional[Seconds] = Field(None, description="kill the whole local job after this many seconds "
                                                                "(1 s to a year); None = a week")
     threads_per_worker: Optional[int] = Field(None, ge=1, description="torch threads per local worker; None = cores / workers")
+    dp_bucket_mb: Finite = Field(25.0, gt=0, description="MiB of gradients per data-parallel all-reduce; buckets "
+                                                          "are posted during the backward as their gradients are "
+                                                          "ready")
     max_local_workers: int = Field(64, ge=1, description="a local (non-torchrun) launch refuses a world size "
                                                          "pp·dp·sp·tp above this; raise it only for a machine that "
                                                          "really runs that many processes")

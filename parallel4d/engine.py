@@ -29,6 +29,7 @@ import torch.nn as nn
 from . import comm
 from .config import Config, ConfigError
 from .data import local_slice
+from .ddp import GradBuckets
 from .mesh import Mesh
 from .models.gpt import GPTShape, build_stage, cross_entropy, stage_names
 
@@ -150,7 +151,9 @@ def build_stages(cfg: Config, mesh: Mesh, wanted=None, untie: bool = False):
 
 def average_gradients(params: list[nn.Parameter], mesh: Mesh, timeout_s: float) -> None:
     """Average grads over the data-like axes ``dp`` and ``sp`` (every parameter is
-    replicated over both; each rank's loss is the mean over its own tokens)."""
+    replicated over both; each rank's loss is the mean over its own tokens) in one
+    all-reduce after the backward. The engine overlaps the same sums with the backward
+    (:class:`~parallel4d.ddp.GradBuckets`); this is the reference they are tested against."""
     replicas = mesh.size("dp") * mesh.size("sp")
     if replicas == 1:
         return
@@ -235,6 +238,29 @@ class Engine:
         self.last_step_info: dict = {}
         self.autocast = (torch.autocast(device_type=self.device.type, dtype=torch.bfloat16)
                          if cfg.train.dtype == "bfloat16" else nullcontext())
+        self.grad_sync = self._grad_buckets()
+
+    # --- data-parallel gradients ----------------------------------------------------
+    def _grad_buckets(self) -> GradBuckets | None:
+        """Bucketed all-reduces over ``dp·sp`` posted during the backward; None with one
+        replica or under hetero (its ZeRO reduces the grads itself)."""
+        if self.hetero is not None or self.mesh.size("dp") * self.mesh.size("sp") == 1:
+            return None
+        return GradBuckets(self.params, self.mesh, bucket_bytes=self.cfg.train.dp_bucket_mb * 2**20,
+                           timeout_s=self.cfg.train.timeout_s, expected=self._accumulations(),
+                           deferred=self.tied_params if self.tied_sync is not None else ())
+
+    def _accumulations(self) -> dict[int, int]:
+        """``{id(param): gradient accumulations per step}``: one per micro-batch, and under
+        the pipeline one per micro-batch for each of this rank's chunks holding the parameter."""
+        m = self.cfg.pipeline.microbatches
+        if self.executor is None:
+            return {id(p): m for p in self.params}
+        counts: dict[int, int] = {}
+        for chunk in self.executor.chunks.values():
+            for p in chunk.parameters():
+                counts[id(p)] = counts.get(id(p), 0) + m
+        return counts
 
     # --- data ---------------------------------------------------------------------
     def local_batch(self, x: torch.Tensor) -> torch.Tensor:
@@ -283,9 +309,12 @@ class Engine:
         """One optimizer step on the global batch; returns the global mean loss."""
         for group in self.optimizer.param_groups:
             group["lr"] = lr_at(self.step, self.cfg.optimizer)
-        loss = self._forward_backward(self.local_batch(tokens), self.local_batch(targets))
-        if self.hetero is None:
-            average_gradients(self.params, self.mesh, self.cfg.train.timeout_s)
+        x, y = self.local_batch(tokens), self.local_batch(targets)
+        if self.grad_sync is not None:
+            self.grad_sync.start()
+        loss = self._forward_backward(x, y)
+        if self.grad_sync is not None:
+            self.grad_sync.finish()
         if self.cfg.train.grad_clip and self.hetero is not None:
             self.optimizer.clip_grad_norm_(self.cfg.train.grad_clip)  # applied inside step()
         elif self.cfg.train.grad_clip:

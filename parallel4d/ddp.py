@@ -1,0 +1,145 @@
+"""Data-parallel gradient averaging that overlaps the backward.
+
+:class:`GradBuckets` cuts this rank's parameters, in reverse model order (the
+order their gradients become ready), into buckets of about ``bucket_bytes``.
+A hook on each parameter counts its gradient accumulations; once every
+parameter of a bucket has received all of this step's contributions (``expected``
+per step: one per micro-batch, more for a parameter shared by several pipeline
+chunks), the bucket's grads are copied into one flat buffer on the mesh's device
+and an async all-reduce (sum) is posted over the data replicas ``dp·sp`` while
+the backward goes on. :meth:`GradBuckets.finish` posts what is left (parameters
+that got fewer contributions, or none; ``deferred`` ones, whose grads change
+after the backward: the tied copies of a pipeline), waits for every bucket with
+the timeout, divides by the number of replicas and copies back into ``.grad``.
+
+Buckets are posted strictly in bucket order, so every replica issues the same
+collectives in the same order. The result is the same, element for element, as
+one all-reduce of all grads concatenated: each element is summed over the same
+ranks and divided by the same count; the bytes counted under ``dp_grad`` are
+the same too, spread over several calls.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+import torch.nn as nn
+
+from . import comm
+
+WHAT = "gradient all-reduce over the data replicas (dp·sp)"
+
+
+class _Bucket:
+    """Some parameters of one dtype and a flat buffer as long as their elements."""
+
+    def __init__(self, index: int, params: list[nn.Parameter], device: torch.device):
+        self.index, self.params = index, params
+        self.flat = torch.empty(sum(p.numel() for p in params), dtype=params[0].dtype, device=device)
+        self.ready = 0
+        self.work = self.grads = None
+
+    def post(self, group, stats) -> None:
+        """Copy the present grads into the buffer and post the async sum."""
+        self.grads = [p.grad for p in self.params if p.grad is not None]
+        n = sum(g.numel() for g in self.grads)
+        offset = 0
+        for g in self.grads:
+            self.flat[offset:offset + g.numel()].copy_(g.reshape(-1))
+            offset += g.numel()
+        if n:
+            self.work = comm.all_reduce(self.flat[:n], group, stats=stats, label="dp_grad", async_op=True)
+
+    def unpack(self, replicas: int) -> None:
+        """Divide the summed buffer by ``replicas`` and copy it back into the grads."""
+        n = sum(g.numel() for g in self.grads)
+        flat = self.flat[:n]
+        flat /= replicas
+        offset = 0
+        for g in self.grads:
+            g.copy_(flat[offset:offset + g.numel()].view_as(g))
+            offset += g.numel()
+
+
+def _split(params: list[nn.Parameter], bucket_bytes: float) -> list[list[nn.Parameter]]:
+    """Consecutive runs of one dtype, each closed once it holds ``bucket_bytes``."""
+    out: list[list[nn.Parameter]] = []
+    size = 0
+    for p in params:
+        if not out or size >= bucket_bytes or p.dtype != out[-1][0].dtype:
+            out.append([])
+            size = 0
+        out[-1].append(p)
+        size += p.numel() * p.element_size()
+    return out
+
+
+class GradBuckets:
+    """Bucketed async gradient all-reduce over ``mesh.group_over("dp", "sp")``, posted from
+    gradient hooks. Per step: :meth:`start` before the backward, :meth:`finish` after it."""
+
+    def __init__(self, params: Iterable[nn.Parameter], mesh, *, bucket_bytes: float, timeout_s: float,
+                 expected: dict[int, int], deferred: Iterable[nn.Parameter] = ()):
+        params = list({id(p): p for p in params}.values())
+        skip = {id(p) for p in deferred}
+        self.mesh, self.timeout_s = mesh, timeout_s
+        self.group = mesh.group_over("dp", "sp")
+        self.replicas = mesh.size("dp") * mesh.size("sp")
+        early = [p for p in reversed(params) if id(p) not in skip]
+        late = [p for p in reversed(params) if id(p) in skip]
+        groups = _split(early, bucket_bytes) + _split(late, bucket_bytes)
+        self.buckets = [_Bucket(i, ps, mesh.device) for i, ps in enumerate(groups)]
+        self._where = {id(p): b for b in self.buckets for p in b.params}
+        self._expected = {id(p): (0 if id(p) in skip else expected.get(id(p), 1)) for p in params}
+        self._counts: dict[int, int] = {}
+        self._next = 0
+        self._armed = False
+        self.posted_in_backward = 0  # buckets posted from a hook, this step (tests, benchmarks)
+        self._handles = [p.register_post_accumulate_grad_hook(self._hook) for p in early]
+
+    def start(self) -> None:
+        """Arm the hooks for one step's backward."""
+        for b in self.buckets:
+            b.ready, b.work, b.grads = 0, None, None
+        self._counts = {}
+        self._next = 0
+        self.posted_in_backward = 0
+        self._armed = True
+
+    def _hook(self, p: nn.Parameter) -> None:
+        if not self._armed:
+            return
+        count = self._counts.get(id(p), 0) + 1
+        self._counts[id(p)] = count
+        bucket = self._where[id(p)]
+        if count > self._expected[id(p)]:
+            raise RuntimeError(f"a parameter of gradient bucket {bucket.index} got gradient contribution {count} "
+                               f"of {self._expected[id(p)]} expected this step, after its bucket was all-reduced")
+        if count == self._expected[id(p)]:
+            bucket.ready += 1
+            while self._next < len(self.buckets) and self.buckets[self._next].ready == len(self.buckets[self._next].params):
+                self._post_next()
+                self.posted_in_backward += 1
+
+    def _post_next(self) -> None:
+        self.buckets[self._next].post(self.group, self.mesh.comm_stats)
+        self._next += 1
+
+    def finish(self) -> None:
+        """Post the rest, wait for every bucket (``timeout_s`` each), average into ``.grad``."""
+        self._armed = False
+        while self._next < len(self.buckets):
+            self._post_next()
+        n = len(self.buckets)
+        for b in self.buckets:
+            comm.wait(b.work, self.timeout_s, f"{WHAT}, bucket {b.index + 1} of {n}")
+        for b in self.buckets:
+            if b.work is not None:
+                b.unpack(self.replicas)
+
+    def remove(self) -> None:
+        """Take the hooks off the parameters."""
+        for h in self._handles:
+            h.remove()
+        self._handles = []

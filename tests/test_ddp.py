@@ -1,0 +1,137 @@
+"""Data-parallel gradients overlap the backward (issue #13.7): parallel4d.ddp.GradBuckets.
+
+Each job trains 2 steps twice on the same mesh, in float64: with the buckets (small,
+so there are several) and with the single all-reduce after the backward that they
+replaced (``engine.average_gradients``). Parameters and losses must be equal bit for
+bit, the bytes counted under ``dp_grad`` per step must be the gradient bytes (as
+before), and the first bucket must be posted before the backward reaches the first
+layer (the embedding's gradient hook, the last of the backward).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import run_workers
+
+BUCKET_MB = 0.02  # 20 KiB: a tiny layer per bucket, several buckets
+
+
+def job(**over):
+    cfg = {
+        "model": {"vocab_size": 64, "seq_len": 16, "hidden": 32, "heads": 2, "layers": 2},
+        "data": {"source": "synthetic", "batch_size": 8},
+        "train": {"steps": 2, "dtype": "float64", "timeout_s": 60, "dp_bucket_mb": BUCKET_MB},
+        "checkpoint": {"enabled": False},
+    }
+    for section, values in over.items():
+        cfg.setdefault(section, {}).update(values)
+    return cfg
+
+
+class SingleAllReduce:
+    """Today's path before the buckets: one all-reduce of every grad after the backward."""
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    def start(self):
+        pass
+
+    def finish(self):
+        from parallel4d.engine import average_gradients
+
+        average_gradients(self.engine.params, self.engine.mesh, self.engine.cfg.train.timeout_s)
+
+
+class Events:
+    """Order of ``dist.all_reduce`` calls and of the embedding's gradient hooks in a step."""
+
+    def __init__(self, engine):
+        import torch.distributed as dist
+
+        self.log: list[str] = []
+        self._real = dist.all_reduce
+        for p in engine.model.embed.parameters():
+            p.register_post_accumulate_grad_hook(lambda _: self.log.append("embed grad"))
+
+        def recorded(*args, **kwargs):
+            self.log.append("all_reduce")
+            return self._real(*args, **kwargs)
+
+        dist.all_reduce = recorded
+
+    def close(self):
+        import torch.distributed as dist
+
+        dist.all_reduce = self._real
+
+
+def _train(cfg_dict, buckets: bool):
+    from parallel4d.config import Config
+    from parallel4d.data import build_dataset
+    from parallel4d.engine import compose
+    from parallel4d.mesh import init_mesh
+
+    cfg = Config.model_validate(cfg_dict)
+    p = cfg.parallel
+    mesh = init_mesh(pp=p.pp, dp=p.dp, sp=p.sp, tp=p.tp, timeout_s=cfg.train.timeout_s)
+    engine = compose(cfg, mesh)
+    out = {"buckets": len(engine.grad_sync.buckets), "posted_in_backward": []}
+    if not buckets:
+        engine.grad_sync.remove()
+        engine.grad_sync = SingleAllReduce(engine)
+    events = Events(engine) if buckets and "embed" in dict(engine.model.named_children()) else None
+    data, losses, sent = build_dataset(cfg), [], []
+    for step in range(cfg.train.steps):
+        before = mesh.comm_stats.sent["dp_grad"]
+        losses.append(engine.train_step(*data.batch(step)))
+        sent.append(mesh.comm_stats.sent["dp_grad"] - before)
+        if buckets:
+            out["posted_in_backward"].append(engine.grad_sync.posted_in_backward)
+    if events is not None:
+        events.close()
+        out["events"] = events.log
+    grad_bytes = sum(q.numel() * q.element_size() for q in engine.params)
+    out.update(losses=losses, sent=sent, grad_bytes=grad_bytes,
+               params={n: q.detach().clone() for n, q in engine.model.named_parameters()})
+    return out
+
+
+def _run_both(cfg_dict):
+    return [_train(cfg_dict, True), _train(cfg_dict, False)]
+
+
+def _check_same(results):
+    for rank, (new, old) in enumerate(results):
+        assert new["losses"] == old["losses"], rank
+        for name, a in old["params"].items():
+            assert torch.equal(new["params"][name], a), (rank, name)
+        assert new["sent"] == old["sent"] == [new["grad_bytes"]] * 2, (rank, new["sent"], old["sent"])
+
+
+@pytest.mark.parametrize("microbatches", [1, 2])
+def test_buckets_overlap_backward_and_match_single_all_reduce(microbatches):
+    """dp = 2, pp = 1, with and without gradient accumulation over micro-batches."""
+    results = run_workers(_run_both, 2, job(parallel={"dp": 2}, pipeline={"microbatches": microbatches}),
+                          timeout_s=120)
+    _check_same(results)
+    for new, _ in results:
+        assert new["buckets"] >= 4
+        # Every bucket but the embedding's own is posted from a hook, during the backward.
+        assert new["posted_in_backward"][0] >= new["buckets"] - 2, new
+        log = new["events"]
+        first_reduce = log.index("all_reduce")
+        last_embed = len(log) - 1 - log[::-1].index("embed grad")
+        assert first_reduce < last_embed, log
+
+
+def test_buckets_under_the_pipeline_with_tied_copies():
+    """pp = 2 × dp = 2 (1F1B, 2 micro-batches): the embedding and the LM head are tied copies
+    on two pp ranks; their grads are summed over pp after the backward, so their bucket waits."""
+    results = run_workers(_run_both, 4, job(parallel={"pp": 2, "dp": 2}, pipeline={"microbatches": 2}),
+                          timeout_s=120)
+    _check_same(results)
+    for new, _ in results:
+        assert new["posted_in_backward"][0] >= 1, new
