@@ -10,7 +10,6 @@ layer (the embedding's gradient hook, the last of the backward).
 
 from __future__ import annotations
 
-import pytest
 import torch
 
 from conftest import run_workers
@@ -99,25 +98,25 @@ def _train(cfg_dict, buckets: bool):
     return out
 
 
-def _run_both(cfg_dict):
-    return [_train(cfg_dict, True), _train(cfg_dict, False)]
+def _run_both(cfg_dicts):
+    return [(_train(c, True), _train(c, False)) for c in cfg_dicts]
 
 
-def _check_same(results):
-    for rank, (new, old) in enumerate(results):
+def _check_same(pairs):
+    for rank, (new, old) in enumerate(pairs):
         assert new["losses"] == old["losses"], rank
         for name, a in old["params"].items():
             assert torch.equal(new["params"][name], a), (rank, name)
         assert new["sent"] == old["sent"] == [new["grad_bytes"]] * 2, (rank, new["sent"], old["sent"])
 
 
-@pytest.mark.parametrize("microbatches", [1, 2])
-def test_buckets_overlap_backward_and_match_single_all_reduce(microbatches):
-    """dp = 2, pp = 1, with and without gradient accumulation over micro-batches."""
-    results = run_workers(_run_both, 2, job(parallel={"dp": 2}, pipeline={"microbatches": microbatches}),
-                          timeout_s=120)
-    _check_same(results)
-    for new, _ in results:
+def test_buckets_overlap_backward_and_match_single_all_reduce():
+    """dp = 2, pp = 1, without and with gradient accumulation over 2 micro-batches."""
+    jobs = [job(parallel={"dp": 2}, pipeline={"microbatches": m}) for m in (1, 2)]
+    per_rank = run_workers(_run_both, 2, jobs, timeout_s=120)
+    pairs = [pair for rank in per_rank for pair in rank]
+    _check_same(pairs)
+    for new, _ in pairs:
         assert new["buckets"] >= 4
         # Every bucket but the embedding's own is posted from a hook, during the backward.
         assert new["posted_in_backward"][0] >= new["buckets"] - 2, new
@@ -130,8 +129,9 @@ def test_buckets_overlap_backward_and_match_single_all_reduce(microbatches):
 def test_buckets_under_the_pipeline_with_tied_copies():
     """pp = 2 × dp = 2 (1F1B, 2 micro-batches): the embedding and the LM head are tied copies
     on two pp ranks; their grads are summed over pp after the backward, so their bucket waits."""
-    results = run_workers(_run_both, 4, job(parallel={"pp": 2, "dp": 2}, pipeline={"microbatches": 2}),
-                          timeout_s=120)
-    _check_same(results)
-    for new, _ in results:
+    per_rank = run_workers(_run_both, 4, [job(parallel={"pp": 2, "dp": 2}, pipeline={"microbatches": 2})],
+                           timeout_s=120)
+    pairs = [rank[0] for rank in per_rank]
+    _check_same(pairs)
+    for new, _ in pairs:
         assert new["posted_in_backward"][0] >= 1, new
