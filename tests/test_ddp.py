@@ -3,7 +3,7 @@
 Each job trains 2 steps twice on the same mesh, in float64: with the buckets (small,
 so there are several) and with the single all-reduce after the backward that they
 replaced (``engine.average_gradients``). Parameters and losses must be equal bit for
-bit, the bytes counted under ``dp_grad`` per step must be the gradient bytes (as
+bit, the buckets must be on the mesh's device (tests/device_audit.py), the bytes counted under ``dp_grad`` per step must be the gradient bytes (as
 before), and the first bucket must be posted before the backward reaches the first
 layer (the embedding's gradient hook, the last of the backward).
 """
@@ -45,26 +45,27 @@ class SingleAllReduce:
 
 
 class Events:
-    """Order of ``dist.all_reduce`` calls and of the embedding's gradient hooks in a step."""
+    """Order of the package's all-reduces (``comm.all_reduce``, which hands them to
+    ``dist.all_reduce``) and of the embedding's gradient hooks, one list per step."""
 
     def __init__(self, engine):
-        import torch.distributed as dist
+        from parallel4d import comm
 
-        self.log: list[str] = []
-        self._real = dist.all_reduce
+        self.steps: list[list[str]] = []
+        self._real = comm.all_reduce
         for p in engine.model.embed.parameters():
-            p.register_post_accumulate_grad_hook(lambda _: self.log.append("embed grad"))
+            p.register_post_accumulate_grad_hook(lambda _: self.steps[-1].append("embed grad"))
 
         def recorded(*args, **kwargs):
-            self.log.append("all_reduce")
+            self.steps[-1].append(f"all_reduce {kwargs.get('label')}")
             return self._real(*args, **kwargs)
 
-        dist.all_reduce = recorded
+        comm.all_reduce = recorded
 
     def close(self):
-        import torch.distributed as dist
+        from parallel4d import comm
 
-        dist.all_reduce = self._real
+        comm.all_reduce = self._real
 
 
 def _train(cfg_dict, buckets: bool):
@@ -85,13 +86,15 @@ def _train(cfg_dict, buckets: bool):
     data, losses, sent = build_dataset(cfg), [], []
     for step in range(cfg.train.steps):
         before = mesh.comm_stats.sent["dp_grad"]
+        if events is not None:
+            events.steps.append([])
         losses.append(engine.train_step(*data.batch(step)))
         sent.append(mesh.comm_stats.sent["dp_grad"] - before)
         if buckets:
             out["posted_in_backward"].append(engine.grad_sync.posted_in_backward)
     if events is not None:
         events.close()
-        out["events"] = events.log
+        out["events"] = events.steps
     grad_bytes = sum(q.numel() * q.element_size() for q in engine.params)
     out.update(losses=losses, sent=sent, grad_bytes=grad_bytes,
                params={n: q.detach().clone() for n, q in engine.model.named_parameters()})
@@ -99,7 +102,18 @@ def _train(cfg_dict, buckets: bool):
 
 
 def _run_both(cfg_dicts):
-    return [(_train(c, True), _train(c, False)) for c in cfg_dicts]
+    """Per config: the bucketed run under the device audit (no collective gets a host tensor),
+    then the reference run."""
+    from device_audit import DeviceAudit
+
+    out = []
+    for c in cfg_dicts:
+        audit = DeviceAudit()
+        with audit:
+            new = _train(c, True)
+        new["host_tensors"] = sorted(set(audit.violations))
+        out.append((new, _train(c, False)))
+    return out
 
 
 def _check_same(pairs):
@@ -107,6 +121,7 @@ def _check_same(pairs):
         assert new["losses"] == old["losses"], rank
         for name, a in old["params"].items():
             assert torch.equal(new["params"][name], a), (rank, name)
+        assert not new["host_tensors"], new["host_tensors"]
         assert new["sent"] == old["sent"] == [new["grad_bytes"]] * 2, (rank, new["sent"], old["sent"])
 
 
@@ -120,10 +135,10 @@ def test_buckets_overlap_backward_and_match_single_all_reduce():
         assert new["buckets"] >= 4
         # Every bucket but the embedding's own is posted from a hook, during the backward.
         assert new["posted_in_backward"][0] >= new["buckets"] - 2, new
-        log = new["events"]
-        first_reduce = log.index("all_reduce")
-        last_embed = len(log) - 1 - log[::-1].index("embed grad")
-        assert first_reduce < last_embed, log
+        for log in new["events"]:
+            first_reduce = log.index("all_reduce dp_grad")
+            last_embed = len(log) - 1 - log[::-1].index("embed grad")
+            assert first_reduce < last_embed, log
 
 
 def test_buckets_under_the_pipeline_with_tied_copies():
@@ -135,3 +150,15 @@ def test_buckets_under_the_pipeline_with_tied_copies():
     _check_same(pairs)
     for new, _ in pairs:
         assert new["posted_in_backward"][0] >= 1, new
+
+
+def test_bucket_size_is_a_positive_finite_number():
+    from parallel4d.config import Config, ConfigError
+
+    assert Config().train.dp_bucket_mb == 25
+    for bad in (0, -1.0, float("inf"), float("nan"), "25", True):
+        try:
+            Config.model_validate({"train": {"dp_bucket_mb": bad}})
+        except (ValueError, ConfigError):
+            continue
+        raise AssertionError(f"train.dp_bucket_mb={bad!r} was accepted")
