@@ -40,6 +40,11 @@ class _Bucket:
         self.ready = 0
         self.work = self.grads = None
 
+    @property
+    def full(self) -> bool:
+        """Every parameter has all of this step's gradient contributions."""
+        return self.ready == len(self.params)
+
     def post(self, group, stats) -> None:
         """Copy the present grads into the buffer and post the async sum."""
         self.grads = [p.grad for p in self.params if p.grad is not None]
@@ -118,7 +123,7 @@ class GradBuckets:
                                f"of {self._expected[id(p)]} expected this step, after its bucket was all-reduced")
         if count == self._expected[id(p)]:
             bucket.ready += 1
-            while self._next < len(self.buckets) and self.buckets[self._next].ready == len(self.buckets[self._next].params):
+            while self._next < len(self.buckets) and self.buckets[self._next].full:
                 self._post_next()
                 self.posted_in_backward += 1
 

@@ -3,9 +3,10 @@
 Each job trains 2 steps twice on the same mesh, in float64: with the buckets (small,
 so there are several) and with the single all-reduce after the backward that they
 replaced (``engine.average_gradients``). Parameters and losses must be equal bit for
-bit, the buckets must be on the mesh's device (tests/device_audit.py), the bytes counted under ``dp_grad`` per step must be the gradient bytes (as
-before), and the first bucket must be posted before the backward reaches the first
-layer (the embedding's gradient hook, the last of the backward).
+bit; the buckets must be on the mesh's device (tests/device_audit.py); the bytes
+counted under ``dp_grad`` per step must be the gradient bytes, as before; and in
+every step the first bucket must be posted before the backward reaches the first
+layer (the embedding's gradient hooks, the last of the backward).
 """
 
 from __future__ import annotations
