@@ -142,12 +142,15 @@ def test_buckets_overlap_backward_and_match_single_all_reduce():
             assert first_reduce < last_embed, log
 
 
-def test_buckets_under_the_pipeline_with_tied_copies():
-    """pp = 2 × dp = 2 (1F1B, 2 micro-batches): the embedding and the LM head are tied copies
-    on two pp ranks; their grads are summed over pp after the backward, so their bucket waits."""
-    per_rank = run_workers(_run_both, 4, [job(parallel={"pp": 2, "dp": 2}, pipeline={"microbatches": 2})],
-                           timeout_s=120)
-    pairs = [rank[0] for rank in per_rank]
+def test_buckets_under_the_pipeline_with_tied_weights():
+    """pp = 2 × dp = 2, 2 micro-batches. 1F1B: the embedding and the LM head are tied copies on
+    two pp ranks, summed over pp after the backward, so their bucket waits for that. Hanayo
+    (1 wave): both sit on pp rank 0 as one parameter, whose bucket waits for both chunks'
+    backwards of every micro-batch."""
+    jobs = [job(parallel={"pp": 2, "dp": 2}, pipeline={"microbatches": 2, "schedule": schedule, "waves": 1})
+            for schedule in ("1f1b", "hanayo")]
+    per_rank = run_workers(_run_both, 4, jobs, timeout_s=120)
+    pairs = [pair for rank in per_rank for pair in rank]
     _check_same(pairs)
     for new, _ in pairs:
         assert new["posted_in_backward"][0] >= 1, new
