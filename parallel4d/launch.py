@@ -12,6 +12,7 @@ fresh run does not write over another run's checkpoints.
 
 from __future__ import annotations
 
+import gc
 import os
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
@@ -89,6 +90,10 @@ def launch(config: str | Path | Config | dict, overrides: list[str] | None = Non
                 return run_training(cfg)
             finally:
                 dist.destroy_process_group()
+                # The groups are freed (their gloo threads joined) only with their last reference, which sits
+                # in the mesh's cycles; left to interpreter exit, a gloo thread releasing a finished work's
+                # tensors takes the GIL mid-finalization and the process aborts (SIGABRT) after a good run.
+                gc.collect()
     threads = cfg.train.threads_per_worker or max(1, (os.cpu_count() or 1) // cfg.world_size)
     with prepared(cfg, local=True):
         results = spawn(
