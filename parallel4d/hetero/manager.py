@@ -472,6 +472,12 @@ class ChunkManager:
                 s.writebacks += 1
             c.dirty = False
 
+    def count(self, **delta) -> None:
+        """Add ``delta`` (``MoveStats`` fields) to the cumulative and the iteration counters."""
+        for s in (self.stats, self.iter_stats):
+            for k, v in delta.items():
+                setattr(s, k, getattr(s, k) + v)
+
     def _wait_ready(self, c: Chunk) -> None:
         ev = c.meta.pop("ready", None)
         if ev is not None:  # a prefetched fill may still be in flight

@@ -41,7 +41,7 @@ def fused_adam_update(p, g, m, v, *, step: int, lr: float, beta1: float, beta2: 
 
 
 class HeteroOptimizer:
-    """Adam/AdamW over the chunks of a :class:`~parallel4d.hetero.wrap.HeteroRuntime`.
+    """Adam/AdamW over the chunks of a :class:`~parallel4d.hetero.runtime.HeteroRuntime`.
 
     Looks like a ``torch.optim.Optimizer`` to a training loop: ``step()``,
     ``zero_grad()``, ``param_groups`` (one group; set ``param_groups[0]["lr"]`` to

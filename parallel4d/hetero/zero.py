@@ -10,6 +10,7 @@ only its shard.
 
 All dp ranks run the same program on the same budget and policy, so their chunk
 accesses and eviction decisions are identical and every collective is matched.
+:class:`ZeroShards` does this rank's part: gathers a row's parameters, reduce-scatters its gradients.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from .. import comm
-from .chunk import TensorInfo
+from .chunk import TensorInfo, TensorState
 
 
 def window(rank: int, shard: int) -> tuple[int, int]:
@@ -46,3 +47,96 @@ def reduce_scatter_mean(full: torch.Tensor, group, dp: int) -> torch.Tensor:
     with comm.named("hetero ZeRO gradient reduce-scatter", group):
         fn(out, full, op=dist.ReduceOp.SUM, group=group)
     return out.div_(dp)
+
+
+class ZeroShards:
+    """This rank's share ``[lo, hi)`` of every row (the whole row at dp = 1) and the ZeRO
+    collectives between full ``[C]`` chunks and ``[C/dp]`` shards, counted in the manager's
+    stats and the mesh's byte counters."""
+
+    def __init__(self, mgr, C: int, dp: int, rank: int, group, mesh):
+        self.mgr, self.C, self.dp, self.rank, self.group, self.mesh = mgr, C, dp, rank, group, mesh
+        self.Sz = C // dp
+        self.window = window(rank, self.Sz)
+        self.reduce_scatters = {"on_completion": 0, "end_of_backward": 0}
+
+    def opt_chunks(self, row):
+        """``(P, G, M, V, (lo, hi))`` the optimizer updates: under ZeRO the shards."""
+        if self.dp > 1:
+            return row.PS, row.GS, row.M, row.V, self.window
+        return row.P, row.G, row.M, row.V, self.window
+
+    def loader(self, row):
+        """``load(dst[C])``: the row's full parameters, all-gathered from every rank's shard."""
+        def load(dst: torch.Tensor) -> None:
+            local = dst.narrow(0, self.window[0], self.Sz)
+            ps, nbytes = row.PS, self.Sz * self.mgr.esize
+            if ps.slot is not None:
+                local.copy_(self.mgr.read(ps))
+            else:
+                self.mgr._copy(local, ps.backing)
+                self.mgr.count(load_bytes=nbytes, loads=1)
+            all_gather_into(dst, local.clone(), self.group)
+            got = (self.dp - 1) * nbytes
+            self.mgr.count(gather_bytes=got)
+            self.mesh.comm_stats.add("hetero.all_gather", nbytes, got)
+        return load
+
+    def reduce_row(self, row, when: str) -> None:
+        """Reduce-scatter the row's gradient chunk ``G[C]`` into this rank's ``GS[C/dp]``
+        (``when``: ``on_completion`` or ``end_of_backward``, for the stats)."""
+        self.reduce_scatters[when] += 1
+        got = [k for k, t in enumerate(row.G.tensors) if t.state == TensorState.HOLD_AFTER_BWD]
+        shard = self._reduce_scatter(row.G, got)
+        self._accumulate(row.GS, got, shard)
+
+    @torch.no_grad()
+    def _reduce_scatter(self, G, got: list[int]) -> torch.Tensor:
+        """The mean over dp of ``G``'s content, this rank's ``[C/dp]`` part; ``G``'s tensors → FREE."""
+        self.mgr.pin(G)
+        full = self.mgr.slot_view(G)
+        for t in G.tensors:  # content of FREE tensors is stale: contribute zeros
+            if t.state == TensorState.FREE:
+                full.narrow(0, t.offset, t.numel).zero_()
+        shard = reduce_scatter_mean(full, self.group, self.dp)
+        sent = (self.dp - 1) * self.Sz * self.mgr.esize
+        self.mgr.count(reduce_scatter_bytes=sent)
+        self.mesh.comm_stats.add("hetero.reduce_scatter", sent, sent)
+        for k in got:
+            G.tensors[k].set_state(TensorState.FREE)
+        self.mgr.unpin(G)
+        return shard
+
+    @torch.no_grad()
+    def _accumulate(self, GS, got: list[int], shard: torch.Tensor) -> None:
+        """``GS`` += ``shard`` for tensors ``got`` (copy where ``GS`` held no gradient yet)."""
+        lo, hi = self.window
+        first = {k: GS.tensors[k].state == TensorState.FREE for k in got}
+        ts = [GS.tensors[k] for k in got]
+        self.mgr.acquire(GS, ts, write=True, zero_free=False)
+        dst = self.mgr.slot_view(GS)
+        for k in got:
+            seg = segment(GS.tensors[k], lo, hi)
+            if seg is None:
+                continue
+            a, b = seg[0] - lo, seg[1] - lo
+            if first[k]:
+                dst[a:b].copy_(shard[a:b])
+            else:
+                dst[a:b].add_(shard[a:b])
+        self.mgr.release(GS, ts, TensorState.HOLD_AFTER_BWD)
+
+    def full_row(self, chunk, shard) -> torch.Tensor:
+        """A row's whole ``[C]`` content on the CPU (all-gathered from the shards under ZeRO)."""
+        if self.dp == 1:
+            return self.mgr.read(chunk).detach().to("cpu", copy=True)
+        local = self.mgr.read(shard).to(self.mgr.device)
+        full = torch.empty(self.C, dtype=self.mgr.dtype, device=self.mgr.device)
+        all_gather_into(full, local, self.group)
+        return full.cpu()
+
+    def all_reduce(self, t: torch.Tensor, what: str) -> None:
+        """Sum ``t`` over the data replicas (nothing at dp = 1)."""
+        if self.dp > 1:
+            with comm.named(what, self.group):
+                dist.all_reduce(t, group=self.group)

@@ -1,0 +1,112 @@
+"""The compute device and how many chunk slots its budget buys.
+
+Two pools of slots: ``main`` (``C`` elements: P and G of every row, and M, V at dp = 1) and,
+under ZeRO, ``shard`` (``C/dp`` elements: 4 slots for the optimizer's PS, GS, M, V of one row).
+A budget below what one module or one optimizer row pins at once is refused up front.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from ..config import HeteroConfig
+from .layout import Layout
+
+SHARD_SLOTS = 4  # the optimizer step of one row under ZeRO: PS, GS, M, V
+
+
+@dataclass
+class Budget:
+    """``pools``: ``{name: (slot elements, slots)}``; ``cap``: the byte budget (None = all
+    resident); ``dynamic_capacity``: device bytes for model and non-model data, if dynamic."""
+
+    pools: dict[str, tuple[int, int]]
+    cap: Optional[int]
+    dynamic_capacity: Optional[int]
+
+
+def resolve_device(spec: str, mesh=None) -> torch.device:
+    """``hetero.compute_device`` as a device; ``auto`` is the mesh's device (where its collectives
+    run), or without a mesh CUDA's current device when there is one, else the CPU."""
+    if spec == "auto":
+        if mesh is not None:
+            return torch.device(mesh.device)
+        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    if spec == "cpu":
+        return torch.device("cpu")
+    if spec == "cuda" or spec.startswith("cuda:"):
+        if not torch.cuda.is_available():
+            raise ValueError(f"hetero.compute_device={spec!r} but CUDA is not available; use 'cpu' or 'auto'")
+        d = torch.device(spec)
+        return torch.device("cuda", d.index if d.index is not None else torch.cuda.current_device())
+    raise ValueError(f"hetero.compute_device={spec!r} is not one of 'auto', 'cpu', 'cuda', 'cuda:N'")
+
+
+def replica_count(cfg: HeteroConfig, device: torch.device, mesh) -> int:
+    """The mesh's ``dp`` size (1 without a mesh), after the rules data replicas impose."""
+    dp = mesh.size("dp") if mesh is not None else 1
+    if dp > 1 and device.type != torch.device(mesh.device).type:
+        # ZeRO's collectives take chunks on the compute device: NCCL refuses host tensors.
+        raise ValueError(f"hetero.compute_device={cfg.compute_device!r} computes on {device} but the data "
+                         f"replicas communicate on {mesh.device}; use hetero.compute_device=auto")
+    if dp > 1 and cfg.dynamic_budget:
+        raise ValueError("hetero.dynamic_budget=true is not supported with parallel.dp>1 (every dp rank must "
+                         "make the same eviction decisions); use hetero.dynamic_budget=false")
+    return dp
+
+
+def plan_budget(layout: Layout, cfg: HeteroConfig, device: torch.device) -> Budget:
+    """The slots of each pool; ``ValueError`` naming the minimum when the budget is too small."""
+    cap, dynamic_capacity = _capacity(cfg, device)
+    shard_slots = SHARD_SLOTS if layout.dp > 1 else 0
+    # chunks in the main pool: P(+G) per row (ZeRO keeps M, V in the shard pool)
+    main_chunks = len(layout.rows) + layout.trainable_rows * (1 if layout.dp > 1 else 3)
+    main_slots = main_chunks if cap is None else _main_slots(layout, cap, main_chunks, shard_slots)
+    pools = {"main": (layout.C, main_slots)}
+    if shard_slots:
+        pools["shard"] = (layout.Sz, shard_slots)
+    return Budget(pools, cap, dynamic_capacity)
+
+
+def _capacity(cfg: HeteroConfig, device: torch.device) -> tuple[Optional[int], Optional[int]]:
+    """``(budget bytes, dynamic capacity)``: a dynamic budget without a size takes 90% of the GPU."""
+    cap = cfg.device_budget_bytes
+    if not cfg.dynamic_budget:
+        return cap, None
+    if cap is None:
+        if device.type != "cuda":
+            raise ValueError("hetero.dynamic_budget=true on the CPU needs hetero.device_budget_bytes "
+                             "(the device capacity for model and non-model data)")
+        cap = int(0.9 * torch.cuda.get_device_properties(device).total_memory)
+    return cap, cap
+
+
+def _main_slots(layout: Layout, cap: int, main_chunks: int, shard_slots: int) -> int:
+    esize = torch.empty((), dtype=layout.dtype).element_size()
+    chunk_bytes = layout.C * esize
+    shard_bytes = shard_slots * layout.Sz * esize
+    static_min = static_min_slots(layout)
+    main_slots = min(main_chunks, (cap - shard_bytes) // chunk_bytes)
+    if main_slots < static_min:
+        need = static_min * chunk_bytes + shard_bytes
+        shards = f" plus {shard_slots} ZeRO shard slots of {layout.Sz * esize} bytes" if shard_slots else ""
+        raise ValueError(
+            f"hetero.device_budget_bytes={cap} is too small: this model needs at least {static_min} "
+            f"chunks of {chunk_bytes} bytes on the device at once{shards}, i.e. the minimum feasible value "
+            f"is at least {need}; use hetero.device_budget_bytes≥{need}")
+    return main_slots
+
+
+def static_min_slots(layout: Layout) -> int:
+    """Lower bound on main-pool slots: the optimizer pins P, G, M, V of one row (under
+    ZeRO it works in the shard pool); a module pins the chunks of its parameters, plus
+    one gradient chunk while a gradient is written."""
+    spans = []
+    for params in layout.module_params.values():
+        rows = {layout.by_param[id(p)].row for p in params}
+        spans.append(len(rows) + (1 if any(p.requires_grad for p in params) else 0))
+    opt = 4 if layout.trainable_rows and layout.dp == 1 else 0
+    return max([opt, 1] + spans)

@@ -1,0 +1,70 @@
+"""Create every row's chunks in the manager and move the model's data into them.
+
+After :func:`move_params_into_chunks` each parameter's ``.data`` is a NaN placeholder of its
+shape (expanded from one element: stray reads show NaN, writes fail) until a hook points it
+at its chunk's device slot; the original storage is freed row by row.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from .chunk import Chunk, TensorInfo, TensorState
+from .layout import Layout, Row
+from .manager import ChunkManager
+from .zero import ZeroShards
+
+S = TensorState
+
+
+def add_chunks(layout: Layout, mgr: ChunkManager, zero: ZeroShards) -> None:
+    """P (and G, M, V for trainable rows) per row; under ZeRO also the shards PS, GS, with M
+    and V only as shards, and P a cache-only chunk filled by all-gathering PS."""
+    zero_mode = layout.dp > 1
+    for row in layout.rows:
+        row.P = _chunk(row, mgr, zero, "param", S.HOLD, backing=not zero_mode)
+        if row.trainable:
+            row.G = _chunk(row, mgr, zero, "grad", S.FREE)
+            pool = "shard" if zero_mode else "main"
+            row.M = _chunk(row, mgr, zero, "exp_avg", S.FREE, pool=pool)
+            row.V = _chunk(row, mgr, zero, "exp_avg_sq", S.FREE, pool=pool)
+        if zero_mode:
+            row.PS = _chunk(row, mgr, zero, "param_shard", S.HOLD, pool="shard")
+            if row.trainable:
+                row.GS = _chunk(row, mgr, zero, "grad_shard", S.FREE, pool="shard")
+            row.P.loader = zero.loader(row)
+
+
+def _chunk(row: Row, mgr: ChunkManager, zero: ZeroShards, kind: str, state: TensorState, pool: str = "main",
+           backing: bool = True) -> Chunk:
+    cap = zero.C if pool == "main" else zero.Sz
+    tensors = [TensorInfo(f"{kind}:{r.name}", r.shape, r.offset, r.param.numel(), state) for r in row.records]
+    base = zero.window[0] if pool == "shard" else 0
+    return mgr.add(Chunk(-1, kind, row.index, cap, tensors, pool=pool, base=base), backing=backing)
+
+
+@torch.no_grad()
+def move_params_into_chunks(layout: Layout, zero: ZeroShards, device: torch.device) -> None:
+    """Each row's ``[C]`` parameter values (this rank's shard under ZeRO) into its host backing."""
+    for rec in layout.records:
+        rec.placeholder = torch.full((1,), float("nan"), dtype=layout.dtype, device=device).expand(rec.shape)
+    lo, hi = zero.window
+    for row in layout.rows:
+        full = torch.zeros(layout.C, dtype=layout.dtype)
+        for rec in row.records:
+            full.narrow(0, rec.offset, rec.param.numel()).copy_(rec.param.detach().reshape(-1))
+            rec.param.data = rec.placeholder  # free the original storage row by row
+            rec.param.grad = None
+        if layout.dp > 1:
+            row.PS.backing.copy_(full[lo:hi])
+        else:
+            row.P.backing.copy_(full)
+
+
+def move_buffers(model: nn.Module, device: torch.device) -> None:
+    """Buffers (not managed by chunks) go to the compute device once."""
+    for mod in model.modules():
+        for bn, b in list(mod._buffers.items()):
+            if b is not None:
+                mod._buffers[bn] = b.to(device)

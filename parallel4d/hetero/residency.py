@@ -1,0 +1,173 @@
+"""Module hooks that drive residency (on every module with direct parameters).
+
+* forward pre-hook: the module's parameters → COMPUTE; ``param.data`` = a view into the
+  chunk's device slot.
+* forward hook: → HOLD_AFTER_FWD (HOLD without grad); ``param.data`` = the NaN placeholder;
+  a hook on each output that requires grad marks the *pre-backward* moment.
+* pre-backward (output-gradient hook): parameters → COMPUTE until their gradient is written
+  (``register_post_accumulate_grad_hook``: the gradient is copied/added into the grad chunk,
+  ``p.grad = None``, parameter → HOLD_AFTER_BWD). Frozen parameters and anything still held
+  are released by an end-of-backward callback.
+* a forward pre-hook that runs *inside* backward is activation-checkpoint recomputation:
+  its holds last until the backward hold is released, so the views the recomputation saved
+  cannot be relocated before they are used.
+* saved tensors (:class:`SavedTensors`, around ``model.forward``; a module called on its own,
+  as a pipeline stage, enters them in its pre-hook unless some are active) that alias a chunk
+  slot are rebuilt on the chunk's slot at unpack time.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from .chunk import Chunk, TensorInfo, TensorState
+from .layout import Layout, ParamRecord
+from .manager import ChunkManager
+from .saved import SavedTensors
+from .zero import ZeroShards
+
+S = TensorState
+Group = tuple[Chunk, list[TensorInfo], list[ParamRecord]]  # one chunk's part of a module's parameters
+
+
+def _in_backward() -> bool:
+    return torch._C._current_graph_task_id() != -1
+
+
+def _tensors(out):
+    """Every tensor in a (nested) module output."""
+    if isinstance(out, torch.Tensor):
+        yield out
+    elif isinstance(out, (list, tuple)):
+        for o in out:
+            yield from _tensors(o)
+    elif isinstance(out, dict):
+        for o in out.values():
+            yield from _tensors(o)
+
+
+class Residency:
+    """Holds and releases parameters around each module's forward and backward, and puts
+    each gradient into its grad chunk (reduce-scattering complete rows under ZeRO)."""
+
+    def __init__(self, layout: Layout, mgr: ChunkManager, saved: SavedTensors, zero: ZeroShards):
+        self.layout, self.mgr, self.saved, self.zero = layout, mgr, saved, zero
+        self.mod_groups: dict[nn.Module, list[Group]] = {m: self._groups(ps) for m, ps in layout.module_params.items()}
+        self._cb_task = None  # the backward whose end-of-backward callback is queued
+
+    def _groups(self, params: list[nn.Parameter]) -> list[Group]:
+        """``params`` by parameter chunk (a tied parameter once)."""
+        by_chunk: dict[int, Group] = {}
+        for p in params:
+            rec, row = self.layout.row_of(p)
+            e = by_chunk.setdefault(row.index, (row.P, [], []))
+            if rec not in e[2]:
+                e[1].append(row.P.tensors[rec.k])
+                e[2].append(rec)
+        return list(by_chunk.values())
+
+    def install(self, model: nn.Module) -> list:
+        """Register every hook; returns the handles."""
+        handles = []
+        for mod in self.mod_groups:
+            handles.append(mod.register_forward_pre_hook(self._pre_forward))
+            handles.append(mod.register_forward_hook(self._post_forward, always_call=True))
+        for rec in self.layout.records:
+            if rec.trainable:
+                handles.append(rec.param.register_post_accumulate_grad_hook(self._grad_ready))
+        inner, saved = model.forward, self.saved
+
+        def forward(*args, **kwargs):
+            with torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack):
+                return inner(*args, **kwargs)
+
+        model.forward = forward
+        return handles
+
+    # --- holds --------------------------------------------------------------------------
+    def _hold(self, chunk: Chunk, tensors: list[TensorInfo], recs: list[ParamRecord]) -> None:
+        self.mgr.acquire(chunk, tensors)
+        for t, rec in zip(tensors, recs):
+            rec.param.data = self.mgr.view(chunk, t)
+
+    def _unhold(self, chunk: Chunk, tensors: list[TensorInfo], recs: list[ParamRecord], to: TensorState) -> None:
+        self.mgr.release(chunk, tensors, to)
+        for t, rec in zip(tensors, recs):
+            if t.holds == 0:
+                rec.param.data = rec.placeholder
+
+    # --- forward ------------------------------------------------------------------------
+    def _pre_forward(self, mod, args) -> None:
+        self.saved.enter(unless_active=True)
+        if _in_backward():  # activation-checkpoint recomputation
+            self._pre_backward(mod)
+            return
+        for chunk, tensors, recs in self.mod_groups[mod]:
+            self._hold(chunk, tensors, recs)
+
+    def _post_forward(self, mod, args, out) -> None:
+        self.saved.exit()
+        if _in_backward():
+            return  # recomputation: the holds taken in _pre_forward are backward holds
+        grad = torch.is_grad_enabled()
+        if grad:
+            for t in _tensors(out):
+                if t.requires_grad:
+                    t.register_hook(lambda g, mod=mod: self._pre_backward(mod))
+        for chunk, tensors, recs in self.mod_groups[mod]:
+            self._unhold(chunk, tensors, recs, S.HOLD_AFTER_FWD if grad else S.HOLD)
+
+    # --- backward -----------------------------------------------------------------------
+    def _pre_backward(self, mod) -> None:
+        """Hold ``mod``'s parameters for its backward (once each: a module may run twice)."""
+        self._queue_end_of_backward()
+        for chunk, tensors, recs in self.mod_groups[mod]:
+            need = [(t, r) for t, r in zip(tensors, recs) if not r.bwd_held]
+            if need:
+                self._hold(chunk, [t for t, _ in need], [r for _, r in need])
+                for _, r in need:
+                    r.bwd_held = True
+
+    def _release_bwd(self, rec: ParamRecord) -> None:
+        row = self.layout.rows[rec.row]
+        rec.bwd_held = False
+        self._unhold(row.P, [row.P.tensors[rec.k]], [rec], S.HOLD_AFTER_BWD)
+
+    def _grad_ready(self, p: nn.Parameter) -> None:
+        rec, row = self.layout.row_of(p)
+        if p.grad is not None:
+            self._store_grad(row.G, row.G.tensors[rec.k], p.grad)
+            p.grad = None
+        if rec.bwd_held:
+            self._release_bwd(rec)
+        if self.layout.dp > 1 and all(t.state == S.HOLD_AFTER_BWD for t in row.G.tensors):
+            self.zero.reduce_row(row, "on_completion")
+
+    @torch.no_grad()
+    def _store_grad(self, G: Chunk, t: TensorInfo, g: torch.Tensor) -> None:
+        """Copy ``g`` into ``t``'s place in ``G``, or add it to the gradient already there."""
+        first = t.state == S.FREE
+        self.mgr.acquire(G, [t], write=True, zero_free=False)
+        dst = self.mgr.view(G, t)
+        if first:
+            dst.copy_(g)
+        else:
+            dst.add_(g)
+        self.mgr.release(G, [t], S.HOLD_AFTER_BWD)
+
+    def _queue_end_of_backward(self) -> None:
+        tid = torch._C._current_graph_task_id()
+        if tid != self._cb_task:
+            self._cb_task = tid
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+
+    def _end_of_backward(self) -> None:
+        self._cb_task = None
+        for rec in self.layout.records:
+            if rec.bwd_held:
+                self._release_bwd(rec)
+        if self.layout.dp > 1:  # rows whose tensors did not all get a gradient (unused parameters)
+            for row in self.layout.rows:
+                if row.trainable and any(t.state == S.HOLD_AFTER_BWD for t in row.G.tensors):
+                    self.zero.reduce_row(row, "end_of_backward")

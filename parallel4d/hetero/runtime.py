@@ -1,0 +1,127 @@
+"""``HeteroRuntime``: the chunks, hooks and optimizer arithmetic behind one wrapped model.
+
+Built in this order: compute device and data replicas (:mod:`.budget`) → the packing of the
+parameters into rows (:mod:`.layout`) → the budget's slots and the :class:`ChunkManager` →
+ZeRO's shards (:mod:`.zero`) → the chunks, filled with the parameters (:mod:`.populate`) →
+saved-tensor relocation (:mod:`.saved`), Adam over rows (:mod:`.step`), full state
+(:mod:`.state`) → the module hooks that drive residency (:mod:`.residency`).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from ..config import HeteroConfig, OptimizerConfig
+from .budget import Budget, plan_budget, replica_count, resolve_device
+from .layout import plan_layout
+from .manager import ChunkManager
+from .populate import add_chunks, move_buffers, move_params_into_chunks
+from .residency import Residency
+from .saved import SavedTensors
+from .state import FullState
+from .step import RowAdam
+from .zero import ZeroShards
+
+
+class HeteroRuntime:
+    """Chunks, hooks and the optimizer arithmetic behind one wrapped model."""
+
+    def __init__(self, model: nn.Module, opt_cfg: OptimizerConfig, cfg: HeteroConfig, mesh=None):
+        self.model, self.cfg, self.mesh = model, cfg, mesh
+        self.device = resolve_device(cfg.compute_device, mesh)
+        self.dp = replica_count(cfg, self.device, mesh)
+        self.group = mesh.group("dp") if self.dp > 1 else None
+        self.dp_rank = mesh.rank("dp") if self.dp > 1 else 0
+        self.layout = plan_layout(model, cfg.chunk_elems, self.dp)
+        self.rows, self.records, self.C = self.layout.rows, self.layout.records, self.layout.C
+        self.mgr = self._manager(cfg, plan_budget(self.layout, cfg, self.device))
+        self.zero = ZeroShards(self.mgr, self.C, self.dp, self.dp_rank, self.group, mesh)
+        add_chunks(self.layout, self.mgr, self.zero)
+        # model data this rank holds (= P, G, M, V of every row at dp=1; under ZeRO the
+        # shards plus the full-size gradient staging chunks)
+        self.model_data_bytes = self.mgr.allocate_backings()
+        move_params_into_chunks(self.layout, self.zero, self.device)
+        move_buffers(model, self.device)
+        self.saved = SavedTensors(self.mgr)
+        # host Adam for rows not resident: on CUDA it saves the PCIe round trip; on the CPU nothing
+        self.adam = RowAdam(self.layout, self.mgr, self.zero, "fused" if self.device.type == "cuda" else "off")
+        self.full = FullState(self.layout, self.mgr, self.zero)
+        self.residency = Residency(self.layout, self.mgr, self.saved, self.zero)
+        self.handles = self.residency.install(model) + self.full.install(model)
+
+    def _manager(self, cfg: HeteroConfig, budget: Budget) -> ChunkManager:
+        return ChunkManager(self.device, self.layout.dtype, budget.pools, policy=cfg.policy,
+                            dynamic_capacity=budget.dynamic_capacity, nonmodel_fn=self._nonmodel_bytes,
+                            budget_bytes=budget.cap)
+
+    def _nonmodel_bytes(self) -> int:
+        """Device bytes outside the chunk arena, for the dynamic budget (on the CPU: saved activations)."""
+        if self.device.type == "cuda":
+            return torch.cuda.memory_allocated(self.device) - self.mgr.arena_bytes
+        return self.saved.bytes
+
+    @property
+    def host_optimizer(self) -> str:
+        """Where rows not fully resident take their Adam step: "fused", "exact" or "off" (load them)."""
+        return self.adam.host_optimizer
+
+    @host_optimizer.setter
+    def host_optimizer(self, mode: str) -> None:
+        self.adam.host_optimizer = mode
+
+    # --- what HeteroOptimizer calls ------------------------------------------------------------
+    def optimizer_step(self, *, lr, beta1, beta2, eps, weight_decay, decoupled, grad_scale=None) -> None:
+        hp = dict(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, decoupled=decoupled)
+        self.adam.step(hp, grad_scale)
+
+    def zero_grad(self) -> None:
+        self.adam.zero_grad()
+
+    def grad_norm(self) -> float:
+        return self.adam.grad_norm()
+
+    def full_params(self) -> dict[str, torch.Tensor]:
+        return self.full.params()
+
+    def full_gradients(self) -> dict[str, torch.Tensor]:
+        return self.full.gradients()
+
+    def optimizer_state_dict(self, group: dict) -> dict:
+        return self.full.optimizer(self.adam.steps, group)
+
+    def load_params(self, values: dict[str, torch.Tensor]) -> None:
+        self.full.load_params(values)
+
+    def load_optimizer_state_dict(self, sd: dict) -> None:
+        self.full.load_optimizer(sd, self.adam.steps)
+
+    # --- reporting ------------------------------------------------------------------------------
+    def stats(self) -> dict:
+        m = self.mgr
+        last = m.history[-1] if m.history else None
+        return {
+            "model_data_bytes": self.model_data_bytes,
+            "device_budget_bytes": m.budget_bytes,
+            "arena_bytes": m.arena_bytes,
+            "peak_resident_bytes": m.peak_resident_bytes,
+            "min_feasible_budget_bytes": m.min_feasible_bytes(),
+            "chunk_elems": self.C,
+            "chunk_bytes": self.C * m.esize,
+            "chunks": len(m.chunks),
+            "rows": len(self.rows),
+            "dp": self.dp,
+            "policy": m.policy,
+            "dynamic_budget": m.dynamic_capacity is not None,
+            "compute_device": str(self.device),
+            "pinned_host": m.pinned_host,
+            "iterations": m.trace.iterations,
+            "trace_divergences": m.trace.divergences,
+            "reduce_scatters": dict(self.zero.reduce_scatters),
+            "host_optimizer": self.host_optimizer,
+            "host_optimizer_rows": self.adam.host_rows,
+            "bytes_moved": m.stats.moved_bytes,
+            "total": m.stats.as_dict(),
+            "last_iteration": {k: v for k, v in last.items() if k not in ("trace", "live", "nonmodel", "start_resident")}
+            if last else None,
+        }

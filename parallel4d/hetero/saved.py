@@ -1,0 +1,58 @@
+"""Saved tensors that survive slot reuse.
+
+A tensor autograd saves that aliases a chunk slot (a saved ``weight.t()``) is saved as
+``(chunk, offset, size, stride)`` and rebuilt on the chunk's slot at unpack time: by then the
+chunk may live in another slot, and the old one may hold another chunk. Every other saved
+tensor is an activation; its bytes are counted (the dynamic budget's non-model data on the CPU).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .manager import ChunkManager
+
+
+class SavedTensors:
+    """``saved_tensors_hooks`` for a wrapped model, entered around each forward."""
+
+    def __init__(self, mgr: ChunkManager):
+        self.mgr = mgr
+        self.bytes = 0  # activations saved and not yet unpacked
+        self._stack: list = []
+
+    def pack(self, t: torch.Tensor):
+        if t.numel():
+            loc = self.mgr.locate(t)
+            if loc is not None:
+                _, c, off = loc
+                return ("hetero-chunk", c, off, tuple(t.size()), tuple(t.stride()))
+        nb = t.numel() * t.element_size()
+        self.bytes += nb
+        return ("hetero-act", t, nb)
+
+    def unpack(self, obj):
+        if obj[0] == "hetero-act":
+            self.bytes -= obj[2]
+            return obj[1]
+        _, c, off, size, stride = obj
+        if c.slot is None:
+            raise RuntimeError(f"hetero: a saved view of chunk {c.kind}[{c.index}] is needed by backward while the "
+                               "chunk is not resident (a parameter used outside the module that owns it?)")
+        p = self.mgr.pools[c.pool]
+        return torch.as_strided(p.arena, size, stride, c.slot * p.slot_elems + off)
+
+    def enter(self, *, unless_active: bool = False) -> None:
+        """Push the hooks; with ``unless_active``, only when no saved-tensor hooks are active (ours
+        from an enclosing forward, or activation checkpointing's, which saves nothing)."""
+        ctx = None
+        if not unless_active or torch._C._autograd._top_saved_tensors_default_hooks(False) is None:
+            ctx = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+            ctx.__enter__()
+        self._stack.append(ctx)
+
+    def exit(self) -> None:
+        """Pop what the matching :meth:`enter` pushed."""
+        ctx = self._stack.pop() if self._stack else None
+        if ctx is not None:
+            ctx.__exit__(None, None, None)

@@ -1,0 +1,151 @@
+"""Full (unsharded) tensors by parameter name, in and out of the chunks.
+
+What ``model.state_dict()`` / ``load_state_dict`` and the optimizer's state dict see: every
+value whole, on the CPU, under its parameter names, whatever the dp layout (save at dp = 2,
+load at dp = 1). Collective under ZeRO: each row is all-gathered from the shards.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn as nn
+
+from .chunk import Chunk, TensorState
+from .layout import Layout, ParamRecord
+from .manager import ChunkManager
+from .zero import ZeroShards, segment
+
+S = TensorState
+
+
+def _cut(full: torch.Tensor, rec: ParamRecord) -> torch.Tensor:
+    """``rec``'s tensor out of a row's ``[C]`` content, with its shape."""
+    return full.narrow(0, rec.offset, rec.param.numel()).view(rec.shape).clone()
+
+
+def _first(values: dict, rec: ParamRecord):
+    """``rec``'s entry in ``values`` under any of its names (tied parameters have several)."""
+    return next((values[n] for n in rec.names if n in values), None)
+
+
+class FullState:
+    """Reads and writes whole tensors; installs the ``nn.Module`` state-dict hooks."""
+
+    def __init__(self, layout: Layout, mgr: ChunkManager, zero: ZeroShards):
+        self.layout, self.mgr, self.zero = layout, mgr, zero
+        self._loading: Optional[dict] = None
+
+    # --- out ------------------------------------------------------------------------------
+    def params(self) -> dict[str, torch.Tensor]:
+        out = {}
+        for row in self.layout.rows:
+            full = self.zero.full_row(row.P, row.PS)
+            for rec in row.records:
+                out[rec.name] = _cut(full, rec)
+        return out
+
+    def gradients(self) -> dict[str, torch.Tensor]:
+        """The gradients written since the last step (a parameter without one is left out)."""
+        out = {}
+        for row in self.layout.rows:
+            if not row.trainable:
+                continue
+            g = row.GS if self.layout.dp > 1 else row.G
+            full = self.zero.full_row(row.G, row.GS)
+            for rec, t in zip(row.records, g.tensors):
+                if t.state != S.FREE:
+                    out[rec.name] = _cut(full, rec)
+        return out
+
+    def optimizer(self, steps: dict[str, int], group: dict) -> dict:
+        """``{"state": {name: {"step", "exp_avg", "exp_avg_sq"}}, "param_groups": [group]}``."""
+        state = {}
+        for row in self.layout.rows:
+            if row.trainable:
+                state.update(self._adam_state(row, steps))
+        g = {k: v for k, v in group.items() if k != "params"}
+        g["betas"] = list(g["betas"])
+        return {"state": state, "param_groups": [g]}
+
+    def _adam_state(self, row, steps: dict[str, int]) -> dict:
+        # every trainable parameter has an entry (zeros, step 0 before its first update) so
+        # that a fresh optimizer's state_dict is a complete DCP load template
+        m = self.zero.full_row(row.M, row.M)
+        v = self.zero.full_row(row.V, row.V)
+        out = {}
+        for rec, t in zip(row.records, row.M.tensors):
+            if t.state == S.FREE:
+                out[rec.name] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros(rec.shape, dtype=self.layout.dtype),
+                                 "exp_avg_sq": torch.zeros(rec.shape, dtype=self.layout.dtype)}
+            else:
+                out[rec.name] = {"step": torch.tensor(float(steps.get(rec.name, 0))),
+                                 "exp_avg": _cut(m, rec), "exp_avg_sq": _cut(v, rec)}
+        return out
+
+    # --- in -------------------------------------------------------------------------------
+    @torch.no_grad()
+    def _write(self, chunk: Chunk, k: int, value: torch.Tensor) -> None:
+        """Write tensor ``k``'s full value (its part inside this rank's window) into ``chunk``; → HOLD."""
+        lo, hi = self.zero.window
+        t = chunk.tensors[k]
+        seg = segment(t, lo, hi)
+        self.mgr.acquire(chunk, [t], write=True, zero_free=False, record=False)
+        if seg is not None:
+            flat = value.reshape(-1).to(self.mgr.device, self.mgr.dtype)
+            self.mgr.slot_view(chunk)[seg[0] - lo:seg[1] - lo].copy_(flat[seg[0] - t.offset:seg[1] - t.offset])
+        self.mgr.release(chunk, [t], S.HOLD)
+
+    def load_params(self, values: dict[str, torch.Tensor]) -> None:
+        self.layout.check_idle("load_state_dict()")
+        for row in self.layout.rows:
+            target = row.PS if self.layout.dp > 1 else row.P
+            for rec in row.records:
+                v = _first(values, rec)
+                if v is not None:
+                    self._write(target, rec.k, v)
+            if self.layout.dp > 1:  # the gathered parameters are stale now
+                self.mgr.invalidate(row.P)
+
+    def load_optimizer(self, sd: dict, steps: dict[str, int]) -> None:
+        """Adam moments into M, V; each parameter's step count into ``steps``."""
+        self.layout.check_idle("optimizer.load_state_dict()")
+        for row in self.layout.rows:
+            if not row.trainable:
+                continue
+            for rec in row.records:
+                st = _first(sd["state"], rec)
+                if st is None:
+                    continue
+                steps[rec.name] = int(float(st["step"]))
+                self._write(row.M, rec.k, st["exp_avg"])
+                self._write(row.V, rec.k, st["exp_avg_sq"])
+
+    # --- nn.Module state-dict hooks -------------------------------------------------------------
+    def install(self, model: nn.Module) -> list:
+        """``model.state_dict()`` gives full values under every alias; ``load_state_dict`` writes
+        into the chunks (nn.Module's loader copies into full-size temporaries first)."""
+        # the public hook registrars tag the callable, so pass plain functions
+        return [model.register_state_dict_post_hook(lambda *a: self._state_dict_hook(*a)),
+                model.register_load_state_dict_pre_hook(lambda *a: self._load_pre_hook(*a)),
+                model.register_load_state_dict_post_hook(lambda *a: self._load_post_hook(*a))]
+
+    def _state_dict_hook(self, module, state_dict, prefix, local_metadata) -> None:
+        full = self.params()
+        for rec in self.layout.records:
+            for n in rec.names:
+                if prefix + n in state_dict:
+                    state_dict[prefix + n] = full[rec.name]
+
+    def _load_pre_hook(self, module, state_dict, prefix, local_metadata, strict, missing, unexpected, errors):
+        full = self.params()
+        for rec in self.layout.records:
+            rec.param.data = full[rec.name].to(self.mgr.device)
+        self._loading = {rec.name: rec.param.data for rec in self.layout.records}
+
+    def _load_post_hook(self, module, incompatible) -> None:
+        values, self._loading = self._loading, None
+        for rec in self.layout.records:
+            rec.param.data = rec.placeholder
+        self.load_params(values)

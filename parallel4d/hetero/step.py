@@ -1,0 +1,146 @@
+"""The optimizer's work on the chunks: Adam(W) row by row, the gradient norm, zero_grad.
+
+A row whose P, G, M, V chunks are all resident is updated in its device slots; otherwise,
+when ``host_optimizer`` is on (default on CUDA), on the host backings (PatrickStar's hybrid
+placement: no chunk crosses PCIe for the step; ``"fused"`` uses torch's fused CPU AdamW,
+``"exact"`` the single-tensor arithmetic, ``"off"`` loads the chunks). Under ZeRO each rank
+updates its shards only.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .chunk import Chunk, TensorInfo, TensorState
+from .layout import Layout, Row
+from .manager import ChunkManager
+from .optim import adam_update, fused_adam_update
+from .zero import ZeroShards, segment
+
+S = TensorState
+
+
+class RowAdam:
+    """Adam(W) over the rows' chunks; ``steps``: per parameter name, as torch's ``state["step"]``."""
+
+    def __init__(self, layout: Layout, mgr: ChunkManager, zero: ZeroShards, host_optimizer: str):
+        self.layout, self.mgr, self.zero = layout, mgr, zero
+        self.host_optimizer = host_optimizer  # "fused" | "exact" | "off"
+        self.host_rows = 0  # row updates done on the host so far
+        self.steps: dict[str, int] = {}
+
+    @torch.no_grad()
+    def step(self, hp: dict, grad_scale=None) -> None:
+        """One update of every parameter that has a gradient (``hp``: lr, beta1, beta2, eps,
+        weight_decay, decoupled); the gradient is scaled by ``grad_scale`` first (clipping)."""
+        self.layout.check_idle("optimizer.step()")
+        for row in self.layout.rows:
+            if row.trainable:
+                self._step_row(row, hp, grad_scale)
+        for row in self.layout.rows:
+            for t in row.P.tensors:
+                if t.state in (S.HOLD_AFTER_FWD, S.HOLD_AFTER_BWD):
+                    t.set_state(S.HOLD)
+        self.mgr.end_iteration()
+
+    def _step_row(self, row: Row, hp: dict, grad_scale) -> None:
+        P, G, M, V, (lo, hi) = self.zero.opt_chunks(row)
+        ks = [k for k, t in enumerate(G.tensors) if t.state == S.HOLD_AFTER_BWD]
+        if not ks:
+            return
+        steps = [self._count_step(row.records[k].name) for k in ks]
+        parts = [(P, P.tensors)] + [(c, [c.tensors[k] for k in ks]) for c in (G, M, V)]
+        on_host = self.host_optimizer in ("exact", "fused") and any(c.slot is None for c in (P, G, M, V))
+        views = self._host_views(parts) if on_host else self._device_views(parts, grad_scale is not None)
+        update = fused_adam_update if on_host and self.host_optimizer == "fused" else adam_update
+        for a, b, st in self._spans(G, ks, steps, lo, hi):
+            if b > a:
+                p, g, m, v = (x[a:b] for x in views)
+                if grad_scale is not None:
+                    g.mul_(grad_scale)
+                update(p, g, m, v, step=st, **hp)
+        if on_host:
+            self._finish_host(parts)
+        else:
+            self._finish_device(parts)
+        if self.layout.dp > 1:  # the gathered parameters are stale now
+            self.mgr.invalidate(row.P)
+
+    def _count_step(self, name: str) -> int:
+        self.steps[name] = self.steps.get(name, 0) + 1
+        return self.steps[name]
+
+    @staticmethod
+    def _spans(G: Chunk, ks: list[int], steps: list[int], lo: int, hi: int) -> list[tuple[int, int, int]]:
+        """``(start, end, step)`` ranges of the window to update."""
+        if len(ks) == len(G.tensors) and len(set(steps)) == 1:
+            # one flat update over the window (padding is zero in G, M, V and stays zero)
+            return [(0, min(hi, G.used) - lo, steps[0])]
+        spans = []
+        for k, st in zip(ks, steps):
+            seg = segment(G.tensors[k], lo, hi)
+            if seg is not None:
+                spans.append((seg[0] - lo, seg[1] - lo, st))
+        return spans
+
+    def _host_views(self, parts: list[tuple[Chunk, list[TensorInfo]]]) -> list[torch.Tensor]:
+        """The host backings, current (device copies written back) and their tensors → COMPUTE."""
+        for c, _ in parts:
+            self.mgr.flush(c)
+        self.mgr.sync_copies()
+        for c, ts in parts:
+            for t in ts:
+                if t.state == S.FREE:  # fresh Adam moments start at zero
+                    a, b = max(t.offset, c.base), min(t.end, c.base + c.capacity)
+                    c.backing[a - c.base:b - c.base].zero_()
+                t.set_state(S.COMPUTE)
+        self.host_rows += 1
+        return [c.backing for c, _ in parts]
+
+    def _finish_host(self, parts: list[tuple[Chunk, list[TensorInfo]]]) -> None:
+        for (c, ts), to in zip(parts, (S.HOLD, S.FREE, S.HOLD, S.HOLD)):
+            for t in ts:
+                t.set_state(to)
+        for c, _ in parts[:1] + parts[2:]:  # P, M, V: their device copies are stale now
+            self.mgr.invalidate(c)
+
+    def _device_views(self, parts: list[tuple[Chunk, list[TensorInfo]]], scaled: bool) -> list[torch.Tensor]:
+        (P, _), (G, gts), (M, mts), (V, vts) = parts
+        self.mgr.acquire(P, None, write=True)
+        self.mgr.acquire(G, gts, write=scaled)
+        self.mgr.acquire(M, mts, write=True)
+        self.mgr.acquire(V, vts, write=True)
+        return [self.mgr.slot_view(c) for c, _ in parts]
+
+    def _finish_device(self, parts: list[tuple[Chunk, list[TensorInfo]]]) -> None:
+        (P, _), (G, gts), (M, mts), (V, vts) = parts
+        self.mgr.release(P, None, S.HOLD)
+        self.mgr.release(G, gts, S.FREE)  # consumed
+        self.mgr.release(M, mts, S.HOLD)
+        self.mgr.release(V, vts, S.HOLD)
+
+    def zero_grad(self) -> None:
+        self.layout.check_idle("optimizer.zero_grad()")
+        for row in self.layout.rows:
+            for c in (row.G, row.GS):
+                if c is None:
+                    continue
+                for t in c.tensors:
+                    if t.state != S.FREE:
+                        t.set_state(S.FREE)
+
+    @torch.no_grad()
+    def grad_norm(self) -> float:
+        """Global L2 norm of the gradients written since the last step (over dp under ZeRO)."""
+        sq = torch.zeros((), dtype=torch.float64, device=self.mgr.device)
+        for row in self.layout.rows:
+            if not row.trainable:
+                continue
+            _, G, _, _, (lo, hi) = self.zero.opt_chunks(row)
+            content = self.mgr.read(G).to(self.mgr.device)
+            for t in G.tensors:
+                seg = segment(t, lo, hi) if t.state == S.HOLD_AFTER_BWD else None
+                if seg is not None:
+                    sq += content[seg[0] - lo:seg[1] - lo].double().pow(2).sum()
+        self.zero.all_reduce(sq, "hetero gradient-norm all-reduce")
+        return float(sq.sqrt())
