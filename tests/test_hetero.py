@@ -375,6 +375,18 @@ def test_config_errors():
             wrap(build(), OPT, dict(compute_device="cuda"))
 
 
+def test_forward_unmodified_and_hooks_unwound_on_error(reference):
+    """wrap leaves the model's ``forward`` alone (module hooks drive residency and saved
+    tensors); a forward that raises leaves no saved-tensor hooks behind and training goes on."""
+    m, opt = wrap(build(), OPT, dict(compute_device="cpu"))
+    assert "forward" not in vars(m)
+    with pytest.raises(IndexError):
+        m(torch.full((2, SHAPE.seq_len), SHAPE.vocab_size))  # token ids past the vocabulary
+    assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+    losses, grads = train(m, opt)
+    assert_bit_equal(reference, m, losses, grads)
+
+
 def test_opt_loads_lower_bound():
     trace = [0, 1, 2, 0, 1, 3, 0, 1, 2, 3]
     live = [True] * len(trace)

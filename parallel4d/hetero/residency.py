@@ -11,9 +11,9 @@
 * a forward pre-hook that runs *inside* backward is activation-checkpoint recomputation:
   its holds last until the backward hold is released, so the views the recomputation saved
   cannot be relocated before they are used.
-* saved tensors (:class:`SavedTensors`, around ``model.forward``; a module called on its own,
-  as a pipeline stage, enters them in its pre-hook unless some are active) that alias a chunk
-  slot are rebuilt on the chunk's slot at unpack time.
+* the root module's own pre-hook and hook enter and leave :class:`SavedTensors` around its
+  ``forward`` (which itself runs unmodified); a module called on its own (a pipeline stage)
+  enters them in its pre-hook unless some are active.
 """
 
 from __future__ import annotations
@@ -76,13 +76,10 @@ class Residency:
         for rec in self.layout.records:
             if rec.trainable:
                 handles.append(rec.param.register_post_accumulate_grad_hook(self._grad_ready))
-        inner, saved = model.forward, self.saved
-
-        def forward(*args, **kwargs):
-            with torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack):
-                return inner(*args, **kwargs)
-
-        model.forward = forward
+        # inside the root's own parameter hooks (registered above), so the two nest
+        handles.append(model.register_forward_pre_hook(lambda mod, args: self.saved.enter()))
+        handles.append(model.register_forward_hook(lambda mod, args, out: self.saved.exit(),
+                                                   prepend=True, always_call=True))
         return handles
 
     # --- holds --------------------------------------------------------------------------
