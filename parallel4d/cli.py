@@ -7,6 +7,8 @@ import json
 import sys
 
 from .config import ConfigError, load_config
+from .launch import launch
+from .pipeline.cli import add_schedule_parser
 from .workers import Terminated, WorkerError, WorkerTimeout
 
 
@@ -41,8 +43,6 @@ def _cmd_plan(args) -> int:
 
 
 def _cmd_launch(args) -> int:
-    from .launch import launch
-
     summary = launch(args.config, args.overrides)
     if "losses" not in summary:  # a non-zero rank under torchrun: rank 0 reports
         return 0
@@ -65,12 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("plan", help="print the mesh and per-rank shapes a config implies")
     _add_config_args(p)
     p.set_defaults(func=_cmd_plan)
-    try:
-        from .pipeline.cli import add_schedule_parser
-    except ImportError:
-        add_schedule_parser = None
-    if add_schedule_parser is not None:
-        add_schedule_parser(sub)
+    add_schedule_parser(sub)
     return parser
 
 

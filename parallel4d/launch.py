@@ -18,10 +18,13 @@ from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from . import checkpoint
 from .config import Config, ConfigError, load_config, local_job_problems
+from .mesh import init_process_group_from_env
 from .rundir import RunLock, check_writable
+from .train import run_training
 from .workers import spawn
 
 
@@ -61,8 +64,6 @@ def prepared(cfg: Config, local: bool):
 
 
 def _train_entry(cfg_dict: dict) -> dict:
-    from .train import run_training
-
     return run_training(Config.model_validate(cfg_dict))
 
 
@@ -79,11 +80,6 @@ def launch(config: str | Path | Config | dict, overrides: list[str] | None = Non
             raise ConfigError(f"WORLD_SIZE={world} but parallel.pp·dp·sp·tp = {cfg.parallel.pp}·{cfg.parallel.dp}·"
                               f"{cfg.parallel.sp}·{cfg.parallel.tp} = {cfg.world_size}; start {cfg.world_size} "
                               "processes or change the parallel sizes")
-        import torch.distributed as dist
-
-        from .mesh import init_process_group_from_env
-        from .train import run_training
-
         with prepared(cfg, local=False) if os.environ["RANK"] == "0" else nullcontext():
             init_process_group_from_env(backend, cfg.train.timeout_s)
             try:
