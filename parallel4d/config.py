@@ -28,7 +28,8 @@ from pydantic import (AfterValidator, AllowInfNan, BaseModel, ConfigDict, Field,
                       model_validator)
 from pydantic_core import PydanticUndefined
 
-from .rules import did_you_mean, grid_side, near_multiples, nearest_divisor, num_chunks, pipeline_arg_problems
+from .rules import (batch_problem, did_you_mean, grid_side, not_divisible, num_chunks, pipeline_arg_problems,
+                    tensor2d_problems)
 
 
 class ConfigError(ValueError):
@@ -230,28 +231,12 @@ def cross_field_problems(cfg: Config) -> list[str]:
     """Every rule that ties fields together; one readable message per broken rule."""
     p, m, pl = cfg.parallel, cfg.model, cfg.pipeline
     q = p.q
-    out = []
-    if m.hidden % m.heads:
-        near = nearest_divisor(m.hidden, m.heads)
-        heads = f"model.heads={near} or " if near else ""
-        out.append(f"model.hidden={m.hidden} is not divisible by model.heads={m.heads}; "
-                   f"use {heads}model.hidden={near_multiples(m.hidden, m.heads)}")
-    if q > 1:
-        for name, value in (("model.heads", m.heads), ("model.hidden", m.hidden), ("model.vocab_size", m.vocab_size)):
-            if value % q:
-                out.append(f"{name}={value} is not divisible by q={q} (parallel.tp={p.tp} is a {q}×{q} grid); "
-                           f"use {name}={near_multiples(value, q)} or a smaller parallel.tp")
+    out = tensor2d_problems(q, m.hidden, m.heads, m.vocab_size)
     if p.sp > 1:
         div = 2 * p.sp if cfg.sequence.layout == "zigzag" else p.sp
-        if m.seq_len % div:
-            why = f"2·parallel.sp={div} (zigzag cuts the sequence into 2·sp pieces)" if div != p.sp else f"parallel.sp={p.sp}"
-            out.append(f"model.seq_len={m.seq_len} is not divisible by {why}; "
-                       f"use model.seq_len={near_multiples(m.seq_len, div)}")
-    per_step = p.dp * q * pl.microbatches
-    if cfg.data.batch_size % per_step:
-        out.append(f"data.batch_size={cfg.data.batch_size} is not divisible by parallel.dp·q·pipeline.microbatches"
-                   f" = {p.dp}·{q}·{pl.microbatches} = {per_step}; use data.batch_size="
-                   f"{near_multiples(cfg.data.batch_size, per_step)} or fewer pipeline.microbatches")
+        why = f"2·parallel.sp={div} (zigzag cuts the sequence into 2·sp pieces)" if div != p.sp else f"parallel.sp={p.sp}"
+        out += filter(None, [not_divisible("model.seq_len", m.seq_len, div, why)])
+    out += filter(None, [batch_problem(cfg.data.batch_size, pl.microbatches, [("parallel.dp", p.dp), ("q", q)])])
     if p.pp > 1:
         out += pipeline_arg_problems(m.layers, p.pp, pl.microbatches, pl.schedule, pl.waves, pl.chunks_per_rank)
     if cfg.hetero.enabled and cfg.train.grad_clip and (p.pp > 1 or p.tp > 1):
@@ -445,13 +430,16 @@ def _type_hint(loc: tuple, where: str, kind: str) -> str:
     return f"; write {_WANT[kind]}, e.g. {where}={_shown(default).removeprefix('the string ')}"
 
 
-def format_validation_error(err: ValidationError) -> str:
+def format_validation_error(err: ValidationError, prefix: tuple = ()) -> str:
+    """One ``  - `` line per error, naming the field as in the job file and the fix; ``prefix``:
+    where the validated model sits in :class:`Config` (``("hetero",)`` for a section alone)."""
     lines = []
     for e in err.errors():
-        where = "".join(f"[{x}]" if isinstance(x, int) else f".{x}" for x in e["loc"]).lstrip(".")
+        loc = (*prefix, *e["loc"])
+        where = "".join(f"[{x}]" if isinstance(x, int) else f".{x}" for x in loc).lstrip(".")
         msg = e["msg"].removeprefix("Value error, ")
         if e["type"] == "extra_forbidden":
-            msg = f"unknown field '{where}'; {_suggest(e['loc'])}"
+            msg = f"unknown field '{where}'; {_suggest(loc)}"
         elif e["type"] == "missing":
             msg = f"missing field '{where}'"
         elif where and not msg.startswith(where.split(".")[0]):
@@ -459,7 +447,7 @@ def format_validation_error(err: ValidationError) -> str:
         if e["type"] not in ("value_error", "extra_forbidden", "missing") and not isinstance(e.get("input"), dict):
             msg += f", got {_shown(e['input'])}"  # strict types: say what YAML made of the value
         if e["type"] in _WANT:
-            msg += _type_hint(e["loc"], where, e["type"])
+            msg += _type_hint(loc, where, e["type"])
         lines.extend(msg.splitlines())
     return "\n".join(f"  - {line}" for line in lines)
 

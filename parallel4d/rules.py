@@ -1,7 +1,9 @@
 """Pure rules shared by the config and the strategies, each in one place.
 
-Nearest working values for a message, "did you mean", the tp = q² grid, the pipeline's
-schedule names, chunk count and argument rules. The bottom of the import graph: the
+Nearest working values for a message, "X is not divisible by Y; use ...", "did you mean", the
+tp = q² grid and a GPT's shape on it (heads, hidden, vocab), the batch split, the pipeline's
+schedule names, chunk count and argument rules. Each rule returns its message (None or [] when
+it holds); the config collects them, the strategies raise the first. The bottom of the import graph: the
 standard library only (no torch, nothing from parallel4d), so ``config`` and every
 strategy can import it at module top.
 """
@@ -66,6 +68,18 @@ def nearest_divisor(n: int, target: int, reach: int = 1024) -> Optional[int]:
     return None
 
 
+def not_divisible(field: str, value: int, divisor: int, by: str, options: Optional[list[int]] = None,
+                  alt: str = "") -> Optional[str]:
+    """The rule ``value % divisor == 0`` (and ``value ≥ 1``): None when it holds, else
+    ``"model.hidden=70 is not divisible by q=4; use model.hidden=68 or 72"``. ``by`` names the
+    divisor (``"q=4"``), ``options`` are the values to suggest (default: the nearest multiples),
+    ``alt`` another fix (``" or a smaller parallel.tp"``)."""
+    if value >= 1 and value % divisor == 0:
+        return None
+    options = nearest_multiples(value, divisor) if options is None else options
+    return f"{field}={value} is not divisible by {by}; use {field}={or_list(options)}{alt}"
+
+
 def did_you_mean(word: str, choices: Iterable[str], prefix: str = "") -> str:
     """``"did you mean 'steps'? "`` for the choice closest to ``word``, or ``""`` when none is close."""
     close = difflib.get_close_matches(str(word), list(choices), n=1)
@@ -81,6 +95,17 @@ def positive_int(name: str, value: int) -> int:
 
 # --- 2D tensor parallelism --------------------------------------------------------------
 
+#: Field names as spelled in ``parallel4d.config``; messages about a GPT's shape use them.
+FIELD_NAMES = {
+    "tp": "parallel.tp",
+    "dp": "parallel.dp",
+    "hidden": "model.hidden",
+    "heads": "model.heads",
+    "vocab": "model.vocab_size",
+    "batch": "data.batch_size",
+    "microbatches": "pipeline.microbatches",
+}
+
 
 def grid_side(tp: int, field: str = "parallel.tp") -> int:
     """``q`` with ``tp = q²``; ``ValueError`` naming the nearest perfect squares otherwise."""
@@ -91,6 +116,62 @@ def grid_side(tp: int, field: str = "parallel.tp") -> int:
         raise ValueError(f"{field}={tp} is not a perfect square (2D tensor parallelism runs on a q×q "
                          f"SUMMA grid, tp = q²); use {field}={q * q} or {(q + 1) ** 2}")
     return q
+
+
+def head_counts(hidden: int, q: int) -> list[int]:
+    """Head counts that split over q grid columns and divide hidden."""
+    return [a for a in divisors(hidden) if a % q == 0]
+
+
+def heads_problems(heads: int, hidden: int, q: int = 1, heads_field: str = FIELD_NAMES["heads"],
+                   hidden_field: str = FIELD_NAMES["hidden"]) -> list[str]:
+    """Whole heads, and whole heads per grid column: ``hidden % heads == 0``, ``heads % q == 0``.
+    Suggested head counts satisfy both, so a suggestion is usable as is."""
+    whole, per_column = heads >= 1 and hidden % heads == 0, heads >= 1 and heads % q == 0
+    good = [] if whole and per_column else head_counts(hidden, q)
+    out = []
+    if not whole:
+        fixes = [f"{heads_field}={or_list(closest(good, heads))}"] if good else []
+        fixes += [f"{hidden_field}={near_multiples(hidden, heads)}"] if heads >= 1 else []
+        fix = f"use {', or '.join(fixes)}" if fixes else f"change {hidden_field}"
+        out.append(f"{hidden_field}={hidden} is not divisible by {heads_field}={heads}; {fix}")
+    if heads >= 1 and not per_column:
+        out.append(not_divisible(heads_field, heads, q, f"q={q} (whole heads per grid column)",
+                                 closest(good, heads) if good else None))
+    return out
+
+
+def tensor2d_problems(q: int, hidden: int, heads: int, vocab: int, names: Optional[dict] = None) -> list[str]:
+    """A GPT split over a q×q grid: ``hidden`` and ``vocab`` in q blocks (weights, activations
+    ``h/q``; vocab-parallel embedding, head and loss), whole heads per grid column."""
+    n = {**FIELD_NAMES, **(names or {})}
+    by, alt = f"q={q} ({n['tp']}={q * q} is a {q}×{q} grid)", f" or a smaller {n['tp']}"
+    out = [not_divisible(n["hidden"], hidden, q, by, alt=alt)]
+    out += heads_problems(heads, hidden, q, n["heads"], n["hidden"])
+    out.append(not_divisible(n["vocab"], vocab, q, by, alt=alt))
+    return [p for p in out if p]
+
+
+# --- batch ------------------------------------------------------------------------------
+
+
+def batch_problem(batch: int, microbatches: int, split: Iterable[tuple[str, int]] = (),
+                  field: str = FIELD_NAMES["batch"], micro_field: str = FIELD_NAMES["microbatches"]) -> Optional[str]:
+    """The global batch is cut into ``split``'s parts (named factors: ``("parallel.dp", 2), ("q", 2)``, or
+    a bare number as ``("2", 2)``), each into ``microbatches``: ``batch % (∏split · microbatches) == 0``.
+    None when it holds, else the message, with both fixes when changing the micro-batches suffices."""
+    split = list(split)
+    parts = math.prod(v for _, v in split)
+    per = parts * microbatches
+    if batch >= 1 and batch % per == 0:
+        return None
+    what = "·".join([n for n, _ in split] + [micro_field])
+    if any(not n.isdigit() for n, _ in split):  # named factors: show their values too
+        what += " = " + "·".join(str(v) for _, v in split + [("", microbatches)])
+    fix = f"use {field}={near_multiples(batch, per)}"
+    if batch >= parts and batch % parts == 0:
+        fix += f" or {micro_field}={or_list(closest(divisors(batch // parts), microbatches))}"
+    return f"{field}={batch} is not divisible by {what} = {per}; {fix}"
 
 
 # --- pipeline ---------------------------------------------------------------------------
@@ -154,7 +235,8 @@ def pipeline_arg_problems(
     if schedule == "interleaved":
         out += filter(None, [interleaved_microbatch_problem(pp, microbatches, chunks_per_rank)])
     if batch is not None:
-        out += _batch_problems(batch, batch_divisor, microbatches)
+        out += filter(None, [batch_problem(batch, microbatches, [(str(batch_divisor), batch_divisor)]
+                                           if batch_divisor > 1 else [])])
     return out
 
 
@@ -190,14 +272,3 @@ def _chunk_problems(layers: int, pp: int, schedule: str, waves: int, chunks_per_
         fix += f" or parallel.pp≤{stages}"
     return [f"{schedule} with parallel.pp={pp} cuts the model into {chunks} chunks but it has only "
             f"model.layers+2 = {stages} stages (embedding, {layers} layers, head); {fix}"]
-
-
-def _batch_problems(batch: int, batch_divisor: int, microbatches: int) -> list[str]:
-    per = batch_divisor * microbatches
-    if batch >= 1 and batch % per == 0:
-        return []
-    what = "pipeline.microbatches" if batch_divisor == 1 else f"{batch_divisor}·pipeline.microbatches"
-    fix = f"use data.batch_size={near_multiples(batch, per)}"
-    if batch >= batch_divisor and batch % batch_divisor == 0:
-        fix += f" or pipeline.microbatches={or_list(closest(divisors(batch // batch_divisor), microbatches))}"
-    return [f"data.batch_size={batch} is not divisible by {what} = {per}; {fix}"]

@@ -10,8 +10,7 @@ from __future__ import annotations
 import torch.nn as nn
 from pydantic import ValidationError
 
-from ..config import HeteroConfig, OptimizerConfig
-from ..rules import did_you_mean
+from ..config import HeteroConfig, OptimizerConfig, format_validation_error
 from .budget import resolve_device
 from .optim import HeteroOptimizer
 from .runtime import HeteroRuntime
@@ -20,6 +19,7 @@ __all__ = ["wrap", "HeteroRuntime", "resolve_device"]
 
 
 def _validate(cfg, cls, field_name: str):
+    """``cfg`` as a ``cls`` section; a dict is validated as the job file's ``field_name`` would be."""
     if cfg is None:
         return cls()
     if isinstance(cfg, cls):
@@ -28,21 +28,8 @@ def _validate(cfg, cls, field_name: str):
         try:
             return cls.model_validate(cfg)
         except ValidationError as e:
-            raise ValueError("\n".join(_field_errors(e, cls, field_name))) from None
+            raise ValueError(f"invalid {field_name} section:\n" + format_validation_error(e, (field_name,))) from None
     raise ValueError(f"{field_name} must be a {cls.__name__} or a dict of its fields, got {type(cfg).__name__}")
-
-
-def _field_errors(e: ValidationError, cls, field_name: str) -> list[str]:
-    """One line per error, fields named as in the job file (``hetero.policy``)."""
-    lines = []
-    for err in e.errors():
-        where = ".".join(str(x) for x in err["loc"])
-        if err["type"] == "extra_forbidden":
-            hint = did_you_mean(where, cls.model_fields, prefix=f"{field_name}.")
-            lines.append(f"unknown field {field_name}.{where}; {hint}valid fields: {', '.join(cls.model_fields)}")
-        else:
-            lines.append(f"{field_name}.{where}: {err['msg']}")
-    return lines
 
 
 def wrap(model: nn.Module, optimizer_config=None, hetero_config=None, mesh=None):

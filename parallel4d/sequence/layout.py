@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from parallel4d import comm
+from parallel4d.rules import near_multiples
 
 LAYOUTS = ("contiguous", "zigzag")
 
@@ -49,10 +50,9 @@ def check_seq_len(seq_len: int, n: int, layout: str, field: str = "seq_len") -> 
     """``ValueError`` unless ``seq_len`` splits into this layout's pieces."""
     m = num_pieces(n, layout)
     if seq_len <= 0 or seq_len % m:
-        lo = max(m, seq_len // m * m)
         raise ValueError(
             f"{field}={seq_len} must be a positive multiple of {m} for layout={layout!r} on a ring of {n} "
-            f"({'N' if layout == 'contiguous' else '2N'} pieces); nearest valid values: {lo} or {lo + m}")
+            f"({'N' if layout == 'contiguous' else '2N'} pieces); nearest valid values: {near_multiples(seq_len, m)}")
 
 
 def local_positions(seq_len: int, rank: int, n: int, layout: str) -> list[int]:
