@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
+from torch.utils._pytree import tree_leaves
 
 from .chunk import Chunk, TensorInfo, TensorState
 from .layout import Layout, ParamRecord
@@ -33,18 +34,6 @@ Group = tuple[Chunk, list[TensorInfo], list[ParamRecord]]  # one chunk's part of
 
 def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
-
-
-def _tensors(out):
-    """Every tensor in a (nested) module output."""
-    if isinstance(out, torch.Tensor):
-        yield out
-    elif isinstance(out, (list, tuple)):
-        for o in out:
-            yield from _tensors(o)
-    elif isinstance(out, dict):
-        for o in out.values():
-            yield from _tensors(o)
 
 
 class Residency:
@@ -109,8 +98,8 @@ class Residency:
             return  # recomputation: the holds taken in _pre_forward are backward holds
         grad = torch.is_grad_enabled()
         if grad:
-            for t in _tensors(out):
-                if t.requires_grad:
+            for t in tree_leaves(out):  # every tensor of a nested output
+                if isinstance(t, torch.Tensor) and t.requires_grad:
                     t.register_hook(lambda g, mod=mod: self._pre_backward(mod))
         for chunk, tensors, recs in self.mod_groups[mod]:
             self._unhold(chunk, tensors, recs, S.HOLD_AFTER_FWD if grad else S.HOLD)
