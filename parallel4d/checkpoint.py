@@ -49,7 +49,7 @@ from typing import Any, Callable
 
 import torch.distributed as dist
 
-from . import comm
+from . import comm, shards
 from .config import ConfigError
 
 LATEST = "latest"
@@ -386,7 +386,7 @@ def save(state: dict, root: str | Path, step: int, keep: int = 2, extra_files: d
         return final
     error = None
     try:
-        _dcp().save(state, checkpoint_id=str(tmp))
+        _dcp().save(state, checkpoint_id=str(tmp), planner=shards.save_planner())
     except _failures() as e:
         error = e
     # the same verdict on every rank, in the words of a rank that failed itself (its own disk, limits)
@@ -516,19 +516,43 @@ def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
-def load(state: dict, path: str | Path, verify_files: bool = True) -> dict:
+def _shape_problem(state: dict, path: str | Path, known: set[str] | None) -> str | None:
+    """What makes the saved tensors differ from ``state``'s (names and dense shapes), or None.
+    ``known``: every key of the whole job's state (a rank's ``state`` may hold only its stages)."""
+    saved = _dcp().FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    for key, value in state.items():
+        if key not in saved:
+            return f"it has no tensor {key!r}"
+        want = value.size() if hasattr(value, "size") else None
+        have = getattr(saved[key], "size", None)
+        if want is not None and have is not None and tuple(want) != tuple(have):
+            return f"tensor {key!r} is {list(have)} there and {list(want)} here"
+    known = set(state) if known is None else known
+    extra = sorted(k for k in saved if k.startswith(("model.", "optim.")) and k not in known)
+    if extra:
+        return f"it has tensors this model lacks, e.g. {extra[0]!r}"
+    return None
+
+
+def load(state: dict, path: str | Path, verify_files: bool = True, known: set[str] | None = None) -> dict:
     """Load checkpoint ``path`` into ``state`` in place (every rank calls this).
 
     ``verify_files`` checks every file against its checksum first (each rank reads
     the whole checkpoint: pass False for one :func:`choose_checkpoint` verified).
+    Tensors are matched by name and dense shape first (``known``: every key the whole
+    job loads, so that a checkpoint of a larger model is refused too); a mismatch names the tensor.
     Raises :class:`CheckpointError` naming the checkpoint (and the file) on failure.
     """
     if verify_files:
         problem = verify(path)
         if problem is not None:
             raise CheckpointError(f"checkpoint {path} is not usable: {problem}")
+    problem = _shape_problem(state, path, known)
+    if problem is not None:
+        raise CheckpointError(f"checkpoint {path} does not fit this config's model: {problem}; load it with the "
+                              "model.* settings it was saved with, or start without it (train.resume=false)")
     try:
-        _dcp().load(state, checkpoint_id=str(path))
+        _dcp().load(state, checkpoint_id=str(path), planner=shards.load_planner())
     except _failures() as e:
         raise CheckpointError(f"checkpoint {path} could not be loaded: {_describe(e)}") from e
     return state

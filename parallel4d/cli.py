@@ -1,4 +1,4 @@
-"""Command line: ``parallel4d launch | validate | plan | schedule``."""
+"""Command line: ``parallel4d launch | validate | plan | schedule | checkpoint gather``."""
 
 from __future__ import annotations
 
@@ -6,7 +6,9 @@ import argparse
 import json
 import sys
 
+from .checkpoint import CheckpointError
 from .config import ConfigError, load_config
+from .gather import gather
 from .launch import launch
 from .pipeline.cli import add_schedule_parser
 from .workers import Terminated, WorkerError, WorkerTimeout
@@ -53,6 +55,12 @@ def _cmd_launch(args) -> int:
     return 0
 
 
+def _cmd_gather(args) -> int:
+    out = gather(args.checkpoint, args.out)
+    print(out)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="parallel4d", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -65,6 +73,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("plan", help="print the mesh and per-rank shapes a config implies")
     _add_config_args(p)
     p.set_defaults(func=_cmd_plan)
+    p = sub.add_parser("checkpoint", help="work with checkpoints of any layout")
+    ckpt = p.add_subparsers(dest="action", required=True)
+    p = ckpt.add_parser("gather", help="write a checkpoint as one dense state dict (torch.load-able)")
+    p.add_argument("checkpoint", help="a checkpoint directory (step_*), or a checkpoint root: its newest")
+    p.add_argument("out", help="output file, e.g. model.pt")
+    p.set_defaults(func=_cmd_gather)
     add_schedule_parser(sub)
     return parser
 
@@ -76,6 +90,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"parallel4d: {e}", file=sys.stderr)
         return 2
+    except CheckpointError as e:
+        print(f"parallel4d: {e}", file=sys.stderr)
+        return 1
     except (WorkerError, WorkerTimeout) as e:
         print(f"parallel4d: the job failed: {e}", file=sys.stderr)
         return 1

@@ -30,10 +30,21 @@ from . import comm
 from .config import Config, ConfigError
 from .data import local_slice
 from .ddp import GradBuckets
+from .hetero import load_state_dict as hetero_load_state_dict
+from .hetero import state_dict as hetero_state_dict
+from .hetero import wrap as hetero_wrap
 from .mesh import Mesh
 from .models.gpt import GPTShape, build_stage, cross_entropy, stage_names
+from .pipeline import make_schedule
+from .pipeline.executor import PipelineExecutor, TiedGradSync
+from .pipeline.partition import build_chunks, parameter_costs, partition
+from .sequence import make_ring_attention_fn, positions_for, split_sequence
+from .shards import DenseShards, Pieces, whole
+from .tensor2d import Block2D, Head2D, TokenPositionEmbedding2D, loss_2d
 
-DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.float32}
+# train.dtype → the dtype parameters (and pipeline activations between ranks) are kept in;
+# "bfloat16" keeps float32 parameters and computes under bf16 autocast (Engine.autocast).
+PARAMETER_DTYPE = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.float32}
 
 
 def build_optimizer(params, opt_cfg) -> torch.optim.Optimizer:
@@ -84,12 +95,34 @@ class LocalModel(nn.Module):
                 self.add_module(name, module)
 
 
+def dense_layouts(stages: dict[str, nn.Module], tied: bool) -> dict[str, tuple[str, tuple, Pieces]]:
+    """``{name in LocalModel: (dense name, dense shape, pieces)}`` for every parameter name
+    (tied aliases included): where each local parameter sits in the single-process model.
+
+    A 2D stage reports its own layout; any other parameter is the whole dense tensor.
+    A tied LM head (shared, or its untied copy on the last pipeline stage) is the token
+    table ``embed.tok.weight``."""
+    out = {}
+    for stage_name, stage in stages.items():
+        local = f"{stage_name}."
+        if isinstance(stage, PositionedEmbedding):  # a wrapper; the dense stage has no such level
+            stage, local = stage.embed, f"{local}embed."
+        if hasattr(stage, "dense_layout"):
+            found = {n: (d, shape, pieces) for n, (d, (shape, pieces)) in stage.dense_layout().items()}
+        else:
+            found = {n: (n, tuple(p.shape), whole) for n, p in stage.named_parameters(remove_duplicate=False)}
+        for name, (dense, shape, pieces) in found.items():
+            dense = f"{stage_name}.{dense}"
+            if tied and dense == "head.weight":
+                dense = "embed.tok.weight"
+            out[local + name] = (dense, shape, pieces)
+    return out
+
+
 def _sequence(cfg: Config, mesh: Mesh):
     """(attention_fn, positions) for ``parallel.sp``; (None, None) when sp = 1."""
     if mesh.size("sp") == 1:
         return None, None
-    from .sequence import make_ring_attention_fn, positions_for
-
     group = mesh.group("sp")
     fn = make_ring_attention_fn(group, layout=cfg.sequence.layout, stats=mesh.comm_stats,
                                 timeout_s=cfg.train.timeout_s)
@@ -110,11 +143,9 @@ def build_stages(cfg: Config, mesh: Mesh, wanted=None, untie: bool = False):
     shape = model_shape(cfg)
     seed, last = cfg.train.seed, shape.layers + 1
     wanted = set(range(last + 1)) if wanted is None else set(wanted)
-    dtype = DTYPES[cfg.train.dtype]
+    dtype = PARAMETER_DTYPE[cfg.train.dtype]
     attention_fn, positions = _sequence(cfg, mesh)
     tp = mesh.size("tp_row") > 1
-    if tp:
-        from .tensor2d import Block2D, Head2D, TokenPositionEmbedding2D, loss_2d
 
     def dense(index, tied_weight=None):
         return build_stage(shape, index, seed, tied_weight=tied_weight).to(device=mesh.device, dtype=dtype)
@@ -226,8 +257,9 @@ class Engine:
     """One rank's share of the job: ``train_step(tokens, targets)`` on the global batch."""
 
     def __init__(self, cfg: Config, mesh: Mesh, model: LocalModel, optimizer, loss_fn, stages, *, executor=None,
-                 tied_sync=None, tied_params=(), hetero=None):
+                 tied_sync=None, tied_params=(), hetero=None, dense=None):
         self.cfg, self.mesh, self.model, self.optimizer = cfg, mesh, model, optimizer
+        self.dense = dense  # {LocalModel name: (dense name, shape, pieces)}: see dense_layouts()
         self._stages = list(stages)  # this rank's stages in model order (unused under pp)
         self.loss_fn, self.executor, self.tied_sync, self.tied_params = loss_fn, executor, tied_sync, list(tied_params)
         self.hetero = optimizer if hetero else None  # the HeteroOptimizer owns chunks, ZeRO and stats
@@ -269,8 +301,6 @@ class Engine:
         x = local_slice(x, m.rank("dp"), m.size("dp"))
         x = local_slice(x, m.rank("tp_row"), m.size("tp_row"))
         if m.size("sp") > 1:
-            from .sequence import split_sequence
-
             x = split_sequence(x, m.group("sp"), dim=1, layout=self.cfg.sequence.layout)
         return x.contiguous().to(self.device)
 
@@ -334,66 +364,67 @@ class Engine:
         return loss.item() / (self.mesh.size("dp") * self.mesh.size("sp"))
 
     # --- checkpointing --------------------------------------------------------------
-    def _key(self, name: str, p: torch.Tensor) -> str:
-        """A DCP key that is equal on ranks holding equal data, distinct otherwise."""
-        if self.mesh.size("tp_row") == 1 or not hasattr(p, "tensor2d_replicated_over"):
-            return name
-        i, j = self.mesh.rank("tp_row"), self.mesh.rank("tp_col")
-        if "tp_row" in p.tensor2d_replicated_over:
-            return f"{name}@tp_col{j}"
-        return f"{name}@tp{i}.{j}"
-
-    def _hetero_keys(self, sd: dict, to_dcp: bool) -> dict:
-        """Rename hetero's ``{"model": {name}, "optim": {"state": {name}}}`` entries to
-        (``to_dcp``) or from the grid-aware keys of :meth:`_key` (no-op without tp)."""
-        if self.mesh.size("tp_row") == 1:
-            return sd
-        params = dict(self.model.named_parameters(remove_duplicate=False))
-        rename = {n: self._key(n, p) for n, p in params.items()}
-        if not to_dcp:
-            rename = {v: k for k, v in rename.items()}
-        out = dict(sd)
-        out["model"] = {rename.get(k, k): v for k, v in sd["model"].items()}
-        optim = dict(sd["optim"])
-        optim["state"] = {rename.get(k, k): v for k, v in sd["optim"]["state"].items()}
-        out["optim"] = optim
-        return out
+    def _local_state(self) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, torch.Tensor]]]:
+        """``(parameters, optimizer state)`` by LocalModel name, tied aliases included:
+        the live tensors (zeros before a parameter's first step), or hetero's gathered copies."""
+        if self.hetero is not None:
+            sd = hetero_state_dict(self.model, self.optimizer)
+            return {k: v for k, v in sd["model"].items() if k in self.dense}, sd["optim"]["state"]
+        params, optim = {}, {}
+        for name, p in self.model.named_parameters(remove_duplicate=False):
+            params[name] = p.data
+            if p.requires_grad:
+                optim[name] = self.optimizer.state.get(p) or {
+                    "step": torch.tensor(0.0), "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
+        return params, optim
 
     def state_dict(self) -> dict:
-        """Model and optimizer state as a flat DCP-ready dict, plus the step."""
-        if self.hetero is not None:
-            from .hetero import state_dict as hetero_state_dict
-
-            return {**self._hetero_keys(hetero_state_dict(self.model, self.optimizer), to_dcp=True),
-                    "step": torch.tensor(self.step), "tokens_seen": torch.tensor(self.tokens_seen)}
+        """Model and optimizer state for DCP under the dense model's names and shapes
+        (``model.<dense name>``, ``optim.<dense name>.<step|exp_avg|exp_avg_sq>``; each a
+        :class:`DenseShards` of this rank's pieces), plus ``step`` and ``tokens_seen``:
+        loadable under any layout. Doubles as the load template of :meth:`load_state_dict`."""
         out = {"step": torch.tensor(self.step), "tokens_seen": torch.tensor(self.tokens_seen)}
-        for name, p in self.model.named_parameters():
-            key = self._key(name, p)
-            out[f"model.{key}"] = p.data
-            if not p.requires_grad:
-                continue
-            state = self.optimizer.state.get(p) or {
-                "step": torch.tensor(0.0), "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
-            for k, v in state.items():
-                out[f"optim.{key}.{k}"] = v
+        params, optim = self._local_state()
+        for name, t in params.items():
+            dense, shape, pieces = self.dense[name]
+            out.setdefault(f"model.{dense}", DenseShards(shape, t, pieces))
+        for name, state in optim.items():
+            dense, shape, pieces = self.dense[name]
+            out.setdefault(f"optim.{dense}.step", state["step"])
+            for k in ("exp_avg", "exp_avg_sq"):
+                out.setdefault(f"optim.{dense}.{k}", DenseShards(shape, state[k], pieces))
         return out
 
-    def load_state_dict(self, state: dict) -> None:
-        """Restore what :meth:`state_dict` produced (after ``checkpoint.load`` filled it)."""
-        if self.hetero is not None:
-            from .hetero import load_state_dict as hetero_load_state_dict
+    def checkpoint_keys(self) -> set[str]:
+        """Every key :meth:`state_dict` has on some rank: the whole model's, from its shapes."""
+        shape = model_shape(self.cfg)
+        keys = {"step", "tokens_seen"}
+        for index, stage_name in enumerate(stage_names(shape)):
+            for name, p in build_stage(shape, index, meta=True).named_parameters():
+                dense = f"{stage_name}.{name}"
+                if shape.tie_embeddings and dense == "head.weight":
+                    continue
+                keys.add(f"model.{dense}")
+                if p.requires_grad:
+                    keys.update(f"optim.{dense}.{k}" for k in ("step", "exp_avg", "exp_avg_sq"))
+        return keys
 
-            hetero_load_state_dict(self.model, self.optimizer, self._hetero_keys(state, to_dcp=False))
+    def load_state_dict(self, state: dict) -> None:
+        """Restore from a :meth:`state_dict` template that ``checkpoint.load`` filled."""
+        params, optim = {}, {}
+        for name, (dense, _, _) in self.dense.items():
+            params[name] = state[f"model.{dense}"].tensor
+            if f"optim.{dense}.step" in state:
+                optim[name] = {"step": state[f"optim.{dense}.step"],
+                               **{k: state[f"optim.{dense}.{k}"].tensor for k in ("exp_avg", "exp_avg_sq")}}
+        if self.hetero is not None:
+            hetero_load_state_dict(self.model, self.optimizer, {"model": params, "optim": {"state": optim}})
         else:
             for name, p in self.model.named_parameters():
-                key = self._key(name, p)
                 with torch.no_grad():
-                    p.copy_(state[f"model.{key}"])
-                if not p.requires_grad:
-                    continue
-                loaded = {k: state[f"optim.{key}.{k}"] for k in ("step", "exp_avg", "exp_avg_sq")}
-                if float(loaded["step"]) > 0:
-                    self.optimizer.state[p] = loaded
+                    p.copy_(params[name])
+                if p.requires_grad and float(optim[name]["step"]) > 0:
+                    self.optimizer.state[p] = optim[name]
         self.step = int(state["step"])
         self.tokens_seen = int(state["tokens_seen"])
 
@@ -402,9 +433,6 @@ def _pipeline(cfg: Config, mesh: Mesh, schedule):
     """Cut the model into the schedule's chunks and build only this rank's.
 
     Returns (local stages by index, loss_fn, executor, tied sync, tied params)."""
-    from .pipeline.executor import PipelineExecutor, TiedGradSync
-    from .pipeline.partition import build_chunks, parameter_costs, partition
-
     pl, p, m = cfg.pipeline, cfg.parallel, cfg.model
     shape = model_shape(cfg)
     # Costs from shapes alone (meta tensors): every rank computes the same cut.
@@ -416,7 +444,7 @@ def _pipeline(cfg: Config, mesh: Mesh, schedule):
     chunks = build_chunks(stages, ranges, mine)
     q, sp = mesh.size("tp_row"), mesh.size("sp")
     act_shape = [cfg.data.batch_size // (p.dp * q * pl.microbatches), m.seq_len // sp, m.hidden // q]
-    executor = PipelineExecutor(schedule, mesh, chunks, loss_fn, act_shape, DTYPES[cfg.train.dtype],
+    executor = PipelineExecutor(schedule, mesh, chunks, loss_fn, act_shape, PARAMETER_DTYPE[cfg.train.dtype],
                                 timeout_s=cfg.train.timeout_s, device=mesh.device)
     tied_sync, tied_params = None, []
     if m.tie_embeddings and untie:
@@ -446,8 +474,6 @@ def compose(cfg: Config, mesh: Mesh) -> Engine:
     executor = tied_sync = None
     tied_params: list = []
     if cfg.parallel.pp > 1:
-        from .pipeline import make_schedule
-
         pl = cfg.pipeline
         schedule = make_schedule(pl.schedule, cfg.parallel.pp, pl.microbatches, waves=pl.waves,
                                  chunks_per_rank=pl.chunks_per_rank)
@@ -457,16 +483,15 @@ def compose(cfg: Config, mesh: Mesh) -> Engine:
     names = stage_names(model_shape(cfg))
     local = {names[i]: stages[i] for i in sorted(stages)}
     model = LocalModel(local)
+    dense = dense_layouts(local, tied=cfg.model.tie_embeddings)
     hetero = None
     if cfg.hetero.enabled:
-        from .hetero import wrap
-
-        model, optimizer = wrap(model, cfg.optimizer, cfg.hetero, mesh=DataReplicas(mesh))
+        model, optimizer = hetero_wrap(model, cfg.optimizer, cfg.hetero, mesh=DataReplicas(mesh))
         hetero = True
     else:
         optimizer = build_optimizer([p for p in model.parameters() if p.requires_grad], cfg.optimizer)
     return Engine(cfg, mesh, model, optimizer, loss_fn, list(local.values()),
-                  executor=executor, tied_sync=tied_sync, tied_params=tied_params, hetero=hetero)
+                  executor=executor, tied_sync=tied_sync, tied_params=tied_params, hetero=hetero, dense=dense)
 
 
 def parameter_count(model: nn.Module) -> int:

@@ -99,7 +99,8 @@ class _Run:
                 _log(f"[parallel4d] train.resume: no checkpoint under {self.ckpt_dir}; starting from step 0")
             return
         state = self.engine.state_dict()
-        checkpoint.load(state, found, verify_files=False)  # choose_checkpoint verified it
+        checkpoint.load(state, found, verify_files=False,  # choose_checkpoint verified it
+                        known=self.engine.checkpoint_keys())
         self.engine.load_state_dict(state)
         info = checkpoint.read_info(found)
         self.run_id = info.get("run_id") or self.run_id

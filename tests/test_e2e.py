@@ -113,20 +113,16 @@ def test_pipeline_schedules(case, tmp_path, tmp_path_factory):
 
 
 def test_all_four_techniques(tmp_path, tmp_path_factory):
-    """configs/4d.yaml, 16 workers: Hanayo pp=2 × ring sp=2 × 2D tp=4 × hetero (budget below each
-    rank's model data, ZeRO over the dp·sp replicas) equals one process with none of them;
-    then resume (grid-keyed hetero checkpoint) continues the same run."""
+    """configs/4d.yaml as shipped (float32), 16 workers: Hanayo pp=2 × ring sp=2 × 2D tp=4 × hetero
+    (budget below each rank's model data, ZeRO over the dp·sp replicas) equals one process with none
+    of them. Float64 parameters and resuming its checkpoint under other layouts: tests/test_reshard.py."""
     got, out = run("4d", tmp_path, [], "par")
-    # 12 single-process steps: the reference of the 10 here and of the 2 the resume computes
-    longer, _ = reference("4d", tmp_path_factory, ["hetero.enabled=false", "train.steps=12"])
+    ref, _ = reference("4d", tmp_path_factory, ["hetero.enabled=false"])
     assert got["world_size"] == 16
     h = got["hetero"]
     assert 0 < h["peak_resident_bytes"] <= h["device_budget_bytes"] < h["model_data_bytes"]
     assert h["bytes_moved"] > 0
-    assert_losses_match(got, {"losses": longer["losses"][:10], "steps": 10})
-    more, _ = run("4d", tmp_path, ["train.resume=true", "train.steps=12"], "par")
-    assert more["resumed_from"] == 10 and more["losses"][:10] == got["losses"]  # reloaded, not computed
-    assert_losses_match(more, longer)  # steps 11-12: what the resumed run computes
+    assert_losses_match(got, ref)
 
 
 def test_hetero(tmp_path, tmp_path_factory):

@@ -129,11 +129,11 @@ def dense_reference():
     change only the layout sections, so this one serves them all)."""
     from parallel4d.config import make_config
     from parallel4d.data import build_dataset
-    from parallel4d.engine import DTYPES, build_optimizer, lr_at, model_shape
+    from parallel4d.engine import PARAMETER_DTYPE, build_optimizer, lr_at, model_shape
     from parallel4d.models.gpt import build_gpt
 
     cfg = make_config(BASE)
-    model = build_gpt(model_shape(cfg), seed=cfg.train.seed).to(DTYPES[cfg.train.dtype])
+    model = build_gpt(model_shape(cfg), seed=cfg.train.seed).to(PARAMETER_DTYPE[cfg.train.dtype])
     tokens, targets = build_dataset(cfg).batch(0)
     loss = model(tokens, targets)
     loss.backward()

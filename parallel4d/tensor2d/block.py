@@ -22,7 +22,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .checks import check_heads
-from .layers import (Embedding2D, LayerNorm2D, Linear2D, LMHead2D, VocabParallelCrossEntropy2D,
+from .layers import (DenseLayout, Embedding2D, LayerNorm2D, Linear2D, LMHead2D, VocabParallelCrossEntropy2D,
                      VocabParallelEmbedding2D)
 
 
@@ -59,6 +59,18 @@ class _Composite(nn.Module):
         for prefix, layer in self._parts():
             out.update(_prefixed(prefix, layer.dense_grads()))
         return out
+
+    def dense_layout(self) -> dict[str, tuple[str, DenseLayout]]:
+        """``{local parameter name: (dense name, (dense shape, pieces))}`` (no communication)."""
+        local = {id(m): n for n, m in self.named_modules()}
+        out = {}
+        for prefix, layer in self._layout_parts():
+            for key, layout in layer.dense_layout().items():
+                out[f"{local[id(layer)]}.{key}"] = (f"{prefix}{key}", layout)
+        return out
+
+    def _layout_parts(self):
+        return self._parts()
 
     def to_dense(self, dense_module: nn.Module) -> nn.Module:
         """Load the gathered parameters into ``dense_module`` (same structure as the source)."""
@@ -173,6 +185,9 @@ class Head2D(_Composite):
         if not self.tied:  # a tied weight belongs to the embedding's state dict
             parts.append(("", self.lm_head))
         return parts
+
+    def _layout_parts(self):  # a tied weight is listed too: its dense name says where it lives
+        return [("ln_f.", self.ln_f), ("", self.lm_head)]
 
     def _tied_key(self, key: str) -> bool:
         return self.tied and key == "weight"

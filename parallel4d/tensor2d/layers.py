@@ -15,15 +15,17 @@ layer                          local parameter                                 s
 =============================  =============================================  =======================
 
 Every parameter carries ``tensor2d_replicated_over``: ``()`` or ``("tp_row",)``
-(for gradient-norm clipping or checkpoint de-duplication). Each layer has
-``from_dense(module, mesh)`` (slices locally, no communication) and
-``to_dense()`` / ``dense_state_dict()`` / ``dense_grads()`` (gather over the grid;
-collective: every grid rank must call them).
+(for gradient-norm clipping). Each layer has ``from_dense(module, mesh)`` (slices
+locally, no communication), ``to_dense()`` / ``dense_state_dict()`` / ``dense_grads()``
+(gather over the grid; collective: every grid rank must call them) and
+``dense_layout()`` (where each local parameter sits in its dense tensor; no
+communication — what layout-free checkpoints are written from).
 """
 
 from __future__ import annotations
 
 import weakref
+from typing import Callable
 
 import torch
 import torch.nn as nn
@@ -36,6 +38,30 @@ from .grid import (Grid, all_reduce_sum, block_of, gather_blocks, gather_columns
 from .summa import summa_ab, summa_abt
 
 _HALF = (torch.float16, torch.bfloat16)
+
+
+# A tensor shaped like a local parameter (the parameter, its gradient, an optimizer
+# moment) → [(offsets in the dense tensor, view of it)]: boxes that tile the local tensor.
+Pieces = Callable[[torch.Tensor], list[tuple[tuple[int, ...], torch.Tensor]]]
+# (dense shape, pieces) of one local parameter.
+DenseLayout = tuple[tuple[int, ...], Pieces]
+
+
+def _box(*offsets: int) -> Pieces:
+    """The local tensor is one box of the dense tensor, at ``offsets``."""
+    return lambda t: [(offsets, t)]
+
+
+def _runs(index: list[int]) -> list[tuple[int, int, int]]:
+    """``(dense start, local start, length)`` of the consecutive runs in ``index``
+    (local element k is dense element ``index[k]``)."""
+    runs: list[list[int]] = []
+    for k, d in enumerate(index):
+        if runs and runs[-1][0] + runs[-1][2] == d:
+            runs[-1][2] += 1
+        else:
+            runs.append([d, k, 1])
+    return [tuple(r) for r in runs]
 
 
 def _param(t: torch.Tensor, replicated_over: tuple[str, ...] = ()) -> nn.Parameter:
@@ -62,6 +88,10 @@ class _Layer2D(nn.Module):
     def dense_grads(self) -> dict[str, torch.Tensor]:
         """Gathered gradients (zeros where a gradient is missing), keyed like the dense state dict."""
         return self._dense(lambda p: p.grad if p.grad is not None else torch.zeros_like(p))
+
+    def dense_layout(self) -> dict[str, DenseLayout]:
+        """``{parameter name: (dense shape, pieces)}``, keyed like the dense state dict."""
+        raise NotImplementedError
 
 
 class Linear2D(_Layer2D):
@@ -120,6 +150,19 @@ class Linear2D(_Layer2D):
             out = {k: v[inv] for k, v in out.items()}
         return {k: v.contiguous() for k, v in out.items()}
 
+    def dense_layout(self) -> dict[str, DenseLayout]:
+        g = self.grid
+        n_out, n_in = self.out_features // g.q, self.in_features // g.q
+        mine = list(range(g.j * n_out, (g.j + 1) * n_out))  # my output features, in local order
+        if self.out_perm is not None:  # qkv: my rows are three runs, from q, k and v
+            mine = self.out_perm[g.j * n_out:(g.j + 1) * n_out].tolist()
+        runs = _runs(mine)
+        out = {"weight": ((self.out_features, self.in_features),  # local [in/q, out/q] holds Wᵀ's block
+                          lambda t: [((d, g.i * n_in), t.t()[k:k + n]) for d, k, n in runs])}
+        if self.bias is not None:
+            out["bias"] = ((self.out_features,), lambda t: [((d,), t[k:k + n]) for d, k, n in runs])
+        return out
+
     def to_dense(self) -> nn.Linear:
         sd = self.dense_state_dict()
         lin = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None,
@@ -171,6 +214,10 @@ class LayerNorm2D(_Layer2D):
         return {"weight": gather_columns(get(self.weight), self.grid),
                 "bias": gather_columns(get(self.bias), self.grid)}
 
+    def dense_layout(self) -> dict[str, DenseLayout]:
+        box = _box(self.grid.j * (self.hidden // self.grid.q))
+        return {"weight": ((self.hidden,), box), "bias": ((self.hidden,), box)}
+
     def to_dense(self) -> nn.LayerNorm:
         ln = nn.LayerNorm(self.hidden, eps=self.eps, dtype=self.weight.dtype, device=self.weight.device)
         ln.load_state_dict(self.dense_state_dict())
@@ -205,10 +252,18 @@ class Embedding2D(_Layer2D):
     def _dense(self, get):
         return {"weight": gather_columns(get(self.weight), self.grid)}
 
+    def dense_layout(self) -> dict[str, DenseLayout]:
+        return {"weight": ((self.num_embeddings, self.dim), _box(0, self.grid.j * (self.dim // self.grid.q)))}
+
     def to_dense(self) -> nn.Embedding:
         e = nn.Embedding(self.num_embeddings, self.dim, dtype=self.weight.dtype, device=self.weight.device)
         e.load_state_dict(self.dense_state_dict())
         return e
+
+
+def _block_layout(rows: int, cols: int, grid: Grid) -> DenseLayout:
+    """A ``[rows, cols]`` table stored as q×q blocks, block (i, j) here."""
+    return (rows, cols), _box(grid.i * (rows // grid.q), grid.j * (cols // grid.q))
 
 
 class VocabParallelEmbedding2D(_Layer2D):
@@ -259,6 +314,9 @@ class VocabParallelEmbedding2D(_Layer2D):
 
     def _dense(self, get):
         return {"weight": gather_blocks(get(self.weight), self.grid)}
+
+    def dense_layout(self) -> dict[str, DenseLayout]:
+        return {"weight": _block_layout(self.num_embeddings, self.dim, self.grid)}
 
     def to_dense(self) -> nn.Embedding:
         e = nn.Embedding(self.num_embeddings, self.dim, dtype=self.weight.dtype, device=self.weight.device)
@@ -311,6 +369,9 @@ class LMHead2D(_Layer2D):
 
     def _dense(self, get):
         return {"weight": gather_blocks(get(self.weight), self.grid)}
+
+    def dense_layout(self) -> dict[str, DenseLayout]:
+        return {"weight": _block_layout(self.vocab, self.hidden, self.grid)}
 
     def to_dense(self) -> nn.Linear:
         lin = nn.Linear(self.hidden, self.vocab, bias=False, dtype=self.weight.dtype, device=self.weight.device)

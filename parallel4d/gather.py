@@ -1,0 +1,110 @@
+"""``parallel4d checkpoint gather CKPT OUT.pt``: a checkpoint of any layout → one dense state dict.
+
+The output is ``torch.load``-able: ``{"model": {dense name: tensor}, "optimizer": {dense
+name: {"step", "exp_avg", "exp_avg_sq"}}, "step": N, "tokens_seen": T}``. It is written
+without holding the model: first a skeleton whose tensor bytes are left unwritten
+(``torch.serialization.skip_data`` over fake tensors), then the file is mapped shared
+and each tensor is read from the checkpoint straight into its place, one at a time, so
+the process holds at most one tensor's pieces beyond the mapped file's pages.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from . import checkpoint
+
+
+def _resolve(path: str | Path) -> Path:
+    """A checkpoint directory, or a checkpoint root (its newest complete checkpoint)."""
+    path = Path(path)
+    if (path / ".metadata").is_file():
+        return path
+    found = checkpoint.latest_checkpoint(path) if path.is_dir() else None
+    if found is None:
+        raise checkpoint.CheckpointError(f"{path} is neither a checkpoint (no .metadata) nor a directory of them")
+    return found
+
+
+def _skeleton(saved: dict) -> dict:
+    """The output's structure with fake tensors of the saved dense shapes and dtypes."""
+    out: dict = {"model": {}, "optimizer": {}}
+    with FakeTensorMode():
+        for key, md in saved.items():
+            if not hasattr(md, "size"):
+                continue
+            t = torch.empty(md.size, dtype=md.properties.dtype)
+            if key.startswith("model."):
+                out["model"][key[len("model."):]] = t
+            elif key.startswith("optim."):
+                name, k = key[len("optim."):].rsplit(".", 1)
+                out["optimizer"].setdefault(name, {})[k] = t
+            else:
+                out[key] = t
+    return out
+
+
+def _places(out: dict) -> dict[str, torch.Tensor]:
+    """``{checkpoint key: tensor}`` over the (mapped) output structure."""
+    places = {f"model.{k}": t for k, t in out["model"].items()}
+    for name, state in out["optimizer"].items():
+        places.update({f"optim.{name}.{k}": t for k, t in state.items()})
+    places.update({k: t for k, t in out.items() if isinstance(t, torch.Tensor)})
+    return places
+
+
+class _Progress:
+    """``gather: 12/40 tensors, 3.1/9.0 MB`` on stderr: redrawn on a terminal, every ~10% otherwise."""
+
+    def __init__(self, total_tensors: int, total_bytes: int):
+        self.n, self.total, self.bytes, self.total_bytes = 0, total_tensors, 0, total_bytes
+        self.tty, self.shown, self.start = sys.stderr.isatty(), -1, time.monotonic()
+
+    def advance(self, nbytes: int) -> None:
+        self.n += 1
+        self.bytes += nbytes
+        tenth = 10 * self.n // max(self.total, 1)
+        if not self.tty and tenth == self.shown and self.n < self.total:
+            return
+        self.shown = tenth
+        line = (f"gather: {self.n}/{self.total} tensors, {self.bytes / 1e6:.1f}/{self.total_bytes / 1e6:.1f} MB "
+                f"({time.monotonic() - self.start:.1f}s)")
+        print(f"\r{line}" if self.tty else line, end="" if self.tty and self.n < self.total else "\n",
+              file=sys.stderr, flush=True)
+
+
+def gather(ckpt: str | Path, out: str | Path, progress: bool = True) -> Path:
+    """Write checkpoint ``ckpt`` (any layout) as the dense state dict ``out``; returns ``out``'s path."""
+    path, out = _resolve(ckpt), Path(out)
+    problem = checkpoint.verify(path)
+    if problem is not None:
+        raise checkpoint.CheckpointError(f"checkpoint {path} is not usable: {problem}")
+    dcp = checkpoint.dcp
+    saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    tmp = out.with_name(f".{out.name}.tmp")
+    with torch.serialization.skip_data(materialize_fake_tensors=True):
+        torch.save(_skeleton(saved), tmp)
+    torch.serialization.set_default_mmap_options(mmap.MAP_SHARED)  # writes reach the file
+    try:
+        mapped = torch.load(tmp, mmap=True, weights_only=True)
+    finally:
+        torch.serialization.set_default_mmap_options(mmap.MAP_PRIVATE)
+    places = _places(mapped)
+    bar = _Progress(len(places), sum(t.nbytes for t in places.values())) if progress else None
+    with warnings.catch_warnings():  # "no process group: assuming a single process" is the intent here
+        warnings.simplefilter("ignore", UserWarning)
+        for key, t in places.items():
+            dcp.load({key: t}, checkpoint_id=str(path), no_dist=True)
+            if bar is not None:
+                bar.advance(t.nbytes)
+    del mapped, places
+    os.replace(tmp, out)
+    return out
