@@ -12,6 +12,7 @@ from typing import Callable
 
 import torch
 
+from .layout import check_layout
 from .ring import ring_attention
 
 
@@ -19,8 +20,6 @@ def make_ring_attention_fn(group, layout: str = "zigzag", stats=None, *, backend
                            timeout_s: float | None = None, scale: float | None = None) -> Callable:
     """A drop-in ``attention_fn(q, k, v, causal=True) -> [b, heads, s/N, d]`` running
     :func:`ring_attention` over ``group`` (the sequence-parallel axis, e.g. ``mesh.group("sp")``)."""
-    from .layout import check_layout
-
     check_layout(layout)
 
     def attention_fn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True) -> torch.Tensor:
