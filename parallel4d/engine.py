@@ -1,6 +1,6 @@
 """compose(): build the model and apply the strategies in a fixed order.
 
-Order (DESIGN.md): pipeline (the schedule decides which stages this rank
+Order (docs/architecture.md): pipeline (the schedule decides which stages this rank
 holds) → build those stages of the dense reference, each from ``(seed, stage)``
 → sequence (ring attention in every block, global position ids) → tensor2d
 (each stage converted with ``from_dense`` as soon as it is built) → data

@@ -1,8 +1,8 @@
 """Reference GPT decoder (pre-LN, causal or bidirectional attention, GELU MLP, tied or untied LM head).
 
-Every sub-module comes from a :class:`LayerFactory`; strategies supply their own
-factory (2D-parallel linears, ring attention, ...) while this file stays the
-single-process dense reference they are tested against.
+This file is the single-process dense reference every layout is tested against; the
+strategies do not change it: the engine builds its stages and converts them (2D layers
+``from_dense``, ring attention as a block's ``attention_fn``).
 
 Shapes (dense): tokens ``[b, s]`` → hidden ``[b, s, h]`` → logits ``[b, s, V]``.
 The model is also a flat list of *stages* (``embed, block_0..block_{L-1}, head``)
@@ -133,22 +133,6 @@ def cross_entropy(logits, targets, ignore_index: int = -100):
     return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=ignore_index)
 
 
-class LayerFactory:
-    """Builds each part of the GPT; subclass to swap in parallel layers."""
-
-    def embedding(self, shape: GPTShape) -> nn.Module:
-        return Embedding(shape)
-
-    def block(self, shape: GPTShape, index: int) -> nn.Module:
-        return Block(shape)
-
-    def head(self, shape: GPTShape, tied_weight: nn.Parameter | None = None) -> nn.Module:
-        return Head(shape, tied_weight)
-
-    def loss(self, logits, targets):
-        return cross_entropy(logits, targets)
-
-
 class _SkipRandomInit(torch.overrides.TorchFunctionMode):
     """Meta stages carry shapes only, so their random init is skipped: the meta kernel of
     ``normal_`` is a Python reference that imports ``torch._dynamo`` (~2 s of CPU), which
@@ -169,25 +153,24 @@ def stage_names(shape: GPTShape) -> list[str]:
     return ["embed", *(f"blocks.{i}" for i in range(shape.layers)), "head"]
 
 
-def build_stage(shape: GPTShape, index: int, seed: int = 0, factory: LayerFactory | None = None,
-                tied_weight: nn.Parameter | None = None, meta: bool = False) -> nn.Module:
+def build_stage(shape: GPTShape, index: int, seed: int = 0, tied_weight: nn.Parameter | None = None,
+                meta: bool = False) -> nn.Module:
     """Stage ``index`` (0 = embedding, 1..L = blocks, L+1 = head), initialised from
     ``(seed, index)`` alone, so a rank can build just its own stages and get exactly
     the values of the whole reference model. ``tied_weight``: the token table a tied
     head shares (left as it is). ``meta``: shapes only, no memory, no init (for costs).
     Built on the CPU (its RNG is the same everywhere); move it afterwards.
     """
-    factory = factory or LayerFactory()
     last = shape.layers + 1
     if not 0 <= index <= last:
         raise ValueError(f"stage index {index} out of range 0..{last}")
 
     def make():
         if index == 0:
-            return factory.embedding(shape)
+            return Embedding(shape)
         if index < last:
-            return factory.block(shape, index - 1)
-        return factory.head(shape, tied_weight)
+            return Block(shape)
+        return Head(shape, tied_weight)
 
     if meta:
         with torch.device("meta"), _SkipRandomInit():
@@ -202,14 +185,13 @@ def build_stage(shape: GPTShape, index: int, seed: int = 0, factory: LayerFactor
 class GPT(nn.Module):
     """Stages ``embed → blocks → head``; ``forward(tokens, targets=None)`` → logits or loss."""
 
-    def __init__(self, shape: GPTShape, factory: LayerFactory | None = None, seed: int = 0):
+    def __init__(self, shape: GPTShape, seed: int = 0):
         super().__init__()
         self.shape = shape
-        self.factory = factory or LayerFactory()
-        self.embed = build_stage(shape, 0, seed, self.factory)
-        self.blocks = nn.ModuleList(build_stage(shape, i + 1, seed, self.factory) for i in range(shape.layers))
+        self.embed = build_stage(shape, 0, seed)
+        self.blocks = nn.ModuleList(build_stage(shape, i + 1, seed) for i in range(shape.layers))
         tied = self.embed.tok.weight if shape.tie_embeddings else None
-        self.head = build_stage(shape, shape.layers + 1, seed, self.factory, tied_weight=tied)
+        self.head = build_stage(shape, shape.layers + 1, seed, tied_weight=tied)
 
     def stages(self) -> list[nn.Module]:
         """The model as a flat list a pipeline cuts into contiguous chunks."""
@@ -219,7 +201,7 @@ class GPT(nn.Module):
         x = tokens
         for stage in self.stages():
             x = stage(x)
-        return x if targets is None else self.factory.loss(x, targets)
+        return x if targets is None else cross_entropy(x, targets)
 
 
 def init_weights(model: nn.Module, shape: GPTShape, skip=()) -> None:
@@ -238,6 +220,6 @@ def init_weights(model: nn.Module, shape: GPTShape, skip=()) -> None:
             nn.init.normal_(p, 0.0, shape.init_std / (math.sqrt(2 * shape.layers) if scaled else 1.0))
 
 
-def build_gpt(shape: GPTShape, seed: int = 0, factory: LayerFactory | None = None) -> GPT:
+def build_gpt(shape: GPTShape, seed: int = 0) -> GPT:
     """Build the dense reference deterministically from ``seed`` (stage by stage)."""
-    return GPT(shape, factory, seed)
+    return GPT(shape, seed)
