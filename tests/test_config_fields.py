@@ -2,8 +2,8 @@
 
 * a static walk: each field of each section is read somewhere in the package (not only
   validated): a field nothing reads is silently ignored by every job that sets it;
-* ``sequence.causal: false`` is bidirectional attention in the dense model (sp = 1) and the
-  ring (sp = 2), checked in float64 through ``launch``;
+* ``sequence.causal: false`` is bidirectional attention in the dense model (sp = 1) and in the
+  ring with 2D blocks (sp = 2 × tp = 4), checked in float64 through ``launch``;
 * ``pipeline.microbatches`` at pp = 1 accumulates gradients: the same step as one big batch,
   with a lower activation peak.
 """
@@ -263,17 +263,18 @@ def first_loss(cfg_dict, causal: bool) -> float:
 
 
 def test_bidirectional_ring_through_launch_equals_sp1(tmp_path, single_rank):
-    """``sequence.causal: false``: sp = 2 (ring, zigzag, launched) equals sp = 1 (the same
-    run_training in this process) to 1e-10 in float64, and both are the bidirectional model:
-    step 1's loss is the non-causal reference's, not the causal one's."""
+    """``sequence.causal: false``: sp = 2 (ring, zigzag) × tp = 4 (2D blocks), launched, equals
+    sp = 1 (the same run_training in this process) to 1e-10 in float64, and both are the
+    bidirectional model: step 1's loss is the non-causal reference's, not the causal one's."""
     from parallel4d import launch
     from parallel4d.train import run_training
 
-    ring = launch(tiny_job(tmp_path / "sp2", parallel={"sp": 2}, sequence={"causal": False, "layout": "zigzag"}))
+    ring = launch(tiny_job(tmp_path / "sp2", parallel={"sp": 2, "tp": 4},
+                               sequence={"causal": False, "layout": "zigzag"}))
     one_job = tiny_job(tmp_path / "sp1", sequence={"causal": False})
     one = run_training(Config.model_validate(one_job))
     a, b = (torch.tensor(r["losses"], dtype=torch.float64) for r in (ring, one))
-    assert len(a) == len(b) == 3 and ring["world_size"] == 2
+    assert len(a) == len(b) == 3 and ring["world_size"] == 8
     assert ring["bytes_communicated"]["sent"]["ring_attention.fwd.kv"] > 0
     torch.testing.assert_close(a, b, rtol=1e-10, atol=0)
     bidirectional, causal = first_loss(one_job, False), first_loss(one_job, True)
