@@ -136,7 +136,9 @@ class Linear2D(_Layer2D):
     def forward(self, x):
         y = summa_ab(x, self.weight, self.grid, name=self.name, overlap=self.overlap)
         if self.bias is not None:
-            y = y + replicated_over_rows(self.bias, self.grid, f"{self.name}.bias.grad")
+            # added in y's dtype, as nn.Linear does under autocast: a float32 bias would promote a
+            # bf16 product, and what follows (ring attention's K/V traffic included) to float32
+            y = y + replicated_over_rows(self.bias, self.grid, f"{self.name}.bias.grad").to(y.dtype)
         return y
 
     def _dense(self, get):
