@@ -259,7 +259,7 @@ def _gpu_job():
     with torch.autocast("cuda", dtype=torch.bfloat16):
         ref = dense(X)
         y = blk(scatter_2d(X, mesh))
-    assert y.dtype == torch.bfloat16
+    assert y.dtype == ref.dtype  # float32: the residual stream keeps the input's dtype, as in the dense block
     torch.testing.assert_close(y.float(), scatter_2d(ref.float(), mesh), rtol=3e-2, atol=3e-2)
     y.float().sum().backward()
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in blk.parameters())
