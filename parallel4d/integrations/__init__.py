@@ -1,0 +1,1 @@
+"""Ways into parallel4d from other training stacks (DeepSpeed)."""
