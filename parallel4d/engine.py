@@ -95,6 +95,17 @@ class LocalModel(nn.Module):
                 self.add_module(name, module)
 
 
+def local_batch(mesh: Mesh, x: torch.Tensor, layout: str = "zigzag") -> torch.Tensor:
+    """This rank's share of a global ``[B, S]`` tensor (tokens or targets): rows block dp,
+    then rows block tp_row, then sequence shard sp in ``layout`` (``sequence.layout``)
+    → ``[B/(dp·q), S/sp]`` on ``mesh.device``."""
+    x = local_slice(x, mesh.rank("dp"), mesh.size("dp"))
+    x = local_slice(x, mesh.rank("tp_row"), mesh.size("tp_row"))
+    if mesh.size("sp") > 1:
+        x = split_sequence(x, mesh.group("sp"), dim=1, layout=layout)
+    return x.contiguous().to(mesh.device)
+
+
 def dense_layouts(stages: dict[str, nn.Module], tied: bool) -> dict[str, tuple[str, tuple, Pieces]]:
     """``{name in LocalModel: (dense name, dense shape, pieces)}`` for every parameter name
     (tied aliases included): where each local parameter sits in the single-process model.
@@ -297,12 +308,7 @@ class Engine:
     # --- data ---------------------------------------------------------------------
     def local_batch(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's share of a global ``[B, S]`` tensor: ``[B/(dp·q), S/sp]``."""
-        m = self.mesh
-        x = local_slice(x, m.rank("dp"), m.size("dp"))
-        x = local_slice(x, m.rank("tp_row"), m.size("tp_row"))
-        if m.size("sp") > 1:
-            x = split_sequence(x, m.group("sp"), dim=1, layout=self.cfg.sequence.layout)
-        return x.contiguous().to(self.device)
+        return local_batch(self.mesh, x, self.cfg.sequence.layout)
 
     # --- one step -----------------------------------------------------------------
     def _forward_backward(self, x, y) -> torch.Tensor:

@@ -1,8 +1,8 @@
 """parallel4d inside DeepSpeed: the mesh as DeepSpeed's ``mpu`` and parameters tagged for it.
 
-Work in progress (issue #14): what is here is the contract DeepSpeed's ZeRO and gradient
-clipping read — ``Mesh.as_mpu()`` (parallel4d/mesh.py), :func:`tag_parameters` — and
-:func:`avoid_compiled_ops`; ``build_model`` / ``initialize`` come next.
+Work in progress (issue #14): the contract DeepSpeed's ZeRO and gradient clipping read —
+``Mesh.as_mpu()`` (parallel4d/mesh.py), :func:`tag_parameters` —, :func:`avoid_compiled_ops`
+and :func:`build_model` (pp = 1); pipelines and ``initialize(config)`` come next.
 
 DeepSpeed counts a parameter's squared gradient norm on every rank if it is tagged
 ``tensor_model_parallel``, otherwise only on tensor-parallel rank 0, then sums over the
@@ -19,9 +19,13 @@ from __future__ import annotations
 
 import importlib
 
+import torch
 import torch.nn as nn
 
+from ..config import Config, ConfigError
+from ..engine import LocalModel, build_stages, model_shape
 from ..mesh import Mesh
+from ..models.gpt import stage_names
 
 # `import deepspeed.comm.torch as m` would bind the package attribute `torch`: the torch library
 deepspeed_comm = importlib.import_module("deepspeed.comm.torch")
@@ -43,3 +47,38 @@ def avoid_compiled_ops() -> None:
     on first use): it serves only inference all-reduces on one host; training uses the
     process groups. Call before ``deepspeed.initialize``; idempotent."""
     deepspeed_comm.build_shm_op = lambda: None
+
+
+class RankModel(nn.Module):
+    """This rank's model for a DeepSpeed loop (pp = 1): 2D layers when ``tp > 1``, ring
+    attention when ``sp > 1``, parameters tagged by :func:`tag_parameters`.
+
+    ``forward(tokens, targets)`` takes this rank's shards ``[B/(dp·q), S/sp]``
+    (:func:`parallel4d.engine.local_batch`) and returns the loss DeepSpeed's reduction
+    expects: DeepSpeed averages gradients over dp and *sums* them over sp, so each rank
+    returns its token mean divided by sp (its share of the replica's mean). Multiply by
+    sp for the mean loss over the rank's tokens (the grid's batch under tp).
+    """
+
+    def __init__(self, cfg: Config, mesh: Mesh):
+        super().__init__()
+        if cfg.parallel.pp > 1:
+            raise ConfigError("build_model: parallel.pp > 1 is not available inside DeepSpeed yet (pipelines "
+                              "under DeepSpeed run through the engine's train_batch, issue #14); use parallel.pp=1")
+        stages, self.loss_fn = build_stages(cfg, mesh)
+        names = stage_names(model_shape(cfg))
+        self.local = LocalModel({names[i]: stages[i] for i in sorted(stages)})
+        self._order = [stages[i] for i in sorted(stages)]
+        self.sp = mesh.size("sp")
+        tag_parameters(self.local, mesh)
+
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        h = tokens
+        for stage in self._order:
+            h = stage(h)
+        return self.loss_fn(h, targets) / self.sp
+
+
+def build_model(cfg: Config, mesh: Mesh) -> RankModel:
+    """This rank's model of ``cfg`` on ``mesh`` for ``deepspeed.initialize(model=..., mpu=mesh.as_mpu())``."""
+    return RankModel(cfg, mesh)
