@@ -22,6 +22,7 @@ import importlib
 import torch
 import torch.nn as nn
 
+from .. import comm
 from ..config import Config, ConfigError
 from ..engine import LocalModel, build_stages, model_shape
 from ..mesh import Mesh
@@ -54,10 +55,11 @@ class RankModel(nn.Module):
     attention when ``sp > 1``, parameters tagged by :func:`tag_parameters`.
 
     ``forward(tokens, targets)`` takes this rank's shards ``[B/(dp·q), S/sp]``
-    (:func:`parallel4d.engine.local_batch`) and returns the loss DeepSpeed's reduction
-    expects: DeepSpeed averages gradients over dp and *sums* them over sp, so each rank
-    returns its token mean divided by sp (its share of the replica's mean). Multiply by
-    sp for the mean loss over the rank's tokens (the grid's batch under tp).
+    (:func:`parallel4d.engine.local_batch`) and returns a scalar whose *value* is the mean
+    loss over the whole global batch (one all-reduce of a scalar over the data replicas,
+    so a DeepSpeed loop prints what a single process would) and whose *gradient* is the
+    one DeepSpeed's reduction expects: DeepSpeed averages gradients over dp and *sums* them
+    over sp, so the differentiated part is this rank's token mean divided by sp.
     """
 
     def __init__(self, cfg: Config, mesh: Mesh):
@@ -69,14 +71,21 @@ class RankModel(nn.Module):
         names = stage_names(model_shape(cfg))
         self.local = LocalModel({names[i]: stages[i] for i in sorted(stages)})
         self._order = [stages[i] for i in sorted(stages)]
-        self.sp = mesh.size("sp")
+        self.mesh, self.sp = mesh, mesh.size("sp")
+        self.timeout_s = cfg.train.timeout_s
         tag_parameters(self.local, mesh)
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         h = tokens
         for stage in self._order:
             h = stage(h)
-        return self.loss_fn(h, targets) / self.sp
+        share = self.loss_fn(h, targets) / self.sp
+        mean = share.detach().clone()
+        work = comm.all_reduce(mean, self.mesh.group_over("dp", "sp"), stats=self.mesh.comm_stats, label="loss",
+                               async_op=True)
+        comm.wait(work, self.timeout_s, "loss all-reduce over the data replicas (dp·sp)")
+        mean /= self.mesh.size("dp")
+        return share + (mean - share.detach())  # the value of the mean, the gradient of the share
 
 
 def build_model(cfg: Config, mesh: Mesh) -> RankModel:
