@@ -2,8 +2,12 @@
 tagged so that DeepSpeed's own gradient norm and clipping count every dense element once, and
 no JIT-compiled DeepSpeed op (the workers run with no C++ compiler reachable)."""
 
+import difflib
 import os
+import re
+import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -182,3 +186,32 @@ def test_zero_stages_equal_parallel4d_data_parallelism(tmp_path):
             torch.testing.assert_close(got, want, rtol=2e-2, atol=0, msg=lambda m: f"bf16: {m}")
         else:
             torch.testing.assert_close(got, want, rtol=1e-5, atol=0, msg=lambda m, s=stage: f"ZeRO {s}: {m}")
+
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "deepspeed"
+
+
+def _torchrun_losses(script: str, nproc: int) -> list[float]:
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    proc = subprocess.run([torchrun, "--standalone", "--nproc-per-node", str(nproc), str(EXAMPLES / script),
+                           str(EXAMPLES / "job.yaml")], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return [float(m) for m in re.findall(r"^step \d+ loss (\S+)$", proc.stdout, re.M)]
+
+
+def test_the_deepspeed_example_with_parallel4d_equals_the_plain_one():
+    """examples/deepspeed: the plain DeepSpeed script (1 process, dense GPT) and the same script with
+    four lines changed (8 torchrun processes: tp=4 × sp=2) print the same 20 losses (rel 1e-4)."""
+    def main_of(name):  # the training code: from `def main` on
+        lines = (EXAMPLES / name).read_text().splitlines()
+        return lines[next(i for i, line in enumerate(lines) if line.startswith("def main")):]
+
+    changed = [line for line in difflib.unified_diff(main_of("train.py"), main_of("train_parallel4d.py"),
+                                                     lineterm="", n=0)
+               if line.startswith("+") and not line.startswith("+++")]
+    assert len(changed) <= 5, changed  # the mesh, the model, mpu=, the batch shards (one call on two lines)
+    want = _torchrun_losses("train.py", 1)
+    got = _torchrun_losses("train_parallel4d.py", 8)
+    assert len(want) == len(got) == 20 and want[-1] < want[0]
+    torch.testing.assert_close(torch.tensor(got, dtype=torch.float64), torch.tensor(want, dtype=torch.float64),
+                               rtol=1e-4, atol=0)
