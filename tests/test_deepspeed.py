@@ -24,7 +24,7 @@ from parallel4d.engine import build_optimizer, dense_layouts, local_batch, lr_at
 from parallel4d.integrations.deepspeed import avoid_compiled_ops  # noqa: E402
 from parallel4d.mesh import init_mesh  # noqa: E402
 from parallel4d.models.gpt import build_gpt  # noqa: E402
-from parallel4d.workers import spawn  # noqa: E402
+from parallel4d.workers import WorkerError, spawn  # noqa: E402
 
 JOB = {"parallel": {"tp": 4}, "sequence": {"layout": "zigzag"}, "model": {"vocab_size": 64, "seq_len": 16, "hidden": 32, "heads": 2, "layers": 2},
        "data": {"source": "synthetic", "batch_size": 8}, "train": {"steps": 1}}
@@ -215,3 +215,8 @@ def test_the_deepspeed_example_with_parallel4d_equals_the_plain_one():
     assert len(want) == len(got) == 20 and want[-1] < want[0]
     torch.testing.assert_close(torch.tensor(got, dtype=torch.float64), torch.tensor(want, dtype=torch.float64),
                                rtol=1e-4, atol=0)
+
+
+def test_zero3_with_tensor_parallelism_is_refused_before_a_step():
+    with pytest.raises(WorkerError, match=r"ZeRO stage 3 is not supported with parallel.tp > 1.*stage to 1 or 2"):
+        spawn(_all_steps, 4, (JOB, [(3, True)]), backend="gloo", timeout_s=300)

@@ -74,8 +74,21 @@ class RankModel(nn.Module):
         self.mesh, self.sp = mesh, mesh.size("sp")
         self.timeout_s = cfg.train.timeout_s
         tag_parameters(self.local, mesh)
+        self._checked = False
+
+    def _refuse_zero3(self) -> None:
+        """ZeRO-3 partitions parameters over DeepSpeed's data-parallel group, not the dp·sp
+        replicas, and gathers 2D blocks as if they were whole: wrong under tp or sp. Refused at
+        the first forward (before any step), where the partitioned parameters (``ds_id``) show."""
+        self._checked = True
+        if (self.mesh.size("tp_row") > 1 or self.sp > 1) and any(hasattr(p, "ds_id") for p in self.parameters()):
+            raise ConfigError("DeepSpeed ZeRO stage 3 is not supported with parallel.tp > 1 or parallel.sp > 1 "
+                              "(parameters would be partitioned over the wrong group); set "
+                              "zero_optimization.stage to 1 or 2, which match parallel4d exactly")
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        if not self._checked:
+            self._refuse_zero3()
         h = tokens
         for stage in self._order:
             h = stage(h)
