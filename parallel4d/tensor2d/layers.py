@@ -80,7 +80,8 @@ class _Layer2D(nn.Module):
         self.name = name
 
     # Subclasses define ``_dense(get)``: dense tensors keyed like the dense module's
-    # state dict, where ``get(param)`` picks the local tensor (data or grad) to gather.
+    # state dict, where ``get(param)`` picks the local tensor (data or grad) to gather;
+    # and ``dense_layout()``: ``{parameter name: (dense shape, pieces)}``, keyed the same way.
 
     def dense_state_dict(self) -> dict[str, torch.Tensor]:
         return self._dense(lambda p: p.detach())
@@ -88,10 +89,6 @@ class _Layer2D(nn.Module):
     def dense_grads(self) -> dict[str, torch.Tensor]:
         """Gathered gradients (zeros where a gradient is missing), keyed like the dense state dict."""
         return self._dense(lambda p: p.grad if p.grad is not None else torch.zeros_like(p))
-
-    def dense_layout(self) -> dict[str, DenseLayout]:
-        """``{parameter name: (dense shape, pieces)}``, keyed like the dense state dict."""
-        raise NotImplementedError
 
 
 class Linear2D(_Layer2D):
