@@ -94,6 +94,12 @@ class LocalModel(nn.Module):
             else:
                 self.add_module(name, module)
 
+    def stages(self) -> dict[str, nn.Module]:
+        """``{dense stage name: module}`` in model order (the input of :func:`dense_layouts`)."""
+        named = {n: m for n, m in self.named_children() if n != "blocks"}
+        blocks = {f"blocks.{k}": m for k, m in self.blocks.items()}
+        return {**({"embed": named.pop("embed")} if "embed" in named else {}), **blocks, **named}
+
 
 def local_batch(mesh: Mesh, x: torch.Tensor, layout: str = "zigzag") -> torch.Tensor:
     """This rank's share of a global ``[B, S]`` tensor (tokens or targets): rows block dp,

@@ -68,8 +68,7 @@ def _one_step(job: dict, stage: int, tag: bool):
 def _dense_pieces(model, cfg) -> dict:
     """This rank's pieces of every dense parameter ``{dense name: [(offsets, float32 tensor)]}``."""
     local = model.local
-    layouts = dense_layouts({"embed": local.embed, **{f"blocks.{k}": b for k, b in local.blocks.items()},
-                             "head": local.head}, tied=cfg.model.tie_embeddings)
+    layouts = dense_layouts(local.stages(), tied=cfg.model.tie_embeddings)
     pieces = {}
     for name, param in local.named_parameters(remove_duplicate=False):
         dense, _, cut = layouts[name]
