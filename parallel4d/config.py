@@ -196,16 +196,9 @@ class Config(_Section):
     data: DataConfig = Field(default_factory=DataConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
-    deepspeed: Optional[dict[str, Any]] = Field(None, description="for the DeepSpeed plugin, which does not exist "
-                                                                  "yet: refused until then rather than ignored")
-
-    @field_validator("deepspeed")
-    @classmethod
-    def _no_plugin_yet(cls, section):
-        if section is not None:
-            raise ValueError("deepspeed: parallel4d's DeepSpeed plugin is not available yet, so nothing would read "
-                             "this section; remove it")
-        return section
+    deepspeed: Optional[dict[str, Any]] = Field(None, description="a DeepSpeed config (ds_config) for training "
+                                                                  "inside DeepSpeed (the deepspeed extra); None = "
+                                                                  "parallel4d's own engine")
 
     @model_validator(mode="after")
     def _cross_field(self) -> "Config":
@@ -246,12 +239,87 @@ def cross_field_problems(cfg: Config) -> list[str]:
         out.append(f"hetero.enabled=true with pipeline.schedule={pl.schedule} cannot keep a tied embedding and "
                    "LM head on two pp ranks in step; use pipeline.schedule=hanayo (both ends on rank 0) or "
                    "model.tie_embeddings=false")
+    if cfg.deepspeed is not None:
+        out += deepspeed_problems(cfg)
     if cfg.data.source == "synthetic" and m.vocab_size < 2:
         out.append("model.vocab_size must be ≥ 2")
     if cfg.data.source == "text" and m.vocab_size < 256:
         out.append(f"data.source=text is byte-level and needs model.vocab_size≥256, got {m.vocab_size}; use 256")
     if cfg.data.source == "text" and cfg.data.text_root:
         out += _text_root_problems(cfg.data.text_root)
+    return out
+
+
+# --- the deepspeed: section ---------------------------------------------------------
+# Rules that need only the section's values; parallel4d/integrations/deepspeed/ds_config.py
+# adds those that need DeepSpeed itself (unknown keys, its own sub-section models) or the device.
+
+#: ds_config batch keys → what parallel4d's fields make them. DeepSpeed's "GPU" is a data replica
+#: (the mpu's data-parallel size is parallel.dp): its micro-batch counts the sequences of one
+#: replica's micro-batch, which the q×q grid and sp split further.
+def deepspeed_batch(cfg: "Config") -> dict[str, int]:
+    p, m = cfg.parallel, cfg.pipeline.microbatches
+    return {"train_batch_size": cfg.data.batch_size, "gradient_accumulation_steps": m,
+            "train_micro_batch_size_per_gpu": cfg.data.batch_size // (p.dp * m)}
+
+
+def deepspeed_zero_stage(section: dict) -> Any:
+    zero = section.get("zero_optimization")
+    return zero.get("stage", 0) if isinstance(zero, dict) else 0
+
+
+def _enabled(section: dict, key: str) -> bool:
+    value = section.get(key)
+    return isinstance(value, dict) and value.get("enabled") is True
+
+
+def deepspeed_problems(cfg: "Config") -> list[str]:
+    """What in ``cfg.deepspeed`` cannot run with the rest of ``cfg``; one message each."""
+    ds, p = cfg.deepspeed, cfg.parallel
+    out = []
+    why = (f"data.batch_size={cfg.data.batch_size}, parallel.dp={p.dp} and pipeline.microbatches="
+           f"{cfg.pipeline.microbatches} make it")
+    for key, want in deepspeed_batch(cfg).items():
+        if key in ds and ds[key] != "auto" and (isinstance(ds[key], bool) or ds[key] != want):
+            out.append(f"deepspeed.{key}={ds[key]!r} but {why} {want} (train_batch_size = micro-batch × "
+                       f"gradient_accumulation_steps × parallel.dp); set deepspeed.{key}={want}, \"auto\", or "
+                       "leave it out")
+    zero = ds.get("zero_optimization") if isinstance(ds.get("zero_optimization"), dict) else {}
+    offload = [k for k in ("offload_optimizer", "offload_param")
+               if isinstance(zero.get(k), dict) and zero[k].get("device", "none") != "none"]
+    if cfg.hetero.enabled:
+        what = f"DeepSpeed's zero_optimization.{offload[0]}" if offload else "DeepSpeed's optimizer"
+        out.append(f"hetero.enabled=true with a deepspeed: section: one memory manager at a time, and {what} "
+                   "would manage the same parameters as hetero's chunks; set hetero.enabled=false (DeepSpeed's "
+                   "zero_optimization.offload_optimizer moves optimizer states to the host) or remove deepspeed:")
+    stage = deepspeed_zero_stage(ds)
+    if p.pp > 1 and stage not in (0, 1):
+        out.append(f"deepspeed.zero_optimization.stage={stage!r} with parallel.pp={p.pp}: a pipeline keeps every "
+                   "micro-batch's gradients until the step, which ZeRO stages 2 and 3 do not; use stage 0 or 1")
+    elif stage == 3 and (p.tp > 1 or p.sp > 1):
+        out.append(f"deepspeed.zero_optimization.stage=3 with parallel.tp={p.tp}, parallel.sp={p.sp}: ZeRO-3 "
+                   "would partition 2D blocks and ring-attention replicas over the wrong group; use stage 1 or 2, "
+                   "which match parallel4d exactly")
+    if p.pp > 1 and "managed_gradient_accumulation" in ds:
+        out.append("deepspeed.managed_gradient_accumulation with parallel.pp > 1: parallel4d's pipeline executor "
+                   "accumulates the micro-batches itself; remove the key")
+    if _enabled(ds, "fp16") and p.pp > 1:
+        out.append("deepspeed.fp16.enabled with parallel.pp > 1: the pipeline's backward bypasses DeepSpeed's "
+                   "loss scaling; use bf16 (deepspeed.bf16.enabled=true)")
+    bf16 = _enabled(ds, "bf16") or _enabled(ds, "bfloat16")
+    if cfg.train.dtype == "float64":
+        out.append("train.dtype=float64 with a deepspeed: section: DeepSpeed trains float32 (or bf16, fp16); "
+                   "use train.dtype=float32")
+    elif cfg.train.dtype == "bfloat16" and isinstance(ds.get("bf16"), dict) and not bf16:
+        out.append("train.dtype=bfloat16 but deepspeed.bf16.enabled is false; set deepspeed.bf16.enabled=true "
+                   "(DeepSpeed's bf16) or train.dtype=float32")
+    clip = ds.get("gradient_clipping")
+    if cfg.train.grad_clip and clip not in (None, cfg.train.grad_clip):
+        out.append(f"train.grad_clip={cfg.train.grad_clip} and deepspeed.gradient_clipping={clip!r} disagree; keep "
+                   "one of them (DeepSpeed clips with deepspeed.gradient_clipping)")
+    if "scheduler" in ds and cfg.optimizer.warmup_steps:
+        out.append(f"deepspeed.scheduler and optimizer.warmup_steps={cfg.optimizer.warmup_steps} are two learning-"
+                   "rate schedules; set optimizer.warmup_steps=0 or remove deepspeed.scheduler")
     return out
 
 

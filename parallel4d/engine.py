@@ -21,7 +21,9 @@ shard ``r`` of ``sp`` (in ``sequence.layout``) → ``m`` micro-batches:
 from __future__ import annotations
 
 import dataclasses
+import functools
 from contextlib import nullcontext
+from typing import NamedTuple
 
 import torch
 import torch.nn as nn
@@ -441,11 +443,23 @@ class Engine:
         self.tokens_seen = int(state["tokens_seen"])
 
 
-def _pipeline(cfg: Config, mesh: Mesh, schedule):
-    """Cut the model into the schedule's chunks and build only this rank's.
+class PipelineParts(NamedTuple):
+    """This rank's share of a pipelined model (:func:`build_pipeline`)."""
 
-    Returns (local stages by index, loss_fn, executor, tied sync, tied params)."""
+    stages: dict[int, nn.Module]  # stage index → module, for the chunks this rank holds
+    executor: PipelineExecutor
+    tied_sync: TiedGradSync | None  # sums a tied table's gradient between two pp ranks; None when shared
+    tied_params: list[nn.Parameter]  # this rank's copies of that table (empty when tied_sync is None)
+
+
+def build_pipeline(cfg: Config, mesh: Mesh, loss_scale: float = 1.0,
+                   activation_dtype: torch.dtype | None = None) -> PipelineParts:
+    """Cut the model into the chunks of ``pipeline.schedule`` and build only this rank's.
+
+    ``loss_scale`` multiplies each micro-batch's mean loss (the DeepSpeed plugin's 1/sp);
+    ``activation_dtype``: what travels between pp ranks (default: the parameters' dtype)."""
     pl, p, m = cfg.pipeline, cfg.parallel, cfg.model
+    schedule = make_schedule(pl.schedule, p.pp, pl.microbatches, waves=pl.waves, chunks_per_rank=pl.chunks_per_rank)
     shape = model_shape(cfg)
     # Costs from shapes alone (meta tensors): every rank computes the same cut.
     costs = parameter_costs([build_stage(shape, i, meta=True) for i in range(shape.layers + 2)])
@@ -453,10 +467,13 @@ def _pipeline(cfg: Config, mesh: Mesh, schedule):
     mine = schedule.placement[mesh.rank("pp")]
     untie = schedule.owner(0) != schedule.owner(schedule.num_chunks - 1)
     stages, loss_fn = build_stages(cfg, mesh, {i for c in mine for i in ranges[c]}, untie=untie)
+    if loss_scale != 1.0:
+        loss_fn = functools.partial(_scaled_loss, loss_fn, loss_scale)
     chunks = build_chunks(stages, ranges, mine)
     q, sp = mesh.size("tp_row"), mesh.size("sp")
     act_shape = [cfg.data.batch_size // (p.dp * q * pl.microbatches), m.seq_len // sp, m.hidden // q]
-    executor = PipelineExecutor(schedule, mesh, chunks, loss_fn, act_shape, PARAMETER_DTYPE[cfg.train.dtype],
+    executor = PipelineExecutor(schedule, mesh, chunks, loss_fn, act_shape,
+                                activation_dtype or PARAMETER_DTYPE[cfg.train.dtype],
                                 timeout_s=cfg.train.timeout_s, device=mesh.device)
     tied_sync, tied_params = None, []
     if m.tie_embeddings and untie:
@@ -465,7 +482,11 @@ def _pipeline(cfg: Config, mesh: Mesh, schedule):
             tied_params.append(_tied_table(stages[0]))
         if shape.layers + 1 in stages:
             tied_params.append(_tied_table(stages[shape.layers + 1], head=True))
-    return stages, loss_fn, executor, tied_sync, tied_params
+    return PipelineParts(stages, executor, tied_sync, tied_params)
+
+
+def _scaled_loss(loss_fn, scale: float, output, targets):
+    return loss_fn(output, targets) * scale
 
 
 def _tied_table(stage: nn.Module, head: bool = False) -> nn.Parameter:
@@ -486,10 +507,8 @@ def compose(cfg: Config, mesh: Mesh) -> Engine:
     executor = tied_sync = None
     tied_params: list = []
     if cfg.parallel.pp > 1:
-        pl = cfg.pipeline
-        schedule = make_schedule(pl.schedule, cfg.parallel.pp, pl.microbatches, waves=pl.waves,
-                                 chunks_per_rank=pl.chunks_per_rank)
-        stages, loss_fn, executor, tied_sync, tied_params = _pipeline(cfg, mesh, schedule)
+        stages, executor, tied_sync, tied_params = build_pipeline(cfg, mesh)
+        loss_fn = executor.loss_fn
     else:
         stages, loss_fn = build_stages(cfg, mesh)
     names = stage_names(model_shape(cfg))

@@ -22,23 +22,10 @@ import torch.distributed as dist
 
 from . import checkpoint
 from .config import Config, ConfigError, load_config, local_job_problems
-from .mesh import init_process_group_from_env
+from .mesh import device_and_backend, init_process_group_from_env
 from .rundir import RunLock, check_writable
 from .train import run_training
 from .workers import spawn
-
-
-def _device_and_backend(cfg: Config) -> tuple[str, str]:
-    want = cfg.train.device
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if want == "cuda" and gpus == 0:
-        raise ConfigError("train.device=cuda but no CUDA device is visible; use train.device=cpu or auto")
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", cfg.world_size))
-    if want == "cuda" and gpus < local_world:
-        raise ConfigError(f"train.device=cuda needs one GPU per local rank ({local_world}) but {gpus} are visible; "
-                          "use train.device=cpu or fewer ranks (parallel.pp·dp·sp·tp)")
-    use_cuda = want == "cuda" or (want == "auto" and gpus >= local_world)
-    return ("cuda", "nccl") if use_cuda else ("cpu", "gloo")
 
 
 @contextmanager
@@ -73,7 +60,7 @@ def launch(config: str | Path | Config | dict, overrides: list[str] | None = Non
     Returns rank 0's summary (the content of ``<train.out_dir>/summary.json``).
     """
     cfg = load_config(config, overrides)
-    device, backend = _device_and_backend(cfg)
+    device, backend = device_and_backend(cfg)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         world = int(os.environ["WORLD_SIZE"])
         if world != cfg.world_size:

@@ -28,6 +28,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from .comm import CommStats
+from .config import Config, ConfigError
 from .rules import grid_side
 
 AXES = ("pp", "dp", "sp", "tp_row", "tp_col")
@@ -257,6 +258,21 @@ class MeshMPU:
 
     def get_pipeline_model_parallel_rank(self) -> int:
         return self.mesh.rank("pp")
+
+
+def device_and_backend(cfg: Config) -> tuple[str, str]:
+    """``(device type, backend)`` for ``train.device``: ``("cuda", "nccl")`` when every local rank
+    gets its own GPU, ``("cpu", "gloo")`` otherwise; ConfigError when cuda is asked for and missing."""
+    want = cfg.train.device
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if want == "cuda" and gpus == 0:
+        raise ConfigError("train.device=cuda but no CUDA device is visible; use train.device=cpu or auto")
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", cfg.world_size))
+    if want == "cuda" and gpus < local_world:
+        raise ConfigError(f"train.device=cuda needs one GPU per local rank ({local_world}) but {gpus} are visible; "
+                          "use train.device=cpu or fewer ranks (parallel.pp·dp·sp·tp)")
+    use_cuda = want == "cuda" or (want == "auto" and gpus >= local_world)
+    return ("cuda", "nccl") if use_cuda else ("cpu", "gloo")
 
 
 def init_process_group_from_env(backend: str | None = None, timeout_s: float = 300.0) -> None:

@@ -1,8 +1,4 @@
-"""parallel4d inside DeepSpeed: the mesh as DeepSpeed's ``mpu`` and parameters tagged for it.
-
-Work in progress (issue #14): the contract DeepSpeed's ZeRO and gradient clipping read —
-``Mesh.as_mpu()`` (parallel4d/mesh.py), :func:`tag_parameters` —, :func:`avoid_compiled_ops`
-and :func:`build_model` (pp = 1); pipelines and ``initialize(config)`` come next.
+"""This rank's model for DeepSpeed: parameters tagged for its gradient norm, and no JIT-built op.
 
 DeepSpeed counts a parameter's squared gradient norm on every rank if it is tagged
 ``tensor_model_parallel``, otherwise only on tensor-parallel rank 0, then sums over the
@@ -22,11 +18,11 @@ import importlib
 import torch
 import torch.nn as nn
 
-from .. import comm
-from ..config import Config, ConfigError
-from ..engine import LocalModel, build_stages, model_shape
-from ..mesh import Mesh
-from ..models.gpt import stage_names
+from ... import comm
+from ...config import Config, ConfigError
+from ...engine import LocalModel, build_stages, model_shape
+from ...mesh import Mesh
+from ...models.gpt import stage_names
 
 # `import deepspeed.comm.torch as m` would bind the package attribute `torch`: the torch library
 deepspeed_comm = importlib.import_module("deepspeed.comm.torch")
@@ -65,8 +61,9 @@ class RankModel(nn.Module):
     def __init__(self, cfg: Config, mesh: Mesh):
         super().__init__()
         if cfg.parallel.pp > 1:
-            raise ConfigError("build_model: parallel.pp > 1 is not available inside DeepSpeed yet (pipelines "
-                              "under DeepSpeed run through the engine's train_batch, issue #14); use parallel.pp=1")
+            raise ConfigError("build_model: parallel.pp > 1 needs parallel4d's pipeline executor around DeepSpeed; "
+                              "build it with parallel4d.integrations.deepspeed.initialize(config) and train with "
+                              "engine.train_batch(tokens, targets), or use parallel.pp=1")
         stages, self.loss_fn = build_stages(cfg, mesh)
         names = stage_names(model_shape(cfg))
         self.local = LocalModel({names[i]: stages[i] for i in sorted(stages)})
@@ -93,12 +90,17 @@ class RankModel(nn.Module):
         for stage in self._order:
             h = stage(h)
         share = self.loss_fn(h, targets) / self.sp
-        mean = share.detach().clone()
-        work = comm.all_reduce(mean, self.mesh.group_over("dp", "sp"), stats=self.mesh.comm_stats, label="loss",
-                               async_op=True)
-        comm.wait(work, self.timeout_s, "loss all-reduce over the data replicas (dp·sp)")
-        mean /= self.mesh.size("dp")
+        mean = global_mean(share.detach(), self.mesh, self.timeout_s)
         return share + (mean - share.detach())  # the value of the mean, the gradient of the share
+
+
+def global_mean(share: torch.Tensor, mesh: Mesh, timeout_s: float) -> torch.Tensor:
+    """The global batch's mean loss from each data replica's ``share`` (its token mean / sp):
+    summed over the replicas ``dp·sp`` (one scalar all-reduce), divided by dp."""
+    total = share.detach().clone()
+    work = comm.all_reduce(total, mesh.group_over("dp", "sp"), stats=mesh.comm_stats, label="loss", async_op=True)
+    comm.wait(work, timeout_s, "loss all-reduce over the data replicas (dp·sp)")
+    return total / mesh.size("dp")
 
 
 def build_model(cfg: Config, mesh: Mesh) -> RankModel:

@@ -1,0 +1,21 @@
+"""parallel4d inside DeepSpeed (the ``deepspeed`` extra): 2D tensor, ring sequence and wave
+pipeline parallelism under a user's DeepSpeed script, ds_config and ZeRO.
+
+Two ways in:
+
+* :func:`initialize` (a job YAML / dict / Config with a ``deepspeed:`` section) →
+  ``(engine, optimizer, scheduler)``; ``engine.train_batch(tokens, targets)`` on the global
+  batch, for every layout (:mod:`.engines`). ``parallel4d launch`` uses it for such a config.
+* Your own loop: ``parallel4d.build_model(cfg, mesh)`` (pp = 1) and
+  ``deepspeed.initialize(model=..., mpu=mesh.as_mpu())`` (:mod:`.model`).
+
+:mod:`.ds_config` checks the section against DeepSpeed before any process starts.
+"""
+
+from .ds_config import resolve
+from .engines import DeepSpeedPipeline, Parallel4DEngine
+from .initialize import build_engine, initialize
+from .model import RankModel, avoid_compiled_ops, build_model, global_mean, tag_parameters
+
+__all__ = ["initialize", "build_engine", "build_model", "resolve", "tag_parameters", "avoid_compiled_ops",
+           "global_mean", "RankModel", "Parallel4DEngine", "DeepSpeedPipeline"]
