@@ -3,7 +3,8 @@
 Layout under the checkpoint directory::
 
     step_00000010/         one checkpoint, written as .step_00000010.tmp and renamed once complete
-        .metadata, *.distcp    DCP's files (each rank writes its own shards)
+        .metadata, *.distcp    DCP's files (each rank writes its own shards), or DeepSpeed's
+                               (*_model_states.pt, *_optim_states.pt) under a deepspeed: section
         config.yaml            the job's config (extra_files of the caller)
         run.json               run id, step, save time and the caller's info (train.py: loss history)
         checksums.json         size and sha256 of every other file; written last, before the rename
@@ -156,12 +157,12 @@ def verify(path: str | Path) -> str | None:
     path = Path(path)
     if not path.is_dir():
         return "the directory does not exist"
-    if not (path / ".metadata").is_file():
-        return "no .metadata file (an incomplete save)"
     if not (path / CHECKSUMS).is_file():
-        if not (path / RUN_INFO).exists():
-            return None  # the layout before checksums
-        return f"no {CHECKSUMS} (an incomplete save)"
+        if (path / RUN_INFO).exists():
+            return f"no {CHECKSUMS} (an incomplete save)"
+        if not (path / ".metadata").is_file():
+            return "no .metadata file (an incomplete save)"
+        return None  # the layout before checksums
     try:
         table = json.loads((path / CHECKSUMS).read_text())["files"]
     except (OSError, ValueError, KeyError, TypeError) as e:
@@ -359,9 +360,13 @@ def _retain(root: Path, run_id: str, keep: int, latest: Path) -> None:
             shutil.rmtree(p, ignore_errors=True)
 
 
-def save(state: dict, root: str | Path, step: int, keep: int = 2, extra_files: dict[str, str] | None = None,
-         *, run_id: str | None = None, info: dict | None = None) -> Path:
+def save(state: dict | Callable[[Path], Any], root: str | Path, step: int, keep: int = 2,
+         extra_files: dict[str, str] | None = None, *, run_id: str | None = None, info: dict | None = None) -> Path:
     """Collectively save ``state`` as checkpoint ``step`` under ``root``; every rank calls this.
+
+    ``state``: a state dict for DCP, or ``write(directory)``, a collective that writes the
+    checkpoint's files into ``directory`` (DeepSpeed's ``save_checkpoint``); either way the files
+    get checksums and the directory its atomic rename, ``latest`` and retention.
 
     ``run_id``: the run this checkpoint belongs to (only the writer's value is used);
     None continues the run of the checkpoint ``latest`` names, or starts a new one.
@@ -386,7 +391,10 @@ def save(state: dict, root: str | Path, step: int, keep: int = 2, extra_files: d
         return final
     error = None
     try:
-        _dcp().save(state, checkpoint_id=str(tmp), planner=shards.save_planner())
+        if callable(state):
+            state(tmp)
+        else:
+            _dcp().save(state, checkpoint_id=str(tmp), planner=shards.save_planner())
     except _failures() as e:
         error = e
     # the same verdict on every rank, in the words of a rank that failed itself (its own disk, limits)
@@ -413,9 +421,13 @@ def latest_checkpoint(root: str | Path) -> Path | None:
     """
     root = Path(root)
     named = _latest_name(root)
-    if named and (root / named / ".metadata").is_file():
+    if named and _has_data(root / named):
         return root / named
-    return next((p for p in _step_dirs(root) if (p / ".metadata").is_file()), None)
+    return next((p for p in _step_dirs(root) if _has_data(p)), None)
+
+
+def _has_data(path: Path) -> bool:
+    return (path / ".metadata").is_file() or (path / CHECKSUMS).is_file()
 
 
 def _candidates(root: Path) -> list[Path]:

@@ -10,7 +10,9 @@ from .checkpoint import CheckpointError
 from .config import ConfigError, load_config
 from .gather import gather
 from .launch import launch
+from .mesh import device_and_backend
 from .pipeline.cli import add_schedule_parser
+from .train import deepspeed_integration
 from .workers import Terminated, WorkerError, WorkerTimeout
 
 
@@ -22,6 +24,8 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
 
 def _cmd_validate(args) -> int:
     cfg = load_config(args.config, args.overrides)
+    if cfg.deepspeed is not None:
+        deepspeed_integration().resolve(cfg, device_and_backend(cfg)[0])
     print(cfg.to_yaml(), end="")
     print(f"# world size: {cfg.world_size} = pp·dp·sp·tp = {cfg.parallel.pp}·{cfg.parallel.dp}·"
           f"{cfg.parallel.sp}·{cfg.parallel.tp}")

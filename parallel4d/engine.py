@@ -28,7 +28,7 @@ from typing import NamedTuple
 import torch
 import torch.nn as nn
 
-from . import comm
+from . import checkpoint, comm
 from .config import Config, ConfigError
 from .data import local_slice
 from .ddp import GradBuckets
@@ -408,6 +408,18 @@ class Engine:
             for k in ("exp_avg", "exp_avg_sq"):
                 out.setdefault(f"optim.{dense}.{k}", DenseShards(shape, state[k], pieces))
         return out
+
+    checkpoint_format = "parallel4d"  # run.json's "format": DCP files under the dense model's names
+
+    def checkpoint_state(self) -> dict:
+        """What ``checkpoint.save`` writes: :meth:`state_dict`."""
+        return self.state_dict()
+
+    def load_checkpoint(self, path) -> None:
+        """Restore from checkpoint ``path`` (its files already verified), whatever layout saved it."""
+        state = self.state_dict()
+        checkpoint.load(state, path, verify_files=False, known=self.checkpoint_keys())
+        self.load_state_dict(state)
 
     def checkpoint_keys(self) -> set[str]:
         """Every key :meth:`state_dict` has on some rank: the whole model's, from its shapes."""

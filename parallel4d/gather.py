@@ -31,6 +31,10 @@ def _resolve(path: str | Path) -> Path:
     found = checkpoint.latest_checkpoint(path) if path.is_dir() else None
     if found is None:
         raise checkpoint.CheckpointError(f"{path} is neither a checkpoint (no .metadata) nor a directory of them")
+    if not (found / ".metadata").is_file():
+        raise checkpoint.CheckpointError(f"{found} was saved by DeepSpeed (a deepspeed: section), not in parallel4d's "
+                                         "layout-free format; turn it into one state dict with the zero_to_fp32.py "
+                                         f"DeepSpeed wrote into {found.parent}")
     return found
 
 

@@ -17,28 +17,30 @@ import os
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
 
 from . import checkpoint
 from .config import Config, ConfigError, load_config, local_job_problems
 from .mesh import device_and_backend, init_process_group_from_env
 from .rundir import RunLock, check_writable
-from .train import run_training
+from .train import deepspeed_integration, run_training
 from .workers import spawn
 
 
 @contextmanager
-def prepared(cfg: Config, local: bool):
+def prepared(cfg: Config, local: bool, device_type: str = "cpu"):
     """Every check that needs no worker, then the run directories locked for the job.
 
-    ``local``: this process spawns the workers (the local size limit applies). The
+    ``local``: this process spawns the workers (the local size limit applies). A
+    ``deepspeed:`` section is checked against DeepSpeed for ``device_type``. The
     lock comes before the look for another run's checkpoints, so a job still writing
     them is reported as a job in use, not as leftovers.
     """
     problems = local_job_problems(cfg) if local else []
     if problems:
         raise ConfigError("invalid configuration:\n" + "\n".join(f"  - {p}" for p in problems))
+    if cfg.deepspeed is not None:
+        deepspeed_integration().resolve(cfg, device_type)
     check_writable(cfg.train.out_dir, "train.out_dir")
     dirs = [Path(cfg.train.out_dir)]
     if cfg.checkpoint.enabled:
@@ -67,7 +69,7 @@ def launch(config: str | Path | Config | dict, overrides: list[str] | None = Non
             raise ConfigError(f"WORLD_SIZE={world} but parallel.pp·dp·sp·tp = {cfg.parallel.pp}·{cfg.parallel.dp}·"
                               f"{cfg.parallel.sp}·{cfg.parallel.tp} = {cfg.world_size}; start {cfg.world_size} "
                               "processes or change the parallel sizes")
-        with prepared(cfg, local=False) if os.environ["RANK"] == "0" else nullcontext():
+        with prepared(cfg, False, device) if os.environ["RANK"] == "0" else nullcontext():
             init_process_group_from_env(backend, cfg.train.timeout_s)
             try:
                 return run_training(cfg)
@@ -78,7 +80,7 @@ def launch(config: str | Path | Config | dict, overrides: list[str] | None = Non
                 # tensors takes the GIL mid-finalization and the process aborts (SIGABRT) after a good run.
                 gc.collect()
     threads = cfg.train.threads_per_worker or max(1, (os.cpu_count() or 1) // cfg.world_size)
-    with prepared(cfg, local=True):
+    with prepared(cfg, True, device):
         results = spawn(
             _train_entry, cfg.world_size, (cfg.model_dump(mode="json"),), backend=backend,
             timeout_s=cfg.train.job_timeout_s or 7 * 24 * 3600.0, pg_timeout_s=cfg.train.timeout_s,

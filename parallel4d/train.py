@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import signal
@@ -13,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from . import checkpoint, comm
-from .config import Config
+from .config import Config, ConfigError
 from .data import build_dataset
 from .engine import compose, flops_per_token, parameter_count
 from .mesh import init_mesh
@@ -98,11 +99,14 @@ class _Run:
             if self.lead:
                 _log(f"[parallel4d] train.resume: no checkpoint under {self.ckpt_dir}; starting from step 0")
             return
-        state = self.engine.state_dict()
-        checkpoint.load(state, found, verify_files=False,  # choose_checkpoint verified it
-                        known=self.engine.checkpoint_keys())
-        self.engine.load_state_dict(state)
         info = checkpoint.read_info(found)
+        saved_by = info.get("format", "parallel4d")
+        if saved_by != self.engine.checkpoint_format:
+            raise checkpoint.CheckpointError(
+                f"checkpoint {found} was saved by {saved_by} and this job trains with {self.engine.checkpoint_format} "
+                "(a deepspeed: section or not); resume it with the config it was saved with, or start afresh in "
+                "another train.out_dir")
+        self.engine.load_checkpoint(found)  # choose_checkpoint verified its files
         self.run_id = info.get("run_id") or self.run_id
         self.losses = list(info["losses"]) if "losses" in info else _summary_losses(summary_path)
         del self.losses[self.engine.step:]
@@ -120,9 +124,10 @@ class _Run:
             return
         try:
             self.saved = checkpoint.save(
-                self.engine.state_dict(), self.ckpt_dir, step, keep=self.cfg.checkpoint.keep,
+                self.engine.checkpoint_state(), self.ckpt_dir, step, keep=self.cfg.checkpoint.keep,
                 extra_files={"config.yaml": self.cfg.to_yaml()}, run_id=self.run_id,
-                info={"losses": self.losses, "seconds": self.prior_seconds + seconds})
+                info={"losses": self.losses, "seconds": self.prior_seconds + seconds,
+                      "format": self.engine.checkpoint_format})
             self.saved_step = step
         except checkpoint.CheckpointError as e:
             if final:
@@ -130,6 +135,18 @@ class _Run:
             if self.lead:
                 _log(f"[parallel4d] warning: {e}. Training goes on (the state is in memory); "
                      "the next checkpoint tries again")
+
+
+def deepspeed_integration():
+    """``parallel4d.integrations.deepspeed``, imported on use: DeepSpeed is an optional extra
+    (and seconds to import); ConfigError saying how to install it when it is missing."""
+    try:
+        return importlib.import_module("parallel4d.integrations.deepspeed")
+    except ImportError as e:
+        if e.name is None or not e.name.startswith("deepspeed"):
+            raise
+        raise ConfigError("the deepspeed: section needs DeepSpeed: pip install 'parallel4d[deepspeed]' (make "
+                          "installs it), or remove the section to train with parallel4d's own engine") from None
 
 
 def _summary_losses(path: Path) -> list[float]:
@@ -162,7 +179,7 @@ def run_training(cfg: Config) -> dict:
     mesh = init_mesh(pp=p.pp, dp=p.dp, sp=p.sp, tp=p.tp, timeout_s=cfg.train.timeout_s)
     rank = dist.get_rank()
     lead = rank == 0
-    engine = compose(cfg, mesh)
+    engine = compose(cfg, mesh) if cfg.deepspeed is None else deepspeed_integration().DeepSpeedTrainer(cfg, mesh)
     data = build_dataset(cfg)
     summary_path = out_dir / "summary.json"
     run = _Run(cfg, engine, ckpt_dir, lead)

@@ -16,6 +16,7 @@ from .ds_config import resolve
 from .engines import DeepSpeedPipeline, Parallel4DEngine
 from .initialize import build_engine, initialize
 from .model import RankModel, avoid_compiled_ops, build_model, global_mean, tag_parameters
+from .trainer import DeepSpeedTrainer
 
 __all__ = ["initialize", "build_engine", "build_model", "resolve", "tag_parameters", "avoid_compiled_ops",
-           "global_mean", "RankModel", "Parallel4DEngine", "DeepSpeedPipeline"]
+           "global_mean", "RankModel", "Parallel4DEngine", "DeepSpeedPipeline", "DeepSpeedTrainer"]

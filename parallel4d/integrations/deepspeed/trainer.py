@@ -1,0 +1,60 @@
+"""What ``parallel4d launch`` trains for a config with a ``deepspeed:`` section.
+
+:class:`DeepSpeedTrainer` offers the training loop (``train.run_training``) what
+``engine.Engine`` offers it — ``train_step``, ``step``, ``model``, checkpoints — over the engine
+:func:`~.initialize.build_engine` builds, so progress, ``summary.json``, signals and the run
+directory's rules are the same with and without DeepSpeed. Checkpoints are DeepSpeed's own
+(``save_checkpoint`` / ``load_checkpoint``: model, optimizer and ZeRO partitions, scheduler),
+written into the directory parallel4d's checkpoint module then checksums and renames into place.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from ...checkpoint import CheckpointError
+from ...config import Config
+from ...mesh import Mesh
+from .initialize import build_engine
+
+
+class DeepSpeedTrainer:
+    """One rank's DeepSpeed training job, in the shape the training loop drives."""
+
+    checkpoint_format = "deepspeed"  # run.json's "format": DeepSpeed's files, this layout only
+    hetero = None  # hetero and DeepSpeed never run together (config.deepspeed_problems)
+
+    def __init__(self, cfg: Config, mesh: Mesh):
+        self.engine, self.optimizer, self.scheduler = build_engine(cfg, mesh)
+        self.model = self.engine.module
+        self.executor = self.engine.executor if cfg.parallel.pp > 1 else None
+        self.step = 0
+        self.tokens_seen = 0
+
+    @property
+    def last_step_info(self) -> dict:
+        return getattr(self.engine, "last_step_info", {}) if self.executor is not None else {}
+
+    def train_step(self, tokens: torch.Tensor, targets: torch.Tensor) -> float:
+        """One optimizer step on the global batch; the global mean loss."""
+        loss = self.engine.train_batch(tokens, targets)
+        self.step += 1
+        self.tokens_seen += tokens.numel()
+        return loss
+
+    def checkpoint_state(self):
+        """``write(directory)`` for ``checkpoint.save``: DeepSpeed's ``save_checkpoint`` into it."""
+        def write(directory: Path) -> None:
+            self.engine.save_checkpoint(str(directory.parent), tag=directory.name, save_latest=False,
+                                        client_state={"step": self.step, "tokens_seen": self.tokens_seen})
+        return write
+
+    def load_checkpoint(self, path: Path) -> None:
+        path = Path(path)
+        loaded, client = self.engine.load_checkpoint(str(path.parent), tag=path.name)
+        if loaded is None or "step" not in (client or {}):
+            raise CheckpointError(f"checkpoint {path}: DeepSpeed found no checkpoint of this layout there "
+                                  "(DeepSpeed checkpoints load into the parallel sizes that saved them)")
+        self.step, self.tokens_seen = int(client["step"]), int(client["tokens_seen"])
