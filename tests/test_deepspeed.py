@@ -234,3 +234,96 @@ def test_the_deepspeed_example_with_parallel4d_equals_the_plain_one():
 def test_zero3_with_tensor_parallelism_is_refused_before_a_step():
     with pytest.raises(WorkerError, match=r"ZeRO stage 3 is not supported with parallel.tp > 1.*stage to 1 or 2"):
         spawn(_all_steps, 4, (JOB, [(3, True)]), backend="gloo", timeout_s=300)
+
+
+# --- initialize(config): every layout through engine.train_batch, pipelines included (#14.5, #14.6) ---
+
+LAYOUTS = {**JOB, "model": {**JOB["model"], "layers": 4},
+           "optimizer": {"lr": 0.01, "warmup_steps": 2, "weight_decay": 0.1, "eps": 1e-4},
+           "train": {"steps": 5, "timeout_s": 60},
+           "deepspeed": {"zero_optimization": {"stage": 1}, "gradient_clipping": 0.5, "steps_per_print": 10**6}}
+
+
+def _layout(parallel: dict, pipeline: dict | None = None, stage: int = 1) -> dict:
+    ds = {**LAYOUTS["deepspeed"], "zero_optimization": {"stage": stage}}
+    return {**LAYOUTS, "parallel": parallel, "pipeline": pipeline or {"microbatches": 2}, "deepspeed": ds}
+
+
+def dense_run(job: dict) -> tuple[list[float], list[float], dict]:
+    """The dense model in this process with torch alone: AdamW, the warm-up as a LambdaLR, torch's
+    clip_grad_norm_, on the whole batch. Losses, gradient norms, parameters after the last step."""
+    cfg = Config.model_validate(job)
+    model = build_gpt(model_shape(cfg), seed=cfg.train.seed)
+    optimizer = build_optimizer(list(model.parameters()), cfg.optimizer)
+    base = cfg.optimizer
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_at(step, base) / base.lr)
+    data, losses, norms = build_dataset(cfg), [], []
+    for step in range(cfg.train.steps):
+        loss = model(*data.batch(step))
+        loss.backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), job["deepspeed"]["gradient_clipping"])))
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad()
+        losses.append(float(loss.detach()))
+    return losses, norms, {n: p.detach() for n, p in model.named_parameters()}
+
+
+def _train_batches(jobs: list[dict]):
+    """Each job through ``initialize`` and ``engine.train_batch``: losses, DeepSpeed's last global
+    norm, this rank's parameter pieces after the last step, and what the engine is."""
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    from parallel4d.integrations.deepspeed import DeepSpeedPipeline, initialize
+
+    out = []
+    for job in jobs:
+        engine, optimizer, scheduler = initialize(job)
+        cfg, data = engine.p4d_cfg, build_dataset(Config.model_validate(job))
+        losses = [engine.train_batch(*data.batch(step)) for step in range(cfg.train.steps)]
+        kind = "DeepSpeedEngine" if isinstance(engine, DeepSpeedEngine) else \
+            "DeepSpeedPipeline" if isinstance(engine, DeepSpeedPipeline) else type(engine).__name__
+        if kind == "DeepSpeedPipeline":
+            with pytest.raises(AttributeError, match="train_batch"):
+                engine.backward
+        out.append((kind, losses, float(engine.get_global_grad_norm()), _dense_pieces_of(engine.module, cfg)))
+    return out
+
+
+def _dense_pieces_of(module, cfg) -> dict:
+    return _dense_pieces(type("M", (), {"local": getattr(module, "local", module)})(), cfg)
+
+
+def _check_layout(result, job, what):
+    kind, losses, norm, pieces = result
+    want_losses, want_norms, want_params = dense_run(job)
+    torch.testing.assert_close(torch.tensor(losses, dtype=torch.float64), torch.tensor(want_losses, dtype=torch.float64),
+                               rtol=1e-4, atol=0, msg=lambda m: f"{what} losses: {m}")
+    assert abs(norm - want_norms[-1]) <= 1e-4 * want_norms[-1], (what, norm, want_norms[-1])
+    assert want_norms[0] > job["deepspeed"]["gradient_clipping"]  # clipping acts
+    assert_pieces_close(pieces, {n: want_params[n] for n in pieces}, 1e-4, 1e-6, what)  # this rank's stages
+    return kind, set(pieces), set(want_params)
+
+
+def test_hanayo_pipeline_with_2d_tensor_parallelism_inside_deepspeed():
+    """Hanayo pp=2 × tp=4 (8 workers): parallel4d's executor runs the waves, each rank's chunks
+    sit in one DeepSpeedEngine (ZeRO-1, clipping, warm-up): 5 steps' losses, DeepSpeed's global
+    norm and every parameter after them equal the dense model trained by torch alone (rel 1e-4)."""
+    job = _layout({"pp": 2, "tp": 4}, {"schedule": "hanayo", "microbatches": 2})
+    results = spawn(_train_batches, 8, ([job],), backend="gloo", timeout_s=300)
+    checked = [_check_layout(result, job, "Hanayo pp=2 × tp=4") for (result,) in results]
+    assert {kind for kind, _, _ in checked} == {"DeepSpeedPipeline"}
+    assert set().union(*(names for _, names, _ in checked)) == checked[0][2]  # every parameter somewhere
+
+
+def test_one_f_one_b_with_data_parallelism_and_pp1_engine_inside_deepspeed():
+    """1F1B pp=2 × dp=2 (ZeRO-1 over dp, the tied table on two pp ranks) and, in the same 4 workers,
+    pp=1 tp=4 under ZeRO-2, where the engine is a genuine DeepSpeedEngine: both equal the dense model."""
+    jobs = [_layout({"pp": 2, "dp": 2}, {"schedule": "1f1b", "microbatches": 2}),
+            _layout({"tp": 4}, {"microbatches": 2}, stage=2)]
+    results = spawn(_train_batches, 4, (jobs,), backend="gloo", timeout_s=300)
+    for index, (what, want) in enumerate([("1F1B pp=2 × dp=2", "DeepSpeedPipeline"),
+                                          ("pp=1 tp=4, ZeRO-2", "DeepSpeedEngine")]):
+        checked = [_check_layout(rank_results[index], jobs[index], what) for rank_results in results]
+        assert {kind for kind, _, _ in checked} == {want}
+        assert set().union(*(names for _, names, _ in checked)) == checked[0][2]

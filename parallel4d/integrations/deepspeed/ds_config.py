@@ -15,7 +15,7 @@ import copy
 from typing import Any
 
 import deepspeed
-from deepspeed.runtime.config import DeepSpeedConfig
+from deepspeed.runtime.config import DeepSpeedConfig, DeepSpeedConfigError
 from pydantic import ValidationError
 
 from ...config import Config, ConfigError, deepspeed_batch
@@ -65,6 +65,13 @@ class _RecordingKeys:
         return len(self.owner)
 
 
+class _OneReplica:
+    """An mpu of one data replica, so the probe's batch sizes fit with or without a process group."""
+
+    def get_data_parallel_world_size(self) -> int:
+        return 1
+
+
 def deepspeed_problems(section: dict) -> list[str]:
     """Keys DeepSpeed would ignore or refuse, and keys parallel4d decides; one message each."""
     # batch sizes of one process: the real ones are checked against parallel4d's fields in config.py
@@ -72,10 +79,12 @@ def deepspeed_problems(section: dict) -> list[str]:
              "gradient_accumulation_steps": 1}
     recording = _Recording(probe)
     try:
-        DeepSpeedConfig(recording)
+        DeepSpeedConfig(recording, mpu=_OneReplica())
     except ValidationError as err:
         return _located(err)
-    except (ValueError, AssertionError, TypeError, KeyError) as err:
+    # DeepSpeedConfigError: a removed feature (amp, elasticity, ...); AttributeError: a section that is not a
+    # mapping where DeepSpeed calls .get/.keys on it ("optimizer: adam", "checkpoint: 3")
+    except (ValueError, AssertionError, TypeError, KeyError, AttributeError, DeepSpeedConfigError) as err:
         return [f"deepspeed: DeepSpeed refuses the section: {err}"]
     out = []
     for key in section:
