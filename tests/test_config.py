@@ -333,11 +333,3 @@ def test_strict_types_keep_ordinary_yaml_working(tmp_path):
     assert cfg.optimizer.lr == 2e-3 and cfg.optimizer.eps == 1e-8 and cfg.optimizer.betas == (0.8, 0.9)
     assert cfg.train.timeout_s == 1000.0 and cfg.train.steps == 50 and cfg.hetero.compute_device == "cuda:1"
     assert make_config(yaml.safe_load(cfg.to_yaml())) == cfg
-
-
-def test_deepspeed_section_is_refused_until_the_plugin_reads_it(tmp_path, capsys):
-    """A section nothing reads must not be silently ignored (#13.6)."""
-    path = tmp_path / "job.yaml"
-    path.write_text("deepspeed:\n  zero_optimization: {stage: 2}\n")
-    assert main(["validate", str(path)]) == 2
-    assert "deepspeed: parallel4d's DeepSpeed plugin is not available yet" in capsys.readouterr().err

@@ -26,14 +26,10 @@ from parallel4d.config import Config
 PACKAGE = Path(config_module.__file__).resolve().parent
 
 # Fields that are known to be read by nothing, each with the issue that deals with it.
-ALLOWED_DEAD = {
-    # `deepspeed` has no reader yet: config.py's validator refuses any value with a message until
-    # the DeepSpeed plugin (issue #14) reads the section; then this entry goes.
-    ("", "deepspeed"),
-}
+ALLOWED_DEAD: set[tuple[str, str]] = set()
 
 # Functions of config.py that only validate: a field read there is checked, not used.
-VALIDATION_ONLY = {"cross_field_problems", "_text_root_problems", "_py_bytes", "_nearest_divisor"}
+VALIDATION_ONLY = {"cross_field_problems", "_text_root_problems", "_py_bytes", "_nearest_divisor", "deepspeed_problems"}
 
 
 def sections() -> dict[str, type]:

@@ -3,6 +3,7 @@ tagged so that DeepSpeed's own gradient norm and clipping count every dense elem
 no JIT-compiled DeepSpeed op (the workers run with no C++ compiler reachable)."""
 
 import difflib
+import signal
 import os
 import re
 import subprocess
@@ -327,3 +328,42 @@ def test_one_f_one_b_with_data_parallelism_and_pp1_engine_inside_deepspeed():
         checked = [_check_layout(rank_results[index], jobs[index], what) for rank_results in results]
         assert {kind for kind, _, _ in checked} == {want}
         assert set().union(*(names for _, names, _ in checked)) == checked[0][2]
+
+
+def test_launch_with_a_deepspeed_section_stops_on_ctrl_c_and_resumes_exactly(tmp_path):
+    """configs/deepspeed.yaml as shipped (Hanayo pp=2 × tp=4 inside DeepSpeed, 8 workers) through
+    ``parallel4d launch``: the straight run's losses are the dense model's (rel 1e-4); Ctrl-C after
+    step 3 finishes the step, saves DeepSpeed's checkpoint (checksummed, run.json format
+    "deepspeed") and exits 130; the resumed run's losses equal the straight run's."""
+    import json
+
+    import yaml
+
+    from parallel4d import checkpoint, launch
+    from test_faults import finish, start_job
+
+    shipped = yaml.safe_load((Path(__file__).resolve().parents[1] / "configs" / "deepspeed.yaml").read_text())
+
+    def job(name: str, steps: int) -> dict:
+        return {**shipped, "train": {**shipped["train"], "steps": steps, "log_every": 1, "timeout_s": 60,
+                                     "out_dir": str(tmp_path / name)}}
+
+    straight = launch(job("straight", 8))
+    want, _, _ = dense_run(job("straight", 8))
+    torch.testing.assert_close(torch.tensor(straight["losses"], dtype=torch.float64),
+                               torch.tensor(want, dtype=torch.float64), rtol=1e-4, atol=0)
+
+    proc, _ = start_job(tmp_path, job("resumed", 1000))
+    proc.send_signal(signal.SIGINT)
+    err = finish(proc, timeout=180)
+    assert proc.returncode == 130, err[-3000:]
+    saved = checkpoint.latest_checkpoint(tmp_path / "resumed" / "checkpoints")
+    stopped = json.loads((tmp_path / "resumed" / "summary.json").read_text())["steps"]
+    assert saved.name == f"step_{stopped:08d}" and 3 <= stopped < 8, (saved, stopped)
+    assert checkpoint.read_info(saved)["format"] == "deepspeed" and checkpoint.verify(saved) is None
+    assert sorted(saved.glob("*_optim_states.pt")), "DeepSpeed's ZeRO files"
+
+    resumed = launch({**job("resumed", 8), "train": {**job("resumed", 8)["train"], "resume": True}})
+    assert resumed["resumed_from"] == stopped and len(resumed["losses"]) == 8
+    torch.testing.assert_close(torch.tensor(resumed["losses"], dtype=torch.float64),
+                               torch.tensor(straight["losses"], dtype=torch.float64), rtol=1e-6, atol=0)
