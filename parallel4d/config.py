@@ -293,7 +293,10 @@ def deepspeed_problems(cfg: "Config") -> list[str]:
                    "would manage the same parameters as hetero's chunks; set hetero.enabled=false (DeepSpeed's "
                    "zero_optimization.offload_optimizer moves optimizer states to the host) or remove deepspeed:")
     stage = deepspeed_zero_stage(ds)
-    if p.pp > 1 and stage not in (0, 1):
+    if isinstance(stage, bool) or not isinstance(stage, int):  # DeepSpeed reads "3" as stage 3: the rules must too
+        out.append(f"deepspeed.zero_optimization.stage={stage!r} is not a whole number; write 0, 1, 2 or 3 "
+                   "(unquoted)")
+    elif p.pp > 1 and stage not in (0, 1):
         out.append(f"deepspeed.zero_optimization.stage={stage!r} with parallel.pp={p.pp}: a pipeline keeps every "
                    "micro-batch's gradients until the step, which ZeRO stages 2 and 3 do not; use stage 0 or 1")
     elif stage == 3 and (p.tp > 1 or p.sp > 1):
@@ -313,8 +316,14 @@ def deepspeed_problems(cfg: "Config") -> list[str]:
     elif cfg.train.dtype == "bfloat16" and isinstance(ds.get("bf16"), dict) and not bf16:
         out.append("train.dtype=bfloat16 but deepspeed.bf16.enabled is false; set deepspeed.bf16.enabled=true "
                    "(DeepSpeed's bf16) or train.dtype=float32")
+    elif cfg.train.dtype == "bfloat16" and _enabled(ds, "fp16"):  # resolve() enables bf16: DeepSpeed refuses both
+        out.append("train.dtype=bfloat16 but deepspeed.fp16.enabled is true, and DeepSpeed runs one of bf16 and fp16; "
+                   "set train.dtype=float32 (DeepSpeed's fp16) or replace deepspeed.fp16 by deepspeed.bf16.enabled=true")
     clip = ds.get("gradient_clipping")
-    if cfg.train.grad_clip and clip not in (None, cfg.train.grad_clip):
+    if clip is not None and (isinstance(clip, bool) or not isinstance(clip, (int, float)) or not 0 <= clip < math.inf):
+        out.append(f"deepspeed.gradient_clipping={clip!r} must be a finite number ≥ 0 (0 = no clipping); DeepSpeed "
+                   "would fail on it in a worker or, below 0, silently not clip")
+    elif cfg.train.grad_clip and clip not in (None, cfg.train.grad_clip):
         out.append(f"train.grad_clip={cfg.train.grad_clip} and deepspeed.gradient_clipping={clip!r} disagree; keep "
                    "one of them (DeepSpeed clips with deepspeed.gradient_clipping)")
     if "scheduler" in ds and cfg.optimizer.warmup_steps:

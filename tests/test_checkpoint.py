@@ -305,19 +305,20 @@ def test_a_save_failing_on_one_rank_fails_on_every_rank(tmp_path, workers):
 
 
 class FakeEngine:
-    """The engine surface train._Run uses: a step and a state dict."""
+    """The engine surface train._Run uses: a step, what to save, how to load it."""
+
+    checkpoint_format = "parallel4d"
 
     def __init__(self):
         self.step, self.w = 0, torch.zeros(65536)
 
-    def state_dict(self):
+    def checkpoint_state(self):
         return {"w": self.w, "step": torch.tensor(self.step)}
 
-    def load_state_dict(self, state):
+    def load_checkpoint(self, path):
+        state = self.checkpoint_state()
+        checkpoint.load(state, path, verify_files=False, known={"w", "step"})
         self.w, self.step = state["w"], int(state["step"])
-
-    def checkpoint_keys(self):
-        return {"w", "step"}
 
 
 def test_failing_periodic_save_warns_and_training_goes_on(tmp_path, capsys, file_size_limit):

@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.nn as nn
 
 deepspeed = pytest.importorskip("deepspeed")  # the `deepspeed` extra; `make test` installs it
 

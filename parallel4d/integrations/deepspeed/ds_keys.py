@@ -1,0 +1,201 @@
+"""Which keys of a ds_config DeepSpeed reads, found by asking DeepSpeed.
+
+DeepSpeed ignores a key it does not read (``"gradient_cliping": 1.0`` trains unclipped, silently).
+The section is given to DeepSpeed's own ``DeepSpeedConfig`` with every mapping in it replaced by
+a dict that records each key looked up (``get``, ``[]``, ``in``, ``in .keys()``, ``**``). A
+top-level key never looked up is one DeepSpeed would ignore. Inside a sub-section the same holds
+where DeepSpeed looks keys up one at a time (``activation_checkpointing``, ``flops_profiler``,
+``optimizer``, …); a sub-section it hands to one of its pydantic models (``zero_optimization``,
+``bf16``, …) is checked by that model, whose errors are reported under the section's own names.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Iterator, Optional
+
+import deepspeed
+from deepspeed.runtime.config import DeepSpeedConfig, DeepSpeedConfigError
+from deepspeed.runtime.config_utils import DeepSpeedConfigModel
+from pydantic import BaseModel, ValidationError
+
+from ...rules import did_you_mean
+
+DOCS = "see https://www.deepspeed.ai/docs/config-json/"
+#: keys DeepSpeed reads that parallel4d's own fields already decide
+TAKEN = {"tensor_parallel": "parallel.tp (parallel4d's 2D tensor parallelism replaces DeepSpeed's AutoTP)",
+         "pipeline": "parallel.pp and the pipeline: section (parallel4d's executor runs the schedule)",
+         # read by deepspeed.initialize (not DeepSpeedConfig): both together build DeepSpeed's own dp × sp mesh
+         "sequence_parallel_size": "parallel.sp (parallel4d's ring attention; DeepSpeed would build its own mesh)",
+         "data_parallel_size": "parallel.dp (the mesh parallel4d hands DeepSpeed as its mpu)"}
+#: mappings DeepSpeed hands on as keyword arguments (an optimizer's or scheduler's constructor checks them)
+PASSED_ON = {"deepspeed.optimizer.params", "deepspeed.scheduler.params"}
+# the probe's batch sizes are one process's: the real ones are checked against parallel4d's fields in config.py
+_ONE_PROCESS = {"train_batch_size": 1, "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1}
+
+
+class _Recording(dict):
+    """A dict that notes every key looked up; nested mappings are recording too."""
+
+    def __init__(self, data: dict):
+        super().__init__({k: _Recording(v) if isinstance(v, dict) else v for k, v in data.items()})
+        self.read: set = set()
+
+    def get(self, key, default=None):
+        self.read.add(key)
+        return super().get(key, default)
+
+    def __getitem__(self, key):
+        self.read.add(key)
+        return super().__getitem__(key)
+
+    def __contains__(self, key):
+        self.read.add(key)
+        return super().__contains__(key)
+
+    def keys(self):
+        return _RecordingKeys(self)
+
+
+class _RecordingKeys:
+    """``.keys()`` of a :class:`_Recording`: ``key in d.keys()`` is a look-up too."""
+
+    def __init__(self, owner: _Recording):
+        self.owner = owner
+
+    def __contains__(self, key):
+        return key in self.owner
+
+    def __iter__(self):
+        return iter(dict.keys(self.owner))
+
+    def __len__(self):
+        return len(self.owner)
+
+
+class _OneReplica:
+    """An mpu of one data replica, so the probe's batch sizes fit with or without a process group."""
+
+    def get_data_parallel_world_size(self) -> int:
+        return 1
+
+
+_REFUSALS = (ValueError, AssertionError, TypeError, KeyError, AttributeError, DeepSpeedConfigError)
+
+
+def _probe(section: dict) -> _Recording:
+    """``section`` read by DeepSpeed's config parser; raises what the parser raises."""
+    recording = _Recording({**copy.deepcopy(section), **_ONE_PROCESS})
+    DeepSpeedConfig(recording, mpu=_OneReplica())
+    return recording
+
+
+def key_problems(section: dict) -> list[str]:
+    """Keys DeepSpeed would ignore or refuses, and keys parallel4d decides; one message each."""
+    try:
+        recording = _probe(section)
+    except ValidationError as err:
+        return located(err, section)
+    except _REFUSALS as err:  # DeepSpeedConfigError: a removed feature (amp, elasticity, ...)
+        return _not_mappings(section) or [f"deepspeed: DeepSpeed refuses the section: {err}; {DOCS}"]
+    out = [f"deepspeed.{key}: set by {TAKEN[key]}; remove it" for key in section if key in TAKEN]
+    return out + [f"deepspeed.{'.'.join(path)}: DeepSpeed {deepspeed.__version__} does not read this key and "
+                  f"would ignore it; {did_you_mean(path[-1], sorted(read), prefix)}{DOCS}"
+                  for path, read, prefix in _unread(recording, section) if path[-1] not in TAKEN]
+
+
+def _unread(recording: _Recording, section: dict, path: tuple = ()) -> Iterator[tuple[tuple, set, str]]:
+    """``(key path, keys read beside it, prefix)`` for each key never looked up: at the top, and in
+    the sub-sections DeepSpeed reads key by key — not in those it hands to a model of its own
+    (which refuses unknown keys itself) or passes on as keyword arguments."""
+    where = ".".join(("deepspeed", *path))
+    if where in PASSED_ON or (path and _checked_by_a_model(section, path)):
+        return
+    for key in dict.keys(recording):
+        if key not in recording.read:
+            yield (*path, key), recording.read - set(TAKEN), f"{where}."
+    for key, value in dict.items(recording):
+        if isinstance(value, _Recording) and key in recording.read:
+            yield from _unread(value, section, (*path, key))
+
+
+def _checked_by_a_model(section: dict, path: tuple) -> bool:
+    """Whether DeepSpeed refuses an unknown key put into the mapping at ``path``."""
+    probe = copy.deepcopy(section)
+    node = probe
+    for key in path:
+        node = node[key]
+    node["parallel4d_probe_key"] = 0
+    try:
+        _probe(probe)
+    except ValidationError:
+        return True
+    except _REFUSALS:
+        return False
+    return False
+
+
+def _not_mappings(section: dict) -> list[str]:
+    """The sub-sections that make the parser fail only because they are not mappings (``optimizer: adam``)."""
+    out = []
+    for key, value in section.items():
+        if isinstance(value, dict):
+            continue
+        try:
+            _probe({**section, key: {}})
+        except _REFUSALS + (ValidationError,):
+            continue
+        out.append(f"deepspeed.{key}={value!r}: DeepSpeed reads this as a section of settings; write "
+                   f"{key}: {{...}} ({DOCS})")
+    return out
+
+
+def located(err: ValidationError, section: dict) -> list[str]:
+    """A DeepSpeed model's errors named as in the job file (``deepspeed.<section>.<key>``), with
+    the nearest field the model has for an unknown key."""
+    model = _model_named(err.title)  # the error names the model, not the sub-section it validated
+    out = []
+    for e in err.errors():
+        loc = tuple(str(x) for x in e["loc"])
+        where = ".".join(("deepspeed", *_section_holding(section, loc), *loc))
+        if e["type"] == "extra_forbidden":
+            fields = _fields_at(model, loc[:-1]) if model else []
+            out.append(f"{where}: DeepSpeed has no such key; {did_you_mean(loc[-1], fields)}remove it or fix its "
+                       f"spelling ({DOCS})")
+        else:
+            out.append(f"{where}: {e['msg'].removeprefix('Value error, ')}, got {e.get('input')!r}")
+    return out
+
+
+def _section_holding(section: dict, loc: tuple) -> tuple:
+    """The top-level key whose mapping holds the path ``loc[:-1]`` and the key ``loc[-1]``."""
+    for key, value in section.items():
+        node: Any = value
+        for part in loc[:-1]:
+            node = node.get(part) if isinstance(node, dict) else None
+        if isinstance(node, dict) and loc and loc[-1] in node:
+            return (key,)
+    return ()
+
+
+def _model_named(name: str) -> Optional[type[BaseModel]]:
+    todo = list(DeepSpeedConfigModel.__subclasses__())
+    while todo:
+        model = todo.pop()
+        if model.__name__ == name:
+            return model
+        todo += model.__subclasses__()
+    return None
+
+
+def _fields_at(model: type[BaseModel], path: tuple) -> list[str]:
+    """Field names (and aliases) of the model reached from ``model`` along ``path``."""
+    for part in path:
+        field = next((f for n, f in model.model_fields.items() if part in (n, f.alias)), None)
+        nested = getattr(field, "annotation", None)
+        nested = next((a for a in getattr(nested, "__args__", (nested,)) if isinstance(a, type)
+                       and issubclass(a, BaseModel)), None)
+        if nested is None:
+            return []
+        model = nested
+    return [f.alias or n for n, f in model.model_fields.items()]
