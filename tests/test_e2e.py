@@ -194,7 +194,10 @@ def test_hetero(tmp_path_factory):
 # Each technique's float32 job (the one its test above checks) and its bfloat16 twin.
 BFLOAT16 = {
     "tensor2d-tp4": ("tensor2d", TENSOR2D["tp4"]),
-    "sequence-sp4": ("sequence", []),
+    # eps 1e-4: the attention key bias has a zero gradient in exact arithmetic (softmax ignores a shift
+    # along the keys); with eps 1e-8 Adam turns bf16 round-off there into lr-sized steps, and one batch
+    # of the 20 then sits 2.0e-2 from float32 (sp=1 bf16: 2.2e-3), machine-dependently; with 1e-4, 2.1e-3
+    "sequence-sp4": ("sequence", ["optimizer.eps=1e-4"]),
     "pipeline-pp4": ("pipeline", []),
     "hetero-dp2": ("hetero", []),
     "all-four": ("4d", []),
