@@ -254,10 +254,10 @@ def cross_field_problems(cfg: Config) -> list[str]:
 # Rules that need only the section's values; parallel4d/integrations/deepspeed/ds_config.py
 # adds those that need DeepSpeed itself (unknown keys, its own sub-section models) or the device.
 
-#: ds_config batch keys → what parallel4d's fields make them. DeepSpeed's "GPU" is a data replica
-#: (the mpu's data-parallel size is parallel.dp): its micro-batch counts the sequences of one
-#: replica's micro-batch, which the q×q grid and sp split further.
 def deepspeed_batch(cfg: "Config") -> dict[str, int]:
+    """The ds_config batch keys as parallel4d's fields make them. DeepSpeed's "GPU" is a data
+    replica (the mpu's data-parallel size is parallel.dp): its micro-batch counts the sequences
+    of one replica's micro-batch, which the q×q grid and sp split further."""
     p, m = cfg.parallel, cfg.pipeline.microbatches
     return {"train_batch_size": cfg.data.batch_size, "gradient_accumulation_steps": m,
             "train_micro_batch_size_per_gpu": cfg.data.batch_size // (p.dp * m)}

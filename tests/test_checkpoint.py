@@ -348,6 +348,21 @@ def test_failing_periodic_save_warns_and_training_goes_on(tmp_path, capsys, file
     assert resumed.engine.step == 2 and resumed.losses == [9.0, 8.0] and resumed.run_id == run.run_id
 
 
+def test_a_checkpoint_of_the_other_engine_is_refused_by_name(tmp_path):
+    """A job with a deepspeed: section resumes only DeepSpeed's files and a job without one only
+    parallel4d's: run.json's "format" is checked before any file is read, naming both."""
+    cfg = Config.model_validate(job(tmp_path / "run", 10))
+    root = tmp_path / "run" / "checkpoints"
+    engine = FakeEngine()
+    engine.checkpoint_format = "deepspeed"
+    engine.step = 1
+    train._Run(cfg, engine, root, lead=False).save(seconds=1.0, final=True)
+    assert checkpoint.read_info(root / "step_00000001")["format"] == "deepspeed"
+    with pytest.raises(checkpoint.CheckpointError,
+                       match=r"step_00000001 was saved by deepspeed and this job trains with parallel4d"):
+        train._Run(cfg, FakeEngine(), root, lead=False).resume(tmp_path / "run" / "summary.json")
+
+
 # --- the same through launch(): two jobs of the tiny dp=2 model ------------------------------------------
 
 

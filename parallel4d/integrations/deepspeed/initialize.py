@@ -30,17 +30,18 @@ def initialize(config: str | Path | Config | dict, overrides: list[str] | None =
     targets)`` trains one step on the global batch and returns the global mean loss."""
     cfg = load_config(config, overrides)
     device_type, backend = device_and_backend(cfg)
-    resolve(cfg, device_type)  # bad input is refused before any process group
+    ds_config = resolve(cfg, device_type)  # bad input is refused before any process group
     init_process_group_from_env(backend, cfg.train.timeout_s)
     p = cfg.parallel
     mesh = init_mesh(pp=p.pp, dp=p.dp, sp=p.sp, tp=p.tp, timeout_s=cfg.train.timeout_s)
-    return build_engine(cfg, mesh)
+    return build_engine(cfg, mesh, ds_config)
 
 
-def build_engine(cfg: Config, mesh: Mesh):
+def build_engine(cfg: Config, mesh: Mesh, ds_config: dict | None = None):
     """``(engine, optimizer, scheduler)`` of ``cfg`` on ``mesh``: a :class:`Parallel4DEngine` at
-    pp = 1, a :class:`DeepSpeedPipeline` at pp > 1."""
-    ds_config = resolve(cfg, mesh.device.type)
+    pp = 1, a :class:`DeepSpeedPipeline` at pp > 1. ``ds_config``: :func:`~.ds_config.resolve`'s
+    (resolved here when not given)."""
+    ds_config = resolve(cfg, mesh.device.type) if ds_config is None else ds_config
     avoid_compiled_ops()
     if cfg.parallel.pp == 1:
         model, parts = RankModel(cfg, mesh), None

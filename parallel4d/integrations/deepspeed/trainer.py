@@ -35,7 +35,8 @@ class DeepSpeedTrainer:
 
     @property
     def last_step_info(self) -> dict:
-        return getattr(self.engine, "last_step_info", {}) if self.executor is not None else {}
+        """The pipeline's peak activations and wait of the last step (empty at pp = 1)."""
+        return self.engine.last_step_info if self.executor is not None else {}
 
     def train_step(self, tokens: torch.Tensor, targets: torch.Tensor) -> float:
         """One optimizer step on the global batch; the global mean loss."""
