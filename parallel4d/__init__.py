@@ -3,7 +3,9 @@ heterogeneous-memory parallelism for transformers, composed over one mesh.
 
 Public API: :func:`launch`, :func:`load_config`, :func:`init_mesh`, :func:`compose`,
 :func:`local_batch`, :class:`Config`, :class:`Mesh`; with the ``deepspeed`` extra,
-:func:`build_model` (this rank's model for a DeepSpeed loop).
+:func:`build_model` (this rank's model for a DeepSpeed loop) and
+``parallel4d.integrations.deepspeed.initialize`` (a job file with a ``deepspeed:`` section →
+DeepSpeed engine, optimizer, scheduler).
 """
 
 from .config import Config, ConfigError, load_config
