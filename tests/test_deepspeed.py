@@ -365,10 +365,11 @@ def test_pipelines_with_data_and_sequence_parallelism_and_the_pp1_engine_inside_
 
 
 def test_launch_with_a_deepspeed_section_stops_on_ctrl_c_and_resumes_exactly(tmp_path):
-    """configs/deepspeed.yaml as shipped (Hanayo pp=2 × tp=4 inside DeepSpeed, 8 workers) through
-    ``parallel4d launch``: the straight run's losses are the dense model's (rel 1e-4); Ctrl-C after
-    step 3 finishes the step, saves DeepSpeed's checkpoint (checksummed, run.json format
-    "deepspeed") and exits 130; the resumed run's losses equal the straight run's."""
+    """configs/deepspeed.yaml through ``parallel4d launch``: as shipped (Hanayo pp=2 × tp=4 inside
+    DeepSpeed, 8 workers) its losses are the dense model's (rel 1e-4). With tp=1 (2 workers, the
+    same pipeline under DeepSpeed): Ctrl-C after step 3 finishes the step, saves DeepSpeed's
+    checkpoint (checksummed, run.json format "deepspeed") and exits 130; the resumed run's losses
+    equal the straight run's."""
     import json
 
     import yaml
@@ -378,15 +379,17 @@ def test_launch_with_a_deepspeed_section_stops_on_ctrl_c_and_resumes_exactly(tmp
 
     shipped = yaml.safe_load((Path(__file__).resolve().parents[1] / "configs" / "deepspeed.yaml").read_text())
 
-    def job(name: str, steps: int) -> dict:
-        return {**shipped, "train": {**shipped["train"], "steps": steps, "log_every": 1, "timeout_s": 60,
-                                     "out_dir": str(tmp_path / name)}}
+    def job(name: str, steps: int, tp: int = 1, **train) -> dict:
+        return {**shipped, "parallel": {**shipped["parallel"], "tp": tp},
+                "train": {**shipped["train"], "steps": steps, "log_every": 1, "timeout_s": 60,
+                          "out_dir": str(tmp_path / name), **train}}
 
-    straight = launch(job("straight", 8))
-    want, _, _ = dense_run(job("straight", 8))
-    torch.testing.assert_close(torch.tensor(straight["losses"], dtype=torch.float64),
+    as_shipped = launch(job("shipped", 6, tp=shipped["parallel"]["tp"]))
+    want, _, _ = dense_run(job("shipped", 6))
+    torch.testing.assert_close(torch.tensor(as_shipped["losses"], dtype=torch.float64),
                                torch.tensor(want, dtype=torch.float64), rtol=1e-4, atol=0)
 
+    straight = launch(job("straight", 8))
     proc, _ = start_job(tmp_path, job("resumed", 1000))
     proc.send_signal(signal.SIGINT)
     err = finish(proc, timeout=180)
@@ -397,7 +400,7 @@ def test_launch_with_a_deepspeed_section_stops_on_ctrl_c_and_resumes_exactly(tmp
     assert checkpoint.read_info(saved)["format"] == "deepspeed" and checkpoint.verify(saved) is None
     assert sorted(saved.glob("*_optim_states.pt")), "DeepSpeed's ZeRO files"
 
-    resumed = launch({**job("resumed", 8), "train": {**job("resumed", 8)["train"], "resume": True}})
+    resumed = launch(job("resumed", 8, resume=True))
     assert resumed["resumed_from"] == stopped and len(resumed["losses"]) == 8
     torch.testing.assert_close(torch.tensor(resumed["losses"], dtype=torch.float64),
                                torch.tensor(straight["losses"], dtype=torch.float64), rtol=1e-6, atol=0)
