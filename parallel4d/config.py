@@ -28,8 +28,8 @@ from pydantic import (AfterValidator, AllowInfNan, BaseModel, ConfigDict, Field,
                       model_validator)
 from pydantic_core import PydanticUndefined
 
-from .rules import (batch_problem, did_you_mean, grid_side, not_divisible, num_chunks, pipeline_arg_problems,
-                    tensor2d_problems)
+from .rules import (batch_problem, did_you_mean, divisors, grid_side, not_divisible, num_chunks, or_list,
+                    pipeline_arg_problems, tensor2d_problems)
 
 
 class ConfigError(ValueError):
@@ -133,15 +133,40 @@ class OptimizerConfig(_Section):
 
 
 class ModelConfig(_Section):
+    arch: Literal["gpt2", "llama"] = Field("gpt2", description="gpt2: LayerNorm, learned positions, GELU MLP; "
+                                                               "llama: RMSNorm, rotary, SwiGLU, grouped-query "
+                                                               "attention (Llama, Mistral, Qwen2)")
     vocab_size: int = Field(256, ge=2)
     seq_len: int = Field(64, ge=1)
     hidden: int = Field(64, ge=1)
     heads: int = Field(4, ge=1)
+    kv_heads: Optional[int] = Field(None, ge=1, description="llama: key/value heads (grouped-query attention); "
+                                                             "None = heads")
     layers: int = Field(2, ge=1)
     mlp_ratio: int = Field(4, ge=1)
-    tie_embeddings: bool = True
+    intermediate_size: Optional[int] = Field(None, ge=1, description="MLP width; None = mlp_ratio·hidden")
+    tie_embeddings: bool = Field(True, description="the LM head is the token table; default true for gpt2, "
+                                                   "false for llama")
     norm_eps: Finite = Field(1e-5, gt=0)
     init_std: Finite = Field(0.02, gt=0)
+    rope_theta: Finite = Field(10000.0, gt=0, description="llama: rotary base")
+    qkv_bias: bool = Field(False, description="llama: biases on the q, k, v projections (Qwen2)")
+    activation: Literal["gelu", "gelu_tanh"] = Field("gelu", description="gpt2: the MLP's GELU, exact or the "
+                                                                         "tanh form of GPT-2 checkpoints")
+
+    @model_validator(mode="after")
+    def _family_defaults(self) -> "ModelConfig":
+        if self.arch == "llama" and "tie_embeddings" not in self.model_fields_set:
+            self.tie_embeddings = False  # Llama, Mistral and Qwen2 have their own LM head
+        return self
+
+    @property
+    def kv_heads_or_heads(self) -> int:
+        return self.kv_heads or self.heads
+
+    @property
+    def mlp_width(self) -> int:
+        return self.intermediate_size or self.mlp_ratio * self.hidden
 
 
 class DataConfig(_Section):
@@ -239,6 +264,7 @@ def cross_field_problems(cfg: Config) -> list[str]:
         out.append(f"hetero.enabled=true with pipeline.schedule={pl.schedule} cannot keep a tied embedding and "
                    "LM head on two pp ranks in step; use pipeline.schedule=hanayo (both ends on rank 0) or "
                    "model.tie_embeddings=false")
+    out += _family_problems(m, q)
     if cfg.deepspeed is not None:
         out += deepspeed_problems(cfg)
     if cfg.data.source == "synthetic" and m.vocab_size < 2:
@@ -329,6 +355,37 @@ def deepspeed_problems(cfg: "Config") -> list[str]:
     if "scheduler" in ds and cfg.optimizer.warmup_steps:
         out.append(f"deepspeed.scheduler and optimizer.warmup_steps={cfg.optimizer.warmup_steps} are two learning-"
                    "rate schedules; set optimizer.warmup_steps=0 or remove deepspeed.scheduler")
+    return out
+
+
+def _family_problems(m: ModelConfig, q: int) -> list[str]:
+    """Fields that belong to one model family, and what that family needs."""
+    out = []
+    # a value other than the default in another family's field (a dumped config holds every field)
+    defaults = ModelConfig.model_fields
+    if m.arch == "gpt2":
+        if m.kv_heads not in (None, m.heads):
+            out.append(f"model.kv_heads={m.kv_heads} with model.arch=gpt2: grouped-query attention is llama's; "
+                       "remove model.kv_heads or set model.arch=llama")
+        out += [f"model.{f}={getattr(m, f)} is a llama field and model.arch=gpt2 does not read it; remove it or "
+                "set model.arch=llama" for f in ("rope_theta", "qkv_bias") if getattr(m, f) != defaults[f].default]
+        if m.intermediate_size not in (None, m.mlp_ratio * m.hidden):
+            out.append(f"model.intermediate_size={m.intermediate_size} with model.arch=gpt2: its MLP is "
+                       f"model.mlp_ratio·hidden = {m.mlp_ratio * m.hidden} wide; set model.mlp_ratio or remove "
+                       "model.intermediate_size")
+        return out
+    if m.activation != defaults["activation"].default:
+        out.append(f"model.activation={m.activation} is gpt2's (llama's MLP is SwiGLU); remove it")
+    kv = m.kv_heads_or_heads
+    if m.heads % kv:
+        out.append(f"model.kv_heads={kv} must divide model.heads={m.heads} (each key/value head serves a group of "
+                   f"query heads); use {or_list(d for d in divisors(m.heads) if d <= m.heads)}")
+    if m.hidden % m.heads == 0 and (m.hidden // m.heads) % 2:
+        out.append(f"model.hidden/model.heads = {m.hidden // m.heads} is odd, and rotary embeddings rotate pairs of "
+                   "dimensions; use an even head size")
+    if q > 1:
+        out.append("model.arch=llama with parallel.tp > 1: its 2D layers (RMSNorm, SwiGLU, grouped heads on the "
+                   "grid) are not built yet (issue #15); use parallel.tp=1")
     return out
 
 

@@ -20,7 +20,6 @@ shard ``r`` of ``sp`` (in ``sequence.layout``) → ``m`` micro-batches:
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from contextlib import nullcontext
 from typing import NamedTuple
@@ -36,7 +35,7 @@ from .hetero import load_state_dict as hetero_load_state_dict
 from .hetero import state_dict as hetero_state_dict
 from .hetero import wrap as hetero_wrap
 from .mesh import Mesh
-from .models.gpt import GPTShape, build_stage, cross_entropy, stage_names
+from .models import LlamaShape, Shape, build_stage, cross_entropy, shape_from_config, stage_names
 from .pipeline import make_schedule
 from .pipeline.executor import PipelineExecutor, TiedGradSync
 from .pipeline.partition import build_chunks, parameter_costs, partition
@@ -63,10 +62,10 @@ def lr_at(step: int, opt_cfg) -> float:
     return opt_cfg.lr
 
 
-def model_shape(cfg: Config) -> GPTShape:
-    """The model's shape: ``model.*``, plus ``sequence.causal`` (masked or bidirectional
-    attention, in the dense blocks as in the ring and the 2D blocks)."""
-    return dataclasses.replace(GPTShape.from_config(cfg.model), causal=cfg.sequence.causal)
+def model_shape(cfg: Config) -> Shape:
+    """The model's shape: ``model.*`` for its ``arch``, plus ``sequence.causal`` (masked or
+    bidirectional attention, in the dense blocks as in the ring and the 2D blocks)."""
+    return shape_from_config(cfg.model, causal=cfg.sequence.causal)
 
 
 # --- the pieces of one rank's model -------------------------------------------------
@@ -165,6 +164,7 @@ def build_stages(cfg: Config, mesh: Mesh, wanted=None, untie: bool = False):
     dtype = PARAMETER_DTYPE[cfg.train.dtype]
     attention_fn, positions = _sequence(cfg, mesh)
     tp = mesh.size("tp_row") > 1
+    rotary = isinstance(shape, LlamaShape)  # positions enter in the attention, not the embedding
 
     def dense(index, tied_weight=None):
         return build_stage(shape, index, seed, tied_weight=tied_weight).to(device=mesh.device, dtype=dtype)
@@ -181,6 +181,8 @@ def build_stages(cfg: Config, mesh: Mesh, wanted=None, untie: bool = False):
                                        overlap=cfg.tensor2d.overlap)
         elif attention_fn is not None:
             block.attn.attention_fn = attention_fn
+            if rotary:  # the shard's tokens are rotated by their global positions
+                block.attn.positions = positions
         stages[index] = block
     if last in wanted:
         tied = dense_embed.tok.weight if shape.tie_embeddings else None
@@ -190,7 +192,7 @@ def build_stages(cfg: Config, mesh: Mesh, wanted=None, untie: bool = False):
         if tp:
             head = Head2D.from_dense(head, mesh, embedding=stages.get(0) if not untie else None)
         stages[last] = head
-    if positions is not None and 0 in stages:
+    if positions is not None and 0 in stages and not rotary:
         stages[0] = PositionedEmbedding(stages[0], positions)
     loss_fn = loss_2d(mesh) if tp else cross_entropy
     return stages, loss_fn

@@ -33,6 +33,7 @@ class GPTShape:
     norm_eps: float = 1e-5
     init_std: float = 0.02
     causal: bool = True  # False: bidirectional attention (``sequence.causal`` of a job, see engine.model_shape)
+    activation: str = "gelu"  # or "gelu_tanh", the approximation GPT-2 checkpoints were trained with
 
     @classmethod
     def from_config(cls, model_cfg) -> "GPTShape":
@@ -87,9 +88,10 @@ class MLP(nn.Module):
         super().__init__()
         self.fc1 = nn.Linear(shape.hidden, shape.mlp_ratio * shape.hidden)
         self.fc2 = nn.Linear(shape.mlp_ratio * shape.hidden, shape.hidden)
+        self.approximate = "tanh" if shape.activation == "gelu_tanh" else "none"
 
     def forward(self, x):
-        return self.fc2(F.gelu(self.fc1(x)))
+        return self.fc2(F.gelu(self.fc1(x), approximate=self.approximate))
 
 
 class Block(nn.Module):
@@ -161,24 +163,31 @@ def build_stage(shape: GPTShape, index: int, seed: int = 0, tied_weight: nn.Para
     head shares (left as it is). ``meta``: shapes only, no memory, no init (for costs).
     Built on the CPU (its RNG is the same everywhere); move it afterwards.
     """
+    return seeded_stage(shape, index, seed, tied_weight, meta, make_stage, init_weights)
+
+
+def make_stage(shape: GPTShape, index: int, tied_weight: nn.Parameter | None = None) -> nn.Module:
+    """Stage ``index`` (0 = embedding, 1..L = blocks, L+1 = head), uninitialised."""
+    if index == 0:
+        return Embedding(shape)
+    if index <= shape.layers:
+        return Block(shape)
+    return Head(shape, tied_weight)
+
+
+def seeded_stage(shape, index: int, seed: int, tied_weight, meta: bool, make, init) -> nn.Module:
+    """``make(shape, index, tied_weight)`` then ``init(module, shape, skip)`` under the RNG seeded
+    from ``(seed, index)`` (any model family); ``meta``: shapes only."""
     last = shape.layers + 1
     if not 0 <= index <= last:
         raise ValueError(f"stage index {index} out of range 0..{last}")
-
-    def make():
-        if index == 0:
-            return Embedding(shape)
-        if index < last:
-            return Block(shape)
-        return Head(shape, tied_weight)
-
     if meta:
         with torch.device("meta"), _SkipRandomInit():
-            return make()
+            return make(shape, index, tied_weight)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed * 1_000_003 + index)
-        module = make()
-        init_weights(module, shape, skip=() if tied_weight is None else (tied_weight,))
+        module = make(shape, index, tied_weight)
+        init(module, shape, skip=() if tied_weight is None else (tied_weight,))
     return module
 
 
@@ -187,11 +196,12 @@ class GPT(nn.Module):
 
     def __init__(self, shape: GPTShape, seed: int = 0):
         super().__init__()
+        build = type(self).build_stage  # the family's stages (models/llama.py's Llama sets its own)
         self.shape = shape
-        self.embed = build_stage(shape, 0, seed)
-        self.blocks = nn.ModuleList(build_stage(shape, i + 1, seed) for i in range(shape.layers))
+        self.embed = build(shape, 0, seed)
+        self.blocks = nn.ModuleList(build(shape, i + 1, seed) for i in range(shape.layers))
         tied = self.embed.tok.weight if shape.tie_embeddings else None
-        self.head = build_stage(shape, shape.layers + 1, seed, tied_weight=tied)
+        self.head = build(shape, shape.layers + 1, seed, tied_weight=tied)
 
     def stages(self) -> list[nn.Module]:
         """The model as a flat list a pipeline cuts into contiguous chunks."""
@@ -202,6 +212,9 @@ class GPT(nn.Module):
         for stage in self.stages():
             x = stage(x)
         return x if targets is None else cross_entropy(x, targets)
+
+
+GPT.build_stage = staticmethod(build_stage)
 
 
 def init_weights(model: nn.Module, shape: GPTShape, skip=()) -> None:

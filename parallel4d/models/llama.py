@@ -1,0 +1,199 @@
+"""Reference Llama-family decoder: RMSNorm, rotary embeddings, SwiGLU MLP, grouped-query attention.
+
+The single-process dense reference of ``model.arch: llama`` (Llama, Mistral without a sliding
+window, Qwen2 with ``qkv_bias``). Module and parameter names inside a block are Hugging Face's
+(``self_attn.q_proj``, ``mlp.gate_proj``, ``input_layernorm``, …), so a ``transformers``
+checkpoint maps onto it name by name (``models/hf.py``).
+
+Shapes (dense): tokens ``[b, s]`` → hidden ``[b, s, h]`` → logits ``[b, s, V]``; q
+``[b, heads, s, d]``, k and v ``[b, kv_heads, s, d]`` with ``d = h / heads``. Rotary
+embeddings rotate q and k by their token's *global* position (``Attention.positions``; the
+engine sets a sequence shard's), so a shard of the sequence rotates as in the whole.
+Stages: ``embed, block_0..block_{L-1}, head``, as for the GPT.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .gpt import GPT, seeded_stage
+
+
+@dataclass(frozen=True)
+class LlamaShape:
+    """The architecture numbers of a Llama-family model (from ``config.ModelConfig``)."""
+
+    vocab_size: int = 256
+    seq_len: int = 64
+    hidden: int = 64
+    heads: int = 4
+    kv_heads: int = 4
+    layers: int = 2
+    intermediate_size: int = 172
+    tie_embeddings: bool = False
+    norm_eps: float = 1e-6
+    init_std: float = 0.02
+    rope_theta: float = 10000.0
+    qkv_bias: bool = False  # Qwen2's q, k, v projections have biases
+    causal: bool = True
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+
+def dense_attention(q, k, v, causal: bool = True):
+    """Softmax attention, q ``[b, heads, s, d]``, k and v ``[b, kv_heads, s, d]``."""
+    return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=k.shape[1] != q.shape[1])
+
+
+class RMSNorm(nn.Module):
+    """``x / rms(x) · weight`` over the last dimension, computed in float32 (or wider)."""
+
+    def __init__(self, hidden: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden))
+        self.eps = eps
+
+    def forward(self, x):
+        dtype = x.dtype
+        x = x.to(torch.promote_types(dtype, torch.float32))
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rotary(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
+    """``x`` ``[b, heads, s, d]`` rotated by ``positions`` ``[s]`` (the half-split convention of
+    Hugging Face's Llama: dimension ``i`` pairs with ``i + d/2``)."""
+    d = x.shape[-1]
+    wide = torch.promote_types(x.dtype, torch.float32)
+    inv_freq = 1.0 / (theta ** (torch.arange(0, d, 2, device=x.device, dtype=torch.int64).to(wide) / d))
+    angles = positions.to(device=x.device, dtype=wide)[:, None] * inv_freq[None, :]  # [s, d/2]
+    emb = torch.cat((angles, angles), dim=-1)
+    cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+    x1, x2 = x[..., : d // 2], x[..., d // 2:]
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+class Embedding(nn.Module):
+    """Token embedding (positions enter through the rotary attention): ``[b, s]`` → ``[b, s, h]``."""
+
+    def __init__(self, shape: LlamaShape):
+        super().__init__()
+        self.tok = nn.Embedding(shape.vocab_size, shape.hidden)
+
+    def forward(self, tokens):
+        return self.tok(tokens)
+
+
+class Attention(nn.Module):
+    """Grouped-query self-attention with rotary q, k: ``[b, s, h]`` → ``[b, s, h]``; the core is
+    ``attention_fn(q, k, v, causal=...)``. ``positions`` ``[s]``: the tokens' global positions
+    (None: ``0..s-1``)."""
+
+    def __init__(self, shape: LlamaShape, attention_fn=dense_attention):
+        super().__init__()
+        d = shape.head_dim
+        self.heads, self.kv_heads, self.theta, self.causal = shape.heads, shape.kv_heads, shape.rope_theta, shape.causal
+        self.q_proj = nn.Linear(shape.hidden, shape.heads * d, bias=shape.qkv_bias)
+        self.k_proj = nn.Linear(shape.hidden, shape.kv_heads * d, bias=shape.qkv_bias)
+        self.v_proj = nn.Linear(shape.hidden, shape.kv_heads * d, bias=shape.qkv_bias)
+        self.o_proj = nn.Linear(shape.heads * d, shape.hidden, bias=False)
+        self.attention_fn = attention_fn
+        self.positions: torch.Tensor | None = None
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q = self.q_proj(x).view(b, s, self.heads, -1).transpose(1, 2)
+        k = self.k_proj(x).view(b, s, self.kv_heads, -1).transpose(1, 2)
+        v = self.v_proj(x).view(b, s, self.kv_heads, -1).transpose(1, 2)
+        pos = self.positions if self.positions is not None else torch.arange(s, device=x.device)
+        q, k = rotary(q, pos, self.theta), rotary(k, pos, self.theta)
+        y = self.attention_fn(q, k, v, causal=self.causal)  # [b, heads, s, d]
+        return self.o_proj(y.transpose(1, 2).reshape(b, s, -1))
+
+
+class MLP(nn.Module):
+    """SwiGLU: ``down(silu(gate(x)) · up(x))``."""
+
+    def __init__(self, shape: LlamaShape):
+        super().__init__()
+        self.gate_proj = nn.Linear(shape.hidden, shape.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(shape.hidden, shape.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(shape.intermediate_size, shape.hidden, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block(nn.Module):
+    """Pre-norm block: ``x + self_attn(input_layernorm(x))``, then ``x + mlp(post_attention_layernorm(x))``."""
+
+    def __init__(self, shape: LlamaShape, attention_fn=dense_attention):
+        super().__init__()
+        self.input_layernorm = RMSNorm(shape.hidden, shape.norm_eps)
+        self.self_attn = Attention(shape, attention_fn)
+        self.post_attention_layernorm = RMSNorm(shape.hidden, shape.norm_eps)
+        self.mlp = MLP(shape)
+
+    @property
+    def attn(self) -> Attention:  # the name the engine sets attention_fn through, as on the GPT block
+        return self.self_attn
+
+    def forward(self, x):
+        x = x + self.self_attn(self.input_layernorm(x))
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Head(nn.Module):
+    """Final RMSNorm + LM head: ``[b, s, h]`` → logits ``[b, s, V]`` (``tied_weight``: the token table)."""
+
+    def __init__(self, shape: LlamaShape, tied_weight: nn.Parameter | None = None):
+        super().__init__()
+        self.norm = RMSNorm(shape.hidden, shape.norm_eps)
+        self.weight = tied_weight if tied_weight is not None else nn.Parameter(torch.empty(shape.vocab_size,
+                                                                                           shape.hidden))
+
+    def forward(self, x):
+        return F.linear(self.norm(x), self.weight)
+
+
+def make_stage(shape: LlamaShape, index: int, tied_weight: nn.Parameter | None = None) -> nn.Module:
+    """Stage ``index`` (0 = embedding, 1..L = blocks, L+1 = head), uninitialised."""
+    if index == 0:
+        return Embedding(shape)
+    if index <= shape.layers:
+        return Block(shape)
+    return Head(shape, tied_weight)
+
+
+def init_weights(module: nn.Module, shape: LlamaShape, skip=()) -> None:
+    """N(0, init_std) matrices (output projections scaled by 1/sqrt(2L)), zero biases, unit norms."""
+    skip_ids = {id(p) for p in skip}
+    for name, p in module.named_parameters():
+        if id(p) in skip_ids:
+            continue
+        if name.endswith("bias"):
+            nn.init.zeros_(p)
+        elif p.dim() == 1:
+            nn.init.ones_(p)
+        else:
+            scaled = name.endswith("o_proj.weight") or name.endswith("down_proj.weight")
+            nn.init.normal_(p, 0.0, shape.init_std / (math.sqrt(2 * shape.layers) if scaled else 1.0))
+
+
+def build_stage(shape: LlamaShape, index: int, seed: int = 0, tied_weight: nn.Parameter | None = None,
+                meta: bool = False) -> nn.Module:
+    """Stage ``index`` initialised from ``(seed, index)`` alone (as :func:`.gpt.build_stage`)."""
+    return seeded_stage(shape, index, seed, tied_weight, meta, make_stage, init_weights)
+
+
+class Llama(GPT):
+    """Stages ``embed → blocks → head`` of the Llama family; ``forward(tokens, targets=None)``."""
+
+    build_stage = staticmethod(build_stage)
