@@ -29,7 +29,8 @@ PACKAGE = Path(config_module.__file__).resolve().parent
 ALLOWED_DEAD: set[tuple[str, str]] = set()
 
 # Functions of config.py that only validate: a field read there is checked, not used.
-VALIDATION_ONLY = {"cross_field_problems", "_text_root_problems", "_py_bytes", "_nearest_divisor", "deepspeed_problems"}
+VALIDATION_ONLY = {"cross_field_problems", "_text_root_problems", "_py_bytes", "_nearest_divisor", "deepspeed_problems",
+                   "_family_problems"}
 
 
 def sections() -> dict[str, type]:
@@ -250,10 +251,11 @@ def tiny_job(out_dir, **sections):
 def first_loss(cfg_dict, causal: bool) -> float:
     """Step 1's loss of the dense reference (built by models/gpt.py directly, not the engine)."""
     from parallel4d.data import build_dataset
-    from parallel4d.models.gpt import GPTShape, build_gpt
+    from parallel4d.models import shape_from_config
+    from parallel4d.models.gpt import build_gpt
 
     cfg = Config.model_validate(cfg_dict)
-    shape = GPTShape(**{**cfg.model.model_dump(), "causal": causal})
+    shape = shape_from_config(cfg.model, causal=causal)
     tokens, targets = build_dataset(cfg).batch(0)
     return float(build_gpt(shape, seed=cfg.train.seed).double()(tokens, targets))
 

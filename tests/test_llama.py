@@ -1,0 +1,116 @@
+"""model.arch: llama (#15.1) through every technique available to it: ring attention with
+grouped-query heads and rotary embeddings on global positions, pipelines (Hanayo, 1F1B with a
+tied table on two ranks), data parallelism and hetero's chunks — each equal to the dense Llama
+trained in this process (float64: losses 1e-10, every parameter after the last step 1e-9)."""
+
+import pytest
+import torch
+
+from conftest import run_workers
+from parallel4d.config import ConfigError, make_config
+from parallel4d.data import build_dataset
+from parallel4d.engine import build_optimizer, lr_at, model_shape
+from parallel4d.models import build_dense
+
+BASE = {"model": {"arch": "llama", "vocab_size": 64, "seq_len": 16, "hidden": 32, "heads": 4, "kv_heads": 2,
+                  "layers": 4, "intermediate_size": 48, "rope_theta": 5e5},
+        "data": {"source": "synthetic", "batch_size": 8},
+        "optimizer": {"lr": 0.01, "warmup_steps": 2, "weight_decay": 0.1},
+        "train": {"steps": 4, "dtype": "float64", "grad_clip": 0.5, "timeout_s": 60}}
+
+
+def _job(parallel: dict, pipeline: dict | None = None, **sections) -> dict:
+    out = {**BASE, "parallel": parallel, "pipeline": pipeline or {"microbatches": 2}, **sections}
+    out["model"] = {**BASE["model"], **sections.get("model", {})}
+    return out
+
+
+LAYOUTS = {
+    "ring sp=2 zigzag × dp=2": _job({"sp": 2, "dp": 2}),
+    "Hanayo pp=2 × ring sp=2 contiguous": _job({"pp": 2, "sp": 2}, {"schedule": "hanayo", "microbatches": 2},
+                                               sequence={"layout": "contiguous"}),
+    "1F1B pp=2 × dp=2, tied head": _job({"pp": 2, "dp": 2}, {"schedule": "1f1b", "microbatches": 2},
+                                        model={"tie_embeddings": True}),
+    "hetero ZeRO over dp=2 × sp=2": _job({"dp": 2, "sp": 2}, hetero={"enabled": True, "chunk_elems": 2048,
+                                                                    "device_budget_bytes": 60000},
+                                         train={**BASE["train"], "grad_clip": None}),
+}
+
+
+def dense_run(job: dict):
+    """The dense Llama in this process: the engine's AdamW, warm-up and clipping on the whole batch."""
+    cfg = make_config(job)
+    model = build_dense(model_shape(cfg), seed=cfg.train.seed).double()
+    optimizer = build_optimizer(list(model.parameters()), cfg.optimizer)
+    data, losses = build_dataset(cfg), []
+    for step in range(cfg.train.steps):
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at(step, cfg.optimizer)
+        loss = model(*data.batch(step))
+        loss.backward()
+        if cfg.train.grad_clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.grad_clip)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(float(loss.detach()))
+    return losses, {n: p.detach() for n, p in model.named_parameters()}
+
+
+def _train_layouts(jobs: dict):
+    """Each job through compose(): its losses and this rank's pieces of every dense parameter."""
+    from parallel4d.engine import compose
+    from parallel4d.mesh import init_mesh
+
+    out = {}
+    for name, job in jobs.items():
+        cfg = make_config(job)
+        p = cfg.parallel
+        mesh = init_mesh(pp=p.pp, dp=p.dp, sp=p.sp, tp=p.tp, timeout_s=60)
+        engine, data = compose(cfg, mesh), build_dataset(cfg)
+        losses = [engine.train_step(*data.batch(step)) for step in range(cfg.train.steps)]
+        pieces = {k[len("model."):]: [(tuple(off), view.detach().clone()) for off, view in v.pieces]
+                  for k, v in engine.state_dict().items() if k.startswith("model.")}
+        out[name] = losses, pieces
+    return out
+
+
+def test_llama_in_every_layout_equals_the_dense_llama():
+    results = run_workers(_train_layouts, 4, LAYOUTS, timeout_s=300)
+    for name, job in LAYOUTS.items():
+        want_losses, want = dense_run(job)
+        assert want_losses[-1] < want_losses[0]
+        seen = set()
+        for rank_results in results:
+            losses, pieces = rank_results[name]
+            torch.testing.assert_close(torch.tensor(losses), torch.tensor(want_losses), rtol=1e-10, atol=0,
+                                       msg=lambda m, n=name: f"{n} losses: {m}")
+            for dense, boxes in pieces.items():
+                seen.add(dense)
+                for off, t in boxes:
+                    box = want[dense][tuple(slice(o, o + n) for o, n in zip(off, t.shape))]
+                    torch.testing.assert_close(t, box, rtol=1e-9, atol=1e-12,
+                                               msg=lambda m, n=name, d=dense: f"{n} {d}: {m}")
+        assert seen == set(want), (name, set(want) - seen)
+
+
+@pytest.mark.parametrize("fields, words", [
+    ({"kv_heads": 3}, ["model.kv_heads=3 must divide model.heads=4", "use 1 or 2 or 4"]),
+    ({"hidden": 36, "heads": 4}, ["model.hidden/model.heads = 9 is odd"]),
+    ({"activation": "gelu_tanh"}, ["model.activation=gelu_tanh is gpt2's"]),
+])
+def test_llama_fields_that_cannot_run_are_refused(fields, words):
+    with pytest.raises(ConfigError) as err:
+        make_config({"model": {**BASE["model"], **fields}})
+    for w in words:
+        assert w in str(err.value), str(err.value)
+
+
+def test_llama_defaults_and_gpt2_fields():
+    llama = make_config({"model": {"arch": "llama"}}).model
+    assert llama.tie_embeddings is False and llama.kv_heads_or_heads == llama.heads
+    assert make_config({"model": {"arch": "llama", "tie_embeddings": True}}).model.tie_embeddings is True
+    assert make_config({}).model.tie_embeddings is True  # gpt2 unchanged
+    with pytest.raises(ConfigError, match="model.rope_theta=500000.0 is a llama field"):
+        make_config({"model": {"rope_theta": 5e5}})
+    with pytest.raises(ConfigError, match="model.kv_heads=2 with model.arch=gpt2"):
+        make_config({"model": {"kv_heads": 2}})
