@@ -383,9 +383,9 @@ def _family_problems(m: ModelConfig, q: int) -> list[str]:
     if m.hidden % m.heads == 0 and (m.hidden // m.heads) % 2:
         out.append(f"model.hidden/model.heads = {m.hidden // m.heads} is odd, and rotary embeddings rotate pairs of "
                    "dimensions; use an even head size")
-    if q > 1:
-        out.append("model.arch=llama with parallel.tp > 1: its 2D layers (RMSNorm, SwiGLU, grouped heads on the "
-                   "grid) are not built yet (issue #15); use parallel.tp=1")
+    by = f"q={q} (parallel.tp={q * q} is a {q}×{q} grid: each grid column holds whole key/value heads and an MLP block)"
+    out += filter(None, [not_divisible("model.kv_heads", kv, q, by),
+                         not_divisible("model.intermediate_size", m.mlp_width, q, by)])
     return out
 
 

@@ -41,7 +41,8 @@ from .pipeline.executor import PipelineExecutor, TiedGradSync
 from .pipeline.partition import build_chunks, parameter_costs, partition
 from .sequence import make_ring_attention_fn, positions_for, split_sequence
 from .shards import DenseShards, Pieces, whole
-from .tensor2d import Block2D, Head2D, TokenPositionEmbedding2D, loss_2d
+from .tensor2d import (Block2D, Head2D, LlamaBlock2D, NormHead2D, TokenEmbedding2D, TokenPositionEmbedding2D,
+                       loss_2d)
 
 # train.dtype → the dtype parameters (and pipeline activations between ranks) are kept in;
 # "bfloat16" keeps float32 parameters and computes under bf16 autocast (Engine.autocast).
@@ -172,17 +173,19 @@ def build_stages(cfg: Config, mesh: Mesh, wanted=None, untie: bool = False):
     stages: dict[int, nn.Module] = {}
     # The head needs the dense token table when tied: shared here, or copied (untie).
     dense_embed = dense(0) if 0 in wanted or (last in wanted and shape.tie_embeddings) else None
+    embed_2d, block_2d, head_2d = ((TokenEmbedding2D, LlamaBlock2D, NormHead2D) if rotary
+                                   else (TokenPositionEmbedding2D, Block2D, Head2D))
     if 0 in wanted:
-        stages[0] = TokenPositionEmbedding2D.from_dense(dense_embed, mesh) if tp else dense_embed
+        stages[0] = embed_2d.from_dense(dense_embed, mesh) if tp else dense_embed
     for index in sorted(wanted - {0, last}):
         block = dense(index)
         if tp:
-            block = Block2D.from_dense(block, mesh, attention_fn, name=f"blocks.{index - 1}",
-                                       overlap=cfg.tensor2d.overlap)
+            block = block_2d.from_dense(block, mesh, attention_fn, name=f"blocks.{index - 1}",
+                                        overlap=cfg.tensor2d.overlap)
         elif attention_fn is not None:
             block.attn.attention_fn = attention_fn
-            if rotary:  # the shard's tokens are rotated by their global positions
-                block.attn.positions = positions
+        if rotary and positions is not None:  # the shard's tokens are rotated by their global positions
+            (block if tp else block.attn).positions = positions
         stages[index] = block
     if last in wanted:
         tied = dense_embed.tok.weight if shape.tie_embeddings else None
@@ -190,7 +193,7 @@ def build_stages(cfg: Config, mesh: Mesh, wanted=None, untie: bool = False):
         if tied is not None and untie:
             head.weight = nn.Parameter(tied.detach().clone())
         if tp:
-            head = Head2D.from_dense(head, mesh, embedding=stages.get(0) if not untie else None)
+            head = head_2d.from_dense(head, mesh, embedding=stages.get(0) if not untie else None)
         stages[last] = head
     if positions is not None and 0 in stages and not rotary:
         stages[0] = PositionedEmbedding(stages[0], positions)

@@ -31,6 +31,8 @@ LAYOUTS = {
                                                sequence={"layout": "contiguous"}),
     "1F1B pp=2 × dp=2, tied head": _job({"pp": 2, "dp": 2}, {"schedule": "1f1b", "microbatches": 2},
                                         model={"tie_embeddings": True}),
+    "2D tp=4, grouped heads over the grid columns": _job({"tp": 4}),
+    "2D tp=4, tied head": _job({"tp": 4}, model={"tie_embeddings": True}),
     "hetero ZeRO over dp=2 × sp=2": _job({"dp": 2, "sp": 2}, hetero={"enabled": True, "chunk_elems": 2048,
                                                                     "device_budget_bytes": 60000},
                                          train={**BASE["train"], "grad_clip": None}),

@@ -96,6 +96,8 @@ class Attention(nn.Module):
     ``attention_fn(q, k, v, causal=...)``. ``positions`` ``[s]``: the tokens' global positions
     (None: ``0..s-1``)."""
 
+    rotary = staticmethod(rotary)  # the 2D block rotates with the same function
+
     def __init__(self, shape: LlamaShape, attention_fn=dense_attention):
         super().__init__()
         d = shape.head_dim
@@ -113,7 +115,7 @@ class Attention(nn.Module):
         k = self.k_proj(x).view(b, s, self.kv_heads, -1).transpose(1, 2)
         v = self.v_proj(x).view(b, s, self.kv_heads, -1).transpose(1, 2)
         pos = self.positions if self.positions is not None else torch.arange(s, device=x.device)
-        q, k = rotary(q, pos, self.theta), rotary(k, pos, self.theta)
+        q, k = self.rotary(q, pos, self.theta), self.rotary(k, pos, self.theta)
         y = self.attention_fn(q, k, v, causal=self.causal)  # [b, heads, s, d]
         return self.o_proj(y.transpose(1, 2).reshape(b, s, -1))
 

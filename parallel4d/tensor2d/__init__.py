@@ -47,12 +47,14 @@ split_batch``, ``check_tensor2d``.
 
 from .block import Block2D, Head2D, TokenPositionEmbedding2D, from_dense_stage, loss_2d, qkv_permutation, sdpa_attention
 from .checks import check_tensor2d
+from .llama_block import LlamaBlock2D, NormHead2D, TokenEmbedding2D
 from .grid import Grid, gather_2d, scatter_2d, split_batch
-from .layers import (Embedding2D, LayerNorm2D, Linear2D, LMHead2D, VocabParallelCrossEntropy2D,
+from .layers import (Embedding2D, LayerNorm2D, Linear2D, RMSNorm2D, LMHead2D, VocabParallelCrossEntropy2D,
                      VocabParallelEmbedding2D, vocab_parallel_cross_entropy)
 from .summa import summa_ab, summa_abt, summa_atb
 
 __all__ = [
+    "LlamaBlock2D", "NormHead2D", "TokenEmbedding2D", "RMSNorm2D",
     "summa_ab", "summa_abt", "summa_atb",
     "Linear2D", "LayerNorm2D", "Embedding2D", "VocabParallelEmbedding2D", "LMHead2D",
     "VocabParallelCrossEntropy2D", "vocab_parallel_cross_entropy",

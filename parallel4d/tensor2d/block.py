@@ -161,13 +161,15 @@ class Head2D(_Composite):
     """Mirrors the dense ``Head``: ``ln_f`` then the LM head, ``[b/q, s, h/q]`` → logits
     ``[b/q, s, V/q]`` (vocab block j). Tied: ``lm_head.weight`` is the embedding's Parameter."""
 
-    def __init__(self, ln_f: LayerNorm2D, lm_head: LMHead2D, tied: bool):
+    norm_prefix = "ln_f."  # the final norm's dense name
+
+    def __init__(self, ln_f: nn.Module, lm_head: LMHead2D, tied: bool):
         super().__init__()
         self.ln_f, self.lm_head, self.tied = ln_f, lm_head, tied
 
     @classmethod
     def from_dense(cls, head: nn.Module, mesh, embedding=None, *, name: str = "head",
-                   overlap: bool = True) -> "Head2D":
+                   overlap: bool = True, norm: nn.Module | None = None) -> "Head2D":
         """``embedding``: the converted :class:`TokenPositionEmbedding2D` (or its ``tok``).
         If the dense head's weight is the dense token table that embedding came from, the
         2D head shares the embedding's Parameter. Without ``embedding`` (e.g. head and
@@ -175,19 +177,19 @@ class Head2D(_Composite):
         and keeping the two copies equal (summing their gradients) is the caller's job."""
         tok = getattr(embedding, "tok", embedding)
         tied = tok is not None and tok.converted_from(head.weight)
-        return cls(LayerNorm2D.from_dense(head.ln_f, mesh, name=f"{name}.ln_f"),
+        return cls(norm or LayerNorm2D.from_dense(head.ln_f, mesh, name=f"{name}.ln_f"),
                    LMHead2D.from_dense(head, mesh, name=f"{name}.lm_head", tied=tok if tied else None,
                                        overlap=overlap),
                    tied)
 
     def _parts(self):
-        parts = [("ln_f.", self.ln_f)]
+        parts = [(self.norm_prefix, self.ln_f)]
         if not self.tied:  # a tied weight belongs to the embedding's state dict
             parts.append(("", self.lm_head))
         return parts
 
     def _layout_parts(self):  # a tied weight is listed too: its dense name says where it lives
-        return [("ln_f.", self.ln_f), ("", self.lm_head)]
+        return [(self.norm_prefix, self.ln_f), ("", self.lm_head)]
 
     def _tied_key(self, key: str) -> bool:
         return self.tied and key == "weight"

@@ -223,6 +223,39 @@ class LayerNorm2D(_Layer2D):
         return ln
 
 
+class RMSNorm2D(_Layer2D):
+    """RMSNorm over the full hidden dim of ``[b/q, s, h/q]`` blocks: ``x / rms(x) · weight``, the
+    sum of squares (fp32 for half inputs) all-reduced over ``along_j`` (my grid row)."""
+
+    def __init__(self, hidden: int, mesh, eps: float = 1e-6, *, name: str = "rmsnorm", dtype=None, device=None):
+        super().__init__(mesh, name)
+        check_divisible(f"{name}.hidden", hidden, self.grid.q)
+        self.hidden, self.eps = hidden, eps
+        self.weight = _param(torch.ones(hidden // self.grid.q, dtype=dtype, device=device or mesh.device), ("tp_row",))
+
+    @classmethod
+    def from_dense(cls, module: nn.Module, mesh, *, name: str = "rmsnorm") -> "RMSNorm2D":
+        """From a module with ``weight [h]`` and ``eps``."""
+        (hidden,) = tuple(module.weight.shape)
+        self = cls(hidden, mesh, eps=module.eps, name=name, dtype=module.weight.dtype, device=module.weight.device)
+        with torch.no_grad():
+            self.weight.copy_(block_of(module.weight.detach(), self.grid.j, self.grid.q, 0))
+        return self
+
+    def forward(self, x):
+        g = self.grid
+        xf = x.to(torch.promote_types(x.dtype, torch.float32))
+        sq = all_reduce_sum((xf * xf).sum(-1, keepdim=True), g.along_j, g.stats, f"{self.name}.stats") / self.hidden
+        y = (xf * torch.rsqrt(sq + self.eps)).to(x.dtype)
+        return replicated_over_rows(self.weight, g, f"{self.name}.weight.grad") * y
+
+    def _dense(self, get):
+        return {"weight": gather_columns(get(self.weight), self.grid)}
+
+    def dense_layout(self) -> dict[str, DenseLayout]:
+        return {"weight": ((self.hidden,), _box(self.grid.j * (self.hidden // self.grid.q)))}
+
+
 class Embedding2D(_Layer2D):
     """Table ``[V, h]`` split by hidden block j (replicated over rows): ids of my batch
     block (any shape, e.g. ``[b/q, s]`` tokens or ``[s]`` positions) → ``[..., h/q]``.

@@ -1,0 +1,367 @@
+"""Hugging Face ``transformers`` checkpoints ↔ parallel4d's dense models (``model.arch`` gpt2 | llama).
+
+* :func:`model_fields_from_hf`: a ``config.json`` dict → the ``model:`` fields of a job
+  (``llama``, ``mistral`` and ``qwen2`` become ``arch: llama``; ``gpt2`` stays ``gpt2``).
+* :func:`p4d_to_hf` / :func:`hf_to_p4d`: the tensor name map, with the transform each name needs.
+* :func:`load_hf_state_dict`: ``*.safetensors`` of a directory → the dense model's state dict;
+  :class:`HFCheckpoint` underneath keeps the files open and reads a tensor, or a slice of one,
+  by its Hugging Face name.
+* :func:`save_hf`: a dense state dict → ``config.json`` + ``model.safetensors`` (or shards and
+  ``model.safetensors.index.json``) that ``AutoModelForCausalLM.from_pretrained`` loads.
+
+Transforms (a dense tensor from the Hugging Face one): ``copy``; ``t``: GPT-2's ``Conv1D`` keeps
+its weight ``[in, out]``, ``nn.Linear`` ``[out, in]``; ``rows``: GPT-2's position table has
+``n_positions`` rows, the dense one ``seq_len ≤ n_positions`` (the first ones). With tied
+embeddings the dense state dict holds the token table twice (``embed.tok.weight`` and
+``head.weight``, one tensor); a checkpoint holds it once. This module needs ``safetensors``
+(the ``hf`` extra), never ``transformers``; nothing else in parallel4d imports it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from contextlib import ExitStack
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from . import build_stage, shape_from_config, stage_names
+
+SUPPORTED = ("llama", "mistral", "qwen2", "gpt2")
+INDEX = "model.safetensors.index.json"
+# tensors some checkpoints carry that are not weights (causal masks, rotary tables): skipped
+_IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias", ".rotary_emb.inv_freq")
+_GPT2_ACT = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu"}
+_LLAMA_BLOCK = ("input_layernorm.weight", "post_attention_layernorm.weight",
+                *(f"self_attn.{p}_proj.weight" for p in "qkvo"), *(f"mlp.{p}_proj.weight" for p in ("gate", "up", "down")))
+_GPT2_BLOCK = (("ln_1.weight", "ln1.weight", "copy"), ("ln_1.bias", "ln1.bias", "copy"),
+               ("attn.c_attn.weight", "attn.qkv.weight", "t"), ("attn.c_attn.bias", "attn.qkv.bias", "copy"),
+               ("attn.c_proj.weight", "attn.proj.weight", "t"), ("attn.c_proj.bias", "attn.proj.bias", "copy"),
+               ("ln_2.weight", "ln2.weight", "copy"), ("ln_2.bias", "ln2.bias", "copy"),
+               ("mlp.c_fc.weight", "mlp.fc1.weight", "t"), ("mlp.c_fc.bias", "mlp.fc1.bias", "copy"),
+               ("mlp.c_proj.weight", "mlp.fc2.weight", "t"), ("mlp.c_proj.bias", "mlp.fc2.bias", "copy"))
+
+
+# ----------------------------------------------------------------------------- config.json → model fields
+
+def _refuse(model_type: str, what: str) -> None:
+    raise ValueError(f"Hugging Face model_type {model_type!r}: {what} is not supported by parallel4d's dense model")
+
+
+def _rope_theta(cfg: dict, model_type: str) -> float:
+    """The rotary base: transformers 5 writes ``rope_parameters: {rope_type, rope_theta}``, older
+    files ``rope_theta`` and ``rope_scaling`` (``type`` or ``rope_type``) at the top level."""
+    rope = cfg.get("rope_parameters") or {}
+    scaling = cfg.get("rope_scaling") or {}
+    kind = rope.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
+    if kind != "default":
+        _refuse(model_type, f"rope scaling {kind!r} (only none/default, the plain RoPE)")
+    if rope and "rope_theta" not in rope:
+        _refuse(model_type, f"rope_parameters {rope!r} without rope_theta (per-layer-type rotary)")
+    return float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+
+
+def model_fields_from_hf(config: dict) -> dict:
+    """The ``model:`` fields of a job for a ``transformers`` ``config.json`` dict.
+
+    ``seq_len`` (a training choice) and ``init_std`` are left out; :func:`hf_max_positions` gives
+    the checkpoint's positions (a hard limit for gpt2's learned table). ``ValueError`` for a
+    ``model_type`` other than :data:`SUPPORTED` or a feature the dense model lacks (sliding-window
+    attention, rope scaling, other activations, biases Llama's attention/MLP may have).
+    """
+    c, mt = config, config.get("model_type")
+    if mt not in SUPPORTED:
+        raise ValueError(f"Hugging Face model_type {mt!r} is not supported; supported: {', '.join(SUPPORTED)}")
+    if mt == "gpt2":
+        h = c["n_embd"]
+        inner = c.get("n_inner") or 4 * h
+        if inner % h:
+            _refuse(mt, f"n_inner={inner} (the MLP is mlp_ratio·n_embd wide, n_embd={h})")
+        act = c.get("activation_function", "gelu_new")
+        if act not in _GPT2_ACT:
+            _refuse(mt, f"activation_function {act!r} (supported: {', '.join(_GPT2_ACT)})")
+        if not c.get("scale_attn_weights", True) or c.get("scale_attn_by_inverse_layer_idx", False):
+            _refuse(mt, "attention scaling other than 1/sqrt(head_dim)")
+        if c.get("add_cross_attention", False):
+            _refuse(mt, "cross attention")
+        return {"arch": "gpt2", "vocab_size": c["vocab_size"], "hidden": h, "heads": c["n_head"],
+                "layers": c["n_layer"], "mlp_ratio": inner // h, "tie_embeddings": c.get("tie_word_embeddings", True),
+                "norm_eps": c.get("layer_norm_epsilon", 1e-5), "activation": _GPT2_ACT[act]}
+    if mt == "mistral" and c.get("sliding_window") is not None:
+        _refuse(mt, f"sliding_window={c['sliding_window']} (sliding-window attention; only null, full causal "
+                    "attention, is)")
+    if mt == "qwen2" and c.get("use_sliding_window", False):
+        _refuse(mt, "use_sliding_window: true (sliding-window attention)")
+    if any(t != "full_attention" for t in c.get("layer_types") or ()):
+        _refuse(mt, f"layer_types {sorted(set(c['layer_types']))} (only full_attention)")
+    if c.get("hidden_act", "silu") != "silu":
+        _refuse(mt, f"hidden_act {c['hidden_act']!r} (the MLP is SwiGLU with silu)")
+    if mt == "llama" and (c.get("attention_bias", False) or c.get("mlp_bias", False)):
+        _refuse(mt, "attention_bias/mlp_bias (only Qwen2's q, k, v biases are)")
+    h, heads = c["hidden_size"], c["num_attention_heads"]
+    if h % heads or c.get("head_dim") not in (None, h // heads):
+        _refuse(mt, f"head_dim={c.get('head_dim')} with hidden_size={h}, num_attention_heads={heads} "
+                    "(head_dim must be hidden_size/num_attention_heads)")
+    return {"arch": "llama", "vocab_size": c["vocab_size"], "hidden": h, "heads": heads,
+            "kv_heads": c.get("num_key_value_heads") or heads, "layers": c["num_hidden_layers"],
+            "intermediate_size": c["intermediate_size"], "tie_embeddings": c.get("tie_word_embeddings", False),
+            "norm_eps": c.get("rms_norm_eps", 1e-6), "rope_theta": _rope_theta(c, mt), "qkv_bias": mt == "qwen2"}
+
+
+def hf_max_positions(config: dict) -> int | None:
+    """``n_positions`` (gpt2: the rows of its position table, so ``seq_len`` must not exceed it) or
+    ``max_position_embeddings`` (llama family: the length it was trained for, rotary has no table)."""
+    return config.get("n_positions") if config.get("model_type") == "gpt2" else config.get("max_position_embeddings")
+
+
+# ----------------------------------------------------------------------------- the name map
+
+def p4d_to_hf(arch: str, layers: int, tied: bool, qkv_bias: bool = False) -> dict[str, tuple[str, str]]:
+    """Dense name → ``(Hugging Face name, transform)``, in the dense model's order. With ``tied`` the
+    dense ``head.weight`` is absent (it is ``embed.tok.weight``); ``qkv_bias``: Qwen2's biases."""
+    out: dict[str, tuple[str, str]] = {}
+    if arch == "gpt2":
+        out["embed.tok.weight"] = ("transformer.wte.weight", "copy")
+        out["embed.pos.weight"] = ("transformer.wpe.weight", "rows")
+        for i in range(layers):
+            out.update({f"blocks.{i}.{d}": (f"transformer.h.{i}.{h}", t) for h, d, t in _GPT2_BLOCK})
+        out.update({f"head.ln_f.{p}": (f"transformer.ln_f.{p}", "copy") for p in ("weight", "bias")})
+    elif arch == "llama":
+        out["embed.tok.weight"] = ("model.embed_tokens.weight", "copy")
+        names = _LLAMA_BLOCK + ((*(f"self_attn.{p}_proj.bias" for p in "qkv"),) if qkv_bias else ())
+        for i in range(layers):
+            out.update({f"blocks.{i}.{n}": (f"model.layers.{i}.{n}", "copy") for n in names})
+        out["head.norm.weight"] = ("model.norm.weight", "copy")
+    else:
+        raise ValueError(f"model.arch {arch!r}: no Hugging Face name map (gpt2 or llama)")
+    if not tied:
+        out["head.weight"] = ("lm_head.weight", "copy")
+    return out
+
+
+def hf_to_p4d(arch: str, layers: int, tied: bool, qkv_bias: bool = False) -> dict[str, tuple[str, str]]:
+    """Hugging Face name → ``(dense name, transform)``: :func:`p4d_to_hf` reversed (the transform
+    is its own inverse: ``t`` transposes back; ``rows`` writes the ``seq_len`` rows there are)."""
+    return {hf: (p4d, t) for p4d, (hf, t) in p4d_to_hf(arch, layers, tied, qkv_bias).items()}
+
+
+def dense_shapes(model_cfg) -> dict[str, torch.Size]:
+    """Dense state-dict name → shape for ``config.ModelConfig`` (built on the meta device; with
+    tied embeddings ``head.weight`` is listed, as ``state_dict()`` lists it)."""
+    shape, stages, out = shape_from_config(model_cfg), [], {}
+    for i, name in enumerate(stage_names(shape)):
+        tied = stages[0].tok.weight if name == "head" and shape.tie_embeddings else None
+        stages.append(build_stage(shape, i, tied_weight=tied, meta=True))
+        out.update({f"{name}.{k}": v.shape for k, v in stages[-1].state_dict().items()})
+    return out
+
+
+def _name_map(model_cfg) -> dict[str, tuple[str, str]]:
+    return p4d_to_hf(model_cfg.arch, model_cfg.layers, model_cfg.tie_embeddings, model_cfg.qkv_bias)
+
+
+# ----------------------------------------------------------------------------- reading
+
+class HFCheckpoint:
+    """The ``*.safetensors`` of a directory, open for reading by Hugging Face tensor name.
+
+    One ``model.safetensors``, shards listed by ``model.safetensors.index.json``, or (without an
+    index) every ``*.safetensors`` there. ``read_tensor(name, slices)`` reads only ``slices`` (a
+    tuple of ``slice``, one per leading dimension) through ``get_slice``. ``OSError`` naming the
+    file for a missing, truncated or unreadable one. Use as a context manager (closes the files).
+    """
+
+    def __init__(self, directory):
+        self.directory = Path(directory)
+        self._stack, self._open, self.file_of = ExitStack(), {}, {}
+        index = self.directory / INDEX
+        if index.is_file():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (ValueError, KeyError, TypeError) as err:
+                raise OSError(f"{index}: not a safetensors index ({err})") from None
+            files = sorted(set(weight_map.values()))
+        else:
+            weight_map, files = None, sorted(p.name for p in self.directory.glob("*.safetensors"))
+            if not files:
+                raise OSError(f"{self.directory}: no *.safetensors file (nor {INDEX})")
+        for file in files:
+            for name in self._file(file).keys():
+                if name in self.file_of and self.file_of[name] != file:
+                    raise ValueError(f"{self.directory}: tensor {name!r} is in both {self.file_of[name]} and {file}")
+                if weight_map is None or weight_map.get(name) == file:
+                    self.file_of[name] = file
+        missing = sorted(set(weight_map or ()) - set(self.file_of))
+        if missing:
+            raise ValueError(f"{index}: tensor {missing[0]!r} is listed in {weight_map[missing[0]]} but that file "
+                             f"does not hold it ({len(missing)} such tensors)")
+
+    def _file(self, file: str):
+        if file not in self._open:
+            path = self.directory / file
+            if not path.is_file():
+                raise OSError(f"{path}: no such safetensors file")
+            try:
+                self._open[file] = self._stack.enter_context(safe_open(str(path), framework="pt"))
+            except Exception as err:  # safetensors' own error (truncated, bad header) is a plain Exception
+                raise OSError(f"{path}: not a readable safetensors file ({err})") from None
+        return self._open[file]
+
+    def path(self, name: str) -> Path:
+        return self.directory / self.file_of[name]
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._file(self.file_of[name]).get_slice(name).get_shape())
+
+    def read_tensor(self, name: str, slices: tuple[slice, ...] | None = None) -> torch.Tensor:
+        """Tensor ``name`` (in its saved dtype), or only ``slices`` of it."""
+        f = self._file(self.file_of[name])
+        return f.get_tensor(name) if slices is None else f.get_slice(name)[slices]
+
+    def close(self) -> None:
+        self._stack.close()
+        self._open.clear()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def _check_config(directory: Path, model_cfg) -> None:
+    """``directory/config.json`` (when there) must describe ``model_cfg``'s architecture: a wrong
+    ``rope_theta`` or ``norm_eps`` would load without a shape error and compute something else."""
+    path = directory / "config.json"
+    if not path.is_file():
+        return
+    hf = json.loads(path.read_text())
+    fields = model_fields_from_hf(hf)
+    ours = {**model_cfg.model_dump(), "kv_heads": model_cfg.kv_heads_or_heads, "intermediate_size": model_cfg.mlp_width}
+    wrong = [f"{k}={ours[k]!r} (the checkpoint's {v!r})" for k, v in fields.items()
+             if not (math.isclose(ours[k], v, rel_tol=1e-9) if isinstance(v, float) else ours[k] == v)]
+    if wrong:
+        raise ValueError(f"{path} does not describe model: " + ", ".join(f"model.{w}" for w in wrong))
+    limit = hf_max_positions(hf)
+    if fields["arch"] == "gpt2" and limit is not None and model_cfg.seq_len > limit:
+        raise ValueError(f"model.seq_len={model_cfg.seq_len} exceeds n_positions={limit} of {path} (gpt2's "
+                         "learned position table has that many rows)")
+
+
+def load_hf_state_dict(directory, model_cfg) -> dict[str, torch.Tensor]:
+    """The dense state dict (``load_state_dict(strict=True)``-ready) of ``config.ModelConfig``
+    ``model_cfg`` from the Hugging Face safetensors checkpoint in ``directory``.
+
+    Tensors keep their saved dtype (the caller casts). ``ValueError`` naming the file and tensor
+    for a missing tensor, one of the wrong shape (vs. ``model_cfg``), an unexpected one (say a
+    layer more), or a ``config.json`` that disagrees with ``model_cfg``; ``OSError`` for a
+    missing or truncated file. gpt2: the first ``seq_len ≤ n_positions`` rows of the positions.
+    """
+    directory = Path(directory)
+    _check_config(directory, model_cfg)
+    shapes, out = dense_shapes(model_cfg), {}
+    with HFCheckpoint(directory) as ckpt:
+        names = set(ckpt.file_of)
+        strip = model_cfg.arch == "gpt2" and not any(n.startswith("transformer.") for n in names)
+        where = str(directory / INDEX) if (directory / INDEX).is_file() else f"the *.safetensors of {directory}"
+        used = set()
+        for p4d, (hf, how) in _name_map(model_cfg).items():
+            hf = hf.removeprefix("transformer.") if strip else hf  # GPT2Model's names (e.g. the hub's gpt2)
+            if hf not in names:
+                raise ValueError(f"tensor {hf!r} (for {p4d}) is missing from {where}")
+            want = shapes[p4d]
+            have = ckpt.shape(hf)
+            fits = (have == tuple(reversed(want)) if how == "t" else
+                    len(have) == 2 and have[1] == want[1] and have[0] >= want[0] if how == "rows" else have == tuple(want))
+            if not fits:
+                expect = tuple(reversed(want)) if how == "t" else tuple(want)
+                raise ValueError(f"{ckpt.path(hf)}: tensor {hf!r} has shape {list(have)}, model expects "
+                                 f"{list(expect)}{' rows or more' if how == 'rows' else ''} (for {p4d})")
+            tensor = ckpt.read_tensor(hf, (slice(0, want[0]),) if how == "rows" else None)
+            out[p4d] = tensor.t().contiguous() if how == "t" else tensor
+            used.add(hf)
+        extra = sorted(n for n in names - used if not n.endswith(_IGNORED_SUFFIXES)
+                       and not (model_cfg.tie_embeddings and n == "lm_head.weight"))
+        if extra:
+            raise ValueError(f"{ckpt.path(extra[0])}: unexpected tensor {extra[0]!r} for model (layers="
+                             f"{model_cfg.layers}, {len(extra)} such tensors)")
+    if model_cfg.tie_embeddings:
+        out["head.weight"] = out["embed.tok.weight"]
+    return out
+
+
+# ----------------------------------------------------------------------------- writing
+
+def hf_config(model_cfg, dtype: torch.dtype) -> dict:
+    """The ``config.json`` of :func:`save_hf`: gpt2 → ``GPT2LMHeadModel``; llama → ``LlamaForCausalLM``,
+    or ``Qwen2ForCausalLM`` with ``qkv_bias`` (Llama's own attention bias would include ``o_proj``).
+    Dropouts 0 and no bos/eos ids (the dense model has neither)."""
+    m = model_cfg
+    common = {"vocab_size": m.vocab_size, "tie_word_embeddings": m.tie_embeddings, "initializer_range": m.init_std,
+              "bos_token_id": None, "eos_token_id": None, "pad_token_id": None,
+              "dtype": str(dtype).removeprefix("torch.")}
+    if m.arch == "gpt2":
+        return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", **common, "n_positions": m.seq_len,
+                "n_embd": m.hidden, "n_head": m.heads, "n_layer": m.layers, "n_inner": m.mlp_ratio * m.hidden,
+                "activation_function": "gelu_new" if m.activation == "gelu_tanh" else "gelu",
+                "layer_norm_epsilon": m.norm_eps, "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0,
+                "scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False, "reorder_and_upcast_attn": False}
+    qwen = m.qkv_bias
+    out = {"architectures": ["Qwen2ForCausalLM" if qwen else "LlamaForCausalLM"], "model_type": "qwen2" if qwen else "llama",
+           **common, "hidden_size": m.hidden, "intermediate_size": m.mlp_width, "num_hidden_layers": m.layers,
+           "num_attention_heads": m.heads, "num_key_value_heads": m.kv_heads_or_heads, "hidden_act": "silu",
+           "max_position_embeddings": m.seq_len, "rms_norm_eps": m.norm_eps, "attention_dropout": 0.0,
+           "rope_parameters": {"rope_type": "default", "rope_theta": m.rope_theta}}
+    if qwen:
+        return {**out, "use_sliding_window": False, "sliding_window": None, "max_window_layers": m.layers}
+    return {**out, "head_dim": m.hidden // m.heads, "attention_bias": False, "mlp_bias": False}
+
+
+def save_hf(state_dict: dict[str, torch.Tensor], model_cfg, out_dir, max_shard_bytes: int = 5 << 30) -> Path:
+    """Write the dense ``state_dict`` of ``config.ModelConfig`` ``model_cfg`` as a Hugging Face
+    checkpoint in ``out_dir``: ``config.json`` (:func:`hf_config`, dtype that of ``embed.tok.weight``)
+    and ``model.safetensors``, or ``model-0000i-of-0000n.safetensors`` + ``model.safetensors.index.json``
+    when the tensors exceed ``max_shard_bytes`` (a tensor larger than that gets a shard of its own).
+    Tied embeddings: the token table once (no ``lm_head.weight``, as transformers writes it).
+    ``ValueError`` for a missing, unexpected or wrong-shaped tensor. Returns ``out_dir``."""
+    shapes = dense_shapes(model_cfg)
+    wrong = sorted(set(shapes) ^ set(state_dict)) or [k for k in shapes if state_dict[k].shape != shapes[k]]
+    if wrong:
+        k = wrong[0]
+        raise ValueError(f"state dict does not fit the model: {k!r} is " + (
+            f"{list(state_dict[k].shape)}, expected {list(shapes[k])}" if k in shapes and k in state_dict else
+            "missing" if k in shapes else "unexpected"))
+    if model_cfg.tie_embeddings and not torch.equal(state_dict["head.weight"], state_dict["embed.tok.weight"]):
+        raise ValueError("model.tie_embeddings is true but head.weight differs from embed.tok.weight")
+    tensors = {}
+    for p4d, (hf, how) in _name_map(model_cfg).items():
+        t = state_dict[p4d].detach().cpu()
+        tensors[hf] = (t.t() if how == "t" else t).contiguous()
+    shards, size = [[]], 0
+    for name, t in tensors.items():
+        nbytes = t.numel() * t.element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += nbytes
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    dtype = state_dict["embed.tok.weight"].dtype
+    (out / "config.json").write_text(json.dumps(hf_config(model_cfg, dtype), indent=2) + "\n")
+    files = ["model.safetensors"] if len(shards) == 1 else \
+        [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    for stale in [*out.glob("model*.safetensors"), out / INDEX]:  # a previous save's shards would mix in
+        if stale.name not in files and stale.exists():
+            os.remove(stale)
+    for file, names in zip(files, shards):
+        save_file({n: tensors[n] for n in names}, str(out / file), metadata={"format": "pt"})
+    if len(shards) > 1:
+        index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in tensors.values())},
+                 "weight_map": {n: f for f, names in zip(files, shards) for n in names}}
+        (out / INDEX).write_text(json.dumps(index, indent=2) + "\n")
+    return out

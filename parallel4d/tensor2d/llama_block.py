@@ -1,0 +1,116 @@
+"""2D versions of the Llama-family stages: token embedding, pre-norm block, head.
+
+Like :mod:`.block`, each mirrors its dense module attribute by attribute (duck-typed; the
+model is never imported) on the 2D activation layout ``[b/q, s, h/q]``.
+
+Heads are split over grid columns with no permutation: ``q_proj``, ``k_proj`` and ``v_proj``
+are separate, each output's features are heads in order, so the column block j of
+``q_proj`` is query heads ``j·a/q …`` and that of ``k_proj``/``v_proj`` the key/value heads
+``j·kv/q …`` — exactly the ones those query heads read (a query head ``i`` reads key/value
+head ``i // (a/kv)``), given ``kv % q == 0``. Rotary embeddings act per head on
+the local ``[b/q, a/q, s, d]`` q and k with the tokens' global ``positions``. The SwiGLU
+product is elementwise on the matching ``[b/q, s, I/q]`` blocks of gate and up.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .block import Head2D, _Composite, sdpa_attention
+from .checks import check_divisible, check_heads
+from .layers import Linear2D, RMSNorm2D, VocabParallelEmbedding2D
+
+
+class LlamaBlock2D(_Composite):
+    """``x + o(attn(rope(q(n1 x)), rope(k(n1 x)), v(n1 x)))``, then ``x + down(silu(gate(n2 x)) · up(n2 x))``
+    on ``[b/q, s, h/q]``; the core ``attention_fn(q, k, v, causal=...)`` sees local q
+    ``[b/q, a/q, s, d]`` and k, v ``[b/q, kv/q, s, d]``. ``positions`` ``[s]``: the tokens'
+    global positions (None: ``0..s-1``)."""
+
+    def __init__(self, norms, projections, mlp, heads: int, kv_heads: int, rotate, attention_fn=None,
+                 causal: bool = True):
+        super().__init__()
+        self.input_layernorm, self.post_attention_layernorm = norms
+        self.q_proj, self.k_proj, self.v_proj, self.o_proj = projections
+        self.gate_proj, self.up_proj, self.down_proj = mlp
+        q = self.q_proj.grid.q
+        self.local_heads, self.local_kv_heads = heads // q, kv_heads // q
+        self.rotate, self.causal = rotate, causal
+        self.attention_fn = attention_fn or sdpa_attention
+        self.positions: torch.Tensor | None = None
+
+    @classmethod
+    def from_dense(cls, block: nn.Module, mesh, attention_fn=None, *, name: str = "block",
+                   overlap: bool = True) -> "LlamaBlock2D":
+        """From a dense Llama block (``input_layernorm``, ``self_attn.{q,k,v,o}_proj``, ``mlp.{gate,up,down}_proj``,
+        ``self_attn.heads/kv_heads/theta``); divisibility checked before any collective."""
+        attn, mlp, q = block.self_attn, block.mlp, mesh.q
+        hidden = attn.q_proj.weight.shape[1]
+        check_heads(attn.heads, hidden, q, heads_field=f"{name}.self_attn.heads", hidden_field=f"{name}.hidden")
+        check_divisible(f"{name}.self_attn.kv_heads", attn.kv_heads, q)
+
+        def lin(module, part):
+            return Linear2D.from_dense(module, mesh, name=f"{name}.{part}", overlap=overlap)
+
+        return cls((RMSNorm2D.from_dense(block.input_layernorm, mesh, name=f"{name}.input_layernorm"),
+                    RMSNorm2D.from_dense(block.post_attention_layernorm, mesh, name=f"{name}.post_attention_layernorm")),
+                   tuple(lin(getattr(attn, p), f"self_attn.{p}") for p in ("q_proj", "k_proj", "v_proj", "o_proj")),
+                   tuple(lin(getattr(mlp, p), f"mlp.{p}") for p in ("gate_proj", "up_proj", "down_proj")),
+                   attn.heads, attn.kv_heads, functools.partial(type(attn).rotary, theta=attn.theta),
+                   attention_fn, causal=attn.causal)
+
+    def _parts(self):
+        return [("input_layernorm.", self.input_layernorm), ("post_attention_layernorm.", self.post_attention_layernorm),
+                *((f"self_attn.{p}.", getattr(self, p)) for p in ("q_proj", "k_proj", "v_proj", "o_proj")),
+                *((f"mlp.{p}.", getattr(self, p)) for p in ("gate_proj", "up_proj", "down_proj"))]
+
+    def attention(self, x):
+        """``[b/q, s, h/q]`` → ``[b/q, s, h/q]`` (my heads only; no communication in the core)."""
+        bq, s, _ = x.shape
+        q = self.q_proj(x).view(bq, s, self.local_heads, -1).transpose(1, 2)
+        k = self.k_proj(x).view(bq, s, self.local_kv_heads, -1).transpose(1, 2)
+        v = self.v_proj(x).view(bq, s, self.local_kv_heads, -1).transpose(1, 2)
+        pos = self.positions if self.positions is not None else torch.arange(s, device=x.device)
+        y = self.attention_fn(self.rotate(q, pos), self.rotate(k, pos), v, causal=self.causal)
+        return self.o_proj(y.transpose(1, 2).reshape(bq, s, -1))
+
+    def forward(self, x):
+        x = x + self.attention(self.input_layernorm(x))
+        h = self.post_attention_layernorm(x)
+        return x + self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
+
+
+class TokenEmbedding2D(_Composite):
+    """Mirrors the dense Llama ``Embedding`` (``tok`` only): tokens ``[b/q, s]`` → ``[b/q, s, h/q]``."""
+
+    def __init__(self, tok: VocabParallelEmbedding2D):
+        super().__init__()
+        self.tok = tok
+
+    @classmethod
+    def from_dense(cls, embed: nn.Module, mesh, *, name: str = "embed") -> "TokenEmbedding2D":
+        return cls(VocabParallelEmbedding2D.from_dense(embed.tok, mesh, name=f"{name}.tok"))
+
+    def _parts(self):
+        return [("tok.", self.tok)]
+
+    def forward(self, tokens):
+        return self.tok(tokens)
+
+
+class NormHead2D(Head2D):
+    """Mirrors the dense Llama ``Head``: RMSNorm ``norm`` then the LM head (shared with the
+    embedding when tied). Same as :class:`Head2D` with the norm's dense name ``norm``."""
+
+    norm_prefix = "norm."
+
+    @classmethod
+    def from_dense(cls, head: nn.Module, mesh, embedding=None, *, name: str = "head",
+                   overlap: bool = True) -> "NormHead2D":
+        self = super().from_dense(head, mesh, embedding, name=name, overlap=overlap,
+                                  norm=RMSNorm2D.from_dense(head.norm, mesh, name=f"{name}.norm"))
+        return self
