@@ -76,9 +76,14 @@ def _train_layouts(jobs: dict):
     return out
 
 
-def test_llama_in_every_layout_equals_the_dense_llama():
-    results = run_workers(_train_layouts, 4, LAYOUTS, timeout_s=300)
-    for name, job in LAYOUTS.items():
+EIGHT_WORKERS = {
+    "2D tp=4 × ring sp=2 zigzag": _job({"tp": 4, "sp": 2}),
+    "Hanayo pp=2 × 2D tp=4": _job({"pp": 2, "tp": 4}, {"schedule": "hanayo", "microbatches": 2}),
+}
+
+
+def _check(results, layouts):
+    for name, job in layouts.items():
         want_losses, want = dense_run(job)
         assert want_losses[-1] < want_losses[0]
         seen = set()
@@ -93,6 +98,15 @@ def test_llama_in_every_layout_equals_the_dense_llama():
                     torch.testing.assert_close(t, box, rtol=1e-9, atol=1e-12,
                                                msg=lambda m, n=name, d=dense: f"{n} {d}: {m}")
         assert seen == set(want), (name, set(want) - seen)
+
+
+def test_llama_in_every_layout_equals_the_dense_llama():
+    _check(run_workers(_train_layouts, 4, LAYOUTS, timeout_s=300), LAYOUTS)
+
+
+def test_llama_2d_with_ring_attention_and_with_hanayo_equals_the_dense_llama():
+    """8 workers: the 2D blocks' local heads under the ring, and the 2D stages in Hanayo's waves."""
+    _check(run_workers(_train_layouts, 8, EIGHT_WORKERS, timeout_s=300), EIGHT_WORKERS)
 
 
 @pytest.mark.parametrize("fields, words", [
