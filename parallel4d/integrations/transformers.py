@@ -1,0 +1,67 @@
+"""Ring attention inside an unmodified ``transformers`` model (the ``hf`` extra).
+
+For users who keep their own ``transformers`` model code::
+
+    from parallel4d.integrations.transformers import use_ring_attention, shard_sequence
+    use_ring_attention(mesh)                                  # once per process, after the mesh
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="parallel4d_ring")
+    ids, position_ids = shard_sequence(mesh, input_ids)       # [b, s] → [b, s/sp], global positions
+    logits = model(ids, position_ids=position_ids).logits     # this rank's tokens
+
+Each rank runs the model on its sequence shard (``sequence.layout``: zigzag or contiguous)
+with the tokens' *global* ``position_ids``, so rotary embeddings rotate as in the whole
+sequence; every attention layer then calls :func:`parallel4d.sequence.ring_attention` over
+``mesh.group("sp")`` (grouped-query heads included). The causal mask is the ring's own:
+``transformers`` builds none for this implementation. Shift the labels on the whole
+sequence and shard them the same way; a rank's loss is the mean over its tokens, and the
+gradients averaged over ``sp`` are the whole sequence's.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface
+
+from ..mesh import Mesh
+from ..sequence import positions_for, ring_attention, split_sequence
+
+NAME = "parallel4d_ring"
+
+
+def use_ring_attention(mesh: Mesh, layout: str = "zigzag", name: str = NAME) -> str:
+    """Register ring attention over ``mesh``'s ``sp`` axis as ``attn_implementation=name``
+    (and a mask function that builds no mask); returns ``name``. Calling it again re-binds
+    ``name`` to this mesh."""
+    group, stats, timeout_s = mesh.group("sp"), mesh.comm_stats, mesh.timeout_s
+
+    def attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, is_causal=None,
+                   **kwargs):
+        """``transformers``' attention interface: q ``[b, a, s/sp, d]``, k, v ``[b, kv, s/sp, d]`` →
+        ``([b, s/sp, a, d], None)``."""
+        if dropout:
+            raise ValueError(f"{name}: attention dropout {dropout} is not supported by ring attention; set the "
+                             "model's attention_dropout to 0")
+        if attention_mask is not None:
+            raise ValueError(f"{name}: got an attention mask; ring attention applies only its own causal mask "
+                             "(no padding masks: pack full sequences)")
+        causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+        out = ring_attention(query, key, value, group, causal=bool(causal), layout=layout, scale=scaling,
+                             stats=stats, timeout_s=timeout_s)
+        return out.transpose(1, 2).contiguous(), None
+
+    AttentionInterface.register(name, attention)
+    AttentionMaskInterface.register(name, _no_mask)
+    return name
+
+
+def _no_mask(*args, **kwargs):
+    return None  # the ring masks causally by global position itself
+
+
+def shard_sequence(mesh: Mesh, input_ids: torch.Tensor, layout: str = "zigzag") -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's ``[b, s/sp]`` shard of ``input_ids`` ``[b, s]`` and its global ``position_ids`` ``[1, s/sp]``."""
+    group = mesh.group("sp")
+    ids = split_sequence(input_ids, group, dim=1, layout=layout)
+    positions = positions_for(input_ids.shape[1], group, layout, device=input_ids.device)
+    return ids, positions.unsqueeze(0)

@@ -1,0 +1,91 @@
+"""Ring attention inside an unmodified ``transformers`` Llama (#15.5): registered as an attention
+implementation, run on each rank's sequence shard with global position ids, at sp=2 (× dp=2)
+and sp=4, it gives the loss and every gradient of the same model on the whole sequence in one
+process (float64, 1e-10)."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+transformers = pytest.importorskip("transformers")
+
+from conftest import run_workers  # noqa: E402
+
+CONFIG = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=64, rope_theta=5e5, tie_word_embeddings=False)
+SEQ, BATCH = 16, 2
+
+
+def _model(attn_implementation: str):
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(**CONFIG, attn_implementation=attn_implementation)
+    return transformers.LlamaForCausalLM(cfg).double()
+
+
+def _data():
+    g = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, CONFIG["vocab_size"], (BATCH, SEQ), generator=g)
+    return tokens, torch.randint(0, CONFIG["vocab_size"], (BATCH, SEQ), generator=g)
+
+
+def _grads(model) -> dict:
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+
+
+def _ring_runs(layouts):
+    """Per (dp, sp, layout): the loss over the whole sequence and the gradients, from the shards."""
+    import torch.distributed as dist
+
+    from parallel4d.integrations.transformers import shard_sequence, use_ring_attention
+    from parallel4d.mesh import init_mesh
+    from parallel4d.sequence import split_sequence
+
+    out = []
+    for dp, sp, layout in layouts:
+        mesh = init_mesh(dp=dp, sp=sp, timeout_s=60)
+        name = use_ring_attention(mesh, layout=layout)
+        model = _model(name)
+        tokens, targets = _data()
+        ids, position_ids = shard_sequence(mesh, tokens, layout)
+        local_targets = split_sequence(targets, mesh.group("sp"), dim=1, layout=layout)
+        logits = model(ids, position_ids=position_ids).logits
+        loss = F.cross_entropy(logits.flatten(0, 1), local_targets.flatten())  # mean over my tokens
+        loss.backward()
+        group = mesh.group("sp")
+        for p in model.parameters():  # the shards' mean of means: the whole sequence's mean
+            dist.all_reduce(p.grad, group=group)
+            p.grad /= sp
+        total = loss.detach().clone()
+        dist.all_reduce(total, group=group)
+        out.append((float(total) / sp, _grads(model)))
+    return out
+
+
+def test_ring_attention_inside_transformers_llama_equals_one_process():
+    layouts = [(1, 4, "zigzag"), (2, 2, "zigzag"), (2, 2, "contiguous")]
+    results = run_workers(_ring_runs, 4, layouts, timeout_s=300)
+    model = _model("sdpa")
+    tokens, targets = _data()
+    loss = F.cross_entropy(model(tokens).logits.flatten(0, 1), targets.flatten())
+    loss.backward()
+    want = _grads(model)
+    for rank_results in results:
+        for (dp, sp, layout), (got_loss, grads) in zip(layouts, rank_results):
+            assert abs(got_loss - float(loss)) <= 1e-10 * float(loss), (sp, layout, got_loss, float(loss))
+            assert grads.keys() == want.keys()
+            for n, g in grads.items():
+                torch.testing.assert_close(g, want[n], rtol=1e-10, atol=1e-13,
+                                           msg=lambda m, n=n, s=sp, lay=layout: f"sp={s} {lay} {n}: {m}")
+
+
+def test_ring_attention_refuses_what_it_cannot_do(single_rank):
+    from parallel4d.integrations.transformers import use_ring_attention
+    from parallel4d.mesh import init_mesh
+
+    name = use_ring_attention(init_mesh(timeout_s=60))
+    attention = transformers.AttentionInterface()[name]
+    q = torch.zeros(1, 2, 4, 8)
+    with pytest.raises(ValueError, match="dropout"):
+        attention(None, q, q, q, None, dropout=0.1)
+    with pytest.raises(ValueError, match="attention mask"):
+        attention(None, q, q, q, torch.zeros(1, 1, 4, 4))
