@@ -61,9 +61,63 @@ def _ring_runs(layouts):
     return out
 
 
+HETERO = {"enabled": True, "chunk_elems": 2048, "device_budget_bytes": 60_000}
+OPTIMIZER = {"lr": 0.01, "weight_decay": 0.1}
+STEPS = 3
+
+
+def _hetero_steps():
+    """The ring model at sp=2 × dp=2 with hetero's chunks and ZeRO over the 4 data replicas, under a
+    device budget below its model data: AdamW steps on the shards; losses and the budget stats."""
+    from parallel4d.engine import DataReplicas
+    from parallel4d.hetero import wrap
+    from parallel4d.integrations.transformers import shard_sequence, use_ring_attention
+    from parallel4d.mesh import init_mesh
+    from parallel4d.sequence import split_sequence
+
+    mesh = init_mesh(dp=2, sp=2, timeout_s=60)
+    model, optimizer = wrap(_model(use_ring_attention(mesh)), OPTIMIZER, HETERO, mesh=DataReplicas(mesh))
+    tokens, targets = _data()
+    ids, position_ids = shard_sequence(mesh, tokens)
+    local_targets = split_sequence(targets, mesh.group("sp"), dim=1, layout="zigzag")
+    losses = []
+    for _ in range(STEPS):
+        logits = model(ids, position_ids=position_ids).logits
+        loss = F.cross_entropy(logits.flatten(0, 1), local_targets.flatten())
+        loss.backward()  # hetero averages the gradients over dp·sp
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(float(loss))
+    return losses, optimizer.stats()
+
+
+def _ring_and_hetero(layouts):
+    return _ring_runs(layouts), _hetero_steps()
+
+
 def test_ring_attention_inside_transformers_llama_equals_one_process():
+    """Also, with hetero.wrap on top (sp=2 × dp=2, a budget below the model data), its AdamW steps
+    on the shards follow torch's AdamW on the whole sequence in one process (1e-9)."""
     layouts = [(1, 4, "zigzag"), (2, 2, "zigzag"), (2, 2, "contiguous")]
-    results = run_workers(_ring_runs, 4, layouts, timeout_s=300)
+    both = run_workers(_ring_and_hetero, 4, layouts, timeout_s=300)
+    results = [ring for ring, _ in both]
+    reference = _model("sdpa")
+    optimizer = torch.optim.AdamW(reference.parameters(), **OPTIMIZER)
+    tokens, targets = _data()
+    want = []
+    for _ in range(STEPS):
+        loss = F.cross_entropy(reference(tokens).logits.flatten(0, 1), targets.flatten())
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        want.append(float(loss))
+    assert want[-1] < want[0]
+    for _, (losses, stats) in both:
+        assert stats["device_budget_bytes"] < stats["model_data_bytes"]
+        assert stats["peak_resident_bytes"] <= stats["device_budget_bytes"]
+        assert losses[-1] < losses[0]  # this rank's shard learns too
+    mean = torch.tensor([losses for _, (losses, _) in both], dtype=torch.float64).mean(0)  # over the 4 shards
+    torch.testing.assert_close(mean, torch.tensor(want, dtype=torch.float64), rtol=1e-9, atol=0)
     model = _model("sdpa")
     tokens, targets = _data()
     loss = F.cross_entropy(model(tokens).logits.flatten(0, 1), targets.flatten())
