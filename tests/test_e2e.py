@@ -146,6 +146,17 @@ def test_pipeline_config_float32(tmp_path_factory):
     assert_losses_match(got, ref)
 
 
+def test_llama_config_float32(tmp_path_factory):
+    """configs/llama.yaml (Llama family: tp=4 × ring sp=2, 8 workers), 8 of its steps in float32:
+    losses within 1e-4 of the single process; each rank holds a quarter of the weights."""
+    short = ["train.steps=8"]
+    got, _ = shared_run("llama", tmp_path_factory, short)
+    ref, _ = reference("llama", tmp_path_factory, short)
+    assert got["world_size"] == 8 and got["config"]["model"]["arch"] == "llama"
+    assert got["parameters"] < 0.3 * ref["parameters"]
+    assert_losses_match(got, ref)
+
+
 @pytest.mark.parametrize("case", list(PIPELINES))
 def test_pipeline_schedules(case, tmp_path, tmp_path_factory):
     """Every schedule, and pp × dp = 2 × 2: losses and final parameters equal pp=1.
