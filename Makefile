@@ -20,7 +20,7 @@ $(VENV)/.installed: $(BIN)/python pyproject.toml
 	    $(BIN)/pip install -q "$(TORCH_CPU)"; \
 	  fi; \
 	fi
-	$(BIN)/pip install -q -e ".[test,viz,deepspeed]"
+	$(BIN)/pip install -q -e ".[test,viz,deepspeed,hf]"
 	@touch $@
 
 install: $(VENV)/.installed

@@ -36,8 +36,8 @@ INDEX = "model.safetensors.index.json"
 # tensors some checkpoints carry that are not weights (causal masks, rotary tables): skipped
 _IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias", ".rotary_emb.inv_freq")
 _GPT2_ACT = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu"}
-_LLAMA_BLOCK = ("input_layernorm.weight", "post_attention_layernorm.weight",
-                *(f"self_attn.{p}_proj.weight" for p in "qkvo"), *(f"mlp.{p}_proj.weight" for p in ("gate", "up", "down")))
+_LLAMA_BLOCK = ("input_layernorm.weight", *(f"self_attn.{p}_proj.weight" for p in "qkvo"),
+                "post_attention_layernorm.weight", *(f"mlp.{p}_proj.weight" for p in ("gate", "up", "down")))
 _GPT2_BLOCK = (("ln_1.weight", "ln1.weight", "copy"), ("ln_1.bias", "ln1.bias", "copy"),
                ("attn.c_attn.weight", "attn.qkv.weight", "t"), ("attn.c_attn.bias", "attn.qkv.bias", "copy"),
                ("attn.c_proj.weight", "attn.proj.weight", "t"), ("attn.c_proj.bias", "attn.proj.bias", "copy"),
@@ -49,7 +49,13 @@ _GPT2_BLOCK = (("ln_1.weight", "ln1.weight", "copy"), ("ln_1.bias", "ln1.bias", 
 # ----------------------------------------------------------------------------- config.json → model fields
 
 def _refuse(model_type: str, what: str) -> None:
-    raise ValueError(f"Hugging Face model_type {model_type!r}: {what} is not supported by parallel4d's dense model")
+    raise ValueError(f"Hugging Face model_type {model_type!r}: {what}")
+
+
+def _need(cfg: dict, key: str):
+    if cfg.get(key) is None:
+        raise ValueError(f"Hugging Face model_type {cfg.get('model_type')!r}: config.json lacks {key!r}")
+    return cfg[key]
 
 
 def _rope_theta(cfg: dict, model_type: str) -> float:
@@ -59,9 +65,9 @@ def _rope_theta(cfg: dict, model_type: str) -> float:
     scaling = cfg.get("rope_scaling") or {}
     kind = rope.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
     if kind != "default":
-        _refuse(model_type, f"rope scaling {kind!r} (only none/default, the plain RoPE)")
+        _refuse(model_type, f"rope scaling {kind!r} is not supported (only none/default: the dense model's plain RoPE)")
     if rope and "rope_theta" not in rope:
-        _refuse(model_type, f"rope_parameters {rope!r} without rope_theta (per-layer-type rotary)")
+        _refuse(model_type, f"rope_parameters {rope!r} without rope_theta (per-layer-type rotary) is not supported")
     return float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
 
 
@@ -77,38 +83,38 @@ def model_fields_from_hf(config: dict) -> dict:
     if mt not in SUPPORTED:
         raise ValueError(f"Hugging Face model_type {mt!r} is not supported; supported: {', '.join(SUPPORTED)}")
     if mt == "gpt2":
-        h = c["n_embd"]
+        h = _need(c, "n_embd")
         inner = c.get("n_inner") or 4 * h
         if inner % h:
-            _refuse(mt, f"n_inner={inner} (the MLP is mlp_ratio·n_embd wide, n_embd={h})")
+            _refuse(mt, f"n_inner={inner} is not a multiple of n_embd={h} (the dense MLP is mlp_ratio·hidden wide)")
         act = c.get("activation_function", "gelu_new")
         if act not in _GPT2_ACT:
-            _refuse(mt, f"activation_function {act!r} (supported: {', '.join(_GPT2_ACT)})")
+            _refuse(mt, f"activation_function {act!r} is not supported (supported: {', '.join(_GPT2_ACT)})")
         if not c.get("scale_attn_weights", True) or c.get("scale_attn_by_inverse_layer_idx", False):
-            _refuse(mt, "attention scaling other than 1/sqrt(head_dim)")
+            _refuse(mt, "attention scaled other than by 1/sqrt(head_dim) is not supported")
         if c.get("add_cross_attention", False):
-            _refuse(mt, "cross attention")
-        return {"arch": "gpt2", "vocab_size": c["vocab_size"], "hidden": h, "heads": c["n_head"],
-                "layers": c["n_layer"], "mlp_ratio": inner // h, "tie_embeddings": c.get("tie_word_embeddings", True),
-                "norm_eps": c.get("layer_norm_epsilon", 1e-5), "activation": _GPT2_ACT[act]}
+            _refuse(mt, "add_cross_attention is not supported")
+        return {"arch": "gpt2", "vocab_size": _need(c, "vocab_size"), "hidden": h, "heads": _need(c, "n_head"),
+                "layers": _need(c, "n_layer"), "mlp_ratio": inner // h, "activation": _GPT2_ACT[act],
+                "tie_embeddings": c.get("tie_word_embeddings", True), "norm_eps": c.get("layer_norm_epsilon", 1e-5)}
     if mt == "mistral" and c.get("sliding_window") is not None:
-        _refuse(mt, f"sliding_window={c['sliding_window']} (sliding-window attention; only null, full causal "
-                    "attention, is)")
+        _refuse(mt, f"sliding_window={c['sliding_window']}: sliding-window attention is not supported (the dense "
+                    "model attends to the whole causal prefix); only sliding_window: null loads")
     if mt == "qwen2" and c.get("use_sliding_window", False):
-        _refuse(mt, "use_sliding_window: true (sliding-window attention)")
+        _refuse(mt, "use_sliding_window: true: sliding-window attention is not supported")
     if any(t != "full_attention" for t in c.get("layer_types") or ()):
-        _refuse(mt, f"layer_types {sorted(set(c['layer_types']))} (only full_attention)")
+        _refuse(mt, f"layer_types {sorted(set(c['layer_types']))} are not supported (only full_attention)")
     if c.get("hidden_act", "silu") != "silu":
-        _refuse(mt, f"hidden_act {c['hidden_act']!r} (the MLP is SwiGLU with silu)")
+        _refuse(mt, f"hidden_act {c['hidden_act']!r} is not supported (the dense MLP is SwiGLU with silu)")
     if mt == "llama" and (c.get("attention_bias", False) or c.get("mlp_bias", False)):
-        _refuse(mt, "attention_bias/mlp_bias (only Qwen2's q, k, v biases are)")
-    h, heads = c["hidden_size"], c["num_attention_heads"]
+        _refuse(mt, "attention_bias/mlp_bias is not supported (the dense model has only Qwen2's q, k, v biases)")
+    h, heads = _need(c, "hidden_size"), _need(c, "num_attention_heads")
     if h % heads or c.get("head_dim") not in (None, h // heads):
-        _refuse(mt, f"head_dim={c.get('head_dim')} with hidden_size={h}, num_attention_heads={heads} "
-                    "(head_dim must be hidden_size/num_attention_heads)")
-    return {"arch": "llama", "vocab_size": c["vocab_size"], "hidden": h, "heads": heads,
-            "kv_heads": c.get("num_key_value_heads") or heads, "layers": c["num_hidden_layers"],
-            "intermediate_size": c["intermediate_size"], "tie_embeddings": c.get("tie_word_embeddings", False),
+        _refuse(mt, f"head_dim={c.get('head_dim')} with hidden_size={h}, num_attention_heads={heads} is not "
+                    "supported (head_dim must be hidden_size/num_attention_heads)")
+    return {"arch": "llama", "vocab_size": _need(c, "vocab_size"), "hidden": h, "heads": heads,
+            "kv_heads": c.get("num_key_value_heads") or heads, "layers": _need(c, "num_hidden_layers"),
+            "intermediate_size": _need(c, "intermediate_size"), "tie_embeddings": c.get("tie_word_embeddings", False),
             "norm_eps": c.get("rms_norm_eps", 1e-6), "rope_theta": _rope_theta(c, mt), "qkv_bias": mt == "qwen2"}
 
 
@@ -179,7 +185,8 @@ class HFCheckpoint:
         self.directory = Path(directory)
         self._stack, self._open, self.file_of = ExitStack(), {}, {}
         index = self.directory / INDEX
-        if index.is_file():
+        self.index = index if index.is_file() else None
+        if self.index:
             try:
                 weight_map = json.loads(index.read_text())["weight_map"]
             except (ValueError, KeyError, TypeError) as err:
@@ -189,6 +196,7 @@ class HFCheckpoint:
             weight_map, files = None, sorted(p.name for p in self.directory.glob("*.safetensors"))
             if not files:
                 raise OSError(f"{self.directory}: no *.safetensors file (nor {INDEX})")
+        self.files = files
         for file in files:
             for name in self._file(file).keys():
                 if name in self.file_of and self.file_of[name] != file:
@@ -267,18 +275,16 @@ def load_hf_state_dict(directory, model_cfg) -> dict[str, torch.Tensor]:
     with HFCheckpoint(directory) as ckpt:
         names = set(ckpt.file_of)
         strip = model_cfg.arch == "gpt2" and not any(n.startswith("transformer.") for n in names)
-        where = str(directory / INDEX) if (directory / INDEX).is_file() else f"the *.safetensors of {directory}"
+        where = ckpt.index or ", ".join(str(directory / f) for f in ckpt.files)
         used = set()
         for p4d, (hf, how) in _name_map(model_cfg).items():
             hf = hf.removeprefix("transformer.") if strip else hf  # GPT2Model's names (e.g. the hub's gpt2)
             if hf not in names:
                 raise ValueError(f"tensor {hf!r} (for {p4d}) is missing from {where}")
-            want = shapes[p4d]
-            have = ckpt.shape(hf)
-            fits = (have == tuple(reversed(want)) if how == "t" else
-                    len(have) == 2 and have[1] == want[1] and have[0] >= want[0] if how == "rows" else have == tuple(want))
+            want, have = shapes[p4d], ckpt.shape(hf)
+            expect = tuple(reversed(want)) if how == "t" else tuple(want)
+            fits = len(have) == 2 and have[1] == want[1] and have[0] >= want[0] if how == "rows" else have == expect
             if not fits:
-                expect = tuple(reversed(want)) if how == "t" else tuple(want)
                 raise ValueError(f"{ckpt.path(hf)}: tensor {hf!r} has shape {list(have)}, model expects "
                                  f"{list(expect)}{' rows or more' if how == 'rows' else ''} (for {p4d})")
             tensor = ckpt.read_tensor(hf, (slice(0, want[0]),) if how == "rows" else None)
@@ -299,6 +305,8 @@ def load_hf_state_dict(directory, model_cfg) -> dict[str, torch.Tensor]:
 def hf_config(model_cfg, dtype: torch.dtype) -> dict:
     """The ``config.json`` of :func:`save_hf`: gpt2 → ``GPT2LMHeadModel``; llama → ``LlamaForCausalLM``,
     or ``Qwen2ForCausalLM`` with ``qkv_bias`` (Llama's own attention bias would include ``o_proj``).
+    gpt2's ``gelu_tanh`` is written ``gelu_pytorch_tanh`` (the ``F.gelu(approximate="tanh")`` the dense
+    model calls; ``gelu_new``, GPT-2's name, is the same formula in Python ops, ~1e-7 apart in float32).
     Dropouts 0 and no bos/eos ids (the dense model has neither)."""
     m = model_cfg
     common = {"vocab_size": m.vocab_size, "tie_word_embeddings": m.tie_embeddings, "initializer_range": m.init_std,
@@ -307,11 +315,12 @@ def hf_config(model_cfg, dtype: torch.dtype) -> dict:
     if m.arch == "gpt2":
         return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", **common, "n_positions": m.seq_len,
                 "n_embd": m.hidden, "n_head": m.heads, "n_layer": m.layers, "n_inner": m.mlp_ratio * m.hidden,
-                "activation_function": "gelu_new" if m.activation == "gelu_tanh" else "gelu",
+                "activation_function": "gelu_pytorch_tanh" if m.activation == "gelu_tanh" else "gelu",
                 "layer_norm_epsilon": m.norm_eps, "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0,
                 "scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False, "reorder_and_upcast_attn": False}
     qwen = m.qkv_bias
-    out = {"architectures": ["Qwen2ForCausalLM" if qwen else "LlamaForCausalLM"], "model_type": "qwen2" if qwen else "llama",
+    out = {"architectures": ["Qwen2ForCausalLM" if qwen else "LlamaForCausalLM"],
+           "model_type": "qwen2" if qwen else "llama",
            **common, "hidden_size": m.hidden, "intermediate_size": m.mlp_width, "num_hidden_layers": m.layers,
            "num_attention_heads": m.heads, "num_key_value_heads": m.kv_heads_or_heads, "hidden_act": "silu",
            "max_position_embeddings": m.seq_len, "rms_norm_eps": m.norm_eps, "attention_dropout": 0.0,

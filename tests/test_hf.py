@@ -1,0 +1,376 @@
+"""Hugging Face checkpoints ↔ the dense models (``parallel4d/models/hf.py``), against ``transformers`` itself.
+
+Tiny random models built from ``transformers`` configs (no download), in this one process:
+
+* import: ``save_pretrained`` → ``model_fields_from_hf`` + ``load_hf_state_dict`` → the dense model
+  loads it strictly and computes transformers' logits, loss and every parameter gradient —
+  in float32 with transformers as it is (eager attention), and in float64 to 1e-10 with the two
+  float32 choices of the Llama family patched and its attention through SDPA (see
+  :func:`float64_transformers`);
+* export: a dense model → ``save_hf`` → ``AutoModelForCausalLM.from_pretrained`` (no missing or
+  unexpected keys, no warning) → the same logits; sharded too;
+* errors: an unsupported ``model_type``, a missing / wrong-shaped tensor, a truncated or missing
+  file, sliding-window attention, rope scaling, ``seq_len`` above gpt2's ``n_positions``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import subprocess
+import sys
+
+import pytest
+
+transformers = pytest.importorskip("transformers")
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from safetensors.torch import load_file, save_file  # noqa: E402
+from transformers import (AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel, LlamaConfig,  # noqa: E402
+                          LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM)
+from transformers.models.llama import modeling_llama  # noqa: E402
+from transformers.models.mistral import modeling_mistral  # noqa: E402
+from transformers.models.qwen2 import modeling_qwen2  # noqa: E402
+
+from parallel4d.config import make_config  # noqa: E402
+from parallel4d.models import build_dense, hf, shape_from_config  # noqa: E402
+
+V, S, B = 61, 16, 3  # vocabulary (not a power of two), sequence, batch
+# eager: transformers' own attention (matmul, additive mask, softmax), not the SDPA kernel the dense model calls
+_NO_IDS = dict(bos_token_id=None, eos_token_id=None, pad_token_id=None, attn_implementation="eager")
+# GQA (2 key/value heads for 4), untied head, a head dim of 8 (4 rotary frequencies)
+_LLAMA = dict(vocab_size=V, hidden_size=32, intermediate_size=40, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-5, initializer_range=0.2,
+              tie_word_embeddings=False, **_NO_IDS)
+
+
+def _rope(theta):
+    return {"rope_parameters": {"rope_type": "default", "rope_theta": theta}}
+
+
+IMPORTS = {
+    "llama-theta1e4": lambda: LlamaForCausalLM(LlamaConfig(**_LLAMA, **_rope(1e4))),
+    "llama-theta5e5": lambda: LlamaForCausalLM(LlamaConfig(**_LLAMA, **_rope(5e5))),
+    "qwen2": lambda: Qwen2ForCausalLM(Qwen2Config(**_LLAMA, **_rope(1e6))),  # + q, k, v biases
+    "mistral-tied": lambda: MistralForCausalLM(MistralConfig(**{**_LLAMA, "tie_word_embeddings": True},
+                                                             sliding_window=None, **_rope(1e4))),
+    # n_positions 24 > seq_len 16: the dense model takes the first rows of the position table
+    "gpt2": lambda: GPT2LMHeadModel(GPT2Config(vocab_size=V, n_positions=24, n_embd=32, n_head=4, n_layer=2,
+                                               activation_function="gelu_new", resid_pdrop=0.0, embd_pdrop=0.0,
+                                               attn_pdrop=0.0, initializer_range=0.2, **_NO_IDS)),
+}
+
+
+# --------------------------------------------------------------------------- the float64 patch
+
+def _rmsnorm_forward(self, hidden_states):
+    """transformers' ``{Llama,Mistral,Qwen2}RMSNorm.forward`` with ``.to(torch.float32)`` replaced
+    by the wider of the input dtype and float32 (so float64 stays float64)."""
+    input_dtype = hidden_states.dtype
+    hidden_states = hidden_states.to(torch.promote_types(input_dtype, torch.float32))
+    variance = hidden_states.pow(2).mean(-1, keepdim=True)
+    hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
+    return self.weight * hidden_states.to(input_dtype)
+
+
+@torch.no_grad()
+def _rotary_forward(self, x, position_ids):
+    """transformers' ``{Llama,Mistral,Qwen2}RotaryEmbedding.forward`` with its two ``.float()`` /
+    ``dtype=torch.float`` casts replaced by the wider of ``x``'s dtype and float32."""
+    wide = torch.promote_types(x.dtype, torch.float32)
+    freqs = position_ids[..., None].to(wide) * self.inv_freq.to(device=x.device, dtype=wide)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return (emb.cos() * self.attention_scaling).to(x.dtype), (emb.sin() * self.attention_scaling).to(x.dtype)
+
+
+def float64_transformers(mp, model):
+    """Let a float64 Llama-family ``model`` of transformers compute in float64 throughout.
+
+    transformers computes RMSNorm in float32 even for a float64 model, and the rotary table in
+    float32 (``inv_freq`` made with ``dtype=torch.float`` at construction, cos/sin from float32
+    ``freqs``); that alone limits agreement to ~3e-8. Patched, via ``mp`` (pytest's monkeypatch):
+    only ``forward`` of the RMSNorm and RotaryEmbedding classes of llama, mistral and qwen2 (same
+    code, the float32 casts widened to float64, see the two functions above), and ``inv_freq``
+    of ``model``'s rotary modules recomputed by transformers' own default-RoPE formula in float64.
+    Everything else (attention, GQA, rotate_half, MLP, the models) is transformers' own code; the
+    test runs the float64 Llama family with ``attn_implementation="sdpa"`` (transformers' SDPA
+    integration), as its eager attention also takes the softmax in float32. GPT-2 stays eager.
+    """
+    for module, prefix in ((modeling_llama, "Llama"), (modeling_mistral, "Mistral"), (modeling_qwen2, "Qwen2")):
+        mp.setattr(getattr(module, f"{prefix}RMSNorm"), "forward", _rmsnorm_forward)
+        mp.setattr(getattr(module, f"{prefix}RotaryEmbedding"), "forward", _rotary_forward)
+    for m in model.modules():
+        if type(m).__name__.endswith("RotaryEmbedding"):
+            c = m.config
+            dim = c.hidden_size // c.num_attention_heads
+            inv = 1.0 / (c.rope_parameters["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+            torch.testing.assert_close(inv, m.inv_freq.double(), rtol=1e-6, atol=0)  # the same table, wider
+            m.inv_freq = inv
+
+
+# --------------------------------------------------------------------------- helpers
+
+def _perturb(model, seed=0):
+    """Random norm gains and biases (inits make them 1 and 0, which would hide a swapped or
+    misplaced one)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 1:
+                p.add_(0.3 * torch.randn(p.shape, generator=g, dtype=p.dtype))
+
+
+def _tokens(seed=1):
+    tokens = torch.randint(0, V, (B, S), generator=torch.Generator().manual_seed(seed))
+    targets = torch.full_like(tokens, -100)
+    targets[:, :-1] = tokens[:, 1:]  # what transformers' labels=tokens compares: token t+1 at position t
+    return tokens, targets
+
+
+def _imported(ref, directory):
+    """``ref`` saved by transformers and loaded into a dense model (fields from its config.json)."""
+    ref.save_pretrained(directory)
+    fields = hf.model_fields_from_hf(json.loads((directory / "config.json").read_text()))
+    cfg = make_config({"model": {**fields, "seq_len": S}}).model
+    model = build_dense(shape_from_config(cfg), seed=7)
+    model.load_state_dict(hf.load_hf_state_dict(directory, cfg), strict=True)
+    return model, cfg
+
+
+def _max(a, b):
+    return (a.detach() - b.detach()).abs().max().item()
+
+
+def _grad_diffs(model, ref, cfg):
+    """Max |dense grad − transformers grad| over every parameter, through the name map."""
+    names = hf.p4d_to_hf(cfg.arch, cfg.layers, cfg.tie_embeddings, cfg.qkv_bias)
+    ours = dict(model.named_parameters())  # tied: the token table once, as embed.tok.weight
+    assert set(ours) == set(names)
+    assert {names[n][0] for n in ours} == set(dict(ref.named_parameters())), "the map is not transformers' names"
+    worst = 0.0
+    for name, p in ours.items():
+        hf_name, how = names[name]
+        g = ref.get_parameter(hf_name).grad
+        if how == "t":
+            g = g.t()
+        elif how == "rows":  # positions the batch does not reach get no gradient
+            assert g[S:].abs().max().item() == 0.0
+            g = g[:S]
+        assert p.grad.shape == g.shape, name
+        worst = max(worst, _max(p.grad, g))
+    return worst
+
+
+# --------------------------------------------------------------------------- import
+
+@pytest.mark.parametrize("case", list(IMPORTS))
+def test_import_matches_transformers(case, tmp_path, monkeypatch):
+    torch.manual_seed(0)
+    ref = IMPORTS[case]().eval()
+    _perturb(ref)
+    model, cfg = _imported(ref, tmp_path)
+    tokens, targets = _tokens()
+
+    # float32, transformers as it is (its own shifted-labels loss included)
+    with torch.no_grad():
+        out = ref(input_ids=tokens, labels=tokens)
+        logits = model(tokens)
+        loss = model(tokens, targets)
+    torch.testing.assert_close(logits, out.logits, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(loss, out.loss, rtol=1e-6, atol=1e-6)
+    d32, d32_loss = _max(logits, out.logits), abs(loss.item() - out.loss.item())
+
+    # float64 with transformers' two float32 choices widened (and SDPA for the Llama family, whose
+    # eager attention takes its softmax in float32: softmax(..., dtype=torch.float32))
+    with monkeypatch.context() as mp:
+        model.double()
+        ref.double()
+        float64_transformers(mp, ref)
+        if cfg.arch == "llama":
+            ref.set_attn_implementation("sdpa")
+        loss = model(tokens, targets)
+        loss.backward()
+        ref_logits = ref(input_ids=tokens).logits
+        ref_loss = F.cross_entropy(ref_logits.flatten(0, 1), targets.flatten(), ignore_index=-100)
+        ref_loss.backward()  # transformers' labels loss upcasts with .float(), i.e. to float32
+        d_logits = _max(model(tokens), ref_logits)
+        d_loss = abs(loss.item() - ref_loss.item())
+        d_grad = _grad_diffs(model, ref, cfg)
+    print(f"\n{case}: float32 logits {d32:.1e}, loss {d32_loss:.1e}; "
+          f"float64 logits {d_logits:.1e}, loss {d_loss:.1e}, grads {d_grad:.1e}")
+    assert ref_logits.dtype == torch.float64 and ref_logits.abs().max() > 1.0  # not a degenerate model
+    assert d_logits < 1e-10 and d_loss < 1e-10 and d_grad < 1e-10
+
+
+def test_gpt2_hub_layout(tmp_path):
+    """GPT2Model's names (the hub's gpt2: no ``transformer.`` prefix) and its causal-mask buffers
+    ``attn.bias`` / ``attn.masked_bias`` load too; the buffers are skipped."""
+    torch.manual_seed(0)
+    ref = IMPORTS["gpt2"]()
+    model, cfg = _imported(ref, tmp_path)
+    tensors = {k.removeprefix("transformer."): v for k, v in load_file(tmp_path / "model.safetensors").items()}
+    tensors["h.0.attn.bias"] = torch.tril(torch.ones(1, 1, 24, 24))
+    tensors["h.0.attn.masked_bias"] = torch.tensor(-1e4)
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    loaded = hf.load_hf_state_dict(tmp_path, cfg)
+    assert all(torch.equal(loaded[k], v) for k, v in model.state_dict().items())
+
+
+# --------------------------------------------------------------------------- export
+
+def _dense(model_fields, seed=3):
+    cfg = make_config({"model": {"vocab_size": V, "seq_len": S, "hidden": 32, "heads": 4, "layers": 2, "init_std": 0.2,
+                                 **model_fields}}).model
+    model = build_dense(shape_from_config(cfg), seed=seed)
+    _perturb(model, seed)
+    return model, cfg
+
+
+EXPORTS = {
+    "gpt2": {"arch": "gpt2", "activation": "gelu_tanh"},
+    "gpt2-untied-gelu": {"arch": "gpt2", "tie_embeddings": False, "mlp_ratio": 2},
+    "llama": {"arch": "llama", "kv_heads": 2, "intermediate_size": 40, "rope_theta": 5e5},
+    "llama-tied": {"arch": "llama", "tie_embeddings": True, "intermediate_size": 40},
+    "qwen2": {"arch": "llama", "kv_heads": 2, "qkv_bias": True, "intermediate_size": 40},
+}
+
+
+@pytest.fixture
+def transformers_warnings(caplog):
+    """transformers' log records of level WARNING and above (its logger does not propagate by default)."""
+    transformers.utils.logging.enable_propagation()
+    caplog.set_level(logging.WARNING, logger="transformers")
+    yield lambda: [r.getMessage() for r in caplog.records if r.name.startswith("transformers")]
+    transformers.utils.logging.disable_propagation()
+
+
+@pytest.mark.parametrize("case", list(EXPORTS))
+def test_export_loads_in_transformers(case, tmp_path, transformers_warnings):
+    model, cfg = _dense(EXPORTS[case])
+    hf.save_hf(model.state_dict(), cfg, tmp_path)
+    files = sorted(p.name for p in tmp_path.iterdir())
+    assert files == ["config.json", "model.safetensors"]
+    ref, info = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="sdpa", output_loading_info=True)
+    assert type(ref).__name__ == json.loads((tmp_path / "config.json").read_text())["architectures"][0]
+    assert not any(info.values()), info
+    assert transformers_warnings() == []
+    assert ("lm_head.weight" in load_file(tmp_path / "model.safetensors")) == (not cfg.tie_embeddings)
+    tokens, _ = _tokens(2)
+    with torch.no_grad():
+        torch.testing.assert_close(ref.eval()(input_ids=tokens).logits, model(tokens), rtol=1e-6, atol=1e-6)
+    # and back: the fields of the written config.json are the model's
+    fields = hf.model_fields_from_hf(json.loads((tmp_path / "config.json").read_text()))
+    back = make_config({"model": {**fields, "seq_len": S, "init_std": cfg.init_std}}).model  # (no init_std there)
+    assert shape_from_config(back) == shape_from_config(cfg)
+
+
+def test_export_sharded(tmp_path, transformers_warnings):
+    model, cfg = _dense(EXPORTS["qwen2"])
+    hf.save_hf(model.state_dict(), cfg, tmp_path, max_shard_bytes=8192)
+    index = json.loads((tmp_path / hf.INDEX).read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    assert len(shards) > 2 and not (tmp_path / "model.safetensors").exists()
+    ref, info = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="sdpa", output_loading_info=True)
+    assert not any(info.values()) and transformers_warnings() == []
+    tokens, _ = _tokens(3)
+    with torch.no_grad():
+        torch.testing.assert_close(ref.eval()(input_ids=tokens).logits, model(tokens), rtol=1e-6, atol=1e-6)
+    loaded = hf.load_hf_state_dict(tmp_path, cfg)  # and our own reader of shards
+    assert all(torch.equal(loaded[k], v) for k, v in model.state_dict().items())
+    with hf.HFCheckpoint(tmp_path) as ckpt:  # a slice read without the rest of the tensor
+        name = "model.embed_tokens.weight"
+        torch.testing.assert_close(ckpt.read_tensor(name, (slice(5, 9),)), model.embed.tok.weight[5:9].detach())
+
+
+# --------------------------------------------------------------------------- errors
+
+@pytest.fixture
+def saved(tmp_path):
+    """A small dense llama saved by save_hf: ``(directory, model config)``."""
+    model, cfg = _dense(EXPORTS["llama"])
+    hf.save_hf(model.state_dict(), cfg, tmp_path)
+    return tmp_path, cfg
+
+
+def test_unsupported_model_type():
+    with pytest.raises(ValueError, match=r"'bert' is not supported; supported: llama, mistral, qwen2, gpt2"):
+        hf.model_fields_from_hf({"model_type": "bert", "hidden_size": 32})
+
+
+def test_refused_features():
+    base = {"vocab_size": V, "hidden_size": 32, "num_attention_heads": 4, "num_hidden_layers": 2,
+            "intermediate_size": 40}
+    with pytest.raises(ValueError, match=r"'mistral': sliding_window=4096: sliding-window attention is not supported"):
+        hf.model_fields_from_hf({**base, "model_type": "mistral", "sliding_window": 4096})
+    assert hf.model_fields_from_hf({**base, "model_type": "mistral", "sliding_window": None})["arch"] == "llama"
+    with pytest.raises(ValueError, match="use_sliding_window"):
+        hf.model_fields_from_hf({**base, "model_type": "qwen2", "use_sliding_window": True})
+    llama3 = {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0}
+    with pytest.raises(ValueError, match="rope scaling 'llama3'"):
+        hf.model_fields_from_hf({**base, "model_type": "llama", "rope_parameters": llama3})
+    with pytest.raises(ValueError, match="rope scaling 'linear'"):  # a transformers-4 file
+        hf.model_fields_from_hf({**base, "model_type": "llama", "rope_theta": 1e4,
+                                 "rope_scaling": {"type": "linear", "factor": 2.0}})
+    assert hf.model_fields_from_hf({**base, "model_type": "llama", "rope_theta": 2e4})["rope_theta"] == 2e4
+    with pytest.raises(ValueError, match="head_dim=16"):
+        hf.model_fields_from_hf({**base, "model_type": "llama", "head_dim": 16})
+    gpt2 = {"model_type": "gpt2", "vocab_size": V, "n_embd": 32, "n_head": 4, "n_layer": 2, "n_positions": 24}
+    with pytest.raises(ValueError, match="activation_function 'relu'"):
+        hf.model_fields_from_hf({**gpt2, "activation_function": "relu"})
+    assert hf.model_fields_from_hf({**gpt2, "activation_function": "gelu_pytorch_tanh"})["activation"] == "gelu_tanh"
+
+
+def test_missing_and_wrong_shaped_tensor(saved):
+    directory, cfg = saved
+    path = directory / "model.safetensors"
+    file = re.escape(str(path))
+    tensors = load_file(path)
+    name = "model.layers.1.mlp.up_proj.weight"
+    save_file({k: v for k, v in tensors.items() if k != name}, path, metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=rf"tensor '{name}' .* missing from {file}"):
+        hf.load_hf_state_dict(directory, cfg)
+    save_file({**tensors, name: tensors[name][:-1]}, path, metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=rf"{file}: tensor '{name}' has shape \[39, 32\], model expects \[40, 32\]"):
+        hf.load_hf_state_dict(directory, cfg)
+    save_file({**tensors, "model.layers.2.mlp.up_proj.weight": tensors[name].clone()}, path, metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=rf"{file}: unexpected tensor 'model.layers.2.mlp.up_proj.weight'"):
+        hf.load_hf_state_dict(directory, cfg)
+
+
+def test_truncated_and_missing_file(saved):
+    directory, cfg = saved
+    path = directory / "model.safetensors"
+    data = path.read_bytes()
+    path.write_bytes(data[:-100])
+    with pytest.raises(OSError, match=rf"{re.escape(str(path))}: not a readable safetensors file"):
+        hf.load_hf_state_dict(directory, cfg)
+    path.unlink()
+    with pytest.raises(OSError, match=rf"{re.escape(str(directory))}: no \*.safetensors file"):
+        hf.load_hf_state_dict(directory, cfg)
+    model, _ = _dense(EXPORTS["llama"])
+    hf.save_hf(model.state_dict(), cfg, directory, max_shard_bytes=8192)
+    shard = directory / json.loads((directory / hf.INDEX).read_text())["weight_map"]["model.norm.weight"]
+    shard.unlink()
+    with pytest.raises(OSError, match=rf"{re.escape(str(shard))}: no such safetensors file"):
+        hf.load_hf_state_dict(directory, cfg)
+
+
+def test_config_json_must_match(saved):
+    directory, cfg = saved
+    with pytest.raises(ValueError, match=r"config.json does not describe model: model.rope_theta=10000.0 "
+                                         r"\(the checkpoint's 500000.0\)"):
+        hf.load_hf_state_dict(directory, cfg.model_copy(update={"rope_theta": 1e4}))
+    model, gcfg = _dense(EXPORTS["gpt2"])
+    hf.save_hf(model.state_dict(), gcfg, directory)
+    with pytest.raises(ValueError, match=rf"model.seq_len=32 exceeds n_positions=16 of {re.escape(str(directory))}"):
+        hf.load_hf_state_dict(directory, gcfg.model_copy(update={"seq_len": 32}))
+    with pytest.raises(ValueError, match=r"'embed.pos.weight' is \[17, 32\], expected \[16, 32\]"):
+        hf.save_hf({**model.state_dict(), "embed.pos.weight": torch.zeros(17, 32)}, gcfg, directory)
+
+
+def test_core_does_not_import_safetensors():
+    code = ("import sys, parallel4d, parallel4d.models, parallel4d.engine, parallel4d.checkpoint; "
+            "assert 'safetensors' not in sys.modules and 'transformers' not in sys.modules")
+    subprocess.run([sys.executable, "-c", code], check=True)
