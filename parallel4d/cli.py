@@ -1,4 +1,4 @@
-"""Command line: ``parallel4d launch | validate | plan | schedule | checkpoint gather``."""
+"""Command line: ``parallel4d launch | validate | plan | schedule | checkpoint gather | export``."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import sys
 
 from .checkpoint import CheckpointError
 from .config import ConfigError, load_config
+from .export import export
 from .gather import gather
 from .launch import launch
 from .mesh import device_and_backend
@@ -65,6 +66,11 @@ def _cmd_gather(args) -> int:
     return 0
 
 
+def _cmd_export(args) -> int:
+    print(export(args.checkpoint, args.out_dir, max_shard_bytes=int(args.max_shard_gb * 2**30)))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="parallel4d", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -83,6 +89,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("checkpoint", help="a checkpoint directory (step_*), or a checkpoint root: its newest")
     p.add_argument("out", help="output file, e.g. model.pt")
     p.set_defaults(func=_cmd_gather)
+    p = sub.add_parser("export", help="write a checkpoint (any layout) as a Hugging Face model directory")
+    p.add_argument("checkpoint", help="a checkpoint directory (step_*), or a checkpoint root: its newest")
+    p.add_argument("out_dir", help="output directory: config.json and *.safetensors")
+    p.add_argument("--max-shard-gb", type=float, default=5.0, help="safetensors shard size (default 5)")
+    p.set_defaults(func=_cmd_export)
     add_schedule_parser(sub)
     return parser
 

@@ -16,6 +16,7 @@ finite, and the YAML reader refuses aliases and duplicated keys.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import re
@@ -28,6 +29,7 @@ from pydantic import (AfterValidator, AllowInfNan, BaseModel, ConfigDict, Field,
                       model_validator)
 from pydantic_core import PydanticUndefined
 
+from .hf_config import hf_max_positions, model_fields_from_hf
 from .rules import (batch_problem, did_you_mean, divisors, grid_side, not_divisible, num_chunks, or_list,
                     pipeline_arg_problems, tensor2d_problems)
 
@@ -153,6 +155,9 @@ class ModelConfig(_Section):
     qkv_bias: bool = Field(False, description="llama: biases on the q, k, v projections (Qwen2)")
     activation: Literal["gelu", "gelu_tanh"] = Field("gelu", description="gpt2: the MLP's GELU, exact or the "
                                                                          "tanh form of GPT-2 checkpoints")
+    pretrained: Optional[PathStr] = Field(None, description="a Hugging Face model directory (config.json and "
+                                                            "*.safetensors): the architecture from it, the weights "
+                                                            "loaded, each rank reading its own slices")
 
     @model_validator(mode="after")
     def _family_defaults(self) -> "ModelConfig":
@@ -590,11 +595,39 @@ def make_config(data: dict | Config | None = None, overrides: list[str] | None =
     """Validate a dict (or re-validate a Config) with overrides; ``ConfigError`` on failure."""
     if isinstance(data, Config):
         data = data.model_dump(mode="json")
-    data = apply_overrides(dict(data or {}), overrides)
+    data = _pretrained_fields(apply_overrides(dict(data or {}), overrides))
     try:
         return Config.model_validate(data)
     except ValidationError as err:
         raise ConfigError("invalid configuration:\n" + format_validation_error(err)) from None
+
+
+def _pretrained_fields(data: dict) -> dict:
+    """``model:`` completed from ``model.pretrained``'s config.json; a field the job also gives
+    must agree with it (ConfigError naming both)."""
+    model = data.get("model")
+    where = model.get("pretrained") if isinstance(model, dict) else None
+    if not isinstance(where, str) or not where:
+        return data  # absent, or refused by the field's own validation
+    path = Path(where) / "config.json"
+    try:
+        hf = json.loads(path.read_text())
+        fields = model_fields_from_hf(hf)
+    except OSError as e:
+        raise ConfigError(f"model.pretrained={where!r}: cannot read {path} ({e.strerror or e}); point it at a "
+                          "Hugging Face model directory (config.json and *.safetensors)") from None
+    except ValueError as e:  # a JSON error or a model the dense references cannot be
+        raise ConfigError(f"model.pretrained={where!r}: {path}: {e}") from None
+    disagree = [f"model.{k}={model[k]!r} but {path} makes it {v!r}" for k, v in fields.items()
+                if k in model and model[k] != v]
+    positions = hf_max_positions(hf)
+    if fields["arch"] == "gpt2" and positions and model.get("seq_len", 0) > positions:
+        disagree.append(f"model.seq_len={model['seq_len']} is longer than the checkpoint's {positions} learned "
+                        "positions (n_positions)")
+    if disagree:
+        raise ConfigError("invalid configuration:\n" + "\n".join(f"  - {d}; remove the field or change it"
+                                                                  for d in disagree))
+    return {**data, "model": {**fields, **model}}
 
 
 MAX_CONFIG_BYTES = 1 << 20  # a job file is a few hundred bytes; refuse reading a huge one into memory

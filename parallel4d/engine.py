@@ -21,6 +21,7 @@ shard ``r`` of ``sp`` (in ``sequence.layout``) → ``m`` micro-batches:
 from __future__ import annotations
 
 import functools
+import importlib
 from contextlib import nullcontext
 from typing import NamedTuple
 
@@ -532,14 +533,41 @@ def compose(cfg: Config, mesh: Mesh) -> Engine:
     local = {names[i]: stages[i] for i in sorted(stages)}
     model = LocalModel(local)
     dense = dense_layouts(local, tied=cfg.model.tie_embeddings)
+    pretrained_bytes = load_pretrained(model, dense, cfg.model) if cfg.model.pretrained else None
     hetero = None
     if cfg.hetero.enabled:
         model, optimizer = hetero_wrap(model, cfg.optimizer, cfg.hetero, mesh=DataReplicas(mesh))
         hetero = True
     else:
         optimizer = build_optimizer([p for p in model.parameters() if p.requires_grad], cfg.optimizer)
-    return Engine(cfg, mesh, model, optimizer, loss_fn, list(local.values()),
-                  executor=executor, tied_sync=tied_sync, tied_params=tied_params, hetero=hetero, dense=dense)
+    engine = Engine(cfg, mesh, model, optimizer, loss_fn, list(local.values()),
+                    executor=executor, tied_sync=tied_sync, tied_params=tied_params, hetero=hetero, dense=dense)
+    engine.pretrained_bytes_read = pretrained_bytes
+    return engine
+
+
+def load_pretrained(model: nn.Module, layouts: dict, model_cfg) -> int:
+    """Fill ``model``'s parameters (this rank's pieces, :func:`dense_layouts`) from the Hugging
+    Face checkpoint ``model.pretrained``, reading only those slices; the bytes read."""
+    pieces: dict[str, list] = {}
+    for name, p in model.named_parameters():  # a shared (tied) Parameter once
+        dense, _, cut = layouts[name]
+        pieces.setdefault(dense, []).extend(cut(p.data))
+    return pretrained_checkpoint(model_cfg, lambda hf: hf.load_pieces(pieces, model_cfg.pretrained, model_cfg))
+
+
+def pretrained_checkpoint(model_cfg, use):
+    """``use(parallel4d.models.hf)`` on ``model.pretrained``; ConfigError naming the directory for a
+    missing hf extra, file or tensor, or a tensor of the wrong shape."""
+    try:
+        hf = importlib.import_module("parallel4d.models.hf")  # safetensors: the optional hf extra
+    except ImportError as e:
+        raise ConfigError(f"model.pretrained needs the hf extra ({e.name} is missing): "
+                          "pip install 'parallel4d[hf]' (make installs it)") from None
+    try:
+        return use(hf)
+    except (ValueError, OSError) as e:
+        raise ConfigError(f"model.pretrained={model_cfg.pretrained!r}: {e}") from None
 
 
 def parameter_count(model: nn.Module) -> int:

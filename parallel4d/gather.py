@@ -23,7 +23,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from . import checkpoint
 
 
-def _resolve(path: str | Path) -> Path:
+def resolve_checkpoint(path: str | Path) -> Path:
     """A checkpoint directory, or a checkpoint root (its newest complete checkpoint)."""
     path = Path(path)
     if (path / ".metadata").is_file():
@@ -87,7 +87,7 @@ class _Progress:
 
 def gather(ckpt: str | Path, out: str | Path, progress: bool = True) -> Path:
     """Write checkpoint ``ckpt`` (any layout) as the dense state dict ``out``; returns ``out``'s path."""
-    path, out = _resolve(ckpt), Path(out)
+    path, out = resolve_checkpoint(ckpt), Path(out)
     problem = checkpoint.verify(path)
     if problem is not None:
         raise checkpoint.CheckpointError(f"checkpoint {path} is not usable: {problem}")

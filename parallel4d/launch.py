@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from . import checkpoint
 from .config import Config, ConfigError, load_config, local_job_problems
+from .engine import pretrained_checkpoint
 from .mesh import device_and_backend, init_process_group_from_env
 from .rundir import RunLock, check_writable
 from .train import deepspeed_integration, run_training
@@ -41,6 +42,8 @@ def prepared(cfg: Config, local: bool, device_type: str = "cpu"):
         raise ConfigError("invalid configuration:\n" + "\n".join(f"  - {p}" for p in problems))
     if cfg.deepspeed is not None:
         deepspeed_integration().resolve(cfg, device_type)
+    if cfg.model.pretrained:  # every weight file there and of the model's shape, from the headers
+        pretrained_checkpoint(cfg.model, lambda hf: hf.check_checkpoint(cfg.model.pretrained, cfg.model))
     check_writable(cfg.train.out_dir, "train.out_dir")
     dirs = [Path(cfg.train.out_dir)]
     if cfg.checkpoint.enabled:

@@ -264,6 +264,8 @@ def _summary(cfg: Config, mesh, engine, run: _Run, elapsed: float, trained: int,
         "torch": torch.__version__,
         "config": cfg.model_dump(mode="json"),
     }
+    if getattr(engine, "pretrained_bytes_read", None) is not None:  # rank 0's share of the Hugging Face weights
+        summary["pretrained"] = {"directory": cfg.model.pretrained, "bytes_read_by_rank_0": engine.pretrained_bytes_read}
     if engine.hetero is not None:
         summary["hetero"] = engine.hetero.stats()
     if engine.executor is not None:

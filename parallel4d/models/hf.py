@@ -29,13 +29,12 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from ..hf_config import SUPPORTED, hf_max_positions, model_fields_from_hf  # noqa: F401 (re-exported)
 from . import build_stage, shape_from_config, stage_names
 
-SUPPORTED = ("llama", "mistral", "qwen2", "gpt2")
 INDEX = "model.safetensors.index.json"
 # tensors some checkpoints carry that are not weights (causal masks, rotary tables): skipped
 _IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias", ".rotary_emb.inv_freq")
-_GPT2_ACT = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu"}
 _LLAMA_BLOCK = ("input_layernorm.weight", *(f"self_attn.{p}_proj.weight" for p in "qkvo"),
                 "post_attention_layernorm.weight", *(f"mlp.{p}_proj.weight" for p in ("gate", "up", "down")))
 _GPT2_BLOCK = (("ln_1.weight", "ln1.weight", "copy"), ("ln_1.bias", "ln1.bias", "copy"),
@@ -44,84 +43,6 @@ _GPT2_BLOCK = (("ln_1.weight", "ln1.weight", "copy"), ("ln_1.bias", "ln1.bias", 
                ("ln_2.weight", "ln2.weight", "copy"), ("ln_2.bias", "ln2.bias", "copy"),
                ("mlp.c_fc.weight", "mlp.fc1.weight", "t"), ("mlp.c_fc.bias", "mlp.fc1.bias", "copy"),
                ("mlp.c_proj.weight", "mlp.fc2.weight", "t"), ("mlp.c_proj.bias", "mlp.fc2.bias", "copy"))
-
-
-# ----------------------------------------------------------------------------- config.json → model fields
-
-def _refuse(model_type: str, what: str) -> None:
-    raise ValueError(f"Hugging Face model_type {model_type!r}: {what}")
-
-
-def _need(cfg: dict, key: str):
-    if cfg.get(key) is None:
-        raise ValueError(f"Hugging Face model_type {cfg.get('model_type')!r}: config.json lacks {key!r}")
-    return cfg[key]
-
-
-def _rope_theta(cfg: dict, model_type: str) -> float:
-    """The rotary base: transformers 5 writes ``rope_parameters: {rope_type, rope_theta}``, older
-    files ``rope_theta`` and ``rope_scaling`` (``type`` or ``rope_type``) at the top level."""
-    rope = cfg.get("rope_parameters") or {}
-    scaling = cfg.get("rope_scaling") or {}
-    kind = rope.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
-    if kind != "default":
-        _refuse(model_type, f"rope scaling {kind!r} is not supported (only none/default: the dense model's plain RoPE)")
-    if rope and "rope_theta" not in rope:
-        _refuse(model_type, f"rope_parameters {rope!r} without rope_theta (per-layer-type rotary) is not supported")
-    return float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
-
-
-def model_fields_from_hf(config: dict) -> dict:
-    """The ``model:`` fields of a job for a ``transformers`` ``config.json`` dict.
-
-    ``seq_len`` (a training choice) and ``init_std`` are left out; :func:`hf_max_positions` gives
-    the checkpoint's positions (a hard limit for gpt2's learned table). ``ValueError`` for a
-    ``model_type`` other than :data:`SUPPORTED` or a feature the dense model lacks (sliding-window
-    attention, rope scaling, other activations, biases Llama's attention/MLP may have).
-    """
-    c, mt = config, config.get("model_type")
-    if mt not in SUPPORTED:
-        raise ValueError(f"Hugging Face model_type {mt!r} is not supported; supported: {', '.join(SUPPORTED)}")
-    if mt == "gpt2":
-        h = _need(c, "n_embd")
-        inner = c.get("n_inner") or 4 * h
-        if inner % h:
-            _refuse(mt, f"n_inner={inner} is not a multiple of n_embd={h} (the dense MLP is mlp_ratio·hidden wide)")
-        act = c.get("activation_function", "gelu_new")
-        if act not in _GPT2_ACT:
-            _refuse(mt, f"activation_function {act!r} is not supported (supported: {', '.join(_GPT2_ACT)})")
-        if not c.get("scale_attn_weights", True) or c.get("scale_attn_by_inverse_layer_idx", False):
-            _refuse(mt, "attention scaled other than by 1/sqrt(head_dim) is not supported")
-        if c.get("add_cross_attention", False):
-            _refuse(mt, "add_cross_attention is not supported")
-        return {"arch": "gpt2", "vocab_size": _need(c, "vocab_size"), "hidden": h, "heads": _need(c, "n_head"),
-                "layers": _need(c, "n_layer"), "mlp_ratio": inner // h, "activation": _GPT2_ACT[act],
-                "tie_embeddings": c.get("tie_word_embeddings", True), "norm_eps": c.get("layer_norm_epsilon", 1e-5)}
-    if mt == "mistral" and c.get("sliding_window") is not None:
-        _refuse(mt, f"sliding_window={c['sliding_window']}: sliding-window attention is not supported (the dense "
-                    "model attends to the whole causal prefix); only sliding_window: null loads")
-    if mt == "qwen2" and c.get("use_sliding_window", False):
-        _refuse(mt, "use_sliding_window: true: sliding-window attention is not supported")
-    if any(t != "full_attention" for t in c.get("layer_types") or ()):
-        _refuse(mt, f"layer_types {sorted(set(c['layer_types']))} are not supported (only full_attention)")
-    if c.get("hidden_act", "silu") != "silu":
-        _refuse(mt, f"hidden_act {c['hidden_act']!r} is not supported (the dense MLP is SwiGLU with silu)")
-    if mt == "llama" and (c.get("attention_bias", False) or c.get("mlp_bias", False)):
-        _refuse(mt, "attention_bias/mlp_bias is not supported (the dense model has only Qwen2's q, k, v biases)")
-    h, heads = _need(c, "hidden_size"), _need(c, "num_attention_heads")
-    if h % heads or c.get("head_dim") not in (None, h // heads):
-        _refuse(mt, f"head_dim={c.get('head_dim')} with hidden_size={h}, num_attention_heads={heads} is not "
-                    "supported (head_dim must be hidden_size/num_attention_heads)")
-    return {"arch": "llama", "vocab_size": _need(c, "vocab_size"), "hidden": h, "heads": heads,
-            "kv_heads": c.get("num_key_value_heads") or heads, "layers": _need(c, "num_hidden_layers"),
-            "intermediate_size": _need(c, "intermediate_size"), "tie_embeddings": c.get("tie_word_embeddings", False),
-            "norm_eps": c.get("rms_norm_eps", 1e-6), "rope_theta": _rope_theta(c, mt), "qkv_bias": mt == "qwen2"}
-
-
-def hf_max_positions(config: dict) -> int | None:
-    """``n_positions`` (gpt2: the rows of its position table, so ``seq_len`` must not exceed it) or
-    ``max_position_embeddings`` (llama family: the length it was trained for, rotary has no table)."""
-    return config.get("n_positions") if config.get("model_type") == "gpt2" else config.get("max_position_embeddings")
 
 
 # ----------------------------------------------------------------------------- the name map
@@ -271,33 +192,70 @@ def load_hf_state_dict(directory, model_cfg) -> dict[str, torch.Tensor]:
     """
     directory = Path(directory)
     _check_config(directory, model_cfg)
-    shapes, out = dense_shapes(model_cfg), {}
+    out = {}
     with HFCheckpoint(directory) as ckpt:
-        names = set(ckpt.file_of)
-        strip = model_cfg.arch == "gpt2" and not any(n.startswith("transformer.") for n in names)
-        where = ckpt.index or ", ".join(str(directory / f) for f in ckpt.files)
-        used = set()
-        for p4d, (hf, how) in _name_map(model_cfg).items():
-            hf = hf.removeprefix("transformer.") if strip else hf  # GPT2Model's names (e.g. the hub's gpt2)
-            if hf not in names:
-                raise ValueError(f"tensor {hf!r} (for {p4d}) is missing from {where}")
-            want, have = shapes[p4d], ckpt.shape(hf)
-            expect = tuple(reversed(want)) if how == "t" else tuple(want)
-            fits = len(have) == 2 and have[1] == want[1] and have[0] >= want[0] if how == "rows" else have == expect
-            if not fits:
-                raise ValueError(f"{ckpt.path(hf)}: tensor {hf!r} has shape {list(have)}, model expects "
-                                 f"{list(expect)}{' rows or more' if how == 'rows' else ''} (for {p4d})")
-            tensor = ckpt.read_tensor(hf, (slice(0, want[0]),) if how == "rows" else None)
+        for p4d, (hf, how, rows) in _checked_names(ckpt, model_cfg).items():
+            tensor = ckpt.read_tensor(hf, (slice(0, rows),) if how == "rows" else None)
             out[p4d] = tensor.t().contiguous() if how == "t" else tensor
-            used.add(hf)
-        extra = sorted(n for n in names - used if not n.endswith(_IGNORED_SUFFIXES)
-                       and not (model_cfg.tie_embeddings and n == "lm_head.weight"))
-        if extra:
-            raise ValueError(f"{ckpt.path(extra[0])}: unexpected tensor {extra[0]!r} for model (layers="
-                             f"{model_cfg.layers}, {len(extra)} such tensors)")
     if model_cfg.tie_embeddings:
         out["head.weight"] = out["embed.tok.weight"]
     return out
+
+
+def _checked_names(ckpt: HFCheckpoint, model_cfg) -> dict[str, tuple[str, str, int]]:
+    """Dense name → ``(the checkpoint's name, transform, dense rows)``, every tensor there and of
+    the model's shape, none left over (``ValueError`` naming the file and tensor otherwise)."""
+    shapes, names, out = dense_shapes(model_cfg), set(ckpt.file_of), {}
+    strip = model_cfg.arch == "gpt2" and not any(n.startswith("transformer.") for n in names)
+    where = ckpt.index or ", ".join(str(ckpt.directory / f) for f in ckpt.files)
+    for p4d, (hf, how) in _name_map(model_cfg).items():
+        hf = hf.removeprefix("transformer.") if strip else hf  # GPT2Model's names (e.g. the hub's gpt2)
+        if hf not in names:
+            raise ValueError(f"tensor {hf!r} (for {p4d}) is missing from {where}")
+        want, have = shapes[p4d], ckpt.shape(hf)
+        expect = tuple(reversed(want)) if how == "t" else tuple(want)
+        fits = len(have) == 2 and have[1] == want[1] and have[0] >= want[0] if how == "rows" else have == expect
+        if not fits:
+            raise ValueError(f"{ckpt.path(hf)}: tensor {hf!r} has shape {list(have)}, model expects "
+                             f"{list(expect)}{' rows or more' if how == 'rows' else ''} (for {p4d})")
+        out[p4d] = (hf, how, want[0])
+    used = {hf for hf, _, _ in out.values()}
+    extra = sorted(n for n in names - used if not n.endswith(_IGNORED_SUFFIXES)
+                   and not (model_cfg.tie_embeddings and n == "lm_head.weight"))
+    if extra:
+        raise ValueError(f"{ckpt.path(extra[0])}: unexpected tensor {extra[0]!r} for model (layers="
+                         f"{model_cfg.layers}, {len(extra)} such tensors)")
+    return out
+
+
+def check_checkpoint(directory, model_cfg) -> None:
+    """What :func:`load_pieces` would refuse, from the files' headers alone (no tensor read)."""
+    directory = Path(directory)
+    _check_config(directory, model_cfg)
+    with HFCheckpoint(directory) as ckpt:
+        _checked_names(ckpt, model_cfg)
+
+
+def load_pieces(pieces: dict[str, list], directory, model_cfg) -> int:
+    """Fill this rank's pieces of the dense tensors from the checkpoint in ``directory``, reading
+    only those slices (``get_slice``), never a whole tensor another rank holds part of.
+
+    ``pieces``: dense name → ``[(offsets in the dense tensor, view to fill)]`` (a rank's boxes,
+    e.g. a 2D weight block); a tied head's dense name is ``embed.tok.weight``. Returns the bytes read."""
+    directory = Path(directory)
+    _check_config(directory, model_cfg)
+    read = 0
+    with HFCheckpoint(directory) as ckpt:
+        names = _checked_names(ckpt, model_cfg)
+        for dense, boxes in pieces.items():
+            hf, how, _ = names[dense]
+            for offsets, view in boxes:
+                box = tuple(slice(o, o + n) for o, n in zip(offsets, view.shape))
+                part = ckpt.read_tensor(hf, box[::-1] if how == "t" else box)
+                read += part.numel() * part.element_size()
+                with torch.no_grad():
+                    view.copy_(part.t() if how == "t" else part)
+    return read
 
 
 # ----------------------------------------------------------------------------- writing

@@ -1,0 +1,45 @@
+"""``parallel4d export CKPT OUT_DIR``: a checkpoint of any layout → a Hugging Face model directory.
+
+The checkpoint's dense tensors are gathered (:func:`.gather.gather`, one tensor at a time into a
+mapped file), then written as ``config.json`` + safetensors (:func:`.models.hf.save_hf`, sharded
+above ``max_shard_bytes``) that ``transformers.AutoModelForCausalLM.from_pretrained(OUT_DIR)``
+loads. The architecture is the ``model:`` section of the config saved with the checkpoint.
+"""
+
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+
+import torch
+import yaml
+
+from . import checkpoint
+from .config import ConfigError, make_config
+from .gather import gather, resolve_checkpoint
+
+
+def export(ckpt: str | Path, out_dir: str | Path, max_shard_bytes: int = 5 << 30) -> Path:
+    """Write checkpoint ``ckpt`` (a ``step_*`` directory or a checkpoint root) to ``out_dir``."""
+    path, out_dir = resolve_checkpoint(ckpt), Path(out_dir)
+    saved = path / "config.yaml"
+    if not saved.is_file():
+        raise checkpoint.CheckpointError(f"{path} has no config.yaml (saved by parallel4d before exports existed); "
+                                         "the model's architecture is unknown")
+    data = yaml.safe_load(saved.read_text())
+    data.get("model", {}).pop("pretrained", None)  # its fields are all in the saved section already
+    model_cfg = make_config(data).model
+    try:
+        hf = importlib.import_module("parallel4d.models.hf")  # safetensors: the optional hf extra
+    except ImportError as e:
+        raise ConfigError(f"parallel4d export needs the hf extra ({e.name} is missing): "
+                          "pip install 'parallel4d[hf]'") from None
+    out_dir.mkdir(parents=True, exist_ok=True)
+    dense = out_dir / ".parallel4d-gather.pt"
+    try:
+        gather(path, dense)
+        state = torch.load(dense, mmap=True, weights_only=True)["model"]
+        hf.save_hf(state, model_cfg, out_dir, max_shard_bytes=max_shard_bytes)
+    finally:
+        dense.unlink(missing_ok=True)
+    return out_dir
