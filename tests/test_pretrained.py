@@ -156,3 +156,36 @@ def test_pretrained_fields_and_files_are_checked_before_training(checkpoints, tm
     with pytest.raises(ConfigError, match=r"model.safetensors"):
         launch({**_job(str(broken), {}), "train": {"steps": 1, "out_dir": str(tmp_path / "out")}})
     assert not (tmp_path / "out" / "summary.json").exists()
+
+
+def _peak_while_loading(directory: str):
+    """This rank's growth of peak resident memory (VmHWM, reset first) while its model (built by
+    compose(), with ``model.pretrained``) is loaded again from the checkpoint, and the bytes read."""
+    from parallel4d.engine import compose, load_pretrained
+    from parallel4d.mesh import init_mesh
+
+    def status(field: str) -> int:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field))
+
+    cfg = make_config({**_job(directory, {"tp": 4}, steps=1), "model": {"pretrained": directory, "seq_len": 16}})
+    engine = compose(cfg, init_mesh(tp=4, timeout_s=60))
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # the peak is the current resident size from here on
+    base = status("VmRSS:")
+    read = load_pretrained(engine.model, engine.dense, cfg.model)
+    return status("VmHWM:") - base, read
+
+
+def test_loading_a_pretrained_model_keeps_each_rank_below_the_model_size(tmp_path):
+    """A 32 MB Llama checkpoint at tp=4: while a rank reads its slices into its model, its peak
+    resident memory grows by less than the model (file pages it touches included)."""
+    torch.manual_seed(0)
+    big = dict(LLAMA, vocab_size=4096, hidden_size=256, intermediate_size=704, num_hidden_layers=8,
+               num_attention_heads=8, num_key_value_heads=4)
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(**big)).save_pretrained(tmp_path)
+    total = _model_bytes(str(tmp_path))
+    assert total > 30e6
+    for grown, read in run_workers(_peak_while_loading, 4, str(tmp_path), timeout_s=300):
+        assert read < 0.3 * total, (read, total)
+        assert grown < total, (grown, total)
