@@ -24,7 +24,7 @@ from parallel4d.engine import build_optimizer, dense_layouts, local_batch, lr_at
 from parallel4d.integrations.deepspeed import avoid_compiled_ops  # noqa: E402
 from parallel4d.mesh import init_mesh  # noqa: E402
 from parallel4d.models.gpt import build_gpt  # noqa: E402
-from parallel4d.workers import WorkerError, spawn  # noqa: E402
+from parallel4d.workers import spawn  # noqa: E402
 
 JOB = {"parallel": {"tp": 4}, "sequence": {"layout": "zigzag"}, "model": {"vocab_size": 64, "seq_len": 16, "hidden": 32, "heads": 2, "layers": 2},
        "data": {"source": "synthetic", "batch_size": 8}, "train": {"steps": 1}}
@@ -108,35 +108,63 @@ def dense():
     return float(loss), norm, {n: p.detach() for n, p in model.named_parameters()}
 
 
-def test_deepspeed_counts_every_dense_element_once_without_a_compiler(dense, tmp_path):
+COUNT_CASES = [(0, True), (1, True), (2, True), (1, False)]  # (ZeRO stage, parameters tagged)
+RING_JOB = {**JOB, "parallel": {"dp": 2, "sp": 2}}
+
+
+def _four_worker_jobs(pipeline_jobs):
+    """Every 4-worker check of this file in one job (one start-up, DeepSpeed imported once per
+    worker): the norm counts, the ring under ZeRO-2, the layouts through initialize(), and the
+    ZeRO-3 refusal (its message)."""
+    from parallel4d.config import ConfigError
+
+    counts = _all_steps(JOB, COUNT_CASES)
+    ring = _all_steps(RING_JOB, [(2, True)])
+    layouts = _train_batches(pipeline_jobs)
+    try:
+        _all_steps(JOB, [(3, True)])
+        refusal = None
+    except ConfigError as e:
+        refusal = str(e)
+    return counts, ring, layouts, refusal
+
+
+@pytest.fixture(scope="module")
+def four_workers(tmp_path_factory):
+    """The results of :func:`_four_worker_jobs` per rank, from workers whose PATH holds no C++
+    compiler and whose extension cache is empty (a JIT build of a DeepSpeed op would fail them)."""
+    import yaml
+
+    tmp = tmp_path_factory.mktemp("deepspeed4")
+    (tmp / "tp4.yaml").write_text(yaml.safe_dump(PIPELINE_CASES[2][1]))
+    given = [str(tmp / "tp4.yaml") if index == 2 else job for index, (_, job, _) in enumerate(PIPELINE_CASES)]
+    results = spawn(_four_worker_jobs, 4, (given,), backend="gloo", timeout_s=600, env=_no_compiler(tmp))
+    assert not any((tmp / "torch_extensions").glob("**/*.so"))
+    return results
+
+
+def test_deepspeed_counts_every_dense_element_once_without_a_compiler(dense, four_workers):
     """ZeRO 0, 1 and 2 over a 2×2 grid, gradient clipping active: DeepSpeed's global norm equals
     the dense model's (1e-5) and every parameter after the step the dense one's; untagged, the 2D
-    biases and norms are miscounted (the check can fail). The workers' PATH holds no C++ compiler
-    and the extension cache is empty, so a JIT build of a DeepSpeed op would fail the job."""
-    env = _no_compiler(tmp_path)
-    cases = [(0, True), (1, True), (2, True), (1, False)]
-    results = spawn(_all_steps, 4, (JOB, cases), backend="gloo", timeout_s=300, env=env)
+    biases and norms are miscounted (the check can fail). No C++ compiler was reachable."""
     loss, norm, after = dense
     assert norm > CLIP  # clipping acts
-    for rank_results in results:
-        for (stage, tag), (got_norm, got_loss, pieces) in zip(cases, rank_results):
+    for counts, _, _, _ in four_workers:
+        for (stage, tag), (got_norm, got_loss, pieces) in zip(COUNT_CASES, counts):
             assert abs(got_loss - loss) <= 1e-5 * loss, (stage, got_loss, loss)
             if not tag:
                 assert abs(got_norm - norm) > 1e-3 * norm, (got_norm, norm)
                 continue
             assert abs(got_norm - norm) <= 1e-5 * norm, (stage, got_norm, norm)
             assert_pieces_close(pieces, after, 1e-5, 1e-6, f"ZeRO {stage}")
-    assert not any((tmp_path / "torch_extensions").glob("**/*.so"))
 
 
-def test_ring_attention_under_deepspeed_zero(dense):
+def test_ring_attention_under_deepspeed_zero(dense, four_workers):
     """sp = 2 × dp = 2 (4 workers, ZeRO-2 over the dp·sp replicas): the loss DeepSpeed reduces is
     each rank's share (mean / sp), so its sum over sp and average over dp are the dense gradient:
     norm and every parameter after the clipped step equal the dense model's."""
-    job = {**JOB, "parallel": {"dp": 2, "sp": 2}}
-    results = spawn(_all_steps, 4, (job, [(2, True)]), backend="gloo", timeout_s=300)
     loss, norm, after = dense
-    for (got_norm, got_loss, pieces), in results:
+    for _, ((got_norm, got_loss, pieces),), _, _ in four_workers:
         assert abs(got_loss - loss) <= 1e-5 * loss, (got_loss, loss)  # the printed value: the global mean
         assert abs(got_norm - norm) <= 1e-5 * norm, (got_norm, norm)
         assert_pieces_close(pieces, after, 1e-5, 1e-6, "sp=2 × dp=2")
@@ -236,9 +264,10 @@ def test_the_deepspeed_example_with_parallel4d_equals_the_plain_one():
                                rtol=1e-4, atol=0)
 
 
-def test_zero3_with_tensor_parallelism_is_refused_before_a_step():
-    with pytest.raises(WorkerError, match=r"ZeRO stage 3 is not supported with parallel.tp > 1.*stage to 1 or 2"):
-        spawn(_all_steps, 4, (JOB, [(3, True)]), backend="gloo", timeout_s=300)
+def test_zero3_with_tensor_parallelism_is_refused_before_a_step(four_workers):
+    """build_model under ZeRO-3 with tp=4 (a user's own DeepSpeed loop): refused at the first forward."""
+    for *_, refusal in four_workers:
+        assert re.search(r"ZeRO stage 3 is not supported with parallel.tp > 1.*stage to 1 or 2", refusal or ""), refusal
 
 
 # --- initialize(config): every layout through engine.train_batch, pipelines included (#14.5, #14.6) ---
@@ -327,19 +356,11 @@ def test_hanayo_pipeline_with_2d_tensor_parallelism_inside_deepspeed(tmp_path):
     assert set().union(*(names for _, names, _ in checked)) == checked[0][2]  # every parameter somewhere
 
 
-def test_pipelines_with_data_and_sequence_parallelism_and_the_pp1_engine_inside_deepspeed(tmp_path):
-    """In 4 workers: 1F1B pp=2 × dp=2 (ZeRO-1 over dp, the tied table on two pp ranks); Hanayo
-    pp=2 × sp=2 without ZeRO (ring attention: each replica's loss share is 1/sp); pp=1 tp=4 under
-    ZeRO-2 (from a YAML file), where the engine is a genuine DeepSpeedEngine; pp=1 dp=4 under ZeRO-3;
-    pp=1 tp=4 under ZeRO-2 with the optimizer states offloaded (stepped by torch's AdamW, not the
-    JIT-built DeepSpeedCPUAdam). Each equals the dense model. The 1F1B job in bf16 trains within 2e-2
-    of it."""
-    import yaml
-
+def _pipeline_cases():
     one_f_one_b = _layout({"pp": 2, "dp": 2}, {"schedule": "1f1b", "microbatches": 2})
     offload = _layout({"tp": 4}, {"microbatches": 1}, stage=2)
     offload["deepspeed"]["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
-    cases = [  # (what, job, the engine it gives; None: bf16, checked on its own)
+    return [  # (what, job, the engine it gives; None: bf16, checked on its own); the third one runs from a YAML file
         ("1F1B pp=2 × dp=2", one_f_one_b, "DeepSpeedPipeline"),
         ("Hanayo pp=2 × sp=2, ZeRO-0", _layout({"pp": 2, "sp": 2}, {"schedule": "hanayo", "microbatches": 2}, 0),
          "DeepSpeedPipeline"),
@@ -348,10 +369,20 @@ def test_pipelines_with_data_and_sequence_parallelism_and_the_pp1_engine_inside_
         ("pp=1 tp=4, ZeRO-2 offloading to torch's AdamW", offload, "DeepSpeedEngine"),
         ("1F1B pp=2 × dp=2 in bf16", {**one_f_one_b, "deepspeed": {**one_f_one_b["deepspeed"],
                                                                    "bf16": {"enabled": True}}}, None)]
-    (tmp_path / "tp4.yaml").write_text(yaml.safe_dump(cases[2][1]))
-    given = [str(tmp_path / "tp4.yaml") if index == 2 else job for index, (_, job, _) in enumerate(cases)]
-    results = spawn(_train_batches, 4, (given,), backend="gloo", timeout_s=300)
-    for index, (what, job, want) in enumerate(cases):
+
+
+PIPELINE_CASES = _pipeline_cases()
+
+
+def test_pipelines_with_data_and_sequence_parallelism_and_the_pp1_engine_inside_deepspeed(four_workers):
+    """In 4 workers: 1F1B pp=2 × dp=2 (ZeRO-1 over dp, the tied table on two pp ranks); Hanayo
+    pp=2 × sp=2 without ZeRO (ring attention: each replica's loss share is 1/sp); pp=1 tp=4 under
+    ZeRO-2 (from a YAML file), where the engine is a genuine DeepSpeedEngine; pp=1 dp=4 under ZeRO-3;
+    pp=1 tp=4 under ZeRO-2 with the optimizer states offloaded (stepped by torch's AdamW, not the
+    JIT-built DeepSpeedCPUAdam). Each equals the dense model. The 1F1B job in bf16 trains within 2e-2
+    of it."""
+    results = [layouts for _, _, layouts, _ in four_workers]
+    for index, (what, job, want) in enumerate(PIPELINE_CASES):
         if want is None:  # bf16 between the stages and in DeepSpeed's optimizer: finite, learning, close
             dense = torch.tensor(dense_run(job)[0], dtype=torch.float64)
             for rank_results in results:
@@ -365,11 +396,11 @@ def test_pipelines_with_data_and_sequence_parallelism_and_the_pp1_engine_inside_
 
 
 def test_launch_with_a_deepspeed_section_stops_on_ctrl_c_and_resumes_exactly(tmp_path):
-    """configs/deepspeed.yaml through ``parallel4d launch``: as shipped (Hanayo pp=2 × tp=4 inside
-    DeepSpeed, 8 workers) its losses are the dense model's (rel 1e-4). With tp=1 (2 workers, the
-    same pipeline under DeepSpeed): Ctrl-C after step 3 finishes the step, saves DeepSpeed's
-    checkpoint (checksummed, run.json format "deepspeed") and exits 130; the resumed run's losses
-    equal the straight run's."""
+    """configs/deepspeed.yaml through ``parallel4d launch`` at tp=1 (2 workers; its Hanayo pp=2 ×
+    tp=4 layout is checked against the dense model in the Hanayo test above): the losses are the
+    dense model's (rel 1e-4); Ctrl-C after step 3 finishes the step, saves DeepSpeed's checkpoint
+    (checksummed, run.json format "deepspeed") and exits 130; the resumed run's losses equal the
+    straight run's."""
     import json
 
     import yaml
@@ -379,17 +410,15 @@ def test_launch_with_a_deepspeed_section_stops_on_ctrl_c_and_resumes_exactly(tmp
 
     shipped = yaml.safe_load((Path(__file__).resolve().parents[1] / "configs" / "deepspeed.yaml").read_text())
 
-    def job(name: str, steps: int, tp: int = 1, **train) -> dict:
-        return {**shipped, "parallel": {**shipped["parallel"], "tp": tp},
+    def job(name: str, steps: int, **train) -> dict:
+        return {**shipped, "parallel": {**shipped["parallel"], "tp": 1},
                 "train": {**shipped["train"], "steps": steps, "log_every": 1, "timeout_s": 60,
                           "out_dir": str(tmp_path / name), **train}}
 
-    as_shipped = launch(job("shipped", 6, tp=shipped["parallel"]["tp"]))
-    want, _, _ = dense_run(job("shipped", 6))
-    torch.testing.assert_close(torch.tensor(as_shipped["losses"], dtype=torch.float64),
-                               torch.tensor(want, dtype=torch.float64), rtol=1e-4, atol=0)
-
     straight = launch(job("straight", 8))
+    want, _, _ = dense_run(job("straight", 8))
+    torch.testing.assert_close(torch.tensor(straight["losses"], dtype=torch.float64),
+                               torch.tensor(want, dtype=torch.float64), rtol=1e-4, atol=0)
     proc, _ = start_job(tmp_path, job("resumed", 1000))
     proc.send_signal(signal.SIGINT)
     err = finish(proc, timeout=180)
