@@ -209,7 +209,7 @@ def _train_under_zero(job: dict, runs: list[tuple[int, bool]]):
     return out
 
 
-def test_zero_stages_equal_parallel4d_data_parallelism(tmp_path):
+def test_zero_stages_equal_parallel4d_data_parallelism(tmp_path, eight_workers):
     """tp=4 × dp=2 (8 workers), 10 AdamW steps with warm-up, weight decay and clipping active:
     DeepSpeed ZeRO 0, 1 and 2 give parallel4d's own run's losses (launch, same config) and its
     parameters after the last step (its layout-free checkpoint, read by DCP), rel 1e-5; with
@@ -220,11 +220,9 @@ def test_zero_stages_equal_parallel4d_data_parallelism(tmp_path):
     ours = launch({**TRAIN, "train": {**TRAIN["train"], "out_dir": str(tmp_path / "p4d")}, "checkpoint": {}})
     state = read_state(tmp_path / "p4d" / "checkpoints" / "step_00000010")
     params = {k[len("model."):]: v for k, v in state.items() if k.startswith("model.")}
-    runs = [(0, False), (1, False), (2, False), (1, True)]
-    results = spawn(_train_under_zero, 8, (TRAIN, runs), backend="gloo", timeout_s=300)
     want = torch.tensor(ours["losses"], dtype=torch.float64)
     assert want[-1] < want[0]
-    for rank_results in results:
+    for rank_results, _ in eight_workers:
         for (stage, bf16), (losses, pieces) in rank_results.items():
             got = torch.tensor(losses, dtype=torch.float64)
             if bf16:
@@ -233,6 +231,21 @@ def test_zero_stages_equal_parallel4d_data_parallelism(tmp_path):
                 continue
             torch.testing.assert_close(got, want, rtol=1e-5, atol=0, msg=lambda m, s=stage: f"ZeRO {s}: {m}")
             assert_pieces_close(pieces, params, 1e-5, 1e-6, f"ZeRO {stage} after 10 steps")
+
+
+ZERO_RUNS = [(0, False), (1, False), (2, False), (1, True)]  # (ZeRO stage, bf16)
+
+
+def _eight_worker_jobs(hanayo_job: dict):
+    return _train_under_zero(TRAIN, ZERO_RUNS), _train_batches([hanayo_job])
+
+
+@pytest.fixture(scope="module")
+def eight_workers(tmp_path_factory):
+    """Per rank: the ZeRO runs of tp=4 × dp=2 and the Hanayo pp=2 × tp=4 job through initialize(),
+    in one spawned job whose workers reach no C++ compiler."""
+    tmp = tmp_path_factory.mktemp("deepspeed8")
+    return spawn(_eight_worker_jobs, 8, (HANAYO_JOB,), backend="gloo", timeout_s=600, env=_no_compiler(tmp))
 
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "deepspeed"
@@ -344,13 +357,12 @@ def _check_layout(result, job, what):
     return kind, set(pieces), set(want_params)
 
 
-def test_hanayo_pipeline_with_2d_tensor_parallelism_inside_deepspeed(tmp_path):
+def test_hanayo_pipeline_with_2d_tensor_parallelism_inside_deepspeed(eight_workers):
     """Hanayo pp=2 × tp=4 (8 workers): parallel4d's executor runs the waves, each rank's chunks
     sit in one DeepSpeedEngine (ZeRO-1, clipping, warm-up): 5 steps' losses, DeepSpeed's global
     norm and every parameter after them equal the dense model trained by torch alone (rel 1e-4).
     The workers have no C++ compiler (a JIT-built DeepSpeed op would fail them)."""
-    job = _layout({"pp": 2, "tp": 4}, {"schedule": "hanayo", "microbatches": 2})
-    results = spawn(_train_batches, 8, ([job],), backend="gloo", timeout_s=300, env=_no_compiler(tmp_path))
+    job, results = HANAYO_JOB, [hanayo for _, hanayo in eight_workers]
     checked = [_check_layout(result, job, "Hanayo pp=2 × tp=4") for (result,) in results]
     assert {kind for kind, _, _ in checked} == {"DeepSpeedPipeline"}
     assert set().union(*(names for _, names, _ in checked)) == checked[0][2]  # every parameter somewhere
@@ -372,6 +384,7 @@ def _pipeline_cases():
 
 
 PIPELINE_CASES = _pipeline_cases()
+HANAYO_JOB = _layout({"pp": 2, "tp": 4}, {"schedule": "hanayo", "microbatches": 2})
 
 
 def test_pipelines_with_data_and_sequence_parallelism_and_the_pp1_engine_inside_deepspeed(four_workers):
