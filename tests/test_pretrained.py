@@ -97,15 +97,34 @@ def test_a_pretrained_llama_trains_like_transformers_in_every_layout(checkpoints
             assert 0 < read < 0.5 * total, (name, read, total)
 
 
-def test_a_pretrained_gpt2_loads_through_the_2d_layout(checkpoints):
+@pytest.fixture(scope="module")
+def big_llama(tmp_path_factory):
+    """A 32 MB LlamaForCausalLM checkpoint (float32)."""
+    torch.manual_seed(0)
+    directory = tmp_path_factory.mktemp("big")
+    big = dict(LLAMA, vocab_size=4096, hidden_size=256, intermediate_size=704, num_hidden_layers=8,
+               num_attention_heads=8, num_key_value_heads=4)
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(**big)).save_pretrained(directory)
+    return str(directory)
+
+
+def _four_worker_jobs(gpt2_job: dict, big: str):
+    return _train({"tp=4": gpt2_job}), _peak_while_loading(big)
+
+
+@pytest.fixture(scope="module")
+def four_workers(checkpoints, big_llama):
+    job = _job(checkpoints["gpt2"], {"tp": 4}, steps=5)
+    return job, run_workers(_four_worker_jobs, 4, job, big_llama, timeout_s=300)
+
+
+def test_a_pretrained_gpt2_loads_through_the_2d_layout(checkpoints, four_workers):
     """GPT2LMHeadModel (Conv1D weights, fused c_attn read as three boxes per grid column) at tp=4:
     its training equals transformers' (rel 1e-4, 5 steps)."""
-    job = _job(checkpoints["gpt2"], {"tp": 4}, steps=5)
-    results = run_workers(_train, 4, {"tp=4": job}, timeout_s=300)
+    job, results = four_workers
     want = torch.tensor(transformers_run(checkpoints["gpt2"], job), dtype=torch.float64)
-    for rank_results in results:
-        torch.testing.assert_close(torch.tensor(rank_results["tp=4"][0], dtype=torch.float64), want, rtol=1e-4,
-                                   atol=0)
+    for trained, _ in results:
+        torch.testing.assert_close(torch.tensor(trained["tp=4"][0], dtype=torch.float64), want, rtol=1e-4, atol=0)
 
 
 def test_round_trip_transformers_parallel4d_export_transformers(checkpoints, tmp_path):
@@ -177,15 +196,11 @@ def _peak_while_loading(directory: str):
     return status("VmHWM:") - base, read
 
 
-def test_loading_a_pretrained_model_keeps_each_rank_below_the_model_size(tmp_path):
+def test_loading_a_pretrained_model_keeps_each_rank_below_the_model_size(big_llama, four_workers):
     """A 32 MB Llama checkpoint at tp=4: while a rank reads its slices into its model, its peak
     resident memory grows by less than the model (file pages it touches included)."""
-    torch.manual_seed(0)
-    big = dict(LLAMA, vocab_size=4096, hidden_size=256, intermediate_size=704, num_hidden_layers=8,
-               num_attention_heads=8, num_key_value_heads=4)
-    transformers.LlamaForCausalLM(transformers.LlamaConfig(**big)).save_pretrained(tmp_path)
-    total = _model_bytes(str(tmp_path))
+    total = _model_bytes(big_llama)
     assert total > 30e6
-    for grown, read in run_workers(_peak_while_loading, 4, str(tmp_path), timeout_s=300):
+    for _, (grown, read) in four_workers[1]:
         assert read < 0.3 * total, (read, total)
         assert grown < total, (grown, total)
