@@ -29,7 +29,7 @@ from pydantic import (AfterValidator, AllowInfNan, BaseModel, ConfigDict, Field,
                       model_validator)
 from pydantic_core import PydanticUndefined
 
-from .hf_config import hf_max_positions, model_fields_from_hf
+from .hf_config import mismatches, model_fields_from_hf, positions_short
 from .rules import (batch_problem, did_you_mean, divisors, grid_side, not_divisible, num_chunks, or_list,
                     pipeline_arg_problems, tensor2d_problems)
 
@@ -618,10 +618,9 @@ def _pretrained_fields(data: dict) -> dict:
                           "Hugging Face model directory (config.json and *.safetensors)") from None
     except ValueError as e:  # a JSON error or a model the dense references cannot be
         raise ConfigError(f"model.pretrained={where!r}: {path}: {e}") from None
-    disagree = [f"model.{k}={model[k]!r} but {path} makes it {v!r}" for k, v in fields.items()
-                if k in model and model[k] != v]
-    positions = hf_max_positions(hf)
-    if fields["arch"] == "gpt2" and positions and model.get("seq_len", 0) > positions:
+    disagree = [f"model.{k}={ours!r} but {path} makes it {theirs!r}" for k, ours, theirs in mismatches(fields, model)]
+    positions = positions_short(hf, fields["arch"], model.get("seq_len", 0))
+    if positions is not None:
         disagree.append(f"model.seq_len={model['seq_len']} is longer than the checkpoint's {positions} learned "
                         "positions (n_positions)")
     if disagree:

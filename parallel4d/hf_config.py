@@ -8,6 +8,8 @@ the checkpoint's shape) and by ``models/hf.py``. ``llama``, ``mistral`` and ``qw
 
 from __future__ import annotations
 
+import math
+
 SUPPORTED = ("llama", "mistral", "qwen2", "gpt2")
 _GPT2_ACT = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu"}
 
@@ -86,3 +88,18 @@ def hf_max_positions(config: dict) -> int | None:
     """``n_positions`` (gpt2: the rows of its position table, so ``seq_len`` must not exceed it) or
     ``max_position_embeddings`` (llama family: the length it was trained for, rotary has no table)."""
     return config.get("n_positions") if config.get("model_type") == "gpt2" else config.get("max_position_embeddings")
+
+
+def mismatches(fields: dict, values: dict) -> list[tuple[str, object, object]]:
+    """``(field, value, the checkpoint's)`` for each of :func:`model_fields_from_hf`'s ``fields``
+    that ``values`` holds with another value (floats to 1e-9 relative)."""
+    def same(a, b):
+        return math.isclose(a, b, rel_tol=1e-9) if isinstance(b, float) and isinstance(a, (int, float)) else a == b
+
+    return [(k, values[k], v) for k, v in fields.items() if k in values and not same(values[k], v)]
+
+
+def positions_short(config: dict, arch: str, seq_len: int) -> int | None:
+    """gpt2's learned position rows when ``seq_len`` needs more of them; None when they suffice."""
+    limit = hf_max_positions(config)
+    return limit if arch == "gpt2" and limit and seq_len > limit else None

@@ -20,7 +20,6 @@ embeddings the dense state dict holds the token table twice (``embed.tok.weight`
 from __future__ import annotations
 
 import json
-import math
 import os
 from contextlib import ExitStack
 from pathlib import Path
@@ -29,7 +28,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from ..hf_config import SUPPORTED, hf_max_positions, model_fields_from_hf  # noqa: F401 (re-exported)
+from ..hf_config import mismatches, model_fields_from_hf, positions_short
 from . import build_stage, shape_from_config, stage_names
 
 INDEX = "model.safetensors.index.json"
@@ -169,14 +168,12 @@ def _check_config(directory: Path, model_cfg) -> None:
     if not path.is_file():
         return
     hf = json.loads(path.read_text())
-    fields = model_fields_from_hf(hf)
     ours = {**model_cfg.model_dump(), "kv_heads": model_cfg.kv_heads_or_heads, "intermediate_size": model_cfg.mlp_width}
-    wrong = [f"{k}={ours[k]!r} (the checkpoint's {v!r})" for k, v in fields.items()
-             if not (math.isclose(ours[k], v, rel_tol=1e-9) if isinstance(v, float) else ours[k] == v)]
+    wrong = [f"{k}={v!r} (the checkpoint's {theirs!r})" for k, v, theirs in mismatches(model_fields_from_hf(hf), ours)]
     if wrong:
         raise ValueError(f"{path} does not describe model: " + ", ".join(f"model.{w}" for w in wrong))
-    limit = hf_max_positions(hf)
-    if fields["arch"] == "gpt2" and limit is not None and model_cfg.seq_len > limit:
+    limit = positions_short(hf, model_cfg.arch, model_cfg.seq_len)
+    if limit is not None:
         raise ValueError(f"model.seq_len={model_cfg.seq_len} exceeds n_positions={limit} of {path} (gpt2's "
                          "learned position table has that many rows)")
 
