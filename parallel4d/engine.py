@@ -355,16 +355,24 @@ class Engine:
         (loss / mb if mb > 1 else loss).backward()
         return loss.detach().to(torch.float64).reshape(1)
 
-    def train_step(self, tokens: torch.Tensor, targets: torch.Tensor) -> float:
-        """One optimizer step on the global batch; returns the global mean loss."""
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr_at(self.step, self.cfg.optimizer)
+    def compute_gradients(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Forward and backward of the global ``[B, S]`` batch: afterwards each parameter's
+        ``.grad`` holds this rank's share of the gradient of the global mean loss (reduced
+        over the data replicas dp·sp; under hetero its ZeRO reduces at the step). Returns the
+        mean loss of this data replica's tokens, float64 ``[1]``, equal on its tp and pp ranks."""
         x, y = self.local_batch(tokens), self.local_batch(targets)
         if self.grad_sync is not None:
             self.grad_sync.start()
         loss = self._forward_backward(x, y)
         if self.grad_sync is not None:
             self.grad_sync.finish()
+        return loss
+
+    def train_step(self, tokens: torch.Tensor, targets: torch.Tensor) -> float:
+        """One optimizer step on the global batch; returns the global mean loss."""
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr_at(self.step, self.cfg.optimizer)
+        loss = self.compute_gradients(tokens, targets)
         if self.cfg.train.grad_clip and self.hetero is not None:
             self.optimizer.clip_grad_norm_(self.cfg.train.grad_clip)  # applied inside step()
         elif self.cfg.train.grad_clip:

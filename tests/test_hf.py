@@ -50,16 +50,17 @@ def _rope(theta):
     return {"rope_parameters": {"rope_type": "default", "rope_theta": theta}}
 
 
+# Each takes the vocabulary size: 61 in one process, a multiple of the grid side under 2D layouts.
 IMPORTS = {
-    "llama-theta1e4": lambda: LlamaForCausalLM(LlamaConfig(**_LLAMA, **_rope(1e4))),
-    "llama-theta5e5": lambda: LlamaForCausalLM(LlamaConfig(**_LLAMA, **_rope(5e5))),
-    "qwen2": lambda: Qwen2ForCausalLM(Qwen2Config(**_LLAMA, **_rope(1e6))),  # + q, k, v biases
-    "mistral-tied": lambda: MistralForCausalLM(MistralConfig(**{**_LLAMA, "tie_word_embeddings": True},
-                                                             sliding_window=None, **_rope(1e4))),
+    "llama-theta1e4": lambda v=V: LlamaForCausalLM(LlamaConfig(**{**_LLAMA, "vocab_size": v}, **_rope(1e4))),
+    "llama-theta5e5": lambda v=V: LlamaForCausalLM(LlamaConfig(**{**_LLAMA, "vocab_size": v}, **_rope(5e5))),
+    "qwen2": lambda v=V: Qwen2ForCausalLM(Qwen2Config(**{**_LLAMA, "vocab_size": v}, **_rope(1e6))),  # + q, k, v biases
+    "mistral-tied": lambda v=V: MistralForCausalLM(MistralConfig(
+        **{**_LLAMA, "vocab_size": v, "tie_word_embeddings": True}, sliding_window=None, **_rope(1e4))),
     # n_positions 24 > seq_len 16: the dense model takes the first rows of the position table
-    "gpt2": lambda: GPT2LMHeadModel(GPT2Config(vocab_size=V, n_positions=24, n_embd=32, n_head=4, n_layer=2,
-                                               activation_function="gelu_new", resid_pdrop=0.0, embd_pdrop=0.0,
-                                               attn_pdrop=0.0, initializer_range=0.2, **_NO_IDS)),
+    "gpt2": lambda v=V: GPT2LMHeadModel(GPT2Config(vocab_size=v, n_positions=24, n_embd=32, n_head=4, n_layer=2,
+                                                   activation_function="gelu_new", resid_pdrop=0.0, embd_pdrop=0.0,
+                                                   attn_pdrop=0.0, initializer_range=0.2, **_NO_IDS)),
 }
 
 

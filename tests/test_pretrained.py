@@ -14,6 +14,9 @@ transformers = pytest.importorskip("transformers")
 from conftest import run_workers  # noqa: E402
 from parallel4d.config import ConfigError, make_config  # noqa: E402
 from parallel4d.data import build_dataset  # noqa: E402
+from parallel4d.models import hf  # noqa: E402
+from parallel4d.sequence.layout import local_positions  # noqa: E402
+from test_hf import IMPORTS, S, _perturb, float64_transformers  # noqa: E402
 
 LLAMA = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=4, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=64, rope_theta=5e5, tie_word_embeddings=False)
@@ -79,22 +82,131 @@ def _model_bytes(directory: str) -> int:
         return sum(4 * torch.Size(f.get_slice(k).get_shape()).numel() for k in f.keys())
 
 
-def test_a_pretrained_llama_trains_like_transformers_in_every_layout(checkpoints):
-    """A LlamaForCausalLM checkpoint (GQA, rope 5e5) under 2D tp=4 × ring sp=2 and Hanayo pp=2 ×
-    2D tp=4 (8 workers): 20 AdamW steps in float32 equal transformers' model trained with torch's
-    AdamW in one process (rel 1e-4); each rank read under half of the model's bytes."""
+def _eight_worker_jobs(jobs: dict, float64_dirs: dict, tokens, targets):
+    return _train(jobs), _float64_gradients(float64_dirs, tokens, targets)
+
+
+@pytest.fixture(scope="module")
+def eight_workers(checkpoints, float64_checkpoints):
+    """One 8-worker job for both 8-worker checks: the training runs and the float64 gradients."""
     jobs = {"tp=4 × sp=2": _job(checkpoints["llama"], {"tp": 4, "sp": 2}),
             "Hanayo pp=2 × tp=4": _job(checkpoints["llama"], {"pp": 2, "tp": 4}, {"schedule": "hanayo",
                                                                                   "microbatches": 2})}
-    results = run_workers(_train, 8, jobs, timeout_s=300)
+    return jobs, run_workers(_eight_worker_jobs, 8, jobs, float64_checkpoints, *FLOAT64_BATCH, timeout_s=300)
+
+
+def test_a_pretrained_llama_trains_like_transformers_in_every_layout(checkpoints, eight_workers):
+    """A LlamaForCausalLM checkpoint (GQA, rope 5e5) under 2D tp=4 × ring sp=2 and Hanayo pp=2 ×
+    2D tp=4 (8 workers): 20 AdamW steps in float32 equal transformers' model trained with torch's
+    AdamW in one process (rel 1e-4); each rank read under half of the model's bytes."""
+    jobs, results = eight_workers
     want = torch.tensor(transformers_run(checkpoints["llama"], jobs["tp=4 × sp=2"]), dtype=torch.float64)
     assert want[-1] < 0.9 * want[0]
     total = _model_bytes(checkpoints["llama"])
-    for rank_results in results:
+    for rank_results, _ in results:
         for name, (losses, read) in rank_results.items():
             torch.testing.assert_close(torch.tensor(losses, dtype=torch.float64), want, rtol=1e-4, atol=0,
                                        msg=lambda m, n=name: f"{n}: {m}")
             assert 0 < read < 0.5 * total, (name, read, total)
+
+
+# --- float64 under 2D × ring: logits, loss and every gradient equal transformers' (#15.4) ---
+
+FLOAT64_VOCAB = 64  # the 2×2 grid splits the vocabulary in two (test_hf's 61 in one process)
+FLOAT64_BATCH = tuple(t.contiguous() for t in (lambda w: (w[:, :-1], w[:, 1:]))(
+    torch.randint(0, FLOAT64_VOCAB, (4, S + 1), generator=torch.Generator().manual_seed(5))))
+
+
+@pytest.fixture(scope="module")
+def float64_checkpoints(tmp_path_factory):
+    """test_hf's tiny transformers models (Llama with GQA at rope 1e4 and 5e5, Qwen2 with qkv
+    biases, Mistral tied, GPT-2), norm gains and biases perturbed, saved: {case: directory}."""
+    out = {}
+    for case, make in IMPORTS.items():
+        torch.manual_seed(0)
+        model = make(FLOAT64_VOCAB)
+        _perturb(model)
+        directory = tmp_path_factory.mktemp(case)
+        model.save_pretrained(directory)
+        out[case] = str(directory)
+    return out
+
+
+def _float64_gradients(directories: dict, tokens, targets):
+    """Each checkpoint loaded under 2D tp=4 × ring sp=2 (zigzag) in float64, one forward and
+    backward of the ``[B, S]`` batch: {case: ((tp_row, tp_col, sp rank), this rank's logits
+    ``[B/2, S/2, V/2]``, its replica's loss, its pieces of every parameter's gradient)}."""
+    from parallel4d.engine import compose
+    from parallel4d.mesh import init_mesh
+
+    out = {}
+    for case, directory in directories.items():
+        cfg = make_config({"model": {"pretrained": directory, "seq_len": tokens.shape[1]},
+                           "parallel": {"tp": 4, "sp": 2}, "sequence": {"layout": "zigzag"},
+                           "data": {"source": "synthetic", "batch_size": tokens.shape[0]},
+                           "train": {"dtype": "float64", "timeout_s": 60}})
+        mesh = init_mesh(tp=4, sp=2, timeout_s=60)
+        engine = compose(cfg, mesh)
+        with torch.no_grad():
+            logits = engine.local_batch(tokens)
+            for stage in engine.model.stages().values():
+                logits = stage(logits)
+        loss = engine.compute_gradients(tokens, targets)
+        grads = {}
+        for name, p in engine.model.named_parameters():
+            dense, _, cut = engine.dense[name]
+            grads[dense] = [(tuple(off), view.clone()) for off, view in cut(p.grad)]
+        out[case] = (mesh.rank("tp_row"), mesh.rank("tp_col"), mesh.rank("sp")), logits, float(loss), grads
+    return out
+
+
+def _transformers_float64(directory: str, tokens, targets, mp):
+    """transformers' model of ``directory`` in float64 (test_hf.float64_transformers): logits,
+    loss and its parameters (with their gradients), plus the job's model config."""
+    ref = transformers.AutoModelForCausalLM.from_pretrained(directory, attn_implementation="eager").double()
+    float64_transformers(mp, ref)
+    cfg = make_config({"model": {"pretrained": directory, "seq_len": tokens.shape[1]}}).model
+    if cfg.arch == "llama":
+        ref.set_attn_implementation("sdpa")  # eager takes the softmax in float32
+    logits = ref(input_ids=tokens).logits
+    loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+    loss.backward()
+    return logits.detach(), loss.item(), ref, cfg
+
+
+def test_pretrained_models_under_2d_and_ring_equal_transformers_in_float64(float64_checkpoints, eight_workers,
+                                                                           monkeypatch):
+    """Each test_hf model at tp=4 × sp=2 (zigzag), float64: every rank's block of the logits, the
+    mean of the replicas' losses and every rank's piece of every parameter's gradient equal
+    transformers' within 1e-10 (absolute); together the pieces cover every parameter."""
+    tokens, targets = FLOAT64_BATCH
+    b, s, v = tokens.shape[0] // 2, tokens.shape[1] // 2, FLOAT64_VOCAB // 2
+    results = [f64 for _, f64 in eight_workers[1]]
+    for case, directory in float64_checkpoints.items():
+        with monkeypatch.context() as mp:
+            logits, loss, ref, cfg = _transformers_float64(directory, tokens, targets, mp)
+        names = hf.p4d_to_hf(cfg.arch, cfg.layers, cfg.tie_embeddings, cfg.qkv_bias)
+        worst, replica_losses, seen = 0.0, {}, set()
+        for rank_results in results:
+            (row, col, sp), block, replica_loss, grads = rank_results[case]
+            positions = list(local_positions(tokens.shape[1], sp, 2, "zigzag"))
+            want = logits[row * b:(row + 1) * b, positions, col * v:(col + 1) * v]
+            assert block.dtype == torch.float64 and block.shape == want.shape, (case, block.shape)
+            worst = max(worst, (block - want).abs().max().item())
+            replica_losses.setdefault(sp, replica_loss)
+            assert replica_losses[sp] == replica_loss  # equal on every grid rank of a replica
+            for dense, boxes in grads.items():
+                seen.add(dense)
+                hf_name, how = names[dense]
+                g = ref.get_parameter(hf_name).grad
+                g = g.t() if how == "t" else g[:tokens.shape[1]] if how == "rows" else g
+                for off, t in boxes:
+                    box = g[tuple(slice(o, o + n) for o, n in zip(off, t.shape))]
+                    worst = max(worst, (t - box).abs().max().item())
+        assert seen == set(names), (case, set(names) ^ seen)
+        d_loss = abs(sum(replica_losses.values()) / len(replica_losses) - loss)
+        print(f"\n{case} at tp=4 × sp=2: logits and gradients within {worst:.1e}, loss {d_loss:.1e}")
+        assert logits.abs().max() > 1.0 and worst < 1e-10 and d_loss < 1e-10, (case, worst, d_loss)
 
 
 @pytest.fixture(scope="module")

@@ -86,11 +86,13 @@ class _Composite(nn.Module):
 class Block2D(_Composite):
     """Pre-LN block ``x + proj(attn(qkv(ln1 x)))``, then ``x + fc2(gelu(fc1(ln2 x)))`` on
     ``[b/q, s, h/q]``. 4 SUMMA AB forward, 4 ABᵀ + 4 AᵀB backward; the attention core
-    ``attention_fn(q, k, v, causal=self.causal)`` sees local ``[b/q, heads/q, s_local, d]``."""
+    ``attention_fn(q, k, v, causal=self.causal)`` sees local ``[b/q, heads/q, s_local, d]``.
+    ``approximate``: ``F.gelu``'s (``"tanh"`` for GPT-2 checkpoints), the dense MLP's."""
 
-    def __init__(self, ln1, qkv, proj, ln2, fc1, fc2, heads: int, attention_fn=None, causal: bool = True):
+    def __init__(self, ln1, qkv, proj, ln2, fc1, fc2, heads: int, attention_fn=None, causal: bool = True,
+                 approximate: str = "none"):
         super().__init__()
-        self.causal = causal
+        self.causal, self.approximate = causal, approximate
         self.ln1, self.qkv, self.proj, self.ln2, self.fc1, self.fc2 = ln1, qkv, proj, ln2, fc1, fc2
         self.heads = heads
         self.local_heads = heads // qkv.grid.q
@@ -114,6 +116,7 @@ class Block2D(_Composite):
             Linear2D.from_dense(block.mlp.fc1, mesh, name=f"{name}.mlp.fc1", overlap=overlap),
             Linear2D.from_dense(block.mlp.fc2, mesh, name=f"{name}.mlp.fc2", overlap=overlap),
             heads, attention_fn, causal=getattr(block.attn, "causal", True),
+            approximate=getattr(block.mlp, "approximate", "none"),
         )
 
     def _parts(self):
@@ -129,7 +132,7 @@ class Block2D(_Composite):
 
     def forward(self, x):
         x = x + self.attention(self.ln1(x))
-        return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
+        return x + self.fc2(F.gelu(self.fc1(self.ln2(x)), approximate=self.approximate))
 
 
 class TokenPositionEmbedding2D(_Composite):
