@@ -15,6 +15,23 @@ def run_workers(fn, world_size, *args, timeout_s=180.0, **kwargs):
     return spawn(fn, world_size, args, kwargs, backend="gloo", timeout_s=timeout_s)
 
 
+# Every 16-worker check of the suite runs in one spawned job (16 processes take ~13 s to start on
+# the CI's 2 cores): each module listed defines ``sixteen_worker_job()``, run on every rank.
+SIXTEEN_WORKER_MODULES = ("test_mesh", "test_llama")
+
+
+def _sixteen_worker_jobs(modules):
+    import importlib
+
+    return {name: importlib.import_module(name).sixteen_worker_job() for name in modules}
+
+
+@pytest.fixture(scope="session")
+def sixteen_workers():
+    """``{module: its sixteen_worker_job() result}`` per rank, from one 16-worker job."""
+    return run_workers(_sixteen_worker_jobs, 16, SIXTEEN_WORKER_MODULES, timeout_s=600)
+
+
 @pytest.fixture
 def workers():
     return run_workers

@@ -59,8 +59,9 @@ def dense_run(job: dict):
     return losses, {n: p.detach() for n, p in model.named_parameters()}
 
 
-def _train_layouts(jobs: dict):
-    """Each job through compose(): its losses and this rank's pieces of every dense parameter."""
+def _train_layouts(jobs: dict, with_hetero_stats: bool = False):
+    """Each job through compose(): its losses and this rank's pieces of every dense parameter (and
+    with ``with_hetero_stats`` the last hetero job's statistics under "hetero")."""
     from parallel4d.engine import compose
     from parallel4d.mesh import init_mesh
 
@@ -74,6 +75,8 @@ def _train_layouts(jobs: dict):
         pieces = {k[len("model."):]: [(tuple(off), view.detach().clone()) for off, view in v.pieces]
                   for k, v in engine.state_dict().items() if k.startswith("model.")}
         out[name] = losses, pieces
+        if with_hetero_stats and engine.hetero is not None:
+            out["hetero"] = engine.hetero.stats()
     return out
 
 
@@ -97,6 +100,30 @@ def _check(results, layouts):
 
 def test_llama_in_every_layout_equals_the_dense_llama():
     _check(run_workers(_train_layouts, 4, LAYOUTS, timeout_s=300), LAYOUTS)
+
+
+# All four at once, 16 workers: Hanayo pp=2 × ring sp=2 (zigzag) × 2D tp=4 × hetero (a device budget
+# below each rank's model data; ZeRO over the dp·sp = 2 replicas). No clipping: hetero's norm covers
+# the data replicas only, so the config refuses it with pp or tp.
+FOUR_D = {"Hanayo pp=2 × ring sp=2 × 2D tp=4 × hetero": _job(
+    {"pp": 2, "sp": 2, "tp": 4}, {"schedule": "hanayo", "waves": 1, "microbatches": 2},
+    sequence={"layout": "zigzag"}, hetero={"enabled": True, "chunk_elems": 1024, "device_budget_bytes": 40000},
+    train={**BASE["train"], "grad_clip": None})}
+
+
+def sixteen_worker_job():
+    """This file's share of the suite's 16-worker job (tests/conftest.py): the 4D run, and hetero's
+    budget, peak residency and model data on this rank."""
+    return _train_layouts(FOUR_D, with_hetero_stats=True)
+
+
+def test_llama_with_all_four_techniques_equals_the_dense_llama(sixteen_workers):
+    results = [r["test_llama"] for r in sixteen_workers]
+    _check(results, FOUR_D)
+    for rank_results in results:
+        h = rank_results["hetero"]
+        assert 0 < h["peak_resident_bytes"] <= h["device_budget_bytes"] < h["model_data_bytes"], h
+        assert h["bytes_moved"] > 0
 
 
 @pytest.mark.parametrize("fields, words", [

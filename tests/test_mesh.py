@@ -67,8 +67,13 @@ def test_mesh_world_8():
         assert len({tuple(coords[i].values()) for coords in per_rank}) == 8
 
 
-def test_mesh_world_16_and_group_over_several_axes():
-    per_rank = run_workers(_check_meshes, 16, [dict(pp=2, dp=1, sp=2, tp=4)], group_over=True, timeout_s=300)
+def sixteen_worker_job():
+    """This file's share of the suite's 16-worker job (tests/conftest.py)."""
+    return _check_meshes([dict(pp=2, dp=1, sp=2, tp=4)], group_over=True)
+
+
+def test_mesh_world_16_and_group_over_several_axes(sixteen_workers):
+    per_rank = [results["test_mesh"] for results in sixteen_workers]
     assert len({tuple(coords[0].values()) for coords in per_rank}) == 16
 
 
