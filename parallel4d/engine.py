@@ -537,11 +537,8 @@ def compose(cfg: Config, mesh: Mesh) -> Engine:
         loss_fn = executor.loss_fn
     else:
         stages, loss_fn = build_stages(cfg, mesh)
-    names = stage_names(model_shape(cfg))
-    local = {names[i]: stages[i] for i in sorted(stages)}
-    model = LocalModel(local)
-    dense = dense_layouts(local, tied=cfg.model.tie_embeddings)
-    pretrained_bytes = load_pretrained(model, dense, cfg.model) if cfg.model.pretrained else None
+    model = local_model(cfg, stages)
+    dense, local = model.dense, model.stages()
     hetero = None
     if cfg.hetero.enabled:
         model, optimizer = hetero_wrap(model, cfg.optimizer, cfg.hetero, mesh=DataReplicas(mesh))
@@ -550,8 +547,19 @@ def compose(cfg: Config, mesh: Mesh) -> Engine:
         optimizer = build_optimizer([p for p in model.parameters() if p.requires_grad], cfg.optimizer)
     engine = Engine(cfg, mesh, model, optimizer, loss_fn, list(local.values()),
                     executor=executor, tied_sync=tied_sync, tied_params=tied_params, hetero=hetero, dense=dense)
-    engine.pretrained_bytes_read = pretrained_bytes
+    engine.pretrained_bytes_read = model.pretrained_bytes_read
     return engine
+
+
+def local_model(cfg: Config, stages: dict[int, nn.Module]) -> LocalModel:
+    """This rank's ``stages`` (stage index → module) under their dense names, with ``.dense``
+    (:func:`dense_layouts`) and, when ``model.pretrained`` is set, the parameters filled from that
+    checkpoint (only this rank's slices read; ``.pretrained_bytes_read``, else None)."""
+    names = stage_names(model_shape(cfg))
+    model = LocalModel({names[i]: stages[i] for i in sorted(stages)})
+    model.dense = dense_layouts(model.stages(), tied=cfg.model.tie_embeddings)
+    model.pretrained_bytes_read = load_pretrained(model, model.dense, cfg.model) if cfg.model.pretrained else None
+    return model
 
 
 def load_pretrained(model: nn.Module, layouts: dict, model_cfg) -> int:

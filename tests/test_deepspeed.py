@@ -15,7 +15,7 @@ import torch
 
 deepspeed = pytest.importorskip("deepspeed")  # the `deepspeed` extra; `make test` installs it
 
-from parallel4d.config import Config  # noqa: E402
+from parallel4d.config import Config, make_config  # noqa: E402
 from parallel4d.data import build_dataset  # noqa: E402
 from deepspeed.runtime.utils import clip_grad_norm_ as ds_clip_grad_norm_  # noqa: E402
 
@@ -23,6 +23,7 @@ import parallel4d  # noqa: E402
 from parallel4d.engine import build_optimizer, dense_layouts, local_batch, lr_at, model_shape  # noqa: E402
 from parallel4d.integrations.deepspeed import avoid_compiled_ops  # noqa: E402
 from parallel4d.mesh import init_mesh  # noqa: E402
+from parallel4d.models import build_dense  # noqa: E402
 from parallel4d.models.gpt import build_gpt  # noqa: E402
 from parallel4d.workers import spawn  # noqa: E402
 
@@ -130,14 +131,16 @@ def _four_worker_jobs(pipeline_jobs):
 
 
 @pytest.fixture(scope="module")
-def four_workers(tmp_path_factory):
+def four_workers(tmp_path_factory, llama_checkpoint):
     """The results of :func:`_four_worker_jobs` per rank, from workers whose PATH holds no C++
-    compiler and whose extension cache is empty (a JIT build of a DeepSpeed op would fail them)."""
+    compiler and whose extension cache is empty (a JIT build of a DeepSpeed op would fail them).
+    The layouts are :data:`PIPELINE_CASES`' jobs, then :func:`_llama_cases`'."""
     import yaml
 
     tmp = tmp_path_factory.mktemp("deepspeed4")
     (tmp / "tp4.yaml").write_text(yaml.safe_dump(PIPELINE_CASES[2][1]))
     given = [str(tmp / "tp4.yaml") if index == 2 else job for index, (_, job, _) in enumerate(PIPELINE_CASES)]
+    given += [job for _, job, _ in _llama_cases(llama_checkpoint)]
     results = spawn(_four_worker_jobs, 4, (given,), backend="gloo", timeout_s=600, env=_no_compiler(tmp))
     assert not any((tmp / "torch_extensions").glob("**/*.so"))
     return results
@@ -299,8 +302,12 @@ def _layout(parallel: dict, pipeline: dict | None = None, stage: int = 1) -> dic
 def dense_run(job: dict) -> tuple[list[float], list[float], dict]:
     """The dense model in this process with torch alone: AdamW, the warm-up as a LambdaLR, torch's
     clip_grad_norm_, on the whole batch. Losses, gradient norms, parameters after the last step."""
-    cfg = Config.model_validate(job)
-    model = build_gpt(model_shape(cfg), seed=cfg.train.seed)
+    cfg = make_config(job)  # with model.pretrained, the model fields from its config.json
+    model = build_dense(model_shape(cfg), seed=cfg.train.seed)
+    if cfg.model.pretrained:
+        from parallel4d.models.hf import load_hf_state_dict
+
+        model.load_state_dict(load_hf_state_dict(cfg.model.pretrained, cfg.model), strict=True)
     optimizer = build_optimizer(list(model.parameters()), cfg.optimizer)
     base = cfg.optimizer
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_at(step, base) / base.lr)
@@ -446,3 +453,45 @@ def test_launch_with_a_deepspeed_section_stops_on_ctrl_c_and_resumes_exactly(tmp
     assert resumed["resumed_from"] == stopped and len(resumed["losses"]) == 8
     torch.testing.assert_close(torch.tensor(resumed["losses"], dtype=torch.float64),
                                torch.tensor(straight["losses"], dtype=torch.float64), rtol=1e-6, atol=0)
+
+
+# --- the Llama family and a transformers checkpoint inside DeepSpeed (#15.1, #15.2) ---
+
+LLAMA_MODEL = {"arch": "llama", "vocab_size": 64, "seq_len": 16, "hidden": 32, "heads": 4, "kv_heads": 2,
+               "layers": 4, "intermediate_size": 48, "rope_theta": 5e5}
+
+
+@pytest.fixture(scope="module")
+def llama_checkpoint(tmp_path_factory):
+    """A tiny LlamaForCausalLM (GQA) saved by transformers; its directory."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    directory = tmp_path_factory.mktemp("llama")
+    m = LLAMA_MODEL
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=m["vocab_size"], hidden_size=m["hidden"], intermediate_size=m["intermediate_size"],
+        num_hidden_layers=m["layers"], num_attention_heads=m["heads"], num_key_value_heads=m["kv_heads"],
+        max_position_embeddings=64, rope_theta=m["rope_theta"], tie_word_embeddings=False)).save_pretrained(directory)
+    return str(directory)
+
+
+def _llama_cases(directory: str):
+    """(what, job, the engine it gives): a Llama built by build_model at tp=4 under ZeRO-2, and the
+    transformers checkpoint loaded slice by slice into Hanayo pp=2 × ring sp=2 under ZeRO-1."""
+    tp4 = {**_layout({"tp": 4}, {"microbatches": 2}, stage=2), "model": LLAMA_MODEL}
+    hanayo = {**_layout({"pp": 2, "sp": 2}, {"schedule": "hanayo", "microbatches": 2}, stage=1),
+              "model": {"pretrained": directory, "seq_len": 16}}
+    return [("Llama pp=1 tp=4, ZeRO-2", tp4, "DeepSpeedEngine"),
+            ("a transformers Llama, Hanayo pp=2 × sp=2, ZeRO-1", hanayo, "DeepSpeedPipeline")]
+
+
+def test_llama_and_a_pretrained_checkpoint_inside_deepspeed(four_workers, llama_checkpoint):
+    """The Llama family through initialize(): at tp=4 (build_model's 2D Llama in a DeepSpeedEngine,
+    ZeRO-2) and from a transformers checkpoint under Hanayo pp=2 × ring sp=2 (ZeRO-1). 5 steps each:
+    losses, DeepSpeed's global norm and every parameter equal the dense Llama trained by torch alone
+    (from the same checkpoint), rel 1e-4."""
+    results = [layouts[len(PIPELINE_CASES):] for _, _, layouts, _ in four_workers]
+    for index, (what, job, want) in enumerate(_llama_cases(llama_checkpoint)):
+        checked = [_check_layout(rank_results[index], job, what) for rank_results in results]
+        assert {kind for kind, _, _ in checked} == {want}
+        assert set().union(*(names for _, names, _ in checked)) == checked[0][2]

@@ -180,7 +180,7 @@ def test_pretrained_models_under_2d_and_ring_equal_transformers_in_float64(float
     mean of the replicas' losses and every rank's piece of every parameter's gradient equal
     transformers' within 1e-10 (absolute); together the pieces cover every parameter."""
     tokens, targets = FLOAT64_BATCH
-    b, s, v = tokens.shape[0] // 2, tokens.shape[1] // 2, FLOAT64_VOCAB // 2
+    b, v = tokens.shape[0] // 2, FLOAT64_VOCAB // 2
     results = [f64 for _, f64 in eight_workers[1]]
     for case, directory in float64_checkpoints.items():
         with monkeypatch.context() as mp:

@@ -14,9 +14,8 @@ import deepspeed
 import torch
 
 from ...config import Config, load_config
-from ...engine import LocalModel, build_optimizer, build_pipeline, lr_at, model_shape
+from ...engine import build_optimizer, build_pipeline, local_model, lr_at
 from ...mesh import Mesh, device_and_backend, init_mesh, init_process_group_from_env
-from ...models.gpt import stage_names
 from .ds_config import resolve
 from .engines import DeepSpeedPipeline, Parallel4DEngine
 from .model import RankModel, avoid_compiled_ops, tag_parameters
@@ -49,8 +48,7 @@ def build_engine(cfg: Config, mesh: Mesh, ds_config: dict | None = None):
         bf16 = ds_config.get("bf16", {}).get("enabled") is True
         parts = build_pipeline(cfg, mesh, loss_scale=1.0 / mesh.size("sp"),
                                activation_dtype=torch.bfloat16 if bf16 else None)
-        names = stage_names(model_shape(cfg))
-        model = LocalModel({names[i]: parts.stages[i] for i in sorted(parts.stages)})
+        model = local_model(cfg, parts.stages)  # model.pretrained's weights loaded
         head_copy = [] if 0 in parts.stages else parts.tied_params  # the last stage's copy of a tied table
         tag_parameters(model, mesh, tied_copies=head_copy)
     params = [p for p in model.parameters() if p.requires_grad]

@@ -20,9 +20,8 @@ import torch.nn as nn
 
 from ... import comm
 from ...config import Config, ConfigError
-from ...engine import LocalModel, build_stages, model_shape
+from ...engine import build_stages, local_model
 from ...mesh import Mesh
-from ...models.gpt import stage_names
 
 # `import deepspeed.comm.torch as m` would bind the package attribute `torch`: the torch library
 deepspeed_comm = importlib.import_module("deepspeed.comm.torch")
@@ -65,9 +64,8 @@ class RankModel(nn.Module):
                               "build it with parallel4d.integrations.deepspeed.initialize(config) and train with "
                               "engine.train_batch(tokens, targets), or use parallel.pp=1")
         stages, self.loss_fn = build_stages(cfg, mesh)
-        names = stage_names(model_shape(cfg))
-        self.local = LocalModel({names[i]: stages[i] for i in sorted(stages)})
-        self._order = [stages[i] for i in sorted(stages)]
+        self.local = local_model(cfg, stages)  # model.pretrained's weights loaded
+        self._order = list(self.local.stages().values())
         self.mesh, self.sp = mesh, mesh.size("sp")
         self.timeout_s = cfg.train.timeout_s
         tag_parameters(self.local, mesh)
