@@ -85,7 +85,7 @@ def assert_ring_bytes(got, dtype):
 
 TENSOR2D = {
     "tp4": ["parallel.tp=4"],  # float32, as shipped: losses within 1e-4
-    "tp4-float64": ["parallel.tp=4", *FLOAT64],
+    # float64 at tp=4 alone is this run's grid without the data replicas (dropped to keep the suite short)
     "tp4-dp2-float64": ["parallel.tp=4", "parallel.dp=2", *FLOAT64],
 }
 
