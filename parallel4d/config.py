@@ -131,7 +131,14 @@ class OptimizerConfig(_Section):
     betas: tuple[Beta, Beta] = Field((0.9, 0.999), strict=False, description="each finite, 0 ≤ β < 1")
     eps: Finite = Field(1e-8, gt=0)
     weight_decay: Finite = Field(0.0, ge=0)
-    warmup_steps: int = Field(0, ge=0, description="linear warm-up; constant learning rate after")
+    warmup_steps: int = Field(0, ge=0, description="linear warm-up from lr/warmup_steps to lr")
+    schedule: Literal["constant", "cosine", "linear"] = Field(
+        "constant", description="after the warm-up: lr throughout, or a cosine / linear decay to min_lr")
+    min_lr: Finite = Field(0.0, ge=0, description="cosine / linear: the learning rate at decay_steps and after")
+    decay_steps: Optional[int] = Field(None, ge=1, description="cosine / linear: the step the decay reaches "
+                                                               "min_lr; None = train.steps")
+    decay_norms_and_biases: bool = Field(False, description="weight decay on norm gains and biases too")
+    decay_embeddings: bool = Field(False, description="weight decay on the token and position tables too")
 
 
 class ModelConfig(_Section):
@@ -270,6 +277,7 @@ def cross_field_problems(cfg: Config) -> list[str]:
                    "LM head on two pp ranks in step; use pipeline.schedule=hanayo (both ends on rank 0) or "
                    "model.tie_embeddings=false")
     out += _family_problems(m, q)
+    out += _schedule_problems(cfg.optimizer, cfg.train.steps)
     if cfg.deepspeed is not None:
         out += deepspeed_problems(cfg)
     if cfg.data.source == "synthetic" and m.vocab_size < 2:
@@ -278,6 +286,25 @@ def cross_field_problems(cfg: Config) -> list[str]:
         out.append(f"data.source=text is byte-level and needs model.vocab_size≥256, got {m.vocab_size}; use 256")
     if cfg.data.source == "text" and cfg.data.text_root:
         out += _text_root_problems(cfg.data.text_root)
+    return out
+
+
+def _schedule_problems(o: OptimizerConfig, steps: int) -> list[str]:
+    out = []
+    if o.schedule == "constant":
+        given = [f"optimizer.{f}={v}" for f, v in (("min_lr", o.min_lr), ("decay_steps", o.decay_steps)) if v]
+        if given:
+            out.append(f"{given[0]} applies to a decaying schedule but optimizer.schedule=constant; "
+                       "set optimizer.schedule=cosine or linear, or remove it")
+        return out
+    if o.min_lr > o.lr:
+        out.append(f"optimizer.min_lr={o.min_lr} is above optimizer.lr={o.lr}; the decay ends at min_lr, so set "
+                   "min_lr ≤ lr")
+    end = o.decay_steps or steps
+    if end <= o.warmup_steps:
+        field = f"optimizer.decay_steps={o.decay_steps}" if o.decay_steps else f"train.steps={steps}"
+        out.append(f"{field} ends the {o.schedule} decay before optimizer.warmup_steps={o.warmup_steps} ends the "
+                   f"warm-up; set it above {o.warmup_steps} or shorten the warm-up")
     return out
 
 
@@ -360,6 +387,9 @@ def deepspeed_problems(cfg: "Config") -> list[str]:
     if "scheduler" in ds and cfg.optimizer.warmup_steps:
         out.append(f"deepspeed.scheduler and optimizer.warmup_steps={cfg.optimizer.warmup_steps} are two learning-"
                    "rate schedules; set optimizer.warmup_steps=0 or remove deepspeed.scheduler")
+    elif "scheduler" in ds and cfg.optimizer.schedule != "constant":
+        out.append(f"deepspeed.scheduler and optimizer.schedule={cfg.optimizer.schedule} are two learning-rate "
+                   "schedules; set optimizer.schedule=constant or remove deepspeed.scheduler")
     return out
 
 

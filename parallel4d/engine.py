@@ -37,6 +37,7 @@ from .hetero import state_dict as hetero_state_dict
 from .hetero import wrap as hetero_wrap
 from .mesh import Mesh
 from .models import LlamaShape, Shape, build_stage, cross_entropy, shape_from_config, stage_names
+from .optim import build_optimizer, lr_at, param_groups
 from .pipeline import make_schedule
 from .pipeline.executor import PipelineExecutor, TiedGradSync
 from .pipeline.partition import build_chunks, parameter_costs, partition
@@ -48,20 +49,6 @@ from .tensor2d import (Block2D, Head2D, LlamaBlock2D, NormHead2D, TokenEmbedding
 # train.dtype → the dtype parameters (and pipeline activations between ranks) are kept in;
 # "bfloat16" keeps float32 parameters and computes under bf16 autocast (Engine.autocast).
 PARAMETER_DTYPE = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.float32}
-
-
-def build_optimizer(params, opt_cfg) -> torch.optim.Optimizer:
-    """AdamW / Adam from the ``optimizer`` section."""
-    cls = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam}[opt_cfg.name]
-    return cls(params, lr=opt_cfg.lr, betas=tuple(opt_cfg.betas), eps=opt_cfg.eps,
-               weight_decay=opt_cfg.weight_decay)
-
-
-def lr_at(step: int, opt_cfg) -> float:
-    """Linear warm-up over ``warmup_steps``, then constant."""
-    if opt_cfg.warmup_steps and step < opt_cfg.warmup_steps:
-        return opt_cfg.lr * (step + 1) / opt_cfg.warmup_steps
-    return opt_cfg.lr
 
 
 def model_shape(cfg: Config) -> Shape:
@@ -96,6 +83,11 @@ class LocalModel(nn.Module):
                 self.blocks[name.split(".", 1)[1]] = module
             else:
                 self.add_module(name, module)
+
+    def dense_named_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        """``(dense name, parameter)`` of each parameter once (the optimizer's groups go by these);
+        needs ``.dense``, which :func:`local_model` sets."""
+        return [(self.dense[n][0], p) for n, p in self.named_parameters()]
 
     def stages(self) -> dict[str, nn.Module]:
         """``{dense stage name: module}`` in model order (the input of :func:`dense_layouts`)."""
@@ -371,7 +363,7 @@ class Engine:
     def train_step(self, tokens: torch.Tensor, targets: torch.Tensor) -> float:
         """One optimizer step on the global batch; returns the global mean loss."""
         for group in self.optimizer.param_groups:
-            group["lr"] = lr_at(self.step, self.cfg.optimizer)
+            group["lr"] = lr_at(self.step, self.cfg.optimizer, self.cfg.train.steps)
         loss = self.compute_gradients(tokens, targets)
         if self.cfg.train.grad_clip and self.hetero is not None:
             self.optimizer.clip_grad_norm_(self.cfg.train.grad_clip)  # applied inside step()
@@ -540,11 +532,13 @@ def compose(cfg: Config, mesh: Mesh) -> Engine:
     model = local_model(cfg, stages)
     dense, local = model.dense, model.stages()
     hetero = None
+    named = model.dense_named_parameters()
     if cfg.hetero.enabled:
-        model, optimizer = hetero_wrap(model, cfg.optimizer, cfg.hetero, mesh=DataReplicas(mesh))
+        model, optimizer = hetero_wrap(model, cfg.optimizer, cfg.hetero, mesh=DataReplicas(mesh),
+                                       param_groups=param_groups(named, cfg.optimizer))
         hetero = True
     else:
-        optimizer = build_optimizer([p for p in model.parameters() if p.requires_grad], cfg.optimizer)
+        optimizer = build_optimizer(named, cfg.optimizer)
     engine = Engine(cfg, mesh, model, optimizer, loss_fn, list(local.values()),
                     executor=executor, tied_sync=tied_sync, tied_params=tied_params, hetero=hetero, dense=dense)
     engine.pretrained_bytes_read = model.pretrained_bytes_read

@@ -20,7 +20,8 @@ from parallel4d.data import build_dataset  # noqa: E402
 from deepspeed.runtime.utils import clip_grad_norm_ as ds_clip_grad_norm_  # noqa: E402
 
 import parallel4d  # noqa: E402
-from parallel4d.engine import build_optimizer, dense_layouts, local_batch, lr_at, model_shape  # noqa: E402
+from parallel4d.engine import dense_layouts, local_batch, model_shape  # noqa: E402
+from parallel4d.optim import build_optimizer, lr_at, lr_lambda  # noqa: E402
 from parallel4d.integrations.deepspeed import avoid_compiled_ops  # noqa: E402
 from parallel4d.mesh import init_mesh  # noqa: E402
 from parallel4d.models import build_dense  # noqa: E402
@@ -193,7 +194,7 @@ def _train_under_zero(job: dict, runs: list[tuple[int, bool]]):
     out = {}
     for stage, bf16 in runs:
         model = parallel4d.build_model(cfg, mesh)
-        optimizer = build_optimizer(list(model.parameters()), cfg.optimizer)
+        optimizer = build_optimizer(model.dense_named_parameters(), cfg.optimizer)
         engine, *_ = deepspeed.initialize(
             model=model, optimizer=optimizer, mpu=mesh.as_mpu(),
             config={"train_micro_batch_size_per_gpu": cfg.data.batch_size // p.dp, "gradient_accumulation_steps": 1,
@@ -202,7 +203,7 @@ def _train_under_zero(job: dict, runs: list[tuple[int, bool]]):
         losses = []
         for step in range(cfg.train.steps):
             for group in optimizer.param_groups:
-                group["lr"] = lr_at(step, cfg.optimizer)
+                group["lr"] = lr_at(step, cfg.optimizer, cfg.train.steps)
             tokens, targets = data.batch(step)
             loss = engine(local_batch(mesh, tokens, layout), local_batch(mesh, targets, layout))
             engine.backward(loss)
@@ -308,9 +309,8 @@ def dense_run(job: dict) -> tuple[list[float], list[float], dict]:
         from parallel4d.models.hf import load_hf_state_dict
 
         model.load_state_dict(load_hf_state_dict(cfg.model.pretrained, cfg.model), strict=True)
-    optimizer = build_optimizer(list(model.parameters()), cfg.optimizer)
-    base = cfg.optimizer
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_at(step, base) / base.lr)
+    optimizer = build_optimizer(model.named_parameters(), cfg.optimizer)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
     data, losses, norms = build_dataset(cfg), [], []
     for step in range(cfg.train.steps):
         loss = model(*data.batch(step))

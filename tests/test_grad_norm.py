@@ -129,7 +129,8 @@ def dense_reference():
     change only the layout sections, so this one serves them all)."""
     from parallel4d.config import make_config
     from parallel4d.data import build_dataset
-    from parallel4d.engine import PARAMETER_DTYPE, build_optimizer, lr_at, model_shape
+    from parallel4d.engine import PARAMETER_DTYPE, model_shape
+    from parallel4d.optim import build_optimizer, lr_at
     from parallel4d.models.gpt import build_gpt
 
     cfg = make_config(BASE)
@@ -140,9 +141,9 @@ def dense_reference():
     params = list(model.parameters())
     norm = float(torch.nn.utils.clip_grad_norm_(params, cfg.train.grad_clip))
     grads = {n: p.grad.clone() for n, p in model.named_parameters(remove_duplicate=False)}
-    opt = build_optimizer(params, cfg.optimizer)
+    opt = build_optimizer(model.named_parameters(), cfg.optimizer)
     for group in opt.param_groups:
-        group["lr"] = lr_at(0, cfg.optimizer)
+        group["lr"] = lr_at(0, cfg.optimizer, cfg.train.steps)
     opt.step()
     return {"loss": loss.item(), "norm": norm, "grads": grads,
             "params": {n: p.detach().clone() for n, p in model.named_parameters(remove_duplicate=False)},

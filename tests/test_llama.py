@@ -10,8 +10,9 @@ import torch
 from conftest import run_workers
 from parallel4d.config import ConfigError, make_config
 from parallel4d.data import build_dataset
-from parallel4d.engine import build_optimizer, lr_at, model_shape
+from parallel4d.engine import model_shape
 from parallel4d.models import build_dense
+from parallel4d.optim import build_optimizer, lr_at
 
 BASE = {"model": {"arch": "llama", "vocab_size": 64, "seq_len": 16, "hidden": 32, "heads": 4, "kv_heads": 2,
                   "layers": 4, "intermediate_size": 48, "rope_theta": 5e5},
@@ -44,11 +45,11 @@ def dense_run(job: dict):
     """The dense Llama in this process: the engine's AdamW, warm-up and clipping on the whole batch."""
     cfg = make_config(job)
     model = build_dense(model_shape(cfg), seed=cfg.train.seed).double()
-    optimizer = build_optimizer(list(model.parameters()), cfg.optimizer)
+    optimizer = build_optimizer(model.named_parameters(), cfg.optimizer)
     data, losses = build_dataset(cfg), []
     for step in range(cfg.train.steps):
         for group in optimizer.param_groups:
-            group["lr"] = lr_at(step, cfg.optimizer)
+            group["lr"] = lr_at(step, cfg.optimizer, cfg.train.steps)
         loss = model(*data.batch(step))
         loss.backward()
         if cfg.train.grad_clip:

@@ -22,8 +22,6 @@ stream first.
 
 from __future__ import annotations
 
-import math
-import time
 from dataclasses import dataclass, field, asdict
 from typing import Callable, Optional
 

@@ -40,35 +40,43 @@ def fused_adam_update(p, g, m, v, *, step: int, lr: float, beta1: float, beta2: 
        weight_decay=weight_decay, eps=eps, amsgrad=False, maximize=False)
 
 
-class HeteroOptimizer:
+class HeteroOptimizer(torch.optim.Optimizer):
     """Adam/AdamW over the chunks of a :class:`~parallel4d.hetero.runtime.HeteroRuntime`.
 
-    Looks like a ``torch.optim.Optimizer`` to a training loop: ``step()``,
-    ``zero_grad()``, ``param_groups`` (one group; set ``param_groups[0]["lr"]`` to
-    schedule the learning rate), ``state_dict()`` / ``load_state_dict()`` keyed by
-    parameter name. Gradients live in chunks (``p.grad`` stays ``None``); ``step()``
-    consumes them (they are FREE afterwards, so ``zero_grad`` is then a no-op).
+    A ``torch.optim.Optimizer``: ``step()``, ``zero_grad()``, ``param_groups`` (the
+    ``groups`` given — ``[{"params": [...], "weight_decay": 0.0}, ...]`` as for torch's
+    AdamW, each group's ``lr``, ``betas``, ``eps`` and ``weight_decay`` used for its
+    parameters — or one group of every trainable parameter), so torch's ``LRScheduler``s
+    drive it; ``state_dict()`` / ``load_state_dict()`` are keyed by parameter name.
+    Gradients live in chunks (``p.grad`` stays ``None``); ``step()`` consumes them (they are
+    FREE afterwards, so ``zero_grad`` is then a no-op).
     """
 
-    def __init__(self, runtime, cfg):
+    def __init__(self, runtime, cfg, groups: list[dict] | None = None):
         self.rt = runtime
         self.cfg = cfg
         self.decoupled = cfg.name == "adamw"
-        self.param_groups = [{
-            "params": [r.param for r in runtime.records if r.trainable],
-            "lr": float(cfg.lr), "betas": tuple(cfg.betas), "eps": float(cfg.eps),
-            "weight_decay": float(cfg.weight_decay),
-        }]
+        trainable = [r.param for r in runtime.records if r.trainable]
+        defaults = {"lr": float(cfg.lr), "betas": tuple(cfg.betas), "eps": float(cfg.eps),
+                    "weight_decay": float(cfg.weight_decay)}
+        super().__init__(groups if groups is not None else [{"params": trainable}], defaults)
+        self._names = {id(r.param): r.name for r in runtime.records}
+        grouped = [id(p) for g in self.param_groups for p in g["params"]]
+        if sorted(grouped) != sorted(id(p) for p in trainable):
+            raise ValueError("hetero.wrap: the parameter groups must hold each trainable parameter of the wrapped "
+                             "model exactly once")
         self._clip_coef: float | None = None
 
     # --- the training-loop surface ------------------------------------------------
     def step(self, closure=None):
         loss = closure() if closure is not None else None
-        g = self.param_groups[0]
-        b1, b2 = g["betas"]
-        self.rt.optimizer_step(lr=float(g["lr"]), beta1=float(b1), beta2=float(b2), eps=float(g["eps"]),
-                               weight_decay=float(g["weight_decay"]), decoupled=self.decoupled,
-                               grad_scale=self._clip_coef)
+        hp_of = {}
+        for g in self.param_groups:
+            b1, b2 = g["betas"]
+            hp = dict(lr=float(g["lr"]), beta1=float(b1), beta2=float(b2), eps=float(g["eps"]),
+                      weight_decay=float(g["weight_decay"]), decoupled=self.decoupled)
+            hp_of.update((self._names[id(p)], hp) for p in g["params"])
+        self.rt.optimizer_step(hp_of, grad_scale=self._clip_coef)
         self._clip_coef = None
         return loss
 
@@ -92,12 +100,11 @@ class HeteroOptimizer:
 
     def state_dict(self) -> dict:
         """``{"state": {name: {"step", "exp_avg", "exp_avg_sq"}}, "param_groups": [...]}`` with full tensors."""
-        return self.rt.optimizer_state_dict(self.param_groups[0])
+        return self.rt.optimizer_state_dict(self.param_groups)
 
     def load_state_dict(self, sd: dict) -> None:
         self.rt.load_optimizer_state_dict(sd)
-        for k in ("lr", "eps", "weight_decay"):
-            if k in sd.get("param_groups", [{}])[0]:
-                self.param_groups[0][k] = float(sd["param_groups"][0][k])
-        if "betas" in sd.get("param_groups", [{}])[0]:
-            self.param_groups[0]["betas"] = tuple(float(b) for b in sd["param_groups"][0]["betas"])
+        for group, saved in zip(self.param_groups, sd.get("param_groups", [])):
+            group.update({k: float(saved[k]) for k in ("lr", "eps", "weight_decay") if k in saved})
+            if "betas" in saved:
+                group["betas"] = tuple(float(b) for b in saved["betas"])

@@ -71,9 +71,10 @@ class HeteroRuntime:
         self.adam.host_optimizer = mode
 
     # --- what HeteroOptimizer calls ------------------------------------------------------------
-    def optimizer_step(self, *, lr, beta1, beta2, eps, weight_decay, decoupled, grad_scale=None) -> None:
-        hp = dict(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, decoupled=decoupled)
-        self.adam.step(hp, grad_scale)
+    def optimizer_step(self, hp_of: dict[str, dict], grad_scale=None) -> None:
+        """``hp_of``: per trainable parameter name, its ``lr, beta1, beta2, eps, weight_decay,
+        decoupled``."""
+        self.adam.step(hp_of, grad_scale)
 
     def zero_grad(self) -> None:
         self.adam.zero_grad()
@@ -87,8 +88,8 @@ class HeteroRuntime:
     def full_gradients(self) -> dict[str, torch.Tensor]:
         return self.full.gradients()
 
-    def optimizer_state_dict(self, group: dict) -> dict:
-        return self.full.optimizer(self.adam.steps, group)
+    def optimizer_state_dict(self, groups: list[dict]) -> dict:
+        return self.full.optimizer(self.adam.steps, groups)
 
     def load_params(self, values: dict[str, torch.Tensor]) -> None:
         self.full.load_params(values)

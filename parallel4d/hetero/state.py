@@ -59,15 +59,19 @@ class FullState:
                     out[rec.name] = _cut(full, rec)
         return out
 
-    def optimizer(self, steps: dict[str, int], group: dict) -> dict:
-        """``{"state": {name: {"step", "exp_avg", "exp_avg_sq"}}, "param_groups": [group]}``."""
+    def optimizer(self, steps: dict[str, int], groups: list[dict]) -> dict:
+        """``{"state": {name: {"step", "exp_avg", "exp_avg_sq"}}, "param_groups": [hyperparameters
+        of each group]}``."""
         state = {}
         for row in self.layout.rows:
             if row.trainable:
                 state.update(self._adam_state(row, steps))
-        g = {k: v for k, v in group.items() if k != "params"}
-        g["betas"] = list(g["betas"])
-        return {"state": state, "param_groups": [g]}
+        out = []
+        for group in groups:
+            g = {k: v for k, v in group.items() if k != "params"}
+            g["betas"] = list(g["betas"])
+            out.append(g)
+        return {"state": state, "param_groups": out}
 
     def _adam_state(self, row, steps: dict[str, int]) -> dict:
         # every trainable parameter has an entry (zeros, step 0 before its first update) so

@@ -30,30 +30,30 @@ class RowAdam:
         self.steps: dict[str, int] = {}
 
     @torch.no_grad()
-    def step(self, hp: dict, grad_scale=None) -> None:
-        """One update of every parameter that has a gradient (``hp``: lr, beta1, beta2, eps,
-        weight_decay, decoupled); the gradient is scaled by ``grad_scale`` first (clipping)."""
+    def step(self, hp_of: dict[str, dict], grad_scale=None) -> None:
+        """One update of every parameter that has a gradient (``hp_of[name]``: its lr, beta1,
+        beta2, eps, weight_decay, decoupled); the gradient is scaled by ``grad_scale`` first (clipping)."""
         self.layout.check_idle("optimizer.step()")
         for row in self.layout.rows:
             if row.trainable:
-                self._step_row(row, hp, grad_scale)
+                self._step_row(row, hp_of, grad_scale)
         for row in self.layout.rows:
             for t in row.P.tensors:
                 if t.state in (S.HOLD_AFTER_FWD, S.HOLD_AFTER_BWD):
                     t.set_state(S.HOLD)
         self.mgr.end_iteration()
 
-    def _step_row(self, row: Row, hp: dict, grad_scale) -> None:
+    def _step_row(self, row: Row, hp_of: dict[str, dict], grad_scale) -> None:
         P, G, M, V, (lo, hi) = self.zero.opt_chunks(row)
         ks = [k for k, t in enumerate(G.tensors) if t.state == S.HOLD_AFTER_BWD]
         if not ks:
             return
-        steps = [self._count_step(row.records[k].name) for k in ks]
+        steps = [(self._count_step(row.records[k].name), hp_of[row.records[k].name]) for k in ks]
         parts = [(P, P.tensors)] + [(c, [c.tensors[k] for k in ks]) for c in (G, M, V)]
         on_host = self.host_optimizer in ("exact", "fused") and any(c.slot is None for c in (P, G, M, V))
         views = self._host_views(parts) if on_host else self._device_views(parts, grad_scale is not None)
         update = fused_adam_update if on_host and self.host_optimizer == "fused" else adam_update
-        for a, b, st in self._spans(G, ks, steps, lo, hi):
+        for a, b, (st, hp) in self._spans(G, ks, steps, lo, hi):
             if b > a:
                 p, g, m, v = (x[a:b] for x in views)
                 if grad_scale is not None:
@@ -71,9 +71,9 @@ class RowAdam:
         return self.steps[name]
 
     @staticmethod
-    def _spans(G: Chunk, ks: list[int], steps: list[int], lo: int, hi: int) -> list[tuple[int, int, int]]:
-        """``(start, end, step)`` ranges of the window to update."""
-        if len(ks) == len(G.tensors) and len(set(steps)) == 1:
+    def _spans(G: Chunk, ks: list[int], steps: list[tuple[int, dict]], lo: int, hi: int) -> list[tuple]:
+        """``(start, end, (step, hyperparameters))`` ranges of the window to update."""
+        if len(ks) == len(G.tensors) and all(s == steps[0] for s in steps):
             # one flat update over the window (padding is zero in G, M, V and stays zero)
             return [(0, min(hi, G.used) - lo, steps[0])]
         spans = []

@@ -32,13 +32,15 @@ def _validate(cfg, cls, field_name: str):
     raise ValueError(f"{field_name} must be a {cls.__name__} or a dict of its fields, got {type(cfg).__name__}")
 
 
-def wrap(model: nn.Module, optimizer_config=None, hetero_config=None, mesh=None):
+def wrap(model: nn.Module, optimizer_config=None, hetero_config=None, mesh=None, param_groups=None):
     """Move ``model``'s parameters, gradients and Adam states into chunks.
 
     ``optimizer_config``: :class:`~parallel4d.config.OptimizerConfig` or a dict of its
     fields; ``hetero_config``: :class:`~parallel4d.config.HeteroConfig` or a dict;
     ``mesh``: a :class:`~parallel4d.mesh.Mesh` whose ``dp`` axis (if > 1) shards the
-    chunks ZeRO-style. Returns ``(model, optimizer)``: the same module object (hooks
+    chunks ZeRO-style; ``param_groups``: torch-style groups of ``model``'s trainable parameters
+    (each once; e.g. ``weight_decay: 0.0`` for norms and biases), default one group of all of
+    them. Returns ``(model, optimizer)``: the same module object (hooks
     installed, ``state_dict`` gives full values under the original keys) and a
     :class:`~parallel4d.hetero.optim.HeteroOptimizer`.
     """
@@ -48,4 +50,4 @@ def wrap(model: nn.Module, optimizer_config=None, hetero_config=None, mesh=None)
         raise ValueError("hetero.wrap: this model is already wrapped")
     rt = HeteroRuntime(model, opt_cfg, cfg, mesh)
     model._hetero_runtime = rt
-    return model, HeteroOptimizer(rt, opt_cfg)
+    return model, HeteroOptimizer(rt, opt_cfg, param_groups)

@@ -14,8 +14,9 @@ import deepspeed
 import torch
 
 from ...config import Config, load_config
-from ...engine import build_optimizer, build_pipeline, local_model, lr_at
+from ...engine import build_pipeline, local_model
 from ...mesh import Mesh, device_and_backend, init_mesh, init_process_group_from_env
+from ...optim import build_optimizer, lr_lambda
 from .ds_config import resolve
 from .engines import DeepSpeedPipeline, Parallel4DEngine
 from .model import RankModel, avoid_compiled_ops, tag_parameters
@@ -54,10 +55,9 @@ def build_engine(cfg: Config, mesh: Mesh, ds_config: dict | None = None):
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = scheduler = None
     if "optimizer" not in ds_config:
-        optimizer = build_optimizer(params, cfg.optimizer)
+        optimizer = build_optimizer(model.dense_named_parameters(), cfg.optimizer)
         if "scheduler" not in ds_config:
-            base = cfg.optimizer
-            scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_at(step, base) / base.lr)
+            scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
     engine, optimizer, _, scheduler = deepspeed.initialize(
         model=model, optimizer=optimizer, model_parameters=params, lr_scheduler=scheduler, mpu=mesh.as_mpu(),
         config=ds_config)

@@ -71,6 +71,10 @@ class RankModel(nn.Module):
         tag_parameters(self.local, mesh)
         self._checked = False
 
+    def dense_named_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        """``(dense name, parameter)`` pairs, for ``parallel4d.optim.build_optimizer``'s groups."""
+        return self.local.dense_named_parameters()
+
     def _refuse_zero3(self) -> None:
         """ZeRO-3 partitions parameters over DeepSpeed's data-parallel group, not the dp·sp
         replicas, and gathers 2D blocks as if they were whole: wrong under tp or sp. Refused at
