@@ -17,7 +17,7 @@ from parallel4d.optim import build_optimizer, lr_at
 BASE = {"model": {"arch": "llama", "vocab_size": 64, "seq_len": 16, "hidden": 32, "heads": 4, "kv_heads": 2,
                   "layers": 4, "intermediate_size": 48, "rope_theta": 5e5},
         "data": {"source": "synthetic", "batch_size": 8},
-        "optimizer": {"lr": 0.01, "warmup_steps": 2, "weight_decay": 0.1},
+        "optimizer": {"lr": 0.01, "warmup_steps": 2, "weight_decay": 0.1, "schedule": "cosine", "min_lr": 0.002},
         "train": {"steps": 4, "dtype": "float64", "grad_clip": 0.5, "timeout_s": 60}}
 
 

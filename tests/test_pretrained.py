@@ -63,7 +63,11 @@ def _train(jobs: dict):
 def transformers_run(directory: str, job: dict) -> list[float]:
     """The checkpoint trained by transformers in one process: torch's AdamW on the whole batch."""
     model = transformers.AutoModelForCausalLM.from_pretrained(directory, attn_implementation="eager")
-    optimizer = torch.optim.AdamW(model.parameters(), **OPTIMIZER)
+    # the usual groups, by transformers' names: no weight decay on norms, biases and the embedding tables
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and not any(
+        e in n for e in ("embed_tokens", "wte", "wpe"))]
+    rest = [p for p in model.parameters() if all(p is not d for d in decay)]
+    optimizer = torch.optim.AdamW([{"params": decay}, {"params": rest, "weight_decay": 0.0}], **OPTIMIZER)
     data, losses = build_dataset(make_config(job)), []
     for step in range(job["train"]["steps"]):
         x, y = data.batch(step)
