@@ -1,4 +1,4 @@
-"""Command line: ``parallel4d launch | validate | plan | schedule | checkpoint gather | export``."""
+"""Command line: ``parallel4d launch | validate | plan | schedule | checkpoint gather | export | tokenize``."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from .gather import gather
 from .launch import launch
 from .mesh import device_and_backend
 from .pipeline.cli import add_schedule_parser
+from .tokenize import tokenize
 from .train import deepspeed_integration
 from .workers import Terminated, WorkerError, WorkerTimeout
 
@@ -71,6 +72,12 @@ def _cmd_export(args) -> int:
     return 0
 
 
+def _cmd_tokenize(args) -> int:
+    meta = tokenize(args.tokenizer, args.inputs, args.out, eos_token=args.eos_token, workers=args.workers)
+    print(json.dumps(meta))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="parallel4d", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -94,6 +101,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("out_dir", help="output directory: config.json and *.safetensors")
     p.add_argument("--max-shard-gb", type=float, default=5.0, help="safetensors shard size (default 5)")
     p.set_defaults(func=_cmd_export)
+    p = sub.add_parser("tokenize", help="text files → a token file for data.source=tokens (Hugging Face tokenizers)")
+    p.add_argument("inputs", nargs="+", help="text files, tokenized in this order, each ending with the "
+                                             "end-of-document token")
+    p.add_argument("--tokenizer", required=True, help="a tokenizer.json, or a model directory holding one")
+    p.add_argument("-o", "--out", required=True, help="the token file, e.g. data/train.bin (its .json sidecar beside)")
+    p.add_argument("--eos-token", default=None, help="the end-of-document token (default: the tokenizer's usual one)")
+    p.add_argument("--workers", type=int, default=1, help="processes tokenizing files in parallel (default 1)")
+    p.set_defaults(func=_cmd_tokenize)
     add_schedule_parser(sub)
     return parser
 

@@ -30,6 +30,7 @@ from pydantic import (AfterValidator, AllowInfNan, BaseModel, ConfigDict, Field,
 from pydantic_core import PydanticUndefined
 
 from .hf_config import mismatches, model_fields_from_hf, positions_short
+from .token_files import token_file_problems
 from .rules import (batch_problem, did_you_mean, divisors, grid_side, not_divisible, num_chunks, or_list,
                     pipeline_arg_problems, tensor2d_problems)
 
@@ -182,7 +183,10 @@ class ModelConfig(_Section):
 
 
 class DataConfig(_Section):
-    source: Literal["synthetic", "text"] = "synthetic"
+    source: Literal["synthetic", "text", "tokens"] = Field(
+        "synthetic", description="synthetic sequences, bytes of .py files, or a token file (data.path)")
+    path: Optional[PathStr] = Field(None, description="tokens: the .bin file `parallel4d tokenize` wrote (its "
+                                                      ".json sidecar beside it)")
     batch_size: int = Field(8, ge=1, description="global sequences per step")
     seed: Seed = 0
     text_root: Optional[PathStr] = Field(None, description="directory of .py files (≥ 1024 bytes of them); "
@@ -286,6 +290,12 @@ def cross_field_problems(cfg: Config) -> list[str]:
         out.append(f"data.source=text is byte-level and needs model.vocab_size≥256, got {m.vocab_size}; use 256")
     if cfg.data.source == "text" and cfg.data.text_root:
         out += _text_root_problems(cfg.data.text_root)
+    if cfg.data.source == "tokens":
+        out += (token_file_problems(cfg.data.path, m.vocab_size, m.seq_len) if cfg.data.path else
+                ["data.source=tokens needs data.path (a .bin file from `parallel4d tokenize`)"])
+    elif cfg.data.path:
+        out.append(f"data.path is read with data.source=tokens, not {cfg.data.source}; set data.source=tokens "
+                   "or remove data.path")
     return out
 
 

@@ -1,5 +1,5 @@
-"""Training data that needs no download: synthetic token streams and a byte-level
-corpus made of the Python standard library's own source files.
+"""Training data: synthetic token streams and a byte-level corpus made of the Python
+standard library's own source files (no download), or a user's token file (``TokenFile``).
 
 Both are *global* and deterministic: ``batch(step)`` returns the same
 ``[batch_size, seq_len]`` tokens and next-token targets on every rank for a
@@ -15,6 +15,8 @@ import sysconfig
 from pathlib import Path
 
 import torch
+
+from .token_files import read_sidecar
 
 
 class SyntheticTokens:
@@ -83,11 +85,30 @@ class ByteCorpus:
         return seq[:, :-1].contiguous(), seq[:, 1:].contiguous()
 
 
+class TokenFile:
+    """Random windows of a token file (``data.source: tokens``), memory-mapped: a step's batch
+    reads its ``batch_size`` windows of ``seq_len + 1`` tokens, never the whole file."""
+
+    def __init__(self, path, seq_len: int, batch_size: int, seed: int = 0):
+        meta = read_sidecar(path)
+        dtype = {"uint16": torch.uint16, "uint32": torch.uint32}[meta["dtype"]]
+        self.tokens = torch.from_file(str(path), shared=False, size=meta["tokens"], dtype=dtype)
+        self.seq_len, self.batch_size, self.seed = seq_len, batch_size, seed
+
+    def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
+        starts = torch.randint(0, len(self.tokens) - self.seq_len - 1, (self.batch_size,), generator=g)
+        seq = torch.stack([self.tokens[s:s + self.seq_len + 1].to(torch.int64) for s in starts.tolist()])
+        return seq[:, :-1].contiguous(), seq[:, 1:].contiguous()
+
+
 def build_dataset(cfg):
     """The dataset a ``Config`` asks for."""
     m, d = cfg.model, cfg.data
     if d.source == "synthetic":
         return SyntheticTokens(m.vocab_size, m.seq_len, d.batch_size, d.seed)
+    if d.source == "tokens":
+        return TokenFile(d.path, m.seq_len, d.batch_size, d.seed)
     return ByteCorpus(m.seq_len, d.batch_size, d.seed, d.text_root, d.max_bytes)
 
 
