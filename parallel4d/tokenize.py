@@ -6,10 +6,11 @@ from __future__ import annotations
 import json
 from array import array
 from concurrent.futures import ProcessPoolExecutor
+from functools import lru_cache
 from pathlib import Path
 
 from .config import ConfigError
-from .token_files import ITEM_BYTES, dtype_for, sidecar_path
+from .token_files import dtype_for, sidecar_path
 
 # the end-of-document tokens of common tokenizers, tried in this order
 EOS_NAMES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "<|im_end|>", "[SEP]")
@@ -24,6 +25,7 @@ def _tokenizer_file(tokenizer: str) -> Path:
     return path
 
 
+@lru_cache(maxsize=4)  # once per process, not once per file
 def _load(path: Path):
     try:
         from tokenizers import Tokenizer
@@ -64,17 +66,21 @@ def tokenize(tokenizer: str, inputs: list[str], out: str, eos_token: str | None 
     dtype = dtype_for(vocab)
     jobs = [(str(path), f, eos) for f in inputs]
     total = 0
-    with open(out, "wb") as sink, ProcessPoolExecutor(max_workers=max(1, workers)) as pool:
-        docs = pool.map(_encode, jobs) if workers > 1 else map(_encode, jobs)
+    pool = ProcessPoolExecutor(max_workers=workers) if workers > 1 else None
+    try:
+        docs = pool.map(_encode, jobs) if pool else map(_encode, jobs)
         if progress:
             from tqdm import tqdm
 
             docs = tqdm(docs, total=len(jobs), unit="file", desc="tokenize")
-        for ids in docs:
-            array("H" if dtype == "uint16" else "I", ids).tofile(sink)
-            total += len(ids)
+        with open(out, "wb") as sink:
+            for ids in docs:
+                array("H" if dtype == "uint16" else "I", ids).tofile(sink)
+                total += len(ids)
+    finally:
+        if pool:
+            pool.shutdown()
     meta = {"dtype": dtype, "tokens": total, "vocab_size": vocab, "tokenizer": str(path.resolve()),
             "eos_token_id": eos, "files": len(inputs)}
-    assert Path(out).stat().st_size == total * ITEM_BYTES[dtype]
     sidecar_path(out).write_text(json.dumps(meta, indent=1) + "\n")
     return meta
