@@ -132,9 +132,13 @@ def test_every_strategy_wait_ends_within_the_timeout():
                 continue
             assert kind in ("CommTimeout", "PeerLost"), (rank, name, kind, msg)
             assert names[name] in msg and f"rank {rank}" in msg, (rank, name, msg)
+            assert name in ("summa", "ring") or "group ranks [0, 1, 2, 3]" in msg, msg  # p2p waits name no group
             assert seconds < TIMEOUT_S + GRACE_S, (rank, name, seconds, msg)
-        # the ranks waiting on rank 2 itself time out; later ones may see a peer that already left
-        assert any(kind == "CommTimeout" and "group ranks [0, 1, 2, 3]" in msg for _, kind, msg, _ in rows)
+    # Nobody exits, so the first rank to give up in each scenario timed out; which rank that is
+    # depends on scheduling, and the others may see it close its connections (PeerLost).
+    for name in names:
+        kinds = [kind for rows in results for n, kind, _, _ in rows if n == name]
+        assert "CommTimeout" in kinds, (name, kinds)
 
 
 def _checkpoint_save_without_rank_1(root):
