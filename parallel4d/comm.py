@@ -86,16 +86,30 @@ def named(what: str, group=None, timeout_s: float | None = None):
 
 @dataclass
 class CommStats:
-    """Per-rank byte counters, keyed by an operation label."""
+    """Per-rank byte counters, keyed by an operation label and by the group's mesh axis.
+
+    The ``Mesh`` names the groups it creates (:meth:`name_group`: ``"tp_row"``,
+    ``"dp+sp"``, …); bytes moved in a group it did not name count under ``"other"``,
+    in the default group under ``"world"``.
+    """
 
     sent: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     received: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     calls: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    axis_sent: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    axis_received: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    group_names: dict[int, str] = field(default_factory=dict)  # id(group) → axis name
 
-    def add(self, label: str, sent: int = 0, received: int = 0) -> None:
+    def name_group(self, group, name: str) -> None:
+        self.group_names[id(group)] = name
+
+    def add(self, label: str, sent: int = 0, received: int = 0, group=_UNKNOWN) -> None:
         self.sent[label] += int(sent)
         self.received[label] += int(received)
         self.calls[label] += 1
+        axis = "world" if group is None else self.group_names.get(id(group), "other")
+        self.axis_sent[axis] += int(sent)
+        self.axis_received[axis] += int(received)
 
     def total_sent(self) -> int:
         return sum(self.sent.values())
@@ -104,15 +118,15 @@ class CommStats:
         return sum(self.received.values())
 
     def reset(self) -> None:
-        self.sent.clear()
-        self.received.clear()
-        self.calls.clear()
+        for counts in (self.sent, self.received, self.calls, self.axis_sent, self.axis_received):
+            counts.clear()
 
     def as_dict(self) -> dict:
         return {
             "sent": dict(self.sent),
             "received": dict(self.received),
             "calls": dict(self.calls),
+            "by_axis": {"sent": dict(self.axis_sent), "received": dict(self.axis_received)},
         }
 
 
@@ -120,9 +134,9 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def _count(stats: CommStats | None, label: str, sent: int, received: int) -> None:
+def _count(stats: CommStats | None, label: str, sent: int, received: int, group) -> None:
     if stats is not None:
-        stats.add(label, sent, received)
+        stats.add(label, sent, received, group)
 
 
 def group_size(group: dist.ProcessGroup | None) -> int:
@@ -138,7 +152,7 @@ def broadcast(tensor, src: int, group=None, *, stats=None, label="broadcast", as
     n = group_size(group)
     if n > 1:
         me = dist.get_rank()
-        _count(stats, label, _nbytes(tensor) if me == src else 0, 0 if me == src else _nbytes(tensor))
+        _count(stats, label, _nbytes(tensor) if me == src else 0, 0 if me == src else _nbytes(tensor), group)
         with named(f"{label} from rank {src}", group):
             return dist.broadcast(tensor, src=src, group=group, async_op=async_op)
     return None
@@ -150,7 +164,7 @@ def reduce(tensor, dst: int, group=None, *, stats=None, label="reduce", async_op
     if n > 1:
         me = dist.get_rank()
         nb = _nbytes(tensor)
-        _count(stats, label, 0 if me == dst else nb, nb * (n - 1) if me == dst else 0)
+        _count(stats, label, 0 if me == dst else nb, nb * (n - 1) if me == dst else 0, group)
         with named(f"{label} to rank {dst}", group):
             return dist.reduce(tensor, dst=dst, group=group, async_op=async_op)
     return None
@@ -159,7 +173,7 @@ def reduce(tensor, dst: int, group=None, *, stats=None, label="reduce", async_op
 def all_reduce(tensor, group=None, *, op=dist.ReduceOp.SUM, stats=None, label="all_reduce", async_op=False):
     """In-place all-reduce; a no-op on a group of one."""
     if group_size(group) > 1:
-        _count(stats, label, _nbytes(tensor), _nbytes(tensor))
+        _count(stats, label, _nbytes(tensor), _nbytes(tensor), group)
         with named(label, group):
             return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
     return None
@@ -173,7 +187,7 @@ def all_gather(tensor: torch.Tensor, group=None, *, dim: int = 0, stats=None, la
     parts = [torch.empty_like(tensor) for _ in range(n)]
     with named(label, group):
         dist.all_gather(parts, tensor.contiguous(), group=group)
-    _count(stats, label, _nbytes(tensor), _nbytes(tensor) * (n - 1))
+    _count(stats, label, _nbytes(tensor), _nbytes(tensor) * (n - 1), group)
     return torch.cat(parts, dim=dim)
 
 
@@ -189,7 +203,7 @@ def reduce_scatter(tensor: torch.Tensor, group=None, *, dim: int = 0, stats=None
     if tensor.shape[dim] % n:
         raise ValueError(f"reduce_scatter: size {tensor.shape[dim]} along dim {dim} not divisible by group size {n}")
     shard = _nbytes(tensor) // n
-    _count(stats, label, shard * (n - 1), shard * (n - 1))
+    _count(stats, label, shard * (n - 1), shard * (n - 1), group)
     with named(label, group):
         if dist.get_backend(group) == "nccl":
             chunks = [c.contiguous() for c in tensor.chunk(n, dim=dim)]
@@ -210,10 +224,10 @@ def p2p(ops: Iterable[tuple[str, torch.Tensor, int]], group=None, *, stats=None,
     p2p_ops = []
     for kind, tensor, peer in ops:
         if kind == "send":
-            _count(stats, label, _nbytes(tensor), 0)
+            _count(stats, label, _nbytes(tensor), 0, group)
             p2p_ops.append(dist.P2POp(dist.isend, tensor, peer, group))
         elif kind == "recv":
-            _count(stats, label, 0, _nbytes(tensor))
+            _count(stats, label, 0, _nbytes(tensor), group)
             p2p_ops.append(dist.P2POp(dist.irecv, tensor, peer, group))
         else:
             raise ValueError(f"p2p op kind must be 'send' or 'recv', got {kind!r}")

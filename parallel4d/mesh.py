@@ -132,6 +132,7 @@ class Mesh:
         """Process group of the ranks along ``axis`` (that coordinate varies, others fixed)."""
         if axis not in self._groups:
             self._groups[axis] = self.device_mesh.get_group(axis)
+            self.comm_stats.name_group(self._groups[axis], axis)
         return self._groups[axis]
 
     group_along = group
@@ -154,11 +155,16 @@ class Mesh:
             rows = grid.permute(*others, *dims).reshape(-1, math.prod(grid.shape[d] for d in dims))
             mine, _ = dist.new_subgroups_by_enumeration(rows.tolist(), timeout=timedelta(seconds=self.timeout_s))
             self._groups[key] = mine
+            self.comm_stats.name_group(mine, "+".join(key))
         return self._groups[key]
 
-    def new_group(self, ranks: list[int]) -> dist.ProcessGroup:
-        """``dist.new_group(ranks)`` with the mesh's timeout (collective over the whole world)."""
-        return dist.new_group(sorted(ranks), timeout=timedelta(seconds=self.timeout_s))
+    def new_group(self, ranks: list[int], axis: str = "other") -> dist.ProcessGroup:
+        """``dist.new_group(ranks)`` with the mesh's timeout (collective over the whole world);
+        its bytes count under ``axis`` in :attr:`comm_stats` (say ``"pp"`` for ranks along pp)."""
+        group = dist.new_group(sorted(ranks), timeout=timedelta(seconds=self.timeout_s))
+        if group is not None and group != dist.GroupMember.NON_GROUP_MEMBER:
+            self.comm_stats.name_group(group, axis)
+        return group
 
     def rank_over(self, *axes: str) -> int:
         """My index in :meth:`group_over` (row-major over ``axes`` in mesh order)."""

@@ -16,20 +16,32 @@ def run_workers(fn, world_size, *args, timeout_s=180.0, **kwargs):
 
 
 # Every 16-worker check of the suite runs in one spawned job (16 processes take ~13 s to start on
-# the CI's 2 cores): each module listed defines ``sixteen_worker_job()``, run on every rank.
-SIXTEEN_WORKER_MODULES = ("test_mesh", "test_llama")
+# the CI's 2 cores): each module listed defines ``sixteen_worker_job(tmp)``, run on every rank
+# (``tmp``: a directory of its own, shared by the ranks).
+SIXTEEN_WORKER_MODULES = ("test_mesh", "test_llama", "test_e2e", "test_reshard")
 
 
-def _sixteen_worker_jobs(modules):
+def _sixteen_worker_jobs(modules, tmp):
     import importlib
+    from pathlib import Path
 
-    return {name: importlib.import_module(name).sixteen_worker_job() for name in modules}
+    return {name: importlib.import_module(name).sixteen_worker_job(Path(tmp) / name) for name in modules}
 
 
 @pytest.fixture(scope="session")
-def sixteen_workers():
-    """``{module: its sixteen_worker_job() result}`` per rank, from one 16-worker job."""
-    return run_workers(_sixteen_worker_jobs, 16, SIXTEEN_WORKER_MODULES, timeout_s=600)
+def sixteen_workers(tmp_path_factory):
+    """``{module: its sixteen_worker_job(tmp) result}`` per rank, from one 16-worker job."""
+    tmp = tmp_path_factory.mktemp("sixteen")
+    return run_workers(_sixteen_worker_jobs, 16, SIXTEEN_WORKER_MODULES, str(tmp), timeout_s=900)
+
+
+def train_in_job(config, overrides) -> dict:
+    """What ``launch(config, overrides)`` runs on each rank, inside a job already started (e.g.
+    :func:`sixteen_workers`): rank 0's summary, ``{"rank": r}`` elsewhere."""
+    from parallel4d.config import load_config
+    from parallel4d.train import run_training
+
+    return run_training(load_config(config, list(overrides)))
 
 
 @pytest.fixture

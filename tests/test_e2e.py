@@ -171,12 +171,25 @@ def test_pipeline_schedules(case, tmp_path, tmp_path_factory):
     assert_float64_match(got, out, ref, ref_out)
 
 
-def test_all_four_techniques(tmp_path_factory):
+FOUR_D = {"float32": [], "bfloat16": ["train.dtype=bfloat16"]}
+
+
+def sixteen_worker_job(tmp):
+    """This file's share of the suite's 16-worker job (tests/conftest.py): configs/4d.yaml as shipped
+    and in bfloat16, each as launch runs it on a rank; ``{case: (rank 0's summary, out_dir)}``."""
+    from conftest import train_in_job
+
+    return {case: (train_in_job(ROOT / "configs" / "4d.yaml", [*extra, f"train.out_dir={tmp / case}",
+                                                                "train.log_every=100"]), tmp / case)
+            for case, extra in FOUR_D.items()}
+
+
+def test_all_four_techniques(sixteen_workers, tmp_path_factory):
     """configs/4d.yaml as shipped (float32), 16 workers: Hanayo pp=2 × ring sp=2 × 2D tp=4 × hetero
     (budget below each rank's model data, ZeRO over the dp·sp replicas) equals one process with none
     of them. Float64 (losses 1e-10, every parameter and Adam moment 1e-9) and resuming its
     checkpoint under other layouts: tests/test_reshard.py, not repeated here."""
-    got, out = shared_run("4d", tmp_path_factory)
+    got, out = sixteen_workers[0]["test_e2e"]["float32"]
     ref, _ = reference("4d", tmp_path_factory, ["hetero.enabled=false"])
     assert got["world_size"] == 16
     h = got["hetero"]
@@ -202,27 +215,10 @@ def test_hetero(tmp_path_factory):
     assert_losses_match(more, ref, rtol=1e-5)
 
 
-# Each technique's float32 job (the one its test above checks) and its bfloat16 twin.
-BFLOAT16 = {
-    "tensor2d-tp4": ("tensor2d", TENSOR2D["tp4"]),
-    # eps 1e-4: the attention key bias has a zero gradient in exact arithmetic (softmax ignores a shift
-    # along the keys); with eps 1e-8 Adam turns bf16 round-off there into lr-sized steps, and one batch
-    # of the 20 then sits 2.0e-2 from float32 (sp=1 bf16: 2.2e-3), machine-dependently; with 1e-4, 2.1e-3
-    "sequence-sp4": ("sequence", ["optimizer.eps=1e-4"]),
-    "pipeline-pp4": ("pipeline", []),
-    "hetero-dp2": ("hetero", []),
-    "all-four": ("4d", []),
-}
-
-
-@pytest.mark.parametrize("case", list(BFLOAT16))
-def test_bfloat16(case, tmp_path, tmp_path_factory):
-    """``train.dtype=bfloat16`` (float32 parameters, bf16 autocast) through launch, per technique and
-    all four at once: finite losses within 2e-2 of the same layout's float32 run, learning, and bf16
-    really used (float32 checkpoints, other losses, bf16 SUMMA operands and ring K/V)."""
-    name, overrides = BFLOAT16[case]
-    f32, _ = shared_run(name, tmp_path_factory, overrides)
-    got, out = run(name, tmp_path, [*overrides, "train.dtype=bfloat16"], "bf16")
+def assert_bfloat16(got, out, f32):
+    """A bfloat16 run (float32 parameters, bf16 autocast) against its layout's float32 run: finite
+    losses within 2e-2, learning, and bf16 really used (float32 checkpoints, other losses, bf16 SUMMA
+    operands and ring K/V)."""
     assert got["config"]["train"]["dtype"] == "bfloat16" and got["world_size"] == f32["world_size"]
     state = read_state(checkpoint.latest_checkpoint(out / "checkpoints"))
     assert {v.dtype for k, v in state.items() if k.startswith("model.")} == {torch.float32}  # bf16 compute only
@@ -237,3 +233,18 @@ def test_bfloat16(case, tmp_path, tmp_path_factory):
     if got["parallel"]["tp"] > 1:  # SUMMA broadcasts and reduces its bf16 operands: half of float32's bytes
         summa = [k for k in sent32 if ":summa_" in k]
         assert summa and all(2 * sent[k] == sent32[k] for k in summa)
+
+
+def test_bfloat16_with_all_four_techniques(sixteen_workers):
+    """configs/4d.yaml under ``train.dtype=bfloat16``: ring, SUMMA, the pipeline and hetero at once
+    (each technique's own float32 run is checked above; their bf16 paths all run here)."""
+    (got, out), (f32, _) = (sixteen_workers[0]["test_e2e"][case] for case in ("bfloat16", "float32"))
+    assert got["parallel"]["sp"] > 1 and got["parallel"]["tp"] > 1 and got["parallel"]["pp"] > 1
+    assert_bfloat16(got, out, f32)
+
+
+def test_bfloat16_hetero(tmp_path, tmp_path_factory):
+    """hetero alone under bf16 autocast: its chunks stay float32."""
+    f32, _ = shared_run("hetero", tmp_path_factory)
+    got, out = run("hetero", tmp_path, ["train.dtype=bfloat16"], "bf16")
+    assert_bfloat16(got, out, f32)

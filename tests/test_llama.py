@@ -112,7 +112,7 @@ FOUR_D = {"Hanayo pp=2 × ring sp=2 × 2D tp=4 × hetero": _job(
     train={**BASE["train"], "grad_clip": None})}
 
 
-def sixteen_worker_job():
+def sixteen_worker_job(tmp):
     """This file's share of the suite's 16-worker job (tests/conftest.py): the 4D run, and hetero's
     budget, peak residency and model data on this rank."""
     return _train_layouts(FOUR_D, with_hetero_stats=True)

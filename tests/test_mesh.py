@@ -67,7 +67,7 @@ def test_mesh_world_8():
         assert len({tuple(coords[i].values()) for coords in per_rank}) == 8
 
 
-def sixteen_worker_job():
+def sixteen_worker_job(tmp):
     """This file's share of the suite's 16-worker job (tests/conftest.py)."""
     return _check_meshes([dict(pp=2, dp=1, sp=2, tp=4)], group_over=True)
 

@@ -34,15 +34,25 @@ def run(out, overrides):
     return launch(ROOT / "configs" / "4d.yaml", [*MODEL, *overrides, f"train.out_dir={out}"])
 
 
+def sixteen_worker_job(tmp):
+    """This file's share of the suite's 16-worker job (tests/conftest.py): the 4D run, 3 steps."""
+    from conftest import train_in_job
+
+    return train_in_job(ROOT / "configs" / "4d.yaml", [*MODEL, "train.steps=3", f"train.out_dir={tmp / '4d'}"])
+
+
 @pytest.fixture(scope="module")
-def jobs(tmp_path_factory):
-    """The 4D run (3 steps) and the single-process run of 5 steps (checkpoints at 3 and 5)."""
+def jobs(sixteen_workers, tmp_path_factory):
+    """The 4D run (3 steps, in the suite's 16-worker job) and the single-process run of 5 steps
+    (checkpoints at 3 and 5)."""
     tmp = tmp_path_factory.mktemp("reshard")
-    source = run(tmp / "4d", ["train.steps=3"])
+    source = sixteen_workers[0]["test_reshard"]
     ref = run(tmp / "ref", [*SINGLE, "train.steps=5"])
     ckpts = tmp / "ref" / "checkpoints"
+    ckpt = Path(source["checkpoint"])
+    assert ckpt.name == "step_00000003"
     return SimpleNamespace(tmp=tmp, source=source, ref=ref, ref3=read_state(ckpts / "step_00000003"),
-                           ref5=read_state(ckpts / "step_00000005"), ckpt=tmp / "4d" / "checkpoints" / "step_00000003")
+                           ref5=read_state(ckpts / "step_00000005"), ckpt=ckpt)
 
 
 def assert_state_close(got: dict, want: dict, what: str):

@@ -85,10 +85,21 @@ class HeteroOptimizer(torch.optim.Optimizer):
 
     def clip_grad_norm_(self, max_norm: float) -> float:
         """Global L2 norm of the gradients (over dp under ZeRO); the next ``step()``
-        scales them by ``min(1, max_norm/(norm+1e-6))`` like ``torch.nn.utils.clip_grad_norm_``."""
-        norm = self.rt.grad_norm()
-        self._clip_coef = min(1.0, max_norm / (norm + 1e-6))
+        scales them by ``min(1, max_norm/(norm+1e-6))`` like ``torch.nn.utils.clip_grad_norm_``.
+        The norm of this model's parameters only: a model split over more ranks (tensor or
+        pipeline parallel) sums :meth:`grad_sq_norm` over them and calls :meth:`scale_next_step`."""
+        norm = float(self.rt.grad_sq_norm().sqrt())
+        self.scale_next_step(min(1.0, max_norm / (norm + 1e-6)))
         return norm
+
+    def grad_sq_norm(self, weights: dict[str, float] | None = None) -> torch.Tensor:
+        """Σ weight · ‖grad‖² over this model's parameters and the data replicas, float64 ``[]``
+        (``weights`` by parameter name, default 1)."""
+        return self.rt.grad_sq_norm(weights)
+
+    def scale_next_step(self, coef: float) -> None:
+        """Multiply the gradients by ``coef`` in the next ``step()`` (clipping)."""
+        self._clip_coef = coef
 
     # --- inspection -------------------------------------------------------------------
     def gradients(self) -> dict[str, torch.Tensor]:

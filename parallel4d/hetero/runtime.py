@@ -79,8 +79,8 @@ class HeteroRuntime:
     def zero_grad(self) -> None:
         self.adam.zero_grad()
 
-    def grad_norm(self) -> float:
-        return self.adam.grad_norm()
+    def grad_sq_norm(self, weights: dict[str, float] | None = None) -> torch.Tensor:
+        return self.adam.grad_sq_norm(weights)
 
     def full_params(self) -> dict[str, torch.Tensor]:
         return self.full.params()

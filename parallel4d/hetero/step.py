@@ -130,8 +130,11 @@ class RowAdam:
                         t.set_state(S.FREE)
 
     @torch.no_grad()
-    def grad_norm(self) -> float:
-        """Global L2 norm of the gradients written since the last step (over dp under ZeRO)."""
+    def grad_sq_norm(self, weights: dict[str, float] | None = None) -> torch.Tensor:
+        """Σ weight · ‖g‖² over the gradients written since the last step, summed over the data
+        replicas (ZeRO's group); float64 ``[]``. ``weights``: by parameter name (default 1), e.g. 1/q
+        for a tensor another rank also holds, so a caller summing over more axes counts it once."""
+        weights = weights or {}
         sq = torch.zeros((), dtype=torch.float64, device=self.mgr.device)
         for row in self.layout.rows:
             if not row.trainable:
@@ -141,6 +144,6 @@ class RowAdam:
             for t in G.tensors:
                 seg = segment(t, lo, hi) if t.state == S.HOLD_AFTER_BWD else None
                 if seg is not None:
-                    sq += content[seg[0] - lo:seg[1] - lo].double().pow(2).sum()
+                    sq += content[seg[0] - lo:seg[1] - lo].double().pow(2).sum() * weights.get(t.name.split(":", 1)[1], 1.0)
         self.zero.all_reduce(sq, "hetero gradient-norm all-reduce")
-        return float(sq.sqrt())
+        return sq

@@ -79,7 +79,7 @@ class ZeroShards:
             all_gather_into(dst, local.clone(), self.group)
             got = (self.dp - 1) * nbytes
             self.mgr.count(gather_bytes=got)
-            self.mesh.comm_stats.add("hetero.all_gather", nbytes, got)
+            self.mesh.comm_stats.add("hetero.all_gather", nbytes, got, self.group)
         return load
 
     def reduce_row(self, row, when: str) -> None:
@@ -101,7 +101,7 @@ class ZeroShards:
         shard = reduce_scatter_mean(full, self.group, self.dp)
         sent = (self.dp - 1) * self.Sz * self.mgr.esize
         self.mgr.count(reduce_scatter_bytes=sent)
-        self.mesh.comm_stats.add("hetero.reduce_scatter", sent, sent)
+        self.mesh.comm_stats.add("hetero.reduce_scatter", sent, sent, self.group)
         for k in got:
             G.tensors[k].set_state(TensorState.FREE)
         self.mgr.unpin(G)

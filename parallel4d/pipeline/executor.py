@@ -350,7 +350,7 @@ class TiedGradSync:
         me = dist.get_rank()
         for line in lines:
             ranks = sorted(int(line[o]) for o in owners)
-            g = mesh.new_group(ranks)
+            g = mesh.new_group(ranks, axis="pp")
             if me in ranks:
                 self.group = g
 
