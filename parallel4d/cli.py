@@ -1,4 +1,4 @@
-"""Command line: ``parallel4d launch | validate | plan | schedule | checkpoint gather | export | tokenize``."""
+"""Command line: ``parallel4d launch | validate | plan | schedule | checkpoint gather | export | tokenize | plot``."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import sys
 
 from .checkpoint import CheckpointError
 from .config import ConfigError, load_config
+from .curves import plot_run
 from .export import export
 from .gather import gather
 from .launch import launch
@@ -78,6 +79,11 @@ def _cmd_tokenize(args) -> int:
     return 0
 
 
+def _cmd_plot(args) -> int:
+    print(plot_run(args.run_dir, args.out))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="parallel4d", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -109,6 +115,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--eos-token", default=None, help="the end-of-document token (default: the tokenizer's usual one)")
     p.add_argument("--workers", type=int, default=1, help="processes tokenizing files in parallel (default 1)")
     p.set_defaults(func=_cmd_tokenize)
+    p = sub.add_parser("plot", help="draw a run's loss, validation loss, learning rate and throughput into a PNG")
+    p.add_argument("run_dir", help="the run's train.out_dir (summary.json, metrics.jsonl)")
+    p.add_argument("-o", "--out", default=None, help="the PNG (default RUN_DIR/curves.png)")
+    p.set_defaults(func=_cmd_plot)
     add_schedule_parser(sub)
     return parser
 

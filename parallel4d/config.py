@@ -16,6 +16,7 @@ finite, and the YAML reader refuses aliases and duplicated keys.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
@@ -202,7 +203,9 @@ class TrainConfig(_Section):
     device: Literal["auto", "cpu", "cuda"] = "auto"
     grad_clip: Optional[Finite] = Field(None, gt=0)
     out_dir: PathStr = "runs/default"
-    log_every: int = Field(1, ge=1)
+    log_every: int = Field(1, ge=1, description="a progress line and a metrics.jsonl record every this many steps")
+    tensorboard: bool = Field(False, description="also write TensorBoard scalars under <out_dir>/tensorboard "
+                                                 "(needs the tensorboard package: pip install 'parallel4d[viz]')")
     resume: bool = False
     timeout_s: Seconds = Field(300.0, description="limit for any one collective / p2p wait, in seconds: at least 1 "
                                                    "(less fails healthy collectives on a busy host), at most a year")
@@ -273,15 +276,15 @@ def cross_field_problems(cfg: Config) -> list[str]:
     out += filter(None, [batch_problem(cfg.data.batch_size, pl.microbatches, [("parallel.dp", p.dp), ("q", q)])])
     if p.pp > 1:
         out += pipeline_arg_problems(m.layers, p.pp, pl.microbatches, pl.schedule, pl.waves, pl.chunks_per_rank)
-    if cfg.hetero.enabled and cfg.train.grad_clip and (p.pp > 1 or p.tp > 1):
-        out.append("train.grad_clip with hetero.enabled=true needs parallel.pp=1 and parallel.tp=1 (hetero's "
-                   "gradient norm covers the data replicas only); unset train.grad_clip or hetero")
     if cfg.hetero.enabled and p.pp > 1 and m.tie_embeddings and pl.schedule != "hanayo":
         out.append(f"hetero.enabled=true with pipeline.schedule={pl.schedule} cannot keep a tied embedding and "
                    "LM head on two pp ranks in step; use pipeline.schedule=hanayo (both ends on rank 0) or "
                    "model.tie_embeddings=false")
     out += _family_problems(m, q)
     out += _schedule_problems(cfg.optimizer, cfg.train.steps)
+    if cfg.train.tensorboard and importlib.util.find_spec("tensorboard") is None:
+        out.append("train.tensorboard=true needs the tensorboard package: pip install 'parallel4d[viz]' (make "
+                   "installs it), or set train.tensorboard=false (metrics.jsonl is written either way)")
     if cfg.deepspeed is not None:
         out += deepspeed_problems(cfg)
     if cfg.data.source == "synthetic" and m.vocab_size < 2:

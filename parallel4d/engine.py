@@ -218,27 +218,35 @@ def average_gradients(params: list[nn.Parameter], mesh: Mesh, timeout_s: float) 
         offset += g.numel()
 
 
-def global_grad_norm(params: list[nn.Parameter], mesh: Mesh, tied_copies: set[int] = frozenset()) -> torch.Tensor:
-    """L2 norm of the whole model's gradient, each distinct dense element counted once.
+def norm_weight(p: nn.Parameter, q: int, tied_copies: set[int]) -> float:
+    """How much of ``p``'s squared gradient norm this rank contributes to the whole model's, so
+    that summing over tp and pp counts each dense element once: 1/q for a parameter replicated over
+    the grid rows (``tensor2d_replicated_over``), 1/2 for a tied copy held on two pp ranks
+    (``tied_copies``: ids), else 1."""
+    w = 1.0
+    if "tp_row" in getattr(p, "tensor2d_replicated_over", ()):
+        w /= q
+    if id(p) in tied_copies:
+        w /= 2
+    return w
 
-    Shards on different tp/pp ranks are summed; a parameter replicated over the
-    grid rows (``tensor2d_replicated_over``) is divided by q; a tied copy held on
-    two pp ranks (``tied_copies``: ids) counts half on each.
-    """
+
+def sum_over_model_axes(sq: torch.Tensor, mesh: Mesh) -> torch.Tensor:
+    """``sq`` summed over the axes that hold different parameters (tp_row, tp_col, pp), in place."""
+    for axis in ("tp_row", "tp_col", "pp"):
+        comm.all_reduce(sq, mesh.group(axis), stats=mesh.comm_stats, label="grad_norm")
+    return sq
+
+
+def global_grad_norm(params: list[nn.Parameter], mesh: Mesh, tied_copies: set[int] = frozenset()) -> torch.Tensor:
+    """L2 norm of the whole model's gradient, each distinct dense element counted once
+    (:func:`norm_weight`), shards on different tp/pp ranks summed; float64 ``[]``."""
     sq = torch.zeros((), dtype=torch.float64, device=mesh.device)
     q = mesh.size("tp_row")
     for p in params:
-        if p.grad is None:
-            continue
-        s = p.grad.detach().double().pow(2).sum()
-        if "tp_row" in getattr(p, "tensor2d_replicated_over", ()):
-            s = s / q
-        if id(p) in tied_copies:
-            s = s / 2
-        sq = sq + s
-    for axis in ("tp_row", "tp_col", "pp"):
-        comm.all_reduce(sq, mesh.group(axis), stats=mesh.comm_stats, label="grad_norm")
-    return sq.sqrt()
+        if p.grad is not None:
+            sq = sq + p.grad.detach().double().pow(2).sum() * norm_weight(p, q, tied_copies)
+    return sum_over_model_axes(sq, mesh).sqrt()
 
 
 class DataReplicas:
@@ -285,6 +293,8 @@ class Engine:
         self.step = 0
         self.tokens_seen = 0
         self.last_step_info: dict = {}
+        self.last_lr: float | None = None  # the learning rate of the last step
+        self.last_grad_norm: float | None = None  # see train_step
         self.autocast = (torch.autocast(device_type=self.device.type, dtype=torch.bfloat16)
                          if cfg.train.dtype == "bfloat16" else nullcontext())
         self.grad_sync = self._grad_buckets()
@@ -360,19 +370,36 @@ class Engine:
             self.grad_sync.finish()
         return loss
 
-    def train_step(self, tokens: torch.Tensor, targets: torch.Tensor) -> float:
-        """One optimizer step on the global batch; returns the global mean loss."""
+    def grad_norm(self) -> torch.Tensor:
+        """L2 norm of the whole model's gradient after :meth:`compute_gradients`, float64 ``[]``,
+        equal on every rank: each dense element once, in every layout, hetero's chunks included."""
+        tied = {id(p) for p in self.tied_params}
+        if self.hetero is None:
+            return global_grad_norm(self.params, self.mesh, tied)
+        q = self.mesh.size("tp_row")
+        weights = {name: norm_weight(p, q, tied) for name, p in self.model.named_parameters()}
+        return sum_over_model_axes(self.optimizer.grad_sq_norm(weights), self.mesh).sqrt()
+
+    def train_step(self, tokens: torch.Tensor, targets: torch.Tensor, measure_grad_norm: bool = False) -> float:
+        """One optimizer step on the global batch; returns the global mean loss. The gradient's
+        norm (before clipping) is in ``last_grad_norm`` when ``train.grad_clip`` is set or
+        ``measure_grad_norm`` asks for it (a collective: ask on every rank), else None."""
+        lr = lr_at(self.step, self.cfg.optimizer, self.cfg.train.steps)
         for group in self.optimizer.param_groups:
-            group["lr"] = lr_at(self.step, self.cfg.optimizer, self.cfg.train.steps)
+            group["lr"] = lr
+        self.last_lr = lr
         loss = self.compute_gradients(tokens, targets)
-        if self.cfg.train.grad_clip and self.hetero is not None:
-            self.optimizer.clip_grad_norm_(self.cfg.train.grad_clip)  # applied inside step()
-        elif self.cfg.train.grad_clip:
-            norm = global_grad_norm(self.params, self.mesh, {id(p) for p in self.tied_params})
-            scale = (self.cfg.train.grad_clip / (norm + 1e-6)).clamp(max=1.0)
-            for p in self.params:
-                if p.grad is not None:
-                    p.grad.mul_(scale.to(p.grad.dtype))
+        clip = self.cfg.train.grad_clip
+        norm = self.grad_norm() if clip or measure_grad_norm else None
+        if clip:
+            scale = (clip / (norm + 1e-6)).clamp(max=1.0)
+            if self.hetero is not None:
+                self.optimizer.scale_next_step(float(scale))  # hetero's gradients live in its chunks
+            else:
+                for p in self.params:
+                    if p.grad is not None:
+                        p.grad.mul_(scale.to(p.grad.dtype))
+        self.last_grad_norm = None if norm is None else float(norm)
         self.optimizer.step()
         self.optimizer.zero_grad()
         # The logged loss is the mean over the data replicas (a no-op when there is one).

@@ -18,6 +18,7 @@ from .config import Config, ConfigError
 from .data import build_dataset
 from .engine import compose, flops_per_token, parameter_count
 from .mesh import init_mesh
+from .metrics import MetricsLog, gather_per_rank, peak_memory
 
 
 class _StopFlag:
@@ -187,13 +188,16 @@ def run_training(cfg: Config) -> dict:
         run.resume(summary_path)
     losses = run.losses
 
+    metrics = None
     if lead:
         out_dir.mkdir(parents=True, exist_ok=True)
         _log(f"[parallel4d] world {mesh.world_size} ({', '.join(f'{a}={n}' for a, n in mesh.shape.items())}), "
              f"{parameter_count(engine.model) / 1e6:.2f}M parameters per rank, {cfg.train.steps} steps")
+        metrics = MetricsLog(out_dir, run.resumed_from, tensorboard=cfg.train.tensorboard)
     interrupted = False
     start = time.perf_counter()
     start_step = engine.step
+    interval = _Interval(start, engine.step)
 
     def write_summary(elapsed: float, finished: bool) -> dict:
         summary = _summary(cfg, mesh, engine, run, elapsed, engine.step - start_step, interrupted, finished)
@@ -204,7 +208,8 @@ def run_training(cfg: Config) -> dict:
     with _StopFlag() as stop:
         while engine.step < cfg.train.steps:
             tokens, targets = data.batch(engine.step)
-            loss = engine.train_step(tokens, targets)
+            logged = _logged(engine.step + 1, cfg)
+            loss = engine.train_step(tokens, targets, measure_grad_norm=logged)
             losses.append(loss)
             if not torch.isfinite(torch.tensor(loss)):
                 raise FloatingPointError(f"loss became {loss} at step {engine.step}; lower optimizer.lr "
@@ -212,6 +217,10 @@ def run_training(cfg: Config) -> dict:
             elapsed = time.perf_counter() - start
             tps = (engine.step - start_step) * tokens.numel() / max(elapsed, 1e-9)
             progress.update(engine.step, loss, tps, elapsed)
+            if logged:
+                record = _metrics_record(cfg, mesh, engine, loss, interval.tokens_per_second(engine.step, tokens))
+                if metrics is not None:
+                    metrics.write(record)
             if cfg.checkpoint.enabled and cfg.checkpoint.every and engine.step % cfg.checkpoint.every == 0 \
                     and engine.step < cfg.train.steps:
                 run.save(elapsed, final=False)
@@ -230,10 +239,41 @@ def run_training(cfg: Config) -> dict:
             run.save(elapsed, final=True)
     if not lead:
         return {"rank": rank}
+    metrics.close()
     summary = write_summary(elapsed, finished=True)
     _log(f"[parallel4d] done: {engine.step} steps, last loss {losses[-1] if losses else float('nan'):.4f}, "
          f"{summary['tokens_per_second']:,.0f} tokens/s; summary in {summary_path}")
     return summary
+
+
+def _logged(step: int, cfg: Config) -> bool:
+    """Whether ``step`` gets a progress line and a metrics record (the same answer on every rank)."""
+    return step % cfg.train.log_every == 0 or step == cfg.train.steps
+
+
+class _Interval:
+    """Throughput since the previous metrics record."""
+
+    def __init__(self, start: float, step: int):
+        self.time, self.step = start, step
+
+    def tokens_per_second(self, step: int, batch: torch.Tensor) -> float:
+        now = time.perf_counter()
+        tps = (step - self.step) * batch.numel() / max(now - self.time, 1e-9)
+        self.time, self.step = now, step
+        return tps
+
+
+def _metrics_record(cfg: Config, mesh, engine, loss: float, tokens_per_second: float) -> dict:
+    """One line of metrics.jsonl (:mod:`.metrics`); gathers every rank's peak memory (collective)."""
+    peak, kind = peak_memory(mesh.device)
+    return {
+        "step": engine.step, "loss": loss, "lr": engine.last_lr, "grad_norm": engine.last_grad_norm,
+        "tokens_per_second": tokens_per_second,
+        "model_flops_per_second": tokens_per_second * flops_per_token(cfg),
+        "peak_memory_bytes": gather_per_rank(peak, mesh.device), "peak_memory_kind": kind,
+        "bytes_sent_by_axis": dict(mesh.comm_stats.axis_sent),
+    }
 
 
 def _try_write(write, *args, **kwargs) -> None:

@@ -32,15 +32,21 @@ class DeepSpeedTrainer:
         self.executor = self.engine.executor if cfg.parallel.pp > 1 else None
         self.step = 0
         self.tokens_seen = 0
+        self.last_lr: float | None = None
+        self.last_grad_norm: float | None = None
 
     @property
     def last_step_info(self) -> dict:
         """The pipeline's peak activations and wait of the last step (empty at pp = 1)."""
         return self.engine.last_step_info if self.executor is not None else {}
 
-    def train_step(self, tokens: torch.Tensor, targets: torch.Tensor) -> float:
-        """One optimizer step on the global batch; the global mean loss."""
+    def train_step(self, tokens: torch.Tensor, targets: torch.Tensor, measure_grad_norm: bool = False) -> float:
+        """One optimizer step on the global batch; the global mean loss. ``last_lr`` and
+        ``last_grad_norm`` are DeepSpeed's (its norm is None without ZeRO, whatever is asked)."""
+        self.last_lr = float(self.optimizer.param_groups[0]["lr"])  # the scheduler set it for this step
         loss = self.engine.train_batch(tokens, targets)
+        norm = self.engine.get_global_grad_norm()
+        self.last_grad_norm = None if norm is None else float(norm)
         self.step += 1
         self.tokens_seen += tokens.numel()
         return loss

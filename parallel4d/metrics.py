@@ -1,0 +1,100 @@
+"""A run's metrics while it trains: ``OUT/metrics.jsonl`` and, with ``train.tensorboard``, TensorBoard.
+
+Each logged step (every ``train.log_every`` steps and the last) appends one JSON object to
+``metrics.jsonl`` and flushes it, so a crashed run keeps its curve up to its last logged step:
+
+* ``step``, ``loss`` (the global mean loss of that step), ``lr`` (the learning rate it used),
+  ``grad_norm`` (the whole model's gradient norm before clipping);
+* ``tokens_per_second`` and ``model_flops_per_second`` over the steps since the previous record;
+* ``peak_memory_bytes``: per rank, the CUDA allocator's peak on a GPU, the process's peak
+  resident set on the host (``peak_memory_kind`` says which);
+* ``bytes_sent_by_axis``: rank 0's bytes sent per mesh axis since this process started.
+
+A resumed run keeps the records up to the step it resumed from and drops those after it (the
+steps it trains again), so the file holds each step once. Rank 0 writes; every rank takes part
+in gathering the per-rank peaks.
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+METRICS_FILE = "metrics.jsonl"
+TENSORBOARD_DIR = "tensorboard"
+SCALARS = ("loss", "lr", "grad_norm", "tokens_per_second", "model_flops_per_second", "val_loss", "val_perplexity")
+
+
+def peak_memory(device: torch.device) -> tuple[int, str]:
+    """``(bytes, kind)``: the CUDA allocator's peak on ``device``, else this process's peak RSS."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device)), "cuda max allocated"
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(rss if sys.platform == "darwin" else rss * 1024), "host max resident set"  # Linux counts KiB
+
+
+def gather_per_rank(value: int, device: torch.device) -> list[int]:
+    """``value`` of every rank, in rank order (a collective over the default group)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return [value]
+    mine = torch.tensor([value], dtype=torch.int64, device=device)  # NCCL takes device tensors only
+    parts = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, mine)
+    return [int(p.item()) for p in parts]
+
+
+def read_records(path: Path) -> list[dict]:
+    """The records of a ``metrics.jsonl`` (a torn last line, from a killed run, is skipped)."""
+    out = []
+    try:
+        lines = Path(path).read_text().splitlines()
+    except FileNotFoundError:
+        return []
+    for line in lines:
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            continue
+    return out
+
+
+class MetricsLog:
+    """Rank 0's ``metrics.jsonl`` (and TensorBoard writer) for a run in ``out_dir``.
+
+    ``resumed_step``: the step the run resumed from (records after it are dropped), or None
+    for a fresh run (the file starts empty).
+    """
+
+    def __init__(self, out_dir: Path, resumed_step: int | None, tensorboard: bool = False):
+        self.path = Path(out_dir) / METRICS_FILE
+        kept = [r for r in read_records(self.path) if r.get("step", 0) <= resumed_step] if resumed_step else []
+        tmp = self.path.with_suffix(".jsonl.tmp")
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
+        tmp.replace(self.path)
+        self.file = self.path.open("a")
+        self.writer = None
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter  # the viz extra; config checks it is installed
+
+            self.writer = SummaryWriter(str(Path(out_dir) / TENSORBOARD_DIR),
+                                        purge_step=resumed_step + 1 if resumed_step else None)
+
+    def write(self, record: dict) -> None:
+        self.file.write(json.dumps(record) + "\n")
+        self.file.flush()
+        if self.writer is not None:
+            for key in SCALARS:
+                if record.get(key) is not None:
+                    self.writer.add_scalar(f"train/{key}" if not key.startswith("val_") else f"val/{key[4:]}",
+                                           record[key], record["step"])
+            self.writer.flush()
+
+    def close(self) -> None:
+        self.file.close()
+        if self.writer is not None:
+            self.writer.close()
