@@ -1,0 +1,191 @@
+"""``parallel4d generate RUN_DIR``: sample text from a trained model in one process, with a KV cache.
+
+The model comes from the newest checkpoint of a run (any layout: the checkpoint holds the dense
+tensors, :func:`.gather.gather`) or from a Hugging Face directory (``parallel4d export``'s, or
+any supported ``transformers`` model). Decoding runs the dense reference model's own modules
+(``models/gpt.py``, ``models/llama.py``) one new token at a time, keeping every layer's keys and
+values: ``[b, kv_heads, t, d]`` per layer, so a step costs one token's work, not the context's.
+
+Text: bytes for a byte-level model (``vocab_size`` 256, the corpus and synthetic data), else the
+tokenizer a token file's sidecar names (``data.source: tokens``) or the directory's
+``tokenizer.json``.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+import yaml
+
+from . import checkpoint
+from .config import ConfigError, make_config
+from .gather import gather, resolve_checkpoint
+from .models import build_dense, shape_from_config
+from .models.llama import LlamaShape
+from .token_files import read_sidecar
+
+Cache = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+# --- the model -----------------------------------------------------------------------------------
+
+def load_model(source: str | Path) -> tuple[torch.nn.Module, dict]:
+    """``(dense model in float32, eval mode; the job config dict)`` from a Hugging Face directory,
+    a run directory (its newest checkpoint), a checkpoint root or one ``step_*`` directory."""
+    source = Path(source)
+    if (source / "config.json").is_file():
+        data = {"model": {"pretrained": str(source)}}
+        cfg = make_config(data)
+        from .models.hf import load_hf_state_dict  # safetensors: the hf extra
+
+        state = load_hf_state_dict(source, cfg.model)
+    else:
+        root = source / "checkpoints" if (source / "checkpoints").is_dir() else source
+        ckpt = resolve_checkpoint(root)
+        saved = ckpt / "config.yaml"
+        if not saved.is_file():
+            raise checkpoint.CheckpointError(f"{ckpt} has no config.yaml; the model's architecture is unknown")
+        data = yaml.safe_load(saved.read_text())
+        data.get("model", {}).pop("pretrained", None)  # its fields are in the saved section already
+        cfg = make_config(data)
+        with tempfile.TemporaryDirectory() as tmp:
+            dense = gather(ckpt, Path(tmp) / "model.pt", progress=False)
+            state = dict(torch.load(dense, weights_only=True)["model"])
+        if cfg.model.tie_embeddings:
+            state["head.weight"] = state["embed.tok.weight"]
+    model = build_dense(shape_from_config(cfg.model), seed=0)
+    model.load_state_dict({k: v.float() for k, v in state.items()}, strict=True)
+    return model.float().eval(), {**data, "model": cfg.model.model_dump(mode="json")}
+
+
+# --- one decoding step ---------------------------------------------------------------------------
+
+def _attend(q, k, v, start: int) -> torch.Tensor:
+    """q ``[b, heads, t, d]`` at positions ``start..start+t-1`` over k, v ``[b, kv, start+t, d]``."""
+    t, total = q.shape[2], k.shape[2]
+    mask = None
+    if t > 1:  # a new token sees every cached one and the new ones up to itself
+        mask = torch.arange(total, device=q.device)[None, :] <= torch.arange(start, start + t, device=q.device)[:, None]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=k.shape[1] != q.shape[1])
+
+
+def _gpt_block(block, x, kv, start):
+    b, t, h = x.shape
+    attn = block.attn
+    q, k, v = attn.qkv(block.ln1(x)).view(b, t, 3, attn.heads, h // attn.heads).permute(2, 0, 3, 1, 4)
+    if kv is not None:
+        k, v = torch.cat((kv[0], k), 2), torch.cat((kv[1], v), 2)
+    y = _attend(q, k, v, start)
+    x = x + attn.proj(y.transpose(1, 2).reshape(b, t, h))
+    return x + block.mlp(block.ln2(x)), (k, v)
+
+
+def _llama_block(block, x, kv, start):
+    b, t, _ = x.shape
+    attn = block.self_attn
+    h = block.input_layernorm(x)
+    q = attn.q_proj(h).view(b, t, attn.heads, -1).transpose(1, 2)
+    k = attn.k_proj(h).view(b, t, attn.kv_heads, -1).transpose(1, 2)
+    v = attn.v_proj(h).view(b, t, attn.kv_heads, -1).transpose(1, 2)
+    pos = torch.arange(start, start + t, device=x.device)
+    q, k = attn.rotary(q, pos, attn.theta), attn.rotary(k, pos, attn.theta)
+    if kv is not None:
+        k, v = torch.cat((kv[0], k), 2), torch.cat((kv[1], v), 2)
+    y = _attend(q, k, v, start)
+    x = x + attn.o_proj(y.transpose(1, 2).reshape(b, t, -1))
+    return x + block.mlp(block.post_attention_layernorm(x)), (k, v)
+
+
+@torch.no_grad()
+def forward_cached(model, tokens: torch.Tensor, cache: Cache | None) -> tuple[torch.Tensor, Cache]:
+    """Logits ``[b, t, V]`` of ``tokens`` ``[b, t]`` that follow the ``cache``'s tokens (None: none),
+    and the cache extended by them; equal to ``model(all tokens)[:, -t:]``."""
+    start = 0 if cache is None else cache[0][0].shape[2]
+    llama = isinstance(model.shape, LlamaShape)
+    if llama:
+        x = model.embed(tokens)
+    else:
+        x = model.embed(tokens, torch.arange(start, start + tokens.shape[1], device=tokens.device))
+    step = _llama_block if llama else _gpt_block
+    new: Cache = []
+    for i, block in enumerate(model.blocks):
+        x, kv = step(block, x, None if cache is None else cache[i], start)
+        new.append(kv)
+    return model.head(x), new
+
+
+# --- sampling ------------------------------------------------------------------------------------
+
+def _pick(logits: torch.Tensor, temperature: float, top_k: int | None, gen: torch.Generator) -> torch.Tensor:
+    """The next token ``[b]`` from last-position logits ``[b, V]``: greedy at temperature 0."""
+    if temperature == 0:
+        return logits.argmax(-1)
+    logits = logits / temperature
+    if top_k:
+        kth = logits.topk(min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    return torch.multinomial(logits.softmax(-1), 1, generator=gen).squeeze(-1)
+
+
+@torch.no_grad()
+def sample(model, prompt: torch.Tensor, max_new_tokens: int, temperature: float = 0.8, top_k: int | None = 50,
+           seed: int = 0) -> torch.Tensor:
+    """``prompt`` ``[b, p]`` followed by ``max_new_tokens`` sampled tokens. The context is the
+    model's ``seq_len``: past it, the cache restarts from the last ``seq_len/2`` tokens."""
+    if temperature < 0:
+        raise ValueError(f"--temperature must be ≥ 0 (0: greedy), got {temperature}")
+    gen = torch.Generator().manual_seed(seed)
+    window = model.shape.seq_len
+    tokens = prompt
+    logits, cache = forward_cached(model, prompt[:, -window:], None)
+    for _ in range(max_new_tokens):
+        nxt = _pick(logits[:, -1].float(), temperature, top_k, gen)[:, None]
+        tokens = torch.cat((tokens, nxt), 1)
+        if cache[0][0].shape[2] >= window:  # no position left: re-read the recent half
+            logits, cache = forward_cached(model, tokens[:, -(window // 2):], None)
+        else:
+            logits, cache = forward_cached(model, nxt, cache)
+    return tokens
+
+
+# --- text ----------------------------------------------------------------------------------------
+
+def text_codec(source: str | Path, cfg: dict):
+    """``(encode: str → list[int], decode: list[int] → str)`` for the model of ``source``."""
+    source = Path(source)
+    data = cfg.get("data") or {}
+    tokenizer = None
+    if data.get("source") == "tokens" and data.get("path"):
+        tokenizer = read_sidecar(data["path"]).get("tokenizer")
+    elif (source / "tokenizer.json").is_file():
+        tokenizer = str(source / "tokenizer.json")
+    if tokenizer is None:
+        if cfg["model"]["vocab_size"] < 256:
+            raise ConfigError(f"{source}: the model's vocabulary ({cfg['model']['vocab_size']}) is neither bytes "
+                              "(256) nor a tokenizer's: nothing to decode its tokens into text with")
+        return (lambda s: list(s.encode("utf-8"))), (lambda ids: bytes(i for i in ids if i < 256).decode(
+            "utf-8", errors="replace"))
+    try:
+        from tokenizers import Tokenizer
+    except ImportError as e:
+        raise ConfigError(f"decoding with {tokenizer} needs Hugging Face tokenizers ({e.name} is missing): "
+                          "pip install 'parallel4d[hf]'") from None
+    tok = Tokenizer.from_file(str(tokenizer))
+    return (lambda s: tok.encode(s, add_special_tokens=False).ids), tok.decode
+
+
+def generate(source: str | Path, prompt: str, max_new_tokens: int = 200, temperature: float = 0.8,
+             top_k: int | None = 50, seed: int = 0) -> str:
+    """The prompt and its continuation as text (see the module docstring)."""
+    if max_new_tokens < 0:
+        raise ValueError(f"--max-new-tokens must be ≥ 0, got {max_new_tokens}")
+    model, cfg = load_model(source)
+    encode, decode = text_codec(source, cfg)
+    ids = encode(prompt)
+    if not ids:
+        raise ValueError("--prompt is empty: give at least one character to continue")
+    out = sample(model, torch.tensor([ids]), max_new_tokens, temperature, top_k, seed)
+    return decode(out[0].tolist())
