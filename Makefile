@@ -27,8 +27,12 @@ install: $(VENV)/.installed
 
 # resume=true: a second `make demo` continues (or just reports) the first one's run instead of
 # being refused for writing a fresh run over its checkpoints; an interrupted demo picks up where it stopped.
+# Then a sample of what it learned, and its curves in runs/quickstart/curves.png.
 demo: install
 	$(BIN)/parallel4d launch configs/quickstart.yaml --set train.resume=true
+	$(BIN)/parallel4d plot runs/quickstart
+	@echo "--- a sample of the quickstart model (parallel4d generate runs/quickstart --prompt 'def '):"
+	@$(BIN)/parallel4d generate runs/quickstart --prompt "def " --max-new-tokens 200 --seed 0
 
 test: install
 	$(BIN)/python -m pytest -q --durations=15 tests

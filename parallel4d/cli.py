@@ -1,4 +1,4 @@
-"""Command line: ``parallel4d launch | validate | plan | schedule | checkpoint gather | export | tokenize | plot``."""
+"""Command line: ``parallel4d launch | validate | plan | schedule | checkpoint gather | export | tokenize | plot | generate``."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from .checkpoint import CheckpointError
 from .config import ConfigError, load_config
 from .curves import plot_run
 from .export import export
+from .generate import generate
 from .gather import gather
 from .launch import launch
 from .mesh import device_and_backend
@@ -79,6 +80,16 @@ def _cmd_tokenize(args) -> int:
     return 0
 
 
+def _cmd_generate(args) -> int:
+    try:
+        text = generate(args.source, args.prompt, args.max_new_tokens, args.temperature, args.top_k, args.seed)
+    except ValueError as e:
+        print(f"parallel4d: {e}", file=sys.stderr)
+        return 2
+    print(text)
+    return 0
+
+
 def _cmd_plot(args) -> int:
     print(plot_run(args.run_dir, args.out))
     return 0
@@ -119,6 +130,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("run_dir", help="the run's train.out_dir (summary.json, metrics.jsonl)")
     p.add_argument("-o", "--out", default=None, help="the PNG (default RUN_DIR/curves.png)")
     p.set_defaults(func=_cmd_plot)
+    p = sub.add_parser("generate", help="sample text from a run's newest checkpoint (any layout) or a Hugging Face "
+                                        "directory, in one process")
+    p.add_argument("source", help="a run directory (train.out_dir), a checkpoint, or a Hugging Face model directory")
+    p.add_argument("--prompt", default="\n", help="the text to continue (default: a newline)")
+    p.add_argument("--max-new-tokens", type=int, default=200)
+    p.add_argument("--temperature", type=float, default=0.8, help="0: greedy")
+    p.add_argument("--top-k", type=int, default=50, help="sample among the k likeliest tokens (0: all)")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=_cmd_generate)
     add_schedule_parser(sub)
     return parser
 

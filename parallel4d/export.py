@@ -16,7 +16,7 @@ import yaml
 
 from . import checkpoint
 from .config import ConfigError, make_config
-from .gather import gather, resolve_checkpoint
+from .gather import gather, resolve_checkpoint, with_tied_head
 
 
 def export(ckpt: str | Path, out_dir: str | Path, max_shard_bytes: int = 5 << 30) -> Path:
@@ -38,7 +38,7 @@ def export(ckpt: str | Path, out_dir: str | Path, max_shard_bytes: int = 5 << 30
     dense = out_dir / ".parallel4d-gather.pt"
     try:
         gather(path, dense)
-        state = torch.load(dense, mmap=True, weights_only=True)["model"]
+        state = with_tied_head(torch.load(dense, mmap=True, weights_only=True)["model"], model_cfg.tie_embeddings)
         hf.save_hf(state, model_cfg, out_dir, max_shard_bytes=max_shard_bytes)
     finally:
         dense.unlink(missing_ok=True)

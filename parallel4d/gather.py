@@ -38,6 +38,14 @@ def resolve_checkpoint(path: str | Path) -> Path:
     return found
 
 
+def with_tied_head(model_state: dict, tied: bool) -> dict:
+    """A checkpoint's (or gather's) model tensors as the dense model's ``state_dict()`` lists them:
+    with tied embeddings the checkpoint holds the token table once, and ``head.weight`` is it."""
+    if tied and "head.weight" not in model_state:
+        return {**model_state, "head.weight": model_state["embed.tok.weight"]}
+    return dict(model_state)
+
+
 def _skeleton(saved: dict) -> dict:
     """The output's structure with fake tensors of the saved dense shapes and dtypes."""
     out: dict = {"model": {}, "optimizer": {}}

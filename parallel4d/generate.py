@@ -13,6 +13,7 @@ tokenizer a token file's sidecar names (``data.source: tokens``) or the director
 
 from __future__ import annotations
 
+import json
 import tempfile
 from pathlib import Path
 
@@ -22,7 +23,8 @@ import yaml
 
 from . import checkpoint
 from .config import ConfigError, make_config
-from .gather import gather, resolve_checkpoint
+from .gather import gather, resolve_checkpoint, with_tied_head
+from .hf_config import hf_max_positions
 from .models import build_dense, shape_from_config
 from .models.llama import LlamaShape
 from .token_files import read_sidecar
@@ -37,7 +39,8 @@ def load_model(source: str | Path) -> tuple[torch.nn.Module, dict]:
     a run directory (its newest checkpoint), a checkpoint root or one ``step_*`` directory."""
     source = Path(source)
     if (source / "config.json").is_file():
-        data = {"model": {"pretrained": str(source)}}
+        positions = hf_max_positions(json.loads((source / "config.json").read_text()))
+        data = {"model": {"pretrained": str(source), **({"seq_len": positions} if positions else {})}}
         cfg = make_config(data)
         from .models.hf import load_hf_state_dict  # safetensors: the hf extra
 
@@ -53,9 +56,7 @@ def load_model(source: str | Path) -> tuple[torch.nn.Module, dict]:
         cfg = make_config(data)
         with tempfile.TemporaryDirectory() as tmp:
             dense = gather(ckpt, Path(tmp) / "model.pt", progress=False)
-            state = dict(torch.load(dense, weights_only=True)["model"])
-        if cfg.model.tie_embeddings:
-            state["head.weight"] = state["embed.tok.weight"]
+            state = with_tied_head(torch.load(dense, weights_only=True)["model"], cfg.model.tie_embeddings)
     model = build_dense(shape_from_config(cfg.model), seed=0)
     model.load_state_dict({k: v.float() for k, v in state.items()}, strict=True)
     return model.float().eval(), {**data, "model": cfg.model.model_dump(mode="json")}
@@ -163,9 +164,9 @@ def text_codec(source: str | Path, cfg: dict):
     elif (source / "tokenizer.json").is_file():
         tokenizer = str(source / "tokenizer.json")
     if tokenizer is None:
-        if cfg["model"]["vocab_size"] < 256:
-            raise ConfigError(f"{source}: the model's vocabulary ({cfg['model']['vocab_size']}) is neither bytes "
-                              "(256) nor a tokenizer's: nothing to decode its tokens into text with")
+        if cfg["model"]["vocab_size"] > 256:
+            raise ConfigError(f"{source}: a vocabulary of {cfg['model']['vocab_size']} is not bytes and no tokenizer "
+                              "is known (a token file's sidecar or the directory's tokenizer.json names it)")
         return (lambda s: list(s.encode("utf-8"))), (lambda ids: bytes(i for i in ids if i < 256).decode(
             "utf-8", errors="replace"))
     try:

@@ -55,8 +55,6 @@ def test_overrides_parse_yaml_values(tmp_path):
     ({"parallel": {"pp": 4}, "pipeline": {"schedule": "hanayo", "waves": 2}, "model": {"layers": 4},
       "data": {"batch_size": 8}}, ["16 chunks", "model.layers≥14", "pipeline.waves"]),
     ({"pipeline": {"waves": 0}}, ["pipeline.waves"]),
-    ({"parallel": {"tp": 4}, "hetero": {"enabled": True}, "train": {"grad_clip": 1.0}},
-     ["train.grad_clip", "hetero.enabled=true", "parallel.tp=1"]),
     ({"parallel": {"pp": 2}, "pipeline": {"schedule": "1f1b"}, "hetero": {"enabled": True}},
      ["pipeline.schedule=1f1b", "pipeline.schedule=hanayo", "model.tie_embeddings=false"]),
     ({"modle": {}}, ["unknown field 'modle'", "did you mean 'model'"]),
