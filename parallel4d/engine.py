@@ -295,6 +295,7 @@ class Engine:
         self.last_step_info: dict = {}
         self.last_lr: float | None = None  # the learning rate of the last step
         self.last_grad_norm: float | None = None  # see train_step
+        self._eval_executor = None  # forwards-only twin of the executor, built at the first evaluate()
         self.autocast = (torch.autocast(device_type=self.device.type, dtype=torch.bfloat16)
                          if cfg.train.dtype == "bfloat16" else nullcontext())
         self.grad_sync = self._grad_buckets()
@@ -369,6 +370,30 @@ class Engine:
         if self.grad_sync is not None:
             self.grad_sync.finish()
         return loss
+
+    @torch.no_grad()
+    def evaluate(self, tokens: torch.Tensor, targets: torch.Tensor) -> float:
+        """The global mean loss of a ``[B, S]`` batch, forwards only (no gradient is computed or
+        touched), in ``pipeline.microbatches`` micro-batches as a training step cuts it: equal in
+        every layout to the dense model's loss on the batch. Collective over the whole mesh."""
+        x, y = self.local_batch(tokens), self.local_batch(targets)
+        mb = self.cfg.pipeline.microbatches
+        total = torch.zeros(1, dtype=torch.float64, device=self.device)
+        with self.autocast:
+            if self.executor is not None:
+                if self._eval_executor is None:
+                    self._eval_executor = self.executor.for_evaluation()
+                total += self._eval_executor.step(list(x.chunk(mb)), list(y.chunk(mb))).loss
+            else:
+                for xm, ym in zip(x.chunk(mb), y.chunk(mb)):
+                    h = xm
+                    for stage in self._stages:
+                        h = stage(h)
+                    total += self.loss_fn(h, ym).double() / mb
+        work = comm.all_reduce(total, self.mesh.group_over("dp", "sp"), stats=self.mesh.comm_stats,
+                               label="val_loss", async_op=True)
+        comm.wait(work, self.cfg.train.timeout_s, "validation loss all-reduce over the data replicas (dp·sp)")
+        return total.item() / (self.mesh.size("dp") * self.mesh.size("sp"))
 
     def grad_norm(self) -> torch.Tensor:
         """L2 norm of the whole model's gradient after :meth:`compute_gradients`, float64 ``[]``,

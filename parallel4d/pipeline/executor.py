@@ -77,8 +77,9 @@ class PipelineExecutor:
     def __init__(self, schedule: Schedule, mesh, chunks: dict[int, nn.Module], loss_fn: Callable,
                  activation_shape: ShapeSpec, activation_dtype: torch.dtype = torch.float32, *,
                  timeout_s: float = 300.0, recv_lookahead: int = 2,
-                 device: torch.device | None = None):
+                 device: torch.device | None = None, forward_only: bool = False):
         validate(schedule)
+        self.forward_only = forward_only
         if mesh.size("pp") != schedule.pp:
             raise ValueError(f"schedule is for pp={schedule.pp} but the mesh has parallel.pp={mesh.size('pp')}")
         self.schedule = schedule
@@ -99,11 +100,14 @@ class PipelineExecutor:
         self.stats = mesh.comm_stats
         self.last = schedule.num_chunks - 1
         self.owner = {c: r for r, cs in schedule.placement.items() for c in cs}
-        self.actions = list(schedule.actions[self.me])
+        # Forward only (evaluation): the schedule's forwards in its order, and only their messages
+        # (a subsequence of each rank's order and of each pair's canonical order: still deadlock-free).
+        self.actions = [a for a in schedule.actions[self.me] if a.kind == "F" or not forward_only]
         # Per peer: the canonical message list; per action: the message it needs / produces.
         self.plan: dict[int, list[Message]] = {}
         for (a, b), msgs in message_plan(schedule).items():
-            if self.me in (a, b):
+            msgs = [m for m in msgs if m.kind == "act" or not forward_only]
+            if self.me in (a, b) and msgs:
                 self.plan[b if a == self.me else a] = msgs
         self.need: dict[Action, tuple[int, int]] = {}
         self.makes: dict[Action, tuple[int, int]] = {}
@@ -133,7 +137,8 @@ class PipelineExecutor:
 
     # --- one step ---------------------------------------------------------------
     def step(self, inputs: Sequence[torch.Tensor] | None, targets: Sequence[torch.Tensor] | None) -> StepResult:
-        """Run one step's forwards and backwards; gradients accumulate into the chunks.
+        """Run one step's forwards and backwards (forwards only: :meth:`for_evaluation`);
+        gradients accumulate into the chunks.
 
         ``inputs[i]``: micro-batch ``i``'s input to chunk 0 (e.g. tokens
         ``[b/m, s]``), needed on the rank holding chunk 0; ``targets[i]``: the
@@ -175,14 +180,23 @@ class PipelineExecutor:
         if c == self.last:
             loss = self.loss_fn(y, targets[i].to(self.device))
             st.losses.append(loss.detach())
-            st.store(a, x, loss)
+            if not self.forward_only:
+                st.store(a, x, loss)
             return None
         shape = tuple(self._shape(c))
         if tuple(y.shape) != shape or y.dtype != self.dtype:
             raise ValueError(f"chunk {c} produced {tuple(y.shape)} {y.dtype} but the executor was told "
                              f"activation_shape {shape} {self.dtype} for its output")
-        st.store(a, x, y)
+        if not self.forward_only:
+            st.store(a, x, y)
         return y.detach()
+
+    def for_evaluation(self) -> "PipelineExecutor":
+        """The same schedule, chunks and transfers with forwards only: ``step`` under
+        ``torch.no_grad()`` returns the mean loss and leaves no gradient (collective on pp)."""
+        return PipelineExecutor(self.schedule, self.mesh, self.chunks, self.loss_fn, self._shape, self.dtype,
+                                timeout_s=self.timeout_s, recv_lookahead=self.lookahead, device=self.device,
+                                forward_only=True)
 
     def _backward(self, st: "_StepState", a: Action, grad):
         x, y = st.release(a)
