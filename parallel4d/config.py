@@ -193,6 +193,10 @@ class DataConfig(_Section):
     text_root: Optional[PathStr] = Field(None, description="directory of .py files (≥ 1024 bytes of them); "
                                                             "None = Python's standard library")
     max_bytes: int = Field(4_000_000, ge=1024, description="bytes of corpus to read")
+    val_path: Optional[PathStr] = Field(None, description="validation token file (data.source: tokens), its "
+                                                          "sidecar beside it")
+    val_fraction: Optional[float] = Field(None, gt=0, lt=1, description="hold out the last fraction of the text "
+                                                                        "or token file for validation")
 
 
 class TrainConfig(_Section):
@@ -207,6 +211,10 @@ class TrainConfig(_Section):
     tensorboard: bool = Field(False, description="also write TensorBoard scalars under <out_dir>/tensorboard "
                                                  "(needs the tensorboard package: pip install 'parallel4d[viz]')")
     resume: bool = False
+    eval_every: Optional[int] = Field(None, ge=1, description="validation loss every this many steps (and at the "
+                                                             "last); None: no validation")
+    eval_batches: int = Field(4, ge=1, description="batches of data.batch_size in each validation (the same ones "
+                                                   "each time)")
     timeout_s: Seconds = Field(300.0, description="limit for any one collective / p2p wait, in seconds: at least 1 "
                                                    "(less fails healthy collectives on a busy host), at most a year")
     job_timeout_s: Optional[Seconds] = Field(None, description="kill the whole local job after this many seconds "
@@ -299,7 +307,31 @@ def cross_field_problems(cfg: Config) -> list[str]:
     elif cfg.data.path:
         out.append(f"data.path is read with data.source=tokens, not {cfg.data.source}; set data.source=tokens "
                    "or remove data.path")
+    out += _validation_problems(cfg)
     return out
+
+
+def _validation_problems(cfg: "Config") -> list[str]:
+    d, t, m = cfg.data, cfg.train, cfg.model
+    if d.val_path and d.val_fraction:
+        return ["data.val_path and data.val_fraction both name validation data; keep one"]
+    if d.val_path and d.source != "tokens":
+        return [f"data.val_path is a token file, read with data.source=tokens, not {d.source}; use "
+                "data.val_fraction to hold out part of the text"]
+    if d.val_fraction and d.source == "synthetic":
+        return ["data.val_fraction: synthetic data has nothing to hold out (validation draws sequences training "
+                "never does); remove data.val_fraction"]
+    if (d.val_path or d.val_fraction) and t.eval_every is None:
+        return ["data.val_path / data.val_fraction set aside validation data but train.eval_every is unset; set "
+                "train.eval_every (e.g. 100) or remove them"]
+    if t.eval_every is not None and d.source != "synthetic" and not (d.val_path or d.val_fraction):
+        return [f"train.eval_every needs held-out data: set data.val_fraction (e.g. 0.05) or, with "
+                f"data.source=tokens, data.val_path"]
+    if t.eval_every is not None and cfg.deepspeed is not None:
+        return ["train.eval_every is not supported with a deepspeed: section yet; remove one of them"]
+    if d.val_path:
+        return token_file_problems(d.val_path, m.vocab_size, m.seq_len, field="data.val_path")
+    return []
 
 
 def _schedule_problems(o: OptimizerConfig, steps: int) -> list[str]:

@@ -68,48 +68,99 @@ def read_corpus(root: str | Path | None = None, max_bytes: int = 4_000_000, suff
     return torch.frombuffer(bytearray(blob), dtype=torch.uint8)
 
 
-class ByteCorpus:
-    """Random windows of a byte corpus: tokens are bytes (vocabulary 256)."""
+VALIDATION_STREAM = 1 << 40  # validation batch k draws with step VALIDATION_STREAM + k: never a training step's
 
-    def __init__(self, seq_len: int, batch_size: int, seed: int = 0, root=None, max_bytes: int = 4_000_000):
-        self.data = read_corpus(root, max_bytes)
-        self.seq_len, self.batch_size, self.seed = seq_len, batch_size, seed
-        if len(self.data) <= seq_len + 1:
-            raise ValueError(f"corpus of {len(self.data)} bytes is shorter than model.seq_len+1={seq_len + 1}")
+
+def _window_starts(seed: int, step: int, lo: int, hi: int, seq_len: int, batch_size: int) -> list[int]:
+    """``batch_size`` random starts of ``seq_len + 1``-token windows inside ``[lo, hi)``."""
+    g = torch.Generator().manual_seed(seed * 1_000_003 + step)
+    return (lo + torch.randint(0, hi - lo - seq_len - 1, (batch_size,), generator=g)).tolist()
+
+
+def _split(n: int, val_fraction: float | None, validation: bool) -> tuple[int, int]:
+    """The token range ``[lo, hi)`` of training (the first part) or validation (the last
+    ``val_fraction``); the whole ``[0, n)`` without a fraction."""
+    if not val_fraction:
+        return 0, n
+    cut = int(n * (1 - val_fraction))
+    return (cut, n) if validation else (0, cut)
+
+
+class _Windows:
+    """Random windows of a token sequence ``self.tokens`` within ``[lo, hi)``: ``batch(step)``."""
+
+    def _init_windows(self, seq_len: int, batch_size: int, seed: int, lo: int, hi: int, what: str):
+        self.seq_len, self.batch_size, self.seed, self.lo, self.hi = seq_len, batch_size, seed, lo, hi
+        if hi - lo <= seq_len + 1:
+            raise ValueError(f"{what}: {hi - lo} tokens, not more than model.seq_len+1={seq_len + 1}; give more data, "
+                             "or a larger data.val_fraction when it is the validation part")
 
     def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-        g = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
-        starts = torch.randint(0, len(self.data) - self.seq_len - 1, (self.batch_size,), generator=g)
-        idx = starts[:, None] + torch.arange(self.seq_len + 1)
-        seq = self.data[idx].long()
+        starts = _window_starts(self.seed, step, self.lo, self.hi, self.seq_len, self.batch_size)
+        seq = torch.stack([self.tokens[s:s + self.seq_len + 1].to(torch.int64) for s in starts])
         return seq[:, :-1].contiguous(), seq[:, 1:].contiguous()
 
 
-class TokenFile:
+class ByteCorpus(_Windows):
+    """Random windows of a byte corpus: tokens are bytes (vocabulary 256). ``val_fraction``:
+    the last part is held out; ``validation``: draw from it instead."""
+
+    def __init__(self, seq_len: int, batch_size: int, seed: int = 0, root=None, max_bytes: int = 4_000_000,
+                 val_fraction: float | None = None, validation: bool = False):
+        self.tokens = self.data = read_corpus(root, max_bytes)
+        lo, hi = _split(len(self.data), val_fraction, validation)
+        part = "the validation part of " if validation else ""
+        self._init_windows(seq_len, batch_size, seed, lo, hi, f"{part}the text corpus")
+
+
+class TokenFile(_Windows):
     """Random windows of a token file (``data.source: tokens``), memory-mapped: a step's batch
     reads its ``batch_size`` windows of ``seq_len + 1`` tokens, never the whole file."""
 
-    def __init__(self, path, seq_len: int, batch_size: int, seed: int = 0):
+    def __init__(self, path, seq_len: int, batch_size: int, seed: int = 0, val_fraction: float | None = None,
+                 validation: bool = False):
         meta = read_sidecar(path)
         dtype = {"uint16": torch.uint16, "uint32": torch.uint32}[meta["dtype"]]
         self.tokens = torch.from_file(str(path), shared=False, size=meta["tokens"], dtype=dtype)
-        self.seq_len, self.batch_size, self.seed = seq_len, batch_size, seed
-
-    def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-        g = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
-        starts = torch.randint(0, len(self.tokens) - self.seq_len - 1, (self.batch_size,), generator=g)
-        seq = torch.stack([self.tokens[s:s + self.seq_len + 1].to(torch.int64) for s in starts.tolist()])
-        return seq[:, :-1].contiguous(), seq[:, 1:].contiguous()
+        lo, hi = _split(len(self.tokens), val_fraction, validation)
+        self._init_windows(seq_len, batch_size, seed, lo, hi, f"{path}" + (" (its validation part)" if validation
+                                                                             and val_fraction else ""))
 
 
 def build_dataset(cfg):
-    """The dataset a ``Config`` asks for."""
+    """The training dataset a ``Config`` asks for (without ``data.val_fraction``'s held-out part)."""
     m, d = cfg.model, cfg.data
     if d.source == "synthetic":
         return SyntheticTokens(m.vocab_size, m.seq_len, d.batch_size, d.seed)
     if d.source == "tokens":
-        return TokenFile(d.path, m.seq_len, d.batch_size, d.seed)
-    return ByteCorpus(m.seq_len, d.batch_size, d.seed, d.text_root, d.max_bytes)
+        return TokenFile(d.path, m.seq_len, d.batch_size, d.seed, d.val_fraction)
+    return ByteCorpus(m.seq_len, d.batch_size, d.seed, d.text_root, d.max_bytes, d.val_fraction)
+
+
+class Validation:
+    """The validation batches: ``batch(k)`` for ``k < train.eval_batches``, the same at every evaluation."""
+
+    def __init__(self, source):
+        self.source = source
+
+    def batch(self, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.source.batch(VALIDATION_STREAM + k)
+
+
+def build_validation(cfg) -> Validation | None:
+    """The validation data a ``Config`` asks for (``train.eval_every``), else None: ``data.val_path``,
+    the held-out ``data.val_fraction``, or synthetic sequences training never draws."""
+    m, d = cfg.model, cfg.data
+    if cfg.train.eval_every is None:
+        return None
+    if d.source == "synthetic":
+        return Validation(SyntheticTokens(m.vocab_size, m.seq_len, d.batch_size, d.seed))
+    if d.val_path:
+        return Validation(TokenFile(d.val_path, m.seq_len, d.batch_size, d.seed))
+    if d.source == "tokens":
+        return Validation(TokenFile(d.path, m.seq_len, d.batch_size, d.seed, d.val_fraction, validation=True))
+    return Validation(ByteCorpus(m.seq_len, d.batch_size, d.seed, d.text_root, d.max_bytes, d.val_fraction,
+                                 validation=True))
 
 
 def local_slice(x: torch.Tensor, index: int, parts: int, dim: int = 0) -> torch.Tensor:

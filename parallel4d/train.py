@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import math
 import os
 import signal
 import sys
@@ -15,7 +16,7 @@ import torch.distributed as dist
 
 from . import checkpoint, comm
 from .config import Config, ConfigError
-from .data import build_dataset
+from .data import build_dataset, build_validation
 from .engine import compose, flops_per_token, parameter_count
 from .mesh import init_mesh
 from .metrics import MetricsLog, gather_per_rank, peak_memory
@@ -88,6 +89,7 @@ class _Run:
         self.cfg, self.engine, self.ckpt_dir, self.lead = cfg, engine, ckpt_dir, lead
         self.run_id = checkpoint.new_run_id()  # only rank 0's (the writer's) is used
         self.losses: list[float] = []
+        self.validation: list[dict] = []  # {"step", "loss", "perplexity"} per evaluation
         self.prior_seconds = 0.0  # trained before this process started
         self.resumed_from: int | None = None
         self.saved_step: int | None = None  # the step whose state is on disk (saved or loaded here)
@@ -111,6 +113,7 @@ class _Run:
         self.run_id = info.get("run_id") or self.run_id
         self.losses = list(info["losses"]) if "losses" in info else _summary_losses(summary_path)
         del self.losses[self.engine.step:]
+        self.validation = [v for v in info.get("validation", []) if v["step"] <= self.engine.step]
         self.prior_seconds = float(info.get("seconds", 0.0))
         self.resumed_from = self.saved_step = self.engine.step
         self.saved = found
@@ -127,7 +130,7 @@ class _Run:
             self.saved = checkpoint.save(
                 self.engine.checkpoint_state(), self.ckpt_dir, step, keep=self.cfg.checkpoint.keep,
                 extra_files={"config.yaml": self.cfg.to_yaml()}, run_id=self.run_id,
-                info={"losses": self.losses, "seconds": self.prior_seconds + seconds,
+                info={"losses": self.losses, "validation": self.validation, "seconds": self.prior_seconds + seconds,
                       "format": self.engine.checkpoint_format})
             self.saved_step = step
         except checkpoint.CheckpointError as e:
@@ -181,7 +184,7 @@ def run_training(cfg: Config) -> dict:
     rank = dist.get_rank()
     lead = rank == 0
     engine = compose(cfg, mesh) if cfg.deepspeed is None else deepspeed_integration().DeepSpeedTrainer(cfg, mesh)
-    data = build_dataset(cfg)
+    data, val = build_dataset(cfg), build_validation(cfg)
     summary_path = out_dir / "summary.json"
     run = _Run(cfg, engine, ckpt_dir, lead)
     if cfg.train.resume:
@@ -208,7 +211,8 @@ def run_training(cfg: Config) -> dict:
     with _StopFlag() as stop:
         while engine.step < cfg.train.steps:
             tokens, targets = data.batch(engine.step)
-            logged = _logged(engine.step + 1, cfg)
+            evaluated = _evaluated(engine.step + 1, cfg)
+            logged = evaluated or _logged(engine.step + 1, cfg)
             loss = engine.train_step(tokens, targets, measure_grad_norm=logged)
             losses.append(loss)
             if not torch.isfinite(torch.tensor(loss)):
@@ -217,8 +221,16 @@ def run_training(cfg: Config) -> dict:
             elapsed = time.perf_counter() - start
             tps = (engine.step - start_step) * tokens.numel() / max(elapsed, 1e-9)
             progress.update(engine.step, loss, tps, elapsed)
+            if evaluated:
+                run.validation.append(_validate(cfg, engine, val))
+                if lead:
+                    v = run.validation[-1]
+                    _log(f"[parallel4d] step {engine.step}/{cfg.train.steps} validation loss {v['loss']:.4f} "
+                         f"perplexity {v['perplexity']:.2f}")
             if logged:
                 record = _metrics_record(cfg, mesh, engine, loss, interval.tokens_per_second(engine.step, tokens))
+                if evaluated:
+                    record.update(val_loss=run.validation[-1]["loss"], val_perplexity=run.validation[-1]["perplexity"])
                 if metrics is not None:
                     metrics.write(record)
             if cfg.checkpoint.enabled and cfg.checkpoint.every and engine.step % cfg.checkpoint.every == 0 \
@@ -249,6 +261,18 @@ def run_training(cfg: Config) -> dict:
 def _logged(step: int, cfg: Config) -> bool:
     """Whether ``step`` gets a progress line and a metrics record (the same answer on every rank)."""
     return step % cfg.train.log_every == 0 or step == cfg.train.steps
+
+
+def _evaluated(step: int, cfg: Config) -> bool:
+    """Whether ``step`` ends with a validation (every ``train.eval_every`` steps, and the last)."""
+    every = cfg.train.eval_every
+    return every is not None and (step % every == 0 or step == cfg.train.steps)
+
+
+def _validate(cfg: Config, engine, val) -> dict:
+    """The mean loss of the ``train.eval_batches`` validation batches, and its perplexity."""
+    loss = sum(engine.evaluate(*val.batch(k)) for k in range(cfg.train.eval_batches)) / cfg.train.eval_batches
+    return {"step": engine.step, "loss": loss, "perplexity": math.exp(min(loss, 700.0))}
 
 
 class _Interval:
@@ -288,6 +312,7 @@ def _summary(cfg: Config, mesh, engine, run: _Run, elapsed: float, trained: int,
     tokens_per_second = trained * cfg.data.batch_size * cfg.model.seq_len / max(elapsed, 1e-9)
     summary = {
         "losses": run.losses,
+        "validation": run.validation,
         "steps": engine.step,
         "interrupted": interrupted,
         "finished": finished,

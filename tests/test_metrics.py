@@ -7,6 +7,7 @@ after a logged step and a resume from the checkpoint before it leave each step o
 """
 
 import json
+import math
 import shutil
 import subprocess
 import sys
@@ -16,7 +17,7 @@ import torch
 
 from parallel4d import launch
 from parallel4d.config import ConfigError, make_config
-from parallel4d.data import build_dataset
+from parallel4d.data import build_dataset, build_validation
 from parallel4d.engine import PARAMETER_DTYPE, model_shape
 from parallel4d.metrics import read_records
 from parallel4d.models import build_dense
@@ -30,19 +31,21 @@ JOB = {
     "data": {"batch_size": 8, "seed": 1},
     "optimizer": {"lr": 0.01, "warmup_steps": 2, "schedule": "cosine", "min_lr": 0.001,
                   "decay_steps": 8},  # not train.steps: the resumed run trains 8
-    "train": {"steps": 6, "log_every": 2, "dtype": "float64", "grad_clip": 0.3, "tensorboard": True, "seed": 2},
+    "train": {"steps": 6, "log_every": 2, "dtype": "float64", "grad_clip": 0.3, "tensorboard": True, "seed": 2,
+              "eval_every": 4, "eval_batches": 2},
     "checkpoint": {"every": 4},
 }
 
 
 def dense_reference(job: dict, steps: int) -> list[dict]:
     """Per step: the loss, the learning rate and the gradient norm (before clipping) of the dense
-    model trained in this process by torch alone."""
+    model trained in this process by torch alone, and at each validation its loss on the
+    validation batches."""
     cfg = make_config({**job, "train": {**job["train"], "steps": steps}})
     model = build_dense(model_shape(cfg), seed=cfg.train.seed).to(PARAMETER_DTYPE[cfg.train.dtype])
     optimizer = build_optimizer(model.named_parameters(), cfg.optimizer)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
-    data, out = build_dataset(cfg), []
+    data, val, out = build_dataset(cfg), build_validation(cfg), []
     for step in range(steps):
         loss = model(*data.batch(step))
         loss.backward()
@@ -51,6 +54,10 @@ def dense_reference(job: dict, steps: int) -> list[dict]:
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad()
+        if (step + 1) % cfg.train.eval_every == 0 or step + 1 == steps:
+            with torch.no_grad():
+                out[-1]["val_loss"] = sum(model(*val.batch(k)).item() for k in range(cfg.train.eval_batches)) / \
+                    cfg.train.eval_batches
     return out
 
 
@@ -65,8 +72,10 @@ def assert_records_match(records, reference, steps):
     assert [r["step"] for r in records] == steps
     for r in records:
         want = reference[r["step"] - 1]
-        for key in ("loss", "lr", "grad_norm"):
-            assert r[key] == pytest.approx(want[key], rel=1e-10, abs=0), (r["step"], key, r[key], want[key])
+        assert ("val_loss" in r) == ("val_loss" in want), r["step"]
+        for key in ("loss", "lr", "grad_norm", "val_loss"):
+            if key in want:
+                assert r[key] == pytest.approx(want[key], rel=1e-10, abs=0), (r["step"], key, r[key], want[key])
 
 
 def test_each_logged_step_is_a_record_equal_to_torch_alone(run):
@@ -76,6 +85,9 @@ def test_each_logged_step_is_a_record_equal_to_torch_alone(run):
     assert ref[1]["grad_norm"] > JOB["train"]["grad_clip"]  # clipping really scales
     assert_records_match(records, ref, [2, 4, 6])
     assert [r["loss"] for r in records] == [summary["losses"][s - 1] for s in (2, 4, 6)]
+    assert [(v["step"], v["loss"]) for v in summary["validation"]] == [(4, records[1]["val_loss"]),
+                                                                        (6, records[2]["val_loss"])]
+    assert records[1]["val_perplexity"] == pytest.approx(math.exp(records[1]["val_loss"]))
     for r in records:
         assert len(r["peak_memory_bytes"]) == 4 and min(r["peak_memory_bytes"]) > 0
         assert r["peak_memory_kind"] == "host max resident set"
@@ -95,9 +107,10 @@ def test_tensorboard_holds_the_same_scalars(run):
     events = EventAccumulator(str(out / "tensorboard"))
     events.Reload()
     records = read_records(out / "metrics.jsonl")
-    for key in ("loss", "lr", "grad_norm", "tokens_per_second"):
-        got = [(e.step, e.value) for e in events.Scalars(f"train/{key}")]
-        assert got == [(r["step"], pytest.approx(r[key], rel=1e-6)) for r in records], key
+    for key in ("loss", "lr", "grad_norm", "tokens_per_second", "val_loss"):
+        tag = "val/loss" if key == "val_loss" else f"train/{key}"
+        got = [(e.step, e.value) for e in events.Scalars(tag)]
+        assert got == [(r["step"], pytest.approx(r[key], rel=1e-6)) for r in records if key in r], key
 
 
 def test_plot_draws_the_run(run, tmp_path):
@@ -125,6 +138,7 @@ def test_a_resume_keeps_each_step_once(run, tmp_path):
     records = read_records(again / "metrics.jsonl")
     assert_records_match(records, dense_reference(JOB, 8), [2, 4, 6, 8])
     assert [r["loss"] for r in records[:3]] == [r["loss"] for r in first]
+    assert [v["step"] for v in summary["validation"]] == [4, 8]  # step 4's from the checkpoint
     assert json.loads((again / "summary.json").read_text())["losses"][:6] == summary["losses"][:6]
 
 

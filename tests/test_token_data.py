@@ -3,6 +3,7 @@ and its sidecar; ``data.source: tokens`` trains on it memory-mapped, reading a s
 a file that cannot feed the model is refused before anything runs, naming the file and the fix."""
 
 import json
+import re
 import subprocess
 import sys
 
@@ -120,3 +121,60 @@ def test_token_files_that_cannot_feed_the_model_are_refused(token_file, tmp_path
     with pytest.raises(ConfigError, match="data.source=tokens needs data.path"):
         make_config({"data": {"source": "tokens"}})
     assert main(["tokenize", "--tokenizer", str(tmp_path), str(empty), "-o", str(tmp_path / "x.bin")]) == 2
+
+
+def counting_file(path, n):
+    """A token file whose token at position i is i: a window's first token is where it starts."""
+    torch.arange(n, dtype=torch.int32).numpy().tofile(path)
+    path.with_suffix(".json").write_text(json.dumps({"dtype": "uint32", "tokens": n, "vocab_size": n}))
+    return path
+
+
+def test_validation_holds_out_the_end_of_the_data(tmp_path):
+    """``data.val_fraction``: training windows lie in the first part, validation windows in the last
+    (the same ones at every evaluation); without it, training draws from the whole file."""
+    from parallel4d.data import build_validation
+
+    n, seq = 4000, 8
+    path = counting_file(tmp_path / "count.bin", n)
+    base = {"data": {"source": "tokens", "path": str(path), "batch_size": 64}, "model": {"vocab_size": n, "seq_len": seq}}
+    cfg = make_config({**base, "data": {**base["data"], "val_fraction": 0.25}, "train": {"eval_every": 10}})
+    train, val = build_dataset(cfg), build_validation(cfg)
+    cut = int(n * 0.75)
+    train_starts = torch.cat([train.batch(step)[0][:, 0] for step in range(20)])
+    val_starts = torch.cat([val.batch(k)[0][:, 0] for k in range(4)])
+    assert train_starts.max() + seq + 1 <= cut and train_starts.min() < cut // 4  # spread over the first part
+    assert val_starts.min() >= cut and val_starts.max() + seq + 1 <= n
+    assert torch.equal(val.batch(2)[0], val.batch(2)[0])
+    whole = torch.cat([build_dataset(make_config(base)).batch(step)[0][:, 0] for step in range(20)])
+    assert whole.max() > cut  # without a fraction the whole file trains
+
+
+def test_text_validation_holds_out_the_end_of_the_corpus():
+    from parallel4d.data import build_validation
+
+    text = make_config({"data": {"source": "text", "val_fraction": 0.1, "max_bytes": 100_000},
+                        "model": {"vocab_size": 256, "seq_len": 16}, "train": {"eval_every": 5}})
+    corpus, held = build_dataset(text), build_validation(text)
+    assert corpus.hi == held.source.lo == int(len(corpus.data) * 0.9) and held.source.hi == len(corpus.data)
+
+
+@pytest.mark.parametrize("data, train, words", [
+    ({"source": "text", "val_fraction": 0.1}, {}, "train.eval_every is unset"),
+    ({"source": "text"}, {"eval_every": 5}, "train.eval_every needs held-out data: set data.val_fraction"),
+    ({"source": "synthetic", "val_fraction": 0.1}, {"eval_every": 5}, "synthetic data has nothing to hold out"),
+    ({"source": "text", "val_path": "x.bin"}, {"eval_every": 5}, "data.val_path is a token file"),
+    ({"source": "text", "val_path": "x.bin", "val_fraction": 0.1}, {"eval_every": 5}, "keep one"),
+    ({"source": "synthetic", "val_fraction": 1.5}, {}, "data.val_fraction"),
+])
+def test_validation_fields_that_cannot_work_are_refused(data, train, words):
+    with pytest.raises(ConfigError, match=re.escape(words)):
+        make_config({"data": data, "train": train})
+
+
+def test_a_validation_token_file_is_checked_like_the_training_one(token_file, tmp_path):
+    alone = tmp_path / "val.bin"
+    alone.write_bytes(b"\0" * 100)
+    with pytest.raises(ConfigError, match=re.escape(f"data.val_path='{alone}': cannot read its sidecar")):
+        make_config({"data": {"source": "tokens", "path": str(token_file), "val_path": str(alone)},
+                     "model": {"vocab_size": 320, "seq_len": 8}, "train": {"eval_every": 5}})
