@@ -211,6 +211,9 @@ class TrainConfig(_Section):
     tensorboard: bool = Field(False, description="also write TensorBoard scalars under <out_dir>/tensorboard "
                                                  "(needs the tensorboard package: pip install 'parallel4d[viz]')")
     resume: bool = False
+    activation_checkpointing: Literal["none", "blocks"] = Field(
+        "none", description="blocks: keep only each transformer block's input and recompute the block in the "
+                            "backward (less activation memory, about a third more compute)")
     eval_every: Optional[int] = Field(None, ge=1, description="validation loss every this many steps (and at the "
                                                              "last); None: no validation")
     eval_batches: int = Field(4, ge=1, description="batches of data.batch_size in each validation (the same ones "

@@ -26,6 +26,7 @@ from contextlib import nullcontext
 from typing import NamedTuple
 
 import torch
+import torch.utils.checkpoint
 import torch.nn as nn
 
 from . import checkpoint, comm
@@ -179,6 +180,8 @@ def build_stages(cfg: Config, mesh: Mesh, wanted=None, untie: bool = False):
             block.attn.attention_fn = attention_fn
         if rotary and positions is not None:  # the shard's tokens are rotated by their global positions
             (block if tp else block.attn).positions = positions
+        if cfg.train.activation_checkpointing == "blocks":
+            recompute_in_backward(block)
         stages[index] = block
     if last in wanted:
         tied = dense_embed.tok.weight if shape.tie_embeddings else None
@@ -192,6 +195,21 @@ def build_stages(cfg: Config, mesh: Mesh, wanted=None, untie: bool = False):
         stages[0] = PositionedEmbedding(stages[0], positions)
     loss_fn = loss_2d(mesh) if tp else cross_entropy
     return stages, loss_fn
+
+
+def recompute_in_backward(module: nn.Module) -> nn.Module:
+    """``module``'s forward under ``torch.utils.checkpoint`` (non-reentrant) while gradients are
+    on: the block keeps only its input and runs again in the backward, collectives included (every
+    rank of a tp or sp group recomputes the same block at the same point of its backward)."""
+    inner = module.forward
+
+    def forward(*args, **kwargs):
+        if not torch.is_grad_enabled():
+            return inner(*args, **kwargs)
+        return torch.utils.checkpoint.checkpoint(inner, *args, use_reentrant=False, **kwargs)
+
+    module.forward = forward
+    return module
 
 
 # --- gradient synchronisation and norms ------------------------------------------
