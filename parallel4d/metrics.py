@@ -25,6 +25,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from . import comm
+
 METRICS_FILE = "metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"
 SCALARS = ("loss", "lr", "grad_norm", "tokens_per_second", "model_flops_per_second", "val_loss", "val_perplexity")
@@ -39,13 +41,12 @@ def peak_memory(device: torch.device) -> tuple[int, str]:
 
 
 def gather_per_rank(value: int, device: torch.device) -> list[int]:
-    """``value`` of every rank, in rank order (a collective over the default group)."""
+    """``value`` of every rank, in rank order (a collective over the default group, its failure
+    named as every collective's: :mod:`.comm`)."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return [value]
     mine = torch.tensor([value], dtype=torch.int64, device=device)  # NCCL takes device tensors only
-    parts = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
-    dist.all_gather(parts, mine)
-    return [int(p.item()) for p in parts]
+    return [int(v) for v in comm.all_gather(mine, None, label="metrics: per-rank peak memory gather").tolist()]
 
 
 def read_records(path: Path) -> list[dict]:
