@@ -19,7 +19,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
-import os
 import re
 import stat
 from pathlib import Path
@@ -31,6 +30,7 @@ from pydantic import (AfterValidator, AllowInfNan, BaseModel, ConfigDict, Field,
 from pydantic_core import PydanticUndefined
 
 from .hf_config import mismatches, model_fields_from_hf, positions_short
+from .text_files import corpus_bytes
 from .token_files import token_file_problems
 from .rules import (batch_problem, did_you_mean, divisors, grid_side, not_divisible, num_chunks, or_list,
                     pipeline_arg_problems, tensor2d_problems)
@@ -193,6 +193,9 @@ class DataConfig(_Section):
     text_root: Optional[PathStr] = Field(None, description="directory of .py files (≥ 1024 bytes of them); "
                                                             "None = Python's standard library")
     max_bytes: int = Field(4_000_000, ge=1024, description="bytes of corpus to read")
+    text_glob: Optional[list[str]] = Field(None, description="text: glob patterns under data.text_root (or the "
+                                                             "standard library), e.g. ['**/*.md', 'src/**/*.txt']; "
+                                                             "None = every .py file")
     val_path: Optional[PathStr] = Field(None, description="validation token file (data.source: tokens), its "
                                                           "sidecar beside it")
     val_fraction: Optional[float] = Field(None, gt=0, lt=1, description="hold out the last fraction of the text "
@@ -302,8 +305,10 @@ def cross_field_problems(cfg: Config) -> list[str]:
         out.append("model.vocab_size must be ≥ 2")
     if cfg.data.source == "text" and m.vocab_size < 256:
         out.append(f"data.source=text is byte-level and needs model.vocab_size≥256, got {m.vocab_size}; use 256")
-    if cfg.data.source == "text" and cfg.data.text_root:
-        out += _text_root_problems(cfg.data.text_root)
+    if cfg.data.source == "text" and (cfg.data.text_root or cfg.data.text_glob):
+        out += _text_root_problems(cfg.data.text_root, cfg.data.text_glob)
+    elif cfg.data.text_glob:
+        out.append(f"data.text_glob is read with data.source=text, not {cfg.data.source}; remove it")
     if cfg.data.source == "tokens":
         out += (token_file_problems(cfg.data.path, m.vocab_size, m.seq_len) if cfg.data.path else
                 ["data.source=tokens needs data.path (a .bin file from `parallel4d tokenize`)"])
@@ -328,8 +333,8 @@ def _validation_problems(cfg: "Config") -> list[str]:
         return ["data.val_path / data.val_fraction set aside validation data but train.eval_every is unset; set "
                 "train.eval_every (e.g. 100) or remove them"]
     if t.eval_every is not None and d.source != "synthetic" and not (d.val_path or d.val_fraction):
-        return [f"train.eval_every needs held-out data: set data.val_fraction (e.g. 0.05) or, with "
-                f"data.source=tokens, data.val_path"]
+        return ["train.eval_every needs held-out data: set data.val_fraction (e.g. 0.05) or, with "
+                "data.source=tokens, data.val_path"]
     if t.eval_every is not None and cfg.deepspeed is not None:
         return ["train.eval_every is not supported with a deepspeed: section yet; remove one of them"]
     if d.val_path:
@@ -475,32 +480,21 @@ def _family_problems(m: ModelConfig, q: int) -> list[str]:
 _CORPUS_MIN_BYTES = 1024  # data.read_corpus refuses less
 
 
-def _text_root_problems(root: str) -> list[str]:
-    """What ``data.read_corpus`` would refuse in a worker: no directory, or too few bytes of .py files."""
-    fix = "point it at a folder of .py files or leave it unset to use Python's standard library"
-    if not Path(root).is_dir():
-        return [f"data.text_root={root!r} is not a directory; {fix}"]
-    found = _py_bytes(root, _CORPUS_MIN_BYTES)
-    if found < _CORPUS_MIN_BYTES:
-        return [f"data.text_root={root!r} holds {found} bytes of .py files (the text corpus reads .py files only) "
-                f"and data.source=text needs ≥ {_CORPUS_MIN_BYTES}; {fix}"]
-    return []
-
-
-def _py_bytes(root: str, enough: int) -> int:
-    """Bytes of the .py files under ``root`` that read_corpus would read, stopping at ``enough``."""
-    total = 0
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = [d for d in dirnames if d not in ("site-packages", "__pycache__")]  # as read_corpus
-        for name in filenames:
-            if name.endswith(".py"):
-                try:
-                    total += os.path.getsize(os.path.join(dirpath, name))
-                except OSError:
-                    continue
-                if total >= enough:
-                    return total
-    return total
+def _text_root_problems(root: str | None, patterns: list[str] | None) -> list[str]:
+    """What ``data.read_corpus`` would refuse in a worker: no directory, or too few bytes of its files."""
+    where = f"data.text_root={root!r}" if root else "the standard library (data.text_root unset)"
+    if root and not Path(root).is_dir():
+        return [f"data.text_root={root!r} is not a directory; point it at a folder of text files or leave it "
+                "unset to use Python's standard library"]
+    found = corpus_bytes(root, patterns, _CORPUS_MIN_BYTES)
+    if found >= _CORPUS_MIN_BYTES:
+        return []
+    if patterns:
+        return [f"data.text_glob={patterns} matches {found} bytes of files under {where} and data.source=text "
+                f"needs ≥ {_CORPUS_MIN_BYTES}; fix the patterns (relative to data.text_root, e.g. '**/*.md')"]
+    return [f"{where} holds {found} bytes of .py files (without data.text_glob the corpus reads .py files only) "
+            f"and data.source=text needs ≥ {_CORPUS_MIN_BYTES}; point it at a folder of .py files, set "
+            "data.text_glob, or leave data.text_root unset to use Python's standard library"]
 
 
 def local_job_problems(cfg: Config) -> list[str]:

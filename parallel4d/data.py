@@ -1,21 +1,21 @@
-"""Training data: synthetic token streams and a byte-level corpus made of the Python
-standard library's own source files (no download), or a user's token file (``TokenFile``).
+"""Training data, global and deterministic: synthetic token streams, a byte-level corpus (the
+Python standard library's own source files, no download, or a user's files: ``data.text_glob``),
+or a user's token file (``TokenFile``).
 
-Both are *global* and deterministic: ``batch(step)`` returns the same
-``[batch_size, seq_len]`` tokens and next-token targets on every rank for a
-given (seed, step), whatever the parallel layout. Each rank then takes its own
-slice (:func:`local_slice`), so a parallel run sees exactly the data of the
-single-process reference.
+``batch(step)`` returns the same ``[batch_size, seq_len]`` tokens and next-token targets on every
+rank for a given (seed, step), whatever the parallel layout. Each rank trains on its own rows
+(``engine.local_rows``) and reads only those (``batch(step, rows)``), so a parallel run sees
+exactly the data of the single-process reference.
 """
 
 from __future__ import annotations
 
-import os
-import sysconfig
 from pathlib import Path
+from typing import Sequence
 
 import torch
 
+from .text_files import corpus_files
 from .token_files import read_sidecar
 
 
@@ -27,7 +27,8 @@ class SyntheticTokens:
     def __init__(self, vocab_size: int, seq_len: int, batch_size: int, seed: int = 0):
         self.vocab_size, self.seq_len, self.batch_size, self.seed = vocab_size, seq_len, batch_size, seed
 
-    def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def batch(self, step: int, rows: range | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        del rows  # computed, not read: every row costs next to nothing
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
         start = torch.randint(0, self.vocab_size, (self.batch_size, 1), generator=g)
         stride = torch.randint(1, min(8, self.vocab_size), (self.batch_size, 1), generator=g)
@@ -35,35 +36,25 @@ class SyntheticTokens:
         return seq[:, :-1].contiguous(), seq[:, 1:].contiguous()
 
 
-def stdlib_root() -> Path:
-    return Path(sysconfig.get_paths()["stdlib"])
-
-
-def read_corpus(root: str | Path | None = None, max_bytes: int = 4_000_000, suffix: str = ".py") -> torch.Tensor:
-    """Concatenate the ``suffix`` files under ``root`` (sorted, so every rank reads the
-    same bytes) up to ``max_bytes``; returns a uint8 tensor."""
-    root = Path(root) if root else stdlib_root()
-    if not root.is_dir():
+def read_corpus(root: str | Path | None = None, max_bytes: int = 4_000_000,
+                patterns: Sequence[str] | None = None) -> torch.Tensor:
+    """Concatenate the corpus files under ``root`` (:func:`.text_files.corpus_files`: ``patterns``,
+    or every .py file; sorted, so every rank reads the same bytes) up to ``max_bytes``; uint8."""
+    if root and not Path(root).is_dir():
         raise ValueError(f"data.text_root={str(root)!r} is not a directory")
     parts, total = [], 0
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames.sort()
-        dirnames[:] = [d for d in dirnames if d not in ("site-packages", "__pycache__")]
-        for name in sorted(filenames):
-            if not name.endswith(suffix):
-                continue
-            try:
-                data = (Path(dirpath) / name).read_bytes()
-            except OSError:
-                continue
-            parts.append(data)
-            total += len(data)
-            if total >= max_bytes:
-                break
+    for path in corpus_files(root, patterns):
+        try:
+            data = path.read_bytes()
+        except OSError:
+            continue
+        parts.append(data)
+        total += len(data)
         if total >= max_bytes:
             break
     if total < 1024:
-        raise ValueError(f"data.text_root={str(root)!r} holds only {total} bytes of {suffix} files; need ≥ 1024")
+        what = f"files matching {list(patterns)}" if patterns else ".py files"
+        raise ValueError(f"data.text_root={str(root)!r} holds only {total} bytes of {what}; need ≥ 1024")
     blob = b"".join(parts)[:max_bytes]
     return torch.frombuffer(bytearray(blob), dtype=torch.uint8)
 
@@ -95,9 +86,13 @@ class _Windows:
             raise ValueError(f"{what}: {hi - lo} tokens, not more than model.seq_len+1={seq_len + 1}; give more data, "
                              "or a larger data.val_fraction when it is the validation part")
 
-    def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def batch(self, step: int, rows: range | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Tokens and next-token targets ``[batch_size, seq_len]`` of step ``step``. ``rows``: read
+        only those windows (a rank's share, ``engine.local_rows``); the other rows are zeros."""
         starts = _window_starts(self.seed, step, self.lo, self.hi, self.seq_len, self.batch_size)
-        seq = torch.stack([self.tokens[s:s + self.seq_len + 1].to(torch.int64) for s in starts])
+        seq = torch.zeros(self.batch_size, self.seq_len + 1, dtype=torch.int64)
+        for r in rows if rows is not None else range(self.batch_size):
+            seq[r] = self.tokens[starts[r]:starts[r] + self.seq_len + 1].to(torch.int64)
         return seq[:, :-1].contiguous(), seq[:, 1:].contiguous()
 
 
@@ -106,8 +101,8 @@ class ByteCorpus(_Windows):
     the last part is held out; ``validation``: draw from it instead."""
 
     def __init__(self, seq_len: int, batch_size: int, seed: int = 0, root=None, max_bytes: int = 4_000_000,
-                 val_fraction: float | None = None, validation: bool = False):
-        self.tokens = self.data = read_corpus(root, max_bytes)
+                 val_fraction: float | None = None, validation: bool = False, patterns: Sequence[str] | None = None):
+        self.tokens = self.data = read_corpus(root, max_bytes, patterns)
         lo, hi = _split(len(self.data), val_fraction, validation)
         part = "the validation part of " if validation else ""
         self._init_windows(seq_len, batch_size, seed, lo, hi, f"{part}the text corpus")
@@ -134,7 +129,7 @@ def build_dataset(cfg):
         return SyntheticTokens(m.vocab_size, m.seq_len, d.batch_size, d.seed)
     if d.source == "tokens":
         return TokenFile(d.path, m.seq_len, d.batch_size, d.seed, d.val_fraction)
-    return ByteCorpus(m.seq_len, d.batch_size, d.seed, d.text_root, d.max_bytes, d.val_fraction)
+    return ByteCorpus(m.seq_len, d.batch_size, d.seed, d.text_root, d.max_bytes, d.val_fraction, patterns=d.text_glob)
 
 
 class Validation:
@@ -143,8 +138,8 @@ class Validation:
     def __init__(self, source):
         self.source = source
 
-    def batch(self, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.source.batch(VALIDATION_STREAM + k)
+    def batch(self, k: int, rows: range | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.source.batch(VALIDATION_STREAM + k, rows)
 
 
 def build_validation(cfg) -> Validation | None:
@@ -160,12 +155,4 @@ def build_validation(cfg) -> Validation | None:
     if d.source == "tokens":
         return Validation(TokenFile(d.path, m.seq_len, d.batch_size, d.seed, d.val_fraction, validation=True))
     return Validation(ByteCorpus(m.seq_len, d.batch_size, d.seed, d.text_root, d.max_bytes, d.val_fraction,
-                                 validation=True))
-
-
-def local_slice(x: torch.Tensor, index: int, parts: int, dim: int = 0) -> torch.Tensor:
-    """Block ``index`` of ``parts`` equal blocks of ``x`` along ``dim``."""
-    n = x.shape[dim]
-    if n % parts:
-        raise ValueError(f"size {n} along dim {dim} is not divisible into {parts} parts")
-    return x.narrow(dim, index * (n // parts), n // parts)
+                                 validation=True, patterns=d.text_glob))

@@ -31,7 +31,6 @@ import torch.nn as nn
 
 from . import checkpoint, comm
 from .config import Config, ConfigError
-from .data import local_slice
 from .ddp import GradBuckets
 from .hetero import load_state_dict as hetero_load_state_dict
 from .hetero import state_dict as hetero_state_dict
@@ -97,12 +96,23 @@ class LocalModel(nn.Module):
         return {**({"embed": named.pop("embed")} if "embed" in named else {}), **blocks, **named}
 
 
+def local_rows(mesh: Mesh, batch_size: int) -> range:
+    """The rows of a global batch this rank trains on: block ``dp`` of the batch, then block
+    ``tp_row`` of that (the sequence shard is taken from those rows)."""
+    dp, q = mesh.size("dp"), mesh.size("tp_row")
+    if batch_size % (dp * q):
+        raise ValueError(f"a batch of {batch_size} rows does not split into dp·q = {dp}·{q} equal parts")
+    per = batch_size // (dp * q)
+    start = (mesh.rank("dp") * q + mesh.rank("tp_row")) * per
+    return range(start, start + per)
+
+
 def local_batch(mesh: Mesh, x: torch.Tensor, layout: str = "zigzag") -> torch.Tensor:
-    """This rank's share of a global ``[B, S]`` tensor (tokens or targets): rows block dp,
-    then rows block tp_row, then sequence shard sp in ``layout`` (``sequence.layout``)
+    """This rank's share of a global ``[B, S]`` tensor (tokens or targets): its rows
+    (:func:`local_rows`), then sequence shard sp in ``layout`` (``sequence.layout``)
     → ``[B/(dp·q), S/sp]`` on ``mesh.device``."""
-    x = local_slice(x, mesh.rank("dp"), mesh.size("dp"))
-    x = local_slice(x, mesh.rank("tp_row"), mesh.size("tp_row"))
+    rows = local_rows(mesh, x.shape[0])
+    x = x[rows.start:rows.stop]
     if mesh.size("sp") > 1:
         x = split_sequence(x, mesh.group("sp"), dim=1, layout=layout)
     return x.contiguous().to(mesh.device)
@@ -341,6 +351,11 @@ class Engine:
         return counts
 
     # --- data ---------------------------------------------------------------------
+    @property
+    def data_rows(self) -> range:
+        """The rows of each global batch this rank reads (the data need not read the others)."""
+        return local_rows(self.mesh, self.cfg.data.batch_size)
+
     def local_batch(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's share of a global ``[B, S]`` tensor: ``[B/(dp·q), S/sp]``."""
         return local_batch(self.mesh, x, self.cfg.sequence.layout)

@@ -210,7 +210,7 @@ def run_training(cfg: Config) -> dict:
     progress = _Progress(cfg, engine.step, enabled=lead)
     with _StopFlag() as stop:
         while engine.step < cfg.train.steps:
-            tokens, targets = data.batch(engine.step)
+            tokens, targets = data.batch(engine.step, getattr(engine, "data_rows", None))
             evaluated = _evaluated(engine.step + 1, cfg)
             logged = evaluated or _logged(engine.step + 1, cfg)
             loss = engine.train_step(tokens, targets, measure_grad_norm=logged)
@@ -271,7 +271,8 @@ def _evaluated(step: int, cfg: Config) -> bool:
 
 def _validate(cfg: Config, engine, val) -> dict:
     """The mean loss of the ``train.eval_batches`` validation batches, and its perplexity."""
-    loss = sum(engine.evaluate(*val.batch(k)) for k in range(cfg.train.eval_batches)) / cfg.train.eval_batches
+    rows = engine.data_rows
+    loss = sum(engine.evaluate(*val.batch(k, rows)) for k in range(cfg.train.eval_batches)) / cfg.train.eval_batches
     return {"step": engine.step, "loss": loss, "perplexity": math.exp(min(loss, 700.0))}
 
 

@@ -29,7 +29,7 @@ PACKAGE = Path(config_module.__file__).resolve().parent
 ALLOWED_DEAD: set[tuple[str, str]] = set()
 
 # Functions of config.py that only validate: a field read there is checked, not used.
-VALIDATION_ONLY = {"cross_field_problems", "_text_root_problems", "_py_bytes", "_nearest_divisor", "deepspeed_problems",
+VALIDATION_ONLY = {"cross_field_problems", "_text_root_problems", "_nearest_divisor", "deepspeed_problems",
                    "_family_problems"}
 
 

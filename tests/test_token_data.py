@@ -178,3 +178,49 @@ def test_a_validation_token_file_is_checked_like_the_training_one(token_file, tm
     with pytest.raises(ConfigError, match=re.escape(f"data.val_path='{alone}': cannot read its sidecar")):
         make_config({"data": {"source": "tokens", "path": str(token_file), "val_path": str(alone)},
                      "model": {"vocab_size": 320, "seq_len": 8}, "train": {"eval_every": 5}})
+
+
+def test_a_rank_reads_only_its_rows(tmp_path):
+    """``batch(step, rows)`` reads those windows from the file and no other; they equal the same rows
+    of the whole batch (the engine takes only them: ``engine.local_rows``)."""
+    path = counting_file(tmp_path / "count.bin", 4000)
+    ds = build_dataset(make_config({"data": {"source": "tokens", "path": str(path), "batch_size": 8},
+                                    "model": {"vocab_size": 4000, "seq_len": 8}}))
+    whole = ds.batch(5)
+    reads = []
+
+    class Recorded:
+        def __init__(self, tokens):
+            self.tokens = tokens
+
+        def __len__(self):
+            return len(self.tokens)
+
+        def __getitem__(self, index):
+            reads.append(index)
+            return self.tokens[index]
+
+    ds.tokens = Recorded(ds.tokens)
+    part = ds.batch(5, range(2, 4))
+    assert len(reads) == 2 and all(r.stop - r.start == 9 for r in reads)
+    for got, want in zip(part, whole):
+        assert torch.equal(got[2:4], want[2:4]) and not got[:2].any() and not got[4:].any()
+
+
+def test_text_globs_pick_the_corpus_files(tmp_path):
+    """``data.text_glob``: the files any pattern matches, in path order; patterns that match too
+    little are refused naming the field."""
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "b.md").write_text("B" * 600)
+    (tmp_path / "docs" / "a.md").write_text("A" * 600)
+    (tmp_path / "skip.py").write_text("P" * 600)
+    cfg = make_config({"data": {"source": "text", "text_root": str(tmp_path), "text_glob": ["**/*.md"],
+                                "max_bytes": 1200}, "model": {"vocab_size": 256, "seq_len": 16}})
+    corpus = build_dataset(cfg).data
+    assert bytes(corpus.tolist()) == b"A" * 600 + b"B" * 600
+    with pytest.raises(ConfigError, match=re.escape("data.text_glob=['*.md'] matches 0 bytes of files")):
+        make_config({"data": {"source": "text", "text_root": str(tmp_path), "text_glob": ["*.md"]}})
+    with pytest.raises(ConfigError, match="holds 600 bytes of .py files"):
+        make_config({"data": {"source": "text", "text_root": str(tmp_path)}})
+    with pytest.raises(ConfigError, match="data.text_glob is read with data.source=text"):
+        make_config({"data": {"text_glob": ["*.md"]}})
