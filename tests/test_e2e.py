@@ -176,6 +176,7 @@ def test_pipeline_schedules(case, tmp_path, tmp_path_factory):
 
 
 FOUR_D = {"float32": [], "bfloat16": ["train.dtype=bfloat16"]}
+FOUR_D_STEPS = ["train.steps=6"]  # of the config's 10: 16 workers share the CI's 2 cores
 
 
 def sixteen_worker_job(tmp):
@@ -183,18 +184,18 @@ def sixteen_worker_job(tmp):
     and in bfloat16, each as launch runs it on a rank; ``{case: (rank 0's summary, out_dir)}``."""
     from conftest import train_in_job
 
-    return {case: (train_in_job(ROOT / "configs" / "4d.yaml", [*extra, f"train.out_dir={tmp / case}",
+    return {case: (train_in_job(ROOT / "configs" / "4d.yaml", [*extra, *FOUR_D_STEPS, f"train.out_dir={tmp / case}",
                                                                 "train.log_every=100"]), tmp / case)
             for case, extra in FOUR_D.items()}
 
 
 def test_all_four_techniques(sixteen_workers, tmp_path_factory):
-    """configs/4d.yaml as shipped (float32), 16 workers: Hanayo pp=2 × ring sp=2 × 2D tp=4 × hetero
+    """configs/4d.yaml as shipped (float32; its first 6 steps), 16 workers: Hanayo pp=2 × ring sp=2 × 2D tp=4 × hetero
     (budget below each rank's model data, ZeRO over the dp·sp replicas) equals one process with none
     of them. Float64 (losses 1e-10, every parameter and Adam moment 1e-9) and resuming its
     checkpoint under other layouts: tests/test_reshard.py, not repeated here."""
     got, out = sixteen_workers[0]["test_e2e"]["float32"]
-    ref, _ = reference("4d", tmp_path_factory, ["hetero.enabled=false"])
+    ref, _ = reference("4d", tmp_path_factory, ["hetero.enabled=false", *FOUR_D_STEPS])
     assert got["world_size"] == 16
     h = got["hetero"]
     assert 0 < h["peak_resident_bytes"] <= h["device_budget_bytes"] < h["model_data_bytes"]
