@@ -32,7 +32,7 @@ from pydantic_core import PydanticUndefined
 from .hf_config import mismatches, model_fields_from_hf, positions_short
 from .text_files import corpus_bytes
 from .token_files import token_file_problems
-from .rules import (batch_problem, did_you_mean, divisors, grid_side, not_divisible, num_chunks, or_list,
+from .rules import (batch_problem, did_you_mean, divisors, fused_problem, grid_side, not_divisible, num_chunks, or_list,
                     pipeline_arg_problems, tensor2d_problems)
 
 
@@ -205,8 +205,27 @@ class DataConfig(_Section):
 class TrainConfig(_Section):
     steps: int = Field(10, ge=1)
     seed: Seed = 0
-    dtype: Literal["float32", "float64", "bfloat16"] = Field(
-        "float32", description="parameter dtype; bfloat16 means float32 weights under bf16 autocast")
+    dtype: Literal["float32", "float64", "bfloat16", "float16"] = Field(
+        "float32", description="the precision preset: float32 or float64 parameters and compute; bfloat16 / "
+                               "float16: float32 parameters, forward and backward under that autocast (float16 "
+                               "with dynamic loss scaling). param_dtype, autocast_dtype, grad_reduce_dtype say "
+                               "each part explicitly")
+    param_dtype: Optional[Literal["float32", "float64"]] = Field(
+        None, description="parameters, optimizer state and the tensors between pipeline stages; None: from "
+                          "train.dtype (float64 for float64, else float32)")
+    autocast_dtype: Optional[Literal["none", "bfloat16", "float16"]] = Field(
+        None, description="compute precision of matmuls and attention (torch.autocast); float16 scales the loss "
+                          "dynamically; None: from train.dtype")
+    grad_reduce_dtype: Optional[Literal["float32", "float64", "bfloat16"]] = Field(
+        None, description="dtype of the data-parallel gradient all-reduce; None: the parameters' dtype")
+    fused: Literal["auto", "apex", "torch", "off"] = Field(
+        "off", description="optimizer and norm kernels: torch's fused AdamW and RMSNorm, NVIDIA apex's FusedAdam "
+                           "and fused norms, auto (apex when installed, else torch), off (the plain reference ops)")
+    loss_scale_init: Finite = Field(65536.0, gt=0, description="float16: the first loss scale; halved on every "
+                                                               "step whose gradients overflow (that step skipped "
+                                                               "on every rank)")
+    loss_scale_window: int = Field(1000, ge=1, description="float16: steps without an overflow before the loss "
+                                                           "scale doubles")
     device: Literal["auto", "cpu", "cuda"] = "auto"
     grad_clip: Optional[Finite] = Field(None, gt=0)
     out_dir: PathStr = "runs/default"
@@ -232,6 +251,21 @@ class TrainConfig(_Section):
     max_local_workers: int = Field(64, ge=1, description="a local (non-torchrun) launch refuses a world size "
                                                          "pp·dp·sp·tp above this; raise it only for a machine that "
                                                          "really runs that many processes")
+
+    @property
+    def parameters(self) -> str:
+        """The parameters' dtype name (``param_dtype``, or what ``dtype`` implies)."""
+        return self.param_dtype or ("float64" if self.dtype == "float64" else "float32")
+
+    @property
+    def autocast(self) -> str:
+        """The autocast dtype name, ``"none"`` without autocast (``autocast_dtype``, or ``dtype``'s)."""
+        return self.autocast_dtype or (self.dtype if self.dtype in ("bfloat16", "float16") else "none")
+
+    @property
+    def grad_reduce(self) -> str:
+        """The data-parallel gradient all-reduce's dtype name."""
+        return self.grad_reduce_dtype or self.parameters
 
 
 class CheckpointConfig(_Section):
@@ -316,6 +350,29 @@ def cross_field_problems(cfg: Config) -> list[str]:
         out.append(f"data.path is read with data.source=tokens, not {cfg.data.source}; set data.source=tokens "
                    "or remove data.path")
     out += _validation_problems(cfg)
+    out += _precision_problems(cfg)
+    return out
+
+
+def _precision_problems(cfg: "Config") -> list[str]:
+    t, out = cfg.train, []
+    preset = {"float32": ("float32", "none"), "float64": ("float64", "none"), "bfloat16": ("float32", "bfloat16"),
+              "float16": ("float32", "float16")}[t.dtype]
+    for field, given, implied in (("param_dtype", t.param_dtype, preset[0]),
+                                  ("autocast_dtype", t.autocast_dtype, preset[1])):
+        if given is not None and given != implied and "dtype" in t.model_fields_set:
+            out.append(f"train.{field}={given} but train.dtype={t.dtype} means {field}={implied}; give one of them "
+                       f"(train.dtype is a preset for param_dtype and autocast_dtype)")
+    if t.parameters == "float64" and t.autocast != "none":
+        out.append(f"train.autocast_dtype={t.autocast} with float64 parameters: autocast computes float32 "
+                   "matmuls in half precision only; use param_dtype=float32")
+    if t.grad_reduce_dtype and cfg.hetero.enabled and t.grad_reduce != t.parameters:
+        out.append(f"train.grad_reduce_dtype={t.grad_reduce_dtype}: hetero reduces gradients in its chunks' dtype "
+                   f"({t.parameters}); unset it or hetero")
+    out += filter(None, [fused_problem(t.fused)])
+    if t.autocast == "float16" and cfg.deepspeed is not None:
+        out.append("train.dtype=float16 with a deepspeed: section: use DeepSpeed's own fp16 section "
+                   "(deepspeed.fp16.enabled) and train.dtype=float32")
     return out
 
 
@@ -421,13 +478,13 @@ def deepspeed_problems(cfg: "Config") -> list[str]:
         out.append("deepspeed.fp16.enabled with parallel.pp > 1: the pipeline's backward bypasses DeepSpeed's "
                    "loss scaling; use bf16 (deepspeed.bf16.enabled=true)")
     bf16 = _enabled(ds, "bf16") or _enabled(ds, "bfloat16")
-    if cfg.train.dtype == "float64":
+    if cfg.train.parameters == "float64":
         out.append("train.dtype=float64 with a deepspeed: section: DeepSpeed trains float32 (or bf16, fp16); "
                    "use train.dtype=float32")
-    elif cfg.train.dtype == "bfloat16" and isinstance(ds.get("bf16"), dict) and not bf16:
+    elif cfg.train.autocast == "bfloat16" and isinstance(ds.get("bf16"), dict) and not bf16:
         out.append("train.dtype=bfloat16 but deepspeed.bf16.enabled is false; set deepspeed.bf16.enabled=true "
                    "(DeepSpeed's bf16) or train.dtype=float32")
-    elif cfg.train.dtype == "bfloat16" and _enabled(ds, "fp16"):  # resolve() enables bf16: DeepSpeed refuses both
+    elif cfg.train.autocast == "bfloat16" and _enabled(ds, "fp16"):  # resolve() enables bf16: DeepSpeed refuses both
         out.append("train.dtype=bfloat16 but deepspeed.fp16.enabled is true, and DeepSpeed runs one of bf16 and fp16; "
                    "set train.dtype=float32 (DeepSpeed's fp16) or replace deepspeed.fp16 by deepspeed.bf16.enabled=true")
     clip = ds.get("gradient_clipping")

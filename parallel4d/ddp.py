@@ -34,9 +34,10 @@ WHAT = "gradient all-reduce over the data replicas (dp·sp)"
 class _Bucket:
     """Some parameters of one dtype and a flat buffer as long as their elements."""
 
-    def __init__(self, index: int, params: list[nn.Parameter], device: torch.device):
+    def __init__(self, index: int, params: list[nn.Parameter], device: torch.device,
+                 reduce_dtype: torch.dtype | None = None):
         self.index, self.params = index, params
-        self.flat = torch.empty(sum(p.numel() for p in params), dtype=params[0].dtype, device=device)
+        self.flat = torch.empty(sum(p.numel() for p in params), dtype=reduce_dtype or params[0].dtype, device=device)
         self.ready = 0
         self.work = self.grads = None
 
@@ -85,7 +86,8 @@ class GradBuckets:
     gradient hooks. Per step: :meth:`start` before the backward, :meth:`finish` after it."""
 
     def __init__(self, params: Iterable[nn.Parameter], mesh, *, bucket_bytes: float, timeout_s: float,
-                 expected: dict[int, int], deferred: Iterable[nn.Parameter] = ()):
+                 expected: dict[int, int], deferred: Iterable[nn.Parameter] = (),
+                 reduce_dtype: torch.dtype | None = None):
         params = list({id(p): p for p in params}.values())
         skip = {id(p) for p in deferred}
         self.mesh, self.timeout_s = mesh, timeout_s
@@ -94,7 +96,7 @@ class GradBuckets:
         early = [p for p in reversed(params) if id(p) not in skip]
         late = [p for p in reversed(params) if id(p) in skip]
         groups = _split(early, bucket_bytes) + _split(late, bucket_bytes)
-        self.buckets = [_Bucket(i, ps, mesh.device) for i, ps in enumerate(groups)]
+        self.buckets = [_Bucket(i, ps, mesh.device, reduce_dtype) for i, ps in enumerate(groups)]
         self._where = {id(p): b for b in self.buckets for p in b.params}
         self._expected = {id(p): (0 if id(p) in skip else expected.get(id(p), 1)) for p in params}
         self._counts: dict[int, int] = {}

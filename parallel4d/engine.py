@@ -26,8 +26,9 @@ from contextlib import nullcontext
 from typing import NamedTuple
 
 import torch
-import torch.utils.checkpoint
+import torch.distributed as dist
 import torch.nn as nn
+import torch.utils.checkpoint
 
 from . import checkpoint, comm
 from .config import Config, ConfigError
@@ -36,6 +37,8 @@ from .hetero import load_state_dict as hetero_load_state_dict
 from .hetero import state_dict as hetero_state_dict
 from .hetero import wrap as hetero_wrap
 from .mesh import Mesh
+from .fused import use_fused_norms
+from .loss_scale import LossScale
 from .models import LlamaShape, Shape, build_stage, cross_entropy, shape_from_config, stage_names
 from .optim import build_optimizer, lr_at, param_groups
 from .pipeline import make_schedule
@@ -47,8 +50,13 @@ from .tensor2d import (Block2D, Head2D, LlamaBlock2D, NormHead2D, TokenEmbedding
                        loss_2d)
 
 # train.dtype → the dtype parameters (and pipeline activations between ranks) are kept in;
-# "bfloat16" keeps float32 parameters and computes under bf16 autocast (Engine.autocast).
-PARAMETER_DTYPE = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.float32}
+TORCH_DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16,
+                "float16": torch.float16}
+
+
+def parameter_dtype(cfg: Config) -> torch.dtype:
+    """The parameters' dtype (``train.param_dtype``, or what the ``train.dtype`` preset implies)."""
+    return TORCH_DTYPES[cfg.train.parameters]
 
 
 def model_shape(cfg: Config) -> Shape:
@@ -166,7 +174,7 @@ def build_stages(cfg: Config, mesh: Mesh, wanted=None, untie: bool = False):
     shape = model_shape(cfg)
     seed, last = cfg.train.seed, shape.layers + 1
     wanted = set(range(last + 1)) if wanted is None else set(wanted)
-    dtype = PARAMETER_DTYPE[cfg.train.dtype]
+    dtype = parameter_dtype(cfg)
     attention_fn, positions = _sequence(cfg, mesh)
     tp = mesh.size("tp_row") > 1
     rotary = isinstance(shape, LlamaShape)  # positions enter in the attention, not the embedding
@@ -201,6 +209,8 @@ def build_stages(cfg: Config, mesh: Mesh, wanted=None, untie: bool = False):
         if tp:
             head = head_2d.from_dense(head, mesh, embedding=stages.get(0) if not untie else None)
         stages[last] = head
+    if not tp:  # 2D norms reduce their statistics over the grid: not a fused kernel's job
+        use_fused_norms(stages.values(), cfg.train.fused)
     if positions is not None and 0 in stages and not rotary:
         stages[0] = PositionedEmbedding(stages[0], positions)
     loss_fn = loss_2d(mesh) if tp else cross_entropy
@@ -324,8 +334,13 @@ class Engine:
         self.last_lr: float | None = None  # the learning rate of the last step
         self.last_grad_norm: float | None = None  # see train_step
         self._eval_executor = None  # forwards-only twin of the executor, built at the first evaluate()
-        self.autocast = (torch.autocast(device_type=self.device.type, dtype=torch.bfloat16)
-                         if cfg.train.dtype == "bfloat16" else nullcontext())
+        half = cfg.train.autocast
+        self.autocast = (torch.autocast(device_type=self.device.type, dtype=TORCH_DTYPES[half])
+                         if half != "none" else nullcontext())
+        # float16: the loss is scaled for the backward; every rank agrees on skipping a step that overflowed
+        self.loss_scale = LossScale(cfg.train.loss_scale_init, cfg.train.loss_scale_window) if half == "float16" \
+            else None
+        self.last_step_skipped = False
         self.grad_sync = self._grad_buckets()
 
     # --- data-parallel gradients ----------------------------------------------------
@@ -336,7 +351,8 @@ class Engine:
             return None
         return GradBuckets(self.params, self.mesh, bucket_bytes=self.cfg.train.dp_bucket_mb * 2**20,
                            timeout_s=self.cfg.train.timeout_s, expected=self._accumulations(),
-                           deferred=self.tied_params if self.tied_sync is not None else ())
+                           deferred=self.tied_params if self.tied_sync is not None else (),
+                           reduce_dtype=TORCH_DTYPES[self.cfg.train.grad_reduce])
 
     def _accumulations(self) -> dict[int, int]:
         """``{id(param): gradient accumulations per step}``: one per micro-batch, and under
@@ -364,6 +380,7 @@ class Engine:
     def _forward_backward(self, x, y) -> torch.Tensor:
         if self.executor is not None:
             mb = self.cfg.pipeline.microbatches
+            self.executor.loss_scale = self._scale()
             with self.autocast:
                 result = self.executor.step(list(x.chunk(mb)), list(y.chunk(mb)))
             self.last_step_info = {"peak_activations": result.peak_activations, "wait_s": result.wait_s}
@@ -380,6 +397,9 @@ class Engine:
             total += self._micro_step(xm, ym, mb)
         return total / mb
 
+    def _scale(self) -> float:
+        return self.loss_scale.scale if self.loss_scale is not None else 1.0
+
     def _micro_step(self, x, y, mb: int) -> torch.Tensor:
         """Forward and backward of the local ``[b, s]`` tokens through this rank's stages,
         the gradient scaled by ``1/mb``; returns the (unscaled) mean loss as float64 ``[1]``."""
@@ -388,7 +408,8 @@ class Engine:
             for stage in self._stages:
                 h = stage(h)
             loss = self.loss_fn(h, y)
-        (loss / mb if mb > 1 else loss).backward()
+        scale = self._scale()
+        (loss * (scale / mb) if scale != 1.0 or mb > 1 else loss).backward()
         return loss.detach().to(torch.float64).reshape(1)
 
     def compute_gradients(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -428,6 +449,15 @@ class Engine:
         comm.wait(work, self.cfg.train.timeout_s, "validation loss all-reduce over the data replicas (dp·sp)")
         return total.item() / (self.mesh.size("dp") * self.mesh.size("sp"))
 
+    def _overflow(self, norm: torch.Tensor) -> bool:
+        """Whether any rank's gradients hold an inf or NaN, agreed by every rank of the mesh (the
+        norm already sums over every axis; the explicit MAX over the world makes the rule plain)."""
+        flag = torch.tensor([0.0 if bool(torch.isfinite(norm)) else 1.0], device=self.device)
+        work = comm.all_reduce(flag, None, op=dist.ReduceOp.MAX, stats=self.mesh.comm_stats, label="overflow",
+                               async_op=True)
+        comm.wait(work, self.cfg.train.timeout_s, "float16 overflow agreement over every rank")
+        return bool(flag.item() > 0)
+
     def grad_norm(self) -> torch.Tensor:
         """L2 norm of the whole model's gradient after :meth:`compute_gradients`, float64 ``[]``,
         equal on every rank: each dense element once, in every layout, hetero's chunks included."""
@@ -447,19 +477,27 @@ class Engine:
             group["lr"] = lr
         self.last_lr = lr
         loss = self.compute_gradients(tokens, targets)
-        clip = self.cfg.train.grad_clip
-        norm = self.grad_norm() if clip or measure_grad_norm else None
+        clip, scaler = self.cfg.train.grad_clip, self.loss_scale
+        norm = self.grad_norm() if clip or measure_grad_norm or scaler else None
+        coef = None  # what the gradients are multiplied by before the update: unscaling, clipping
+        if scaler is not None:
+            norm, coef = norm / scaler.scale, 1.0 / scaler.scale
         if clip:
-            scale = (clip / (norm + 1e-6)).clamp(max=1.0)
-            if self.hetero is not None:
-                self.optimizer.scale_next_step(float(scale))  # hetero's gradients live in its chunks
-            else:
+            c = float((clip / (norm + 1e-6)).clamp(max=1.0))
+            coef = c if coef is None else coef * c
+        self.last_grad_norm = None if norm is None else float(norm)
+        self.last_step_skipped = scaler is not None and self._overflow(norm)
+        if not self.last_step_skipped:
+            if coef is not None and self.hetero is not None:
+                self.optimizer.scale_next_step(coef)  # hetero's gradients live in its chunks
+            elif coef is not None:
                 for p in self.params:
                     if p.grad is not None:
-                        p.grad.mul_(scale.to(p.grad.dtype))
-        self.last_grad_norm = None if norm is None else float(norm)
-        self.optimizer.step()
+                        p.grad.mul_(coef)
+            self.optimizer.step()
         self.optimizer.zero_grad()
+        if scaler is not None:
+            scaler.update(self.last_step_skipped)
         # The logged loss is the mean over the data replicas (a no-op when there is one).
         work = comm.all_reduce(loss, self.mesh.group_over("dp", "sp"), stats=self.mesh.comm_stats,
                                label="loss", async_op=True)
@@ -576,7 +614,7 @@ def build_pipeline(cfg: Config, mesh: Mesh, loss_scale: float = 1.0,
     q, sp = mesh.size("tp_row"), mesh.size("sp")
     act_shape = [cfg.data.batch_size // (p.dp * q * pl.microbatches), m.seq_len // sp, m.hidden // q]
     executor = PipelineExecutor(schedule, mesh, chunks, loss_fn, act_shape,
-                                activation_dtype or PARAMETER_DTYPE[cfg.train.dtype],
+                                activation_dtype or parameter_dtype(cfg),
                                 timeout_s=cfg.train.timeout_s, device=mesh.device)
     tied_sync, tied_params = None, []
     if m.tie_embeddings and untie:
@@ -623,7 +661,7 @@ def compose(cfg: Config, mesh: Mesh) -> Engine:
                                        param_groups=param_groups(named, cfg.optimizer))
         hetero = True
     else:
-        optimizer = build_optimizer(named, cfg.optimizer)
+        optimizer = build_optimizer(named, cfg.optimizer, cfg.train.fused)
     engine = Engine(cfg, mesh, model, optimizer, loss_fn, list(local.values()),
                     executor=executor, tied_sync=tied_sync, tied_params=tied_params, hetero=hetero, dense=dense)
     engine.pretrained_bytes_read = model.pretrained_bytes_read

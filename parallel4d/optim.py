@@ -12,6 +12,8 @@ from typing import Iterable
 import torch
 import torch.nn as nn
 
+from .fused import make_optimizer
+
 
 def decays(dense_name: str, ndim: int, opt_cfg) -> bool:
     """Whether weight decay applies to a parameter: the usual groups leave out norm gains and
@@ -38,10 +40,10 @@ def param_groups(named: Iterable[tuple[str, nn.Parameter]], opt_cfg) -> list[dic
     return [g for g in groups if g["params"]]
 
 
-def build_optimizer(named: Iterable[tuple[str, nn.Parameter]], opt_cfg) -> torch.optim.Optimizer:
-    """AdamW / Adam from the ``optimizer`` section over :func:`param_groups`."""
-    cls = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam}[opt_cfg.name]
-    return cls(param_groups(named, opt_cfg), lr=opt_cfg.lr, betas=tuple(opt_cfg.betas), eps=opt_cfg.eps)
+def build_optimizer(named: Iterable[tuple[str, nn.Parameter]], opt_cfg, fused: str = "off") -> torch.optim.Optimizer:
+    """AdamW / Adam from the ``optimizer`` section over :func:`param_groups`, with ``train.fused``'s
+    kernel (:func:`.fused.make_optimizer`; ``off``: torch's plain one)."""
+    return make_optimizer(param_groups(named, opt_cfg), opt_cfg, fused)
 
 
 def lr_at(step: int, opt_cfg, total_steps: int) -> float:

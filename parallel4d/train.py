@@ -19,6 +19,7 @@ from .config import Config, ConfigError
 from .data import build_dataset, build_validation
 from .engine import compose, flops_per_token, parameter_count
 from .mesh import init_mesh
+from .rules import resolve_fused
 from .metrics import MetricsLog, gather_per_rank, peak_memory
 
 
@@ -298,7 +299,14 @@ def _metrics_record(cfg: Config, mesh, engine, loss: float, tokens_per_second: f
         "model_flops_per_second": tokens_per_second * flops_per_token(cfg),
         "peak_memory_bytes": gather_per_rank(peak, mesh.device), "peak_memory_kind": kind,
         "bytes_sent_by_axis": dict(mesh.comm_stats.axis_sent),
+        **_loss_scale_fields(engine),
     }
+
+
+def _loss_scale_fields(engine) -> dict:
+    """float16: the loss scale after the step and how many steps overflowed and were skipped."""
+    scaler = getattr(engine, "loss_scale", None)
+    return {} if scaler is None else {"loss_scale": scaler.scale, "skipped_steps": scaler.skipped}
 
 
 def _try_write(write, *args, **kwargs) -> None:
@@ -327,6 +335,7 @@ def _summary(cfg: Config, mesh, engine, run: _Run, elapsed: float, trained: int,
         "parameters": parameter_count(engine.model),
         "bytes_communicated": mesh.comm_stats.as_dict(),
         "device": str(mesh.device),
+        "fused": resolve_fused(cfg.train.fused),
         "torch": torch.__version__,
         "config": cfg.model_dump(mode="json"),
     }

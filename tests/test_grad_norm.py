@@ -125,12 +125,12 @@ def dense_reference():
     change only the layout sections, so this one serves them all)."""
     from parallel4d.config import make_config
     from parallel4d.data import build_dataset
-    from parallel4d.engine import PARAMETER_DTYPE, model_shape
+    from parallel4d.engine import model_shape, parameter_dtype
     from parallel4d.optim import build_optimizer, lr_at
     from parallel4d.models.gpt import build_gpt
 
     cfg = make_config(BASE)
-    model = build_gpt(model_shape(cfg), seed=cfg.train.seed).to(PARAMETER_DTYPE[cfg.train.dtype])
+    model = build_gpt(model_shape(cfg), seed=cfg.train.seed).to(parameter_dtype(cfg))
     tokens, targets = build_dataset(cfg).batch(0)
     loss = model(tokens, targets)
     loss.backward()

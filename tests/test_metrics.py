@@ -18,7 +18,7 @@ import torch
 from parallel4d import launch
 from parallel4d.config import ConfigError, make_config
 from parallel4d.data import build_dataset, build_validation
-from parallel4d.engine import PARAMETER_DTYPE, model_shape
+from parallel4d.engine import model_shape, parameter_dtype
 from parallel4d.metrics import read_records
 from parallel4d.models import build_dense
 from parallel4d.optim import build_optimizer, lr_lambda
@@ -42,7 +42,7 @@ def dense_reference(job: dict, steps: int) -> list[dict]:
     model trained in this process by torch alone, and at each validation its loss on the
     validation batches."""
     cfg = make_config({**job, "train": {**job["train"], "steps": steps}})
-    model = build_dense(model_shape(cfg), seed=cfg.train.seed).to(PARAMETER_DTYPE[cfg.train.dtype])
+    model = build_dense(model_shape(cfg), seed=cfg.train.seed).to(parameter_dtype(cfg))
     optimizer = build_optimizer(model.named_parameters(), cfg.optimizer)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
     data, val, out = build_dataset(cfg), build_validation(cfg), []

@@ -79,12 +79,12 @@ def dense_reference():
     """The dense model's validation loss before and after its one AdamW step, and that step's loss."""
     from parallel4d.config import make_config
     from parallel4d.data import build_dataset
-    from parallel4d.engine import PARAMETER_DTYPE, model_shape
+    from parallel4d.engine import model_shape, parameter_dtype
     from parallel4d.models import build_dense
     from parallel4d.optim import build_optimizer, lr_at
 
     cfg = make_config(BASE)
-    model = build_dense(model_shape(cfg), seed=cfg.train.seed).to(PARAMETER_DTYPE[cfg.train.dtype])
+    model = build_dense(model_shape(cfg), seed=cfg.train.seed).to(parameter_dtype(cfg))
     data = build_dataset(cfg)
     with torch.no_grad():
         before = model(*data.batch(VAL_STEP)).item()

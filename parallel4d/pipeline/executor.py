@@ -80,6 +80,7 @@ class PipelineExecutor:
                  device: torch.device | None = None, forward_only: bool = False):
         validate(schedule)
         self.forward_only = forward_only
+        self.loss_scale = 1.0  # the backward starts from loss · loss_scale / m (float16's dynamic scale)
         if mesh.size("pp") != schedule.pp:
             raise ValueError(f"schedule is for pp={schedule.pp} but the mesh has parallel.pp={mesh.size('pp')}")
         self.schedule = schedule
@@ -201,7 +202,7 @@ class PipelineExecutor:
     def _backward(self, st: "_StepState", a: Action, grad):
         x, y = st.release(a)
         if a.chunk == self.last:
-            torch.autograd.backward(y * (1.0 / self.schedule.microbatches))
+            torch.autograd.backward(y * (self.loss_scale / self.schedule.microbatches))
         else:
             torch.autograd.backward(y, grad)
         if a.chunk == 0:

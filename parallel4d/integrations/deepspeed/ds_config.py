@@ -28,7 +28,7 @@ def resolve(cfg: Config, device_type: str) -> dict[str, Any]:
     ds.update(deepspeed_batch(cfg))  # config.py checked that any given value equals these
     if cfg.train.grad_clip and "gradient_clipping" not in ds:
         ds["gradient_clipping"] = cfg.train.grad_clip
-    if cfg.train.dtype == "bfloat16":
+    if cfg.train.autocast == "bfloat16":
         ds.setdefault("bf16", {})["enabled"] = True
     if "optimizer" in ds:  # DeepSpeed's optimizer: torch's Adam code rather than a JIT-built fused kernel
         if str(ds["optimizer"].get("type", "")).lower() in TORCH_OPTIMIZERS and device_type == "cpu":

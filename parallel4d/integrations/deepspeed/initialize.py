@@ -55,7 +55,7 @@ def build_engine(cfg: Config, mesh: Mesh, ds_config: dict | None = None):
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = scheduler = None
     if "optimizer" not in ds_config:
-        optimizer = build_optimizer(model.dense_named_parameters(), cfg.optimizer)
+        optimizer = build_optimizer(model.dense_named_parameters(), cfg.optimizer, cfg.train.fused)
         if "scheduler" not in ds_config:
             scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
     engine, optimizer, _, scheduler = deepspeed.initialize(
