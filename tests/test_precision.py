@@ -26,13 +26,14 @@ BASE = {
 }
 
 
-def train(single: dict, steps: int = 12) -> list[float]:
-    """Losses of ``steps`` steps of BASE with ``single``'s train fields, in this process's group."""
+def train(single: dict, steps: int = 12, **sections) -> list[float]:
+    """Losses of ``steps`` steps of BASE with ``single``'s train fields (and other ``sections``), in
+    this process's group."""
     from parallel4d.data import build_dataset
     from parallel4d.engine import compose
     from parallel4d.mesh import init_mesh
 
-    cfg = make_config({**BASE, "train": {**BASE["train"], **single}})
+    cfg = make_config({**BASE, **sections, "train": {**BASE["train"], **single}})
     engine = compose(cfg, init_mesh())
     data = build_dataset(cfg)
     return [engine.train_step(*data.batch(step)) for step in range(steps)]
@@ -45,6 +46,14 @@ def test_half_precisions_train_within_2e_2_of_float32(single_rank):
         assert all(math.isfinite(x) for x in half) and half[-1] < half[0], (fields, half)
         assert half != f32  # computed in half precision, not float32 under another name
         assert max(abs(a - b) / b for a, b in zip(half, f32)) < 2e-2, (fields, half, f32)
+
+
+def test_float16_under_hetero(single_rank):
+    """hetero's chunks hold the scaled gradients; the unscaling rides on its clip coefficient."""
+    hetero = {"enabled": True, "chunk_elems": 8192}
+    f32 = train({"dtype": "float32", "grad_clip": 0.5}, hetero=hetero)
+    f16 = train({"dtype": "float16", "grad_clip": 0.5}, hetero=hetero)
+    assert f16 != f32 and f16[-1] < f16[0] and max(abs(a - b) / b for a, b in zip(f16, f32)) < 2e-2
 
 
 def test_explicit_fields_are_the_presets(single_rank):
