@@ -21,6 +21,8 @@ def test_quickstart_trains(tmp_path):
     losses = summary["losses"]
     assert summary["world_size"] == 2 and summary["parameters"] > 2_000_000 and len(losses) == STEPS
     assert losses[-1] <= 0.6 * losses[0], (losses[0], losses[-1])
+    val = summary["validation"]  # at step 50 and the last, on the held-out end of the corpus
+    assert [v["step"] for v in val] == [50, STEPS] and val[-1]["loss"] <= 0.6 * losses[0], val
     assert summary["seconds"] / STEPS * shipped + (seconds - summary["seconds"]) < 180, (seconds, summary["seconds"])
     assert (tmp_path / "summary.json").is_file() and (tmp_path / "metrics.jsonl").is_file()
     assert (tmp_path / "checkpoints" / "latest").is_file()
