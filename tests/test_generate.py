@@ -83,6 +83,20 @@ def _generate(capsys, source, *args):
     return code, out, err
 
 
+def test_the_export_of_a_tied_gpt2_run_loads_in_transformers(trained):
+    """``parallel4d export`` of a tied-embedding checkpoint (it failed: 'head.weight' missing): transformers
+    loads it and computes the logits of the model ``generate`` loads from the run."""
+    from transformers import AutoModelForCausalLM
+
+    run, exported = trained
+    theirs = AutoModelForCausalLM.from_pretrained(exported).eval()
+    ours, cfg = load_model(run)
+    assert cfg["model"]["tie_embeddings"] and theirs.config.tie_word_embeddings
+    tokens = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        torch.testing.assert_close(theirs(tokens).logits, ours(tokens), rtol=1e-5, atol=1e-5)
+
+
 def test_generate_from_a_run_and_from_its_export(trained, capsys):
     run, exported = trained
     code, a, _ = _generate(capsys, run, "--seed", "3")
