@@ -224,3 +224,17 @@ def test_text_globs_pick_the_corpus_files(tmp_path):
         make_config({"data": {"source": "text", "text_root": str(tmp_path)}})
     with pytest.raises(ConfigError, match="data.text_glob is read with data.source=text"):
         make_config({"data": {"text_glob": ["*.md"]}})
+
+
+def test_generate_decodes_with_the_token_files_tokenizer(tokenizer, token_file):
+    """``parallel4d generate`` on a run of a token file: text in and out through the tokenizer its
+    sidecar names, as ``tokenizers`` itself encodes and decodes."""
+    from parallel4d.generate import text_codec
+
+    encode, decode = text_codec(token_file.parent, {"data": {"source": "tokens", "path": str(token_file)},
+                                                    "model": {"vocab_size": 320}})
+    tok = tokenizers.Tokenizer.from_file(tokenizer)
+    text = "def add(a, b):\n    return a + b\n"
+    assert encode(text) == tok.encode(text, add_special_tokens=False).ids
+    assert decode(encode(text)) == tok.decode(tok.encode(text, add_special_tokens=False).ids)
+    assert len(encode(text)) < len(text.encode())  # tokens, not bytes
