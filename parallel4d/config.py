@@ -32,7 +32,7 @@ from pydantic_core import PydanticUndefined
 from .hf_config import mismatches, model_fields_from_hf, positions_short
 from .text_files import corpus_bytes
 from .token_files import token_file_problems
-from .rules import (batch_problem, did_you_mean, divisors, fused_problem, grid_side, not_divisible, num_chunks, or_list,
+from .rules import (batch_problem, did_you_mean, divisors, grid_side, not_divisible, num_chunks, or_list,
                     pipeline_arg_problems, tensor2d_problems)
 
 
@@ -823,3 +823,30 @@ def load_config(path: str | Path | Config | dict, overrides: list[str] | None = 
 
 def save_config(cfg: Config, path: str | Path) -> None:
     Path(path).write_text(cfg.to_yaml())
+
+
+# --- optional fused kernels (train.fused): whether apex is installed is looked up here, not in rules.py
+
+APEX_INSTALL = ("pip install -v --no-build-isolation --config-settings '--build-option=--cpp_ext' "
+                "--config-settings '--build-option=--cuda_ext' git+https://github.com/NVIDIA/apex")
+
+
+def apex_available() -> bool:
+    """Whether NVIDIA apex is importable here (looked up, not imported)."""
+    return importlib.util.find_spec("apex") is not None
+
+
+def resolve_fused(choice: str) -> str:
+    """``train.fused`` as it runs: ``auto`` is apex when importable, else torch's fused kernels."""
+    if choice == "auto":
+        return "apex" if apex_available() else "torch"
+    return choice
+
+
+def fused_problem(choice: str) -> Optional[str]:
+    """``train.fused=apex`` where apex is not installed: how to install it, or what to use instead."""
+    if choice == "apex" and not apex_available():
+        return ("train.fused=apex needs NVIDIA apex, which is not installed here (it is not on the package "
+                f"index; it builds against CUDA): {APEX_INSTALL} — or use train.fused=torch (torch's fused "
+                "AdamW and RMSNorm) or auto (apex when present, else torch)")
+    return None

@@ -1,5 +1,5 @@
 """``train.fused``: the optimizer and norm kernels a job runs (``off``, ``torch``, ``apex``; ``auto`` is
-apex when importable, else torch — :func:`.rules.resolve_fused`).
+apex when importable, else torch — :func:`.config.resolve_fused`).
 
 * ``off``: torch's plain AdamW / Adam and the models' own norms (the exactness references).
 * ``torch``: ``torch.optim.AdamW(fused=True)`` and ``F.rms_norm`` (LayerNorm is torch's fused
@@ -19,7 +19,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .models.llama import RMSNorm
-from .rules import resolve_fused
+from .config import resolve_fused
 
 
 def make_optimizer(groups: list[dict], opt_cfg, fused: str) -> torch.optim.Optimizer:

@@ -11,7 +11,6 @@ strategy can import it at module top.
 from __future__ import annotations
 
 import difflib
-import importlib.util
 import math
 from typing import Iterable, Optional
 
@@ -274,29 +273,3 @@ def _chunk_problems(layers: int, pp: int, schedule: str, waves: int, chunks_per_
     return [f"{schedule} with parallel.pp={pp} cuts the model into {chunks} chunks but it has only "
             f"model.layers+2 = {stages} stages (embedding, {layers} layers, head); {fix}"]
 
-
-# --- optional fused kernels (train.fused) -------------------------------------------------
-
-APEX_INSTALL = ("pip install -v --no-build-isolation --config-settings '--build-option=--cpp_ext' "
-                "--config-settings '--build-option=--cuda_ext' git+https://github.com/NVIDIA/apex")
-
-
-def apex_available() -> bool:
-    """Whether NVIDIA apex is importable here (looked up, not imported)."""
-    return importlib.util.find_spec("apex") is not None
-
-
-def resolve_fused(choice: str) -> str:
-    """``train.fused`` as it runs: ``auto`` is apex when importable, else torch's fused kernels."""
-    if choice == "auto":
-        return "apex" if apex_available() else "torch"
-    return choice
-
-
-def fused_problem(choice: str) -> Optional[str]:
-    """``train.fused=apex`` where apex is not installed: how to install it, or what to use instead."""
-    if choice == "apex" and not apex_available():
-        return ("train.fused=apex needs NVIDIA apex, which is not installed here (it is not on the package "
-                f"index; it builds against CUDA): {APEX_INSTALL} — or use train.fused=torch (torch's fused "
-                "AdamW and RMSNorm) or auto (apex when present, else torch)")
-    return None

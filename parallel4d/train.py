@@ -19,7 +19,7 @@ from .config import Config, ConfigError
 from .data import build_dataset, build_validation
 from .engine import compose, flops_per_token, parameter_count
 from .mesh import init_mesh
-from .rules import resolve_fused
+from .config import resolve_fused
 from .metrics import MetricsLog, gather_per_rank, peak_memory
 
 

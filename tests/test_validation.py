@@ -5,8 +5,8 @@ builds five layouts in turn (float64): 2D × ring, Hanayo × 2D, interleaved × 
 ring × dp, 1F1B × ring × dp with the tied table on two pp ranks. In each, the validation loss before
 and after one training step equals the single-process dense model's on the same batch (1e-10), no
 gradient is left anywhere, and the step between the two evaluations is the dense step (its loss
-equal), so evaluating does not disturb training. Each layout runs once more with
-``train.activation_checkpointing=blocks``: the same numbers, so the recomputed blocks (collectives
+equal), so evaluating does not disturb training. Three layouts (2D × ring, hetero × Hanayo × ring,
+1F1B × ring with the tied table) run once more with ``train.activation_checkpointing=blocks``: the same numbers, so the recomputed blocks (collectives
 included) give the same gradients. In one process, the bytes held from the end of the forward to
 the backward fall by more than 4× with it (measured with glibc's ``mallinfo2``).
 """
@@ -39,6 +39,8 @@ LAYOUTS = {
 }
 VAL_STEP = 1000  # a batch no training step draws
 RECOMPUTE = ("none", "blocks")  # train.activation_checkpointing
+# blocks recomputed under each technique: 2D and ring, hetero with Hanayo, 1F1B with the tied table
+RECOMPUTED = {"tp4-sp2", "hetero-hanayo-pp2-sp2-dp2", "1f1b-pp2-sp2-dp2"}
 
 
 def config(layout, recompute="none"):
@@ -62,7 +64,7 @@ def _worker(layouts):
 
     out = {}
     for layout in layouts:
-        for recompute in RECOMPUTE:
+        for recompute in RECOMPUTE if layout in RECOMPUTED else RECOMPUTE[:1]:
             cfg = config(layout, recompute)
             p = cfg.parallel
             engine = compose(cfg, init_mesh(pp=p.pp, dp=p.dp, sp=p.sp, tp=p.tp, timeout_s=cfg.train.timeout_s))
@@ -108,7 +110,8 @@ def test_evaluate_equals_the_dense_loss_in_every_layout():
         for key in ("before", "train", "after"):
             assert got[key] == pytest.approx(ref[key], rel=1e-10, abs=0), (layout, recompute, rank, key, got[key],
                                                                           ref[key])
-    assert {k for r in per_rank for k in r} == {(lay, rec) for lay in LAYOUTS for rec in RECOMPUTE}
+    assert {k for r in per_rank for k in r} == {(lay, rec) for lay in LAYOUTS for rec in RECOMPUTE
+                                                if rec == "none" or lay in RECOMPUTED}
 
 
 # --- activation checkpointing keeps less between the forward and the backward -----------------
