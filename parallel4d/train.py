@@ -15,11 +15,10 @@ import torch
 import torch.distributed as dist
 
 from . import checkpoint, comm
-from .config import Config, ConfigError
+from .config import Config, ConfigError, resolve_fused
 from .data import build_dataset, build_validation
 from .engine import compose, flops_per_token, parameter_count
 from .mesh import init_mesh
-from .config import resolve_fused
 from .metrics import MetricsLog, gather_per_rank, peak_memory
 
 
@@ -70,7 +69,7 @@ class _Progress:
         if self.bar is not None:
             self.bar.update(1)
             self.bar.set_postfix(loss=f"{loss:.4f}", tokens_per_s=f"{tokens_per_second:,.0f}")
-        elif self.enabled and (step % self.cfg.train.log_every == 0 or step == self.cfg.train.steps):
+        elif self.enabled and _logged(step, self.cfg):
             _log(f"[parallel4d] step {step}/{self.cfg.train.steps} loss {loss:.4f} "
                  f"{tokens_per_second:,.0f} tokens/s ({elapsed:.1f}s)")
 
