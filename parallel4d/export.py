@@ -12,23 +12,15 @@ import importlib
 from pathlib import Path
 
 import torch
-import yaml
 
-from . import checkpoint
 from .config import ConfigError, make_config
-from .gather import gather, resolve_checkpoint, with_tied_head
+from .gather import gather, resolve_checkpoint, saved_config, with_tied_head
 
 
 def export(ckpt: str | Path, out_dir: str | Path, max_shard_bytes: int = 5 << 30) -> Path:
     """Write checkpoint ``ckpt`` (a ``step_*`` directory or a checkpoint root) to ``out_dir``."""
     path, out_dir = resolve_checkpoint(ckpt), Path(out_dir)
-    saved = path / "config.yaml"
-    if not saved.is_file():
-        raise checkpoint.CheckpointError(f"{path} has no config.yaml (saved by parallel4d before exports existed); "
-                                         "the model's architecture is unknown")
-    data = yaml.safe_load(saved.read_text())
-    data.get("model", {}).pop("pretrained", None)  # its fields are all in the saved section already
-    model_cfg = make_config(data).model
+    model_cfg = make_config(saved_config(path)).model
     try:
         hf = importlib.import_module("parallel4d.models.hf")  # safetensors: the optional hf extra
     except ImportError as e:

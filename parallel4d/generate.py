@@ -19,11 +19,9 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-import yaml
 
-from . import checkpoint
 from .config import ConfigError, make_config
-from .gather import gather, resolve_checkpoint, with_tied_head
+from .gather import gather, resolve_checkpoint, saved_config, with_tied_head
 from .hf_config import hf_max_positions
 from .models import build_dense, shape_from_config
 from .models.llama import LlamaShape
@@ -48,11 +46,7 @@ def load_model(source: str | Path) -> tuple[torch.nn.Module, dict]:
     else:
         root = source / "checkpoints" if (source / "checkpoints").is_dir() else source
         ckpt = resolve_checkpoint(root)
-        saved = ckpt / "config.yaml"
-        if not saved.is_file():
-            raise checkpoint.CheckpointError(f"{ckpt} has no config.yaml; the model's architecture is unknown")
-        data = yaml.safe_load(saved.read_text())
-        data.get("model", {}).pop("pretrained", None)  # its fields are in the saved section already
+        data = saved_config(ckpt)
         cfg = make_config(data)
         with tempfile.TemporaryDirectory() as tmp:
             dense = gather(ckpt, Path(tmp) / "model.pt", progress=False)
