@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import asdict
+from pathlib import Path
 
 from .checkpoint import CheckpointError
 from .config import ConfigError, load_config
@@ -15,6 +17,7 @@ from .gather import gather
 from .launch import launch
 from .mesh import device_and_backend
 from .pipeline.cli import add_schedule_parser
+from .plan import HEADROOM, format_fit, format_ranks, parse_bytes, plan, try_knobs
 from .tokenize import tokenize
 from .train import deepspeed_integration
 from .workers import Terminated, WorkerError, WorkerTimeout
@@ -37,18 +40,33 @@ def _cmd_validate(args) -> int:
 
 
 def _cmd_plan(args) -> int:
-    """The resolved layout: mesh shape, per-rank shapes and batch split, without running anything."""
+    """The resolved layout and, per rank, the bytes held and sent (a dry run: :mod:`.plan`)."""
     cfg = load_config(args.config, args.overrides)
     p, m = cfg.parallel, cfg.model
     q = p.q
     micro = cfg.data.batch_size // (p.dp * q * cfg.pipeline.microbatches)
     seq = m.seq_len // p.sp
+    capacity = parse_bytes(args.gpus_memory) if args.gpus_memory else None
     print(f"world size      {cfg.world_size}  (pp={p.pp} dp={p.dp} sp={p.sp} tp={p.tp} → q={q})")
     print(f"mesh shape      (pp, dp, sp, tp_row, tp_col) = ({p.pp}, {p.dp}, {p.sp}, {q}, {q})")
     print(f"model           {m.layers} layers, hidden {m.hidden}, {m.heads} heads, vocab {m.vocab_size}, seq {m.seq_len}")
     print(f"pipeline        {cfg.pipeline.schedule}, {cfg.pipeline.num_chunks(p.pp)} chunks, "
           f"{cfg.pipeline.microbatches} micro-batches")
     print(f"activation/rank [b/(dp·q)/m, s/sp, h/q] = [{micro}, {seq}, {m.hidden // q}]")
+    print(f"precision       parameters {cfg.train.parameters}, autocast {cfg.train.autocast}, "
+          f"activation checkpointing {cfg.train.activation_checkpointing}")
+    ranks = plan(cfg)
+    print("\n".join(format_ranks(ranks)))
+    if cfg.deepspeed is not None:
+        print("note: these are parallel4d's own engine's numbers; under the deepspeed section, DeepSpeed's ZeRO "
+              "shards the optimizer state (stage ≥ 1) and gradients (stage 2) over dp")
+    if capacity is not None:
+        need = max(r.device_bytes for r in ranks)
+        tried = try_knobs(args.config, args.overrides, cfg) if need > HEADROOM * capacity else []
+        print("\n".join(format_fit(ranks, capacity, tried)))
+    if args.json:
+        Path(args.json).write_text(json.dumps([{**asdict(r), "device_bytes": r.device_bytes,
+                                                "host_bytes": r.host_bytes} for r in ranks], indent=1))
     return 0
 
 
@@ -104,8 +122,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("validate", help="print the resolved config, or its errors (exit 2)")
     _add_config_args(p)
     p.set_defaults(func=_cmd_validate)
-    p = sub.add_parser("plan", help="print the mesh and per-rank shapes a config implies")
+    p = sub.add_parser("plan", help="before anything runs: the mesh, and per rank the bytes of parameters, "
+                                    "gradients, optimizer state, activations (hetero's device and host) and "
+                                    "the bytes sent per step along each axis")
     _add_config_args(p)
+    p.add_argument("--gpus-memory", default=None, metavar="SIZE",
+                   help="each device's memory, e.g. 80GiB: say whether the job fits, and which knob makes it fit")
+    p.add_argument("--json", default=None, metavar="FILE", help="also write the per-rank numbers as JSON")
     p.set_defaults(func=_cmd_plan)
     p = sub.add_parser("checkpoint", help="work with checkpoints of any layout")
     ckpt = p.add_subparsers(dest="action", required=True)

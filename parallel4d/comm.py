@@ -31,6 +31,7 @@ from typing import Iterable
 
 import torch
 import torch.distributed as dist
+from torch._subclasses.fake_tensor import is_fake
 
 
 class CommTimeout(RuntimeError):
@@ -128,6 +129,12 @@ class CommStats:
             "calls": dict(self.calls),
             "by_axis": {"sent": dict(self.axis_sent), "received": dict(self.axis_received)},
         }
+
+
+def has_values(t: torch.Tensor) -> bool:
+    """False for a fake tensor (``parallel4d plan``'s dry run: shapes and dtypes, no values), whose
+    checks and ``.item()`` have nothing to read."""
+    return not is_fake(t)
 
 
 def _nbytes(t: torch.Tensor) -> int:

@@ -39,6 +39,7 @@ from .hetero import wrap as hetero_wrap
 from .mesh import Mesh
 from .fused import use_fused_norms
 from .loss_scale import LossScale
+from .memory import SavedActivations, optimizer_state_bytes, tensor_bytes
 from .models import LlamaShape, Shape, build_stage, cross_entropy, shape_from_config, stage_names
 from .optim import build_optimizer, lr_at, param_groups
 from .pipeline import make_schedule
@@ -180,7 +181,7 @@ def build_stages(cfg: Config, mesh: Mesh, wanted=None, untie: bool = False):
     rotary = isinstance(shape, LlamaShape)  # positions enter in the attention, not the embedding
 
     def dense(index, tied_weight=None):
-        return build_stage(shape, index, seed, tied_weight=tied_weight).to(device=mesh.device, dtype=dtype)
+        return _placed(build_stage(shape, index, seed, tied_weight=tied_weight), mesh.device, dtype)
 
     stages: dict[int, nn.Module] = {}
     # The head needs the dense token table when tied: shared here, or copied (untie).
@@ -215,6 +216,14 @@ def build_stages(cfg: Config, mesh: Mesh, wanted=None, untie: bool = False):
         stages[0] = PositionedEmbedding(stages[0], positions)
     loss_fn = loss_2d(mesh) if tp else cross_entropy
     return stages, loss_fn
+
+
+def _placed(module: nn.Module, device: torch.device, dtype: torch.dtype) -> nn.Module:
+    """``module`` on ``device`` in ``dtype``; untouched when it already is (a plan's stand-in
+    tensors cannot be converted in place)."""
+    if all(t.device == device and t.dtype == dtype for t in module.parameters()):
+        return module
+    return module.to(device=device, dtype=dtype)
 
 
 def recompute_in_backward(module: nn.Module) -> nn.Module:
@@ -342,6 +351,7 @@ class Engine:
             else None
         self.last_step_skipped = False
         self.grad_sync = self._grad_buckets()
+        self.memory: dict | None = None  # what the last step asked to measure held (memory.py's rules)
 
     # --- data-parallel gradients ----------------------------------------------------
     def _grad_buckets(self) -> GradBuckets | None:
@@ -468,15 +478,47 @@ class Engine:
         weights = {name: norm_weight(p, q, tied) for name, p in self.model.named_parameters()}
         return sum_over_model_axes(self.optimizer.grad_sq_norm(weights), self.mesh).sqrt()
 
-    def train_step(self, tokens: torch.Tensor, targets: torch.Tensor, measure_grad_norm: bool = False) -> float:
+    def measure_gradients(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """:meth:`compute_gradients`, measuring what this rank holds (:mod:`.memory`) into
+        :attr:`memory`: ``parameters``, ``gradients``, peak ``activations`` and ``sent_by_axis``
+        (bytes this rank sent per mesh axis in the forward and backward, the data replicas'
+        gradient reduction included; the step's few scalars — loss, norm — are not); under hetero also its ``hetero_device`` (the chunk arena) and ``hetero_host`` bytes."""
+        stats = self.mesh.comm_stats
+        before = dict(stats.axis_sent)
+        meter = SavedActivations(self._model_storages())
+        if self.hetero is not None:
+            self.hetero.watch_activations(meter)  # its own saved-tensor hooks see the activations
+        try:
+            with meter:
+                loss = self.compute_gradients(tokens, targets)
+        finally:
+            if self.hetero is not None:
+                self.hetero.watch_activations(None)
+        self.memory = {"parameters": tensor_bytes(self.model.parameters()),  # hetero: their shapes' bytes
+                       "gradients": tensor_bytes(p.grad for p in self.params) if self.hetero is None else None,
+                       "activations": meter.peak}
+        if self.hetero is not None:
+            hetero = self.hetero.stats()
+            self.memory.update(hetero_device=hetero["arena_bytes"], hetero_host=hetero["host_bytes"])
+        self.memory["sent_by_axis"] = {a: n - before.get(a, 0) for a, n in stats.axis_sent.items()
+                                       if n != before.get(a, 0)}
+        return loss
+
+    def _model_storages(self) -> list[torch.Tensor]:
+        """The tensors whose storage is model data, not activation: the parameters, hetero's arenas."""
+        return list(self.model.parameters()) + (self.hetero.arenas() if self.hetero is not None else [])
+
+    def train_step(self, tokens: torch.Tensor, targets: torch.Tensor, measure_grad_norm: bool = False,
+                   measure_memory: bool = False) -> float:
         """One optimizer step on the global batch; returns the global mean loss. The gradient's
         norm (before clipping) is in ``last_grad_norm`` when ``train.grad_clip`` is set or
-        ``measure_grad_norm`` asks for it (a collective: ask on every rank), else None."""
+        ``measure_grad_norm`` asks for it (a collective: ask on every rank), else None.
+        ``measure_memory``: fill :attr:`memory` (:meth:`measure_gradients`, then the optimizer state)."""
         lr = lr_at(self.step, self.cfg.optimizer, self.cfg.train.steps)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.last_lr = lr
-        loss = self.compute_gradients(tokens, targets)
+        loss = (self.measure_gradients if measure_memory else self.compute_gradients)(tokens, targets)
         clip, scaler = self.cfg.train.grad_clip, self.loss_scale
         norm = self.grad_norm() if clip or measure_grad_norm or scaler else None
         coef = None  # what the gradients are multiplied by before the update: unscaling, clipping
@@ -495,16 +537,22 @@ class Engine:
                     if p.grad is not None:
                         p.grad.mul_(coef)
             self.optimizer.step()
+        if measure_memory:
+            self.memory["optimizer_state"] = (None if self.hetero is not None  # in the chunks: hetero_host
+                                              else optimizer_state_bytes(self.optimizer))
         self.optimizer.zero_grad()
         if scaler is not None:
             scaler.update(self.last_step_skipped)
-        # The logged loss is the mean over the data replicas (a no-op when there is one).
+        self.step += 1
+        self.tokens_seen += tokens.numel()
+        return self.sum_over_replicas(loss).item() / (self.mesh.size("dp") * self.mesh.size("sp"))
+
+    def sum_over_replicas(self, loss: torch.Tensor) -> torch.Tensor:
+        """The sum of the data replicas' mean losses (a no-op with one replica)."""
         work = comm.all_reduce(loss, self.mesh.group_over("dp", "sp"), stats=self.mesh.comm_stats,
                                label="loss", async_op=True)
         comm.wait(work, self.cfg.train.timeout_s, "loss all-reduce over the data replicas (dp·sp)")
-        self.step += 1
-        self.tokens_seen += tokens.numel()
-        return loss.item() / (self.mesh.size("dp") * self.mesh.size("sp"))
+        return loss
 
     # --- checkpointing --------------------------------------------------------------
     def _local_state(self) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, torch.Tensor]]]:

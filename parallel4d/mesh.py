@@ -19,6 +19,7 @@ tensor-parallel peers for half an hour instead of ``train.timeout_s``.
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 from datetime import timedelta
@@ -44,7 +45,10 @@ def mesh_shape(pp: int = 1, dp: int = 1, sp: int = 1, tp: int = 1) -> tuple[int,
 
 
 def group_options(backend: str, timeout_s: float):
-    """``(backend, options)`` that create a group of ``backend`` with ``timeout_s`` as its limit."""
+    """``(backend, options)`` that create a group of ``backend`` with ``timeout_s`` as its limit
+    (``fake``: torch's stand-in process group of ``parallel4d plan``'s dry run, which never waits)."""
+    if backend == "fake":
+        return backend, None
     if backend == "nccl":
         options = dist.ProcessGroupNCCL.Options()
     elif backend == "gloo":
@@ -74,6 +78,10 @@ class Mesh:
         self.timeout_s = float(timeout_s)  # for the groups created here (group_over, new_group)
         self.comm_stats = CommStats()
         self._coords = tuple(int(c) for c in device_mesh.get_coordinate())
+        # {coordinates: global rank} in plain Python: peers resolve without tensor ops (a plan's
+        # dry run traces the model under a fake-tensor mode, where tensors hold no values).
+        shape = tuple(device_mesh.mesh.shape)
+        self._rank_at = dict(zip(itertools.product(*map(range, shape)), device_mesh.mesh.flatten().tolist()))
         self._groups: dict[str, dist.ProcessGroup] = {}
 
     # --- sizes and coordinates -------------------------------------------------
@@ -122,7 +130,7 @@ class Mesh:
             raise ValueError(f"index {index} out of range for axis {axis!r} of size {n}")
         where = list(self._coords)
         where[dim] = index
-        return int(self.device_mesh.mesh[tuple(where)].item())
+        return self._rank_at[tuple(where)]
 
     def ranks_along(self, axis: str) -> list[int]:
         """Global ranks of :meth:`group` (``axis`` varies), in coordinate order."""
@@ -149,14 +157,28 @@ class Mesh:
         if len(key) == 1:
             return self.group(key[0])
         if key not in self._groups:
-            grid = self.device_mesh.mesh
-            others = [d for d in range(len(AXES)) if d not in dims]
-            # [combinations of the other axes, members]: each row is one group.
-            rows = grid.permute(*others, *dims).reshape(-1, math.prod(grid.shape[d] for d in dims))
-            mine, _ = dist.new_subgroups_by_enumeration(rows.tolist(), timeout=timedelta(seconds=self.timeout_s))
+            rows = self.lines_along(*key)
+            mine, _ = dist.new_subgroups_by_enumeration(rows, timeout=timedelta(seconds=self.timeout_s))
             self._groups[key] = mine
             self.comm_stats.name_group(mine, "+".join(key))
         return self._groups[key]
+
+    def lines_along(self, *axes: str) -> list[list[int]]:
+        """Every group of ranks along ``axes`` (those coordinates vary, the others fixed), one per
+        combination of the other axes in row-major order; members row-major over ``axes``."""
+        dims = sorted(self._dim(a) for a in axes)
+        sizes = [self.size(a) for a in AXES]
+        others = [d for d in range(len(AXES)) if d not in dims]
+        rows = []
+        for fixed in itertools.product(*(range(sizes[d]) for d in others)):
+            row = []
+            for free in itertools.product(*(range(sizes[d]) for d in dims)):
+                where = [0] * len(AXES)
+                for d, c in zip(others + dims, fixed + free):
+                    where[d] = c
+                row.append(self._rank_at[tuple(where)])
+            rows.append(row)
+        return rows
 
     def new_group(self, ranks: list[int], axis: str = "other") -> dist.ProcessGroup:
         """``dist.new_group(ranks)`` with the mesh's timeout (collective over the whole world);

@@ -49,6 +49,16 @@ def gather_per_rank(value: int, device: torch.device) -> list[int]:
     return [int(v) for v in comm.all_gather(mine, None, label="metrics: per-rank peak memory gather").tolist()]
 
 
+def gather_objects(obj) -> list:
+    """``obj`` (picklable) of every rank, in rank order: a collective over the default group."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return [obj]
+    out = [None] * dist.get_world_size()
+    with comm.named("metrics: per-rank memory gather"):
+        dist.all_gather_object(out, obj)
+    return out
+
+
 def read_records(path: Path) -> list[dict]:
     """The records of a ``metrics.jsonl`` (a torn last line, from a killed run, is skipped)."""
     out = []

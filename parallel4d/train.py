@@ -19,7 +19,7 @@ from .config import Config, ConfigError, resolve_fused
 from .data import build_dataset, build_validation
 from .engine import compose, flops_per_token, parameter_count
 from .mesh import init_mesh
-from .metrics import MetricsLog, gather_per_rank, peak_memory
+from .metrics import MetricsLog, gather_objects, gather_per_rank, peak_memory
 
 
 class _StopFlag:
@@ -90,6 +90,7 @@ class _Run:
         self.run_id = checkpoint.new_run_id()  # only rank 0's (the writer's) is used
         self.losses: list[float] = []
         self.validation: list[dict] = []  # {"step", "loss", "perplexity"} per evaluation
+        self.memory: dict | None = None  # measured at this process's first step
         self.prior_seconds = 0.0  # trained before this process started
         self.resumed_from: int | None = None
         self.saved_step: int | None = None  # the step whose state is on disk (saved or loaded here)
@@ -213,7 +214,10 @@ def run_training(cfg: Config) -> dict:
             tokens, targets = data.batch(engine.step, getattr(engine, "data_rows", None))
             evaluated = _evaluated(engine.step + 1, cfg)
             logged = evaluated or _logged(engine.step + 1, cfg)
-            loss = engine.train_step(tokens, targets, measure_grad_norm=logged)
+            measure = {"measure_memory": True} if run.memory is None and hasattr(engine, "memory") else {}
+            loss = engine.train_step(tokens, targets, measure_grad_norm=logged, **measure)
+            if measure:  # this process's first step: what every rank held (memory.py), for summary.json
+                run.memory = {"step": engine.step, "per_rank": gather_objects(engine.memory)}
             losses.append(loss)
             if not torch.isfinite(torch.tensor(loss)):
                 raise FloatingPointError(f"loss became {loss} at step {engine.step}; lower optimizer.lr "
@@ -340,6 +344,8 @@ def _summary(cfg: Config, mesh, engine, run: _Run, elapsed: float, trained: int,
     }
     if getattr(engine, "pretrained_bytes_read", None) is not None:  # rank 0's share of the Hugging Face weights
         summary["pretrained"] = {"directory": cfg.model.pretrained, "bytes_read_by_rank_0": engine.pretrained_bytes_read}
+    if run.memory is not None:
+        summary["memory"] = run.memory
     if engine.hetero is not None:
         summary["hetero"] = engine.hetero.stats()
     if engine.executor is not None:

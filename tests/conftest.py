@@ -44,6 +44,39 @@ def train_in_job(config, overrides) -> dict:
     return run_training(load_config(config, list(overrides)))
 
 
+PLANNED = ("parameters", "gradients", "optimizer_state", "activations", "hetero_device", "hetero_host")
+
+
+def assert_plan_matches(config, overrides, summary, rel=0.10) -> dict:
+    """``parallel4d plan``'s dry run of ``config`` under ``overrides`` against what the run measured
+    on its first step (``summary["memory"]``), for every rank (its pp position's plan; dp, sp and
+    grid peers hold the same): each byte count, and the bytes sent along each axis, within ``rel``.
+    Returns ``{quantity: worst relative difference}``."""
+    from parallel4d.config import load_config
+    from parallel4d.plan import plan
+
+    cfg = load_config(config, list(overrides))
+    ranks = plan(cfg)
+    measured = summary["memory"]["per_rank"]
+    assert len(measured) == cfg.world_size
+    per_position = cfg.world_size // cfg.parallel.pp
+    worst: dict = {}
+    for g, got in enumerate(measured):
+        want = ranks[g // per_position]
+        pairs = [(k, getattr(want, k), got.get(k)) for k in PLANNED]
+        axes = set(want.sent_by_axis) | set(got["sent_by_axis"])
+        pairs += [(f"sent {a}", want.sent_by_axis.get(a, 0), got["sent_by_axis"].get(a, 0)) for a in axes]
+        for key, planned, real in pairs:
+            if planned is None or real is None:
+                assert planned is real, (g, key, planned, real)  # hetero: in its chunks on both sides
+                continue
+            diff = abs(planned - real) / max(real, 1)
+            worst[key] = max(worst.get(key, 0.0), diff)
+            assert diff <= rel, f"rank {g}: {key} planned {planned} bytes, measured {real} ({diff:.1%})"
+    assert worst["activations"] <= rel and "parameters" in worst
+    return worst
+
+
 @pytest.fixture
 def workers():
     return run_workers

@@ -133,9 +133,14 @@ def _heap_in_use() -> int:
 @pytest.mark.parametrize("arch, hetero", [("gpt2", False), ("llama", False), ("gpt2", True)])
 def test_activation_checkpointing_holds_less_until_the_backward(arch, hetero, single_rank):
     """Bytes held when the forward ends (at the head, before the loss's backward), measured with and
-    without ``train.activation_checkpointing=blocks``: with it, the blocks keep only their inputs."""
+    without ``train.activation_checkpointing=blocks``: with it, the blocks keep only their inputs.
+
+    Also what ``parallel4d plan`` and a run's ``memory`` count as activations
+    (:class:`~parallel4d.memory.SavedActivations`) against the heap: as the head starts, the heap
+    has grown by the saved tensors live then plus the head's input, within 10 %."""
     from parallel4d.data import build_dataset
     from parallel4d.engine import compose
+    from parallel4d.memory import SavedActivations
     from parallel4d.mesh import init_mesh
 
     held = {}
@@ -146,10 +151,18 @@ def test_activation_checkpointing_holds_less_until_the_backward(arch, hetero, si
                            "train": {"activation_checkpointing": recompute}, "checkpoint": {"enabled": False}})
         engine = compose(cfg, init_mesh())
         tokens, targets = build_dataset(cfg).batch(0)
+        meter = SavedActivations(engine._model_storages())
+        if hetero:
+            engine.hetero.watch_activations(meter)
         marks = {}
+        engine.model.head.register_forward_pre_hook(
+            lambda mod, args: marks.update(head=_heap_in_use(), live=meter.live, input=args[0].nbytes))
         engine.model.head.register_forward_hook(lambda *_: marks.update(end=_heap_in_use()))  # returns None
         marks["start"] = _heap_in_use()
-        engine.train_step(tokens, targets)
+        with meter:
+            engine.train_step(tokens, targets)
         held[recompute] = marks["end"] - marks["start"]
+        counted = marks["live"] + marks["input"]
+        assert abs(marks["head"] - marks["start"] - counted) <= 0.1 * counted, (recompute, marks)
     # none: ~20 activations of [b, s, h] per block; blocks: one per block (its input) and the head's
     assert held["blocks"] * 4 < held["none"], held

@@ -109,6 +109,15 @@ class HeteroOptimizer(torch.optim.Optimizer):
     def stats(self) -> dict:
         return self.rt.stats()
 
+    def arenas(self) -> list[torch.Tensor]:
+        """The device slot arenas (model data: what a saved ``weight.t()`` views)."""
+        return [p.arena for p in self.rt.mgr.pools.values() if p.arena is not None]
+
+    def watch_activations(self, meter) -> None:
+        """Pass the activations this model's saved-tensor hooks keep through ``meter``'s ``pack`` /
+        ``unpack`` (a :class:`~parallel4d.memory.SavedActivations`; None: stop)."""
+        self.rt.saved.outer = meter
+
     def state_dict(self) -> dict:
         """``{"state": {name: {"step", "exp_avg", "exp_avg_sq"}}, "param_groups": [...]}`` with full tensors."""
         return self.rt.optimizer_state_dict(self.param_groups)

@@ -105,6 +105,7 @@ class HeteroRuntime:
             "model_data_bytes": self.model_data_bytes,
             "device_budget_bytes": m.budget_bytes,
             "arena_bytes": m.arena_bytes,
+            "host_bytes": m.host_bytes,
             "peak_resident_bytes": m.peak_resident_bytes,
             "min_feasible_budget_bytes": m.min_feasible_bytes(),
             "chunk_elems": self.C,

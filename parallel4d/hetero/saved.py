@@ -20,6 +20,7 @@ class SavedTensors:
         self.mgr = mgr
         self.bytes = 0  # activations saved and not yet unpacked
         self._stack: list = []
+        self.outer = None  # an observer of the activations, with pack / unpack (memory.SavedActivations)
 
     def pack(self, t: torch.Tensor):
         if t.numel():
@@ -29,12 +30,12 @@ class SavedTensors:
                 return ("hetero-chunk", c, off, tuple(t.size()), tuple(t.stride()))
         nb = t.numel() * t.element_size()
         self.bytes += nb
-        return ("hetero-act", t, nb)
+        return ("hetero-act", t if self.outer is None else self.outer.pack(t), nb, self.outer)
 
     def unpack(self, obj):
         if obj[0] == "hetero-act":
             self.bytes -= obj[2]
-            return obj[1]
+            return obj[1] if obj[3] is None else obj[3].unpack(obj[1])
         _, c, off, size, stride = obj
         if c.slot is None:
             raise RuntimeError(f"hetero: a saved view of chunk {c.kind}[{c.index}] is needed by backward while the "

@@ -126,7 +126,7 @@ class PipelineExecutor:
         # Also the first collective on the pp group (NCCL creates communicators lazily).
         mine = torch.tensor([int(self.schedule.fingerprint()[:15], 16)], dtype=torch.int64, device=self.device)
         every = comm.all_gather(mine, self.group, stats=self.stats, label="pp.check")
-        if bool((every != mine).any()):
+        if comm.has_values(every) and bool((every != mine).any()):
             raise ValueError(f"pp ranks run different schedules (fingerprints {every.tolist()}); build the "
                              f"schedule from the same config on every rank")
 
@@ -218,7 +218,7 @@ class PipelineExecutor:
             work = comm.broadcast(t, self._peer(src), self.group, stats=self.stats, label="pp.loss", async_op=True)
             # Longer than one action's limit: a stalled action elsewhere should be what gets reported.
             comm.wait(work, 2 * self.timeout_s, what=f"pp rank {self.me}: loss broadcast from pp rank {src}")
-        return float(t.item())
+        return float(t.item()) if comm.has_values(t) else float("nan")
 
 
 class _StepState:
@@ -360,10 +360,8 @@ class TiedGradSync:
         if len(owners) < 2:
             return
         # One small group per pp line (all other coordinates fixed), created by everyone.
-        grid = mesh.device_mesh.mesh
-        lines = grid.reshape(grid.shape[0], -1).t().tolist()
         me = dist.get_rank()
-        for line in lines:
+        for line in mesh.lines_along("pp"):
             ranks = sorted(int(line[o]) for o in owners)
             g = mesh.new_group(ranks, axis="pp")
             if me in ranks:

@@ -31,11 +31,10 @@ def sdpa_attention(q, k, v, causal: bool = True):
     return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
 
 
-def qkv_permutation(hidden: int, q: int) -> torch.Tensor:
+def qkv_permutation(hidden: int, q: int) -> list[int]:
     """Index ``perm`` with ``W_2d = W_dense[perm]`` for the ``[3h, h]`` qkv weight (see module doc)."""
     w = hidden // q
-    idx = [part * hidden + j * w + r for j in range(q) for part in range(3) for r in range(w)]
-    return torch.tensor(idx, dtype=torch.long)
+    return [part * hidden + j * w + r for j in range(q) for part in range(3) for r in range(w)]
 
 
 def _prefixed(prefix: str, d: dict) -> dict:
@@ -107,7 +106,7 @@ class Block2D(_Composite):
         heads = block.attn.heads
         q = mesh.q
         check_heads(heads, hidden, q, heads_field=f"{name}.attn.heads", hidden_field=f"{name}.hidden")
-        perm = qkv_permutation(hidden, q).to(block.attn.qkv.weight.device)
+        perm = qkv_permutation(hidden, q)
         return cls(
             LayerNorm2D.from_dense(block.ln1, mesh, name=f"{name}.ln1"),
             Linear2D.from_dense(block.attn.qkv, mesh, name=f"{name}.attn.qkv", out_perm=perm, overlap=overlap),

@@ -106,6 +106,7 @@ class Linear2D(_Layer2D):
         self.weight = _param(torch.empty(in_features // q, out_features // q, dtype=dtype, device=device))
         self.bias = _param(torch.zeros(out_features // q, dtype=dtype, device=device), ("tp_row",)) if bias else None
         self.register_buffer("out_perm", None, persistent=False)
+        self.out_order: list[int] | None = None
         nn.init.normal_(self.weight, 0.0, 0.02)
 
     @classmethod
@@ -113,11 +114,14 @@ class Linear2D(_Layer2D):
                    overlap: bool = True) -> "Linear2D":
         """From an ``nn.Linear``-like module (``weight [out, in]``, optional ``bias``).
 
-        ``out_perm`` reorders the output features first (dense feature ``out_perm[k]``
-        becomes feature k); ``to_dense`` undoes it."""
+        ``out_perm`` (a list of ints) reorders the output features first (dense feature
+        ``out_perm[k]`` becomes feature k); ``to_dense`` undoes it."""
         w = module.weight.detach()
         b = getattr(module, "bias", None)
         out_f, in_f = w.shape
+        out_order = None
+        if out_perm is not None:
+            out_order, out_perm = list(out_perm), torch.as_tensor(out_perm, dtype=torch.long, device=w.device)
         self = cls(in_f, out_f, mesh, bias=b is not None, name=name, overlap=overlap, dtype=w.dtype, device=w.device)
         if out_perm is not None:
             w = w[out_perm]
@@ -128,6 +132,8 @@ class Linear2D(_Layer2D):
             if b is not None:
                 self.bias.copy_(block_of(b.detach(), g.j, g.q, 0))
         self.out_perm = out_perm
+        # the same order as Python ints: dense_layout reads it without a tensor op (plan's fake tensors)
+        self.out_order = None if out_perm is None else out_order
         return self
 
     def forward(self, x):
@@ -154,7 +160,7 @@ class Linear2D(_Layer2D):
         n_out, n_in = self.out_features // g.q, self.in_features // g.q
         mine = list(range(g.j * n_out, (g.j + 1) * n_out))  # my output features, in local order
         if self.out_perm is not None:  # qkv: my rows are three runs, from q, k and v
-            mine = self.out_perm[g.j * n_out:(g.j + 1) * n_out].tolist()
+            mine = self.out_order[g.j * n_out:(g.j + 1) * n_out]
         runs = _runs(mine)
         out = {"weight": ((self.out_features, self.in_features),  # local [in/q, out/q] holds Wᵀ's block
                           lambda t: [((d, g.i * n_in), t.t()[k:k + n]) for d, k, n in runs])}

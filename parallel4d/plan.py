@@ -1,0 +1,194 @@
+"""``parallel4d plan CONFIG``: what every rank will hold and send, before anything runs.
+
+The plan is a dry run of the job's own code, one rank per pipeline position (the ranks along
+dp, sp and the tensor grid of a position hold the same amounts). In this process, under torch's
+fake process group (every collective returns at once) and fake tensors (shapes and dtypes, no
+values, no memory), it builds that rank's model with :func:`.engine.compose` and runs one
+step's forward and backward of a global batch with :meth:`.engine.Engine.measure_gradients`.
+So the numbers follow the code's own rules — the 2D pieces, the ring's buffers, the schedule's
+micro-batches in flight, hetero's chunks, activation checkpointing — rather than a second copy
+of them as formulas, and a 7B model costs no memory to plan. A training run measures the same
+quantities on its first step (``summary.json``'s ``memory``, :mod:`.memory`'s rules);
+``tests/test_plan.py`` holds the two within 10 % on the example configs.
+
+Not counted: the CUDA context, the allocator's fragmentation, kernels' temporaries (an op's
+workspace, the logits' softmax while the loss is computed), communication buffers, and the
+one block that activation checkpointing recomputes during its backward. :data:`HEADROOM` of
+the device is left for them when the plan says whether a job fits.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from .config import Config, ConfigError, load_config
+from .engine import compose
+from .mesh import AXES, init_mesh, mesh_shape
+from .memory import adam_state_bytes
+
+HEADROOM = 0.9  # a job fits when its largest rank needs at most this share of the device's memory
+
+
+@dataclass
+class RankPlan:
+    """What the rank at ``(pp=pp_rank, dp=0, sp=0, 0, 0)`` holds (bytes) and sends per step."""
+
+    pp_rank: int
+    global_rank: int
+    parameters: int
+    gradients: int | None  # None under hetero: in its chunks (hetero_host, hetero_device)
+    optimizer_state: int | None
+    activations: int
+    hetero_device: int | None = None  # the chunk arena (model data on the device) under hetero
+    hetero_host: int | None = None  # the chunks' host copies: parameters, gradients, Adam moments
+    sent_by_axis: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def device_bytes(self) -> int:
+        """What the compute device holds at the step's peak (counted parts only: see the module)."""
+        if self.hetero_device is not None:
+            return self.hetero_device + self.activations
+        return self.parameters + self.gradients + self.optimizer_state + self.activations
+
+    @property
+    def host_bytes(self) -> int:
+        return self.hetero_host or 0
+
+
+@contextmanager
+def _fake_world(rank: int, world: int):
+    """A process group of ``world`` stand-in ranks, this process being ``rank``."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
+
+    if dist.is_initialized():
+        raise RuntimeError("parallel4d plan runs its dry run in a process without a process group")
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def dry_run(cfg: Config, pp_rank: int = 0) -> RankPlan:
+    """One step's forward and backward of the rank at pipeline position ``pp_rank`` (its other
+    coordinates 0), on fake tensors in this process (see the module docstring)."""
+    p = cfg.parallel
+    shape = mesh_shape(p.pp, p.dp, p.sp, p.tp)
+    rank = pp_rank * math.prod(shape[1:])
+    with _fake_world(rank, cfg.world_size):
+        mesh = init_mesh(p.pp, p.dp, p.sp, p.tp, timeout_s=cfg.train.timeout_s)
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            held, optimizer = _one_step(cfg, mesh)
+    return RankPlan(pp_rank, rank, held["parameters"], held["gradients"], optimizer, held["activations"],
+                    held.get("hetero_device"), held.get("hetero_host"), held["sent_by_axis"])
+
+
+def _one_step(cfg: Config, mesh) -> tuple[dict, int]:
+    """(:attr:`.engine.Engine.memory` after one forward and backward, the optimizer state's bytes)."""
+    engine = compose(cfg, mesh)
+    tokens = torch.zeros(cfg.data.batch_size, cfg.model.seq_len, dtype=torch.long, device=mesh.device)
+    engine.measure_gradients(tokens, tokens)
+    return engine.memory, None if engine.hetero is not None else adam_state_bytes(engine.optimizer)
+
+
+def plan(cfg: Config) -> list[RankPlan]:
+    """Every pipeline position's :class:`RankPlan`."""
+    return [dry_run(cfg, r) for r in range(cfg.parallel.pp)]
+
+
+# --- will it fit ------------------------------------------------------------------------------
+
+_UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "kib": 2**10, "m": 1e6, "mb": 1e6, "mib": 2**20,
+          "g": 1e9, "gb": 1e9, "gib": 2**30, "t": 1e12, "tb": 1e12, "tib": 2**40}
+
+
+def parse_bytes(text: str) -> int:
+    """``"80GiB"``, ``"80GB"``, ``"81920MiB"``, ``"8e10"`` → bytes; ConfigError naming the forms."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-z]*)\s*", str(text).lower())
+    if not m or m.group(2) not in _UNITS:
+        raise ConfigError(f"--gpus-memory {text!r}: give a size such as 80GiB, 80GB or 81920MiB")
+    return int(float(m.group(1)) * _UNITS[m.group(2)])
+
+
+def knobs(cfg: Config) -> list[list[str]]:
+    """Overrides that lower a rank's memory at the same world size, mildest first; the last
+    combines the first three."""
+    p, out = cfg.parallel, []
+    if cfg.train.activation_checkpointing == "none":
+        out.append(["train.activation_checkpointing=blocks"])
+    out.append([f"pipeline.microbatches={2 * cfg.pipeline.microbatches}"])
+    if not cfg.hetero.enabled:
+        out.append(["hetero.enabled=true"])
+    if len(out) > 1:
+        out.append([o for k in out for o in k])
+    if p.dp % 2 == 0:
+        out.append([f"parallel.dp={p.dp // 2}", f"parallel.pp={2 * p.pp}"])
+    if p.dp % 4 == 0:
+        out.append([f"parallel.dp={p.dp // 4}", f"parallel.tp={4 * p.tp}"])
+    return out
+
+
+def try_knobs(path, overrides: list[str], cfg: Config) -> list[tuple[list[str], int | str]]:
+    """``(knob, the largest rank's device bytes, or why the config refuses it)`` for each of :func:`knobs`."""
+    out = []
+    for knob in knobs(cfg):
+        try:
+            changed = load_config(path, [*overrides, *knob])
+        except (ConfigError, ValueError) as e:
+            out.append((knob, f"refused: {str(e).splitlines()[0]}"))
+            continue
+        out.append((knob, max(r.device_bytes for r in plan(changed))))
+    return out
+
+
+# --- printing ---------------------------------------------------------------------------------
+
+
+def human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def format_ranks(ranks: list[RankPlan]) -> list[str]:
+    """The per-rank table and the bytes each rank sends per step along each axis."""
+    hetero = ranks[0].hetero_device is not None
+    cols = ["pp rank", "parameters", "gradients", "optimizer", "activations"]
+    cols += ["hetero device", "hetero host", "device total", "host total"] if hetero else ["device total"]
+    lines = ["memory per rank (each pp position; its dp, sp and grid peers hold the same):",
+             "  " + "".join(f"{c:>14}" for c in cols)]
+    for r in ranks:
+        vals = [r.parameters, r.gradients, r.optimizer_state, r.activations]
+        vals += [r.hetero_device, r.hetero_host, r.device_bytes, r.host_bytes] if hetero else [r.device_bytes]
+        lines.append("  " + f"{r.pp_rank:>14}" + "".join(f"{'in chunks' if v is None else human(v):>14}"
+                                                           for v in vals))
+    lines.append("sent per step by each rank (forward and backward, gradient reduction included):")
+    for r in ranks:
+        axes = sorted(r.sent_by_axis, key=lambda a: (a not in AXES, AXES.index(a) if a in AXES else 0, a))
+        lines.append(f"  pp rank {r.pp_rank}: " + (", ".join(f"{a} {human(r.sent_by_axis[a])}" for a in axes)
+                                                     or "nothing"))
+    return lines
+
+
+def format_fit(ranks: list[RankPlan], capacity: int, tried: list[tuple[list[str], int | str]]) -> list[str]:
+    need = max(r.device_bytes for r in ranks)
+    usable = HEADROOM * capacity
+    if need <= usable:
+        return [f"fits: the largest rank needs {human(need)} of {human(capacity)} "
+                f"({100 * need / capacity:.0f} %; {100 * HEADROOM:.0f} % usable)"]
+    lines = [f"does not fit: the largest rank needs {human(need)}, {human(usable)} usable of {human(capacity)} "
+             f"({100 * HEADROOM:.0f} %); what would change it:"]
+    for knob, result in tried:
+        verdict = result if isinstance(result, str) else \
+            f"{human(result)} — {'fits' if result <= usable else 'still too much'}"
+        lines.append(f"  {' '.join(knob):<60} {verdict}")
+    return lines

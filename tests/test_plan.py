@@ -1,0 +1,87 @@
+"""``parallel4d plan`` against what runs measure.
+
+The plan is a dry run on fake tensors (parallel4d/plan.py); a run measures the same quantities on
+real tensors at its first step (``summary.json``'s ``memory``). For the example configs as the
+end-to-end tests run them (their runs are shared with tests/test_e2e.py, not repeated), each
+rank's parameter, gradient, optimizer, activation and hetero bytes and the bytes it sends along
+each axis are within 10 % of the plan; also under activation checkpointing with a 1F1B pipeline.
+That the measured activations are what the process holds is checked against glibc's heap in
+tests/test_validation.py.
+"""
+
+import pytest
+
+from conftest import assert_plan_matches
+from parallel4d.cli import main
+from parallel4d.config import make_config
+from parallel4d.plan import parse_bytes, plan
+from test_e2e import FOUR_D, FOUR_D_STEPS, ROOT, run, shared_run
+
+SHIPPED = {  # config → the overrides its shared end-to-end run uses (test_e2e)
+    "tensor2d": [],
+    "sequence": [],
+    "pipeline": [],
+    "llama": ["train.steps=8"],
+    "hetero": [],
+}
+
+
+def config_path(name):
+    return ROOT / "configs" / f"{name}.yaml"
+
+
+@pytest.mark.parametrize("name", list(SHIPPED))
+def test_plan_is_within_10_percent_of_the_run(name, tmp_path_factory):
+    got, _ = shared_run(name, tmp_path_factory, SHIPPED[name])
+    worst = assert_plan_matches(config_path(name), SHIPPED[name], got)
+    assert got["memory"]["step"] == 1 and set(worst) >= {"activations", "parameters"}
+
+
+@pytest.mark.parametrize("case", list(FOUR_D))
+def test_plan_of_all_four_techniques(case, sixteen_workers):
+    """configs/4d.yaml (16 ranks: Hanayo × ring × 2D × hetero), float32 and bfloat16 autocast."""
+    got, out = sixteen_workers[0]["test_e2e"][case]
+    worst = assert_plan_matches(config_path("4d"), [*FOUR_D[case], *FOUR_D_STEPS], got)
+    assert {"hetero_device", "hetero_host", "sent pp", "sent sp", "sent tp_row", "sent dp+sp"} <= set(worst)
+
+
+def test_plan_under_activation_checkpointing_and_1f1b(tmp_path):
+    """configs/pipeline.yaml under 1F1B (pp=4, 8 micro-batches) with ``activation_checkpointing=blocks``:
+    the micro-batches in flight keep only the blocks' inputs, as planned."""
+    overrides = ["pipeline.schedule=1f1b", "train.activation_checkpointing=blocks", "train.steps=1"]
+    got, _ = run("pipeline", tmp_path, overrides, "ckpt")
+    assert_plan_matches(config_path("pipeline"), overrides, got)
+
+
+def test_a_7b_model_is_planned_without_its_memory():
+    """A Llama-2-7B-shaped model on one rank: fake tensors, so the plan holds no weights, and the
+    parameter bytes are the model's 6 738 415 616 float32 parameters exactly."""
+    cfg = make_config({"model": {"arch": "llama", "vocab_size": 32000, "seq_len": 512, "hidden": 4096, "heads": 32,
+                                 "kv_heads": 32, "layers": 32, "intermediate_size": 11008},
+                       "data": {"batch_size": 1}, "checkpoint": {"enabled": False}})
+    (rank,) = plan(cfg)
+    n = 6_738_415_616
+    assert rank.parameters == rank.gradients == 4 * n
+    assert rank.optimizer_state == 8 * n + 4 * (32 * 9 + 3)  # two moments; a 4-byte step per tensor
+    assert rank.activations > 0 and rank.sent_by_axis == {}
+
+
+def test_plan_says_whether_it_fits_and_what_to_turn(capsys):
+    """--gpus-memory: quickstart's ranks need ~117 MiB (67 of them activations): it fits in 80 GiB; in
+    100 MiB it does not, and activation checkpointing is named as a knob that makes it fit."""
+    assert main(["plan", str(config_path("quickstart")), "--gpus-memory", "80GiB"]) == 0
+    out = capsys.readouterr().out
+    assert "fits: the largest rank needs" in out and "dp+sp" in out
+    assert main(["plan", str(config_path("quickstart")), "--gpus-memory", "100MiB"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert any(line.startswith("does not fit") for line in lines)
+    knob = next(line for line in lines if line.split()[:1] == ["train.activation_checkpointing=blocks"]
+                and "hetero.enabled" not in line)
+    assert knob.rstrip().endswith("— fits"), knob
+    assert main(["plan", str(config_path("quickstart")), "--gpus-memory", "lots"]) == 2
+    assert "--gpus-memory 'lots'" in capsys.readouterr().err
+
+
+def test_sizes():
+    assert parse_bytes("80GiB") == 80 * 2**30 and parse_bytes("80 GB") == 80 * 10**9
+    assert parse_bytes("81920MiB") == 80 * 2**30 and parse_bytes("1e9") == 10**9
