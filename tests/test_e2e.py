@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from parallel4d import checkpoint, launch
+from conftest import assert_plan_matches, train_in_job
 from parallel4d.sequence import ring_bytes
 from test_checkpoint import read_state
 
@@ -129,13 +130,14 @@ def test_sequence_float64(layout, tmp_path_factory):
 PIPELINES = {
     "hanayo-pp4-w2": [],
     "gpipe-pp2": ["parallel.pp=2", "pipeline.schedule=gpipe"],
-    "1f1b-pp2": ["parallel.pp=2", "pipeline.schedule=1f1b"],
+    "1f1b-pp2-recompute": ["parallel.pp=2", "pipeline.schedule=1f1b", "train.activation_checkpointing=blocks"],
     "interleaved-pp2": ["parallel.pp=2", "pipeline.schedule=interleaved", "pipeline.chunks_per_rank=2"],
     "hanayo-pp2-w2": ["parallel.pp=2", "pipeline.schedule=hanayo", "pipeline.waves=2"],
     "1f1b-pp2-dp2": ["parallel.pp=2", "parallel.dp=2", "pipeline.schedule=1f1b", "pipeline.microbatches=4"],
 }
 
 
+PLANNED_SCHEDULES = ("gpipe-pp2", "1f1b-pp2-recompute", "interleaved-pp2")
 
 
 def test_pipeline_config_float32(tmp_path_factory):
@@ -162,7 +164,9 @@ def test_llama_config_float32(tmp_path_factory):
 
 @pytest.mark.parametrize("case", list(PIPELINES))
 def test_pipeline_schedules(case, tmp_path, tmp_path_factory):
-    """Every schedule, and pp × dp = 2 × 2: losses and final parameters equal pp=1.
+    """Every schedule, and pp × dp = 2 × 2: losses and final parameters equal pp=1 (1F1B with its
+    blocks recomputed in the backward). ``parallel4d plan`` is within 10 % of what GPipe, 1F1B with
+    recomputation and interleaved measured (tests/test_plan.py: the shipped configs, Hanayo among them).
 
     In float64: the key bias of attention has a zero gradient in exact arithmetic, and in
     float32 AdamW turns each layout's different rounding noise there into lr-sized
@@ -172,6 +176,8 @@ def test_pipeline_schedules(case, tmp_path, tmp_path_factory):
     micro = [o for o in overrides if o.startswith(("pipeline.microbatches", "train."))]
     ref, ref_out = reference("pipeline", tmp_path_factory, micro)
     assert_float64_match(got, out, ref, ref_out)
+    if case in PLANNED_SCHEDULES:
+        assert_plan_matches(ROOT / "configs" / "pipeline.yaml", overrides, got)
 
 
 FOUR_D = {"float32": ["checkpoint.enabled=false"], "bfloat16": ["train.dtype=bfloat16"]}  # bf16's is read
@@ -181,8 +187,6 @@ FOUR_D_STEPS = ["train.steps=4"]  # of the config's 10: 16 workers share the CI'
 def sixteen_worker_job(tmp):
     """This file's share of the suite's 16-worker job (tests/conftest.py): configs/4d.yaml as shipped
     and in bfloat16, each as launch runs it on a rank; ``{case: (rank 0's summary, out_dir)}``."""
-    from conftest import train_in_job
-
     return {case: (train_in_job(ROOT / "configs" / "4d.yaml", [*extra, *FOUR_D_STEPS, f"train.out_dir={tmp / case}",
                                                                 "train.log_every=100"]), tmp / case)
             for case, extra in FOUR_D.items()}

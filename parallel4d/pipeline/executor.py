@@ -146,7 +146,7 @@ class PipelineExecutor:
         loss targets, needed on the rank holding the last chunk. Others may pass
         ``None``. Returns the mean loss on every pp rank.
         """
-        s, m = self.schedule, self.schedule.microbatches
+        m = self.schedule.microbatches
         if self.owner[0] == self.me and (inputs is None or len(inputs) != m):
             raise ValueError(f"pp rank {self.me} holds chunk 0 and needs {m} input micro-batches, "
                              f"got {None if inputs is None else len(inputs)}")
