@@ -29,7 +29,7 @@ import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from .config import Config, ConfigError, load_config
-from .engine import compose
+from .engine import compose, parameter_dtype
 from .mesh import AXES, init_mesh, mesh_shape
 from .memory import adam_state_bytes
 
@@ -76,6 +76,18 @@ def _fake_world(rank: int, world: int):
         dist.destroy_process_group()
 
 
+@contextmanager
+def _default_dtype(dtype: torch.dtype):
+    """Stages built directly in the parameters' dtype: a fake tensor cannot be converted in place
+    (``Module.to`` swaps it), and the tensors a run converts end the same."""
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(before)
+
+
 def dry_run(cfg: Config, pp_rank: int = 0) -> RankPlan:
     """One step's forward and backward of the rank at pipeline position ``pp_rank`` (its other
     coordinates 0), on fake tensors in this process (see the module docstring)."""
@@ -84,7 +96,7 @@ def dry_run(cfg: Config, pp_rank: int = 0) -> RankPlan:
     rank = pp_rank * math.prod(shape[1:])
     with _fake_world(rank, cfg.world_size):
         mesh = init_mesh(p.pp, p.dp, p.sp, p.tp, timeout_s=cfg.train.timeout_s)
-        with FakeTensorMode(allow_non_fake_inputs=True):
+        with FakeTensorMode(allow_non_fake_inputs=True), _default_dtype(parameter_dtype(cfg)):
             held, optimizer = _one_step(cfg, mesh)
     return RankPlan(pp_rank, rank, held["parameters"], held["gradients"], optimizer, held["activations"],
                     held.get("hetero_device"), held.get("hetero_host"), held["sent_by_axis"])

@@ -199,9 +199,10 @@ class ChunkManager:
 
     def locate(self, t: torch.Tensor):
         """``(pool, chunk, offset_in_chunk)`` if ``t`` aliases an arena, else ``None``."""
-        ptr = t.untyped_storage().data_ptr()
+        # the storage itself, not its address: a plan's fake tensors have no address
+        storage = t.untyped_storage()._cdata
         for p in self.pools.values():
-            if p.arena.untyped_storage().data_ptr() == ptr:
+            if p.arena.untyped_storage()._cdata == storage:
                 off = t.storage_offset()
                 s = off // p.slot_elems
                 c = p.owner[s]

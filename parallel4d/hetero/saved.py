@@ -47,7 +47,10 @@ class SavedTensors:
         """Push the hooks; with ``unless_active``, only when no saved-tensor hooks are active (ours
         from an enclosing forward, or activation checkpointing's, which saves nothing)."""
         ctx = None
-        if not unless_active or torch._C._autograd._top_saved_tensors_default_hooks(False) is None:
+        top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        # an observer's hooks (a memory measurement around the step) do not stand in for ours
+        observed = top is not None and self.outer is not None and top[0] == self.outer.pack
+        if not unless_active or top is None or observed:
             ctx = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
             ctx.__enter__()
         self._stack.append(ctx)
