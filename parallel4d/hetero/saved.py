@@ -47,13 +47,16 @@ class SavedTensors:
         """Push the hooks; with ``unless_active``, only when no saved-tensor hooks are active (ours
         from an enclosing forward, or activation checkpointing's, which saves nothing)."""
         ctx = None
-        top = torch._C._autograd._top_saved_tensors_default_hooks(False)
-        # an observer's hooks (a memory measurement around the step) do not stand in for ours
-        observed = top is not None and self.outer is not None and top[0] == self.outer.pack
-        if not unless_active or top is None or observed:
+        if not unless_active or not self._others_active():
             ctx = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
             ctx.__enter__()
         self._stack.append(ctx)
+
+    def _others_active(self) -> bool:
+        """Saved-tensor hooks are active that are not an observer's (a memory measurement around
+        the step does not stand in for ours)."""
+        top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        return top is not None and not (self.outer is not None and top[0] == self.outer.pack)
 
     def exit(self) -> None:
         """Pop what the matching :meth:`enter` pushed."""
