@@ -137,7 +137,7 @@ def test_hand_broken_schedules_are_rejected_with_the_right_message():
         validate(_broken(s, 0, [Action("B", 0, 0), Action("F", 0, 0), Action("F", 1, 0), Action("B", 1, 0)]))
     with pytest.raises(ScheduleError, match="micro-batch out of range"):
         validate(_broken(s, 0, r0 + [Action("F", 7, 0)]))
-    with pytest.raises(ScheduleError, match="kind must be 'F' or 'B'"):
+    with pytest.raises(ScheduleError, match="kind must be 'F', 'B' or 'W'"):
         validate(_broken(s, 0, [Action("X", 0, 0)] + r0))
     # Cross-rank cycle: rank 1 wants mb 1's backward before running mb 0's.
     cyc = _broken(s, 1, [Action("F", 1, 1), Action("B", 1, 1), Action("F", 0, 1), Action("B", 0, 1)])

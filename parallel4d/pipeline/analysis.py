@@ -3,7 +3,11 @@
 Dependencies (``S`` chunks, last chunk ``S-1`` computes the loss):
 
 * ``F(i, c)`` needs ``F(i, c-1)`` (for ``c > 0``);
-* ``B(i, c)`` needs ``F(i, c)`` and ``B(i, c+1)`` (for ``c < S-1``).
+* ``B(i, c)`` needs ``F(i, c)`` and ``B(i, c+1)`` (for ``c < S-1``);
+* ``W(i, c)`` (split backward only: the weight gradient) needs ``B(i, c)``, on the same rank.
+
+A schedule with W actions splits every backward: each ``(i, c)`` has exactly one W, B is
+then the input gradient alone, and the chunk's stored activation lives until its W.
 
 A dependency on another rank's action is a point-to-point message (activation
 for F, input-gradient for B); on the same rank it is a local hand-off. Every
@@ -25,6 +29,8 @@ class ScheduleError(ValueError):
 
 def dependencies(a: Action, num_chunks: int) -> list[Action]:
     """The actions whose results ``a`` consumes."""
+    if a.kind == "W":
+        return [Action("B", a.microbatch, a.chunk)]
     if a.kind == "F":
         return [Action("F", a.microbatch, a.chunk - 1)] if a.chunk > 0 else []
     deps = [Action("F", a.microbatch, a.chunk)]
@@ -34,10 +40,25 @@ def dependencies(a: Action, num_chunks: int) -> list[Action]:
 
 
 def consumer(a: Action, num_chunks: int) -> Action | None:
-    """The action on the next chunk that consumes ``a``'s output (``None`` at the ends)."""
+    """The action on the next chunk that consumes ``a``'s output (``None`` at the ends, and for W)."""
+    if a.kind == "W":
+        return None
     if a.kind == "F":
         return Action("F", a.microbatch, a.chunk + 1) if a.chunk < num_chunks - 1 else None
     return Action("B", a.microbatch, a.chunk - 1) if a.chunk > 0 else None
+
+
+def stored_change(a: Action, split: bool) -> int:
+    """How ``a`` changes its rank's stored chunk activations: +1 at F, −1 when they are freed
+    (at B, or at W when the backward is split)."""
+    if a.kind == "F":
+        return 1
+    return -1 if (a.kind == "W") == split else 0
+
+
+def kinds(s: Schedule) -> tuple[str, ...]:
+    """The action kinds each ``(micro-batch, chunk)`` runs exactly once in ``s``."""
+    return ("F", "B", "W") if s.split_backward else ("F", "B")
 
 
 def _where(r: int, i: int, a: Action) -> str:
@@ -71,12 +92,13 @@ def _check_structure(s: Schedule) -> None:
 
 def _check_actions(s: Schedule) -> None:
     owner = {c: r for r, cs in s.placement.items() for c in cs}
+    each = " and ".join(kinds(s))
     done: set[Action] = set()
     for r in range(s.pp):
         local: set[Action] = set()
         for i, a in enumerate(s.actions[r]):
-            if not isinstance(a, Action) or a.kind not in ("F", "B"):
-                raise ScheduleError(f"rank {r}, action #{i} {a!r}: kind must be 'F' or 'B'")
+            if not isinstance(a, Action) or a.kind not in ("F", "B", "W"):
+                raise ScheduleError(f"rank {r}, action #{i} {a!r}: kind must be 'F', 'B' or 'W'")
             if not 0 <= a.microbatch < s.microbatches:
                 raise ScheduleError(f"{_where(r, i, a)}: micro-batch out of range 0..{s.microbatches - 1}")
             if not 0 <= a.chunk < s.num_chunks:
@@ -84,7 +106,7 @@ def _check_actions(s: Schedule) -> None:
             if owner[a.chunk] != r:
                 raise ScheduleError(f"{_where(r, i, a)}: chunk {a.chunk} is held by rank {owner[a.chunk]}, not rank {r}")
             if a in done:
-                raise ScheduleError(f"{_where(r, i, a)}: runs a second time (each F and B exactly once)")
+                raise ScheduleError(f"{_where(r, i, a)}: runs a second time (each {each} exactly once)")
             for d in dependencies(a, s.num_chunks):
                 # Same-rank dependencies must come earlier in this rank's own list.
                 if owner[d.chunk] == r and d not in local:
@@ -94,10 +116,10 @@ def _check_actions(s: Schedule) -> None:
             local.add(a)
     for c in range(s.num_chunks):
         for mb in range(s.microbatches):
-            for kind in ("F", "B"):
+            for kind in kinds(s):
                 a = Action(kind, mb, c)
                 if a not in done:
-                    raise ScheduleError(f"rank {owner[c]}: missing {a.describe()} (each F and B exactly once)")
+                    raise ScheduleError(f"rank {owner[c]}: missing {a.describe()} (each {each} exactly once)")
 
 
 @dataclass
@@ -126,9 +148,14 @@ class SimResult:
         return [1.0 - b / self.makespan if self.makespan else 0.0 for b in self.busy]
 
 
-def _run(s: Schedule, forward_cost: float, backward_cost: float, p2p_cost: float) -> SimResult:
-    """Blocking in-order simulation; raises ScheduleError on a deadlock."""
+def _run(s: Schedule, forward_cost: float, backward_cost: float, p2p_cost: float,
+         weight_cost: float | None = None) -> SimResult:
+    """Blocking in-order simulation; raises ScheduleError on a deadlock. Under a split backward,
+    B costs ``backward_cost − weight_cost`` and W ``weight_cost`` (default: half the backward)."""
     owner = {c: r for r, cs in s.placement.items() for c in cs}
+    split = s.split_backward
+    w_cost = backward_cost / 2 if weight_cost is None else weight_cost
+    cost = {"F": forward_cost, "B": backward_cost - w_cost if split else backward_cost, "W": w_cost}
     pos = [0] * s.pp
     free = [0.0] * s.pp
     finished: dict[Action, float] = {}
@@ -148,7 +175,7 @@ def _run(s: Schedule, forward_cost: float, backward_cost: float, p2p_cost: float
                 t0 = free[r]
                 for d in deps:
                     t0 = max(t0, finished[d] + (p2p_cost if owner[d.chunk] != r else 0.0))
-                t1 = t0 + (forward_cost if a.kind == "F" else backward_cost)
+                t1 = t0 + cost[a.kind]
                 finished[a] = t1
                 start[(r, pos[r])], end[(r, pos[r])] = t0, t1
                 free[r] = t1
@@ -165,8 +192,8 @@ def _run(s: Schedule, forward_cost: float, backward_cost: float, p2p_cost: float
         live: dict[int, int] = {}
         n_live = best = best_mb = 0
         for a in s.actions[r]:
-            n_live += 1 if a.kind == "F" else -1
-            live[a.microbatch] = live.get(a.microbatch, 0) + (1 if a.kind == "F" else -1)
+            n_live += stored_change(a, split)
+            live[a.microbatch] = live.get(a.microbatch, 0) + stored_change(a, split)
             if live[a.microbatch] == 0:
                 del live[a.microbatch]
             best, best_mb = max(best, n_live), max(best_mb, len(live))
@@ -190,10 +217,10 @@ def _deadlock_report(s: Schedule, pos, finished, owner) -> str:
 def validate(schedule: Schedule) -> None:
     """Raise :class:`ScheduleError` naming the first rank/action that breaks a rule.
 
-    Rules: placement covers every chunk once; each F and B exactly once per
-    (micro-batch, chunk); an action only on the rank holding its chunk;
-    ``F(i,c)`` after ``F(i,c-1)``, ``B(i,c)`` after ``F(i,c)`` and ``B(i,c+1)``;
-    no cycle of blocking waits across ranks (simulated).
+    Rules: placement covers every chunk once; each F and B (and W, when the schedule has any)
+    exactly once per (micro-batch, chunk); an action only on the rank holding its chunk;
+    ``F(i,c)`` after ``F(i,c-1)``, ``B(i,c)`` after ``F(i,c)`` and ``B(i,c+1)``, ``W(i,c)``
+    after ``B(i,c)``; no cycle of blocking waits across ranks (simulated).
     """
     _check_structure(schedule)
     _check_actions(schedule)
@@ -201,17 +228,20 @@ def validate(schedule: Schedule) -> None:
 
 
 def simulate(schedule: Schedule, forward_cost: float = 1.0, backward_cost: float = 2.0,
-             p2p_cost: float = 0.0) -> SimResult:
+             p2p_cost: float = 0.0, weight_cost: float | None = None) -> SimResult:
     """Timeline of ``schedule`` with per-chunk costs (uniform chunks).
 
-    ``forward_cost`` / ``backward_cost``: time of one chunk's forward / backward
+    ``forward_cost`` / ``backward_cost``: time of one chunk's forward / whole backward
     for one micro-batch; ``p2p_cost``: latency added when a dependency crosses
-    ranks (wave turns on one rank cost nothing). Validates first.
+    ranks (wave turns on one rank cost nothing); ``weight_cost``: the part of the
+    backward a split schedule's W takes (default half). Validates first.
     """
     validate(schedule)
-    if forward_cost <= 0 or backward_cost <= 0 or p2p_cost < 0:
-        raise ValueError("forward_cost and backward_cost must be > 0 and p2p_cost ≥ 0")
-    return _run(schedule, forward_cost, backward_cost, p2p_cost)
+    w = backward_cost / 2 if weight_cost is None else weight_cost
+    if forward_cost <= 0 or backward_cost <= 0 or p2p_cost < 0 or not 0 < w < backward_cost:
+        raise ValueError("forward_cost and backward_cost must be > 0, p2p_cost ≥ 0, and "
+                         "0 < weight_cost < backward_cost")
+    return _run(schedule, forward_cost, backward_cost, p2p_cost, weight_cost)
 
 
 # --- closed forms ------------------------------------------------------------------

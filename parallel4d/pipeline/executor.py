@@ -83,6 +83,9 @@ class PipelineExecutor:
         self.loss_scale = 1.0  # the backward starts from loss · loss_scale / m (float16's dynamic scale)
         if mesh.size("pp") != schedule.pp:
             raise ValueError(f"schedule is for pp={schedule.pp} but the mesh has parallel.pp={mesh.size('pp')}")
+        if schedule.split_backward:
+            raise ValueError(f"schedule {schedule.name!r} splits the backward (W actions): the simulator and "
+                             "validator take it, the executor does not run it yet")
         self.schedule = schedule
         self.mesh = mesh
         self.me = mesh.rank("pp")

@@ -13,7 +13,7 @@ from functools import lru_cache
 from typing import Callable, Iterable, Iterator, Optional
 
 from ..rules import positive_int
-from .analysis import _run
+from .analysis import _run, stored_change
 from .types import Action, Schedule
 
 # --- placement --------------------------------------------------------------------
@@ -235,10 +235,13 @@ HOP_LATENCIES = (0.25, 0.5)
 
 
 def peak_activations(actions: Iterable[Action]) -> int:
-    """Most chunk activations one rank's list stores at once (F done, B not yet)."""
+    """Most chunk activations one rank's list stores at once (F done; not yet freed by its B,
+    or by its W when the list splits the backward)."""
+    actions = list(actions)
+    split = any(a.kind == "W" for a in actions)
     n = best = 0
     for a in actions:
-        n += 1 if a.kind == "F" else -1
+        n += stored_change(a, split)
         best = max(best, n)
     return best
 

@@ -72,7 +72,7 @@ def _draw(ax, schedule: Schedule, rows: dict[int, list[tuple]], makespan: float)
     for r, acts in rows.items():
         for (a, s, e) in acts:
             ax.barh(r, e - s, left=s, height=0.8, color=cmap(a.microbatch % 20), edgecolor="black", linewidth=0.4,
-                    hatch="//" if a.kind == "B" else None)
+                    hatch={"B": "//", "W": ".."}.get(a.kind))
             if schedule.num_chunks > 1 and (e - s) > 0.005 * makespan:
                 ax.text(s + (e - s) / 2, r, str(a.chunk), ha="center", va="center", fontsize=6)
     ax.set_yticks(range(schedule.pp))

@@ -14,8 +14,10 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True, order=True)
 class Action:
-    """One compute step: ``kind`` ``"F"`` (forward) or ``"B"`` (backward) of
-    micro-batch ``microbatch`` through model chunk ``chunk``."""
+    """One compute step of micro-batch ``microbatch`` through model chunk ``chunk``: ``kind``
+    ``"F"`` (forward), ``"B"`` (backward) or ``"W"`` (weight gradient). In a schedule that splits
+    the backward (it has W actions), B computes and sends only the input gradient and keeps what
+    its W needs; W later accumulates the weight gradients."""
 
     kind: str
     microbatch: int
@@ -25,7 +27,7 @@ class Action:
         return f"{self.kind}{self.microbatch}.c{self.chunk}"
 
     def describe(self) -> str:
-        word = "forward" if self.kind == "F" else "backward" if self.kind == "B" else self.kind
+        word = {"F": "forward", "B": "backward", "W": "weight gradient"}.get(self.kind, self.kind)
         return f"{self.kind}(mb={self.microbatch}, chunk={self.chunk}) [{word}]"
 
 
@@ -55,6 +57,11 @@ class Schedule:
             cache = {c: r for r, cs in self.placement.items() for c in cs}
             object.__setattr__(self, "_owner_cache", cache)
         return cache
+
+    @property
+    def split_backward(self) -> bool:
+        """Whether the backward is split into B (input gradient) and W (weight gradient)."""
+        return any(a.kind == "W" for acts in self.actions.values() for a in acts)
 
     @property
     def chunks_per_rank(self) -> int:
