@@ -94,6 +94,8 @@ def dry_run(cfg: Config, pp_rank: int = 0) -> RankPlan:
     p = cfg.parallel
     shape = mesh_shape(p.pp, p.dp, p.sp, p.tp)
     rank = pp_rank * math.prod(shape[1:])
+    if cfg.model.pretrained:  # its shapes are in the model fields already; its weights are not needed
+        cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"pretrained": None})})
     with _fake_world(rank, cfg.world_size):
         mesh = init_mesh(p.pp, p.dp, p.sp, p.tp, timeout_s=cfg.train.timeout_s)
         with FakeTensorMode(allow_non_fake_inputs=True), _default_dtype(parameter_dtype(cfg)):
