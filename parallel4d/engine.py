@@ -482,7 +482,8 @@ class Engine:
         """:meth:`compute_gradients`, measuring what this rank holds (:mod:`.memory`) into
         :attr:`memory`: ``parameters``, ``gradients``, peak ``activations`` and ``sent_by_axis``
         (bytes this rank sent per mesh axis in the forward and backward, the data replicas'
-        gradient reduction included; the step's few scalars — loss, norm — are not); under hetero also its ``hetero_device`` (the chunk arena) and ``hetero_host`` bytes."""
+        gradient reduction included; the step's few scalars — loss, norm — are not); under hetero
+        also its ``hetero_device`` (the chunk arena) and ``hetero_host`` bytes."""
         stats = self.mesh.comm_stats
         before = dict(stats.axis_sent)
         meter = SavedActivations(self._model_storages())
