@@ -32,8 +32,8 @@ from pydantic_core import PydanticUndefined
 from .hf_config import mismatches, model_fields_from_hf, positions_short
 from .text_files import corpus_bytes
 from .token_files import token_file_problems
-from .rules import (batch_problem, did_you_mean, divisors, grid_side, not_divisible, num_chunks, or_list,
-                    pipeline_arg_problems, tensor2d_problems)
+from .rules import (SCHEDULES, batch_problem, did_you_mean, divisors, grid_side, not_divisible, num_chunks, or_list,
+                    pipeline_arg_problems, splits_backward, tensor2d_problems)
 
 
 class ConfigError(ValueError):
@@ -90,7 +90,7 @@ class Tensor2DConfig(_Section):
 
 
 # rules.SCHEDULES spelt out, as pydantic and type checkers want (tests/test_rules.py compares them)
-ScheduleName = Literal["gpipe", "1f1b", "interleaved", "hanayo"]
+ScheduleName = Literal[SCHEDULES]  # the names live in rules.SCHEDULES
 
 
 class PipelineConfig(_Section):
@@ -98,6 +98,8 @@ class PipelineConfig(_Section):
     microbatches: int = Field(1, ge=1)
     waves: int = Field(1, ge=1, description="Hanayo waves W (2·W·pp chunks)")
     chunks_per_rank: int = Field(2, ge=1, description="model chunks per rank for the interleaved schedule")
+    split_backward: bool = Field(False, description="hanayo: split each backward into input-gradient (B) and "
+                                                    "weight-gradient (W) actions; zb_h1 and zbv always do")
 
     def num_chunks(self, pp: int) -> int:
         """How many model chunks this schedule cuts the model into for ``pp`` ranks."""
@@ -323,11 +325,18 @@ def cross_field_problems(cfg: Config) -> list[str]:
         out += filter(None, [not_divisible("model.seq_len", m.seq_len, div, why)])
     out += filter(None, [batch_problem(cfg.data.batch_size, pl.microbatches, [("parallel.dp", p.dp), ("q", q)])])
     if p.pp > 1:
-        out += pipeline_arg_problems(m.layers, p.pp, pl.microbatches, pl.schedule, pl.waves, pl.chunks_per_rank)
-    if cfg.hetero.enabled and p.pp > 1 and m.tie_embeddings and pl.schedule != "hanayo":
+        out += pipeline_arg_problems(m.layers, p.pp, pl.microbatches, pl.schedule, pl.waves, pl.chunks_per_rank,
+                                     split_backward=pl.split_backward)
+    if cfg.hetero.enabled and p.pp > 1 and m.tie_embeddings and pl.schedule not in ("hanayo", "zbv"):
         out.append(f"hetero.enabled=true with pipeline.schedule={pl.schedule} cannot keep a tied embedding and "
-                   "LM head on two pp ranks in step; use pipeline.schedule=hanayo (both ends on rank 0) or "
+                   "LM head on two pp ranks in step; use pipeline.schedule=hanayo or zbv (both ends on rank 0) or "
                    "model.tie_embeddings=false")
+    if cfg.hetero.enabled and p.pp > 1 and splits_backward(pl.schedule, pl.split_backward):
+        fix = "pipeline.split_backward=false" if pl.schedule == "hanayo" else "pipeline.schedule=hanayo or 1f1b"
+        out.append(f"hetero.enabled=true cannot run a split backward yet (pipeline.schedule={pl.schedule}"
+                   f"{', pipeline.split_backward=true' if pl.schedule == 'hanayo' else ''}): its chunks are fetched "
+                   f"and released for one backward pass per module, and W runs a second; use {fix}, or "
+                   "hetero.enabled=false")
     out += _family_problems(m, q)
     out += _schedule_problems(cfg.optimizer, cfg.train.steps)
     if cfg.train.tensorboard and importlib.util.find_spec("tensorboard") is None:

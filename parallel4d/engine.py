@@ -649,7 +649,8 @@ def build_pipeline(cfg: Config, mesh: Mesh, loss_scale: float = 1.0,
     ``loss_scale`` multiplies each micro-batch's mean loss (the DeepSpeed plugin's 1/sp);
     ``activation_dtype``: what travels between pp ranks (default: the parameters' dtype)."""
     pl, p, m = cfg.pipeline, cfg.parallel, cfg.model
-    schedule = make_schedule(pl.schedule, p.pp, pl.microbatches, waves=pl.waves, chunks_per_rank=pl.chunks_per_rank)
+    schedule = make_schedule(pl.schedule, p.pp, pl.microbatches, waves=pl.waves, chunks_per_rank=pl.chunks_per_rank,
+                             split_backward=pl.split_backward)
     shape = model_shape(cfg)
     # Costs from shapes alone (meta tensors): every rank computes the same cut.
     costs = parameter_costs([build_stage(shape, i, meta=True) for i in range(shape.layers + 2)])

@@ -59,7 +59,9 @@ class SavedActivations:
             self.live += entry[1]
             self.peak = max(self.peak, self.live)
         entry[0] += 1
-        return _Held(self, t, key)
+        # Detached: a saved output holding its own grad_fn would be a cycle through autograd's C++
+        # graph that no collector sees, and a retained graph (split backward) would never be freed.
+        return _Held(self, t.detach(), key)
 
     @staticmethod
     def unpack(held):

@@ -176,8 +176,16 @@ def batch_problem(batch: int, microbatches: int, split: Iterable[tuple[str, int]
 
 # --- pipeline ---------------------------------------------------------------------------
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "hanayo")
-_ALIASES = {"one_f_one_b": "1f1b", "interleaved_1f1b": "interleaved", "wave": "hanayo", "dapple": "1f1b"}
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "hanayo", "zb_h1", "zbv")
+# Schedules whose backward is always split into B (input gradient) and W (weight gradient);
+# hanayo splits it with pipeline.split_backward=true.
+SPLIT_SCHEDULES = ("zb_h1", "zbv")
+
+
+def splits_backward(schedule: str, split_backward: bool) -> bool:
+    """Whether the config's schedule runs B and W apart."""
+    return schedule in SPLIT_SCHEDULES or (schedule == "hanayo" and split_backward)
+_ALIASES = {"one_f_one_b": "1f1b", "interleaved_1f1b": "interleaved", "wave": "hanayo", "dapple": "1f1b", "zbh1": "zb_h1", "zb_v": "zbv"}
 
 
 def check_schedule_name(name: str) -> str:
@@ -197,6 +205,8 @@ def num_chunks(schedule: str, pp: int, waves: int = 1, chunks_per_rank: int = 2)
         return 2 * waves * pp
     if schedule == "interleaved":
         return chunks_per_rank * pp
+    if schedule == "zbv":
+        return 2 * pp
     return pp
 
 
@@ -217,6 +227,7 @@ def pipeline_arg_problems(
     chunks_per_rank: int = 2,
     batch: int | None = None,
     batch_divisor: int = 1,
+    split_backward: bool = False,
 ) -> list[str]:
     """Every broken pipeline rule as one readable message (empty list = fine).
 
@@ -232,6 +243,10 @@ def pipeline_arg_problems(
     if out:
         return out
     out += _chunk_problems(layers, pp, schedule, waves, chunks_per_rank)
+    if split_backward and schedule not in ("hanayo", *SPLIT_SCHEDULES):
+        out.append(f"pipeline.split_backward=true splits the backward of pipeline.schedule=hanayo; {schedule} does "
+                   f"not: use pipeline.schedule=hanayo, zb_h1 (1F1B's memory) or zbv (the V placement), or "
+                   f"pipeline.split_backward=false")
     if schedule == "interleaved":
         out += filter(None, [interleaved_microbatch_problem(pp, microbatches, chunks_per_rank)])
     if batch is not None:
@@ -260,11 +275,14 @@ def _chunk_problems(layers: int, pp: int, schedule: str, waves: int, chunks_per_
     if pp == 1 or stages >= chunks:
         return []
     fix = f"use model.layers≥{chunks - 2}"
-    if schedule == "hanayo":
+    if schedule in ("hanayo", "zbv"):
         w_max = stages // (2 * pp)
         # Fewer waves first; if even one wave is too many chunks, fewer ranks as well.
-        fix += (f" or pipeline.waves≤{w_max}" if w_max >= 1
-                else f" or pipeline.waves=1 with parallel.pp≤{max(1, stages // 2)}")
+        if schedule == "zbv":
+            fix += f" or parallel.pp≤{max(1, stages // 2)}"
+        else:
+            fix += (f" or pipeline.waves≤{w_max}" if w_max >= 1
+                    else f" or pipeline.waves=1 with parallel.pp≤{max(1, stages // 2)}")
     elif schedule == "interleaved":
         v_max = stages // pp
         fix += f" or pipeline.chunks_per_rank≤{v_max}" if v_max >= 1 else ""

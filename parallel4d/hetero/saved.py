@@ -30,6 +30,7 @@ class SavedTensors:
                 return ("hetero-chunk", c, off, tuple(t.size()), tuple(t.stride()))
         nb = t.numel() * t.element_size()
         self.bytes += nb
+        t = t.detach()  # no grad_fn kept: see memory.SavedActivations.pack
         return ("hetero-act", t if self.outer is None else self.outer.pack(t), nb, self.outer)
 
     def unpack(self, obj):

@@ -1,4 +1,5 @@
-"""Pipeline parallelism: schedules as data, one executor (GPipe, 1F1B, interleaved, Hanayo waves).
+"""Pipeline parallelism: schedules as data, one executor (GPipe, 1F1B, interleaved, Hanayo waves,
+and the split-backward schedules: ZB-H1, ZB-V and Hanayo with ``split_backward``).
 
 Schedules (:mod:`.types`, built by :mod:`.schedule` and :mod:`.hanayo`) are pure data — ``Schedule.placement`` (pp rank →
 chunk ids) and ``Schedule.actions`` (pp rank → ordered ``Action(kind, microbatch,
@@ -56,10 +57,11 @@ from .partition import build_chunks, parameter_costs, partition, timed_costs
 from .plot import plot
 from .schedule import gpipe, interleaved_1f1b, linear_placement, looped_placement, make_schedule, one_f_one_b
 from .types import Action, Schedule
+from .zero_bubble import zb_h1, zbv
 
 __all__ = [
     "Action", "Schedule", "ScheduleError", "SimResult", "Message", "SCHEDULES",
-    "gpipe", "one_f_one_b", "interleaved_1f1b", "hanayo", "make_schedule", "list_schedule",
+    "gpipe", "one_f_one_b", "interleaved_1f1b", "hanayo", "zb_h1", "zbv", "make_schedule", "list_schedule",
     "linear_placement", "looped_placement", "wave_placement", "wave_rank",
     "validate", "simulate", "bubble_formula", "message_plan", "plot",
     "check_pipeline_args", "check_schedule_name", "num_chunks", "pipeline_arg_problems",

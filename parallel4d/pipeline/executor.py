@@ -9,6 +9,9 @@ Per optimizer step, each pp rank walks its own action list in order:
 * ``B(i, c)``: backward of chunk ``c`` with the received output-gradient (or
   ``loss / m`` for the last chunk), frees what ``F(i, c)`` stored, and sends the
   input-gradient to chunk ``c-1``. Gradients accumulate in the modules' ``.grad``.
+* In a schedule that splits the backward: ``B(i, c)`` computes and sends only the
+  input-gradient and keeps the chunk's graph; ``W(i, c)`` later accumulates the
+  weight gradients from it and frees it (:mod:`.split_grad`).
 
 Transfers: shapes/dtypes are known up front (no handshake); every message
 between two ranks has a canonical position (:func:`~.analysis.message_plan`)
@@ -32,6 +35,7 @@ import torch.nn as nn
 
 from .. import comm
 from .analysis import Message, message_plan, validate
+from .split_grad import input_gradient
 from .types import Action, Schedule
 
 ShapeSpec = Union[Sequence[int], Callable[[int], Sequence[int]]]
@@ -83,9 +87,6 @@ class PipelineExecutor:
         self.loss_scale = 1.0  # the backward starts from loss · loss_scale / m (float16's dynamic scale)
         if mesh.size("pp") != schedule.pp:
             raise ValueError(f"schedule is for pp={schedule.pp} but the mesh has parallel.pp={mesh.size('pp')}")
-        if schedule.split_backward:
-            raise ValueError(f"schedule {schedule.name!r} splits the backward (W actions): the simulator and "
-                             "validator take it, the executor does not run it yet")
         self.schedule = schedule
         self.mesh = mesh
         self.me = mesh.rank("pp")
@@ -104,6 +105,7 @@ class PipelineExecutor:
         self.stats = mesh.comm_stats
         self.last = schedule.num_chunks - 1
         self.owner = {c: r for r, cs in schedule.placement.items() for c in cs}
+        self.split = schedule.split_backward
         # Forward only (evaluation): the schedule's forwards in its order, and only their messages
         # (a subsequence of each rank's order and of each pair's canonical order: still deadlock-free).
         self.actions = [a for a in schedule.actions[self.me] if a.kind == "F" or not forward_only]
@@ -163,8 +165,10 @@ class PipelineExecutor:
             t0 = time.perf_counter()
             if a.kind == "F":
                 out = self._forward(st, a, x_in, inputs, targets)
-            else:
+            elif a.kind == "B":
                 out = self._backward(st, a, x_in)
+            else:
+                out = st.release(a).run()
             st.trace.append((a, t0, time.perf_counter()))
             ops = st.deliver(a, out)
             ops += st.lookahead_ops(i + 1)
@@ -205,12 +209,16 @@ class PipelineExecutor:
     def _backward(self, st: "_StepState", a: Action, grad):
         x, y = st.release(a)
         if a.chunk == self.last:
-            torch.autograd.backward(y * (self.loss_scale / self.schedule.microbatches))
+            y, grad = y * (self.loss_scale / self.schedule.microbatches), None
+        if self.split:
+            gx, weights = input_gradient(y, grad, x)
+            st.store(Action("W", a.microbatch, a.chunk), weights)
         else:
             torch.autograd.backward(y, grad)
+            gx = x.grad
         if a.chunk == 0:
             return None
-        return x.grad if x.grad is not None else torch.zeros_like(x)
+        return gx if gx is not None else torch.zeros_like(x)
 
     def _mean_loss(self, st: "_StepState") -> float:
         src = self.owner[self.last]
@@ -234,20 +242,21 @@ class _StepState:
         self.recv: dict[tuple[int, int], tuple[torch.Tensor, list]] = {}
         self.sends: list[tuple[list, torch.Tensor]] = []
         self.local: dict[Action, torch.Tensor] = {}   # wave-turn hand-offs, keyed by consumer
-        self.stash: dict[Action, tuple] = {}
+        self.stash: dict[Action, object] = {}        # F → (input, output); W → its WeightGradients
         self.losses: list[torch.Tensor] = []
         self.trace: list = []
         self.peak = self.peak_mb = 0
         self.wait_s = 0.0
 
-    # activations stored between F and B
-    def store(self, a: Action, x, y) -> None:
-        self.stash[a] = (x, y)
+    # activations stored from F to B (to W when the backward is split: B hands them over)
+    def store(self, a: Action, *kept) -> None:
+        self.stash[a] = kept if len(kept) > 1 else kept[0]
         self.peak = max(self.peak, len(self.stash))
         self.peak_mb = max(self.peak_mb, len({k.microbatch for k in self.stash}))
 
     def release(self, a: Action):
-        return self.stash.pop(Action("F", a.microbatch, a.chunk))
+        """What ``a`` consumes: F's (input, output) for B, B's weight gradients for W."""
+        return self.stash.pop(Action("F" if a.kind == "B" else "W", a.microbatch, a.chunk))
 
     # posting
     def _post_upto(self, peer: int, idx: int, ops: list) -> bool:

@@ -51,6 +51,9 @@ def list_schedule(
     forward_cost: float = 1.0,
     backward_cost: float = 2.0,
     p2p_cost: float = 0.0,
+    split_backward: bool = False,
+    weight_cost: float | None = None,
+    reserve: int = 0,
 ) -> Schedule | None:
     """Order the actions of any placement by simulating the ranks greedily.
 
@@ -75,12 +78,25 @@ def list_schedule(
     ``None`` when the cap starves the pipeline. Costs are per chunk; the
     *order* is what the schedule keeps (deadlock-free by construction);
     ``p2p_cost`` delays an input that crosses ranks.
+
+    ``split_backward``: each backward becomes B (input gradient, ``backward_cost −
+    weight_cost``, default half) and W (weight gradient, ``weight_cost``) on the same rank.
+    Only B feeds another chunk, so a rank runs its oldest W only when no F or B can start
+    (the bubble it would idle in, or a forward held back by the cap); an activation is
+    stored until its W.
+
+    ``reserve``: a new micro-batch (chunk 0's forward) starts only while the rank stores
+    fewer than ``memory_cap − reserve``. The slots kept free let the micro-batches already
+    in flight through the rank's later chunks, which a transfer delay can otherwise block
+    behind new ones (a memory deadlock: ``None``).
     """
     _check_rules(policy, forward_order, backward_order)
     num_chunks = sum(len(c) for c in placement.values())
     caps = list(memory_cap) if isinstance(memory_cap, (list, tuple)) else [memory_cap] * pp
     keys = _priorities(forward_order, backward_order, max(1, group), num_chunks - 1)
-    greedy = _Greedy(pp, microbatches, placement, caps, policy, keys, (forward_cost, backward_cost, p2p_cost))
+    w = (backward_cost / 2 if weight_cost is None else weight_cost) if split_backward else 0.0
+    greedy = _Greedy(pp, microbatches, placement, caps, policy, keys,
+                     (forward_cost, backward_cost - w, p2p_cost, w), split_backward, reserve)
     actions = greedy.run()
     if actions is None:
         return None
@@ -123,13 +139,14 @@ class _Greedy:
     """:func:`list_schedule`'s event simulation: ranks start ready actions, finished ones feed the next chunk."""
 
     def __init__(self, pp: int, m: int, placement: dict[int, list[int]], caps: list[int], policy: str,
-                 keys: tuple[Key, Key], costs: tuple[float, float, float]):
-        self.pp, self.caps, self.policy = pp, caps, policy
+                 keys: tuple[Key, Key], costs: tuple[float, float, float, float], split: bool = False,
+                 reserve: int = 0):
+        self.pp, self.caps, self.policy, self.split, self.reserve = pp, caps, policy, split, reserve
         self.f_key, self.b_key = keys
-        self.forward_cost, self.backward_cost, self.p2p_cost = costs
+        self.forward_cost, self.backward_cost, self.p2p_cost, self.weight_cost = costs
         self.owner = {c: r for r, cs in placement.items() for c in cs}
         self.last_chunk = len(self.owner) - 1
-        self.remaining = 2 * m * len(self.owner)
+        self.remaining = (3 if split else 2) * m * len(self.owner)
         # per rank: (time its input arrives, action) not started yet
         self.ready: dict[int, list[tuple[float, Action]]] = {r: [] for r in range(pp)}
         self.ready[self.owner[0]] = [(0.0, Action("F", i, 0)) for i in range(m)]
@@ -156,18 +173,22 @@ class _Greedy:
     def _start(self, r: int, t: float) -> None:
         if self.free_at[r] > t:
             return
-        now = [a for (rt, a) in self.ready[r] if rt <= t]
-        bs = [a for a in now if a.kind == "B"]
-        fs = [a for a in now if a.kind == "F"] if self.stored[r] < self.caps[r] else []
-        if not bs and not fs:
-            return
-        want_b = self.last_kind[r] == "F" if self.policy == "alternate" else self.policy == "backward_first"
-        pick = min(bs, key=self.b_key) if bs and (want_b or not fs) else min(fs, key=self.f_key)
+        now = [(rt, a) for (rt, a) in self.ready[r] if rt <= t]
+        bs = [a for _, a in now if a.kind == "B"]
+        fs = [a for _, a in now if a.kind == "F" and self.stored[r] < self.caps[r] - (self.reserve if a.chunk == 0 else 0)]
+        if bs or fs:
+            want_b = self.last_kind[r] == "F" if self.policy == "alternate" else self.policy == "backward_first"
+            pick = min(bs, key=self.b_key) if bs and (want_b or not fs) else min(fs, key=self.f_key)
+            self.last_kind[r] = pick.kind
+        else:
+            ws = [(rt, a.microbatch, -a.chunk, a) for rt, a in now if a.kind == "W"]
+            if not ws:
+                return
+            pick = min(ws)[3]  # the oldest weight gradient
         self.ready[r].remove(next(x for x in self.ready[r] if x[1] == pick))
-        end = t + (self.forward_cost if pick.kind == "F" else self.backward_cost)
+        end = t + {"F": self.forward_cost, "B": self.backward_cost, "W": self.weight_cost}[pick.kind]
         self.free_at[r] = end
-        self.stored[r] += 1 if pick.kind == "F" else -1
-        self.last_kind[r] = pick.kind
+        self.stored[r] += stored_change(pick, self.split)
         self.actions[r].append(pick)
         self.running.append((end, r, pick))
 
@@ -178,6 +199,8 @@ class _Greedy:
                 still.append((end, r, a))
                 continue
             self.remaining -= 1
+            if self.split and a.kind == "B":
+                self.ready[r].append((t, Action("W", a.microbatch, a.chunk)))
             nxt = self._next(a)
             if nxt is not None:
                 dst = self.owner[nxt.chunk]
@@ -185,7 +208,9 @@ class _Greedy:
         self.running = still
 
     def _next(self, a: Action) -> Optional[Action]:
-        """The action ``a``'s result makes ready (None after chunk 0's backward)."""
+        """The action ``a``'s result makes ready on the next chunk (None after chunk 0's backward, and W)."""
+        if a.kind == "W":
+            return None
         if a.kind == "F":
             # The loss is computed in the last chunk's forward: its backward may start on the same rank.
             return Action("F", a.microbatch, a.chunk + 1) if a.chunk < self.last_chunk else Action("B", a.microbatch, a.chunk)
@@ -251,14 +276,22 @@ def interleaved_peak(pp: int, chunks_per_rank: int) -> int:
     return chunks_per_rank * pp + pp - 1 if chunks_per_rank > 1 else pp
 
 
-def hanayo(pp: int, microbatches: int, waves: int = 1, memory_cap: int | None = None) -> Schedule:
+def hanayo(pp: int, microbatches: int, waves: int = 1, memory_cap: int | None = None, *,
+           split_backward: bool = False, p2p_cost: float | None = None) -> Schedule:
     """Hanayo wave schedule: ``2·W·P`` chunks on the wave placement, in the best order found.
 
     Candidates: the slot order of :func:`wave_slot_schedule` and :func:`list_schedule`
     under a few greedy rules and activation caps. Kept: the orders within ``FREE_SLACK``
     (1 %) of the shortest simulated makespan with free transfers (uniform chunks,
     backward = 2 × forward), then the shortest summed makespan at ``HOP_LATENCIES``,
-    then the shorter free makespan, then the lower peak memory.
+    then the shorter free makespan, then the lower peak memory. Given ``p2p_cost`` (the
+    transfer time per hop, in chunk forwards), the shortest makespan at that cost instead.
+
+    ``split_backward``: B (input gradient) and W (weight gradient) actions, W filling the
+    time a rank would wait (:func:`list_schedule`); the default cap is then ``2W·P``, the
+    bytes of ``P`` stage activations (1F1B's and ZB-V's first rank). The candidates are the
+    greedy rules under several new-micro-batch reserves, built with free transfers and,
+    given ``p2p_cost``, with that delay too.
 
     Guarantees: a valid, deadlock-free order; no rank stores more than ``memory_cap``
     chunk activations (default: interleaved 1F1B's rank-0 peak for the same chunks per
@@ -266,8 +299,8 @@ def hanayo(pp: int, microbatches: int, waves: int = 1, memory_cap: int | None = 
     embedding (chunk 0) and LM head (last chunk) both on rank 0, so a tied weight stays
     on one rank; the same arguments give the same order (cached; each call returns a
     fresh copy). The bubble cannot go below ``(P-1)/(2W·m + P-1)`` once
-    ``m ≥ P + (P-1)/(2W)``; W=1 reaches it for ``m ≥ 2P``. ``hanayo(8, 32, 3)`` takes
-    about 1.2 s on one core.
+    ``m ≥ P + (P-1)/(2W)`` without splitting the backward; W=1 reaches it for ``m ≥ 2P``.
+    ``hanayo(8, 32, 3)`` takes about 1.2 s on one core.
 
     docs/hanayo.md has the bound's derivation, the measured bubbles against interleaved
     1F1B, where the search falls short and the offline CP-SAT study.
@@ -276,22 +309,55 @@ def hanayo(pp: int, microbatches: int, waves: int = 1, memory_cap: int | None = 
     w = positive_int("waves", waves)
     if memory_cap is not None:
         memory_cap = positive_int("memory_cap", memory_cap)
-    s = _hanayo(pp, m, w, memory_cap)
+    if p2p_cost is not None and not p2p_cost >= 0:
+        raise ValueError(f"p2p_cost={p2p_cost} must be ≥ 0 (chunk-forward units per transfer)")
+    s = _hanayo(pp, m, w, memory_cap, bool(split_backward), p2p_cost)
     # A fresh copy: callers may edit their schedule, the cache must not change.
     return Schedule(s.name, s.pp, s.microbatches, s.num_chunks,
                     {r: list(c) for r, c in s.placement.items()},
                     {r: list(a) for r, a in s.actions.items()})
 
 
+def default_cap(pp: int, waves: int, split_backward: bool) -> int:
+    """hanayo's default per-rank activation cap, in chunk activations."""
+    return 2 * waves * pp if split_backward else interleaved_peak(pp, 2 * waves)
+
+
 @lru_cache(maxsize=256)
-def _hanayo(pp: int, m: int, w: int, memory_cap: int | None) -> Schedule:
-    name = f"hanayo(W={w})"
-    top = memory_cap or interleaved_peak(pp, 2 * w)
-    orders = [s for s in _orders(name, pp, m, w, top) if s is not None]  # valid by construction; tests validate
+def _hanayo(pp: int, m: int, w: int, memory_cap: int | None, split: bool, p2p_cost: float | None) -> Schedule:
+    name = f"hanayo(W={w}, split)" if split else f"hanayo(W={w})"
+    top = memory_cap or default_cap(pp, w, split)
+    orders = _split_orders(name, pp, m, w, top, p2p_cost) if split else _orders(name, pp, m, w, top)
+    orders = [s for s in orders if s is not None]  # valid by construction; tests validate
     if not orders:
         raise ValueError(f"memory_cap={memory_cap} starves the hanayo pipeline (P={pp}, W={w}); "
-                         f"use memory_cap≥{interleaved_peak(pp, 2 * w)}")
-    return _most_robust(orders)
+                         f"use memory_cap≥{default_cap(pp, w, split)}")
+    return _most_robust(orders) if p2p_cost is None else _shortest_at(orders, p2p_cost)
+
+
+def _split_orders(name: str, pp: int, m: int, w: int, top: int,
+                  p2p_cost: float | None) -> Iterator[Optional[Schedule]]:
+    """Greedy split-backward orders: each rule × new-micro-batch reserve, built at each transfer delay."""
+    placement = wave_placement(pp, w)
+    delays = sorted({0.0, p2p_cost / 2, p2p_cost}) if p2p_cost else [0.0]
+    rules = [("diagonal", pp, "diagonal"), ("diagonal", pp, "microbatch"), ("microbatch", 1, "group")]
+    reserves = sorted({min(k, top - 1) for k in (0, 1, 2, 3, pp // 2, pp, 3 * pp // 2)})
+    for delay in delays:
+        for reserve in reserves:
+            for policy in ("forward_first", "alternate"):
+                for fwd, group, back in rules:
+                    yield list_schedule(name, pp, m, placement, memory_cap=top, policy=policy, group=group,
+                                        forward_order=fwd, backward_order=back, split_backward=True,
+                                        p2p_cost=delay, reserve=reserve)
+
+
+def _shortest_at(orders: list[Schedule], p2p_cost: float) -> Schedule:
+    """The shortest makespan at ``p2p_cost``, then with free transfers, then memory; first on a tie."""
+    def key(s: Schedule):
+        at, free = _run(s, 1.0, 2.0, p2p_cost), _run(s, 1.0, 2.0, 0.0)
+        return round(at.makespan, 9), round(free.makespan, 9), max(free.peak_activations)
+
+    return min(orders, key=key)
 
 
 def _orders(name: str, pp: int, m: int, w: int, top: int) -> Iterator[Optional[Schedule]]:

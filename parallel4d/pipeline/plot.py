@@ -1,7 +1,7 @@
 """Timeline PNG of a schedule: one row per rank, one box per action.
 
 matplotlib is imported lazily (only when plotting), so the package works
-without it. Box colour = micro-batch (backward boxes hatched), text = chunk id.
+without it. Box colour = micro-batch (B hatched //, W ..), text = chunk id.
 The figure is drawn on its own Agg canvas, not through pyplot, so plotting
 leaves the caller's backend and pyplot's figures alone.
 """
@@ -13,15 +13,16 @@ from .types import Schedule
 
 
 def plot(schedule: Schedule, path: str, *, forward_cost: float = 1.0, backward_cost: float = 2.0,
-         p2p_cost: float = 0.0, timings: dict[int, list[tuple]] | None = None, title: str | None = None) -> str:
+         p2p_cost: float = 0.0, weight_cost: float | None = None, timings: dict[int, list[tuple]] | None = None,
+         title: str | None = None) -> str:
     """Write a timeline PNG of ``schedule`` to ``path`` and return ``path``.
 
     Times come from :func:`~.analysis.simulate` with the given costs, or from
     ``timings`` (rank → ``[(action, start_s, end_s), ...]``, e.g. measured by the
-    executor) when given.
+    executor) when given. ``weight_cost``: a split schedule's W (default half the backward).
     """
     if timings is None:
-        rows, makespan, bubble = _simulated(schedule, forward_cost, backward_cost, p2p_cost)
+        rows, makespan, bubble = _simulated(schedule, forward_cost, backward_cost, p2p_cost, weight_cost)
         unit, width = "time (forward of one chunk = 1)", min(60.0, max(8.0, 0.25 * makespan + 2.0))
     else:
         rows, makespan, bubble = _measured(timings)
@@ -32,7 +33,7 @@ def plot(schedule: Schedule, path: str, *, forward_cost: float = 1.0, backward_c
     ax.set_xlabel(unit)
     ax.set_title(title or f"{schedule.name}: P={schedule.pp}, m={schedule.microbatches}, "
                           f"{schedule.num_chunks} chunks — makespan {makespan:.4g}, bubble {bubble:.1%} "
-                          f"(colour = micro-batch, hatched = backward, text = chunk)", fontsize=9)
+                          f"(colour = micro-batch, hatched = B //, W .., text = chunk)", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=90)
     return path
@@ -49,8 +50,9 @@ def _figure(width: float, height: float):
     return fig
 
 
-def _simulated(schedule: Schedule, forward_cost: float, backward_cost: float, p2p_cost: float):
-    sim = simulate(schedule, forward_cost, backward_cost, p2p_cost)
+def _simulated(schedule: Schedule, forward_cost: float, backward_cost: float, p2p_cost: float,
+               weight_cost: float | None):
+    sim = simulate(schedule, forward_cost, backward_cost, p2p_cost, weight_cost=weight_cost)
     rows = {r: [(a, sim.start[(r, i)], sim.end[(r, i)]) for i, a in enumerate(schedule.actions[r])]
             for r in range(schedule.pp)}
     return rows, sim.makespan, sim.bubble_ratio

@@ -16,7 +16,10 @@ Generators (``P`` = pp ranks, ``m`` = micro-batches):
   ``c mod P`` (Megatron's interleaved schedule, groups of ``P`` micro-batches).
 * :func:`~.hanayo.hanayo` — ``2·W·P`` chunks placed as ``W`` waves (chunk ``c`` on rank
   ``c mod P`` when ``c // P`` is even, on ``P-1-(c mod P)`` when odd), ordered
-  by a small search over greedy orders under a per-rank activation cap.
+  by a small search over greedy orders under a per-rank activation cap; with
+  ``split_backward`` its backwards are split into B and W.
+* :func:`~.zero_bubble.zb_h1` — 1F1B's placement and memory, backward split into B and W.
+* :func:`~.zero_bubble.zbv` — the V placement (Hanayo's one wave) at 1F1B's memory, split.
 """
 
 from __future__ import annotations
@@ -24,22 +27,10 @@ from __future__ import annotations
 from typing import Callable
 
 from ..rules import SCHEDULES  # noqa: F401  (re-exported; its home is rules)
-from ..rules import check_schedule_name, interleaved_microbatch_problem, positive_int
+from ..rules import SPLIT_SCHEDULES, check_schedule_name, interleaved_microbatch_problem, positive_int
 from .hanayo import hanayo
-from .types import Action, Schedule
-
-
-# --- placements ------------------------------------------------------------------
-
-
-def linear_placement(pp: int) -> dict[int, list[int]]:
-    """One chunk per rank: chunk ``r`` on rank ``r``."""
-    return {r: [r] for r in range(pp)}
-
-
-def looped_placement(pp: int, chunks_per_rank: int) -> dict[int, list[int]]:
-    """Interleaved placement: chunk ``c`` on rank ``c mod P``."""
-    return {r: [k * pp + r for k in range(chunks_per_rank)] for r in range(pp)}
+from .types import Action, Schedule, linear_placement, looped_placement  # noqa: F401 (placements re-exported)
+from .zero_bubble import zb_h1, zbv
 
 
 # --- generators ------------------------------------------------------------------
@@ -112,18 +103,26 @@ def interleaved_1f1b(pp: int, microbatches: int, chunks_per_rank: int = 2) -> Sc
     return Schedule(f"interleaved(v={v})", pp, m, v * pp, looped_placement(pp, v), actions)
 
 
-def make_schedule(name: str, pp: int, microbatches: int, *, waves: int = 1, chunks_per_rank: int = 2) -> Schedule:
-    """Build a schedule by config name (``gpipe``, ``1f1b``, ``interleaved``, ``hanayo``)."""
+def make_schedule(name: str, pp: int, microbatches: int, *, waves: int = 1, chunks_per_rank: int = 2,
+                  split_backward: bool = False) -> Schedule:
+    """Build a schedule by config name (``gpipe``, ``1f1b``, ``interleaved``, ``hanayo``, ``zb_h1``,
+    ``zbv``); ``split_backward`` splits Hanayo's backward (zb_h1 and zbv always split it)."""
     name = check_schedule_name(name)
+    if split_backward and name not in ("hanayo", *SPLIT_SCHEDULES):
+        raise ValueError(f"split_backward applies to hanayo, not {name} (zb_h1 and zbv always split)")
     if name == "gpipe":
         return gpipe(pp, microbatches)
     if name == "1f1b":
         return one_f_one_b(pp, microbatches)
     if name == "interleaved":
         return interleaved_1f1b(pp, microbatches, chunks_per_rank)
-    return hanayo(pp, microbatches, waves)
+    if name == "zb_h1":
+        return zb_h1(pp, microbatches)
+    if name == "zbv":
+        return zbv(pp, microbatches)
+    return hanayo(pp, microbatches, waves, split_backward=split_backward)
 
 
 GENERATORS: dict[str, Callable[..., Schedule]] = {
-    "gpipe": gpipe, "1f1b": one_f_one_b, "interleaved": interleaved_1f1b, "hanayo": hanayo,
+    "gpipe": gpipe, "1f1b": one_f_one_b, "interleaved": interleaved_1f1b, "hanayo": hanayo, "zb_h1": zb_h1, "zbv": zbv,
 }

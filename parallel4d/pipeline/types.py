@@ -3,7 +3,7 @@
 A :class:`Schedule` is a placement (pp rank → the model chunks it holds, in model
 order) and, per rank, the ordered list of :class:`Action` it runs in one optimizer
 step. Everything else in the package (generators, validator, simulator, executor,
-plot) builds or reads these; this module imports nothing from it.
+plot) builds or reads these, with the simple placements; this module imports nothing from it.
 """
 
 from __future__ import annotations
@@ -83,3 +83,16 @@ class Schedule:
                      sorted((r, tuple((a.kind, a.microbatch, a.chunk) for a in acts))
                             for r, acts in self.actions.items())))
         return hashlib.sha1(text.encode()).hexdigest()[:16]
+
+
+# --- placements ------------------------------------------------------------------
+
+
+def linear_placement(pp: int) -> dict[int, list[int]]:
+    """One chunk per rank: chunk ``r`` on rank ``r``."""
+    return {r: [r] for r in range(pp)}
+
+
+def looped_placement(pp: int, chunks_per_rank: int) -> dict[int, list[int]]:
+    """Interleaved placement: chunk ``c`` on rank ``c mod P``."""
+    return {r: [k * pp + r for k in range(chunks_per_rank)] for r in range(pp)}

@@ -20,8 +20,8 @@ from __future__ import annotations
 
 from ..rules import positive_int
 from .analysis import validate
-from .schedule import linear_placement
-from .types import Action, Schedule
+from .hanayo import hanayo
+from .types import Action, Schedule, linear_placement
 
 
 def zb_h1(pp: int, microbatches: int) -> Schedule:
@@ -79,3 +79,13 @@ def _pick(r, pp, m, t, caps, done, next_f, next_b, pending_w, stored) -> Action 
     if pending_w[r]:
         return Action("W", pending_w[r][0], r)
     return None
+
+
+def zbv(pp: int, microbatches: int, p2p_cost: float | None = None) -> Schedule:
+    """ZB-V: two chunks per rank in a V (chunk ``c`` on rank ``c`` going down, ``2P-1-c``
+    coming back: Hanayo's one-wave placement), backward split, no rank storing more than
+    ``2P`` chunk activations (``P`` stage activations: 1F1B's first rank). The order is
+    Hanayo's split-backward search at that cap; ``p2p_cost``: see :func:`~.hanayo.hanayo`."""
+    pp, m = positive_int("pp", pp), positive_int("microbatches", microbatches)
+    s = hanayo(pp, m, 1, memory_cap=2 * pp, split_backward=True, p2p_cost=p2p_cost)
+    return Schedule("zbv", s.pp, s.microbatches, s.num_chunks, s.placement, s.actions)

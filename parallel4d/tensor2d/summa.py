@@ -138,6 +138,20 @@ def _flat(t):
     return t.reshape(-1, t.shape[-1]).contiguous()
 
 
+def _wanted(ctx, k: int) -> bool:
+    """Whether this backward pass uses input ``k``'s gradient. A pipeline that splits the backward
+    asks for the activation gradients and the weight gradients in two passes (pipeline/split_grad):
+    the engine then runs only some of this node's next nodes, and the other product and its
+    collectives are skipped. Every grid rank makes the same passes, so the collectives still match."""
+    if not ctx.needs_input_grad[k]:
+        return False
+    nxt = ctx.next_functions[k][0]
+    try:
+        return nxt is None or torch._C._will_engine_execute_node(nxt)
+    except RuntimeError:  # torch.autograd.grad cannot be asked about leaves: compute it
+        return True
+
+
 class _Op(torch.autograd.Function):
     """Common forward plumbing: cast to the compute dtype once, run without autocast."""
 
@@ -165,9 +179,9 @@ class _SummaAB(_Op):
         g, n, o = ctx.grid, ctx.name + ".bwd", ctx.overlap
         dc = _flat(dc.to(a.dtype))
         da = db = None
-        if ctx.needs_input_grad[0]:  # dA = dC·Bᵀ
+        if _wanted(ctx, 0):  # dA = dC·Bᵀ
             da = _abt(dc, b.contiguous(), g, n, o).view(ctx.shapes[0]).to(ctx.in_dtypes[0])
-        if ctx.needs_input_grad[1]:  # dB = Aᵀ·dC
+        if _wanted(ctx, 1):  # dB = Aᵀ·dC
             db = _atb(_flat(a), dc, g, n, o).view(ctx.shapes[1]).to(ctx.in_dtypes[1])
         return da, db, None, None, None
 
@@ -187,9 +201,9 @@ class _SummaABT(_Op):
         g, n, o = ctx.grid, ctx.name + ".bwd", ctx.overlap
         dc = _flat(dc.to(a.dtype))
         da = db = None
-        if ctx.needs_input_grad[0]:  # dA = dC·B
+        if _wanted(ctx, 0):  # dA = dC·B
             da = _ab(dc, _flat(b), g, n, o).view(ctx.shapes[0]).to(ctx.in_dtypes[0])
-        if ctx.needs_input_grad[1]:  # dB = dCᵀ·A
+        if _wanted(ctx, 1):  # dB = dCᵀ·A
             db = _atb(dc, _flat(a), g, n, o).view(ctx.shapes[1]).to(ctx.in_dtypes[1])
         return da, db, None, None, None
 
@@ -208,9 +222,9 @@ class _SummaATB(_Op):
         g, n, o = ctx.grid, ctx.name + ".bwd", ctx.overlap
         dc = dc.to(a.dtype).contiguous()
         da = db = None
-        if ctx.needs_input_grad[0]:  # dA = B·dCᵀ
+        if _wanted(ctx, 0):  # dA = B·dCᵀ
             da = _abt(_flat(b), dc, g, n, o).view(ctx.shapes[0]).to(ctx.in_dtypes[0])
-        if ctx.needs_input_grad[1]:  # dB = A·dC
+        if _wanted(ctx, 1):  # dB = A·dC
             db = _ab(_flat(a), dc, g, n, o).view(ctx.shapes[1]).to(ctx.in_dtypes[1])
         return da, db, None, None, None
 

@@ -1,0 +1,144 @@
+"""The backward of one chunk in two parts: input gradient now (B), weight gradients later (W).
+
+A split schedule runs ``B(i, c)`` to produce the gradient the previous chunk waits for, and
+``W(i, c)`` later, in time the rank would otherwise idle. Both parts run on the chunk's own
+autograd graph, kept between them (``retain_graph``); nothing is computed twice.
+
+How the graph is cut. Let ``D`` be the autograd nodes from which the chunk input ``x`` is
+reachable (the nodes B must run). A *boundary* node is a node of ``D`` with at least one next
+node outside ``D``: e.g. the matmul of a linear layer, whose one branch leads to ``x`` and
+whose other leads only to the weight. B runs the engine towards ``x`` alone
+(``backward(inputs=[x])``): built-in nodes then compute only the outputs on the way to ``x``,
+and a pre-hook records the gradients arriving at each boundary node. W runs each boundary node
+again from those recorded gradients towards the parameters under it
+(``backward(GradientEdge(node, k), inputs=params)``), which computes only its weight-side
+outputs and accumulates into ``.grad`` with the parameters' own hooks. Custom autograd
+functions that do collectives (SUMMA) ask the engine which of their outputs it will use
+(``torch._C._will_engine_execute_node``), so they too compute each half once.
+
+A parameter used twice in one chunk at different depths is reachable from a boundary node's
+``x`` branch as well; there the other boundary nodes' gradients are clamped to zero during that
+node's W pass, so every contribution is counted exactly once (at some extra compute).
+
+A chunk whose input needs no gradient (chunk 0: token ids) has nothing for B to compute; its W
+is the whole backward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
+
+
+@dataclass
+class _Boundary:
+    node: Node
+    grads: tuple            # gradients that arrived at the node during B (None where none did)
+    params: list            # leaf tensors under its branches that do not lead to x
+
+
+class WeightGradients:
+    """What B keeps for W: the retained graph's boundary nodes and their recorded gradients."""
+
+    def __init__(self, boundaries: list[_Boundary], whole: tuple | None = None):
+        self._boundaries = boundaries
+        self._whole = whole  # (output, gradient): no input gradient was needed, W is the whole backward
+
+    def run(self) -> None:
+        """Accumulate the chunk's weight gradients (once; frees the graph's references)."""
+        whole, boundaries = self._whole, self._boundaries
+        self._whole, self._boundaries = None, []
+        if whole is not None:
+            torch.autograd.backward(whole[0], whole[1])
+            return
+        current: list[Node | None] = [None]
+
+        def clamp(grads, node):
+            # Reached through another boundary node's x branch: its own W pass counts it.
+            if node is current[0]:
+                return None
+            return tuple(None if g is None else torch.zeros_like(g) for g in grads)
+
+        hooks = [b.node.register_prehook(lambda grads, node=b.node: clamp(grads, node)) for b in boundaries]
+        try:
+            for b in boundaries:
+                current[0] = b.node
+                edges = [GradientEdge(b.node, k) for k, g in enumerate(b.grads) if g is not None]
+                if edges and b.params:
+                    torch.autograd.backward(edges, [g for g in b.grads if g is not None],
+                                            inputs=b.params, retain_graph=True)
+        finally:
+            for h in hooks:
+                h.remove()
+
+
+def input_gradient(y: torch.Tensor, grad: torch.Tensor | None, x: torch.Tensor):
+    """Run B: the gradient of ``x`` (``None`` when ``x`` needs none) and the :class:`WeightGradients`
+    for W. ``y``: the chunk's output (or its scaled loss, ``grad=None``); ``x``: its input leaf."""
+    root = y.grad_fn
+    if root is None:  # a chunk that passes its input through unchanged
+        return (grad if y is x else None), WeightGradients([])
+    order, parents = _graph(root)
+    to_x = _ancestors(get_gradient_edge(x).node, parents) if x.requires_grad else set()
+    if root not in to_x:
+        return None, WeightGradients([], whole=(y, grad))
+    boundary = [n for n in order if n in to_x and any(f is not None and f not in to_x for f, _ in n.next_functions)]
+    arrived: dict[Node, tuple] = {}
+    hooks = [n.register_prehook(lambda grads, n=n: arrived.__setitem__(n, grads)) for n in boundary]
+    had = x.grad
+    x.grad = None
+    try:
+        torch.autograd.backward(y, grad, inputs=[x], retain_graph=True)
+    finally:
+        for h in hooks:
+            h.remove()
+    gx, x.grad = x.grad, had
+    kept = [_Boundary(n, arrived[n], _leaves([f for f, _ in n.next_functions if f is not None and f not in to_x]))
+            for n in boundary]
+    return gx, WeightGradients(kept)
+
+
+def _graph(root: Node) -> tuple[list[Node], dict[Node, list[Node]]]:
+    """Nodes reachable from ``root`` in a fixed (depth-first) order, and each node's parents."""
+    order, parents, seen, stack = [root], {}, {root}, [root]
+    while stack:
+        node = stack.pop()
+        for nxt, _ in node.next_functions:
+            if nxt is None:
+                continue
+            parents.setdefault(nxt, []).append(node)
+            if nxt not in seen:
+                seen.add(nxt)
+                order.append(nxt)
+                stack.append(nxt)
+    return order, parents
+
+
+def _ancestors(node: Node, parents: dict[Node, list[Node]]) -> set[Node]:
+    """``node`` and every node from which it is reachable."""
+    if node not in parents:
+        return set()
+    found, stack = {node}, [node]
+    while stack:
+        for p in parents.get(stack.pop(), ()):
+            if p not in found:
+                found.add(p)
+                stack.append(p)
+    return found
+
+
+def _leaves(nodes: list[Node]) -> list[torch.Tensor]:
+    """The leaf tensors (gradient accumulators' variables) under ``nodes``, in a fixed order."""
+    out, seen, stack = [], set(nodes), list(reversed(nodes))
+    while stack:
+        node = stack.pop()
+        leaf = getattr(node, "variable", None)
+        if leaf is not None:
+            out.append(leaf)
+        for nxt, _ in reversed(node.next_functions):
+            if nxt is not None and nxt not in seen:
+                seen.add(nxt)
+                stack.append(nxt)
+    return out
