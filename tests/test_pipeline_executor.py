@@ -1,5 +1,6 @@
 """The executor against the single-process dense GPT (float64): loss, every gradient,
-peak stored activations = simulate's prediction, tied embeddings, and a hang → error."""
+peak stored activations = simulate's prediction (until W when the backward is split), tied
+embeddings, and a hang → error. Every schedule, split or not, at pp=2 and pp=4."""
 
 import time
 
@@ -92,10 +93,16 @@ PP2_CASES = [
     ("interleaved", {"chunks_per_rank": 2}, 2, True, 4, 8),
     ("hanayo", {"waves": 1}, 2, True, 4, 8),                # tied, both ends on rank 0
     ("hanayo", {"waves": 2}, 6, False, 3, 6),
+    # split backward: B sends the input gradient, W (later) the weight gradients
+    ("zb_h1", {}, 3, True, 4, 8),                           # tied across ranks 0 and 1
+    ("hanayo", {"waves": 1, "split_backward": True}, 2, True, 4, 8),
 ]
 PP4_CASES = [
     ("hanayo", {"waves": 2}, 14, True, 8, 8),
     ("interleaved", {"chunks_per_rank": 2}, 6, True, 4, 8),
+    ("zbv", {}, 6, True, 8, 8),
+    ("zb_h1", {}, 3, False, 6, 6),
+    ("hanayo", {"waves": 2, "split_backward": True}, 14, False, 8, 8),
 ]
 
 
@@ -103,10 +110,10 @@ def test_every_schedule_pp2_matches_dense():
     results = run_workers(_worker, 2, 2, 1, PP2_CASES, timeout_s=300)
     _check(results, PP2_CASES)
     # Tied weights: summed between ranks 0/1 except under Hanayo (local sharing).
-    assert [results[0][k]["tied_active"] for k in range(len(PP2_CASES))] == [True, False, True, False, False]
+    assert [results[0][k]["tied_active"] for k in range(len(PP2_CASES))] == [True, False, True, False, False, True, False]
 
 
-def test_pp4_hanayo_and_interleaved_match_dense():
+def test_every_schedule_pp4_matches_dense():
     results = run_workers(_worker, 4, 4, 1, PP4_CASES, timeout_s=300)
     _check(results, PP4_CASES)
 

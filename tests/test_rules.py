@@ -80,12 +80,12 @@ def test_schedule_aliases(name, want):
 
 
 def test_unknown_schedule_suggests_the_closest():
-    with pytest.raises(ValueError, match="did you mean 'gpipe'\\? valid: gpipe, 1f1b, interleaved, hanayo"):
+    with pytest.raises(ValueError, match="did you mean 'gpipe'\\? valid: gpipe, 1f1b, interleaved, hanayo, zb_h1, zbv"):
         rules.check_schedule_name("gpip")
 
 
 def test_num_chunks():
-    assert [rules.num_chunks(s, 4, waves=2, chunks_per_rank=3) for s in rules.SCHEDULES] == [4, 4, 12, 16]
+    assert [rules.num_chunks(s, 4, waves=2, chunks_per_rank=3) for s in rules.SCHEDULES] == [4, 4, 12, 16, 4, 8]
 
 
 def test_interleaved_microbatch_problem():
