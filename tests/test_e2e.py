@@ -20,7 +20,32 @@ _runs: dict = {}
 
 def run(name, tmp_path, overrides, tag):
     out = tmp_path / tag
-    return launch(ROOT / "configs" / f"{name}.yaml", [*overrides, f"train.out_dir={out}", "train.log_every=100"]), out
+    overrides = [*overrides, f"train.out_dir={out}", "train.log_every=100"]
+    if tag == "ref":  # one process: the worker launch would start, run here (saves a spawn)
+        return run_in_this_process(ROOT / "configs" / f"{name}.yaml", overrides), out
+    return launch(ROOT / "configs" / f"{name}.yaml", overrides), out
+
+
+def run_in_this_process(config, overrides) -> dict:
+    """What ``launch`` runs on the one worker of a one-process job, in the test process: a
+    one-rank gloo group, ``run_training``, the group destroyed."""
+    import gc
+    import tempfile
+
+    import torch.distributed as dist
+
+    from parallel4d.config import load_config
+    from parallel4d.train import run_training
+
+    cfg = load_config(config, list(overrides))
+    assert cfg.world_size == 1, cfg.parallel
+    with tempfile.TemporaryDirectory() as tmp:
+        dist.init_process_group("gloo", init_method=f"file://{tmp}/rendezvous", rank=0, world_size=1)
+        try:
+            return run_training(cfg)
+        finally:
+            dist.destroy_process_group()
+            gc.collect()
 
 
 def shared_run(name, tmp_path_factory, overrides=(), tag="run"):
@@ -127,17 +152,34 @@ def test_sequence_float64(layout, tmp_path_factory):
     assert_float64_match(got, out, ref, ref_out)
 
 
-PIPELINES = {
+PIPELINES = {  # one 4-worker job runs them all (pp=2 cases × dp=2)
     "hanayo-pp4-w2": [],
-    "gpipe-pp2": ["parallel.pp=2", "pipeline.schedule=gpipe"],
-    "1f1b-pp2-recompute": ["parallel.pp=2", "pipeline.schedule=1f1b", "train.activation_checkpointing=blocks"],
-    "interleaved-pp2": ["parallel.pp=2", "pipeline.schedule=interleaved", "pipeline.chunks_per_rank=2"],
-    "hanayo-pp2-w2": ["parallel.pp=2", "pipeline.schedule=hanayo", "pipeline.waves=2"],
-    "1f1b-pp2-dp2": ["parallel.pp=2", "parallel.dp=2", "pipeline.schedule=1f1b", "pipeline.microbatches=4"],
+    "gpipe-pp2-dp2": ["parallel.pp=2", "parallel.dp=2", "pipeline.schedule=gpipe"],
+    "1f1b-pp2-dp2-recompute": ["parallel.pp=2", "parallel.dp=2", "pipeline.schedule=1f1b",
+                               "train.activation_checkpointing=blocks"],
+    "interleaved-pp2-dp2": ["parallel.pp=2", "parallel.dp=2", "pipeline.schedule=interleaved",
+                            "pipeline.chunks_per_rank=2"],
+    "hanayo-pp2-w2-dp2": ["parallel.pp=2", "parallel.dp=2", "pipeline.schedule=hanayo", "pipeline.waves=2"],
+    "1f1b-pp2-dp2-m4": ["parallel.pp=2", "parallel.dp=2", "pipeline.schedule=1f1b", "pipeline.microbatches=4"],
 }
 
 
-PLANNED_SCHEDULES = ("gpipe-pp2", "1f1b-pp2-recompute", "interleaved-pp2")
+PLANNED_SCHEDULES = ("1f1b-pp2-dp2-recompute",)  # test_plan: the shipped configs, Hanayo among them
+
+
+def _pipeline_runs(tmp):
+    return {case: train_in_job(ROOT / "configs" / "pipeline.yaml",
+                               [*extra, *FLOAT64, f"train.out_dir={Path(tmp) / case}", "train.log_every=100"])
+            for case, extra in PIPELINES.items()}
+
+
+@pytest.fixture(scope="module")
+def pipeline_runs(tmp_path_factory):
+    """Rank 0's summary per :data:`PIPELINES` case and their directory, from one 4-worker job."""
+    from conftest import run_workers
+
+    tmp = tmp_path_factory.mktemp("pipelines")
+    return run_workers(_pipeline_runs, 4, str(tmp), timeout_s=600)[0], tmp
 
 
 def test_pipeline_config_float32(tmp_path_factory):
@@ -163,18 +205,20 @@ def test_llama_config_float32(tmp_path_factory):
 
 
 @pytest.mark.parametrize("case", list(PIPELINES))
-def test_pipeline_schedules(case, tmp_path, tmp_path_factory):
+def test_pipeline_schedules(case, pipeline_runs, tmp_path_factory):
     """Every schedule, and pp × dp = 2 × 2: losses and final parameters equal pp=1 (1F1B with its
-    blocks recomputed in the backward). ``parallel4d plan`` is within 10 % of what GPipe, 1F1B with
-    recomputation and interleaved measured (tests/test_plan.py: the shipped configs, Hanayo among them).
+    blocks recomputed in the backward). ``parallel4d plan`` is within 10 % of what 1F1B with
+    recomputation measured (tests/test_plan.py: the shipped configs, Hanayo among them).
 
     In float64: the key bias of attention has a zero gradient in exact arithmetic, and in
     float32 AdamW turns each layout's different rounding noise there into lr-sized
     steps, so parameters are compared where rounding noise stays far below Adam's eps."""
+    summaries, tmp = pipeline_runs
+    got, out = summaries[case], tmp / case
     overrides = [*PIPELINES[case], *FLOAT64]
-    got, out = run("pipeline", tmp_path, overrides, "par")
     micro = [o for o in overrides if o.startswith(("pipeline.microbatches", "train."))]
     ref, ref_out = reference("pipeline", tmp_path_factory, micro)
+    assert got["world_size"] == 4
     assert_float64_match(got, out, ref, ref_out)
     if case in PLANNED_SCHEDULES:
         assert_plan_matches(ROOT / "configs" / "pipeline.yaml", overrides, got)
