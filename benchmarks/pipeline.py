@@ -5,6 +5,9 @@ Usage::
 
     python benchmarks/pipeline.py                 # P = 4 and 8, m ∈ {P, 2P, 4P} (needs ≥ 8 cores)
     python benchmarks/pipeline.py --quick         # P = 2, tiny model: proves the script runs
+    python benchmarks/pipeline.py --emulate       # every schedule with sleeps for compute, P = 4 and 8,
+                                                  # measured step against simulate (2 cores are enough)
+    python benchmarks/pipeline.py --emulate --quick   # P = 2, short sleeps: proves it runs
 
 For each (P, schedule, m) the job runs one warm-up step and ``--steps`` timed
 steps of the reference GPT (float32, gloo p2p). Reported per configuration:
@@ -153,9 +156,14 @@ def main(argv=None):
     ap.add_argument("--mb-rows", type=int, default=4, help="sequences per micro-batch")
     ap.add_argument("--steps", type=int, default=2, help="timed steps per configuration (after one warm-up)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads per worker")
+    ap.add_argument("--emulate", action="store_true",
+                    help="sleeps instead of compute (benchmarks/pipeline_emulate.py), against the simulator")
+    ap.add_argument("--unit", type=float, default=0.03, help="--emulate: seconds of one stage's F, B or W")
     ap.add_argument("--png", action="store_true", default=True)
     ap.add_argument("--no-png", dest="png", action="store_false")
     a = ap.parse_args(argv)
+    if a.emulate:
+        return emulate(a)
     if a.quick:
         a.pp, a.m_factors, a.layers, a.hidden, a.heads, a.seq, a.vocab, a.mb_rows, a.steps = \
             [2], [1, 2], 6, 32, 2, 16, 64, 2, 1
@@ -209,6 +217,46 @@ def main(argv=None):
         config=dict(pp=a.pp, m_factors=a.m_factors, model=shape_kw, mb_rows=a.mb_rows, steps=a.steps,
                     dtype="float32", quick=a.quick),
         results=rows, hanayo_vs_best_prior=summary,
+    )
+    path = os.path.join(RESULTS, f"{tag}.json")
+    with open(path, "w") as f:
+        json.dump(report, f, indent=1)
+    print(f"wrote {path}")
+
+
+def emulate(a) -> None:
+    """``--emulate``: every schedule of pipeline_emulate.SCHEDULES, m = factor · P, measured against simulated."""
+    import pipeline_emulate as em  # by module name, so the spawned workers can unpickle em.worker
+
+    from parallel4d.workers import spawn
+
+    if a.quick:
+        a.pp, a.m_factors, a.unit, a.steps = [2], [1, 2], 0.01, 1
+    os.makedirs(RESULTS, exist_ok=True)
+    tag = "pipeline_emulated_quick" if a.quick else "pipeline_emulated"
+    png_case = ("hanayo(W=1, split)", 2 * max(a.pp))
+    rows = []
+    for pp in a.pp:
+        t0 = time.time()
+        per_rank = spawn(em.worker, pp, (pp, [f * pp for f in a.m_factors], a.unit, a.steps), timeout_s=3600)
+        print(f"P={pp}: {time.time() - t0:.0f}s, hop latency {per_rank[0]['hop'] * 1e6:.0f} µs", file=sys.stderr)
+        png = os.path.join(RESULTS, f"{tag}_P{pp}_m{png_case[1]}.png") if a.png and pp == max(a.pp) else None
+        rows += em.summarise(pp, per_rank, a.unit, png_case, png)
+    print(f"{'P':>2} {'m':>3} {'schedule':<20} {'step s':>8} {'sim s':>8} {'measured/sim':>12} {'sim bubble':>10} "
+          f"{'peaks = sim':>11}")
+    for r in rows:
+        print(f"{r['P']:>2} {r['m']:>3} {r['schedule']:<20} {r['step_s']:>8.3f} {r['sim_step_s']:>8.3f} "
+              f"{r['ratio']:>12.3f} {r['sim_bubble']:>10.1%} {str(r['peaks_equal']):>11}")
+    worst = max(rows, key=lambda r: abs(r["ratio"] - 1))
+    print(f"largest difference: {worst['schedule']} P={worst['P']} m={worst['m']}: measured/simulated "
+          f"{worst['ratio']:.3f}")
+    report = dict(
+        benchmark="pipeline schedules, emulated compute", date=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        device="cpu (sleeps)", cores=os.cpu_count(), platform=platform.platform(), torch=torch.__version__,
+        backend="gloo", config=dict(pp=a.pp, m_factors=a.m_factors, unit_s=a.unit, steps=a.steps, quick=a.quick,
+                                    activation=[em.ROWS, em.SEQ, em.HIDDEN]),
+        results=rows, largest_difference=dict(schedule=worst["schedule"], P=worst["P"], m=worst["m"],
+                                              ratio=worst["ratio"]),
     )
     path = os.path.join(RESULTS, f"{tag}.json")
     with open(path, "w") as f:

@@ -7,9 +7,15 @@ computes (``pipeline_order``) becomes our :class:`~parallel4d.pipeline.Schedule`
 I (input gradient) → B, W → W, a full backward → B and W back to back, an overlapped F+B → its
 parts in order. (``Schedule1F1B`` runs exactly our 1F1B order; its ``pipeline_order`` in torch
 2.13 is not what it runs: the last rank's list starts at F1 and ends with an F8 of 8 micro-batches,
-so it is left out.) Ours (1F1B, interleaved, Hanayo W=1 and W=2, zb_h1) and theirs are then
-validated and simulated alike: forward 1, backward 2 (input gradient 1 + weight gradient 1),
-with free transfers and with 0.5 per cross-rank hop.
+so it is left out.) Ours (1F1B, interleaved, Hanayo W=1 and W=2, zb_h1, zbv, and Hanayo W=1 and
+W=2 with a split backward) and theirs are then validated and simulated alike: forward 1, backward
+2 (input gradient 1 + weight gradient 1), with free transfers and with 0.5 per cross-rank hop. Our
+zbv and split Hanayo orders are built for the transfer cost they are simulated at
+(``p2p_cost``); torch's orders are fixed.
+
+The target (#17.3), for m ≥ 2P: split Hanayo's bubble, at a peak no higher than ZB-V's in
+whole-stage activations, at or below the best of torch's schedules (DualPipe-V's peak included,
+one chunk above ZB-V's).
 
 Usage::
 
@@ -39,7 +45,7 @@ import torch  # noqa: E402
 import torch.distributed.pipelining.schedules as torch_schedules  # noqa: E402
 
 from parallel4d.pipeline import Action, Schedule, hanayo, interleaved_1f1b, one_f_one_b, simulate  # noqa: E402
-from parallel4d.pipeline.zero_bubble import zb_h1  # noqa: E402
+from parallel4d.pipeline.zero_bubble import zb_h1, zbv  # noqa: E402
 
 FORWARD, BACKWARD, WEIGHT = 1.0, 2.0, 1.0  # the input gradient is BACKWARD - WEIGHT
 HOPS = (0.0, 0.5)
@@ -95,11 +101,21 @@ def _ours(x) -> list[Action]:
     return [Action(mapped, x.microbatch_index, x.stage_index)]
 
 
-def our_orders(pp: int, m: int) -> dict[str, Schedule]:
+SPLIT_HANAYO = ("hanayo W=1 split", "hanayo W=2 split")
+
+
+def our_orders(pp: int, m: int, hop: float) -> dict[str, Schedule]:
+    """Ours; the split-backward wave orders are built for the transfer cost they are simulated at."""
+    link = hop or None
     out = {"1f1b": one_f_one_b(pp, m), "interleaved (v=2)": interleaved_1f1b(pp, m, 2)}
     for w in (1, 2):
         out[f"hanayo W={w}"] = hanayo(pp, m, w)
     out["zb_h1"] = zb_h1(pp, m)
+    out["zbv"] = zbv(pp, m, p2p_cost=link)
+    for w, name in zip((1, 2), SPLIT_HANAYO):
+        out[name] = hanayo(pp, m, w, split_backward=True, p2p_cost=link)
+    # at DualPipe-V's memory (one chunk activation above ZB-V's): the comparison at equal bytes
+    out["hanayo W=1 split, cap 2P+1"] = hanayo(pp, m, 1, memory_cap=2 * pp + 1, split_backward=True, p2p_cost=link)
     return out
 
 
@@ -107,7 +123,22 @@ def row(name: str, s: Schedule, hop: float) -> dict:
     sim = simulate(s, FORWARD, BACKWARD, hop, weight_cost=WEIGHT)
     return {"schedule": name, "split_backward": s.split_backward, "chunks": s.num_chunks,
             "bubble": round(sim.bubble_ratio, 4), "peak_activations": sim.peak_activations,
-            "max_peak": max(sim.peak_activations), "makespan": sim.makespan}
+            "max_peak": max(sim.peak_activations),
+            # in whole-stage activations: a chunk is 1/(chunks per rank) of a rank's layers
+            "stage_peak": max(sim.peak_activations) * s.pp / s.num_chunks, "makespan": sim.makespan}
+
+
+def target(rows: list[dict]) -> dict:
+    """#17.3's target for one (P, m, hop): split Hanayo's best bubble at a stage peak no higher than
+    torch ZB-V's, against the best of torch's schedules (whatever their memory)."""
+    by = {r["schedule"]: r for r in rows if "bubble" in r}
+    cap = by["torch ZB-V"]["stage_peak"]
+    ours = min((by[n] for n in SPLIT_HANAYO if by[n]["stage_peak"] <= cap), key=lambda r: r["bubble"])
+    theirs = min((r for n, r in by.items() if n.startswith("torch")), key=lambda r: r["bubble"])
+    return {"ours": ours["schedule"], "ours_bubble": ours["bubble"], "ours_stage_peak": ours["stage_peak"],
+            "best_torch": theirs["schedule"], "torch_bubble": theirs["bubble"],
+            "torch_stage_peak": theirs["stage_peak"], "zbv_stage_peak": cap,
+            "reached": ours["bubble"] <= theirs["bubble"] + 1e-4}
 
 
 def main(argv=None) -> int:
@@ -115,31 +146,40 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="P = 4, m = 8 only")
     args = ap.parse_args(argv)
     cases = [(4, 8)] if args.quick else [(p, k * p) for p in (4, 8) for k in (1, 2, 4)]
-    results = []
+    results, targets = [], []
     for pp, m in cases:
-        orders, refused = our_orders(pp, m), {}
+        theirs, refused = {}, {}
         for name in TORCH:
             try:
-                orders[name] = torch_order(name, pp, m)
+                theirs[name] = torch_order(name, pp, m)
             except ValueError as e:  # e.g. DualPipe-V wants m ≥ 2P
                 refused[name] = str(e)
         for hop in HOPS:
             print(f"\nP={pp} m={m} hop={hop}: forward {FORWARD}, backward {BACKWARD} (weight {WEIGHT})")
-            print(f"  {'schedule':<26}{'bubble':>8}{'max peak':>10}  peak per rank")
-            for name, s in orders.items():
+            print(f"  {'schedule':<26}{'bubble':>8}{'max peak':>10}{'stages':>8}  peak per rank")
+            rows = []
+            for name, s in {**our_orders(pp, m, hop), **theirs}.items():
                 r = {"pp": pp, "microbatches": m, "hop": hop, **row(name, s, hop)}
-                results.append(r)
-                print(f"  {name:<26}{r['bubble']:>8.3f}{r['max_peak']:>10}  {r['peak_activations']}")
+                rows.append(r)
+                print(f"  {name:<26}{r['bubble']:>8.3f}{r['max_peak']:>10}{r['stage_peak']:>8g}  "
+                      f"{r['peak_activations']}")
             for name, why in refused.items():
-                results.append({"pp": pp, "microbatches": m, "hop": hop, "schedule": name, "refused": why})
+                rows.append({"pp": pp, "microbatches": m, "hop": hop, "schedule": name, "refused": why})
                 print(f"  {name:<26}  refused by torch: {why}")
+            results += rows
+            if m >= 2 * pp:
+                t = {"pp": pp, "microbatches": m, "hop": hop, **target(rows)}
+                targets.append(t)
+                print(f"  target: {t['ours']} {t['ours_bubble']:.4f} at {t['ours_stage_peak']:g} stages "
+                      f"(ZB-V's {t['zbv_stage_peak']:g}) against {t['best_torch']} {t['torch_bubble']:.4f} at "
+                      f"{t['torch_stage_peak']:g}: {'reached' if t['reached'] else 'NOT reached'}")
     out = os.path.join(RESULTS, "pipeline_schedules_quick.json" if args.quick else "pipeline_schedules.json")
     os.makedirs(RESULTS, exist_ok=True)
     with open(out, "w") as f:
         json.dump({"when": datetime.now(timezone.utc).isoformat(timespec="seconds"), "torch": torch.__version__,
                    "python": platform.python_version(), "device": "none (simulated orders)",
                    "costs": {"forward": FORWARD, "backward": BACKWARD, "weight": WEIGHT, "hops": HOPS},
-                   "results": results}, f, indent=1)
+                   "results": results, "target": targets}, f, indent=1)
     print(f"\nwritten {out}")
     return 0
 

@@ -331,6 +331,11 @@ def cross_field_problems(cfg: Config) -> list[str]:
         out.append(f"hetero.enabled=true with pipeline.schedule={pl.schedule} cannot keep a tied embedding and "
                    "LM head on two pp ranks in step; use pipeline.schedule=hanayo or zbv (both ends on rank 0) or "
                    "model.tie_embeddings=false")
+    if p.pp > 1 and splits_backward(pl.schedule, pl.split_backward) and cfg.train.activation_checkpointing != "none":
+        out.append(f"train.activation_checkpointing={cfg.train.activation_checkpointing} with a split backward "
+                   f"(pipeline.schedule={pl.schedule}{', split_backward=true' if pl.schedule == 'hanayo' else ''}) "
+                   "would recompute each block once in B and again for every weight matrix in W; use "
+                   "train.activation_checkpointing=none, or a schedule that does not split the backward")
     if cfg.hetero.enabled and p.pp > 1 and splits_backward(pl.schedule, pl.split_backward):
         fix = "pipeline.split_backward=false" if pl.schedule == "hanayo" else "pipeline.schedule=hanayo or 1f1b"
         out.append(f"hetero.enabled=true cannot run a split backward yet (pipeline.schedule={pl.schedule}"

@@ -44,6 +44,18 @@ def train_in_job(config, overrides) -> dict:
     return run_training(load_config(config, list(overrides)))
 
 
+def _train_cases(config, cases, common, tmp) -> dict:
+    return {name: train_in_job(config, [*extra, *common, f"train.out_dir={tmp}/{name}", "train.log_every=100"])
+            for name, extra in cases.items()}
+
+
+def train_cases_in_one_job(world_size, config, cases: dict, common, tmp, timeout_s=600.0) -> dict:
+    """Each of ``cases`` (``{name: overrides}``, plus ``common``) as ``launch`` would train it, one after
+    another in one spawned job of ``world_size`` workers (one start-up for all), into ``tmp/name``:
+    ``{name: rank 0's summary}``."""
+    return run_workers(_train_cases, world_size, str(config), cases, list(common), str(tmp), timeout_s=timeout_s)[0]
+
+
 PLANNED = ("parameters", "gradients", "optimizer_state", "activations", "hetero_device", "hetero_host")
 
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from parallel4d import checkpoint, launch
-from conftest import assert_plan_matches, train_in_job
+from conftest import assert_plan_matches, train_cases_in_one_job, train_in_job
 from parallel4d.sequence import ring_bytes
 from test_checkpoint import read_state
 
@@ -153,7 +153,7 @@ def test_sequence_float64(layout, tmp_path_factory):
 
 
 PIPELINES = {  # one 4-worker job runs them all (pp=2 cases × dp=2)
-    "hanayo-pp4-w2": [],
+    "hanayo-pp4-w2": [],  # the shipped layout unsplit; as shipped (split): test_pipeline_config_float32
     "gpipe-pp2-dp2": ["parallel.pp=2", "parallel.dp=2", "pipeline.schedule=gpipe"],
     "1f1b-pp2-dp2-recompute": ["parallel.pp=2", "parallel.dp=2", "pipeline.schedule=1f1b",
                                "train.activation_checkpointing=blocks"],
@@ -164,30 +164,26 @@ PIPELINES = {  # one 4-worker job runs them all (pp=2 cases × dp=2)
 }
 
 
+# configs/pipeline.yaml splits the backward (Hanayo only): these cases do not
+UNSPLIT = [*FLOAT64, "pipeline.split_backward=false"]
 PLANNED_SCHEDULES = ("1f1b-pp2-dp2-recompute",)  # test_plan: the shipped configs, Hanayo among them
-
-
-def _pipeline_runs(tmp):
-    return {case: train_in_job(ROOT / "configs" / "pipeline.yaml",
-                               [*extra, *FLOAT64, f"train.out_dir={Path(tmp) / case}", "train.log_every=100"])
-            for case, extra in PIPELINES.items()}
 
 
 @pytest.fixture(scope="module")
 def pipeline_runs(tmp_path_factory):
     """Rank 0's summary per :data:`PIPELINES` case and their directory, from one 4-worker job."""
-    from conftest import run_workers
-
     tmp = tmp_path_factory.mktemp("pipelines")
-    return run_workers(_pipeline_runs, 4, str(tmp), timeout_s=600)[0], tmp
+    return train_cases_in_one_job(4, ROOT / "configs" / "pipeline.yaml", PIPELINES, UNSPLIT, tmp), tmp
 
 
-def test_pipeline_config_float32(tmp_path_factory):
-    """configs/pipeline.yaml as shipped (pp=4, Hanayo, 2 waves), float32: losses within 1e-4."""
-    got, _ = shared_run("pipeline", tmp_path_factory)
-    ref, _ = reference("pipeline", tmp_path_factory)
-    assert got["world_size"] == 4
-    # rank 0 builds only its 4 of 16 chunks (no whole-model copy per rank)
+@pytest.mark.parametrize("name", ["pipeline", "pipeline_zb"])
+def test_pipeline_config_float32(name, tmp_path_factory):
+    """configs/pipeline.yaml as shipped (pp=4, Hanayo, 2 waves, split backward) and
+    configs/pipeline_zb.yaml (pp=4, the zero-bubble V: one wave, split), float32: losses within 1e-4."""
+    got, _ = shared_run(name, tmp_path_factory)
+    ref, _ = reference(name, tmp_path_factory)
+    assert got["world_size"] == 4 and got["config"]["pipeline"]["split_backward"]
+    # rank 0 builds only its own chunks (4 of 16, 2 of 8): no whole-model copy per rank
     assert got["parameters"] < 0.5 * ref["parameters"]
     assert got["pipeline"]["peak_activations"] > 0
     assert_losses_match(got, ref)
@@ -215,7 +211,7 @@ def test_pipeline_schedules(case, pipeline_runs, tmp_path_factory):
     steps, so parameters are compared where rounding noise stays far below Adam's eps."""
     summaries, tmp = pipeline_runs
     got, out = summaries[case], tmp / case
-    overrides = [*PIPELINES[case], *FLOAT64]
+    overrides = [*PIPELINES[case], *UNSPLIT]
     micro = [o for o in overrides if o.startswith(("pipeline.microbatches", "train."))]
     ref, ref_out = reference("pipeline", tmp_path_factory, micro)
     assert got["world_size"] == 4

@@ -22,6 +22,7 @@ SHIPPED = {  # config → the overrides its shared end-to-end run uses (test_e2e
     "tensor2d": [],
     "sequence": [],
     "pipeline": [],
+    "pipeline_zb": [],
     "llama": ["train.steps=8"],
     "hetero": [],
 }

@@ -1,7 +1,8 @@
 """Split backward (#17): W actions in validate and simulate, the split-backward generators, the
 B/W split of one chunk's autograd graph, and end to end: every split schedule trains exactly like
-one process (float64) with tensor, sequence and data parallelism and activation checkpointing on,
-sending exactly the bytes its unsplit twin sends (nothing computed twice)."""
+one process (float64) with tensor, sequence and data parallelism on,
+sending exactly the bytes its unsplit twin sends (nothing computed twice). Activation checkpointing
+and hetero are refused with a split backward (tests/test_config.py)."""
 
 import dataclasses
 from pathlib import Path
@@ -9,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import run_workers, train_in_job
+from conftest import train_cases_in_one_job
 from parallel4d.pipeline import Action, ScheduleError, hanayo, one_f_one_b, simulate, validate
 from parallel4d.pipeline.hanayo import peak_activations
 from parallel4d.pipeline.split_grad import input_gradient
@@ -135,22 +136,15 @@ SPLIT_RUNS = {  # 8 workers each; configs/pipeline.yaml's model
     "zbv-pp4-sp2": ["parallel.pp=4", "parallel.sp=2", "pipeline.schedule=zbv"],
     "hanayo-split-w2-pp2-sp2-dp2": ["parallel.pp=2", "parallel.sp=2", "parallel.dp=2", "pipeline.schedule=hanayo",
                                     "pipeline.waves=2", "pipeline.split_backward=true"],
-    "hanayo-split-w1-pp4-dp2-recompute": ["parallel.pp=4", "parallel.dp=2", "pipeline.schedule=hanayo",
-                                          "pipeline.waves=1", "pipeline.split_backward=true",
-                                          "train.activation_checkpointing=blocks"],
+    "hanayo-split-w1-pp4-dp2": ["parallel.pp=4", "parallel.dp=2", "pipeline.schedule=hanayo", "pipeline.waves=1",
+                                "pipeline.split_backward=true"],
 }
-
-
-def _split_runs(tmp):
-    return {case: train_in_job(ROOT / "configs" / "pipeline.yaml",
-                               [*extra, *STEPS, f"train.out_dir={Path(tmp) / case}", "train.log_every=100"])
-            for case, extra in SPLIT_RUNS.items()}
 
 
 @pytest.fixture(scope="module")
 def split_runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("split")
-    return run_workers(_split_runs, 8, str(tmp), timeout_s=600)[0], tmp
+    return train_cases_in_one_job(8, ROOT / "configs" / "pipeline.yaml", SPLIT_RUNS, STEPS, tmp), tmp
 
 
 @pytest.mark.parametrize("case", list(SPLIT_RUNS))
@@ -180,7 +174,8 @@ def test_split_backward_sends_what_the_unsplit_backward_sends(split_runs):
     measured = got["memory"]["per_rank"]
     assert any(":summa_atb" in k for k in got["bytes_communicated"]["sent"])  # weight gradients, in W
     config = ROOT / "configs" / "pipeline.yaml"
-    twin = plan(load_config(config, [*SPLIT_RUNS["zb_h1-pp2-tp4"], *STEPS, "pipeline.schedule=1f1b"]))
+    twin = plan(load_config(config, [*SPLIT_RUNS["zb_h1-pp2-tp4"], *STEPS, "pipeline.schedule=1f1b",
+                                     "pipeline.split_backward=false"]))
     for g, rank in enumerate(measured):
         assert rank["sent_by_axis"] == twin[g // 4].sent_by_axis, g
         if g >= 4:  # pp rank 1

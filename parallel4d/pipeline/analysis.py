@@ -19,6 +19,7 @@ blocking simulation stops before every list is done.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 from .types import Action, Schedule
 
@@ -149,13 +150,15 @@ class SimResult:
 
 
 def _run(s: Schedule, forward_cost: float, backward_cost: float, p2p_cost: float,
-         weight_cost: float | None = None) -> SimResult:
+         weight_cost: float | None = None, action_cost: Callable[[Action], float] | None = None) -> SimResult:
     """Blocking in-order simulation; raises ScheduleError on a deadlock. Under a split backward,
-    B costs ``backward_cost − weight_cost`` and W ``weight_cost`` (default: half the backward)."""
+    B costs ``backward_cost − weight_cost`` and W ``weight_cost`` (default: half the backward);
+    ``action_cost(action)``, when given, is the time of each action instead."""
     owner = {c: r for r, cs in s.placement.items() for c in cs}
     split = s.split_backward
     w_cost = backward_cost / 2 if weight_cost is None else weight_cost
-    cost = {"F": forward_cost, "B": backward_cost - w_cost if split else backward_cost, "W": w_cost}
+    by_kind = {"F": forward_cost, "B": backward_cost - w_cost if split else backward_cost, "W": w_cost}
+    cost = action_cost or (lambda a: by_kind[a.kind])
     pos = [0] * s.pp
     free = [0.0] * s.pp
     finished: dict[Action, float] = {}
@@ -175,7 +178,7 @@ def _run(s: Schedule, forward_cost: float, backward_cost: float, p2p_cost: float
                 t0 = free[r]
                 for d in deps:
                     t0 = max(t0, finished[d] + (p2p_cost if owner[d.chunk] != r else 0.0))
-                t1 = t0 + cost[a.kind]
+                t1 = t0 + cost(a)
                 finished[a] = t1
                 start[(r, pos[r])], end[(r, pos[r])] = t0, t1
                 free[r] = t1
@@ -228,20 +231,23 @@ def validate(schedule: Schedule) -> None:
 
 
 def simulate(schedule: Schedule, forward_cost: float = 1.0, backward_cost: float = 2.0,
-             p2p_cost: float = 0.0, weight_cost: float | None = None) -> SimResult:
+             p2p_cost: float = 0.0, weight_cost: float | None = None,
+             action_cost: Callable[[Action], float] | None = None) -> SimResult:
     """Timeline of ``schedule`` with per-chunk costs (uniform chunks).
 
     ``forward_cost`` / ``backward_cost``: time of one chunk's forward / whole backward
     for one micro-batch; ``p2p_cost``: latency added when a dependency crosses
     ranks (wave turns on one rank cost nothing); ``weight_cost``: the part of the
-    backward a split schedule's W takes (default half). Validates first.
+    backward a split schedule's W takes (default half). ``action_cost(action) → time``
+    replaces the uniform costs (e.g. measured per chunk, or chunk 0's B, which has no
+    input gradient to compute). Validates first.
     """
     validate(schedule)
     w = backward_cost / 2 if weight_cost is None else weight_cost
     if forward_cost <= 0 or backward_cost <= 0 or p2p_cost < 0 or not 0 < w < backward_cost:
         raise ValueError("forward_cost and backward_cost must be > 0, p2p_cost ≥ 0, and "
                          "0 < weight_cost < backward_cost")
-    return _run(schedule, forward_cost, backward_cost, p2p_cost, weight_cost)
+    return _run(schedule, forward_cost, backward_cost, p2p_cost, weight_cost, action_cost)
 
 
 # --- closed forms ------------------------------------------------------------------

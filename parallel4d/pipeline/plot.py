@@ -8,8 +8,10 @@ leaves the caller's backend and pyplot's figures alone.
 
 from __future__ import annotations
 
+from typing import Callable
+
 from .analysis import simulate
-from .types import Schedule
+from .types import Action, Schedule
 
 
 def plot(schedule: Schedule, path: str, *, forward_cost: float = 1.0, backward_cost: float = 2.0,
@@ -50,9 +52,30 @@ def _figure(width: float, height: float):
     return fig
 
 
+def plot_against_simulation(schedule: Schedule, path: str, timings: dict[int, list[tuple]], *, p2p_cost: float,
+                            action_cost: Callable[[Action], float], title: str = "") -> str:
+    """Two timelines on one time axis (seconds): ``timings`` as measured (rank → ``[(action,
+    start_s, end_s)]``) above, :func:`~.analysis.simulate` with ``action_cost`` and ``p2p_cost``
+    below. Writes ``path`` and returns it."""
+    measured, m_span, m_bubble = _measured(timings)
+    simulated, s_span, s_bubble = _simulated(schedule, 1.0, 2.0, p2p_cost, None, action_cost)
+    span = max(m_span, s_span)
+    fig = _figure(min(60.0, max(10.0, 4.0 * span + 2.0)), 1.2 * schedule.pp + 2.2)
+    for k, (rows, makespan, bubble, what) in enumerate(((measured, m_span, m_bubble, "measured"),
+                                                        (simulated, s_span, s_bubble, "simulated"))):
+        ax = fig.add_subplot(2, 1, k + 1)
+        _draw(ax, schedule, rows, span)
+        ax.set_title(f"{what}: step {makespan:.3f} s, bubble {bubble:.1%}", fontsize=9)
+    ax.set_xlabel("seconds")
+    fig.suptitle(title or f"{schedule.name}: P={schedule.pp}, m={schedule.microbatches}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    return path
+
+
 def _simulated(schedule: Schedule, forward_cost: float, backward_cost: float, p2p_cost: float,
-               weight_cost: float | None):
-    sim = simulate(schedule, forward_cost, backward_cost, p2p_cost, weight_cost=weight_cost)
+               weight_cost: float | None, action_cost: Callable[[Action], float] | None = None):
+    sim = simulate(schedule, forward_cost, backward_cost, p2p_cost, weight_cost=weight_cost, action_cost=action_cost)
     rows = {r: [(a, sim.start[(r, i)], sim.end[(r, i)]) for i, a in enumerate(schedule.actions[r])]
             for r in range(schedule.pp)}
     return rows, sim.makespan, sim.bubble_ratio
@@ -79,4 +102,5 @@ def _draw(ax, schedule: Schedule, rows: dict[int, list[tuple]], makespan: float)
                 ax.text(s + (e - s) / 2, r, str(a.chunk), ha="center", va="center", fontsize=6)
     ax.set_yticks(range(schedule.pp))
     ax.set_yticklabels([f"rank {r}" for r in range(schedule.pp)])
+    ax.set_xlim(0, makespan * 1.01)
     ax.invert_yaxis()
