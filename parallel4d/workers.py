@@ -250,6 +250,9 @@ def _blame(procs, tmp, settled: bool) -> tuple[int, str] | None:
     Order: the earliest error that is not a consequence of another rank leaving; then a
     worker that died without a word (killed); then, once ``settled``, a rank that stopped
     answering (alive but silent while its peers timed out), else the earliest consequence.
+    The consequence shown is the earliest timeout before any lost peer: a timed-out rank's gloo
+    closes its sockets before its own report is written, so a peer's "connection closed" can be
+    on disk first, though it only echoes the timeout (which names the action that never finished).
     """
     reports = _reports(procs, tmp)
     causes = sorted((t, r, d) for r, (t, d) in reports.items() if not is_consequence(d))
@@ -262,7 +265,7 @@ def _blame(procs, tmp, settled: bool) -> tuple[int, str] | None:
         return r, f"process {_exit_status(procs[r].returncode)} without reporting an error (killed?)"
     if not settled or not reports:
         return None
-    t, first, details = min((t, r, d) for r, (t, d) in reports.items())
+    lost, t, first, details = min((lost_peer(d), t, r, d) for r, (t, d) in reports.items())
     silent = [r for r, p in enumerate(procs) if p.poll() is None and r not in reports]
     if not silent:
         return first, details
@@ -270,7 +273,7 @@ def _blame(procs, tmp, settled: bool) -> tuple[int, str] | None:
     silent.sort(key=lambda r: states[r] != "stopped")  # a stopped process is the likeliest culprit
     said = ", ".join(f"rank {r} ({states[r]})" for r in silent)
     return silent[0], (f"stopped answering: {said} reported nothing while its peers gave up waiting; "
-                       f"rank {first} reported first:\n{details}")
+                       f"rank {first} {'reported first' if lost else 'timed out first'}:\n{details}")
 
 
 def _exit_status(code: int) -> str:
@@ -295,6 +298,12 @@ def _process_state(pid: int) -> str:
 _CONSEQUENCES = ("CommTimeout", "PeerLost")
 _PEER_LOSS = ("connection closed by peer", "connection reset", "broken pipe", "socket closed",
               "remote worker", "timed out", "timeout")
+
+
+def lost_peer(details: str) -> bool:
+    """Does this error report a peer's connection closing (rather than a timeout)?"""
+    first = details.splitlines()[0] if details else ""
+    return first.startswith("PeerLost") or any(k in first.lower() for k in _PEER_LOSS[:5])
 
 
 def is_consequence(details: str) -> bool:

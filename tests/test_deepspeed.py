@@ -388,7 +388,8 @@ def _pipeline_cases():
     offload["deepspeed"]["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
     return [  # (what, job, the engine it gives; None: bf16, checked on its own); the third one runs from a YAML file
         ("1F1B pp=2 × dp=2", one_f_one_b, "DeepSpeedPipeline"),
-        ("Hanayo pp=2 × sp=2, ZeRO-0", _layout({"pp": 2, "sp": 2}, {"schedule": "hanayo", "microbatches": 2}, 0),
+        ("Hanayo pp=2 × sp=2, split backward, ZeRO-0",
+         _layout({"pp": 2, "sp": 2}, {"schedule": "hanayo", "microbatches": 2, "split_backward": True}, 0),
          "DeepSpeedPipeline"),
         ("pp=1 tp=4, ZeRO-2", _layout({"tp": 4}, {"microbatches": 2}, stage=2), "DeepSpeedEngine"),
         ("pp=1 dp=4, ZeRO-3", _layout({"dp": 4}, {"microbatches": 1}, stage=3), "DeepSpeedEngine"),
@@ -403,7 +404,8 @@ HANAYO_JOB = _layout({"pp": 2, "tp": 4}, {"schedule": "hanayo", "microbatches": 
 
 def test_pipelines_with_data_and_sequence_parallelism_and_the_pp1_engine_inside_deepspeed(four_workers):
     """In 4 workers: 1F1B pp=2 × dp=2 (ZeRO-1 over dp, the tied table on two pp ranks); Hanayo
-    pp=2 × sp=2 without ZeRO (ring attention: each replica's loss share is 1/sp); pp=1 tp=4 under
+    pp=2 × sp=2 with its backward split into B and W, without ZeRO (ring attention: each replica's
+    loss share is 1/sp); pp=1 tp=4 under
     ZeRO-2 (from a YAML file), where the engine is a genuine DeepSpeedEngine; pp=1 dp=4 under ZeRO-3;
     pp=1 tp=4 under ZeRO-2 with the optimizer states offloaded (stepped by torch's AdamW, not the
     JIT-built DeepSpeedCPUAdam). Each equals the dense model. The 1F1B job in bf16 trains within 2e-2

@@ -183,3 +183,17 @@ def test_split_backward_sends_what_the_unsplit_backward_sends(split_runs):
         if g >= 4:  # pp rank 1
             assert rank["activations"] == pytest.approx(2 * twin[1].activations, rel=0.05)
     assert_plan_matches(config, [*SPLIT_RUNS["zb_h1-pp2-tp4"], *STEPS], got)
+
+
+def test_the_schedule_cli_shows_w_and_refuses_a_split_it_cannot_make(tmp_path, capsys):
+    from parallel4d.pipeline.cli import schedule_command
+
+    assert schedule_command(["--schedule", "hanayo", "--split-backward", "--pp", "2", "-m", "4",
+                             "--plot", str(tmp_path / "t.png")]) == 0
+    out = capsys.readouterr().out
+    assert "hanayo(W=1, split)" in out and "W0.c" in out and "backward=2 of which W=1" in out
+    assert (tmp_path / "t.png").stat().st_size > 0
+    assert schedule_command(["--schedule", "zbv", "--pp", "2", "-m", "4", "--weight-cost", "0.5"]) == 0
+    assert "backward=2 of which W=0.5" in capsys.readouterr().out
+    assert schedule_command(["--schedule", "1f1b", "--split-backward"]) == 2
+    assert "split_backward applies to hanayo, not 1f1b" in capsys.readouterr().err
