@@ -9,10 +9,16 @@ a job that outlives ``timeout_s`` is killed with :class:`WorkerTimeout`; SIGTERM
 to the launcher is handled like Ctrl-C (the workers finish the step and save,
 then :class:`Terminated` is raised); a worker whose parent dies exits by itself;
 the temporary directory is always removed.
+
+On Linux the workers are forked from one *zygote* process (``worker_entry PAYLOAD --fork N``) that
+imports torch, the package and the function's module once: N workers then start for the price of
+one interpreter (a 16-worker job on 2 cores started in ~1 s instead of ~16 s). Elsewhere, or with
+``PARALLEL4D_FORK=0``, each worker is its own interpreter. :func:`worker_pids` finds them either way.
 """
 
 from __future__ import annotations
 
+import importlib
 import os
 import pickle
 import shutil
@@ -49,16 +55,55 @@ def _watch_parent(parent_pid: int) -> None:
         time.sleep(1.0)
 
 
-def _worker_main(payload_path: str, rank: int) -> None:
-    """Entry point of one worker process (``python -m parallel4d.worker_entry PAYLOAD RANK``).
+def _load(payload_path: str) -> tuple:
+    with open(payload_path, "rb") as f:
+        sys.path[:0] = [p for p in pickle.load(f) if p not in sys.path]  # before unpickling fn
+        return pickle.load(f)
+
+
+def _zygote_main(payload_path: str, world_size: int) -> None:
+    """``python -m parallel4d.worker_entry PAYLOAD --fork N``: import once, fork the N workers, record
+    each one's pid (``pid{r}``) and exit status (``exit{r}``) in the job's directory, exit after them."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is for the workers (they save) and the launcher
+    payload = _load(payload_path)
+    os.environ.update(payload[-1])
+    importlib.import_module("torch.distributed")  # the expensive import, shared by every worker
+    out_dir, launcher = payload[7], payload[8]
+    ranks = {}
+    sys.stdout.flush()
+    sys.stderr.flush()
+    for rank in range(world_size):
+        pid = os.fork()
+        if pid == 0:
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
+            _worker_main(payload_path, rank, parent_pid=os.getppid())  # never returns
+        ranks[pid] = rank
+        _write(os.path.join(out_dir, f"pid{rank}"), str(pid))
+    threading.Thread(target=_watch_parent, args=(launcher,), daemon=True).start()
+    while ranks:
+        pid, status = os.wait()
+        if pid in ranks:
+            code = -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
+            _write(os.path.join(out_dir, f"exit{ranks.pop(pid)}"), str(code))
+    os._exit(0)
+
+
+def _write(path: str, text: str) -> None:
+    with open(path + ".tmp", "w") as f:
+        f.write(text)
+    os.replace(path + ".tmp", path)
+
+
+def _worker_main(payload_path: str, rank: int, parent_pid: int | None = None) -> None:
+    """Entry point of one worker process (``python -m parallel4d.worker_entry PAYLOAD RANK``, or
+    forked by the zygote, which is then ``parent_pid``).
 
     Workers are plain subprocesses rather than multiprocessing children, so the
     caller's ``__main__`` is never re-imported: ``parallel4d.launch`` works from a
     script without an ``if __name__ == "__main__"`` guard.
     """
-    with open(payload_path, "rb") as f:
-        sys.path[:0] = [p for p in pickle.load(f) if p not in sys.path]  # before unpickling fn
-        fn, world_size, backend, init_file, pg_timeout_s, args, kwargs, out_dir, parent_pid, env = pickle.load(f)
+    fn, world_size, backend, init_file, pg_timeout_s, args, kwargs, out_dir, launcher, env = _load(payload_path)
+    parent_pid = parent_pid or launcher
     os.environ.update(env)
     os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
                        "LOCAL_WORLD_SIZE": str(world_size)})
@@ -95,6 +140,123 @@ def _worker_main(payload_path: str, rank: int) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)  # skip interpreter teardown: gloo threads can make it slow
+
+
+class _Forked:
+    """A worker forked by the job's zygote, with the calls supervision makes of a ``Popen``."""
+
+    def __init__(self, tmp: str, rank: int, zygote: subprocess.Popen):
+        self.tmp, self.rank, self.zygote = tmp, rank, zygote
+        self.returncode: int | None = None
+        self._pid: int | None = None
+
+    @property
+    def pid(self) -> int:
+        deadline = time.monotonic() + 60.0
+        while self._known_pid() is None:
+            if self.zygote.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"the worker of rank {self.rank} was never started "
+                                   f"(zygote exit status {self.zygote.poll()})")
+            time.sleep(0.01)
+        return self._pid
+
+    def _known_pid(self) -> int | None:
+        if self._pid is None:
+            try:
+                with open(os.path.join(self.tmp, f"pid{self.rank}")) as f:
+                    self._pid = int(f.read())
+            except (OSError, ValueError):
+                pass
+        return self._pid
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            try:
+                with open(os.path.join(self.tmp, f"exit{self.rank}")) as f:
+                    self.returncode = int(f.read())
+            except (OSError, ValueError):
+                if self.zygote.poll() is not None:  # the zygote is gone: no one will say how it ended
+                    self.returncode = self.zygote.returncode or 1
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(f"rank {self.rank}", timeout)
+            time.sleep(0.01)
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is not None:
+            return
+        pid = self._known_pid()
+        if pid is None:  # not forked yet: stop the zygote (a worker forked meanwhile sees its parent go)
+            self.zygote.kill()
+            return
+        try:
+            os.kill(pid, sig)
+        except OSError:
+            pass
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+def _forking() -> bool:
+    return sys.platform.startswith("linux") and os.environ.get("PARALLEL4D_FORK", "1") != "0"
+
+
+def _start(payload: str, tmp: str, world_size: int) -> tuple[list, subprocess.Popen | None]:
+    """The workers (one ``Popen`` each, or forked by one zygote) and the zygote (None without)."""
+    entry = [sys.executable, "-m", "parallel4d.worker_entry", payload]
+    if not _forking():
+        return [subprocess.Popen([*entry, str(r)]) for r in range(world_size)], None
+    zygote = subprocess.Popen([*entry, "--fork", str(world_size)])
+    return [_Forked(tmp, r, zygote) for r in range(world_size)], zygote
+
+
+def worker_pids(launcher_pid: int) -> dict[int, int]:
+    """``{rank: pid}`` of the live workers of the job started by the process ``launcher_pid`` (Linux
+    ``/proc``): its ``worker_entry`` children, or the workers its zygote forked."""
+    out = {}
+    for pid, cmd in _children(launcher_pid):
+        if b"parallel4d.worker_entry" not in cmd:
+            continue
+        if cmd[-3:-1] == [b"--fork", cmd[-2]]:  # the zygote: its workers are its children
+            tmp = os.path.dirname(cmd[-4].decode())
+            for child, _ in _children(pid):
+                for r in range(int(cmd[-2])):
+                    try:
+                        with open(os.path.join(tmp, f"pid{r}")) as f:
+                            if int(f.read()) == child:
+                                out[r] = child
+                    except (OSError, ValueError):
+                        pass
+        else:
+            out[int(cmd[-2])] = pid
+    return out
+
+
+def _children(parent: int) -> list[tuple[int, list[bytes]]]:
+    """Live (not zombie) children of ``parent``: ``(pid, argv)``."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmd = f.read().split(b"\0")
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == parent and fields[0] != "Z":
+            found.append((int(entry), cmd))
+    return found
 
 
 def _stop(procs: list[subprocess.Popen], grace_s: float = 5.0) -> None:
@@ -173,11 +335,11 @@ def spawn(
     with open(payload, "wb") as f:
         pickle.dump(list(sys.path), f)
         pickle.dump((fn, world_size, backend, init_file, pg_timeout_s, args, kwargs, tmp, os.getpid(), child_env), f)
-    procs: list[subprocess.Popen] = []
+    procs: list = []
+    zygote = None
     with _sigterm_as_interrupt():
         try:
-            for r in range(world_size):
-                procs.append(subprocess.Popen([sys.executable, "-m", "parallel4d.worker_entry", payload, str(r)]))
+            procs, zygote = _start(payload, tmp, world_size)
             _supervise(procs, tmp, timeout_s, interrupt_grace_s)
             results = []
             for r in range(world_size):
@@ -188,6 +350,8 @@ def spawn(
             _stop(procs)
             raise
         finally:
+            if zygote is not None:  # it exits after its workers; never leave it behind
+                _stop([zygote], grace_s=5.0)
             shutil.rmtree(tmp, ignore_errors=True)
 
 

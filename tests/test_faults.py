@@ -14,7 +14,7 @@ import torch
 import yaml
 
 from conftest import run_workers
-from parallel4d.workers import WorkerError, spawn
+from parallel4d.workers import WorkerError, spawn, worker_pids
 
 TIMEOUT_S = 2.0  # the mesh groups' collective limit in the strategy scenarios
 GRACE_S = 1.5    # what a wait may take beyond it
@@ -32,19 +32,10 @@ def tiny_job(out_dir, steps=100000, **parallel):
 
 def worker_pid(launcher_pid: int, rank: int) -> int:
     """The pid of the worker of ``rank`` started by the launcher ``launcher_pid``."""
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                cmd = f.read().split(b"\0")
-            with open(f"/proc/{entry}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-        except OSError:
-            continue
-        if ppid == launcher_pid and b"parallel4d.worker_entry" in cmd and cmd[-2:] == [str(rank).encode(), b""]:
-            return int(entry)
-    raise LookupError(f"no worker of rank {rank} under pid {launcher_pid}")
+    pids = worker_pids(launcher_pid)
+    if rank not in pids:
+        raise LookupError(f"no worker of rank {rank} under pid {launcher_pid} (found {pids})")
+    return pids[rank]
 
 
 def start_job(tmp_path, cfg, name="job.yaml"):

@@ -11,27 +11,12 @@ import torch.distributed as dist
 from conftest import run_workers
 from parallel4d import launch
 from parallel4d.config import ConfigError
-from parallel4d.workers import WorkerError, spawn
+from parallel4d.workers import WorkerError, spawn, worker_pids
 
 
 def worker_processes():
     """PIDs of live worker processes started by this process."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                cmd = f.read()
-            with open(f"/proc/{entry}/stat") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        state = stat.rsplit(")", 1)[1].split()[0]
-        if b"parallel4d.worker_entry" in cmd and ppid == os.getpid() and state != "Z":
-            found.append(int(entry))
-    return found
+    return sorted(worker_pids(os.getpid()).values())
 
 
 def f64(losses):
@@ -236,3 +221,19 @@ def test_under_torchrun(tmp_path):
     summary = json.loads((tmp_path / "torchrun" / "summary.json").read_text())
     ref = launch(tiny(tmp_path, "ref"))
     torch.testing.assert_close(f64(summary["losses"]), f64(ref["losses"]), rtol=1e-12, atol=0)
+
+
+def test_workers_forked_by_a_zygote_or_started_alone_do_the_same(monkeypatch):
+    """On Linux the workers are forked from one zygote that imported torch once; PARALLEL4D_FORK=0
+    starts one interpreter per rank. Both run the job alike."""
+    from parallel4d import workers
+
+    assert workers._forking()
+    forked = spawn(_rank_and_world, 3, (5,))
+    monkeypatch.setenv("PARALLEL4D_FORK", "0")
+    assert not workers._forking()
+    assert spawn(_rank_and_world, 3, (5,)) == forked == [(r, 3, 5) for r in range(3)]
+
+
+def _rank_and_world(x):
+    return dist.get_rank(), dist.get_world_size(), x
