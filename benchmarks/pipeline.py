@@ -158,7 +158,7 @@ def main(argv=None):
     ap.add_argument("--threads", type=int, default=1, help="torch threads per worker")
     ap.add_argument("--emulate", action="store_true",
                     help="sleeps instead of compute (benchmarks/pipeline_emulate.py), against the simulator")
-    ap.add_argument("--unit", type=float, default=0.03, help="--emulate: seconds of one stage's F, B or W")
+    ap.add_argument("--unit", type=float, default=0.1, help="--emulate: seconds of one stage's F, B or W")
     ap.add_argument("--png", action="store_true", default=True)
     ap.add_argument("--no-png", dest="png", action="store_false")
     a = ap.parse_args(argv)
