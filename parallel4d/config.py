@@ -578,6 +578,21 @@ def local_job_problems(cfg: Config) -> list[str]:
             "machine really runs that many processes, or start the job with torchrun"]
 
 
+
+def torchrun_job_problems(cfg: Config, world_size: int, max_restarts: int) -> list[str]:
+    """Rules for a job torchrun started (``WORLD_SIZE`` processes, ``--max-restarts``): one message per problem."""
+    p, problems = cfg.parallel, []
+    if world_size != cfg.world_size:
+        problems.append(f"WORLD_SIZE={world_size} but parallel.pp·dp·sp·tp = {p.pp}·{p.dp}·{p.sp}·{p.tp} = "
+                        f"{cfg.world_size}; start {cfg.world_size} processes (torchrun --nnodes × --nproc-per-node) "
+                        "or change the parallel sizes")
+    if max_restarts > 0 and cfg.checkpoint.enabled and not cfg.train.resume:
+        problems.append(f"torchrun --max-restarts {max_restarts} restarts the workers after a failure, and with "
+                        "train.resume=false the restarted job would refuse this run's own checkpoints; set "
+                        "train.resume=true so that a restart continues from the newest checkpoint")
+    return problems
+
+
 MAX_YAML_DEPTH = 32
 
 

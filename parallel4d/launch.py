@@ -20,7 +20,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from . import checkpoint
-from .config import Config, ConfigError, load_config, local_job_problems
+from .config import Config, ConfigError, load_config, local_job_problems, torchrun_job_problems
 from .engine import pretrained_checkpoint
 from .mesh import device_and_backend, init_process_group_from_env
 from .rundir import RunLock, check_writable
@@ -67,11 +67,10 @@ def launch(config: str | Path | Config | dict, overrides: list[str] | None = Non
     cfg = load_config(config, overrides)
     device, backend = device_and_backend(cfg)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        world = int(os.environ["WORLD_SIZE"])
-        if world != cfg.world_size:
-            raise ConfigError(f"WORLD_SIZE={world} but parallel.pp·dp·sp·tp = {cfg.parallel.pp}·{cfg.parallel.dp}·"
-                              f"{cfg.parallel.sp}·{cfg.parallel.tp} = {cfg.world_size}; start {cfg.world_size} "
-                              "processes or change the parallel sizes")
+        problems = torchrun_job_problems(cfg, int(os.environ["WORLD_SIZE"]),
+                                         int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", 0)))
+        if problems:  # every rank raises: none is left waiting for a peer that refused the job
+            raise ConfigError("invalid configuration:\n" + "\n".join(f"  - {p}" for p in problems))
         with prepared(cfg, False, device) if os.environ["RANK"] == "0" else nullcontext():
             init_process_group_from_env(backend, cfg.train.timeout_s)
             try:

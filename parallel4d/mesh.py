@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from . import elastic
 from .comm import CommStats
 from .config import Config, ConfigError
 from .rules import grid_side
@@ -304,7 +305,11 @@ def device_and_backend(cfg: Config) -> tuple[str, str]:
 
 
 def init_process_group_from_env(backend: str | None = None, timeout_s: float = 300.0) -> None:
-    """Join the job described by RANK/WORLD_SIZE/MASTER_ADDR (torchrun's env://)."""
+    """Join the job described by RANK/WORLD_SIZE/MASTER_ADDR (torchrun's env://).
+
+    Under torchrun the process group meets in a store of this restart attempt's own
+    (:func:`elastic.attempt_store`), not in the agent's store that earlier attempts wrote to.
+    """
     if dist.is_initialized():
         return
     missing = [k for k in ("RANK", "WORLD_SIZE") if k not in os.environ]
@@ -316,7 +321,13 @@ def init_process_group_from_env(backend: str | None = None, timeout_s: float = 3
     backend = backend or default_backend()
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s))
+    timeout = timedelta(seconds=timeout_s)
+    if elastic.shares_agent_store():  # torchrun: the agent's store outlives restarts, with stale keys in it
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        store = elastic.attempt_store(rank, world, timeout_s)
+        dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world, timeout=timeout)
+    else:
+        dist.init_process_group(backend=backend, timeout=timeout)
 
 
 def init_mesh(pp: int = 1, dp: int = 1, sp: int = 1, tp: int = 1, *, timeout_s: float = 300.0) -> Mesh:

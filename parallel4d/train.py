@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from . import checkpoint, comm
+from . import checkpoint, comm, elastic
 from .config import Config, ConfigError, resolve_fused
 from .data import build_dataset, build_validation
 from .engine import compose, flops_per_token, parameter_count
@@ -182,6 +182,8 @@ def run_training(cfg: Config) -> dict:
         checkpoint.check_start(ckpt_dir, cfg.train.resume)
     p = cfg.parallel
     mesh = init_mesh(pp=p.pp, dp=p.dp, sp=p.sp, tp=p.tp, timeout_s=cfg.train.timeout_s)
+    if elastic.under_torchelastic():  # nodes started apart: one config, one checkpoint directory
+        elastic.check_nodes_agree(cfg.model_dump(mode="json"), ckpt_dir if cfg.checkpoint.enabled else None)
     rank = dist.get_rank()
     lead = rank == 0
     engine = compose(cfg, mesh) if cfg.deepspeed is None else deepspeed_integration().DeepSpeedTrainer(cfg, mesh)
@@ -342,6 +344,8 @@ def _summary(cfg: Config, mesh, engine, run: _Run, elapsed: float, trained: int,
         "torch": torch.__version__,
         "config": cfg.model_dump(mode="json"),
     }
+    if elastic.under_torchelastic():  # which torchrun attempt wrote this (restarts so far, nodes)
+        summary["elastic"] = elastic.attempt()
     if getattr(engine, "pretrained_bytes_read", None) is not None:  # rank 0's share of the Hugging Face weights
         summary["pretrained"] = {"directory": cfg.model.pretrained, "bytes_read_by_rank_0": engine.pretrained_bytes_read}
     if run.memory is not None:

@@ -44,6 +44,28 @@ def train_in_job(config, overrides) -> dict:
     return run_training(load_config(config, list(overrides)))
 
 
+def run_in_this_process(config, overrides) -> dict:
+    """What ``launch`` runs on the one worker of a one-process job, in the test process: a
+    one-rank gloo group, ``run_training``, the group destroyed."""
+    import gc
+    import tempfile
+
+    import torch.distributed as dist
+
+    from parallel4d.config import load_config
+    from parallel4d.train import run_training
+
+    cfg = load_config(config, list(overrides))
+    assert cfg.world_size == 1, cfg.parallel
+    with tempfile.TemporaryDirectory() as tmp:
+        dist.init_process_group("gloo", init_method=f"file://{tmp}/rendezvous", rank=0, world_size=1)
+        try:
+            return run_training(cfg)
+        finally:
+            dist.destroy_process_group()
+            gc.collect()
+
+
 def _train_cases(config, cases, common, tmp) -> dict:
     return {name: train_in_job(config, [*extra, *common, f"train.out_dir={tmp}/{name}", "train.log_every=100"])
             for name, extra in cases.items()}

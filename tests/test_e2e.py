@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from parallel4d import checkpoint, launch
-from conftest import assert_plan_matches, train_cases_in_one_job, train_in_job
+from conftest import assert_plan_matches, run_in_this_process, train_cases_in_one_job, train_in_job
 from parallel4d.sequence import ring_bytes
 from test_checkpoint import read_state
 
@@ -24,28 +24,6 @@ def run(name, tmp_path, overrides, tag):
     if tag == "ref":  # one process: the worker launch would start, run here (saves a spawn)
         return run_in_this_process(ROOT / "configs" / f"{name}.yaml", overrides), out
     return launch(ROOT / "configs" / f"{name}.yaml", overrides), out
-
-
-def run_in_this_process(config, overrides) -> dict:
-    """What ``launch`` runs on the one worker of a one-process job, in the test process: a
-    one-rank gloo group, ``run_training``, the group destroyed."""
-    import gc
-    import tempfile
-
-    import torch.distributed as dist
-
-    from parallel4d.config import load_config
-    from parallel4d.train import run_training
-
-    cfg = load_config(config, list(overrides))
-    assert cfg.world_size == 1, cfg.parallel
-    with tempfile.TemporaryDirectory() as tmp:
-        dist.init_process_group("gloo", init_method=f"file://{tmp}/rendezvous", rank=0, world_size=1)
-        try:
-            return run_training(cfg)
-        finally:
-            dist.destroy_process_group()
-            gc.collect()
 
 
 def shared_run(name, tmp_path_factory, overrides=(), tag="run"):
