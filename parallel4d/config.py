@@ -244,6 +244,9 @@ class TrainConfig(_Section):
                                                    "each time)")
     timeout_s: Seconds = Field(300.0, description="limit for any one collective / p2p wait, in seconds: at least 1 "
                                                    "(less fails healthy collectives on a busy host), at most a year")
+    join_timeout_s: Seconds = Field(600.0, description="under torchrun, how long the ranks of one attempt may take "
+                                                       "to join (start, imports, first connections), in seconds: "
+                                                       "their start-up can differ by far more than one collective")
     job_timeout_s: Optional[Seconds] = Field(None, description="kill the whole local job after this many seconds "
                                                                "(1 s to a year); None = a week")
     threads_per_worker: Optional[int] = Field(None, ge=1, description="torch threads per local worker; None = cores / workers")

@@ -58,12 +58,42 @@ def shares_agent_store() -> bool:
     return os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
 
 
+def job_store(rank: int, world_size: int, timeout_s: float) -> dist.Store:
+    """The store this attempt's process group meets in (env:// variables; every rank calls this).
+
+    torchrun's shared agent store: :func:`attempt_store`. Otherwise (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``,
+    or another launcher) rank 0 hosts it at ``MASTER_ADDR:MASTER_PORT``, which torchrun picks anew
+    for every attempt. Either way its waits end after ``timeout_s`` (``train.join_timeout_s``), not
+    after one collective's limit: the ranks start seconds (a slow shared filesystem: minutes) apart.
+    """
+    if shares_agent_store():
+        store = attempt_store(rank, world_size, timeout_s)
+    else:
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
+                              is_master=rank == 0, timeout=timedelta(seconds=timeout_s))
+    _all_arrive(store, rank, world_size, timeout_s)
+    return store
+
+
+def _all_arrive(store: dist.Store, rank: int, world_size: int, timeout_s: float) -> None:
+    """Wait in ``store`` until every rank got there. The process group's own set-up waits for its
+    peers only one collective's limit (``train.timeout_s``), shorter than start-up skew can be."""
+    if store.add("parallel4d/arrived", 1) == world_size:
+        store.set("parallel4d/all-arrived", "1")
+    try:
+        store.wait(["parallel4d/all-arrived"], timedelta(seconds=timeout_s))
+    except RuntimeError:  # DistStoreError
+        arrived = store.add("parallel4d/arrived", 0)
+        raise CommTimeout(f"rank {rank}: joining the job: {arrived} of {world_size} ranks arrived within "
+                          f"{timeout_s:g}s (train.join_timeout_s); did every node start its workers?") from None
+
+
 def attempt_store(rank: int, world_size: int, timeout_s: float) -> dist.Store:
     """A TCPStore of this attempt only: hosted by rank 0, found through the agent's store.
 
     Every rank of the attempt calls this; each returns a store client (rank 0: the
-    server) whose operations time out after ``timeout_s``. Raises ``CommTimeout``
-    naming this rank when rank 0's store is not found within ``timeout_s``.
+    server) whose waits end after ``timeout_s``. Raises ``CommTimeout`` naming this
+    rank when rank 0's store is not found within ``timeout_s``.
     """
     timeout = timedelta(seconds=timeout_s)
     agent = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
@@ -81,14 +111,15 @@ def attempt_store(rank: int, world_size: int, timeout_s: float) -> dist.Store:
             host, port, nonce = agent.get(key).decode().rsplit(":", 2)
         except RuntimeError:  # DistStoreError: nothing published within the store's timeout
             raise CommTimeout(f"rank {rank}: joining the torchrun attempt: rank 0 published no store within "
-                              f"{timeout_s:g}s (is rank 0 running?)") from None
+                              f"{timeout_s:g}s (train.join_timeout_s; is rank 0 running?)") from None
         client = _probe(host, int(port), nonce)
         if client is not None:
             client.set_timeout(timeout)
             return client
         if time.monotonic() > deadline:
             raise CommTimeout(f"rank {rank}: joining the torchrun attempt: rank 0 published no store of this "
-                              f"attempt within {timeout_s:g}s (last seen {host}:{port}, which does not answer)")
+                              f"attempt within {timeout_s:g}s (train.join_timeout_s; last seen {host}:{port}, which "
+                              "does not answer)")
         time.sleep(0.2)
 
 

@@ -72,7 +72,7 @@ def launch(config: str | Path | Config | dict, overrides: list[str] | None = Non
         if problems:  # every rank raises: none is left waiting for a peer that refused the job
             raise ConfigError("invalid configuration:\n" + "\n".join(f"  - {p}" for p in problems))
         with prepared(cfg, False, device) if os.environ["RANK"] == "0" else nullcontext():
-            init_process_group_from_env(backend, cfg.train.timeout_s)
+            init_process_group_from_env(backend, cfg.train.timeout_s, cfg.train.join_timeout_s)
             try:
                 return run_training(cfg)
             finally:

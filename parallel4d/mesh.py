@@ -304,15 +304,17 @@ def device_and_backend(cfg: Config) -> tuple[str, str]:
     return ("cuda", "nccl") if use_cuda else ("cpu", "gloo")
 
 
-def init_process_group_from_env(backend: str | None = None, timeout_s: float = 300.0) -> None:
+def init_process_group_from_env(backend: str | None = None, timeout_s: float = 300.0,
+                                join_timeout_s: float = 600.0) -> None:
     """Join the job described by RANK/WORLD_SIZE/MASTER_ADDR (torchrun's env://).
 
-    Under torchrun the process group meets in a store of this restart attempt's own
-    (:func:`elastic.attempt_store`), not in the agent's store that earlier attempts wrote to.
+    The process group meets in a store of this (restart) attempt's own (:func:`elastic.job_store`).
+    ``timeout_s`` bounds each collective; ``join_timeout_s`` the wait for the other ranks to
+    start and join.
     """
     if dist.is_initialized():
         return
-    missing = [k for k in ("RANK", "WORLD_SIZE") if k not in os.environ]
+    missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
     if missing:
         raise RuntimeError(
             f"no default process group and {missing} not set: call "
@@ -321,13 +323,10 @@ def init_process_group_from_env(backend: str | None = None, timeout_s: float = 3
     backend = backend or default_backend()
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    timeout = timedelta(seconds=timeout_s)
-    if elastic.shares_agent_store():  # torchrun: the agent's store outlives restarts, with stale keys in it
-        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-        store = elastic.attempt_store(rank, world, timeout_s)
-        dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world, timeout=timeout)
-    else:
-        dist.init_process_group(backend=backend, timeout=timeout)
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    store = elastic.job_store(rank, world, join_timeout_s)
+    dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world,
+                            timeout=timedelta(seconds=timeout_s))
 
 
 def init_mesh(pp: int = 1, dp: int = 1, sp: int = 1, tp: int = 1, *, timeout_s: float = 300.0) -> Mesh:

@@ -31,7 +31,7 @@ def initialize(config: str | Path | Config | dict, overrides: list[str] | None =
     cfg = load_config(config, overrides)
     device_type, backend = device_and_backend(cfg)
     ds_config = resolve(cfg, device_type)  # bad input is refused before any process group
-    init_process_group_from_env(backend, cfg.train.timeout_s)
+    init_process_group_from_env(backend, cfg.train.timeout_s, cfg.train.join_timeout_s)
     p = cfg.parallel
     mesh = init_mesh(pp=p.pp, dp=p.dp, sp=p.sp, tp=p.tp, timeout_s=cfg.train.timeout_s)
     return build_engine(cfg, mesh, ds_config)
