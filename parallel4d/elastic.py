@@ -58,6 +58,22 @@ def shares_agent_store() -> bool:
     return os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
 
 
+def replacement_warning() -> str | None:
+    """Why a node that replaces a lost one could not join this job, if it could not; else None.
+
+    torch 2.13's c10d agents publish the bootstrap store's address in their first round only, so
+    with the shared store (the default) an agent started later waits for it and fails (the
+    agents' ``role_info`` wait). Restarts of the same agents are not affected.
+    """
+    env = os.environ
+    if shares_agent_store() and int(env.get("TORCHELASTIC_MAX_RESTARTS", 0)) > 0 \
+            and int(env.get("GROUP_WORLD_SIZE", 1)) > 1:
+        return ("torchrun shares its rendezvous store with the workers (torch's default): restarts resume, but an "
+                "agent started to replace a lost node could not join this job; export "
+                "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 before torchrun on every node to allow it")
+    return None
+
+
 def job_store(rank: int, world_size: int, timeout_s: float) -> dist.Store:
     """The store this attempt's process group meets in (env:// variables; every rank calls this).
 

@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import gc
 import os
+import sys
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import torch.distributed as dist
 
-from . import checkpoint
+from . import checkpoint, elastic
 from .config import Config, ConfigError, load_config, local_job_problems, torchrun_job_problems
 from .engine import pretrained_checkpoint
 from .mesh import device_and_backend, init_process_group_from_env
@@ -71,6 +72,9 @@ def launch(config: str | Path | Config | dict, overrides: list[str] | None = Non
                                          int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", 0)))
         if problems:  # every rank raises: none is left waiting for a peer that refused the job
             raise ConfigError("invalid configuration:\n" + "\n".join(f"  - {p}" for p in problems))
+        warning = elastic.replacement_warning()
+        if warning and os.environ["RANK"] == "0":
+            print(f"[parallel4d] warning: {warning}", file=sys.stderr, flush=True)
         with prepared(cfg, False, device) if os.environ["RANK"] == "0" else nullcontext():
             init_process_group_from_env(backend, cfg.train.timeout_s, cfg.train.join_timeout_s)
             try:

@@ -237,3 +237,16 @@ def test_workers_forked_by_a_zygote_or_started_alone_do_the_same(monkeypatch):
 
 def _rank_and_world(x):
     return dist.get_rank(), dist.get_world_size(), x
+
+
+def test_restarts_without_resume_are_refused_under_torchrun(tmp_path, monkeypatch):
+    """torchrun --max-restarts 2 with checkpoints and train.resume=false: the restart would refuse the
+    run's own checkpoints, so every rank refuses the job at once, naming train.resume."""
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "2")
+    cfg = tiny(tmp_path, "restarts", dp=2)
+    cfg["checkpoint"] = {"enabled": True}
+    with pytest.raises(ConfigError, match="--max-restarts 2 .* set train.resume=true"):
+        launch(cfg)
+    assert not dist.is_initialized()

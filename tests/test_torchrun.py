@@ -12,6 +12,7 @@ import socket
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -64,6 +65,7 @@ class Agent:
                  max_restarts: int = 0, rdzv_conf: str | None = None, static_rank: int | None = None,
                  env: dict | None = None):
         """``static_rank``: a static rendezvous (``--node-rank``) instead of c10d's."""
+        tmp.mkdir(parents=True, exist_ok=True)
         path = tmp / f"{name}.yaml"
         path.write_text(yaml.safe_dump(cfg))
         self.nnodes = nnodes
@@ -220,39 +222,86 @@ class FaultyRun:
         return logs
 
 
-def test_restarts_resume_from_the_newest_checkpoint(tmp_path):
+def restarts_resume_from_the_newest_checkpoint(tmp: Path, reference: torch.Tensor) -> None:
     """Under --max-restarts 2 (torchrun's default store), a worker killed (kill -9) and later a worker
     hung (SIGSTOP: its peer times out after train.timeout_s) each lead to a restart that re-forms the
     groups and resumes from the newest complete checkpoint; the run ends with an uninterrupted run's
     losses in a summary.json that covers all of it."""
     steps = 45
-    want = reference_losses(tmp_path, steps)
-    run = FaultyRun(tmp_path, steps, max_restarts=2)
+    run = FaultyRun(tmp, steps, max_restarts=2)
     run.after_checkpoint(15, lambda: run.signal_worker(0, signal.SIGKILL))
     run.after_checkpoint(30, lambda: run.signal_worker(1, signal.SIGSTOP))
-    logs = run.finish(want)
+    logs = run.finish(reference[:steps])
     assert "a peer stopped answering" in logs  # the hung worker's peer, after train.timeout_s
 
 
-def test_a_lost_node_is_replaced_and_the_job_continues(tmp_path):
+def a_lost_node_is_replaced_and_the_job_continues(tmp: Path, reference: torch.Tensor) -> None:
     """One agent killed whole (its workers too) and a new one started with the same rendezvous id: the
     job continues from the newest checkpoint. (torch 2.13's agents keep the bootstrap store of their
-    first round, so a new agent never learns it: TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, as the README says.)"""
+    first round, which a new agent never learns: TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, as the README says.)"""
     steps = 30
-    want = reference_losses(tmp_path, steps)
-    run = FaultyRun(tmp_path, steps, max_restarts=1, env={"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
+    run = FaultyRun(tmp, steps, max_restarts=1, env={"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
     run.after_checkpoint(15, lambda: run.replace_node(1))
-    run.finish(want)
+    run.finish(reference[:steps])
 
 
-def test_a_node_lost_for_good_stops_naming_the_sizes(tmp_path):
+def a_node_lost_for_good_stops_naming_the_sizes(tmp: Path, reference: torch.Tensor) -> None:
     """--nnodes 1:2: after one of two agents is killed, torchelastic re-forms the job on one node, where
     dp=2 does not fit: every worker stops with the sizes, and the agent ends with its restarts spent."""
     port = free_port()
-    cfg = job(tmp_path, "run", 200, {"dp": 2}, resume=True)
-    nodes = agents(tmp_path, "node", cfg, 2, 1, port, nnodes="1:2", max_restarts=1, rdzv_conf="last_call_timeout=5")
-    ckpt = tmp_path / "run" / "checkpoints"
+    cfg = job(tmp, "run", 200, {"dp": 2}, resume=True)
+    nodes = agents(tmp, "node", cfg, 2, 1, port, nnodes="1:2", max_restarts=1, rdzv_conf="last_call_timeout=3")
+    ckpt = tmp / "run" / "checkpoints"
     wait_until("a checkpoint", lambda: steps_saved(ckpt), nodes)
     nodes[1].kill()
     assert nodes[0].wait(120) != 0
     assert "WORLD_SIZE=1 but parallel.pp·dp·sp·tp = 1·2·1·1 = 2" in nodes[0].text()
+
+
+def test_restarts_a_replaced_node_and_a_lost_one(tmp_path):
+    """The three fault scenarios above, side by side (each is its own torchrun job, on its own ports and
+    directory; most of their time is waiting: torchrun gives a hung worker 30 s before kill -9)."""
+    scenarios = (restarts_resume_from_the_newest_checkpoint, a_lost_node_is_replaced_and_the_job_continues,
+                 a_node_lost_for_good_stops_naming_the_sizes)
+    reference = reference_losses(tmp_path, 45)  # here: one process group per process, none in the threads
+    with ThreadPoolExecutor(len(scenarios)) as pool:
+        futures = [pool.submit(fn, tmp_path / fn.__name__, reference) for fn in scenarios]
+    for fn, future in zip(scenarios, futures):
+        if future.exception() is not None:
+            raise AssertionError(f"{fn.__name__}: {future.exception()}") from future.exception()
+
+
+def _nodes_agree_checks(tmp: str) -> list[str]:
+    """On each of 2 ranks: the messages of check_nodes_agree for (a) rank 1 on another learning rate,
+    (b) rank 1 not seeing rank 0's probe file (a checkpoint directory that is not shared)."""
+    import torch.distributed as dist
+
+    from parallel4d import elastic
+    from parallel4d.config import ConfigError
+
+    rank, messages = dist.get_rank(), []
+    cfg = {"optimizer": {"lr": 0.001}, "train": {"steps": 5}}
+    if rank == 1:
+        cfg = {"optimizer": {"lr": 0.002}, "train": {"steps": 5}}
+    try:
+        elastic.check_nodes_agree(cfg, Path(tmp))
+    except ConfigError as e:
+        messages.append(str(e))
+    if rank == 1:  # this rank's disk is not rank 0's: it never sees the probe file
+        is_file = type(Path()).is_file
+        type(Path()).is_file = lambda self: not self.name.startswith(".parallel4d-shared-") and is_file(self)
+    try:
+        elastic.check_nodes_agree({"same": 1}, Path(tmp))
+    except ConfigError as e:
+        messages.append(str(e))
+    return messages
+
+
+def test_nodes_must_run_one_config_on_one_shared_checkpoint_directory(tmp_path):
+    from conftest import run_workers
+
+    for messages in run_workers(_nodes_agree_checks, 2, str(tmp_path)):
+        assert len(messages) == 2  # every rank raises, naming the rank that differs
+        assert "rank 1 (host" in messages[0] and "optimizer.lr=0.001 on rank 0, 0.002 here" in messages[0]
+        assert "rank 1 (host" in messages[1] and "one directory shared by every node" in messages[1]
+    assert not list(tmp_path.glob(".parallel4d-shared-*"))  # the probe is removed
