@@ -203,26 +203,6 @@ def test_quickstart_model_on_one_gpu(tmp_path):
     torch.testing.assert_close(f64(gpu["losses"]), f64(cpu["losses"]), rtol=1e-9, atol=0)
 
 
-def test_under_torchrun(tmp_path):
-    """`torchrun -m parallel4d launch` joins (env://) instead of spawning, and matches launch()."""
-    import shutil
-    import subprocess
-    import sys
-
-    import yaml
-
-    torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable))
-    cfg = tiny(tmp_path, "torchrun", dp=2)
-    path = tmp_path / "job.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    proc = subprocess.run([torchrun, "--standalone", "--nproc-per-node", "2", "-m", "parallel4d", "launch", str(path)],
-                          capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    summary = json.loads((tmp_path / "torchrun" / "summary.json").read_text())
-    ref = launch(tiny(tmp_path, "ref"))
-    torch.testing.assert_close(f64(summary["losses"]), f64(ref["losses"]), rtol=1e-12, atol=0)
-
-
 def test_workers_forked_by_a_zygote_or_started_alone_do_the_same(monkeypatch):
     """On Linux the workers are forked from one zygote that imported torch once; PARALLEL4D_FORK=0
     starts one interpreter per rank. Both run the job alike."""
