@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 from dataclasses import asdict
 from pathlib import Path
@@ -71,14 +72,22 @@ def _cmd_plan(args) -> int:
 
 
 def _cmd_launch(args) -> int:
+    """0 when the run finished; 128 + the signal when one stopped it early (a rank under torchrun that got
+    SIGTERM, or stopped with the rank that got it), so that neither torchrun nor a scheduler takes a
+    saved-and-stopped run for a finished one."""
     summary = launch(args.config, args.overrides)
-    if "losses" not in summary:  # a non-zero rank under torchrun: rank 0 reports
+    if "losses" in summary:  # rank 0 reports (the other ranks under torchrun return only their rank)
+        losses = summary["losses"]
+        print(json.dumps({"steps": summary.get("steps"), "first_loss": losses[0] if losses else None,
+                          "last_loss": losses[-1] if losses else None,
+                          "tokens_per_second": summary.get("tokens_per_second")}))
+    stopped_by = summary.get("stop_signal")
+    if stopped_by is None:
         return 0
-    losses = summary["losses"]
-    print(json.dumps({"steps": summary.get("steps"), "first_loss": losses[0] if losses else None,
-                      "last_loss": losses[-1] if losses else None,
-                      "tokens_per_second": summary.get("tokens_per_second")}))
-    return 0
+    if "losses" in summary:
+        print(f"parallel4d: stopped by {stopped_by} at step {summary.get('steps')}, after saving a checkpoint "
+              "(continue with --set train.resume=true)", file=sys.stderr)
+    return 128 + signal.Signals[stopped_by].value
 
 
 def _cmd_gather(args) -> int:

@@ -26,12 +26,12 @@ class _StopFlag:
     """Set by SIGINT/SIGTERM; the ranks agree on it at step boundaries, then save and stop."""
 
     def __init__(self):
-        self.set = False
+        self.signum = 0  # the signal received, 0 for none
         self._old = {}
 
     def __enter__(self):
         def handler(signum, frame):
-            self.set = True
+            self.signum = signum
 
         for sig in (signal.SIGINT, signal.SIGTERM):
             try:
@@ -44,11 +44,13 @@ class _StopFlag:
         for sig, old in self._old.items():
             signal.signal(sig, old)
 
-    def agreed(self, device: torch.device) -> bool:
-        flag = torch.tensor([1.0 if self.set else 0.0], device=device)  # NCCL groups take device tensors only
+    def agreed(self, device: torch.device) -> str | None:
+        """The signal that stops every rank (``"SIGTERM"`` before ``"SIGINT"``, whichever rank got it), or
+        None to go on: a collective over all ranks."""
+        flag = torch.tensor([float(self.signum)], device=device)  # NCCL groups take device tensors only
         with comm.named("stop-signal agreement at the step boundary", None):
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return flag.item() > 0
+        return signal.Signals(int(flag.item())).name if flag.item() > 0 else None
 
 
 def _log(msg: str) -> None:
@@ -171,7 +173,7 @@ def _write_json(path: Path, data: dict) -> None:
 def run_training(cfg: Config) -> dict:
     """Train ``cfg`` on this rank (the default process group must exist or be joinable).
 
-    Returns the summary on rank 0 and ``{"rank": r}`` elsewhere. The summary is
+    Returns the summary on rank 0 and ``{"rank": r, "stop_signal": …}`` elsewhere. The summary is
     written to ``<train.out_dir>/summary.json`` at each checkpoint and at the end;
     after a resume it covers the whole run: ``losses`` from step 1, ``seconds``
     (training time of all sessions), while ``tokens_per_second`` is this session's.
@@ -200,7 +202,7 @@ def run_training(cfg: Config) -> dict:
         _log(f"[parallel4d] world {mesh.world_size} ({', '.join(f'{a}={n}' for a, n in mesh.shape.items())}), "
              f"{parameter_count(engine.model) / 1e6:.2f}M parameters per rank, {cfg.train.steps} steps")
         metrics = MetricsLog(out_dir, run.resumed_from, tensorboard=cfg.train.tensorboard)
-    interrupted = False
+    interrupted: str | None = None  # the signal that stopped the run early
     start = time.perf_counter()
     start_step = engine.step
     interval = _Interval(start, engine.step)
@@ -244,8 +246,8 @@ def run_training(cfg: Config) -> dict:
                 run.save(elapsed, final=False)
                 if lead:
                     _try_write(write_summary, elapsed, finished=False)
-            if stop.agreed(mesh.device):
-                interrupted = True
+            interrupted = stop.agreed(mesh.device)
+            if interrupted:
                 if lead:
                     _log(f"[parallel4d] interrupted at step {engine.step}: saving a checkpoint and stopping")
                 break
@@ -256,7 +258,7 @@ def run_training(cfg: Config) -> dict:
                 _try_write(write_summary, elapsed, finished=False)
             run.save(elapsed, final=True)
     if not lead:
-        return {"rank": rank}
+        return {"rank": rank, "stop_signal": interrupted}
     metrics.close()
     summary = write_summary(elapsed, finished=True)
     _log(f"[parallel4d] done: {engine.step} steps, last loss {losses[-1] if losses else float('nan'):.4f}, "
@@ -321,14 +323,15 @@ def _try_write(write, *args, **kwargs) -> None:
         _log(f"[parallel4d] warning: summary.json not written ({e}); training goes on")
 
 
-def _summary(cfg: Config, mesh, engine, run: _Run, elapsed: float, trained: int, interrupted: bool,
+def _summary(cfg: Config, mesh, engine, run: _Run, elapsed: float, trained: int, interrupted: str | None,
              finished: bool) -> dict:
     tokens_per_second = trained * cfg.data.batch_size * cfg.model.seq_len / max(elapsed, 1e-9)
     summary = {
         "losses": run.losses,
         "validation": run.validation,
         "steps": engine.step,
-        "interrupted": interrupted,
+        "interrupted": interrupted is not None,
+        "stop_signal": interrupted,  # SIGINT or SIGTERM when a signal stopped the run early
         "finished": finished,
         "resumed_from": run.resumed_from,
         "checkpoint": str(run.saved) if run.saved else None,

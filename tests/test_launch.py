@@ -57,7 +57,7 @@ def _join_like_torchrun(cfg):
 def test_launch_joins_an_existing_job(tmp_path):
     results = run_workers(_join_like_torchrun, 2, tiny(tmp_path, "joined", dp=2), timeout_s=240)
     ref = launch(tiny(tmp_path, "ref"))
-    assert results[1] == {"rank": 1}
+    assert results[1] == {"rank": 1, "stop_signal": None}
     torch.testing.assert_close(f64(results[0]["losses"]), f64(ref["losses"]), rtol=1e-12, atol=0)
 
 

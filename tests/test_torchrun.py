@@ -253,10 +253,12 @@ def a_lost_node_is_replaced_and_the_job_continues(tmp: Path, reference: torch.Te
 
 def a_node_lost_for_good_stops_naming_the_sizes(tmp: Path, reference: torch.Tensor, _) -> None:
     """--nnodes 1:2: after one of two agents is killed, torchelastic re-forms the job on one node, where
-    dp=2 does not fit: every worker stops with the sizes, and the agent ends with its restarts spent."""
+    dp=2 does not fit: every worker stops with the sizes, and the agent ends with its restarts spent.
+    (The rendezvous waits 15 s for a second node: under the other scenarios' load the second agent
+    takes seconds to start.)"""
     port = free_port()
     cfg = job(tmp, "run", 200, {"dp": 2}, resume=True)
-    nodes = agents(tmp, "node", cfg, 2, 1, port, nnodes="1:2", max_restarts=1, rdzv_conf="last_call_timeout=3")
+    nodes = agents(tmp, "node", cfg, 2, 1, port, nnodes="1:2", max_restarts=1, rdzv_conf="last_call_timeout=15")
     ckpt = tmp / "run" / "checkpoints"
     wait_until("a checkpoint", lambda: steps_saved(ckpt), nodes)
     nodes[1].kill()
@@ -264,12 +266,30 @@ def a_node_lost_for_good_stops_naming_the_sizes(tmp: Path, reference: torch.Tens
     assert "WORLD_SIZE=1 but parallel.pp·dp·sp·tp = 1·2·1·1 = 2" in nodes[0].text()
 
 
+def sigterm_saves_and_exits_143(tmp: Path, reference: torch.Tensor, _) -> None:
+    """SIGTERM to torchrun (what SLURM and Kubernetes send): it passes it to its workers, which finish the
+    step, save it and exit 143, not 0; summary.json says the run was stopped and by what."""
+    cfg = job(tmp, "run", 1000, {"dp": 2})
+    node = Agent(tmp, "node", cfg, 2, "1", free_port())
+    ckpt = tmp / "run" / "checkpoints"
+    wait_until("a checkpoint", lambda: steps_saved(ckpt), [node])
+    node.proc.send_signal(signal.SIGTERM)
+    assert node.wait(120) != 0
+    summary = json.loads((tmp / "run" / "summary.json").read_text())
+    assert summary["stop_signal"] == "SIGTERM" and summary["interrupted"]
+    assert summary["steps"] < 1000 and summary["steps"] == max(steps_saved(ckpt)), (summary["steps"], steps_saved(ckpt))
+    assert "stopped by SIGTERM at step" in node.text()
+    n = min(len(reference), summary["steps"])
+    torch.testing.assert_close(torch.tensor(summary["losses"][:n], dtype=torch.float64), reference[:n], rtol=1e-12,
+                               atol=0)
+
+
 def test_torchrun_jobs(tmp_path):
-    """The four torchrun scenarios above, side by side, each its own job on its own ports and directory.
+    """The five torchrun scenarios above, side by side, each its own job on its own ports and directory.
     Most of the fault scenarios' time is waiting (torchrun gives a hung worker 30 s before kill -9), and
     the multi-node job, which keeps both cores busy, runs in that wait: ~76 s instead of ~95 s one after another."""
     scenarios = (restarts_resume_from_the_newest_checkpoint, a_lost_node_is_replaced_and_the_job_continues,
-                 a_node_lost_for_good_stops_naming_the_sizes,
+                 a_node_lost_for_good_stops_naming_the_sizes, sigterm_saves_and_exits_143,
                  two_agents_train_one_job_and_its_checkpoint_resumes_at_four_agents)
     reference = reference_losses(tmp_path, 45)  # here: one process group per process, none in the threads
     hung = threading.Event()
