@@ -16,13 +16,13 @@ from conftest import assert_plan_matches
 from parallel4d.cli import main
 from parallel4d.config import make_config
 from parallel4d.plan import parse_bytes, plan
-from test_e2e import FOUR_D, FOUR_D_STEPS, ROOT, shared_run
+from test_e2e import FOUR_D, FOUR_D_STEPS, PIPELINE_STEPS, ROOT, shared_run
 
 SHIPPED = {  # config → the overrides its shared end-to-end run uses (test_e2e)
     "tensor2d": [],
     "sequence": [],
-    "pipeline": [],
-    "pipeline_zb": [],
+    "pipeline": PIPELINE_STEPS,
+    "pipeline_zb": PIPELINE_STEPS,
     "llama": ["train.steps=8"],
     "hetero": [],
 }
