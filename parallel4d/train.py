@@ -50,7 +50,8 @@ class _StopFlag:
         flag = torch.tensor([float(self.signum)], device=device)  # NCCL groups take device tensors only
         with comm.named("stop-signal agreement at the step boundary", None):
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return signal.Signals(int(flag.item())).name if flag.item() > 0 else None
+        signum = int(flag.item())
+        return signal.Signals(signum).name if signum else None
 
 
 def _log(msg: str) -> None:

@@ -126,6 +126,10 @@ def _worker_main(payload_path: str, rank: int, parent_pid: int | None = None) ->
             backend=backend, init_method=f"file://{init_file}", rank=rank, world_size=world_size,
             timeout=timedelta(seconds=pg_timeout_s),
         )
+        # gloo may let a rank out of its connection set-up before a peer is through its own: with a
+        # function that makes no collective, that rank could exit and close a connection the peer
+        # was still completing ("connectFullMesh failed … Connection closed by peer")
+        dist.barrier()
         result = fn(*args, **kwargs)
     except BaseException as e:  # report everything, including KeyboardInterrupt, to the parent
         # Report before tearing the group down: peers fail *because* we leave, and the
