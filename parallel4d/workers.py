@@ -94,6 +94,15 @@ def _write(path: str, text: str) -> None:
     os.replace(path + ".tmp", path)
 
 
+def _read_int(path: str) -> int | None:
+    """The number :func:`_write` put in ``path``; None while it is not there."""
+    try:
+        with open(path) as f:
+            return int(f.read())
+    except (OSError, ValueError):
+        return None
+
+
 def _worker_main(payload_path: str, rank: int, parent_pid: int | None = None) -> None:
     """Entry point of one worker process (``python -m parallel4d.worker_entry PAYLOAD RANK``, or
     forked by the zygote, which is then ``parent_pid``).
@@ -166,21 +175,14 @@ class _Forked:
 
     def _known_pid(self) -> int | None:
         if self._pid is None:
-            try:
-                with open(os.path.join(self.tmp, f"pid{self.rank}")) as f:
-                    self._pid = int(f.read())
-            except (OSError, ValueError):
-                pass
+            self._pid = _read_int(os.path.join(self.tmp, f"pid{self.rank}"))
         return self._pid
 
     def poll(self) -> int | None:
         if self.returncode is None:
-            try:
-                with open(os.path.join(self.tmp, f"exit{self.rank}")) as f:
-                    self.returncode = int(f.read())
-            except (OSError, ValueError):
-                if self.zygote.poll() is not None:  # the zygote is gone: no one will say how it ended
-                    self.returncode = self.zygote.returncode or 1
+            self.returncode = _read_int(os.path.join(self.tmp, f"exit{self.rank}"))
+            if self.returncode is None and self.zygote.poll() is not None:  # no one will say how it ended
+                self.returncode = self.zygote.returncode or 1
         return self.returncode
 
     def wait(self, timeout: float | None = None) -> int:
@@ -227,25 +229,19 @@ def worker_pids(launcher_pid: int) -> dict[int, int]:
     """``{rank: pid}`` of the live workers of the job started by the process ``launcher_pid`` (Linux
     ``/proc``): its ``worker_entry`` children, or the workers its zygote forked."""
     out = {}
-    for pid, cmd in _children(launcher_pid):
+    for pid, cmd in child_processes(launcher_pid):
         if b"parallel4d.worker_entry" not in cmd:
             continue
         if cmd[-3:-1] == [b"--fork", cmd[-2]]:  # the zygote: its workers are its children
             tmp = os.path.dirname(cmd[-4].decode())
-            for child, _ in _children(pid):
-                for r in range(int(cmd[-2])):
-                    try:
-                        with open(os.path.join(tmp, f"pid{r}")) as f:
-                            if int(f.read()) == child:
-                                out[r] = child
-                    except (OSError, ValueError):
-                        pass
+            forked = {_read_int(os.path.join(tmp, f"pid{r}")): r for r in range(int(cmd[-2]))}
+            out.update({forked[child]: child for child, _ in child_processes(pid) if child in forked})
         else:
             out[int(cmd[-2])] = pid
     return out
 
 
-def _children(parent: int) -> list[tuple[int, list[bytes]]]:
+def child_processes(parent: int) -> list[tuple[int, list[bytes]]]:
     """Live (not zombie) children of ``parent``: ``(pid, argv)``."""
     found = []
     for entry in os.listdir("/proc"):
@@ -464,17 +460,17 @@ def _process_state(pid: int) -> str:
 
 
 _CONSEQUENCES = ("CommTimeout", "PeerLost")
-_PEER_LOSS = ("connection closed by peer", "connection reset", "broken pipe", "socket closed",
-              "remote worker", "timed out", "timeout")
+_LOST_WORDS = ("connection closed by peer", "connection reset", "broken pipe", "socket closed", "remote worker")
+_TIMEOUT_WORDS = ("timed out", "timeout")
 
 
 def lost_peer(details: str) -> bool:
     """Does this error report a peer's connection closing (rather than a timeout)?"""
     first = details.splitlines()[0] if details else ""
-    return first.startswith("PeerLost") or any(k in first.lower() for k in _PEER_LOSS[:5])
+    return first.startswith("PeerLost") or any(k in first.lower() for k in _LOST_WORDS)
 
 
 def is_consequence(details: str) -> bool:
     """Does this error look like a consequence of another rank leaving or stalling?"""
     first = details.splitlines()[0] if details else ""
-    return first.startswith(_CONSEQUENCES) or any(k in first.lower() for k in _PEER_LOSS)
+    return first.startswith(_CONSEQUENCES) or any(k in first.lower() for k in _LOST_WORDS + _TIMEOUT_WORDS)

@@ -21,6 +21,7 @@ import torch
 import yaml
 
 from conftest import run_in_this_process
+from parallel4d.workers import child_processes
 
 TORCHRUN = str(Path(sys.executable).parent / "torchrun")
 MODEL = {"vocab_size": 64, "seq_len": 16, "hidden": 32, "heads": 2, "layers": 2}
@@ -86,7 +87,7 @@ class Agent:
     def workers(self) -> dict[int, int]:
         """``{global rank: pid}`` of this agent's live workers."""
         found = {}
-        for pid in _children(self.proc.pid):
+        for pid, _ in child_processes(self.proc.pid):
             try:
                 env = dict(kv.split("=", 1) for kv in Path(f"/proc/{pid}/environ").read_text().split("\0") if "=" in kv)
             except OSError:
@@ -97,7 +98,7 @@ class Agent:
 
     def kill(self) -> None:
         """The whole node: the agent and its workers, kill -9."""
-        pids = [self.proc.pid, *_children(self.proc.pid)]
+        pids = [self.proc.pid, *(pid for pid, _ in child_processes(self.proc.pid))]
         for pid in pids:
             try:
                 os.kill(pid, signal.SIGKILL)
@@ -114,18 +115,6 @@ class Agent:
 
     def text(self) -> str:
         return self.log.read_text(errors="replace")
-
-
-def _children(pid: int) -> list[int]:
-    out = []
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                if int((d / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
-                    out.append(int(d.name))
-            except (OSError, IndexError, ValueError):
-                pass
-    return out
 
 
 def wait_until(what: str, check, watched: list[Agent], timeout: float = 120.0):
