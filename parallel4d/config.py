@@ -607,11 +607,14 @@ class _YamlLoader(yaml.SafeLoader):
     """``yaml.safe_load`` hardened for job files and ``--set`` values.
 
     Aliases are refused: a 300-byte alias bomb expands to gigabytes once walked, and a config
-    needs none. A duplicated key is an error (PyYAML silently keeps the last). ``1e-3`` is a
-    float, as in YAML 1.2 (PyYAML reads it as a string, which the strict float fields refuse).
+    needs none. A duplicated key is an error (PyYAML silently keeps the last). Plain scalars are
+    typed by YAML 1.2's core schema, not PyYAML's YAML 1.1 one (:data:`CORE_SCHEMA`): ``yes``,
+    ``on``, ``1:30``, ``017``, ``1_000`` and ``2001-12-14`` stay strings, which the strict fields
+    refuse with a hint (:func:`yaml11_hint`), instead of becoming true, 90, 15, 1000 and a date.
     """
 
     depth = 0
+    yaml_implicit_resolvers: dict = {}  # replaced below by CORE_SCHEMA's, never PyYAML's YAML 1.1 set
 
     def compose_node(self, parent, index):
         event = self.peek_event()
@@ -642,9 +645,49 @@ class _YamlLoader(yaml.SafeLoader):
                 pass
         return super().construct_mapping(node, deep)
 
+    def construct_yaml_int(self, node):
+        """A core-schema integer: decimal, ``0o`` octal or ``0x`` hexadecimal, of a sane length."""
+        text = self.construct_scalar(node)
+        digits = text.lstrip("+-")
+        if len(digits) > MAX_INT_DIGITS:  # int() refuses 4300+ digits with a traceback; no field takes 30
+            raise _Refused(problem=f"an integer of {len(digits)} digits; no field takes more than {MAX_INT_DIGITS}",
+                           problem_mark=node.start_mark)
+        base = {"0o": 8, "0x": 16}.get(digits[:2], 10)
+        value = int(digits[2:] if base != 10 else digits, base)
+        return -value if text.startswith("-") else value
 
-_YamlLoader.add_implicit_resolver("tag:yaml.org,2002:float",
-                                  re.compile(r"^[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"), list("-+0123456789"))
+
+MAX_INT_DIGITS = 30  # 10**30 already exceeds every bound; 2**64 has 20 digits
+
+#: YAML 1.2's core schema: (tag, pattern, first characters)
+CORE_SCHEMA = (
+    ("bool", r"true|True|TRUE|false|False|FALSE", "tTfF"),
+    ("int", r"[-+]?(?:0|[1-9][0-9]*)|0o[0-7]+|0x[0-9a-fA-F]+", "-+0123456789"),
+    # a dot or an exponent, as 1.2 floats that are not also integers (017 stays a string, see _YAML11)
+    ("float", r"[-+]?(?:\.[0-9]+|[0-9]+\.[0-9]*|[0-9]+(?:\.[0-9]*)?[eE][-+]?[0-9]+)|[-+]?\.(?:inf|Inf|INF)"
+              r"|\.(?:nan|NaN|NAN)", "-+0123456789."),
+    ("null", r"~|null|Null|NULL|", ["~", "n", "N", ""]),
+)
+for _tag, _pattern, _first in CORE_SCHEMA:
+    _YamlLoader.add_implicit_resolver(f"tag:yaml.org,2002:{_tag}", re.compile(f"^(?:{_pattern})$"), list(_first))
+_YamlLoader.add_constructor("tag:yaml.org,2002:int", _YamlLoader.construct_yaml_int)
+
+_YAML11_BOOL = (re.compile(r"(?i)yes|no|on|off|y|n"), "YAML 1.1 read it as a boolean; write true or false")
+_YAML11 = ((re.compile(r"[-+]?[0-9][0-9_]*(?::[0-5]?[0-9])+(?:\.[0-9_]*)?"),
+            "YAML 1.1 read it as a base-60 number; write the number itself, e.g. 90 for 1:30"),
+           (re.compile(r"[-+]?0[0-9_]+"), "YAML 1.1 read a leading 0 as octal; write the number without it"),
+           (re.compile(r"[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?(?:[eE][-+]?[0-9]+)?"),
+            "write the number without underscores"),
+           (re.compile(r"[0-9]{4}-[0-9]{1,2}-[0-9]{1,2}.*"), "YAML 1.1 read it as a date; write a number"))
+
+
+def yaml11_hint(value: Any, boolean: bool) -> str | None:
+    """Why a string a job file gave for a ``boolean`` (else numeric) field would have been one under
+    YAML 1.1 (which parallel4d does not follow), and what to write; None for any other value."""
+    if not isinstance(value, str):
+        return None
+    hints = (_YAML11_BOOL,) if boolean else _YAML11
+    return next((hint for pattern, hint in hints if pattern.fullmatch(value)), None)
 
 
 def _parse_yaml(text: str, what: str, fix: str) -> Any:
@@ -669,7 +712,7 @@ def _set_dotted(data: dict, dotted: str, value: Any) -> None:
     for k in keys[:-1]:
         nxt = node.setdefault(k, {})
         if not isinstance(nxt, dict):
-            raise ConfigError(f"override {dotted!r}: {k!r} is not a section")
+            raise ConfigError(f"override {_short(dotted)}: {_short(k)} is not a section; write section.field=value")
         node = nxt
     node[keys[-1]] = value
 
@@ -678,13 +721,13 @@ def apply_overrides(data: dict, overrides: list[str] | None) -> dict:
     """Apply ``["train.steps=50", "parallel.dp=2"]`` to a config dict (values parsed as YAML)."""
     for item in overrides or []:
         if "=" not in item:
-            raise ConfigError(f"override {item!r} must look like section.field=value, e.g. train.steps=50")
+            raise ConfigError(f"override {_short(item)} must look like section.field=value, e.g. train.steps=50")
         key, raw = item.split("=", 1)
         key = key.strip()
         if not key:
-            raise ConfigError(f"override {item!r} has no field name; use section.field=value")
+            raise ConfigError(f"override {_short(item)} has no field name; use section.field=value")
         fix = "write a YAML value such as 64, 0.001, true, [0.9, 0.95] or a quoted string"
-        value = _parse_yaml(raw, f"override {item!r}: the value {raw!r}", fix) if raw.strip() else None
+        value = _parse_yaml(raw, f"override {_short(item)}: the value {_short(raw)}", fix) if raw.strip() else None
         _set_dotted(data, key, value)
     return data
 
@@ -713,21 +756,76 @@ _WANT = {"int_type": "a whole number", "float_type": "a finite number", "finite_
          "bool_type": "true or false", "string_type": "a string (quote it if YAML reads it as a number)"}
 
 
+def _short(text: Any, width: int = 80) -> str:
+    """``repr(text)`` cut to ``width`` characters: a message must not echo a 5,000-digit value."""
+    shown = repr(text)
+    return shown if len(shown) <= width else shown[:width - 3] + "..."
+
+
 def _shown(value: Any) -> str:
     if isinstance(value, bool) or value is None:
         return {True: "true", False: "false", None: "null"}[value]
-    text = f"the string {value!r}" if isinstance(value, str) else repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."
+    if isinstance(value, int) and abs(value).bit_length() > 100:  # repr() of 4300+ digits raises
+        return f"an integer of more than {MAX_INT_DIGITS} digits"
+    return ("the string " if isinstance(value, str) else "") + _short(value)
 
 
-def _type_hint(loc: tuple, where: str, kind: str) -> str:
-    """'; write a whole number, e.g. train.steps=10' for a value of the wrong type."""
-    model = _model_at(loc[:-1]) if loc and all(isinstance(k, str) for k in loc) else None
+def _field_default(loc: tuple) -> Any:
+    """The default of the field at ``loc`` (an item of a list or tuple: the field's); PydanticUndefined
+    past a plain field or without one."""
+    loc = tuple(k for k in loc if not isinstance(k, int))
+    model = _model_at(loc[:-1]) if loc else None
     field = model.model_fields.get(loc[-1]) if model else None
-    default = getattr(field, "default", None)
-    if default is None or default is PydanticUndefined or isinstance(default, tuple):
-        return f"; write {_WANT[kind]}"
-    return f"; write {_WANT[kind]}, e.g. {where}={_shown(default).removeprefix('the string ')}"
+    return getattr(field, "default", PydanticUndefined)
+
+
+def _example(loc: tuple, where: str, ok=lambda v: True) -> str:
+    """', e.g. train.steps=10' from the field's default when ``ok(default)``, else ''."""
+    default = _field_default(loc)
+    if default is None or default is PydanticUndefined or isinstance(default, dict):
+        return ""
+    if isinstance(default, (tuple, list)):  # the whole list, under the field's own name
+        return f", e.g. {where.split('[')[0]}=[{', '.join(map(str, default))}]"
+    if not ok(default):
+        return ""
+    return f", e.g. {where}={default if isinstance(default, str) else _shown(default)}"
+
+
+_BOUNDS = {"greater_than_equal": ("ge", "≥", lambda v, b: v >= b), "greater_than": ("gt", ">", lambda v, b: v > b),
+           "less_than_equal": ("le", "≤", lambda v, b: v <= b), "less_than": ("lt", "<", lambda v, b: v < b)}
+
+
+def _bound_fix(kind: str, bound: Any, loc: tuple, where: str) -> str:
+    """'; use parallel.pp=1 or more' for an integer field, '; use a value > 0, e.g. optimizer.lr=0.001'."""
+    key, sign, holds = _BOUNDS[kind]
+    if isinstance(bound, int) and not isinstance(_field_default(loc), float):
+        closest = bound + {"gt": 1, "lt": -1}.get(key, 0)
+        return f"; use {where}={closest} or {'more' if key in ('ge', 'gt') else 'less'}"
+    return f"; use a value {sign} {bound}{_example(loc, where, lambda v: holds(v, bound))}"
+
+
+def _fix(e: dict, loc: tuple, where: str) -> str:
+    """What to write instead, for pydantic's generic errors (our own value errors carry their fix)."""
+    kind, ctx = e["type"], e.get("ctx") or {}
+    yaml11 = yaml11_hint(e.get("input"), kind == "bool_type") if kind in _WANT else None
+    if yaml11:
+        return f" ({yaml11})"
+    if kind in _WANT:
+        return f"; write {_WANT[kind]}{_example(loc, where)}"
+    if kind in _BOUNDS:
+        return _bound_fix(kind, ctx.get(_BOUNDS[kind][0]), loc, where)
+    if kind == "literal_error":
+        return f"; {did_you_mean(str(e.get('input')), _literal_choices(ctx))}use one of those{_example(loc, where)}"
+    if kind in ("model_type", "model_attributes_type", "dict_type"):
+        return f"; write {where} as a mapping of its fields (field: value on indented lines below it)"
+    if kind in ("tuple_type", "list_type", "too_short", "too_long", "missing"):
+        return f"; write the whole list{_example(loc, where)}" if _example(loc, where) else "; write it as a YAML list"
+    return ""
+
+
+def _literal_choices(ctx: dict) -> list[str]:
+    """``"'gpt2' or 'llama'"`` → ``["gpt2", "llama"]``."""
+    return re.findall(r"'([^']*)'", str(ctx.get("expected", "")))
 
 
 def format_validation_error(err: ValidationError, prefix: tuple = ()) -> str:
@@ -741,14 +839,12 @@ def format_validation_error(err: ValidationError, prefix: tuple = ()) -> str:
         if e["type"] == "extra_forbidden":
             msg = f"unknown field '{where}'; {_suggest(loc)}"
         elif e["type"] == "missing":
-            msg = f"missing field '{where}'"
+            msg = f"missing field '{where}'" if not isinstance(loc[-1], int) else f"{where} is missing"
         elif where and not msg.startswith(where.split(".")[0]):
             msg = f"{where}: {msg}"
         if e["type"] not in ("value_error", "extra_forbidden", "missing") and not isinstance(e.get("input"), dict):
             msg += f", got {_shown(e['input'])}"  # strict types: say what YAML made of the value
-        if e["type"] in _WANT:
-            msg += _type_hint(loc, where, e["type"])
-        lines.extend(msg.splitlines())
+        lines.extend((msg + _fix(e, loc, where)).splitlines())
     return "\n".join(f"  - {line}" for line in lines)
 
 
