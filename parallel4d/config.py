@@ -19,8 +19,10 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import os
 import re
 import stat
+import struct
 from pathlib import Path
 from typing import Annotated, Any, Literal, Optional
 
@@ -50,25 +52,58 @@ def _check_path(value: str) -> str:
         raise ValueError("is an empty path; give a directory, or leave the field out for its default")
     if "\0" in value:
         raise ValueError(f"{value!r} contains a NUL byte, which no file system accepts; remove it")
+    return _encodes(value)
+
+
+def _encodes(value: str) -> str:
+    """``value`` if it can be a file name here (a lone surrogate such as ``"\\ud800"`` cannot)."""
+    try:
+        os.fsencode(value)
+    except UnicodeEncodeError as e:
+        raise ValueError(f"{_short(value)} cannot be written as a file name ({e.reason}: character {e.start}, "
+                         f"{value[e.start]!r}); use a path of valid characters") from None
     return value
 
 
 MAX_SECONDS = 365 * 24 * 3600.0  # a longer timedelta overflows torch's millisecond timers
 
-Finite = Annotated[float, AllowInfNan(False)]
-Beta = Annotated[float, AllowInfNan(False), Field(ge=0, lt=1)]
+def _float32(value: float) -> float:
+    """A float the step can use: float32 (parameters, optimizer state) holds it, neither overflowing
+    to inf nor, when non-zero, rounding to 0."""
+    try:
+        rounded = struct.unpack("f", struct.pack("f", value))[0]
+    except OverflowError:  # some Pythons refuse to pack it rather than giving inf
+        rounded = math.inf
+    if math.isinf(rounded):
+        raise ValueError(f"{value!r} is beyond float32's range (±3.4e38), where training computes; use a "
+                         "finite float32 value")
+    if value != 0 and rounded == 0:
+        raise ValueError(f"{value!r} rounds to 0 in float32, where training computes; use a value of at least "
+                         "1e-38 (or 0 where the field allows it)")
+    return value
+
+
+Finite = Annotated[float, AllowInfNan(False), AfterValidator(_float32)]
+Beta = Annotated[float, AllowInfNan(False), Field(ge=0, lt=1), AfterValidator(_float32)]
 Seconds = Annotated[float, AllowInfNan(False), Field(ge=1, le=MAX_SECONDS)]
+# Upper bounds a real job stays far below; above them sizes overflow an address space or a counter
+# before anything useful runs (and a 10**30 would reach a worker as an OverflowError).
+MAX_RANKS = 65536  # along one axis
+MAX_STEPS = 10**12
+MAX_WIDTH = 2**17  # hidden, heads; the widest released models use 2**14 to 2**15
+MAX_LAYERS = 512  # the deepest released models have ~128; `parallel4d plan` dry-runs every block
 Seed = Annotated[int, Field(ge=0, le=2**32 - 1)]  # data.py multiplies it by 1_000_003; torch seeds are 64-bit
 PathStr = Annotated[str, AfterValidator(_check_path)]
+Pattern = Annotated[str, AfterValidator(_encodes)]
 
 
 class ParallelConfig(_Section):
     """Sizes of the mesh axes. World size = pp·dp·sp·tp; tp = q² for the q×q grid."""
 
-    pp: int = Field(1, ge=1, description="pipeline stages (ranks along the pp axis)")
-    dp: int = Field(1, ge=1, description="data-parallel replicas")
-    sp: int = Field(1, ge=1, description="sequence-parallel ranks (ring attention)")
-    tp: int = Field(1, ge=1, description="2D tensor-parallel ranks, a perfect square q²")
+    pp: int = Field(1, ge=1, le=MAX_RANKS, description="pipeline stages (ranks along the pp axis)")
+    dp: int = Field(1, ge=1, le=MAX_RANKS, description="data-parallel replicas")
+    sp: int = Field(1, ge=1, le=MAX_RANKS, description="sequence-parallel ranks (ring attention)")
+    tp: int = Field(1, ge=1, le=MAX_RANKS, description="2D tensor-parallel ranks, a perfect square q²")
 
     @field_validator("tp")
     @classmethod
@@ -95,9 +130,9 @@ ScheduleName = Literal[SCHEDULES]  # the names live in rules.SCHEDULES
 
 class PipelineConfig(_Section):
     schedule: ScheduleName = "1f1b"
-    microbatches: int = Field(1, ge=1)
-    waves: int = Field(1, ge=1, description="Hanayo waves W (2·W·pp chunks)")
-    chunks_per_rank: int = Field(2, ge=1, description="model chunks per rank for the interleaved schedule")
+    microbatches: int = Field(1, ge=1, le=2**20)
+    waves: int = Field(1, ge=1, le=MAX_LAYERS, description="Hanayo waves W (2·W·pp chunks)")
+    chunks_per_rank: int = Field(2, ge=1, le=MAX_LAYERS, description="model chunks per rank for the interleaved schedule")
     split_backward: bool = Field(False, description="hanayo: split each backward into input-gradient (B) and "
                                                     "weight-gradient (W) actions; zb_h1 and zbv always do")
 
@@ -113,8 +148,8 @@ class SequenceConfig(_Section):
 
 class HeteroConfig(_Section):
     enabled: bool = False
-    chunk_elems: Optional[int] = Field(None, ge=1, description="elements per chunk; None = searched")
-    device_budget_bytes: Optional[int] = Field(None, ge=1, description="model-data bytes allowed on the compute device")
+    chunk_elems: Optional[int] = Field(None, ge=1, le=2**40, description="elements per chunk; None = searched")
+    device_budget_bytes: Optional[int] = Field(None, ge=1, le=2**50, description="model-data bytes allowed on the compute device")
     policy: Literal["belady", "lru"] = "belady"
     compute_device: str = Field("auto", description="'auto', 'cpu', 'cuda' or 'cuda:N'")
     dynamic_budget: bool = Field(False, description="budget = device memory minus the traced non-model peak")
@@ -135,11 +170,11 @@ class OptimizerConfig(_Section):
     betas: tuple[Beta, Beta] = Field((0.9, 0.999), strict=False, description="each finite, 0 ≤ β < 1")
     eps: Finite = Field(1e-8, gt=0)
     weight_decay: Finite = Field(0.0, ge=0)
-    warmup_steps: int = Field(0, ge=0, description="linear warm-up from lr/warmup_steps to lr")
+    warmup_steps: int = Field(0, ge=0, le=MAX_STEPS, description="linear warm-up from lr/warmup_steps to lr")
     schedule: Literal["constant", "cosine", "linear"] = Field(
         "constant", description="after the warm-up: lr throughout, or a cosine / linear decay to min_lr")
     min_lr: Finite = Field(0.0, ge=0, description="cosine / linear: the learning rate at decay_steps and after")
-    decay_steps: Optional[int] = Field(None, ge=1, description="cosine / linear: the step the decay reaches "
+    decay_steps: Optional[int] = Field(None, ge=1, le=MAX_STEPS, description="cosine / linear: the step the decay reaches "
                                                                "min_lr; None = train.steps")
     decay_norms_and_biases: bool = Field(False, description="weight decay on norm gains and biases too")
     decay_embeddings: bool = Field(False, description="weight decay on the token and position tables too")
@@ -149,15 +184,16 @@ class ModelConfig(_Section):
     arch: Literal["gpt2", "llama"] = Field("gpt2", description="gpt2: LayerNorm, learned positions, GELU MLP; "
                                                                "llama: RMSNorm, rotary, SwiGLU, grouped-query "
                                                                "attention (Llama, Mistral, Qwen2)")
-    vocab_size: int = Field(256, ge=2)
-    seq_len: int = Field(64, ge=1)
-    hidden: int = Field(64, ge=1)
-    heads: int = Field(4, ge=1)
-    kv_heads: Optional[int] = Field(None, ge=1, description="llama: key/value heads (grouped-query attention); "
+    vocab_size: int = Field(256, ge=2, le=2**32, description="token ids: a token file stores them as uint16 or "
+                                                               "uint32")
+    seq_len: int = Field(64, ge=1, le=2**24)
+    hidden: int = Field(64, ge=1, le=MAX_WIDTH)
+    heads: int = Field(4, ge=1, le=MAX_WIDTH)
+    kv_heads: Optional[int] = Field(None, ge=1, le=MAX_WIDTH, description="llama: key/value heads (grouped-query attention); "
                                                              "None = heads")
-    layers: int = Field(2, ge=1)
-    mlp_ratio: int = Field(4, ge=1)
-    intermediate_size: Optional[int] = Field(None, ge=1, description="MLP width; None = mlp_ratio·hidden")
+    layers: int = Field(2, ge=1, le=MAX_LAYERS)
+    mlp_ratio: int = Field(4, ge=1, le=64)
+    intermediate_size: Optional[int] = Field(None, ge=1, le=2**20, description="MLP width; None = mlp_ratio·hidden")
     tie_embeddings: bool = Field(True, description="the LM head is the token table; default true for gpt2, "
                                                    "false for llama")
     norm_eps: Finite = Field(1e-5, gt=0)
@@ -190,12 +226,12 @@ class DataConfig(_Section):
         "synthetic", description="synthetic sequences, bytes of .py files, or a token file (data.path)")
     path: Optional[PathStr] = Field(None, description="tokens: the .bin file `parallel4d tokenize` wrote (its "
                                                       ".json sidecar beside it)")
-    batch_size: int = Field(8, ge=1, description="global sequences per step")
+    batch_size: int = Field(8, ge=1, le=2**24, description="global sequences per step")
     seed: Seed = 0
     text_root: Optional[PathStr] = Field(None, description="directory of .py files (≥ 1024 bytes of them); "
                                                             "None = Python's standard library")
-    max_bytes: int = Field(4_000_000, ge=1024, description="bytes of corpus to read")
-    text_glob: Optional[list[str]] = Field(None, description="text: glob patterns under data.text_root (or the "
+    max_bytes: int = Field(4_000_000, ge=1024, le=2**40, description="bytes of corpus to read")
+    text_glob: Optional[list[Pattern]] = Field(None, description="text: glob patterns under data.text_root (or the "
                                                              "standard library), e.g. ['**/*.md', 'src/**/*.txt']; "
                                                              "None = every .py file")
     val_path: Optional[PathStr] = Field(None, description="validation token file (data.source: tokens), its "
@@ -205,7 +241,7 @@ class DataConfig(_Section):
 
 
 class TrainConfig(_Section):
-    steps: int = Field(10, ge=1)
+    steps: int = Field(10, ge=1, le=MAX_STEPS)
     seed: Seed = 0
     dtype: Literal["float32", "float64", "bfloat16", "float16"] = Field(
         "float32", description="the precision preset: float32 or float64 parameters and compute; bfloat16 / "
@@ -226,21 +262,21 @@ class TrainConfig(_Section):
     loss_scale_init: Finite = Field(65536.0, gt=0, description="float16: the first loss scale; halved on every "
                                                                "step whose gradients overflow (that step skipped "
                                                                "on every rank)")
-    loss_scale_window: int = Field(1000, ge=1, description="float16: steps without an overflow before the loss "
+    loss_scale_window: int = Field(1000, ge=1, le=MAX_STEPS, description="float16: steps without an overflow before the loss "
                                                            "scale doubles")
     device: Literal["auto", "cpu", "cuda"] = "auto"
     grad_clip: Optional[Finite] = Field(None, gt=0)
     out_dir: PathStr = "runs/default"
-    log_every: int = Field(1, ge=1, description="a progress line and a metrics.jsonl record every this many steps")
+    log_every: int = Field(1, ge=1, le=MAX_STEPS, description="a progress line and a metrics.jsonl record every this many steps")
     tensorboard: bool = Field(False, description="also write TensorBoard scalars under <out_dir>/tensorboard "
                                                  "(needs the tensorboard package: pip install 'parallel4d[viz]')")
     resume: bool = False
     activation_checkpointing: Literal["none", "blocks"] = Field(
         "none", description="blocks: keep only each transformer block's input and recompute the block in the "
                             "backward (less activation memory, about a third more compute)")
-    eval_every: Optional[int] = Field(None, ge=1, description="validation loss every this many steps (and at the "
+    eval_every: Optional[int] = Field(None, ge=1, le=MAX_STEPS, description="validation loss every this many steps (and at the "
                                                              "last); None: no validation")
-    eval_batches: int = Field(4, ge=1, description="batches of data.batch_size in each validation (the same ones "
+    eval_batches: int = Field(4, ge=1, le=2**20, description="batches of data.batch_size in each validation (the same ones "
                                                    "each time)")
     timeout_s: Seconds = Field(300.0, description="limit for any one collective / p2p wait, in seconds: at least 1 "
                                                    "(less fails healthy collectives on a busy host), at most a year")
@@ -249,11 +285,13 @@ class TrainConfig(_Section):
                                                        "their start-up can differ by far more than one collective")
     job_timeout_s: Optional[Seconds] = Field(None, description="kill the whole local job after this many seconds "
                                                                "(1 s to a year); None = a week")
-    threads_per_worker: Optional[int] = Field(None, ge=1, description="torch threads per local worker; None = cores / workers")
-    dp_bucket_mb: Finite = Field(25.0, gt=0, description="MiB of gradients per data-parallel all-reduce; buckets "
+    threads_per_worker: Optional[int] = Field(None, ge=1, le=4096, description="torch threads per local worker, at "
+                                                                         "most the machine's cores; None = cores / "
+                                                                         "workers")
+    dp_bucket_mb: Finite = Field(25.0, gt=0, le=2**20, description="MiB of gradients per data-parallel all-reduce; buckets "
                                                           "are posted during the backward as their gradients are "
                                                           "ready")
-    max_local_workers: int = Field(64, ge=1, description="a local (non-torchrun) launch refuses a world size "
+    max_local_workers: int = Field(64, ge=1, le=MAX_RANKS, description="a local (non-torchrun) launch refuses a world size "
                                                          "pp·dp·sp·tp above this; raise it only for a machine that "
                                                          "really runs that many processes")
 
@@ -275,9 +313,9 @@ class TrainConfig(_Section):
 
 class CheckpointConfig(_Section):
     enabled: bool = True
-    every: int = Field(0, ge=0, description="save every N steps (0 = only at the end)")
+    every: int = Field(0, ge=0, le=MAX_STEPS, description="save every N steps (0 = only at the end)")
     dir: Optional[PathStr] = Field(None, description="default: <train.out_dir>/checkpoints")
-    keep: int = Field(2, ge=1, description="how many recent checkpoints to keep")
+    keep: int = Field(2, ge=1, le=2**20, description="how many recent checkpoints to keep")
 
 
 class Config(_Section):
@@ -346,6 +384,7 @@ def cross_field_problems(cfg: Config) -> list[str]:
                    f"and released for one backward pass per module, and W runs a second; use {fix}, or "
                    "hetero.enabled=false")
     out += _family_problems(m, q)
+    out += _size_problems(cfg)
     out += _schedule_problems(cfg.optimizer, cfg.train.steps)
     if cfg.train.tensorboard and importlib.util.find_spec("tensorboard") is None:
         out.append("train.tensorboard=true needs the tensorboard package: pip install 'parallel4d[viz]' (make "
@@ -551,6 +590,49 @@ def _family_problems(m: ModelConfig, q: int) -> list[str]:
     return out
 
 
+MAX_PARAMETERS = 2**45  # ~3.5e13: 128 TiB in float32, twenty times the largest models trained
+MAX_WORLD = 2**20
+
+
+def dense_parameters(m: ModelConfig) -> int:
+    """About how many parameters the dense model of ``m`` has (norms and biases left out)."""
+    h, kv = m.hidden, m.kv_heads_or_heads
+    tables = m.vocab_size * h * (1 if m.tie_embeddings else 2)
+    if m.arch == "gpt2":
+        return tables + m.seq_len * h + m.layers * (4 * h * h + 2 * h * m.mlp_width)
+    return tables + m.layers * (2 * h * h + 2 * h * (h // m.heads) * kv + 3 * h * m.mlp_width)
+
+
+def largest_block(m: ModelConfig, q: int) -> int:
+    """Elements of the largest parameter a rank holds: the token table or an MLP matrix, each cut in
+    q² blocks by the 2D grid."""
+    return max(m.vocab_size * m.hidden, m.hidden * m.mlp_width) // (q * q)
+
+
+def _size_problems(cfg: "Config") -> list[str]:
+    """Sizes that fit no machine: the model, the world, a hetero budget below one chunk."""
+    m, p, h, out = cfg.model, cfg.parallel, cfg.hetero, []
+    n = dense_parameters(m)
+    if n > MAX_PARAMETERS:
+        out.append(f"model: {m.layers} layers of hidden {m.hidden}, vocab {m.vocab_size} make about {n:.2e} "
+                   f"parameters, more than {MAX_PARAMETERS:.1e} ({4 * MAX_PARAMETERS / 2**40:.0f} TiB in float32), "
+                   "which no cluster holds; lower model.hidden, model.layers or model.vocab_size")
+    if p.world_size > MAX_WORLD:
+        out.append(f"parallel.pp·dp·sp·tp = {p.world_size} ranks is more than {MAX_WORLD}; lower the parallel sizes")
+    item = 8 if cfg.train.parameters == "float64" else 4
+    largest = largest_block(m, p.q)
+    if h.enabled and h.chunk_elems is not None and h.chunk_elems < largest:
+        out.append(f"hetero.chunk_elems={h.chunk_elems} is smaller than the largest parameter a rank holds "
+                   f"({largest} elements); use hetero.chunk_elems≥{largest} or leave it unset to search")
+    chunk = max(largest, h.chunk_elems or 0) * item
+    if h.enabled and h.device_budget_bytes is not None and h.device_budget_bytes < chunk:
+        out.append(f"hetero.device_budget_bytes={h.device_budget_bytes} cannot hold one chunk: a chunk holds at "
+                   f"least the largest parameter a rank holds, {max(largest, h.chunk_elems or 0)} elements × {item} "
+                   f"bytes = {chunk}; use hetero.device_budget_bytes≥{chunk} (`parallel4d plan` shows the chunks a "
+                   "rank keeps on the device at once), or leave it unset")
+    return out
+
+
 _CORPUS_MIN_BYTES = 1024  # data.read_corpus refuses less
 
 
@@ -571,14 +653,20 @@ def _text_root_problems(root: str | None, patterns: list[str] | None) -> list[st
             "data.text_glob, or leave data.text_root unset to use Python's standard library"]
 
 
-def local_job_problems(cfg: Config) -> list[str]:
-    """Rules for a job the local launcher spawns itself (not under torchrun): one message per problem."""
-    p, limit = cfg.parallel, cfg.train.max_local_workers
-    if cfg.world_size <= limit:
-        return []
-    return [f"parallel.pp·dp·sp·tp = {p.pp}·{p.dp}·{p.sp}·{p.tp} = {cfg.world_size} local workers is more than "
-            f"train.max_local_workers={limit}; lower the parallel sizes, raise train.max_local_workers if this "
-            "machine really runs that many processes, or start the job with torchrun"]
+def local_job_problems(cfg: Config, cores: int | None = None) -> list[str]:
+    """Rules for a job the local launcher spawns itself (not under torchrun) on a machine of ``cores``
+    (default: this one's): one message per problem."""
+    p, limit, out = cfg.parallel, cfg.train.max_local_workers, []
+    if cfg.world_size > limit:
+        out.append(f"parallel.pp·dp·sp·tp = {p.pp}·{p.dp}·{p.sp}·{p.tp} = {cfg.world_size} local workers is more "
+                   f"than train.max_local_workers={limit}; lower the parallel sizes, raise train.max_local_workers "
+                   "if this machine really runs that many processes, or start the job with torchrun")
+    cores = cores or os.cpu_count() or 1
+    threads = cfg.train.threads_per_worker
+    if threads is not None and threads > cores:
+        out.append(f"train.threads_per_worker={threads} is more than this machine's {cores} cores; use "
+                   f"train.threads_per_worker={max(1, cores // cfg.world_size)} (cores / workers) or leave it unset")
+    return out
 
 
 
@@ -650,8 +738,8 @@ class _YamlLoader(yaml.SafeLoader):
         text = self.construct_scalar(node)
         digits = text.lstrip("+-")
         if len(digits) > MAX_INT_DIGITS:  # int() refuses 4300+ digits with a traceback; no field takes 30
-            raise _Refused(problem=f"an integer of {len(digits)} digits; no field takes more than {MAX_INT_DIGITS}",
-                           problem_mark=node.start_mark)
+            raise _Refused(problem=f"an integer of {len(digits)} digits; no field takes more than {MAX_INT_DIGITS}: "
+                                   "write the value the field needs", problem_mark=node.start_mark)
         base = {"0o": 8, "0x": 16}.get(digits[:2], 10)
         value = int(digits[2:] if base != 10 else digits, base)
         return -value if text.startswith("-") else value
