@@ -15,12 +15,11 @@ from .curves import plot_run
 from .export import export
 from .generate import generate
 from .gather import gather
-from .launch import launch
+from .launch import check_job, launch, under_torchrun
 from .mesh import device_and_backend
 from .pipeline.cli import add_schedule_parser
 from .plan import HEADROOM, format_fit, format_ranks, parse_bytes, plan, try_knobs
 from .tokenize import tokenize
-from .train import deepspeed_integration
 from .workers import Terminated, WorkerError, WorkerTimeout
 
 
@@ -32,8 +31,7 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
 
 def _cmd_validate(args) -> int:
     cfg = load_config(args.config, args.overrides)
-    if cfg.deepspeed is not None:
-        deepspeed_integration().resolve(cfg, device_and_backend(cfg)[0])
+    check_job(cfg, not under_torchrun(), device_and_backend(cfg)[0], args.config)
     print(cfg.to_yaml(), end="")
     print(f"# world size: {cfg.world_size} = pp·dp·sp·tp = {cfg.parallel.pp}·{cfg.parallel.dp}·"
           f"{cfg.parallel.sp}·{cfg.parallel.tp}")

@@ -29,22 +29,31 @@ from .train import deepspeed_integration, run_training
 from .workers import spawn
 
 
-@contextmanager
-def prepared(cfg: Config, local: bool, device_type: str = "cpu"):
-    """Every check that needs no worker, then the run directories locked for the job.
+def check_job(cfg: Config, local: bool, device_type: str = "cpu", source: str | None = None) -> None:
+    """Every check of a valid config that needs the machine but no lock and no worker: the local
+    limits (``local``: this process spawns the workers), a ``deepspeed:`` section against DeepSpeed
+    for ``device_type``, ``model.pretrained``'s weight files. A ``ConfigError`` names ``source``
+    (the job file) first, as the config's own errors do."""
+    try:
+        problems = local_job_problems(cfg) if local else []
+        if problems:
+            raise ConfigError("invalid configuration:\n" + "\n".join(f"  - {p}" for p in problems))
+        if cfg.deepspeed is not None:
+            deepspeed_integration().resolve(cfg, device_type)
+        if cfg.model.pretrained:  # every weight file there and of the model's shape, from the headers
+            pretrained_checkpoint(cfg.model, lambda hf: hf.check_checkpoint(cfg.model.pretrained, cfg.model))
+    except ConfigError as e:
+        raise ConfigError(f"{source}: {e}" if source else str(e)) from None
 
-    ``local``: this process spawns the workers (the local size limit applies). A
-    ``deepspeed:`` section is checked against DeepSpeed for ``device_type``. The
-    lock comes before the look for another run's checkpoints, so a job still writing
-    them is reported as a job in use, not as leftovers.
+
+@contextmanager
+def prepared(cfg: Config, local: bool, device_type: str = "cpu", source: str | None = None):
+    """:func:`check_job`, then the run directories checked and locked for the job.
+
+    The lock comes before the look for another run's checkpoints, so a job still writing them is
+    reported as a job in use, not as leftovers.
     """
-    problems = local_job_problems(cfg) if local else []
-    if problems:
-        raise ConfigError("invalid configuration:\n" + "\n".join(f"  - {p}" for p in problems))
-    if cfg.deepspeed is not None:
-        deepspeed_integration().resolve(cfg, device_type)
-    if cfg.model.pretrained:  # every weight file there and of the model's shape, from the headers
-        pretrained_checkpoint(cfg.model, lambda hf: hf.check_checkpoint(cfg.model.pretrained, cfg.model))
+    check_job(cfg, local, device_type, source)
     check_writable(cfg.train.out_dir, "train.out_dir")
     dirs = [Path(cfg.train.out_dir)]
     if cfg.checkpoint.enabled:
@@ -54,6 +63,11 @@ def prepared(cfg: Config, local: bool, device_type: str = "cpu"):
         if cfg.checkpoint.enabled:
             checkpoint.check_start(cfg.checkpoint_dir, cfg.train.resume)
         yield
+
+
+def under_torchrun() -> bool:
+    """Whether this process is one rank of a job torchrun (or another env:// launcher) started."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
 def _train_entry(cfg_dict: dict) -> dict:
@@ -66,8 +80,9 @@ def launch(config: str | Path | Config | dict, overrides: list[str] | None = Non
     Returns rank 0's summary (the content of ``<train.out_dir>/summary.json``).
     """
     cfg = load_config(config, overrides)
+    source = str(config) if isinstance(config, (str, Path)) else None
     device, backend = device_and_backend(cfg)
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+    if under_torchrun():
         problems = torchrun_job_problems(cfg, int(os.environ["WORLD_SIZE"]),
                                          int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", 0)))
         if problems:  # every rank raises: none is left waiting for a peer that refused the job
@@ -75,7 +90,7 @@ def launch(config: str | Path | Config | dict, overrides: list[str] | None = Non
         warning = elastic.replacement_warning()
         if warning and os.environ["RANK"] == "0":
             print(f"[parallel4d] warning: {warning}", file=sys.stderr, flush=True)
-        with prepared(cfg, False, device) if os.environ["RANK"] == "0" else nullcontext():
+        with prepared(cfg, False, device, source) if os.environ["RANK"] == "0" else nullcontext():
             init_process_group_from_env(backend, cfg.train.timeout_s, cfg.train.join_timeout_s)
             try:
                 return run_training(cfg)
@@ -86,7 +101,7 @@ def launch(config: str | Path | Config | dict, overrides: list[str] | None = Non
                 # tensors takes the GIL mid-finalization and the process aborts (SIGABRT) after a good run.
                 gc.collect()
     threads = cfg.train.threads_per_worker or max(1, (os.cpu_count() or 1) // cfg.world_size)
-    with prepared(cfg, True, device):
+    with prepared(cfg, True, device, source):
         results = spawn(
             _train_entry, cfg.world_size, (cfg.model_dump(mode="json"),), backend=backend,
             timeout_s=cfg.train.job_timeout_s or 7 * 24 * 3600.0, pg_timeout_s=cfg.train.timeout_s,

@@ -8,10 +8,16 @@ section completed from parallel4d's fields (config.py has checked that they agre
 from __future__ import annotations
 
 import copy
+import inspect
 from typing import Any
 
+import torch
+from deepspeed.runtime import lr_schedules
+from deepspeed.runtime.config import DEEPSPEED_OPTIMIZERS
+
 from ...config import Config, ConfigError, deepspeed_batch
-from .ds_keys import key_problems
+from ...rules import did_you_mean
+from .ds_keys import DOCS, key_problems
 
 #: DeepSpeed optimizer types that run on torch's code when ``torch_adam`` is set (no compiled op)
 TORCH_OPTIMIZERS = ("adam", "adamw")
@@ -21,7 +27,7 @@ def resolve(cfg: Config, device_type: str) -> dict[str, Any]:
     """The ds_config for ``deepspeed.initialize``: ``cfg.deepspeed`` checked (ConfigError naming
     each key and the fix), with the batch sizes, clipping and bf16 filled from parallel4d's fields."""
     section = dict(cfg.deepspeed or {})
-    problems = key_problems(section) + _device_problems(section, device_type)
+    problems = key_problems(section) + _type_problems(section) + _device_problems(section, device_type)
     if problems:
         raise ConfigError("invalid configuration:\n" + "\n".join(f"  - {p}" for p in problems))
     ds = copy.deepcopy(section)
@@ -40,6 +46,43 @@ def resolve(cfg: Config, device_type: str) -> dict[str, Any]:
     return ds
 
 
+def _type_problems(section: dict) -> list[str]:
+    """An optimizer or scheduler type DeepSpeed would not find when it builds the engine (in a worker,
+    as an AssertionError), looked up where DeepSpeed looks: its own names, then torch's; a scheduler's
+    params checked against its constructor."""
+    out = []
+    optimizer = section.get("optimizer")
+    kind = optimizer.get("type") if isinstance(optimizer, dict) else None
+    known = sorted(set(DEEPSPEED_OPTIMIZERS) | {n for n, c in vars(torch.optim).items() if isinstance(c, type)
+                                                and issubclass(c, torch.optim.Optimizer) and c is not torch.optim.Optimizer})
+    if kind is not None and not _known_optimizer(kind):
+        out.append(f"deepspeed.optimizer.type={kind!r} is not an optimizer DeepSpeed knows; {did_you_mean(str(kind), known)}"
+                   f"use one of {', '.join(known)} ({DOCS})")
+    scheduler = section.get("scheduler")
+    kind = scheduler.get("type") if isinstance(scheduler, dict) else None
+    if kind is None:
+        return out
+    cls = (getattr(lr_schedules, kind, None) or getattr(torch.optim.lr_scheduler, kind, None)) \
+        if isinstance(kind, str) else None
+    if not isinstance(cls, type):
+        known = sorted(lr_schedules.VALID_LR_SCHEDULES)
+        return out + [f"deepspeed.scheduler.type={kind!r} is not a scheduler DeepSpeed knows; "
+                      f"{did_you_mean(str(kind), known)}use one of {', '.join(known)} or a torch.optim.lr_scheduler "
+                      f"class name ({DOCS})"]
+    params = scheduler.get("params") or {}
+    try:
+        inspect.signature(cls).bind(None, **params) if isinstance(params, dict) else None
+    except TypeError as e:
+        out.append(f"deepspeed.scheduler.params: {kind} does not take them ({e}); give the arguments of {kind} "
+                   f"({DOCS})")
+    return out
+
+
+def _known_optimizer(kind: Any) -> bool:
+    """Whether DeepSpeed finds optimizer ``kind``: one of its own names (any case), else torch.optim's."""
+    return isinstance(kind, str) and (kind.lower() in DEEPSPEED_OPTIMIZERS or isinstance(getattr(torch.optim, kind, None), type))
+
+
 def _device_problems(section: dict, device_type: str) -> list[str]:
     if device_type != "cpu":
         return []
@@ -48,7 +91,7 @@ def _device_problems(section: dict, device_type: str) -> list[str]:
         out.append("deepspeed.fp16.enabled: DeepSpeed has no fp16 on CPU; use deepspeed.bf16.enabled=true, or "
                    "float32 (no fp16/bf16 section)")
     kind = section.get("optimizer", {}).get("type") if isinstance(section.get("optimizer"), dict) else None
-    if kind is not None and str(kind).lower() not in TORCH_OPTIMIZERS:
+    if _known_optimizer(kind) and str(kind).lower() not in TORCH_OPTIMIZERS:
         out.append(f"deepspeed.optimizer.type={kind!r} needs an op DeepSpeed compiles at run time on CPU; use "
                    "type Adam or AdamW (run on torch's code), or remove deepspeed.optimizer to use parallel4d's "
                    "optimizer: section")

@@ -12,6 +12,7 @@ where DeepSpeed looks keys up one at a time (``activation_checkpointing``, ``flo
 from __future__ import annotations
 
 import copy
+import re
 from typing import Any, Iterator, Optional
 
 import deepspeed
@@ -163,8 +164,29 @@ def located(err: ValidationError, section: dict) -> list[str]:
             out.append(f"{where}: DeepSpeed has no such key; {did_you_mean(loc[-1], fields)}remove it or fix its "
                        f"spelling ({DOCS})")
         else:
-            out.append(f"{where}: {e['msg'].removeprefix('Value error, ')}, got {e.get('input')!r}")
+            out.append(f"{where}: {_listed_once(e['msg'].removeprefix('Value error, '))}, got {e.get('input')!r}; "
+                       f"{_fix(e)}{DOCS}")
     return out
+
+
+def _listed_once(msg: str) -> str:
+    """pydantic lists an enum's aliases too ("0, 1, 2, 3 or 3" for ZeRO's max_stage = 3): each value once."""
+    m = re.fullmatch(r"(Input should be )(.*)", msg)
+    if not m or " or " not in m.group(2):
+        return msg
+    values = list(dict.fromkeys(re.split(r", | or ", m.group(2))))
+    return m.group(1) + (", ".join(values[:-1]) + " or " + values[-1] if len(values) > 1 else values[0])
+
+
+def _fix(e: dict) -> str:
+    """What to write, for DeepSpeed's generic refusals."""
+    if e["type"] in ("enum", "literal_error"):
+        return "use one of those; "
+    if e["type"] in ("greater_than_equal", "greater_than", "less_than_equal", "less_than"):
+        return "use a value within that bound; "
+    if e["type"].endswith("_type") or e["type"].endswith("_parsing"):
+        return "write a value of that type; "
+    return ""
 
 
 def _section_holding(section: dict, loc: tuple) -> tuple:
