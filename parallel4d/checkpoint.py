@@ -49,9 +49,10 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch.distributed as dist
+import yaml
 
 from . import comm, shards
-from .config import ConfigError
+from .config import ConfigError, ModelConfig, model_shape_changes
 
 LATEST = "latest"
 RUN_INFO = "run.json"
@@ -505,6 +506,34 @@ def check_start(root: str | Path, resume: bool) -> None:
             f"train.resume=false but the checkpoint directory {root} already holds checkpoints ({shown}) "
             "from an earlier run. Set train.resume=true to continue that run, give this run another "
             f"checkpoint.dir or train.out_dir, or delete {root} if it is no longer needed")
+
+
+def saved_config(ckpt: str | Path) -> dict:
+    """The job config saved with checkpoint ``ckpt`` (``config.yaml``), without ``model.pretrained``
+    (its fields are all in the saved model section); CheckpointError when it has none."""
+    saved = Path(ckpt) / "config.yaml"
+    if not saved.is_file():
+        raise CheckpointError(f"{ckpt} has no config.yaml (saved by parallel4d before exports existed); "
+                              "the model's architecture is unknown")
+    data = yaml.safe_load(saved.read_text())
+    data.get("model", {}).pop("pretrained", None)
+    return data
+
+
+def check_resume_model(root: str | Path, model: ModelConfig) -> None:
+    """Refuse resuming, into ``model``, the newest checkpoint under ``root`` when it holds a model of
+    another shape (read from its config.yaml, before any worker starts); ``ConfigError`` naming the
+    fields. A checkpoint without a readable config.yaml is left to the workers' own shape check."""
+    found = latest_checkpoint(root)
+    try:
+        saved = saved_config(found).get("model") if found is not None else None
+    except (CheckpointError, OSError, yaml.YAMLError, AttributeError):
+        return
+    changes = model_shape_changes(saved, model) if isinstance(saved, dict) else []
+    if changes:
+        raise ConfigError(f"train.resume=true but checkpoint {found} holds another model: {'; '.join(changes)}; "
+                          "resume with the model.* settings it was saved with, or start afresh in another "
+                          "train.out_dir")
 
 
 def _dcp():

@@ -221,6 +221,23 @@ class ModelConfig(_Section):
         return self.intermediate_size or self.mlp_ratio * self.hidden
 
 
+def model_shape_changes(saved: dict, model: ModelConfig) -> list[str]:
+    """The fields whose values in ``saved`` (a checkpoint's ``model:`` section, as stored) give the
+    dense model other tensor shapes than ``model`` does: ``"model.hidden=64 there, 128 here"`` each."""
+    def get(field: str) -> Any:
+        if field == "kv_heads":
+            return saved.get("kv_heads") or saved.get("heads")
+        if field == "intermediate_size":
+            return saved.get("intermediate_size") or (saved.get("mlp_ratio") or 0) * (saved.get("hidden") or 0)
+        return saved.get(field)
+
+    ours = {"kv_heads": model.kv_heads_or_heads, "intermediate_size": model.mlp_width}
+    fields = ["arch", "vocab_size", "hidden", "heads", "kv_heads", "layers", "intermediate_size", "tie_embeddings",
+              "qkv_bias"] + (["seq_len"] if model.arch == "gpt2" else [])  # gpt2 learns a table of positions
+    return [f"model.{f}={get(f)!r} there, {ours.get(f, getattr(model, f))!r} here" for f in fields
+            if get(f) is not None and get(f) != ours.get(f, getattr(model, f))]
+
+
 class DataConfig(_Section):
     source: Literal["synthetic", "text", "tokens"] = Field(
         "synthetic", description="synthetic sequences, bytes of .py files, or a token file (data.path)")
@@ -957,6 +974,9 @@ def _pretrained_fields(data: dict) -> dict:
     path = Path(where) / "config.json"
     try:
         hf = json.loads(path.read_text())
+        if not isinstance(hf, dict):
+            raise ValueError(f"holds a JSON {type(hf).__name__}, not the mapping of a model's settings; point "
+                             "model.pretrained at a Hugging Face model directory")
         fields = model_fields_from_hf(hf)
     except OSError as e:
         raise ConfigError(f"model.pretrained={where!r}: cannot read {path} ({e.strerror or e}); point it at a "

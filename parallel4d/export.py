@@ -14,7 +14,8 @@ from pathlib import Path
 import torch
 
 from .config import ConfigError, make_config
-from .gather import gather, resolve_checkpoint, saved_config, with_tied_head
+from .checkpoint import saved_config
+from .gather import gather, resolve_checkpoint, with_tied_head
 
 
 def export(ckpt: str | Path, out_dir: str | Path, max_shard_bytes: int = 5 << 30) -> Path:

@@ -18,7 +18,6 @@ import warnings
 from pathlib import Path
 
 import torch
-import yaml
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from . import checkpoint
@@ -37,18 +36,6 @@ def resolve_checkpoint(path: str | Path) -> Path:
                                          "layout-free format; turn it into one state dict with the zero_to_fp32.py "
                                          f"DeepSpeed wrote into {found.parent}")
     return found
-
-
-def saved_config(ckpt: Path) -> dict:
-    """The job config saved with checkpoint ``ckpt`` (``config.yaml``), without ``model.pretrained``
-    (its fields are all in the saved model section); CheckpointError when it has none."""
-    saved = Path(ckpt) / "config.yaml"
-    if not saved.is_file():
-        raise checkpoint.CheckpointError(f"{ckpt} has no config.yaml (saved by parallel4d before exports existed); "
-                                         "the model's architecture is unknown")
-    data = yaml.safe_load(saved.read_text())
-    data.get("model", {}).pop("pretrained", None)
-    return data
 
 
 def with_tied_head(model_state: dict, tied: bool) -> dict:

@@ -21,7 +21,8 @@ import torch
 import torch.nn.functional as F
 
 from .config import ConfigError, make_config
-from .gather import gather, resolve_checkpoint, saved_config, with_tied_head
+from .checkpoint import saved_config
+from .gather import gather, resolve_checkpoint, with_tied_head
 from .hf_config import hf_max_positions
 from .models import build_dense, shape_from_config
 from .models.llama import LlamaShape

@@ -62,6 +62,8 @@ def prepared(cfg: Config, local: bool, device_type: str = "cpu", source: str | N
     with RunLock(dirs):
         if cfg.checkpoint.enabled:
             checkpoint.check_start(cfg.checkpoint_dir, cfg.train.resume)
+        if cfg.checkpoint.enabled and cfg.train.resume:
+            checkpoint.check_resume_model(cfg.checkpoint_dir, cfg.model)
         yield
 
 

@@ -14,7 +14,7 @@ import pytest
 
 from conftest import assert_plan_matches
 from parallel4d.cli import main
-from parallel4d.config import make_config
+from parallel4d.config import ConfigError, make_config
 from parallel4d.plan import parse_bytes, plan
 from test_e2e import FOUR_D, FOUR_D_STEPS, PIPELINE_STEPS, ROOT, shared_run
 
@@ -78,4 +78,6 @@ def test_plan_says_whether_it_fits_and_what_to_turn(capsys):
 
 def test_sizes():
     assert parse_bytes("80GiB") == 80 * 2**30 and parse_bytes("80 GB") == 80 * 10**9
-    assert parse_bytes("81920MiB") == 80 * 2**30 and parse_bytes("1e9") == 10**9
+    assert parse_bytes("81920MiB") == 80 * 2**30 and parse_bytes("1e9B") == 10**9
+    with pytest.raises(ConfigError, match="'80' has no unit; write e.g. 80GiB"):  # not 80 bytes
+        parse_bytes("80")
