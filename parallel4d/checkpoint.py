@@ -58,6 +58,8 @@ LATEST = "latest"
 RUN_INFO = "run.json"
 CHECKSUMS = "checksums.json"
 _STEP = re.compile(r"step_(\d+)")
+_BROKEN = re.compile(r"step_\d+\.broken\d*")
+WHY_BROKEN = "BROKEN.txt"  # in a checkpoint set aside: why it failed verification
 
 
 class CheckpointError(RuntimeError):
@@ -82,6 +84,21 @@ def _step_dirs(root: Path) -> list[Path]:
         return []
     found = [p for p in root.iterdir() if _step_of(p) is not None and p.is_dir()]
     return sorted(found, key=_step_of, reverse=True)
+
+
+def _broken_dirs(root: Path) -> list[Path]:
+    """The checkpoints an earlier resume set aside as broken (``step_*.broken*``), newest step first."""
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if _BROKEN.fullmatch(p.name) and p.is_dir()]
+    return sorted(found, key=lambda p: p.name, reverse=True)
+
+
+def _why_broken(aside: Path) -> str:
+    try:
+        return (aside / WHY_BROKEN).read_text().strip() or "set aside as broken"
+    except OSError:
+        return "set aside as broken by an earlier resume"
 
 
 def _write_file(path: Path, text: str) -> None:
@@ -434,7 +451,8 @@ def _has_data(path: Path) -> bool:
 def _candidates(root: Path) -> list[Path]:
     """``latest``'s checkpoint first, then the older ones, newest first (all of them without ``latest``)."""
     named = _latest_name(root)
-    first = root / named if named and _step_of(Path(named)) is not None else None
+    # `latest` may name a step an earlier resume set aside: it is not a candidate any more
+    first = root / named if named and _step_of(Path(named)) is not None and (root / named).is_dir() else None
     rest = _step_dirs(root)
     if first is None:
         return rest
@@ -445,34 +463,38 @@ def _warn(msg: str) -> None:
     print(f"[parallel4d] warning: {msg}", file=sys.stderr, flush=True)
 
 
-def _set_aside(path: Path) -> Path:
+def _set_aside(path: Path, problem: str) -> Path:
     """Rename a broken checkpoint out of the step names (kept for inspection, never loaded, never
-    counted by retention, never in the way of the step when it is saved again)."""
+    counted by retention, never in the way of the step when it is saved again), with ``problem``
+    written in it so that every later resume reports the same."""
     aside = path.with_name(f"{path.name}.broken")
     n = 1
     while aside.exists():
         n += 1
         aside = path.with_name(f"{path.name}.broken{n}")
-    if path.is_dir():
-        os.replace(path, aside)
+    os.replace(path, aside)
+    try:
+        (aside / WHY_BROKEN).write_text(problem + "\n")
+    except OSError:  # a read-only checkpoint: the name alone says it is broken
+        pass
     return aside
 
 
 def _choose(root: Path) -> Path | None:
     if root.is_dir():
         _recover(root)
-    broken = []
     for path in _candidates(root):
         problem = verify(path)
         if problem is None:
             if not (path / CHECKSUMS).is_file():
                 _warn(f"checkpoint {path} has no {CHECKSUMS} (saved before checksums): loading it unverified")
             return path
-        aside = _set_aside(path)
+        aside = _set_aside(path, problem)
         _warn(f"checkpoint {path} is not usable: {problem}; kept as {aside.name} and trying the previous one")
-        broken.append(f"{aside}: {problem}")
+    broken = _broken_dirs(root)  # set aside now or by an earlier resume: the same report every time
     if broken:
-        raise CheckpointError(f"no usable checkpoint under {root}: " + "; ".join(broken)
+        raise CheckpointError(f"no usable checkpoint under {root}: "
+                              + "; ".join(f"{p}: {_why_broken(p)}" for p in broken)
                               + ". Restore one, or start afresh with train.resume=false in another directory")
     return None
 
@@ -487,6 +509,11 @@ def choose_checkpoint(root: str | Path) -> Path | None:
     return _on_writer(lambda: _choose(Path(root)), f"checkpoint choice under {root}")
 
 
+def holds_checkpoints(root: str | Path) -> bool:
+    """Whether ``root`` holds a checkpoint, usable or set aside as broken (names only: cheap)."""
+    return bool(_step_dirs(Path(root)) or _broken_dirs(Path(root)))
+
+
 def check_start(root: str | Path, resume: bool) -> None:
     """Refuse a fresh run (``resume`` false) in a checkpoint directory that already holds checkpoints.
 
@@ -499,7 +526,12 @@ def check_start(root: str | Path, resume: bool) -> None:
                           "to a directory")
     if resume:
         return
-    found = [p.name for p in _step_dirs(root)]
+    found = [p.name for p in _step_dirs(root) + _broken_dirs(root)]
+    if found and not _step_dirs(root):
+        raise ConfigError(
+            f"train.resume=false but the checkpoint directory {root} holds an earlier run's checkpoints, all set "
+            f"aside as broken ({', '.join(found[:3])}); give this run another checkpoint.dir or train.out_dir, or "
+            f"delete {root} if they are no longer needed")
     if found:
         shown = ", ".join(found[:3]) + (f" and {len(found) - 3} more" if len(found) > 3 else "")
         raise ConfigError(

@@ -24,7 +24,7 @@ from . import checkpoint, elastic
 from .config import Config, ConfigError, load_config, local_job_problems, torchrun_job_problems
 from .engine import pretrained_checkpoint
 from .mesh import device_and_backend, init_process_group_from_env
-from .rundir import RunLock, check_writable
+from .rundir import RunLock, check_history, check_writable
 from .train import deepspeed_integration, run_training
 from .workers import spawn
 
@@ -62,6 +62,8 @@ def prepared(cfg: Config, local: bool, device_type: str = "cpu", source: str | N
     with RunLock(dirs):
         if cfg.checkpoint.enabled:
             checkpoint.check_start(cfg.checkpoint_dir, cfg.train.resume)
+        continues = cfg.checkpoint.enabled and checkpoint.holds_checkpoints(cfg.checkpoint_dir)
+        check_history(cfg.train.out_dir, cfg.train.resume, continues)
         if cfg.checkpoint.enabled and cfg.train.resume:
             checkpoint.check_resume_model(cfg.checkpoint_dir, cfg.model)
         yield

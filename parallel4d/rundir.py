@@ -39,6 +39,27 @@ def check_writable(path: str | Path, field: str) -> None:
                           f"choose a directory you can write to, or fix its permissions") from None
 
 
+HISTORY = ("summary.json", "metrics.jsonl")  # what a run writes into train.out_dir about itself
+
+
+def check_history(out_dir: str | Path, resume: bool, continues: bool) -> None:
+    """Refuse a run that would rewrite another run's history in ``out_dir``: a fresh run (``resume``
+    false), or a resumed one with no checkpoint it ``continues`` from (it would start at step 0).
+    ``ConfigError`` naming the files, ``train.resume`` and the fix."""
+    found = [name for name in HISTORY if (Path(out_dir) / name).exists()]
+    if not found or (resume and continues):
+        return
+    shown = " and ".join(found)
+    if resume:
+        raise ConfigError(f"train.resume=true but no checkpoint continues the run whose history ({shown}) is in "
+                          f"train.out_dir={str(out_dir)!r} (checkpoints disabled, or none saved), so this run would "
+                          "start at step 0 and write over it; give this run another train.out_dir, or move those "
+                          "files away")
+    raise ConfigError(f"train.resume=false but train.out_dir={str(out_dir)!r} holds another run's history ({shown}), "
+                      "which a fresh run would write over; set train.resume=true to continue that run, give this "
+                      "run another train.out_dir, or move those files away")
+
+
 class RunDirInUse(ConfigError):
     """Another live job holds the run directory's lock."""
 

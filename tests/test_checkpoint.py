@@ -230,6 +230,27 @@ def test_corrupted_or_truncated_files_are_named_and_skipped(tmp_path, capsys):
     assert f"{older}.broken: file {cut.name} has {size // 2} bytes" in str(e.value)
 
 
+def test_a_directory_of_broken_checkpoints_is_reported_the_same_way_every_time(tmp_path, capsys):
+    """#26.7: once a resume has set every checkpoint aside, each later resume names them all with
+    why they broke (it used to say "directory does not exist; kept as .broken2"), and a fresh run
+    into the directory is refused like one that holds checkpoints."""
+    root = tmp_path / "ckpt"
+    for step in (1, 2):
+        checkpoint.save({"w": torch.arange(4096.0) * step}, root, step)
+        flip_byte(data_file(root / f"step_{step:08d}"))
+    reports = []
+    for _ in range(3):
+        with pytest.raises(checkpoint.CheckpointError) as e:
+            checkpoint.choose_checkpoint(root)
+        reports.append(str(e.value))
+    assert reports[0] == reports[1] == reports[2], reports
+    for step in (1, 2):
+        assert f"step_{step:08d}.broken: file" in reports[0] and "sha256 checksum" in reports[0], reports[0]
+    assert ".broken2" not in reports[0] and not list(root.glob("*.broken2"))
+    with pytest.raises(ConfigError, match="all set aside as broken"):
+        checkpoint.check_start(root, resume=False)
+
+
 @pytest.fixture
 def file_size_limit():
     """Lower RLIMIT_FSIZE (soft) in this process while the test wants it; always restored."""
@@ -424,3 +445,40 @@ def test_kill_9_keeps_the_loss_history(tmp_path, straight):
     assert summary["finished"] is False
     saved = checkpoint.latest_checkpoint(tmp_path / "k" / "checkpoints")
     assert int(saved.name.split("_")[1]) >= n
+
+
+def one_rank(out_dir, **checkpoint_section):
+    return {"model": {"vocab_size": 64, "seq_len": 16, "hidden": 32, "heads": 2, "layers": 1},
+            "data": {"batch_size": 2}, "train": {"steps": 3, "out_dir": str(out_dir), "log_every": 1},
+            "checkpoint": checkpoint_section}
+
+
+class Spawned(Exception):
+    """What the test's stand-in for spawn raises: the job passed every check before the workers."""
+
+
+def test_a_run_directory_keeps_its_history(tmp_path, monkeypatch):
+    """#26.2: a second run into a train.out_dir that holds a run's summary.json and metrics.jsonl is
+    refused before any worker starts — fresh, or "resumed" with nothing to resume from (checkpoints
+    disabled) — and the first run's files keep every byte; resuming a run that has checkpoints goes on."""
+    from conftest import run_in_this_process
+
+    def spawn(*args, **kwargs):
+        raise Spawned
+
+    monkeypatch.setattr(sys.modules["parallel4d.launch"], "spawn", spawn)
+    out = tmp_path / "run"
+    run_in_this_process(one_rank(out, enabled=False), [])
+    history = {name: (out / name).read_bytes() for name in ("summary.json", "metrics.jsonl")}
+    assert len(history["metrics.jsonl"].splitlines()) == 3
+    for resume, words in ((False, "train.resume=false but"), (True, "train.resume=true but no checkpoint")):
+        for section in ({"enabled": False}, {}):
+            with pytest.raises(ConfigError, match=words) as e:
+                launch({**one_rank(out, **section), "train": {**one_rank(out)["train"], "resume": resume}})
+            assert "summary.json and metrics.jsonl" in str(e.value) and "train.out_dir" in str(e.value)
+    assert {name: (out / name).read_bytes() for name in history} == history
+
+    saved = tmp_path / "saved"
+    run_in_this_process(one_rank(saved), [])
+    with pytest.raises(Spawned):  # a run with its checkpoints continues
+        launch({**one_rank(saved), "train": {**one_rank(saved)["train"], "resume": True, "steps": 5}})
