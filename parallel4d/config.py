@@ -728,7 +728,7 @@ class _YamlLoader(yaml.SafeLoader):
                                    "write the value out in full", problem_mark=event.start_mark)
         if self.depth >= MAX_YAML_DEPTH:  # deeper input would end in a RecursionError here or when dumped
             raise _Refused(problem=f"more than {MAX_YAML_DEPTH} levels of nesting; a job file is a few levels "
-                                   "of sections", problem_mark=event.start_mark)
+                                   "of sections: write it so (see configs/)", problem_mark=event.start_mark)
         self.depth += 1
         try:
             return super().compose_node(parent, index)
@@ -751,18 +751,24 @@ class _YamlLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep)
 
     def construct_yaml_int(self, node):
-        """A core-schema integer: decimal, ``0o`` octal or ``0x`` hexadecimal, of a sane length."""
+        """A core-schema integer: decimal, ``0o`` octal or ``0x`` hexadecimal, of any length (the
+        field's bound then refuses it by name; ``int()`` alone refuses 4300+ digits with a traceback)."""
         text = self.construct_scalar(node)
         digits = text.lstrip("+-")
-        if len(digits) > MAX_INT_DIGITS:  # int() refuses 4300+ digits with a traceback; no field takes 30
-            raise _Refused(problem=f"an integer of {len(digits)} digits; no field takes more than {MAX_INT_DIGITS}: "
-                                   "write the value the field needs", problem_mark=node.start_mark)
         base = {"0o": 8, "0x": 16}.get(digits[:2], 10)
-        value = int(digits[2:] if base != 10 else digits, base)
+        value = _parse_int(digits[2:] if base != 10 else digits, base)
         return -value if text.startswith("-") else value
 
 
-MAX_INT_DIGITS = 30  # 10**30 already exceeds every bound; 2**64 has 20 digits
+def _parse_int(digits: str, base: int, piece: int = 1000) -> int:
+    """``int(digits, base)`` a ``piece`` of digits at a time, so that no conversion meets Python's
+    limit on the digits of one string."""
+    value = 0
+    for start in range(0, len(digits), piece):
+        part = digits[start:start + piece]
+        value = value * base ** len(part) + int(part, base)
+    return value
+
 
 #: YAML 1.2's core schema: (tag, pattern, first characters)
 CORE_SCHEMA = (
@@ -826,7 +832,8 @@ def apply_overrides(data: dict, overrides: list[str] | None) -> dict:
     """Apply ``["train.steps=50", "parallel.dp=2"]`` to a config dict (values parsed as YAML)."""
     for item in overrides or []:
         if "=" not in item:
-            raise ConfigError(f"override {_short(item)} must look like section.field=value, e.g. train.steps=50")
+            raise ConfigError(f"override {_short(item)} must look like section.field=value; write it so, e.g. "
+                              "train.steps=50")
         key, raw = item.split("=", 1)
         key = key.strip()
         if not key:
@@ -871,7 +878,7 @@ def _shown(value: Any) -> str:
     if isinstance(value, bool) or value is None:
         return {True: "true", False: "false", None: "null"}[value]
     if isinstance(value, int) and abs(value).bit_length() > 100:  # repr() of 4300+ digits raises
-        return f"an integer of more than {MAX_INT_DIGITS} digits"
+        return f"an integer of about {int(abs(value).bit_length() * 0.30103) + 1} digits"
     return ("the string " if isinstance(value, str) else "") + _short(value)
 
 
@@ -1037,7 +1044,8 @@ def _read_config_text(path: Path) -> str:
         raise ConfigError(f"config file {name} is not UTF-8 text (byte 0x{raw[e.start]:02x} at offset {e.start}): "
                           "a binary file or a legacy encoding such as Latin-1; save the YAML as UTF-8") from None
     if "\0" in text:
-        raise ConfigError(f"config file {name} is a binary file (it holds NUL bytes), not UTF-8 YAML text")
+        raise ConfigError(f"config file {name} is a binary file (it holds NUL bytes), not UTF-8 YAML text; pass a "
+                          "job file such as configs/quickstart.yaml")
     return text
 
 
@@ -1050,7 +1058,8 @@ def load_config(path: str | Path | Config | dict, overrides: list[str] | None = 
     if data is None:  # an empty file: all defaults
         data = {}
     if not isinstance(data, dict):
-        raise ConfigError(f"{path}: the top level must be a mapping of sections (parallel:, model:, ...)")
+        raise ConfigError(f"{path}: the top level must be a mapping of sections (parallel:, model:, ...); write the "
+                          "job as sections, e.g. 'train: {steps: 10}' (see configs/)")
     try:
         return make_config(data, overrides)
     except ConfigError as e:

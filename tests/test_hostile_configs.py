@@ -1,0 +1,177 @@
+"""Hostile input (#26.10): a few hundred generated invalid job files and ``--set`` values through the
+CLI's entry point, in this process. Each one exits 2 before anything runs, with no traceback, and
+every line of the refusal names the field it is about and says what to write instead.
+
+The cases are generated from the config's own fields (wrong types, values past each bound, YAML 1.1
+spellings, unencodable paths, numbers too long to parse), plus broken structure and broken rules
+between fields, so a field added later is covered without editing this file.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+import typing
+
+import pytest
+
+from parallel4d import config as config_module
+from parallel4d.cli import main
+from parallel4d.config import Config
+
+# Words that start a fix; each refusal line must hold one.
+FIX = re.compile(r"\b(use|set|write|remove|give|lower|raise|choose|keep|point|install|tokenize|delete|leave|start|"
+                 r"fix|quote|pass|restore|move|unset|add)\b|did you mean")
+
+BIG_INT = "9" * 5000
+INT_VALUES = ["-1", "1" + "0" * 30, BIG_INT, "'5'", "true", "1.5", "yes", "1:30", "017", "1_000", "[1]", "{a: 1}",
+              ".nan", "2001-12-14"]
+FLOAT_VALUES = [".nan", ".inf", "-.inf", "1e300", "-1.0", "'abc'", "true", "1:30", "[1.0]", "1e-60"]
+BOOL_VALUES = ["yes", "no", "on", "off", "1", "'true'", "[true]", "y"]
+CHOICE_VALUES = ["nosuch", "5", "true", "[a]", "{a: 1}"]
+PATH_VALUES = ['""', '"\\ud800"', '"a\\0b"', "5", "true", "[a]"]
+
+
+def _kind(annotation) -> str:
+    """'int', 'float', 'bool', 'choice', 'str', 'tuple', 'list' or 'dict' for a field's annotation."""
+    args = [a for a in typing.get_args(annotation) if a is not type(None)]
+    inner = args[0] if typing.get_origin(annotation) is typing.Union and len(args) == 1 else annotation
+    origin = typing.get_origin(inner)
+    if origin is typing.Literal:
+        return "choice"
+    if origin in (tuple, list, dict):
+        return origin.__name__
+    return {int: "int", float: "float", bool: "bool", str: "str"}.get(inner, "other")
+
+
+def _fields():
+    """``(section, field, kind)`` of every leaf field."""
+    for section, info in Config.model_fields.items():
+        model = info.annotation
+        if isinstance(model, type) and issubclass(model, config_module._Section):
+            for name, field in model.model_fields.items():
+                yield section, name, _kind(field.annotation)
+        else:
+            yield "", section, _kind(model)
+
+
+VALUES = {"int": INT_VALUES, "float": FLOAT_VALUES, "bool": BOOL_VALUES, "choice": CHOICE_VALUES, "str": PATH_VALUES,
+          "tuple": ["0.9", "[0.9]", "[0.9, 1.5]", "[.nan, 0.9]", "[a, b]"], "list": ["5", "[5]", '["\\ud800"]'],
+          "dict": ["5", "[1]", "{zero_optimization: {stage: 5}}", "{scheduler: {type: NoSuch}}",
+                   "{optimizer: {type: Nope}}", "{gradient_cliping: 1.0}"]}
+
+
+def field_cases() -> list[tuple[str, str, str]]:
+    """``(case id, YAML text, the dotted field the refusal must name)``: each field × its bad values."""
+    out = []
+    for section, name, kind in _fields():
+        where = f"{section}.{name}" if section else name
+        for value in VALUES.get(kind, ["[1]"]):
+            text = f"{section}:\n  {name}: {value}\n" if section else f"{name}: {value}\n"
+            out.append((f"{where}={value[:12]}", text, where))
+    return out
+
+
+STRUCTURE = [
+    ("top-level list", "- parallel\n- model\n", "top level"),
+    ("top-level scalar", "5\n", "top level"),
+    ("unknown section", "modle: {layers: 2}\n", "modle"),
+    ("section scalar", "parallel: 5\n", "parallel"),
+    ("section list", "model: [1, 2]\n", "model"),
+    ("duplicate key", "train:\n  steps: 5\n  steps: 6\n", "steps"),
+    ("alias", "a: &x 5\ntrain: {steps: *x}\n", "alias"),
+    ("unclosed", "train: {steps: [\n", "line"),
+    ("tab", "train:\n\tsteps: 5\n", "line"),
+    ("deep", "a: " + "[" * 40 + "]" * 40 + "\n", "nesting"),
+    ("binary", "train: {steps: 5}\n\0\0", "binary"),
+]
+for section, name, _ in list(_fields())[:: 7]:
+    if section:
+        STRUCTURE.append((f"unknown {section}.x", f"{section}:\n  {name}x: 1\n", f"{section}.{name}x"))
+
+# rules between fields: (id, overrides as YAML mappings, a field the refusal names)
+CROSS = [
+    ("tp not square", "parallel: {tp: 3}", "parallel.tp"),
+    ("pp above layers", "parallel: {pp: 8}\nmodel: {layers: 2}", "model.layers"),
+    ("batch split", "parallel: {dp: 3}", "data.batch_size"),
+    ("sp zigzag", "parallel: {sp: 3}", "model.seq_len"),
+    ("heads divide", "model: {hidden: 64, heads: 5}", "model.heads"),
+    ("kv heads", "model: {arch: llama, heads: 4, kv_heads: 3}", "model.kv_heads"),
+    ("odd rotary", "model: {arch: llama, hidden: 60, heads: 4}", "model.hidden"),
+    ("gpt2 kv", "model: {kv_heads: 2}", "model.kv_heads"),
+    ("eval without data", "data: {source: text}\ntrain: {eval_every: 5}", "train.eval_every"),
+    ("val without eval", "data: {source: text, val_fraction: 0.1}", "train.eval_every"),
+    ("tokens without path", "data: {source: tokens}", "data.path"),
+    ("missing token file", "data: {source: tokens, path: /nonexistent/x.bin}", "data.path"),
+    ("path without tokens", "data: {path: x.bin}", "data.path"),
+    ("glob without text", "data: {text_glob: ['*.md']}", "data.text_glob"),
+    ("text root missing", "data: {source: text, text_root: /nonexistent}", "data.text_root"),
+    ("min lr", "optimizer: {schedule: cosine, lr: 0.001, min_lr: 0.01}", "optimizer.min_lr"),
+    ("decay before warmup", "optimizer: {schedule: cosine, warmup_steps: 20}\ntrain: {steps: 10}", "train.steps"),
+    ("constant with min", "optimizer: {min_lr: 0.0001}", "optimizer.min_lr"),
+    ("precision preset", "train: {dtype: bfloat16, param_dtype: float64}", "train.param_dtype"),
+    ("float64 autocast", "train: {param_dtype: float64, autocast_dtype: bfloat16}", "train.autocast_dtype"),
+    ("hetero budget", "hetero: {enabled: true, device_budget_bytes: 1}", "hetero.device_budget_bytes"),
+    ("hetero chunk", "hetero: {enabled: true, chunk_elems: 8}", "hetero.chunk_elems"),
+    ("huge model", "model: {hidden: 131072, heads: 8, layers: 512, vocab_size: 4294967296}", "model"),
+    ("world", "parallel: {pp: 1, dp: 65536, sp: 65536}\ndata: {batch_size: 65536}", "parallel"),
+    ("split with recompute", "parallel: {pp: 2}\npipeline: {schedule: zb_h1, microbatches: 2}\n"
+                             "model: {layers: 4}\ntrain: {activation_checkpointing: blocks}",
+     "train.activation_checkpointing"),
+    ("pretrained missing", "model: {pretrained: /nonexistent}", "model.pretrained"),
+    ("ds hetero", "deepspeed: {}\nhetero: {enabled: true}", "hetero.enabled"),
+    ("ds batch", "deepspeed: {train_batch_size: 3}", "deepspeed.train_batch_size"),
+    ("ds stage", "deepspeed: {zero_optimization: {stage: '3'}}", "deepspeed.zero_optimization.stage"),
+    ("ds scheduler params", "deepspeed: {scheduler: {type: WarmupLR, params: {nosuch: 1}}}", "deepspeed.scheduler"),
+    ("threads", "train: {threads_per_worker: 4096}", "train.threads_per_worker"),
+    ("local workers", "parallel: {dp: 128}\ndata: {batch_size: 128}", "train.max_local_workers"),
+]
+
+SET = [("train.steps=1:30", "train.steps"), ("train.resume=yes", "train.resume"), (f"model.hidden={BIG_INT}", "model.hidden"),
+       ("optimizer.lr=1e300", "optimizer.lr"), ('train.out_dir="\\ud800"', "train.out_dir"), ("train.steps", "train.steps"),
+       ("=5", "override"), ("train.steps.x=5", "train.steps"), ("parallel.pp=-1", "parallel.pp"),
+       ("train.threads_per_worker=1e6", "train.threads_per_worker"), ("data.seed=017", "data.seed")]
+
+
+def refusal(capsys, argv) -> tuple[int, str]:
+    code = main(argv)
+    captured = capsys.readouterr()
+    return code, captured.err
+
+
+def assert_refused(code: int, err: str, field: str, case: str) -> None:
+    assert code == 2, (case, code, err[-500:])
+    assert "Traceback" not in err and err.startswith("parallel4d: "), (case, err[-500:])
+    assert field in err, (case, field, err[:500])
+    lines = [line for line in err.splitlines() if line.startswith("  - ")] or [err]
+    for line in lines:
+        assert FIX.search(line), (case, "no fix named", line)
+    assert len(err) < 5000, (case, "a refusal fits a screen", len(err))
+
+
+def test_hundreds_of_invalid_job_files_are_refused_with_a_field_and_a_fix(tmp_path, capsys):
+    cases = field_cases() + STRUCTURE + CROSS
+    assert len(cases) > 300
+    for n, (case, text, field) in enumerate(cases):
+        path = tmp_path / f"case{n}.yaml"
+        path.write_bytes(text.encode("utf-8", "surrogatepass"))
+        assert_refused(*refusal(capsys, ["validate", str(path)]), field, case)
+
+
+def test_invalid_overrides_are_refused_with_a_field_and_a_fix(tmp_path, capsys):
+    base = tmp_path / "job.yaml"
+    base.write_text("train: {steps: 5}\n")
+    for item, field in SET:
+        assert_refused(*refusal(capsys, ["validate", str(base), "--set", item]), field, item)
+
+
+def test_launch_refuses_the_same_before_any_worker(tmp_path, capsys, monkeypatch):
+    """The launch entry point says the same as validate and starts nothing (spawn is never called)."""
+    def spawn(*args, **kwargs):
+        raise AssertionError("a worker was started for an invalid config")
+
+    monkeypatch.setattr(sys.modules["parallel4d.launch"], "spawn", spawn)
+    for n, (case, text, field) in enumerate(field_cases()[::15] + CROSS):
+        path = tmp_path / f"case{n}.yaml"
+        path.write_bytes(text.encode("utf-8", "surrogatepass"))
+        assert_refused(*refusal(capsys, ["launch", str(path)]), field, case)
