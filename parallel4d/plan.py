@@ -112,9 +112,57 @@ def _one_step(cfg: Config, mesh) -> tuple[dict, int]:
     return engine.memory, None if engine.hetero is not None else adam_state_bytes(engine.optimizer)
 
 
+EXACT_DEPTH = 4  # a deeper one-stage model is planned from two shallow dry runs (see plan)
+
+
 def plan(cfg: Config) -> list[RankPlan]:
-    """Every pipeline position's :class:`RankPlan`."""
+    """Every pipeline position's :class:`RankPlan`.
+
+    Without a pipeline every counted quantity is affine in the depth: each block adds the same
+    parameters, gradients, optimizer state, saved activations (all of them live at the end of the
+    forward, or only the blocks' inputs under activation checkpointing) and bytes sent. So a deeper
+    model is the dry runs at depths 1 and 2 extrapolated, exactly, in the time of three blocks
+    (hetero's chunk packing is not affine: it is always dry-run whole).
+    """
+    passes = block_passes(cfg)
+    if passes > MAX_BLOCK_PASSES:
+        raise ConfigError(f"parallel4d plan would dry-run {passes} block forwards and backwards (model.layers="
+                          f"{cfg.model.layers} × pipeline.microbatches={cfg.pipeline.microbatches}"
+                          f"{' × hetero' if cfg.hetero.enabled else ''}), minutes on fake tensors; it plans at most "
+                          f"{MAX_BLOCK_PASSES}: plan a shallower copy (--set model.layers=...) and scale its "
+                          "per-block parameters, gradients, optimizer state and activations, or lower "
+                          "pipeline.microbatches for the plan")
+    if _extrapolates(cfg):
+        one, two = (dry_run(cfg.model_copy(update={"model": cfg.model.model_copy(update={"layers": d})}))
+                    for d in (1, 2))
+        return [_extrapolated(one, two, cfg.model.layers - 1)]
     return [dry_run(cfg, r) for r in range(cfg.parallel.pp)]
+
+
+MAX_BLOCK_PASSES = 1024  # ~20-30 ms each on fake tensors (2 busy cores): under half a minute
+
+
+def _extrapolates(cfg: Config) -> bool:
+    return cfg.parallel.pp == 1 and cfg.model.layers > EXACT_DEPTH and not cfg.hetero.enabled
+
+
+def block_passes(cfg: Config) -> int:
+    """The transformer-block forwards and backwards :func:`plan`'s dry runs make (hetero's cost about
+    four times as much: its hooks move chunks)."""
+    layers = 3 if _extrapolates(cfg) else cfg.model.layers
+    return layers * cfg.pipeline.microbatches * (4 if cfg.hetero.enabled else 1)
+
+
+def _extrapolated(one: RankPlan, two: RankPlan, more: int) -> RankPlan:
+    """``one`` (a one-block model's plan) plus ``more`` times what a second block added (``two - one``)."""
+    def at(a, b):
+        return None if a is None else a + (b - a) * more
+
+    axes = {**one.sent_by_axis, **two.sent_by_axis}
+    return RankPlan(one.pp_rank, one.global_rank, at(one.parameters, two.parameters),
+                    at(one.gradients, two.gradients), at(one.optimizer_state, two.optimizer_state),
+                    at(one.activations, two.activations), None, None,
+                    {a: at(one.sent_by_axis.get(a, 0), two.sent_by_axis.get(a, 0)) for a in axes})
 
 
 # --- will it fit ------------------------------------------------------------------------------
@@ -161,6 +209,9 @@ def try_knobs(path, overrides: list[str], cfg: Config) -> list[tuple[list[str], 
             changed = load_config(path, [*overrides, *knob])
         except (ConfigError, ValueError) as e:
             out.append((knob, f"refused: {str(e).splitlines()[0]}"))
+            continue
+        if block_passes(changed) > MAX_BLOCK_PASSES:
+            out.append((knob, "not planned: its dry run would take minutes"))
             continue
         out.append((knob, max(r.device_bytes for r in plan(changed))))
     return out

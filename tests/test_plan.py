@@ -10,12 +10,14 @@ That the measured activations are what the process holds is checked against glib
 tests/test_validation.py.
 """
 
+import time
+
 import pytest
 
 from conftest import assert_plan_matches
 from parallel4d.cli import main
 from parallel4d.config import ConfigError, make_config
-from parallel4d.plan import parse_bytes, plan
+from parallel4d.plan import dry_run, parse_bytes, plan
 from test_e2e import FOUR_D, FOUR_D_STEPS, PIPELINE_STEPS, ROOT, shared_run
 
 SHIPPED = {  # config → the overrides its shared end-to-end run uses (test_e2e)
@@ -81,3 +83,28 @@ def test_sizes():
     assert parse_bytes("81920MiB") == 80 * 2**30 and parse_bytes("1e9B") == 10**9
     with pytest.raises(ConfigError, match="'80' has no unit; write e.g. 80GiB"):  # not 80 bytes
         parse_bytes("80")
+
+
+@pytest.mark.parametrize("extra", [
+    {"parallel": {"dp": 2, "sp": 2, "tp": 4}, "model": {"seq_len": 32}},
+    {"train": {"activation_checkpointing": "blocks"}, "pipeline": {"microbatches": 2}},
+    {"model": {"arch": "llama", "kv_heads": 2}, "train": {"dtype": "bfloat16"}},
+])
+def test_a_deep_model_is_planned_from_two_shallow_dry_runs_exactly(extra):
+    """#26.4: without a pipeline every planned quantity is affine in the depth, so a 9-layer plan made
+    from 1- and 2-layer dry runs equals the 9-layer dry run field for field (and a 512-layer plan
+    takes the time of three blocks)."""
+    data = {"model": {"layers": 9, "hidden": 64, "heads": 4}, "data": {"batch_size": 8}}
+    for section, fields in extra.items():
+        data[section] = {**data.get(section, {}), **fields}
+    cfg = make_config(data)
+    assert plan(cfg) == [dry_run(cfg)]
+
+
+def test_plan_refuses_at_once_what_it_cannot_dry_run_in_seconds(capsys):
+    args = ["--set", "model.layers=256", "--set", "parallel.pp=4", "--set", "pipeline.microbatches=8"]
+    start = time.perf_counter()
+    assert main(["plan", str(config_path("quickstart")), *args]) == 2
+    assert time.perf_counter() - start < 5
+    err = capsys.readouterr().err
+    assert "model.layers=256 × pipeline.microbatches=8" in err and "--set model.layers=" in err, err
