@@ -12,6 +12,7 @@ from pathlib import Path
 from .checkpoint import CheckpointError
 from .config import ConfigError, load_config
 from .curves import plot_run
+from .data import verify_token_files
 from .export import export
 from .generate import generate
 from .gather import gather
@@ -22,6 +23,7 @@ from .plan import HEADROOM, format_fit, format_ranks, parse_bytes, plan, try_kno
 from .tokenize import tokenize
 from .train import deepspeed_integration
 from .workers import Terminated, WorkerError, WorkerTimeout
+from .workers import _sigterm_as_interrupt  # tokenize stops on SIGTERM as on Ctrl-C: its temporary files go
 
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
@@ -34,6 +36,7 @@ def _cmd_validate(args) -> int:
     cfg = load_config(args.config, args.overrides)
     if cfg.deepspeed is not None:
         deepspeed_integration().resolve(cfg, device_and_backend(cfg)[0])
+    verify_token_files(cfg)
     print(cfg.to_yaml(), end="")
     print(f"# world size: {cfg.world_size} = pp·dp·sp·tp = {cfg.parallel.pp}·{cfg.parallel.dp}·"
           f"{cfg.parallel.sp}·{cfg.parallel.tp}")
@@ -102,7 +105,15 @@ def _cmd_export(args) -> int:
 
 
 def _cmd_tokenize(args) -> int:
-    meta = tokenize(args.tokenizer, args.inputs, args.out, eos_token=args.eos_token, workers=args.workers)
+    """130 on Ctrl-C (143 on SIGTERM), saying that ``-o`` and its sidecar were left as they were."""
+    try:
+        with _sigterm_as_interrupt():
+            meta = tokenize(args.tokenizer, args.inputs, args.out, eos_token=args.eos_token, workers=args.workers)
+    except KeyboardInterrupt as e:
+        how = "terminated (SIGTERM)" if isinstance(e, Terminated) else "interrupted"
+        print(f"parallel4d: tokenize {how}; nothing was half written ({args.out} and its sidecar are as they were, "
+              "or both complete)", file=sys.stderr)
+        return 143 if isinstance(e, Terminated) else 130
     print(json.dumps(meta))
     return 0
 

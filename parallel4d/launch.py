@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from . import checkpoint, elastic
 from .config import Config, ConfigError, load_config, local_job_problems, torchrun_job_problems
+from .data import verify_token_files
 from .engine import pretrained_checkpoint
 from .mesh import device_and_backend, init_process_group_from_env
 from .rundir import RunLock, check_writable
@@ -45,6 +46,7 @@ def prepared(cfg: Config, local: bool, device_type: str = "cpu"):
         deepspeed_integration().resolve(cfg, device_type)
     if cfg.model.pretrained:  # every weight file there and of the model's shape, from the headers
         pretrained_checkpoint(cfg.model, lambda hf: hf.check_checkpoint(cfg.model.pretrained, cfg.model))
+    verify_token_files(cfg)  # the token files' bytes against their sidecars (hashed once, then stamped)
     check_writable(cfg.train.out_dir, "train.out_dir")
     dirs = [Path(cfg.train.out_dir)]
     if cfg.checkpoint.enabled:
