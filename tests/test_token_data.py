@@ -256,11 +256,13 @@ def workdir(tokenizer, tmp_path):
         (tmp_path / f"{i}.txt").write_text(text)
     (tmp_path / "notes.json").write_text(TEXTS[0])
     (tmp_path / "tokenizer.json").write_bytes(open(tokenizer, "rb").read())
+    (tmp_path / "tok.bpe").write_bytes(open(tokenizer, "rb").read())  # a tokenizer file by another name
     return tmp_path
 
 
 @pytest.mark.parametrize("out, words", [
     ("0.txt", "the token file {d}/0.txt is an input"),
+    ("tok.bpe", "the token file {d}/tok.bpe is the tokenizer"),
     ("tokenizer.bin", "its sidecar {d}/tokenizer.json is the tokenizer"),
     ("notes.bin", "its sidecar {d}/notes.json is an input"),
     ("fresh.json", "its sidecar (the token file's name with .json) is {d}/fresh.json, the token file itself; "
@@ -278,7 +280,8 @@ def test_tokenize_refuses_an_output_that_would_write_over_its_inputs(workdir, ca
     os.symlink(workdir / "0.txt", workdir / "soft.bin")
     before = _snapshot(workdir)
     inputs = [str(workdir / n) for n in ("0.txt", "1.txt", "notes.json")]
-    code = main(["tokenize", "--tokenizer", str(workdir / "tokenizer.json"), *inputs, "-o", str(workdir / out)])
+    tok = workdir / ("tok.bpe" if out == "tok.bpe" else "tokenizer.json")
+    code = main(["tokenize", "--tokenizer", str(tok), *inputs, "-o", str(workdir / out)])
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1 and words.format(d=workdir) in err, err
     assert "choose another -o" in err or "name the token file" in err
