@@ -21,6 +21,7 @@ from .pipeline.cli import add_schedule_parser
 from .plan import HEADROOM, format_fit, format_ranks, parse_bytes, plan, try_knobs
 from .tokenize import tokenize
 from .workers import Terminated, WorkerError, WorkerTimeout
+from .workers import _sigterm_as_interrupt  # tokenize stops on SIGTERM as on Ctrl-C: its temporary files go
 
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
@@ -100,7 +101,15 @@ def _cmd_export(args) -> int:
 
 
 def _cmd_tokenize(args) -> int:
-    meta = tokenize(args.tokenizer, args.inputs, args.out, eos_token=args.eos_token, workers=args.workers)
+    """130 on Ctrl-C (143 on SIGTERM), saying that ``-o`` and its sidecar were left as they were."""
+    try:
+        with _sigterm_as_interrupt():
+            meta = tokenize(args.tokenizer, args.inputs, args.out, eos_token=args.eos_token, workers=args.workers)
+    except KeyboardInterrupt as e:
+        how = "terminated (SIGTERM)" if isinstance(e, Terminated) else "interrupted"
+        print(f"parallel4d: tokenize {how}; nothing was half written ({args.out} and its sidecar are as they were, "
+              "or both complete)", file=sys.stderr)
+        return 143 if isinstance(e, Terminated) else 130
     print(json.dumps(meta))
     return 0
 

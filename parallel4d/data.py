@@ -15,8 +15,9 @@ from typing import Sequence
 
 import torch
 
+from .config import ConfigError
 from .text_files import corpus_files
-from .token_files import read_sidecar
+from .token_files import ITEM_BYTES, content_problems, read_sidecar
 
 
 class SyntheticTokens:
@@ -93,7 +94,11 @@ class _Windows:
         seq = torch.zeros(self.batch_size, self.seq_len + 1, dtype=torch.int64)
         for r in rows if rows is not None else range(self.batch_size):
             seq[r] = self.tokens[starts[r]:starts[r] + self.seq_len + 1].to(torch.int64)
+        self._check_ids(seq, starts)
         return seq[:, :-1].contiguous(), seq[:, 1:].contiguous()
+
+    def _check_ids(self, seq: torch.Tensor, starts: list[int]) -> None:
+        """Every id the windows ``seq`` (drawn at ``starts``) hold is in range (bytes always are)."""
 
 
 class ByteCorpus(_Windows):
@@ -112,14 +117,28 @@ class TokenFile(_Windows):
     """Random windows of a token file (``data.source: tokens``), memory-mapped: a step's batch
     reads its ``batch_size`` windows of ``seq_len + 1`` tokens, never the whole file."""
 
-    def __init__(self, path, seq_len: int, batch_size: int, seed: int = 0, val_fraction: float | None = None,
-                 validation: bool = False):
-        meta = read_sidecar(path)
+    def __init__(self, path, vocab_size: int, seq_len: int, batch_size: int, seed: int = 0,
+                 val_fraction: float | None = None, validation: bool = False, field: str = "data.path"):
+        meta = read_sidecar(path, field)
+        self.path, self.field, self.vocab_size, self.item_bytes = path, field, vocab_size, ITEM_BYTES[meta["dtype"]]
         dtype = {"uint16": torch.uint16, "uint32": torch.uint32}[meta["dtype"]]
         self.tokens = torch.from_file(str(path), shared=False, size=meta["tokens"], dtype=dtype)
         lo, hi = _split(len(self.tokens), val_fraction, validation)
         self._init_windows(seq_len, batch_size, seed, lo, hi, f"{path}" + (" (its validation part)" if validation
                                                                              and val_fraction else ""))
+
+    def _check_ids(self, seq: torch.Tensor, starts: list[int]) -> None:
+        """The second line of defence behind the sidecar's checksum (an old sidecar has none; a file can
+        change after the launch checked it): an id the embedding has no row for stops the step here,
+        naming where it is, not as an index error deep in the model."""
+        if int(seq.max()) < self.vocab_size:
+            return
+        r, c = (int(i) for i in (seq >= self.vocab_size).nonzero()[0])
+        at = starts[r] + c
+        raise ValueError(f"{self.field}={str(self.path)!r} holds token id {int(seq[r, c])} at token offset {at} (byte "
+                         f"offset {at * self.item_bytes}), not below model.vocab_size={self.vocab_size}: the file "
+                         "changed or was tokenized with a larger vocabulary; tokenize it again with the model's "
+                         "tokenizer (or raise model.vocab_size)")
 
 
 def build_dataset(cfg):
@@ -128,7 +147,7 @@ def build_dataset(cfg):
     if d.source == "synthetic":
         return SyntheticTokens(m.vocab_size, m.seq_len, d.batch_size, d.seed)
     if d.source == "tokens":
-        return TokenFile(d.path, m.seq_len, d.batch_size, d.seed, d.val_fraction)
+        return TokenFile(d.path, m.vocab_size, m.seq_len, d.batch_size, d.seed, d.val_fraction)
     return ByteCorpus(m.seq_len, d.batch_size, d.seed, d.text_root, d.max_bytes, d.val_fraction, patterns=d.text_glob)
 
 
@@ -151,8 +170,22 @@ def build_validation(cfg) -> Validation | None:
     if d.source == "synthetic":
         return Validation(SyntheticTokens(m.vocab_size, m.seq_len, d.batch_size, d.seed))
     if d.val_path:
-        return Validation(TokenFile(d.val_path, m.seq_len, d.batch_size, d.seed))
+        return Validation(TokenFile(d.val_path, m.vocab_size, m.seq_len, d.batch_size, d.seed, field="data.val_path"))
     if d.source == "tokens":
-        return Validation(TokenFile(d.path, m.seq_len, d.batch_size, d.seed, d.val_fraction, validation=True))
+        return Validation(TokenFile(d.path, m.vocab_size, m.seq_len, d.batch_size, d.seed, d.val_fraction,
+                                    validation=True))
     return Validation(ByteCorpus(m.seq_len, d.batch_size, d.seed, d.text_root, d.max_bytes, d.val_fraction,
                                  validation=True, patterns=d.text_glob))
+
+
+def verify_token_files(cfg) -> None:
+    """Before any worker starts: each token file a ``Config`` reads holds the bytes ``parallel4d
+    tokenize`` wrote (:func:`.token_files.content_problems`: hashed once, then stamped) and was
+    tokenized with ``model.pretrained``'s tokenizer where that has one; ConfigError naming the file."""
+    d = cfg.data
+    if d.source != "tokens":
+        return
+    files = [("data.path", d.path)] + ([("data.val_path", d.val_path)] if d.val_path else [])
+    problems = [p for field, path in files for p in content_problems(path, field, cfg.model.pretrained)]
+    if problems:
+        raise ConfigError("invalid configuration:\n" + "\n".join(f"  - {p}" for p in problems))

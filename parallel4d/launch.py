@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from . import checkpoint, elastic
 from .config import Config, ConfigError, load_config, local_job_problems, torchrun_job_problems
+from .data import verify_token_files
 from .engine import pretrained_checkpoint
 from .mesh import device_and_backend, init_process_group_from_env
 from .rundir import RunLock, check_history, check_writable
@@ -32,7 +33,7 @@ from .workers import spawn
 def check_job(cfg: Config, local: bool, device_type: str = "cpu", source: str | None = None) -> None:
     """Every check of a valid config that needs the machine but no lock and no worker: the local
     limits (``local``: this process spawns the workers), a ``deepspeed:`` section against DeepSpeed
-    for ``device_type``, ``model.pretrained``'s weight files. A ``ConfigError`` names ``source``
+    for ``device_type``, ``model.pretrained``'s weight files, the token files' contents. A ``ConfigError`` names ``source``
     (the job file) first, as the config's own errors do."""
     try:
         problems = local_job_problems(cfg) if local else []
@@ -42,6 +43,7 @@ def check_job(cfg: Config, local: bool, device_type: str = "cpu", source: str | 
             deepspeed_integration().resolve(cfg, device_type)
         if cfg.model.pretrained:  # every weight file there and of the model's shape, from the headers
             pretrained_checkpoint(cfg.model, lambda hf: hf.check_checkpoint(cfg.model.pretrained, cfg.model))
+        verify_token_files(cfg)  # the token files' bytes against their sidecars (hashed once, then stamped)
     except ConfigError as e:
         raise ConfigError(f"{source}: {e}" if source else str(e)) from None
 

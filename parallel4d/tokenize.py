@@ -1,16 +1,27 @@
 """``parallel4d tokenize``: text files → a token file (``data.source: tokens``) with Hugging Face
-``tokenizers``, in parallel over the files, each document followed by an end-of-document token."""
+``tokenizers``, in parallel over the files, each document followed by an end-of-document token.
+
+Nothing a user has is written over by mistake or left half written: an output that is (or whose
+sidecar is) one of the inputs or the tokenizer, by path or by inode, is refused; the token file and
+its sidecar are written to temporary files beside them and renamed into place only when both are
+complete, so a failure or Ctrl-C leaves an earlier output as it was and no temporary file behind.
+"""
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
+import secrets
+import signal
 from array import array
-from concurrent.futures import ProcessPoolExecutor
+from contextlib import contextmanager, nullcontext
 from functools import lru_cache
+from multiprocessing import Pool
 from pathlib import Path
 
 from .config import ConfigError
-from .token_files import dtype_for, sidecar_path
+from .token_files import dtype_for, file_sha256, record_verified, sidecar_path, stamp_path
 
 # the end-of-document tokens of common tokenizers, tried in this order
 EOS_NAMES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "<|im_end|>", "[SEP]")
@@ -51,36 +62,162 @@ def _encode(job: tuple[str, str, int]) -> list[int]:
     return _load(Path(tokenizer_file)).encode(text, add_special_tokens=False).ids + [eos]
 
 
-def tokenize(tokenizer: str, inputs: list[str], out: str, eos_token: str | None = None, workers: int = 1,
-             progress: bool = True) -> dict:
-    """Tokenize ``inputs`` (in this order) into ``out`` and its sidecar; returns the sidecar."""
-    path = _tokenizer_file(tokenizer)
-    tok = _load(path)
-    eos, vocab = _eos_id(tok, eos_token), tok.get_vocab_size(with_added_tokens=True)
+def _check_inputs(inputs: list[str]) -> None:
     for f in inputs:
         p = Path(f)
         if not p.is_file():
             raise ConfigError(f"{f}: no such file; give text files to tokenize")
         if p.stat().st_size == 0:
             raise ConfigError(f"{f} is empty; leave it out of the inputs")
-    dtype = dtype_for(vocab)
-    jobs = [(str(path), f, eos) for f in inputs]
-    total = 0
-    pool = ProcessPoolExecutor(max_workers=workers) if workers > 1 else None
-    try:
-        docs = pool.map(_encode, jobs) if pool else map(_encode, jobs)
-        if progress:
-            from tqdm import tqdm
 
-            docs = tqdm(docs, total=len(jobs), unit="file", desc="tokenize")
-        with open(out, "wb") as sink:
-            for ids in docs:
-                array("H" if dtype == "uint16" else "I", ids).tofile(sink)
-                total += len(ids)
+
+def _same_file(a: Path, b: Path) -> bool:
+    """One file: the same resolved path, or (hard or symbolic links) the same device and inode."""
+    if a.resolve() == b.resolve():
+        return True
+    try:
+        return os.path.samefile(a, b)
+    except OSError:  # one of them does not exist yet
+        return False
+
+
+def _refuse_aliases(out: Path, inputs: list[str], tokenizer: Path) -> None:
+    """ConfigError naming the path and the fix where writing ``out`` would write over a source."""
+    side = sidecar_path(out)
+    fix = f"choose another -o, e.g. {out.with_name(out.stem + '.tokens.bin')}"
+    if _same_file(out, side):
+        raise ConfigError(f"-o {out}: its sidecar (the token file's name with .json) is {side}, the token file "
+                          f"itself; name the token file {out.with_suffix('.bin')}")
+    sources = [(Path(f), "an input") for f in inputs] + [(tokenizer, "the tokenizer")]
+    for target, what in ((out, "the token file"), (side, "its sidecar"), (stamp_path(out), "its stamp")):
+        if target.is_dir():
+            raise ConfigError(f"-o {out}: {what} {target} is a directory; give a file name, e.g. "
+                              f"{target / 'tokens.bin'}")
+        for source, kind in sources:
+            if _same_file(target, source):
+                raise ConfigError(f"-o {out}: {what} {target} is {kind} ({source}), which tokenize would write "
+                                  f"over; {fix}")
+
+
+def _make_parent(out: Path) -> None:
+    try:
+        _through_link(out).parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"-o {out}: cannot create its directory {out.parent} ({e.strerror}: {e.filename}); "
+                          "choose a directory you can write to") from None
+
+
+@contextmanager
+def _temporary(target: Path):
+    """A new file beside ``target`` (same file system: renamed into place atomically), removed on the
+    way out unless it was renamed. Created with the umask's permissions, as ``target`` would be."""
+    tmp = target.with_name(f".{target.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+    try:
+        os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
+    except OSError as e:
+        raise ConfigError(f"-o: cannot write in {target.parent} ({e.strerror}); choose a directory you can "
+                          "write to") from None
+    try:
+        yield tmp
     finally:
-        if pool:
-            pool.shutdown()
-    meta = {"dtype": dtype, "tokens": total, "vocab_size": vocab, "tokenizer": str(path.resolve()),
-            "eos_token_id": eos, "files": len(inputs)}
-    sidecar_path(out).write_text(json.dumps(meta, indent=1) + "\n")
+        tmp.unlink(missing_ok=True)
+
+
+def _write_chunk(sink, data: bytes) -> None:
+    sink.write(data)
+
+
+def _write_tokens(tmp: Path, docs, dtype: str) -> tuple[int, int, str]:
+    """Each document's ids into ``tmp``: (tokens, largest id, sha256 of the bytes)."""
+    typecode = "H" if dtype == "uint16" else "I"
+    total, max_id, digest = 0, 0, hashlib.sha256()
+    with open(tmp, "wb") as sink:
+        for ids in docs:
+            data = array(typecode, ids).tobytes()
+            _write_chunk(sink, data)
+            digest.update(data)
+            total, max_id = total + len(ids), max(max_id, max(ids))
+        sink.flush()
+        os.fsync(sink.fileno())
+    return total, max_id, digest.hexdigest()
+
+
+def _write_text(tmp: Path, text: str) -> None:
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _rename_both(bin_tmp: Path, out: Path, side_tmp: Path, side: Path) -> None:
+    """Both files into place. An interruption after the first rename still completes the second
+    (decided from the files, not a flag a signal could land before), so the pair never mixes."""
+    try:
+        os.replace(bin_tmp, out)
+    finally:
+        if not bin_tmp.exists():
+            os.replace(side_tmp, side)
+    for directory in {out.parent, side.parent}:  # the renames themselves survive a power cut
+        try:
+            fd = os.open(directory, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        except OSError:
+            pass
+
+
+def _worker_signals() -> None:
+    """A tokenizing process leaves Ctrl-C to the parent, and dies at once when the parent ends the
+    pool (a handler the parent had for SIGTERM would wait for the tokenizer's native code to return)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+def _documents(pool, jobs, progress: bool):
+    docs = pool.imap(_encode, jobs) if pool else map(_encode, jobs)
+    if progress:
+        from tqdm import tqdm
+
+        docs = tqdm(docs, total=len(jobs), unit="file", desc="tokenize")
+    return docs
+
+
+def _through_link(path: Path) -> Path:
+    """Where writing ``path`` lands: a symbolic link's target (a token file kept on another disk stays
+    there), else ``path`` itself."""
+    return path.resolve() if path.is_symlink() else path
+
+
+def _write_both(jobs: list, out: Path, meta: dict, workers: int, progress: bool) -> dict:
+    """The token file and its sidecar (``meta`` completed) into place together; the sidecar."""
+    dest, side = _through_link(out), _through_link(sidecar_path(out))
+    with _temporary(dest) as bin_tmp, _temporary(side) as side_tmp:
+        # on the way out the pool's processes are ended where they are: an interruption waits for none
+        with Pool(workers, initializer=_worker_signals) if workers > 1 else nullcontext() as pool:
+            total, max_id, sha = _write_tokens(bin_tmp, _documents(pool, jobs, progress), meta["dtype"])
+        meta = {"dtype": meta["dtype"], "tokens": total, **meta, "max_id": max_id, "sha256": sha}
+        _write_text(side_tmp, json.dumps(meta, indent=1) + "\n")
+        _rename_both(bin_tmp, dest, side_tmp, side)
+    record_verified(out, sha)  # the bytes just written: the first launch need not hash them again
     return meta
+
+
+def tokenize(tokenizer: str, inputs: list[str], out: str, eos_token: str | None = None, workers: int = 1,
+             progress: bool = True) -> dict:
+    """Tokenize ``inputs`` (in this order) into ``out`` and its sidecar; returns the sidecar."""
+    path = _tokenizer_file(tokenizer)
+    _check_inputs(inputs)
+    out_path = Path(out)
+    _refuse_aliases(out_path, inputs, path)
+    tok = _load(path)
+    eos, vocab = _eos_id(tok, eos_token), tok.get_vocab_size(with_added_tokens=True)
+    meta = {"dtype": dtype_for(vocab), "vocab_size": vocab, "tokenizer": str(path.resolve()),
+            "tokenizer_sha256": file_sha256(path), "eos_token_id": eos, "files": len(inputs)}
+    _make_parent(out_path)
+    try:
+        return _write_both([(str(path), f, eos) for f in inputs], out_path, meta, workers, progress)
+    except OSError as e:  # a full disk, an input gone: nothing was renamed into place
+        raise ConfigError(f"-o {out}: tokenizing failed ({e.strerror}: {e.filename}); {out} and its sidecar were "
+                          "left as they were; free the space or fix the file and run it again") from None

@@ -2,10 +2,12 @@
 and its sidecar; ``data.source: tokens`` trains on it memory-mapped, reading a step's windows only;
 a file that cannot feed the model is refused before anything runs, naming the file and the fix."""
 
+import importlib
 import json
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -238,3 +240,317 @@ def test_generate_decodes_with_the_token_files_tokenizer(tokenizer, token_file):
     assert encode(text) == tok.encode(text, add_special_tokens=False).ids
     assert decode(encode(text)) == tok.decode(tok.encode(text, add_special_tokens=False).ids)
     assert len(encode(text)) < len(text.encode())  # tokens, not bytes
+
+
+# ---- #26: inputs and outputs never alias; the writes are all or nothing; token files verified ----
+
+def _snapshot(directory):
+    """Every file under ``directory`` (dot files too) and its bytes."""
+    return {p.relative_to(directory): p.read_bytes() for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture
+def workdir(tokenizer, tmp_path):
+    """Two text inputs, a copy of the tokenizer and a notes.json text input, side by side."""
+    for i, text in enumerate(TEXTS):
+        (tmp_path / f"{i}.txt").write_text(text)
+    (tmp_path / "notes.json").write_text(TEXTS[0])
+    (tmp_path / "tokenizer.json").write_bytes(open(tokenizer, "rb").read())
+    (tmp_path / "tok.bpe").write_bytes(open(tokenizer, "rb").read())  # a tokenizer file by another name
+    return tmp_path
+
+
+@pytest.mark.parametrize("out, words", [
+    ("0.txt", "the token file {d}/0.txt is an input"),
+    ("tok.bpe", "the token file {d}/tok.bpe is the tokenizer"),
+    ("tokenizer.bin", "its sidecar {d}/tokenizer.json is the tokenizer"),
+    ("notes.bin", "its sidecar {d}/notes.json is an input"),
+    ("fresh.json", "its sidecar (the token file's name with .json) is {d}/fresh.json, the token file itself; "
+                   "name the token file {d}/fresh.bin"),
+    ("hard.bin", "the token file {d}/hard.bin is an input ({d}/1.txt)"),
+    ("soft.bin", "the token file {d}/soft.bin is an input ({d}/0.txt)"),
+])
+def test_tokenize_refuses_an_output_that_would_write_over_its_inputs(workdir, capsys, out, words):
+    """``-o`` onto an input, onto the tokenizer, a sidecar that is one of them or the token file
+    itself, and a hard or symbolic link to an input: exit 2 with one line naming the path and the
+    fix, and not a byte written anywhere."""
+    import os
+
+    os.link(workdir / "1.txt", workdir / "hard.bin")
+    os.symlink(workdir / "0.txt", workdir / "soft.bin")
+    before = _snapshot(workdir)
+    inputs = [str(workdir / n) for n in ("0.txt", "1.txt", "notes.json")]
+    tok = workdir / ("tok.bpe" if out == "tok.bpe" else "tokenizer.json")
+    code = main(["tokenize", "--tokenizer", str(tok), *inputs, "-o", str(workdir / out)])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and words.format(d=workdir) in err, err
+    assert "choose another -o" in err or "name the token file" in err
+    assert _snapshot(workdir) == before
+
+
+def test_tokenize_creates_the_output_directory(tokenizer, workdir):
+    out = workdir / "data" / "deep" / "train.bin"
+    assert main(["tokenize", "--tokenizer", tokenizer, str(workdir / "0.txt"), "-o", str(out)]) == 0
+    assert json.loads(out.with_suffix(".json").read_text())["tokens"] * 2 == out.stat().st_size > 0
+
+
+def test_tokenize_through_a_symlink_writes_its_target(tokenizer, workdir):
+    """A token file kept elsewhere behind a link stays there: the link is followed, not replaced."""
+    import os
+
+    (workdir / "big-disk").mkdir()
+    (workdir / "big-disk" / "train.bin").write_bytes(b"old")
+    os.symlink(workdir / "big-disk" / "train.bin", workdir / "train.bin")
+    assert main(["tokenize", "--tokenizer", tokenizer, str(workdir / "0.txt"), "-o", str(workdir / "train.bin")]) == 0
+    assert (workdir / "train.bin").is_symlink() and (workdir / "big-disk" / "train.bin").stat().st_size > 3
+    assert json.loads((workdir / "train.json").read_text())["tokens"] * 2 == (workdir / "train.bin").stat().st_size
+
+
+def test_tokenize_records_the_checksum_largest_id_and_tokenizer(tokenizer, token_file):
+    import hashlib
+
+    meta = json.loads(token_file.with_suffix(".json").read_text())
+    ids = torch.from_file(str(token_file), size=meta["tokens"], dtype=torch.uint16).to(torch.int64)
+    assert meta["sha256"] == hashlib.sha256(token_file.read_bytes()).hexdigest()
+    assert meta["max_id"] == int(ids.max()) and meta["tokenizer"] == str(Path(tokenizer).resolve())
+    assert meta["tokenizer_sha256"] == hashlib.sha256(Path(tokenizer).read_bytes()).hexdigest()
+
+
+def _fail_on_second_document(monkeypatch, error):
+    import parallel4d.tokenize as tokenize_module
+
+    real, calls = tokenize_module._write_chunk, []
+
+    def write_then_fail(sink, data):
+        calls.append(len(data))
+        real(sink, data[: len(data) // 2])  # a document half written
+        if len(calls) == 2:
+            raise error
+        real(sink, data[len(data) // 2:])
+
+    monkeypatch.setattr(tokenize_module, "_write_chunk", write_then_fail)
+    return calls
+
+
+@pytest.mark.parametrize("error, code, words", [
+    (KeyboardInterrupt(), 130, "tokenize interrupted; nothing was half written"),
+    (OSError(28, "No space left on device", "train.bin"), 2, "(No space left on device: train.bin); {out} and its "
+                                                              "sidecar were left as they were"),
+])
+def test_an_interrupted_tokenize_leaves_the_earlier_output_and_no_temporary_file(tokenizer, workdir, capsys,
+                                                                                 monkeypatch, error, code, words):
+    out = workdir / "data" / "train.bin"
+    args = ["tokenize", "--tokenizer", tokenizer, str(workdir / "0.txt"), str(workdir / "1.txt"), "-o", str(out)]
+    assert main(args[:-3] + args[-2:]) == 0  # the earlier output: the first file alone
+    before = _snapshot(workdir)
+    calls = _fail_on_second_document(monkeypatch, error)
+    assert main(args) == code and len(calls) == 2
+    assert words.format(out=out) in capsys.readouterr().err
+    assert _snapshot(workdir) == before  # no temporary file left, no byte of the earlier output changed
+
+
+def test_an_interruption_between_the_two_renames_still_pairs_the_files(tokenizer, workdir, monkeypatch):
+    """Ctrl-C just after the token file is renamed into place: its sidecar follows, never the new
+    file with the old sidecar."""
+    import hashlib
+    import os
+
+    import parallel4d.tokenize as tokenize_module
+
+    out = workdir / "train.bin"
+    assert main(["tokenize", "--tokenizer", tokenizer, str(workdir / "0.txt"), "-o", str(out)]) == 0
+    renamed, real = [], os.replace
+
+    def replace_then_interrupt(src, dst):
+        real(src, dst)
+        renamed.append(dst)
+        if len(renamed) == 1:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(tokenize_module.os, "replace", replace_then_interrupt)
+    assert main(["tokenize", "--tokenizer", tokenizer, str(workdir / "1.txt"), "-o", str(out)]) == 130
+    assert [Path(p).name for p in renamed] == ["train.bin", "train.json"]
+    meta = json.loads(out.with_suffix(".json").read_text())
+    assert meta["sha256"] == hashlib.sha256(out.read_bytes()).hexdigest()
+    assert not [p for p in workdir.iterdir() if p.name.endswith(".tmp")]
+
+
+def _copy_token_file(token_file, directory, name="train.bin"):
+    """The fixture's token file and sidecar under ``name`` (no stamp: not verified yet)."""
+    out = directory / name
+    out.write_bytes(token_file.read_bytes())
+    out.with_suffix(".json").write_text(token_file.with_suffix(".json").read_text())
+    return out
+
+
+def _job_file(directory, data, **model):
+    import yaml
+
+    job = {"data": {"source": "tokens", **data}, "model": {"vocab_size": 320, "seq_len": 16, **model},
+           "train": {"out_dir": str(directory / "run"), "steps": 2}}
+    if "val_path" in data:
+        job["train"]["eval_every"] = 1
+    path = directory / "job.yaml"
+    path.write_text(yaml.safe_dump(job))
+    return str(path)
+
+
+def _flip_a_token(path, offset=7):
+    """Another id at token ``offset``, still inside the vocabulary: only a checksum can tell."""
+    with open(path, "r+b") as f:
+        f.seek(2 * offset)
+        old = int.from_bytes(f.read(2), sys.byteorder)
+        f.seek(2 * offset)
+        f.write((old ^ 1).to_bytes(2, sys.byteorder))
+
+
+@pytest.mark.parametrize("field", ["data.path", "data.val_path"])
+def test_a_token_file_changed_since_tokenize_is_refused_before_any_worker_starts(token_file, tmp_path, capsys,
+                                                                                   monkeypatch, field):
+    launch_module = importlib.import_module("parallel4d.launch")  # the package's `launch` is the function
+
+    good = _copy_token_file(token_file, tmp_path, "good.bin")
+    changed = _copy_token_file(token_file, tmp_path)
+    data = {"path": str(changed)} if field == "data.path" else {"path": str(good), "val_path": str(changed)}
+    job = _job_file(tmp_path, data)
+    assert main(["validate", job]) == 0  # as written: accepted (and stamped)
+    _flip_a_token(changed)
+    assert main(["validate", job]) == 2
+    want = (f"{field}='{changed}' changed since `parallel4d tokenize` wrote it (its sha256 differs from the one in "
+            f"{changed.with_suffix('.json')}); tokenize it again")
+    assert want in capsys.readouterr().err
+
+    def no_worker(*args, **kwargs):
+        raise AssertionError("a worker started")
+
+    monkeypatch.setattr(launch_module, "spawn", no_worker)
+    with pytest.raises(ConfigError) as err:
+        launch_module.launch(job)
+    assert want in str(err.value)
+
+
+def test_a_verified_token_file_is_hashed_once_until_it_changes(token_file, tmp_path, monkeypatch):
+    """The stamp beside the file spares an unchanged file the hashing; a touch (mtime) or another file
+    in its place (inode) hashes it again."""
+    import os
+    import time
+
+    from parallel4d import token_files
+
+    real, hashed = token_files.file_sha256, []
+    monkeypatch.setattr(token_files, "file_sha256", lambda path, label=None: hashed.append(path) or real(path, label))
+    path = _copy_token_file(token_file, tmp_path)
+    time.sleep(0.05)  # a stamp in the clock tick of the file's last change is not trusted (racily clean)
+    assert token_files.content_problems(path) == [] and len(hashed) == 1
+    assert token_files.stamp_path(path).is_file()
+    assert token_files.content_problems(path) == [] and len(hashed) == 1
+    st = path.stat()
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 1))
+    assert token_files.content_problems(path) == [] and len(hashed) == 2
+    time.sleep(0.05)
+    assert token_files.content_problems(path) == [] and len(hashed) == 2
+    os.replace(_copy_token_file(token_file, tmp_path, "copy.bin"), path)  # the same bytes in a new inode
+    assert token_files.content_problems(path) == [] and len(hashed) == 3
+
+
+def test_a_token_file_that_cannot_be_stamped_is_checked_every_time(token_file, tmp_path, monkeypatch):
+    """Where the stamp cannot be written (here a directory stands in its place, as in a read-only data
+    directory the rename fails), the check still passes, hashing each time, and leaves no temporary file."""
+    from parallel4d import token_files
+
+    real, hashed = token_files.file_sha256, []
+    monkeypatch.setattr(token_files, "file_sha256", lambda path, label=None: hashed.append(path) or real(path, label))
+    path = _copy_token_file(token_file, tmp_path)
+    token_files.stamp_path(path).mkdir()
+    assert token_files.content_problems(path) == [] and token_files.content_problems(path) == []
+    assert len(hashed) == 2 and sorted(p.name for p in tmp_path.iterdir()) == [".train.bin.verified", "train.bin",
+                                                                              "train.json"]
+
+
+def test_hashing_a_big_file_says_how_far_it_is(token_file, tmp_path, monkeypatch, capsys):
+    from parallel4d import token_files
+
+    monkeypatch.setattr(token_files, "PROGRESS_BYTES", 1)
+    monkeypatch.setattr(token_files, "HASH_BLOCK", 64)  # many blocks: the file is never read whole
+    path = _copy_token_file(token_file, tmp_path)
+    assert token_files.content_problems(path) == []
+    err = capsys.readouterr().err
+    assert f"[parallel4d] checking data.path='{path}': hashing" in err and "hashed" in err and "MB/s" in err
+
+
+def test_an_old_sidecar_without_a_checksum_is_accepted_with_a_warning(tmp_path, capsys):
+    path = counting_file(tmp_path / "count.bin", 400)
+    assert main(["validate", _job_file(tmp_path, {"path": str(path)}, vocab_size=400)]) == 0
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"warning: data.path='{path}': its sidecar records no sha256" in err
+    assert "tokenize it again to record one" in err
+
+
+@pytest.mark.parametrize("field", ["data.path", "data.val_path"])
+def test_an_id_beyond_the_vocabulary_names_the_file_and_the_offset(tmp_path, field):
+    """An old sidecar (no checksum, no max_id) over a file with id 999 at token 5, every window covering
+    it: the batch refuses it naming file, offsets and value, instead of an IndexError in the embedding."""
+    from parallel4d.data import build_validation
+
+    path = tmp_path / "bad.bin"
+    ids = torch.ones(11, dtype=torch.int16)
+    ids[5] = 999
+    ids.numpy().tofile(path)
+    path.with_suffix(".json").write_text(json.dumps({"dtype": "uint16", "tokens": 11, "vocab_size": 100}))
+    good = counting_file(tmp_path / "good.bin", 100)
+    data = {"path": str(path)} if field == "data.path" else {"path": str(good), "val_path": str(path)}
+    cfg = make_config({"data": {"source": "tokens", "batch_size": 2, **data}, "model": {"vocab_size": 100,
+                                                                                          "seq_len": 8},
+                       "train": {"eval_every": 1} if field == "data.val_path" else {}})
+    source = build_dataset(cfg) if field == "data.path" else build_validation(cfg)
+    with pytest.raises(ValueError, match=re.escape(f"{field}='{path}' holds token id 999 at token offset 5 (byte "
+                                                   "offset 10), not below model.vocab_size=100")):
+        source.batch(0)
+
+
+def test_a_sidecars_largest_id_is_checked_against_the_vocabulary(token_file, tmp_path):
+    """A sidecar whose vocab_size understates its ids (hand-edited, or another tool's): its max_id is
+    what the embedding must cover."""
+    path = _copy_token_file(token_file, tmp_path)
+    meta = {**json.loads(path.with_suffix(".json").read_text()), "vocab_size": 20}
+    path.with_suffix(".json").write_text(json.dumps(meta))
+    with pytest.raises(ConfigError, match=re.escape(f"data.path='{path}' holds token id {meta['max_id']} (its "
+                                                    f"sidecar's max_id) but model.vocab_size=40; set "
+                                                    f"model.vocab_size≥{meta['max_id'] + 1}, or tokenize with the "
+                                                    "model's tokenizer")):
+        make_config({"data": {"source": "tokens", "path": str(path)}, "model": {"vocab_size": 40, "seq_len": 16}})
+    make_config({"data": {"source": "tokens", "path": str(path)},
+                 "model": {"vocab_size": meta["max_id"] + 1, "seq_len": 16}})
+
+
+@pytest.mark.parametrize("field, value, words", [
+    ("tokens", "5", "tokens '5' (an integer ≥ 0)"),
+    ("vocab_size", True, "vocab_size True (an integer ≥ 1)"),
+    ("max_id", -1, "max_id -1 (an integer ≥ 0)"),
+    ("sha256", "abc", "sha256 'abc' (64 lowercase hex digits)"),
+])
+def test_a_sidecar_with_a_field_of_the_wrong_type_is_refused(token_file, tmp_path, field, value, words):
+    path = _copy_token_file(token_file, tmp_path)
+    meta = {**json.loads(path.with_suffix(".json").read_text()), field: value}
+    path.with_suffix(".json").write_text(json.dumps(meta))
+    with pytest.raises(ConfigError, match=re.escape(words + "; write it again with `parallel4d tokenize`")):
+        make_config({"data": {"source": "tokens", "path": str(path)}, "model": {"vocab_size": 320, "seq_len": 16}})
+
+
+def test_data_tokenized_with_another_tokenizer_than_the_pretrained_models_is_refused(tokenizer, token_file,
+                                                                                     tmp_path, capsys):
+    from parallel4d.models import build_dense, hf, shape_from_config
+
+    model = tmp_path / "model"
+    dense = make_config({"model": {"vocab_size": 320, "hidden": 32, "layers": 2, "heads": 4, "seq_len": 32}})
+    hf.save_hf(build_dense(shape_from_config(dense.model), seed=0).state_dict(), dense.model, model)  # validate reads it
+    (model / "tokenizer.json").write_bytes(Path(tokenizer).read_bytes())
+    path = _copy_token_file(token_file, tmp_path)
+    job = _job_file(tmp_path, {"path": str(path)}, pretrained=str(model))
+    assert main(["validate", job]) == 0  # the model's own tokenizer
+    (model / "tokenizer.json").write_text(json.dumps(json.loads(Path(tokenizer).read_text()), indent=2))
+    assert main(["validate", job]) == 2
+    err = capsys.readouterr().err
+    assert (f"data.path='{path}' was tokenized with {Path(tokenizer).resolve()} but model.pretrained='{model}' has "
+            f"another tokenizer.json (their sha256 differ)") in err
+    assert f"tokenize again with --tokenizer {model / 'tokenizer.json'}" in err
