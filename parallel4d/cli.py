@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import sys
+import time
 from dataclasses import asdict
 from pathlib import Path
 
@@ -129,6 +131,22 @@ def _cmd_plot(args) -> int:
     return 0
 
 
+def _refused(message: str) -> int:
+    """A refusal: one line of stderr (under torchrun once per node, where every rank refuses the same
+    config) and exit 2. Under torchrun it also goes to the error file the agent reports, so that its
+    failure summary shows the refusal rather than "To enable traceback see ..."."""
+    if os.environ.get("LOCAL_RANK", "0") == "0":
+        print(f"parallel4d: {message}", file=sys.stderr)
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if error_file and under_torchrun():
+        try:
+            Path(error_file).write_text(json.dumps({"message": {"message": f"ConfigError: {message}", "extraInfo": {
+                "py_callstack": f"parallel4d: {message}", "timestamp": str(int(time.time()))}}}))
+        except OSError:
+            pass
+    return 2
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="parallel4d", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -187,8 +205,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except ConfigError as e:
-        print(f"parallel4d: {e}", file=sys.stderr)
-        return 2
+        return _refused(str(e))
     except CheckpointError as e:
         print(f"parallel4d: {e}", file=sys.stderr)
         return 1

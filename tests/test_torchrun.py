@@ -273,13 +273,29 @@ def sigterm_saves_and_exits_143(tmp: Path, reference: torch.Tensor, _) -> None:
                                atol=0)
 
 
+def a_refused_config_is_one_line_in_torchruns_report(tmp: Path, reference: torch.Tensor, _) -> None:
+    """#26.9: an invalid config under torchrun: exit 2 on every worker, the refusal printed once per node,
+    and torchrun's failure report quotes it (from the error file) instead of a traceback of ours."""
+    cfg = job(tmp, "run", 5, {"pp": 0})
+    node = Agent(tmp, "node", cfg, 2, "1", free_port())
+    assert node.wait(120) != 0
+    text = node.text()
+    refusal = "parallel4d: " + str(tmp / "node.yaml") + ": invalid configuration:"
+    printed = [line for line in text.splitlines() if line.startswith(refusal)]
+    assert len(printed) <= 1, printed  # by local rank 0 only (unless torchrun stopped it first)
+    assert f"traceback : {refusal}" in text, text[-3000:]  # torchrun's report quotes it
+    assert "exitcode  : 2" in text and "parallel.pp" in text
+    assert not [line for line in text.splitlines() if line.strip().startswith("File ") and "parallel4d/" in line]
+
+
 def test_torchrun_jobs(tmp_path):
     """The five torchrun scenarios above, side by side, each its own job on its own ports and directory.
     Most of the fault scenarios' time is waiting (torchrun gives a hung worker 30 s before kill -9), and
     the multi-node job, which keeps both cores busy, runs in that wait: ~76 s instead of ~95 s one after another."""
     scenarios = (restarts_resume_from_the_newest_checkpoint, a_lost_node_is_replaced_and_the_job_continues,
                  a_node_lost_for_good_stops_naming_the_sizes, sigterm_saves_and_exits_143,
-                 two_agents_train_one_job_and_its_checkpoint_resumes_at_four_agents)
+                 two_agents_train_one_job_and_its_checkpoint_resumes_at_four_agents,
+                 a_refused_config_is_one_line_in_torchruns_report)
     reference = reference_losses(tmp_path, 45)  # here: one process group per process, none in the threads
     hung = threading.Event()
     with ThreadPoolExecutor(len(scenarios)) as pool:
