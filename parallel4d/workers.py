@@ -78,14 +78,28 @@ def _zygote_main(payload_path: str, world_size: int) -> None:
             signal.signal(signal.SIGINT, signal.SIG_DFL)
             _worker_main(payload_path, rank, parent_pid=os.getppid())  # never returns
         ranks[pid] = rank
-        _write(os.path.join(out_dir, f"pid{rank}"), str(pid))
+        with _quiet_once_the_job_is_gone(out_dir):
+            _write(os.path.join(out_dir, f"pid{rank}"), str(pid))
     threading.Thread(target=_watch_parent, args=(launcher,), daemon=True).start()
     while ranks:
         pid, status = os.wait()
         if pid in ranks:
             code = -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
-            _write(os.path.join(out_dir, f"exit{ranks.pop(pid)}"), str(code))
+            with _quiet_once_the_job_is_gone(out_dir):
+                _write(os.path.join(out_dir, f"exit{ranks.pop(pid)}"), str(code))
     os._exit(0)
+
+
+@contextmanager
+def _quiet_once_the_job_is_gone(out_dir: str):
+    """Around a write into the job's directory: once that is gone, the launcher is gone or done and no
+    one is left to tell, so exit quietly (not with a traceback about a missing file)."""
+    try:
+        yield
+    except FileNotFoundError:
+        if os.path.isdir(out_dir):
+            raise
+        os._exit(1)
 
 
 def _write(path: str, text: str) -> None:
@@ -120,9 +134,10 @@ def _worker_main(payload_path: str, rank: int, parent_pid: int | None = None) ->
     result_path = os.path.join(out_dir, f"result{rank}.pkl")
 
     def report(status, payload):
-        with open(result_path + ".tmp", "wb") as f:
-            pickle.dump((status, payload), f)
-        os.replace(result_path + ".tmp", result_path)
+        with _quiet_once_the_job_is_gone(out_dir):
+            with open(result_path + ".tmp", "wb") as f:
+                pickle.dump((status, payload), f)
+            os.replace(result_path + ".tmp", result_path)
 
     try:
         import torch

@@ -4,6 +4,7 @@ keep what was trained."""
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -268,6 +269,19 @@ def test_sigterm_saves_like_ctrl_c_and_exits_143(tmp_path):
     saved = checkpoint.latest_checkpoint(tmp_path / "run" / "checkpoints")
     assert summary["interrupted"] is True and saved.name == f"step_{summary['steps']:08d}"
     assert [n for n in os.listdir(tmp_path / "tmp") if n.startswith("parallel4d-")] == []
+
+
+def _remove_the_job_directory_then_fail():
+    shutil.rmtree(os.path.dirname(sys.argv[1]))  # the launcher's directory (argv: the zygote's, or this worker's)
+    raise RuntimeError("failing after the job directory went")
+
+
+def test_a_worker_whose_job_directory_is_gone_exits_without_a_traceback(capfd):
+    """A worker (and the zygote) with nowhere to report, the launcher gone or done, exits quietly."""
+    with pytest.raises(WorkerError):
+        spawn(_remove_the_job_directory_then_fail, 1, timeout_s=60)
+    err = capfd.readouterr().err
+    assert "Traceback" not in err and "FileNotFoundError" not in err, err
 
 
 def test_second_job_on_a_run_directory_in_use_is_refused(tmp_path):
