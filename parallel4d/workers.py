@@ -4,7 +4,8 @@ Used by :func:`parallel4d.launch` when not under torchrun, and by the tests.
 Guarantees: every collective has the process-group timeout; when one worker
 raises, dies or stops answering, the others are terminated and :class:`WorkerError`
 names the cause (:func:`_blame`: a real error before a killed worker before one
-that stopped answering, never a peer that only saw it leave) with its traceback;
+that stopped answering, never a peer that only saw it leave) with its traceback, or
+the zygote when that dies (its workers are then stopped by their pids);
 a job that outlives ``timeout_s`` is killed with :class:`WorkerTimeout`; SIGTERM
 to the launcher is handled like Ctrl-C (the workers finish the step and save,
 then :class:`Terminated` is raised); a worker whose parent dies exits by itself;
@@ -35,12 +36,13 @@ from typing import Any, Callable
 
 
 class WorkerError(RuntimeError):
-    """A worker raised or died; ``rank`` and ``details`` say which and why."""
+    """A worker raised or died (``rank``), or the zygote that forks them died (``rank`` None);
+    ``details`` say why."""
 
-    def __init__(self, rank: int, details: str):
+    def __init__(self, rank: int | None, details: str):
         self.rank = rank
         self.details = details
-        super().__init__(f"worker rank {rank} failed:\n{details}")
+        super().__init__(details if rank is None else f"worker rank {rank} failed:\n{details}")
 
 
 class WorkerTimeout(RuntimeError):
@@ -171,12 +173,17 @@ def _worker_main(payload_path: str, rank: int, parent_pid: int | None = None) ->
 
 
 class _Forked:
-    """A worker forked by the job's zygote, with the calls supervision makes of a ``Popen``."""
+    """A worker forked by the job's zygote, with the calls supervision makes of a ``Popen``.
+
+    While the zygote lives it says how each worker ended (``exit<r>``). Once it is gone, a worker
+    still running is no child of anyone here: it is watched and signalled by the pid the zygote
+    recorded, together with its start time, so that a reused pid is never taken for it."""
 
     def __init__(self, tmp: str, rank: int, zygote: subprocess.Popen):
         self.tmp, self.rank, self.zygote = tmp, rank, zygote
         self.returncode: int | None = None
         self._pid: int | None = None
+        self._started: str | None = None  # the worker's start time, read with its pid
 
     @property
     def pid(self) -> int:
@@ -188,16 +195,26 @@ class _Forked:
             time.sleep(0.01)
         return self._pid
 
+    def forked(self) -> bool:
+        """Whether the zygote has forked this worker (its pid is known)."""
+        return self._known_pid() is not None
+
     def _known_pid(self) -> int | None:
         if self._pid is None:
-            self._pid = _read_int(os.path.join(self.tmp, f"pid{self.rank}"))
+            pid = _read_int(os.path.join(self.tmp, f"pid{self.rank}"))
+            if pid is not None:
+                self._pid, self._started = pid, _start_time(pid)
         return self._pid
+
+    def _running(self) -> bool:
+        """Asked of ``/proc`` (once the zygote, which would say, is gone)."""
+        return self._known_pid() is not None and self._started is not None and _start_time(self._pid) == self._started
 
     def poll(self) -> int | None:
         if self.returncode is None:
             self.returncode = _read_int(os.path.join(self.tmp, f"exit{self.rank}"))
-            if self.returncode is None and self.zygote.poll() is not None:  # no one will say how it ended
-                self.returncode = self.zygote.returncode or 1
+            if self.returncode is None and self.zygote.poll() is not None and not self._running():
+                self.returncode = _UNRECORDED
         return self.returncode
 
     def wait(self, timeout: float | None = None) -> int:
@@ -225,6 +242,20 @@ class _Forked:
 
     def kill(self) -> None:
         self.send_signal(signal.SIGKILL)
+
+
+# How a forked worker ended when the zygote died before saying: unknown, so a failure.
+_UNRECORDED = 1
+
+
+def _start_time(pid: int) -> str | None:
+    """The start time of process ``pid`` (``/proc/<pid>/stat``); None once it has ended (a zombie too)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return None if fields[0] in ("Z", "X") else fields[19]
 
 
 def _forking() -> bool:
@@ -355,7 +386,7 @@ def spawn(
     with _sigterm_as_interrupt():
         try:
             procs, zygote = _start(payload, tmp, world_size)
-            _supervise(procs, tmp, timeout_s, interrupt_grace_s)
+            _supervise(procs, zygote, tmp, timeout_s, interrupt_grace_s)
             results = []
             for r in range(world_size):
                 with open(os.path.join(tmp, f"result{r}.pkl"), "rb") as f:
@@ -375,12 +406,17 @@ def spawn(
 BLAME_GRACE_S = 1.0
 
 
-def _supervise(procs: list[subprocess.Popen], tmp: str, timeout_s: float, interrupt_grace_s: float) -> None:
+def _supervise(procs: list[subprocess.Popen], zygote: subprocess.Popen | None, tmp: str, timeout_s: float,
+               interrupt_grace_s: float) -> None:
     """Return when every worker exited 0; raise for the first failure, the deadline or a signal."""
     deadline = time.monotonic() + timeout_s
     first_failure_at = None
     while True:
         try:
+            if zygote is not None and zygote.poll() not in (None, 0):  # it exits 0, after its workers
+                _stop(procs)
+                raise WorkerError(None, f"the process that forks the workers (zygote, pid {zygote.pid}) "
+                                        f"{_exit_status(zygote.returncode)}; its workers were stopped")
             if any(p.poll() not in (None, 0) for p in procs):
                 first_failure_at = first_failure_at or time.monotonic()
                 blamed = _blame(procs, tmp, settled=time.monotonic() - first_failure_at >= BLAME_GRACE_S)

@@ -8,6 +8,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -15,7 +16,7 @@ import torch
 import yaml
 
 from conftest import run_workers
-from parallel4d.workers import WorkerError, spawn, worker_pids
+from parallel4d.workers import WorkerError, _start_time, child_processes, spawn, worker_pids
 
 TIMEOUT_S = 2.0  # the mesh groups' collective limit in the strategy scenarios
 GRACE_S = 1.5    # what a wait may take beyond it
@@ -282,6 +283,116 @@ def test_a_worker_whose_job_directory_is_gone_exits_without_a_traceback(capfd):
         spawn(_remove_the_job_directory_then_fail, 1, timeout_s=60)
     err = capfd.readouterr().err
     assert "Traceback" not in err and "FileNotFoundError" not in err, err
+
+
+class Launcher:
+    """``parallel4d launch`` on ``cfg`` in a session of its own (its process group is what a terminal's
+    Ctrl-C signals), under ``wrapper`` (e.g. GNU timeout); stderr collected by a thread. On leaving the
+    ``with`` block, a job still running is killed (a failed check must not leave it under the suite)."""
+
+    def __init__(self, tmp_path, cfg, wrapper=()):
+        path = tmp_path / "job.yaml"
+        path.write_text(yaml.safe_dump(cfg))
+        (tmp_path / "tmp").mkdir(exist_ok=True)
+        self.wrapped = bool(wrapper)
+        self.proc = subprocess.Popen([*wrapper, sys.executable, "-m", "parallel4d", "launch", str(path)], stderr=subprocess.PIPE, text=True,
+                                     start_new_session=True, env={**os.environ, "TMPDIR": str(tmp_path / "tmp")},
+                                     preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+        self.lines: list[str] = []
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
+
+    def _read(self):
+        for line in self.proc.stderr:
+            self.lines.append(line)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+    def text(self) -> str:
+        return "".join(self.lines)
+
+    def wait_for(self, check, what: str, timeout: float = 120.0):
+        """``check()``'s first true value, polled while the job runs."""
+        deadline = time.monotonic() + timeout
+        while not (found := check()):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.reader.join(5)
+                raise AssertionError(f"never saw {what}:\n" + self.text()[-4000:])
+            time.sleep(0.02)
+        return found
+
+    def wait_for_line(self, text: str) -> None:
+        self.wait_for(lambda: text in self.text(), repr(text))
+
+    def wait_for_save(self, ckpt) -> int:
+        """The step of the save in progress (checkpoint.save writes ``.step_XXXXXXXX.tmp``) once there is one."""
+        tmp = self.wait_for(lambda: sorted(ckpt.glob(".step_*.tmp")), "a save in progress")[0]
+        return int(tmp.name[len(".step_"):-len(".tmp")])
+
+    def launcher_pid(self) -> int:
+        return child_processes(self.proc.pid)[0][0] if self.wrapped else self.proc.pid
+
+    def zygote_pid(self) -> int:
+        return next(pid for pid, cmd in child_processes(self.launcher_pid()) if b"--fork" in cmd)
+
+    def job_processes(self) -> dict[int, str]:
+        """``{pid: start time}`` of the zygote and the workers."""
+        pids = [self.zygote_pid(), *worker_pids(self.launcher_pid()).values()]
+        return {pid: _start_time(pid) for pid in pids}
+
+    def finish(self, timeout: float = 120.0) -> int:
+        self.proc.wait(timeout)
+        self.reader.join(5)
+        return self.proc.returncode
+
+
+def running(processes: dict[int, str]) -> list[int]:
+    """Those of ``processes`` (``{pid: start time}``) that still run (a zombie has ended)."""
+    return [pid for pid, started in processes.items() if _start_time(pid) == started]
+
+
+def test_a_killed_zygote_is_blamed_as_the_zygote_and_its_workers_are_stopped(tmp_path):
+    """SIGKILL to the process that forks the workers: the job names it (not a worker, none was killed),
+    its workers (no longer its children) are stopped before the launcher leaves, and no worker prints a
+    traceback about the launcher's files."""
+    with Launcher(tmp_path, tiny_job(tmp_path / "run", dp=2)) as job:
+        job.wait_for_line("step 3/")
+        processes = job.job_processes()
+        zygote = job.zygote_pid()
+        os.kill(zygote, signal.SIGKILL)
+        code = job.finish()
+        left = running(processes)
+    err = job.text()
+    assert code == 1, err[-3000:]
+    assert left == [], left
+    assert f"the process that forks the workers (zygote, pid {zygote}) was killed by SIGKILL" in err, err[-3000:]
+    assert "worker rank" not in err and "Traceback" not in err and "FileNotFoundError" not in err, err[-3000:]
+
+
+def test_a_worker_outliving_its_zygote_is_watched_and_stopped_by_its_pid(tmp_path):
+    """Once the zygote is dead no one records how its workers end: one still running is seen running (not
+    ended with the zygote's status), and stopping it signals it by the pid the zygote recorded."""
+    from parallel4d.workers import _Forked
+
+    zygote = subprocess.Popen([sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"])
+    zygote.wait()
+    orphan = subprocess.Popen(["sleep", "60"])
+    try:
+        (tmp_path / "pid0").write_text(str(orphan.pid))
+        worker = _Forked(str(tmp_path), 0, zygote)
+        assert worker.poll() is None
+        worker.terminate()
+        assert orphan.wait(10) == -signal.SIGTERM
+        assert worker.poll() is not None
+    finally:
+        orphan.kill()
+        orphan.wait()
 
 
 def test_second_job_on_a_run_directory_in_use_is_refused(tmp_path):
