@@ -257,3 +257,20 @@ def test_a_complete_run_resumed_keeps_its_figures(tmp_path, single_rank):
     older = run_training(Config.model_validate(cfg))
     assert {k: older[k] for k in figures} == {k: first[k] for k in figures}
 
+
+def test_the_cli_says_saved_only_of_a_checkpoint_that_verifies(tmp_path, monkeypatch, capsys):
+    """After a run stopped by a signal, `parallel4d launch` names the checkpoint rank 0's summary names only
+    once its files verify; a corrupted one is named as such. Either way the exit code is 128 + the signal."""
+    from parallel4d import checkpoint, cli
+
+    saved = checkpoint.save({"w": torch.ones(4)}, tmp_path / "ckpt", step=5)
+    summary = {"losses": [1.0], "steps": 5, "stop_signal": "SIGTERM", "checkpoint": str(saved)}
+    monkeypatch.setattr(cli, "launch", lambda config, overrides: summary)
+    assert cli.main(["launch", "job.yaml"]) == 143
+    assert f"stopped by SIGTERM at step 5, after saving checkpoint {saved} (verified" in capsys.readouterr().err
+    data = next(p for p in saved.iterdir() if p.suffix == ".distcp")
+    data.write_bytes(bytes(len(data.read_bytes())))
+    summary["stop_signal"] = "SIGINT"
+    assert cli.main(["launch", "job.yaml"]) == 130
+    err = capsys.readouterr().err
+    assert f"but its checkpoint {saved} does not verify: file {data.name} does not match" in err and "after saving" not in err
