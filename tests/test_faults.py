@@ -376,6 +376,7 @@ def test_ctrl_c_twice_waits_for_the_save_in_progress_then_names_the_verified_che
         job.wait_for_line("step 3/")
         processes = job.job_processes()
         os.killpg(job.proc.pid, signal.SIGINT)
+        job.wait_for_line("SIGINT received")  # the kernel merges a signal sent while the same one is pending
         step = job.wait_for_save(ckpt)
         os.killpg(job.proc.pid, signal.SIGINT)
         job.wait_for_line(f"SIGINT again: waiting for the save of step {step} to complete")
@@ -403,6 +404,7 @@ def test_a_third_signal_stops_at_once_saying_what_is_lost(tmp_path):
         job.wait_for_line("step 3/")
         processes = job.job_processes()
         os.killpg(job.proc.pid, signal.SIGINT)
+        job.wait_for_line("SIGINT received")  # the kernel merges a signal sent while the same one is pending
         step = job.wait_for_save(ckpt)
         os.killpg(job.proc.pid, signal.SIGINT)
         job.wait_for_line("SIGINT again: waiting for the save")
