@@ -481,8 +481,7 @@ class _Supervisor:
             self._act_on_signals()
             if self.zygote is not None and self.zygote.poll() not in (None, 0):  # it exits 0, after its workers
                 _stop(self.procs)
-                raise WorkerError(None, f"the process that forks the workers (zygote, pid {self.zygote.pid}) "
-                                        f"{_exit_status(self.zygote.returncode)}; its workers were stopped")
+                raise self._zygote_failure()
             if any(p.poll() not in (None, 0) for p in self.procs):
                 first_failure_at = first_failure_at or time.monotonic()
                 blamed = _blame(self.procs, self.tmp, settled=time.monotonic() - first_failure_at >= BLAME_GRACE_S)
@@ -558,15 +557,28 @@ class _Supervisor:
             parts.append("everything trained (there is no complete checkpoint)")
         return " and ".join(parts)
 
+    def _stopped_by_the_signal(self, code: int) -> bool:
+        """Did the signal the launcher received (and passed on) end a process that exited with ``code``?"""
+        return self.handled > 0 and code in [-s for s in _STOP_SIGNALS]
+
     def _failure(self, rank: int, details: str) -> BaseException:
         """The error for worker ``rank``'s failure: the stop itself when the launcher's signal killed or
         interrupted it (before its own handler was in place: nothing of this process was saved)."""
-        code = self.procs[rank].returncode
-        if self.handled and (code in [-s for s in _STOP_SIGNALS] or details.startswith("KeyboardInterrupt")):
+        interrupted = self.handled > 0 and details.startswith("KeyboardInterrupt")  # a worker not forked (FORK=0)
+        if interrupted or self._stopped_by_the_signal(self.procs[rank].returncode):
             signum = self.signals.received[0]
             return Interrupted(signum, f"{_name(signum)} stopped the worker of rank {rank} before it could save; "
                                        f"lost: {self._lost()}")
         return WorkerError(rank, details)
+
+    def _zygote_failure(self) -> BaseException:
+        """The error for the zygote's death: the stop itself when a group signal reached it during its
+        imports, before it ignores SIGINT and SIGTERM (and so before it forked any worker)."""
+        if self._stopped_by_the_signal(self.zygote.returncode):
+            signum = self.signals.received[0]
+            return Interrupted(signum, f"{_name(signum)} stopped the job before its workers started: nothing was lost")
+        return WorkerError(None, f"the process that forks the workers (zygote, pid {self.zygote.pid}) "
+                                 f"{_exit_status(self.zygote.returncode)}; its workers were stopped")
 
 
 def _reports(procs, tmp) -> dict[int, tuple[float, str]]:

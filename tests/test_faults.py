@@ -486,6 +486,25 @@ def test_a_worker_outliving_its_zygote_is_watched_and_stopped_by_its_pid(tmp_pat
         orphan.wait()
 
 
+def test_a_zygote_the_stop_signal_reached_during_its_imports_ends_the_job_as_stopped(tmp_path):
+    """SIGTERM to the group while the zygote still imports (before it ignores the signal, before any worker):
+    the job was stopped, nothing was lost; not a failure of the zygote."""
+    from parallel4d.workers import Interrupted, _Forked, _Signals, _Supervisor
+
+    zygote = subprocess.Popen([sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGTERM)"])
+    zygote.wait()
+    signals = _Signals()
+    signals.received.append(signal.SIGTERM)  # the launcher got it too
+    supervisor = _Supervisor([_Forked(str(tmp_path), 0, zygote)], zygote, str(tmp_path), signals, timeout_s=60,
+                             interrupt_grace_s=120, saving=None, saved=None)
+    with pytest.raises(Interrupted, match="SIGTERM stopped the job before its workers started: nothing was lost"):
+        supervisor.run()
+    signals.received.clear()  # the zygote alone got it: someone killed it
+    with pytest.raises(WorkerError, match=rf"zygote, pid {zygote.pid}\) was killed by SIGTERM"):
+        _Supervisor([_Forked(str(tmp_path), 0, zygote)], zygote, str(tmp_path), signals, timeout_s=60,
+                    interrupt_grace_s=120, saving=None, saved=None).run()
+
+
 class SlowToDie(FakeProcess):
     """A worker that ends only a while after SIGKILL (as one in uninterruptible sleep does)."""
 
