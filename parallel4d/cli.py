@@ -8,10 +8,11 @@ import os
 import signal
 import sys
 import time
+from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
 
-from .checkpoint import CheckpointError
+from .checkpoint import CheckpointError, verify
 from .config import ConfigError, load_config
 from .curves import plot_run
 from .export import export
@@ -22,8 +23,7 @@ from .mesh import device_and_backend
 from .pipeline.cli import add_schedule_parser
 from .plan import HEADROOM, format_fit, format_ranks, parse_bytes, plan, try_knobs
 from .tokenize import tokenize
-from .workers import Terminated, WorkerError, WorkerTimeout
-from .workers import _sigterm_as_interrupt  # tokenize stops on SIGTERM as on Ctrl-C: its temporary files go
+from .workers import Interrupted, WorkerError, WorkerTimeout
 
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
@@ -86,9 +86,20 @@ def _cmd_launch(args) -> int:
     if stopped_by is None:
         return 0
     if "losses" in summary:
-        print(f"parallel4d: stopped by {stopped_by} at step {summary.get('steps')}, after saving a checkpoint "
-              "(continue with --set train.resume=true)", file=sys.stderr)
+        print(f"parallel4d: stopped by {stopped_by} at step {summary.get('steps')}, {_what_was_saved(summary)}",
+              file=sys.stderr)
     return 128 + signal.Signals[stopped_by].value
+
+
+def _what_was_saved(summary: dict) -> str:
+    """The checkpoint a stopped run's summary names, said only once its files verify."""
+    saved = summary.get("checkpoint")
+    if saved is None:
+        return "with nothing saved (checkpoint.enabled is false)"
+    problem = verify(saved)
+    if problem is not None:
+        return f"but its checkpoint {saved} does not verify: {problem}"
+    return f"after saving checkpoint {saved} (verified; continue with --set train.resume=true)"
 
 
 def _cmd_gather(args) -> int:
@@ -102,16 +113,32 @@ def _cmd_export(args) -> int:
     return 0
 
 
+class _Terminated(KeyboardInterrupt):
+    """SIGTERM while tokenizing: unwound like Ctrl-C, so the temporary files go."""
+
+
+@contextmanager
+def _sigterm_unwinds():
+    def handler(signum, frame):
+        raise _Terminated
+
+    old = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old)
+
+
 def _cmd_tokenize(args) -> int:
     """130 on Ctrl-C (143 on SIGTERM), saying that ``-o`` and its sidecar were left as they were."""
     try:
-        with _sigterm_as_interrupt():
+        with _sigterm_unwinds():
             meta = tokenize(args.tokenizer, args.inputs, args.out, eos_token=args.eos_token, workers=args.workers)
     except KeyboardInterrupt as e:
-        how = "terminated (SIGTERM)" if isinstance(e, Terminated) else "interrupted"
-        print(f"parallel4d: tokenize {how}; nothing was half written ({args.out} and its sidecar are as they were, "
-              "or both complete)", file=sys.stderr)
-        return 143 if isinstance(e, Terminated) else 130
+        terminated = isinstance(e, _Terminated)
+        print(f"parallel4d: tokenize {'terminated (SIGTERM)' if terminated else 'interrupted'}; nothing was half "
+              f"written ({args.out} and its sidecar are as they were, or both complete)", file=sys.stderr)
+        return 143 if terminated else 130
     print(json.dumps(meta))
     return 0
 
@@ -212,11 +239,12 @@ def main(argv: list[str] | None = None) -> int:
     except (WorkerError, WorkerTimeout) as e:
         print(f"parallel4d: the job failed: {e}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt as e:
-        terminated = isinstance(e, Terminated)
-        print(f"parallel4d: {'terminated (SIGTERM)' if terminated else 'interrupted'}; the workers finished the "
-              "step and saved a checkpoint (continue with --set train.resume=true)", file=sys.stderr)
-        return 143 if terminated else 130
+    except Interrupted as e:  # a signal stopped the job before its workers could save: what was lost
+        print(f"parallel4d: {e}", file=sys.stderr)
+        return 128 + e.signum
+    except KeyboardInterrupt:  # Ctrl-C outside the job (before its workers started, or after they ended)
+        print("parallel4d: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

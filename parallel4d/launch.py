@@ -15,6 +15,7 @@ from __future__ import annotations
 import gc
 import os
 import sys
+import time
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
@@ -80,10 +81,30 @@ def _train_entry(cfg_dict: dict) -> dict:
     return run_training(Config.model_validate(cfg_dict))
 
 
+def _save_in_progress(ckpt_dir: Path, since: float) -> str | None:
+    """The step this job is saving (``"step 12"``), or None: checkpoint.save writes each checkpoint into
+    ``.step_XXXXXXXX.tmp`` and renames it once complete. A ``.tmp`` older than the job is left over from
+    an earlier crash (the next save removes it)."""
+    for tmp in ckpt_dir.glob(".step_*.tmp"):
+        try:
+            if tmp.stat().st_mtime >= since:
+                return f"step {int(tmp.name[len('.step_'):-len('.tmp')])}"
+        except (OSError, ValueError):  # renamed meanwhile, or not one of checkpoint.save's names
+            continue
+    return None
+
+
+def _newest_checkpoint(ckpt_dir: Path) -> str | None:
+    found = checkpoint.latest_checkpoint(ckpt_dir)
+    return str(found) if found is not None else None
+
+
 def launch(config: str | Path | Config | dict, overrides: list[str] | None = None) -> dict:
     """Validate ``config`` (a YAML path, dict or :class:`Config`) and train it.
 
-    Returns rank 0's summary (the content of ``<train.out_dir>/summary.json``).
+    Returns rank 0's summary (the content of ``<train.out_dir>/summary.json``), also when a signal
+    stopped the run after its workers saved (``stop_signal``, ``finished: false``). A local job
+    stopped before its workers could save raises :class:`~parallel4d.workers.Interrupted`.
     """
     cfg = load_config(config, overrides)
     source = str(config) if isinstance(config, (str, Path)) else None
@@ -107,10 +128,14 @@ def launch(config: str | Path | Config | dict, overrides: list[str] | None = Non
                 # tensors takes the GIL mid-finalization and the process aborts (SIGABRT) after a good run.
                 gc.collect()
     threads = cfg.train.threads_per_worker or max(1, (os.cpu_count() or 1) // cfg.world_size)
+    started = time.time() - 2.0  # a file system's timestamps may be that coarse
+    enabled = cfg.checkpoint.enabled
     with prepared(cfg, True, device, source):
         results = spawn(
             _train_entry, cfg.world_size, (cfg.model_dump(mode="json"),), backend=backend,
             timeout_s=cfg.train.job_timeout_s or 7 * 24 * 3600.0, pg_timeout_s=cfg.train.timeout_s,
             threads_per_worker=threads,
+            saving=lambda: _save_in_progress(cfg.checkpoint_dir, started) if enabled else None,
+            saved=lambda: _newest_checkpoint(cfg.checkpoint_dir) if enabled else None,
         )
     return results[0]

@@ -84,8 +84,8 @@ class _Progress:
 class _Run:
     """What a run carries across restarts: its id, loss history, training time, and checkpoints.
 
-    The loss history and the seconds trained are stored in each checkpoint (``run.json``),
-    so a resumed run's summary covers the whole run whatever state summary.json is in.
+    The loss history, the seconds trained and the session's throughput are stored in each checkpoint
+    (``run.json``), so a resumed run's summary covers the whole run whatever state summary.json is in.
     """
 
     def __init__(self, cfg: Config, engine, ckpt_dir: Path, lead: bool):
@@ -95,6 +95,8 @@ class _Run:
         self.validation: list[dict] = []  # {"step", "loss", "perplexity"} per evaluation
         self.memory: dict | None = None  # measured at this process's first step
         self.prior_seconds = 0.0  # trained before this process started
+        self.prior_throughput: dict = {}  # the session before's figures, kept by a resume with nothing to train
+        self.start_step = engine.step  # where this session started
         self.resumed_from: int | None = None
         self.saved_step: int | None = None  # the step whose state is on disk (saved or loaded here)
         self.saved: Path | None = None
@@ -115,18 +117,32 @@ class _Run:
                 "another train.out_dir")
         self.engine.load_checkpoint(found)  # choose_checkpoint verified its files
         self.run_id = info.get("run_id") or self.run_id
-        self.losses = list(info["losses"]) if "losses" in info else _summary_losses(summary_path)
+        before = _summary_before(summary_path)  # for checkpoints saved before run.json held the history
+        self.losses = list(info["losses"] if "losses" in info else before.get("losses", []))
         del self.losses[self.engine.step:]
         self.validation = [v for v in info.get("validation", []) if v["step"] <= self.engine.step]
         self.prior_seconds = float(info.get("seconds", 0.0))
-        self.resumed_from = self.saved_step = self.engine.step
+        figures = info if _THROUGHPUT[0] in info else before  # run.json's, else the summary's (older checkpoints)
+        self.prior_throughput = {k: figures[k] for k in _THROUGHPUT if k in figures}
+        self.resumed_from = self.saved_step = self.start_step = self.engine.step
         self.saved = found
         if self.lead:
             _log(f"[parallel4d] resumed from {found} at step {self.engine.step}")
 
+    def throughput(self, seconds: float) -> dict:
+        """This session's tokens and model FLOPs per second over ``seconds``; a session that trained nothing
+        (a complete run resumed) has no figures of its own and keeps those of the session before it."""
+        trained = self.engine.step - self.start_step
+        if trained == 0 and self.prior_throughput:
+            return dict(self.prior_throughput)
+        tokens_per_second = trained * self.cfg.data.batch_size * self.cfg.model.seq_len / max(seconds, 1e-9)
+        return {"tokens_per_second": tokens_per_second,
+                "model_flops_per_second": tokens_per_second * flops_per_token(self.cfg)}
+
     def save(self, seconds: float, final: bool) -> None:
-        """Checkpoint the current step. A failing periodic save warns and training goes on;
-        a failing final save raises :class:`checkpoint.CheckpointError`."""
+        """Checkpoint the current step (with this session's figures, for a resume that trains nothing).
+        A failing periodic save warns and training goes on; a failing final save raises
+        :class:`checkpoint.CheckpointError`."""
         step = self.engine.step
         if step == self.saved_step:  # e.g. Ctrl-C right after a periodic save, or nothing left to train
             return
@@ -135,7 +151,7 @@ class _Run:
                 self.engine.checkpoint_state(), self.ckpt_dir, step, keep=self.cfg.checkpoint.keep,
                 extra_files={"config.yaml": self.cfg.to_yaml()}, run_id=self.run_id,
                 info={"losses": self.losses, "validation": self.validation, "seconds": self.prior_seconds + seconds,
-                      "format": self.engine.checkpoint_format})
+                      "format": self.engine.checkpoint_format, **self.throughput(seconds)})
             self.saved_step = step
         except checkpoint.CheckpointError as e:
             if final:
@@ -157,12 +173,16 @@ def deepspeed_integration():
                           "installs it), or remove the section to train with parallel4d's own engine") from None
 
 
-def _summary_losses(path: Path) -> list[float]:
-    """Losses of a summary.json (for checkpoints saved before they held the loss history)."""
+def _summary_before(path: Path) -> dict:
+    """The summary.json a resumed run finds ({} if none or unreadable)."""
     try:
-        return list(json.loads(path.read_text()).get("losses", []))
+        summary = json.loads(path.read_text())
     except (OSError, ValueError):
-        return []
+        return {}
+    return summary if isinstance(summary, dict) else {}
+
+
+_THROUGHPUT = ("tokens_per_second", "model_flops_per_second")
 
 
 def _write_json(path: Path, data: dict) -> None:
@@ -177,7 +197,9 @@ def run_training(cfg: Config) -> dict:
     Returns the summary on rank 0 and ``{"rank": r, "stop_signal": …}`` elsewhere. The summary is
     written to ``<train.out_dir>/summary.json`` at each checkpoint and at the end;
     after a resume it covers the whole run: ``losses`` from step 1, ``seconds``
-    (training time of all sessions), while ``tokens_per_second`` is this session's.
+    (training time of all sessions), while ``tokens_per_second`` is this session's (the session
+    before's when this one had nothing left to train). ``finished`` once ``train.steps`` are done;
+    ``stop_signal``: the signal that stopped the run before that.
     """
     out_dir = Path(cfg.train.out_dir)
     ckpt_dir = cfg.checkpoint_dir
@@ -205,15 +227,15 @@ def run_training(cfg: Config) -> dict:
         metrics = MetricsLog(out_dir, run.resumed_from, tensorboard=cfg.train.tensorboard)
     interrupted: str | None = None  # the signal that stopped the run early
     start = time.perf_counter()
-    start_step = engine.step
     interval = _Interval(start, engine.step)
 
     def write_summary(elapsed: float, finished: bool) -> dict:
-        summary = _summary(cfg, mesh, engine, run, elapsed, engine.step - start_step, interrupted, finished)
+        summary = _summary(cfg, mesh, engine, run, elapsed, interrupted, finished)
         _write_json(summary_path, summary)
         return summary
 
     progress = _Progress(cfg, engine.step, enabled=lead)
+    # Until the end, final save and summary included: a signal after the agreement must not kill them.
     with _StopFlag() as stop:
         while engine.step < cfg.train.steps:
             tokens, targets = data.batch(engine.step, getattr(engine, "data_rows", None))
@@ -228,7 +250,7 @@ def run_training(cfg: Config) -> dict:
                 raise FloatingPointError(f"loss became {loss} at step {engine.step}; lower optimizer.lr "
                                          "or set train.grad_clip")
             elapsed = time.perf_counter() - start
-            tps = (engine.step - start_step) * tokens.numel() / max(elapsed, 1e-9)
+            tps = (engine.step - run.start_step) * tokens.numel() / max(elapsed, 1e-9)
             progress.update(engine.step, loss, tps, elapsed)
             if evaluated:
                 run.validation.append(_validate(cfg, engine, val))
@@ -242,28 +264,29 @@ def run_training(cfg: Config) -> dict:
                     record.update(val_loss=run.validation[-1]["loss"], val_perplexity=run.validation[-1]["perplexity"])
                 if metrics is not None:
                     metrics.write(record)
-            if cfg.checkpoint.enabled and cfg.checkpoint.every and engine.step % cfg.checkpoint.every == 0 \
-                    and engine.step < cfg.train.steps:
+            if engine.step == cfg.train.steps:  # nothing is left for a signal to stop
+                break
+            if cfg.checkpoint.enabled and cfg.checkpoint.every and engine.step % cfg.checkpoint.every == 0:
                 run.save(elapsed, final=False)
                 if lead:
                     _try_write(write_summary, elapsed, finished=False)
             interrupted = stop.agreed(mesh.device)
             if interrupted:
                 if lead:
-                    _log(f"[parallel4d] interrupted at step {engine.step}: saving a checkpoint and stopping")
+                    _log(f"[parallel4d] {interrupted} at step {engine.step}: saving a checkpoint and stopping")
                 break
         progress.close()
         elapsed = time.perf_counter() - start
-        if cfg.checkpoint.enabled:  # still under the stop flag: a signal now must not kill the final save
+        if cfg.checkpoint.enabled:
             if lead:  # the loss history is on disk even if the final save fails or is killed
                 _try_write(write_summary, elapsed, finished=False)
             run.save(elapsed, final=True)
-    if not lead:
-        return {"rank": rank, "stop_signal": interrupted}
-    metrics.close()
-    summary = write_summary(elapsed, finished=True)
-    _log(f"[parallel4d] done: {engine.step} steps, last loss {losses[-1] if losses else float('nan'):.4f}, "
-         f"{summary['tokens_per_second']:,.0f} tokens/s; summary in {summary_path}")
+        if not lead:
+            return {"rank": rank, "stop_signal": interrupted}
+        metrics.close()
+        summary = write_summary(elapsed, finished=engine.step >= cfg.train.steps)
+        _log(f"[parallel4d] done: {engine.step} steps, last loss {losses[-1] if losses else float('nan'):.4f}, "
+             f"{summary['tokens_per_second']:,.0f} tokens/s; summary in {summary_path}")
     return summary
 
 
@@ -324,9 +347,7 @@ def _try_write(write, *args, **kwargs) -> None:
         _log(f"[parallel4d] warning: summary.json not written ({e}); training goes on")
 
 
-def _summary(cfg: Config, mesh, engine, run: _Run, elapsed: float, trained: int, interrupted: str | None,
-             finished: bool) -> dict:
-    tokens_per_second = trained * cfg.data.batch_size * cfg.model.seq_len / max(elapsed, 1e-9)
+def _summary(cfg: Config, mesh, engine, run: _Run, elapsed: float, interrupted: str | None, finished: bool) -> dict:
     summary = {
         "losses": run.losses,
         "validation": run.validation,
@@ -336,8 +357,7 @@ def _summary(cfg: Config, mesh, engine, run: _Run, elapsed: float, trained: int,
         "finished": finished,
         "resumed_from": run.resumed_from,
         "checkpoint": str(run.saved) if run.saved else None,
-        "tokens_per_second": tokens_per_second,
-        "model_flops_per_second": tokens_per_second * flops_per_token(cfg),
+        **run.throughput(elapsed),
         "seconds": run.prior_seconds + elapsed,
         "world_size": mesh.world_size,
         "parallel": cfg.parallel.model_dump(),

@@ -4,11 +4,14 @@ Used by :func:`parallel4d.launch` when not under torchrun, and by the tests.
 Guarantees: every collective has the process-group timeout; when one worker
 raises, dies or stops answering, the others are terminated and :class:`WorkerError`
 names the cause (:func:`_blame`: a real error before a killed worker before one
-that stopped answering, never a peer that only saw it leave) with its traceback;
-a job that outlives ``timeout_s`` is killed with :class:`WorkerTimeout`; SIGTERM
-to the launcher is handled like Ctrl-C (the workers finish the step and save,
-then :class:`Terminated` is raised); a worker whose parent dies exits by itself;
-the temporary directory is always removed.
+that stopped answering, never a peer that only saw it leave) with its traceback, or
+the zygote when that dies; a job that outlives ``timeout_s`` is killed with
+:class:`WorkerTimeout`. SIGINT and SIGTERM to the launcher are counted, never raised
+(:class:`_Signals`): the first is passed on to the workers (they finish the step, save
+and return), a second waits too (for a save in progress above all), a third kills them
+(:class:`Interrupted`, saying what was lost). The launcher never returns while a worker
+or the zygote lives; a worker whose parent dies exits by itself, one whose job directory
+is gone exits quietly; the temporary directory is always removed.
 
 On Linux the workers are forked from one *zygote* process (``worker_entry PAYLOAD --fork N``) that
 imports torch, the package and the function's module once: N workers then start for the price of
@@ -35,16 +38,21 @@ from typing import Any, Callable
 
 
 class WorkerError(RuntimeError):
-    """A worker raised or died; ``rank`` and ``details`` say which and why."""
+    """A worker raised or died (``rank``), or the zygote that forks them died (``rank`` None);
+    ``details`` say why."""
 
-    def __init__(self, rank: int, details: str):
+    def __init__(self, rank: int | None, details: str):
         self.rank = rank
         self.details = details
-        super().__init__(f"worker rank {rank} failed:\n{details}")
+        super().__init__(details if rank is None else f"worker rank {rank} failed:\n{details}")
 
 
 class WorkerTimeout(RuntimeError):
     """The job did not finish within its time limit."""
+
+
+# What a user or a scheduler sends to stop a job: the workers finish the step and save.
+_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
 def _watch_parent(parent_pid: int) -> None:
@@ -64,7 +72,10 @@ def _load(payload_path: str) -> tuple:
 def _zygote_main(payload_path: str, world_size: int) -> None:
     """``python -m parallel4d.worker_entry PAYLOAD --fork N``: import once, fork the N workers, record
     each one's pid (``pid{r}``) and exit status (``exit{r}``) in the job's directory, exit after them."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is for the workers (they save) and the launcher
+    # Ctrl-C and `kill -TERM -<group>` are for the workers (they save) and the launcher: the zygote
+    # exits after its workers, or when the launcher is gone
+    for sig in _STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
     payload = _load(payload_path)
     os.environ.update(payload[-1])
     importlib.import_module("torch.distributed")  # the expensive import, shared by every worker
@@ -75,17 +86,32 @@ def _zygote_main(payload_path: str, world_size: int) -> None:
     for rank in range(world_size):
         pid = os.fork()
         if pid == 0:
-            signal.signal(signal.SIGINT, signal.SIG_DFL)
+            for sig in _STOP_SIGNALS:
+                signal.signal(sig, signal.SIG_DFL)
             _worker_main(payload_path, rank, parent_pid=os.getppid())  # never returns
         ranks[pid] = rank
-        _write(os.path.join(out_dir, f"pid{rank}"), str(pid))
+        with _quiet_once_the_job_is_gone(out_dir):
+            _write(os.path.join(out_dir, f"pid{rank}"), str(pid))
     threading.Thread(target=_watch_parent, args=(launcher,), daemon=True).start()
     while ranks:
         pid, status = os.wait()
         if pid in ranks:
             code = -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
-            _write(os.path.join(out_dir, f"exit{ranks.pop(pid)}"), str(code))
+            with _quiet_once_the_job_is_gone(out_dir):
+                _write(os.path.join(out_dir, f"exit{ranks.pop(pid)}"), str(code))
     os._exit(0)
+
+
+@contextmanager
+def _quiet_once_the_job_is_gone(out_dir: str):
+    """Around a write into the job's directory: once that is gone, the launcher is gone or done and no
+    one is left to tell, so exit quietly (not with a traceback about a missing file)."""
+    try:
+        yield
+    except FileNotFoundError:
+        if os.path.isdir(out_dir):
+            raise
+        os._exit(1)
 
 
 def _write(path: str, text: str) -> None:
@@ -120,9 +146,10 @@ def _worker_main(payload_path: str, rank: int, parent_pid: int | None = None) ->
     result_path = os.path.join(out_dir, f"result{rank}.pkl")
 
     def report(status, payload):
-        with open(result_path + ".tmp", "wb") as f:
-            pickle.dump((status, payload), f)
-        os.replace(result_path + ".tmp", result_path)
+        with _quiet_once_the_job_is_gone(out_dir):
+            with open(result_path + ".tmp", "wb") as f:
+                pickle.dump((status, payload), f)
+            os.replace(result_path + ".tmp", result_path)
 
     try:
         import torch
@@ -140,6 +167,8 @@ def _worker_main(payload_path: str, rank: int, parent_pid: int | None = None) ->
         # was still completing ("connectFullMesh failed … Connection closed by peer")
         dist.barrier()
         result = fn(*args, **kwargs)
+        for sig in _STOP_SIGNALS:  # the function is done: a stop signal now must not lose its result
+            signal.signal(sig, signal.SIG_IGN)
     except BaseException as e:  # report everything, including KeyboardInterrupt, to the parent
         # Report before tearing the group down: peers fail *because* we leave, and the
         # parent names the earliest report as the cause.
@@ -156,12 +185,17 @@ def _worker_main(payload_path: str, rank: int, parent_pid: int | None = None) ->
 
 
 class _Forked:
-    """A worker forked by the job's zygote, with the calls supervision makes of a ``Popen``."""
+    """A worker forked by the job's zygote, with the calls supervision makes of a ``Popen``.
+
+    While the zygote lives it says how each worker ended (``exit<r>``). Once it is gone, a worker
+    still running is no child of anyone here: it is watched and signalled by the pid the zygote
+    recorded, together with its start time, so that a reused pid is never taken for it."""
 
     def __init__(self, tmp: str, rank: int, zygote: subprocess.Popen):
         self.tmp, self.rank, self.zygote = tmp, rank, zygote
         self.returncode: int | None = None
         self._pid: int | None = None
+        self._started: str | None = None  # the worker's start time, read with its pid
 
     @property
     def pid(self) -> int:
@@ -173,16 +207,26 @@ class _Forked:
             time.sleep(0.01)
         return self._pid
 
+    def forked(self) -> bool:
+        """Whether the zygote has forked this worker (its pid is known)."""
+        return self._known_pid() is not None
+
     def _known_pid(self) -> int | None:
         if self._pid is None:
-            self._pid = _read_int(os.path.join(self.tmp, f"pid{self.rank}"))
+            pid = _read_int(os.path.join(self.tmp, f"pid{self.rank}"))
+            if pid is not None:
+                self._pid, self._started = pid, _start_time(pid)
         return self._pid
+
+    def _running(self) -> bool:
+        """Asked of ``/proc`` (once the zygote, which would say, is gone)."""
+        return self._known_pid() is not None and self._started is not None and _start_time(self._pid) == self._started
 
     def poll(self) -> int | None:
         if self.returncode is None:
             self.returncode = _read_int(os.path.join(self.tmp, f"exit{self.rank}"))
-            if self.returncode is None and self.zygote.poll() is not None:  # no one will say how it ended
-                self.returncode = self.zygote.returncode or 1
+            if self.returncode is None and self.zygote.poll() is not None and not self._running():
+                self.returncode = _UNRECORDED
         return self.returncode
 
     def wait(self, timeout: float | None = None) -> int:
@@ -210,6 +254,20 @@ class _Forked:
 
     def kill(self) -> None:
         self.send_signal(signal.SIGKILL)
+
+
+# How a forked worker ended when the zygote died before saying: unknown, so a failure.
+_UNRECORDED = 1
+
+
+def _start_time(pid: int) -> str | None:
+    """The start time of process ``pid`` (``/proc/<pid>/stat``); None once it has ended (a zombie too)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return None if fields[0] in ("Z", "X") else fields[19]
 
 
 def _forking() -> bool:
@@ -283,25 +341,38 @@ def _signal(p: subprocess.Popen, sig: int) -> None:
         pass
 
 
-class Terminated(KeyboardInterrupt):
-    """SIGTERM reached the launcher (``timeout``, SLURM, Kubernetes): handled like Ctrl-C."""
+class Interrupted(KeyboardInterrupt):
+    """A signal to the launcher ended the job before its workers stopped cleanly (a third signal, the
+    interrupt grace run out, or a worker the signal killed): ``signum``, and what was lost in the message."""
+
+    def __init__(self, signum: int, message: str):
+        self.signum = signum
+        super().__init__(message)
 
 
-@contextmanager
-def _sigterm_as_interrupt():
-    """In the main thread, turn SIGTERM into :class:`Terminated` for the duration of the job."""
-    def handler(signum, frame):
-        raise Terminated("SIGTERM")
+class _Signals:
+    """SIGINT and SIGTERM to the launcher while it supervises, counted in ``received``, never raised: an
+    exception unwinding through the supervisor would leave before the workers (a second signal even
+    from the handling of the first); the supervision loop acts on them instead."""
 
-    try:
-        old = signal.signal(signal.SIGTERM, handler)
-    except ValueError:  # not the main thread: leave signals alone
-        yield
-        return
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, old)
+    def __init__(self):
+        self.received: list[int] = []
+        self._old: dict = {}
+
+    def __enter__(self):
+        for sig in _STOP_SIGNALS:
+            try:
+                self._old[sig] = signal.signal(sig, self._record)
+            except ValueError:  # not the main thread: leave signals alone
+                pass
+        return self
+
+    def _record(self, signum, frame) -> None:
+        self.received.append(signum)
+
+    def __exit__(self, *exc):
+        for sig, old in self._old.items():
+            signal.signal(sig, old)
 
 
 def spawn(
@@ -316,6 +387,8 @@ def spawn(
     threads_per_worker: int = 1,
     env: dict[str, str] | None = None,
     interrupt_grace_s: float = 120.0,
+    saving: Callable[[], str | None] | None = None,
+    saved: Callable[[], str | None] | None = None,
 ) -> list[Any]:
     """Run ``fn(*args, **kwargs)`` on ``world_size`` fresh processes; return each rank's result.
 
@@ -323,6 +396,12 @@ def spawn(
     process group initialised (``backend``, file rendezvous, collective timeout
     ``pg_timeout_s``, default ``timeout_s``). Raises :class:`WorkerError` with
     the first failing rank's traceback, :class:`WorkerTimeout` after ``timeout_s``.
+
+    SIGINT or SIGTERM to this process is passed on to the workers (the signal received), which are
+    expected to stop cleanly: their results are returned as usual. ``saving()`` names the save in
+    progress (e.g. ``"step 12"``) or None, ``saved()`` the newest complete checkpoint: the interrupt
+    grace never ends while a save is in progress, a second signal says what it waits for, and a third
+    (or the grace run out) kills the workers and raises :class:`Interrupted` saying what was lost.
     """
     if world_size < 1:
         raise ValueError(f"world_size={world_size} must be ≥ 1")
@@ -337,10 +416,10 @@ def spawn(
         pickle.dump((fn, world_size, backend, init_file, pg_timeout_s, args, kwargs, tmp, os.getpid(), child_env), f)
     procs: list = []
     zygote = None
-    with _sigterm_as_interrupt():
+    with _Signals() as signals:
         try:
             procs, zygote = _start(payload, tmp, world_size)
-            _supervise(procs, tmp, timeout_s, interrupt_grace_s)
+            _Supervisor(procs, zygote, tmp, signals, timeout_s, interrupt_grace_s, saving, saved).run()
             results = []
             for r in range(world_size):
                 with open(os.path.join(tmp, f"result{r}.pkl"), "rb") as f:
@@ -350,9 +429,18 @@ def spawn(
             _stop(procs)
             raise
         finally:
-            if zygote is not None:  # it exits after its workers; never leave it behind
-                _stop([zygote], grace_s=5.0)
-            shutil.rmtree(tmp, ignore_errors=True)
+            if zygote is not None:
+                _end_zygote(zygote)
+            shutil.rmtree(tmp, ignore_errors=True)  # no process of the job is left to write there
+
+
+def _end_zygote(zygote: subprocess.Popen) -> None:
+    """The zygote exits after its last worker; never leave it behind (it ignores SIGTERM: SIGKILL)."""
+    try:
+        zygote.wait(5.0)
+    except subprocess.TimeoutExpired:
+        zygote.kill()
+        zygote.wait()
 
 
 # How long to wait, once only consequences (timeouts, lost peers) are reported, for
@@ -360,36 +448,137 @@ def spawn(
 BLAME_GRACE_S = 1.0
 
 
-def _supervise(procs: list[subprocess.Popen], tmp: str, timeout_s: float, interrupt_grace_s: float) -> None:
-    """Return when every worker exited 0; raise for the first failure, the deadline or a signal."""
-    deadline = time.monotonic() + timeout_s
-    first_failure_at = None
-    while True:
-        try:
-            if any(p.poll() not in (None, 0) for p in procs):
+def _say(message: str) -> None:
+    print(f"[parallel4d] {message}", file=sys.stderr, flush=True)
+
+
+def _name(signum: int) -> str:
+    return signal.Signals(signum).name
+
+
+class _Supervisor:
+    """Watches one job's workers (and zygote) until every one has ended, and acts on the launcher's signals.
+
+    The first signal is passed on to each worker (to one the zygote has not forked yet as soon as it
+    has); the workers finish the step, save and return. A second only says what the launcher waits
+    for. A third, or ``interrupt_grace_s`` after the first with no save in progress, kills them."""
+
+    def __init__(self, procs: list, zygote: subprocess.Popen | None, tmp: str, signals: _Signals, timeout_s: float,
+                 interrupt_grace_s: float, saving: Callable[[], str | None] | None,
+                 saved: Callable[[], str | None] | None):
+        self.procs, self.zygote, self.tmp, self.signals = procs, zygote, tmp, signals
+        self.timeout_s, self.interrupt_grace_s = timeout_s, interrupt_grace_s
+        self.saving, self.saved = saving or (lambda: None), saved
+        self.handled = 0  # signals acted on
+        self.passed_on: set[int] = set()  # ranks the first signal has been passed on to
+        self.grace_until = 0.0  # once a signal came: when the workers are killed unless a save is in progress
+
+    def run(self) -> None:
+        """Return when every worker exited 0; raise for the first failure, the deadline or a stop at once."""
+        deadline = time.monotonic() + self.timeout_s
+        first_failure_at = None
+        while True:
+            self._act_on_signals()
+            if self.zygote is not None and self.zygote.poll() not in (None, 0):  # it exits 0, after its workers
+                _stop(self.procs)
+                raise self._zygote_failure()
+            if any(p.poll() not in (None, 0) for p in self.procs):
                 first_failure_at = first_failure_at or time.monotonic()
-                blamed = _blame(procs, tmp, settled=time.monotonic() - first_failure_at >= BLAME_GRACE_S)
+                blamed = _blame(self.procs, self.tmp, settled=time.monotonic() - first_failure_at >= BLAME_GRACE_S)
                 if blamed is not None:
-                    _stop(procs)
-                    raise WorkerError(*blamed)
-            elif all(p.poll() == 0 for p in procs):
+                    _stop(self.procs)
+                    raise self._failure(*blamed)
+            elif all(p.poll() == 0 for p in self.procs):
                 return
             if time.monotonic() > deadline:
-                running = [r for r, p in enumerate(procs) if p.poll() is None]
-                _stop(procs)
-                raise WorkerTimeout(f"job did not finish within {timeout_s:.0f}s; ranks still running: {running}")
+                running = [r for r, p in enumerate(self.procs) if p.poll() is None]
+                _stop(self.procs)
+                raise WorkerTimeout(f"job did not finish within {self.timeout_s:.0f}s; ranks still running: {running}")
             time.sleep(0.05)
-        except KeyboardInterrupt as e:
-            # Ctrl-C reached the workers too; SIGTERM reached only us: either way they get
-            # SIGTERM (their graceful path) and time to finish the step and save.
-            why = "terminated (SIGTERM)" if isinstance(e, Terminated) else "interrupted"
-            print(f"[parallel4d] {why}: waiting up to {interrupt_grace_s:.0f}s for the workers to finish the step "
-                  "and save (signal again to stop at once)", file=sys.stderr, flush=True)
-            for p in procs:
-                if p.poll() is None:
-                    p.terminate()
-            _stop(procs, grace_s=interrupt_grace_s)
-            raise
+
+    def _act_on_signals(self) -> None:
+        while self.handled < len(self.signals.received):
+            signum = self.signals.received[self.handled]
+            self.handled += 1
+            if self.handled == 1:
+                self.grace_until = time.monotonic() + self.interrupt_grace_s
+                _say(f"{_name(signum)} received: the workers finish the step, save and stop (waiting up to "
+                     f"{self.interrupt_grace_s:g}s, and for as long as a save is in progress; a third signal "
+                     "stops them at once)")
+            elif self.handled == 2:
+                save = self.saving()
+                _say(f"{_name(signum)} again: waiting for the save of {save} to complete; another signal stops at "
+                     "once and loses it" if save else
+                     f"{_name(signum)} again: still waiting for the workers to finish the step and save; another "
+                     f"signal stops them at once and loses {self._lost()}")
+            else:
+                self._kill_now(signum, f"stopped at once by a third signal ({_name(signum)})")
+        if self.handled:
+            self._pass_on(self.signals.received[0])
+            self._check_grace()
+
+    def _pass_on(self, signum: int) -> None:
+        """The signal the launcher received, to each worker once (SIGINT stays SIGINT: summary.json says which)."""
+        for rank, p in enumerate(self.procs):
+            if rank in self.passed_on or (isinstance(p, _Forked) and not p.forked()):
+                continue
+            self.passed_on.add(rank)
+            if p.poll() is None:
+                _signal(p, signum)
+
+    def _check_grace(self) -> None:
+        now = time.monotonic()
+        if self.saving() is not None:  # never cut a save short: the grace starts again after it
+            self.grace_until = max(self.grace_until, now + self.interrupt_grace_s)
+        elif now > self.grace_until:
+            signum = self.signals.received[0]
+            self._kill_now(signum, f"the workers did not stop within interrupt_grace_s={self.interrupt_grace_s:g}s "
+                                   f"of {_name(signum)}: stopped at once")
+
+    def _kill_now(self, signum: int, why: str) -> None:
+        lost = self._lost()  # while the save in progress is still there to name
+        for p in self.procs:
+            if p.poll() is None:
+                p.kill()
+        for p in self.procs:
+            p.wait()
+        raise Interrupted(signum, f"{why}; lost: {lost}")
+
+    def _lost(self) -> str:
+        """What stopping the workers now loses."""
+        save = self.saving()
+        parts = [f"the save of {save} in progress"] if save else []
+        newest = self.saved() if self.saved is not None else None
+        if self.saved is None:
+            parts.append("whatever the workers had not saved")
+        elif newest is not None:
+            parts.append(f"the steps trained since {newest}, the newest complete checkpoint")
+        else:
+            parts.append("everything trained (there is no complete checkpoint)")
+        return " and ".join(parts)
+
+    def _stopped_by_the_signal(self, code: int) -> bool:
+        """Did the signal the launcher received (and passed on) end a process that exited with ``code``?"""
+        return self.handled > 0 and code in [-s for s in _STOP_SIGNALS]
+
+    def _failure(self, rank: int, details: str) -> BaseException:
+        """The error for worker ``rank``'s failure: the stop itself when the launcher's signal killed or
+        interrupted it (before its own handler was in place: nothing of this process was saved)."""
+        interrupted = self.handled > 0 and details.startswith("KeyboardInterrupt")  # a worker not forked (FORK=0)
+        if interrupted or self._stopped_by_the_signal(self.procs[rank].returncode):
+            signum = self.signals.received[0]
+            return Interrupted(signum, f"{_name(signum)} stopped the worker of rank {rank} before it could save; "
+                                       f"lost: {self._lost()}")
+        return WorkerError(rank, details)
+
+    def _zygote_failure(self) -> BaseException:
+        """The error for the zygote's death: the stop itself when a group signal reached it during its
+        imports, before it ignores SIGINT and SIGTERM (and so before it forked any worker)."""
+        if self._stopped_by_the_signal(self.zygote.returncode):
+            signum = self.signals.received[0]
+            return Interrupted(signum, f"{_name(signum)} stopped the job before its workers started: nothing was lost")
+        return WorkerError(None, f"the process that forks the workers (zygote, pid {self.zygote.pid}) "
+                                 f"{_exit_status(self.zygote.returncode)}; its workers were stopped")
 
 
 def _reports(procs, tmp) -> dict[int, tuple[float, str]]:

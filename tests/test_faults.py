@@ -2,11 +2,14 @@
 directory. Each job must end within its limits, name the rank or path at fault, and
 keep what was trained."""
 
+import importlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -14,7 +17,7 @@ import torch
 import yaml
 
 from conftest import run_workers
-from parallel4d.workers import WorkerError, spawn, worker_pids
+from parallel4d.workers import WorkerError, _start_time, child_processes, spawn, worker_pids
 
 TIMEOUT_S = 2.0  # the mesh groups' collective limit in the strategy scenarios
 GRACE_S = 1.5    # what a wait may take beyond it
@@ -251,23 +254,340 @@ def test_stopped_worker_ends_the_job_naming_it(tmp_path):
 # --- signals, run directories ---------------------------------------------------------------------
 
 
-def test_sigterm_saves_like_ctrl_c_and_exits_143(tmp_path):
-    """SIGTERM to the launcher (timeout, SLURM, Kubernetes): finish the step, save, say so, exit 143;
-    the launcher's temporary directory is removed."""
+TESTS = os.path.dirname(os.path.abspath(__file__))
+SLOW_SAVE_S = 2.5  # what each checkpoint of train_with_slow_saves takes longer
+
+
+def train_with_slow_saves(cfg_dict: dict) -> dict:
+    """launch's worker function, with each checkpoint's last phase (rank 0's checksums) SLOW_SAVE_S longer,
+    as a large model's save is: a signal can arrive while it is in progress. Only this worker changes."""
     from parallel4d import checkpoint
 
-    cfg = tiny_job(tmp_path / "run", dp=2)
-    cfg["checkpoint"] = {"enabled": True}
-    proc, _ = start_job(tmp_path, cfg)
-    assert [n for n in os.listdir(tmp_path / "tmp") if n.startswith("parallel4d-")], "the launcher's files"
-    proc.send_signal(signal.SIGTERM)
-    err = finish(proc, timeout=120)
-    assert proc.returncode == 143, err[-3000:]
-    assert "terminated (SIGTERM)" in err
+    write_checksums = checkpoint._write_checksums
+
+    def slowly(directory):
+        time.sleep(SLOW_SAVE_S)
+        write_checksums(directory)
+
+    checkpoint._write_checksums = slowly
+    return importlib.import_module("parallel4d.launch")._train_entry(cfg_dict)
+
+
+def launch_with_slow_saves(path: str) -> int:
+    """``parallel4d launch PATH`` (the CLI, launch, spawn and its supervision as they are) with workers
+    that run :func:`train_with_slow_saves`."""
+    from parallel4d.cli import main
+
+    importlib.import_module("parallel4d.launch")._train_entry = train_with_slow_saves
+    return main(["launch", path])
+
+
+class Launcher:
+    """``parallel4d launch`` on ``cfg`` in a session of its own (its process group is what a terminal's
+    Ctrl-C signals), under ``wrapper`` (e.g. GNU timeout); stderr collected by a thread. On leaving the
+    ``with`` block, a job still running is killed (a failed check must not leave it under the suite)."""
+
+    def __init__(self, tmp_path, cfg, wrapper=(), slow_saves=False):
+        path = tmp_path / "job.yaml"
+        path.write_text(yaml.safe_dump(cfg))
+        (tmp_path / "tmp").mkdir(exist_ok=True)
+        cli = (["-c", f"import sys; sys.path.insert(0, {TESTS!r}); import test_faults; "
+                      "sys.exit(test_faults.launch_with_slow_saves(sys.argv[1]))"] if slow_saves
+               else ["-m", "parallel4d", "launch"])
+        self.wrapped = bool(wrapper)
+        self.proc = subprocess.Popen([*wrapper, sys.executable, *cli, str(path)], stderr=subprocess.PIPE, text=True,
+                                     start_new_session=True, env={**os.environ, "TMPDIR": str(tmp_path / "tmp")},
+                                     preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+        self.lines: list[str] = []
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
+
+    def _read(self):
+        for line in self.proc.stderr:
+            self.lines.append(line)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+    def text(self) -> str:
+        return "".join(self.lines)
+
+    def wait_for(self, check, what: str, timeout: float = 120.0):
+        """``check()``'s first true value, polled while the job runs."""
+        deadline = time.monotonic() + timeout
+        while not (found := check()):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.reader.join(5)
+                raise AssertionError(f"never saw {what}:\n" + self.text()[-4000:])
+            time.sleep(0.02)
+        return found
+
+    def wait_for_line(self, text: str) -> None:
+        self.wait_for(lambda: text in self.text(), repr(text))
+
+    def wait_for_save(self, ckpt) -> int:
+        """The step of the save in progress (checkpoint.save writes ``.step_XXXXXXXX.tmp``) once there is one."""
+        tmp = self.wait_for(lambda: sorted(ckpt.glob(".step_*.tmp")), "a save in progress")[0]
+        return int(tmp.name[len(".step_"):-len(".tmp")])
+
+    def launcher_pid(self) -> int:
+        return child_processes(self.proc.pid)[0][0] if self.wrapped else self.proc.pid
+
+    def zygote_pid(self) -> int:
+        return next(pid for pid, cmd in child_processes(self.launcher_pid()) if b"--fork" in cmd)
+
+    def job_processes(self) -> dict[int, str]:
+        """``{pid: start time}`` of the zygote and the workers."""
+        pids = [self.zygote_pid(), *worker_pids(self.launcher_pid()).values()]
+        return {pid: _start_time(pid) for pid in pids}
+
+    def finish(self, timeout: float = 120.0) -> int:
+        self.proc.wait(timeout)
+        self.reader.join(5)
+        return self.proc.returncode
+
+
+def running(processes: dict[int, str]) -> list[int]:
+    """Those of ``processes`` (``{pid: start time}``) that still run (a zombie has ended)."""
+    return [pid for pid, started in processes.items() if _start_time(pid) == started]
+
+
+def saving_job(tmp_path, every=0, **parallel):
+    cfg = tiny_job(tmp_path / "run", **parallel)
+    cfg["train"]["timeout_s"] = 30  # rank 1 waits in the save's agreement while rank 0 writes the checksums slowly
+    cfg["checkpoint"] = {"enabled": True, "every": every}
+    return cfg
+
+
+def test_ctrl_c_twice_waits_for_the_save_in_progress_then_names_the_verified_checkpoint(tmp_path):
+    """Ctrl-C (SIGINT to the launcher's process group, as a terminal sends it), and again while the final
+    save is in progress: the launcher says it waits for that save, the save completes, and only then does
+    the CLI say it saved, naming the checkpoint it verified. Exit 130; summary.json records SIGINT (the
+    signal received) and finished: false; no process of the job outlives the launcher."""
+    from parallel4d import checkpoint
+
+    ckpt = tmp_path / "run" / "checkpoints"
+    with Launcher(tmp_path, saving_job(tmp_path, dp=2), slow_saves=True) as job:
+        job.wait_for_line("step 3/")
+        processes = job.job_processes()
+        os.killpg(job.proc.pid, signal.SIGINT)
+        job.wait_for_line("SIGINT received")  # the kernel merges a signal sent while the same one is pending
+        step = job.wait_for_save(ckpt)
+        os.killpg(job.proc.pid, signal.SIGINT)
+        job.wait_for_line(f"SIGINT again: waiting for the save of step {step} to complete")
+        code = job.finish()
+        left = running(processes)
+    err = job.text()
+    assert code == 130, err[-3000:]
+    assert left == [], left
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
-    saved = checkpoint.latest_checkpoint(tmp_path / "run" / "checkpoints")
-    assert summary["interrupted"] is True and saved.name == f"step_{summary['steps']:08d}"
+    saved = ckpt / f"step_{step:08d}"
+    assert summary["stop_signal"] == "SIGINT" and summary["finished"] is False and summary["steps"] == step
+    assert summary["checkpoint"] == str(saved) and checkpoint.verify(saved) is None
+    assert f"stopped by SIGINT at step {step}, after saving checkpoint {saved} (verified" in err, err[-3000:]
+    assert sorted(ckpt.glob(".step_*.tmp")) == [] and "Traceback" not in err
+
+
+def test_a_third_signal_stops_at_once_saying_what_is_lost(tmp_path):
+    """Three Ctrl-Cs, the last two while a save is in progress: the third kills the workers at once (the
+    save never completes) and waits for them, and the CLI says what is lost: that save, and the steps
+    since the newest complete checkpoint, named. Exit 130; no process of the job is left."""
+    from parallel4d import checkpoint
+
+    ckpt = tmp_path / "run" / "checkpoints"
+    with Launcher(tmp_path, saving_job(tmp_path, every=2, dp=2), slow_saves=True) as job:
+        job.wait_for_line("step 3/")
+        processes = job.job_processes()
+        os.killpg(job.proc.pid, signal.SIGINT)
+        job.wait_for_line("SIGINT received")  # the kernel merges a signal sent while the same one is pending
+        step = job.wait_for_save(ckpt)
+        os.killpg(job.proc.pid, signal.SIGINT)
+        job.wait_for_line("SIGINT again: waiting for the save")
+        os.killpg(job.proc.pid, signal.SIGINT)
+        code = job.finish()
+        left = running(processes)
+    err = job.text()
+    assert code == 130, err[-3000:]
+    assert left == [], left
+    newest = checkpoint.latest_checkpoint(ckpt)
+    assert newest is not None and newest.name < f"step_{step:08d}" and not (ckpt / f"step_{step:08d}").exists()
+    assert (f"stopped at once by a third signal (SIGINT); lost: the save of step {step} in progress and the "
+            f"steps trained since {newest}, the newest complete checkpoint") in err, err[-3000:]
+    assert "Traceback" not in err
+
+
+def test_gnu_timeout_signalling_twice_waits_for_the_workers_and_their_save(tmp_path):
+    """GNU timeout (the README names it for SIGTERM) sends SIGTERM to the launcher and then to its whole
+    process group: the zygote and the workers, and the launcher a second time (which the kernel may merge
+    with the first). The launcher outlives its workers, names the checkpoint they saved once it verified,
+    exits 143; no traceback; its temporary directory is removed."""
+    from parallel4d import checkpoint
+
+    ckpt = tmp_path / "run" / "checkpoints"
+    with Launcher(tmp_path, saving_job(tmp_path, dp=2), wrapper=["timeout", "-s", "TERM", "600"]) as job:
+        job.wait_for_line("step 3/")
+        processes = job.job_processes()
+        assert [n for n in os.listdir(tmp_path / "tmp") if n.startswith("parallel4d-")], "the launcher's files"
+        job.proc.send_signal(signal.SIGTERM)  # timeout passes a signal it gets on as it passes its own at the limit
+        code = job.finish()
+        left = running(processes)
+    err = job.text()
+    assert code == 143, err[-3000:]
+    assert left == [], left
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    saved = ckpt / f"step_{summary['steps']:08d}"
+    assert summary["stop_signal"] == "SIGTERM" and summary["finished"] is False
+    assert summary["checkpoint"] == str(saved) and checkpoint.verify(saved) is None
+    assert f"after saving checkpoint {saved} (verified" in err, err[-3000:]
+    assert "Traceback" not in err and "FileNotFoundError" not in err, err[-3000:]
     assert [n for n in os.listdir(tmp_path / "tmp") if n.startswith("parallel4d-")] == []
+
+
+def test_a_killed_zygote_is_blamed_as_the_zygote_and_its_workers_are_stopped(tmp_path):
+    """SIGKILL to the process that forks the workers: the job names it (not a worker, none was killed),
+    its workers (no longer its children) are stopped before the launcher leaves, and no worker prints a
+    traceback about the launcher's files."""
+    with Launcher(tmp_path, tiny_job(tmp_path / "run", dp=2)) as job:
+        job.wait_for_line("step 3/")
+        processes = job.job_processes()
+        zygote = job.zygote_pid()
+        os.kill(zygote, signal.SIGKILL)
+        code = job.finish()
+        left = running(processes)
+    err = job.text()
+    assert code == 1, err[-3000:]
+    assert left == [], left
+    assert f"the process that forks the workers (zygote, pid {zygote}) was killed by SIGKILL" in err, err[-3000:]
+    assert "worker rank" not in err and "Traceback" not in err and "FileNotFoundError" not in err, err[-3000:]
+
+
+def test_a_worker_outliving_its_zygote_is_watched_and_stopped_by_its_pid(tmp_path):
+    """Once the zygote is dead no one records how its workers end: one still running is seen running (not
+    ended with the zygote's status), and stopping it signals it by the pid the zygote recorded."""
+    from parallel4d.workers import _Forked
+
+    zygote = subprocess.Popen([sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"])
+    zygote.wait()
+    orphan = subprocess.Popen(["sleep", "60"])
+    try:
+        (tmp_path / "pid0").write_text(str(orphan.pid))
+        worker = _Forked(str(tmp_path), 0, zygote)
+        assert worker.poll() is None
+        worker.terminate()
+        assert orphan.wait(10) == -signal.SIGTERM
+        assert worker.poll() is not None
+    finally:
+        orphan.kill()
+        orphan.wait()
+
+
+def test_a_zygote_the_stop_signal_reached_during_its_imports_ends_the_job_as_stopped(tmp_path):
+    """SIGTERM to the group while the zygote still imports (before it ignores the signal, before any worker):
+    the job was stopped, nothing was lost; not a failure of the zygote."""
+    from parallel4d.workers import Interrupted, _Forked, _Signals, _Supervisor
+
+    zygote = subprocess.Popen([sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGTERM)"])
+    zygote.wait()
+    signals = _Signals()
+    signals.received.append(signal.SIGTERM)  # the launcher got it too
+    supervisor = _Supervisor([_Forked(str(tmp_path), 0, zygote)], zygote, str(tmp_path), signals, timeout_s=60,
+                             interrupt_grace_s=120, saving=None, saved=None)
+    with pytest.raises(Interrupted, match="SIGTERM stopped the job before its workers started: nothing was lost"):
+        supervisor.run()
+    signals.received.clear()  # the zygote alone got it: someone killed it
+    with pytest.raises(WorkerError, match=rf"zygote, pid {zygote.pid}\) was killed by SIGTERM"):
+        _Supervisor([_Forked(str(tmp_path), 0, zygote)], zygote, str(tmp_path), signals, timeout_s=60,
+                    interrupt_grace_s=120, saving=None, saved=None).run()
+
+
+class SlowToDie(FakeProcess):
+    """A worker that ends only a while after SIGKILL (as one in uninterruptible sleep does)."""
+
+    killed_at = None
+
+    def kill(self):
+        self.killed_at = time.monotonic()
+
+    def poll(self):
+        if self.killed_at is not None and time.monotonic() - self.killed_at > 0.3:
+            self.returncode = -signal.SIGKILL
+        return self.returncode
+
+    def wait(self, timeout=None):
+        while self.poll() is None:
+            time.sleep(0.01)
+        return self.returncode
+
+
+def test_a_third_signal_returns_only_once_the_killed_workers_ended(tmp_path):
+    """The third signal kills the workers and waits until each has ended before the launcher goes on (to
+    remove the job's directory and exit)."""
+    from parallel4d.workers import Interrupted, _Signals, _Supervisor
+
+    procs = [SlowToDie(10), SlowToDie(11)]
+    signals = _Signals()
+    signals.received += [signal.SIGINT] * 3  # recorded by its handler, as three Ctrl-Cs are
+    supervisor = _Supervisor(procs, None, str(tmp_path), signals, timeout_s=60, interrupt_grace_s=120,
+                             saving=lambda: "step 9", saved=lambda: "ckpt/step_00000006")
+    with pytest.raises(Interrupted, match=r"third signal \(SIGINT\); lost: the save of step 9 in progress and the "
+                                          r"steps trained since ckpt/step_00000006, the newest complete checkpoint"):
+        supervisor.run()
+    assert [p.returncode for p in procs] == [-signal.SIGKILL] * 2
+
+
+def _save_slowly_after_a_signal(launcher: int, marker: str, save_s: float) -> str:
+    """Rank 0 starts a "save" (``marker`` exists while it lasts) and sends SIGINT to the launcher; every rank
+    waits for the signal the launcher passes on, and returns its name once the save is over."""
+    got = []
+    signal.signal(signal.SIGINT, lambda signum, frame: got.append(signum))
+    torch.distributed.barrier()
+    if torch.distributed.get_rank() == 0:
+        os.mkdir(marker)
+        os.kill(launcher, signal.SIGINT)
+    while not got:
+        time.sleep(0.01)
+    time.sleep(save_s)
+    if torch.distributed.get_rank() == 0:
+        os.rmdir(marker)
+    return signal.Signals(got[0]).name
+
+
+def test_the_interrupt_grace_never_cuts_a_save_short(tmp_path):
+    """A signal to the launcher reaches the workers as it is (SIGINT stays SIGINT); interrupt_grace_s does
+    not end while a save is in progress, and ends the job once none is, saying what is lost."""
+    from parallel4d.workers import Interrupted
+
+    marker = tmp_path / "saving"
+    t0 = time.monotonic()
+    try:
+        got = spawn(_save_slowly_after_a_signal, 2, (os.getpid(), str(marker), 1.0), timeout_s=60,
+                    interrupt_grace_s=0.2, saving=lambda: "step 7" if marker.is_dir() else None)
+    except Interrupted as e:  # a KeyboardInterrupt: uncaught, it would end the whole test session
+        pytest.fail(f"the workers were stopped: {e}")
+    assert got == ["SIGINT", "SIGINT"] and time.monotonic() - t0 > 1.0
+    with pytest.raises(Interrupted, match=r"did not stop within interrupt_grace_s=0.2s of SIGINT: stopped at once; "
+                                          "lost: whatever the workers had not saved"):
+        spawn(_save_slowly_after_a_signal, 2, (os.getpid(), str(tmp_path / "unseen"), 30.0), timeout_s=60,
+              interrupt_grace_s=0.2)
+    assert worker_pids(os.getpid()) == {}
+
+
+def _remove_the_job_directory_then_fail():
+    shutil.rmtree(os.path.dirname(sys.argv[1]))  # the launcher's directory (argv: the zygote's, or this worker's)
+    raise RuntimeError("failing after the job directory went")
+
+
+def test_a_worker_whose_job_directory_is_gone_exits_without_a_traceback(capfd):
+    """A worker (and the zygote) with nowhere to report, the launcher gone or done, exits quietly."""
+    with pytest.raises(WorkerError):
+        spawn(_remove_the_job_directory_then_fail, 1, timeout_s=60)
+    err = capfd.readouterr().err
+    assert "Traceback" not in err and "FileNotFoundError" not in err, err
 
 
 def test_second_job_on_a_run_directory_in_use_is_refused(tmp_path):
@@ -293,6 +613,10 @@ def test_second_job_on_a_run_directory_in_use_is_refused(tmp_path):
             time.sleep(0.2)
         except LookupError:
             break
+    with pytest.raises(ConfigError, match="holds another run's history"):  # the killed run's metrics.jsonl
+        launch(tiny_job(tmp_path / "run", steps=2))
+    for name in ("summary.json", "metrics.jsonl"):  # moved away, as the refusal says
+        (tmp_path / "run" / name).unlink(missing_ok=True)
     summary = launch(tiny_job(tmp_path / "run", steps=2))
     assert summary["steps"] == 2
 

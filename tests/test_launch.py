@@ -230,3 +230,47 @@ def test_restarts_without_resume_are_refused_under_torchrun(tmp_path, monkeypatc
     with pytest.raises(ConfigError, match="--max-restarts 2 .* set train.resume=true"):
         launch(cfg)
     assert not dist.is_initialized()
+
+
+def test_a_complete_run_resumed_keeps_its_figures(tmp_path, single_rank):
+    """Relaunching a finished run with train.resume=true trains nothing: its summary keeps the figures of
+    the session that trained (from the checkpoint's run.json, or for a checkpoint saved without them the
+    summary.json before) instead of 0 tokens/s, and says it finished, stopped by no signal."""
+    from parallel4d import checkpoint
+    from parallel4d.config import Config
+    from parallel4d.train import run_training
+
+    figures = ("tokens_per_second", "model_flops_per_second")
+    cfg = tiny(tmp_path, "complete")
+    cfg["train"]["steps"] = 2
+    cfg["checkpoint"] = {"enabled": True}
+    first = run_training(Config.model_validate(cfg))
+    assert first["tokens_per_second"] > 0 and first["finished"] is True
+    cfg["train"]["resume"] = True
+    again = run_training(Config.model_validate(cfg))
+    assert again["resumed_from"] == again["steps"] == 2 and again["finished"] is True and again["stop_signal"] is None
+    assert {k: again[k] for k in figures} == {k: first[k] for k in figures}
+    saved = checkpoint.latest_checkpoint(tmp_path / "complete" / "checkpoints")
+    info = json.loads((saved / "run.json").read_text())
+    (saved / "run.json").write_text(json.dumps({k: v for k, v in info.items() if k not in figures}))
+    checkpoint._write_checksums(saved)  # as a checkpoint from before run.json held the figures
+    older = run_training(Config.model_validate(cfg))
+    assert {k: older[k] for k in figures} == {k: first[k] for k in figures}
+
+
+def test_the_cli_says_saved_only_of_a_checkpoint_that_verifies(tmp_path, monkeypatch, capsys):
+    """After a run stopped by a signal, `parallel4d launch` names the checkpoint rank 0's summary names only
+    once its files verify; a corrupted one is named as such. Either way the exit code is 128 + the signal."""
+    from parallel4d import checkpoint, cli
+
+    saved = checkpoint.save({"w": torch.ones(4)}, tmp_path / "ckpt", step=5)
+    summary = {"losses": [1.0], "steps": 5, "stop_signal": "SIGTERM", "checkpoint": str(saved)}
+    monkeypatch.setattr(cli, "launch", lambda config, overrides: summary)
+    assert cli.main(["launch", "job.yaml"]) == 143
+    assert f"stopped by SIGTERM at step 5, after saving checkpoint {saved} (verified" in capsys.readouterr().err
+    data = next(p for p in saved.iterdir() if p.suffix == ".distcp")
+    data.write_bytes(bytes(len(data.read_bytes())))
+    summary["stop_signal"] = "SIGINT"
+    assert cli.main(["launch", "job.yaml"]) == 130
+    err = capsys.readouterr().err
+    assert f"but its checkpoint {saved} does not verify: file {data.name} does not match" in err and "after saving" not in err
