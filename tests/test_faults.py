@@ -622,15 +622,16 @@ def test_second_job_on_a_run_directory_in_use_is_refused(tmp_path):
 
 
 def test_a_local_job_above_the_worker_limit_is_refused_before_spawning(tmp_path, monkeypatch):
-    """parallel.dp=10**12 used to start spawning workers without limit."""
+    """parallel.dp=4096 on one machine (10**12 is beyond every axis's bound now) would start spawning
+    workers without limit."""
     from parallel4d import launch
     from parallel4d.config import ConfigError
 
     spawned = []
     monkeypatch.setattr(sys.modules["parallel4d.launch"], "spawn", lambda *a, **k: spawned.append(a))
     cfg = tiny_job(tmp_path / "run", steps=2)
-    cfg["data"]["batch_size"] = 10 ** 12
-    cfg["parallel"] = {"dp": 10 ** 12}
+    cfg["data"]["batch_size"] = 4096
+    cfg["parallel"] = {"dp": 4096}
     with pytest.raises(ConfigError, match="train.max_local_workers=64"):
         launch(cfg)
     assert spawned == [] and not (tmp_path / "run").exists()

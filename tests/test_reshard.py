@@ -13,8 +13,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from conftest import run_in_this_process
 from parallel4d import checkpoint, launch
-from parallel4d.workers import WorkerError
+from parallel4d.config import ConfigError
 from test_checkpoint import read_state
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -157,5 +158,9 @@ def test_a_checkpoint_of_another_model_is_refused_naming_the_tensor(jobs):
     out = jobs.tmp / "wider"
     (out / "checkpoints").mkdir(parents=True)
     shutil.copytree(jobs.ckpt, out / "checkpoints" / jobs.ckpt.name)
-    with pytest.raises(WorkerError, match=r"model\.embed\.tok\.weight.* is \[256, 64\] there and \[512, 64\] here"):
-        run(out, [*SINGLE, "model.vocab_size=512", "train.steps=4", "train.resume=true"])
+    wider = [*SINGLE, "model.vocab_size=512", "train.steps=4", "train.resume=true", f"train.out_dir={out}"]
+    with pytest.raises(ConfigError, match=r"holds another model: model\.vocab_size=256 there, 512 here"):
+        run(out, wider)  # before any worker, from the checkpoint's config.yaml
+    with pytest.raises(checkpoint.CheckpointError,  # and in the worker, from the saved tensors' shapes
+                       match=r"model\.embed\.tok\.weight.* is \[256, 64\] there and \[512, 64\] here"):
+        run_in_this_process(ROOT / "configs" / "4d.yaml", [*MODEL, *wider])
