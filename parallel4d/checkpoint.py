@@ -101,6 +101,26 @@ def _why_broken(aside: Path) -> str:
         return "set aside as broken by an earlier resume"
 
 
+def _tmp_name(step: int) -> str:
+    """Where a checkpoint is written until it is complete (then renamed to :func:`_name`)."""
+    return f".{_name(step)}.tmp"
+
+
+_TMP_GLOB = ".step_*.tmp"  # every _tmp_name
+
+
+def save_in_progress(root: str | Path, since: float) -> str | None:
+    """``"step 12"`` while a save into ``root`` started after ``since`` (epoch seconds) is under way,
+    else None: a temporary directory older than that is an earlier crash's (the next save removes it)."""
+    for tmp in Path(root).glob(_TMP_GLOB):
+        try:
+            if tmp.stat().st_mtime >= since:
+                return f"step {int(tmp.name[len('.step_'):-len('.tmp')])}"
+        except (OSError, ValueError):  # renamed meanwhile, or not one of save's names
+            continue
+    return None
+
+
 def _write_file(path: Path, text: str) -> None:
     with open(path, "w") as f:
         f.write(text)
@@ -330,7 +350,7 @@ def _prepare(root: Path, final: Path, tmp: Path, run_id: str | None) -> str:
     """Writer: clean up, resolve the run id, and return it, or _SKIP if ``final`` is already this state."""
     root.mkdir(parents=True, exist_ok=True)
     _recover(root)
-    for stale in root.glob(".step_*.tmp"):  # leftovers of an interrupted save
+    for stale in root.glob(_TMP_GLOB):  # leftovers of an interrupted save
         shutil.rmtree(stale, ignore_errors=True)
     if run_id is None:
         named = _latest_name(root)
@@ -395,7 +415,7 @@ def save(state: dict | Callable[[Path], Any], root: str | Path, step: int, keep:
     """
     root = Path(root)
     final = root / _name(step)
-    tmp = root / f".{final.name}.tmp"
+    tmp = root / _tmp_name(step)
 
     def explain(error: BaseException, where: Path) -> str:
         return f"checkpoint {final} not saved: {diagnose(error, where)}"

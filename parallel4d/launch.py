@@ -81,19 +81,6 @@ def _train_entry(cfg_dict: dict) -> dict:
     return run_training(Config.model_validate(cfg_dict))
 
 
-def _save_in_progress(ckpt_dir: Path, since: float) -> str | None:
-    """The step this job is saving (``"step 12"``), or None: checkpoint.save writes each checkpoint into
-    ``.step_XXXXXXXX.tmp`` and renames it once complete. A ``.tmp`` older than the job is left over from
-    an earlier crash (the next save removes it)."""
-    for tmp in ckpt_dir.glob(".step_*.tmp"):
-        try:
-            if tmp.stat().st_mtime >= since:
-                return f"step {int(tmp.name[len('.step_'):-len('.tmp')])}"
-        except (OSError, ValueError):  # renamed meanwhile, or not one of checkpoint.save's names
-            continue
-    return None
-
-
 def _newest_checkpoint(ckpt_dir: Path) -> str | None:
     found = checkpoint.latest_checkpoint(ckpt_dir)
     return str(found) if found is not None else None
@@ -135,7 +122,8 @@ def launch(config: str | Path | Config | dict, overrides: list[str] | None = Non
             _train_entry, cfg.world_size, (cfg.model_dump(mode="json"),), backend=backend,
             timeout_s=cfg.train.job_timeout_s or 7 * 24 * 3600.0, pg_timeout_s=cfg.train.timeout_s,
             threads_per_worker=threads,
-            saving=lambda: _save_in_progress(cfg.checkpoint_dir, started) if enabled else None,
+            saving=lambda: checkpoint.save_in_progress(cfg.checkpoint_dir, started) if enabled else None,
             saved=lambda: _newest_checkpoint(cfg.checkpoint_dir) if enabled else None,
+            refusals=(ConfigError, checkpoint.CheckpointError),
         )
     return results[0]

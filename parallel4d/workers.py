@@ -137,7 +137,8 @@ def _worker_main(payload_path: str, rank: int, parent_pid: int | None = None) ->
     caller's ``__main__`` is never re-imported: ``parallel4d.launch`` works from a
     script without an ``if __name__ == "__main__"`` guard.
     """
-    fn, world_size, backend, init_file, pg_timeout_s, args, kwargs, out_dir, launcher, env = _load(payload_path)
+    fn, world_size, backend, init_file, pg_timeout_s, args, kwargs, out_dir, launcher, refusals, env = \
+        _load(payload_path)
     parent_pid = parent_pid or launcher
     os.environ.update(env)
     os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
@@ -172,7 +173,9 @@ def _worker_main(payload_path: str, rank: int, parent_pid: int | None = None) ->
     except BaseException as e:  # report everything, including KeyboardInterrupt, to the parent
         # Report before tearing the group down: peers fail *because* we leave, and the
         # parent names the earliest report as the cause.
-        report("error", f"{type(e).__name__}: {e}\n\n{traceback.format_exc()}")
+        refusal = e if isinstance(e, refusals) else None  # the user's mistake: its message is the whole story
+        details = f"{type(e).__name__}: {e}" + ("" if refusal else f"\n\n{traceback.format_exc()}")
+        report("error", (details, refusal))
         os._exit(1)
     report("ok", result)
     try:
@@ -389,13 +392,15 @@ def spawn(
     interrupt_grace_s: float = 120.0,
     saving: Callable[[], str | None] | None = None,
     saved: Callable[[], str | None] | None = None,
+    refusals: tuple[type[BaseException], ...] = (),
 ) -> list[Any]:
     """Run ``fn(*args, **kwargs)`` on ``world_size`` fresh processes; return each rank's result.
 
     ``fn`` must be importable (module level). Each process has the default
     process group initialised (``backend``, file rendezvous, collective timeout
     ``pg_timeout_s``, default ``timeout_s``). Raises :class:`WorkerError` with
-    the first failing rank's traceback, :class:`WorkerTimeout` after ``timeout_s``.
+    the first failing rank's traceback, :class:`WorkerTimeout` after ``timeout_s``; an exception of
+    one of ``refusals`` (a user's mistake, e.g. ConfigError) that caused the failure is raised as itself.
 
     SIGINT or SIGTERM to this process is passed on to the workers (the signal received), which are
     expected to stop cleanly: their results are returned as usual. ``saving()`` names the save in
@@ -413,7 +418,8 @@ def spawn(
     payload = os.path.join(tmp, "payload.pkl")
     with open(payload, "wb") as f:
         pickle.dump(list(sys.path), f)
-        pickle.dump((fn, world_size, backend, init_file, pg_timeout_s, args, kwargs, tmp, os.getpid(), child_env), f)
+        pickle.dump((fn, world_size, backend, init_file, pg_timeout_s, args, kwargs, tmp, os.getpid(), tuple(refusals),
+                     child_env), f)
     procs: list = []
     zygote = None
     with _Signals() as signals:
@@ -487,6 +493,9 @@ class _Supervisor:
                 blamed = _blame(self.procs, self.tmp, settled=time.monotonic() - first_failure_at >= BLAME_GRACE_S)
                 if blamed is not None:
                     _stop(self.procs)
+                    refusal = _refusal(self.tmp, blamed[0])
+                    if refusal is not None:  # raised as itself: one line for the user, no worker traceback
+                        raise refusal
                     raise self._failure(*blamed)
             elif all(p.poll() == 0 for p in self.procs):
                 return
@@ -581,20 +590,30 @@ class _Supervisor:
                                  f"{_exit_status(self.zygote.returncode)}; its workers were stopped")
 
 
+def _error_report(tmp: str, rank: int) -> tuple[float, str, BaseException | None] | None:
+    """``(time, details, the exception if one of spawn's refusals)`` of rank's error report, or None."""
+    path = os.path.join(tmp, f"result{rank}.pkl")
+    try:
+        with open(path, "rb") as f:
+            status, payload = pickle.load(f)
+        when = os.path.getmtime(path)
+    except (OSError, EOFError, pickle.UnpicklingError):
+        return None
+    if status != "error":
+        return None
+    details, refusal = payload if isinstance(payload, tuple) else (payload, None)
+    return when, details, refusal
+
+
+def _refusal(tmp: str, rank: int | None) -> BaseException | None:
+    report = _error_report(tmp, rank) if rank is not None else None
+    return report[2] if report else None
+
+
 def _reports(procs, tmp) -> dict[int, tuple[float, str]]:
     """``{rank: (time, details)}`` of every error a worker has reported so far."""
-    out = {}
-    for r in range(len(procs)):
-        path = os.path.join(tmp, f"result{r}.pkl")
-        try:
-            with open(path, "rb") as f:
-                status, details = pickle.load(f)
-            when = os.path.getmtime(path)
-        except (OSError, EOFError, pickle.UnpicklingError):
-            continue
-        if status == "error":
-            out[r] = (when, details)
-    return out
+    found = {r: _error_report(tmp, r) for r in range(len(procs))}
+    return {r: report[:2] for r, report in found.items() if report is not None}
 
 
 def _blame(procs, tmp, settled: bool) -> tuple[int, str] | None:

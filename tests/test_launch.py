@@ -274,3 +274,47 @@ def test_the_cli_says_saved_only_of_a_checkpoint_that_verifies(tmp_path, monkeyp
     assert cli.main(["launch", "job.yaml"]) == 130
     err = capsys.readouterr().err
     assert f"but its checkpoint {saved} does not verify: file {data.name} does not match" in err and "after saving" not in err
+
+
+def _refuse_on(rank: int) -> None:
+    if dist.get_rank() == rank:
+        raise ConfigError("model.hidden=60 cannot run here; use model.hidden=64")
+    dist.barrier()  # the other ranks lose their peer: consequences, not the cause
+
+
+def test_a_workers_refusal_is_raised_as_itself_without_a_traceback():
+    """#26.9: a ConfigError raised in a worker (a check that needs the process group) reaches the
+    caller as that ConfigError, unchained, not as a WorkerError wrapping a worker's traceback."""
+    with pytest.raises(ConfigError) as e:
+        spawn(_refuse_on, 2, (1,), refusals=(ConfigError,), timeout_s=120, pg_timeout_s=30)
+    assert str(e.value) == "model.hidden=60 cannot run here; use model.hidden=64"
+    assert e.value.__cause__ is None and e.value.__context__ is None
+    with pytest.raises(WorkerError, match="Traceback"):  # spawn's other callers still get the whole story
+        spawn(_refuse_on, 2, (1,), timeout_s=120, pg_timeout_s=30)
+
+
+def test_a_run_with_only_broken_checkpoints_is_refused_in_one_line_each_time(tmp_path, capfd):
+    """#26.7/9: resuming where every checkpoint fails verification: exit 1 with one line naming them
+    all (no worker traceback), the same on the next attempt."""
+    from parallel4d.cli import main
+
+    cfg = tiny(tmp_path, "run")
+    cfg["train"]["steps"] = 2
+    cfg["checkpoint"] = {"every": 1}
+    job = tmp_path / "job.yaml"
+    job.write_text(json.dumps(cfg))
+    assert main(["launch", str(job)]) == 0
+    for ckpt in (tmp_path / "run" / "checkpoints").glob("step_*"):
+        data = next(ckpt.glob("*.distcp"))
+        raw = bytearray(data.read_bytes())
+        raw[10] ^= 0xFF
+        data.write_bytes(bytes(raw))
+    capfd.readouterr()
+    errors = []
+    for _ in range(2):
+        assert main(["launch", str(job), "--set", "train.resume=true"]) == 1
+        err = capfd.readouterr().err
+        assert "Traceback" not in err, err
+        errors.append(err.strip().splitlines()[-1])
+    assert errors[0] == errors[1] and errors[0].startswith("parallel4d: no usable checkpoint under"), errors
+    assert errors[0].count(".broken: file") == 2, errors[0]
