@@ -53,6 +53,7 @@ import yaml
 
 from . import comm, shards
 from .config import ConfigError, ModelConfig, model_shape_changes
+from .rundir import fsync_dir
 
 LATEST = "latest"
 RUN_INFO = "run.json"
@@ -128,17 +129,6 @@ def _write_file(path: Path, text: str) -> None:
         os.fsync(f.fileno())  # the rename that publishes it must not outlive its content in a power cut
 
 
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-    except OSError:  # not every file system syncs directories; the rename itself is still atomic
-        pass
-
-
 def _latest_name(root: Path) -> str | None:
     try:
         return (root / LATEST).read_text().strip() or None
@@ -152,7 +142,7 @@ def _set_latest(root: Path, final: Path) -> None:
     tmp = root / f".{LATEST}.tmp"
     _write_file(tmp, final.name)
     os.replace(tmp, root / LATEST)
-    _fsync_dir(root)
+    fsync_dir(root)
 
 
 def read_info(path: str | Path) -> dict:
@@ -370,7 +360,7 @@ def _publish(root: Path, final: Path, tmp: Path, run_id: str, step: int, info: d
         _write_file(tmp / name, text)
     _write_file(tmp / RUN_INFO, json.dumps({**(info or {}), "run_id": run_id, "step": step, "saved": time.time()}))
     _write_checksums(tmp)
-    _fsync_dir(tmp)
+    fsync_dir(tmp)
     aside = root / f".{final.name}.old"
     if final.exists():  # moved aside only now that its replacement is complete
         os.replace(final, aside)
@@ -380,7 +370,7 @@ def _publish(root: Path, final: Path, tmp: Path, run_id: str, step: int, info: d
         if aside.exists():
             os.replace(aside, final)
         raise
-    _fsync_dir(root)
+    fsync_dir(root)
     _set_latest(root, final)
     shutil.rmtree(aside, ignore_errors=True)
     _retain(root, run_id, keep, final)

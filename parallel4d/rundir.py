@@ -25,6 +25,18 @@ from .config import ConfigError
 LOCK_NAME = ".parallel4d.lock"
 
 
+def fsync_dir(path: str | Path) -> None:
+    """Make the renames into directory ``path`` survive a power cut (where the file system can)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError:  # not every file system syncs directories; the rename itself is still atomic
+        pass
+
+
 def check_writable(path: str | Path, field: str) -> None:
     """Create ``path`` and a probe file in it; ``ConfigError`` naming ``field`` and why not."""
     path = Path(path)

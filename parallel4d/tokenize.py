@@ -21,6 +21,7 @@ from multiprocessing import Pool
 from pathlib import Path
 
 from .config import ConfigError
+from .rundir import fsync_dir
 from .token_files import dtype_for, file_sha256, record_verified, sidecar_path, stamp_path
 
 # the end-of-document tokens of common tokenizers, tried in this order
@@ -158,14 +159,7 @@ def _rename_both(bin_tmp: Path, out: Path, side_tmp: Path, side: Path) -> None:
         if not bin_tmp.exists():
             os.replace(side_tmp, side)
     for directory in {out.parent, side.parent}:  # the renames themselves survive a power cut
-        try:
-            fd = os.open(directory, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        except OSError:
-            pass
+        fsync_dir(directory)
 
 
 def _worker_signals() -> None:

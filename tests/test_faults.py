@@ -11,12 +11,14 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
 import yaml
 
 from conftest import run_workers
+from parallel4d import checkpoint
 from parallel4d.workers import WorkerError, _start_time, child_processes, spawn, worker_pids
 
 TIMEOUT_S = 2.0  # the mesh groups' collective limit in the strategy scenarios
@@ -288,6 +290,7 @@ class Launcher:
     ``with`` block, a job still running is killed (a failed check must not leave it under the suite)."""
 
     def __init__(self, tmp_path, cfg, wrapper=(), slow_saves=False):
+        self.tmp = tmp_path
         path = tmp_path / "job.yaml"
         path.write_text(yaml.safe_dump(cfg))
         (tmp_path / "tmp").mkdir(exist_ok=True)
@@ -330,6 +333,16 @@ class Launcher:
     def wait_for_line(self, text: str) -> None:
         self.wait_for(lambda: text in self.text(), repr(text))
 
+    def ctrl_c_twice_during_a_save(self, ckpt) -> int:
+        """Ctrl-C to the job's group, then again once a save has begun and the launcher took the first
+        (the kernel merges a signal sent while the same one is pending); the step being saved."""
+        os.killpg(self.proc.pid, signal.SIGINT)
+        self.wait_for_line("SIGINT received")
+        step = self.wait_for_save(ckpt)
+        os.killpg(self.proc.pid, signal.SIGINT)
+        self.wait_for_line(f"SIGINT again: waiting for the save of step {step} to complete")
+        return step
+
     def wait_for_save(self, ckpt) -> int:
         """The step of the save in progress (checkpoint.save writes ``.step_XXXXXXXX.tmp``) once there is one."""
         tmp = self.wait_for(lambda: sorted(ckpt.glob(".step_*.tmp")), "a save in progress")[0]
@@ -364,31 +377,33 @@ def saving_job(tmp_path, every=0, **parallel):
     return cfg
 
 
+def assert_stopped_and_saved(job, code: int, left: list, signame: str):
+    """A job stopped by ``signame``: its exit code, no process left, summary.json saying so and naming a
+    checkpoint that verifies. Returns (stderr, summary, that checkpoint)."""
+    err = job.text()
+    assert code == 128 + signal.Signals[signame].value, err[-3000:]
+    assert left == [], left
+    summary = json.loads((job.tmp / "run" / "summary.json").read_text())
+    saved = Path(summary["checkpoint"])
+    assert summary["stop_signal"] == signame and summary["finished"] is False
+    assert checkpoint.verify(saved) is None
+    return err, summary, saved
+
+
 def test_ctrl_c_twice_waits_for_the_save_in_progress_then_names_the_verified_checkpoint(tmp_path):
     """Ctrl-C (SIGINT to the launcher's process group, as a terminal sends it), and again while the final
     save is in progress: the launcher says it waits for that save, the save completes, and only then does
     the CLI say it saved, naming the checkpoint it verified. Exit 130; summary.json records SIGINT (the
     signal received) and finished: false; no process of the job outlives the launcher."""
-    from parallel4d import checkpoint
-
     ckpt = tmp_path / "run" / "checkpoints"
     with Launcher(tmp_path, saving_job(tmp_path, dp=2), slow_saves=True) as job:
         job.wait_for_line("step 3/")
         processes = job.job_processes()
-        os.killpg(job.proc.pid, signal.SIGINT)
-        job.wait_for_line("SIGINT received")  # the kernel merges a signal sent while the same one is pending
-        step = job.wait_for_save(ckpt)
-        os.killpg(job.proc.pid, signal.SIGINT)
-        job.wait_for_line(f"SIGINT again: waiting for the save of step {step} to complete")
+        step = job.ctrl_c_twice_during_a_save(ckpt)
         code = job.finish()
         left = running(processes)
-    err = job.text()
-    assert code == 130, err[-3000:]
-    assert left == [], left
-    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
-    saved = ckpt / f"step_{step:08d}"
-    assert summary["stop_signal"] == "SIGINT" and summary["finished"] is False and summary["steps"] == step
-    assert summary["checkpoint"] == str(saved) and checkpoint.verify(saved) is None
+    err, summary, saved = assert_stopped_and_saved(job, code, left, "SIGINT")
+    assert summary["steps"] == step and saved == ckpt / f"step_{step:08d}"
     assert f"stopped by SIGINT at step {step}, after saving checkpoint {saved} (verified" in err, err[-3000:]
     assert sorted(ckpt.glob(".step_*.tmp")) == [] and "Traceback" not in err
 
@@ -397,17 +412,11 @@ def test_a_third_signal_stops_at_once_saying_what_is_lost(tmp_path):
     """Three Ctrl-Cs, the last two while a save is in progress: the third kills the workers at once (the
     save never completes) and waits for them, and the CLI says what is lost: that save, and the steps
     since the newest complete checkpoint, named. Exit 130; no process of the job is left."""
-    from parallel4d import checkpoint
-
     ckpt = tmp_path / "run" / "checkpoints"
     with Launcher(tmp_path, saving_job(tmp_path, every=2, dp=2), slow_saves=True) as job:
         job.wait_for_line("step 3/")
         processes = job.job_processes()
-        os.killpg(job.proc.pid, signal.SIGINT)
-        job.wait_for_line("SIGINT received")  # the kernel merges a signal sent while the same one is pending
-        step = job.wait_for_save(ckpt)
-        os.killpg(job.proc.pid, signal.SIGINT)
-        job.wait_for_line("SIGINT again: waiting for the save")
+        step = job.ctrl_c_twice_during_a_save(ckpt)
         os.killpg(job.proc.pid, signal.SIGINT)
         code = job.finish()
         left = running(processes)
@@ -426,8 +435,6 @@ def test_gnu_timeout_signalling_twice_waits_for_the_workers_and_their_save(tmp_p
     process group: the zygote and the workers, and the launcher a second time (which the kernel may merge
     with the first). The launcher outlives its workers, names the checkpoint they saved once it verified,
     exits 143; no traceback; its temporary directory is removed."""
-    from parallel4d import checkpoint
-
     ckpt = tmp_path / "run" / "checkpoints"
     with Launcher(tmp_path, saving_job(tmp_path, dp=2), wrapper=["timeout", "-s", "TERM", "600"]) as job:
         job.wait_for_line("step 3/")
@@ -436,13 +443,8 @@ def test_gnu_timeout_signalling_twice_waits_for_the_workers_and_their_save(tmp_p
         job.proc.send_signal(signal.SIGTERM)  # timeout passes a signal it gets on as it passes its own at the limit
         code = job.finish()
         left = running(processes)
-    err = job.text()
-    assert code == 143, err[-3000:]
-    assert left == [], left
-    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
-    saved = ckpt / f"step_{summary['steps']:08d}"
-    assert summary["stop_signal"] == "SIGTERM" and summary["finished"] is False
-    assert summary["checkpoint"] == str(saved) and checkpoint.verify(saved) is None
+    err, summary, saved = assert_stopped_and_saved(job, code, left, "SIGTERM")
+    assert saved == ckpt / f"step_{summary['steps']:08d}"
     assert f"after saving checkpoint {saved} (verified" in err, err[-3000:]
     assert "Traceback" not in err and "FileNotFoundError" not in err, err[-3000:]
     assert [n for n in os.listdir(tmp_path / "tmp") if n.startswith("parallel4d-")] == []
