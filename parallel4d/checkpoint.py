@@ -53,7 +53,7 @@ import yaml
 
 from . import comm, shards
 from .config import ConfigError, ModelConfig, model_shape_changes
-from .rundir import fsync_dir
+from .rundir import fsync_dir, write_synced
 
 LATEST = "latest"
 RUN_INFO = "run.json"
@@ -122,13 +122,6 @@ def save_in_progress(root: str | Path, since: float) -> str | None:
     return None
 
 
-def _write_file(path: Path, text: str) -> None:
-    with open(path, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())  # the rename that publishes it must not outlive its content in a power cut
-
-
 def _latest_name(root: Path) -> str | None:
     try:
         return (root / LATEST).read_text().strip() or None
@@ -140,7 +133,7 @@ def _set_latest(root: Path, final: Path) -> None:
     if _latest_name(root) == final.name:
         return
     tmp = root / f".{LATEST}.tmp"
-    _write_file(tmp, final.name)
+    write_synced(tmp, final.name)
     os.replace(tmp, root / LATEST)
     fsync_dir(root)
 
@@ -173,7 +166,7 @@ def _sha256(path: Path) -> str:
 def _write_checksums(directory: Path) -> None:
     files = sorted(p for p in directory.rglob("*") if p.is_file() and p.name != CHECKSUMS)
     table = {p.relative_to(directory).as_posix(): {"size": p.stat().st_size, "sha256": _sha256(p)} for p in files}
-    _write_file(directory / CHECKSUMS, json.dumps({"files": table}, indent=1))
+    write_synced(directory / CHECKSUMS, json.dumps({"files": table}, indent=1))
 
 
 def verify(path: str | Path) -> str | None:
@@ -357,8 +350,8 @@ def _publish(root: Path, final: Path, tmp: Path, run_id: str, step: int, info: d
              extra_files: dict[str, str] | None, keep: int) -> None:
     """Writer, after every rank wrote its shards: small files, checksums, rename, ``latest``, retention."""
     for name, text in (extra_files or {}).items():
-        _write_file(tmp / name, text)
-    _write_file(tmp / RUN_INFO, json.dumps({**(info or {}), "run_id": run_id, "step": step, "saved": time.time()}))
+        write_synced(tmp / name, text)
+    write_synced(tmp / RUN_INFO, json.dumps({**(info or {}), "run_id": run_id, "step": step, "saved": time.time()}))
     _write_checksums(tmp)
     fsync_dir(tmp)
     aside = root / f".{final.name}.old"
@@ -536,8 +529,9 @@ def check_start(root: str | Path, resume: bool) -> None:
                           "to a directory")
     if resume:
         return
-    found = [p.name for p in _step_dirs(root) + _broken_dirs(root)]
-    if found and not _step_dirs(root):
+    steps = _step_dirs(root)
+    found = [p.name for p in steps + _broken_dirs(root)]
+    if found and not steps:
         raise ConfigError(
             f"train.resume=false but the checkpoint directory {root} holds an earlier run's checkpoints, all set "
             f"aside as broken ({', '.join(found[:3])}); give this run another checkpoint.dir or train.out_dir, or "

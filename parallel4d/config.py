@@ -931,7 +931,8 @@ def _fix(e: dict, loc: tuple, where: str) -> str:
     if kind in ("model_type", "model_attributes_type", "dict_type"):
         return f"; write {where} as a mapping of its fields (field: value on indented lines below it)"
     if kind in ("tuple_type", "list_type", "too_short", "too_long", "missing"):
-        return f"; write the whole list{_example(loc, where)}" if _example(loc, where) else "; write it as a YAML list"
+        example = _example(loc, where)
+        return f"; write the whole list{example}" if example else "; write it as a YAML list"
     return ""
 
 

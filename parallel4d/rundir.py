@@ -25,6 +25,15 @@ from .config import ConfigError
 LOCK_NAME = ".parallel4d.lock"
 
 
+def write_synced(path: str | Path, text: str) -> None:
+    """Write ``text`` to ``path`` and flush it to the disk: the rename that publishes it must not
+    outlive its content in a power cut."""
+    with open(path, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
 def fsync_dir(path: str | Path) -> None:
     """Make the renames into directory ``path`` survive a power cut (where the file system can)."""
     try:

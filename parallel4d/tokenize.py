@@ -21,7 +21,7 @@ from multiprocessing import Pool
 from pathlib import Path
 
 from .config import ConfigError
-from .rundir import fsync_dir
+from .rundir import fsync_dir, write_synced
 from .token_files import dtype_for, file_sha256, record_verified, sidecar_path, stamp_path
 
 # the end-of-document tokens of common tokenizers, tried in this order
@@ -143,13 +143,6 @@ def _write_tokens(tmp: Path, docs, dtype: str) -> tuple[int, int, str]:
     return total, max_id, digest.hexdigest()
 
 
-def _write_text(tmp: Path, text: str) -> None:
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-
-
 def _rename_both(bin_tmp: Path, out: Path, side_tmp: Path, side: Path) -> None:
     """Both files into place. An interruption after the first rename still completes the second
     (decided from the files, not a flag a signal could land before), so the pair never mixes."""
@@ -192,7 +185,7 @@ def _write_both(jobs: list, out: Path, meta: dict, workers: int, progress: bool)
         with Pool(workers, initializer=_worker_signals) if workers > 1 else nullcontext() as pool:
             total, max_id, sha = _write_tokens(bin_tmp, _documents(pool, jobs, progress), meta["dtype"])
         meta = {"dtype": meta["dtype"], "tokens": total, **meta, "max_id": max_id, "sha256": sha}
-        _write_text(side_tmp, json.dumps(meta, indent=1) + "\n")
+        write_synced(side_tmp, json.dumps(meta, indent=1) + "\n")
         _rename_both(bin_tmp, dest, side_tmp, side)
     record_verified(out, sha)  # the bytes just written: the first launch need not hash them again
     return meta

@@ -601,7 +601,7 @@ def _error_report(tmp: str, rank: int) -> tuple[float, str, BaseException | None
         return None
     if status != "error":
         return None
-    details, refusal = payload if isinstance(payload, tuple) else (payload, None)
+    details, refusal = payload
     return when, details, refusal
 
 

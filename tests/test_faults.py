@@ -206,7 +206,7 @@ def _report(tmp_path, rank, details, when):
     import pickle
 
     path = tmp_path / f"result{rank}.pkl"
-    path.write_bytes(pickle.dumps(("error", details)))
+    path.write_bytes(pickle.dumps(("error", (details, None))))  # as a worker reports: (details, refusal)
     os.utime(path, (when, when))
 
 

@@ -133,6 +133,13 @@ SET = [("train.steps=1:30", "train.steps"), ("train.resume=yes", "train.resume")
        ("train.threads_per_worker=1e6", "train.threads_per_worker"), ("data.seed=017", "data.seed")]
 
 
+def job_file(tmp_path, n: int, text: str) -> str:
+    """``text`` as job file number ``n`` (lone surrogates written as they are: a path must refuse them)."""
+    path = tmp_path / f"case{n}.yaml"
+    path.write_bytes(text.encode("utf-8", "surrogatepass"))
+    return str(path)
+
+
 def refusal(capsys, argv) -> tuple[int, str]:
     code = main(argv)
     captured = capsys.readouterr()
@@ -153,9 +160,7 @@ def test_hundreds_of_invalid_job_files_are_refused_with_a_field_and_a_fix(tmp_pa
     cases = field_cases() + STRUCTURE + CROSS
     assert len(cases) > 300
     for n, (case, text, field) in enumerate(cases):
-        path = tmp_path / f"case{n}.yaml"
-        path.write_bytes(text.encode("utf-8", "surrogatepass"))
-        assert_refused(*refusal(capsys, ["validate", str(path)]), field, case)
+        assert_refused(*refusal(capsys, ["validate", job_file(tmp_path, n, text)]), field, case)
 
 
 def test_invalid_overrides_are_refused_with_a_field_and_a_fix(tmp_path, capsys):
@@ -172,6 +177,4 @@ def test_launch_refuses_the_same_before_any_worker(tmp_path, capsys, monkeypatch
 
     monkeypatch.setattr(sys.modules["parallel4d.launch"], "spawn", spawn)
     for n, (case, text, field) in enumerate(field_cases()[::15] + CROSS):
-        path = tmp_path / f"case{n}.yaml"
-        path.write_bytes(text.encode("utf-8", "surrogatepass"))
-        assert_refused(*refusal(capsys, ["launch", str(path)]), field, case)
+        assert_refused(*refusal(capsys, ["launch", job_file(tmp_path, n, text)]), field, case)
