@@ -118,7 +118,7 @@ def worker(pp: int, ms: list[int], unit: float, steps: int, only: list[str] | No
     steps (``only``: the schedules with these labels)."""
     import torch.distributed as dist
 
-    from parallel4d.mesh import init_mesh
+    from parallel4d.distributed.mesh import init_mesh
     from parallel4d.pipeline import PipelineExecutor, make_schedule
 
     torch.set_num_threads(1)

@@ -6,22 +6,37 @@ Public API: :func:`launch`, :func:`load_config`, :func:`init_mesh`, :func:`compo
 :func:`build_model` (this rank's model for a DeepSpeed loop) and
 ``parallel4d.integrations.deepspeed.initialize`` (a job file with a ``deepspeed:`` section →
 DeepSpeed engine, optimizer, scheduler).
+
+Every name is imported on first use, so ``import parallel4d.config`` (and ``parallel4d
+validate``) never imports torch, and DeepSpeed (~1 s) is imported only for ``build_model``.
 """
 
-from .config import Config, ConfigError, load_config
-from .engine import compose, local_batch
-from .launch import launch
-from .mesh import Mesh, init_mesh
+import importlib
 
-__all__ = ["launch", "load_config", "init_mesh", "compose", "local_batch", "build_model", "Config", "ConfigError",
-           "Mesh"]
+# public name → the module that defines it
+_HOMES = {
+    "launch": "parallel4d.launcher.launch",
+    "load_config": "parallel4d.config.schema",
+    "Config": "parallel4d.config.schema",
+    "ConfigError": "parallel4d.config.schema",
+    "init_mesh": "parallel4d.distributed.mesh",
+    "Mesh": "parallel4d.distributed.mesh",
+    "compose": "parallel4d.engine.compose",
+    "local_batch": "parallel4d.engine.compose",
+    "build_model": "parallel4d.integrations.deepspeed",
+}
+
+__all__ = list(_HOMES)
+__version__ = "0.1.0"
 
 
 def __getattr__(name: str):
-    # DeepSpeed is an optional extra (and ~1 s to import): loaded when build_model is asked for
-    if name == "build_model":
-        from .integrations.deepspeed import build_model
-
-        return build_model
+    if name in _HOMES:
+        value = getattr(importlib.import_module(_HOMES[name]), name)
+        globals()[name] = value  # once
+        return value
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-__version__ = "0.1.0"
+
+
+def __dir__():
+    return sorted(list(globals()) + __all__)

@@ -1,5 +1,5 @@
 import sys
 
-from .cli import main
+from parallel4d.tools.cli import main
 
 sys.exit(main())

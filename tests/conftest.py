@@ -10,7 +10,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 def run_workers(fn, world_size, *args, timeout_s=180.0, **kwargs):
     """Run ``fn(*args, **kwargs)`` on ``world_size`` gloo CPU workers; per-rank results."""
-    from parallel4d.workers import spawn
+    from parallel4d.launcher.workers import spawn
 
     return spawn(fn, world_size, args, kwargs, backend="gloo", timeout_s=timeout_s)
 
@@ -38,8 +38,8 @@ def sixteen_workers(tmp_path_factory):
 def train_in_job(config, overrides) -> dict:
     """What ``launch(config, overrides)`` runs on each rank, inside a job already started (e.g.
     :func:`sixteen_workers`): rank 0's summary, ``{"rank": r}`` elsewhere."""
-    from parallel4d.config import load_config
-    from parallel4d.train import run_training
+    from parallel4d.config.schema import load_config
+    from parallel4d.training.loop import run_training
 
     return run_training(load_config(config, list(overrides)))
 
@@ -52,8 +52,8 @@ def run_in_this_process(config, overrides) -> dict:
 
     import torch.distributed as dist
 
-    from parallel4d.config import load_config
-    from parallel4d.train import run_training
+    from parallel4d.config.schema import load_config
+    from parallel4d.training.loop import run_training
 
     cfg = load_config(config, list(overrides))
     assert cfg.world_size == 1, cfg.parallel
@@ -86,8 +86,8 @@ def assert_plan_matches(config, overrides, summary, rel=0.10) -> dict:
     on its first step (``summary["memory"]``), for every rank (its pp position's plan; dp, sp and
     grid peers hold the same): each byte count, and the bytes sent along each axis, within ``rel``.
     Returns ``{quantity: worst relative difference}``."""
-    from parallel4d.config import load_config
-    from parallel4d.plan import plan
+    from parallel4d.config.schema import load_config
+    from parallel4d.tools.plan import plan
 
     cfg = load_config(config, list(overrides))
     ranks = plan(cfg)

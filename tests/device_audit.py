@@ -141,7 +141,7 @@ class DeviceAudit(TorchFunctionMode):
         return checked
 
     def __enter__(self):
-        from parallel4d.mesh import Mesh
+        from parallel4d.distributed.mesh import Mesh
 
         self._patched["Mesh.device"] = Mesh.device
         Mesh.device = property(lambda mesh: MESH_DEVICE)
@@ -154,7 +154,7 @@ class DeviceAudit(TorchFunctionMode):
         return super().__enter__()
 
     def __exit__(self, *exc):
-        from parallel4d.mesh import Mesh
+        from parallel4d.distributed.mesh import Mesh
 
         Mesh.device = self._patched.pop("Mesh.device")
         for name, fn in self._patched.items():

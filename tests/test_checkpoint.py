@@ -18,8 +18,10 @@ import torch
 import torch.distributed.checkpoint as dcp
 import yaml
 
-from parallel4d import checkpoint, launch, train
-from parallel4d.config import Config, ConfigError
+from parallel4d.checkpoint import dcp as checkpoint
+from parallel4d import launch
+from parallel4d.training import loop as train
+from parallel4d.config.schema import Config, ConfigError
 
 
 def job(out_dir, steps, resume=False, every=0):
@@ -466,7 +468,7 @@ def test_a_run_directory_keeps_its_history(tmp_path, monkeypatch):
     def spawn(*args, **kwargs):
         raise Spawned
 
-    monkeypatch.setattr(sys.modules["parallel4d.launch"], "spawn", spawn)
+    monkeypatch.setattr(sys.modules["parallel4d.launcher.launch"], "spawn", spawn)
     out = tmp_path / "run"
     run_in_this_process(one_rank(out, enabled=False), [])
     history = {name: (out / name).read_bytes() for name in ("summary.json", "metrics.jsonl")}

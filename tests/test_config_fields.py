@@ -20,15 +20,15 @@ import torch
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from parallel4d import config as config_module
-from parallel4d.config import Config
+from parallel4d.config import schema as config_module
+from parallel4d.config.schema import Config
 
-PACKAGE = Path(config_module.__file__).resolve().parent
+PACKAGE = Path(config_module.__file__).resolve().parents[1]  # the parallel4d package
 
 # Fields that are known to be read by nothing, each with the issue that deals with it.
 ALLOWED_DEAD: set[tuple[str, str]] = set()
 
-# Functions of config.py that only validate: a field read there is checked, not used.
+# Functions of the config package that only validate: a field read there is checked, not used.
 VALIDATION_ONLY = {"cross_field_problems", "_text_root_problems", "_nearest_divisor", "deepspeed_problems",
                    "_family_problems"}
 
@@ -177,7 +177,7 @@ def dead_fields(root: Path = PACKAGE) -> set[tuple[str, str]]:
     for _ in range(4):  # kinds flow through call sites: iterate to a fixed point
         before = {k: set(v) for k, v in param_kinds.items()}
         for path, tree in trees.items():
-            v = _Reads(secs, param_kinds, VALIDATION_ONLY if path.name == "config.py" else ())
+            v = _Reads(secs, param_kinds, VALIDATION_ONLY if path.parent.name == "config" else ())
             v.visit(tree)
             reads |= v.reads
             for callee, args, kws in v.calls:
@@ -214,7 +214,7 @@ def explicit_attention(q, k, v, causal: bool):
 def test_dense_model_follows_sequence_causal():
     """sp = 1: the dense blocks built for a job use ``sequence.causal`` (before, they were always
     causal, so ``causal: false`` did nothing without sequence parallelism). float64."""
-    from parallel4d.engine import model_shape
+    from parallel4d.engine.compose import model_shape
     from parallel4d.models.gpt import build_stage, dense_attention
 
     out = {}
@@ -250,7 +250,7 @@ def tiny_job(out_dir, **sections):
 
 def first_loss(cfg_dict, causal: bool) -> float:
     """Step 1's loss of the dense reference (built by models/gpt.py directly, not the engine)."""
-    from parallel4d.data import build_dataset
+    from parallel4d.data.batches import build_dataset
     from parallel4d.models import shape_from_config
     from parallel4d.models.gpt import build_gpt
 
@@ -265,7 +265,7 @@ def test_bidirectional_ring_through_launch_equals_sp1(tmp_path, single_rank):
     sp = 1 (the same run_training in this process) to 1e-10 in float64, and both are the
     bidirectional model: step 1's loss is the non-causal reference's, not the causal one's."""
     from parallel4d import launch
-    from parallel4d.train import run_training
+    from parallel4d.training.loop import run_training
 
     ring = launch(tiny_job(tmp_path / "sp2", parallel={"sp": 2, "tp": 4},
                                sequence={"causal": False, "layout": "zigzag"}))
@@ -328,9 +328,9 @@ def test_microbatches_accumulate_gradients_at_pp1(tmp_path, single_rank):
     optimizer.eps = 1e-4: the attention key bias has a zero gradient in exact arithmetic, and
     Adam's first step turns its round-off into ``lr·g/(|g|+eps)``, far below 1e-12 only for a
     large eps."""
-    from parallel4d.data import build_dataset
-    from parallel4d.engine import compose
-    from parallel4d.mesh import init_mesh
+    from parallel4d.data.batches import build_dataset
+    from parallel4d.engine.compose import compose
+    from parallel4d.distributed.mesh import init_mesh
 
     mesh = init_mesh()
     runs = {}

@@ -40,7 +40,7 @@ class SingleAllReduce:
         pass
 
     def finish(self):
-        from parallel4d.engine import average_gradients
+        from parallel4d.engine.compose import average_gradients
 
         average_gradients(self.engine.params, self.engine.mesh, self.engine.cfg.train.timeout_s)
 
@@ -50,7 +50,7 @@ class Events:
     ``dist.all_reduce``) and of the embedding's gradient hooks, one list per step."""
 
     def __init__(self, engine):
-        from parallel4d import comm
+        from parallel4d.distributed import comm
 
         self.steps: list[list[str]] = []
         self._real = comm.all_reduce
@@ -64,16 +64,16 @@ class Events:
         comm.all_reduce = recorded
 
     def close(self):
-        from parallel4d import comm
+        from parallel4d.distributed import comm
 
         comm.all_reduce = self._real
 
 
 def _train(cfg_dict, buckets: bool):
-    from parallel4d.config import Config
-    from parallel4d.data import build_dataset
-    from parallel4d.engine import compose
-    from parallel4d.mesh import init_mesh
+    from parallel4d.config.schema import Config
+    from parallel4d.data.batches import build_dataset
+    from parallel4d.engine.compose import compose
+    from parallel4d.distributed.mesh import init_mesh
 
     cfg = Config.model_validate(cfg_dict)
     p = cfg.parallel
@@ -157,7 +157,7 @@ def test_buckets_under_the_pipeline_with_tied_weights():
 
 
 def test_bucket_size_is_a_positive_finite_number():
-    from parallel4d.config import Config, ConfigError
+    from parallel4d.config.schema import Config, ConfigError
 
     assert Config().train.dp_bucket_mb == 25
     for bad in (0, -1.0, float("inf"), float("nan"), "25", True):

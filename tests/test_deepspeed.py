@@ -15,18 +15,18 @@ import torch
 
 deepspeed = pytest.importorskip("deepspeed")  # the `deepspeed` extra; `make test` installs it
 
-from parallel4d.config import Config, make_config  # noqa: E402
-from parallel4d.data import build_dataset  # noqa: E402
+from parallel4d.config.schema import Config, make_config  # noqa: E402
+from parallel4d.data.batches import build_dataset  # noqa: E402
 from deepspeed.runtime.utils import clip_grad_norm_ as ds_clip_grad_norm_  # noqa: E402
 
 import parallel4d  # noqa: E402
-from parallel4d.engine import dense_layouts, local_batch, model_shape  # noqa: E402
-from parallel4d.optim import build_optimizer, lr_at, lr_lambda  # noqa: E402
+from parallel4d.engine.compose import dense_layouts, local_batch, model_shape  # noqa: E402
+from parallel4d.optim.optimizer import build_optimizer, lr_at, lr_lambda  # noqa: E402
 from parallel4d.integrations.deepspeed import avoid_compiled_ops  # noqa: E402
-from parallel4d.mesh import init_mesh  # noqa: E402
+from parallel4d.distributed.mesh import init_mesh  # noqa: E402
 from parallel4d.models import build_dense  # noqa: E402
 from parallel4d.models.gpt import build_gpt  # noqa: E402
-from parallel4d.workers import spawn  # noqa: E402
+from parallel4d.launcher.workers import spawn  # noqa: E402
 
 JOB = {"parallel": {"tp": 4}, "sequence": {"layout": "zigzag"}, "model": {"vocab_size": 64, "seq_len": 16, "hidden": 32, "heads": 2, "layers": 2},
        "data": {"source": "synthetic", "batch_size": 8}, "train": {"steps": 1}}
@@ -118,7 +118,7 @@ def _four_worker_jobs(pipeline_jobs):
     """Every 4-worker check of this file in one job (one start-up, DeepSpeed imported once per
     worker): the norm counts, the ring under ZeRO-2, the layouts through initialize(), and the
     ZeRO-3 refusal (its message)."""
-    from parallel4d.config import ConfigError
+    from parallel4d.config.schema import ConfigError
 
     counts = _all_steps(JOB, COUNT_CASES)
     ring = _all_steps(RING_JOB, [(2, True)])
@@ -335,7 +335,8 @@ def _train_batches(jobs: list[dict]):
     norm, this rank's parameter pieces after the last step, and what the engine is."""
     from deepspeed.runtime.engine import DeepSpeedEngine
 
-    from parallel4d.integrations.deepspeed import DeepSpeedPipeline, initialize
+    from parallel4d.integrations.deepspeed import DeepSpeedPipeline
+    from parallel4d.integrations.deepspeed import initialize
 
     out = []
     for job in jobs:
@@ -434,7 +435,8 @@ def test_launch_with_a_deepspeed_section_stops_on_ctrl_c_and_resumes_exactly(tmp
 
     import yaml
 
-    from parallel4d import checkpoint, launch
+    from parallel4d.checkpoint import dcp as checkpoint
+    from parallel4d import launch
     from test_faults import finish, start_job
 
     shipped = yaml.safe_load((Path(__file__).resolve().parents[1] / "configs" / "deepspeed.yaml").read_text())

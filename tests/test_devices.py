@@ -21,8 +21,8 @@ def tiny(out_dir, parallel, **sections):
 
 
 def _audited_runs(cfgs):
-    from parallel4d.config import Config
-    from parallel4d.train import run_training
+    from parallel4d.config.schema import Config
+    from parallel4d.training.loop import run_training
 
     found = []
     for cfg in cfgs:
@@ -73,7 +73,7 @@ def test_hetero_refuses_to_compute_on_the_host_of_a_gpu_mesh():
     naming the field; `auto` follows the mesh's device."""
     import pytest
 
-    from parallel4d.config import HeteroConfig, OptimizerConfig
+    from parallel4d.config.schema import HeteroConfig, OptimizerConfig
     from parallel4d.hetero.wrap import HeteroRuntime, resolve_device
 
     class CudaReplicas:  # what the engine passes hetero (DataReplicas), on a GPU mesh of 2 replicas

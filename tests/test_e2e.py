@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from parallel4d import checkpoint, launch
+from parallel4d.checkpoint import dcp as checkpoint
+from parallel4d import launch
 from conftest import assert_plan_matches, run_in_this_process, train_cases_in_one_job, train_in_job
 from parallel4d.sequence import ring_bytes
 from test_checkpoint import read_state

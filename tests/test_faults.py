@@ -18,8 +18,8 @@ import torch
 import yaml
 
 from conftest import run_workers
-from parallel4d import checkpoint
-from parallel4d.workers import WorkerError, _start_time, child_processes, spawn, worker_pids
+from parallel4d.checkpoint import dcp as checkpoint
+from parallel4d.launcher.workers import WorkerError, _start_time, child_processes, spawn, worker_pids
 
 TIMEOUT_S = 2.0  # the mesh groups' collective limit in the strategy scenarios
 GRACE_S = 1.5    # what a wait may take beyond it
@@ -76,9 +76,9 @@ def finish(proc, timeout):
 def _scenarios(absent: int):
     """Each strategy's communication with global rank ``absent`` not taking part; the other
     ranks return ``(scenario, exception type, message, seconds)``."""
-    from parallel4d import comm
+    from parallel4d.distributed import comm
     from parallel4d.hetero import zero
-    from parallel4d.mesh import init_mesh
+    from parallel4d.distributed.mesh import init_mesh
     from parallel4d.sequence import ring_attention
     from parallel4d.tensor2d import summa_ab
 
@@ -138,7 +138,7 @@ def test_every_strategy_wait_ends_within_the_timeout():
 
 
 def _checkpoint_save_without_rank_1(root):
-    from parallel4d import checkpoint
+    from parallel4d.checkpoint import dcp as checkpoint
 
     if torch.distributed.get_rank() == 1:  # never joins the save
         time.sleep(TIMEOUT_S + GRACE_S + 1.0)
@@ -213,7 +213,7 @@ def _report(tmp_path, rank, details, when):
 def test_blame_prefers_a_silent_death_to_the_peers_it_disconnected(tmp_path):
     """The race behind 'killed rank 2, blamed rank 3': rank 3 has already reported its lost
     connection (and exited) when the launcher first looks; rank 2 died without a word."""
-    from parallel4d.workers import _blame
+    from parallel4d.launcher.workers import _blame
 
     now = time.time()
     procs = [FakeProcess(10), FakeProcess(11), FakeProcess(12, -9), FakeProcess(13, 1)]
@@ -263,7 +263,7 @@ SLOW_SAVE_S = 2.5  # what each checkpoint of train_with_slow_saves takes longer
 def train_with_slow_saves(cfg_dict: dict) -> dict:
     """launch's worker function, with each checkpoint's last phase (rank 0's checksums) SLOW_SAVE_S longer,
     as a large model's save is: a signal can arrive while it is in progress. Only this worker changes."""
-    from parallel4d import checkpoint
+    from parallel4d.checkpoint import dcp as checkpoint
 
     write_checksums = checkpoint._write_checksums
 
@@ -272,15 +272,15 @@ def train_with_slow_saves(cfg_dict: dict) -> dict:
         write_checksums(directory)
 
     checkpoint._write_checksums = slowly
-    return importlib.import_module("parallel4d.launch")._train_entry(cfg_dict)
+    return importlib.import_module("parallel4d.launcher.launch")._train_entry(cfg_dict)
 
 
 def launch_with_slow_saves(path: str) -> int:
     """``parallel4d launch PATH`` (the CLI, launch, spawn and its supervision as they are) with workers
     that run :func:`train_with_slow_saves`."""
-    from parallel4d.cli import main
+    from parallel4d.tools.cli import main
 
-    importlib.import_module("parallel4d.launch")._train_entry = train_with_slow_saves
+    importlib.import_module("parallel4d.launcher.launch")._train_entry = train_with_slow_saves
     return main(["launch", path])
 
 
@@ -471,7 +471,7 @@ def test_a_killed_zygote_is_blamed_as_the_zygote_and_its_workers_are_stopped(tmp
 def test_a_worker_outliving_its_zygote_is_watched_and_stopped_by_its_pid(tmp_path):
     """Once the zygote is dead no one records how its workers end: one still running is seen running (not
     ended with the zygote's status), and stopping it signals it by the pid the zygote recorded."""
-    from parallel4d.workers import _Forked
+    from parallel4d.launcher.workers import _Forked
 
     zygote = subprocess.Popen([sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"])
     zygote.wait()
@@ -491,7 +491,7 @@ def test_a_worker_outliving_its_zygote_is_watched_and_stopped_by_its_pid(tmp_pat
 def test_a_zygote_the_stop_signal_reached_during_its_imports_ends_the_job_as_stopped(tmp_path):
     """SIGTERM to the group while the zygote still imports (before it ignores the signal, before any worker):
     the job was stopped, nothing was lost; not a failure of the zygote."""
-    from parallel4d.workers import Interrupted, _Forked, _Signals, _Supervisor
+    from parallel4d.launcher.workers import Interrupted, _Forked, _Signals, _Supervisor
 
     zygote = subprocess.Popen([sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGTERM)"])
     zygote.wait()
@@ -529,7 +529,7 @@ class SlowToDie(FakeProcess):
 def test_a_third_signal_returns_only_once_the_killed_workers_ended(tmp_path):
     """The third signal kills the workers and waits until each has ended before the launcher goes on (to
     remove the job's directory and exit)."""
-    from parallel4d.workers import Interrupted, _Signals, _Supervisor
+    from parallel4d.launcher.workers import Interrupted, _Signals, _Supervisor
 
     procs = [SlowToDie(10), SlowToDie(11)]
     signals = _Signals()
@@ -562,7 +562,7 @@ def _save_slowly_after_a_signal(launcher: int, marker: str, save_s: float) -> st
 def test_the_interrupt_grace_never_cuts_a_save_short(tmp_path):
     """A signal to the launcher reaches the workers as it is (SIGINT stays SIGINT); interrupt_grace_s does
     not end while a save is in progress, and ends the job once none is, saying what is lost."""
-    from parallel4d.workers import Interrupted
+    from parallel4d.launcher.workers import Interrupted
 
     marker = tmp_path / "saving"
     t0 = time.monotonic()
@@ -596,7 +596,7 @@ def test_second_job_on_a_run_directory_in_use_is_refused(tmp_path):
     """A second job on a directory in use refuses at once, naming the first job's pid and host;
     once that job is killed, its stale lock is taken over."""
     from parallel4d import launch
-    from parallel4d.config import ConfigError
+    from parallel4d.config.schema import ConfigError
 
     cfg = tiny_job(tmp_path / "run")
     proc, _ = start_job(tmp_path, cfg)
@@ -627,10 +627,10 @@ def test_a_local_job_above_the_worker_limit_is_refused_before_spawning(tmp_path,
     """parallel.dp=4096 on one machine (10**12 is beyond every axis's bound now) would start spawning
     workers without limit."""
     from parallel4d import launch
-    from parallel4d.config import ConfigError
+    from parallel4d.config.schema import ConfigError
 
     spawned = []
-    monkeypatch.setattr(sys.modules["parallel4d.launch"], "spawn", lambda *a, **k: spawned.append(a))
+    monkeypatch.setattr(sys.modules["parallel4d.launcher.launch"], "spawn", lambda *a, **k: spawned.append(a))
     cfg = tiny_job(tmp_path / "run", steps=2)
     cfg["data"]["batch_size"] = 4096
     cfg["parallel"] = {"dp": 4096}
@@ -662,7 +662,7 @@ def _read_only(path) -> bool:
 
 def test_read_only_run_directory_is_refused_before_training(tmp_path, capsys):
     """The reported case: a chmod-555 run directory trained all its steps, then lost everything."""
-    from parallel4d.cli import main
+    from parallel4d.tools.cli import main
 
     run = tmp_path / "ro"
     run.mkdir()
@@ -682,9 +682,9 @@ def test_read_only_run_directory_is_refused_before_training(tmp_path, capsys):
 def test_unwritable_run_directory_is_refused_before_any_worker(tmp_path, capsys, monkeypatch):
     """A run directory that cannot be created (its parent is a file) stops at exit 2 naming
     train.out_dir, before any worker is spawned (the launcher's spawn is never called)."""
-    from parallel4d.cli import main
+    from parallel4d.tools.cli import main
 
-    launch_module = sys.modules["parallel4d.launch"]  # the package's attribute `launch` is the function
+    launch_module = sys.modules["parallel4d.launcher.launch"]  # the package's attribute `launch` is the function
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")
     for field, cfg in (("train.out_dir", tiny_job(blocker / "run", steps=2)),

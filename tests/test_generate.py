@@ -11,9 +11,9 @@ import torch
 pytest.importorskip("transformers")
 
 from parallel4d import launch  # noqa: E402
-from parallel4d.cli import main  # noqa: E402
-from parallel4d.export import export  # noqa: E402
-from parallel4d.generate import forward_cached, load_model, sample  # noqa: E402
+from parallel4d.tools.cli import main  # noqa: E402
+from parallel4d.checkpoint.export import export  # noqa: E402
+from parallel4d.tools.generate import forward_cached, load_model, sample  # noqa: E402
 from test_hf import IMPORTS, V  # noqa: E402
 
 FAMILIES = ["llama-theta1e4", "qwen2", "gpt2"]

@@ -50,7 +50,7 @@ CASES = {
 
 
 def config(case):
-    from parallel4d.config import make_config
+    from parallel4d.config.schema import make_config
 
     return make_config({**BASE, **CASES[case]})
 
@@ -58,7 +58,7 @@ def config(case):
 def _dense_view(model, grads: bool) -> dict:
     """This rank's parameters (or gradients) as dense tensors under dense names: 2D stages
     gathered over the grid (collective), others as they are."""
-    from parallel4d.engine import PositionedEmbedding
+    from parallel4d.engine.compose import PositionedEmbedding
 
     stages = [(n, m) for n, m in model.named_children() if n != "blocks"]
     stages += [(f"blocks.{k}", m) for k, m in model.blocks.items()]
@@ -75,9 +75,9 @@ def _dense_view(model, grads: bool) -> dict:
 
 
 def _worker(cases):
-    import parallel4d.engine as engine_mod
-    from parallel4d.data import build_dataset
-    from parallel4d.mesh import init_mesh
+    import parallel4d.engine.compose as engine_mod
+    from parallel4d.data.batches import build_dataset
+    from parallel4d.distributed.mesh import init_mesh
 
     out = {}
     real_norm = engine_mod.global_grad_norm
@@ -123,10 +123,10 @@ def _worker(cases):
 def dense_reference():
     """One clipped AdamW step of the dense single-process GPT on the same batch (the cases
     change only the layout sections, so this one serves them all)."""
-    from parallel4d.config import make_config
-    from parallel4d.data import build_dataset
-    from parallel4d.engine import model_shape, parameter_dtype
-    from parallel4d.optim import build_optimizer, lr_at
+    from parallel4d.config.schema import make_config
+    from parallel4d.data.batches import build_dataset
+    from parallel4d.engine.compose import model_shape, parameter_dtype
+    from parallel4d.optim.optimizer import build_optimizer, lr_at
     from parallel4d.models.gpt import build_gpt
 
     cfg = make_config(BASE)

@@ -11,8 +11,9 @@ import pytest
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from parallel4d.config import HeteroConfig, OptimizerConfig
-from parallel4d.hetero import InvalidTransition, TensorState, TRANSITIONS, opt_loads, wrap
+from parallel4d.config.schema import HeteroConfig, OptimizerConfig
+from parallel4d.hetero import InvalidTransition, TensorState, TRANSITIONS, opt_loads
+from parallel4d.hetero import wrap
 from parallel4d.hetero.chunk import Chunk, TensorInfo, pack, search_chunk_elems, waste
 from parallel4d.models.gpt import GPTShape, build_gpt, cross_entropy
 

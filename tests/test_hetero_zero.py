@@ -69,8 +69,9 @@ def max_rel(a: dict, b: dict) -> float:
 
 def _zero_worker(ckpt_dir):
     import torch.distributed.checkpoint as dcp
-    from parallel4d.hetero import load_state_dict, state_dict, wrap
-    from parallel4d.mesh import init_mesh
+    from parallel4d.hetero import load_state_dict, state_dict
+    from parallel4d.hetero import wrap
+    from parallel4d.distributed.mesh import init_mesh
 
     torch.set_num_threads(1)
     dp = dist.get_world_size()
@@ -158,7 +159,8 @@ def test_zero_equals_single_process(dp, tmp_path):
 def _check_load_at_dp1(ckpt, expected_after_one_more_step):
     """A dp=2 checkpoint loads into a single process (no process group) with identical values."""
     import torch.distributed.checkpoint as dcp
-    from parallel4d.hetero import load_state_dict, state_dict, wrap
+    from parallel4d.hetero import load_state_dict, state_dict
+    from parallel4d.hetero import wrap
 
     n = torch.get_num_threads()
     torch.set_num_threads(1)

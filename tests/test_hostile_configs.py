@@ -15,9 +15,9 @@ import typing
 
 import pytest
 
-from parallel4d import config as config_module
-from parallel4d.cli import main
-from parallel4d.config import Config
+from parallel4d.config import schema as config_module
+from parallel4d.tools.cli import main
+from parallel4d.config.schema import Config
 
 # Words that start a fix; each refusal line must hold one.
 FIX = re.compile(r"\b(use|set|write|remove|give|lower|raise|choose|keep|point|install|tokenize|delete|leave|start|"
@@ -175,6 +175,6 @@ def test_launch_refuses_the_same_before_any_worker(tmp_path, capsys, monkeypatch
     def spawn(*args, **kwargs):
         raise AssertionError("a worker was started for an invalid config")
 
-    monkeypatch.setattr(sys.modules["parallel4d.launch"], "spawn", spawn)
+    monkeypatch.setattr(sys.modules["parallel4d.launcher.launch"], "spawn", spawn)
     for n, (case, text, field) in enumerate(field_cases()[::15] + CROSS):
         assert_refused(*refusal(capsys, ["launch", job_file(tmp_path, n, text)]), field, case)

@@ -10,8 +10,8 @@ import torch.distributed as dist
 
 from conftest import run_workers
 from parallel4d import launch
-from parallel4d.config import ConfigError
-from parallel4d.workers import WorkerError, spawn, worker_pids
+from parallel4d.config.schema import ConfigError
+from parallel4d.launcher.workers import WorkerError, spawn, worker_pids
 
 
 def worker_processes():
@@ -90,7 +90,7 @@ def _hang():
 
 
 def test_hung_job_times_out():
-    from parallel4d.workers import WorkerTimeout
+    from parallel4d.launcher.workers import WorkerTimeout
 
     with pytest.raises(WorkerTimeout, match="ranks still running"):
         spawn(_hang, 2, timeout_s=8)
@@ -98,7 +98,7 @@ def test_hung_job_times_out():
 
 
 def test_cli_launch_bad_config_exits_2(tmp_path, capsys):
-    from parallel4d.cli import main
+    from parallel4d.tools.cli import main
 
     path = tmp_path / "job.yaml"
     path.write_text("parallel: {tp: 2}\n")
@@ -137,7 +137,7 @@ def test_interrupt_saves_and_resume_continues(tmp_path, single_rank):
 
     import yaml
 
-    from parallel4d import checkpoint
+    from parallel4d.checkpoint import dcp as checkpoint
 
     cfg = tiny(tmp_path, "interrupted", dp=2)
     cfg["train"].update(steps=100000)  # float64 (tiny's), compared with a dp=1 run below
@@ -172,8 +172,8 @@ def test_interrupt_saves_and_resume_continues(tmp_path, single_rank):
     resumed = launch(cfg)
     assert resumed["resumed_from"] == n and resumed["losses"][:n] == summary["losses"]  # reloaded from run.json
     # What the resumed run computed: steps n+1, n+2 and the state after them, against a straight run.
-    from parallel4d.config import Config
-    from parallel4d.train import run_training
+    from parallel4d.config.schema import Config
+    from parallel4d.training.loop import run_training
     from test_checkpoint import read_state
 
     straight = tiny(tmp_path, "straight")
@@ -206,7 +206,7 @@ def test_quickstart_model_on_one_gpu(tmp_path):
 def test_workers_forked_by_a_zygote_or_started_alone_do_the_same(monkeypatch):
     """On Linux the workers are forked from one zygote that imported torch once; PARALLEL4D_FORK=0
     starts one interpreter per rank. Both run the job alike."""
-    from parallel4d import workers
+    from parallel4d.launcher import workers
 
     assert workers._forking()
     forked = spawn(_rank_and_world, 3, (5,))
@@ -236,9 +236,9 @@ def test_a_complete_run_resumed_keeps_its_figures(tmp_path, single_rank):
     """Relaunching a finished run with train.resume=true trains nothing: its summary keeps the figures of
     the session that trained (from the checkpoint's run.json, or for a checkpoint saved without them the
     summary.json before) instead of 0 tokens/s, and says it finished, stopped by no signal."""
-    from parallel4d import checkpoint
-    from parallel4d.config import Config
-    from parallel4d.train import run_training
+    from parallel4d.checkpoint import dcp as checkpoint
+    from parallel4d.config.schema import Config
+    from parallel4d.training.loop import run_training
 
     figures = ("tokens_per_second", "model_flops_per_second")
     cfg = tiny(tmp_path, "complete")
@@ -261,7 +261,8 @@ def test_a_complete_run_resumed_keeps_its_figures(tmp_path, single_rank):
 def test_the_cli_says_saved_only_of_a_checkpoint_that_verifies(tmp_path, monkeypatch, capsys):
     """After a run stopped by a signal, `parallel4d launch` names the checkpoint rank 0's summary names only
     once its files verify; a corrupted one is named as such. Either way the exit code is 128 + the signal."""
-    from parallel4d import checkpoint, cli
+    from parallel4d.checkpoint import dcp as checkpoint
+    from parallel4d.tools import cli
 
     saved = checkpoint.save({"w": torch.ones(4)}, tmp_path / "ckpt", step=5)
     summary = {"losses": [1.0], "steps": 5, "stop_signal": "SIGTERM", "checkpoint": str(saved)}
@@ -296,7 +297,7 @@ def test_a_workers_refusal_is_raised_as_itself_without_a_traceback():
 def test_a_run_with_only_broken_checkpoints_is_refused_in_one_line_each_time(tmp_path, capfd):
     """#26.7/9: resuming where every checkpoint fails verification: exit 1 with one line naming them
     all (no worker traceback), the same on the next attempt."""
-    from parallel4d.cli import main
+    from parallel4d.tools.cli import main
 
     cfg = tiny(tmp_path, "run")
     cfg["train"]["steps"] = 2

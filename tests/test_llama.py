@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from conftest import run_workers
-from parallel4d.config import ConfigError, make_config
-from parallel4d.data import build_dataset
-from parallel4d.engine import model_shape
+from parallel4d.config.schema import ConfigError, make_config
+from parallel4d.data.batches import build_dataset
+from parallel4d.engine.compose import model_shape
 from parallel4d.models import build_dense
-from parallel4d.optim import build_optimizer, lr_at
+from parallel4d.optim.optimizer import build_optimizer, lr_at
 
 BASE = {"model": {"arch": "llama", "vocab_size": 64, "seq_len": 16, "hidden": 32, "heads": 4, "kv_heads": 2,
                   "layers": 4, "intermediate_size": 48, "rope_theta": 5e5},
@@ -63,8 +63,8 @@ def dense_run(job: dict):
 def _train_layouts(jobs: dict, with_hetero_stats: bool = False):
     """Each job through compose(): its losses and this rank's pieces of every dense parameter (and
     with ``with_hetero_stats`` the last hetero job's statistics under "hetero")."""
-    from parallel4d.engine import compose
-    from parallel4d.mesh import init_mesh
+    from parallel4d.engine.compose import compose
+    from parallel4d.distributed.mesh import init_mesh
 
     out = {}
     for name, job in jobs.items():

@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 from conftest import run_workers
-from parallel4d.mesh import AXES, init_mesh, mesh_shape
+from parallel4d.distributed.mesh import AXES, init_mesh, mesh_shape
 
 
 def _expected_coords(shape):

@@ -16,12 +16,12 @@ import pytest
 import torch
 
 from parallel4d import launch
-from parallel4d.config import ConfigError, make_config
-from parallel4d.data import build_dataset, build_validation
-from parallel4d.engine import model_shape, parameter_dtype
-from parallel4d.metrics import read_records
+from parallel4d.config.schema import ConfigError, make_config
+from parallel4d.data.batches import build_dataset, build_validation
+from parallel4d.engine.compose import model_shape, parameter_dtype
+from parallel4d.training.metrics import read_records
 from parallel4d.models import build_dense
-from parallel4d.optim import build_optimizer, lr_lambda
+from parallel4d.optim.optimizer import build_optimizer, lr_lambda
 
 JOB = {
     "parallel": {"pp": 2, "dp": 2},

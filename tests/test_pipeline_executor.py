@@ -12,7 +12,7 @@ from parallel4d.models.gpt import GPTShape, build_gpt, cross_entropy
 from parallel4d.pipeline import make_schedule, simulate
 from parallel4d.pipeline.executor import PipelineExecutor, TiedGradSync
 from parallel4d.pipeline.partition import build_chunks, parameter_costs, partition
-from parallel4d.workers import WorkerError
+from parallel4d.launcher.workers import WorkerError
 
 VOCAB, SEQ, HIDDEN = 16, 4, 8
 
@@ -34,7 +34,7 @@ def _reference(layers, tie, tokens, targets):
 
 
 def _worker(pp, dp, cases):
-    from parallel4d.mesh import init_mesh
+    from parallel4d.distributed.mesh import init_mesh
 
     mesh = init_mesh(pp=pp, dp=dp)
     me = mesh.rank("pp")
@@ -125,7 +125,7 @@ def test_pp2_dp2_peers_resolved_through_the_mesh():
 
 
 def _mismatch_worker():
-    from parallel4d.mesh import init_mesh
+    from parallel4d.distributed.mesh import init_mesh
     from parallel4d.pipeline import gpipe
 
     mesh = init_mesh(pp=2)
@@ -163,7 +163,7 @@ def test_mismatched_schedule_times_out_naming_rank_and_action():
 
 
 def _consistency_worker():
-    from parallel4d.mesh import init_mesh
+    from parallel4d.distributed.mesh import init_mesh
     from parallel4d.pipeline import gpipe, one_f_one_b
 
     mesh = init_mesh(pp=2)

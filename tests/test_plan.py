@@ -15,9 +15,9 @@ import time
 import pytest
 
 from conftest import assert_plan_matches
-from parallel4d.cli import main
-from parallel4d.config import ConfigError, make_config
-from parallel4d.plan import dry_run, parse_bytes, plan
+from parallel4d.tools.cli import main
+from parallel4d.config.schema import ConfigError, make_config
+from parallel4d.tools.plan import dry_run, parse_bytes, plan
 from test_e2e import FOUR_D, FOUR_D_STEPS, PIPELINE_STEPS, ROOT, shared_run
 
 SHIPPED = {  # config → the overrides its shared end-to-end run uses (test_e2e)

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from conftest import run_workers
-from parallel4d.config import ConfigError, make_config
+from parallel4d.config.schema import ConfigError, make_config
 
 BASE = {
     "model": {"vocab_size": 64, "seq_len": 16, "hidden": 32, "heads": 4, "layers": 2},
@@ -29,9 +29,9 @@ BASE = {
 def train(single: dict, steps: int = 12, **sections) -> list[float]:
     """Losses of ``steps`` steps of BASE with ``single``'s train fields (and other ``sections``), in
     this process's group."""
-    from parallel4d.data import build_dataset
-    from parallel4d.engine import compose
-    from parallel4d.mesh import init_mesh
+    from parallel4d.data.batches import build_dataset
+    from parallel4d.engine.compose import compose
+    from parallel4d.distributed.mesh import init_mesh
 
     cfg = make_config({**BASE, **sections, "train": {**BASE["train"], **single}})
     engine = compose(cfg, init_mesh())
@@ -83,9 +83,9 @@ INJECT_AT, INJECT_RANK = 1, 3
 def _overflow_worker():
     import torch.distributed as dist
 
-    from parallel4d.data import build_dataset
-    from parallel4d.engine import compose
-    from parallel4d.mesh import init_mesh
+    from parallel4d.data.batches import build_dataset
+    from parallel4d.engine.compose import compose
+    from parallel4d.distributed.mesh import init_mesh
 
     cfg = make_config({**BASE, "parallel": {"pp": 2, "dp": 2}, "pipeline": {"schedule": "1f1b", "microbatches": 2},
                        "train": {**BASE["train"], "dtype": "float16", "loss_scale_init": 1024.0}})
@@ -113,9 +113,9 @@ def _overflow_worker():
 
 def _reduce_worker():
     """dp=4: float32 and bfloat16 gradient all-reduces, 6 steps each."""
-    from parallel4d.data import build_dataset
-    from parallel4d.engine import compose
-    from parallel4d.mesh import init_mesh
+    from parallel4d.data.batches import build_dataset
+    from parallel4d.engine.compose import compose
+    from parallel4d.distributed.mesh import init_mesh
 
     out = {}
     for reduce in ("float32", "bfloat16"):
@@ -160,9 +160,9 @@ LLAMA = {"arch": "llama", "vocab_size": 64, "seq_len": 16, "hidden": 32, "heads"
 
 
 def train_llama(fields: dict, steps: int = 6) -> list[float]:
-    from parallel4d.data import build_dataset
-    from parallel4d.engine import compose
-    from parallel4d.mesh import init_mesh
+    from parallel4d.data.batches import build_dataset
+    from parallel4d.engine.compose import compose
+    from parallel4d.distributed.mesh import init_mesh
 
     cfg = make_config({**BASE, "model": LLAMA, "train": {**BASE["train"], **fields}})
     engine = compose(cfg, init_mesh())
@@ -176,7 +176,7 @@ def close(a, b, rtol):
 
 def test_torch_fused_kernels_train_like_the_plain_ones(single_rank):
     """fused AdamW and F.rms_norm (llama's norms) against the plain float32 ops; auto is torch here."""
-    from parallel4d.config import apex_available
+    from parallel4d.config.schema import apex_available
 
     assert not apex_available()  # not on this machine's package index
     plain, fused = train_llama({"fused": "off"}), train_llama({"fused": "torch"})

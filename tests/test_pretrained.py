@@ -12,8 +12,8 @@ import torch.nn.functional as F
 transformers = pytest.importorskip("transformers")
 
 from conftest import run_workers  # noqa: E402
-from parallel4d.config import ConfigError, make_config  # noqa: E402
-from parallel4d.data import build_dataset  # noqa: E402
+from parallel4d.config.schema import ConfigError, make_config  # noqa: E402
+from parallel4d.data.batches import build_dataset  # noqa: E402
 from parallel4d.models import hf  # noqa: E402
 from parallel4d.sequence.layout import local_positions  # noqa: E402
 from test_hf import IMPORTS, S, _perturb, float64_transformers  # noqa: E402
@@ -47,8 +47,8 @@ def _job(directory: str, parallel: dict, pipeline: dict | None = None, steps: in
 
 def _train(jobs: dict):
     """Each job through compose(): losses and the bytes of pretrained weights this rank read."""
-    from parallel4d.engine import compose
-    from parallel4d.mesh import init_mesh
+    from parallel4d.engine.compose import compose
+    from parallel4d.distributed.mesh import init_mesh
 
     out = {}
     for name, job in jobs.items():
@@ -140,8 +140,8 @@ def _float64_gradients(directories: dict, tokens, targets):
     """Each checkpoint loaded under 2D tp=4 × ring sp=2 (zigzag) in float64, one forward and
     backward of the ``[B, S]`` batch: {case: ((tp_row, tp_col, sp rank), this rank's logits
     ``[B/2, S/2, V/2]``, its replica's loss, its pieces of every parameter's gradient)}."""
-    from parallel4d.engine import compose
-    from parallel4d.mesh import init_mesh
+    from parallel4d.engine.compose import compose
+    from parallel4d.distributed.mesh import init_mesh
 
     out = {}
     for case, directory in directories.items():
@@ -247,8 +247,8 @@ def test_round_trip_transformers_parallel4d_export_transformers(checkpoints, tmp
     """transformers → parallel4d (tp=4, 5 steps, launch) → ``parallel4d export`` → from_pretrained:
     the logits of the trained parallel4d model (its gathered checkpoint in the dense Llama), 1e-6."""
     from parallel4d import launch
-    from parallel4d.cli import main
-    from parallel4d.gather import gather
+    from parallel4d.tools.cli import main
+    from parallel4d.checkpoint.gather import gather
     from parallel4d.models import build_dense, shape_from_config
 
     job = {**_job(checkpoints["llama"], {"tp": 4}, steps=5), "train": {"steps": 5, "timeout_s": 60,
@@ -296,8 +296,9 @@ def test_pretrained_fields_and_files_are_checked_before_training(checkpoints, tm
 def _peak_while_loading(directory: str):
     """This rank's growth of peak resident memory (VmHWM, reset first) while its model (built by
     compose(), with ``model.pretrained``) is loaded again from the checkpoint, and the bytes read."""
-    from parallel4d.engine import compose, load_pretrained
-    from parallel4d.mesh import init_mesh
+    from parallel4d.engine.compose import load_pretrained
+    from parallel4d.engine.compose import compose
+    from parallel4d.distributed.mesh import init_mesh
 
     def status(field: str) -> int:
         with open("/proc/self/status") as f:

@@ -14,8 +14,9 @@ import pytest
 import torch
 
 from conftest import run_in_this_process
-from parallel4d import checkpoint, launch
-from parallel4d.config import ConfigError
+from parallel4d.checkpoint import dcp as checkpoint
+from parallel4d import launch
+from parallel4d.config.schema import ConfigError
 from test_checkpoint import read_state
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -133,7 +134,7 @@ def mapped_file(address: int) -> str:
 
 def test_gather_reads_one_tensor_at_a_time(jobs, tmp_path, monkeypatch):
     """In process, DCP's load recorded: every call reads one key, straight into the output file's map."""
-    from parallel4d.gather import gather
+    from parallel4d.checkpoint.gather import gather
 
     saved = read_state(jobs.ckpt)
     dcp = checkpoint.dcp

@@ -12,8 +12,8 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from conftest import run_workers
-from parallel4d.comm import CommStats
-from parallel4d.mesh import init_mesh
+from parallel4d.distributed.comm import CommStats
+from parallel4d.distributed.mesh import init_mesh
 from parallel4d.sequence import (LAYOUTS, causal_balance, gather_sequence, local_positions, make_ring_attention_fn,
                                  positions_for, ring_attention, ring_bytes, split_sequence, step_plan)
 from parallel4d.sequence.emulate import ring_backward, ring_forward, shard, unshard
@@ -88,7 +88,7 @@ def _run_case(group, n, layout, causal, b, h, hkv, s, d, backend="math", scale=N
 
 def _event_order(group, n):
     """Order of posts, waits and block computes in one forward+backward (non-causal)."""
-    import parallel4d.comm as C
+    import parallel4d.distributed.comm as C
     import parallel4d.sequence.kernels as K
 
     events = []

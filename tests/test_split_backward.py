@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from conftest import train_cases_in_one_job
-from parallel4d.pipeline import Action, ScheduleError, hanayo, one_f_one_b, simulate, validate
+from parallel4d.pipeline import Action, ScheduleError, one_f_one_b, simulate, validate
+from parallel4d.pipeline import hanayo
 from parallel4d.pipeline.hanayo import peak_activations
 from parallel4d.pipeline.split_grad import input_gradient
 from parallel4d.pipeline.zero_bubble import zb_h1, zbv
@@ -168,8 +169,8 @@ def test_split_backward_sends_what_the_unsplit_backward_sends(split_runs):
     pp rank 1's tp bytes grow by 65 %). Its activations live until W: on pp rank 1, two where 1F1B
     holds one. ``parallel4d plan`` of zb_h1 itself is within 10 % of the run, rank by rank."""
     from conftest import assert_plan_matches
-    from parallel4d.config import load_config
-    from parallel4d.plan import plan
+    from parallel4d.config.schema import load_config
+    from parallel4d.tools.plan import plan
 
     summaries, _ = split_runs
     got = summaries["zb_h1-pp2-tp4"]

@@ -10,7 +10,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from conftest import run_workers
-from parallel4d.mesh import init_mesh
+from parallel4d.distributed.mesh import init_mesh
 from parallel4d.models.gpt import Block, GPTShape, build_gpt
 from parallel4d.tensor2d import (Block2D, Embedding2D, Head2D, LayerNorm2D, Linear2D, LMHead2D,
                                  TokenPositionEmbedding2D, VocabParallelCrossEntropy2D, VocabParallelEmbedding2D,
@@ -268,7 +268,7 @@ def _gpu_job():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_block2d_cuda_autocast():
-    from parallel4d.workers import spawn
+    from parallel4d.launcher.workers import spawn
 
     world = 4 if torch.cuda.device_count() >= 4 else 1
     spawn(_gpu_job, world, backend="nccl", timeout_s=300)

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from conftest import run_workers
-from parallel4d.mesh import init_mesh
+from parallel4d.distributed.mesh import init_mesh
 from parallel4d.tensor2d import check_tensor2d, summa_ab, summa_abt, summa_atb
 from parallel4d.tensor2d import summa as summa_mod
 

@@ -14,9 +14,9 @@ import torch
 
 tokenizers = pytest.importorskip("tokenizers")
 
-from parallel4d.cli import main  # noqa: E402
-from parallel4d.config import ConfigError, make_config  # noqa: E402
-from parallel4d.data import build_dataset  # noqa: E402
+from parallel4d.tools.cli import main  # noqa: E402
+from parallel4d.config.schema import ConfigError, make_config  # noqa: E402
+from parallel4d.data.batches import build_dataset  # noqa: E402
 
 TEXTS = ["def add(a, b):\n    return a + b\n" * 20, "class Point:\n    x: int = 0\n    y: int = 0\n" * 15]
 
@@ -86,8 +86,8 @@ def test_a_big_token_file_is_never_read_whole(tmp_path):
     path.with_suffix(".json").write_text(json.dumps({"dtype": "uint16", "tokens": tokens, "vocab_size": 256}))
     script = f"""
 import resource
-from parallel4d.config import make_config
-from parallel4d.data import build_dataset
+from parallel4d.config.schema import make_config
+from parallel4d.data.batches import build_dataset
 def peak(): return int([l for l in open('/proc/self/status') if l.startswith('VmHWM')][0].split()[1]) * 1024
 cfg = make_config({{"data": {{"source": "tokens", "path": {str(path)!r}, "batch_size": 64}},
                    "model": {{"seq_len": 512}}}})
@@ -135,7 +135,7 @@ def counting_file(path, n):
 def test_validation_holds_out_the_end_of_the_data(tmp_path):
     """``data.val_fraction``: training windows lie in the first part, validation windows in the last
     (the same ones at every evaluation); without it, training draws from the whole file."""
-    from parallel4d.data import build_validation
+    from parallel4d.data.batches import build_validation
 
     n, seq = 4000, 8
     path = counting_file(tmp_path / "count.bin", n)
@@ -153,7 +153,7 @@ def test_validation_holds_out_the_end_of_the_data(tmp_path):
 
 
 def test_text_validation_holds_out_the_end_of_the_corpus():
-    from parallel4d.data import build_validation
+    from parallel4d.data.batches import build_validation
 
     text = make_config({"data": {"source": "text", "val_fraction": 0.1, "max_bytes": 100_000},
                         "model": {"vocab_size": 256, "seq_len": 16}, "train": {"eval_every": 5}})
@@ -231,7 +231,7 @@ def test_text_globs_pick_the_corpus_files(tmp_path):
 def test_generate_decodes_with_the_token_files_tokenizer(tokenizer, token_file):
     """``parallel4d generate`` on a run of a token file: text in and out through the tokenizer its
     sidecar names, as ``tokenizers`` itself encodes and decodes."""
-    from parallel4d.generate import text_codec
+    from parallel4d.tools.generate import text_codec
 
     encode, decode = text_codec(token_file.parent, {"data": {"source": "tokens", "path": str(token_file)},
                                                     "model": {"vocab_size": 320}})
@@ -317,7 +317,7 @@ def test_tokenize_records_the_checksum_largest_id_and_tokenizer(tokenizer, token
 
 
 def _fail_on_second_document(monkeypatch, error):
-    import parallel4d.tokenize as tokenize_module
+    import parallel4d.data.tokenize as tokenize_module
 
     real, calls = tokenize_module._write_chunk, []
 
@@ -355,7 +355,7 @@ def test_an_interruption_between_the_two_renames_still_pairs_the_files(tokenizer
     import hashlib
     import os
 
-    import parallel4d.tokenize as tokenize_module
+    import parallel4d.data.tokenize as tokenize_module
 
     out = workdir / "train.bin"
     assert main(["tokenize", "--tokenizer", tokenizer, str(workdir / "0.txt"), "-o", str(out)]) == 0
@@ -407,7 +407,7 @@ def _flip_a_token(path, offset=7):
 @pytest.mark.parametrize("field", ["data.path", "data.val_path"])
 def test_a_token_file_changed_since_tokenize_is_refused_before_any_worker_starts(token_file, tmp_path, capsys,
                                                                                    monkeypatch, field):
-    launch_module = importlib.import_module("parallel4d.launch")  # the package's `launch` is the function
+    launch_module = importlib.import_module("parallel4d.launcher.launch")  # the package's `launch` is the function
 
     good = _copy_token_file(token_file, tmp_path, "good.bin")
     changed = _copy_token_file(token_file, tmp_path)
@@ -435,7 +435,7 @@ def test_a_verified_token_file_is_hashed_once_until_it_changes(token_file, tmp_p
     import os
     import time
 
-    from parallel4d import token_files
+    from parallel4d.data import token_files
 
     real, hashed = token_files.file_sha256, []
     monkeypatch.setattr(token_files, "file_sha256", lambda path, label=None: hashed.append(path) or real(path, label))
@@ -456,7 +456,7 @@ def test_a_verified_token_file_is_hashed_once_until_it_changes(token_file, tmp_p
 def test_a_token_file_that_cannot_be_stamped_is_checked_every_time(token_file, tmp_path, monkeypatch):
     """Where the stamp cannot be written (here a directory stands in its place, as in a read-only data
     directory the rename fails), the check still passes, hashing each time, and leaves no temporary file."""
-    from parallel4d import token_files
+    from parallel4d.data import token_files
 
     real, hashed = token_files.file_sha256, []
     monkeypatch.setattr(token_files, "file_sha256", lambda path, label=None: hashed.append(path) or real(path, label))
@@ -468,7 +468,7 @@ def test_a_token_file_that_cannot_be_stamped_is_checked_every_time(token_file, t
 
 
 def test_hashing_a_big_file_says_how_far_it_is(token_file, tmp_path, monkeypatch, capsys):
-    from parallel4d import token_files
+    from parallel4d.data import token_files
 
     monkeypatch.setattr(token_files, "PROGRESS_BYTES", 1)
     monkeypatch.setattr(token_files, "HASH_BLOCK", 64)  # many blocks: the file is never read whole
@@ -490,7 +490,7 @@ def test_an_old_sidecar_without_a_checksum_is_accepted_with_a_warning(tmp_path, 
 def test_an_id_beyond_the_vocabulary_names_the_file_and_the_offset(tmp_path, field):
     """An old sidecar (no checksum, no max_id) over a file with id 999 at token 5, every window covering
     it: the batch refuses it naming file, offsets and value, instead of an IndexError in the embedding."""
-    from parallel4d.data import build_validation
+    from parallel4d.data.batches import build_validation
 
     path = tmp_path / "bad.bin"
     ids = torch.ones(11, dtype=torch.int16)
@@ -539,7 +539,8 @@ def test_a_sidecar_with_a_field_of_the_wrong_type_is_refused(token_file, tmp_pat
 
 def test_data_tokenized_with_another_tokenizer_than_the_pretrained_models_is_refused(tokenizer, token_file,
                                                                                      tmp_path, capsys):
-    from parallel4d.models import build_dense, hf, shape_from_config
+    from parallel4d.models import build_dense, shape_from_config
+    from parallel4d.models import hf
 
     model = tmp_path / "model"
     dense = make_config({"model": {"vocab_size": 320, "hidden": 32, "layers": 2, "heads": 4, "seq_len": 32}})

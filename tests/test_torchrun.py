@@ -21,7 +21,7 @@ import torch
 import yaml
 
 from conftest import run_in_this_process
-from parallel4d.workers import child_processes
+from parallel4d.launcher.workers import child_processes
 
 TORCHRUN = str(Path(sys.executable).parent / "torchrun")
 MODEL = {"vocab_size": 64, "seq_len": 16, "hidden": 32, "heads": 2, "layers": 2}
@@ -310,8 +310,8 @@ def _nodes_agree_checks(tmp: str) -> list[str]:
     (b) rank 1 not seeing rank 0's probe file (a checkpoint directory that is not shared)."""
     import torch.distributed as dist
 
-    from parallel4d import elastic
-    from parallel4d.config import ConfigError
+    from parallel4d.distributed import elastic
+    from parallel4d.config.schema import ConfigError
 
     rank, messages = dist.get_rank(), []
     cfg = {"optimizer": {"lr": 0.001}, "train": {"steps": 5}}

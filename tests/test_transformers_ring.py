@@ -37,7 +37,7 @@ def _ring_runs(layouts):
     import torch.distributed as dist
 
     from parallel4d.integrations.transformers import shard_sequence, use_ring_attention
-    from parallel4d.mesh import init_mesh
+    from parallel4d.distributed.mesh import init_mesh
     from parallel4d.sequence import split_sequence
 
     out = []
@@ -69,10 +69,10 @@ STEPS = 3
 def _hetero_steps():
     """The ring model at sp=2 × dp=2 with hetero's chunks and ZeRO over the 4 data replicas, under a
     device budget below its model data: AdamW steps on the shards; losses and the budget stats."""
-    from parallel4d.engine import DataReplicas
+    from parallel4d.engine.compose import DataReplicas
     from parallel4d.hetero import wrap
     from parallel4d.integrations.transformers import shard_sequence, use_ring_attention
-    from parallel4d.mesh import init_mesh
+    from parallel4d.distributed.mesh import init_mesh
     from parallel4d.sequence import split_sequence
 
     mesh = init_mesh(dp=2, sp=2, timeout_s=60)
@@ -134,7 +134,7 @@ def test_ring_attention_inside_transformers_llama_equals_one_process():
 
 def test_ring_attention_refuses_what_it_cannot_do(single_rank):
     from parallel4d.integrations.transformers import use_ring_attention
-    from parallel4d.mesh import init_mesh
+    from parallel4d.distributed.mesh import init_mesh
 
     name = use_ring_attention(init_mesh(timeout_s=60))
     attention = transformers.AttentionInterface()[name]

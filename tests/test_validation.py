@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from conftest import run_workers
-from parallel4d.config import make_config
+from parallel4d.config.schema import make_config
 
 BASE = {
     "model": {"vocab_size": 64, "seq_len": 16, "hidden": 32, "heads": 4, "layers": 6},
@@ -45,7 +45,7 @@ RECOMPUTED = {"tp4-sp2", "hetero-hanayo-pp2-sp2-dp2", "1f1b-pp2-sp2-dp2"}
 
 
 def config(layout, recompute="none"):
-    from parallel4d.config import make_config
+    from parallel4d.config.schema import make_config
 
     return make_config({**BASE, **LAYOUTS[layout], "train": {**BASE["train"], "activation_checkpointing": recompute}})
 
@@ -59,9 +59,9 @@ def _grads_left(engine) -> int:
 
 
 def _worker(layouts):
-    from parallel4d.data import build_dataset
-    from parallel4d.engine import compose
-    from parallel4d.mesh import init_mesh
+    from parallel4d.data.batches import build_dataset
+    from parallel4d.engine.compose import compose
+    from parallel4d.distributed.mesh import init_mesh
 
     out = {}
     for layout in layouts:
@@ -80,11 +80,11 @@ def _worker(layouts):
 
 def dense_reference():
     """The dense model's validation loss before and after its one AdamW step, and that step's loss."""
-    from parallel4d.config import make_config
-    from parallel4d.data import build_dataset
-    from parallel4d.engine import model_shape, parameter_dtype
+    from parallel4d.config.schema import make_config
+    from parallel4d.data.batches import build_dataset
+    from parallel4d.engine.compose import model_shape, parameter_dtype
     from parallel4d.models import build_dense
-    from parallel4d.optim import build_optimizer, lr_at
+    from parallel4d.optim.optimizer import build_optimizer, lr_at
 
     cfg = make_config(BASE)
     model = build_dense(model_shape(cfg), seed=cfg.train.seed).to(parameter_dtype(cfg))
@@ -139,10 +139,10 @@ def test_activation_checkpointing_holds_less_until_the_backward(arch, hetero, si
     Also what ``parallel4d plan`` and a run's ``memory`` count as activations
     (:class:`~parallel4d.memory.SavedActivations`) against the heap: as the head starts, the heap
     has grown by the saved tensors live then plus the head's input, within 10 %."""
-    from parallel4d.data import build_dataset
-    from parallel4d.engine import compose
-    from parallel4d.memory import SavedActivations
-    from parallel4d.mesh import init_mesh
+    from parallel4d.data.batches import build_dataset
+    from parallel4d.engine.compose import compose
+    from parallel4d.engine.memory import SavedActivations
+    from parallel4d.distributed.mesh import init_mesh
 
     held = {}
     for recompute in RECOMPUTE:

@@ -11,7 +11,7 @@ import deepspeed
 import torch
 
 import parallel4d
-from parallel4d.data import build_dataset
+from parallel4d.data.batches import build_dataset
 from parallel4d.integrations.deepspeed import avoid_compiled_ops
 
 

@@ -51,9 +51,10 @@ from typing import Any, Callable
 import torch.distributed as dist
 import yaml
 
-from . import comm, shards
-from .config import ConfigError, ModelConfig, model_shape_changes
-from .rundir import fsync_dir, write_synced
+from parallel4d.distributed import comm
+from parallel4d.checkpoint import shards
+from parallel4d.config.schema import ConfigError, ModelConfig, model_shape_changes
+from parallel4d.launcher.rundir import fsync_dir, write_synced
 
 LATEST = "latest"
 RUN_INFO = "run.json"

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import torch
 
-from .config import ConfigError, make_config
-from .checkpoint import saved_config
-from .gather import gather, resolve_checkpoint, with_tied_head
+from parallel4d.config.schema import ConfigError, make_config
+from parallel4d.checkpoint.dcp import saved_config
+from parallel4d.checkpoint.gather import gather, resolve_checkpoint, with_tied_head
 
 
 def export(ckpt: str | Path, out_dir: str | Path, max_shard_bytes: int = 5 << 30) -> Path:

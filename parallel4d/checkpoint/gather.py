@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from . import checkpoint
+from parallel4d.checkpoint import dcp as checkpoint
 
 
 def resolve_checkpoint(path: str | Path) -> Path:

@@ -31,10 +31,10 @@ from pydantic import (AfterValidator, AllowInfNan, BaseModel, ConfigDict, Field,
                       model_validator)
 from pydantic_core import PydanticUndefined
 
-from .hf_config import mismatches, model_fields_from_hf, positions_short
-from .text_files import corpus_bytes
-from .token_files import token_file_problems
-from .rules import (SCHEDULES, batch_problem, did_you_mean, divisors, grid_side, not_divisible, num_chunks, or_list,
+from parallel4d.config.hf_fields import mismatches, model_fields_from_hf, positions_short
+from parallel4d.data.text_files import corpus_bytes
+from parallel4d.data.token_files import token_file_problems
+from parallel4d.config.rules import (SCHEDULES, batch_problem, did_you_mean, divisors, grid_side, not_divisible, num_chunks, or_list,
                     pipeline_arg_problems, splits_backward, tensor2d_problems)
 
 

@@ -15,9 +15,9 @@ from typing import Sequence
 
 import torch
 
-from .config import ConfigError
-from .text_files import corpus_files
-from .token_files import ITEM_BYTES, content_problems, read_sidecar
+from parallel4d.config.schema import ConfigError
+from parallel4d.data.text_files import corpus_files
+from parallel4d.data.token_files import ITEM_BYTES, content_problems, read_sidecar
 
 
 class SyntheticTokens:

@@ -20,9 +20,9 @@ from functools import lru_cache
 from multiprocessing import Pool
 from pathlib import Path
 
-from .config import ConfigError
-from .rundir import fsync_dir, write_synced
-from .token_files import dtype_for, file_sha256, record_verified, sidecar_path, stamp_path
+from parallel4d.config.schema import ConfigError
+from parallel4d.launcher.rundir import fsync_dir, write_synced
+from parallel4d.data.token_files import dtype_for, file_sha256, record_verified, sidecar_path, stamp_path
 
 # the end-of-document tokens of common tokenizers, tried in this order
 EOS_NAMES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "<|im_end|>", "[SEP]")

@@ -26,7 +26,7 @@ from typing import Iterable
 import torch
 import torch.nn as nn
 
-from . import comm
+from parallel4d.distributed import comm
 
 WHAT = "gradient all-reduce over the data replicas (dp·sp)"
 

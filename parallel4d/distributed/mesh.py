@@ -28,10 +28,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from . import elastic
-from .comm import CommStats
-from .config import Config, ConfigError
-from .rules import grid_side
+from parallel4d.distributed import elastic
+from parallel4d.distributed.comm import CommStats
+from parallel4d.config.schema import Config, ConfigError
+from parallel4d.config.rules import grid_side
 
 AXES = ("pp", "dp", "sp", "tp_row", "tp_col")
 

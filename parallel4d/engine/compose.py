@@ -30,24 +30,25 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.utils.checkpoint
 
-from . import checkpoint, comm
-from .config import Config, ConfigError
-from .ddp import GradBuckets
-from .hetero import load_state_dict as hetero_load_state_dict
-from .hetero import state_dict as hetero_state_dict
-from .hetero import wrap as hetero_wrap
-from .mesh import Mesh
-from .fused import use_fused_norms
-from .loss_scale import LossScale
-from .memory import SavedActivations, optimizer_state_bytes, tensor_bytes
-from .models import LlamaShape, Shape, build_stage, cross_entropy, shape_from_config, stage_names
-from .optim import build_optimizer, lr_at, param_groups
-from .pipeline import make_schedule
-from .pipeline.executor import PipelineExecutor, TiedGradSync
-from .pipeline.partition import build_chunks, parameter_costs, partition
-from .sequence import make_ring_attention_fn, positions_for, split_sequence
-from .shards import DenseShards, Pieces, whole
-from .tensor2d import (Block2D, Head2D, LlamaBlock2D, NormHead2D, TokenEmbedding2D, TokenPositionEmbedding2D,
+from parallel4d.checkpoint import dcp as checkpoint
+from parallel4d.distributed import comm
+from parallel4d.config.schema import Config, ConfigError
+from parallel4d.distributed.ddp import GradBuckets
+from parallel4d.hetero import load_state_dict as hetero_load_state_dict
+from parallel4d.hetero import state_dict as hetero_state_dict
+from parallel4d.hetero import wrap as hetero_wrap
+from parallel4d.distributed.mesh import Mesh
+from parallel4d.optim.fused import use_fused_norms
+from parallel4d.optim.loss_scale import LossScale
+from parallel4d.engine.memory import SavedActivations, optimizer_state_bytes, tensor_bytes
+from parallel4d.models import LlamaShape, Shape, build_stage, cross_entropy, shape_from_config, stage_names
+from parallel4d.optim.optimizer import build_optimizer, lr_at, param_groups
+from parallel4d.pipeline import make_schedule
+from parallel4d.pipeline.executor import PipelineExecutor, TiedGradSync
+from parallel4d.pipeline.partition import build_chunks, parameter_costs, partition
+from parallel4d.sequence import make_ring_attention_fn, positions_for, split_sequence
+from parallel4d.checkpoint.shards import DenseShards, Pieces, whole
+from parallel4d.tensor2d import (Block2D, Head2D, LlamaBlock2D, NormHead2D, TokenEmbedding2D, TokenPositionEmbedding2D,
                        loss_2d)
 
 # train.dtype → the dtype parameters (and pipeline activations between ranks) are kept in;

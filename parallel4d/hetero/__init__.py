@@ -2,7 +2,8 @@
 
 Engine-facing API::
 
-    from parallel4d.hetero import wrap, state_dict, load_state_dict
+    from parallel4d.hetero import state_dict, load_state_dict
+    from parallel4d.hetero import wrap
 
     model, opt = wrap(model, cfg.optimizer, cfg.hetero, mesh=None | mesh)
     loss = loss_fn(model(x), y)      # per-rank MEAN over this rank's slice of the batch
@@ -43,12 +44,12 @@ Engine-facing API::
   governs residency and traffic but empty slots are not lent to activations.
 """
 
-from ..config import HeteroConfig, OptimizerConfig
-from .chunk import InvalidTransition, TensorState, TRANSITIONS, search_chunk_elems
-from .manager import BudgetError, ChunkManager, MoveStats
-from .optim import HeteroOptimizer, adam_update
-from .tracer import AccessTrace, opt_loads
-from .wrap import HeteroRuntime, wrap
+from parallel4d.config.schema import HeteroConfig, OptimizerConfig
+from parallel4d.hetero.chunk import InvalidTransition, TensorState, TRANSITIONS, search_chunk_elems
+from parallel4d.hetero.manager import BudgetError, ChunkManager, MoveStats
+from parallel4d.hetero.optim import HeteroOptimizer, adam_update
+from parallel4d.hetero.tracer import AccessTrace, opt_loads
+from parallel4d.hetero.wrap import HeteroRuntime, wrap
 
 
 def state_dict(model, opt) -> dict:

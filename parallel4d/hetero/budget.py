@@ -12,8 +12,8 @@ from typing import Optional
 
 import torch
 
-from ..config import HeteroConfig
-from .layout import Layout
+from parallel4d.config.schema import HeteroConfig
+from parallel4d.hetero.layout import Layout
 
 SHARD_SLOTS = 4  # the optimizer step of one row under ZeRO: PS, GS, M, V
 

@@ -13,7 +13,7 @@ from typing import Optional
 import torch
 import torch.nn as nn
 
-from .chunk import Chunk, pack, round_up, search_chunk_elems
+from parallel4d.hetero.chunk import Chunk, pack, round_up, search_chunk_elems
 
 ALIGN = 64  # elements: 256 B for fp32, the alignment cuBLAS likes
 

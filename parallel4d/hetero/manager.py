@@ -27,8 +27,8 @@ from typing import Callable, Optional
 
 import torch
 
-from .chunk import Chunk, TensorInfo, TensorState
-from .tracer import AccessTrace
+from parallel4d.hetero.chunk import Chunk, TensorInfo, TensorState
+from parallel4d.hetero.tracer import AccessTrace
 
 S = TensorState
 

@@ -10,10 +10,10 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from .chunk import Chunk, TensorInfo, TensorState
-from .layout import Layout, Row
-from .manager import ChunkManager
-from .zero import ZeroShards
+from parallel4d.hetero.chunk import Chunk, TensorInfo, TensorState
+from parallel4d.hetero.layout import Layout, Row
+from parallel4d.hetero.manager import ChunkManager
+from parallel4d.hetero.zero import ZeroShards
 
 S = TensorState
 

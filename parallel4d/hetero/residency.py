@@ -22,11 +22,11 @@ import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_leaves
 
-from .chunk import Chunk, TensorInfo, TensorState
-from .layout import Layout, ParamRecord
-from .manager import ChunkManager
-from .saved import SavedTensors
-from .zero import ZeroShards
+from parallel4d.hetero.chunk import Chunk, TensorInfo, TensorState
+from parallel4d.hetero.layout import Layout, ParamRecord
+from parallel4d.hetero.manager import ChunkManager
+from parallel4d.hetero.saved import SavedTensors
+from parallel4d.hetero.zero import ZeroShards
 
 S = TensorState
 Group = tuple[Chunk, list[TensorInfo], list[ParamRecord]]  # one chunk's part of a module's parameters

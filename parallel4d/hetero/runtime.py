@@ -12,16 +12,16 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from ..config import HeteroConfig, OptimizerConfig
-from .budget import Budget, plan_budget, replica_count, resolve_device
-from .layout import plan_layout
-from .manager import ChunkManager
-from .populate import add_chunks, move_buffers, move_params_into_chunks
-from .residency import Residency
-from .saved import SavedTensors
-from .state import FullState
-from .step import RowAdam
-from .zero import ZeroShards
+from parallel4d.config.schema import HeteroConfig, OptimizerConfig
+from parallel4d.hetero.budget import Budget, plan_budget, replica_count, resolve_device
+from parallel4d.hetero.layout import plan_layout
+from parallel4d.hetero.manager import ChunkManager
+from parallel4d.hetero.populate import add_chunks, move_buffers, move_params_into_chunks
+from parallel4d.hetero.residency import Residency
+from parallel4d.hetero.saved import SavedTensors
+from parallel4d.hetero.state import FullState
+from parallel4d.hetero.step import RowAdam
+from parallel4d.hetero.zero import ZeroShards
 
 
 class HeteroRuntime:

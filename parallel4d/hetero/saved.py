@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from .manager import ChunkManager
+from parallel4d.hetero.manager import ChunkManager
 
 
 class SavedTensors:

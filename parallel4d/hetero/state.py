@@ -12,10 +12,10 @@ from typing import Optional
 import torch
 import torch.nn as nn
 
-from .chunk import Chunk, TensorState
-from .layout import Layout, ParamRecord
-from .manager import ChunkManager
-from .zero import ZeroShards, segment
+from parallel4d.hetero.chunk import Chunk, TensorState
+from parallel4d.hetero.layout import Layout, ParamRecord
+from parallel4d.hetero.manager import ChunkManager
+from parallel4d.hetero.zero import ZeroShards, segment
 
 S = TensorState
 

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import torch
 
-from .chunk import Chunk, TensorInfo, TensorState
-from .layout import Layout, Row
-from .manager import ChunkManager
-from .optim import adam_update, fused_adam_update
-from .zero import ZeroShards, segment
+from parallel4d.hetero.chunk import Chunk, TensorInfo, TensorState
+from parallel4d.hetero.layout import Layout, Row
+from parallel4d.hetero.manager import ChunkManager
+from parallel4d.hetero.optim import adam_update, fused_adam_update
+from parallel4d.hetero.zero import ZeroShards, segment
 
 S = TensorState
 

@@ -10,10 +10,10 @@ from __future__ import annotations
 import torch.nn as nn
 from pydantic import ValidationError
 
-from ..config import HeteroConfig, OptimizerConfig, format_validation_error
-from .budget import resolve_device
-from .optim import HeteroOptimizer
-from .runtime import HeteroRuntime
+from parallel4d.config.schema import HeteroConfig, OptimizerConfig, format_validation_error
+from parallel4d.hetero.budget import resolve_device
+from parallel4d.hetero.optim import HeteroOptimizer
+from parallel4d.hetero.runtime import HeteroRuntime
 
 __all__ = ["wrap", "HeteroRuntime", "resolve_device"]
 

@@ -18,8 +18,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .. import comm
-from .chunk import TensorInfo, TensorState
+from parallel4d.distributed import comm
+from parallel4d.hetero.chunk import TensorInfo, TensorState
 
 
 def window(rank: int, shard: int) -> tuple[int, int]:

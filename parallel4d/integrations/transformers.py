@@ -23,8 +23,8 @@ import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
-from ..mesh import Mesh
-from ..sequence import positions_for, ring_attention, split_sequence
+from parallel4d.distributed.mesh import Mesh
+from parallel4d.sequence import positions_for, ring_attention, split_sequence
 
 NAME = "parallel4d_ring"
 

@@ -21,14 +21,15 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from . import checkpoint, elastic
-from .config import Config, ConfigError, load_config, local_job_problems, torchrun_job_problems
-from .data import verify_token_files
-from .engine import pretrained_checkpoint
-from .mesh import device_and_backend, init_process_group_from_env
-from .rundir import RunLock, check_history, check_writable
-from .train import deepspeed_integration, run_training
-from .workers import spawn
+from parallel4d.checkpoint import dcp as checkpoint
+from parallel4d.distributed import elastic
+from parallel4d.config.schema import Config, ConfigError, load_config, local_job_problems, torchrun_job_problems
+from parallel4d.data.batches import verify_token_files
+from parallel4d.engine.compose import pretrained_checkpoint
+from parallel4d.distributed.mesh import device_and_backend, init_process_group_from_env
+from parallel4d.launcher.rundir import RunLock, check_history, check_writable
+from parallel4d.training.loop import deepspeed_integration, run_training
+from parallel4d.launcher.workers import spawn
 
 
 def check_job(cfg: Config, local: bool, device_type: str = "cpu", source: str | None = None) -> None:

@@ -3,7 +3,7 @@ zygote that forks the N workers of a job (see workers.py)."""
 
 import sys
 
-from parallel4d.workers import _worker_main, _zygote_main
+from parallel4d.launcher.workers import _worker_main, _zygote_main
 
 if __name__ == "__main__":
     if sys.argv[2] == "--fork":

@@ -279,7 +279,7 @@ def _forking() -> bool:
 
 def _start(payload: str, tmp: str, world_size: int) -> tuple[list, subprocess.Popen | None]:
     """The workers (one ``Popen`` each, or forked by one zygote) and the zygote (None without)."""
-    entry = [sys.executable, "-m", "parallel4d.worker_entry", payload]
+    entry = [sys.executable, "-m", "parallel4d.launcher.worker_entry", payload]
     if not _forking():
         return [subprocess.Popen([*entry, str(r)]) for r in range(world_size)], None
     zygote = subprocess.Popen([*entry, "--fork", str(world_size)])
@@ -291,7 +291,7 @@ def worker_pids(launcher_pid: int) -> dict[int, int]:
     ``/proc``): its ``worker_entry`` children, or the workers its zygote forked."""
     out = {}
     for pid, cmd in child_processes(launcher_pid):
-        if b"parallel4d.worker_entry" not in cmd:
+        if b"parallel4d.launcher.worker_entry" not in cmd:
             continue
         if cmd[-3:-1] == [b"--fork", cmd[-2]]:  # the zygote: its workers are its children
             tmp = os.path.dirname(cmd[-4].decode())

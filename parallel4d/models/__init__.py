@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import torch.nn as nn
 
-from . import gpt, llama
-from .gpt import GPT, GPTShape, cross_entropy, stage_names
-from .llama import Llama, LlamaShape
+from parallel4d.models import gpt
+from parallel4d.models import llama
+from parallel4d.models.gpt import GPT, GPTShape, cross_entropy, stage_names
+from parallel4d.models.llama import Llama, LlamaShape
 
 Shape = GPTShape | LlamaShape
 

@@ -28,8 +28,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from ..hf_config import mismatches, model_fields_from_hf, positions_short
-from . import build_stage, shape_from_config, stage_names
+from parallel4d.config.hf_fields import mismatches, model_fields_from_hf, positions_short
+from parallel4d.models import build_stage, shape_from_config, stage_names
 
 INDEX = "model.safetensors.index.json"
 # tensors some checkpoints carry that are not weights (causal masks, rotary tables): skipped

@@ -21,7 +21,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .gpt import GPT, seeded_stage
+from parallel4d.models.gpt import GPT, seeded_stage
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ from typing import Iterable
 import torch
 import torch.nn as nn
 
-from .fused import make_optimizer
+from parallel4d.optim.fused import make_optimizer
 
 
 def decays(dense_name: str, ndim: int, opt_cfg) -> bool:

@@ -48,16 +48,16 @@ per-action timestamps; ``res.peak_activations`` equals
 ``simulate(sched).peak_activations[me]``.
 """
 
-from ..rules import SCHEDULES, check_schedule_name, num_chunks, pipeline_arg_problems
-from .analysis import Message, ScheduleError, SimResult, bubble_formula, message_plan, simulate, validate
-from .checks import check_pipeline_args
-from .executor import PipelineExecutor, StepResult, TiedGradSync
-from .hanayo import hanayo, list_schedule, wave_placement, wave_rank
-from .partition import build_chunks, parameter_costs, partition, timed_costs
-from .plot import plot
-from .schedule import gpipe, interleaved_1f1b, linear_placement, looped_placement, make_schedule, one_f_one_b
-from .types import Action, Schedule
-from .zero_bubble import zb_h1, zbv
+from parallel4d.config.rules import SCHEDULES, check_schedule_name, num_chunks, pipeline_arg_problems
+from parallel4d.pipeline.analysis import Message, ScheduleError, SimResult, bubble_formula, message_plan, simulate, validate
+from parallel4d.pipeline.checks import check_pipeline_args
+from parallel4d.pipeline.executor import PipelineExecutor, StepResult, TiedGradSync
+from parallel4d.pipeline.hanayo import hanayo, list_schedule, wave_placement, wave_rank
+from parallel4d.pipeline.partition import build_chunks, parameter_costs, partition, timed_costs
+from parallel4d.pipeline.plot import plot
+from parallel4d.pipeline.schedule import gpipe, interleaved_1f1b, linear_placement, looped_placement, make_schedule, one_f_one_b
+from parallel4d.pipeline.types import Action, Schedule
+from parallel4d.pipeline.zero_bubble import zb_h1, zbv
 
 __all__ = [
     "Action", "Schedule", "ScheduleError", "SimResult", "Message", "SCHEDULES",

@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
-from .types import Action, Schedule
+from parallel4d.pipeline.types import Action, Schedule
 
 
 class ScheduleError(ValueError):

@@ -6,7 +6,7 @@ file with them); this is the raising form for callers of the pipeline API.
 
 from __future__ import annotations
 
-from ..rules import check_schedule_name, num_chunks, pipeline_arg_problems  # noqa: F401  (re-exported)
+from parallel4d.config.rules import check_schedule_name, num_chunks, pipeline_arg_problems  # noqa: F401  (re-exported)
 
 
 def check_pipeline_args(

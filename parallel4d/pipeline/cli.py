@@ -8,10 +8,10 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ..rules import SCHEDULES, check_schedule_name
-from .analysis import ScheduleError, bubble_formula, simulate
-from .plot import plot
-from .schedule import make_schedule
+from parallel4d.config.rules import SCHEDULES, check_schedule_name
+from parallel4d.pipeline.analysis import ScheduleError, bubble_formula, simulate
+from parallel4d.pipeline.plot import plot
+from parallel4d.pipeline.schedule import make_schedule
 
 
 def add_schedule_parser(subparsers) -> argparse.ArgumentParser:

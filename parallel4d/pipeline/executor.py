@@ -33,10 +33,10 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from .. import comm
-from .analysis import Message, message_plan, validate
-from .split_grad import input_gradient
-from .types import Action, Schedule
+from parallel4d.distributed import comm
+from parallel4d.pipeline.analysis import Message, message_plan, validate
+from parallel4d.pipeline.split_grad import input_gradient
+from parallel4d.pipeline.types import Action, Schedule
 
 ShapeSpec = Union[Sequence[int], Callable[[int], Sequence[int]]]
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from typing import Callable
 
-from .analysis import simulate
-from .types import Action, Schedule
+from parallel4d.pipeline.analysis import simulate
+from parallel4d.pipeline.types import Action, Schedule
 
 
 def plot(schedule: Schedule, path: str, *, forward_cost: float = 1.0, backward_cost: float = 2.0,

@@ -26,11 +26,11 @@ from __future__ import annotations
 
 from typing import Callable
 
-from ..rules import SCHEDULES  # noqa: F401  (re-exported; its home is rules)
-from ..rules import SPLIT_SCHEDULES, check_schedule_name, interleaved_microbatch_problem, positive_int
-from .hanayo import hanayo
-from .types import Action, Schedule, linear_placement, looped_placement  # noqa: F401 (placements re-exported)
-from .zero_bubble import zb_h1, zbv
+from parallel4d.config.rules import SCHEDULES  # noqa: F401  (re-exported; its home is rules)
+from parallel4d.config.rules import SPLIT_SCHEDULES, check_schedule_name, interleaved_microbatch_problem, positive_int
+from parallel4d.pipeline.hanayo import hanayo
+from parallel4d.pipeline.types import Action, Schedule, linear_placement, looped_placement  # noqa: F401 (placements re-exported)
+from parallel4d.pipeline.zero_bubble import zb_h1, zbv
 
 
 # --- generators ------------------------------------------------------------------

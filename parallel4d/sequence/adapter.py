@@ -12,8 +12,8 @@ from typing import Callable
 
 import torch
 
-from .layout import check_layout
-from .ring import ring_attention
+from parallel4d.sequence.layout import check_layout
+from parallel4d.sequence.ring import ring_attention
 
 
 def make_ring_attention_fn(group, layout: str = "zigzag", stats=None, *, backend: str = "auto",

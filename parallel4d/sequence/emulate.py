@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import torch
 
-from .kernels import (acc_dtype, add_kv_grads_, backward_step, default_scale, first_step_forward, forward_step,
+from parallel4d.sequence.kernels import (acc_dtype, add_kv_grads_, backward_step, default_scale, first_step_forward, forward_step,
                       merge_, resolve_backend)
-from .layout import check_seq_len, local_positions, step_plan
+from parallel4d.sequence.layout import check_seq_len, local_positions, step_plan
 
 
 def shard_index(seq_len: int, n: int, layout: str, device=None) -> list[torch.Tensor]:

@@ -33,7 +33,7 @@ import math
 
 import torch
 
-from .layout import BlockCall
+from parallel4d.sequence.layout import BlockCall
 
 aten = torch.ops.aten
 

@@ -22,8 +22,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from parallel4d import comm
-from parallel4d.rules import near_multiples
+from parallel4d.distributed import comm
+from parallel4d.config.rules import near_multiples
 
 LAYOUTS = ("contiguous", "zigzag")
 

@@ -36,11 +36,11 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from parallel4d import comm
+from parallel4d.distributed import comm
 
-from .kernels import (acc_dtype, add_kv_grads_, backward_step, default_scale, first_step_forward, forward_step,
+from parallel4d.sequence.kernels import (acc_dtype, add_kv_grads_, backward_step, default_scale, first_step_forward, forward_step,
                       resolve_backend)
-from .layout import check_layout, step_plan
+from parallel4d.sequence.layout import check_layout, step_plan
 
 FWD_KV = "ring_attention.fwd.kv"
 BWD_KV = "ring_attention.bwd.kv"

@@ -45,13 +45,13 @@ TokenPositionEmbedding2D, Head2D, from_dense_stage``, ``scatter_2d, gather_2d,
 split_batch``, ``check_tensor2d``.
 """
 
-from .block import Block2D, Head2D, TokenPositionEmbedding2D, from_dense_stage, loss_2d, qkv_permutation, sdpa_attention
-from .checks import check_tensor2d
-from .llama_block import LlamaBlock2D, NormHead2D, TokenEmbedding2D
-from .grid import Grid, gather_2d, scatter_2d, split_batch
-from .layers import (Embedding2D, LayerNorm2D, Linear2D, RMSNorm2D, LMHead2D, VocabParallelCrossEntropy2D,
+from parallel4d.tensor2d.block import Block2D, Head2D, TokenPositionEmbedding2D, from_dense_stage, loss_2d, qkv_permutation, sdpa_attention
+from parallel4d.tensor2d.checks import check_tensor2d
+from parallel4d.tensor2d.llama_block import LlamaBlock2D, NormHead2D, TokenEmbedding2D
+from parallel4d.tensor2d.grid import Grid, gather_2d, scatter_2d, split_batch
+from parallel4d.tensor2d.layers import (Embedding2D, LayerNorm2D, Linear2D, RMSNorm2D, LMHead2D, VocabParallelCrossEntropy2D,
                      VocabParallelEmbedding2D, vocab_parallel_cross_entropy)
-from .summa import summa_ab, summa_abt, summa_atb
+from parallel4d.tensor2d.summa import summa_ab, summa_abt, summa_atb
 
 __all__ = [
     "LlamaBlock2D", "NormHead2D", "TokenEmbedding2D", "RMSNorm2D",

@@ -21,8 +21,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .checks import check_heads
-from .layers import (DenseLayout, Embedding2D, LayerNorm2D, Linear2D, LMHead2D, VocabParallelCrossEntropy2D,
+from parallel4d.tensor2d.checks import check_heads
+from parallel4d.tensor2d.layers import (DenseLayout, Embedding2D, LayerNorm2D, Linear2D, LMHead2D, VocabParallelCrossEntropy2D,
                      VocabParallelEmbedding2D)
 
 

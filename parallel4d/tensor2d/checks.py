@@ -8,7 +8,7 @@ valid values, e.g. ``model.hidden=70 is not divisible by q=4; use model.hidden=6
 
 from __future__ import annotations
 
-from ..rules import FIELD_NAMES, batch_problem, grid_side, heads_problems, not_divisible, tensor2d_problems
+from parallel4d.config.rules import FIELD_NAMES, batch_problem, grid_side, heads_problems, not_divisible, tensor2d_problems
 
 __all__ = ["FIELD_NAMES", "check_divisible", "check_heads", "check_tensor2d"]
 

@@ -19,8 +19,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .. import comm
-from .checks import check_divisible
+from parallel4d.distributed import comm
+from parallel4d.tensor2d.checks import check_divisible
 
 
 class Grid:

@@ -31,11 +31,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .. import comm
-from .checks import check_divisible
-from .grid import (Grid, all_reduce_sum, block_of, gather_blocks, gather_columns,
+from parallel4d.distributed import comm
+from parallel4d.tensor2d.checks import check_divisible
+from parallel4d.tensor2d.grid import (Grid, all_reduce_sum, block_of, gather_blocks, gather_columns,
                    reduce_scatter_batch, replicated_over_rows)
-from .summa import summa_ab, summa_abt
+from parallel4d.tensor2d.summa import summa_ab, summa_abt
 
 _HALF = (torch.float16, torch.bfloat16)
 

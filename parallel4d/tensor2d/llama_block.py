@@ -20,9 +20,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .block import Head2D, _Composite, sdpa_attention
-from .checks import check_divisible, check_heads
-from .layers import Linear2D, RMSNorm2D, VocabParallelEmbedding2D
+from parallel4d.tensor2d.block import Head2D, _Composite, sdpa_attention
+from parallel4d.tensor2d.checks import check_divisible, check_heads
+from parallel4d.tensor2d.layers import Linear2D, RMSNorm2D, VocabParallelEmbedding2D
 
 
 class LlamaBlock2D(_Composite):

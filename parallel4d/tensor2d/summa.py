@@ -40,8 +40,8 @@ from __future__ import annotations
 
 import torch
 
-from .. import comm
-from .grid import Grid
+from parallel4d.distributed import comm
+from parallel4d.tensor2d.grid import Grid
 
 _HALF = (torch.float16, torch.bfloat16)
 

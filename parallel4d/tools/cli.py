@@ -12,18 +12,18 @@ from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
 
-from .checkpoint import CheckpointError, verify
-from .config import ConfigError, load_config
-from .curves import plot_run
-from .export import export
-from .generate import generate
-from .gather import gather
-from .launch import check_job, launch, under_torchrun
-from .mesh import device_and_backend
-from .pipeline.cli import add_schedule_parser
-from .plan import HEADROOM, format_fit, format_ranks, parse_bytes, plan, try_knobs
-from .tokenize import tokenize
-from .workers import Interrupted, WorkerError, WorkerTimeout
+from parallel4d.checkpoint.dcp import CheckpointError, verify
+from parallel4d.config.schema import ConfigError, load_config
+from parallel4d.tools.plot import plot_run
+from parallel4d.checkpoint.export import export
+from parallel4d.tools.generate import generate
+from parallel4d.checkpoint.gather import gather
+from parallel4d.launcher.launch import check_job, launch, under_torchrun
+from parallel4d.distributed.mesh import device_and_backend
+from parallel4d.pipeline.cli import add_schedule_parser
+from parallel4d.tools.plan import HEADROOM, format_fit, format_ranks, parse_bytes, plan, try_knobs
+from parallel4d.data.tokenize import tokenize
+from parallel4d.launcher.workers import Interrupted, WorkerError, WorkerTimeout
 
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:

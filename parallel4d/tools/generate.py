@@ -20,13 +20,13 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from .config import ConfigError, make_config
-from .checkpoint import saved_config
-from .gather import gather, resolve_checkpoint, with_tied_head
-from .hf_config import hf_max_positions
-from .models import build_dense, shape_from_config
-from .models.llama import LlamaShape
-from .token_files import read_sidecar
+from parallel4d.config.schema import ConfigError, make_config
+from parallel4d.checkpoint.dcp import saved_config
+from parallel4d.checkpoint.gather import gather, resolve_checkpoint, with_tied_head
+from parallel4d.config.hf_fields import hf_max_positions
+from parallel4d.models import build_dense, shape_from_config
+from parallel4d.models.llama import LlamaShape
+from parallel4d.data.token_files import read_sidecar
 
 Cache = list[tuple[torch.Tensor, torch.Tensor]]
 
@@ -41,7 +41,7 @@ def load_model(source: str | Path) -> tuple[torch.nn.Module, dict]:
         positions = hf_max_positions(json.loads((source / "config.json").read_text()))
         data = {"model": {"pretrained": str(source), **({"seq_len": positions} if positions else {})}}
         cfg = make_config(data)
-        from .models.hf import load_hf_state_dict  # safetensors: the hf extra
+        from parallel4d.models.hf import load_hf_state_dict  # safetensors: the hf extra
 
         state = load_hf_state_dict(source, cfg.model)
     else:

@@ -28,10 +28,11 @@ import torch
 import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from .config import Config, ConfigError, load_config
-from .engine import compose, parameter_dtype
-from .mesh import AXES, init_mesh, mesh_shape
-from .memory import adam_state_bytes
+from parallel4d.config.schema import Config, ConfigError, load_config
+from parallel4d.engine.compose import parameter_dtype
+from parallel4d.engine.compose import compose
+from parallel4d.distributed.mesh import AXES, init_mesh, mesh_shape
+from parallel4d.engine.memory import adam_state_bytes
 
 HEADROOM = 0.9  # a job fits when its largest rank needs at most this share of the device's memory
 

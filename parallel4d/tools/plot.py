@@ -8,8 +8,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .config import ConfigError
-from .metrics import METRICS_FILE, read_records
+from parallel4d.config.schema import ConfigError
+from parallel4d.training.metrics import METRICS_FILE, read_records
 
 PLOT_FILE = "curves.png"
 

@@ -14,12 +14,15 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from . import checkpoint, comm, elastic
-from .config import Config, ConfigError, resolve_fused
-from .data import build_dataset, build_validation
-from .engine import compose, flops_per_token, parameter_count
-from .mesh import init_mesh
-from .metrics import MetricsLog, gather_objects, gather_per_rank, peak_memory
+from parallel4d.checkpoint import dcp as checkpoint
+from parallel4d.distributed import comm
+from parallel4d.distributed import elastic
+from parallel4d.config.schema import Config, ConfigError, resolve_fused
+from parallel4d.data.batches import build_dataset, build_validation
+from parallel4d.engine.compose import flops_per_token, parameter_count
+from parallel4d.engine.compose import compose
+from parallel4d.distributed.mesh import init_mesh
+from parallel4d.training.metrics import MetricsLog, gather_objects, gather_per_rank, peak_memory
 
 
 class _StopFlag:

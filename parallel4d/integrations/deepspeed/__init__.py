@@ -12,11 +12,11 @@ Two ways in:
 :mod:`.ds_config` checks the section against DeepSpeed before any process starts.
 """
 
-from .ds_config import resolve
-from .engines import DeepSpeedPipeline, Parallel4DEngine
-from .initialize import build_engine, initialize
-from .model import RankModel, avoid_compiled_ops, build_model, global_mean, tag_parameters
-from .trainer import DeepSpeedTrainer
+from parallel4d.integrations.deepspeed.ds_config import resolve
+from parallel4d.integrations.deepspeed.engines import DeepSpeedPipeline, Parallel4DEngine
+from parallel4d.integrations.deepspeed.initialize import build_engine, initialize
+from parallel4d.integrations.deepspeed.model import RankModel, avoid_compiled_ops, build_model, global_mean, tag_parameters
+from parallel4d.integrations.deepspeed.trainer import DeepSpeedTrainer
 
 __all__ = ["initialize", "build_engine", "build_model", "resolve", "tag_parameters", "avoid_compiled_ops",
            "global_mean", "RankModel", "Parallel4DEngine", "DeepSpeedPipeline", "DeepSpeedTrainer"]

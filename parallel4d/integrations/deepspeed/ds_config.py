@@ -15,9 +15,9 @@ import torch
 from deepspeed.runtime import lr_schedules
 from deepspeed.runtime.config import DEEPSPEED_OPTIMIZERS
 
-from ...config import Config, ConfigError, deepspeed_batch
-from ...rules import did_you_mean
-from .ds_keys import DOCS, key_problems
+from parallel4d.config.schema import Config, ConfigError, deepspeed_batch
+from parallel4d.config.rules import did_you_mean
+from parallel4d.integrations.deepspeed.ds_keys import DOCS, key_problems
 
 #: DeepSpeed optimizer types that run on torch's code when ``torch_adam`` is set (no compiled op)
 TORCH_OPTIMIZERS = ("adam", "adamw")

@@ -20,7 +20,7 @@ from deepspeed.runtime.config import DeepSpeedConfig, DeepSpeedConfigError
 from deepspeed.runtime.config_utils import DeepSpeedConfigModel
 from pydantic import BaseModel, ValidationError
 
-from ...rules import did_you_mean
+from parallel4d.config.rules import did_you_mean
 
 DOCS = "see https://www.deepspeed.ai/docs/config-json/"
 #: keys DeepSpeed reads that parallel4d's own fields already decide

@@ -20,10 +20,10 @@ from __future__ import annotations
 import torch
 from deepspeed.runtime.engine import DeepSpeedEngine
 
-from ...config import Config
-from ...engine import PipelineParts, local_batch
-from ...mesh import Mesh
-from .model import global_mean
+from parallel4d.config.schema import Config
+from parallel4d.engine.compose import PipelineParts, local_batch
+from parallel4d.distributed.mesh import Mesh
+from parallel4d.integrations.deepspeed.model import global_mean
 
 
 class Parallel4DEngine(DeepSpeedEngine):

@@ -13,13 +13,13 @@ from pathlib import Path
 import deepspeed
 import torch
 
-from ...config import Config, load_config
-from ...engine import build_pipeline, local_model
-from ...mesh import Mesh, device_and_backend, init_mesh, init_process_group_from_env
-from ...optim import build_optimizer, lr_lambda
-from .ds_config import resolve
-from .engines import DeepSpeedPipeline, Parallel4DEngine
-from .model import RankModel, avoid_compiled_ops, tag_parameters
+from parallel4d.config.schema import Config, load_config
+from parallel4d.engine.compose import build_pipeline, local_model
+from parallel4d.distributed.mesh import Mesh, device_and_backend, init_mesh, init_process_group_from_env
+from parallel4d.optim.optimizer import build_optimizer, lr_lambda
+from parallel4d.integrations.deepspeed.ds_config import resolve
+from parallel4d.integrations.deepspeed.engines import DeepSpeedPipeline, Parallel4DEngine
+from parallel4d.integrations.deepspeed.model import RankModel, avoid_compiled_ops, tag_parameters
 
 
 def initialize(config: str | Path | Config | dict, overrides: list[str] | None = None):

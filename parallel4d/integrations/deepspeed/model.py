@@ -18,10 +18,10 @@ import importlib
 import torch
 import torch.nn as nn
 
-from ... import comm
-from ...config import Config, ConfigError
-from ...engine import build_stages, local_model
-from ...mesh import Mesh
+from parallel4d.distributed import comm
+from parallel4d.config.schema import Config, ConfigError
+from parallel4d.engine.compose import build_stages, local_model
+from parallel4d.distributed.mesh import Mesh
 
 # `import deepspeed.comm.torch as m` would bind the package attribute `torch`: the torch library
 deepspeed_comm = importlib.import_module("deepspeed.comm.torch")

@@ -14,10 +14,10 @@ from pathlib import Path
 
 import torch
 
-from ...checkpoint import CheckpointError
-from ...config import Config
-from ...mesh import Mesh
-from .initialize import build_engine
+from parallel4d.checkpoint.dcp import CheckpointError
+from parallel4d.config.schema import Config
+from parallel4d.distributed.mesh import Mesh
+from parallel4d.integrations.deepspeed.initialize import build_engine
 
 
 class DeepSpeedTrainer:

@@ -1,0 +1,2 @@
+"""Everything before and around the workers: the preflight and ``launch()`` (``launch``), the
+run directory (``rundir``), and local workers spawned, supervised and blamed (``workers``)."""

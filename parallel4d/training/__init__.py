@@ -1,0 +1,1 @@
+"""One rank's training job (``loop``) and its records (``metrics``)."""
