@@ -16,9 +16,9 @@ import importlib
 # public name → the module that defines it
 _HOMES = {
     "launch": "parallel4d.launcher.launch",
-    "load_config": "parallel4d.config.schema",
+    "load_config": "parallel4d.config.load",
     "Config": "parallel4d.config.schema",
-    "ConfigError": "parallel4d.config.schema",
+    "ConfigError": "parallel4d.config.errors",
     "init_mesh": "parallel4d.distributed.mesh",
     "Mesh": "parallel4d.distributed.mesh",
     "compose": "parallel4d.engine.compose",

@@ -38,7 +38,7 @@ def sixteen_workers(tmp_path_factory):
 def train_in_job(config, overrides) -> dict:
     """What ``launch(config, overrides)`` runs on each rank, inside a job already started (e.g.
     :func:`sixteen_workers`): rank 0's summary, ``{"rank": r}`` elsewhere."""
-    from parallel4d.config.schema import load_config
+    from parallel4d.config.load import load_config
     from parallel4d.training.loop import run_training
 
     return run_training(load_config(config, list(overrides)))
@@ -52,7 +52,7 @@ def run_in_this_process(config, overrides) -> dict:
 
     import torch.distributed as dist
 
-    from parallel4d.config.schema import load_config
+    from parallel4d.config.load import load_config
     from parallel4d.training.loop import run_training
 
     cfg = load_config(config, list(overrides))
@@ -86,7 +86,7 @@ def assert_plan_matches(config, overrides, summary, rel=0.10) -> dict:
     on its first step (``summary["memory"]``), for every rank (its pp position's plan; dp, sp and
     grid peers hold the same): each byte count, and the bytes sent along each axis, within ``rel``.
     Returns ``{quantity: worst relative difference}``."""
-    from parallel4d.config.schema import load_config
+    from parallel4d.config.load import load_config
     from parallel4d.tools.plan import plan
 
     cfg = load_config(config, list(overrides))

@@ -21,7 +21,8 @@ import yaml
 from parallel4d.checkpoint import dcp as checkpoint
 from parallel4d import launch
 from parallel4d.training import loop as train
-from parallel4d.config.schema import Config, ConfigError
+from parallel4d.config.errors import ConfigError
+from parallel4d.config.schema import Config
 
 
 def job(out_dir, steps, resume=False, every=0):

@@ -11,7 +11,9 @@ import yaml
 
 import parallel4d
 from parallel4d.tools.cli import main
-from parallel4d.config.schema import Config, ConfigError, load_config, make_config
+from parallel4d.config.errors import ConfigError
+from parallel4d.config.load import load_config, make_config
+from parallel4d.config.schema import Config
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -269,7 +271,7 @@ def test_text_root_without_enough_python_sources(tmp_path, capsys, job, files, e
 
 
 def test_local_world_size_limit():
-    from parallel4d.config.schema import local_job_problems
+    from parallel4d.config.checks import local_job_problems
 
     huge = make_config({"parallel": {"dp": 4096}, "data": {"batch_size": 4096}})
     assert huge.train.max_local_workers == 64

@@ -157,7 +157,8 @@ def test_buckets_under_the_pipeline_with_tied_weights():
 
 
 def test_bucket_size_is_a_positive_finite_number():
-    from parallel4d.config.schema import Config, ConfigError
+    from parallel4d.config.errors import ConfigError
+    from parallel4d.config.schema import Config
 
     assert Config().train.dp_bucket_mb == 25
     for bad in (0, -1.0, float("inf"), float("nan"), "25", True):

@@ -15,7 +15,8 @@ import torch
 
 deepspeed = pytest.importorskip("deepspeed")  # the `deepspeed` extra; `make test` installs it
 
-from parallel4d.config.schema import Config, make_config  # noqa: E402
+from parallel4d.config.load import make_config
+from parallel4d.config.schema import Config
 from parallel4d.data.batches import build_dataset  # noqa: E402
 from deepspeed.runtime.utils import clip_grad_norm_ as ds_clip_grad_norm_  # noqa: E402
 
@@ -118,7 +119,7 @@ def _four_worker_jobs(pipeline_jobs):
     """Every 4-worker check of this file in one job (one start-up, DeepSpeed imported once per
     worker): the norm counts, the ring under ZeRO-2, the layouts through initialize(), and the
     ZeRO-3 refusal (its message)."""
-    from parallel4d.config.schema import ConfigError
+    from parallel4d.config.errors import ConfigError
 
     counts = _all_steps(JOB, COUNT_CASES)
     ring = _all_steps(RING_JOB, [(2, True)])

@@ -17,7 +17,8 @@ import yaml
 deepspeed = pytest.importorskip("deepspeed")  # the `deepspeed` extra; `make test` installs it
 
 from parallel4d.tools.cli import main  # noqa: E402
-from parallel4d.config.schema import ConfigError, load_config, make_config  # noqa: E402
+from parallel4d.config.errors import ConfigError
+from parallel4d.config.load import load_config, make_config
 from parallel4d.integrations.deepspeed.ds_config import resolve  # noqa: E402
 
 MODEL = {"vocab_size": 64, "seq_len": 16, "hidden": 32, "heads": 2, "layers": 2}

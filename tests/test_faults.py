@@ -596,7 +596,7 @@ def test_second_job_on_a_run_directory_in_use_is_refused(tmp_path):
     """A second job on a directory in use refuses at once, naming the first job's pid and host;
     once that job is killed, its stale lock is taken over."""
     from parallel4d import launch
-    from parallel4d.config.schema import ConfigError
+    from parallel4d.config.errors import ConfigError
 
     cfg = tiny_job(tmp_path / "run")
     proc, _ = start_job(tmp_path, cfg)
@@ -627,7 +627,7 @@ def test_a_local_job_above_the_worker_limit_is_refused_before_spawning(tmp_path,
     """parallel.dp=4096 on one machine (10**12 is beyond every axis's bound now) would start spawning
     workers without limit."""
     from parallel4d import launch
-    from parallel4d.config.schema import ConfigError
+    from parallel4d.config.errors import ConfigError
 
     spawned = []
     monkeypatch.setattr(sys.modules["parallel4d.launcher.launch"], "spawn", lambda *a, **k: spawned.append(a))

@@ -50,7 +50,7 @@ CASES = {
 
 
 def config(case):
-    from parallel4d.config.schema import make_config
+    from parallel4d.config.load import make_config
 
     return make_config({**BASE, **CASES[case]})
 
@@ -123,7 +123,7 @@ def _worker(cases):
 def dense_reference():
     """One clipped AdamW step of the dense single-process GPT on the same batch (the cases
     change only the layout sections, so this one serves them all)."""
-    from parallel4d.config.schema import make_config
+    from parallel4d.config.load import make_config
     from parallel4d.data.batches import build_dataset
     from parallel4d.engine.compose import model_shape, parameter_dtype
     from parallel4d.optim.optimizer import build_optimizer, lr_at

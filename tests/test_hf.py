@@ -34,7 +34,7 @@ from transformers.models.llama import modeling_llama  # noqa: E402
 from transformers.models.mistral import modeling_mistral  # noqa: E402
 from transformers.models.qwen2 import modeling_qwen2  # noqa: E402
 
-from parallel4d.config.schema import make_config  # noqa: E402
+from parallel4d.config.load import make_config
 from parallel4d.models import build_dense, hf, shape_from_config  # noqa: E402
 
 V, S, B = 61, 16, 3  # vocabulary (not a power of two), sequence, batch

@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 from conftest import run_workers
 from parallel4d import launch
-from parallel4d.config.schema import ConfigError
+from parallel4d.config.errors import ConfigError
 from parallel4d.launcher.workers import WorkerError, spawn, worker_pids
 
 

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from conftest import run_workers
-from parallel4d.config.schema import ConfigError, make_config
+from parallel4d.config.errors import ConfigError
+from parallel4d.config.load import make_config
 from parallel4d.data.batches import build_dataset
 from parallel4d.engine.compose import model_shape
 from parallel4d.models import build_dense

@@ -13,7 +13,8 @@ Every layout trains with these (tests/test_llama.py runs its layouts with a cosi
 import pytest
 import torch
 
-from parallel4d.config.schema import ConfigError, make_config
+from parallel4d.config.errors import ConfigError
+from parallel4d.config.load import make_config
 from parallel4d.hetero import wrap
 from parallel4d.models.gpt import GPTShape, build_gpt
 from parallel4d.optim.optimizer import build_optimizer, lr_at, lr_lambda, param_groups

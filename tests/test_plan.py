@@ -16,7 +16,8 @@ import pytest
 
 from conftest import assert_plan_matches
 from parallel4d.tools.cli import main
-from parallel4d.config.schema import ConfigError, make_config
+from parallel4d.config.errors import ConfigError
+from parallel4d.config.load import make_config
 from parallel4d.tools.plan import dry_run, parse_bytes, plan
 from test_e2e import FOUR_D, FOUR_D_STEPS, PIPELINE_STEPS, ROOT, shared_run
 

@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from conftest import run_workers
-from parallel4d.config.schema import ConfigError, make_config
+from parallel4d.config.errors import ConfigError
+from parallel4d.config.load import make_config
 
 BASE = {
     "model": {"vocab_size": 64, "seq_len": 16, "hidden": 32, "heads": 4, "layers": 2},
@@ -176,7 +177,7 @@ def close(a, b, rtol):
 
 def test_torch_fused_kernels_train_like_the_plain_ones(single_rank):
     """fused AdamW and F.rms_norm (llama's norms) against the plain float32 ops; auto is torch here."""
-    from parallel4d.config.schema import apex_available
+    from parallel4d.config.checks import apex_available
 
     assert not apex_available()  # not on this machine's package index
     plain, fused = train_llama({"fused": "off"}), train_llama({"fused": "torch"})

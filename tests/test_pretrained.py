@@ -12,7 +12,8 @@ import torch.nn.functional as F
 transformers = pytest.importorskip("transformers")
 
 from conftest import run_workers  # noqa: E402
-from parallel4d.config.schema import ConfigError, make_config  # noqa: E402
+from parallel4d.config.errors import ConfigError
+from parallel4d.config.load import make_config
 from parallel4d.data.batches import build_dataset  # noqa: E402
 from parallel4d.models import hf  # noqa: E402
 from parallel4d.sequence.layout import local_positions  # noqa: E402

@@ -16,7 +16,7 @@ import torch
 from conftest import run_in_this_process
 from parallel4d.checkpoint import dcp as checkpoint
 from parallel4d import launch
-from parallel4d.config.schema import ConfigError
+from parallel4d.config.errors import ConfigError
 from test_checkpoint import read_state
 
 ROOT = Path(__file__).resolve().parents[1]

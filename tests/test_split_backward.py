@@ -169,7 +169,7 @@ def test_split_backward_sends_what_the_unsplit_backward_sends(split_runs):
     pp rank 1's tp bytes grow by 65 %). Its activations live until W: on pp rank 1, two where 1F1B
     holds one. ``parallel4d plan`` of zb_h1 itself is within 10 % of the run, rank by rank."""
     from conftest import assert_plan_matches
-    from parallel4d.config.schema import load_config
+    from parallel4d.config.load import load_config
     from parallel4d.tools.plan import plan
 
     summaries, _ = split_runs

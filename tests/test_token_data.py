@@ -15,7 +15,8 @@ import torch
 tokenizers = pytest.importorskip("tokenizers")
 
 from parallel4d.tools.cli import main  # noqa: E402
-from parallel4d.config.schema import ConfigError, make_config  # noqa: E402
+from parallel4d.config.errors import ConfigError
+from parallel4d.config.load import make_config
 from parallel4d.data.batches import build_dataset  # noqa: E402
 
 TEXTS = ["def add(a, b):\n    return a + b\n" * 20, "class Point:\n    x: int = 0\n    y: int = 0\n" * 15]
@@ -86,7 +87,7 @@ def test_a_big_token_file_is_never_read_whole(tmp_path):
     path.with_suffix(".json").write_text(json.dumps({"dtype": "uint16", "tokens": tokens, "vocab_size": 256}))
     script = f"""
 import resource
-from parallel4d.config.schema import make_config
+from parallel4d.config.load import make_config
 from parallel4d.data.batches import build_dataset
 def peak(): return int([l for l in open('/proc/self/status') if l.startswith('VmHWM')][0].split()[1]) * 1024
 cfg = make_config({{"data": {{"source": "tokens", "path": {str(path)!r}, "batch_size": 64}},

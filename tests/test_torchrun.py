@@ -311,7 +311,7 @@ def _nodes_agree_checks(tmp: str) -> list[str]:
     import torch.distributed as dist
 
     from parallel4d.distributed import elastic
-    from parallel4d.config.schema import ConfigError
+    from parallel4d.config.errors import ConfigError
 
     rank, messages = dist.get_rank(), []
     cfg = {"optimizer": {"lr": 0.001}, "train": {"steps": 5}}

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from conftest import run_workers
-from parallel4d.config.schema import make_config
+from parallel4d.config.load import make_config
 
 BASE = {
     "model": {"vocab_size": 64, "seq_len": 16, "hidden": 32, "heads": 4, "layers": 6},
@@ -45,7 +45,7 @@ RECOMPUTED = {"tp4-sp2", "hetero-hanayo-pp2-sp2-dp2", "1f1b-pp2-sp2-dp2"}
 
 
 def config(layout, recompute="none"):
-    from parallel4d.config.schema import make_config
+    from parallel4d.config.load import make_config
 
     return make_config({**BASE, **LAYOUTS[layout], "train": {**BASE["train"], "activation_checkpointing": recompute}})
 
@@ -80,7 +80,7 @@ def _worker(layouts):
 
 def dense_reference():
     """The dense model's validation loss before and after its one AdamW step, and that step's loss."""
-    from parallel4d.config.schema import make_config
+    from parallel4d.config.load import make_config
     from parallel4d.data.batches import build_dataset
     from parallel4d.engine.compose import model_shape, parameter_dtype
     from parallel4d.models import build_dense

@@ -53,7 +53,8 @@ import yaml
 
 from parallel4d.distributed import comm
 from parallel4d.checkpoint import shards
-from parallel4d.config.schema import ConfigError, ModelConfig, model_shape_changes
+from parallel4d.config.errors import ConfigError
+from parallel4d.config.schema import ModelConfig, model_shape_changes
 from parallel4d.launcher.rundir import fsync_dir, write_synced
 
 LATEST = "latest"

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import torch
 
-from parallel4d.config.schema import ConfigError, make_config
+from parallel4d.config.errors import ConfigError
+from parallel4d.config.load import make_config
 from parallel4d.checkpoint.dcp import saved_config
 from parallel4d.checkpoint.gather import gather, resolve_checkpoint, with_tied_head
 

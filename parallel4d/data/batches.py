@@ -15,7 +15,7 @@ from typing import Sequence
 
 import torch
 
-from parallel4d.config.schema import ConfigError
+from parallel4d.config.errors import ConfigError
 from parallel4d.data.text_files import corpus_files
 from parallel4d.data.token_files import ITEM_BYTES, content_problems, read_sidecar
 

@@ -30,7 +30,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from parallel4d.distributed.comm import CommTimeout, named
-from parallel4d.config.schema import ConfigError
+from parallel4d.config.errors import ConfigError
 
 NONCE_KEY = "parallel4d/attempt-nonce"
 # How long a rank tries one published address before reading the key again.

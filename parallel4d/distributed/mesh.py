@@ -30,7 +30,8 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from parallel4d.distributed import elastic
 from parallel4d.distributed.comm import CommStats
-from parallel4d.config.schema import Config, ConfigError
+from parallel4d.config.errors import ConfigError
+from parallel4d.config.schema import Config
 from parallel4d.config.rules import grid_side
 
 AXES = ("pp", "dp", "sp", "tp_row", "tp_col")

@@ -32,7 +32,8 @@ import torch.utils.checkpoint
 
 from parallel4d.checkpoint import dcp as checkpoint
 from parallel4d.distributed import comm
-from parallel4d.config.schema import Config, ConfigError
+from parallel4d.config.errors import ConfigError
+from parallel4d.config.schema import Config
 from parallel4d.distributed.ddp import GradBuckets
 from parallel4d.hetero import load_state_dict as hetero_load_state_dict
 from parallel4d.hetero import state_dict as hetero_state_dict

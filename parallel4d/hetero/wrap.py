@@ -10,7 +10,8 @@ from __future__ import annotations
 import torch.nn as nn
 from pydantic import ValidationError
 
-from parallel4d.config.schema import HeteroConfig, OptimizerConfig, format_validation_error
+from parallel4d.config.messages import format_validation_error
+from parallel4d.config.schema import HeteroConfig, OptimizerConfig
 from parallel4d.hetero.budget import resolve_device
 from parallel4d.hetero.optim import HeteroOptimizer
 from parallel4d.hetero.runtime import HeteroRuntime

@@ -23,7 +23,10 @@ import torch.distributed as dist
 
 from parallel4d.checkpoint import dcp as checkpoint
 from parallel4d.distributed import elastic
-from parallel4d.config.schema import Config, ConfigError, load_config, local_job_problems, torchrun_job_problems
+from parallel4d.config.checks import local_job_problems, torchrun_job_problems
+from parallel4d.config.errors import ConfigError
+from parallel4d.config.load import load_config
+from parallel4d.config.schema import Config
 from parallel4d.data.batches import verify_token_files
 from parallel4d.engine.compose import pretrained_checkpoint
 from parallel4d.distributed.mesh import device_and_backend, init_process_group_from_env

@@ -20,7 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-from parallel4d.config.schema import ConfigError
+from parallel4d.config.errors import ConfigError
 
 LOCK_NAME = ".parallel4d.lock"
 

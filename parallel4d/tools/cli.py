@@ -13,7 +13,8 @@ from dataclasses import asdict
 from pathlib import Path
 
 from parallel4d.checkpoint.dcp import CheckpointError, verify
-from parallel4d.config.schema import ConfigError, load_config
+from parallel4d.config.errors import ConfigError
+from parallel4d.config.load import load_config
 from parallel4d.tools.plot import plot_run
 from parallel4d.checkpoint.export import export
 from parallel4d.tools.generate import generate

@@ -28,7 +28,9 @@ import torch
 import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from parallel4d.config.schema import Config, ConfigError, load_config
+from parallel4d.config.errors import ConfigError
+from parallel4d.config.load import load_config
+from parallel4d.config.schema import Config
 from parallel4d.engine.compose import parameter_dtype
 from parallel4d.engine.compose import compose
 from parallel4d.distributed.mesh import AXES, init_mesh, mesh_shape

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from parallel4d.config.schema import ConfigError
+from parallel4d.config.errors import ConfigError
 from parallel4d.training.metrics import METRICS_FILE, read_records
 
 PLOT_FILE = "curves.png"

@@ -15,7 +15,9 @@ import torch
 from deepspeed.runtime import lr_schedules
 from deepspeed.runtime.config import DEEPSPEED_OPTIMIZERS
 
-from parallel4d.config.schema import Config, ConfigError, deepspeed_batch
+from parallel4d.config.checks import deepspeed_batch
+from parallel4d.config.errors import ConfigError
+from parallel4d.config.schema import Config
 from parallel4d.config.rules import did_you_mean
 from parallel4d.integrations.deepspeed.ds_keys import DOCS, key_problems
 

@@ -19,7 +19,8 @@ import torch
 import torch.nn as nn
 
 from parallel4d.distributed import comm
-from parallel4d.config.schema import Config, ConfigError
+from parallel4d.config.errors import ConfigError
+from parallel4d.config.schema import Config
 from parallel4d.engine.compose import build_stages, local_model
 from parallel4d.distributed.mesh import Mesh
 
