@@ -55,7 +55,7 @@ from parallel4d.distributed import comm
 from parallel4d.checkpoint import shards
 from parallel4d.config.errors import ConfigError
 from parallel4d.config.schema import ModelConfig, model_shape_changes
-from parallel4d.launcher.rundir import fsync_dir, write_synced
+from parallel4d.checkpoint.files import fsync_dir, write_synced
 
 LATEST = "latest"
 RUN_INFO = "run.json"

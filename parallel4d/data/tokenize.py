@@ -21,7 +21,7 @@ from multiprocessing import Pool
 from pathlib import Path
 
 from parallel4d.config.errors import ConfigError
-from parallel4d.launcher.rundir import fsync_dir, write_synced
+from parallel4d.checkpoint.files import fsync_dir, write_synced
 from parallel4d.data.token_files import dtype_for, file_sha256, record_verified, sidecar_path, stamp_path
 
 # the end-of-document tokens of common tokenizers, tried in this order

@@ -25,27 +25,6 @@ from parallel4d.config.errors import ConfigError
 LOCK_NAME = ".parallel4d.lock"
 
 
-def write_synced(path: str | Path, text: str) -> None:
-    """Write ``text`` to ``path`` and flush it to the disk: the rename that publishes it must not
-    outlive its content in a power cut."""
-    with open(path, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def fsync_dir(path: str | Path) -> None:
-    """Make the renames into directory ``path`` survive a power cut (where the file system can)."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-    except OSError:  # not every file system syncs directories; the rename itself is still atomic
-        pass
-
-
 def check_writable(path: str | Path, field: str) -> None:
     """Create ``path`` and a probe file in it; ``ConfigError`` naming ``field`` and why not."""
     path = Path(path)
