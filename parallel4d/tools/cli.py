@@ -20,7 +20,7 @@ from parallel4d.checkpoint.export import export
 from parallel4d.tools.generate import generate
 from parallel4d.checkpoint.gather import gather
 from parallel4d.launcher.launch import check_job, launch, under_torchrun
-from parallel4d.distributed.mesh import device_and_backend
+from parallel4d.distributed.startup import device_and_backend
 from parallel4d.pipeline.cli import add_schedule_parser
 from parallel4d.tools.plan import HEADROOM, format_fit, format_ranks, parse_bytes, plan, try_knobs
 from parallel4d.data.tokenize import tokenize

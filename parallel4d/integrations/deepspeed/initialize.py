@@ -16,7 +16,8 @@ import torch
 from parallel4d.config.load import load_config
 from parallel4d.config.schema import Config
 from parallel4d.engine.compose import build_pipeline, local_model
-from parallel4d.distributed.mesh import Mesh, device_and_backend, init_mesh, init_process_group_from_env
+from parallel4d.distributed.mesh import Mesh, init_mesh
+from parallel4d.distributed.startup import device_and_backend, init_process_group_from_env
 from parallel4d.optim.optimizer import build_optimizer, lr_lambda
 from parallel4d.integrations.deepspeed.ds_config import resolve
 from parallel4d.integrations.deepspeed.engines import DeepSpeedPipeline, Parallel4DEngine
