@@ -170,7 +170,7 @@ def main(argv=None):
             [2], [1, 2], 6, 32, 2, 16, 64, 2, 1
     import pipeline as this  # importable by module name, so the spawned workers can unpickle _worker
 
-    from parallel4d.launcher.workers import spawn
+    from parallel4d.launcher.spawn import spawn
 
     cores = os.cpu_count() or 1
     shape_kw = dict(vocab_size=a.vocab, seq_len=a.seq, hidden=a.hidden, heads=a.heads, layers=a.layers,
@@ -229,7 +229,7 @@ def emulate(a) -> None:
     """``--emulate``: every schedule of pipeline_emulate.SCHEDULES, m = factor · P, measured against simulated."""
     import pipeline_emulate as em  # by module name, so the spawned workers can unpickle em.worker
 
-    from parallel4d.launcher.workers import spawn
+    from parallel4d.launcher.spawn import spawn
 
     if a.quick:
         a.pp, a.m_factors, a.unit, a.steps = [2], [1, 2], 0.01, 1

@@ -10,7 +10,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 def run_workers(fn, world_size, *args, timeout_s=180.0, **kwargs):
     """Run ``fn(*args, **kwargs)`` on ``world_size`` gloo CPU workers; per-rank results."""
-    from parallel4d.launcher.workers import spawn
+    from parallel4d.launcher.spawn import spawn
 
     return spawn(fn, world_size, args, kwargs, backend="gloo", timeout_s=timeout_s)
 

@@ -27,7 +27,7 @@ from parallel4d.integrations.deepspeed import avoid_compiled_ops  # noqa: E402
 from parallel4d.distributed.mesh import init_mesh  # noqa: E402
 from parallel4d.models import build_dense  # noqa: E402
 from parallel4d.models.gpt import build_gpt  # noqa: E402
-from parallel4d.launcher.workers import spawn  # noqa: E402
+from parallel4d.launcher.spawn import spawn  # noqa: E402
 
 JOB = {"parallel": {"tp": 4}, "sequence": {"layout": "zigzag"}, "model": {"vocab_size": 64, "seq_len": 16, "hidden": 32, "heads": 2, "layers": 2},
        "data": {"source": "synthetic", "batch_size": 8}, "train": {"steps": 1}}

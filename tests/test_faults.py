@@ -19,7 +19,9 @@ import yaml
 
 from conftest import run_workers
 from parallel4d.checkpoint import dcp as checkpoint
-from parallel4d.launcher.workers import WorkerError, _start_time, child_processes, spawn, worker_pids
+from parallel4d.launcher.spawn import spawn
+from parallel4d.launcher.supervise import WorkerError
+from parallel4d.launcher.workers import _start_time, child_processes, worker_pids
 
 TIMEOUT_S = 2.0  # the mesh groups' collective limit in the strategy scenarios
 GRACE_S = 1.5    # what a wait may take beyond it
@@ -213,28 +215,28 @@ def _report(tmp_path, rank, details, when):
 def test_blame_prefers_a_silent_death_to_the_peers_it_disconnected(tmp_path):
     """The race behind 'killed rank 2, blamed rank 3': rank 3 has already reported its lost
     connection (and exited) when the launcher first looks; rank 2 died without a word."""
-    from parallel4d.launcher.workers import _blame
+    from parallel4d.launcher.blame import blame
 
     now = time.time()
     procs = [FakeProcess(10), FakeProcess(11), FakeProcess(12, -9), FakeProcess(13, 1)]
     _report(tmp_path, 3, "PeerLost: rank 3: tp_col all-reduce: a peer closed its connection", now)
-    assert _blame(procs, str(tmp_path), settled=False) == (2, "process was killed by SIGKILL without reporting "
+    assert blame(procs, str(tmp_path), settled=False) == (2, "process was killed by SIGKILL without reporting "
                                                                 "an error (killed?)")
     # A real error (not a consequence) wins over an earlier consequence and over a silent death.
     _report(tmp_path, 1, "FloatingPointError: loss became nan at step 3", now + 1)
-    assert _blame(procs, str(tmp_path), settled=False)[0] == 1
+    assert blame(procs, str(tmp_path), settled=False)[0] == 1
     # Only timeouts so far: wait (not settled), then name the silent, stopped rank.
     procs = [FakeProcess(10, 1), FakeProcess(11, 1), FakeProcess(os.getpid()), FakeProcess(13, 1)]
     for r in (0, 1, 3):
         (tmp_path / f"result{r}.pkl").unlink(missing_ok=True)
         _report(tmp_path, r, f"CommTimeout: rank {r}: summa_ab step 0 did not finish within 3s", now + r)
-    assert _blame(procs, str(tmp_path), settled=False) is None
-    rank, details = _blame(procs, str(tmp_path), settled=True)
+    assert blame(procs, str(tmp_path), settled=False) is None
+    rank, details = blame(procs, str(tmp_path), settled=True)
     assert rank == 2 and "rank 2 (alive, but not in the collective)" in details and "rank 0 timed out first" in details
     # The race of a loaded machine: rank 1's timeout closed its sockets, and rank 0's "connection
     # closed" reached the disk before rank 1's own report. The timeout is what is shown.
     _report(tmp_path, 0, "PeerLost: rank 0: metrics gather: a peer closed its connection", now - 1)
-    rank, details = _blame(procs, str(tmp_path), settled=True)
+    rank, details = blame(procs, str(tmp_path), settled=True)
     assert rank == 2 and "rank 1 timed out first" in details and "CommTimeout: rank 1" in details
 
 
@@ -471,14 +473,14 @@ def test_a_killed_zygote_is_blamed_as_the_zygote_and_its_workers_are_stopped(tmp
 def test_a_worker_outliving_its_zygote_is_watched_and_stopped_by_its_pid(tmp_path):
     """Once the zygote is dead no one records how its workers end: one still running is seen running (not
     ended with the zygote's status), and stopping it signals it by the pid the zygote recorded."""
-    from parallel4d.launcher.workers import _Forked
+    from parallel4d.launcher.workers import Forked
 
     zygote = subprocess.Popen([sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"])
     zygote.wait()
     orphan = subprocess.Popen(["sleep", "60"])
     try:
         (tmp_path / "pid0").write_text(str(orphan.pid))
-        worker = _Forked(str(tmp_path), 0, zygote)
+        worker = Forked(str(tmp_path), 0, zygote)
         assert worker.poll() is None
         worker.terminate()
         assert orphan.wait(10) == -signal.SIGTERM
@@ -491,19 +493,20 @@ def test_a_worker_outliving_its_zygote_is_watched_and_stopped_by_its_pid(tmp_pat
 def test_a_zygote_the_stop_signal_reached_during_its_imports_ends_the_job_as_stopped(tmp_path):
     """SIGTERM to the group while the zygote still imports (before it ignores the signal, before any worker):
     the job was stopped, nothing was lost; not a failure of the zygote."""
-    from parallel4d.launcher.workers import Interrupted, _Forked, _Signals, _Supervisor
+    from parallel4d.launcher.supervise import Interrupted, Signals, Supervisor
+    from parallel4d.launcher.workers import Forked
 
     zygote = subprocess.Popen([sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGTERM)"])
     zygote.wait()
-    signals = _Signals()
+    signals = Signals()
     signals.received.append(signal.SIGTERM)  # the launcher got it too
-    supervisor = _Supervisor([_Forked(str(tmp_path), 0, zygote)], zygote, str(tmp_path), signals, timeout_s=60,
+    supervisor = Supervisor([Forked(str(tmp_path), 0, zygote)], zygote, str(tmp_path), signals, timeout_s=60,
                              interrupt_grace_s=120, saving=None, saved=None)
     with pytest.raises(Interrupted, match="SIGTERM stopped the job before its workers started: nothing was lost"):
         supervisor.run()
     signals.received.clear()  # the zygote alone got it: someone killed it
     with pytest.raises(WorkerError, match=rf"zygote, pid {zygote.pid}\) was killed by SIGTERM"):
-        _Supervisor([_Forked(str(tmp_path), 0, zygote)], zygote, str(tmp_path), signals, timeout_s=60,
+        Supervisor([Forked(str(tmp_path), 0, zygote)], zygote, str(tmp_path), signals, timeout_s=60,
                     interrupt_grace_s=120, saving=None, saved=None).run()
 
 
@@ -529,12 +532,12 @@ class SlowToDie(FakeProcess):
 def test_a_third_signal_returns_only_once_the_killed_workers_ended(tmp_path):
     """The third signal kills the workers and waits until each has ended before the launcher goes on (to
     remove the job's directory and exit)."""
-    from parallel4d.launcher.workers import Interrupted, _Signals, _Supervisor
+    from parallel4d.launcher.supervise import Interrupted, Signals, Supervisor
 
     procs = [SlowToDie(10), SlowToDie(11)]
-    signals = _Signals()
+    signals = Signals()
     signals.received += [signal.SIGINT] * 3  # recorded by its handler, as three Ctrl-Cs are
-    supervisor = _Supervisor(procs, None, str(tmp_path), signals, timeout_s=60, interrupt_grace_s=120,
+    supervisor = Supervisor(procs, None, str(tmp_path), signals, timeout_s=60, interrupt_grace_s=120,
                              saving=lambda: "step 9", saved=lambda: "ckpt/step_00000006")
     with pytest.raises(Interrupted, match=r"third signal \(SIGINT\); lost: the save of step 9 in progress and the "
                                           r"steps trained since ckpt/step_00000006, the newest complete checkpoint"):
@@ -562,7 +565,7 @@ def _save_slowly_after_a_signal(launcher: int, marker: str, save_s: float) -> st
 def test_the_interrupt_grace_never_cuts_a_save_short(tmp_path):
     """A signal to the launcher reaches the workers as it is (SIGINT stays SIGINT); interrupt_grace_s does
     not end while a save is in progress, and ends the job once none is, saying what is lost."""
-    from parallel4d.launcher.workers import Interrupted
+    from parallel4d.launcher.supervise import Interrupted
 
     marker = tmp_path / "saving"
     t0 = time.monotonic()

@@ -11,7 +11,9 @@ import torch.distributed as dist
 from conftest import run_workers
 from parallel4d import launch
 from parallel4d.config.errors import ConfigError
-from parallel4d.launcher.workers import WorkerError, spawn, worker_pids
+from parallel4d.launcher.spawn import spawn
+from parallel4d.launcher.supervise import WorkerError
+from parallel4d.launcher.workers import worker_pids
 
 
 def worker_processes():
@@ -90,7 +92,7 @@ def _hang():
 
 
 def test_hung_job_times_out():
-    from parallel4d.launcher.workers import WorkerTimeout
+    from parallel4d.launcher.supervise import WorkerTimeout
 
     with pytest.raises(WorkerTimeout, match="ranks still running"):
         spawn(_hang, 2, timeout_s=8)

@@ -12,7 +12,7 @@ from parallel4d.models.gpt import GPTShape, build_gpt, cross_entropy
 from parallel4d.pipeline import make_schedule, simulate
 from parallel4d.pipeline.executor import PipelineExecutor, TiedGradSync
 from parallel4d.pipeline.partition import build_chunks, parameter_costs, partition
-from parallel4d.launcher.workers import WorkerError
+from parallel4d.launcher.supervise import WorkerError
 
 VOCAB, SEQ, HIDDEN = 16, 4, 8
 

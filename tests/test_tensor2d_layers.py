@@ -268,7 +268,7 @@ def _gpu_job():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_block2d_cuda_autocast():
-    from parallel4d.launcher.workers import spawn
+    from parallel4d.launcher.spawn import spawn
 
     world = 4 if torch.cuda.device_count() >= 4 else 1
     spawn(_gpu_job, world, backend="nccl", timeout_s=300)

@@ -32,7 +32,7 @@ from parallel4d.engine.compose import pretrained_checkpoint
 from parallel4d.distributed.startup import device_and_backend, init_process_group_from_env
 from parallel4d.launcher.rundir import RunLock, check_history, check_writable
 from parallel4d.training.loop import deepspeed_integration, run_training
-from parallel4d.launcher.workers import spawn
+from parallel4d.launcher.spawn import spawn
 
 
 def check_job(cfg: Config, local: bool, device_type: str = "cpu", source: str | None = None) -> None:
@@ -95,7 +95,7 @@ def launch(config: str | Path | Config | dict, overrides: list[str] | None = Non
 
     Returns rank 0's summary (the content of ``<train.out_dir>/summary.json``), also when a signal
     stopped the run after its workers saved (``stop_signal``, ``finished: false``). A local job
-    stopped before its workers could save raises :class:`~parallel4d.workers.Interrupted`.
+    stopped before its workers could save raises :class:`~parallel4d.launcher.supervise.Interrupted`.
     """
     cfg = load_config(config, overrides)
     source = str(config) if isinstance(config, (str, Path)) else None

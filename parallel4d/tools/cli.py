@@ -24,7 +24,7 @@ from parallel4d.distributed.startup import device_and_backend
 from parallel4d.pipeline.cli import add_schedule_parser
 from parallel4d.tools.plan import HEADROOM, format_fit, format_ranks, parse_bytes, plan, try_knobs
 from parallel4d.data.tokenize import tokenize
-from parallel4d.launcher.workers import Interrupted, WorkerError, WorkerTimeout
+from parallel4d.launcher.supervise import Interrupted, WorkerError, WorkerTimeout
 
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:

@@ -1,0 +1,210 @@
+"""Supervision of a local job's workers until every one has ended, and the launcher's stop signals.
+
+Guarantees: when one worker raises, dies or stops answering, the others are stopped and
+:class:`WorkerError` names the cause (:func:`~parallel4d.launcher.blame.blame`) with its traceback, or
+the zygote when that dies; a job that outlives ``timeout_s`` is stopped with :class:`WorkerTimeout`.
+SIGINT and SIGTERM to the launcher are counted, never raised (:class:`Signals`): the first is passed on
+to the workers (they finish the step, save and return), a second waits too (for a save in progress
+above all), a third kills them (:class:`Interrupted`, saying what was lost).
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+from typing import Callable
+
+from parallel4d.launcher.blame import blame, refusal_of
+from parallel4d.launcher.worker_process import STOP_SIGNALS
+from parallel4d.launcher.workers import Forked, exit_status, signal_process, stop
+
+
+class WorkerError(RuntimeError):
+    """A worker raised or died (``rank``), or the zygote that forks them died (``rank`` None);
+    ``details`` say why."""
+
+    def __init__(self, rank: int | None, details: str):
+        self.rank = rank
+        self.details = details
+        super().__init__(details if rank is None else f"worker rank {rank} failed:\n{details}")
+
+
+class WorkerTimeout(RuntimeError):
+    """The job did not finish within its time limit."""
+
+
+class Interrupted(KeyboardInterrupt):
+    """A signal to the launcher ended the job before its workers stopped cleanly (a third signal, the
+    interrupt grace run out, or a worker the signal killed): ``signum``, and what was lost in the message."""
+
+    def __init__(self, signum: int, message: str):
+        self.signum = signum
+        super().__init__(message)
+
+
+class Signals:
+    """SIGINT and SIGTERM to the launcher while it supervises, counted in ``received``, never raised: an
+    exception unwinding through the supervisor would leave before the workers (a second signal even
+    from the handling of the first); the supervision loop acts on them instead."""
+
+    def __init__(self):
+        self.received: list[int] = []
+        self._old: dict = {}
+
+    def __enter__(self):
+        for sig in STOP_SIGNALS:
+            try:
+                self._old[sig] = signal.signal(sig, self._record)
+            except ValueError:  # not the main thread: leave signals alone
+                pass
+        return self
+
+    def _record(self, signum, frame) -> None:
+        self.received.append(signum)
+
+    def __exit__(self, *exc):
+        for sig, old in self._old.items():
+            signal.signal(sig, old)
+
+
+# How long to wait, once only consequences (timeouts, lost peers) are reported, for
+# the cause to show itself before naming the ranks that stopped answering.
+BLAME_GRACE_S = 1.0
+
+
+def _say(message: str) -> None:
+    print(f"[parallel4d] {message}", file=sys.stderr, flush=True)
+
+
+def _name(signum: int) -> str:
+    return signal.Signals(signum).name
+
+
+class Supervisor:
+    """Watches one job's workers (and zygote) until every one has ended, and acts on the launcher's signals.
+
+    The first signal is passed on to each worker (to one the zygote has not forked yet as soon as it
+    has); the workers finish the step, save and return. A second only says what the launcher waits
+    for. A third, or ``interrupt_grace_s`` after the first with no save in progress, kills them."""
+
+    def __init__(self, procs: list, zygote: subprocess.Popen | None, tmp: str, signals: Signals, timeout_s: float,
+                 interrupt_grace_s: float, saving: Callable[[], str | None] | None,
+                 saved: Callable[[], str | None] | None):
+        self.procs, self.zygote, self.tmp, self.signals = procs, zygote, tmp, signals
+        self.timeout_s, self.interrupt_grace_s = timeout_s, interrupt_grace_s
+        self.saving, self.saved = saving or (lambda: None), saved
+        self.handled = 0  # signals acted on
+        self.passed_on: set[int] = set()  # ranks the first signal has been passed on to
+        self.grace_until = 0.0  # once a signal came: when the workers are killed unless a save is in progress
+
+    def run(self) -> None:
+        """Return when every worker exited 0; raise for the first failure, the deadline or a stop at once."""
+        deadline = time.monotonic() + self.timeout_s
+        first_failure_at = None
+        while True:
+            self._act_on_signals()
+            if self.zygote is not None and self.zygote.poll() not in (None, 0):  # it exits 0, after its workers
+                stop(self.procs)
+                raise self._zygote_failure()
+            if any(p.poll() not in (None, 0) for p in self.procs):
+                first_failure_at = first_failure_at or time.monotonic()
+                blamed = blame(self.procs, self.tmp, settled=time.monotonic() - first_failure_at >= BLAME_GRACE_S)
+                if blamed is not None:
+                    stop(self.procs)
+                    refusal = refusal_of(self.tmp, blamed[0])
+                    if refusal is not None:  # raised as itself: one line for the user, no worker traceback
+                        raise refusal
+                    raise self._failure(*blamed)
+            elif all(p.poll() == 0 for p in self.procs):
+                return
+            if time.monotonic() > deadline:
+                running = [r for r, p in enumerate(self.procs) if p.poll() is None]
+                stop(self.procs)
+                raise WorkerTimeout(f"job did not finish within {self.timeout_s:.0f}s; ranks still running: {running}")
+            time.sleep(0.05)
+
+    def _act_on_signals(self) -> None:
+        while self.handled < len(self.signals.received):
+            signum = self.signals.received[self.handled]
+            self.handled += 1
+            if self.handled == 1:
+                self.grace_until = time.monotonic() + self.interrupt_grace_s
+                _say(f"{_name(signum)} received: the workers finish the step, save and stop (waiting up to "
+                     f"{self.interrupt_grace_s:g}s, and for as long as a save is in progress; a third signal "
+                     "stops them at once)")
+            elif self.handled == 2:
+                save = self.saving()
+                _say(f"{_name(signum)} again: waiting for the save of {save} to complete; another signal stops at "
+                     "once and loses it" if save else
+                     f"{_name(signum)} again: still waiting for the workers to finish the step and save; another "
+                     f"signal stops them at once and loses {self._lost()}")
+            else:
+                self._kill_now(signum, f"stopped at once by a third signal ({_name(signum)})")
+        if self.handled:
+            self._pass_on(self.signals.received[0])
+            self._check_grace()
+
+    def _pass_on(self, signum: int) -> None:
+        """The signal the launcher received, to each worker once (SIGINT stays SIGINT: summary.json says which)."""
+        for rank, p in enumerate(self.procs):
+            if rank in self.passed_on or (isinstance(p, Forked) and not p.forked()):
+                continue
+            self.passed_on.add(rank)
+            if p.poll() is None:
+                signal_process(p, signum)
+
+    def _check_grace(self) -> None:
+        now = time.monotonic()
+        if self.saving() is not None:  # never cut a save short: the grace starts again after it
+            self.grace_until = max(self.grace_until, now + self.interrupt_grace_s)
+        elif now > self.grace_until:
+            signum = self.signals.received[0]
+            self._kill_now(signum, f"the workers did not stop within interrupt_grace_s={self.interrupt_grace_s:g}s "
+                                   f"of {_name(signum)}: stopped at once")
+
+    def _kill_now(self, signum: int, why: str) -> None:
+        lost = self._lost()  # while the save in progress is still there to name
+        for p in self.procs:
+            if p.poll() is None:
+                p.kill()
+        for p in self.procs:
+            p.wait()
+        raise Interrupted(signum, f"{why}; lost: {lost}")
+
+    def _lost(self) -> str:
+        """What stopping the workers now loses."""
+        save = self.saving()
+        parts = [f"the save of {save} in progress"] if save else []
+        newest = self.saved() if self.saved is not None else None
+        if self.saved is None:
+            parts.append("whatever the workers had not saved")
+        elif newest is not None:
+            parts.append(f"the steps trained since {newest}, the newest complete checkpoint")
+        else:
+            parts.append("everything trained (there is no complete checkpoint)")
+        return " and ".join(parts)
+
+    def _stopped_by_the_signal(self, code: int) -> bool:
+        """Did the signal the launcher received (and passed on) end a process that exited with ``code``?"""
+        return self.handled > 0 and code in [-s for s in STOP_SIGNALS]
+
+    def _failure(self, rank: int, details: str) -> BaseException:
+        """The error for worker ``rank``'s failure: the stop itself when the launcher's signal killed or
+        interrupted it (before its own handler was in place: nothing of this process was saved)."""
+        interrupted = self.handled > 0 and details.startswith("KeyboardInterrupt")  # a worker not forked (FORK=0)
+        if interrupted or self._stopped_by_the_signal(self.procs[rank].returncode):
+            signum = self.signals.received[0]
+            return Interrupted(signum, f"{_name(signum)} stopped the worker of rank {rank} before it could save; "
+                                       f"lost: {self._lost()}")
+        return WorkerError(rank, details)
+
+    def _zygote_failure(self) -> BaseException:
+        """The error for the zygote's death: the stop itself when a group signal reached it during its
+        imports, before it ignores SIGINT and SIGTERM (and so before it forked any worker)."""
+        if self._stopped_by_the_signal(self.zygote.returncode):
+            signum = self.signals.received[0]
+            return Interrupted(signum, f"{_name(signum)} stopped the job before its workers started: nothing was lost")
+        return WorkerError(None, f"the process that forks the workers (zygote, pid {self.zygote.pid}) "
+                                 f"{exit_status(self.zygote.returncode)}; its workers were stopped")
