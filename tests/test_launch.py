@@ -125,6 +125,10 @@ def test_cli_job_failure_exits_nonzero_with_the_error(tmp_path):
                           text=True, timeout=240)
     assert proc.returncode == 1, proc.stderr[-2000:]
     assert "the job failed" in proc.stderr and "loss became" in proc.stderr
+    # the launcher says, once, what its first silent seconds are spent on
+    starting = proc.stderr.index("[parallel4d] starting 2 workers (pp=1 dp=2 sp=1 tp=1) on cpu")
+    assert proc.stderr.count("workers joined the process group in") == 1, proc.stderr[-2000:]
+    assert starting < proc.stderr.index("[parallel4d] 2 workers joined the process group in ")
     assert time.monotonic() - start < 120
 
 

@@ -18,6 +18,7 @@ import sys
 import time
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
+from typing import Callable
 
 import torch.distributed as dist
 
@@ -90,6 +91,21 @@ def _newest_checkpoint(ckpt_dir: Path) -> str | None:
     return str(found) if found is not None else None
 
 
+def _say(message: str) -> None:
+    print(f"[parallel4d] {message}", file=sys.stderr, flush=True)
+
+
+def _say_starting(cfg: Config, device: str, threads: int) -> Callable[[], None]:
+    """Say that the local workers are starting (their imports and rendezvous take seconds); returns what
+    says, once they have all joined the process group, how long that took."""
+    n, p = cfg.world_size, cfg.parallel
+    workers = f"{n} worker{'s' if n > 1 else ''}"
+    _say(f"starting {workers} (pp={p.pp} dp={p.dp} sp={p.sp} tp={p.tp}) on {device}, "
+         f"{threads} thread{'s' if threads > 1 else ''} each")
+    t0 = time.monotonic()
+    return lambda: _say(f"{workers} joined the process group in {time.monotonic() - t0:.1f}s; building the model")
+
+
 def launch(config: str | Path | Config | dict, overrides: list[str] | None = None) -> dict:
     """Validate ``config`` (a YAML path, dict or :class:`Config`) and train it.
 
@@ -107,7 +123,7 @@ def launch(config: str | Path | Config | dict, overrides: list[str] | None = Non
             raise ConfigError("invalid configuration:\n" + "\n".join(f"  - {p}" for p in problems))
         warning = elastic.replacement_warning()
         if warning and os.environ["RANK"] == "0":
-            print(f"[parallel4d] warning: {warning}", file=sys.stderr, flush=True)
+            _say(f"warning: {warning}")
         with prepared(cfg, False, device, source) if os.environ["RANK"] == "0" else nullcontext():
             init_process_group_from_env(backend, cfg.train.timeout_s, cfg.train.join_timeout_s)
             try:
@@ -122,12 +138,13 @@ def launch(config: str | Path | Config | dict, overrides: list[str] | None = Non
     started = time.time() - 2.0  # a file system's timestamps may be that coarse
     enabled = cfg.checkpoint.enabled
     with prepared(cfg, True, device, source):
+        joined = _say_starting(cfg, device, threads)
         results = spawn(
             _train_entry, cfg.world_size, (cfg.model_dump(mode="json"),), backend=backend,
             timeout_s=cfg.train.job_timeout_s or 7 * 24 * 3600.0, pg_timeout_s=cfg.train.timeout_s,
             threads_per_worker=threads,
             saving=lambda: checkpoint.save_in_progress(cfg.checkpoint_dir, started) if enabled else None,
             saved=lambda: _newest_checkpoint(cfg.checkpoint_dir) if enabled else None,
-            refusals=(ConfigError, checkpoint.CheckpointError),
+            refusals=(ConfigError, checkpoint.CheckpointError), joined=joined,
         )
     return results[0]

@@ -33,6 +33,7 @@ def spawn(
     saving: Callable[[], str | None] | None = None,
     saved: Callable[[], str | None] | None = None,
     refusals: tuple[type[BaseException], ...] = (),
+    joined: Callable[[], None] | None = None,
 ) -> list[Any]:
     """Run ``fn(*args, **kwargs)`` on ``world_size`` fresh processes; return each rank's result.
 
@@ -47,6 +48,7 @@ def spawn(
     progress (e.g. ``"step 12"``) or None, ``saved()`` the newest complete checkpoint: the interrupt
     grace never ends while a save is in progress, a second signal says what it waits for, and a third
     (or the grace run out) kills the workers and raises :class:`~.supervise.Interrupted` saying what was lost.
+    ``joined()`` is called here once every worker has joined the process group (before ``fn`` runs).
     """
     if world_size < 1:
         raise ValueError(f"world_size={world_size} must be ≥ 1")
@@ -65,7 +67,7 @@ def spawn(
     with Signals() as signals:
         try:
             procs, zygote = start(payload, tmp, world_size)
-            Supervisor(procs, zygote, tmp, signals, timeout_s, interrupt_grace_s, saving, saved).run()
+            Supervisor(procs, zygote, tmp, signals, timeout_s, interrupt_grace_s, saving, saved, joined).run()
             results = []
             for r in range(world_size):
                 with open(os.path.join(tmp, f"result{r}.pkl"), "rb") as f:

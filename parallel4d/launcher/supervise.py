@@ -10,6 +10,7 @@ above all), a third kills them (:class:`Interrupted`, saying what was lost).
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -17,7 +18,7 @@ import time
 from typing import Callable
 
 from parallel4d.launcher.blame import blame, refusal_of
-from parallel4d.launcher.worker_process import STOP_SIGNALS
+from parallel4d.launcher.worker_process import JOINED, STOP_SIGNALS
 from parallel4d.launcher.workers import Forked, exit_status, signal_process, stop
 
 
@@ -87,14 +88,16 @@ class Supervisor:
 
     The first signal is passed on to each worker (to one the zygote has not forked yet as soon as it
     has); the workers finish the step, save and return. A second only says what the launcher waits
-    for. A third, or ``interrupt_grace_s`` after the first with no save in progress, kills them."""
+    for. A third, or ``interrupt_grace_s`` after the first with no save in progress, kills them.
+    ``joined()`` is called once, as soon as every worker has joined the process group."""
 
     def __init__(self, procs: list, zygote: subprocess.Popen | None, tmp: str, signals: Signals, timeout_s: float,
                  interrupt_grace_s: float, saving: Callable[[], str | None] | None,
-                 saved: Callable[[], str | None] | None):
+                 saved: Callable[[], str | None] | None, joined: Callable[[], None] | None = None):
         self.procs, self.zygote, self.tmp, self.signals = procs, zygote, tmp, signals
         self.timeout_s, self.interrupt_grace_s = timeout_s, interrupt_grace_s
         self.saving, self.saved = saving or (lambda: None), saved
+        self.joined = joined  # None once called
         self.handled = 0  # signals acted on
         self.passed_on: set[int] = set()  # ranks the first signal has been passed on to
         self.grace_until = 0.0  # once a signal came: when the workers are killed unless a save is in progress
@@ -105,6 +108,9 @@ class Supervisor:
         first_failure_at = None
         while True:
             self._act_on_signals()
+            if self.joined is not None and os.path.exists(os.path.join(self.tmp, JOINED)):
+                self.joined()
+                self.joined = None
             if self.zygote is not None and self.zygote.poll() not in (None, 0):  # it exits 0, after its workers
                 stop(self.procs)
                 raise self._zygote_failure()

@@ -23,6 +23,8 @@ from datetime import timedelta
 
 # What a user or a scheduler sends to stop a job: the workers finish the step and save.
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+# Written into the job's directory by rank 0 once every worker has joined the process group.
+JOINED = "joined"
 
 
 def _watch_parent(parent_pid: int) -> None:
@@ -99,6 +101,13 @@ def read_int(path: str) -> int | None:
         return None
 
 
+def _say_joined(out_dir: str) -> None:
+    try:
+        _write(os.path.join(out_dir, JOINED), "1")
+    except OSError:  # only a message depends on it: the job goes on
+        pass
+
+
 def worker_main(payload_path: str, rank: int, parent_pid: int | None = None) -> None:
     """Entry point of one worker process (``python -m parallel4d.launcher.worker_entry PAYLOAD RANK``, or
     forked by the zygote, which is then ``parent_pid``).
@@ -137,6 +146,8 @@ def worker_main(payload_path: str, rank: int, parent_pid: int | None = None) -> 
         # function that makes no collective, that rank could exit and close a connection the peer
         # was still completing ("connectFullMesh failed … Connection closed by peer")
         dist.barrier()
+        if rank == 0:  # every rank is through the barrier: the launcher may say so
+            _say_joined(out_dir)
         result = fn(*args, **kwargs)
         for sig in STOP_SIGNALS:  # the function is done: a stop signal now must not lose its result
             signal.signal(sig, signal.SIG_IGN)
