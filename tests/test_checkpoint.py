@@ -19,6 +19,9 @@ import torch.distributed.checkpoint as dcp
 import yaml
 
 from parallel4d.checkpoint import dcp as checkpoint
+from parallel4d.checkpoint.failures import CheckpointError
+from parallel4d.checkpoint.resume import check_start, choose_checkpoint, latest_checkpoint
+from parallel4d.checkpoint.steps import read_info
 from parallel4d import launch
 from parallel4d.training import loop as train
 from parallel4d.config.errors import ConfigError
@@ -62,17 +65,17 @@ def test_interrupted_save_leaves_previous_checkpoint(tmp_path, monkeypatch):
         raise OSError("disk full in the middle of a save")
 
     monkeypatch.setattr(checkpoint.dcp, "save", crash)
-    with pytest.raises(checkpoint.CheckpointError, match="step_00000002 not saved: .*disk full in the middle"):
+    with pytest.raises(CheckpointError, match="step_00000002 not saved: .*disk full in the middle"):
         checkpoint.save({"w": torch.zeros(4)}, root, step=2)
     monkeypatch.undo()
-    latest = checkpoint.latest_checkpoint(root)
+    latest = latest_checkpoint(root)
     assert latest.name == "step_00000001"
     loaded = checkpoint.load({"w": torch.empty(4)}, latest)
     assert torch.equal(loaded["w"], good["w"])
     # the next save cleans the half-written directory up
     checkpoint.save({"w": torch.ones(4)}, root, step=3)
     assert not list(root.glob(".*.tmp"))
-    assert checkpoint.latest_checkpoint(root).name == "step_00000003"
+    assert latest_checkpoint(root).name == "step_00000003"
 
 
 def test_resume_under_pipeline_and_data_parallelism(tmp_path):
@@ -91,8 +94,8 @@ def test_resume_under_pipeline_and_data_parallelism(tmp_path):
     shutil.copytree(tmp_path / "a" / "checkpoints" / "step_00000002", tmp_path / "b" / "checkpoints" / "step_00000002")
     resumed = launch(job_pp(tmp_path / "b", 4, resume=True))
     assert resumed["resumed_from"] == 2 and resumed["losses"][2:] == straight["losses"][2:]
-    a = read_state(checkpoint.latest_checkpoint(tmp_path / "a" / "checkpoints"))
-    b = read_state(checkpoint.latest_checkpoint(tmp_path / "b" / "checkpoints"))
+    a = read_state(latest_checkpoint(tmp_path / "a" / "checkpoints"))
+    b = read_state(latest_checkpoint(tmp_path / "b" / "checkpoints"))
     assert a.keys() == b.keys() and "model.head.weight" not in a  # the tied table saved once
     for k in a:
         assert torch.equal(a[k], b[k]), k
@@ -126,7 +129,7 @@ def test_retention_deletes_only_this_runs_older_checkpoints(tmp_path):
     (root / "latest").unlink()
     for step in (1, 2, 3):
         checkpoint.save(w(step), root, step, keep=2)
-    latest = checkpoint.latest_checkpoint(root)
+    latest = latest_checkpoint(root)
     assert latest is not None and latest.name == "step_00000003"
     assert torch.equal(read_state(latest)["w"], w(3)["w"])
     names = sorted(p.name for p in root.glob("step_*"))
@@ -144,10 +147,10 @@ def test_fresh_run_into_a_directory_with_checkpoints_is_refused(tmp_path):
     msg = str(e.value)
     assert "train.resume" in msg and str(out / "checkpoints") in msg and "step_00000007" in msg, msg
     assert "checkpoint.dir" in msg and "train.out_dir" in msg and "delete" in msg, msg
-    checkpoint.check_start(out / "checkpoints", resume=True)  # resuming there is the way on
-    checkpoint.check_start(tmp_path / "new", resume=False)  # a directory that does not exist yet
+    check_start(out / "checkpoints", resume=True)  # resuming there is the way on
+    check_start(tmp_path / "new", resume=False)  # a directory that does not exist yet
     (tmp_path / "empty").mkdir()
-    checkpoint.check_start(tmp_path / "empty", resume=False)
+    check_start(tmp_path / "empty", resume=False)
 
 
 class Killed(BaseException):
@@ -178,7 +181,7 @@ def test_resaving_a_step_never_deletes_the_only_good_copy(tmp_path, monkeypatch)
         pass
     monkeypatch.undo()
     assert torch.equal(read_state(root / "step_00000005")["w"], w(5)["w"])
-    assert checkpoint.choose_checkpoint(root) == root / "step_00000005"
+    assert choose_checkpoint(root) == root / "step_00000005"
 
 
 def test_replacing_a_broken_step_survives_a_kill_between_the_renames(tmp_path, monkeypatch, capsys):
@@ -193,11 +196,11 @@ def test_replacing_a_broken_step_survives_a_kill_between_the_renames(tmp_path, m
         checkpoint.save(w(5.5), root, 5)
     monkeypatch.undo()
     assert not (root / "step_00000005").exists()  # the kill came between the two renames
-    assert checkpoint.choose_checkpoint(root) == root / "step_00000004"
+    assert choose_checkpoint(root) == root / "step_00000004"
     err = capsys.readouterr().err
     assert f"{root / 'step_00000005'} is not usable" in err and "checksum" in err, err
     checkpoint.save(w(5.5), root, 5)
-    assert checkpoint.choose_checkpoint(root) == root / "step_00000005"
+    assert choose_checkpoint(root) == root / "step_00000005"
     assert torch.equal(read_state(root / "step_00000005")["w"], w(5.5)["w"])
     assert not list(root.glob(".step_*"))
 
@@ -215,7 +218,7 @@ def test_corrupted_or_truncated_files_are_named_and_skipped(tmp_path, capsys):
     with pytest.raises(Exception, match="checksum") as e:
         checkpoint.load({"w": torch.empty(4096)}, newest)
     assert str(newest) in str(e.value) and bad.name in str(e.value)
-    assert checkpoint.choose_checkpoint(root) == older
+    assert choose_checkpoint(root) == older
     err = capsys.readouterr().err
     assert f"checkpoint {newest} is not usable: file {bad.name} does not match its sha256 checksum" in err, err
     # kept for inspection under a name that is no step: never loaded or counted by retention again
@@ -224,11 +227,11 @@ def test_corrupted_or_truncated_files_are_named_and_skipped(tmp_path, capsys):
     cut = data_file(older)
     size = cut.stat().st_size
     os.truncate(cut, size // 2)
-    with pytest.raises(checkpoint.CheckpointError) as e:
+    with pytest.raises(CheckpointError) as e:
         checkpoint.load({"w": torch.empty(4096)}, older)
     assert f"checkpoint {older} is not usable: file {cut.name} has {size // 2} bytes, {size} were saved" in str(e.value)
-    with pytest.raises(checkpoint.CheckpointError) as e:
-        checkpoint.choose_checkpoint(root)
+    with pytest.raises(CheckpointError) as e:
+        choose_checkpoint(root)
     assert f"no usable checkpoint under {root}" in str(e.value)
     assert f"{older}.broken: file {cut.name} has {size // 2} bytes" in str(e.value)
 
@@ -243,15 +246,15 @@ def test_a_directory_of_broken_checkpoints_is_reported_the_same_way_every_time(t
         flip_byte(data_file(root / f"step_{step:08d}"))
     reports = []
     for _ in range(3):
-        with pytest.raises(checkpoint.CheckpointError) as e:
-            checkpoint.choose_checkpoint(root)
+        with pytest.raises(CheckpointError) as e:
+            choose_checkpoint(root)
         reports.append(str(e.value))
     assert reports[0] == reports[1] == reports[2], reports
     for step in (1, 2):
         assert f"step_{step:08d}.broken: file" in reports[0] and "sha256 checksum" in reports[0], reports[0]
     assert ".broken2" not in reports[0] and not list(root.glob("*.broken2"))
     with pytest.raises(ConfigError, match="all set aside as broken"):
-        checkpoint.check_start(root, resume=False)
+        check_start(root, resume=False)
 
 
 @pytest.fixture
@@ -281,7 +284,7 @@ def test_a_failing_save_names_the_path_and_why(tmp_path, monkeypatch, file_size_
     msg = str(e.value)
     assert f"{root / 'step_00000002'} not saved" in msg, msg
     assert f"RLIMIT_FSIZE (ulimit -f) is {file_size_limit.bytes} bytes" in msg and "EFBIG" in msg, msg
-    assert checkpoint.latest_checkpoint(root).name == "step_00000001" and not list(root.glob(".step_*"))
+    assert latest_checkpoint(root).name == "step_00000001" and not list(root.glob(".step_*"))
 
     for err, cause in ((OSError(errno.ENOSPC, "No space left on device"), "the disk or the quota is full, "),
                        (PermissionError(errno.EACCES, "Permission denied"), f"no permission to write in {root}")):
@@ -289,10 +292,10 @@ def test_a_failing_save_names_the_path_and_why(tmp_path, monkeypatch, file_size_
             raise RuntimeError("unexpected pos 704 vs 598") from err
 
         monkeypatch.setattr(checkpoint.dcp, "save", fail)
-        with pytest.raises(checkpoint.CheckpointError, match="step_00000002 not saved: .*" + re.escape(cause)):
+        with pytest.raises(CheckpointError, match="step_00000002 not saved: .*" + re.escape(cause)):
             checkpoint.save(w(2, 65536), root, 2)
         monkeypatch.undo()
-    assert checkpoint.latest_checkpoint(root).name == "step_00000001" and not list(root.glob(".step_*"))
+    assert latest_checkpoint(root).name == "step_00000001" and not list(root.glob(".step_*"))
 
 
 def _one_rank_over_the_file_size_limit(root, limit):
@@ -307,12 +310,12 @@ def _one_rank_over_the_file_size_limit(root, limit):
     try:
         checkpoint.save(shard, root, 2)
         outcome = "saved"
-    except checkpoint.CheckpointError as e:
+    except CheckpointError as e:
         outcome = str(e)
     finally:
         resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
     checkpoint.save(shard, root, 3)  # the ranks still work together afterwards
-    return outcome, checkpoint.latest_checkpoint(root).name
+    return outcome, latest_checkpoint(root).name
 
 
 def test_a_save_failing_on_one_rank_fails_on_every_rank(tmp_path, workers):
@@ -357,15 +360,15 @@ def test_failing_periodic_save_warns_and_training_goes_on(tmp_path, capsys, file
         file_size_limit.apply(step != 2)
         try:
             run.save(seconds=step, final=step == 3)
-        except checkpoint.CheckpointError as e:
+        except CheckpointError as e:
             assert step == 3 and f"{root / 'step_00000003'} not saved" in str(e) and "RLIMIT_FSIZE" in str(e)
         finally:
             file_size_limit.apply(False)
     err = capsys.readouterr().err
     assert f"warning: checkpoint {root / 'step_00000001'} not saved: the file size limit RLIMIT_FSIZE" in err, err
     assert "Training goes on" in err
-    assert checkpoint.latest_checkpoint(root).name == "step_00000002"
-    assert checkpoint.read_info(root / "step_00000002")["losses"] == [9.0, 8.0]
+    assert latest_checkpoint(root).name == "step_00000002"
+    assert read_info(root / "step_00000002")["losses"] == [9.0, 8.0]
     resumed = train._Run(cfg, FakeEngine(), root, lead=False)
     resumed.resume(tmp_path / "run" / "summary.json")
     assert resumed.engine.step == 2 and resumed.losses == [9.0, 8.0] and resumed.run_id == run.run_id
@@ -380,8 +383,8 @@ def test_a_checkpoint_of_the_other_engine_is_refused_by_name(tmp_path):
     engine.checkpoint_format = "deepspeed"
     engine.step = 1
     train._Run(cfg, engine, root, lead=False).save(seconds=1.0, final=True)
-    assert checkpoint.read_info(root / "step_00000001")["format"] == "deepspeed"
-    with pytest.raises(checkpoint.CheckpointError,
+    assert read_info(root / "step_00000001")["format"] == "deepspeed"
+    with pytest.raises(CheckpointError,
                        match=r"step_00000001 was saved by deepspeed and this job trains with parallel4d"):
         train._Run(cfg, FakeEngine(), root, lead=False).resume(tmp_path / "run" / "summary.json")
 
@@ -410,7 +413,7 @@ def test_resume_equals_straight_run_after_skipping_a_corrupted_checkpoint(tmp_pa
     assert resumed["losses"][5:] == straight.summary["losses"][5:]
     assert resumed["losses"][:5] == straight.summary["losses"][:5]
     assert json.loads((out / "summary.json").read_text())["losses"] == straight.summary["losses"]
-    a, b = straight.state10, read_state(checkpoint.latest_checkpoint(ckpt))
+    a, b = straight.state10, read_state(latest_checkpoint(ckpt))
     assert a.keys() == b.keys() and any(k.startswith("optim.") and k.endswith(".exp_avg") for k in a)
     for k in a:
         assert torch.equal(a[k], b[k]), k
@@ -446,7 +449,7 @@ def test_kill_9_keeps_the_loss_history(tmp_path, straight):
     assert n >= 4 and n % 2 == 0 and len(summary["losses"]) == n, "".join(seen[-20:])
     assert summary["losses"][:10] == straight.summary["losses"][:n]
     assert summary["finished"] is False
-    saved = checkpoint.latest_checkpoint(tmp_path / "k" / "checkpoints")
+    saved = latest_checkpoint(tmp_path / "k" / "checkpoints")
     assert int(saved.name.split("_")[1]) >= n
 
 

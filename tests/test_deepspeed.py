@@ -436,8 +436,10 @@ def test_launch_with_a_deepspeed_section_stops_on_ctrl_c_and_resumes_exactly(tmp
 
     import yaml
 
-    from parallel4d.checkpoint import dcp as checkpoint
     from parallel4d import launch
+    from parallel4d.checkpoint.checksums import verify
+    from parallel4d.checkpoint.resume import latest_checkpoint
+    from parallel4d.checkpoint.steps import read_info
     from test_faults import finish, start_job
 
     shipped = yaml.safe_load((Path(__file__).resolve().parents[1] / "configs" / "deepspeed.yaml").read_text())
@@ -455,10 +457,10 @@ def test_launch_with_a_deepspeed_section_stops_on_ctrl_c_and_resumes_exactly(tmp
     proc.send_signal(signal.SIGINT)
     err = finish(proc, timeout=180)
     assert proc.returncode == 130, err[-3000:]
-    saved = checkpoint.latest_checkpoint(tmp_path / "resumed" / "checkpoints")
+    saved = latest_checkpoint(tmp_path / "resumed" / "checkpoints")
     stopped = json.loads((tmp_path / "resumed" / "summary.json").read_text())["steps"]
     assert saved.name == f"step_{stopped:08d}" and 3 <= stopped < 8, (saved, stopped)
-    assert checkpoint.read_info(saved)["format"] == "deepspeed" and checkpoint.verify(saved) is None
+    assert read_info(saved)["format"] == "deepspeed" and verify(saved) is None
     assert sorted(saved.glob("*_optim_states.pt")), "DeepSpeed's ZeRO files"
 
     resumed = launch(job("resumed", 8, resume=True))

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from parallel4d.checkpoint import dcp as checkpoint
+from parallel4d.checkpoint.resume import latest_checkpoint
 from parallel4d import launch
 from conftest import assert_plan_matches, run_in_this_process, train_cases_in_one_job, train_in_job
 from parallel4d.sequence import ring_bytes
@@ -52,8 +52,8 @@ def assert_losses_match(parallel, single, rtol=1e-4):
 
 
 def assert_params_match(out_a, out_b, rtol=1e-4, atol=1e-6):
-    a = read_state(checkpoint.latest_checkpoint(out_a / "checkpoints"))
-    b = read_state(checkpoint.latest_checkpoint(out_b / "checkpoints"))
+    a = read_state(latest_checkpoint(out_a / "checkpoints"))
+    b = read_state(latest_checkpoint(out_b / "checkpoints"))
     if "model.head.weight" in a and "model.head.weight" not in b:  # untied copy on the last stage
         b["model.head.weight"] = b["model.embed.tok.weight"]
     model_keys = sorted(k for k in b if k.startswith("model."))
@@ -251,7 +251,7 @@ def assert_bfloat16(got, out, f32):
     losses within 2e-2, learning, and bf16 really used (float32 checkpoints, other losses, bf16 SUMMA
     operands and ring K/V)."""
     assert got["config"]["train"]["dtype"] == "bfloat16" and got["world_size"] == f32["world_size"]
-    state = read_state(checkpoint.latest_checkpoint(out / "checkpoints"))
+    state = read_state(latest_checkpoint(out / "checkpoints"))
     assert {v.dtype for k, v in state.items() if k.startswith("model.")} == {torch.float32}  # bf16 compute only
     assert torch.isfinite(torch.tensor(got["losses"])).all()
     assert_losses_match(got, f32, rtol=2e-2)  # and last < first

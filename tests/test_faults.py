@@ -18,7 +18,8 @@ import torch
 import yaml
 
 from conftest import run_workers
-from parallel4d.checkpoint import dcp as checkpoint
+from parallel4d.checkpoint.checksums import verify
+from parallel4d.checkpoint.resume import latest_checkpoint
 from parallel4d.launcher.spawn import spawn
 from parallel4d.launcher.supervise import WorkerError
 from parallel4d.launcher.workers import _start_time, child_processes, worker_pids
@@ -267,13 +268,13 @@ def train_with_slow_saves(cfg_dict: dict) -> dict:
     as a large model's save is: a signal can arrive while it is in progress. Only this worker changes."""
     from parallel4d.checkpoint import dcp as checkpoint
 
-    write_checksums = checkpoint._write_checksums
+    write_checksums = checkpoint.write_checksums  # looked up there by save
 
     def slowly(directory):
         time.sleep(SLOW_SAVE_S)
         write_checksums(directory)
 
-    checkpoint._write_checksums = slowly
+    checkpoint.write_checksums = slowly
     return importlib.import_module("parallel4d.launcher.launch")._train_entry(cfg_dict)
 
 
@@ -388,7 +389,7 @@ def assert_stopped_and_saved(job, code: int, left: list, signame: str):
     summary = json.loads((job.tmp / "run" / "summary.json").read_text())
     saved = Path(summary["checkpoint"])
     assert summary["stop_signal"] == signame and summary["finished"] is False
-    assert checkpoint.verify(saved) is None
+    assert verify(saved) is None
     return err, summary, saved
 
 
@@ -425,7 +426,7 @@ def test_a_third_signal_stops_at_once_saying_what_is_lost(tmp_path):
     err = job.text()
     assert code == 130, err[-3000:]
     assert left == [], left
-    newest = checkpoint.latest_checkpoint(ckpt)
+    newest = latest_checkpoint(ckpt)
     assert newest is not None and newest.name < f"step_{step:08d}" and not (ckpt / f"step_{step:08d}").exists()
     assert (f"stopped at once by a third signal (SIGINT); lost: the save of step {step} in progress and the "
             f"steps trained since {newest}, the newest complete checkpoint") in err, err[-3000:]

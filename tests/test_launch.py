@@ -143,7 +143,7 @@ def test_interrupt_saves_and_resume_continues(tmp_path, single_rank):
 
     import yaml
 
-    from parallel4d.checkpoint import dcp as checkpoint
+    from parallel4d.checkpoint.resume import latest_checkpoint
 
     cfg = tiny(tmp_path, "interrupted", dp=2)
     cfg["train"].update(steps=100000)  # float64 (tiny's), compared with a dp=1 run below
@@ -169,7 +169,7 @@ def test_interrupt_saves_and_resume_continues(tmp_path, single_rank):
     assert proc.returncode == 130, rest[-2000:]
     out = tmp_path / "interrupted"
     summary = json.loads((out / "summary.json").read_text())
-    saved = checkpoint.latest_checkpoint(out / "checkpoints")
+    saved = latest_checkpoint(out / "checkpoints")
     assert summary["interrupted"] is True and saved is not None
     assert saved.name == f"step_{summary['steps']:08d}" and summary["steps"] >= 3
     # Resuming continues from the saved step with the saved losses kept.
@@ -188,8 +188,8 @@ def test_interrupt_saves_and_resume_continues(tmp_path, single_rank):
     straight["optimizer"] = cfg["optimizer"]
     ref = run_training(Config.model_validate(straight))
     torch.testing.assert_close(f64(resumed["losses"]), f64(ref["losses"]), rtol=1e-12, atol=0)
-    a = read_state(checkpoint.latest_checkpoint(out / "checkpoints"))
-    b = read_state(checkpoint.latest_checkpoint(tmp_path / "straight" / "checkpoints"))
+    a = read_state(latest_checkpoint(out / "checkpoints"))
+    b = read_state(latest_checkpoint(tmp_path / "straight" / "checkpoints"))
     assert a.keys() == b.keys() and int(a["step"]) == n + 2
     assert any(k.startswith("optim.") and k.endswith(".exp_avg_sq") for k in a)
     for k in a:
@@ -242,7 +242,8 @@ def test_a_complete_run_resumed_keeps_its_figures(tmp_path, single_rank):
     """Relaunching a finished run with train.resume=true trains nothing: its summary keeps the figures of
     the session that trained (from the checkpoint's run.json, or for a checkpoint saved without them the
     summary.json before) instead of 0 tokens/s, and says it finished, stopped by no signal."""
-    from parallel4d.checkpoint import dcp as checkpoint
+    from parallel4d.checkpoint.checksums import write_checksums
+    from parallel4d.checkpoint.resume import latest_checkpoint
     from parallel4d.config.schema import Config
     from parallel4d.training.loop import run_training
 
@@ -256,10 +257,10 @@ def test_a_complete_run_resumed_keeps_its_figures(tmp_path, single_rank):
     again = run_training(Config.model_validate(cfg))
     assert again["resumed_from"] == again["steps"] == 2 and again["finished"] is True and again["stop_signal"] is None
     assert {k: again[k] for k in figures} == {k: first[k] for k in figures}
-    saved = checkpoint.latest_checkpoint(tmp_path / "complete" / "checkpoints")
+    saved = latest_checkpoint(tmp_path / "complete" / "checkpoints")
     info = json.loads((saved / "run.json").read_text())
     (saved / "run.json").write_text(json.dumps({k: v for k, v in info.items() if k not in figures}))
-    checkpoint._write_checksums(saved)  # as a checkpoint from before run.json held the figures
+    write_checksums(saved)  # as a checkpoint from before run.json held the figures
     older = run_training(Config.model_validate(cfg))
     assert {k: older[k] for k in figures} == {k: first[k] for k in figures}
 

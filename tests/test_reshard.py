@@ -15,6 +15,8 @@ import torch
 
 from conftest import run_in_this_process
 from parallel4d.checkpoint import dcp as checkpoint
+from parallel4d.checkpoint.failures import CheckpointError
+from parallel4d.checkpoint.resume import latest_checkpoint
 from parallel4d import launch
 from parallel4d.config.errors import ConfigError
 from test_checkpoint import read_state
@@ -94,7 +96,7 @@ def test_resume_under_another_layout(target, jobs):
     # steps 4-5 are computed here (1-3 come back from run.json): the straight run's
     torch.testing.assert_close(torch.tensor(got["losses"][3:], dtype=torch.float64),
                                torch.tensor(jobs.ref["losses"][3:], dtype=torch.float64), rtol=1e-10, atol=0)
-    final = checkpoint.latest_checkpoint(out / "checkpoints")
+    final = latest_checkpoint(out / "checkpoints")
     assert final.name == "step_00000005"
     saved = read_state(final)
     assert_state_close(saved, jobs.ref5, f"{target} step 5")
@@ -162,6 +164,6 @@ def test_a_checkpoint_of_another_model_is_refused_naming_the_tensor(jobs):
     wider = [*SINGLE, "model.vocab_size=512", "train.steps=4", "train.resume=true", f"train.out_dir={out}"]
     with pytest.raises(ConfigError, match=r"holds another model: model\.vocab_size=256 there, 512 here"):
         run(out, wider)  # before any worker, from the checkpoint's config.yaml
-    with pytest.raises(checkpoint.CheckpointError,  # and in the worker, from the saved tensors' shapes
+    with pytest.raises(CheckpointError,  # and in the worker, from the saved tensors' shapes
                        match=r"model\.embed\.tok\.weight.* is \[256, 64\] there and \[512, 64\] here"):
         run_in_this_process(ROOT / "configs" / "4d.yaml", [*MODEL, *wider])

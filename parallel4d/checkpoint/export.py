@@ -15,7 +15,7 @@ import torch
 
 from parallel4d.config.errors import ConfigError
 from parallel4d.config.load import make_config
-from parallel4d.checkpoint.dcp import saved_config
+from parallel4d.checkpoint.resume import saved_config
 from parallel4d.checkpoint.gather import gather, resolve_checkpoint, with_tied_head
 
 

@@ -21,6 +21,9 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from parallel4d.checkpoint import dcp as checkpoint
+from parallel4d.checkpoint.checksums import verify
+from parallel4d.checkpoint.failures import CheckpointError
+from parallel4d.checkpoint.resume import latest_checkpoint
 
 
 def resolve_checkpoint(path: str | Path) -> Path:
@@ -28,13 +31,13 @@ def resolve_checkpoint(path: str | Path) -> Path:
     path = Path(path)
     if (path / ".metadata").is_file():
         return path
-    found = checkpoint.latest_checkpoint(path) if path.is_dir() else None
+    found = latest_checkpoint(path) if path.is_dir() else None
     if found is None:
-        raise checkpoint.CheckpointError(f"{path} is neither a checkpoint (no .metadata) nor a directory of them")
+        raise CheckpointError(f"{path} is neither a checkpoint (no .metadata) nor a directory of them")
     if not (found / ".metadata").is_file():
-        raise checkpoint.CheckpointError(f"{found} was saved by DeepSpeed (a deepspeed: section), not in parallel4d's "
-                                         "layout-free format; turn it into one state dict with the zero_to_fp32.py "
-                                         f"DeepSpeed wrote into {found.parent}")
+        raise CheckpointError(f"{found} was saved by DeepSpeed (a deepspeed: section), not in parallel4d's "
+                              "layout-free format; turn it into one state dict with the zero_to_fp32.py "
+                              f"DeepSpeed wrote into {found.parent}")
     return found
 
 
@@ -96,9 +99,9 @@ class _Progress:
 def gather(ckpt: str | Path, out: str | Path, progress: bool = True) -> Path:
     """Write checkpoint ``ckpt`` (any layout) as the dense state dict ``out``; returns ``out``'s path."""
     path, out = resolve_checkpoint(ckpt), Path(out)
-    problem = checkpoint.verify(path)
+    problem = verify(path)
     if problem is not None:
-        raise checkpoint.CheckpointError(f"checkpoint {path} is not usable: {problem}")
+        raise CheckpointError(f"checkpoint {path} is not usable: {problem}")
     dcp = checkpoint.dcp
     saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
     tmp = out.with_name(f".{out.name}.tmp")

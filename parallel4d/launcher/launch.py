@@ -22,7 +22,9 @@ from typing import Callable
 
 import torch.distributed as dist
 
-from parallel4d.checkpoint import dcp as checkpoint
+from parallel4d.checkpoint.failures import CheckpointError
+from parallel4d.checkpoint.resume import check_resume_model, check_start, holds_checkpoints, latest_checkpoint
+from parallel4d.checkpoint.steps import save_in_progress
 from parallel4d.distributed import elastic
 from parallel4d.config.checks import local_job_problems, torchrun_job_problems
 from parallel4d.config.errors import ConfigError
@@ -69,11 +71,11 @@ def prepared(cfg: Config, local: bool, device_type: str = "cpu", source: str | N
         dirs.append(cfg.checkpoint_dir)
     with RunLock(dirs):
         if cfg.checkpoint.enabled:
-            checkpoint.check_start(cfg.checkpoint_dir, cfg.train.resume)
-        continues = cfg.checkpoint.enabled and checkpoint.holds_checkpoints(cfg.checkpoint_dir)
+            check_start(cfg.checkpoint_dir, cfg.train.resume)
+        continues = cfg.checkpoint.enabled and holds_checkpoints(cfg.checkpoint_dir)
         check_history(cfg.train.out_dir, cfg.train.resume, continues)
         if cfg.checkpoint.enabled and cfg.train.resume:
-            checkpoint.check_resume_model(cfg.checkpoint_dir, cfg.model)
+            check_resume_model(cfg.checkpoint_dir, cfg.model)
         yield
 
 
@@ -87,7 +89,7 @@ def _train_entry(cfg_dict: dict) -> dict:
 
 
 def _newest_checkpoint(ckpt_dir: Path) -> str | None:
-    found = checkpoint.latest_checkpoint(ckpt_dir)
+    found = latest_checkpoint(ckpt_dir)
     return str(found) if found is not None else None
 
 
@@ -143,8 +145,8 @@ def launch(config: str | Path | Config | dict, overrides: list[str] | None = Non
             _train_entry, cfg.world_size, (cfg.model_dump(mode="json"),), backend=backend,
             timeout_s=cfg.train.job_timeout_s or 7 * 24 * 3600.0, pg_timeout_s=cfg.train.timeout_s,
             threads_per_worker=threads,
-            saving=lambda: checkpoint.save_in_progress(cfg.checkpoint_dir, started) if enabled else None,
+            saving=lambda: save_in_progress(cfg.checkpoint_dir, started) if enabled else None,
             saved=lambda: _newest_checkpoint(cfg.checkpoint_dir) if enabled else None,
-            refusals=(ConfigError, checkpoint.CheckpointError), joined=joined,
+            refusals=(ConfigError, CheckpointError), joined=joined,
         )
     return results[0]

@@ -12,7 +12,8 @@ from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
 
-from parallel4d.checkpoint.dcp import CheckpointError, verify
+from parallel4d.checkpoint.checksums import verify
+from parallel4d.checkpoint.failures import CheckpointError
 from parallel4d.config.errors import ConfigError
 from parallel4d.config.load import load_config
 from parallel4d.tools.plot import plot_run

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from parallel4d.config.errors import ConfigError
 from parallel4d.config.load import make_config
-from parallel4d.checkpoint.dcp import saved_config
+from parallel4d.checkpoint.resume import saved_config
 from parallel4d.checkpoint.gather import gather, resolve_checkpoint, with_tied_head
 from parallel4d.config.hf_fields import hf_max_positions
 from parallel4d.models import build_dense, shape_from_config

@@ -15,6 +15,9 @@ import torch
 import torch.distributed as dist
 
 from parallel4d.checkpoint import dcp as checkpoint
+from parallel4d.checkpoint.failures import CheckpointError
+from parallel4d.checkpoint.resume import check_start, choose_checkpoint
+from parallel4d.checkpoint.steps import new_run_id, read_info
 from parallel4d.distributed import comm
 from parallel4d.distributed import elastic
 from parallel4d.config.checks import resolve_fused
@@ -95,7 +98,7 @@ class _Run:
 
     def __init__(self, cfg: Config, engine, ckpt_dir: Path, lead: bool):
         self.cfg, self.engine, self.ckpt_dir, self.lead = cfg, engine, ckpt_dir, lead
-        self.run_id = checkpoint.new_run_id()  # only rank 0's (the writer's) is used
+        self.run_id = new_run_id()  # only rank 0's (the writer's) is used
         self.losses: list[float] = []
         self.validation: list[dict] = []  # {"step", "loss", "perplexity"} per evaluation
         self.memory: dict | None = None  # measured at this process's first step
@@ -107,16 +110,16 @@ class _Run:
         self.saved: Path | None = None
 
     def resume(self, summary_path: Path) -> None:
-        """Load the checkpoint :func:`checkpoint.choose_checkpoint` picks (every rank calls this)."""
-        found = checkpoint.choose_checkpoint(self.ckpt_dir)
+        """Load the checkpoint :func:`choose_checkpoint` picks (every rank calls this)."""
+        found = choose_checkpoint(self.ckpt_dir)
         if found is None:
             if self.lead:
                 _log(f"[parallel4d] train.resume: no checkpoint under {self.ckpt_dir}; starting from step 0")
             return
-        info = checkpoint.read_info(found)
+        info = read_info(found)
         saved_by = info.get("format", "parallel4d")
         if saved_by != self.engine.checkpoint_format:
-            raise checkpoint.CheckpointError(
+            raise CheckpointError(
                 f"checkpoint {found} was saved by {saved_by} and this job trains with {self.engine.checkpoint_format} "
                 "(a deepspeed: section or not); resume it with the config it was saved with, or start afresh in "
                 "another train.out_dir")
@@ -147,7 +150,7 @@ class _Run:
     def save(self, seconds: float, final: bool) -> None:
         """Checkpoint the current step (with this session's figures, for a resume that trains nothing).
         A failing periodic save warns and training goes on; a failing final save raises
-        :class:`checkpoint.CheckpointError`."""
+        :class:`CheckpointError`."""
         step = self.engine.step
         if step == self.saved_step:  # e.g. Ctrl-C right after a periodic save, or nothing left to train
             return
@@ -158,7 +161,7 @@ class _Run:
                 info={"losses": self.losses, "validation": self.validation, "seconds": self.prior_seconds + seconds,
                       "format": self.engine.checkpoint_format, **self.throughput(seconds)})
             self.saved_step = step
-        except checkpoint.CheckpointError as e:
+        except CheckpointError as e:
             if final:
                 raise
             if self.lead:
@@ -209,7 +212,7 @@ def run_training(cfg: Config) -> dict:
     out_dir = Path(cfg.train.out_dir)
     ckpt_dir = cfg.checkpoint_dir
     if cfg.checkpoint.enabled:  # a run that never saves cannot spoil a directory's checkpoints
-        checkpoint.check_start(ckpt_dir, cfg.train.resume)
+        check_start(ckpt_dir, cfg.train.resume)
     p = cfg.parallel
     mesh = init_mesh(pp=p.pp, dp=p.dp, sp=p.sp, tp=p.tp, timeout_s=cfg.train.timeout_s)
     if elastic.under_torchelastic():  # nodes started apart: one config, one checkpoint directory

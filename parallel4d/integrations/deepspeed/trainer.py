@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from parallel4d.checkpoint.dcp import CheckpointError
+from parallel4d.checkpoint.failures import CheckpointError
 from parallel4d.config.schema import Config
 from parallel4d.distributed.mesh import Mesh
 from parallel4d.integrations.deepspeed.initialize import build_engine

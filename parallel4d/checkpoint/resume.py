@@ -1,0 +1,162 @@
+"""Which checkpoint a run starts from: the newest one that verifies (broken ones set aside with a warning),
+and the refusals made before any worker starts — a fresh run over checkpoints, a resume into a model of
+another shape."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import yaml
+
+from parallel4d.checkpoint.checksums import CHECKSUMS, verify
+from parallel4d.checkpoint.failures import CheckpointError, on_writer
+from parallel4d.checkpoint.steps import (WHY_BROKEN, broken_dirs, latest_name, recover, step_dirs,
+                                         step_of)
+from parallel4d.config.errors import ConfigError
+from parallel4d.config.schema import ModelConfig, model_shape_changes
+
+
+def latest_checkpoint(root: str | Path) -> Path | None:
+    """The checkpoint ``latest`` names if it has its data, else the newest one that has; None if none.
+
+    Cheap (no checksums): use :func:`choose_checkpoint` to pick one to resume from.
+    """
+    root = Path(root)
+    named = latest_name(root)
+    if named and _has_data(root / named):
+        return root / named
+    return next((p for p in step_dirs(root) if _has_data(p)), None)
+
+
+def _has_data(path: Path) -> bool:
+    return (path / ".metadata").is_file() or (path / CHECKSUMS).is_file()
+
+
+def _candidates(root: Path) -> list[Path]:
+    """``latest``'s checkpoint first, then the older ones, newest first (all of them without ``latest``)."""
+    named = latest_name(root)
+    # `latest` may name a step an earlier resume set aside: it is not a candidate any more
+    first = root / named if named and step_of(Path(named)) is not None and (root / named).is_dir() else None
+    rest = step_dirs(root)
+    if first is None:
+        return rest
+    return [first] + [p for p in rest if step_of(p) < step_of(first)]
+
+
+def _why_broken(aside: Path) -> str:
+    try:
+        return (aside / WHY_BROKEN).read_text().strip() or "set aside as broken"
+    except OSError:
+        return "set aside as broken by an earlier resume"
+
+
+def _warn(msg: str) -> None:
+    print(f"[parallel4d] warning: {msg}", file=sys.stderr, flush=True)
+
+
+def _set_aside(path: Path, problem: str) -> Path:
+    """Rename a broken checkpoint out of the step names (kept for inspection, never loaded, never
+    counted by retention, never in the way of the step when it is saved again), with ``problem``
+    written in it so that every later resume reports the same."""
+    aside = path.with_name(f"{path.name}.broken")
+    n = 1
+    while aside.exists():
+        n += 1
+        aside = path.with_name(f"{path.name}.broken{n}")
+    os.replace(path, aside)
+    try:
+        (aside / WHY_BROKEN).write_text(problem + "\n")
+    except OSError:  # a read-only checkpoint: the name alone says it is broken
+        pass
+    return aside
+
+
+def _choose(root: Path) -> Path | None:
+    if root.is_dir():
+        recover(root)
+    for path in _candidates(root):
+        problem = verify(path)
+        if problem is None:
+            if not (path / CHECKSUMS).is_file():
+                _warn(f"checkpoint {path} has no {CHECKSUMS} (saved before checksums): loading it unverified")
+            return path
+        aside = _set_aside(path, problem)
+        _warn(f"checkpoint {path} is not usable: {problem}; kept as {aside.name} and trying the previous one")
+    broken = broken_dirs(root)  # set aside now or by an earlier resume: the same report every time
+    if broken:
+        raise CheckpointError(f"no usable checkpoint under {root}: "
+                              + "; ".join(f"{p}: {_why_broken(p)}" for p in broken)
+                              + ". Restore one, or start afresh with train.resume=false in another directory")
+    return None
+
+
+def choose_checkpoint(root: str | Path) -> Path | None:
+    """The checkpoint to resume from: ``latest``'s if it verifies, else the newest older one that does.
+
+    Warns on stderr for each broken checkpoint skipped; None if ``root`` holds no
+    checkpoint; :class:`CheckpointError` naming each one if none is usable. With a
+    process group every rank must call it: rank 0 chooses and broadcasts its choice.
+    """
+    return on_writer(lambda: _choose(Path(root)), f"checkpoint choice under {root}")
+
+
+def holds_checkpoints(root: str | Path) -> bool:
+    """Whether ``root`` holds a checkpoint, usable or set aside as broken (names only: cheap)."""
+    return bool(step_dirs(Path(root)) or broken_dirs(Path(root)))
+
+
+def check_start(root: str | Path, resume: bool) -> None:
+    """Refuse a fresh run (``resume`` false) in a checkpoint directory that already holds checkpoints.
+
+    Needs no process group and reads only directory names. ``ConfigError`` says
+    what to change.
+    """
+    root = Path(root)
+    if root.exists() and not root.is_dir():
+        raise ConfigError(f"the checkpoint directory {root} is a file; set checkpoint.dir (or train.out_dir) "
+                          "to a directory")
+    if resume:
+        return
+    steps = step_dirs(root)
+    found = [p.name for p in steps + broken_dirs(root)]
+    if found and not steps:
+        raise ConfigError(
+            f"train.resume=false but the checkpoint directory {root} holds an earlier run's checkpoints, all set "
+            f"aside as broken ({', '.join(found[:3])}); give this run another checkpoint.dir or train.out_dir, or "
+            f"delete {root} if they are no longer needed")
+    if found:
+        shown = ", ".join(found[:3]) + (f" and {len(found) - 3} more" if len(found) > 3 else "")
+        raise ConfigError(
+            f"train.resume=false but the checkpoint directory {root} already holds checkpoints ({shown}) "
+            "from an earlier run. Set train.resume=true to continue that run, give this run another "
+            f"checkpoint.dir or train.out_dir, or delete {root} if it is no longer needed")
+
+
+def saved_config(ckpt: str | Path) -> dict:
+    """The job config saved with checkpoint ``ckpt`` (``config.yaml``), without ``model.pretrained``
+    (its fields are all in the saved model section); CheckpointError when it has none."""
+    saved = Path(ckpt) / "config.yaml"
+    if not saved.is_file():
+        raise CheckpointError(f"{ckpt} has no config.yaml (saved by parallel4d before exports existed); "
+                              "the model's architecture is unknown")
+    data = yaml.safe_load(saved.read_text())
+    data.get("model", {}).pop("pretrained", None)
+    return data
+
+
+def check_resume_model(root: str | Path, model: ModelConfig) -> None:
+    """Refuse resuming, into ``model``, the newest checkpoint under ``root`` when it holds a model of
+    another shape (read from its config.yaml, before any worker starts); ``ConfigError`` naming the
+    fields. A checkpoint without a readable config.yaml is left to the workers' own shape check."""
+    found = latest_checkpoint(root)
+    try:
+        saved = saved_config(found).get("model") if found is not None else None
+    except (CheckpointError, OSError, yaml.YAMLError, AttributeError):
+        return
+    changes = model_shape_changes(saved, model) if isinstance(saved, dict) else []
+    if changes:
+        raise ConfigError(f"train.resume=true but checkpoint {found} holds another model: {'; '.join(changes)}; "
+                          "resume with the model.* settings it was saved with, or start afresh in another "
+                          "train.out_dir")
