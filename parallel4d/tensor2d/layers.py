@@ -19,13 +19,13 @@ Every parameter carries ``tensor2d_replicated_over``: ``()`` or ``("tp_row",)``
 locally, no communication), ``to_dense()`` / ``dense_state_dict()`` / ``dense_grads()``
 (gather over the grid; collective: every grid rank must call them) and
 ``dense_layout()`` (where each local parameter sits in its dense tensor; no
-communication — what layout-free checkpoints are written from).
+communication — what layout-free checkpoints are written from). Their common base and the
+layout pieces are :mod:`.layer_base`'s; the cross entropy's autograd function is in :mod:`.cross_entropy`.
 """
 
 from __future__ import annotations
 
 import weakref
-from typing import Callable
 
 import torch
 import torch.nn as nn
@@ -33,65 +33,14 @@ import torch.nn.functional as F
 
 from parallel4d.distributed import comm
 from parallel4d.tensor2d.checks import check_divisible
+from parallel4d.tensor2d.cross_entropy import VocabParallelCE
 from parallel4d.tensor2d.grid import (Grid, all_reduce_sum, block_of, gather_blocks, gather_columns,
-                   reduce_scatter_batch, replicated_over_rows)
+                                      reduce_scatter_batch, replicated_over_rows)
+from parallel4d.tensor2d.layer_base import HALF, DenseLayout, Layer2D, block_layout, box_at, index_runs, new_param
 from parallel4d.tensor2d.summa import summa_ab, summa_abt
 
-_HALF = (torch.float16, torch.bfloat16)
 
-
-# A tensor shaped like a local parameter (the parameter, its gradient, an optimizer
-# moment) → [(offsets in the dense tensor, view of it)]: boxes that tile the local tensor.
-Pieces = Callable[[torch.Tensor], list[tuple[tuple[int, ...], torch.Tensor]]]
-# (dense shape, pieces) of one local parameter.
-DenseLayout = tuple[tuple[int, ...], Pieces]
-
-
-def _box(*offsets: int) -> Pieces:
-    """The local tensor is one box of the dense tensor, at ``offsets``."""
-    return lambda t: [(offsets, t)]
-
-
-def _runs(index: list[int]) -> list[tuple[int, int, int]]:
-    """``(dense start, local start, length)`` of the consecutive runs in ``index``
-    (local element k is dense element ``index[k]``)."""
-    runs: list[list[int]] = []
-    for k, d in enumerate(index):
-        if runs and runs[-1][0] + runs[-1][2] == d:
-            runs[-1][2] += 1
-        else:
-            runs.append([d, k, 1])
-    return [tuple(r) for r in runs]
-
-
-def _param(t: torch.Tensor, replicated_over: tuple[str, ...] = ()) -> nn.Parameter:
-    p = nn.Parameter(t.detach().clone().contiguous())
-    p.tensor2d_replicated_over = replicated_over
-    return p
-
-
-class _Layer2D(nn.Module):
-    """Base: holds the grid, gathers per-parameter dense tensors."""
-
-    def __init__(self, mesh, name: str):
-        super().__init__()
-        self.mesh = mesh
-        self.grid = Grid(mesh)
-        self.name = name
-
-    # Subclasses define ``_dense(get)``: dense tensors keyed like the dense module's
-    # state dict, where ``get(param)`` picks the local tensor (data or grad) to gather;
-    # and ``dense_layout()``: ``{parameter name: (dense shape, pieces)}``, keyed the same way.
-
-    def dense_state_dict(self) -> dict[str, torch.Tensor]:
-        return self._dense(lambda p: p.detach())
-
-    def dense_grads(self) -> dict[str, torch.Tensor]:
-        """Gathered gradients (zeros where a gradient is missing), keyed like the dense state dict."""
-        return self._dense(lambda p: p.grad if p.grad is not None else torch.zeros_like(p))
-
-
-class Linear2D(_Layer2D):
+class Linear2D(Layer2D):
     """``y = x @ W + b``: x ``[b/q, s, in/q]`` → y ``[b/q, s, out/q]`` via SUMMA AB
     (forward 1 SUMMA, backward 2: dX = abt(dY, W), dW = atb(X, dY))."""
 
@@ -103,8 +52,8 @@ class Linear2D(_Layer2D):
         check_divisible(f"{name}.out_features", out_features, q)
         self.in_features, self.out_features, self.overlap = in_features, out_features, overlap
         device = device or mesh.device
-        self.weight = _param(torch.empty(in_features // q, out_features // q, dtype=dtype, device=device))
-        self.bias = _param(torch.zeros(out_features // q, dtype=dtype, device=device), ("tp_row",)) if bias else None
+        self.weight = new_param(torch.empty(in_features // q, out_features // q, dtype=dtype, device=device))
+        self.bias = new_param(torch.zeros(out_features // q, dtype=dtype, device=device), ("tp_row",)) if bias else None
         self.register_buffer("out_perm", None, persistent=False)
         self.out_order: list[int] | None = None
         nn.init.normal_(self.weight, 0.0, 0.02)
@@ -161,7 +110,7 @@ class Linear2D(_Layer2D):
         mine = list(range(g.j * n_out, (g.j + 1) * n_out))  # my output features, in local order
         if self.out_perm is not None:  # qkv: my rows are three runs, from q, k and v
             mine = self.out_order[g.j * n_out:(g.j + 1) * n_out]
-        runs = _runs(mine)
+        runs = index_runs(mine)
         out = {"weight": ((self.out_features, self.in_features),  # local [in/q, out/q] holds Wᵀ's block
                           lambda t: [((d, g.i * n_in), t.t()[k:k + n]) for d, k, n in runs])}
         if self.bias is not None:
@@ -176,7 +125,7 @@ class Linear2D(_Layer2D):
         return lin
 
 
-class LayerNorm2D(_Layer2D):
+class LayerNorm2D(Layer2D):
     """LayerNorm over the full hidden dim of ``[b/q, s, h/q]`` blocks.
 
     Two-pass statistics in fp32 (mean first, then the centred second moment), each a
@@ -189,8 +138,8 @@ class LayerNorm2D(_Layer2D):
         self.hidden, self.eps = hidden, eps
         device = device or mesh.device
         n = hidden // self.grid.q
-        self.weight = _param(torch.ones(n, dtype=dtype, device=device), ("tp_row",))
-        self.bias = _param(torch.zeros(n, dtype=dtype, device=device), ("tp_row",))
+        self.weight = new_param(torch.ones(n, dtype=dtype, device=device), ("tp_row",))
+        self.bias = new_param(torch.zeros(n, dtype=dtype, device=device), ("tp_row",))
 
     @classmethod
     def from_dense(cls, module: nn.Module, mesh, *, name: str = "layernorm") -> "LayerNorm2D":
@@ -206,7 +155,7 @@ class LayerNorm2D(_Layer2D):
 
     def forward(self, x):
         g = self.grid
-        xf = x.float() if x.dtype in _HALF else x
+        xf = x.float() if x.dtype in HALF else x
         mean = all_reduce_sum(xf.sum(-1, keepdim=True), g.along_j, g.stats, f"{self.name}.stats") / self.hidden
         xc = xf - mean
         var = all_reduce_sum((xc * xc).sum(-1, keepdim=True), g.along_j, g.stats, f"{self.name}.stats") / self.hidden
@@ -220,7 +169,7 @@ class LayerNorm2D(_Layer2D):
                 "bias": gather_columns(get(self.bias), self.grid)}
 
     def dense_layout(self) -> dict[str, DenseLayout]:
-        box = _box(self.grid.j * (self.hidden // self.grid.q))
+        box = box_at(self.grid.j * (self.hidden // self.grid.q))
         return {"weight": ((self.hidden,), box), "bias": ((self.hidden,), box)}
 
     def to_dense(self) -> nn.LayerNorm:
@@ -229,7 +178,7 @@ class LayerNorm2D(_Layer2D):
         return ln
 
 
-class RMSNorm2D(_Layer2D):
+class RMSNorm2D(Layer2D):
     """RMSNorm over the full hidden dim of ``[b/q, s, h/q]`` blocks: ``x / rms(x) · weight``, the
     sum of squares (fp32 for half inputs) all-reduced over ``along_j`` (my grid row)."""
 
@@ -237,7 +186,8 @@ class RMSNorm2D(_Layer2D):
         super().__init__(mesh, name)
         check_divisible(f"{name}.hidden", hidden, self.grid.q)
         self.hidden, self.eps = hidden, eps
-        self.weight = _param(torch.ones(hidden // self.grid.q, dtype=dtype, device=device or mesh.device), ("tp_row",))
+        self.weight = new_param(torch.ones(hidden // self.grid.q, dtype=dtype, device=device or mesh.device),
+                                ("tp_row",))
 
     @classmethod
     def from_dense(cls, module: nn.Module, mesh, *, name: str = "rmsnorm") -> "RMSNorm2D":
@@ -259,10 +209,10 @@ class RMSNorm2D(_Layer2D):
         return {"weight": gather_columns(get(self.weight), self.grid)}
 
     def dense_layout(self) -> dict[str, DenseLayout]:
-        return {"weight": ((self.hidden,), _box(self.grid.j * (self.hidden // self.grid.q)))}
+        return {"weight": ((self.hidden,), box_at(self.grid.j * (self.hidden // self.grid.q)))}
 
 
-class Embedding2D(_Layer2D):
+class Embedding2D(Layer2D):
     """Table ``[V, h]`` split by hidden block j (replicated over rows): ids of my batch
     block (any shape, e.g. ``[b/q, s]`` tokens or ``[s]`` positions) → ``[..., h/q]``.
     No forward communication; the backward sums the weight gradient over rows.
@@ -273,7 +223,8 @@ class Embedding2D(_Layer2D):
         check_divisible(f"{name}.embedding_dim", dim, self.grid.q)
         self.num_embeddings, self.dim = num_embeddings, dim
         device = device or mesh.device
-        self.weight = _param(torch.empty(num_embeddings, dim // self.grid.q, dtype=dtype, device=device), ("tp_row",))
+        self.weight = new_param(torch.empty(num_embeddings, dim // self.grid.q, dtype=dtype, device=device),
+                                ("tp_row",))
         nn.init.normal_(self.weight)
 
     @classmethod
@@ -291,7 +242,7 @@ class Embedding2D(_Layer2D):
         return {"weight": gather_columns(get(self.weight), self.grid)}
 
     def dense_layout(self) -> dict[str, DenseLayout]:
-        return {"weight": ((self.num_embeddings, self.dim), _box(0, self.grid.j * (self.dim // self.grid.q)))}
+        return {"weight": ((self.num_embeddings, self.dim), box_at(0, self.grid.j * (self.dim // self.grid.q)))}
 
     def to_dense(self) -> nn.Embedding:
         e = nn.Embedding(self.num_embeddings, self.dim, dtype=self.weight.dtype, device=self.weight.device)
@@ -299,12 +250,7 @@ class Embedding2D(_Layer2D):
         return e
 
 
-def _block_layout(rows: int, cols: int, grid: Grid) -> DenseLayout:
-    """A ``[rows, cols]`` table stored as q×q blocks, block (i, j) here."""
-    return (rows, cols), _box(grid.i * (rows // grid.q), grid.j * (cols // grid.q))
-
-
-class VocabParallelEmbedding2D(_Layer2D):
+class VocabParallelEmbedding2D(Layer2D):
     """Table ``E[V, h]`` as q×q blocks: rank (i, j) holds vocab block i, hidden block j.
 
     ids ``[b/q, s]`` (my batch block) → ``[b/q, s, h/q]``. The ranks of my grid column
@@ -322,7 +268,7 @@ class VocabParallelEmbedding2D(_Layer2D):
         self.num_embeddings, self.dim = num_embeddings, dim
         self.vocab_start = self.grid.i * (num_embeddings // q)
         device = device or mesh.device
-        self.weight = _param(torch.empty(num_embeddings // q, dim // q, dtype=dtype, device=device))
+        self.weight = new_param(torch.empty(num_embeddings // q, dim // q, dtype=dtype, device=device))
         nn.init.normal_(self.weight)
         self._dense_source = None
 
@@ -354,7 +300,7 @@ class VocabParallelEmbedding2D(_Layer2D):
         return {"weight": gather_blocks(get(self.weight), self.grid)}
 
     def dense_layout(self) -> dict[str, DenseLayout]:
-        return {"weight": _block_layout(self.num_embeddings, self.dim, self.grid)}
+        return {"weight": block_layout(self.num_embeddings, self.dim, self.grid)}
 
     def to_dense(self) -> nn.Embedding:
         e = nn.Embedding(self.num_embeddings, self.dim, dtype=self.weight.dtype, device=self.weight.device)
@@ -362,7 +308,7 @@ class VocabParallelEmbedding2D(_Layer2D):
         return e
 
 
-class LMHead2D(_Layer2D):
+class LMHead2D(Layer2D):
     """Logits = x·Eᵀ (no bias) via SUMMA ABᵀ: x ``[b/q, s, h/q]`` → ``[b/q, s, V/q]``
     (batch block i, vocab block j). ``E [V, h]`` is stored like
     :class:`VocabParallelEmbedding2D` (vocab block i, hidden block j) and, when tied,
@@ -376,7 +322,7 @@ class LMHead2D(_Layer2D):
         check_divisible(f"{name}.hidden", hidden, q)
         self.hidden, self.vocab, self.overlap = hidden, vocab, overlap
         if weight is None:
-            weight = _param(torch.empty(vocab // q, hidden // q, dtype=dtype, device=device or mesh.device))
+            weight = new_param(torch.empty(vocab // q, hidden // q, dtype=dtype, device=device or mesh.device))
             nn.init.normal_(weight, 0.0, 0.02)
         elif tuple(weight.shape) != (vocab // q, hidden // q):
             raise ValueError(f"{name}: tied weight has local shape {tuple(weight.shape)}, "
@@ -409,60 +355,12 @@ class LMHead2D(_Layer2D):
         return {"weight": gather_blocks(get(self.weight), self.grid)}
 
     def dense_layout(self) -> dict[str, DenseLayout]:
-        return {"weight": _block_layout(self.vocab, self.hidden, self.grid)}
+        return {"weight": block_layout(self.vocab, self.hidden, self.grid)}
 
     def to_dense(self) -> nn.Linear:
         lin = nn.Linear(self.hidden, self.vocab, bias=False, dtype=self.weight.dtype, device=self.weight.device)
         lin.load_state_dict(self.dense_state_dict())
         return lin
-
-
-class _VocabParallelCE(torch.autograd.Function):
-    """Cross entropy of logits ``[b/q, s, V/q]`` (vocab block j) against targets ``[b/q, s]``.
-
-    Max, Σexp, target logit (and Σlogits for label smoothing) are reduced over my grid
-    row (``along_j``); token loss sums and counts over my grid column (``along_i``).
-    The result is the loss over the whole grid batch, identical on every grid rank;
-    the backward returns this rank's slice of its gradient (no further reduction)."""
-
-    @staticmethod
-    def forward(ctx, logits, targets, grid, ignore_index, smoothing, reduction, name):
-        vq = logits.shape[-1]
-        vocab = vq * grid.q
-        x = logits.float() if logits.dtype in _HALF else logits
-        m = x.detach().amax(-1, keepdim=True)
-        comm.all_reduce(m, grid.along_j, op=torch.distributed.ReduceOp.MAX, stats=grid.stats, label=f"{name}.max")
-        x = x - m
-        e = x.exp()
-        start = grid.j * vq
-        local_t = targets - start
-        valid = targets != ignore_index
-        mine = (local_t >= 0) & (local_t < vq) & valid
-        tl = x.gather(-1, local_t.clamp(0, vq - 1).unsqueeze(-1)).squeeze(-1) * mine
-        parts = [e.sum(-1), tl] + ([x.sum(-1)] if smoothing else [])
-        sums = torch.stack(parts)
-        comm.all_reduce(sums, grid.along_j, stats=grid.stats, label=f"{name}.sums")
-        lse = sums[0].log()
-        tok = lse - sums[1]
-        if smoothing:
-            tok = (1.0 - smoothing) * tok + smoothing * (lse - sums[2] / vocab)
-        tok = tok * valid
-        tot = torch.stack([tok.sum(), valid.sum().to(tok.dtype)])
-        comm.all_reduce(tot, grid.along_i, stats=grid.stats, label=f"{name}.tokens")
-        scale = 1.0 / tot[1] if reduction == "mean" else torch.ones_like(tot[1])
-        ctx.smoothing, ctx.vocab, ctx.dtype = smoothing, vocab, logits.dtype
-        ctx.save_for_backward(e / sums[0].unsqueeze(-1), local_t.clamp(0, vq - 1), mine, valid, scale)
-        return tot[0] * scale
-
-    @staticmethod
-    def backward(ctx, g):
-        p, local_t, mine, valid, scale = ctx.saved_tensors
-        grad = p.clone()
-        grad.scatter_add_(-1, local_t.unsqueeze(-1), -(1.0 - ctx.smoothing) * mine.unsqueeze(-1).to(grad.dtype))
-        if ctx.smoothing:
-            grad -= ctx.smoothing / ctx.vocab
-        grad *= valid.unsqueeze(-1) * (g * scale)
-        return grad.to(ctx.dtype), None, None, None, None, None, None
 
 
 class VocabParallelCrossEntropy2D(nn.Module):
@@ -497,7 +395,7 @@ class VocabParallelCrossEntropy2D(nn.Module):
         if logits.shape[:-1] != targets.shape:
             raise ValueError(f"{self.name}: logits {tuple(logits.shape)} and targets {tuple(targets.shape)} "
                              "must share the leading dims ([b/q, s, V/q] and [b/q, s])")
-        return _VocabParallelCE.apply(logits, targets, self.grid, self.ignore_index, self.label_smoothing,
+        return VocabParallelCE.apply(logits, targets, self.grid, self.ignore_index, self.label_smoothing,
                                       self.reduction, self.name)
 
     def to_dense(self) -> nn.CrossEntropyLoss:

@@ -1,0 +1,72 @@
+"""What every 2D-parallel layer shares: its grid, parameters tagged with the grid axis they are
+replicated over, gathering its dense tensors, and :data:`DenseLayout` — where each local parameter
+sits in its dense tensor (no communication: what layout-free checkpoints are written from)."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn as nn
+
+from parallel4d.tensor2d.grid import Grid
+
+# computed in float32 when activations are half (statistics, the loss)
+HALF = (torch.float16, torch.bfloat16)
+
+
+# A tensor shaped like a local parameter (the parameter, its gradient, an optimizer
+# moment) → [(offsets in the dense tensor, view of it)]: boxes that tile the local tensor.
+Pieces = Callable[[torch.Tensor], list[tuple[tuple[int, ...], torch.Tensor]]]
+# (dense shape, pieces) of one local parameter.
+DenseLayout = tuple[tuple[int, ...], Pieces]
+
+
+def box_at(*offsets: int) -> Pieces:
+    """The local tensor is one box of the dense tensor, at ``offsets``."""
+    return lambda t: [(offsets, t)]
+
+
+def index_runs(index: list[int]) -> list[tuple[int, int, int]]:
+    """``(dense start, local start, length)`` of the consecutive runs in ``index``
+    (local element k is dense element ``index[k]``)."""
+    runs: list[list[int]] = []
+    for k, d in enumerate(index):
+        if runs and runs[-1][0] + runs[-1][2] == d:
+            runs[-1][2] += 1
+        else:
+            runs.append([d, k, 1])
+    return [tuple(r) for r in runs]
+
+
+def new_param(t: torch.Tensor, replicated_over: tuple[str, ...] = ()) -> nn.Parameter:
+    """A parameter holding a copy of ``t``, tagged ``tensor2d_replicated_over`` (for gradient norms)."""
+    p = nn.Parameter(t.detach().clone().contiguous())
+    p.tensor2d_replicated_over = replicated_over
+    return p
+
+
+class Layer2D(nn.Module):
+    """Base: holds the grid, gathers per-parameter dense tensors."""
+
+    def __init__(self, mesh, name: str):
+        super().__init__()
+        self.mesh = mesh
+        self.grid = Grid(mesh)
+        self.name = name
+
+    # Subclasses define ``_dense(get)``: dense tensors keyed like the dense module's
+    # state dict, where ``get(param)`` picks the local tensor (data or grad) to gather;
+    # and ``dense_layout()``: ``{parameter name: (dense shape, pieces)}``, keyed the same way.
+
+    def dense_state_dict(self) -> dict[str, torch.Tensor]:
+        return self._dense(lambda p: p.detach())
+
+    def dense_grads(self) -> dict[str, torch.Tensor]:
+        """Gathered gradients (zeros where a gradient is missing), keyed like the dense state dict."""
+        return self._dense(lambda p: p.grad if p.grad is not None else torch.zeros_like(p))
+
+
+def block_layout(rows: int, cols: int, grid: Grid) -> DenseLayout:
+    """A ``[rows, cols]`` table stored as q×q blocks, block (i, j) here."""
+    return (rows, cols), box_at(grid.i * (rows // grid.q), grid.j * (cols // grid.q))
