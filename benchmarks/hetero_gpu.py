@@ -161,7 +161,7 @@ def run_hetero(shape, batch, device, warmup, iters, budget_bytes, policy="belady
     model, opt = wrap(model, dict(name="adamw", lr=1e-4),
                       dict(compute_device=str(device), device_budget_bytes=budget_bytes, policy=policy))
     mgr = model._hetero_runtime.mgr
-    mgr.profile_copies = device.type == "cuda"
+    mgr.transfers.profile = device.type == "cuda"
 
     def step(x, y):
         with amp(device):

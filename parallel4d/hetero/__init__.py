@@ -46,9 +46,10 @@ Engine-facing API::
 
 from parallel4d.config.schema import HeteroConfig, OptimizerConfig
 from parallel4d.hetero.chunk import InvalidTransition, TensorState, TRANSITIONS, search_chunk_elems
-from parallel4d.hetero.manager import BudgetError, ChunkManager, MoveStats
+from parallel4d.hetero.manager import BudgetError, ChunkManager
 from parallel4d.hetero.optim import HeteroOptimizer, adam_update
 from parallel4d.hetero.tracer import AccessTrace, opt_loads
+from parallel4d.hetero.transfers import MoveStats
 from parallel4d.hetero.wrap import HeteroRuntime, wrap
 
 

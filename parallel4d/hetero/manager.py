@@ -12,52 +12,23 @@ dead first; then farthest next use in the warm-up trace (Belady) with clean befo
 dirty on ties, or least recently used (LRU; also the fallback while the trace is
 missing or has diverged).
 
-On CUDA every fill and write-back runs on a side stream: the copy stream first waits
-for the compute stream (the slot's previous readers/writers are done), a fill records a
-*ready* event, and the compute stream waits for that event when the chunk is next
-accessed (or read) — so fills issued ahead of use (trace-driven prefetch, Belady-consistent
-and never past the budget) overlap with compute. Host reads of a backing drain the copy
-stream first.
+Fills and write-backs go through :class:`~parallel4d.hetero.transfers.Transfers` (on CUDA a side
+stream with per-chunk ready events), so that fills issued ahead of use (trace-driven prefetch,
+Belady-consistent and never past the budget) overlap with compute.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, asdict
+from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import torch
 
 from parallel4d.hetero.chunk import Chunk, TensorInfo, TensorState
 from parallel4d.hetero.tracer import AccessTrace
+from parallel4d.hetero.transfers import MoveStats, Transfers
 
 S = TensorState
-
-
-@dataclass
-class MoveStats:
-    """Bytes and counts of chunk movement (host↔device) and ZeRO collectives."""
-
-    load_bytes: int = 0        # host → device copies of live content
-    writeback_bytes: int = 0   # device → host copies of dirty live content
-    zero_fill_bytes: int = 0   # dead content materialised by zeroing, no copy
-    loads: int = 0
-    writebacks: int = 0
-    zero_fills: int = 0
-    drops: int = 0             # evictions without a copy (dead or clean)
-    evictions: int = 0
-    gather_bytes: int = 0      # ZeRO all-gather, bytes received
-    reduce_scatter_bytes: int = 0  # ZeRO reduce-scatter, bytes sent
-    copy_seconds: float = 0.0  # CUDA only when profiling: time inside chunk copies
-    prefetches: int = 0        # fills issued ahead of use from the replayed trace
-
-    @property
-    def moved_bytes(self) -> int:
-        return self.load_bytes + self.writeback_bytes
-
-    def as_dict(self) -> dict:
-        d = asdict(self)
-        d["moved_bytes"] = self.moved_bytes
-        return d
 
 
 @dataclass
@@ -112,14 +83,10 @@ class ChunkManager:
         self.peak_steady_total = 0  # dynamic budget: max resident + live non-model after warm-up
         self._iter_start_resident: set[int] = set()
         self.cuda = device.type == "cuda"
-        self.copy_stream = torch.cuda.Stream(device) if self.cuda else None
-        self.profile_copies = False
+        self.transfers = Transfers(device, dtype)
         # chunks filled ahead of use once the trace is replayed: overlap on CUDA; on the CPU
         # there is nothing to overlap with (tests switch it on to exercise the logic)
         self.prefetch_depth = 2 if self.cuda else 0
-        self._copy_events: list = []
-        self.pinned_host = False
-        self._registered: list[torch.Tensor] = []
         self.host_bytes = 0
 
     # --- setup -----------------------------------------------------------------
@@ -129,32 +96,6 @@ class ChunkManager:
 
     def slot_bytes(self, pool: str) -> int:
         return self.pools[pool].slot_elems * self.esize
-
-    def _host_buffer(self, n: int) -> torch.Tensor:
-        """Zeroed host buffer of ``n`` elements; page-locked when the compute device is CUDA.
-
-        Pinned by ``cudaHostRegister`` on one plain allocation: torch's pinned allocator
-        rounds every request up to a power of two, which would cost up to 2× host memory.
-        Falls back to pageable memory if registration fails (slower copies, still correct).
-        """
-        t = torch.zeros(n, dtype=self.dtype)
-        if self.cuda and n:
-            rc = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), n * self.esize, 0)
-            if int(getattr(rc, "value", rc)) == 0:
-                self.pinned_host = True
-                self._registered.append(t)
-        return t
-
-    def __del__(self):
-        # hand registered host pages back before their memory is freed
-        try:
-            if self._registered:
-                torch.cuda.synchronize(self.device)
-                for t in self._registered:
-                    torch.cuda.cudart().cudaHostUnregister(t.data_ptr())
-                self._registered.clear()
-        except Exception:
-            pass
 
     def add(self, chunk: Chunk, backing: bool = True) -> Chunk:
         """Register ``chunk``; its host backing is sliced later by :meth:`allocate_backings`."""
@@ -170,7 +111,7 @@ class ChunkManager:
         """One host buffer for every chunk that needs a backing; returns its bytes."""
         need = [c for c in self.chunks if c.meta.get("needs_backing") and c.backing is None]
         total = sum(c.capacity for c in need)
-        buf = self._host_buffer(total)
+        buf = self.transfers.host_buffer(total)
         off = 0
         for c in need:
             c.backing = buf.narrow(0, off, c.capacity)
@@ -190,11 +131,11 @@ class ChunkManager:
     def read(self, c: Chunk) -> torch.Tensor:
         """Current content of ``c`` (slot if resident, else backing), without an access."""
         if c.slot is not None:
-            self._wait_ready(c)
+            self.transfers.wait_ready(c)
             return self.slot_view(c)
         if c.backing is None:
             raise RuntimeError(f"chunk {c.kind}[{c.index}] has no content off the device")
-        self.sync_copies()
+        self.transfers.sync()
         return c.backing
 
     def locate(self, t: torch.Tensor):
@@ -210,18 +151,6 @@ class ChunkManager:
                     raise RuntimeError("a tensor aliases a free slot of the chunk arena")
                 return p, c, off - s * p.slot_elems
         return None
-
-    # --- copies ----------------------------------------------------------------
-    def _copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        """A copy the compute stream needs right away (ZeRO's local shard before a gather)."""
-        self._async(lambda: dst.copy_(src, non_blocking=self.cuda))
-        if self.copy_stream is not None:
-            torch.cuda.current_stream(self.device).wait_stream(self.copy_stream)
-
-    def sync_copies(self) -> None:
-        """Host reads of backings need the copy stream drained."""
-        if self.copy_stream is not None:
-            self.copy_stream.synchronize()
 
     # --- budget ----------------------------------------------------------------
     def resident_bytes(self) -> int:
@@ -297,7 +226,7 @@ class ChunkManager:
         p = self.pools[c.pool]
         st = (self.stats, self.iter_stats)
         if c.dirty and not c.dead and c.backing is not None:
-            self._async(lambda: c.backing.copy_(self.slot_view(c), non_blocking=self.cuda))
+            self.transfers.run(lambda: c.backing.copy_(self.slot_view(c), non_blocking=self.cuda))
             for s in st:
                 s.writeback_bytes += c.capacity * self.esize
                 s.writebacks += 1
@@ -311,24 +240,6 @@ class ChunkManager:
         c.slot = None
         c.dirty = False
         c.meta.pop("ready", None)
-
-    def _async(self, op) -> None:
-        """Run a slot/backing copy: directly on the CPU; on CUDA on the copy stream,
-        ordered after the compute stream's queued work (the event-free half of the protocol;
-        consumers wait on the chunk's ``ready`` event)."""
-        if self.copy_stream is None:
-            op()
-            return
-        self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self.copy_stream):
-            if self.profile_copies:
-                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                a.record()
-                op()
-                b.record()
-                self._copy_events.append((a, b))
-            else:
-                op()
 
     def _make_room(self, p: Pool, keep: int, protect: Optional[Chunk] = None) -> None:
         """Evict until at most ``keep`` slots of ``p`` are occupied (never ``protect``)."""
@@ -346,23 +257,20 @@ class ChunkManager:
         dst = self.slot_view(c)
         st = (self.stats, self.iter_stats)
         if c.loader is not None and not c.dead:
-            if self.copy_stream is not None:  # the slot's previous owner may still be written back
-                torch.cuda.current_stream(self.device).wait_stream(self.copy_stream)
+            self.transfers.compute_waits()  # the slot's previous owner may still be written back
             c.loader(dst)
         elif c.dead or c.backing is None:
-            self._async(dst.zero_)
+            self.transfers.run(dst.zero_)
             for s in st:
                 s.zero_fill_bytes += c.capacity * self.esize
                 s.zero_fills += 1
         else:
-            self._async(lambda: dst.copy_(c.backing, non_blocking=self.cuda))
+            self.transfers.run(lambda: dst.copy_(c.backing, non_blocking=self.cuda))
             for s in st:
                 s.load_bytes += c.capacity * self.esize
                 s.loads += 1
-        if self.copy_stream is not None and c.loader is None:
-            ev = torch.cuda.Event()
-            ev.record(self.copy_stream)
-            c.meta["ready"] = ev
+        if c.loader is None:
+            self.transfers.mark_ready(c)
         c.dirty = False
 
     def ensure_resident(self, c: Chunk) -> None:
@@ -378,7 +286,7 @@ class ChunkManager:
         elif self.dynamic_capacity is not None:
             # proactive: the budget may have shrunk since the last moment
             self._make_room(p, self._limit(p, extra=int(not c.pinned)), protect=c)
-        self._wait_ready(c)  # compute waits for this chunk's fill, and only for it
+        self.transfers.wait_ready(c)  # compute waits for this chunk's fill, and only for it
 
     def prefetch(self, current: Chunk) -> None:
         """Fill the next ``prefetch_depth`` chunks of the replayed trace ahead of use.
@@ -464,8 +372,8 @@ class ChunkManager:
     def flush(self, c: Chunk) -> None:
         """Write ``c`` back if it is resident and dirty (it stays resident, now clean)."""
         if c.slot is not None and c.dirty and not c.dead and c.backing is not None:
-            self._wait_ready(c)
-            self._async(lambda: c.backing.copy_(self.slot_view(c), non_blocking=self.cuda))
+            self.transfers.wait_ready(c)
+            self.transfers.run(lambda: c.backing.copy_(self.slot_view(c), non_blocking=self.cuda))
             for s in (self.stats, self.iter_stats):
                 s.writeback_bytes += c.capacity * self.esize
                 s.writebacks += 1
@@ -477,11 +385,6 @@ class ChunkManager:
             for k, v in delta.items():
                 setattr(s, k, getattr(s, k) + v)
 
-    def _wait_ready(self, c: Chunk) -> None:
-        ev = c.meta.pop("ready", None)
-        if ev is not None:  # a prefetched fill may still be in flight
-            torch.cuda.current_stream(self.device).wait_event(ev)
-
     def invalidate(self, c: Chunk) -> None:
         """Drop ``c`` from the device without write-back (its content is stale)."""
         if c.slot is not None:
@@ -490,12 +393,10 @@ class ChunkManager:
 
     # --- iterations --------------------------------------------------------------
     def end_iteration(self) -> dict:
-        if self.profile_copies and self._copy_events:
-            torch.cuda.synchronize(self.device)
-            secs = sum(a.elapsed_time(b) for a, b in self._copy_events) / 1e3
+        secs = self.transfers.take_copy_seconds()
+        if secs is not None:
             self.stats.copy_seconds += secs
             self.iter_stats.copy_seconds += secs
-            self._copy_events.clear()
         finished = self.trace.end_iteration()
         rec = self.iter_stats.as_dict()
         rec["start_resident"] = sorted(self._iter_start_resident)

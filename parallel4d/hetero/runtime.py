@@ -116,7 +116,7 @@ class HeteroRuntime:
             "policy": m.policy,
             "dynamic_budget": m.dynamic_capacity is not None,
             "compute_device": str(self.device),
-            "pinned_host": m.pinned_host,
+            "pinned_host": m.transfers.pinned_host,
             "iterations": m.trace.iterations,
             "trace_divergences": m.trace.divergences,
             "reduce_scatters": dict(self.zero.reduce_scatters),

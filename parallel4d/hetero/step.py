@@ -87,7 +87,7 @@ class RowAdam:
         """The host backings, current (device copies written back) and their tensors → COMPUTE."""
         for c, _ in parts:
             self.mgr.flush(c)
-        self.mgr.sync_copies()
+        self.mgr.transfers.sync()
         for c, ts in parts:
             for t in ts:
                 if t.state == S.FREE:  # fresh Adam moments start at zero

@@ -74,7 +74,7 @@ class ZeroShards:
             if ps.slot is not None:
                 local.copy_(self.mgr.read(ps))
             else:
-                self.mgr._copy(local, ps.backing)
+                self.mgr.transfers.copy_now(local, ps.backing)
                 self.mgr.count(load_bytes=nbytes, loads=1)
             all_gather_into(dst, local.clone(), self.group)
             got = (self.dp - 1) * nbytes
