@@ -58,7 +58,7 @@ def config(case):
 def _dense_view(model, grads: bool) -> dict:
     """This rank's parameters (or gradients) as dense tensors under dense names: 2D stages
     gathered over the grid (collective), others as they are."""
-    from parallel4d.engine.compose import PositionedEmbedding
+    from parallel4d.engine.model import PositionedEmbedding
 
     stages = [(n, m) for n, m in model.named_children() if n != "blocks"]
     stages += [(f"blocks.{k}", m) for k, m in model.blocks.items()]
@@ -125,7 +125,7 @@ def dense_reference():
     change only the layout sections, so this one serves them all)."""
     from parallel4d.config.load import make_config
     from parallel4d.data.batches import build_dataset
-    from parallel4d.engine.compose import model_shape, parameter_dtype
+    from parallel4d.engine.model import model_shape, parameter_dtype
     from parallel4d.optim.optimizer import build_optimizer, lr_at
     from parallel4d.models.gpt import build_gpt
 

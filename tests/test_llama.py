@@ -11,7 +11,7 @@ from conftest import run_workers
 from parallel4d.config.errors import ConfigError
 from parallel4d.config.load import make_config
 from parallel4d.data.batches import build_dataset
-from parallel4d.engine.compose import model_shape
+from parallel4d.engine.model import model_shape
 from parallel4d.models import build_dense
 from parallel4d.optim.optimizer import build_optimizer, lr_at
 

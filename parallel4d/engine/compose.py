@@ -41,92 +41,21 @@ from parallel4d.hetero import wrap as hetero_wrap
 from parallel4d.distributed.mesh import Mesh
 from parallel4d.optim.fused import use_fused_norms
 from parallel4d.optim.loss_scale import LossScale
+from parallel4d.engine.batch import local_batch, local_rows
 from parallel4d.engine.memory import SavedActivations, optimizer_state_bytes, tensor_bytes
-from parallel4d.models import LlamaShape, Shape, build_stage, cross_entropy, shape_from_config, stage_names
+from parallel4d.engine.model import TORCH_DTYPES, LocalModel, PositionedEmbedding, model_shape, parameter_dtype
+from parallel4d.models import LlamaShape, build_stage, cross_entropy, stage_names
 from parallel4d.optim.optimizer import build_optimizer, lr_at, param_groups
 from parallel4d.pipeline import make_schedule
 from parallel4d.pipeline.executor import PipelineExecutor, TiedGradSync
 from parallel4d.pipeline.partition import build_chunks, parameter_costs, partition
-from parallel4d.sequence import make_ring_attention_fn, positions_for, split_sequence
+from parallel4d.sequence import make_ring_attention_fn, positions_for
 from parallel4d.checkpoint.shards import DenseShards, Pieces, whole
 from parallel4d.tensor2d import (Block2D, Head2D, LlamaBlock2D, NormHead2D, TokenEmbedding2D, TokenPositionEmbedding2D,
                        loss_2d)
 
-# train.dtype → the dtype parameters (and pipeline activations between ranks) are kept in;
-TORCH_DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16,
-                "float16": torch.float16}
-
-
-def parameter_dtype(cfg: Config) -> torch.dtype:
-    """The parameters' dtype (``train.param_dtype``, or what the ``train.dtype`` preset implies)."""
-    return TORCH_DTYPES[cfg.train.parameters]
-
-
-def model_shape(cfg: Config) -> Shape:
-    """The model's shape: ``model.*`` for its ``arch``, plus ``sequence.causal`` (masked or
-    bidirectional attention, in the dense blocks as in the ring and the 2D blocks)."""
-    return shape_from_config(cfg.model, causal=cfg.sequence.causal)
-
 
 # --- the pieces of one rank's model -------------------------------------------------
-
-
-class PositionedEmbedding(nn.Module):
-    """An embedding stage fed the *global* position ids of this rank's sequence shard."""
-
-    def __init__(self, embed: nn.Module, positions: torch.Tensor):
-        super().__init__()
-        self.embed = embed
-        self.register_buffer("positions", positions, persistent=False)
-
-    def forward(self, tokens):
-        return self.embed(tokens, self.positions)
-
-
-class LocalModel(nn.Module):
-    """This rank's stages under their dense names (``embed``, ``blocks.<i>``, ``head``)."""
-
-    def __init__(self, stages: dict[str, nn.Module]):
-        super().__init__()
-        self.blocks = nn.ModuleDict()
-        for name, module in stages.items():
-            if name.startswith("blocks."):
-                self.blocks[name.split(".", 1)[1]] = module
-            else:
-                self.add_module(name, module)
-
-    def dense_named_parameters(self) -> list[tuple[str, nn.Parameter]]:
-        """``(dense name, parameter)`` of each parameter once (the optimizer's groups go by these);
-        needs ``.dense``, which :func:`local_model` sets."""
-        return [(self.dense[n][0], p) for n, p in self.named_parameters()]
-
-    def stages(self) -> dict[str, nn.Module]:
-        """``{dense stage name: module}`` in model order (the input of :func:`dense_layouts`)."""
-        named = {n: m for n, m in self.named_children() if n != "blocks"}
-        blocks = {f"blocks.{k}": m for k, m in self.blocks.items()}
-        return {**({"embed": named.pop("embed")} if "embed" in named else {}), **blocks, **named}
-
-
-def local_rows(mesh: Mesh, batch_size: int) -> range:
-    """The rows of a global batch this rank trains on: block ``dp`` of the batch, then block
-    ``tp_row`` of that (the sequence shard is taken from those rows)."""
-    dp, q = mesh.size("dp"), mesh.size("tp_row")
-    if batch_size % (dp * q):
-        raise ValueError(f"a batch of {batch_size} rows does not split into dp·q = {dp}·{q} equal parts")
-    per = batch_size // (dp * q)
-    start = (mesh.rank("dp") * q + mesh.rank("tp_row")) * per
-    return range(start, start + per)
-
-
-def local_batch(mesh: Mesh, x: torch.Tensor, layout: str = "zigzag") -> torch.Tensor:
-    """This rank's share of a global ``[B, S]`` tensor (tokens or targets): its rows
-    (:func:`local_rows`), then sequence shard sp in ``layout`` (``sequence.layout``)
-    → ``[B/(dp·q), S/sp]`` on ``mesh.device``."""
-    rows = local_rows(mesh, x.shape[0])
-    x = x[rows.start:rows.stop]
-    if mesh.size("sp") > 1:
-        x = split_sequence(x, mesh.group("sp"), dim=1, layout=layout)
-    return x.contiguous().to(mesh.device)
 
 
 def dense_layouts(stages: dict[str, nn.Module], tied: bool) -> dict[str, tuple[str, tuple, Pieces]]:
@@ -753,11 +682,6 @@ def pretrained_checkpoint(model_cfg, use):
         return use(hf)
     except (ValueError, OSError) as e:
         raise ConfigError(f"model.pretrained={model_cfg.pretrained!r}: {e}") from None
-
-
-def parameter_count(model: nn.Module) -> int:
-    """Distinct parameters on this rank (a tied weight counts once)."""
-    return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
 
 
 def flops_per_token(cfg: Config) -> float:

@@ -31,7 +31,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from parallel4d.config.errors import ConfigError
 from parallel4d.config.load import load_config
 from parallel4d.config.schema import Config
-from parallel4d.engine.compose import parameter_dtype
+from parallel4d.engine.model import parameter_dtype
 from parallel4d.engine.compose import compose
 from parallel4d.distributed.mesh import AXES, init_mesh, mesh_shape
 from parallel4d.engine.memory import adam_state_bytes
