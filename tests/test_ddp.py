@@ -40,7 +40,7 @@ class SingleAllReduce:
         pass
 
     def finish(self):
-        from parallel4d.engine.compose import average_gradients
+        from parallel4d.engine.grads import average_gradients
 
         average_gradients(self.engine.params, self.engine.mesh, self.engine.cfg.train.timeout_s)
 

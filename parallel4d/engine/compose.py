@@ -21,7 +21,6 @@ shard ``r`` of ``sp`` (in ``sequence.layout``) → ``m`` micro-batches:
 from __future__ import annotations
 
 import functools
-import importlib
 from contextlib import nullcontext
 from typing import NamedTuple
 
@@ -42,44 +41,22 @@ from parallel4d.distributed.mesh import Mesh
 from parallel4d.optim.fused import use_fused_norms
 from parallel4d.optim.loss_scale import LossScale
 from parallel4d.engine.batch import local_batch, local_rows
+from parallel4d.engine.grads import global_grad_norm, norm_weight, sum_over_model_axes
 from parallel4d.engine.memory import SavedActivations, optimizer_state_bytes, tensor_bytes
 from parallel4d.engine.model import TORCH_DTYPES, LocalModel, PositionedEmbedding, model_shape, parameter_dtype
+from parallel4d.engine.pretrained import load_pretrained
+from parallel4d.engine.state import checkpoint_keys, dense_layouts, dense_state_dict, local_state
 from parallel4d.models import LlamaShape, build_stage, cross_entropy, stage_names
 from parallel4d.optim.optimizer import build_optimizer, lr_at, param_groups
 from parallel4d.pipeline import make_schedule
 from parallel4d.pipeline.executor import PipelineExecutor, TiedGradSync
 from parallel4d.pipeline.partition import build_chunks, parameter_costs, partition
 from parallel4d.sequence import make_ring_attention_fn, positions_for
-from parallel4d.checkpoint.shards import DenseShards, Pieces, whole
 from parallel4d.tensor2d import (Block2D, Head2D, LlamaBlock2D, NormHead2D, TokenEmbedding2D, TokenPositionEmbedding2D,
                        loss_2d)
 
 
 # --- the pieces of one rank's model -------------------------------------------------
-
-
-def dense_layouts(stages: dict[str, nn.Module], tied: bool) -> dict[str, tuple[str, tuple, Pieces]]:
-    """``{name in LocalModel: (dense name, dense shape, pieces)}`` for every parameter name
-    (tied aliases included): where each local parameter sits in the single-process model.
-
-    A 2D stage reports its own layout; any other parameter is the whole dense tensor.
-    A tied LM head (shared, or its untied copy on the last pipeline stage) is the token
-    table ``embed.tok.weight``."""
-    out = {}
-    for stage_name, stage in stages.items():
-        local = f"{stage_name}."
-        if isinstance(stage, PositionedEmbedding):  # a wrapper; the dense stage has no such level
-            stage, local = stage.embed, f"{local}embed."
-        if hasattr(stage, "dense_layout"):
-            found = {n: (d, shape, pieces) for n, (d, (shape, pieces)) in stage.dense_layout().items()}
-        else:
-            found = {n: (n, tuple(p.shape), whole) for n, p in stage.named_parameters(remove_duplicate=False)}
-        for name, (dense, shape, pieces) in found.items():
-            dense = f"{stage_name}.{dense}"
-            if tied and dense == "head.weight":
-                dense = "embed.tok.weight"
-            out[local + name] = (dense, shape, pieces)
-    return out
 
 
 def _sequence(cfg: Config, mesh: Mesh):
@@ -173,58 +150,6 @@ def recompute_in_backward(module: nn.Module) -> nn.Module:
 
 
 # --- gradient synchronisation and norms ------------------------------------------
-
-
-def average_gradients(params: list[nn.Parameter], mesh: Mesh, timeout_s: float) -> None:
-    """Average grads over the data-like axes ``dp`` and ``sp`` (every parameter is
-    replicated over both; each rank's loss is the mean over its own tokens) in one
-    all-reduce after the backward. The engine overlaps the same sums with the backward
-    (:class:`~parallel4d.ddp.GradBuckets`); this is the reference they are tested against."""
-    replicas = mesh.size("dp") * mesh.size("sp")
-    if replicas == 1:
-        return
-    grads = [p.grad for p in params if p.grad is not None]
-    if not grads:
-        return
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    work = comm.all_reduce(flat, mesh.group_over("dp", "sp"), stats=mesh.comm_stats, label="dp_grad", async_op=True)
-    comm.wait(work, timeout_s, "gradient all-reduce over the data replicas (dp·sp)")
-    flat /= replicas
-    offset = 0
-    for g in grads:
-        g.copy_(flat[offset:offset + g.numel()].view_as(g))
-        offset += g.numel()
-
-
-def norm_weight(p: nn.Parameter, q: int, tied_copies: set[int]) -> float:
-    """How much of ``p``'s squared gradient norm this rank contributes to the whole model's, so
-    that summing over tp and pp counts each dense element once: 1/q for a parameter replicated over
-    the grid rows (``tensor2d_replicated_over``), 1/2 for a tied copy held on two pp ranks
-    (``tied_copies``: ids), else 1."""
-    w = 1.0
-    if "tp_row" in getattr(p, "tensor2d_replicated_over", ()):
-        w /= q
-    if id(p) in tied_copies:
-        w /= 2
-    return w
-
-
-def sum_over_model_axes(sq: torch.Tensor, mesh: Mesh) -> torch.Tensor:
-    """``sq`` summed over the axes that hold different parameters (tp_row, tp_col, pp), in place."""
-    for axis in ("tp_row", "tp_col", "pp"):
-        comm.all_reduce(sq, mesh.group(axis), stats=mesh.comm_stats, label="grad_norm")
-    return sq
-
-
-def global_grad_norm(params: list[nn.Parameter], mesh: Mesh, tied_copies: set[int] = frozenset()) -> torch.Tensor:
-    """L2 norm of the whole model's gradient, each distinct dense element counted once
-    (:func:`norm_weight`), shards on different tp/pp ranks summed; float64 ``[]``."""
-    sq = torch.zeros((), dtype=torch.float64, device=mesh.device)
-    q = mesh.size("tp_row")
-    for p in params:
-        if p.grad is not None:
-            sq = sq + p.grad.detach().double().pow(2).sum() * norm_weight(p, q, tied_copies)
-    return sum_over_model_axes(sq, mesh).sqrt()
 
 
 class DataReplicas:
@@ -502,21 +427,10 @@ class Engine:
         return params, optim
 
     def state_dict(self) -> dict:
-        """Model and optimizer state for DCP under the dense model's names and shapes
-        (``model.<dense name>``, ``optim.<dense name>.<step|exp_avg|exp_avg_sq>``; each a
-        :class:`DenseShards` of this rank's pieces), plus ``step`` and ``tokens_seen``:
-        loadable under any layout. Doubles as the load template of :meth:`load_state_dict`."""
-        out = {"step": torch.tensor(self.step), "tokens_seen": torch.tensor(self.tokens_seen)}
-        params, optim = self._local_state()
-        for name, t in params.items():
-            dense, shape, pieces = self.dense[name]
-            out.setdefault(f"model.{dense}", DenseShards(shape, t, pieces))
-        for name, state in optim.items():
-            dense, shape, pieces = self.dense[name]
-            out.setdefault(f"optim.{dense}.step", state["step"])
-            for k in ("exp_avg", "exp_avg_sq"):
-                out.setdefault(f"optim.{dense}.{k}", DenseShards(shape, state[k], pieces))
-        return out
+        """Model and optimizer state for DCP under the dense model's names and shapes, plus ``step``
+        and ``tokens_seen`` (:func:`~.state.dense_state_dict`): loadable under any layout. Doubles
+        as the load template of :meth:`load_state_dict`."""
+        return dense_state_dict(self.step, self.tokens_seen, self._local_state(), self.dense)
 
     checkpoint_format = "parallel4d"  # run.json's "format": DCP files under the dense model's names
 
@@ -527,31 +441,12 @@ class Engine:
     def load_checkpoint(self, path) -> None:
         """Restore from checkpoint ``path`` (its files already verified), whatever layout saved it."""
         state = self.state_dict()
-        checkpoint.load(state, path, verify_files=False, known=self.checkpoint_keys())
+        checkpoint.load(state, path, verify_files=False, known=checkpoint_keys(model_shape(self.cfg)))
         self.load_state_dict(state)
-
-    def checkpoint_keys(self) -> set[str]:
-        """Every key :meth:`state_dict` has on some rank: the whole model's, from its shapes."""
-        shape = model_shape(self.cfg)
-        keys = {"step", "tokens_seen"}
-        for index, stage_name in enumerate(stage_names(shape)):
-            for name, p in build_stage(shape, index, meta=True).named_parameters():
-                dense = f"{stage_name}.{name}"
-                if shape.tie_embeddings and dense == "head.weight":
-                    continue
-                keys.add(f"model.{dense}")
-                if p.requires_grad:
-                    keys.update(f"optim.{dense}.{k}" for k in ("step", "exp_avg", "exp_avg_sq"))
-        return keys
 
     def load_state_dict(self, state: dict) -> None:
         """Restore from a :meth:`state_dict` template that ``checkpoint.load`` filled."""
-        params, optim = {}, {}
-        for name, (dense, _, _) in self.dense.items():
-            params[name] = state[f"model.{dense}"].tensor
-            if f"optim.{dense}.step" in state:
-                optim[name] = {"step": state[f"optim.{dense}.step"],
-                               **{k: state[f"optim.{dense}.{k}"].tensor for k in ("exp_avg", "exp_avg_sq")}}
+        params, optim = local_state(state, self.dense)
         if self.hetero is not None:
             hetero_load_state_dict(self.model, self.optimizer, {"model": params, "optim": {"state": optim}})
         else:
@@ -659,33 +554,3 @@ def local_model(cfg: Config, stages: dict[int, nn.Module]) -> LocalModel:
     model.pretrained_bytes_read = load_pretrained(model, model.dense, cfg.model) if cfg.model.pretrained else None
     return model
 
-
-def load_pretrained(model: nn.Module, layouts: dict, model_cfg) -> int:
-    """Fill ``model``'s parameters (this rank's pieces, :func:`dense_layouts`) from the Hugging
-    Face checkpoint ``model.pretrained``, reading only those slices; the bytes read."""
-    pieces: dict[str, list] = {}
-    for name, p in model.named_parameters():  # a shared (tied) Parameter once
-        dense, _, cut = layouts[name]
-        pieces.setdefault(dense, []).extend(cut(p.data))
-    return pretrained_checkpoint(model_cfg, lambda hf: hf.load_pieces(pieces, model_cfg.pretrained, model_cfg))
-
-
-def pretrained_checkpoint(model_cfg, use):
-    """``use(parallel4d.models.hf)`` on ``model.pretrained``; ConfigError naming the directory for a
-    missing hf extra, file or tensor, or a tensor of the wrong shape."""
-    try:
-        hf = importlib.import_module("parallel4d.models.hf")  # safetensors: the optional hf extra
-    except ImportError as e:
-        raise ConfigError(f"model.pretrained needs the hf extra ({e.name} is missing): "
-                          "pip install 'parallel4d[hf]' (make installs it)") from None
-    try:
-        return use(hf)
-    except (ValueError, OSError) as e:
-        raise ConfigError(f"model.pretrained={model_cfg.pretrained!r}: {e}") from None
-
-
-def flops_per_token(cfg: Config) -> float:
-    """≈ 6·N + 12·L·h·s training FLOPs per token (N: non-embedding parameters)."""
-    m = cfg.model
-    n = 12 * m.layers * m.hidden ** 2
-    return 6 * n + 12 * m.layers * m.hidden * m.seq_len

@@ -21,7 +21,7 @@ from parallel4d.config.checks import resolve_fused
 from parallel4d.config.errors import ConfigError
 from parallel4d.config.schema import Config
 from parallel4d.data.batches import build_dataset, build_validation
-from parallel4d.engine.compose import flops_per_token
+from parallel4d.engine.flops import flops_per_token
 from parallel4d.engine.model import parameter_count
 from parallel4d.engine.compose import compose
 from parallel4d.distributed.mesh import init_mesh
