@@ -75,17 +75,18 @@ def _dense_view(model, grads: bool) -> dict:
 
 
 def _worker(cases):
-    import parallel4d.engine.compose as engine_mod
+    import parallel4d.engine.grads as grads_mod
+    from parallel4d.engine.compose import compose
     from parallel4d.data.batches import build_dataset
     from parallel4d.distributed.mesh import init_mesh
 
     out = {}
-    real_norm = engine_mod.global_grad_norm
+    real_norm = grads_mod.global_grad_norm
     for case in cases:
         cfg = config(case)
         p = cfg.parallel
         mesh = init_mesh(pp=p.pp, dp=p.dp, sp=p.sp, tp=p.tp, timeout_s=cfg.train.timeout_s)
-        engine = engine_mod.compose(cfg, mesh)
+        engine = compose(cfg, mesh)
         got = {"coords": mesh.coords, "norms": []}
 
         if engine.hetero is None:
@@ -103,12 +104,12 @@ def _worker(cases):
             norm_calls.append(float(n))
             return n
 
-        engine_mod.global_grad_norm = norm
+        grads_mod.global_grad_norm = norm
         try:
             tokens, targets = build_dataset(cfg).batch(0)
             got["loss"] = engine.train_step(tokens, targets)
         finally:
-            engine_mod.global_grad_norm = real_norm
+            grads_mod.global_grad_norm = real_norm
         got["norms"] = [engine.last_grad_norm]
         got["norm_calls"] = norm_calls  # the dense path's function: once, never under hetero
         if engine.hetero is not None:  # this rank's pieces of the dense parameters, from the checkpoint view
