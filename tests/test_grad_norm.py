@@ -89,7 +89,7 @@ def _worker(cases):
         engine = compose(cfg, mesh)
         got = {"coords": mesh.coords, "norms": []}
 
-        if engine.hetero is None:
+        if not cfg.hetero.enabled:
             real_step = engine.optimizer.step
 
             def step(*args, real_step=real_step, engine=engine, got=got, **kwargs):
@@ -112,7 +112,7 @@ def _worker(cases):
             grads_mod.global_grad_norm = real_norm
         got["norms"] = [engine.last_grad_norm]
         got["norm_calls"] = norm_calls  # the dense path's function: once, never under hetero
-        if engine.hetero is not None:  # this rank's pieces of the dense parameters, from the checkpoint view
+        if cfg.hetero.enabled:  # this rank's pieces of the dense parameters, from the checkpoint view
             got["pieces"] = {k[len("model."):]: [(off, view.clone()) for off, view in v.pieces]
                              for k, v in engine.state_dict().items() if k.startswith("model.")}
         else:

@@ -77,8 +77,8 @@ def _train_layouts(jobs: dict, with_hetero_stats: bool = False):
         pieces = {k[len("model."):]: [(tuple(off), view.detach().clone()) for off, view in v.pieces]
                   for k, v in engine.state_dict().items() if k.startswith("model.")}
         out[name] = losses, pieces
-        if with_hetero_stats and engine.hetero is not None:
-            out["hetero"] = engine.hetero.stats()
+        if with_hetero_stats and cfg.hetero.enabled:
+            out["hetero"] = engine.hetero_stats()
     return out
 
 

@@ -34,10 +34,9 @@ from parallel4d.engine.model import LocalModel, PositionedEmbedding, model_shape
 from parallel4d.engine.pretrained import load_pretrained
 from parallel4d.engine.state import dense_layouts
 from parallel4d.engine.step import Engine
-from parallel4d.hetero import wrap as hetero_wrap
+from parallel4d.engine.store import parameter_store
 from parallel4d.models import LlamaShape, build_stage, cross_entropy, stage_names
 from parallel4d.optim.fused import use_fused_norms
-from parallel4d.optim.optimizer import build_optimizer, param_groups
 from parallel4d.pipeline import make_schedule
 from parallel4d.pipeline.executor import PipelineExecutor, TiedGradSync
 from parallel4d.pipeline.partition import build_chunks, parameter_costs, partition
@@ -139,35 +138,6 @@ def recompute_in_backward(module: nn.Module) -> nn.Module:
     return module
 
 
-# --- data parallelism under hetero ---------------------------------------------
-
-
-class DataReplicas:
-    """The mesh as hetero's ZeRO sees it: its ``dp`` axis is every data replica
-    (``dp × sp``: parameters are replicated over both, and each rank's loss is the
-    mean over its own tokens, so gradients are averaged over both)."""
-
-    def __init__(self, mesh: Mesh):
-        self.mesh, self.comm_stats, self.device = mesh, mesh.comm_stats, mesh.device
-        self._group = mesh.group_over("dp", "sp")
-
-    def _check(self, axis: str) -> None:
-        if axis != "dp":
-            raise ValueError(f"DataReplicas only answers for the 'dp' axis, not {axis!r}")
-
-    def size(self, axis: str) -> int:
-        self._check(axis)
-        return self.mesh.size("dp") * self.mesh.size("sp")
-
-    def rank(self, axis: str) -> int:
-        self._check(axis)
-        return self.mesh.rank_over("dp", "sp")
-
-    def group(self, axis: str):
-        self._check(axis)
-        return self._group
-
-
 # --- the engine -----------------------------------------------------------------
 
 
@@ -242,16 +212,9 @@ def compose(cfg: Config, mesh: Mesh) -> Engine:
         stages, loss_fn = build_stages(cfg, mesh)
     model = local_model(cfg, stages)
     dense, local = model.dense, model.stages()
-    hetero = None
-    named = model.dense_named_parameters()
-    if cfg.hetero.enabled:
-        model, optimizer = hetero_wrap(model, cfg.optimizer, cfg.hetero, mesh=DataReplicas(mesh),
-                                       param_groups=param_groups(named, cfg.optimizer))
-        hetero = True
-    else:
-        optimizer = build_optimizer(named, cfg.optimizer, cfg.train.fused)
-    engine = Engine(cfg, mesh, model, optimizer, loss_fn, list(local.values()),
-                    executor=executor, tied_sync=tied_sync, tied_params=tied_params, hetero=hetero, dense=dense)
+    store = parameter_store(cfg, mesh, model, executor, tied_params, tied_sync)  # hetero's chunks or plain
+    engine = Engine(cfg, mesh, store, loss_fn, list(local.values()), executor=executor, tied_sync=tied_sync,
+                    dense=dense)
     engine.pretrained_bytes_read = model.pretrained_bytes_read
     return engine
 

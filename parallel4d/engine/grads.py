@@ -1,13 +1,18 @@
-"""Gradients across the mesh: averaged over the data replicas (``dp × sp``), and the whole
-model's gradient norm with each dense element counted once, whatever the layout."""
+"""Gradients across the mesh: averaged over the data replicas (``dp × sp``) — during the
+backward in buckets (:func:`gradient_buckets`), or in one all-reduce after it
+(:func:`average_gradients`, the reference) — and the whole model's gradient norm with each
+dense element counted once, whatever the layout."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn as nn
 
+from parallel4d.config.schema import Config
 from parallel4d.distributed import comm
+from parallel4d.distributed.ddp import GradBuckets
 from parallel4d.distributed.mesh import Mesh
+from parallel4d.engine.model import TORCH_DTYPES
 
 
 def average_gradients(params: list[nn.Parameter], mesh: Mesh, timeout_s: float) -> None:
@@ -60,3 +65,27 @@ def global_grad_norm(params: list[nn.Parameter], mesh: Mesh, tied_copies: set[in
         if p.grad is not None:
             sq = sq + p.grad.detach().double().pow(2).sum() * norm_weight(p, q, tied_copies)
     return sum_over_model_axes(sq, mesh).sqrt()
+
+
+def accumulations(params: list[nn.Parameter], executor, microbatches: int) -> dict[int, int]:
+    """``{id(param): gradient accumulations per step}``: one per micro-batch, and under the
+    pipeline (``executor``) one per micro-batch for each of this rank's chunks holding the parameter."""
+    if executor is None:
+        return {id(p): microbatches for p in params}
+    counts: dict[int, int] = {}
+    for chunk in executor.chunks.values():
+        for p in chunk.parameters():
+            counts[id(p)] = counts.get(id(p), 0) + microbatches
+    return counts
+
+
+def gradient_buckets(params: list[nn.Parameter], mesh: Mesh, cfg: Config, executor,
+                     deferred: list[nn.Parameter]) -> GradBuckets | None:
+    """Bucketed all-reduces over ``dp·sp`` posted during the backward (:class:`GradBuckets`);
+    None with one replica. ``deferred``: parameters whose reduction waits for the step's end (a
+    tied table's copies, summed between two pp ranks first)."""
+    if mesh.size("dp") * mesh.size("sp") == 1:
+        return None
+    return GradBuckets(params, mesh, bucket_bytes=cfg.train.dp_bucket_mb * 2**20, timeout_s=cfg.train.timeout_s,
+                       expected=accumulations(params, executor, cfg.pipeline.microbatches), deferred=deferred,
+                       reduce_dtype=TORCH_DTYPES[cfg.train.grad_reduce])

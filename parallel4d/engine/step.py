@@ -13,15 +13,12 @@ import torch.distributed as dist
 from parallel4d.checkpoint import dcp as checkpoint
 from parallel4d.config.schema import Config
 from parallel4d.distributed import comm
-from parallel4d.distributed.ddp import GradBuckets
 from parallel4d.distributed.mesh import Mesh
 from parallel4d.engine.batch import local_batch, local_rows
-from parallel4d.engine import grads
-from parallel4d.engine.memory import SavedActivations, optimizer_state_bytes, tensor_bytes
-from parallel4d.engine.model import TORCH_DTYPES, LocalModel, model_shape
+from parallel4d.engine.memory import SavedActivations, tensor_bytes
+from parallel4d.engine.model import TORCH_DTYPES, model_shape
 from parallel4d.engine.state import checkpoint_keys, dense_state_dict, local_state
-from parallel4d.hetero import load_state_dict as hetero_load_state_dict
-from parallel4d.hetero import state_dict as hetero_state_dict
+from parallel4d.engine.store import ParameterStore
 from parallel4d.optim.loss_scale import LossScale
 from parallel4d.optim.optimizer import lr_at
 
@@ -29,14 +26,15 @@ from parallel4d.optim.optimizer import lr_at
 class Engine:
     """One rank's share of the job: ``train_step(tokens, targets)`` on the global batch."""
 
-    def __init__(self, cfg: Config, mesh: Mesh, model: LocalModel, optimizer, loss_fn, stages, *, executor=None,
-                 tied_sync=None, tied_params=(), hetero=None, dense=None):
-        self.cfg, self.mesh, self.model, self.optimizer = cfg, mesh, model, optimizer
+    def __init__(self, cfg: Config, mesh: Mesh, store: ParameterStore, loss_fn, stages, *, executor=None,
+                 tied_sync=None, dense=None):
+        self.cfg, self.mesh, self.store = cfg, mesh, store
+        self.model, self.optimizer = store.model, store.optimizer  # the LocalModel; what steps it
         self.dense = dense  # {LocalModel name: (dense name, shape, pieces)}: see dense_layouts()
         self._stages = list(stages)  # this rank's stages in model order (unused under pp)
-        self.loss_fn, self.executor, self.tied_sync, self.tied_params = loss_fn, executor, tied_sync, list(tied_params)
-        self.hetero = optimizer if hetero else None  # the HeteroOptimizer owns chunks, ZeRO and stats
-        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.loss_fn, self.executor, self.tied_sync = loss_fn, executor, tied_sync
+        self.tied_params = store.tied_params  # this rank's copies of a table tied across two pp ranks
+        self.params = store.params
         self.device = mesh.device
         self.step = 0
         self.tokens_seen = 0
@@ -51,31 +49,7 @@ class Engine:
         self.loss_scale = LossScale(cfg.train.loss_scale_init, cfg.train.loss_scale_window) if half == "float16" \
             else None
         self.last_step_skipped = False
-        self.grad_sync = self._grad_buckets()
         self.memory: dict | None = None  # what the last step asked to measure held (memory.py's rules)
-
-    # --- data-parallel gradients ----------------------------------------------------
-    def _grad_buckets(self) -> GradBuckets | None:
-        """Bucketed all-reduces over ``dp·sp`` posted during the backward; None with one
-        replica or under hetero (its ZeRO reduces the grads itself)."""
-        if self.hetero is not None or self.mesh.size("dp") * self.mesh.size("sp") == 1:
-            return None
-        return GradBuckets(self.params, self.mesh, bucket_bytes=self.cfg.train.dp_bucket_mb * 2**20,
-                           timeout_s=self.cfg.train.timeout_s, expected=self._accumulations(),
-                           deferred=self.tied_params if self.tied_sync is not None else (),
-                           reduce_dtype=TORCH_DTYPES[self.cfg.train.grad_reduce])
-
-    def _accumulations(self) -> dict[int, int]:
-        """``{id(param): gradient accumulations per step}``: one per micro-batch, and under
-        the pipeline one per micro-batch for each of this rank's chunks holding the parameter."""
-        m = self.cfg.pipeline.microbatches
-        if self.executor is None:
-            return {id(p): m for p in self.params}
-        counts: dict[int, int] = {}
-        for chunk in self.executor.chunks.values():
-            for p in chunk.parameters():
-                counts[id(p)] = counts.get(id(p), 0) + m
-        return counts
 
     # --- data ---------------------------------------------------------------------
     @property
@@ -129,11 +103,9 @@ class Engine:
         over the data replicas dp·sp; under hetero its ZeRO reduces at the step). Returns the
         mean loss of this data replica's tokens, float64 ``[1]``, equal on its tp and pp ranks."""
         x, y = self.local_batch(tokens), self.local_batch(targets)
-        if self.grad_sync is not None:
-            self.grad_sync.start()
+        self.store.start_gradient_reduction()
         loss = self._forward_backward(x, y)
-        if self.grad_sync is not None:
-            self.grad_sync.finish()
+        self.store.finish_gradient_reduction()
         return loss
 
     @torch.no_grad()
@@ -172,12 +144,7 @@ class Engine:
     def grad_norm(self) -> torch.Tensor:
         """L2 norm of the whole model's gradient after :meth:`compute_gradients`, float64 ``[]``,
         equal on every rank: each dense element once, in every layout, hetero's chunks included."""
-        tied = {id(p) for p in self.tied_params}
-        if self.hetero is None:
-            return grads.global_grad_norm(self.params, self.mesh, tied)
-        q = self.mesh.size("tp_row")
-        weights = {name: grads.norm_weight(p, q, tied) for name, p in self.model.named_parameters()}
-        return grads.sum_over_model_axes(self.optimizer.grad_sq_norm(weights), self.mesh).sqrt()
+        return self.store.grad_norm()
 
     def measure_gradients(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """:meth:`compute_gradients`, measuring what this rank holds (:mod:`.memory`) into
@@ -187,28 +154,15 @@ class Engine:
         also its ``hetero_device`` (the chunk arena) and ``hetero_host`` bytes."""
         stats = self.mesh.comm_stats
         before = dict(stats.axis_sent)
-        meter = SavedActivations(self._model_storages())
-        if self.hetero is not None:
-            self.hetero.watch_activations(meter)  # its own saved-tensor hooks see the activations
-        try:
-            with meter:
-                loss = self.compute_gradients(tokens, targets)
-        finally:
-            if self.hetero is not None:
-                self.hetero.watch_activations(None)
+        meter = SavedActivations(self.store.model_storages())
+        with self.store.measuring(meter), meter:
+            loss = self.compute_gradients(tokens, targets)
         self.memory = {"parameters": tensor_bytes(self.model.parameters()),  # hetero: their shapes' bytes
-                       "gradients": tensor_bytes(p.grad for p in self.params) if self.hetero is None else None,
-                       "activations": meter.peak}
-        if self.hetero is not None:
-            hetero = self.hetero.stats()
-            self.memory.update(hetero_device=hetero["arena_bytes"], hetero_host=hetero["host_bytes"])
+                       "gradients": self.store.gradient_bytes(), "activations": meter.peak}
+        self.memory.update(self.store.held_bytes())
         self.memory["sent_by_axis"] = {a: n - before.get(a, 0) for a, n in stats.axis_sent.items()
                                        if n != before.get(a, 0)}
         return loss
-
-    def _model_storages(self) -> list[torch.Tensor]:
-        """The tensors whose storage is model data, not activation: the parameters, hetero's arenas."""
-        return list(self.model.parameters()) + (self.hetero.arenas() if self.hetero is not None else [])
 
     def train_step(self, tokens: torch.Tensor, targets: torch.Tensor, measure_grad_norm: bool = False,
                    measure_memory: bool = False) -> float:
@@ -232,16 +186,11 @@ class Engine:
         self.last_grad_norm = None if norm is None else float(norm)
         self.last_step_skipped = scaler is not None and self._overflow(norm)
         if not self.last_step_skipped:
-            if coef is not None and self.hetero is not None:
-                self.optimizer.scale_next_step(coef)  # hetero's gradients live in its chunks
-            elif coef is not None:
-                for p in self.params:
-                    if p.grad is not None:
-                        p.grad.mul_(coef)
+            if coef is not None:
+                self.store.scale_gradients(coef)
             self.optimizer.step()
         if measure_memory:
-            self.memory["optimizer_state"] = (None if self.hetero is not None  # in the chunks: hetero_host
-                                              else optimizer_state_bytes(self.optimizer))
+            self.memory["optimizer_state"] = self.store.optimizer_state_bytes()
         self.optimizer.zero_grad()
         if scaler is not None:
             scaler.update(self.last_step_skipped)
@@ -256,26 +205,16 @@ class Engine:
         comm.wait(work, self.cfg.train.timeout_s, "loss all-reduce over the data replicas (dp·sp)")
         return loss
 
-    # --- checkpointing --------------------------------------------------------------
-    def _local_state(self) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, torch.Tensor]]]:
-        """``(parameters, optimizer state)`` by LocalModel name, tied aliases included:
-        the live tensors (zeros before a parameter's first step), or hetero's gathered copies."""
-        if self.hetero is not None:
-            sd = hetero_state_dict(self.model, self.optimizer)
-            return {k: v for k, v in sd["model"].items() if k in self.dense}, sd["optim"]["state"]
-        params, optim = {}, {}
-        for name, p in self.model.named_parameters(remove_duplicate=False):
-            params[name] = p.data
-            if p.requires_grad:
-                optim[name] = self.optimizer.state.get(p) or {
-                    "step": torch.tensor(0.0), "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
-        return params, optim
+    def hetero_stats(self) -> dict | None:
+        """hetero's statistics (chunks, budget, bytes moved); None without hetero."""
+        return self.store.hetero_stats()
 
+    # --- checkpointing --------------------------------------------------------------
     def state_dict(self) -> dict:
         """Model and optimizer state for DCP under the dense model's names and shapes, plus ``step``
         and ``tokens_seen`` (:func:`~.state.dense_state_dict`): loadable under any layout. Doubles
         as the load template of :meth:`load_state_dict`."""
-        return dense_state_dict(self.step, self.tokens_seen, self._local_state(), self.dense)
+        return dense_state_dict(self.step, self.tokens_seen, self.store.local_state(self.dense), self.dense)
 
     checkpoint_format = "parallel4d"  # run.json's "format": DCP files under the dense model's names
 
@@ -291,14 +230,6 @@ class Engine:
 
     def load_state_dict(self, state: dict) -> None:
         """Restore from a :meth:`state_dict` template that ``checkpoint.load`` filled."""
-        params, optim = local_state(state, self.dense)
-        if self.hetero is not None:
-            hetero_load_state_dict(self.model, self.optimizer, {"model": params, "optim": {"state": optim}})
-        else:
-            for name, p in self.model.named_parameters():
-                with torch.no_grad():
-                    p.copy_(params[name])
-                if p.requires_grad and float(optim[name]["step"]) > 0:
-                    self.optimizer.state[p] = optim[name]
+        self.store.load_local_state(local_state(state, self.dense))
         self.step = int(state["step"])
         self.tokens_seen = int(state["tokens_seen"])

@@ -380,8 +380,9 @@ def _summary(cfg: Config, mesh, engine, run: _Run, elapsed: float, interrupted: 
         summary["pretrained"] = {"directory": cfg.model.pretrained, "bytes_read_by_rank_0": engine.pretrained_bytes_read}
     if run.memory is not None:
         summary["memory"] = run.memory
-    if engine.hetero is not None:
-        summary["hetero"] = engine.hetero.stats()
+    hetero = engine.hetero_stats()
+    if hetero is not None:
+        summary["hetero"] = hetero
     if engine.executor is not None:
         summary["pipeline"] = {"schedule": cfg.pipeline.schedule, **engine.last_step_info}
     return summary

@@ -24,7 +24,6 @@ class DeepSpeedTrainer:
     """One rank's DeepSpeed training job, in the shape the training loop drives."""
 
     checkpoint_format = "deepspeed"  # run.json's "format": DeepSpeed's files, this layout only
-    hetero = None  # hetero and DeepSpeed never run together (config.deepspeed_problems)
 
     def __init__(self, cfg: Config, mesh: Mesh):
         self.engine, self.optimizer, self.scheduler = build_engine(cfg, mesh)
@@ -50,6 +49,10 @@ class DeepSpeedTrainer:
         self.step += 1
         self.tokens_seen += tokens.numel()
         return loss
+
+    def hetero_stats(self) -> None:
+        """None: hetero and DeepSpeed never run together (the config refuses both)."""
+        return None
 
     def checkpoint_state(self):
         """``write(directory)`` for ``checkpoint.save``: DeepSpeed's ``save_checkpoint`` into it."""
