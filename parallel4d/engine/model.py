@@ -56,7 +56,8 @@ class LocalModel(nn.Module):
         return [(self.dense[n][0], p) for n, p in self.named_parameters()]
 
     def stages(self) -> dict[str, nn.Module]:
-        """``{dense stage name: module}`` in model order (the input of :func:`~parallel4d.engine.state.dense_layouts`)."""
+        """``{dense stage name: module}`` in model order (the input of
+        :func:`~parallel4d.engine.state.dense_layouts`)."""
         named = {n: m for n, m in self.named_children() if n != "blocks"}
         blocks = {f"blocks.{k}": m for k, m in self.blocks.items()}
         return {**({"embed": named.pop("embed")} if "embed" in named else {}), **blocks, **named}

@@ -10,8 +10,9 @@ from parallel4d.config.errors import ConfigError
 
 
 def load_pretrained(model: nn.Module, layouts: dict, model_cfg) -> int:
-    """Fill ``model``'s parameters (this rank's pieces, :func:`~parallel4d.engine.state.dense_layouts`) from the Hugging
-    Face checkpoint ``model.pretrained``, reading only those slices; the bytes read."""
+    """Fill ``model``'s parameters (this rank's pieces, ``layouts``:
+    :func:`~parallel4d.engine.state.dense_layouts`) from the Hugging Face checkpoint
+    ``model.pretrained``, reading only those slices; the bytes read."""
     pieces: dict[str, list] = {}
     for name, p in model.named_parameters():  # a shared (tied) Parameter once
         dense, _, cut = layouts[name]

@@ -16,15 +16,17 @@ from parallel4d.distributed import comm
 from parallel4d.distributed.mesh import Mesh
 from parallel4d.engine.batch import local_batch, local_rows
 from parallel4d.engine.memory import SavedActivations, tensor_bytes
-from parallel4d.engine.model import TORCH_DTYPES, model_shape
+from parallel4d.engine.model import TORCH_DTYPES, model_shape, parameter_count
 from parallel4d.engine.state import checkpoint_keys, dense_state_dict, local_state
 from parallel4d.engine.store import ParameterStore
+from parallel4d.engine.trainer import Trainer
 from parallel4d.optim.loss_scale import LossScale
 from parallel4d.optim.optimizer import lr_at
 
 
-class Engine:
-    """One rank's share of the job: ``train_step(tokens, targets)`` on the global batch."""
+class Engine(Trainer):
+    """One rank's share of the job: ``train_step(tokens, targets)`` on the global batch (the
+    :class:`~parallel4d.engine.trainer.Trainer` contract), over its :class:`~.store.ParameterStore`."""
 
     def __init__(self, cfg: Config, mesh: Mesh, store: ParameterStore, loss_fn, stages, *, executor=None,
                  tied_sync=None, dense=None):
@@ -50,9 +52,9 @@ class Engine:
             else None
         self.last_step_skipped = False
         self.memory: dict | None = None  # what the last step asked to measure held (memory.py's rules)
+        self.pretrained_bytes_read: int | None = None  # compose() sets it when model.pretrained is loaded
 
     # --- data ---------------------------------------------------------------------
-    @property
     def data_rows(self) -> range:
         """The rows of each global batch this rank reads (the data need not read the others)."""
         return local_rows(self.mesh, self.cfg.data.batch_size)
@@ -205,9 +207,24 @@ class Engine:
         comm.wait(work, self.cfg.train.timeout_s, "loss all-reduce over the data replicas (dp·sp)")
         return loss
 
+    # --- what the training loop reports ---------------------------------------------
+    def parameter_count(self) -> int:
+        return parameter_count(self.model)
+
+    def held_memory(self) -> dict | None:
+        return self.memory
+
+    def loss_scaler(self) -> LossScale | None:
+        return self.loss_scale
+
+    def pretrained_bytes(self) -> int | None:
+        return self.pretrained_bytes_read
+
     def hetero_stats(self) -> dict | None:
-        """hetero's statistics (chunks, budget, bytes moved); None without hetero."""
         return self.store.hetero_stats()
+
+    def pipeline_step_info(self) -> dict | None:
+        return None if self.executor is None else self.last_step_info
 
     # --- checkpointing --------------------------------------------------------------
     def state_dict(self) -> dict:
