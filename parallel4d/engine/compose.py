@@ -3,9 +3,10 @@
 Order (docs/architecture.md): pipeline (the schedule decides which stages this rank
 holds) → build those stages of the dense reference, each from ``(seed, stage)``
 → sequence (ring attention in every block, global position ids) → tensor2d
-(each stage converted with ``from_dense`` as soon as it is built) → data
-parallelism over the replicas ``dp × sp`` (plain gradient averaging, or
-hetero's chunked ZeRO when ``hetero.enabled``) → optimizer → :class:`Engine`.
+(each stage converted with ``from_dense`` as soon as it is built) → the rank's
+:class:`~.model.LocalModel` (dense names, pretrained weights) → its parameter store
+(:mod:`.store`: plain gradient averaging over the data replicas ``dp × sp``, or
+hetero's chunked ZeRO when ``hetero.enabled``) with the optimizer → :class:`~.step.Engine`.
 
 Every stage is initialised from ``(seed, stage)`` alone, exactly as the
 single-process reference initialises it: that is what makes every layout start
@@ -45,7 +46,7 @@ from parallel4d.tensor2d import (Block2D, Head2D, LlamaBlock2D, NormHead2D, Toke
                        loss_2d)
 
 
-# --- the pieces of one rank's model -------------------------------------------------
+# --- this rank's stages ------------------------------------------------------------
 
 
 def _sequence(cfg: Config, mesh: Mesh):
@@ -138,7 +139,7 @@ def recompute_in_backward(module: nn.Module) -> nn.Module:
     return module
 
 
-# --- the engine -----------------------------------------------------------------
+# --- the pipeline ------------------------------------------------------------------
 
 
 class PipelineParts(NamedTuple):
@@ -190,10 +191,14 @@ def _scaled_loss(loss_fn, scale: float, output, targets):
 
 def _tied_table(stage: nn.Module, head: bool = False) -> nn.Parameter:
     """The token table of an embedding stage, or the LM-head weight of a head stage."""
-    stage = getattr(stage, "embed", stage)  # unwrap PositionedEmbedding
+    if isinstance(stage, PositionedEmbedding):
+        stage = stage.embed
     if head:
         return stage.lm_head.weight if hasattr(stage, "lm_head") else stage.weight
     return stage.tok.weight
+
+
+# --- the whole rank ----------------------------------------------------------------
 
 
 def compose(cfg: Config, mesh: Mesh) -> Engine:
@@ -221,7 +226,7 @@ def compose(cfg: Config, mesh: Mesh) -> Engine:
 
 def local_model(cfg: Config, stages: dict[int, nn.Module]) -> LocalModel:
     """This rank's ``stages`` (stage index → module) under their dense names, with ``.dense``
-    (:func:`dense_layouts`) and, when ``model.pretrained`` is set, the parameters filled from that
+    (:func:`~.state.dense_layouts`) and, when ``model.pretrained`` is set, the parameters filled from that
     checkpoint (only this rank's slices read; ``.pretrained_bytes_read``, else None)."""
     names = stage_names(model_shape(cfg))
     model = LocalModel({names[i]: stages[i] for i in sorted(stages)})
