@@ -22,7 +22,7 @@ _HOMES = {
     "init_mesh": "parallel4d.distributed.mesh",
     "Mesh": "parallel4d.distributed.mesh",
     "compose": "parallel4d.engine.compose",
-    "local_batch": "parallel4d.engine.compose",
+    "local_batch": "parallel4d.engine.batch",
     "build_model": "parallel4d.integrations.deepspeed",
 }
 

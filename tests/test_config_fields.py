@@ -214,7 +214,7 @@ def explicit_attention(q, k, v, causal: bool):
 def test_dense_model_follows_sequence_causal():
     """sp = 1: the dense blocks built for a job use ``sequence.causal`` (before, they were always
     causal, so ``causal: false`` did nothing without sequence parallelism). float64."""
-    from parallel4d.engine.compose import model_shape
+    from parallel4d.engine.model import model_shape
     from parallel4d.models.gpt import build_stage, dense_attention
 
     out = {}

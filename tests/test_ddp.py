@@ -40,7 +40,7 @@ class SingleAllReduce:
         pass
 
     def finish(self):
-        from parallel4d.engine.compose import average_gradients
+        from parallel4d.engine.grads import average_gradients
 
         average_gradients(self.engine.params, self.engine.mesh, self.engine.cfg.train.timeout_s)
 
@@ -79,10 +79,10 @@ def _train(cfg_dict, buckets: bool):
     p = cfg.parallel
     mesh = init_mesh(pp=p.pp, dp=p.dp, sp=p.sp, tp=p.tp, timeout_s=cfg.train.timeout_s)
     engine = compose(cfg, mesh)
-    out = {"buckets": len(engine.grad_sync.buckets), "posted_in_backward": []}
+    out = {"buckets": len(engine.store.grad_sync.buckets), "posted_in_backward": []}
     if not buckets:
-        engine.grad_sync.remove()
-        engine.grad_sync = SingleAllReduce(engine)
+        engine.store.grad_sync.remove()
+        engine.store.grad_sync = SingleAllReduce(engine)
     events = Events(engine) if buckets and "embed" in dict(engine.model.named_children()) else None
     data, losses, sent = build_dataset(cfg), [], []
     for step in range(cfg.train.steps):
@@ -92,7 +92,7 @@ def _train(cfg_dict, buckets: bool):
         losses.append(engine.train_step(*data.batch(step)))
         sent.append(mesh.comm_stats.sent["dp_grad"] - before)
         if buckets:
-            out["posted_in_backward"].append(engine.grad_sync.posted_in_backward)
+            out["posted_in_backward"].append(engine.store.grad_sync.posted_in_backward)
     if events is not None:
         events.close()
         out["events"] = events.steps

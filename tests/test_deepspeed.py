@@ -21,7 +21,9 @@ from parallel4d.data.batches import build_dataset  # noqa: E402
 from deepspeed.runtime.utils import clip_grad_norm_ as ds_clip_grad_norm_  # noqa: E402
 
 import parallel4d  # noqa: E402
-from parallel4d.engine.compose import dense_layouts, local_batch, model_shape  # noqa: E402
+from parallel4d.engine.batch import local_batch  # noqa: E402
+from parallel4d.engine.state import dense_layouts  # noqa: E402
+from parallel4d.engine.model import model_shape  # noqa: E402
 from parallel4d.optim.optimizer import build_optimizer, lr_at, lr_lambda  # noqa: E402
 from parallel4d.integrations.deepspeed import avoid_compiled_ops  # noqa: E402
 from parallel4d.distributed.mesh import init_mesh  # noqa: E402

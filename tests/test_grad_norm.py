@@ -58,7 +58,7 @@ def config(case):
 def _dense_view(model, grads: bool) -> dict:
     """This rank's parameters (or gradients) as dense tensors under dense names: 2D stages
     gathered over the grid (collective), others as they are."""
-    from parallel4d.engine.compose import PositionedEmbedding
+    from parallel4d.engine.model import PositionedEmbedding
 
     stages = [(n, m) for n, m in model.named_children() if n != "blocks"]
     stages += [(f"blocks.{k}", m) for k, m in model.blocks.items()]
@@ -75,20 +75,21 @@ def _dense_view(model, grads: bool) -> dict:
 
 
 def _worker(cases):
-    import parallel4d.engine.compose as engine_mod
+    import parallel4d.engine.grads as grads_mod
+    from parallel4d.engine.compose import compose
     from parallel4d.data.batches import build_dataset
     from parallel4d.distributed.mesh import init_mesh
 
     out = {}
-    real_norm = engine_mod.global_grad_norm
+    real_norm = grads_mod.global_grad_norm
     for case in cases:
         cfg = config(case)
         p = cfg.parallel
         mesh = init_mesh(pp=p.pp, dp=p.dp, sp=p.sp, tp=p.tp, timeout_s=cfg.train.timeout_s)
-        engine = engine_mod.compose(cfg, mesh)
+        engine = compose(cfg, mesh)
         got = {"coords": mesh.coords, "norms": []}
 
-        if engine.hetero is None:
+        if not cfg.hetero.enabled:
             real_step = engine.optimizer.step
 
             def step(*args, real_step=real_step, engine=engine, got=got, **kwargs):
@@ -103,15 +104,15 @@ def _worker(cases):
             norm_calls.append(float(n))
             return n
 
-        engine_mod.global_grad_norm = norm
+        grads_mod.global_grad_norm = norm
         try:
             tokens, targets = build_dataset(cfg).batch(0)
             got["loss"] = engine.train_step(tokens, targets)
         finally:
-            engine_mod.global_grad_norm = real_norm
+            grads_mod.global_grad_norm = real_norm
         got["norms"] = [engine.last_grad_norm]
         got["norm_calls"] = norm_calls  # the dense path's function: once, never under hetero
-        if engine.hetero is not None:  # this rank's pieces of the dense parameters, from the checkpoint view
+        if cfg.hetero.enabled:  # this rank's pieces of the dense parameters, from the checkpoint view
             got["pieces"] = {k[len("model."):]: [(off, view.clone()) for off, view in v.pieces]
                              for k, v in engine.state_dict().items() if k.startswith("model.")}
         else:
@@ -125,7 +126,7 @@ def dense_reference():
     change only the layout sections, so this one serves them all)."""
     from parallel4d.config.load import make_config
     from parallel4d.data.batches import build_dataset
-    from parallel4d.engine.compose import model_shape, parameter_dtype
+    from parallel4d.engine.model import model_shape, parameter_dtype
     from parallel4d.optim.optimizer import build_optimizer, lr_at
     from parallel4d.models.gpt import build_gpt
 

@@ -11,7 +11,7 @@ from conftest import run_workers
 from parallel4d.config.errors import ConfigError
 from parallel4d.config.load import make_config
 from parallel4d.data.batches import build_dataset
-from parallel4d.engine.compose import model_shape
+from parallel4d.engine.model import model_shape
 from parallel4d.models import build_dense
 from parallel4d.optim.optimizer import build_optimizer, lr_at
 
@@ -77,8 +77,8 @@ def _train_layouts(jobs: dict, with_hetero_stats: bool = False):
         pieces = {k[len("model."):]: [(tuple(off), view.detach().clone()) for off, view in v.pieces]
                   for k, v in engine.state_dict().items() if k.startswith("model.")}
         out[name] = losses, pieces
-        if with_hetero_stats and engine.hetero is not None:
-            out["hetero"] = engine.hetero.stats()
+        if with_hetero_stats and cfg.hetero.enabled:
+            out["hetero"] = engine.hetero_stats()
     return out
 
 

@@ -19,7 +19,7 @@ from parallel4d import launch
 from parallel4d.config.errors import ConfigError
 from parallel4d.config.load import make_config
 from parallel4d.data.batches import build_dataset, build_validation
-from parallel4d.engine.compose import model_shape, parameter_dtype
+from parallel4d.engine.model import model_shape, parameter_dtype
 from parallel4d.training.metrics import read_records
 from parallel4d.models import build_dense
 from parallel4d.optim.optimizer import build_optimizer, lr_lambda

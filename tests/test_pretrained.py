@@ -297,7 +297,7 @@ def test_pretrained_fields_and_files_are_checked_before_training(checkpoints, tm
 def _peak_while_loading(directory: str):
     """This rank's growth of peak resident memory (VmHWM, reset first) while its model (built by
     compose(), with ``model.pretrained``) is loaded again from the checkpoint, and the bytes read."""
-    from parallel4d.engine.compose import load_pretrained
+    from parallel4d.engine.pretrained import load_pretrained
     from parallel4d.engine.compose import compose
     from parallel4d.distributed.mesh import init_mesh
 

@@ -69,7 +69,7 @@ STEPS = 3
 def _hetero_steps():
     """The ring model at sp=2 × dp=2 with hetero's chunks and ZeRO over the 4 data replicas, under a
     device budget below its model data: AdamW steps on the shards; losses and the budget stats."""
-    from parallel4d.engine.compose import DataReplicas
+    from parallel4d.engine.store import DataReplicas
     from parallel4d.hetero import wrap
     from parallel4d.integrations.transformers import shard_sequence, use_ring_attention
     from parallel4d.distributed.mesh import init_mesh

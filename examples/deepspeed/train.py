@@ -12,7 +12,7 @@ import torch
 
 import parallel4d
 from parallel4d.data.batches import build_dataset
-from parallel4d.engine.compose import model_shape
+from parallel4d.engine.model import model_shape
 from parallel4d.integrations.deepspeed import avoid_compiled_ops
 from parallel4d.models.gpt import build_gpt
 

@@ -3,9 +3,10 @@
 Order (docs/architecture.md): pipeline (the schedule decides which stages this rank
 holds) → build those stages of the dense reference, each from ``(seed, stage)``
 → sequence (ring attention in every block, global position ids) → tensor2d
-(each stage converted with ``from_dense`` as soon as it is built) → data
-parallelism over the replicas ``dp × sp`` (plain gradient averaging, or
-hetero's chunked ZeRO when ``hetero.enabled``) → optimizer → :class:`Engine`.
+(each stage converted with ``from_dense`` as soon as it is built) → the rank's
+:class:`~.model.LocalModel` (dense names, pretrained weights) → its parameter store
+(:mod:`.store`: plain gradient averaging over the data replicas ``dp × sp``, or
+hetero's chunked ZeRO when ``hetero.enabled``) with the optimizer → :class:`~.step.Engine`.
 
 Every stage is initialised from ``(seed, stage)`` alone, exactly as the
 single-process reference initialises it: that is what makes every layout start
@@ -21,136 +22,31 @@ shard ``r`` of ``sp`` (in ``sequence.layout``) → ``m`` micro-batches:
 from __future__ import annotations
 
 import functools
-import importlib
-from contextlib import nullcontext
 from typing import NamedTuple
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 import torch.utils.checkpoint
 
-from parallel4d.checkpoint import dcp as checkpoint
-from parallel4d.distributed import comm
 from parallel4d.config.errors import ConfigError
 from parallel4d.config.schema import Config
-from parallel4d.distributed.ddp import GradBuckets
-from parallel4d.hetero import load_state_dict as hetero_load_state_dict
-from parallel4d.hetero import state_dict as hetero_state_dict
-from parallel4d.hetero import wrap as hetero_wrap
 from parallel4d.distributed.mesh import Mesh
+from parallel4d.engine.model import LocalModel, PositionedEmbedding, model_shape, parameter_dtype
+from parallel4d.engine.pretrained import load_pretrained
+from parallel4d.engine.state import dense_layouts
+from parallel4d.engine.step import Engine
+from parallel4d.engine.store import parameter_store
+from parallel4d.models import LlamaShape, build_stage, cross_entropy, stage_names
 from parallel4d.optim.fused import use_fused_norms
-from parallel4d.optim.loss_scale import LossScale
-from parallel4d.engine.memory import SavedActivations, optimizer_state_bytes, tensor_bytes
-from parallel4d.models import LlamaShape, Shape, build_stage, cross_entropy, shape_from_config, stage_names
-from parallel4d.optim.optimizer import build_optimizer, lr_at, param_groups
 from parallel4d.pipeline import make_schedule
 from parallel4d.pipeline.executor import PipelineExecutor, TiedGradSync
 from parallel4d.pipeline.partition import build_chunks, parameter_costs, partition
-from parallel4d.sequence import make_ring_attention_fn, positions_for, split_sequence
-from parallel4d.checkpoint.shards import DenseShards, Pieces, whole
+from parallel4d.sequence import make_ring_attention_fn, positions_for
 from parallel4d.tensor2d import (Block2D, Head2D, LlamaBlock2D, NormHead2D, TokenEmbedding2D, TokenPositionEmbedding2D,
                        loss_2d)
 
-# train.dtype → the dtype parameters (and pipeline activations between ranks) are kept in;
-TORCH_DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16,
-                "float16": torch.float16}
 
-
-def parameter_dtype(cfg: Config) -> torch.dtype:
-    """The parameters' dtype (``train.param_dtype``, or what the ``train.dtype`` preset implies)."""
-    return TORCH_DTYPES[cfg.train.parameters]
-
-
-def model_shape(cfg: Config) -> Shape:
-    """The model's shape: ``model.*`` for its ``arch``, plus ``sequence.causal`` (masked or
-    bidirectional attention, in the dense blocks as in the ring and the 2D blocks)."""
-    return shape_from_config(cfg.model, causal=cfg.sequence.causal)
-
-
-# --- the pieces of one rank's model -------------------------------------------------
-
-
-class PositionedEmbedding(nn.Module):
-    """An embedding stage fed the *global* position ids of this rank's sequence shard."""
-
-    def __init__(self, embed: nn.Module, positions: torch.Tensor):
-        super().__init__()
-        self.embed = embed
-        self.register_buffer("positions", positions, persistent=False)
-
-    def forward(self, tokens):
-        return self.embed(tokens, self.positions)
-
-
-class LocalModel(nn.Module):
-    """This rank's stages under their dense names (``embed``, ``blocks.<i>``, ``head``)."""
-
-    def __init__(self, stages: dict[str, nn.Module]):
-        super().__init__()
-        self.blocks = nn.ModuleDict()
-        for name, module in stages.items():
-            if name.startswith("blocks."):
-                self.blocks[name.split(".", 1)[1]] = module
-            else:
-                self.add_module(name, module)
-
-    def dense_named_parameters(self) -> list[tuple[str, nn.Parameter]]:
-        """``(dense name, parameter)`` of each parameter once (the optimizer's groups go by these);
-        needs ``.dense``, which :func:`local_model` sets."""
-        return [(self.dense[n][0], p) for n, p in self.named_parameters()]
-
-    def stages(self) -> dict[str, nn.Module]:
-        """``{dense stage name: module}`` in model order (the input of :func:`dense_layouts`)."""
-        named = {n: m for n, m in self.named_children() if n != "blocks"}
-        blocks = {f"blocks.{k}": m for k, m in self.blocks.items()}
-        return {**({"embed": named.pop("embed")} if "embed" in named else {}), **blocks, **named}
-
-
-def local_rows(mesh: Mesh, batch_size: int) -> range:
-    """The rows of a global batch this rank trains on: block ``dp`` of the batch, then block
-    ``tp_row`` of that (the sequence shard is taken from those rows)."""
-    dp, q = mesh.size("dp"), mesh.size("tp_row")
-    if batch_size % (dp * q):
-        raise ValueError(f"a batch of {batch_size} rows does not split into dp·q = {dp}·{q} equal parts")
-    per = batch_size // (dp * q)
-    start = (mesh.rank("dp") * q + mesh.rank("tp_row")) * per
-    return range(start, start + per)
-
-
-def local_batch(mesh: Mesh, x: torch.Tensor, layout: str = "zigzag") -> torch.Tensor:
-    """This rank's share of a global ``[B, S]`` tensor (tokens or targets): its rows
-    (:func:`local_rows`), then sequence shard sp in ``layout`` (``sequence.layout``)
-    → ``[B/(dp·q), S/sp]`` on ``mesh.device``."""
-    rows = local_rows(mesh, x.shape[0])
-    x = x[rows.start:rows.stop]
-    if mesh.size("sp") > 1:
-        x = split_sequence(x, mesh.group("sp"), dim=1, layout=layout)
-    return x.contiguous().to(mesh.device)
-
-
-def dense_layouts(stages: dict[str, nn.Module], tied: bool) -> dict[str, tuple[str, tuple, Pieces]]:
-    """``{name in LocalModel: (dense name, dense shape, pieces)}`` for every parameter name
-    (tied aliases included): where each local parameter sits in the single-process model.
-
-    A 2D stage reports its own layout; any other parameter is the whole dense tensor.
-    A tied LM head (shared, or its untied copy on the last pipeline stage) is the token
-    table ``embed.tok.weight``."""
-    out = {}
-    for stage_name, stage in stages.items():
-        local = f"{stage_name}."
-        if isinstance(stage, PositionedEmbedding):  # a wrapper; the dense stage has no such level
-            stage, local = stage.embed, f"{local}embed."
-        if hasattr(stage, "dense_layout"):
-            found = {n: (d, shape, pieces) for n, (d, (shape, pieces)) in stage.dense_layout().items()}
-        else:
-            found = {n: (n, tuple(p.shape), whole) for n, p in stage.named_parameters(remove_duplicate=False)}
-        for name, (dense, shape, pieces) in found.items():
-            dense = f"{stage_name}.{dense}"
-            if tied and dense == "head.weight":
-                dense = "embed.tok.weight"
-            out[local + name] = (dense, shape, pieces)
-    return out
+# --- this rank's stages ------------------------------------------------------------
 
 
 def _sequence(cfg: Config, mesh: Mesh):
@@ -243,396 +139,7 @@ def recompute_in_backward(module: nn.Module) -> nn.Module:
     return module
 
 
-# --- gradient synchronisation and norms ------------------------------------------
-
-
-def average_gradients(params: list[nn.Parameter], mesh: Mesh, timeout_s: float) -> None:
-    """Average grads over the data-like axes ``dp`` and ``sp`` (every parameter is
-    replicated over both; each rank's loss is the mean over its own tokens) in one
-    all-reduce after the backward. The engine overlaps the same sums with the backward
-    (:class:`~parallel4d.ddp.GradBuckets`); this is the reference they are tested against."""
-    replicas = mesh.size("dp") * mesh.size("sp")
-    if replicas == 1:
-        return
-    grads = [p.grad for p in params if p.grad is not None]
-    if not grads:
-        return
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    work = comm.all_reduce(flat, mesh.group_over("dp", "sp"), stats=mesh.comm_stats, label="dp_grad", async_op=True)
-    comm.wait(work, timeout_s, "gradient all-reduce over the data replicas (dp·sp)")
-    flat /= replicas
-    offset = 0
-    for g in grads:
-        g.copy_(flat[offset:offset + g.numel()].view_as(g))
-        offset += g.numel()
-
-
-def norm_weight(p: nn.Parameter, q: int, tied_copies: set[int]) -> float:
-    """How much of ``p``'s squared gradient norm this rank contributes to the whole model's, so
-    that summing over tp and pp counts each dense element once: 1/q for a parameter replicated over
-    the grid rows (``tensor2d_replicated_over``), 1/2 for a tied copy held on two pp ranks
-    (``tied_copies``: ids), else 1."""
-    w = 1.0
-    if "tp_row" in getattr(p, "tensor2d_replicated_over", ()):
-        w /= q
-    if id(p) in tied_copies:
-        w /= 2
-    return w
-
-
-def sum_over_model_axes(sq: torch.Tensor, mesh: Mesh) -> torch.Tensor:
-    """``sq`` summed over the axes that hold different parameters (tp_row, tp_col, pp), in place."""
-    for axis in ("tp_row", "tp_col", "pp"):
-        comm.all_reduce(sq, mesh.group(axis), stats=mesh.comm_stats, label="grad_norm")
-    return sq
-
-
-def global_grad_norm(params: list[nn.Parameter], mesh: Mesh, tied_copies: set[int] = frozenset()) -> torch.Tensor:
-    """L2 norm of the whole model's gradient, each distinct dense element counted once
-    (:func:`norm_weight`), shards on different tp/pp ranks summed; float64 ``[]``."""
-    sq = torch.zeros((), dtype=torch.float64, device=mesh.device)
-    q = mesh.size("tp_row")
-    for p in params:
-        if p.grad is not None:
-            sq = sq + p.grad.detach().double().pow(2).sum() * norm_weight(p, q, tied_copies)
-    return sum_over_model_axes(sq, mesh).sqrt()
-
-
-class DataReplicas:
-    """The mesh as hetero's ZeRO sees it: its ``dp`` axis is every data replica
-    (``dp × sp``: parameters are replicated over both, and each rank's loss is the
-    mean over its own tokens, so gradients are averaged over both)."""
-
-    def __init__(self, mesh: Mesh):
-        self.mesh, self.comm_stats, self.device = mesh, mesh.comm_stats, mesh.device
-        self._group = mesh.group_over("dp", "sp")
-
-    def _check(self, axis: str) -> None:
-        if axis != "dp":
-            raise ValueError(f"DataReplicas only answers for the 'dp' axis, not {axis!r}")
-
-    def size(self, axis: str) -> int:
-        self._check(axis)
-        return self.mesh.size("dp") * self.mesh.size("sp")
-
-    def rank(self, axis: str) -> int:
-        self._check(axis)
-        return self.mesh.rank_over("dp", "sp")
-
-    def group(self, axis: str):
-        self._check(axis)
-        return self._group
-
-
-# --- the engine -----------------------------------------------------------------
-
-
-class Engine:
-    """One rank's share of the job: ``train_step(tokens, targets)`` on the global batch."""
-
-    def __init__(self, cfg: Config, mesh: Mesh, model: LocalModel, optimizer, loss_fn, stages, *, executor=None,
-                 tied_sync=None, tied_params=(), hetero=None, dense=None):
-        self.cfg, self.mesh, self.model, self.optimizer = cfg, mesh, model, optimizer
-        self.dense = dense  # {LocalModel name: (dense name, shape, pieces)}: see dense_layouts()
-        self._stages = list(stages)  # this rank's stages in model order (unused under pp)
-        self.loss_fn, self.executor, self.tied_sync, self.tied_params = loss_fn, executor, tied_sync, list(tied_params)
-        self.hetero = optimizer if hetero else None  # the HeteroOptimizer owns chunks, ZeRO and stats
-        self.params = [p for p in model.parameters() if p.requires_grad]
-        self.device = mesh.device
-        self.step = 0
-        self.tokens_seen = 0
-        self.last_step_info: dict = {}
-        self.last_lr: float | None = None  # the learning rate of the last step
-        self.last_grad_norm: float | None = None  # see train_step
-        self._eval_executor = None  # forwards-only twin of the executor, built at the first evaluate()
-        half = cfg.train.autocast
-        self.autocast = (torch.autocast(device_type=self.device.type, dtype=TORCH_DTYPES[half])
-                         if half != "none" else nullcontext())
-        # float16: the loss is scaled for the backward; every rank agrees on skipping a step that overflowed
-        self.loss_scale = LossScale(cfg.train.loss_scale_init, cfg.train.loss_scale_window) if half == "float16" \
-            else None
-        self.last_step_skipped = False
-        self.grad_sync = self._grad_buckets()
-        self.memory: dict | None = None  # what the last step asked to measure held (memory.py's rules)
-
-    # --- data-parallel gradients ----------------------------------------------------
-    def _grad_buckets(self) -> GradBuckets | None:
-        """Bucketed all-reduces over ``dp·sp`` posted during the backward; None with one
-        replica or under hetero (its ZeRO reduces the grads itself)."""
-        if self.hetero is not None or self.mesh.size("dp") * self.mesh.size("sp") == 1:
-            return None
-        return GradBuckets(self.params, self.mesh, bucket_bytes=self.cfg.train.dp_bucket_mb * 2**20,
-                           timeout_s=self.cfg.train.timeout_s, expected=self._accumulations(),
-                           deferred=self.tied_params if self.tied_sync is not None else (),
-                           reduce_dtype=TORCH_DTYPES[self.cfg.train.grad_reduce])
-
-    def _accumulations(self) -> dict[int, int]:
-        """``{id(param): gradient accumulations per step}``: one per micro-batch, and under
-        the pipeline one per micro-batch for each of this rank's chunks holding the parameter."""
-        m = self.cfg.pipeline.microbatches
-        if self.executor is None:
-            return {id(p): m for p in self.params}
-        counts: dict[int, int] = {}
-        for chunk in self.executor.chunks.values():
-            for p in chunk.parameters():
-                counts[id(p)] = counts.get(id(p), 0) + m
-        return counts
-
-    # --- data ---------------------------------------------------------------------
-    @property
-    def data_rows(self) -> range:
-        """The rows of each global batch this rank reads (the data need not read the others)."""
-        return local_rows(self.mesh, self.cfg.data.batch_size)
-
-    def local_batch(self, x: torch.Tensor) -> torch.Tensor:
-        """This rank's share of a global ``[B, S]`` tensor: ``[B/(dp·q), S/sp]``."""
-        return local_batch(self.mesh, x, self.cfg.sequence.layout)
-
-    # --- one step -----------------------------------------------------------------
-    def _forward_backward(self, x, y) -> torch.Tensor:
-        if self.executor is not None:
-            mb = self.cfg.pipeline.microbatches
-            self.executor.loss_scale = self._scale()
-            with self.autocast:
-                result = self.executor.step(list(x.chunk(mb)), list(y.chunk(mb)))
-            self.last_step_info = {"peak_activations": result.peak_activations, "wait_s": result.wait_s}
-            if self.tied_sync is not None:
-                self.tied_sync(self.tied_params, timeout_s=self.cfg.train.timeout_s)
-            return torch.tensor([result.loss], dtype=torch.float64, device=self.device)
-        mb = self.cfg.pipeline.microbatches
-        if mb == 1:
-            return self._micro_step(x, y, 1)
-        # pp = 1: gradient accumulation over m equal micro-batches, so only one micro-batch's
-        # activations are alive at a time; each mean loss weighs 1/m, the sum is the big batch's.
-        total = torch.zeros(1, dtype=torch.float64, device=self.device)
-        for xm, ym in zip(x.chunk(mb), y.chunk(mb)):
-            total += self._micro_step(xm, ym, mb)
-        return total / mb
-
-    def _scale(self) -> float:
-        return self.loss_scale.scale if self.loss_scale is not None else 1.0
-
-    def _micro_step(self, x, y, mb: int) -> torch.Tensor:
-        """Forward and backward of the local ``[b, s]`` tokens through this rank's stages,
-        the gradient scaled by ``1/mb``; returns the (unscaled) mean loss as float64 ``[1]``."""
-        h = x
-        with self.autocast:
-            for stage in self._stages:
-                h = stage(h)
-            loss = self.loss_fn(h, y)
-        scale = self._scale()
-        (loss * (scale / mb) if scale != 1.0 or mb > 1 else loss).backward()
-        return loss.detach().to(torch.float64).reshape(1)
-
-    def compute_gradients(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Forward and backward of the global ``[B, S]`` batch: afterwards each parameter's
-        ``.grad`` holds this rank's share of the gradient of the global mean loss (reduced
-        over the data replicas dp·sp; under hetero its ZeRO reduces at the step). Returns the
-        mean loss of this data replica's tokens, float64 ``[1]``, equal on its tp and pp ranks."""
-        x, y = self.local_batch(tokens), self.local_batch(targets)
-        if self.grad_sync is not None:
-            self.grad_sync.start()
-        loss = self._forward_backward(x, y)
-        if self.grad_sync is not None:
-            self.grad_sync.finish()
-        return loss
-
-    @torch.no_grad()
-    def evaluate(self, tokens: torch.Tensor, targets: torch.Tensor) -> float:
-        """The global mean loss of a ``[B, S]`` batch, forwards only (no gradient is computed or
-        touched), in ``pipeline.microbatches`` micro-batches as a training step cuts it: equal in
-        every layout to the dense model's loss on the batch. Collective over the whole mesh."""
-        x, y = self.local_batch(tokens), self.local_batch(targets)
-        mb = self.cfg.pipeline.microbatches
-        total = torch.zeros(1, dtype=torch.float64, device=self.device)
-        with self.autocast:
-            if self.executor is not None:
-                if self._eval_executor is None:
-                    self._eval_executor = self.executor.for_evaluation()
-                total += self._eval_executor.step(list(x.chunk(mb)), list(y.chunk(mb))).loss
-            else:
-                for xm, ym in zip(x.chunk(mb), y.chunk(mb)):
-                    h = xm
-                    for stage in self._stages:
-                        h = stage(h)
-                    total += self.loss_fn(h, ym).double() / mb
-        work = comm.all_reduce(total, self.mesh.group_over("dp", "sp"), stats=self.mesh.comm_stats,
-                               label="val_loss", async_op=True)
-        comm.wait(work, self.cfg.train.timeout_s, "validation loss all-reduce over the data replicas (dp·sp)")
-        return total.item() / (self.mesh.size("dp") * self.mesh.size("sp"))
-
-    def _overflow(self, norm: torch.Tensor) -> bool:
-        """Whether any rank's gradients hold an inf or NaN, agreed by every rank of the mesh (the
-        norm already sums over every axis; the explicit MAX over the world makes the rule plain)."""
-        flag = torch.tensor([0.0 if bool(torch.isfinite(norm)) else 1.0], device=self.device)
-        work = comm.all_reduce(flag, None, op=dist.ReduceOp.MAX, stats=self.mesh.comm_stats, label="overflow",
-                               async_op=True)
-        comm.wait(work, self.cfg.train.timeout_s, "float16 overflow agreement over every rank")
-        return bool(flag.item() > 0)
-
-    def grad_norm(self) -> torch.Tensor:
-        """L2 norm of the whole model's gradient after :meth:`compute_gradients`, float64 ``[]``,
-        equal on every rank: each dense element once, in every layout, hetero's chunks included."""
-        tied = {id(p) for p in self.tied_params}
-        if self.hetero is None:
-            return global_grad_norm(self.params, self.mesh, tied)
-        q = self.mesh.size("tp_row")
-        weights = {name: norm_weight(p, q, tied) for name, p in self.model.named_parameters()}
-        return sum_over_model_axes(self.optimizer.grad_sq_norm(weights), self.mesh).sqrt()
-
-    def measure_gradients(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """:meth:`compute_gradients`, measuring what this rank holds (:mod:`.memory`) into
-        :attr:`memory`: ``parameters``, ``gradients``, peak ``activations`` and ``sent_by_axis``
-        (bytes this rank sent per mesh axis in the forward and backward, the data replicas'
-        gradient reduction included; the step's few scalars — loss, norm — are not); under hetero
-        also its ``hetero_device`` (the chunk arena) and ``hetero_host`` bytes."""
-        stats = self.mesh.comm_stats
-        before = dict(stats.axis_sent)
-        meter = SavedActivations(self._model_storages())
-        if self.hetero is not None:
-            self.hetero.watch_activations(meter)  # its own saved-tensor hooks see the activations
-        try:
-            with meter:
-                loss = self.compute_gradients(tokens, targets)
-        finally:
-            if self.hetero is not None:
-                self.hetero.watch_activations(None)
-        self.memory = {"parameters": tensor_bytes(self.model.parameters()),  # hetero: their shapes' bytes
-                       "gradients": tensor_bytes(p.grad for p in self.params) if self.hetero is None else None,
-                       "activations": meter.peak}
-        if self.hetero is not None:
-            hetero = self.hetero.stats()
-            self.memory.update(hetero_device=hetero["arena_bytes"], hetero_host=hetero["host_bytes"])
-        self.memory["sent_by_axis"] = {a: n - before.get(a, 0) for a, n in stats.axis_sent.items()
-                                       if n != before.get(a, 0)}
-        return loss
-
-    def _model_storages(self) -> list[torch.Tensor]:
-        """The tensors whose storage is model data, not activation: the parameters, hetero's arenas."""
-        return list(self.model.parameters()) + (self.hetero.arenas() if self.hetero is not None else [])
-
-    def train_step(self, tokens: torch.Tensor, targets: torch.Tensor, measure_grad_norm: bool = False,
-                   measure_memory: bool = False) -> float:
-        """One optimizer step on the global batch; returns the global mean loss. The gradient's
-        norm (before clipping) is in ``last_grad_norm`` when ``train.grad_clip`` is set or
-        ``measure_grad_norm`` asks for it (a collective: ask on every rank), else None.
-        ``measure_memory``: fill :attr:`memory` (:meth:`measure_gradients`, then the optimizer state)."""
-        lr = lr_at(self.step, self.cfg.optimizer, self.cfg.train.steps)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-        self.last_lr = lr
-        loss = (self.measure_gradients if measure_memory else self.compute_gradients)(tokens, targets)
-        clip, scaler = self.cfg.train.grad_clip, self.loss_scale
-        norm = self.grad_norm() if clip or measure_grad_norm or scaler else None
-        coef = None  # what the gradients are multiplied by before the update: unscaling, clipping
-        if scaler is not None:
-            norm, coef = norm / scaler.scale, 1.0 / scaler.scale
-        if clip:
-            c = float((clip / (norm + 1e-6)).clamp(max=1.0))
-            coef = c if coef is None else coef * c
-        self.last_grad_norm = None if norm is None else float(norm)
-        self.last_step_skipped = scaler is not None and self._overflow(norm)
-        if not self.last_step_skipped:
-            if coef is not None and self.hetero is not None:
-                self.optimizer.scale_next_step(coef)  # hetero's gradients live in its chunks
-            elif coef is not None:
-                for p in self.params:
-                    if p.grad is not None:
-                        p.grad.mul_(coef)
-            self.optimizer.step()
-        if measure_memory:
-            self.memory["optimizer_state"] = (None if self.hetero is not None  # in the chunks: hetero_host
-                                              else optimizer_state_bytes(self.optimizer))
-        self.optimizer.zero_grad()
-        if scaler is not None:
-            scaler.update(self.last_step_skipped)
-        self.step += 1
-        self.tokens_seen += tokens.numel()
-        return self.sum_over_replicas(loss).item() / (self.mesh.size("dp") * self.mesh.size("sp"))
-
-    def sum_over_replicas(self, loss: torch.Tensor) -> torch.Tensor:
-        """The sum of the data replicas' mean losses (a no-op with one replica)."""
-        work = comm.all_reduce(loss, self.mesh.group_over("dp", "sp"), stats=self.mesh.comm_stats,
-                               label="loss", async_op=True)
-        comm.wait(work, self.cfg.train.timeout_s, "loss all-reduce over the data replicas (dp·sp)")
-        return loss
-
-    # --- checkpointing --------------------------------------------------------------
-    def _local_state(self) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, torch.Tensor]]]:
-        """``(parameters, optimizer state)`` by LocalModel name, tied aliases included:
-        the live tensors (zeros before a parameter's first step), or hetero's gathered copies."""
-        if self.hetero is not None:
-            sd = hetero_state_dict(self.model, self.optimizer)
-            return {k: v for k, v in sd["model"].items() if k in self.dense}, sd["optim"]["state"]
-        params, optim = {}, {}
-        for name, p in self.model.named_parameters(remove_duplicate=False):
-            params[name] = p.data
-            if p.requires_grad:
-                optim[name] = self.optimizer.state.get(p) or {
-                    "step": torch.tensor(0.0), "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
-        return params, optim
-
-    def state_dict(self) -> dict:
-        """Model and optimizer state for DCP under the dense model's names and shapes
-        (``model.<dense name>``, ``optim.<dense name>.<step|exp_avg|exp_avg_sq>``; each a
-        :class:`DenseShards` of this rank's pieces), plus ``step`` and ``tokens_seen``:
-        loadable under any layout. Doubles as the load template of :meth:`load_state_dict`."""
-        out = {"step": torch.tensor(self.step), "tokens_seen": torch.tensor(self.tokens_seen)}
-        params, optim = self._local_state()
-        for name, t in params.items():
-            dense, shape, pieces = self.dense[name]
-            out.setdefault(f"model.{dense}", DenseShards(shape, t, pieces))
-        for name, state in optim.items():
-            dense, shape, pieces = self.dense[name]
-            out.setdefault(f"optim.{dense}.step", state["step"])
-            for k in ("exp_avg", "exp_avg_sq"):
-                out.setdefault(f"optim.{dense}.{k}", DenseShards(shape, state[k], pieces))
-        return out
-
-    checkpoint_format = "parallel4d"  # run.json's "format": DCP files under the dense model's names
-
-    def checkpoint_state(self) -> dict:
-        """What ``checkpoint.save`` writes: :meth:`state_dict`."""
-        return self.state_dict()
-
-    def load_checkpoint(self, path) -> None:
-        """Restore from checkpoint ``path`` (its files already verified), whatever layout saved it."""
-        state = self.state_dict()
-        checkpoint.load(state, path, verify_files=False, known=self.checkpoint_keys())
-        self.load_state_dict(state)
-
-    def checkpoint_keys(self) -> set[str]:
-        """Every key :meth:`state_dict` has on some rank: the whole model's, from its shapes."""
-        shape = model_shape(self.cfg)
-        keys = {"step", "tokens_seen"}
-        for index, stage_name in enumerate(stage_names(shape)):
-            for name, p in build_stage(shape, index, meta=True).named_parameters():
-                dense = f"{stage_name}.{name}"
-                if shape.tie_embeddings and dense == "head.weight":
-                    continue
-                keys.add(f"model.{dense}")
-                if p.requires_grad:
-                    keys.update(f"optim.{dense}.{k}" for k in ("step", "exp_avg", "exp_avg_sq"))
-        return keys
-
-    def load_state_dict(self, state: dict) -> None:
-        """Restore from a :meth:`state_dict` template that ``checkpoint.load`` filled."""
-        params, optim = {}, {}
-        for name, (dense, _, _) in self.dense.items():
-            params[name] = state[f"model.{dense}"].tensor
-            if f"optim.{dense}.step" in state:
-                optim[name] = {"step": state[f"optim.{dense}.step"],
-                               **{k: state[f"optim.{dense}.{k}"].tensor for k in ("exp_avg", "exp_avg_sq")}}
-        if self.hetero is not None:
-            hetero_load_state_dict(self.model, self.optimizer, {"model": params, "optim": {"state": optim}})
-        else:
-            for name, p in self.model.named_parameters():
-                with torch.no_grad():
-                    p.copy_(params[name])
-                if p.requires_grad and float(optim[name]["step"]) > 0:
-                    self.optimizer.state[p] = optim[name]
-        self.step = int(state["step"])
-        self.tokens_seen = int(state["tokens_seen"])
+# --- the pipeline ------------------------------------------------------------------
 
 
 class PipelineParts(NamedTuple):
@@ -684,10 +191,14 @@ def _scaled_loss(loss_fn, scale: float, output, targets):
 
 def _tied_table(stage: nn.Module, head: bool = False) -> nn.Parameter:
     """The token table of an embedding stage, or the LM-head weight of a head stage."""
-    stage = getattr(stage, "embed", stage)  # unwrap PositionedEmbedding
+    if isinstance(stage, PositionedEmbedding):
+        stage = stage.embed
     if head:
         return stage.lm_head.weight if hasattr(stage, "lm_head") else stage.weight
     return stage.tok.weight
+
+
+# --- the whole rank ----------------------------------------------------------------
 
 
 def compose(cfg: Config, mesh: Mesh) -> Engine:
@@ -706,23 +217,16 @@ def compose(cfg: Config, mesh: Mesh) -> Engine:
         stages, loss_fn = build_stages(cfg, mesh)
     model = local_model(cfg, stages)
     dense, local = model.dense, model.stages()
-    hetero = None
-    named = model.dense_named_parameters()
-    if cfg.hetero.enabled:
-        model, optimizer = hetero_wrap(model, cfg.optimizer, cfg.hetero, mesh=DataReplicas(mesh),
-                                       param_groups=param_groups(named, cfg.optimizer))
-        hetero = True
-    else:
-        optimizer = build_optimizer(named, cfg.optimizer, cfg.train.fused)
-    engine = Engine(cfg, mesh, model, optimizer, loss_fn, list(local.values()),
-                    executor=executor, tied_sync=tied_sync, tied_params=tied_params, hetero=hetero, dense=dense)
+    store = parameter_store(cfg, mesh, model, executor, tied_params, tied_sync)  # hetero's chunks or plain
+    engine = Engine(cfg, mesh, store, loss_fn, list(local.values()), executor=executor, tied_sync=tied_sync,
+                    dense=dense)
     engine.pretrained_bytes_read = model.pretrained_bytes_read
     return engine
 
 
 def local_model(cfg: Config, stages: dict[int, nn.Module]) -> LocalModel:
     """This rank's ``stages`` (stage index → module) under their dense names, with ``.dense``
-    (:func:`dense_layouts`) and, when ``model.pretrained`` is set, the parameters filled from that
+    (:func:`~.state.dense_layouts`) and, when ``model.pretrained`` is set, the parameters filled from that
     checkpoint (only this rank's slices read; ``.pretrained_bytes_read``, else None)."""
     names = stage_names(model_shape(cfg))
     model = LocalModel({names[i]: stages[i] for i in sorted(stages)})
@@ -730,38 +234,3 @@ def local_model(cfg: Config, stages: dict[int, nn.Module]) -> LocalModel:
     model.pretrained_bytes_read = load_pretrained(model, model.dense, cfg.model) if cfg.model.pretrained else None
     return model
 
-
-def load_pretrained(model: nn.Module, layouts: dict, model_cfg) -> int:
-    """Fill ``model``'s parameters (this rank's pieces, :func:`dense_layouts`) from the Hugging
-    Face checkpoint ``model.pretrained``, reading only those slices; the bytes read."""
-    pieces: dict[str, list] = {}
-    for name, p in model.named_parameters():  # a shared (tied) Parameter once
-        dense, _, cut = layouts[name]
-        pieces.setdefault(dense, []).extend(cut(p.data))
-    return pretrained_checkpoint(model_cfg, lambda hf: hf.load_pieces(pieces, model_cfg.pretrained, model_cfg))
-
-
-def pretrained_checkpoint(model_cfg, use):
-    """``use(parallel4d.models.hf)`` on ``model.pretrained``; ConfigError naming the directory for a
-    missing hf extra, file or tensor, or a tensor of the wrong shape."""
-    try:
-        hf = importlib.import_module("parallel4d.models.hf")  # safetensors: the optional hf extra
-    except ImportError as e:
-        raise ConfigError(f"model.pretrained needs the hf extra ({e.name} is missing): "
-                          "pip install 'parallel4d[hf]' (make installs it)") from None
-    try:
-        return use(hf)
-    except (ValueError, OSError) as e:
-        raise ConfigError(f"model.pretrained={model_cfg.pretrained!r}: {e}") from None
-
-
-def parameter_count(model: nn.Module) -> int:
-    """Distinct parameters on this rank (a tied weight counts once)."""
-    return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
-
-
-def flops_per_token(cfg: Config) -> float:
-    """≈ 6·N + 12·L·h·s training FLOPs per token (N: non-embedding parameters)."""
-    m = cfg.model
-    n = 12 * m.layers * m.hidden ** 2
-    return 6 * n + 12 * m.layers * m.hidden * m.seq_len

@@ -31,7 +31,7 @@ from parallel4d.config.errors import ConfigError
 from parallel4d.config.load import load_config
 from parallel4d.config.schema import Config
 from parallel4d.data.batches import verify_token_files
-from parallel4d.engine.compose import pretrained_checkpoint
+from parallel4d.engine.pretrained import pretrained_checkpoint
 from parallel4d.distributed.startup import device_and_backend, init_process_group_from_env
 from parallel4d.launcher.rundir import RunLock, check_history, check_writable
 from parallel4d.training.loop import deepspeed_integration, run_training

@@ -31,10 +31,9 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from parallel4d.config.errors import ConfigError
 from parallel4d.config.load import load_config
 from parallel4d.config.schema import Config
-from parallel4d.engine.compose import parameter_dtype
+from parallel4d.engine.model import parameter_dtype
 from parallel4d.engine.compose import compose
 from parallel4d.distributed.mesh import AXES, init_mesh, mesh_shape
-from parallel4d.engine.memory import adam_state_bytes
 
 HEADROOM = 0.9  # a job fits when its largest rank needs at most this share of the device's memory
 
@@ -112,7 +111,7 @@ def _one_step(cfg: Config, mesh) -> tuple[dict, int]:
     engine = compose(cfg, mesh)
     tokens = torch.zeros(cfg.data.batch_size, cfg.model.seq_len, dtype=torch.long, device=mesh.device)
     engine.measure_gradients(tokens, tokens)
-    return engine.memory, None if engine.hetero is not None else adam_state_bytes(engine.optimizer)
+    return engine.memory, engine.store.expected_optimizer_state_bytes()
 
 
 EXACT_DEPTH = 4  # a deeper one-stage model is planned from two shallow dry runs (see plan)

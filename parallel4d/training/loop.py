@@ -24,8 +24,9 @@ from parallel4d.config.checks import resolve_fused
 from parallel4d.config.errors import ConfigError
 from parallel4d.config.schema import Config
 from parallel4d.data.batches import build_dataset, build_validation
-from parallel4d.engine.compose import flops_per_token, parameter_count
 from parallel4d.engine.compose import compose
+from parallel4d.engine.flops import flops_per_token
+from parallel4d.engine.trainer import Trainer
 from parallel4d.distributed.mesh import init_mesh
 from parallel4d.training.metrics import MetricsLog, gather_objects, gather_per_rank, peak_memory
 
@@ -96,7 +97,7 @@ class _Run:
     (``run.json``), so a resumed run's summary covers the whole run whatever state summary.json is in.
     """
 
-    def __init__(self, cfg: Config, engine, ckpt_dir: Path, lead: bool):
+    def __init__(self, cfg: Config, engine: Trainer, ckpt_dir: Path, lead: bool):
         self.cfg, self.engine, self.ckpt_dir, self.lead = cfg, engine, ckpt_dir, lead
         self.run_id = new_run_id()  # only rank 0's (the writer's) is used
         self.losses: list[float] = []
@@ -219,7 +220,8 @@ def run_training(cfg: Config) -> dict:
         elastic.check_nodes_agree(cfg.model_dump(mode="json"), ckpt_dir if cfg.checkpoint.enabled else None)
     rank = dist.get_rank()
     lead = rank == 0
-    engine = compose(cfg, mesh) if cfg.deepspeed is None else deepspeed_integration().DeepSpeedTrainer(cfg, mesh)
+    engine: Trainer = (compose(cfg, mesh) if cfg.deepspeed is None
+                       else deepspeed_integration().DeepSpeedTrainer(cfg, mesh))
     data, val = build_dataset(cfg), build_validation(cfg)
     summary_path = out_dir / "summary.json"
     run = _Run(cfg, engine, ckpt_dir, lead)
@@ -231,7 +233,7 @@ def run_training(cfg: Config) -> dict:
     if lead:
         out_dir.mkdir(parents=True, exist_ok=True)
         _log(f"[parallel4d] world {mesh.world_size} ({', '.join(f'{a}={n}' for a, n in mesh.shape.items())}), "
-             f"{parameter_count(engine.model) / 1e6:.2f}M parameters per rank, {cfg.train.steps} steps")
+             f"{engine.parameter_count() / 1e6:.2f}M parameters per rank, {cfg.train.steps} steps")
         metrics = MetricsLog(out_dir, run.resumed_from, tensorboard=cfg.train.tensorboard)
     interrupted: str | None = None  # the signal that stopped the run early
     start = time.perf_counter()
@@ -246,13 +248,14 @@ def run_training(cfg: Config) -> dict:
     # Until the end, final save and summary included: a signal after the agreement must not kill them.
     with _StopFlag() as stop:
         while engine.step < cfg.train.steps:
-            tokens, targets = data.batch(engine.step, getattr(engine, "data_rows", None))
+            tokens, targets = data.batch(engine.step, engine.data_rows())
             evaluated = _evaluated(engine.step + 1, cfg)
             logged = evaluated or _logged(engine.step + 1, cfg)
-            measure = {"measure_memory": True} if run.memory is None and hasattr(engine, "memory") else {}
-            loss = engine.train_step(tokens, targets, measure_grad_norm=logged, **measure)
-            if measure:  # this process's first step: what every rank held (memory.py), for summary.json
-                run.memory = {"step": engine.step, "per_rank": gather_objects(engine.memory)}
+            measure = engine.step == run.start_step  # this process's first step
+            loss = engine.train_step(tokens, targets, measure_grad_norm=logged, measure_memory=measure)
+            held = engine.held_memory() if measure else None
+            if held is not None:  # what every rank held at it (memory.py), for summary.json
+                run.memory = {"step": engine.step, "per_rank": gather_objects(held)}
             losses.append(loss)
             if not torch.isfinite(torch.tensor(loss)):
                 raise FloatingPointError(f"loss became {loss} at step {engine.step}; lower optimizer.lr "
@@ -309,9 +312,9 @@ def _evaluated(step: int, cfg: Config) -> bool:
     return every is not None and (step % every == 0 or step == cfg.train.steps)
 
 
-def _validate(cfg: Config, engine, val) -> dict:
+def _validate(cfg: Config, engine: Trainer, val) -> dict:
     """The mean loss of the ``train.eval_batches`` validation batches, and its perplexity."""
-    rows = engine.data_rows
+    rows = engine.data_rows()
     loss = sum(engine.evaluate(*val.batch(k, rows)) for k in range(cfg.train.eval_batches)) / cfg.train.eval_batches
     return {"step": engine.step, "loss": loss, "perplexity": math.exp(min(loss, 700.0))}
 
@@ -329,7 +332,7 @@ class _Interval:
         return tps
 
 
-def _metrics_record(cfg: Config, mesh, engine, loss: float, tokens_per_second: float) -> dict:
+def _metrics_record(cfg: Config, mesh, engine: Trainer, loss: float, tokens_per_second: float) -> dict:
     """One line of metrics.jsonl (:mod:`.metrics`); gathers every rank's peak memory (collective)."""
     peak, kind = peak_memory(mesh.device)
     return {
@@ -342,9 +345,9 @@ def _metrics_record(cfg: Config, mesh, engine, loss: float, tokens_per_second: f
     }
 
 
-def _loss_scale_fields(engine) -> dict:
+def _loss_scale_fields(engine: Trainer) -> dict:
     """float16: the loss scale after the step and how many steps overflowed and were skipped."""
-    scaler = getattr(engine, "loss_scale", None)
+    scaler = engine.loss_scaler()
     return {} if scaler is None else {"loss_scale": scaler.scale, "skipped_steps": scaler.skipped}
 
 
@@ -355,7 +358,8 @@ def _try_write(write, *args, **kwargs) -> None:
         _log(f"[parallel4d] warning: summary.json not written ({e}); training goes on")
 
 
-def _summary(cfg: Config, mesh, engine, run: _Run, elapsed: float, interrupted: str | None, finished: bool) -> dict:
+def _summary(cfg: Config, mesh, engine: Trainer, run: _Run, elapsed: float, interrupted: str | None,
+             finished: bool) -> dict:
     summary = {
         "losses": run.losses,
         "validation": run.validation,
@@ -369,7 +373,7 @@ def _summary(cfg: Config, mesh, engine, run: _Run, elapsed: float, interrupted: 
         "seconds": run.prior_seconds + elapsed,
         "world_size": mesh.world_size,
         "parallel": cfg.parallel.model_dump(),
-        "parameters": parameter_count(engine.model),
+        "parameters": engine.parameter_count(),
         "bytes_communicated": mesh.comm_stats.as_dict(),
         "device": str(mesh.device),
         "fused": resolve_fused(cfg.train.fused),
@@ -378,12 +382,15 @@ def _summary(cfg: Config, mesh, engine, run: _Run, elapsed: float, interrupted: 
     }
     if elastic.under_torchelastic():  # which torchrun attempt wrote this (restarts so far, nodes)
         summary["elastic"] = elastic.attempt()
-    if getattr(engine, "pretrained_bytes_read", None) is not None:  # rank 0's share of the Hugging Face weights
-        summary["pretrained"] = {"directory": cfg.model.pretrained, "bytes_read_by_rank_0": engine.pretrained_bytes_read}
+    read = engine.pretrained_bytes()
+    if read is not None:  # rank 0's share of the Hugging Face weights
+        summary["pretrained"] = {"directory": cfg.model.pretrained, "bytes_read_by_rank_0": read}
     if run.memory is not None:
         summary["memory"] = run.memory
-    if engine.hetero is not None:
-        summary["hetero"] = engine.hetero.stats()
-    if engine.executor is not None:
-        summary["pipeline"] = {"schedule": cfg.pipeline.schedule, **engine.last_step_info}
+    hetero = engine.hetero_stats()
+    if hetero is not None:
+        summary["hetero"] = hetero
+    pipeline = engine.pipeline_step_info()
+    if pipeline is not None:
+        summary["pipeline"] = {"schedule": cfg.pipeline.schedule, **pipeline}
     return summary

@@ -21,7 +21,8 @@ import torch
 from deepspeed.runtime.engine import DeepSpeedEngine
 
 from parallel4d.config.schema import Config
-from parallel4d.engine.compose import PipelineParts, local_batch
+from parallel4d.engine.batch import local_batch
+from parallel4d.engine.compose import PipelineParts
 from parallel4d.distributed.mesh import Mesh
 from parallel4d.integrations.deepspeed.model import global_mean
 

@@ -1,7 +1,7 @@
 """What ``parallel4d launch`` trains for a config with a ``deepspeed:`` section.
 
-:class:`DeepSpeedTrainer` offers the training loop (``train.run_training``) what
-``engine.Engine`` offers it — ``train_step``, ``step``, ``model``, checkpoints — over the engine
+:class:`DeepSpeedTrainer` implements the training loop's contract
+(:class:`~parallel4d.engine.trainer.Trainer`, as ``engine.Engine`` does) over the engine
 :func:`~.initialize.build_engine` builds, so progress, ``summary.json``, signals and the run
 directory's rules are the same with and without DeepSpeed. Checkpoints are DeepSpeed's own
 (``save_checkpoint`` / ``load_checkpoint``: model, optimizer and ZeRO partitions, scheduler),
@@ -17,14 +17,15 @@ import torch
 from parallel4d.checkpoint.failures import CheckpointError
 from parallel4d.config.schema import Config
 from parallel4d.distributed.mesh import Mesh
+from parallel4d.engine.model import parameter_count
+from parallel4d.engine.trainer import Trainer
 from parallel4d.integrations.deepspeed.initialize import build_engine
 
 
-class DeepSpeedTrainer:
+class DeepSpeedTrainer(Trainer):
     """One rank's DeepSpeed training job, in the shape the training loop drives."""
 
     checkpoint_format = "deepspeed"  # run.json's "format": DeepSpeed's files, this layout only
-    hetero = None  # hetero and DeepSpeed never run together (config.deepspeed_problems)
 
     def __init__(self, cfg: Config, mesh: Mesh):
         self.engine, self.optimizer, self.scheduler = build_engine(cfg, mesh)
@@ -35,14 +36,15 @@ class DeepSpeedTrainer:
         self.last_lr: float | None = None
         self.last_grad_norm: float | None = None
 
-    @property
-    def last_step_info(self) -> dict:
-        """The pipeline's peak activations and wait of the last step (empty at pp = 1)."""
-        return self.engine.last_step_info if self.executor is not None else {}
+    def data_rows(self) -> None:
+        """None: DeepSpeed's engine is given the whole global batch and takes its share itself."""
+        return None
 
-    def train_step(self, tokens: torch.Tensor, targets: torch.Tensor, measure_grad_norm: bool = False) -> float:
+    def train_step(self, tokens: torch.Tensor, targets: torch.Tensor, measure_grad_norm: bool = False,
+                   measure_memory: bool = False) -> float:
         """One optimizer step on the global batch; the global mean loss. ``last_lr`` and
-        ``last_grad_norm`` are DeepSpeed's (its norm is None without ZeRO, whatever is asked)."""
+        ``last_grad_norm`` are DeepSpeed's (its norm is None without ZeRO, whatever is asked);
+        memory is not measured (:meth:`held_memory` is None)."""
         self.last_lr = float(self.optimizer.param_groups[0]["lr"])  # the scheduler set it for this step
         loss = self.engine.train_batch(tokens, targets)
         norm = self.engine.get_global_grad_norm()
@@ -50,6 +52,33 @@ class DeepSpeedTrainer:
         self.step += 1
         self.tokens_seen += tokens.numel()
         return loss
+
+    def evaluate(self, tokens: torch.Tensor, targets: torch.Tensor) -> float:
+        raise NotImplementedError("train.eval_every is not supported with a deepspeed: section (the config "
+                                  "refuses it)")
+
+    def parameter_count(self) -> int:
+        return parameter_count(self.model)
+
+    def held_memory(self) -> None:
+        """None: memory is measured by parallel4d's own engine only."""
+        return None
+
+    def loss_scaler(self) -> None:
+        """None: DeepSpeed keeps its float16 loss scale to itself."""
+        return None
+
+    def pretrained_bytes(self) -> None:
+        """None: not reported under DeepSpeed."""
+        return None
+
+    def hetero_stats(self) -> None:
+        """None: hetero and DeepSpeed never run together (the config refuses both)."""
+        return None
+
+    def pipeline_step_info(self) -> dict | None:
+        """The pipeline's peak activations and wait of the last step; None at pp = 1."""
+        return self.engine.last_step_info if self.executor is not None else None
 
     def checkpoint_state(self):
         """``write(directory)`` for ``checkpoint.save``: DeepSpeed's ``save_checkpoint`` into it."""

@@ -1,0 +1,91 @@
+"""Gradients across the mesh: averaged over the data replicas (``dp × sp``) — during the
+backward in buckets (:func:`gradient_buckets`), or in one all-reduce after it
+(:func:`average_gradients`, the reference) — and the whole model's gradient norm with each
+dense element counted once, whatever the layout."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from parallel4d.config.schema import Config
+from parallel4d.distributed import comm
+from parallel4d.distributed.ddp import GradBuckets
+from parallel4d.distributed.mesh import Mesh
+from parallel4d.engine.model import TORCH_DTYPES
+
+
+def average_gradients(params: list[nn.Parameter], mesh: Mesh, timeout_s: float) -> None:
+    """Average grads over the data-like axes ``dp`` and ``sp`` (every parameter is
+    replicated over both; each rank's loss is the mean over its own tokens) in one
+    all-reduce after the backward. The engine overlaps the same sums with the backward
+    (:class:`~parallel4d.ddp.GradBuckets`); this is the reference they are tested against."""
+    replicas = mesh.size("dp") * mesh.size("sp")
+    if replicas == 1:
+        return
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    work = comm.all_reduce(flat, mesh.group_over("dp", "sp"), stats=mesh.comm_stats, label="dp_grad", async_op=True)
+    comm.wait(work, timeout_s, "gradient all-reduce over the data replicas (dp·sp)")
+    flat /= replicas
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        offset += g.numel()
+
+
+def norm_weight(p: nn.Parameter, q: int, tied_copies: set[int]) -> float:
+    """How much of ``p``'s squared gradient norm this rank contributes to the whole model's, so
+    that summing over tp and pp counts each dense element once: 1/q for a parameter replicated over
+    the grid rows (``tensor2d_replicated_over``), 1/2 for a tied copy held on two pp ranks
+    (``tied_copies``: ids), else 1."""
+    w = 1.0
+    if "tp_row" in getattr(p, "tensor2d_replicated_over", ()):
+        w /= q
+    if id(p) in tied_copies:
+        w /= 2
+    return w
+
+
+def sum_over_model_axes(sq: torch.Tensor, mesh: Mesh) -> torch.Tensor:
+    """``sq`` summed over the axes that hold different parameters (tp_row, tp_col, pp), in place."""
+    for axis in ("tp_row", "tp_col", "pp"):
+        comm.all_reduce(sq, mesh.group(axis), stats=mesh.comm_stats, label="grad_norm")
+    return sq
+
+
+def global_grad_norm(params: list[nn.Parameter], mesh: Mesh, tied_copies: set[int] = frozenset()) -> torch.Tensor:
+    """L2 norm of the whole model's gradient, each distinct dense element counted once
+    (:func:`norm_weight`), shards on different tp/pp ranks summed; float64 ``[]``."""
+    sq = torch.zeros((), dtype=torch.float64, device=mesh.device)
+    q = mesh.size("tp_row")
+    for p in params:
+        if p.grad is not None:
+            sq = sq + p.grad.detach().double().pow(2).sum() * norm_weight(p, q, tied_copies)
+    return sum_over_model_axes(sq, mesh).sqrt()
+
+
+def accumulations(params: list[nn.Parameter], executor, microbatches: int) -> dict[int, int]:
+    """``{id(param): gradient accumulations per step}``: one per micro-batch, and under the
+    pipeline (``executor``) one per micro-batch for each of this rank's chunks holding the parameter."""
+    if executor is None:
+        return {id(p): microbatches for p in params}
+    counts: dict[int, int] = {}
+    for chunk in executor.chunks.values():
+        for p in chunk.parameters():
+            counts[id(p)] = counts.get(id(p), 0) + microbatches
+    return counts
+
+
+def gradient_buckets(params: list[nn.Parameter], mesh: Mesh, cfg: Config, executor,
+                     deferred: list[nn.Parameter]) -> GradBuckets | None:
+    """Bucketed all-reduces over ``dp·sp`` posted during the backward (:class:`GradBuckets`);
+    None with one replica. ``deferred``: parameters whose reduction waits for the step's end (a
+    tied table's copies, summed between two pp ranks first)."""
+    if mesh.size("dp") * mesh.size("sp") == 1:
+        return None
+    return GradBuckets(params, mesh, bucket_bytes=cfg.train.dp_bucket_mb * 2**20, timeout_s=cfg.train.timeout_s,
+                       expected=accumulations(params, executor, cfg.pipeline.microbatches), deferred=deferred,
+                       reduce_dtype=TORCH_DTYPES[cfg.train.grad_reduce])

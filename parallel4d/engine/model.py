@@ -1,0 +1,68 @@
+"""This rank's model as the engine holds it: its stages under their dense names
+(:class:`LocalModel`, a sequence shard's embedding :class:`PositionedEmbedding`), and the
+dtype and shape a config asks for."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from parallel4d.config.schema import Config
+from parallel4d.models import Shape, shape_from_config
+
+# train.dtype → the dtype parameters (and pipeline activations between ranks) are kept in;
+TORCH_DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16,
+                "float16": torch.float16}
+
+
+def parameter_dtype(cfg: Config) -> torch.dtype:
+    """The parameters' dtype (``train.param_dtype``, or what the ``train.dtype`` preset implies)."""
+    return TORCH_DTYPES[cfg.train.parameters]
+
+
+def model_shape(cfg: Config) -> Shape:
+    """The model's shape: ``model.*`` for its ``arch``, plus ``sequence.causal`` (masked or
+    bidirectional attention, in the dense blocks as in the ring and the 2D blocks)."""
+    return shape_from_config(cfg.model, causal=cfg.sequence.causal)
+
+
+class PositionedEmbedding(nn.Module):
+    """An embedding stage fed the *global* position ids of this rank's sequence shard."""
+
+    def __init__(self, embed: nn.Module, positions: torch.Tensor):
+        super().__init__()
+        self.embed = embed
+        self.register_buffer("positions", positions, persistent=False)
+
+    def forward(self, tokens):
+        return self.embed(tokens, self.positions)
+
+
+class LocalModel(nn.Module):
+    """This rank's stages under their dense names (``embed``, ``blocks.<i>``, ``head``)."""
+
+    def __init__(self, stages: dict[str, nn.Module]):
+        super().__init__()
+        self.blocks = nn.ModuleDict()
+        for name, module in stages.items():
+            if name.startswith("blocks."):
+                self.blocks[name.split(".", 1)[1]] = module
+            else:
+                self.add_module(name, module)
+
+    def dense_named_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        """``(dense name, parameter)`` of each parameter once (the optimizer's groups go by these);
+        needs ``.dense``, which :func:`~parallel4d.engine.compose.local_model` sets."""
+        return [(self.dense[n][0], p) for n, p in self.named_parameters()]
+
+    def stages(self) -> dict[str, nn.Module]:
+        """``{dense stage name: module}`` in model order (the input of
+        :func:`~parallel4d.engine.state.dense_layouts`)."""
+        named = {n: m for n, m in self.named_children() if n != "blocks"}
+        blocks = {f"blocks.{k}": m for k, m in self.blocks.items()}
+        return {**({"embed": named.pop("embed")} if "embed" in named else {}), **blocks, **named}
+
+
+def parameter_count(model: nn.Module) -> int:
+    """Distinct parameters on this rank (a tied weight counts once)."""
+    return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())

@@ -1,0 +1,252 @@
+"""The :class:`Engine`: one rank's training step on the global batch (forward and backward
+through its stages or the pipeline, gradient norm, loss scaling, clipping, the optimizer
+step), forwards-only evaluation, what a step holds in memory, and checkpoints under the dense
+model's names."""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+
+import torch
+import torch.distributed as dist
+
+from parallel4d.checkpoint import dcp as checkpoint
+from parallel4d.config.schema import Config
+from parallel4d.distributed import comm
+from parallel4d.distributed.mesh import Mesh
+from parallel4d.engine.batch import local_batch, local_rows
+from parallel4d.engine.memory import SavedActivations, tensor_bytes
+from parallel4d.engine.model import TORCH_DTYPES, model_shape, parameter_count
+from parallel4d.engine.state import checkpoint_keys, dense_state_dict, local_state
+from parallel4d.engine.store import ParameterStore
+from parallel4d.engine.trainer import Trainer
+from parallel4d.optim.loss_scale import LossScale
+from parallel4d.optim.optimizer import lr_at
+
+
+class Engine(Trainer):
+    """One rank's share of the job: ``train_step(tokens, targets)`` on the global batch (the
+    :class:`~parallel4d.engine.trainer.Trainer` contract), over its :class:`~.store.ParameterStore`."""
+
+    def __init__(self, cfg: Config, mesh: Mesh, store: ParameterStore, loss_fn, stages, *, executor=None,
+                 tied_sync=None, dense=None):
+        self.cfg, self.mesh, self.store = cfg, mesh, store
+        self.model, self.optimizer = store.model, store.optimizer  # the LocalModel; what steps it
+        self.dense = dense  # {LocalModel name: (dense name, shape, pieces)}: see dense_layouts()
+        self._stages = list(stages)  # this rank's stages in model order (unused under pp)
+        self.loss_fn, self.executor, self.tied_sync = loss_fn, executor, tied_sync
+        self.tied_params = store.tied_params  # this rank's copies of a table tied across two pp ranks
+        self.params = store.params
+        self.device = mesh.device
+        self.step = 0
+        self.tokens_seen = 0
+        self.last_step_info: dict = {}
+        self.last_lr: float | None = None  # the learning rate of the last step
+        self.last_grad_norm: float | None = None  # see train_step
+        self._eval_executor = None  # forwards-only twin of the executor, built at the first evaluate()
+        half = cfg.train.autocast
+        self.autocast = (torch.autocast(device_type=self.device.type, dtype=TORCH_DTYPES[half])
+                         if half != "none" else nullcontext())
+        # float16: the loss is scaled for the backward; every rank agrees on skipping a step that overflowed
+        self.loss_scale = LossScale(cfg.train.loss_scale_init, cfg.train.loss_scale_window) if half == "float16" \
+            else None
+        self.last_step_skipped = False
+        self.memory: dict | None = None  # what the last step asked to measure held (memory.py's rules)
+        self.pretrained_bytes_read: int | None = None  # compose() sets it when model.pretrained is loaded
+
+    # --- data ---------------------------------------------------------------------
+    def data_rows(self) -> range:
+        """The rows of each global batch this rank reads (the data need not read the others)."""
+        return local_rows(self.mesh, self.cfg.data.batch_size)
+
+    def local_batch(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's share of a global ``[B, S]`` tensor: ``[B/(dp·q), S/sp]``."""
+        return local_batch(self.mesh, x, self.cfg.sequence.layout)
+
+    # --- one step -----------------------------------------------------------------
+    def _forward_backward(self, x, y) -> torch.Tensor:
+        if self.executor is not None:
+            mb = self.cfg.pipeline.microbatches
+            self.executor.loss_scale = self._scale()
+            with self.autocast:
+                result = self.executor.step(list(x.chunk(mb)), list(y.chunk(mb)))
+            self.last_step_info = {"peak_activations": result.peak_activations, "wait_s": result.wait_s}
+            if self.tied_sync is not None:
+                self.tied_sync(self.tied_params, timeout_s=self.cfg.train.timeout_s)
+            return torch.tensor([result.loss], dtype=torch.float64, device=self.device)
+        mb = self.cfg.pipeline.microbatches
+        if mb == 1:
+            return self._micro_step(x, y, 1)
+        # pp = 1: gradient accumulation over m equal micro-batches, so only one micro-batch's
+        # activations are alive at a time; each mean loss weighs 1/m, the sum is the big batch's.
+        total = torch.zeros(1, dtype=torch.float64, device=self.device)
+        for xm, ym in zip(x.chunk(mb), y.chunk(mb)):
+            total += self._micro_step(xm, ym, mb)
+        return total / mb
+
+    def _scale(self) -> float:
+        return self.loss_scale.scale if self.loss_scale is not None else 1.0
+
+    def _micro_step(self, x, y, mb: int) -> torch.Tensor:
+        """Forward and backward of the local ``[b, s]`` tokens through this rank's stages,
+        the gradient scaled by ``1/mb``; returns the (unscaled) mean loss as float64 ``[1]``."""
+        h = x
+        with self.autocast:
+            for stage in self._stages:
+                h = stage(h)
+            loss = self.loss_fn(h, y)
+        scale = self._scale()
+        (loss * (scale / mb) if scale != 1.0 or mb > 1 else loss).backward()
+        return loss.detach().to(torch.float64).reshape(1)
+
+    def compute_gradients(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Forward and backward of the global ``[B, S]`` batch: afterwards each parameter's
+        ``.grad`` holds this rank's share of the gradient of the global mean loss (reduced
+        over the data replicas dp·sp; under hetero its ZeRO reduces at the step). Returns the
+        mean loss of this data replica's tokens, float64 ``[1]``, equal on its tp and pp ranks."""
+        x, y = self.local_batch(tokens), self.local_batch(targets)
+        self.store.start_gradient_reduction()
+        loss = self._forward_backward(x, y)
+        self.store.finish_gradient_reduction()
+        return loss
+
+    @torch.no_grad()
+    def evaluate(self, tokens: torch.Tensor, targets: torch.Tensor) -> float:
+        """The global mean loss of a ``[B, S]`` batch, forwards only (no gradient is computed or
+        touched), in ``pipeline.microbatches`` micro-batches as a training step cuts it: equal in
+        every layout to the dense model's loss on the batch. Collective over the whole mesh."""
+        x, y = self.local_batch(tokens), self.local_batch(targets)
+        mb = self.cfg.pipeline.microbatches
+        total = torch.zeros(1, dtype=torch.float64, device=self.device)
+        with self.autocast:
+            if self.executor is not None:
+                if self._eval_executor is None:
+                    self._eval_executor = self.executor.for_evaluation()
+                total += self._eval_executor.step(list(x.chunk(mb)), list(y.chunk(mb))).loss
+            else:
+                for xm, ym in zip(x.chunk(mb), y.chunk(mb)):
+                    h = xm
+                    for stage in self._stages:
+                        h = stage(h)
+                    total += self.loss_fn(h, ym).double() / mb
+        work = comm.all_reduce(total, self.mesh.group_over("dp", "sp"), stats=self.mesh.comm_stats,
+                               label="val_loss", async_op=True)
+        comm.wait(work, self.cfg.train.timeout_s, "validation loss all-reduce over the data replicas (dp·sp)")
+        return total.item() / (self.mesh.size("dp") * self.mesh.size("sp"))
+
+    def _overflow(self, norm: torch.Tensor) -> bool:
+        """Whether any rank's gradients hold an inf or NaN, agreed by every rank of the mesh (the
+        norm already sums over every axis; the explicit MAX over the world makes the rule plain)."""
+        flag = torch.tensor([0.0 if bool(torch.isfinite(norm)) else 1.0], device=self.device)
+        work = comm.all_reduce(flag, None, op=dist.ReduceOp.MAX, stats=self.mesh.comm_stats, label="overflow",
+                               async_op=True)
+        comm.wait(work, self.cfg.train.timeout_s, "float16 overflow agreement over every rank")
+        return bool(flag.item() > 0)
+
+    def grad_norm(self) -> torch.Tensor:
+        """L2 norm of the whole model's gradient after :meth:`compute_gradients`, float64 ``[]``,
+        equal on every rank: each dense element once, in every layout, hetero's chunks included."""
+        return self.store.grad_norm()
+
+    def measure_gradients(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """:meth:`compute_gradients`, measuring what this rank holds (:mod:`.memory`) into
+        :attr:`memory`: ``parameters``, ``gradients``, peak ``activations`` and ``sent_by_axis``
+        (bytes this rank sent per mesh axis in the forward and backward, the data replicas'
+        gradient reduction included; the step's few scalars — loss, norm — are not); under hetero
+        also its ``hetero_device`` (the chunk arena) and ``hetero_host`` bytes."""
+        stats = self.mesh.comm_stats
+        before = dict(stats.axis_sent)
+        meter = SavedActivations(self.store.model_storages())
+        with self.store.measuring(meter), meter:
+            loss = self.compute_gradients(tokens, targets)
+        self.memory = {"parameters": tensor_bytes(self.model.parameters()),  # hetero: their shapes' bytes
+                       "gradients": self.store.gradient_bytes(), "activations": meter.peak}
+        self.memory.update(self.store.held_bytes())
+        self.memory["sent_by_axis"] = {a: n - before.get(a, 0) for a, n in stats.axis_sent.items()
+                                       if n != before.get(a, 0)}
+        return loss
+
+    def train_step(self, tokens: torch.Tensor, targets: torch.Tensor, measure_grad_norm: bool = False,
+                   measure_memory: bool = False) -> float:
+        """One optimizer step on the global batch; returns the global mean loss. The gradient's
+        norm (before clipping) is in ``last_grad_norm`` when ``train.grad_clip`` is set or
+        ``measure_grad_norm`` asks for it (a collective: ask on every rank), else None.
+        ``measure_memory``: fill :attr:`memory` (:meth:`measure_gradients`, then the optimizer state)."""
+        lr = lr_at(self.step, self.cfg.optimizer, self.cfg.train.steps)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.last_lr = lr
+        loss = (self.measure_gradients if measure_memory else self.compute_gradients)(tokens, targets)
+        clip, scaler = self.cfg.train.grad_clip, self.loss_scale
+        norm = self.grad_norm() if clip or measure_grad_norm or scaler else None
+        coef = None  # what the gradients are multiplied by before the update: unscaling, clipping
+        if scaler is not None:
+            norm, coef = norm / scaler.scale, 1.0 / scaler.scale
+        if clip:
+            c = float((clip / (norm + 1e-6)).clamp(max=1.0))
+            coef = c if coef is None else coef * c
+        self.last_grad_norm = None if norm is None else float(norm)
+        self.last_step_skipped = scaler is not None and self._overflow(norm)
+        if not self.last_step_skipped:
+            if coef is not None:
+                self.store.scale_gradients(coef)
+            self.optimizer.step()
+        if measure_memory:
+            self.memory["optimizer_state"] = self.store.optimizer_state_bytes()
+        self.optimizer.zero_grad()
+        if scaler is not None:
+            scaler.update(self.last_step_skipped)
+        self.step += 1
+        self.tokens_seen += tokens.numel()
+        return self.sum_over_replicas(loss).item() / (self.mesh.size("dp") * self.mesh.size("sp"))
+
+    def sum_over_replicas(self, loss: torch.Tensor) -> torch.Tensor:
+        """The sum of the data replicas' mean losses (a no-op with one replica)."""
+        work = comm.all_reduce(loss, self.mesh.group_over("dp", "sp"), stats=self.mesh.comm_stats,
+                               label="loss", async_op=True)
+        comm.wait(work, self.cfg.train.timeout_s, "loss all-reduce over the data replicas (dp·sp)")
+        return loss
+
+    # --- what the training loop reports ---------------------------------------------
+    def parameter_count(self) -> int:
+        return parameter_count(self.model)
+
+    def held_memory(self) -> dict | None:
+        return self.memory
+
+    def loss_scaler(self) -> LossScale | None:
+        return self.loss_scale
+
+    def pretrained_bytes(self) -> int | None:
+        return self.pretrained_bytes_read
+
+    def hetero_stats(self) -> dict | None:
+        return self.store.hetero_stats()
+
+    def pipeline_step_info(self) -> dict | None:
+        return None if self.executor is None else self.last_step_info
+
+    # --- checkpointing --------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """Model and optimizer state for DCP under the dense model's names and shapes, plus ``step``
+        and ``tokens_seen`` (:func:`~.state.dense_state_dict`): loadable under any layout. Doubles
+        as the load template of :meth:`load_state_dict`."""
+        return dense_state_dict(self.step, self.tokens_seen, self.store.local_state(self.dense), self.dense)
+
+    checkpoint_format = "parallel4d"  # run.json's "format": DCP files under the dense model's names
+
+    def checkpoint_state(self) -> dict:
+        """What ``checkpoint.save`` writes: :meth:`state_dict`."""
+        return self.state_dict()
+
+    def load_checkpoint(self, path) -> None:
+        """Restore from checkpoint ``path`` (its files already verified), whatever layout saved it."""
+        state = self.state_dict()
+        checkpoint.load(state, path, verify_files=False, known=checkpoint_keys(model_shape(self.cfg)))
+        self.load_state_dict(state)
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore from a :meth:`state_dict` template that ``checkpoint.load`` filled."""
+        self.store.load_local_state(local_state(state, self.dense))
+        self.step = int(state["step"])
+        self.tokens_seen = int(state["tokens_seen"])

@@ -1,0 +1,269 @@
+"""Where this rank's trainable state lives, behind one interface: :class:`ParameterStore`.
+
+The :class:`~parallel4d.engine.step.Engine` asks its store, never which kind it has, to reduce
+the gradients over the data replicas, measure their norm, scale them before the update, account
+for the memory they take and move the state in and out of checkpoints. :func:`parameter_store`
+picks the kind once, from ``hetero.enabled``:
+
+* :class:`PlainStore`: ``nn.Parameter`` s whose ``.grad`` holds the gradient, any torch optimizer
+  (AdamW, fused or apex's); the gradients are averaged over the data replicas ``dp × sp`` by
+  :class:`~parallel4d.distributed.ddp.GradBuckets` while the backward runs.
+* :class:`HeteroStore`: hetero's chunks hold parameters, gradients and optimizer state (a device
+  arena backed by host memory; ``p.grad`` stays None); its ZeRO reduces the gradients over the
+  data replicas (:class:`DataReplicas`) and its optimizer updates chunk by chunk.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+
+import torch
+import torch.nn as nn
+
+from parallel4d.config.schema import Config
+from parallel4d.distributed.mesh import Mesh
+from parallel4d.engine import grads
+from parallel4d.engine.memory import SavedActivations, adam_state_bytes, optimizer_state_bytes, tensor_bytes
+from parallel4d.engine.model import LocalModel
+from parallel4d.engine.state import LocalState
+from parallel4d.hetero import load_state_dict as hetero_load_state_dict
+from parallel4d.hetero import state_dict as hetero_state_dict
+from parallel4d.hetero import wrap as hetero_wrap
+from parallel4d.optim.optimizer import build_optimizer, param_groups
+
+
+class ParameterStore(ABC):
+    """This rank's trainable parameters, their gradients and the optimizer state.
+
+    ``model``: the rank's :class:`~parallel4d.engine.model.LocalModel`; ``optimizer``: what steps
+    it (``param_groups``, ``step()``, ``zero_grad()``); ``params``: its trainable parameters;
+    ``tied_params``: this rank's copies of a token table tied across two pp ranks (their squared
+    norm counts half on each)."""
+
+    def __init__(self, model: nn.Module, optimizer, mesh: Mesh, tied_params: list[nn.Parameter]):
+        self.model, self.optimizer, self.mesh = model, optimizer, mesh
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.tied_params = list(tied_params)
+
+    # --- gradients ------------------------------------------------------------------
+    @abstractmethod
+    def start_gradient_reduction(self) -> None:
+        """Before a step's backward: get ready to reduce the gradients over the data replicas."""
+
+    @abstractmethod
+    def finish_gradient_reduction(self) -> None:
+        """After the backward: the gradients are this rank's share of the global mean loss's
+        (or will be at the optimizer step, where the store reduces there)."""
+
+    @abstractmethod
+    def grad_norm(self) -> torch.Tensor:
+        """L2 norm of the whole model's gradient, float64 ``[]``, equal on every rank: each dense
+        element once (:func:`~parallel4d.engine.grads.norm_weight`), summed over tp and pp."""
+
+    @abstractmethod
+    def scale_gradients(self, coef: float) -> None:
+        """Multiply the gradients by ``coef`` before the next optimizer step (unscaling, clipping)."""
+
+    # --- memory ---------------------------------------------------------------------
+    @abstractmethod
+    def measuring(self, meter: SavedActivations) -> AbstractContextManager:
+        """A context in which every activation saved for the backward passes through ``meter``."""
+
+    @abstractmethod
+    def model_storages(self) -> list[torch.Tensor]:
+        """The tensors whose storage is model data, not activation (``meter`` leaves them out)."""
+
+    @abstractmethod
+    def gradient_bytes(self) -> int | None:
+        """Bytes of the gradients held after the backward; None where they live in the chunks."""
+
+    @abstractmethod
+    def held_bytes(self) -> dict[str, int]:
+        """What the store holds besides parameters and gradients, by ``memory`` key ({} if nothing)."""
+
+    @abstractmethod
+    def optimizer_state_bytes(self) -> int | None:
+        """Bytes of the optimizer state after a step; None where it lives in the chunks."""
+
+    @abstractmethod
+    def expected_optimizer_state_bytes(self) -> int | None:
+        """:meth:`optimizer_state_bytes` computed before any step (``parallel4d plan``'s dry run)."""
+
+    @abstractmethod
+    def hetero_stats(self) -> dict | None:
+        """hetero's statistics (``summary.json``'s ``hetero``); None for a plain store."""
+
+    # --- checkpoints ----------------------------------------------------------------
+    @abstractmethod
+    def local_state(self, names) -> LocalState:
+        """``(parameters, optimizer state)`` by LocalModel name for ``names`` (tied aliases
+        included): what :func:`~parallel4d.engine.state.dense_state_dict` maps to dense names."""
+
+    @abstractmethod
+    def load_local_state(self, local: LocalState) -> None:
+        """Restore :meth:`local_state`'s ``(parameters, optimizer state)``."""
+
+
+class PlainStore(ParameterStore):
+    """Parameters with ``.grad``, a torch optimizer, gradients averaged in buckets during the
+    backward (``grad_sync``: :func:`~parallel4d.engine.grads.gradient_buckets`, None with one
+    replica)."""
+
+    def __init__(self, model: nn.Module, optimizer, mesh: Mesh, tied_params: list[nn.Parameter], *,
+                 cfg: Config, executor=None, defer_tied: bool = False):
+        super().__init__(model, optimizer, mesh, tied_params)
+        self.grad_sync = grads.gradient_buckets(self.params, mesh, cfg, executor,
+                                                deferred=self.tied_params if defer_tied else ())
+
+    def start_gradient_reduction(self) -> None:
+        if self.grad_sync is not None:
+            self.grad_sync.start()
+
+    def finish_gradient_reduction(self) -> None:
+        if self.grad_sync is not None:
+            self.grad_sync.finish()
+
+    def grad_norm(self) -> torch.Tensor:
+        return grads.global_grad_norm(self.params, self.mesh, {id(p) for p in self.tied_params})
+
+    def scale_gradients(self, coef: float) -> None:
+        for p in self.params:
+            if p.grad is not None:
+                p.grad.mul_(coef)
+
+    def measuring(self, meter: SavedActivations) -> AbstractContextManager:
+        return nullcontext()  # autograd's saved-tensor hooks (meter's own) see every activation
+
+    def model_storages(self) -> list[torch.Tensor]:
+        return list(self.model.parameters())
+
+    def gradient_bytes(self) -> int | None:
+        return tensor_bytes(p.grad for p in self.params)
+
+    def held_bytes(self) -> dict[str, int]:
+        return {}
+
+    def optimizer_state_bytes(self) -> int | None:
+        return optimizer_state_bytes(self.optimizer)
+
+    def expected_optimizer_state_bytes(self) -> int | None:
+        return adam_state_bytes(self.optimizer)
+
+    def hetero_stats(self) -> dict | None:
+        return None
+
+    def local_state(self, names) -> LocalState:
+        """The live tensors; zeros for the optimizer state of a parameter before its first step."""
+        params, optim = {}, {}
+        for name, p in self.model.named_parameters(remove_duplicate=False):
+            params[name] = p.data
+            if p.requires_grad:
+                optim[name] = self.optimizer.state.get(p) or {
+                    "step": torch.tensor(0.0), "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
+        return params, optim
+
+    def load_local_state(self, local: LocalState) -> None:
+        params, optim = local
+        for name, p in self.model.named_parameters():
+            with torch.no_grad():
+                p.copy_(params[name])
+            if p.requires_grad and float(optim[name]["step"]) > 0:
+                self.optimizer.state[p] = optim[name]
+
+
+class HeteroStore(ParameterStore):
+    """hetero's chunks (``optimizer``: its :class:`~parallel4d.hetero.HeteroOptimizer`, which owns
+    the chunks, ZeRO over the data replicas and the statistics)."""
+
+    def start_gradient_reduction(self) -> None:
+        pass  # the backward writes the gradients into the chunks; ZeRO reduces them at the step
+
+    def finish_gradient_reduction(self) -> None:
+        pass
+
+    def grad_norm(self) -> torch.Tensor:
+        tied, q = {id(p) for p in self.tied_params}, self.mesh.size("tp_row")
+        weights = {name: grads.norm_weight(p, q, tied) for name, p in self.model.named_parameters()}
+        return grads.sum_over_model_axes(self.optimizer.grad_sq_norm(weights), self.mesh).sqrt()
+
+    def scale_gradients(self, coef: float) -> None:
+        self.optimizer.scale_next_step(coef)  # the gradients live in the chunks until the step
+
+    @contextmanager
+    def measuring(self, meter: SavedActivations):
+        self.optimizer.watch_activations(meter)  # its own saved-tensor hooks see the activations
+        try:
+            yield
+        finally:
+            self.optimizer.watch_activations(None)
+
+    def model_storages(self) -> list[torch.Tensor]:
+        return list(self.model.parameters()) + self.optimizer.arenas()
+
+    def gradient_bytes(self) -> int | None:
+        return None  # in the chunks: hetero_device, hetero_host
+
+    def held_bytes(self) -> dict[str, int]:
+        stats = self.optimizer.stats()
+        return {"hetero_device": stats["arena_bytes"], "hetero_host": stats["host_bytes"]}
+
+    def optimizer_state_bytes(self) -> int | None:
+        return None  # in the chunks: hetero_host
+
+    def expected_optimizer_state_bytes(self) -> int | None:
+        return None
+
+    def hetero_stats(self) -> dict | None:
+        return self.optimizer.stats()
+
+    def local_state(self, names) -> LocalState:
+        """hetero's gathered copies (collective under ZeRO)."""
+        sd = hetero_state_dict(self.model, self.optimizer)
+        return {k: v for k, v in sd["model"].items() if k in names}, sd["optim"]["state"]
+
+    def load_local_state(self, local: LocalState) -> None:
+        params, optim = local
+        hetero_load_state_dict(self.model, self.optimizer, {"model": params, "optim": {"state": optim}})
+
+
+class DataReplicas:
+    """The mesh as hetero's ZeRO sees it: its ``dp`` axis is every data replica
+    (``dp × sp``: parameters are replicated over both, and each rank's loss is the
+    mean over its own tokens, so gradients are averaged over both)."""
+
+    def __init__(self, mesh: Mesh):
+        self.mesh, self.comm_stats, self.device = mesh, mesh.comm_stats, mesh.device
+        self._group = mesh.group_over("dp", "sp")
+
+    def _check(self, axis: str) -> None:
+        if axis != "dp":
+            raise ValueError(f"DataReplicas only answers for the 'dp' axis, not {axis!r}")
+
+    def size(self, axis: str) -> int:
+        self._check(axis)
+        return self.mesh.size("dp") * self.mesh.size("sp")
+
+    def rank(self, axis: str) -> int:
+        self._check(axis)
+        return self.mesh.rank_over("dp", "sp")
+
+    def group(self, axis: str):
+        self._check(axis)
+        return self._group
+
+
+def parameter_store(cfg: Config, mesh: Mesh, model: LocalModel, executor=None, tied_params=(),
+                    tied_sync=None) -> ParameterStore:
+    """The store ``cfg`` asks for over ``model`` (its optimizer built from ``optimizer.*`` with the
+    dense names' parameter groups): hetero's chunks when ``hetero.enabled``, else plain.
+    ``tied_sync``: the table tied across two pp ranks is summed between them at the step's end,
+    so its data-parallel reduction waits for that."""
+    named = model.dense_named_parameters()
+    if cfg.hetero.enabled:
+        model, optimizer = hetero_wrap(model, cfg.optimizer, cfg.hetero, mesh=DataReplicas(mesh),
+                                       param_groups=param_groups(named, cfg.optimizer))
+        return HeteroStore(model, optimizer, mesh, list(tied_params))
+    optimizer = build_optimizer(named, cfg.optimizer, cfg.train.fused)
+    return PlainStore(model, optimizer, mesh, list(tied_params), cfg=cfg, executor=executor,
+                      defer_tied=tied_sync is not None)
