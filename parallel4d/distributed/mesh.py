@@ -32,7 +32,7 @@ from parallel4d.distributed import elastic
 from parallel4d.distributed.comm import CommStats
 from parallel4d.config.errors import ConfigError
 from parallel4d.config.schema import Config
-from parallel4d.config.rules import grid_side
+from parallel4d.config.rules.tensor2d import grid_side
 
 AXES = ("pp", "dp", "sp", "tp_row", "tp_col")
 

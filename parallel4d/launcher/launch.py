@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from parallel4d.checkpoint import dcp as checkpoint
 from parallel4d.distributed import elastic
-from parallel4d.config.checks import local_job_problems, torchrun_job_problems
+from parallel4d.config.rules.job import local_job_problems, torchrun_job_problems
 from parallel4d.config.errors import ConfigError
 from parallel4d.config.load import load_config
 from parallel4d.config.schema import Config

@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from parallel4d.config.rules import SCHEDULES, check_schedule_name
+from parallel4d.config.rules.pipeline import SCHEDULES, check_schedule_name
 from parallel4d.pipeline.analysis import ScheduleError, bubble_formula, simulate
 from parallel4d.pipeline.plot import plot
 from parallel4d.pipeline.schedule import make_schedule

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from parallel4d.checkpoint import dcp as checkpoint
 from parallel4d.distributed import comm
 from parallel4d.distributed import elastic
-from parallel4d.config.checks import resolve_fused
+from parallel4d.config.rules.training import resolve_fused
 from parallel4d.config.errors import ConfigError
 from parallel4d.config.schema import Config
 from parallel4d.data.batches import build_dataset, build_validation
