@@ -37,7 +37,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from parallel4d import comm  # noqa: E402
+from parallel4d.distributed import comm  # noqa: E402
 from parallel4d.distributed.mesh import init_mesh  # noqa: E402
 from parallel4d.models.gpt import Block, GPTShape  # noqa: E402
 from parallel4d.tensor2d import Block2D, scatter_2d  # noqa: E402

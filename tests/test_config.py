@@ -271,7 +271,7 @@ def test_text_root_without_enough_python_sources(tmp_path, capsys, job, files, e
 
 
 def test_local_world_size_limit():
-    from parallel4d.config.checks import local_job_problems
+    from parallel4d.config.rules.job import local_job_problems
 
     huge = make_config({"parallel": {"dp": 4096}, "data": {"batch_size": 4096}})
     assert huge.train.max_local_workers == 64

@@ -3,7 +3,7 @@ ignore, DeepSpeed's own sub-section errors, the batch triple against parallel4d'
 combinations parallel4d cannot run refuse with exit 2 and a message naming the key and the fix;
 a valid section resolves to the ds_config parallel4d hands DeepSpeed.
 
-The rules on values alone run in ``load_config`` / ``make_config`` (``config.deepspeed_problems``);
+The rules on values alone run in ``load_config`` / ``make_config`` (``config.rules.deepspeed``);
 those that need DeepSpeed or the device in ``integrations.deepspeed.ds_config.resolve``. Most
 checks call them in this process; a few run the CLI to see the exit status and that ``launch``
 refused before creating anything."""

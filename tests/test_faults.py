@@ -688,7 +688,7 @@ def test_unwritable_run_directory_is_refused_before_any_worker(tmp_path, capsys,
     train.out_dir, before any worker is spawned (the launcher's spawn is never called)."""
     from parallel4d.tools.cli import main
 
-    launch_module = sys.modules["parallel4d.launcher.launch"]  # the package's attribute `launch` is the function
+    launch_module = importlib.import_module("parallel4d.launcher.launch")  # the CLI imports it when it runs
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")
     for field, cfg in (("train.out_dir", tiny_job(blocker / "run", steps=2)),

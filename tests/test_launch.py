@@ -269,11 +269,12 @@ def test_the_cli_says_saved_only_of_a_checkpoint_that_verifies(tmp_path, monkeyp
     """After a run stopped by a signal, `parallel4d launch` names the checkpoint rank 0's summary names only
     once its files verify; a corrupted one is named as such. Either way the exit code is 128 + the signal."""
     from parallel4d.checkpoint import dcp as checkpoint
+    from parallel4d.launcher import launch as launcher
     from parallel4d.tools import cli
 
     saved = checkpoint.save({"w": torch.ones(4)}, tmp_path / "ckpt", step=5)
     summary = {"losses": [1.0], "steps": 5, "stop_signal": "SIGTERM", "checkpoint": str(saved)}
-    monkeypatch.setattr(cli, "launch", lambda config, overrides: summary)
+    monkeypatch.setattr(launcher, "launch", lambda config, overrides: summary)  # the command imports it when run
     assert cli.main(["launch", "job.yaml"]) == 143
     assert f"stopped by SIGTERM at step 5, after saving checkpoint {saved} (verified" in capsys.readouterr().err
     data = next(p for p in saved.iterdir() if p.suffix == ".distcp")

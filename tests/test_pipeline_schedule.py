@@ -193,7 +193,10 @@ def test_plot_leaves_matplotlib_global_state_alone(tmp_path, monkeypatch):
 
 
 def test_cli_prints_table_and_simulation(tmp_path, capsys):
-    from parallel4d.pipeline.cli import schedule_command
+    from parallel4d.tools.cli import main
+
+    def schedule_command(argv):
+        return main(["schedule", *argv])
 
     out_png = tmp_path / "o.png"
     assert schedule_command(["--schedule", "hanayo", "--pp", "4", "--microbatches", "8", "--waves", "2",

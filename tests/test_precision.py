@@ -177,7 +177,7 @@ def close(a, b, rtol):
 
 def test_torch_fused_kernels_train_like_the_plain_ones(single_rank):
     """fused AdamW and F.rms_norm (llama's norms) against the plain float32 ops; auto is torch here."""
-    from parallel4d.config.checks import apex_available
+    from parallel4d.config.rules.training import apex_available
 
     assert not apex_available()  # not on this machine's package index
     plain, fused = train_llama({"fused": "off"}), train_llama({"fused": "torch"})

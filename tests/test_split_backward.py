@@ -187,7 +187,10 @@ def test_split_backward_sends_what_the_unsplit_backward_sends(split_runs):
 
 
 def test_the_schedule_cli_shows_w_and_refuses_a_split_it_cannot_make(tmp_path, capsys):
-    from parallel4d.pipeline.cli import schedule_command
+    from parallel4d.tools.cli import main
+
+    def schedule_command(argv):
+        return main(["schedule", *argv])
 
     assert schedule_command(["--schedule", "hanayo", "--split-backward", "--pp", "2", "-m", "4",
                              "--plot", str(tmp_path / "t.png")]) == 0

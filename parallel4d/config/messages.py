@@ -12,7 +12,7 @@ from parallel4d.config.errors import _short
 from parallel4d.config.reader import yaml11_hint
 from parallel4d.config.schema import Config
 
-from parallel4d.config.rules import did_you_mean
+from parallel4d.config.rules.common import did_you_mean
 
 
 def _model_at(keys: tuple) -> Optional[type[BaseModel]]:

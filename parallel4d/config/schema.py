@@ -30,7 +30,8 @@ from pydantic import AfterValidator, AllowInfNan, BaseModel, ConfigDict, Field, 
 from parallel4d.config.checks import cross_field_problems
 from parallel4d.config.errors import _short
 
-from parallel4d.config.rules import SCHEDULES, grid_side, num_chunks
+from parallel4d.config.rules.pipeline import SCHEDULES, num_chunks
+from parallel4d.config.rules.tensor2d import grid_side
 
 
 class _Section(BaseModel):
@@ -115,8 +116,8 @@ class Tensor2DConfig(_Section):
     overlap: bool = Field(True, description="issue step t+1's broadcast before step t's matmul")
 
 
-# rules.SCHEDULES spelt out, as pydantic and type checkers want (tests/test_rules.py compares them)
-ScheduleName = Literal[SCHEDULES]  # the names live in rules.SCHEDULES
+# rules.pipeline.SCHEDULES spelt out, as pydantic and type checkers want (tests/test_rules.py compares them)
+ScheduleName = Literal[SCHEDULES]  # the names live in rules.pipeline.SCHEDULES
 
 
 class PipelineConfig(_Section):

@@ -15,9 +15,8 @@ from typing import Sequence
 
 import torch
 
-from parallel4d.config.errors import ConfigError
 from parallel4d.data.text_files import corpus_files
-from parallel4d.data.token_files import ITEM_BYTES, content_problems, read_sidecar
+from parallel4d.data.token_files import ITEM_BYTES, read_sidecar
 
 
 class SyntheticTokens:
@@ -176,16 +175,3 @@ def build_validation(cfg) -> Validation | None:
                                     validation=True))
     return Validation(ByteCorpus(m.seq_len, d.batch_size, d.seed, d.text_root, d.max_bytes, d.val_fraction,
                                  validation=True, patterns=d.text_glob))
-
-
-def verify_token_files(cfg) -> None:
-    """Before any worker starts: each token file a ``Config`` reads holds the bytes ``parallel4d
-    tokenize`` wrote (:func:`.token_files.content_problems`: hashed once, then stamped) and was
-    tokenized with ``model.pretrained``'s tokenizer where that has one; ConfigError naming the file."""
-    d = cfg.data
-    if d.source != "tokens":
-        return
-    files = [("data.path", d.path)] + ([("data.val_path", d.val_path)] if d.val_path else [])
-    problems = [p for field, path in files for p in content_problems(path, field, cfg.model.pretrained)]
-    if problems:
-        raise ConfigError("invalid configuration:\n" + "\n".join(f"  - {p}" for p in problems))

@@ -29,8 +29,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from parallel4d.distributed.comm import CommStats
+from parallel4d.config.rules.tensor2d import grid_side
 from parallel4d.distributed.startup import init_process_group_from_env
-from parallel4d.config.rules import grid_side
 
 AXES = ("pp", "dp", "sp", "tp_row", "tp_col")
 

@@ -5,9 +5,10 @@ joins through env://. Otherwise ``pp·dp·sp·tp`` local workers are spawned wit
 a file-based rendezvous: gloo on CPU, NCCL when every rank gets its own GPU.
 If a worker raises, the others are stopped and the error is re-raised here.
 
-Before any worker starts (:func:`prepared`): the job fits the local limits, the
-run and checkpoint directories are writable, no other job holds them, and a
-fresh run does not write over another run's checkpoints.
+Before any worker starts (:func:`prepared`): :func:`~.preflight.check_job` (the local
+limits, a deepspeed: section, model.pretrained's and the token files' contents),
+then the run and checkpoint directories are writable, no other job holds them,
+and a fresh run does not write over another run's checkpoints.
 """
 
 from __future__ import annotations
@@ -26,34 +27,15 @@ from parallel4d.checkpoint.failures import CheckpointError
 from parallel4d.checkpoint.resume import check_resume_model, check_start, holds_checkpoints, latest_checkpoint
 from parallel4d.checkpoint.steps import save_in_progress
 from parallel4d.distributed import elastic
-from parallel4d.config.checks import local_job_problems, torchrun_job_problems
+from parallel4d.config.rules.job import torchrun_job_problems
 from parallel4d.config.errors import ConfigError
 from parallel4d.config.load import load_config
 from parallel4d.config.schema import Config
-from parallel4d.data.batches import verify_token_files
-from parallel4d.engine.pretrained import pretrained_checkpoint
 from parallel4d.distributed.startup import device_and_backend, init_process_group_from_env
+from parallel4d.launcher.preflight import check_job, under_torchrun
 from parallel4d.launcher.rundir import RunLock, check_history, check_writable
-from parallel4d.training.loop import deepspeed_integration, run_training
+from parallel4d.training.loop import run_training
 from parallel4d.launcher.spawn import spawn
-
-
-def check_job(cfg: Config, local: bool, device_type: str = "cpu", source: str | None = None) -> None:
-    """Every check of a valid config that needs the machine but no lock and no worker: the local
-    limits (``local``: this process spawns the workers), a ``deepspeed:`` section against DeepSpeed
-    for ``device_type``, ``model.pretrained``'s weight files, the token files' contents. A ``ConfigError`` names ``source``
-    (the job file) first, as the config's own errors do."""
-    try:
-        problems = local_job_problems(cfg) if local else []
-        if problems:
-            raise ConfigError("invalid configuration:\n" + "\n".join(f"  - {p}" for p in problems))
-        if cfg.deepspeed is not None:
-            deepspeed_integration().resolve(cfg, device_type)
-        if cfg.model.pretrained:  # every weight file there and of the model's shape, from the headers
-            pretrained_checkpoint(cfg.model, lambda hf: hf.check_checkpoint(cfg.model.pretrained, cfg.model))
-        verify_token_files(cfg)  # the token files' bytes against their sidecars (hashed once, then stamped)
-    except ConfigError as e:
-        raise ConfigError(f"{source}: {e}" if source else str(e)) from None
 
 
 @contextmanager
@@ -77,11 +59,6 @@ def prepared(cfg: Config, local: bool, device_type: str = "cpu", source: str | N
         if cfg.checkpoint.enabled and cfg.train.resume:
             check_resume_model(cfg.checkpoint_dir, cfg.model)
         yield
-
-
-def under_torchrun() -> bool:
-    """Whether this process is one rank of a job torchrun (or another env:// launcher) started."""
-    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
 def _train_entry(cfg_dict: dict) -> dict:

@@ -19,7 +19,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from parallel4d.models.llama import RMSNorm
-from parallel4d.config.checks import resolve_fused
+from parallel4d.config.rules.training import resolve_fused
 
 
 def make_optimizer(groups: list[dict], opt_cfg, fused: str) -> torch.optim.Optimizer:

@@ -48,7 +48,7 @@ per-action timestamps; ``res.peak_activations`` equals
 ``simulate(sched).peak_activations[me]``.
 """
 
-from parallel4d.config.rules import SCHEDULES, check_schedule_name, num_chunks, pipeline_arg_problems
+from parallel4d.config.rules.pipeline import SCHEDULES, check_schedule_name, num_chunks, pipeline_arg_problems
 from parallel4d.pipeline.analysis import Message, ScheduleError, SimResult, bubble_formula, message_plan, simulate, validate
 from parallel4d.pipeline.checks import check_pipeline_args
 from parallel4d.pipeline.executor import PipelineExecutor, StepResult, TiedGradSync

@@ -1,12 +1,12 @@
 """Argument checks for a pipeline job, usable before any process group exists.
 
-The rules themselves live in :mod:`parallel4d.rules` (the config validates a YAML
-file with them); this is the raising form for callers of the pipeline API.
+The rules themselves live in :mod:`parallel4d.config.rules.pipeline` (the config validates a
+YAML file with them); this is the raising form for callers of the pipeline API.
 """
 
 from __future__ import annotations
 
-from parallel4d.config.rules import check_schedule_name, num_chunks, pipeline_arg_problems  # noqa: F401  (re-exported)
+from parallel4d.config.rules.pipeline import pipeline_arg_problems
 
 
 def check_pipeline_args(
@@ -19,7 +19,7 @@ def check_pipeline_args(
     batch: int | None = None,
     batch_divisor: int = 1,
 ) -> None:
-    """Raise ``ValueError`` listing every problem of :func:`~parallel4d.rules.pipeline_arg_problems`.
+    """Raise ``ValueError`` listing every problem of :func:`~parallel4d.config.rules.pipeline.pipeline_arg_problems`.
 
     Micro-batch rules: ≥ 1, dividing the batch (per data replica), and for
     ``interleaved`` ≤ pp or a multiple of pp. GPipe, 1F1B and Hanayo (greedy

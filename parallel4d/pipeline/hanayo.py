@@ -12,7 +12,7 @@ from __future__ import annotations
 from functools import lru_cache
 from typing import Callable, Iterable, Iterator, Optional
 
-from parallel4d.config.rules import positive_int
+from parallel4d.config.rules.common import positive_int
 from parallel4d.pipeline.analysis import _run, stored_change
 from parallel4d.pipeline.types import Action, Schedule
 

@@ -26,8 +26,8 @@ from __future__ import annotations
 
 from typing import Callable
 
-from parallel4d.config.rules import SCHEDULES  # noqa: F401  (re-exported; its home is rules)
-from parallel4d.config.rules import SPLIT_SCHEDULES, check_schedule_name, interleaved_microbatch_problem, positive_int
+from parallel4d.config.rules.common import positive_int
+from parallel4d.config.rules.pipeline import SPLIT_SCHEDULES, check_schedule_name, interleaved_microbatch_problem
 from parallel4d.pipeline.hanayo import hanayo
 from parallel4d.pipeline.types import Action, Schedule, linear_placement, looped_placement  # noqa: F401 (placements re-exported)
 from parallel4d.pipeline.zero_bubble import zb_h1, zbv

@@ -9,7 +9,7 @@ oldest W when no F or B can start), on two placements, at 1F1B's activation memo
 
 from __future__ import annotations
 
-from parallel4d.config.rules import positive_int
+from parallel4d.config.rules.common import positive_int
 from parallel4d.pipeline.hanayo import hanayo, list_schedule
 from parallel4d.pipeline.types import Schedule, linear_placement
 

@@ -38,9 +38,10 @@ Sequence length must be divisible by ``N`` (``2N`` for ``zigzag``). Use ``zigzag
 models (balanced work, :func:`causal_balance`); ``contiguous`` is fine when not causal.
 """
 
+from parallel4d.config.rules.sequence import LAYOUTS
 from parallel4d.sequence.adapter import make_ring_attention_fn
 from parallel4d.sequence.kernels import BACKENDS, acc_dtype, merge_
-from parallel4d.sequence.layout import (LAYOUTS, BlockCall, CausalBalance, causal_balance, check_seq_len, gather_sequence,
+from parallel4d.sequence.layout import (BlockCall, CausalBalance, causal_balance, check_seq_len, gather_sequence,
                      local_positions, positions_for, split_sequence, step_plan)
 from parallel4d.sequence.ring import RingAttention, ring_attention, ring_bytes
 

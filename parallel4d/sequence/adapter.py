@@ -12,7 +12,7 @@ from typing import Callable
 
 import torch
 
-from parallel4d.sequence.layout import check_layout
+from parallel4d.config.rules.sequence import check_layout
 from parallel4d.sequence.ring import ring_attention
 
 

@@ -23,21 +23,7 @@ import torch
 import torch.distributed as dist
 
 from parallel4d.distributed import comm
-from parallel4d.config.rules import near_multiples
-
-LAYOUTS = ("contiguous", "zigzag")
-
-
-def check_layout(layout: str) -> None:
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout={layout!r} is not supported; use one of {LAYOUTS} "
-                         "('zigzag' balances causal work, 'contiguous' is simplest)")
-
-
-def num_pieces(n: int, layout: str) -> int:
-    """How many equal pieces the sequence is cut into for a ring of ``n``."""
-    check_layout(layout)
-    return n if layout == "contiguous" else 2 * n
+from parallel4d.config.rules.sequence import check_layout, num_pieces, seq_len_problem
 
 
 def pieces_of(rank: int, n: int, layout: str) -> tuple[int, ...]:
@@ -48,11 +34,9 @@ def pieces_of(rank: int, n: int, layout: str) -> tuple[int, ...]:
 
 def check_seq_len(seq_len: int, n: int, layout: str, field: str = "seq_len") -> None:
     """``ValueError`` unless ``seq_len`` splits into this layout's pieces."""
-    m = num_pieces(n, layout)
-    if seq_len <= 0 or seq_len % m:
-        raise ValueError(
-            f"{field}={seq_len} must be a positive multiple of {m} for layout={layout!r} on a ring of {n} "
-            f"({'N' if layout == 'contiguous' else '2N'} pieces); nearest valid values: {near_multiples(seq_len, m)}")
+    problem = seq_len_problem(seq_len, n, layout, field)
+    if problem:
+        raise ValueError(problem)
 
 
 def local_positions(seq_len: int, rank: int, n: int, layout: str) -> list[int]:

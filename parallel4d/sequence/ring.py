@@ -40,7 +40,8 @@ from parallel4d.distributed import comm
 
 from parallel4d.sequence.kernels import (acc_dtype, add_kv_grads_, backward_step, default_scale, first_step_forward, forward_step,
                       resolve_backend)
-from parallel4d.sequence.layout import check_layout, step_plan
+from parallel4d.config.rules.sequence import check_layout
+from parallel4d.sequence.layout import step_plan
 
 FWD_KV = "ring_attention.fwd.kv"
 BWD_KV = "ring_attention.bwd.kv"

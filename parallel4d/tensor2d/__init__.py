@@ -11,8 +11,8 @@ grid column (gradient sums of row-replicated parameters).
 How the engine converts a dense GPT (``GPT.stages() = [embed, *blocks, head]``)
 -------------------------------------------------------------------------------
 1. Build the dense model with the same seed on every rank, check the shapes with
-   :func:`check_tensor2d` (the config reports the same rules, from :mod:`parallel4d.rules`,
-   before any process group exists).
+   :func:`check_tensor2d` (the config reports the same rules, from
+   :mod:`parallel4d.config.rules.tensor2d`, before any process group exists).
 2. ``emb = TokenPositionEmbedding2D.from_dense(gpt.embed, mesh)``;
    ``blocks = [Block2D.from_dense(b, mesh, attention_fn) for b in gpt.blocks]``;
    ``head = Head2D.from_dense(gpt.head, mesh, embedding=emb)`` (shares ``emb.tok.weight``

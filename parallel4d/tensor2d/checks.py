@@ -1,14 +1,16 @@
 """Up-front shape checks for 2D tensor parallelism (pure Python, no torch, no side effects).
 
-The rules and their messages live in :mod:`parallel4d.rules` (the config reports them for a
-job file); these are their raising forms, which the layers call at construction, before any
-collective. Every error is a ``ValueError`` that names the offending field and the nearest
+The rules and their messages live in :mod:`parallel4d.config.rules.tensor2d` (the config reports
+them for a job file); these are their raising forms, which the layers call at construction,
+before any collective. Every error is a ``ValueError`` that names the offending field and the nearest
 valid values, e.g. ``model.hidden=70 is not divisible by q=4; use model.hidden=68 or 72``.
 """
 
 from __future__ import annotations
 
-from parallel4d.config.rules import FIELD_NAMES, batch_problem, grid_side, heads_problems, not_divisible, tensor2d_problems
+from parallel4d.config.rules.common import FIELD_NAMES, not_divisible
+from parallel4d.config.rules.data import batch_problem
+from parallel4d.config.rules.tensor2d import grid_side, heads_problems, tensor2d_problems
 
 __all__ = ["FIELD_NAMES", "check_divisible", "check_heads", "check_tensor2d"]
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import signal
@@ -12,20 +13,14 @@ from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
 
-from parallel4d.checkpoint.checksums import verify
-from parallel4d.checkpoint.failures import CheckpointError
 from parallel4d.config.errors import ConfigError
 from parallel4d.config.load import load_config
-from parallel4d.tools.plot import plot_run
-from parallel4d.checkpoint.export import export
-from parallel4d.tools.generate import generate
-from parallel4d.checkpoint.gather import gather
-from parallel4d.launcher.launch import check_job, launch, under_torchrun
-from parallel4d.distributed.startup import device_and_backend
-from parallel4d.pipeline.cli import add_schedule_parser
-from parallel4d.tools.plan import HEADROOM, format_fit, format_ranks, parse_bytes, plan, try_knobs
-from parallel4d.data.tokenize import tokenize
-from parallel4d.launcher.supervise import Interrupted, WorkerError, WorkerTimeout
+from parallel4d.config.rules.pipeline import SCHEDULES
+from parallel4d.config.schema import Config
+from parallel4d.launcher.preflight import check_job, under_torchrun
+
+# Each command imports its own module (torch, and the extras it needs) when it runs, never here:
+# `parallel4d validate` then needs neither.
 
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
@@ -34,17 +29,56 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
                    help="override one field, e.g. --set train.steps=50 (repeatable)")
 
 
+def _job_command(command):
+    """``command`` with a job's or a checkpoint's failure said in one line: exit 1 for a failed job
+    or an unusable checkpoint, 128 + the signal for a job a signal ended. Their classes are imported
+    when the command runs (their modules need torch; ``validate`` does without)."""
+
+    @functools.wraps(command)
+    def run(args) -> int:
+        from parallel4d.checkpoint.failures import CheckpointError
+        from parallel4d.launcher.supervise import Interrupted, WorkerError, WorkerTimeout
+
+        try:
+            return command(args)
+        except CheckpointError as e:
+            print(f"parallel4d: {e}", file=sys.stderr)
+            return 1
+        except (WorkerError, WorkerTimeout) as e:
+            print(f"parallel4d: the job failed: {e}", file=sys.stderr)
+            return 1
+        except Interrupted as e:  # a signal stopped the job before its workers could save: what was lost
+            print(f"parallel4d: {e}", file=sys.stderr)
+            return 128 + e.signum
+
+    return run
+
+
+def _device_type(cfg: Config) -> str:
+    """The device type the job runs on, where a check depends on it: a ``deepspeed:`` section's
+    rules are per device, and ``train.device=cuda`` is refused without a GPU. Only then is torch
+    asked (imported here); no other check reads it, and ``validate`` runs without torch."""
+    if cfg.deepspeed is None and cfg.train.device != "cuda":
+        return "cpu"  # read by no check
+    from parallel4d.distributed.startup import device_and_backend
+
+    return device_and_backend(cfg)[0]
+
+
 def _cmd_validate(args) -> int:
     cfg = load_config(args.config, args.overrides)
-    check_job(cfg, not under_torchrun(), device_and_backend(cfg)[0], args.config)
+    check_job(cfg, not under_torchrun(), _device_type(cfg), args.config)
     print(cfg.to_yaml(), end="")
     print(f"# world size: {cfg.world_size} = pp·dp·sp·tp = {cfg.parallel.pp}·{cfg.parallel.dp}·"
           f"{cfg.parallel.sp}·{cfg.parallel.tp}")
     return 0
 
 
+@_job_command
 def _cmd_plan(args) -> int:
     """The resolved layout and, per rank, the bytes held and sent (a dry run: :mod:`.plan`)."""
+    from parallel4d.tools.plan import HEADROOM, format_fit, format_ranks, parse_bytes, plan, try_knobs
+
     cfg = load_config(args.config, args.overrides)
     p, m = cfg.parallel, cfg.model
     q = p.q
@@ -74,10 +108,13 @@ def _cmd_plan(args) -> int:
     return 0
 
 
+@_job_command
 def _cmd_launch(args) -> int:
     """0 when the run finished; 128 + the signal when one stopped it early (a rank under torchrun that got
     SIGTERM, or stopped with the rank that got it), so that neither torchrun nor a scheduler takes a
     saved-and-stopped run for a finished one."""
+    from parallel4d.launcher.launch import launch
+
     summary = launch(args.config, args.overrides)
     if "losses" in summary:  # rank 0 reports (the other ranks under torchrun return only their rank)
         losses = summary["losses"]
@@ -95,6 +132,8 @@ def _cmd_launch(args) -> int:
 
 def _what_was_saved(summary: dict) -> str:
     """The checkpoint a stopped run's summary names, said only once its files verify."""
+    from parallel4d.checkpoint.checksums import verify
+
     saved = summary.get("checkpoint")
     if saved is None:
         return "with nothing saved (checkpoint.enabled is false)"
@@ -104,13 +143,19 @@ def _what_was_saved(summary: dict) -> str:
     return f"after saving checkpoint {saved} (verified; continue with --set train.resume=true)"
 
 
+@_job_command
 def _cmd_gather(args) -> int:
+    from parallel4d.checkpoint.gather import gather
+
     out = gather(args.checkpoint, args.out)
     print(out)
     return 0
 
 
+@_job_command
 def _cmd_export(args) -> int:
+    from parallel4d.checkpoint.export import export
+
     print(export(args.checkpoint, args.out_dir, max_shard_bytes=int(args.max_shard_gb * 2**30)))
     return 0
 
@@ -131,8 +176,11 @@ def _sigterm_unwinds():
         signal.signal(signal.SIGTERM, old)
 
 
+@_job_command
 def _cmd_tokenize(args) -> int:
     """130 on Ctrl-C (143 on SIGTERM), saying that ``-o`` and its sidecar were left as they were."""
+    from parallel4d.data.tokenize import tokenize
+
     try:
         with _sigterm_unwinds():
             meta = tokenize(args.tokenizer, args.inputs, args.out, eos_token=args.eos_token, workers=args.workers)
@@ -145,7 +193,10 @@ def _cmd_tokenize(args) -> int:
     return 0
 
 
+@_job_command
 def _cmd_generate(args) -> int:
+    from parallel4d.tools.generate import generate
+
     try:
         text = generate(args.source, args.prompt, args.max_new_tokens, args.temperature, args.top_k, args.seed)
     except ValueError as e:
@@ -155,9 +206,35 @@ def _cmd_generate(args) -> int:
     return 0
 
 
+@_job_command
 def _cmd_plot(args) -> int:
+    from parallel4d.tools.plot import plot_run
+
     print(plot_run(args.run_dir, args.out))
     return 0
+
+
+@_job_command
+def _cmd_schedule(args) -> int:
+    from parallel4d.tools.schedule import run_schedule_command
+
+    return run_schedule_command(args)
+
+
+def _add_schedule_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--schedule", default="hanayo", help=f"one of {', '.join(SCHEDULES)}")
+    p.add_argument("--pp", type=int, default=4, help="pipeline ranks")
+    p.add_argument("--microbatches", "-m", type=int, default=8)
+    p.add_argument("--waves", type=int, default=1, help="Hanayo waves W (2·W·pp chunks)")
+    p.add_argument("--chunks-per-rank", type=int, default=2, help="chunks per rank for interleaved")
+    p.add_argument("--split-backward", action="store_true",
+                   help="hanayo: split each backward into B (input gradient) and W (weight gradient)")
+    p.add_argument("--forward-cost", type=float, default=1.0, help="one chunk's forward time")
+    p.add_argument("--backward-cost", type=float, default=2.0, help="one chunk's backward time")
+    p.add_argument("--weight-cost", type=float, default=None,
+                   help="a split schedule's W time, part of --backward-cost (default half of it)")
+    p.add_argument("--p2p-cost", type=float, default=0.0, help="latency of one cross-rank transfer")
+    p.add_argument("--plot", metavar="PNG", help="also write a timeline PNG")
 
 
 def _refused(message: str) -> int:
@@ -225,7 +302,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-k", type=int, default=50, help="sample among the k likeliest tokens (0: all)")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=_cmd_generate)
-    add_schedule_parser(sub)
+    p = sub.add_parser("schedule", help="print a pipeline schedule and its simulated bubble / memory")
+    _add_schedule_args(p)
+    p.set_defaults(func=_cmd_schedule)
     return parser
 
 
@@ -235,15 +314,6 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args)
     except ConfigError as e:
         return _refused(str(e))
-    except CheckpointError as e:
-        print(f"parallel4d: {e}", file=sys.stderr)
-        return 1
-    except (WorkerError, WorkerTimeout) as e:
-        print(f"parallel4d: the job failed: {e}", file=sys.stderr)
-        return 1
-    except Interrupted as e:  # a signal stopped the job before its workers could save: what was lost
-        print(f"parallel4d: {e}", file=sys.stderr)
-        return 128 + e.signum
     except KeyboardInterrupt:  # Ctrl-C outside the job (before its workers started, or after they ended)
         print("parallel4d: interrupted", file=sys.stderr)
         return 130

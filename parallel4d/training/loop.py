@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
 import json
 import math
 import os
@@ -20,14 +19,14 @@ from parallel4d.checkpoint.resume import check_start, choose_checkpoint
 from parallel4d.checkpoint.steps import new_run_id, read_info
 from parallel4d.distributed import comm
 from parallel4d.distributed import elastic
-from parallel4d.config.checks import resolve_fused
-from parallel4d.config.errors import ConfigError
+from parallel4d.config.rules.training import resolve_fused
 from parallel4d.config.schema import Config
 from parallel4d.data.batches import build_dataset, build_validation
 from parallel4d.engine.compose import compose
 from parallel4d.engine.flops import flops_per_token
 from parallel4d.engine.trainer import Trainer
 from parallel4d.distributed.mesh import init_mesh
+from parallel4d.integrations import deepspeed_integration
 from parallel4d.training.metrics import MetricsLog, gather_objects, gather_per_rank, peak_memory
 
 
@@ -168,18 +167,6 @@ class _Run:
             if self.lead:
                 _log(f"[parallel4d] warning: {e}. Training goes on (the state is in memory); "
                      "the next checkpoint tries again")
-
-
-def deepspeed_integration():
-    """``parallel4d.integrations.deepspeed``, imported on use: DeepSpeed is an optional extra
-    (and seconds to import); ConfigError saying how to install it when it is missing."""
-    try:
-        return importlib.import_module("parallel4d.integrations.deepspeed")
-    except ImportError as e:
-        if e.name is None or not e.name.startswith("deepspeed"):
-            raise
-        raise ConfigError("the deepspeed: section needs DeepSpeed: pip install 'parallel4d[deepspeed]' (make "
-                          "installs it), or remove the section to train with parallel4d's own engine") from None
 
 
 def _summary_before(path: Path) -> dict:

@@ -2,7 +2,8 @@
 
 :func:`resolve` runs before any process starts (``launch`` and ``parallel4d validate`` call it):
 the keys DeepSpeed would ignore or refuse (:mod:`.ds_keys`), what this device cannot run, then the
-section completed from parallel4d's fields (config.py has checked that they agree).
+section completed from parallel4d's fields (the config has checked that they agree). The rules that
+need no DeepSpeed live in :mod:`parallel4d.config.rules.deepspeed`.
 """
 
 from __future__ import annotations
@@ -15,25 +16,23 @@ import torch
 from deepspeed.runtime import lr_schedules
 from deepspeed.runtime.config import DEEPSPEED_OPTIMIZERS
 
-from parallel4d.config.checks import deepspeed_batch
 from parallel4d.config.errors import ConfigError
+from parallel4d.config.rules.common import did_you_mean
+from parallel4d.config.rules.deepspeed import DOCS, TORCH_OPTIMIZERS, deepspeed_batch, device_problems
 from parallel4d.config.schema import Config
-from parallel4d.config.rules import did_you_mean
-from parallel4d.integrations.deepspeed.ds_keys import DOCS, key_problems
-
-#: DeepSpeed optimizer types that run on torch's code when ``torch_adam`` is set (no compiled op)
-TORCH_OPTIMIZERS = ("adam", "adamw")
+from parallel4d.integrations.deepspeed.ds_keys import key_problems
 
 
 def resolve(cfg: Config, device_type: str) -> dict[str, Any]:
     """The ds_config for ``deepspeed.initialize``: ``cfg.deepspeed`` checked (ConfigError naming
     each key and the fix), with the batch sizes, clipping and bf16 filled from parallel4d's fields."""
     section = dict(cfg.deepspeed or {})
-    problems = key_problems(section) + _type_problems(section) + _device_problems(section, device_type)
+    problems = (key_problems(section) + _type_problems(section)
+                + device_problems(section, device_type, _known_optimizer))
     if problems:
         raise ConfigError("invalid configuration:\n" + "\n".join(f"  - {p}" for p in problems))
     ds = copy.deepcopy(section)
-    ds.update(deepspeed_batch(cfg))  # config.py checked that any given value equals these
+    ds.update(deepspeed_batch(cfg))  # the config checked that any given value equals these
     if cfg.train.grad_clip and "gradient_clipping" not in ds:
         ds["gradient_clipping"] = cfg.train.grad_clip
     if cfg.train.autocast == "bfloat16":
@@ -83,18 +82,3 @@ def _type_problems(section: dict) -> list[str]:
 def _known_optimizer(kind: Any) -> bool:
     """Whether DeepSpeed finds optimizer ``kind``: one of its own names (any case), else torch.optim's."""
     return isinstance(kind, str) and (kind.lower() in DEEPSPEED_OPTIMIZERS or isinstance(getattr(torch.optim, kind, None), type))
-
-
-def _device_problems(section: dict, device_type: str) -> list[str]:
-    if device_type != "cpu":
-        return []
-    out = []
-    if isinstance(section.get("fp16"), dict) and section["fp16"].get("enabled") is True:
-        out.append("deepspeed.fp16.enabled: DeepSpeed has no fp16 on CPU; use deepspeed.bf16.enabled=true, or "
-                   "float32 (no fp16/bf16 section)")
-    kind = section.get("optimizer", {}).get("type") if isinstance(section.get("optimizer"), dict) else None
-    if _known_optimizer(kind) and str(kind).lower() not in TORCH_OPTIMIZERS:
-        out.append(f"deepspeed.optimizer.type={kind!r} needs an op DeepSpeed compiles at run time on CPU; use "
-                   "type Adam or AdamW (run on torch's code), or remove deepspeed.optimizer to use parallel4d's "
-                   "optimizer: section")
-    return out

@@ -20,18 +20,13 @@ from deepspeed.runtime.config import DeepSpeedConfig, DeepSpeedConfigError
 from deepspeed.runtime.config_utils import DeepSpeedConfigModel
 from pydantic import BaseModel, ValidationError
 
-from parallel4d.config.rules import did_you_mean
+from parallel4d.config.rules.common import did_you_mean
+from parallel4d.config.rules.deepspeed import DOCS, TAKEN, taken_key_problems
 
-DOCS = "see https://www.deepspeed.ai/docs/config-json/"
-#: keys DeepSpeed reads that parallel4d's own fields already decide
-TAKEN = {"tensor_parallel": "parallel.tp (parallel4d's 2D tensor parallelism replaces DeepSpeed's AutoTP)",
-         "pipeline": "parallel.pp and the pipeline: section (parallel4d's executor runs the schedule)",
-         # read by deepspeed.initialize (not DeepSpeedConfig): both together build DeepSpeed's own dp × sp mesh
-         "sequence_parallel_size": "parallel.sp (parallel4d's ring attention; DeepSpeed would build its own mesh)",
-         "data_parallel_size": "parallel.dp (the mesh parallel4d hands DeepSpeed as its mpu)"}
 #: mappings DeepSpeed hands on as keyword arguments (an optimizer's or scheduler's constructor checks them)
 PASSED_ON = {"deepspeed.optimizer.params", "deepspeed.scheduler.params"}
-# the probe's batch sizes are one process's: the real ones are checked against parallel4d's fields in config.py
+# the probe's batch sizes are one process's: the real ones are checked against parallel4d's fields by
+# config/rules/deepspeed.py
 _ONE_PROCESS = {"train_batch_size": 1, "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1}
 
 
@@ -99,10 +94,10 @@ def key_problems(section: dict) -> list[str]:
         return located(err, section)
     except _REFUSALS as err:  # DeepSpeedConfigError: a removed feature (amp, elasticity, ...)
         return _not_mappings(section) or [f"deepspeed: DeepSpeed refuses the section: {err}; {DOCS}"]
-    out = [f"deepspeed.{key}: set by {TAKEN[key]}; remove it" for key in section if key in TAKEN]
-    return out + [f"deepspeed.{'.'.join(path)}: DeepSpeed {deepspeed.__version__} does not read this key and "
-                  f"would ignore it; {did_you_mean(path[-1], sorted(read), prefix)}{DOCS}"
-                  for path, read, prefix in _unread(recording, section) if path[-1] not in TAKEN]
+    ignored = [f"deepspeed.{'.'.join(path)}: DeepSpeed {deepspeed.__version__} does not read this key and would "
+               f"ignore it; {did_you_mean(path[-1], sorted(read), prefix)}{DOCS}"
+               for path, read, prefix in _unread(recording, section) if path[-1] not in TAKEN]
+    return taken_key_problems(section) + ignored
 
 
 def _unread(recording: _Recording, section: dict, path: tuple = ()) -> Iterator[tuple[tuple, set, str]]:

@@ -1,6 +1,9 @@
 """``parallel4d schedule``: print a schedule's per-rank actions and its simulated cost.
 
     parallel4d schedule --schedule hanayo --pp 4 --microbatches 8 --waves 2 [--plot out.png]
+
+Its arguments are defined with the other commands' in :mod:`parallel4d.tools.cli`, which imports
+this module (and so the pipeline package, and torch) only when the command runs.
 """
 
 from __future__ import annotations
@@ -8,34 +11,10 @@ from __future__ import annotations
 import argparse
 import sys
 
-from parallel4d.config.rules import SCHEDULES, check_schedule_name
+from parallel4d.config.rules.pipeline import check_schedule_name
 from parallel4d.pipeline.analysis import ScheduleError, bubble_formula, simulate
 from parallel4d.pipeline.plot import plot
 from parallel4d.pipeline.schedule import make_schedule
-
-
-def add_schedule_parser(subparsers) -> argparse.ArgumentParser:
-    """Register the ``schedule`` sub-command on the project CLI's subparsers."""
-    p = subparsers.add_parser("schedule", help="print a pipeline schedule and its simulated bubble / memory")
-    _add_args(p)
-    p.set_defaults(func=run_schedule_command)
-    return p
-
-
-def _add_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--schedule", default="hanayo", help=f"one of {', '.join(SCHEDULES)}")
-    p.add_argument("--pp", type=int, default=4, help="pipeline ranks")
-    p.add_argument("--microbatches", "-m", type=int, default=8)
-    p.add_argument("--waves", type=int, default=1, help="Hanayo waves W (2·W·pp chunks)")
-    p.add_argument("--chunks-per-rank", type=int, default=2, help="chunks per rank for interleaved")
-    p.add_argument("--split-backward", action="store_true",
-                   help="hanayo: split each backward into B (input gradient) and W (weight gradient)")
-    p.add_argument("--forward-cost", type=float, default=1.0, help="one chunk's forward time")
-    p.add_argument("--backward-cost", type=float, default=2.0, help="one chunk's backward time")
-    p.add_argument("--weight-cost", type=float, default=None,
-                   help="a split schedule's W time, part of --backward-cost (default half of it)")
-    p.add_argument("--p2p-cost", type=float, default=0.0, help="latency of one cross-rank transfer")
-    p.add_argument("--plot", metavar="PNG", help="also write a timeline PNG")
 
 
 def run_schedule_command(args: argparse.Namespace) -> int:
@@ -66,15 +45,3 @@ def run_schedule_command(args: argparse.Namespace) -> int:
              p2p_cost=args.p2p_cost, weight_cost=args.weight_cost)
         print(f"timeline written to {args.plot}")
     return 0
-
-
-def schedule_command(argv: list[str] | None = None) -> int:
-    """Stand-alone entry: ``python -m parallel4d.pipeline.cli --schedule hanayo ...``."""
-    p = argparse.ArgumentParser(prog="parallel4d schedule", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    _add_args(p)
-    return run_schedule_command(p.parse_args(argv))
-
-
-if __name__ == "__main__":
-    sys.exit(schedule_command())

@@ -1,0 +1,108 @@
+"""The data's rules: the global batch's split (data replicas, grid rows, micro-batches), the data
+source and what it reads (vocabulary, text corpus, token files), and the held-out validation data.
+The token files' own rules live with their format in ``data/token_files.py``."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import TYPE_CHECKING, Iterable, Optional
+
+from parallel4d.config.rules.common import FIELD_NAMES, closest, divisors, near_multiples, or_list
+from parallel4d.data.text_files import corpus_bytes
+from parallel4d.data.token_files import token_file_problems
+
+if TYPE_CHECKING:  # annotations only: the schema imports the rules
+    from parallel4d.config.schema import Config
+
+
+def batch_problem(batch: int, microbatches: int, split: Iterable[tuple[str, int]] = (),
+                  field: str = FIELD_NAMES["batch"], micro_field: str = FIELD_NAMES["microbatches"]) -> Optional[str]:
+    """The global batch is cut into ``split``'s parts (named factors: ``("parallel.dp", 2), ("q", 2)``, or
+    a bare number as ``("2", 2)``), each into ``microbatches``: ``batch % (∏split · microbatches) == 0``.
+    None when it holds, else the message, with both fixes when changing the micro-batches suffices."""
+    split = list(split)
+    parts = math.prod(v for _, v in split)
+    per = parts * microbatches
+    if batch >= 1 and batch % per == 0:
+        return None
+    what = "·".join([n for n, _ in split] + [micro_field])
+    if any(not n.isdigit() for n, _ in split):  # named factors: show their values too
+        what += " = " + "·".join(str(v) for _, v in split + [("", microbatches)])
+    fix = f"use {field}={near_multiples(batch, per)}"
+    if batch >= parts and batch % parts == 0:
+        fix += f" or {micro_field}={or_list(closest(divisors(batch // parts), microbatches))}"
+    return f"{field}={batch} is not divisible by {what} = {per}; {fix}"
+
+
+def batch_split_problems(cfg: Config) -> list[str]:
+    """``data.batch_size`` over the data replicas, the grid rows and the micro-batches."""
+    p = cfg.parallel
+    return list(filter(None, [batch_problem(cfg.data.batch_size, cfg.pipeline.microbatches,
+                                            [("parallel.dp", p.dp), ("q", p.q)])]))
+
+
+def source_problems(cfg: Config) -> list[str]:
+    """What ``data.source`` needs (a vocabulary it fits, a corpus, a token file), and the fields
+    only another source reads."""
+    d, m, out = cfg.data, cfg.model, []
+    if d.source == "synthetic" and m.vocab_size < 2:
+        out.append("model.vocab_size must be ≥ 2")
+    if d.source == "text" and m.vocab_size < 256:
+        out.append(f"data.source=text is byte-level and needs model.vocab_size≥256, got {m.vocab_size}; use 256")
+    if d.source == "text" and (d.text_root or d.text_glob):
+        out += _text_root_problems(d.text_root, d.text_glob)
+    elif d.text_glob:
+        out.append(f"data.text_glob is read with data.source=text, not {d.source}; remove it")
+    if d.source == "tokens":
+        out += (token_file_problems(d.path, m.vocab_size, m.seq_len) if d.path else
+                ["data.source=tokens needs data.path (a .bin file from `parallel4d tokenize`)"])
+    elif d.path:
+        out.append(f"data.path is read with data.source=tokens, not {d.source}; set data.source=tokens "
+                   "or remove data.path")
+    return out
+
+
+_CORPUS_MIN_BYTES = 1024  # data.read_corpus refuses less
+
+
+def _text_root_problems(root: str | None, patterns: list[str] | None) -> list[str]:
+    """What ``data.read_corpus`` would refuse in a worker: no directory, or too few bytes of its files."""
+    where = f"data.text_root={root!r}" if root else "the standard library (data.text_root unset)"
+    if root and not Path(root).is_dir():
+        return [f"data.text_root={root!r} is not a directory; point it at a folder of text files or leave it "
+                "unset to use Python's standard library"]
+    found = corpus_bytes(root, patterns, _CORPUS_MIN_BYTES)
+    if found >= _CORPUS_MIN_BYTES:
+        return []
+    if patterns:
+        return [f"data.text_glob={patterns} matches {found} bytes of files under {where} and data.source=text "
+                f"needs ≥ {_CORPUS_MIN_BYTES}; fix the patterns (relative to data.text_root, e.g. '**/*.md')"]
+    return [f"{where} holds {found} bytes of .py files (without data.text_glob the corpus reads .py files only) "
+            f"and data.source=text needs ≥ {_CORPUS_MIN_BYTES}; point it at a folder of .py files, set "
+            "data.text_glob, or leave data.text_root unset to use Python's standard library"]
+
+
+def validation_problems(cfg: Config) -> list[str]:
+    """The held-out data (``data.val_path`` or ``data.val_fraction``) and ``train.eval_every``: one
+    without the other, or with a source or a trainer that cannot hold out."""
+    d, t, m = cfg.data, cfg.train, cfg.model
+    if d.val_path and d.val_fraction:
+        return ["data.val_path and data.val_fraction both name validation data; keep one"]
+    if d.val_path and d.source != "tokens":
+        return [f"data.val_path is a token file, read with data.source=tokens, not {d.source}; use "
+                "data.val_fraction to hold out part of the text"]
+    if d.val_fraction and d.source == "synthetic":
+        return ["data.val_fraction: synthetic data has nothing to hold out (validation draws sequences training "
+                "never does); remove data.val_fraction"]
+    if (d.val_path or d.val_fraction) and t.eval_every is None:
+        return ["data.val_path / data.val_fraction set aside validation data but train.eval_every is unset; set "
+                "train.eval_every (e.g. 100) or remove them"]
+    if t.eval_every is not None and d.source != "synthetic" and not (d.val_path or d.val_fraction):
+        return ["train.eval_every needs held-out data: set data.val_fraction (e.g. 0.05) or, with "
+                "data.source=tokens, data.val_path"]
+    if t.eval_every is not None and cfg.deepspeed is not None:
+        return ["train.eval_every is not supported with a deepspeed: section yet; remove one of them"]
+    if d.val_path:
+        return token_file_problems(d.val_path, m.vocab_size, m.seq_len, field="data.val_path")
+    return []

@@ -1,0 +1,59 @@
+"""Heterogeneous memory's rules (``hetero:``): what its chunks cannot run with (a tied embedding on
+two pipeline ends, a split backward), a chunk size and a device budget that hold the largest
+parameter, and the dtype its gradients are reduced in."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from parallel4d.config.rules.pipeline import splits_backward
+
+if TYPE_CHECKING:  # annotations only: the schema imports the rules
+    from parallel4d.config.schema import Config, HeteroConfig
+
+
+def tied_head_problems(cfg: Config) -> list[str]:
+    """A tied embedding and LM head on two pp ranks: hetero cannot keep their chunks in step."""
+    p, pl = cfg.parallel, cfg.pipeline
+    if cfg.hetero.enabled and p.pp > 1 and cfg.model.tie_embeddings and pl.schedule not in ("hanayo", "zbv"):
+        return [f"hetero.enabled=true with pipeline.schedule={pl.schedule} cannot keep a tied embedding and "
+                "LM head on two pp ranks in step; use pipeline.schedule=hanayo or zbv (both ends on rank 0) or "
+                "model.tie_embeddings=false"]
+    return []
+
+
+def split_backward_problems(cfg: Config) -> list[str]:
+    """A split backward (B and W apart): hetero fetches and releases a chunk for one backward pass."""
+    p, pl = cfg.parallel, cfg.pipeline
+    if cfg.hetero.enabled and p.pp > 1 and splits_backward(pl.schedule, pl.split_backward):
+        fix = "pipeline.split_backward=false" if pl.schedule == "hanayo" else "pipeline.schedule=hanayo or 1f1b"
+        return [f"hetero.enabled=true cannot run a split backward yet (pipeline.schedule={pl.schedule}"
+                f"{', pipeline.split_backward=true' if pl.schedule == 'hanayo' else ''}): its chunks are fetched "
+                f"and released for one backward pass per module, and W runs a second; use {fix}, or "
+                "hetero.enabled=false"]
+    return []
+
+
+def budget_problems(h: HeteroConfig, largest: int, item: int) -> list[str]:
+    """``hetero.chunk_elems`` and ``hetero.device_budget_bytes`` against the largest parameter a rank
+    holds (``largest`` elements of ``item`` bytes): a chunk holds at least that, the budget one chunk."""
+    out = []
+    if h.enabled and h.chunk_elems is not None and h.chunk_elems < largest:
+        out.append(f"hetero.chunk_elems={h.chunk_elems} is smaller than the largest parameter a rank holds "
+                   f"({largest} elements); use hetero.chunk_elems≥{largest} or leave it unset to search")
+    chunk = max(largest, h.chunk_elems or 0) * item
+    if h.enabled and h.device_budget_bytes is not None and h.device_budget_bytes < chunk:
+        out.append(f"hetero.device_budget_bytes={h.device_budget_bytes} cannot hold one chunk: a chunk holds at "
+                   f"least the largest parameter a rank holds, {max(largest, h.chunk_elems or 0)} elements × {item} "
+                   f"bytes = {chunk}; use hetero.device_budget_bytes≥{chunk} (`parallel4d plan` shows the chunks a "
+                   "rank keeps on the device at once), or leave it unset")
+    return out
+
+
+def reduce_dtype_problems(cfg: Config) -> list[str]:
+    """``train.grad_reduce_dtype`` other than the parameters' dtype: hetero reduces in its chunks' dtype."""
+    t = cfg.train
+    if t.grad_reduce_dtype and cfg.hetero.enabled and t.grad_reduce != t.parameters:
+        return [f"train.grad_reduce_dtype={t.grad_reduce_dtype}: hetero reduces gradients in its chunks' dtype "
+                f"({t.parameters}); unset it or hetero"]
+    return []
