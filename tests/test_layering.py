@@ -59,7 +59,7 @@ EXTRAS = ("deepspeed", "transformers", "tokenizers", "safetensors", "matplotlib"
 DEFERRED = {
     ("parallel4d.checkpoint.*", "torch.distributed.checkpoint"): "≈1 s to import (DTensor): a job that never saves "
                                                                  "skips it",
-    ("parallel4d.launcher.workers", "torch"): "a worker imports torch once its environment is set (threads, "
+    ("parallel4d.launcher.worker_process", "torch"): "a worker imports torch once its environment is set (threads, "
                                               "devices); the zygote once, for every worker it forks",
     ("parallel4d.tools.plan", "torch.testing._internal.distributed.fake_pg"): "registers the fake backend, for the "
                                                                              "plan's dry run only",
