@@ -33,7 +33,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from parallel4d.hetero import opt_loads, wrap  # noqa: E402
-from parallel4d.models.gpt import GPTShape, build_gpt  # noqa: E402
+from parallel4d.models.gpt2.model import GPTShape, build_gpt  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 

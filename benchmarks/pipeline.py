@@ -58,7 +58,8 @@ def _worker(pp, shape_kw, mb_rows, ms, steps, threads):
     import torch.distributed as dist
 
     from parallel4d.distributed.mesh import init_mesh
-    from parallel4d.models.gpt import GPTShape, build_gpt, cross_entropy
+    from parallel4d.models.gpt2.model import GPTShape, build_gpt
+    from parallel4d.models.stages import cross_entropy
     from parallel4d.pipeline import PipelineExecutor, build_chunks, make_schedule, parameter_costs
     from parallel4d.pipeline import partition
 

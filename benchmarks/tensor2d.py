@@ -39,8 +39,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from parallel4d.distributed import comm  # noqa: E402
 from parallel4d.distributed.mesh import init_mesh  # noqa: E402
-from parallel4d.models.gpt import Block, GPTShape  # noqa: E402
-from parallel4d.tensor2d import Block2D, scatter_2d  # noqa: E402
+from parallel4d.models.gpt2.model import Block, GPTShape  # noqa: E402
+from parallel4d.models.gpt2.tp2d import Block2D  # noqa: E402
+from parallel4d.tensor2d import scatter_2d  # noqa: E402
 from parallel4d.launcher.spawn import spawn  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")

@@ -120,6 +120,27 @@ def test_cli_validate(tmp_path, capsys):
     assert "parallel.tp=3" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("model, absent", [
+    ({"arch": "llama", "mlp_ratio": 3}, {"activation", "mlp_ratio"}),
+    ({"arch": "gpt2"}, {"kv_heads", "intermediate_size", "rope_theta", "qkv_bias"}),
+])
+def test_cli_validate_shows_the_fields_of_the_model_family(tmp_path, capsys, model, absent):
+    """validate prints the model: fields the job's family reads (a Llama shows no GPT activation), an
+    unset one that stands for another value with that value; the printed job is the same job."""
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump({"model": model}))
+    assert main(["validate", str(path)]) == 0
+    printed = yaml.safe_load(capsys.readouterr().out)
+    assert not absent & set(printed["model"]), printed["model"]
+    cfg = load_config(path)
+    if cfg.model.arch == "llama":
+        assert printed["model"]["intermediate_size"] == 3 * 64 and printed["model"]["kv_heads"] == 4
+    again = make_config(printed)
+    assert again.model_dump(exclude={"model"}) == cfg.model_dump(exclude={"model"})
+    assert again.shown_yaml() == cfg.shown_yaml()
+    assert (again.model.mlp_width, again.model.kv_heads_or_heads) == (cfg.model.mlp_width, cfg.model.kv_heads_or_heads)
+
+
 def test_cli_plan(capsys):
     assert main(["plan", str(ROOT / "configs" / "quickstart.yaml")]) == 0
     assert "world size      2" in capsys.readouterr().out

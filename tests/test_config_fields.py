@@ -28,12 +28,17 @@ PACKAGE = Path(config_module.__file__).resolve().parents[1]  # the parallel4d pa
 # Fields that are known to be read by nothing, each with the issue that deals with it.
 ALLOWED_DEAD: set[tuple[str, str]] = set()
 
-# Functions of the config package (config/ and its rules, config/rules/) that only validate: a field
-# read there is checked, not used.
+# Functions of the config package (config/ and its rules, config/rules/) and of the model families' specs
+# (models/<family>/spec.py) that only validate: a field read there is checked, not used.
 VALIDATION_ONLY = {"cross_field_problems", "_text_root_problems", "_family_problems", "_lr_schedule_problems",
                    "grid_problems", "ring_problems", "batch_split_problems", "layout_problems", "recompute_problems",
                    "tied_head_problems", "split_backward_problems", "tensorboard_problems", "section_problems",
-                   "source_problems"}
+                   "source_problems", "problems"}
+
+
+def validates_only(path: Path, root: Path) -> bool:
+    """Whether :data:`VALIDATION_ONLY` names validating functions in ``path``."""
+    return "config" in path.relative_to(root).parts[:-1] or path.name == "spec.py"
 
 
 def sections() -> dict[str, type]:
@@ -180,8 +185,7 @@ def dead_fields(root: Path = PACKAGE) -> set[tuple[str, str]]:
     for _ in range(4):  # kinds flow through call sites: iterate to a fixed point
         before = {k: set(v) for k, v in param_kinds.items()}
         for path, tree in trees.items():
-            in_config = "config" in path.relative_to(root).parts[:-1]
-            v = _Reads(secs, param_kinds, VALIDATION_ONLY if in_config else ())
+            v = _Reads(secs, param_kinds, VALIDATION_ONLY if validates_only(path, root) else ())
             v.visit(tree)
             reads |= v.reads
             for callee, args, kws in v.calls:
@@ -191,10 +195,6 @@ def dead_fields(root: Path = PACKAGE) -> set[tuple[str, str]]:
                         param_kinds.setdefault((callee, name), set()).update(k)
         if param_kinds == before:
             break
-    # GPTShape.from_config copies every model field GPTShape declares by getattr.
-    from parallel4d.models.gpt import GPTShape
-
-    reads |= {("model", f) for f in GPTShape.__dataclass_fields__}
     return leaf_fields() - reads
 
 
@@ -227,7 +227,7 @@ def test_dense_model_follows_sequence_causal():
     """sp = 1: the dense blocks built for a job use ``sequence.causal`` (before, they were always
     causal, so ``causal: false`` did nothing without sequence parallelism). float64."""
     from parallel4d.engine.model import model_shape
-    from parallel4d.models.gpt import build_stage, dense_attention
+    from parallel4d.models.gpt2.model import build_stage, dense_attention
 
     out = {}
     for causal in (True, False):
@@ -261,10 +261,10 @@ def tiny_job(out_dir, **sections):
 
 
 def first_loss(cfg_dict, causal: bool) -> float:
-    """Step 1's loss of the dense reference (built by models/gpt.py directly, not the engine)."""
+    """Step 1's loss of the dense reference (built by models/gpt2/model.py directly, not the engine)."""
     from parallel4d.data.batches import build_dataset
-    from parallel4d.models import shape_from_config
-    from parallel4d.models.gpt import build_gpt
+    from parallel4d.models.build import shape_from_config
+    from parallel4d.models.gpt2.model import build_gpt
 
     cfg = Config.model_validate(cfg_dict)
     shape = shape_from_config(cfg.model, causal=causal)

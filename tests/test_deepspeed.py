@@ -27,8 +27,8 @@ from parallel4d.engine.model import model_shape  # noqa: E402
 from parallel4d.optim.optimizer import build_optimizer, lr_at, lr_lambda  # noqa: E402
 from parallel4d.integrations.deepspeed import avoid_compiled_ops  # noqa: E402
 from parallel4d.distributed.mesh import init_mesh  # noqa: E402
-from parallel4d.models import build_dense  # noqa: E402
-from parallel4d.models.gpt import build_gpt  # noqa: E402
+from parallel4d.models.build import build_dense  # noqa: E402
+from parallel4d.models.gpt2.model import build_gpt  # noqa: E402
 from parallel4d.launcher.spawn import spawn  # noqa: E402
 
 JOB = {"parallel": {"tp": 4}, "sequence": {"layout": "zigzag"}, "model": {"vocab_size": 64, "seq_len": 16, "hidden": 32, "heads": 2, "layers": 2},

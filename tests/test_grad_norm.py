@@ -128,7 +128,7 @@ def dense_reference():
     from parallel4d.data.batches import build_dataset
     from parallel4d.engine.model import model_shape, parameter_dtype
     from parallel4d.optim.optimizer import build_optimizer, lr_at
-    from parallel4d.models.gpt import build_gpt
+    from parallel4d.models.gpt2.model import build_gpt
 
     cfg = make_config(BASE)
     model = build_gpt(model_shape(cfg), seed=cfg.train.seed).to(parameter_dtype(cfg))

@@ -15,7 +15,8 @@ from parallel4d.config.schema import HeteroConfig, OptimizerConfig
 from parallel4d.hetero import InvalidTransition, TensorState, TRANSITIONS, opt_loads
 from parallel4d.hetero import wrap
 from parallel4d.hetero.chunk import Chunk, TensorInfo, pack, search_chunk_elems, waste
-from parallel4d.models.gpt import GPTShape, build_gpt, cross_entropy
+from parallel4d.models.gpt2.model import GPTShape, build_gpt
+from parallel4d.models.stages import cross_entropy
 
 SHAPE = GPTShape(vocab_size=64, seq_len=16, hidden=32, heads=4, layers=3, tie_embeddings=True)
 OPT = dict(name="adamw", lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch.utils.checkpoint import checkpoint
 
 from conftest import run_workers
-from parallel4d.models.gpt import GPTShape, build_gpt
+from parallel4d.models.gpt2.model import GPTShape, build_gpt
 
 SHAPE = GPTShape(vocab_size=64, seq_len=16, hidden=32, heads=4, layers=2, tie_embeddings=True)
 OPT = dict(name="adamw", lr=1e-3, betas=(0.9, 0.95), eps=1e-6, weight_decay=0.1)

@@ -35,7 +35,8 @@ from transformers.models.mistral import modeling_mistral  # noqa: E402
 from transformers.models.qwen2 import modeling_qwen2  # noqa: E402
 
 from parallel4d.config.load import make_config
-from parallel4d.models import build_dense, hf, shape_from_config  # noqa: E402
+from parallel4d.models.build import build_dense, shape_from_config  # noqa: E402
+from parallel4d.models import hf  # noqa: E402
 
 V, S, B = 61, 16, 3  # vocabulary (not a power of two), sequence, batch
 # eager: transformers' own attention (matmul, additive mask, softmax), not the SDPA kernel the dense model calls
@@ -146,7 +147,7 @@ def _max(a, b):
 
 def _grad_diffs(model, ref, cfg):
     """Max |dense grad − transformers grad| over every parameter, through the name map."""
-    names = hf.p4d_to_hf(cfg.arch, cfg.layers, cfg.tie_embeddings, cfg.qkv_bias)
+    names = hf.p4d_to_hf(cfg)
     ours = dict(model.named_parameters())  # tied: the token table once, as embed.tok.weight
     assert set(ours) == set(names)
     assert {names[n][0] for n in ours} == set(dict(ref.named_parameters())), "the map is not transformers' names"
@@ -296,7 +297,7 @@ def saved(tmp_path):
 
 
 def test_unsupported_model_type():
-    with pytest.raises(ValueError, match=r"'bert' is not supported; supported: llama, mistral, qwen2, gpt2"):
+    with pytest.raises(ValueError, match=r"'bert' is not supported; supported: gpt2, llama, mistral, qwen2"):
         hf.model_fields_from_hf({"model_type": "bert", "hidden_size": 32})
 
 

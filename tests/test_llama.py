@@ -12,7 +12,7 @@ from parallel4d.config.errors import ConfigError
 from parallel4d.config.load import make_config
 from parallel4d.data.batches import build_dataset
 from parallel4d.engine.model import model_shape
-from parallel4d.models import build_dense
+from parallel4d.models.build import build_dense
 from parallel4d.optim.optimizer import build_optimizer, lr_at
 
 BASE = {"model": {"arch": "llama", "vocab_size": 64, "seq_len": 16, "hidden": 32, "heads": 4, "kv_heads": 2,

@@ -16,7 +16,7 @@ import torch
 from parallel4d.config.errors import ConfigError
 from parallel4d.config.load import make_config
 from parallel4d.hetero import wrap
-from parallel4d.models.gpt import GPTShape, build_gpt
+from parallel4d.models.gpt2.model import GPTShape, build_gpt
 from parallel4d.optim.optimizer import build_optimizer, lr_at, lr_lambda, param_groups
 
 LR, MIN_LR, WARMUP, DECAY = 3e-3, 3e-4, 3, 12

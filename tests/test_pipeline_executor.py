@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from conftest import run_workers
-from parallel4d.models.gpt import GPTShape, build_gpt, cross_entropy
+from parallel4d.models.gpt2.model import GPTShape, build_gpt
+from parallel4d.models.stages import cross_entropy
 from parallel4d.pipeline import make_schedule, simulate
 from parallel4d.pipeline.executor import PipelineExecutor, TiedGradSync
 from parallel4d.pipeline.partition import build_chunks, parameter_costs, partition

@@ -273,7 +273,7 @@ def test_partition_is_contiguous_and_minimises_the_max():
 
 
 def test_parameter_costs_and_chunks_on_the_gpt():
-    from parallel4d.models.gpt import GPTShape, build_gpt
+    from parallel4d.models.gpt2.model import GPTShape, build_gpt
     from parallel4d.pipeline.partition import build_chunks, parameter_costs, partition
 
     model = build_gpt(GPTShape(vocab_size=64, seq_len=8, hidden=16, heads=2, layers=6), seed=0)

@@ -190,7 +190,7 @@ def test_pretrained_models_under_2d_and_ring_equal_transformers_in_float64(float
     for case, directory in float64_checkpoints.items():
         with monkeypatch.context() as mp:
             logits, loss, ref, cfg = _transformers_float64(directory, tokens, targets, mp)
-        names = hf.p4d_to_hf(cfg.arch, cfg.layers, cfg.tie_embeddings, cfg.qkv_bias)
+        names = hf.p4d_to_hf(cfg)
         worst, replica_losses, seen = 0.0, {}, set()
         for rank_results in results:
             (row, col, sp), block, replica_loss, grads = rank_results[case]
@@ -250,7 +250,7 @@ def test_round_trip_transformers_parallel4d_export_transformers(checkpoints, tmp
     from parallel4d import launch
     from parallel4d.tools.cli import main
     from parallel4d.checkpoint.gather import gather
-    from parallel4d.models import build_dense, shape_from_config
+    from parallel4d.models.build import build_dense, shape_from_config
 
     job = {**_job(checkpoints["llama"], {"tp": 4}, steps=5), "train": {"steps": 5, "timeout_s": 60,
                                                                        "out_dir": str(tmp_path / "run")}}
@@ -279,7 +279,7 @@ def test_pretrained_fields_and_files_are_checked_before_training(checkpoints, tm
     with pytest.raises(ConfigError, match=r"model.pretrained=.*cannot read .*config.json"):
         make_config({"model": {"pretrained": str(tmp_path)}})
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "bert"}))
-    with pytest.raises(ConfigError, match=r"'bert' is not supported; supported: llama, mistral, qwen2, gpt2"):
+    with pytest.raises(ConfigError, match=r"'bert' is not supported; supported: gpt2, llama, mistral, qwen2"):
         make_config({"model": {"pretrained": str(tmp_path)}})
     # a truncated weight file is named by launch's preflight, before any worker
     from parallel4d import launch

@@ -187,7 +187,8 @@ def test_ring_attention_matches_dense(n, world):
 def _gpt_job(n):
     """The ring adapter in the reference GPT, causal and bidirectional (``GPTShape.causal``, which
     the engine sets from ``sequence.causal``), against the dense model: logit and gradient errors."""
-    from parallel4d.models.gpt import GPTShape, build_gpt, cross_entropy
+    from parallel4d.models.gpt2.model import GPTShape, build_gpt
+    from parallel4d.models.stages import cross_entropy
 
     group = dist.group.WORLD
     res = {}

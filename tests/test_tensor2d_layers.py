@@ -11,10 +11,10 @@ import torch.nn.functional as F
 
 from conftest import run_workers
 from parallel4d.distributed.mesh import init_mesh
-from parallel4d.models.gpt import Block, GPTShape, build_gpt
-from parallel4d.tensor2d import (Block2D, Embedding2D, Head2D, LayerNorm2D, Linear2D, LMHead2D,
-                                 TokenPositionEmbedding2D, VocabParallelCrossEntropy2D, VocabParallelEmbedding2D,
-                                 from_dense_stage, gather_2d, scatter_2d, split_batch)
+from parallel4d.models.gpt2.model import Block, GPTShape, build_gpt
+from parallel4d.models.gpt2.tp2d import Block2D, TokenPositionEmbedding2D, from_dense_stage
+from parallel4d.tensor2d import (Embedding2D, Head2D, LayerNorm2D, Linear2D, LMHead2D, VocabParallelCrossEntropy2D,
+                                 VocabParallelEmbedding2D, gather_2d, scatter_2d, split_batch)
 
 TOL = dict(rtol=1e-10, atol=1e-10)
 F64 = torch.float64

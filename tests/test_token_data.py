@@ -540,7 +540,7 @@ def test_a_sidecar_with_a_field_of_the_wrong_type_is_refused(token_file, tmp_pat
 
 def test_data_tokenized_with_another_tokenizer_than_the_pretrained_models_is_refused(tokenizer, token_file,
                                                                                      tmp_path, capsys):
-    from parallel4d.models import build_dense, shape_from_config
+    from parallel4d.models.build import build_dense, shape_from_config
     from parallel4d.models import hf
 
     model = tmp_path / "model"

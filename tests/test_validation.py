@@ -83,7 +83,7 @@ def dense_reference():
     from parallel4d.config.load import make_config
     from parallel4d.data.batches import build_dataset
     from parallel4d.engine.model import model_shape, parameter_dtype
-    from parallel4d.models import build_dense
+    from parallel4d.models.build import build_dense
     from parallel4d.optim.optimizer import build_optimizer, lr_at
 
     cfg = make_config(BASE)

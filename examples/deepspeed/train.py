@@ -14,7 +14,7 @@ import parallel4d
 from parallel4d.data.batches import build_dataset
 from parallel4d.engine.model import model_shape
 from parallel4d.integrations.deepspeed import avoid_compiled_ops
-from parallel4d.models.gpt import build_gpt
+from parallel4d.models.gpt2.model import build_gpt
 
 
 def main(path: str) -> None:

@@ -1,9 +1,32 @@
 """The job's configuration, torch-free: the pydantic schema and its hardened YAML reader, the
 cross-field rules, every refusal's fix, and the Hugging Face fields a pretrained model fills in.
-Importing it never imports torch (``parallel4d validate`` runs without it)."""
+Importing it never imports torch (``parallel4d validate`` runs without it).
 
-from parallel4d.config.errors import ConfigError
-from parallel4d.config.load import load_config, save_config
-from parallel4d.config.schema import Config
+The public names are imported on first use: the model families' specs (``models/<family>/spec.py``)
+import :mod:`.rules`, and the schema imports their registry, so importing this package must not
+import the schema.
+"""
 
-__all__ = ["Config", "ConfigError", "load_config", "save_config"]
+import importlib
+
+# public name → the module that defines it
+_HOMES = {
+    "Config": "parallel4d.config.schema",
+    "ConfigError": "parallel4d.config.errors",
+    "load_config": "parallel4d.config.load",
+    "save_config": "parallel4d.config.load",
+}
+
+__all__ = list(_HOMES)
+
+
+def __getattr__(name: str):
+    if name in _HOMES:
+        value = getattr(importlib.import_module(_HOMES[name]), name)
+        globals()[name] = value  # once
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(list(globals()) + __all__)

@@ -12,6 +12,8 @@ from parallel4d.config.rules.common import divisors, not_divisible, or_list
 if TYPE_CHECKING:  # annotations only: the schema imports these rules
     from parallel4d.config.schema import Config, ModelConfig
 
+from parallel4d.models.registry import spec
+
 
 def cross_field_problems(cfg: Config) -> list[str]:
     """Every rule that ties fields together; one readable message per broken rule."""
@@ -31,34 +33,8 @@ def _fused_problems(cfg: Config) -> list[str]:
 
 
 def _family_problems(m: ModelConfig, q: int) -> list[str]:
-    """Fields that belong to one model family, and what that family needs."""
-    out = []
-    # a value other than the default in another family's field (a dumped config holds every field)
-    defaults = type(m).model_fields
-    if m.arch == "gpt2":
-        if m.kv_heads not in (None, m.heads):
-            out.append(f"model.kv_heads={m.kv_heads} with model.arch=gpt2: grouped-query attention is llama's; "
-                       "remove model.kv_heads or set model.arch=llama")
-        out += [f"model.{f}={getattr(m, f)} is a llama field and model.arch=gpt2 does not read it; remove it or "
-                "set model.arch=llama" for f in ("rope_theta", "qkv_bias") if getattr(m, f) != defaults[f].default]
-        if m.intermediate_size not in (None, m.mlp_ratio * m.hidden):
-            out.append(f"model.intermediate_size={m.intermediate_size} with model.arch=gpt2: its MLP is "
-                       f"model.mlp_ratio·hidden = {m.mlp_ratio * m.hidden} wide; set model.mlp_ratio or remove "
-                       "model.intermediate_size")
-        return out
-    if m.activation != defaults["activation"].default:
-        out.append(f"model.activation={m.activation} is gpt2's (llama's MLP is SwiGLU); remove it")
-    kv = m.kv_heads_or_heads
-    if m.heads % kv:
-        out.append(f"model.kv_heads={kv} must divide model.heads={m.heads} (each key/value head serves a group of "
-                   f"query heads); use {or_list(d for d in divisors(m.heads) if d <= m.heads)}")
-    if m.hidden % m.heads == 0 and (m.hidden // m.heads) % 2:
-        out.append(f"model.hidden/model.heads = {m.hidden // m.heads} is odd, and rotary embeddings rotate pairs of "
-                   "dimensions; use an even head size")
-    by = f"q={q} (parallel.tp={q * q} is a {q}×{q} grid: each grid column holds whole key/value heads and an MLP block)"
-    out += filter(None, [not_divisible("model.kv_heads", kv, q, by),
-                         not_divisible("model.intermediate_size", m.mlp_width, q, by)])
-    return out
+    """Fields that belong to another model family, and what this family needs (its spec's rules)."""
+    return spec(m.arch).problems(m, q)
 
 
 MAX_PARAMETERS = 2**45  # ~3.5e13: 128 TiB in float32, twenty times the largest models trained
@@ -66,12 +42,8 @@ MAX_WORLD = 2**20
 
 
 def dense_parameters(m: ModelConfig) -> int:
-    """About how many parameters the dense model of ``m`` has (norms and biases left out)."""
-    h, kv = m.hidden, m.kv_heads_or_heads
-    tables = m.vocab_size * h * (1 if m.tie_embeddings else 2)
-    if m.arch == "gpt2":
-        return tables + m.seq_len * h + m.layers * (4 * h * h + 2 * h * m.mlp_width)
-    return tables + m.layers * (2 * h * h + 2 * h * (h // m.heads) * kv + 3 * h * m.mlp_width)
+    """About how many parameters the dense model of ``m`` has (norms and biases left out; its family's count)."""
+    return spec(m.arch).dense_parameters(m)
 
 
 def largest_block(m: ModelConfig, q: int) -> int:

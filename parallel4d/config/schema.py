@@ -32,6 +32,7 @@ from parallel4d.config.errors import _short
 
 from parallel4d.config.rules.pipeline import SCHEDULES, num_chunks
 from parallel4d.config.rules.tensor2d import grid_side
+from parallel4d.models.registry import NAMES as FAMILY_NAMES, SPECS, spec
 
 
 class _Section(BaseModel):
@@ -172,10 +173,12 @@ class OptimizerConfig(_Section):
     decay_embeddings: bool = Field(False, description="weight decay on the token and position tables too")
 
 
+# models.registry.NAMES spelt out: one model family each (models/<family>/spec.py), the first the default
+ArchName = Literal[FAMILY_NAMES]
+
+
 class ModelConfig(_Section):
-    arch: Literal["gpt2", "llama"] = Field("gpt2", description="gpt2: LayerNorm, learned positions, GELU MLP; "
-                                                               "llama: RMSNorm, rotary, SwiGLU, grouped-query "
-                                                               "attention (Llama, Mistral, Qwen2)")
+    arch: ArchName = Field(FAMILY_NAMES[0], description="; ".join(f"{s.name}: {s.summary}" for s in SPECS))
     vocab_size: int = Field(256, ge=2, le=2**32, description="token ids: a token file stores them as uint16 or "
                                                                "uint32")
     seq_len: int = Field(64, ge=1, le=2**24)
@@ -200,8 +203,9 @@ class ModelConfig(_Section):
 
     @model_validator(mode="after")
     def _family_defaults(self) -> "ModelConfig":
-        if self.arch == "llama" and "tie_embeddings" not in self.model_fields_set:
-            self.tie_embeddings = False  # Llama, Mistral and Qwen2 have their own LM head
+        for name, value in spec(self.arch).defaults.items():  # e.g. llama's own LM head (tie_embeddings false)
+            if name not in self.model_fields_set:
+                setattr(self, name, value)
         return self
 
     @property
@@ -225,7 +229,7 @@ def model_shape_changes(saved: dict, model: ModelConfig) -> list[str]:
 
     ours = {"kv_heads": model.kv_heads_or_heads, "intermediate_size": model.mlp_width}
     fields = ["arch", "vocab_size", "hidden", "heads", "kv_heads", "layers", "intermediate_size", "tie_embeddings",
-              "qkv_bias"] + (["seq_len"] if model.arch == "gpt2" else [])  # gpt2 learns a table of positions
+              "qkv_bias"] + (["seq_len"] if spec(model.arch).learned_positions else [])  # a table of positions
     return [f"model.{f}={get(f)!r} there, {ours.get(f, getattr(model, f))!r} here" for f in fields
             if get(f) is not None and get(f) != ours.get(f, getattr(model, f))]
 
@@ -362,3 +366,11 @@ class Config(_Section):
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
+
+    def shown_yaml(self) -> str:
+        """The job as ``parallel4d validate`` prints it: :meth:`to_yaml` with the ``model:`` section
+        reduced to the fields its family reads (a llama job shows no ``activation``), each unset one
+        that stands for another value showing that value; loading it gives the same model."""
+        data = self.model_dump(mode="json")
+        data["model"] = spec(self.model.arch).shown(self.model)
+        return yaml.safe_dump(data, sort_keys=False)

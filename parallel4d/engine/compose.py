@@ -36,14 +36,14 @@ from parallel4d.engine.pretrained import load_pretrained
 from parallel4d.engine.state import dense_layouts
 from parallel4d.engine.step import Engine
 from parallel4d.engine.store import parameter_store
-from parallel4d.models import LlamaShape, build_stage, cross_entropy, stage_names
+from parallel4d.models.build import build_stage, family
+from parallel4d.models.stages import cross_entropy, stage_names
 from parallel4d.optim.fused import use_fused_norms
 from parallel4d.pipeline import make_schedule
 from parallel4d.pipeline.executor import PipelineExecutor, TiedGradSync
 from parallel4d.pipeline.partition import build_chunks, parameter_costs, partition
 from parallel4d.sequence import make_ring_attention_fn, positions_for
-from parallel4d.tensor2d import (Block2D, Head2D, LlamaBlock2D, NormHead2D, TokenEmbedding2D, TokenPositionEmbedding2D,
-                       loss_2d)
+from parallel4d.tensor2d import loss_2d
 
 
 # --- this rank's stages ------------------------------------------------------------
@@ -76,7 +76,7 @@ def build_stages(cfg: Config, mesh: Mesh, wanted=None, untie: bool = False):
     dtype = parameter_dtype(cfg)
     attention_fn, positions = _sequence(cfg, mesh)
     tp = mesh.size("tp_row") > 1
-    rotary = isinstance(shape, LlamaShape)  # positions enter in the attention, not the embedding
+    fam = family(shape.arch)  # its dense stages, their 2D twins, where a shard's positions enter
 
     def dense(index, tied_weight=None):
         return _placed(build_stage(shape, index, seed, tied_weight=tied_weight), mesh.device, dtype)
@@ -84,18 +84,16 @@ def build_stages(cfg: Config, mesh: Mesh, wanted=None, untie: bool = False):
     stages: dict[int, nn.Module] = {}
     # The head needs the dense token table when tied: shared here, or copied (untie).
     dense_embed = dense(0) if 0 in wanted or (last in wanted and shape.tie_embeddings) else None
-    embed_2d, block_2d, head_2d = ((TokenEmbedding2D, LlamaBlock2D, NormHead2D) if rotary
-                                   else (TokenPositionEmbedding2D, Block2D, Head2D))
     if 0 in wanted:
-        stages[0] = embed_2d.from_dense(dense_embed, mesh) if tp else dense_embed
+        stages[0] = fam.embed_2d.from_dense(dense_embed, mesh) if tp else dense_embed
     for index in sorted(wanted - {0, last}):
         block = dense(index)
         if tp:
-            block = block_2d.from_dense(block, mesh, attention_fn, name=f"blocks.{index - 1}",
-                                        overlap=cfg.tensor2d.overlap)
+            block = fam.block_2d.from_dense(block, mesh, attention_fn, name=f"blocks.{index - 1}",
+                                            overlap=cfg.tensor2d.overlap)
         elif attention_fn is not None:
             block.attn.attention_fn = attention_fn
-        if rotary and positions is not None:  # the shard's tokens are rotated by their global positions
+        if fam.positions == "attention" and positions is not None:  # the shard's tokens are rotated by their global positions
             (block if tp else block.attn).positions = positions
         if cfg.train.activation_checkpointing == "blocks":
             recompute_in_backward(block)
@@ -106,11 +104,11 @@ def build_stages(cfg: Config, mesh: Mesh, wanted=None, untie: bool = False):
         if tied is not None and untie:
             head.weight = nn.Parameter(tied.detach().clone())
         if tp:
-            head = head_2d.from_dense(head, mesh, embedding=stages.get(0) if not untie else None)
+            head = fam.head_2d.from_dense(head, mesh, embedding=stages.get(0) if not untie else None)
         stages[last] = head
     if not tp:  # 2D norms reduce their statistics over the grid: not a fused kernel's job
-        use_fused_norms(stages.values(), cfg.train.fused)
-    if positions is not None and 0 in stages and not rotary:
+        use_fused_norms(stages.values(), cfg.train.fused, fam.rms_norms)
+    if positions is not None and 0 in stages and fam.positions == "embedding":
         stages[0] = PositionedEmbedding(stages[0], positions)
     loss_fn = loss_2d(mesh) if tp else cross_entropy
     return stages, loss_fn

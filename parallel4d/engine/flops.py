@@ -1,12 +1,12 @@
-"""Model FLOPs per trained token, for ``summary.json``'s ``model_flops_per_second``."""
+"""Model FLOPs per trained token, for ``summary.json``'s ``model_flops_per_second`` and MFU."""
 
 from __future__ import annotations
 
 from parallel4d.config.schema import Config
+from parallel4d.models.registry import spec
 
 
 def flops_per_token(cfg: Config) -> float:
-    """≈ 6·N + 12·L·h·s training FLOPs per token (N: non-embedding parameters)."""
-    m = cfg.model
-    n = 12 * m.layers * m.hidden ** 2
-    return 6 * n + 12 * m.layers * m.hidden * m.seq_len
+    """The family's training FLOPs per token (forward and backward of every matrix product, the LM
+    head included, and the attention's scores): see ``models/<family>/spec.py``."""
+    return spec(cfg.model.arch).flops_per_token(cfg.model)

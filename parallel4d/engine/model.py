@@ -8,7 +8,7 @@ import torch
 import torch.nn as nn
 
 from parallel4d.config.schema import Config
-from parallel4d.models import Shape, shape_from_config
+from parallel4d.models.build import Shape, shape_from_config
 
 # train.dtype → the dtype parameters (and pipeline activations between ranks) are kept in;
 TORCH_DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16,

@@ -9,7 +9,8 @@ import torch.nn as nn
 
 from parallel4d.checkpoint.shards import DenseShards, Pieces, whole
 from parallel4d.engine.model import PositionedEmbedding
-from parallel4d.models import Shape, build_stage, stage_names
+from parallel4d.models.build import Shape, build_stage
+from parallel4d.models.stages import stage_names
 
 
 def dense_layouts(stages: dict[str, nn.Module], tied: bool) -> dict[str, tuple[str, tuple, Pieces]]:

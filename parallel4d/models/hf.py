@@ -1,8 +1,9 @@
-"""Hugging Face ``transformers`` checkpoints ↔ parallel4d's dense models (``model.arch`` gpt2 | llama).
+"""Hugging Face ``transformers`` checkpoints ↔ parallel4d's dense models (any ``model.arch``).
 
 * :func:`model_fields_from_hf`: a ``config.json`` dict → the ``model:`` fields of a job
-  (``llama``, ``mistral`` and ``qwen2`` become ``arch: llama``; ``gpt2`` stays ``gpt2``).
-* :func:`p4d_to_hf` / :func:`hf_to_p4d`: the tensor name map, with the transform each name needs.
+  (:mod:`parallel4d.config.hf_fields`; each family's spec maps its own ``model_type`` values).
+* :func:`p4d_to_hf` / :func:`hf_to_p4d`: the tensor name map (the family spec's ``hf_names``),
+  with the transform each name needs.
 * :func:`load_hf_state_dict`: ``*.safetensors`` of a directory → the dense model's state dict;
   :class:`HFCheckpoint` underneath keeps the files open and reads a tensor, or a slice of one,
   by its Hugging Face name.
@@ -29,50 +30,29 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from parallel4d.config.hf_fields import mismatches, model_fields_from_hf, positions_short
-from parallel4d.models import build_stage, shape_from_config, stage_names
+from parallel4d.models.build import build_stage, shape_from_config
+from parallel4d.models.registry import spec
+from parallel4d.models.stages import stage_names
 
 INDEX = "model.safetensors.index.json"
-# tensors some checkpoints carry that are not weights (causal masks, rotary tables): skipped
-_IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias", ".rotary_emb.inv_freq")
-_LLAMA_BLOCK = ("input_layernorm.weight", *(f"self_attn.{p}_proj.weight" for p in "qkvo"),
-                "post_attention_layernorm.weight", *(f"mlp.{p}_proj.weight" for p in ("gate", "up", "down")))
-_GPT2_BLOCK = (("ln_1.weight", "ln1.weight", "copy"), ("ln_1.bias", "ln1.bias", "copy"),
-               ("attn.c_attn.weight", "attn.qkv.weight", "t"), ("attn.c_attn.bias", "attn.qkv.bias", "copy"),
-               ("attn.c_proj.weight", "attn.proj.weight", "t"), ("attn.c_proj.bias", "attn.proj.bias", "copy"),
-               ("ln_2.weight", "ln2.weight", "copy"), ("ln_2.bias", "ln2.bias", "copy"),
-               ("mlp.c_fc.weight", "mlp.fc1.weight", "t"), ("mlp.c_fc.bias", "mlp.fc1.bias", "copy"),
-               ("mlp.c_proj.weight", "mlp.fc2.weight", "t"), ("mlp.c_proj.bias", "mlp.fc2.bias", "copy"))
 
 
 # ----------------------------------------------------------------------------- the name map
 
-def p4d_to_hf(arch: str, layers: int, tied: bool, qkv_bias: bool = False) -> dict[str, tuple[str, str]]:
-    """Dense name → ``(Hugging Face name, transform)``, in the dense model's order. With ``tied`` the
-    dense ``head.weight`` is absent (it is ``embed.tok.weight``); ``qkv_bias``: Qwen2's biases."""
-    out: dict[str, tuple[str, str]] = {}
-    if arch == "gpt2":
-        out["embed.tok.weight"] = ("transformer.wte.weight", "copy")
-        out["embed.pos.weight"] = ("transformer.wpe.weight", "rows")
-        for i in range(layers):
-            out.update({f"blocks.{i}.{d}": (f"transformer.h.{i}.{h}", t) for h, d, t in _GPT2_BLOCK})
-        out.update({f"head.ln_f.{p}": (f"transformer.ln_f.{p}", "copy") for p in ("weight", "bias")})
-    elif arch == "llama":
-        out["embed.tok.weight"] = ("model.embed_tokens.weight", "copy")
-        names = _LLAMA_BLOCK + ((*(f"self_attn.{p}_proj.bias" for p in "qkv"),) if qkv_bias else ())
-        for i in range(layers):
-            out.update({f"blocks.{i}.{n}": (f"model.layers.{i}.{n}", "copy") for n in names})
-        out["head.norm.weight"] = ("model.norm.weight", "copy")
-    else:
-        raise ValueError(f"model.arch {arch!r}: no Hugging Face name map (gpt2 or llama)")
-    if not tied:
+def p4d_to_hf(model_cfg) -> dict[str, tuple[str, str]]:
+    """Dense name → ``(Hugging Face name, transform)`` for ``config.ModelConfig``, in the dense
+    model's order (the family's names, then ``lm_head.weight``: with tied embeddings the dense
+    ``head.weight`` is absent, it is ``embed.tok.weight``)."""
+    out = spec(model_cfg.arch).hf_names(model_cfg)
+    if not model_cfg.tie_embeddings:
         out["head.weight"] = ("lm_head.weight", "copy")
     return out
 
 
-def hf_to_p4d(arch: str, layers: int, tied: bool, qkv_bias: bool = False) -> dict[str, tuple[str, str]]:
+def hf_to_p4d(model_cfg) -> dict[str, tuple[str, str]]:
     """Hugging Face name → ``(dense name, transform)``: :func:`p4d_to_hf` reversed (the transform
     is its own inverse: ``t`` transposes back; ``rows`` writes the ``seq_len`` rows there are)."""
-    return {hf: (p4d, t) for p4d, (hf, t) in p4d_to_hf(arch, layers, tied, qkv_bias).items()}
+    return {hf: (p4d, t) for p4d, (hf, t) in p4d_to_hf(model_cfg).items()}
 
 
 def dense_shapes(model_cfg) -> dict[str, torch.Size]:
@@ -84,10 +64,6 @@ def dense_shapes(model_cfg) -> dict[str, torch.Size]:
         stages.append(build_stage(shape, i, tied_weight=tied, meta=True))
         out.update({f"{name}.{k}": v.shape for k, v in stages[-1].state_dict().items()})
     return out
-
-
-def _name_map(model_cfg) -> dict[str, tuple[str, str]]:
-    return p4d_to_hf(model_cfg.arch, model_cfg.layers, model_cfg.tie_embeddings, model_cfg.qkv_bias)
 
 
 # ----------------------------------------------------------------------------- reading
@@ -174,7 +150,8 @@ def _check_config(directory: Path, model_cfg) -> None:
         raise ValueError(f"{path} does not describe model: " + ", ".join(f"model.{w}" for w in wrong))
     limit = positions_short(hf, model_cfg.arch, model_cfg.seq_len)
     if limit is not None:
-        raise ValueError(f"model.seq_len={model_cfg.seq_len} exceeds n_positions={limit} of {path} (gpt2's "
+        key = spec(model_cfg.arch).hf_positions
+        raise ValueError(f"model.seq_len={model_cfg.seq_len} exceeds {key}={limit} of {path} ({model_cfg.arch}'s "
                          "learned position table has that many rows)")
 
 
@@ -203,10 +180,12 @@ def _checked_names(ckpt: HFCheckpoint, model_cfg) -> dict[str, tuple[str, str, i
     """Dense name → ``(the checkpoint's name, transform, dense rows)``, every tensor there and of
     the model's shape, none left over (``ValueError`` naming the file and tensor otherwise)."""
     shapes, names, out = dense_shapes(model_cfg), set(ckpt.file_of), {}
-    strip = model_cfg.arch == "gpt2" and not any(n.startswith("transformer.") for n in names)
+    family = spec(model_cfg.arch)
+    prefix = family.hf_prefix  # which some checkpoints of the family leave out (GPT2Model's, the hub's gpt2)
+    strip = bool(prefix) and not any(n.startswith(prefix) for n in names)
     where = ckpt.index or ", ".join(str(ckpt.directory / f) for f in ckpt.files)
-    for p4d, (hf, how) in _name_map(model_cfg).items():
-        hf = hf.removeprefix("transformer.") if strip else hf  # GPT2Model's names (e.g. the hub's gpt2)
+    for p4d, (hf, how) in p4d_to_hf(model_cfg).items():
+        hf = hf.removeprefix(prefix) if strip else hf
         if hf not in names:
             raise ValueError(f"tensor {hf!r} (for {p4d}) is missing from {where}")
         want, have = shapes[p4d], ckpt.shape(hf)
@@ -217,7 +196,7 @@ def _checked_names(ckpt: HFCheckpoint, model_cfg) -> dict[str, tuple[str, str, i
                              f"{list(expect)}{' rows or more' if how == 'rows' else ''} (for {p4d})")
         out[p4d] = (hf, how, want[0])
     used = {hf for hf, _, _ in out.values()}
-    extra = sorted(n for n in names - used if not n.endswith(_IGNORED_SUFFIXES)
+    extra = sorted(n for n in names - used if not n.endswith(family.hf_ignored)
                    and not (model_cfg.tie_embeddings and n == "lm_head.weight"))
     if extra:
         raise ValueError(f"{ckpt.path(extra[0])}: unexpected tensor {extra[0]!r} for model (layers="
@@ -258,31 +237,14 @@ def load_pieces(pieces: dict[str, list], directory, model_cfg) -> int:
 # ----------------------------------------------------------------------------- writing
 
 def hf_config(model_cfg, dtype: torch.dtype) -> dict:
-    """The ``config.json`` of :func:`save_hf`: gpt2 → ``GPT2LMHeadModel``; llama → ``LlamaForCausalLM``,
-    or ``Qwen2ForCausalLM`` with ``qkv_bias`` (Llama's own attention bias would include ``o_proj``).
-    gpt2's ``gelu_tanh`` is written ``gelu_pytorch_tanh`` (the ``F.gelu(approximate="tanh")`` the dense
-    model calls; ``gelu_new``, GPT-2's name, is the same formula in Python ops, ~1e-7 apart in float32).
-    Dropouts 0 and no bos/eos ids (the dense model has neither)."""
+    """The ``config.json`` of :func:`save_hf`: the family spec's ``hf_config`` (gpt2 →
+    ``GPT2LMHeadModel``; llama → ``LlamaForCausalLM``, or ``Qwen2ForCausalLM`` with ``qkv_bias``)
+    around the keys every family writes: no bos/eos ids (the dense model has neither), ``dtype``."""
     m = model_cfg
     common = {"vocab_size": m.vocab_size, "tie_word_embeddings": m.tie_embeddings, "initializer_range": m.init_std,
               "bos_token_id": None, "eos_token_id": None, "pad_token_id": None,
               "dtype": str(dtype).removeprefix("torch.")}
-    if m.arch == "gpt2":
-        return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", **common, "n_positions": m.seq_len,
-                "n_embd": m.hidden, "n_head": m.heads, "n_layer": m.layers, "n_inner": m.mlp_ratio * m.hidden,
-                "activation_function": "gelu_pytorch_tanh" if m.activation == "gelu_tanh" else "gelu",
-                "layer_norm_epsilon": m.norm_eps, "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0,
-                "scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False, "reorder_and_upcast_attn": False}
-    qwen = m.qkv_bias
-    out = {"architectures": ["Qwen2ForCausalLM" if qwen else "LlamaForCausalLM"],
-           "model_type": "qwen2" if qwen else "llama",
-           **common, "hidden_size": m.hidden, "intermediate_size": m.mlp_width, "num_hidden_layers": m.layers,
-           "num_attention_heads": m.heads, "num_key_value_heads": m.kv_heads_or_heads, "hidden_act": "silu",
-           "max_position_embeddings": m.seq_len, "rms_norm_eps": m.norm_eps, "attention_dropout": 0.0,
-           "rope_parameters": {"rope_type": "default", "rope_theta": m.rope_theta}}
-    if qwen:
-        return {**out, "use_sliding_window": False, "sliding_window": None, "max_window_layers": m.layers}
-    return {**out, "head_dim": m.hidden // m.heads, "attention_bias": False, "mlp_bias": False}
+    return spec(m.arch).hf_config(m, common)
 
 
 def save_hf(state_dict: dict[str, torch.Tensor], model_cfg, out_dir, max_shard_bytes: int = 5 << 30) -> Path:
@@ -302,7 +264,7 @@ def save_hf(state_dict: dict[str, torch.Tensor], model_cfg, out_dir, max_shard_b
     if model_cfg.tie_embeddings and not torch.equal(state_dict["head.weight"], state_dict["embed.tok.weight"]):
         raise ValueError("model.tie_embeddings is true but head.weight differs from embed.tok.weight")
     tensors = {}
-    for p4d, (hf, how) in _name_map(model_cfg).items():
+    for p4d, (hf, how) in p4d_to_hf(model_cfg).items():
         t = state_dict[p4d].detach().cpu()
         tensors[hf] = (t.t() if how == "t" else t).contiguous()
     shards, size = [[]], 0

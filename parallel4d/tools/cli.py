@@ -68,7 +68,7 @@ def _device_type(cfg: Config) -> str:
 def _cmd_validate(args) -> int:
     cfg = load_config(args.config, args.overrides)
     check_job(cfg, not under_torchrun(), _device_type(cfg), args.config)
-    print(cfg.to_yaml(), end="")
+    print(cfg.shown_yaml(), end="")  # model: only the fields its family reads
     print(f"# world size: {cfg.world_size} = pp·dp·sp·tp = {cfg.parallel.pp}·{cfg.parallel.dp}·"
           f"{cfg.parallel.sp}·{cfg.parallel.tp}")
     return 0

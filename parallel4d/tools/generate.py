@@ -3,8 +3,9 @@
 The model comes from the newest checkpoint of a run (any layout: the checkpoint holds the dense
 tensors, :func:`.gather.gather`) or from a Hugging Face directory (``parallel4d export``'s, or
 any supported ``transformers`` model). Decoding runs the dense reference model's own modules
-(``models/gpt.py``, ``models/llama.py``) one new token at a time, keeping every layer's keys and
-values: ``[b, kv_heads, t, d]`` per layer, so a step costs one token's work, not the context's.
+(the family's ``decode_embed`` and ``decode_block``, ``models/<family>/model.py``) one new token at
+a time, keeping every layer's keys and values: ``[b, kv_heads, t, d]`` per layer, so a step costs
+one token's work, not the context's.
 
 Text: bytes for a byte-level model (``vocab_size`` 256, the corpus and synthetic data), else the
 tokenizer a token file's sidecar names (``data.source: tokens``) or the directory's
@@ -18,15 +19,13 @@ import tempfile
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from parallel4d.config.errors import ConfigError
 from parallel4d.config.load import make_config
 from parallel4d.checkpoint.resume import saved_config
 from parallel4d.checkpoint.gather import gather, resolve_checkpoint, with_tied_head
 from parallel4d.config.hf_fields import hf_max_positions
-from parallel4d.models import build_dense, shape_from_config
-from parallel4d.models.llama import LlamaShape
+from parallel4d.models.build import build_dense, family, shape_from_config
 from parallel4d.data.token_files import read_sidecar
 
 Cache = list[tuple[torch.Tensor, torch.Tensor]]
@@ -60,56 +59,16 @@ def load_model(source: str | Path) -> tuple[torch.nn.Module, dict]:
 
 # --- one decoding step ---------------------------------------------------------------------------
 
-def _attend(q, k, v, start: int) -> torch.Tensor:
-    """q ``[b, heads, t, d]`` at positions ``start..start+t-1`` over k, v ``[b, kv, start+t, d]``."""
-    t, total = q.shape[2], k.shape[2]
-    mask = None
-    if t > 1:  # a new token sees every cached one and the new ones up to itself
-        mask = torch.arange(total, device=q.device)[None, :] <= torch.arange(start, start + t, device=q.device)[:, None]
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=k.shape[1] != q.shape[1])
-
-
-def _gpt_block(block, x, kv, start):
-    b, t, h = x.shape
-    attn = block.attn
-    q, k, v = attn.qkv(block.ln1(x)).view(b, t, 3, attn.heads, h // attn.heads).permute(2, 0, 3, 1, 4)
-    if kv is not None:
-        k, v = torch.cat((kv[0], k), 2), torch.cat((kv[1], v), 2)
-    y = _attend(q, k, v, start)
-    x = x + attn.proj(y.transpose(1, 2).reshape(b, t, h))
-    return x + block.mlp(block.ln2(x)), (k, v)
-
-
-def _llama_block(block, x, kv, start):
-    b, t, _ = x.shape
-    attn = block.self_attn
-    h = block.input_layernorm(x)
-    q = attn.q_proj(h).view(b, t, attn.heads, -1).transpose(1, 2)
-    k = attn.k_proj(h).view(b, t, attn.kv_heads, -1).transpose(1, 2)
-    v = attn.v_proj(h).view(b, t, attn.kv_heads, -1).transpose(1, 2)
-    pos = torch.arange(start, start + t, device=x.device)
-    q, k = attn.rotary(q, pos, attn.theta), attn.rotary(k, pos, attn.theta)
-    if kv is not None:
-        k, v = torch.cat((kv[0], k), 2), torch.cat((kv[1], v), 2)
-    y = _attend(q, k, v, start)
-    x = x + attn.o_proj(y.transpose(1, 2).reshape(b, t, -1))
-    return x + block.mlp(block.post_attention_layernorm(x)), (k, v)
-
-
 @torch.no_grad()
 def forward_cached(model, tokens: torch.Tensor, cache: Cache | None) -> tuple[torch.Tensor, Cache]:
     """Logits ``[b, t, V]`` of ``tokens`` ``[b, t]`` that follow the ``cache``'s tokens (None: none),
     and the cache extended by them; equal to ``model(all tokens)[:, -t:]``."""
     start = 0 if cache is None else cache[0][0].shape[2]
-    llama = isinstance(model.shape, LlamaShape)
-    if llama:
-        x = model.embed(tokens)
-    else:
-        x = model.embed(tokens, torch.arange(start, start + tokens.shape[1], device=tokens.device))
-    step = _llama_block if llama else _gpt_block
+    fam = family(model.shape.arch)
+    x = fam.decode_embed(model.embed, tokens, start)
     new: Cache = []
     for i, block in enumerate(model.blocks):
-        x, kv = step(block, x, None if cache is None else cache[i], start)
+        x, kv = fam.decode_block(block, x, None if cache is None else cache[i], start)
         new.append(kv)
     return model.head(x), new
 

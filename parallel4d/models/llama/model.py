@@ -3,30 +3,36 @@
 The single-process dense reference of ``model.arch: llama`` (Llama, Mistral without a sliding
 window, Qwen2 with ``qkv_bias``). Module and parameter names inside a block are Hugging Face's
 (``self_attn.q_proj``, ``mlp.gate_proj``, ``input_layernorm``, …), so a ``transformers``
-checkpoint maps onto it name by name (``models/hf.py``).
+checkpoint maps onto it name by name (:mod:`.spec`'s ``hf_names``).
 
 Shapes (dense): tokens ``[b, s]`` → hidden ``[b, s, h]`` → logits ``[b, s, V]``; q
 ``[b, heads, s, d]``, k and v ``[b, kv_heads, s, d]`` with ``d = h / heads``. Rotary
 embeddings rotate q and k by their token's *global* position (``Attention.positions``; the
 engine sets a sequence shard's), so a shard of the sequence rotates as in the whole.
-Stages: ``embed, block_0..block_{L-1}, head``, as for the GPT.
+Stages: ``embed, block_0..block_{L-1}, head`` (:mod:`parallel4d.models.stages`).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from parallel4d.models.gpt import GPT, seeded_stage
+from parallel4d.models.stages import DenseModel, cached_attention, seeded_stage
+
+if TYPE_CHECKING:
+    from parallel4d.config.schema import ModelConfig
 
 
 @dataclass(frozen=True)
 class LlamaShape:
     """The architecture numbers of a Llama-family model (from ``config.ModelConfig``)."""
+
+    arch: ClassVar[str] = "llama"  # the family (not a field: the class says it)
 
     vocab_size: int = 256
     seq_len: int = 64
@@ -191,11 +197,45 @@ def init_weights(module: nn.Module, shape: LlamaShape, skip=()) -> None:
 
 def build_stage(shape: LlamaShape, index: int, seed: int = 0, tied_weight: nn.Parameter | None = None,
                 meta: bool = False) -> nn.Module:
-    """Stage ``index`` initialised from ``(seed, index)`` alone (as :func:`.gpt.build_stage`)."""
+    """Stage ``index`` (0 = embedding, 1..L = blocks, L+1 = head) initialised from ``(seed, index)``
+    alone (:func:`~parallel4d.models.stages.seeded_stage`); ``meta``: shapes only."""
     return seeded_stage(shape, index, seed, tied_weight, meta, make_stage, init_weights)
 
 
-class Llama(GPT):
-    """Stages ``embed → blocks → head`` of the Llama family; ``forward(tokens, targets=None)``."""
+class Llama(DenseModel):
+    """Stages ``embed → blocks → head`` (:class:`~parallel4d.models.stages.DenseModel`) of the Llama family."""
 
     build_stage = staticmethod(build_stage)
+
+
+def shape_from_config(m: ModelConfig, causal: bool = True) -> LlamaShape:
+    """The shape of a job's ``model:`` section (``causal``: ``sequence.causal``)."""
+    return LlamaShape(vocab_size=m.vocab_size, seq_len=m.seq_len, hidden=m.hidden, heads=m.heads,
+                      kv_heads=m.kv_heads_or_heads, layers=m.layers, intermediate_size=m.mlp_width,
+                      tie_embeddings=m.tie_embeddings, norm_eps=m.norm_eps, init_std=m.init_std,
+                      rope_theta=m.rope_theta, qkv_bias=m.qkv_bias, causal=causal)
+
+
+# --- decoding with a KV cache (parallel4d generate): the dense modules' own projections, one new token at a time
+
+def decode_embed(embed: Embedding, tokens, start: int):
+    """``tokens`` ``[b, t]`` → ``[b, t, h]`` (positions enter in the attention)."""
+    return embed(tokens)
+
+
+def decode_block(block: Block, x, kv, start: int):
+    """``(block output [b, t, h], (k, v) extended by the t new tokens)``, q and k rotated by their
+    positions ``start..start+t-1``; ``kv``: the cache (None: empty)."""
+    b, t, _ = x.shape
+    attn = block.self_attn
+    h = block.input_layernorm(x)
+    q = attn.q_proj(h).view(b, t, attn.heads, -1).transpose(1, 2)
+    k = attn.k_proj(h).view(b, t, attn.kv_heads, -1).transpose(1, 2)
+    v = attn.v_proj(h).view(b, t, attn.kv_heads, -1).transpose(1, 2)
+    pos = torch.arange(start, start + t, device=x.device)
+    q, k = attn.rotary(q, pos, attn.theta), attn.rotary(k, pos, attn.theta)
+    if kv is not None:
+        k, v = torch.cat((kv[0], k), 2), torch.cat((kv[1], v), 2)
+    y = cached_attention(q, k, v, start)
+    x = x + attn.o_proj(y.transpose(1, 2).reshape(b, t, -1))
+    return x + block.mlp(block.post_attention_layernorm(x)), (k, v)

@@ -1,7 +1,8 @@
-"""2D versions of the Llama-family stages: token embedding, pre-norm block, head.
+"""The 2D twin of the Llama family's stages (``model.arch: llama``): token embedding, pre-norm block, head.
 
-Like :mod:`.block`, each mirrors its dense module attribute by attribute (duck-typed; the
-model is never imported) on the 2D activation layout ``[b/q, s, h/q]``.
+Like the GPT's (:mod:`parallel4d.models.gpt2.tp2d`), each mirrors its dense module of :mod:`.model`
+attribute by attribute on the 2D activation layout ``[b/q, s, h/q]``; the layers are
+:mod:`parallel4d.tensor2d`'s.
 
 Heads are split over grid columns with no permutation: ``q_proj``, ``k_proj`` and ``v_proj``
 are separate, each output's features are heads in order, so the column block j of
@@ -17,15 +18,15 @@ from __future__ import annotations
 import functools
 
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
 
-from parallel4d.tensor2d.block import Head2D, _Composite, sdpa_attention
+from parallel4d.models.llama.model import Block, Embedding, Head
 from parallel4d.tensor2d.checks import check_divisible, check_heads
+from parallel4d.tensor2d.composite import Composite2D, Head2D, sdpa_attention
 from parallel4d.tensor2d.layers import Linear2D, RMSNorm2D, VocabParallelEmbedding2D
 
 
-class LlamaBlock2D(_Composite):
+class LlamaBlock2D(Composite2D):
     """``x + o(attn(rope(q(n1 x)), rope(k(n1 x)), v(n1 x)))``, then ``x + down(silu(gate(n2 x)) · up(n2 x))``
     on ``[b/q, s, h/q]``; the core ``attention_fn(q, k, v, causal=...)`` sees local q
     ``[b/q, a/q, s, d]`` and k, v ``[b/q, kv/q, s, d]``. ``positions`` ``[s]``: the tokens'
@@ -44,7 +45,7 @@ class LlamaBlock2D(_Composite):
         self.positions: torch.Tensor | None = None
 
     @classmethod
-    def from_dense(cls, block: nn.Module, mesh, attention_fn=None, *, name: str = "block",
+    def from_dense(cls, block: Block, mesh, attention_fn=None, *, name: str = "block",
                    overlap: bool = True) -> "LlamaBlock2D":
         """From a dense Llama block (``input_layernorm``, ``self_attn.{q,k,v,o}_proj``, ``mlp.{gate,up,down}_proj``,
         ``self_attn.heads/kv_heads/theta``); divisibility checked before any collective."""
@@ -84,7 +85,7 @@ class LlamaBlock2D(_Composite):
         return x + self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
 
 
-class TokenEmbedding2D(_Composite):
+class TokenEmbedding2D(Composite2D):
     """Mirrors the dense Llama ``Embedding`` (``tok`` only): tokens ``[b/q, s]`` → ``[b/q, s, h/q]``."""
 
     def __init__(self, tok: VocabParallelEmbedding2D):
@@ -92,7 +93,7 @@ class TokenEmbedding2D(_Composite):
         self.tok = tok
 
     @classmethod
-    def from_dense(cls, embed: nn.Module, mesh, *, name: str = "embed") -> "TokenEmbedding2D":
+    def from_dense(cls, embed: Embedding, mesh, *, name: str = "embed") -> "TokenEmbedding2D":
         return cls(VocabParallelEmbedding2D.from_dense(embed.tok, mesh, name=f"{name}.tok"))
 
     def _parts(self):
@@ -109,7 +110,7 @@ class NormHead2D(Head2D):
     norm_prefix = "norm."
 
     @classmethod
-    def from_dense(cls, head: nn.Module, mesh, embedding=None, *, name: str = "head",
+    def from_dense(cls, head: Head, mesh, embedding=None, *, name: str = "head",
                    overlap: bool = True) -> "NormHead2D":
         self = super().from_dense(head, mesh, embedding, name=name, overlap=overlap,
                                   norm=RMSNorm2D.from_dense(head.norm, mesh, name=f"{name}.norm"))

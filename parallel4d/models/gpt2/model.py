@@ -1,28 +1,37 @@
-"""Reference GPT decoder (pre-LN, causal or bidirectional attention, GELU MLP, tied or untied LM head).
+"""Reference GPT decoder (``model.arch: gpt2``; pre-LN, causal or bidirectional attention, GELU MLP,
+tied or untied LM head).
 
 This file is the single-process dense reference every layout is tested against; the
 strategies do not change it: the engine builds its stages and converts them (2D layers
-``from_dense``, ring attention as a block's ``attention_fn``).
+``from_dense``, :mod:`.tp2d`; ring attention as a block's ``attention_fn``).
 
 Shapes (dense): tokens ``[b, s]`` → hidden ``[b, s, h]`` → logits ``[b, s, V]``.
-The model is also a flat list of *stages* (``embed, block_0..block_{L-1}, head``)
-that pipeline partitioning cuts into chunks; ``model(tokens)`` just runs them in order.
+The model is also a flat list of *stages* (``embed, block_0..block_{L-1}, head``, see
+:mod:`parallel4d.models.stages`) that pipeline partitioning cuts into chunks; ``model(tokens)``
+just runs them in order.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from parallel4d.models.stages import DenseModel, cached_attention, seeded_stage
+
+if TYPE_CHECKING:
+    from parallel4d.config.schema import ModelConfig
 
 
 @dataclass(frozen=True)
 class GPTShape:
     """The architecture numbers the layers need (a subset of ``config.ModelConfig``)."""
 
+    arch: ClassVar[str] = "gpt2"  # the family (not a field: the class says it)
     vocab_size: int = 256
     seq_len: int = 64
     hidden: int = 64
@@ -34,11 +43,6 @@ class GPTShape:
     init_std: float = 0.02
     causal: bool = True  # False: bidirectional attention (``sequence.causal`` of a job, see engine.model_shape)
     activation: str = "gelu"  # or "gelu_tanh", the approximation GPT-2 checkpoints were trained with
-
-    @classmethod
-    def from_config(cls, model_cfg) -> "GPTShape":
-        fields = cls.__dataclass_fields__
-        return cls(**{k: getattr(model_cfg, k) for k in fields if hasattr(model_cfg, k)})
 
     @property
     def head_dim(self) -> int:
@@ -128,33 +132,6 @@ class Head(nn.Module):
         return F.linear(self.ln_f(x), self.weight)
 
 
-def cross_entropy(logits, targets, ignore_index: int = -100):
-    """Mean token cross entropy of ``[b, s, V]`` logits against ``[b, s]`` targets."""
-    if logits.dtype in (torch.float16, torch.bfloat16):  # the softmax wants ≥ fp32 accuracy
-        logits = logits.float()
-    return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=ignore_index)
-
-
-class _SkipRandomInit(torch.overrides.TorchFunctionMode):
-    """Meta stages carry shapes only, so their random init is skipped: the meta kernel of
-    ``normal_`` is a Python reference that imports ``torch._dynamo`` (~2 s of CPU), which
-    every rank of a job would pay just to measure its stages' sizes."""
-
-    _INIT = frozenset({torch.Tensor.normal_, torch.Tensor.uniform_, nn.init.normal_, nn.init.uniform_,
-                       nn.init.trunc_normal_, nn.init.kaiming_uniform_, nn.init.kaiming_normal_,
-                       nn.init.xavier_uniform_, nn.init.xavier_normal_})
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        if func in self._INIT:  # nn.init passes its tensor by keyword
-            return args[0] if args else kwargs["tensor"]
-        return func(*args, **(kwargs or {}))
-
-
-def stage_names(shape: GPTShape) -> list[str]:
-    """``["embed", "blocks.0", ..., "head"]``: stage ``i`` of :meth:`GPT.stages`."""
-    return ["embed", *(f"blocks.{i}" for i in range(shape.layers)), "head"]
-
-
 def build_stage(shape: GPTShape, index: int, seed: int = 0, tied_weight: nn.Parameter | None = None,
                 meta: bool = False) -> nn.Module:
     """Stage ``index`` (0 = embedding, 1..L = blocks, L+1 = head), initialised from
@@ -175,46 +152,10 @@ def make_stage(shape: GPTShape, index: int, tied_weight: nn.Parameter | None = N
     return Head(shape, tied_weight)
 
 
-def seeded_stage(shape, index: int, seed: int, tied_weight, meta: bool, make, init) -> nn.Module:
-    """``make(shape, index, tied_weight)`` then ``init(module, shape, skip)`` under the RNG seeded
-    from ``(seed, index)`` (any model family); ``meta``: shapes only."""
-    last = shape.layers + 1
-    if not 0 <= index <= last:
-        raise ValueError(f"stage index {index} out of range 0..{last}")
-    if meta:
-        with torch.device("meta"), _SkipRandomInit():
-            return make(shape, index, tied_weight)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed * 1_000_003 + index)
-        module = make(shape, index, tied_weight)
-        init(module, shape, skip=() if tied_weight is None else (tied_weight,))
-    return module
+class GPT(DenseModel):
+    """Stages ``embed → blocks → head`` (:class:`~parallel4d.models.stages.DenseModel`) of the GPT."""
 
-
-class GPT(nn.Module):
-    """Stages ``embed → blocks → head``; ``forward(tokens, targets=None)`` → logits or loss."""
-
-    def __init__(self, shape: GPTShape, seed: int = 0):
-        super().__init__()
-        build = type(self).build_stage  # the family's stages (models/llama.py's Llama sets its own)
-        self.shape = shape
-        self.embed = build(shape, 0, seed)
-        self.blocks = nn.ModuleList(build(shape, i + 1, seed) for i in range(shape.layers))
-        tied = self.embed.tok.weight if shape.tie_embeddings else None
-        self.head = build(shape, shape.layers + 1, seed, tied_weight=tied)
-
-    def stages(self) -> list[nn.Module]:
-        """The model as a flat list a pipeline cuts into contiguous chunks."""
-        return [self.embed, *self.blocks, self.head]
-
-    def forward(self, tokens, targets=None):
-        x = tokens
-        for stage in self.stages():
-            x = stage(x)
-        return x if targets is None else cross_entropy(x, targets)
-
-
-GPT.build_stage = staticmethod(build_stage)
+    build_stage = staticmethod(build_stage)
 
 
 def init_weights(model: nn.Module, shape: GPTShape, skip=()) -> None:
@@ -236,3 +177,29 @@ def init_weights(model: nn.Module, shape: GPTShape, skip=()) -> None:
 def build_gpt(shape: GPTShape, seed: int = 0) -> GPT:
     """Build the dense reference deterministically from ``seed`` (stage by stage)."""
     return GPT(shape, seed)
+
+
+def shape_from_config(m: ModelConfig, causal: bool = True) -> GPTShape:
+    """The shape of a job's ``model:`` section (``causal``: ``sequence.causal``)."""
+    return GPTShape(vocab_size=m.vocab_size, seq_len=m.seq_len, hidden=m.hidden, heads=m.heads, layers=m.layers,
+                    mlp_ratio=m.mlp_ratio, tie_embeddings=m.tie_embeddings, norm_eps=m.norm_eps, init_std=m.init_std,
+                    causal=causal, activation=m.activation)
+
+
+# --- decoding with a KV cache (parallel4d generate): the dense modules' own projections, one new token at a time
+
+def decode_embed(embed: Embedding, tokens, start: int):
+    """``tokens`` ``[b, t]`` at positions ``start..start+t-1`` → ``[b, t, h]``."""
+    return embed(tokens, torch.arange(start, start + tokens.shape[1], device=tokens.device))
+
+
+def decode_block(block: Block, x, kv, start: int):
+    """``(block output [b, t, h], (k, v) extended by the t new tokens)``; ``kv``: the cache (None: empty)."""
+    b, t, h = x.shape
+    attn = block.attn
+    q, k, v = attn.qkv(block.ln1(x)).view(b, t, 3, attn.heads, h // attn.heads).permute(2, 0, 3, 1, 4)
+    if kv is not None:
+        k, v = torch.cat((kv[0], k), 2), torch.cat((kv[1], v), 2)
+    y = cached_attention(q, k, v, start)
+    x = x + attn.proj(y.transpose(1, 2).reshape(b, t, h))
+    return x + block.mlp(block.ln2(x)), (k, v)
