@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import importlib
-
 import torch.nn as nn
 
-from parallel4d.config.errors import ConfigError
+from parallel4d.checkpoint.pretrained import pretrained_checkpoint
 
 
 def load_pretrained(model: nn.Module, layouts: dict, model_cfg) -> int:
@@ -18,17 +16,3 @@ def load_pretrained(model: nn.Module, layouts: dict, model_cfg) -> int:
         dense, _, cut = layouts[name]
         pieces.setdefault(dense, []).extend(cut(p.data))
     return pretrained_checkpoint(model_cfg, lambda hf: hf.load_pieces(pieces, model_cfg.pretrained, model_cfg))
-
-
-def pretrained_checkpoint(model_cfg, use):
-    """``use(parallel4d.models.hf)`` on ``model.pretrained``; ConfigError naming the directory for a
-    missing hf extra, file or tensor, or a tensor of the wrong shape."""
-    try:
-        hf = importlib.import_module("parallel4d.models.hf")  # safetensors: the optional hf extra
-    except ImportError as e:
-        raise ConfigError(f"model.pretrained needs the hf extra ({e.name} is missing): "
-                          "pip install 'parallel4d[hf]' (make installs it)") from None
-    try:
-        return use(hf)
-    except (ValueError, OSError) as e:
-        raise ConfigError(f"model.pretrained={model_cfg.pretrained!r}: {e}") from None

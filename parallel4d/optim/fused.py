@@ -1,5 +1,5 @@
 """``train.fused``: the optimizer and norm kernels a job runs (``off``, ``torch``, ``apex``; ``auto`` is
-apex when importable, else torch — :func:`.config.resolve_fused`).
+apex when importable, else torch — :func:`parallel4d.config.rules.training.resolve_fused`).
 
 * ``off``: torch's plain AdamW / Adam and the models' own norms (the exactness references).
 * ``torch``: ``torch.optim.AdamW(fused=True)`` and ``F.rms_norm`` (LayerNorm is torch's fused
