@@ -43,7 +43,7 @@ from parallel4d.pipeline import make_schedule
 from parallel4d.pipeline.executor import PipelineExecutor, TiedGradSync
 from parallel4d.pipeline.partition import build_chunks, parameter_costs, partition
 from parallel4d.sequence import make_ring_attention_fn, positions_for
-from parallel4d.tensor2d import loss_2d
+from parallel4d.tensor2d import Head2D, loss_2d
 
 
 # --- this rank's stages ------------------------------------------------------------
@@ -192,7 +192,7 @@ def _tied_table(stage: nn.Module, head: bool = False) -> nn.Parameter:
     if isinstance(stage, PositionedEmbedding):
         stage = stage.embed
     if head:
-        return stage.lm_head.weight if hasattr(stage, "lm_head") else stage.weight
+        return stage.lm_head.weight if isinstance(stage, Head2D) else stage.weight
     return stage.tok.weight
 
 

@@ -11,6 +11,7 @@ from parallel4d.checkpoint.shards import DenseShards, Pieces, whole
 from parallel4d.engine.model import PositionedEmbedding
 from parallel4d.models.build import Shape, build_stage
 from parallel4d.models.stages import stage_names
+from parallel4d.tensor2d import Composite2D
 
 
 def dense_layouts(stages: dict[str, nn.Module], tied: bool) -> dict[str, tuple[str, tuple, Pieces]]:
@@ -25,7 +26,7 @@ def dense_layouts(stages: dict[str, nn.Module], tied: bool) -> dict[str, tuple[s
         local = f"{stage_name}."
         if isinstance(stage, PositionedEmbedding):  # a wrapper; the dense stage has no such level
             stage, local = stage.embed, f"{local}embed."
-        if hasattr(stage, "dense_layout"):
+        if isinstance(stage, Composite2D):  # a 2D stage: its parts say where they sit
             found = {n: (d, shape, pieces) for n, (d, (shape, pieces)) in stage.dense_layout().items()}
         else:
             found = {n: (n, tuple(p.shape), whole) for n, p in stage.named_parameters(remove_duplicate=False)}
