@@ -22,6 +22,7 @@ from deepspeed.runtime.utils import clip_grad_norm_ as ds_clip_grad_norm_  # noq
 
 import parallel4d  # noqa: E402
 from parallel4d.engine.batch import local_batch  # noqa: E402
+from parallel4d.integrations.deepspeed.mpu import as_mpu  # noqa: E402
 from parallel4d.engine.state import dense_layouts  # noqa: E402
 from parallel4d.engine.model import model_shape  # noqa: E402
 from parallel4d.optim.optimizer import build_optimizer, lr_at, lr_lambda  # noqa: E402
@@ -50,7 +51,7 @@ def _one_step(job: dict, stage: int, tag: bool):
         for param in model.parameters():
             del param.tensor_model_parallel
     avoid_compiled_ops()
-    mpu = mesh.as_mpu()
+    mpu = as_mpu(mesh)
     assert not hasattr(mpu, "initialize_sequence_parallel")  # else DeepSpeed takes it for its Ulysses mpu
     assert (mpu.get_model_parallel_world_size(), mpu.get_tensor_model_parallel_world_size(),
             mpu.get_sequence_data_parallel_world_size()) == (p.tp, p.tp, p.dp * p.sp)
@@ -199,7 +200,7 @@ def _train_under_zero(job: dict, runs: list[tuple[int, bool]]):
         model = parallel4d.build_model(cfg, mesh)
         optimizer = build_optimizer(model.dense_named_parameters(), cfg.optimizer)
         engine, *_ = deepspeed.initialize(
-            model=model, optimizer=optimizer, mpu=mesh.as_mpu(),
+            model=model, optimizer=optimizer, mpu=as_mpu(mesh),
             config={"train_micro_batch_size_per_gpu": cfg.data.batch_size // p.dp, "gradient_accumulation_steps": 1,
                     "gradient_clipping": cfg.train.grad_clip, "zero_optimization": {"stage": stage},
                     "bf16": {"enabled": bf16}, "zero_allow_untested_optimizer": True})

@@ -12,7 +12,7 @@ import torch
 
 import parallel4d
 from parallel4d.data.batches import build_dataset
-from parallel4d.integrations.deepspeed import avoid_compiled_ops
+from parallel4d.integrations.deepspeed import as_mpu, avoid_compiled_ops
 
 
 def main(path: str) -> None:
@@ -24,7 +24,7 @@ def main(path: str) -> None:
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.optimizer.lr)
     ds_config = {"train_batch_size": cfg.data.batch_size, "gradient_accumulation_steps": 1,
                  "gradient_clipping": 1.0, "zero_optimization": {"stage": 1}, "zero_allow_untested_optimizer": True}
-    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config, mpu=mesh.as_mpu())
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config, mpu=as_mpu(mesh))
     data = build_dataset(cfg)
     for step in range(cfg.train.steps):
         tokens, targets = data.batch(step)

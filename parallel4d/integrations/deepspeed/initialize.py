@@ -21,6 +21,7 @@ from parallel4d.distributed.startup import device_and_backend, init_process_grou
 from parallel4d.optim.optimizer import build_optimizer, lr_lambda
 from parallel4d.integrations.deepspeed.ds_config import resolve
 from parallel4d.integrations.deepspeed.engines import DeepSpeedPipeline, Parallel4DEngine
+from parallel4d.integrations.deepspeed.mpu import as_mpu
 from parallel4d.integrations.deepspeed.model import RankModel, avoid_compiled_ops, tag_parameters
 
 
@@ -61,7 +62,7 @@ def build_engine(cfg: Config, mesh: Mesh, ds_config: dict | None = None):
         if "scheduler" not in ds_config:
             scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
     engine, optimizer, _, scheduler = deepspeed.initialize(
-        model=model, optimizer=optimizer, model_parameters=params, lr_scheduler=scheduler, mpu=mesh.as_mpu(),
+        model=model, optimizer=optimizer, model_parameters=params, lr_scheduler=scheduler, mpu=as_mpu(mesh),
         config=ds_config)
     if parts is not None:
         return DeepSpeedPipeline(engine, cfg, mesh, parts), optimizer, scheduler

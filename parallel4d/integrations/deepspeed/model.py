@@ -107,5 +107,5 @@ def global_mean(share: torch.Tensor, mesh: Mesh, timeout_s: float) -> torch.Tens
 
 
 def build_model(cfg: Config, mesh: Mesh) -> RankModel:
-    """This rank's model of ``cfg`` on ``mesh`` for ``deepspeed.initialize(model=..., mpu=mesh.as_mpu())``."""
+    """This rank's model of ``cfg`` on ``mesh`` for ``deepspeed.initialize(model=..., mpu=as_mpu(mesh))`` (:func:`.mpu.as_mpu`)."""
     return RankModel(cfg, mesh)
