@@ -2,16 +2,24 @@
 
 matplotlib is imported lazily (only when plotting), so the package works
 without it. Box colour = micro-batch (B hatched //, W ..), text = chunk id.
-The figure is drawn on its own Agg canvas, not through pyplot, so plotting
-leaves the caller's backend and pyplot's figures alone.
+A long timeline wraps onto several panels (about 40 actions of the busiest
+rank each) so that every box keeps room for its label. The figure is drawn on
+its own Agg canvas, not through pyplot, so plotting leaves the caller's backend
+and pyplot's figures alone.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Callable
 
 from parallel4d.pipeline.analysis import simulate
 from parallel4d.pipeline.types import Action, Schedule
+
+WIDTH_IN = 16.0  # inches at DPI: 1600 px, whatever the schedule's length
+DPI = 100
+ACTIONS_PER_PANEL = 40  # of the busiest rank: a forward box stays ≥ ~25 px wide
+HATCH = {"B": "//", "W": ".."}
 
 
 def plot(schedule: Schedule, path: str, *, forward_cost: float = 1.0, backward_cost: float = 2.0,
@@ -25,19 +33,23 @@ def plot(schedule: Schedule, path: str, *, forward_cost: float = 1.0, backward_c
     """
     if timings is None:
         rows, makespan, bubble = _simulated(schedule, forward_cost, backward_cost, p2p_cost, weight_cost)
-        unit, width = "time (forward of one chunk = 1)", min(60.0, max(8.0, 0.25 * makespan + 2.0))
+        unit = "time (forward of one chunk = 1)"
     else:
         rows, makespan, bubble = _measured(timings)
-        unit, width = "seconds (measured)", 14.0
-    fig = _figure(width, 0.6 * schedule.pp + 1.4)
-    ax = fig.add_subplot()
-    _draw(ax, schedule, rows, makespan)
-    ax.set_xlabel(unit)
-    ax.set_title(title or f"{schedule.name}: P={schedule.pp}, m={schedule.microbatches}, "
-                          f"{schedule.num_chunks} chunks — makespan {makespan:.4g}, bubble {bubble:.1%} "
-                          f"(colour = micro-batch, hatched = B //, W .., text = chunk)", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=90)
+        unit = "seconds (measured)"
+    busiest = max(len(acts) for acts in rows.values())
+    panels = max(1, math.ceil(busiest / ACTIONS_PER_PANEL))
+    span = makespan / panels
+    fig = _figure(WIDTH_IN, panels * (0.45 * schedule.pp + 0.9) + 1.6)
+    axes = fig.subplots(panels, 1, squeeze=False)[:, 0]
+    for k, ax in enumerate(axes):
+        _draw(ax, schedule, rows, (k * span, (k + 1) * span if k < panels - 1 else makespan * 1.01))
+    axes[-1].set_xlabel(unit, fontsize=11)
+    fig.suptitle(title or f"{schedule.name}: P={schedule.pp}, m={schedule.microbatches}, {schedule.num_chunks} "
+                          f"chunks — makespan {makespan:.4g}, bubble {bubble:.1%}", fontsize=14)
+    _legend(fig, schedule)
+    fig.tight_layout(rect=(0, 0.06 if panels > 1 else 0.1, 1, 1))
+    fig.savefig(path, dpi=DPI)
     return path
 
 
@@ -52,6 +64,24 @@ def _figure(width: float, height: float):
     return fig
 
 
+def _legend(fig, schedule: Schedule) -> None:
+    """Below the panels: the micro-batch colours, then what hatching means and what the text is."""
+    from matplotlib.patches import Patch
+
+    import matplotlib
+
+    cmap = matplotlib.colormaps["tab20"]
+    handles = [Patch(facecolor=cmap(i % 20), edgecolor="black", label=f"mb {i}")
+               for i in range(min(schedule.microbatches, 20))]
+    kinds = ("F", "B", "W") if schedule.split_backward else ("F", "B")
+    names = {"F": "F forward", "B": "B backward" + (" (input grad)" if schedule.split_backward else ""),
+             "W": "W weight grad"}
+    handles += [Patch(facecolor="white", edgecolor="black", hatch=HATCH.get(k), label=names[k]) for k in kinds]
+    note = "colour = micro-batch, number in a box = chunk" if schedule.num_chunks > 1 else "colour = micro-batch"
+    fig.legend(handles=handles, loc="lower center", ncol=min(len(handles), 12), fontsize=10, frameon=False,
+               title=note, title_fontsize=10)
+
+
 def plot_against_simulation(schedule: Schedule, path: str, timings: dict[int, list[tuple]], *, p2p_cost: float,
                             action_cost: Callable[[Action], float], title: str = "") -> str:
     """Two timelines on one time axis (seconds): ``timings`` as measured (rank → ``[(action,
@@ -64,12 +94,12 @@ def plot_against_simulation(schedule: Schedule, path: str, timings: dict[int, li
     for k, (rows, makespan, bubble, what) in enumerate(((measured, m_span, m_bubble, "measured"),
                                                         (simulated, s_span, s_bubble, "simulated"))):
         ax = fig.add_subplot(2, 1, k + 1)
-        _draw(ax, schedule, rows, span)
-        ax.set_title(f"{what}: step {makespan:.3f} s, bubble {bubble:.1%}", fontsize=9)
+        _draw(ax, schedule, rows, (0.0, span * 1.01))
+        ax.set_title(f"{what}: step {makespan:.3f} s, bubble {bubble:.1%}", fontsize=11)
     ax.set_xlabel("seconds")
-    fig.suptitle(title or f"{schedule.name}: P={schedule.pp}, m={schedule.microbatches}", fontsize=10)
+    fig.suptitle(title or f"{schedule.name}: P={schedule.pp}, m={schedule.microbatches}", fontsize=12)
     fig.tight_layout()
-    fig.savefig(path, dpi=90)
+    fig.savefig(path, dpi=DPI)
     return path
 
 
@@ -90,17 +120,25 @@ def _measured(timings: dict[int, list[tuple]]):
     return rows, makespan, bubble
 
 
-def _draw(ax, schedule: Schedule, rows: dict[int, list[tuple]], makespan: float) -> None:
+def _draw(ax, schedule: Schedule, rows: dict[int, list[tuple]], window: tuple[float, float]) -> None:
+    """The boxes of ``rows`` between the times ``window`` (a box crossing an edge is cut there; its
+    chunk number is written in the panel that holds its middle)."""
     import matplotlib
 
+    lo, hi = window
     cmap = matplotlib.colormaps["tab20"]
     for r, acts in rows.items():
         for (a, s, e) in acts:
-            ax.barh(r, e - s, left=s, height=0.8, color=cmap(a.microbatch % 20), edgecolor="black", linewidth=0.4,
-                    hatch={"B": "//", "W": ".."}.get(a.kind))
-            if schedule.num_chunks > 1 and (e - s) > 0.005 * makespan:
-                ax.text(s + (e - s) / 2, r, str(a.chunk), ha="center", va="center", fontsize=6)
+            if e <= lo or s >= hi:
+                continue
+            ax.barh(r, e - s, left=s, height=0.8, color=cmap(a.microbatch % 20), edgecolor="black", linewidth=0.5,
+                    hatch=HATCH.get(a.kind))
+            middle = s + (e - s) / 2
+            if schedule.num_chunks > 1 and lo <= middle < hi and (e - s) > 0.008 * (hi - lo):
+                ax.text(middle, r, str(a.chunk), ha="center", va="center", fontsize=9,
+                        bbox={"boxstyle": "round,pad=0.1", "facecolor": "white", "alpha": 0.7, "linewidth": 0})
     ax.set_yticks(range(schedule.pp))
-    ax.set_yticklabels([f"rank {r}" for r in range(schedule.pp)])
-    ax.set_xlim(0, makespan * 1.01)
-    ax.invert_yaxis()
+    ax.set_yticklabels([f"rank {r}" for r in range(schedule.pp)], fontsize=11)
+    ax.tick_params(axis="x", labelsize=10)
+    ax.set_xlim(lo, hi)
+    ax.set_ylim(schedule.pp - 0.5, -0.5)  # rank 0 on top

@@ -1,6 +1,6 @@
 """``parallel4d plot RUN_DIR``: a run's curves in one PNG (loss, validation loss, learning rate,
-gradient norm, throughput), from its ``summary.json`` (the loss of every step) and
-``metrics.jsonl`` (the logged steps). Works on a run still training or one that crashed: both
+gradient norm, throughput), from its ``summary.json`` (the loss of every step, the resolved config)
+and ``metrics.jsonl`` (the logged steps). Works on a run still training or one that crashed: both
 files are rewritten as it goes."""
 
 from __future__ import annotations
@@ -9,17 +9,26 @@ import json
 from pathlib import Path
 
 from parallel4d.config.errors import ConfigError
+from parallel4d.config.schema import OptimizerConfig
+from parallel4d.optim.optimizer import lr_at
 from parallel4d.training.metrics import METRICS_FILE, read_records
 
 PLOT_FILE = "curves.png"
+# A warm-up shorter than this share of the run gets an inset of its own (else it is a few pixels).
+_INSET_BELOW = 0.125
 
 
-def _losses(run_dir: Path, records: list[dict]) -> list[tuple[int, float]]:
-    """``(step, loss)`` of every step from summary.json, else of the logged steps."""
+def _summary(run_dir: Path) -> dict:
     try:
-        losses = json.loads((run_dir / "summary.json").read_text()).get("losses") or []
+        summary = json.loads((run_dir / "summary.json").read_text())
     except (OSError, ValueError):
-        losses = []
+        return {}
+    return summary if isinstance(summary, dict) else {}
+
+
+def _losses(summary: dict, records: list[dict]) -> list[tuple[int, float]]:
+    """``(step, loss)`` of every step from summary.json, else of the logged steps."""
+    losses = summary.get("losses") or []
     if losses:
         return list(enumerate(losses, start=1))
     return [(r["step"], r["loss"]) for r in records if r.get("loss") is not None]
@@ -30,11 +39,54 @@ def _series(records: list[dict], key: str) -> tuple[list[int], list[float]]:
     return [s for s, _ in rows], [v for _, v in rows]
 
 
+def _lr_schedule(summary: dict, logged: list[tuple[int, float]]) -> tuple[list[float], OptimizerConfig | None]:
+    """The learning rate of steps 1..train.steps from the run's ``optimizer`` section, and that
+    section; ``([], None)`` when the config does not tell it (a DeepSpeed ds_config with its own
+    optimizer or scheduler, no config) or when it disagrees with a logged value (the log is what ran)."""
+    config = summary.get("config") or {}
+    if any(k in (config.get("deepspeed") or {}) for k in ("optimizer", "scheduler")):
+        return [], None
+    try:
+        opt, steps = OptimizerConfig.model_validate(config["optimizer"]), int(config["train"]["steps"])
+    except (KeyError, TypeError, ValueError):
+        return [], None
+    lrs = [lr_at(step, opt, steps) for step in range(steps)]
+    if any(not 1 <= s <= steps or abs(lrs[s - 1] - v) > 1e-6 * max(abs(v), 1e-12) for s, v in logged):
+        return [], None
+    return lrs, opt
+
+
+def _draw_lr(ax, summary: dict, records: list[dict]) -> None:
+    """Every step's learning rate (line) with the logged ones (dots), from 0 so that the warm-up
+    shows; a short warm-up is also drawn magnified in an inset."""
+    steps, values = _series(records, "lr")
+    lrs, opt = _lr_schedule(summary, list(zip(steps, values)))
+    # Where the curve is not: above a constant rate's plateau is taken, under a decay the lower left is free.
+    decays = opt is not None and opt.schedule != "constant"
+    if lrs:
+        ax.plot(range(1, len(lrs) + 1), lrs, "-", linewidth=1.5, label="schedule (from the config)")
+    ax.plot(steps, values, "o", markersize=4, label="logged")
+    ax.set_ylim(bottom=0)
+    ax.set(title="learning rate", xlabel="step")
+    ax.ticklabel_format(axis="y", style="sci", scilimits=(-3, 3))
+    ax.legend(loc="upper right" if decays else "lower right")
+    warmup = opt.warmup_steps if opt is not None else 0
+    if lrs and 0 < warmup < _INSET_BELOW * len(lrs):
+        end = min(len(lrs), 2 * warmup + 1)
+        inset = ax.inset_axes([0.16, 0.15, 0.34, 0.34] if decays else [0.42, 0.3, 0.5, 0.4])
+        inset.plot(range(1, end + 1), lrs[:end], "-", linewidth=1.5)
+        inset.plot([s for s in steps if s <= end], [v for s, v in zip(steps, values) if s <= end], "o", markersize=4)
+        inset.set_ylim(bottom=0)
+        inset.set_title(f"the warm-up: steps 1–{warmup}", fontsize=9)
+        inset.tick_params(labelsize=8, labelleft=False)  # the shape; the values are on the panel's axis
+
+
 def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
     """Draw ``run_dir``'s curves into ``out`` (default ``run_dir/curves.png``); returns its path."""
     run_dir = Path(run_dir)
     records = read_records(run_dir / METRICS_FILE)
-    losses = _losses(run_dir, records)
+    summary = _summary(run_dir)
+    losses = _losses(summary, records)
     if not losses:
         raise ConfigError(f"{run_dir} has no losses to plot: neither summary.json nor {METRICS_FILE} holds any "
                           "(is it a run directory, train.out_dir?)")
@@ -45,7 +97,7 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
         import matplotlib.pyplot as plt
     except ImportError:
         raise ConfigError("parallel4d plot needs matplotlib: pip install 'parallel4d[viz]' (make installs it)") from None
-    fig, axes = plt.subplots(2, 2, figsize=(11, 7))
+    fig, axes = plt.subplots(2, 2, figsize=(12, 8))
     ax = axes[0][0]
     ax.plot(*zip(*losses), label="train", linewidth=1)
     steps, val = _series(records, "val_loss")
@@ -53,7 +105,8 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
         ax.plot(steps, val, "o-", label="validation")
     ax.set(title="loss", xlabel="step")
     ax.legend()
-    for ax, key, title in ((axes[0][1], "lr", "learning rate"), (axes[1][0], "grad_norm", "gradient norm"),
+    _draw_lr(axes[0][1], summary, records)
+    for ax, key, title in ((axes[1][0], "grad_norm", "gradient norm (before clipping)"),
                            (axes[1][1], "tokens_per_second", "tokens / s")):
         steps, values = _series(records, key)
         ax.plot(steps, values, ".-")
@@ -61,6 +114,6 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
     fig.suptitle(str(run_dir))
     fig.tight_layout()
     out = Path(out) if out is not None else run_dir / PLOT_FILE
-    fig.savefig(out, dpi=90)
+    fig.savefig(out, dpi=100)
     plt.close(fig)
     return out
