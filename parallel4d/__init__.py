@@ -11,7 +11,7 @@ Every name is imported on first use, so ``import parallel4d.config`` (and ``para
 validate``) never imports torch, and DeepSpeed (~1 s) is imported only for ``build_model``.
 """
 
-import importlib
+from parallel4d.config.lazy import lazy_names
 
 # public name → the module that defines it
 _HOMES = {
@@ -30,13 +30,4 @@ __all__ = list(_HOMES)
 __version__ = "0.1.0"
 
 
-def __getattr__(name: str):
-    if name in _HOMES:
-        value = getattr(importlib.import_module(_HOMES[name]), name)
-        globals()[name] = value  # once
-        return value
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def __dir__():
-    return sorted(list(globals()) + __all__)
+__getattr__, __dir__ = lazy_names(__name__, _HOMES)

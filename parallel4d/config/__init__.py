@@ -7,7 +7,7 @@ import :mod:`.rules`, and the schema imports their registry, so importing this p
 import the schema.
 """
 
-import importlib
+from parallel4d.config.lazy import lazy_names
 
 # public name → the module that defines it
 _HOMES = {
@@ -20,13 +20,4 @@ _HOMES = {
 __all__ = list(_HOMES)
 
 
-def __getattr__(name: str):
-    if name in _HOMES:
-        value = getattr(importlib.import_module(_HOMES[name]), name)
-        globals()[name] = value  # once
-        return value
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def __dir__():
-    return sorted(list(globals()) + __all__)
+__getattr__, __dir__ = lazy_names(__name__, _HOMES)

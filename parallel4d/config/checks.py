@@ -7,7 +7,6 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from parallel4d.config.rules import data, deepspeed, hetero, pipeline, sequence, tensor2d, training
-from parallel4d.config.rules.common import divisors, not_divisible, or_list
 
 if TYPE_CHECKING:  # annotations only: the schema imports these rules
     from parallel4d.config.schema import Config, ModelConfig
