@@ -8,11 +8,15 @@ import pytest
 sys.path.insert(0, os.path.dirname(__file__))
 
 
-def run_workers(fn, world_size, *args, timeout_s=180.0, **kwargs):
-    """Run ``fn(*args, **kwargs)`` on ``world_size`` gloo CPU workers; per-rank results."""
-    from parallel4d.launcher.spawn import spawn
+def run_workers(fn, world_size, *args, timeout_s=180.0, preload=None, **kwargs):
+    """Run ``fn(*args, **kwargs)`` on ``world_size`` gloo CPU workers; per-rank results.
 
-    return spawn(fn, world_size, args, kwargs, backend="gloo", timeout_s=timeout_s)
+    ``preload``: the modules the job's zygote imports once for all workers; by default what training
+    imports (most of the suite's jobs train), ``()`` for a job that builds no optimizer."""
+    from parallel4d.launcher.spawn import TRAINING_IMPORTS, spawn
+
+    preload = TRAINING_IMPORTS if preload is None else preload
+    return spawn(fn, world_size, args, kwargs, backend="gloo", timeout_s=timeout_s, preload=preload)
 
 
 # Every 16-worker check of the suite runs in one spawned job (16 processes take ~13 s to start on

@@ -30,12 +30,15 @@ from parallel4d.integrations.deepspeed import avoid_compiled_ops  # noqa: E402
 from parallel4d.distributed.mesh import init_mesh  # noqa: E402
 from parallel4d.models.build import build_dense  # noqa: E402
 from parallel4d.models.gpt2.model import build_gpt  # noqa: E402
-from parallel4d.launcher.spawn import spawn  # noqa: E402
+from parallel4d.launcher.spawn import TRAINING_IMPORTS, spawn  # noqa: E402
 
 JOB = {"parallel": {"tp": 4}, "sequence": {"layout": "zigzag"}, "model": {"vocab_size": 64, "seq_len": 16, "hidden": 32, "heads": 2, "layers": 2},
        "data": {"source": "synthetic", "batch_size": 8}, "train": {"steps": 1}}
 CLIP = 0.05  # below the norm (≈1.07), so clipping acts
 LR = 1.0
+
+
+DEEPSPEED_JOB = (*TRAINING_IMPORTS, "deepspeed")  # what these jobs' workers import: once, in the zygote
 
 
 def _one_step(job: dict, stage: int, tag: bool):
@@ -146,7 +149,8 @@ def four_workers(tmp_path_factory, llama_checkpoint):
     (tmp / "tp4.yaml").write_text(yaml.safe_dump(PIPELINE_CASES[2][1]))
     given = [str(tmp / "tp4.yaml") if index == 2 else job for index, (_, job, _) in enumerate(PIPELINE_CASES)]
     given += [job for _, job, _ in _llama_cases(llama_checkpoint)]
-    results = spawn(_four_worker_jobs, 4, (given,), backend="gloo", timeout_s=600, env=_no_compiler(tmp))
+    results = spawn(_four_worker_jobs, 4, (given,), backend="gloo", timeout_s=600, env=_no_compiler(tmp),
+                    preload=DEEPSPEED_JOB)
     assert not any((tmp / "torch_extensions").glob("**/*.so"))
     return results
 
@@ -253,7 +257,8 @@ def eight_workers(tmp_path_factory):
     """Per rank: the ZeRO runs of tp=4 × dp=2 and the Hanayo pp=2 × tp=4 job through initialize(),
     in one spawned job whose workers reach no C++ compiler."""
     tmp = tmp_path_factory.mktemp("deepspeed8")
-    return spawn(_eight_worker_jobs, 8, (HANAYO_JOB,), backend="gloo", timeout_s=600, env=_no_compiler(tmp))
+    return spawn(_eight_worker_jobs, 8, (HANAYO_JOB,), backend="gloo", timeout_s=600, env=_no_compiler(tmp),
+                 preload=DEEPSPEED_JOB)
 
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "deepspeed"

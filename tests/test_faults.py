@@ -117,7 +117,7 @@ def test_every_strategy_wait_ends_within_the_timeout():
     """tp SUMMA, sp ring, ZeRO over dp·sp and a pp group: a rank that takes no part makes the
     others fail within the mesh's timeout (not torch's 30-minute default for sub-groups),
     with the action and the group named."""
-    results = run_workers(_scenarios, 4, 2, timeout_s=200)
+    results = run_workers(_scenarios, 4, 2, timeout_s=200, preload=())
     names = {"summa": "test.summa", "ring": "ring_attention forward", "zero": "hetero ZeRO parameter all-gather",
              "pp.group": "pp.tied"}
     for rank, rows in enumerate(results):

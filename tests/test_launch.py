@@ -2,6 +2,7 @@
 
 import json
 import os
+import sys
 import time
 
 import pytest
@@ -210,19 +211,23 @@ def test_quickstart_model_on_one_gpu(tmp_path):
 
 
 def test_workers_forked_by_a_zygote_or_started_alone_do_the_same(monkeypatch):
-    """On Linux the workers are forked from one zygote that imported torch once; PARALLEL4D_FORK=0
-    starts one interpreter per rank. Both run the job alike."""
+    """On Linux the workers are forked from one zygote that imported torch (and what ``preload``
+    names) once; PARALLEL4D_FORK=0 starts one interpreter per rank. Both run the job alike."""
     from parallel4d.launcher import workers
 
     assert workers._forking()
-    forked = spawn(_rank_and_world, 3, (5,))
+    forked = spawn(_rank_and_world, 3, (5,), preload=(PRELOADED,))
     monkeypatch.setenv("PARALLEL4D_FORK", "0")
     assert not workers._forking()
-    assert spawn(_rank_and_world, 3, (5,)) == forked == [(r, 3, 5) for r in range(3)]
+    alone = spawn(_rank_and_world, 3, (5,), preload=(PRELOADED,))
+    assert alone == forked == [(r, 3, 5, True) for r in range(3)]
+
+
+PRELOADED = "colorsys"  # a module nothing here imports
 
 
 def _rank_and_world(x):
-    return dist.get_rank(), dist.get_world_size(), x
+    return dist.get_rank(), dist.get_world_size(), x, PRELOADED in sys.modules
 
 
 def test_restarts_without_resume_are_refused_under_torchrun(tmp_path, monkeypatch):

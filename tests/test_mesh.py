@@ -61,7 +61,7 @@ def _check_meshes(layouts, group_over=False):
 
 def test_mesh_world_8():
     layouts = [dict(pp=2, dp=1, sp=1, tp=4), dict(pp=1, dp=2, sp=1, tp=4), dict(pp=2, dp=2, sp=2, tp=1)]
-    per_rank = run_workers(_check_meshes, 8, layouts)
+    per_rank = run_workers(_check_meshes, 8, layouts, preload=())
     assert len(per_rank) == 8
     for i in range(len(layouts)):
         assert len({tuple(coords[i].values()) for coords in per_rank}) == 8

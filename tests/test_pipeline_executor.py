@@ -108,20 +108,20 @@ PP4_CASES = [
 
 
 def test_every_schedule_pp2_matches_dense():
-    results = run_workers(_worker, 2, 2, 1, PP2_CASES, timeout_s=300)
+    results = run_workers(_worker, 2, 2, 1, PP2_CASES, timeout_s=300, preload=())
     _check(results, PP2_CASES)
     # Tied weights: summed between ranks 0/1 except under Hanayo (local sharing).
     assert [results[0][k]["tied_active"] for k in range(len(PP2_CASES))] == [True, False, True, False, False, True, False]
 
 
 def test_every_schedule_pp4_matches_dense():
-    results = run_workers(_worker, 4, 4, 1, PP4_CASES, timeout_s=300)
+    results = run_workers(_worker, 4, 4, 1, PP4_CASES, timeout_s=300, preload=())
     _check(results, PP4_CASES)
 
 
 def test_pp2_dp2_peers_resolved_through_the_mesh():
     cases = [("hanayo", {"waves": 1}, 2, True, 2, 8), ("1f1b", {}, 2, True, 2, 8)]
-    results = run_workers(_worker, 4, 2, 2, cases, timeout_s=300)
+    results = run_workers(_worker, 4, 2, 2, cases, timeout_s=300, preload=())
     _check(results, cases, dp=2)
 
 
@@ -153,7 +153,7 @@ def _mismatch_worker():
 
 
 def test_mismatched_schedule_times_out_naming_rank_and_action():
-    (kind0, msg0, dt0), (kind1, msg1, dt1) = run_workers(_mismatch_worker, 2, timeout_s=120)
+    (kind0, msg0, dt0), (kind1, msg1, dt1) = run_workers(_mismatch_worker, 2, timeout_s=120, preload=())
     # Rank 0 stalls on mb 1's gradient and says so within its 3 s limit, instead of hanging.
     assert kind0 == "CommTimeout", (kind0, msg0)
     assert "pp rank 0 (global rank 0) at action #3 B(mb=1, chunk=0)" in msg0
@@ -176,5 +176,5 @@ def _consistency_worker():
 
 def test_different_schedules_are_caught_up_front():
     with pytest.raises(WorkerError, match="pp ranks run different schedules"):
-        run_workers(_consistency_worker, 2, timeout_s=120)
+        run_workers(_consistency_worker, 2, timeout_s=120, preload=())
 

@@ -224,7 +224,7 @@ def _gpt_job(n):
 
 
 def test_adapter_in_reference_gpt():
-    out = run_workers(_gpt_job, 2, 2, timeout_s=300)
+    out = run_workers(_gpt_job, 2, 2, timeout_s=300, preload=())
     for res in out:
         assert res.pop("ref_gap") > 1e-3
         assert len(res) == 2 * len(LAYOUTS)

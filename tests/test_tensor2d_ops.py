@@ -152,7 +152,7 @@ def _q3_job():
 
 
 def test_summa_ops_q2():
-    coords = run_workers(_q2_job, 4, timeout_s=300)
+    coords = run_workers(_q2_job, 4, timeout_s=300, preload=())
     assert {(c["tp_row"], c["tp_col"]) for c in coords} == {(0, 0), (0, 1), (1, 0), (1, 1)}
 
 

@@ -35,7 +35,7 @@ from parallel4d.distributed.startup import device_and_backend, init_process_grou
 from parallel4d.launcher.preflight import check_job, under_torchrun
 from parallel4d.launcher.rundir import RunLock, check_history, check_writable
 from parallel4d.training.loop import run_training
-from parallel4d.launcher.spawn import spawn
+from parallel4d.launcher.spawn import TRAINING_IMPORTS, spawn
 
 
 @contextmanager
@@ -63,6 +63,12 @@ def prepared(cfg: Config, local: bool, device_type: str = "cpu", source: str | N
 
 def _train_entry(cfg_dict: dict) -> dict:
     return run_training(Config.model_validate(cfg_dict))
+
+
+def _preload(cfg: Config) -> tuple[str, ...]:
+    """What every worker of ``cfg``'s job imports on its way to the first step, imported once by the
+    zygote instead: what training imports, and DeepSpeed for a ``deepspeed:`` section."""
+    return (*TRAINING_IMPORTS, *(("deepspeed",) if cfg.deepspeed is not None else ()))
 
 
 def _newest_checkpoint(ckpt_dir: Path) -> str | None:
@@ -124,6 +130,6 @@ def launch(config: str | Path | Config | dict, overrides: list[str] | None = Non
             threads_per_worker=threads,
             saving=lambda: save_in_progress(cfg.checkpoint_dir, started) if enabled else None,
             saved=lambda: _newest_checkpoint(cfg.checkpoint_dir) if enabled else None,
-            refusals=(ConfigError, CheckpointError), joined=joined,
+            refusals=(ConfigError, CheckpointError), joined=joined, preload=_preload(cfg),
         )
     return results[0]

@@ -2,7 +2,8 @@
 each worker (``worker_entry PAYLOAD RANK``, or forked by the zygote).
 
 They talk to the launcher through the job's temporary directory only: the payload spawn wrote
-(``payload.pkl``: ``sys.path``, then the function, its arguments and the job's settings), the
+(``payload.pkl``: ``sys.path``, then the function, its arguments, the job's settings and the modules
+the zygote imports before forking), the
 rendezvous file, and what they write back: ``result{r}.pkl`` (``("ok", result)`` or ``("error",
 (details, refusal))``), and from the zygote ``pid{r}`` and ``exit{r}``. A worker whose launcher (or
 zygote) dies exits by itself; one whose job directory is gone exits quietly.
@@ -50,7 +51,9 @@ def zygote_main(payload_path: str, world_size: int) -> None:
         signal.signal(sig, signal.SIG_IGN)
     payload = _load(payload_path)
     os.environ.update(payload[-1])
-    importlib.import_module("torch.distributed")  # the expensive import, shared by every worker
+    # the expensive imports, shared by every worker
+    for module in ("torch.distributed", *payload[10]):
+        importlib.import_module(module)
     out_dir, launcher = payload[7], payload[8]
     ranks = {}
     sys.stdout.flush()
@@ -116,7 +119,7 @@ def worker_main(payload_path: str, rank: int, parent_pid: int | None = None) -> 
     caller's ``__main__`` is never re-imported: ``parallel4d.launch`` works from a
     script without an ``if __name__ == "__main__"`` guard.
     """
-    fn, world_size, backend, init_file, pg_timeout_s, args, kwargs, out_dir, launcher, refusals, env = \
+    fn, world_size, backend, init_file, pg_timeout_s, args, kwargs, out_dir, launcher, refusals, preload, env = \
         _load(payload_path)
     parent_pid = parent_pid or launcher
     os.environ.update(env)
@@ -132,6 +135,8 @@ def worker_main(payload_path: str, rank: int, parent_pid: int | None = None) -> 
             os.replace(result_path + ".tmp", result_path)
 
     try:
+        for module in preload:  # a forked worker has them from the zygote already
+            importlib.import_module(module)
         import torch
         import torch.distributed as dist
 
