@@ -18,8 +18,9 @@ from parallel4d.launcher.supervise import Signals, Supervisor
 from parallel4d.launcher.workers import end_zygote, start, stop
 
 # What a worker that trains imports on its way to the first step: torch's optimizers import
-# torch._dynamo when constructed (~1.5 s of CPU per process). ``spawn(preload=...)`` imports it once.
-TRAINING_IMPORTS = ("torch._dynamo",)
+# torch._dynamo when constructed (~1.5 s of CPU per process), a checkpoint torch.distributed.checkpoint.
+# ``spawn(preload=...)`` imports them once.
+TRAINING_IMPORTS = ("torch._dynamo", "torch.distributed.checkpoint")
 
 
 def spawn(
