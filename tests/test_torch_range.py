@@ -41,6 +41,17 @@ def _probe_gradient_edge() -> bool:
     return hasattr(graph, "GradientEdge") and hasattr(graph, "get_gradient_edge")
 
 
+def _probe_enable_gqa() -> bool:
+    q, kv = torch.zeros(1, 4, 2, 8), torch.zeros(1, 2, 2, 8)  # 4 query heads over 2 key/value heads
+    return torch.nn.functional.scaled_dot_product_attention(q, kv, kv, enable_gqa=True).shape == q.shape
+
+
+def _probe_cudnn_attention_ops() -> bool:
+    aten = torch.ops.aten
+    return "attn_bias" in str(aten._scaled_dot_product_cudnn_attention.default._schema) and \
+        hasattr(aten, "_scaled_dot_product_cudnn_attention_backward")
+
+
 def _probe_fused_adamw_cpu() -> bool:
     p = torch.nn.Parameter(torch.zeros(2))
     p.grad = torch.ones(2)
@@ -55,6 +66,9 @@ NEEDS = {
     "torch.serialization.skip_data(materialize_fake_tensors=)": (
         (2, 5), "pytorch#134504", lambda: _has_param(torch.serialization.skip_data.__init__, "materialize_fake_tensors"),
         "skip_data(materialize_fake_tensors"),
+    "scaled_dot_product_attention(enable_gqa=)": ((2, 5), "2.5 release notes", _probe_enable_gqa, "enable_gqa="),
+    "aten._scaled_dot_product_cudnn_attention(attn_bias, …) and its backward": (
+        (2, 5), "pytorch#130482", _probe_cudnn_attention_ops, "_scaled_dot_product_cudnn_attention("),
     "torch.serialization.set_default_mmap_options": ((2, 4), "pytorch#124528",
                                                      lambda: hasattr(torch.serialization, "set_default_mmap_options"),
                                                      "set_default_mmap_options"),
