@@ -2,15 +2,26 @@
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
-# torch is installed only when absent: the CPU build where there is no GPU
-# (torch==2.13.0 is the CPU wheel on our machines), the default build otherwise.
+# torch is installed only when absent, never reinstalled: a torch the system Python already has is
+# used as it is (the venv then sees the system's packages: a GPU machine's preinstalled CUDA build);
+# otherwise the CPU build where there is no GPU (torch==2.13.0 is the CPU wheel on our machines) and
+# the pinned default (CUDA) build where there is one. Both pins lie inside pyproject.toml's range
+# (tests/test_torch_range.py checks).
 TORCH_CPU ?= torch==2.13.0
-TORCH_GPU ?= torch
+TORCH_GPU ?= torch==2.11.0
+# make gpu-check: the Python with CUDA torch (the venv's when it imports torch, else the system's) and
+# the part to run (1, 2 or all: each part within 10 minutes on one H100, all within 20)
+GPU_PYTHON ?= $(shell $(BIN)/python -c "import torch" 2>/dev/null && echo $(BIN)/python || echo $(PYTHON))
+PART ?= all
 
-.PHONY: demo test install clean
+.PHONY: demo test install clean gpu-check
 
 $(BIN)/python:
-	$(PYTHON) -m venv $(VENV)
+	@if $(PYTHON) -c "import torch" 2>/dev/null; then \
+	  $(PYTHON) -m venv --system-site-packages $(VENV); \
+	else \
+	  $(PYTHON) -m venv $(VENV); \
+	fi
 
 $(VENV)/.installed: $(BIN)/python pyproject.toml
 	@if ! $(BIN)/python -c "import torch" 2>/dev/null; then \
@@ -36,6 +47,12 @@ demo: install
 
 test: install
 	$(BIN)/python -m pytest -q --durations=15 tests
+
+# On a machine with a GPU and torch installed: the GPU-marked tests, one-GPU launches of the example
+# configs and the GPU benchmarks, into benchmarks/results/gpu_*.json (benchmarks/gpu_check.py). Installs
+# nothing (no venv step: the machine may have no package index). Without a GPU: prints what it would run.
+gpu-check:
+	PYTHONPATH=$(CURDIR) $(GPU_PYTHON) benchmarks/gpu_check.py --part $(PART)
 
 clean:
 	rm -rf $(VENV) runs *.egg-info

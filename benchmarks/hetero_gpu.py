@@ -149,7 +149,7 @@ def run_plain(shape, batch, device, warmup, iters) -> dict:
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     out = timed_training(step, shape, batch, device, warmup, iters)
-    del model, opt
+    model = opt = None  # free them before the next contender (the step closure holds them too)
     return out
 
 
@@ -189,14 +189,40 @@ def run_hetero(shape, batch, device, warmup, iters, budget_bytes, policy="belady
         out["copy_seconds_per_step"] = last["copy_seconds"]
         out["copy_GBps"] = last["moved_bytes"] / last["copy_seconds"] / GB
     out["host_bytes_per_param"] = host_rss_bytes() / param_count(shape)
-    del model, opt
+    model = opt = None  # free them before the next contender (the step closure holds them too)
     return out
+
+
+def deepspeed_config(batch: int, offload: bool = True) -> dict:
+    """ZeRO-3 with parameters and optimizer offloaded to pinned host memory (``offload``), bf16."""
+    zero = {"stage": 3, "overlap_comm": True, "contiguous_gradients": True, "stage3_max_live_parameters": 1e9,
+            "stage3_max_reuse_distance": 1e9, "stage3_prefetch_bucket_size": 1e7,
+            "stage3_param_persistence_threshold": 1e5, "reduce_bucket_size": 1e7, "sub_group_size": 1e9}
+    if offload:
+        zero.update(offload_param={"device": "cpu", "pin_memory": True},
+                    offload_optimizer={"device": "cpu", "pin_memory": True})
+    return {"train_micro_batch_size_per_gpu": batch, "gradient_accumulation_steps": 1, "bf16": {"enabled": True},
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}, "zero_optimization": zero}
+
+
+def deepspeed_engine(shape, cfg: dict, optimizer=None):
+    """DeepSpeed's engine over the GPT with its own seeded initialisation (``build_gpt``, on the host),
+    which ZeRO-3 partitions inside ``initialize``. Built under ``deepspeed.zero.Init`` instead, each
+    module's parameters are partitioned as soon as it is constructed, so the GPT's initialisation
+    writes into empty shards and the weights keep torch's defaults (or garbage: a NaN LM head).
+    ``optimizer``: a callable of the parameters (else ``cfg``'s)."""
+    import deepspeed
+
+    model = build_gpt(shape, seed=0)
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), optimizer=optimizer,
+                                           config=cfg)
+    return engine
 
 
 def run_deepspeed(shape, batch, device, warmup, iters) -> dict:
     try:
         import deepspeed
-    except Exception as e:  # not installed here: say so, never guess a number
+    except Exception as e:  # not installed here (the GPU machine has no DeepSpeed): say so, never guess a number
         return {"skipped": f"deepspeed not importable: {type(e).__name__}: {e}"}
     if device.type != "cuda":
         return {"skipped": "DeepSpeed ZeRO-3 offload is measured on CUDA only"}
@@ -206,19 +232,7 @@ def run_deepspeed(shape, batch, device, warmup, iters) -> dict:
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29533")
     deepspeed.init_distributed(dist_backend="nccl")
-    cfg = {
-        "train_micro_batch_size_per_gpu": batch, "gradient_accumulation_steps": 1, "bf16": {"enabled": True},
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
-        "zero_optimization": {
-            "stage": 3, "offload_param": {"device": "cpu", "pin_memory": True},
-            "offload_optimizer": {"device": "cpu", "pin_memory": True}, "overlap_comm": True,
-            "contiguous_gradients": True, "stage3_max_live_parameters": 1e9, "stage3_max_reuse_distance": 1e9,
-            "stage3_prefetch_bucket_size": 1e7, "stage3_param_persistence_threshold": 1e5,
-            "reduce_bucket_size": 1e7, "sub_group_size": 1e9},
-    }
-    with deepspeed.zero.Init(remote_device="cpu", pin_memory=True, dtype=torch.bfloat16, config_dict_or_path=cfg):
-        model = build_gpt(shape, seed=0)
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    engine = deepspeed_engine(shape, deepspeed_config(batch))
 
     def step(x, y):
         loss = cross_entropy(engine(x), y)

@@ -167,3 +167,56 @@ def test_bucket_size_is_a_positive_finite_number():
         except (ValueError, ConfigError):
             continue
         raise AssertionError(f"train.dp_bucket_mb={bad!r} was accepted")
+
+
+class _FakeWork:
+    def wait(self, timeout=None):
+        return True
+
+
+def test_grads_are_views_of_the_buckets_no_copy_in_or_out(monkeypatch):
+    """#28: each bucket copied every gradient in before its all-reduce and out after it. Now every
+    ``.grad`` is a view of its bucket, which the all-reduce sums in place: the step's backward and
+    reduction launch no copy_ (nor cat), and the averaged grads are the plain backward's. One
+    process: two replicas faked by an all-reduce that doubles the buffer in place."""
+    import types
+
+    from op_count import CountOps
+    from parallel4d.distributed import comm
+    from parallel4d.distributed.ddp import GradBuckets
+
+    reduced = []
+
+    def all_reduce(t, group=None, **kwargs):
+        reduced.append(t)
+        t.mul_(2)  # two replicas holding the same gradient
+        return _FakeWork()
+
+    monkeypatch.setattr(comm, "all_reduce", all_reduce)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(16, 16, dtype=torch.float64) for _ in range(4)])
+    params = list(model.parameters())
+    mesh = types.SimpleNamespace(size=lambda axis: 2 if axis == "dp" else 1, device=torch.device("cpu"),
+                                 group_over=lambda *axes: None, comm_stats=None)
+    sync = GradBuckets(params, mesh, bucket_bytes=2 * 16 * 16 * 8, timeout_s=10.0, expected={id(p): 2 for p in params})
+    assert len(sync.buckets) >= 2
+    x = torch.randn(2, 8, 16, dtype=torch.float64)
+    ref = torch.autograd.grad(sum(model(xm).sum() for xm in x), params)
+    for step in range(2):  # the second after zero_grad(set_to_none): the views come back
+        reduced.clear()
+        sync.start()
+        with CountOps() as ops:
+            for xm in x:  # two micro-batches accumulate into the views
+                model(xm).sum().backward()
+            sync.finish()
+        assert ops.ops["aten.copy_.default"] == 0 and ops.ops["aten.cat.default"] == 0, ops.ops
+        assert sync.posted_in_backward == len(sync.buckets)
+        assert [t.data_ptr() for t in reduced] == [b.flat.data_ptr() for b in sync.buckets]  # whole buffers
+        for b in sync.buckets:
+            for p in b.params:
+                assert p.grad.untyped_storage().data_ptr() == b.flat.untyped_storage().data_ptr()
+        for p, g in zip(params, ref):
+            assert torch.equal(p.grad, g)
+        for p in params:
+            p.grad = None
+    sync.remove()

@@ -52,13 +52,10 @@ def test_the_audit_sees_a_host_tensor():
     """The audit itself: a host tensor handed to a collective is caught, a device one is not."""
     import os
 
-    import torch.distributed as dist
-
     from device_audit import MESH_DEVICE
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     audit = DeviceAudit()
-    host = torch.tensor([1.0])
     with audit:
         moved = torch.tensor([1.0]).to(MESH_DEVICE)
         made = torch.zeros(1, device=MESH_DEVICE)
@@ -87,3 +84,36 @@ def test_hetero_refuses_to_compute_on_the_host_of_a_gpu_mesh():
                                          "communicate on cuda:0; use hetero.compute_device=auto"):
         HeteroRuntime(model, OptimizerConfig(), HeteroConfig(enabled=True, compute_device="cpu"), mesh=CudaReplicas())
     assert resolve_device("auto", CudaReplicas()) == torch.device("cuda", 0)
+
+
+def _fake_gpus(monkeypatch, n: int) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: n > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: n)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    monkeypatch.delenv("RANK", raising=False)
+
+
+def test_a_cpu_fallback_with_gpus_visible_is_said_once(monkeypatch, tmp_path, capsys):
+    """#28: ``make demo`` (dp=2) on a one-GPU machine ran on the CPU without a word. The launcher now
+    says so once, naming the GPUs against the ranks and what to change (faked device count)."""
+    from parallel4d.config.load import make_config
+    from parallel4d.distributed.startup import cpu_fallback_note, device_and_backend
+    from parallel4d.launcher import launch as launch_mod
+
+    job = tiny(tmp_path / "run", {"dp": 2}, checkpoint={"enabled": False})
+    cfg = make_config(job)
+    _fake_gpus(monkeypatch, 1)
+    assert device_and_backend(cfg) == ("cpu", "gloo")
+    note = cpu_fallback_note(cfg)
+    assert "1 GPU visible for 2 local ranks" in note and "parallel.dp=1" in note and "train.device=cpu" in note
+    assert cpu_fallback_note(make_config({**job, "train": {**job["train"], "device": "cpu"}})) is None
+    _fake_gpus(monkeypatch, 2)
+    assert device_and_backend(cfg) == ("cuda", "nccl") and cpu_fallback_note(cfg) is None
+    _fake_gpus(monkeypatch, 0)
+    assert cpu_fallback_note(cfg) is None  # a CPU machine: nothing fell back
+
+    _fake_gpus(monkeypatch, 1)
+    monkeypatch.setattr(launch_mod, "spawn", lambda *args, **kwargs: [{"rank": 0}])  # no workers started
+    assert launch_mod.launch(job) == {"rank": 0}
+    said = [line for line in capsys.readouterr().err.splitlines() if "warning:" in line]
+    assert len(said) == 1 and "1 GPU visible for 2 local ranks" in said[0], said

@@ -198,3 +198,48 @@ def test_grad_norm_and_clipping_equal_dense():
     ref = dense_reference()
     for case in CASES:
         _check(case, per_rank, ref)
+
+
+def _norm_with_grads(n: int, dtype) -> tuple[float, float, int]:
+    """global_grad_norm over ``n`` parameters (every weight of norm_weight among them) on a one-rank
+    fake mesh: (its value, the per-tensor float64 reference, aten kernels it launched)."""
+    import types
+
+    from op_count import CountOps
+    from parallel4d.distributed import comm
+    from parallel4d.engine.grads import global_grad_norm, norm_weight
+
+    g = torch.Generator().manual_seed(n)
+    params = []
+    for i in range(n):
+        p = torch.nn.Parameter(torch.empty(3 + i % 5, 4, dtype=dtype))
+        p.grad = torch.randn(p.shape, generator=g, dtype=torch.float64).to(dtype)
+        if i % 3 == 1:
+            p.tensor2d_replicated_over = ("tp_row",)
+        params.append(p)
+    params.append(torch.nn.Parameter(torch.zeros(2, dtype=dtype)))  # no gradient: left out
+    tied = {id(params[2]), id(params[5])}
+    mesh = types.SimpleNamespace(size=lambda axis: 2 if axis == "tp_row" else 1, device=torch.device("cpu"),
+                                 group=lambda axis: None, comm_stats=None)
+    real = comm.group_size
+    comm.group_size = lambda group: 1  # one rank: the sums over tp/pp are no-ops
+    try:
+        with CountOps() as ops:
+            got = float(global_grad_norm(params, mesh, tied))
+    finally:
+        comm.group_size = real
+    ref = sum(float(p.grad.double().pow(2).sum()) * norm_weight(p, 2, tied) for p in params if p.grad is not None)
+    return got, ref ** 0.5, ops.kernels
+
+
+def test_norm_launches_a_constant_number_of_kernels():
+    """#28: one fp64 kernel chain per tensor was O(parameters) launches; foreach norms make it O(1)
+    (per dtype and weight), and float64 stays exact to rounding, float32 to float32 accumulation."""
+    few, many = _norm_with_grads(8, torch.float64), _norm_with_grads(80, torch.float64)
+    for got, ref, _ in (few, many):
+        assert abs(got - ref) <= 1e-14 * ref, (got, ref)
+    assert few[2] == many[2] <= 25, (few[2], many[2])
+    got, ref, kernels = _norm_with_grads(40, torch.float32)
+    assert abs(got - ref) <= 1e-6 * ref and kernels <= 25, (got, ref, kernels)
+    got, ref, _ = _norm_with_grads(40, torch.bfloat16)  # accumulated in float32, not in bfloat16
+    assert abs(got - ref) <= 1e-6 * ref, (got, ref)

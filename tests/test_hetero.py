@@ -5,7 +5,6 @@ the same seed, with the same loop: gradient accumulation over micro-batches, fro
 parameters, the tied embedding / LM-head weight and activation checkpointing.
 """
 
-import math
 
 import pytest
 import torch
@@ -330,6 +329,21 @@ def test_clip_grad_norm_matches_torch():
     sd = m.state_dict()
     for k, v in ref.state_dict().items():
         torch.testing.assert_close(sd[k], v, rtol=1e-5, atol=1e-6)
+
+
+def test_grad_norm_kernels_per_chunk_not_per_tensor():
+    """#28: the squared gradient norm launched a float64 kernel chain per tensor; now one foreach norm
+    per gradient chunk (row) and a constant tail, whatever the number of tensors in it."""
+    from op_count import CountOps
+
+    m, opt = wrap(build(), OPT, dict(compute_device="cpu", device_budget_bytes=None))
+    m(*batch(0, 0)).backward()
+    rows = [r for r in opt.rt.adam.layout.rows if r.trainable]
+    tensors = sum(len(r.G.tensors) for r in rows)
+    with CountOps() as ops:
+        sq = opt.grad_sq_norm()
+    assert ops.ops["aten._foreach_norm.Scalar"] == len(rows) and ops.kernels <= len(rows) + 10 < tensors, ops.ops
+    assert sq.dtype == torch.float64 and float(sq) > 0
 
 
 def test_state_table_and_derived_chunk_state():

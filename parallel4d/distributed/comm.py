@@ -201,8 +201,10 @@ def all_gather(tensor: torch.Tensor, group=None, *, dim: int = 0, stats=None, la
 def reduce_scatter(tensor: torch.Tensor, group=None, *, dim: int = 0, stats=None, label="reduce_scatter") -> torch.Tensor:
     """Sum over the group, then keep this member's ``1/n`` slice along ``dim``.
 
-    Implemented as all-reduce + slice where the backend lacks reduce_scatter
-    (gloo); the counted bytes follow the logical reduce-scatter.
+    On NCCL one ``reduce_scatter_tensor`` over the whole tensor (``dim`` moved to the front, a copy
+    only when ``dim`` ≠ 0 or ``tensor`` is not contiguous): NCCL splits it by rank itself, with no
+    per-chunk copies. Implemented as all-reduce + slice where the backend lacks reduce_scatter
+    (gloo); the counted bytes follow the logical reduce-scatter. Returns a contiguous tensor.
     """
     n = group_size(group)
     if n == 1:
@@ -213,10 +215,10 @@ def reduce_scatter(tensor: torch.Tensor, group=None, *, dim: int = 0, stats=None
     _count(stats, label, shard * (n - 1), shard * (n - 1), group)
     with named(label, group):
         if dist.get_backend(group) == "nccl":
-            chunks = [c.contiguous() for c in tensor.chunk(n, dim=dim)]
-            out = torch.empty_like(chunks[0])
-            dist.reduce_scatter(out, chunks, group=group)
-            return out
+            whole = tensor.movedim(dim, 0).contiguous()
+            out = whole.new_empty((whole.shape[0] // n, *whole.shape[1:]))
+            dist.reduce_scatter_tensor(out, whole, group=group)
+            return out.movedim(0, dim).contiguous()
         full = tensor.contiguous().clone()
         dist.all_reduce(full, group=group)
     return full.chunk(n, dim=dim)[group_rank(group)].contiguous()

@@ -5,12 +5,20 @@ order their gradients become ready), into buckets of about ``bucket_bytes``.
 A hook on each parameter counts its gradient accumulations; once every
 parameter of a bucket has received all of this step's contributions (``expected``
 per step: one per micro-batch, more for a parameter shared by several pipeline
-chunks), the bucket's grads are copied into one flat buffer on the mesh's device
-and an async all-reduce (sum) is posted over the data replicas ``dp·sp`` while
-the backward goes on. :meth:`GradBuckets.finish` posts what is left (parameters
-that got fewer contributions, or none; ``deferred`` ones, whose grads change
-after the backward: the tied copies of a pipeline), waits for every bucket with
-the timeout, divides by the number of replicas and copies back into ``.grad``.
+chunks), an async all-reduce (sum) of the bucket's flat buffer on the mesh's device
+is posted over the data replicas ``dp·sp`` while the backward goes on.
+:meth:`GradBuckets.finish` posts what is left (parameters that got fewer
+contributions, or none; ``deferred`` ones, whose grads change after the backward:
+the tied copies of a pipeline), waits for every bucket with the timeout and divides
+by the number of replicas.
+
+Each parameter's ``.grad`` is a view of its bucket's buffer (allocated once):
+:meth:`GradBuckets.start` points the grads there (zeroed), the backward accumulates
+into the bucket in place and the all-reduce works on it in place — no gradient is
+copied in or out, and gradients take no memory beside the buckets. A parameter
+that got no gradient this step holds zeros (every replica sums the same layout).
+Only a ``reduce_dtype`` other than the parameters' needs the copies (a cast in and
+out), and a ``.grad`` someone replaced is copied into its view once, then pointed back.
 
 Buckets are posted strictly in bucket order, so every replica issues the same
 collectives in the same order. The result is the same, element for element, as
@@ -32,12 +40,21 @@ WHAT = "gradient all-reduce over the data replicas (dp·sp)"
 
 
 class _Bucket:
-    """Some parameters of one dtype and a flat buffer as long as their elements."""
+    """Some parameters of one dtype and a flat buffer ``[Σ numel]`` as long as their elements;
+    ``views``: each parameter's slice of it, shaped like the parameter, which becomes its ``.grad``
+    (None when the buffer's dtype or device differs from the parameters': then grads are cast in and out)."""
 
     def __init__(self, index: int, params: list[nn.Parameter], device: torch.device,
                  reduce_dtype: torch.dtype | None = None):
         self.index, self.params = index, params
-        self.flat = torch.empty(sum(p.numel() for p in params), dtype=reduce_dtype or params[0].dtype, device=device)
+        dtype = reduce_dtype or params[0].dtype
+        self.flat = torch.empty(sum(p.numel() for p in params), dtype=dtype, device=device)
+        self.views = None
+        if dtype == params[0].dtype and all(p.device == self.flat.device for p in params):
+            offsets = [0]
+            for p in params:
+                offsets.append(offsets[-1] + p.numel())
+            self.views = [self.flat[a:b].view_as(p) for p, a, b in zip(params, offsets, offsets[1:])]
         self.ready = 0
         self.work = self.grads = None
 
@@ -46,8 +63,36 @@ class _Bucket:
         """Every parameter has all of this step's gradient contributions."""
         return self.ready == len(self.params)
 
+    def attach(self) -> None:
+        """Point every ``.grad`` at its view before the backward: zeros where it was None (after
+        ``zero_grad()``: one fill of the buffer), kept where it already is the view (accumulation goes on)."""
+        if self.views is None:
+            return
+        if all(p.grad is None for p in self.params):
+            self.flat.zero_()
+            for p, v in zip(self.params, self.views):
+                p.grad = v
+            return
+        self._adopt()
+
+    def _adopt(self) -> None:
+        """A ``.grad`` that is not its view (set by someone else) is copied into the view, which
+        becomes the grad again; a missing one becomes its view, zeroed."""
+        for p, v in zip(self.params, self.views):
+            if p.grad is v:
+                continue
+            if p.grad is not None:
+                v.copy_(p.grad)
+            else:
+                v.zero_()
+            p.grad = v
+
     def post(self, group, stats) -> None:
-        """Copy the present grads into the buffer and post the async sum."""
+        """Post the async sum of the buffer (in place); under a cast, copy the present grads in first."""
+        if self.views is not None:
+            self._adopt()
+            self.work = comm.all_reduce(self.flat, group, stats=stats, label="dp_grad", async_op=True)
+            return
         self.grads = [p.grad for p in self.params if p.grad is not None]
         n = sum(g.numel() for g in self.grads)
         offset = 0
@@ -58,7 +103,10 @@ class _Bucket:
             self.work = comm.all_reduce(self.flat[:n], group, stats=stats, label="dp_grad", async_op=True)
 
     def unpack(self, replicas: int) -> None:
-        """Divide the summed buffer by ``replicas`` and copy it back into the grads."""
+        """Divide the summed buffer by ``replicas`` (under a cast: and copy it back into the grads)."""
+        if self.views is not None:
+            self.flat /= replicas
+            return
         n = sum(g.numel() for g in self.grads)
         flat = self.flat[:n]
         flat /= replicas
@@ -106,9 +154,10 @@ class GradBuckets:
         self._handles = [p.register_post_accumulate_grad_hook(self._hook) for p in early]
 
     def start(self) -> None:
-        """Arm the hooks for one step's backward."""
+        """Arm the hooks for one step's backward; the grads become views of the buckets."""
         for b in self.buckets:
             b.ready, b.work, b.grads = 0, None, None
+            b.attach()
         self._counts = {}
         self._next = 0
         self.posted_in_backward = 0
@@ -134,7 +183,7 @@ class GradBuckets:
         self._next += 1
 
     def finish(self) -> None:
-        """Post the rest, wait for every bucket (``timeout_s`` each), average into ``.grad``."""
+        """Post the rest, wait for every bucket (``timeout_s`` each), average (in ``.grad``: the buckets' views)."""
         self._armed = False
         while self._next < len(self.buckets):
             self._post_next()

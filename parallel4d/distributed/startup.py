@@ -23,19 +23,38 @@ def default_backend() -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
+def _gpus_and_local_ranks(cfg: Config) -> tuple[int, int]:
+    """``(visible GPUs, ranks on this machine)``: torchrun's LOCAL_WORLD_SIZE, else the whole job."""
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return gpus, int(os.environ.get("LOCAL_WORLD_SIZE", cfg.world_size))
+
+
 def device_and_backend(cfg: Config) -> tuple[str, str]:
     """``(device type, backend)`` for ``train.device``: ``("cuda", "nccl")`` when every local rank
-    gets its own GPU, ``("cpu", "gloo")`` otherwise; ConfigError when cuda is asked for and missing."""
+    gets its own GPU, ``("cpu", "gloo")`` otherwise (:func:`cpu_fallback_note` says why, when GPUs are
+    there); ConfigError when cuda is asked for and missing."""
     want = cfg.train.device
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    gpus, local_world = _gpus_and_local_ranks(cfg)
     if want == "cuda" and gpus == 0:
         raise ConfigError("train.device=cuda but no CUDA device is visible; use train.device=cpu or auto")
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", cfg.world_size))
     if want == "cuda" and gpus < local_world:
         raise ConfigError(f"train.device=cuda needs one GPU per local rank ({local_world}) but {gpus} are visible; "
                           "use train.device=cpu or fewer ranks (parallel.pp·dp·sp·tp)")
     use_cuda = want == "cuda" or (want == "auto" and gpus >= local_world)
     return ("cuda", "nccl") if use_cuda else ("cpu", "gloo")
+
+
+def cpu_fallback_note(cfg: Config) -> str | None:
+    """Why a ``train.device=auto`` job runs on the CPU although GPUs are visible (fewer than its
+    local ranks: NCCL needs one GPU per rank), and what to change; None when nothing fell back."""
+    gpus, local_world = _gpus_and_local_ranks(cfg)
+    if cfg.train.device != "auto" or gpus == 0 or gpus >= local_world:
+        return None
+    p = cfg.parallel
+    return (f"train.device=auto: {gpus} GPU{'s' if gpus > 1 else ''} visible for {local_world} local ranks "
+            f"(pp·dp·sp·tp = {p.pp}·{p.dp}·{p.sp}·{p.tp}), and NCCL needs one GPU per rank, so this job runs on the "
+            f"CPU over gloo. To train on the GPU, make pp·dp·sp·tp ≤ {gpus} (e.g. --set parallel.dp=1) or use "
+            f"a machine with {local_world} GPUs; train.device=cpu says the CPU is meant")
 
 
 def init_process_group_from_env(backend: str | None = None, timeout_s: float = 300.0,

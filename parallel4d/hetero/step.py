@@ -16,6 +16,7 @@ from parallel4d.hetero.layout import Layout, Row
 from parallel4d.hetero.manager import ChunkManager
 from parallel4d.hetero.optim import adam_update, fused_adam_update
 from parallel4d.hetero.zero import ZeroShards, segment
+from parallel4d.optim.norms import tensor_norms, weighted_sq_sum
 
 S = TensorState
 
@@ -135,15 +136,16 @@ class RowAdam:
         replicas (ZeRO's group); float64 ``[]``. ``weights``: by parameter name (default 1), e.g. 1/q
         for a tensor another rank also holds, so a caller summing over more axes counts it once."""
         weights = weights or {}
-        sq = torch.zeros((), dtype=torch.float64, device=self.mgr.device)
+        norms, ws = [], []  # one foreach norm per row's chunk, one sum at the end: not a kernel per tensor
         for row in self.layout.rows:
             if not row.trainable:
                 continue
             _, G, _, _, (lo, hi) = self.zero.opt_chunks(row)
             content = self.mgr.read(G).to(self.mgr.device)
-            for t in G.tensors:
-                seg = segment(t, lo, hi) if t.state == S.HOLD_AFTER_BWD else None
-                if seg is not None:
-                    sq += content[seg[0] - lo:seg[1] - lo].double().pow(2).sum() * weights.get(t.name.split(":", 1)[1], 1.0)
+            segs = [(t, segment(t, lo, hi)) for t in G.tensors if t.state == S.HOLD_AFTER_BWD]
+            segs = [(t, s) for t, s in segs if s is not None]
+            norms += tensor_norms([content[a - lo:b - lo] for _, (a, b) in segs])
+            ws += [weights.get(t.name.split(":", 1)[1], 1.0) for t, _ in segs]
+        sq = weighted_sq_sum(norms, ws, self.mgr.device)
         self.zero.all_reduce(sq, "hetero gradient-norm all-reduce")
         return sq

@@ -31,7 +31,7 @@ from parallel4d.config.rules.job import torchrun_job_problems
 from parallel4d.config.errors import ConfigError
 from parallel4d.config.load import load_config
 from parallel4d.config.schema import Config
-from parallel4d.distributed.startup import device_and_backend, init_process_group_from_env
+from parallel4d.distributed.startup import cpu_fallback_note, device_and_backend, init_process_group_from_env
 from parallel4d.launcher.preflight import check_job, under_torchrun
 from parallel4d.launcher.rundir import RunLock, check_history, check_writable
 from parallel4d.training.loop import run_training
@@ -101,6 +101,9 @@ def launch(config: str | Path | Config | dict, overrides: list[str] | None = Non
     cfg = load_config(config, overrides)
     source = str(config) if isinstance(config, (str, Path)) else None
     device, backend = device_and_backend(cfg)
+    fallback = cpu_fallback_note(cfg)
+    if fallback and os.environ.get("RANK", "0") == "0":  # once: the launcher, or torchrun's rank 0
+        _say(f"warning: {fallback}")
     if under_torchrun():
         problems = torchrun_job_problems(cfg, int(os.environ["WORLD_SIZE"]),
                                          int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", 0)))
