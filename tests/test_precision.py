@@ -233,3 +233,46 @@ def test_apex_is_used_when_installed(single_rank, apex_stub):
     got = train_llama({"fused": "auto"})  # auto picks apex when it is importable
     assert ("FusedAdam", True) in apex_stub and ("fused_rms_norm_affine",) in apex_stub
     assert close(got, plain, 1e-5)
+
+
+# --- train.tf32: TensorFloat-32 for float32 matmuls on CUDA, set per worker process -------------------------------
+
+@pytest.mark.parametrize("train_fields, allowed", [
+    ({}, True), ({"dtype": "bfloat16"}, True), ({"dtype": "float16"}, True),
+    ({"tf32": False}, False), ({"dtype": "float64"}, False),
+])
+def test_tf32_follows_train_tf32_on_cuda(train_fields, allowed):
+    from parallel4d.engine.model import tf32_allowed
+
+    cfg = make_config({"train": train_fields})
+    assert tf32_allowed(cfg, torch.device("cuda", 0)) is allowed
+    assert tf32_allowed(cfg, "cpu") is None  # nothing to set off CUDA
+
+
+def test_the_worker_allows_tf32_before_building_the_model(single_rank, monkeypatch):
+    """run_training on a (faked) CUDA mesh sets this process's cuBLAS and cuDNN TF32 switches from
+    train.tf32 before it builds anything; train.tf32=false turns both off."""
+    import types
+
+    from parallel4d.training import loop
+
+    class Built(Exception):
+        pass
+
+    seen = []
+
+    def compose(cfg, mesh):
+        seen.append((torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32))
+        raise Built
+
+    monkeypatch.setattr(loop, "init_mesh", lambda **kw: types.SimpleNamespace(device=torch.device("cuda", 0)))
+    monkeypatch.setattr(loop, "compose", compose)
+    before = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    try:
+        torch.backends.cuda.matmul.allow_tf32 = False  # torch's defaults
+        for tf32 in (True, False):
+            with pytest.raises(Built):
+                loop.run_training(make_config({**BASE, "train": {**BASE["train"], "tf32": tf32}}))
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before
+    assert seen == [(True, True), (False, False)]

@@ -269,6 +269,10 @@ class TrainConfig(_Section):
                           "dynamically; None: from train.dtype")
     grad_reduce_dtype: Optional[Literal["float32", "float64", "bfloat16"]] = Field(
         None, description="dtype of the data-parallel gradient all-reduce; None: the parameters' dtype")
+    tf32: bool = Field(True, description="on CUDA, float32 matmuls and cuDNN kernels use TensorFloat-32 tensor cores "
+                                         "(10-bit mantissa products, float32 sums: several times faster on Ampere and "
+                                         "later); false: full float32 products. Set per worker process; CPU runs and "
+                                         "float64 parameters are unaffected")
     fused: Literal["auto", "apex", "torch", "off"] = Field(
         "off", description="optimizer and norm kernels: torch's fused AdamW and RMSNorm, NVIDIA apex's FusedAdam "
                            "and fused norms, auto (apex when installed, else torch), off (the plain reference ops)")

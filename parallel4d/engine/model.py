@@ -20,6 +20,24 @@ def parameter_dtype(cfg: Config) -> torch.dtype:
     return TORCH_DTYPES[cfg.train.parameters]
 
 
+def tf32_allowed(cfg: Config, device: torch.device | str) -> bool | None:
+    """Whether this process's float32 matmuls and cuDNN kernels may use TensorFloat-32 on ``device``:
+    ``train.tf32`` where float32 compute happens (float32 parameters: the float32, bfloat16 and
+    float16 presets; float64 never rounds through TF32); None off CUDA (nothing to set)."""
+    if torch.device(device).type != "cuda":
+        return None
+    return cfg.train.tf32 and cfg.train.parameters == "float32"
+
+
+def use_tf32(allowed: bool | None) -> None:
+    """Set this process's cuBLAS and cuDNN TF32 switches to ``allowed`` (None: leave them). Called
+    where a worker sets up its device, never at import: the switches are per process."""
+    if allowed is None:
+        return
+    torch.backends.cuda.matmul.allow_tf32 = allowed
+    torch.backends.cudnn.allow_tf32 = allowed
+
+
 def model_shape(cfg: Config) -> Shape:
     """The model's shape: ``model.*`` for its ``arch``, plus ``sequence.causal`` (masked or
     bidirectional attention, in the dense blocks as in the ring and the 2D blocks)."""
