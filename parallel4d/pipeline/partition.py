@@ -2,8 +2,10 @@
 
 The model is ``[embed, block_0, ..., block_{L-1}, head]``; a contiguous cut
 keeps the embedding in chunk 0 and the LM head (the executor adds the loss
-after it) in the last chunk. Costs are per stage: parameter counts by default
-(:func:`parameter_costs`), or measured forward times (:func:`timed_costs`).
+after it) in the last chunk. Costs are per stage, whatever the caller balances:
+the engine gives each stage's training FLOPs per token (its compute:
+:func:`parallel4d.engine.compose.pipeline_cut`); :func:`parameter_costs` (memory)
+and :func:`timed_costs` (measured forward times) are the other choices.
 """
 
 from __future__ import annotations
