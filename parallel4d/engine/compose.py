@@ -32,7 +32,8 @@ from parallel4d.config.errors import ConfigError
 from parallel4d.config.schema import Config
 from parallel4d.distributed.mesh import Mesh
 from parallel4d.engine.flops import stage_flops
-from parallel4d.engine.model import LocalModel, PositionedEmbedding, model_shape, parameter_dtype
+from parallel4d.engine.model import (LocalModel, PositionedEmbedding, model_shape, parameter_dtype,
+                                     pipeline_activation_dtype)
 from parallel4d.engine.pretrained import load_pretrained
 from parallel4d.engine.state import dense_layouts
 from parallel4d.engine.step import Engine
@@ -155,7 +156,9 @@ def build_pipeline(cfg: Config, mesh: Mesh, loss_scale: float = 1.0,
     """Cut the model into the chunks of ``pipeline.schedule`` and build only this rank's.
 
     ``loss_scale`` multiplies each micro-batch's mean loss (the DeepSpeed plugin's 1/sp);
-    ``activation_dtype``: what travels between pp ranks (default: the parameters' dtype)."""
+    ``activation_dtype``: what activations and their gradients travel between pp ranks in (default
+    :func:`~.model.pipeline_activation_dtype`: the autocast dtype under autocast, else the parameters');
+    chunks cast at their boundaries where it differs from the parameters' dtype."""
     pl, p, m = cfg.pipeline, cfg.parallel, cfg.model
     schedule = make_schedule(pl.schedule, p.pp, pl.microbatches, waves=pl.waves, chunks_per_rank=pl.chunks_per_rank,
                              split_backward=pl.split_backward)
@@ -166,11 +169,11 @@ def build_pipeline(cfg: Config, mesh: Mesh, loss_scale: float = 1.0,
     stages, loss_fn = build_stages(cfg, mesh, {i for c in mine for i in ranges[c]}, untie=untie)
     if loss_scale != 1.0:
         loss_fn = functools.partial(_scaled_loss, loss_fn, loss_scale)
-    chunks = build_chunks(stages, ranges, mine)
+    wire = activation_dtype or pipeline_activation_dtype(cfg)
+    chunks = build_chunks(stages, ranges, mine, activation_dtype=wire if wire != parameter_dtype(cfg) else None)
     q, sp = mesh.size("tp_row"), mesh.size("sp")
     act_shape = [cfg.data.batch_size // (p.dp * q * pl.microbatches), m.seq_len // sp, m.hidden // q]
-    executor = PipelineExecutor(schedule, mesh, chunks, loss_fn, act_shape,
-                                activation_dtype or parameter_dtype(cfg),
+    executor = PipelineExecutor(schedule, mesh, chunks, loss_fn, act_shape, wire,
                                 timeout_s=cfg.train.timeout_s, device=mesh.device)
     tied_sync, tied_params = None, []
     if m.tie_embeddings and untie:

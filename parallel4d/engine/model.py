@@ -10,7 +10,7 @@ import torch.nn as nn
 from parallel4d.config.schema import Config
 from parallel4d.models.build import Shape, shape_from_config
 
-# train.dtype → the dtype parameters (and pipeline activations between ranks) are kept in;
+# train.dtype → the dtype parameters are kept in (and, under autocast, pipeline activations cross ranks in);
 TORCH_DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16,
                 "float16": torch.float16}
 
@@ -18,6 +18,13 @@ TORCH_DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": 
 def parameter_dtype(cfg: Config) -> torch.dtype:
     """The parameters' dtype (``train.param_dtype``, or what the ``train.dtype`` preset implies)."""
     return TORCH_DTYPES[cfg.train.parameters]
+
+
+def pipeline_activation_dtype(cfg: Config) -> torch.dtype:
+    """The dtype activations and their gradients cross pipeline stages in: the autocast dtype under
+    autocast (what the stages' matmuls compute in: bf16/fp16 halve the bytes sent), else the
+    parameters'."""
+    return TORCH_DTYPES[cfg.train.autocast] if cfg.train.autocast != "none" else parameter_dtype(cfg)
 
 
 def tf32_allowed(cfg: Config, device: torch.device | str) -> bool | None:
