@@ -116,8 +116,7 @@ def fused_usable(name: str, q: torch.Tensor) -> bool:
     strides and the user's ``torch.backends.cuda.enable_*_sdp`` switches."""
     if name == "cudnn" and not (torch.backends.cudnn.is_available() and q.shape[-1] <= 128 and q.shape[-1] % 8 == 0):
         return False
-    from torch.backends import cuda as sdp
-
+    sdp = torch.backends.cuda
     can_use = getattr(sdp, _CAN_USE[name])
     return all(can_use(sdp.SDPAParams(q, q, q, None, 0.0, causal, False)) for causal in (False, True))
 
