@@ -5,7 +5,6 @@ the same seed, with the same loop: gradient accumulation over micro-batches, fro
 parameters, the tied embedding / LM-head weight and activation checkpointing.
 """
 
-import math
 
 import pytest
 import torch

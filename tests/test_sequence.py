@@ -17,7 +17,7 @@ from parallel4d.distributed.mesh import init_mesh
 from parallel4d.sequence import (LAYOUTS, causal_balance, gather_sequence, local_positions, make_ring_attention_fn,
                                  positions_for, ring_attention, ring_bytes, split_sequence, step_plan)
 from parallel4d.sequence.emulate import ring_backward, ring_forward, shard, unshard
-from parallel4d.sequence.ring import BWD_DKV, BWD_KV, FWD_KV
+from parallel4d.sequence.ring import FWD_KV
 
 TOL = dict(rtol=1e-10, atol=1e-10)
 
