@@ -134,10 +134,13 @@ def single_rank(tmp_path):
 
 
 def pytest_collection_modifyitems(config, items):
-    """Tests marked ``gpu`` run only where CUDA is available."""
-    import torch
+    """Tests marked ``gpu`` run only where a GPU is visible, asked without initialising CUDA in this
+    process (``torch.cuda.is_available()`` would: see ``visible_gpus``). Test modules mark GPU tests
+    with ``@pytest.mark.gpu`` alone: a condition evaluated at import would run in the launcher's
+    zygote too, which imports the module of the function it forks workers for."""
+    from parallel4d.distributed.startup import visible_gpus
 
-    if torch.cuda.is_available():
+    if visible_gpus() > 0:
         return
     skip = pytest.mark.skip(reason="needs CUDA")
     for item in items:

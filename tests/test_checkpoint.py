@@ -488,3 +488,33 @@ def test_a_run_directory_keeps_its_history(tmp_path, monkeypatch):
     run_in_this_process(one_rank(saved), [])
     with pytest.raises(Spawned):  # a run with its checkpoints continues
         launch({**one_rank(saved), "train": {**one_rank(saved)["train"], "resume": True, "steps": 5}})
+
+
+@pytest.mark.parametrize("group, on_device", [({"fused": True}, True), ({"capturable": True}, True),
+                                              ({"fused": None, "capturable": False}, False)])
+def test_a_resumed_optimizer_keeps_step_where_its_kernels_read_it(group, on_device):
+    """A checkpoint's Adam state is read into host tensors; loaded into a torch optimizer that is fused
+    (train.fused=torch) or capturable, ``step`` must be a float32 on the parameters' device (their
+    kernels read it there), as torch's own load_state_dict puts it; a plain one keeps it on the host.
+    The parameters stand on the meta device for a GPU's."""
+    import types
+
+    import torch.nn as nn
+
+    from parallel4d.engine.store import PlainStore
+
+    model = nn.Linear(3, 2, device="meta")
+    store = PlainStore.__new__(PlainStore)  # only what load_local_state reads
+    store.model = model
+    store.optimizer = types.SimpleNamespace(param_groups=[{"params": list(model.parameters()), **group}], state={})
+    params = {n: torch.zeros(p.shape) for n, p in model.named_parameters()}
+    optim = {n: {"step": torch.tensor(7, dtype=torch.int64), "exp_avg": torch.zeros(p.shape, dtype=torch.float64),
+                 "exp_avg_sq": torch.zeros(p.shape)} for n, p in model.named_parameters()}
+    store.load_local_state((params, optim))
+    for p in model.parameters():
+        st = store.optimizer.state[p]
+        assert st["exp_avg"].device == st["exp_avg_sq"].device == p.device and st["exp_avg"].dtype == p.dtype
+        if on_device:
+            assert st["step"].device == p.device and st["step"].dtype == torch.float32
+        else:
+            assert st["step"].device.type == "cpu" and float(st["step"]) == 7

@@ -64,3 +64,47 @@ def test_one_registry_entry_per_family():
     for s in SPECS:
         assert s.torch_module == f"parallel4d.models.{s.name}.family"
         assert family(s.name).spec is s
+
+
+def counted_per_stage(m: ModelConfig, batch: int = 2) -> list[float]:
+    """FlopCounterMode's count of one forward and backward per token, stage by stage (``embed``,
+    ``blocks.<i>``, ``head``: the dense model's children)."""
+    model = build_dense(shape_from_config(m), seed=0)
+    tokens = torch.randint(0, m.vocab_size, (batch, m.seq_len), generator=torch.Generator().manual_seed(0))
+    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
+        model(tokens, tokens).backward()
+    counts = {name.split(".", 1)[1]: sum(c.values()) for name, c in counter.get_flop_counts().items() if "." in name}
+    names = ["embed", *(f"blocks.{i}" for i in range(m.layers)), "head"]
+    return [counts.get(n, 0) / (batch * m.seq_len) for n in names]
+
+
+@pytest.mark.parametrize("case", list(SHAPES))
+def test_stage_flops_match_the_flop_counter_stage_by_stage(case):
+    """What the pipeline's cut balances: each stage's training FLOPs within 2 % of the counter's (the
+    embedding's lookup 0, the LM head's products as heavy as they are), summing to flops_per_token."""
+    from parallel4d.engine.flops import flops_per_token, stage_flops
+    from parallel4d.config.load import make_config
+
+    m = ModelConfig(**SHAPES[case])
+    ours, counted = spec(m.arch).stage_flops(m), counted_per_stage(m)
+    assert ours[0] == counted[0] == 0 and len(ours) == m.layers + 2
+    assert all(abs(a / b - 1) <= 0.02 for a, b in zip(ours[1:], counted[1:])), (case, ours, counted)
+    cfg = make_config({"model": SHAPES[case]})
+    assert stage_flops(cfg) == ours and sum(ours) == pytest.approx(flops_per_token(cfg), rel=1e-12)
+
+
+def test_the_pipeline_cut_balances_compute_not_parameters():
+    """A wide vocabulary: by parameter count the embedding's table would weigh as much as the LM head
+    and take half of pp=2's first rank; by compute it weighs nothing and the head's V·h products are
+    the heavy stage."""
+    from parallel4d.config.load import make_config
+    from parallel4d.engine.compose import pipeline_cut
+    from parallel4d.models.build import build_stage
+    from parallel4d.pipeline.partition import parameter_costs, partition
+
+    cfg = make_config({"model": {"vocab_size": 4096, "seq_len": 16, "hidden": 64, "heads": 4, "layers": 4},
+                       "parallel": {"pp": 2}, "pipeline": {"microbatches": 2}})
+    by_parameters = partition(parameter_costs([build_stage(shape_from_config(cfg.model), i, meta=True)
+                                               for i in range(6)]), 2)
+    assert by_parameters == [range(0, 3), range(3, 6)]
+    assert pipeline_cut(cfg, 2) == [range(0, 5), range(5, 6)]

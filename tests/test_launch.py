@@ -212,22 +212,30 @@ def test_quickstart_model_on_one_gpu(tmp_path):
 
 def test_workers_forked_by_a_zygote_or_started_alone_do_the_same(monkeypatch):
     """On Linux the workers are forked from one zygote that imported torch (and what ``preload``
-    names) once; PARALLEL4D_FORK=0 starts one interpreter per rank. Both run the job alike."""
+    names) once; PARALLEL4D_FORK=0 starts one interpreter per rank. Both run the job alike. The zygote
+    imports the function's module with torch.cuda.is_available() asking NVML
+    (PYTORCH_NVML_BASED_CUDA_CHECK=1: the CUDA driver stays uninitialised before the fork); each worker
+    gets the variable's own value back."""
     from parallel4d.launcher import workers
 
+    monkeypatch.delenv("PYTORCH_NVML_BASED_CUDA_CHECK", raising=False)
     assert workers._forking()
     forked = spawn(_rank_and_world, 3, (5,), preload=(PRELOADED,))
     monkeypatch.setenv("PARALLEL4D_FORK", "0")
     assert not workers._forking()
     alone = spawn(_rank_and_world, 3, (5,), preload=(PRELOADED,))
-    assert alone == forked == [(r, 3, 5, True) for r in range(3)]
+    assert [r[:4] for r in alone] == [r[:4] for r in forked] == [(r, 3, 5, True) for r in range(3)]
+    assert {r[4:] for r in forked} == {("1", None)} and {r[4:] for r in alone} == {(None, None)}
 
 
 PRELOADED = "colorsys"  # a module nothing here imports
+# What this module's import saw: in the zygote, torch's NVML-based availability check
+NVML_CHECK_AT_IMPORT = os.environ.get("PYTORCH_NVML_BASED_CUDA_CHECK")
 
 
 def _rank_and_world(x):
-    return dist.get_rank(), dist.get_world_size(), x, PRELOADED in sys.modules
+    return (dist.get_rank(), dist.get_world_size(), x, PRELOADED in sys.modules, NVML_CHECK_AT_IMPORT,
+            os.environ.get("PYTORCH_NVML_BASED_CUDA_CHECK"))
 
 
 def test_restarts_without_resume_are_refused_under_torchrun(tmp_path, monkeypatch):
@@ -332,3 +340,120 @@ def test_a_run_with_only_broken_checkpoints_is_refused_in_one_line_each_time(tmp
         errors.append(err.strip().splitlines()[-1])
     assert errors[0] == errors[1] and errors[0].startswith("parallel4d: no usable checkpoint under"), errors
     assert errors[0].count(".broken: file") == 2, errors[0]
+
+
+# --- CUDA and the zygote: nothing before the fork initialises CUDA, and the zygote refuses if it was ----------
+
+ZYGOTE_IMPORTS = ("tests", "parallel4d/launcher", "parallel4d/distributed/startup.py")
+
+
+def _cuda_calls(tree, module_level_only: bool):
+    """``(line, dotted name)`` of the ``torch.cuda.*`` calls in ``tree``: those evaluated at import
+    (module and class bodies, decorators, defaults) or, without ``module_level_only``, every one."""
+    import ast
+
+    found = []
+
+    def visit(node, at_import: bool):
+        if isinstance(node, ast.Call):
+            name, f = [], node.func
+            while isinstance(f, ast.Attribute):
+                name.append(f.attr)
+                f = f.value
+            if isinstance(f, ast.Name) and [f.id, *reversed(name)][:2] == ["torch", "cuda"]:
+                if at_import or not module_level_only:
+                    found.append((node.lineno, ".".join([f.id, *reversed(name)])))
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            for d in getattr(node, "decorator_list", []) + node.args.defaults + node.args.kw_defaults:
+                if d is not None:
+                    visit(d, at_import)
+            for child in node.body if isinstance(node.body, list) else [node.body]:
+                visit(child, False)
+            return
+        for child in ast.iter_child_nodes(node):
+            visit(child, at_import)
+
+    visit(tree, True)
+    return found
+
+
+def test_nothing_the_zygote_imports_initialises_cuda():
+    """The launcher's zygote imports the module of the function it forks workers for (test modules
+    included): no ``torch.cuda`` call runs at the import of any module of the repository, and the
+    tests, the launcher and the device choice never call ``torch.cuda.is_available()``, which
+    initialises the CUDA driver (``visible_gpus`` asks NVML; GPU tests carry ``@pytest.mark.gpu``)."""
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    at_import, asking = [], []
+    for path in sorted(root.glob("**/*.py")):
+        rel = path.relative_to(root).as_posix()
+        if rel.startswith((".", "build/")) or "/." in rel:
+            continue
+        tree = ast.parse(path.read_text(), filename=rel)
+        at_import += [f"{rel}:{line} {name}" for line, name in _cuda_calls(tree, True)]
+        if rel.startswith(ZYGOTE_IMPORTS):
+            asking += [f"{rel}:{line} {name}" for line, name in _cuda_calls(tree, False)
+                       if name == "torch.cuda.is_available"]
+    assert at_import == [] and asking == [], (at_import, asking)
+
+
+def test_visible_gpus_asks_nvml_and_never_initialises_cuda(monkeypatch):
+    """A CUDA build on a 2-GPU machine, faked: the count and the device choice come from NVML (or a
+    child interpreter where NVML cannot say); the CUDA runtime is never asked here."""
+    from parallel4d.config.load import make_config
+    from parallel4d.distributed import startup
+
+    def initialises_cuda(*a, **k):
+        raise AssertionError("asked the CUDA runtime: cuInit in this process, no forked child could use CUDA")
+
+    monkeypatch.setattr(torch.backends.cuda, "is_built", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    monkeypatch.setattr(torch.cuda, "is_available", initialises_cuda)
+    monkeypatch.setattr(torch.cuda, "device_count", initialises_cuda)
+    monkeypatch.setattr(torch.cuda, "_device_count_nvml", lambda: 2, raising=False)
+    monkeypatch.setattr(startup, "_count_in_child", initialises_cuda)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert startup.visible_gpus() == 2
+    assert startup.device_and_backend(make_config({"parallel": {"dp": 2}})) == ("cuda", "nccl")
+    assert startup.default_backend() == "nccl"
+    monkeypatch.setattr(torch.cuda, "_device_count_nvml", lambda: -1, raising=False)  # e.g. MIG devices
+    monkeypatch.setattr(startup, "_count_in_child", lambda visible: 1)
+    assert startup.visible_gpus() == 1
+    with pytest.raises(ConfigError, match="needs one GPU per local rank"):
+        startup.device_and_backend(make_config({"parallel": {"dp": 2}, "train": {"device": "cuda"}}))
+
+
+def test_the_zygote_refuses_to_fork_once_cuda_is_initialised(monkeypatch):
+    """CUDA initialised in the zygote while it imported the function's module: the zygote forks no
+    worker and the launcher raises its reason, naming the cause and the ways out."""
+    from parallel4d.launcher.worker_process import CudaBeforeFork, refuse_cuda_before_fork
+
+    import cuda_at_import  # here, without the variable: nothing faked in this process
+
+    assert not torch.cuda.is_initialized()
+    refuse_cuda_before_fork(cuda_at_import.rank_zero)  # nothing initialised: nothing said
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    with pytest.raises(CudaBeforeFork, match="while it imported cuda_at_import.*visible_gpus.*PARALLEL4D_FORK=0"):
+        refuse_cuda_before_fork(cuda_at_import.rank_zero)
+    monkeypatch.undo()
+    monkeypatch.setenv("PARALLEL4D_TEST_CUDA_AT_IMPORT", "1")  # the zygote's import of the module fakes it there
+    with pytest.raises(WorkerError, match="before starting any worker:\nCudaBeforeFork: CUDA was initialised in "
+                                          "the process that forks the workers"):
+        spawn(cuda_at_import.rank_zero, 2, timeout_s=120)
+    assert worker_processes() == []
+
+
+def test_a_forked_worker_that_cannot_use_cuda_says_why(monkeypatch):
+    from parallel4d.launcher.worker_process import use_gpu
+
+    def set_device(i):
+        raise RuntimeError("CUDA error: initialization error")
+
+    monkeypatch.setattr(torch.cuda, "set_device", set_device)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(RuntimeError, match="(?s)initialization error.*forked by the job's zygote.*PARALLEL4D_FORK=0"):
+        use_gpu(0, forked=True)
+    with pytest.raises(RuntimeError, match="^CUDA error: initialization error$"):
+        use_gpu(0, forked=False)

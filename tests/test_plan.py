@@ -109,3 +109,18 @@ def test_plan_refuses_at_once_what_it_cannot_dry_run_in_seconds(capsys):
     assert time.perf_counter() - start < 5
     err = capsys.readouterr().err
     assert "model.layers=256 × pipeline.microbatches=8" in err and "--set model.layers=" in err, err
+
+
+def test_the_plan_cuts_the_pipeline_by_compute(tmp_path, capsys):
+    """pp=2 with a wide vocabulary: the embedding's lookup costs nothing and the LM head's V·h products
+    are the heaviest stage, so the second rank holds the head alone (its untied copy of the table and
+    ln_f), the first the embedding and every block (by parameter count it would be two blocks each);
+    the plan says so."""
+    import yaml
+
+    job = {"model": {"vocab_size": 4096, "seq_len": 16, "hidden": 64, "heads": 4, "layers": 4},
+           "parallel": {"pp": 2}, "pipeline": {"microbatches": 2}, "data": {"batch_size": 4}}
+    assert dry_run(make_config(job), 1).parameters == 4 * (4096 * 64 + 2 * 64)
+    (tmp_path / "wide.yaml").write_text(yaml.safe_dump(job))
+    assert main(["plan", str(tmp_path / "wide.yaml")]) == 0
+    assert "chunks          embed–blocks.3 | head  (cut by training FLOPs per token)" in capsys.readouterr().out

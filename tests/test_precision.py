@@ -129,8 +129,24 @@ def _reduce_worker():
     return out
 
 
+def _pipeline_worker():
+    """pp=2 × dp=2 (1F1B) in bfloat16: activations and their gradients cross the stages in bf16."""
+    from parallel4d.data.batches import build_dataset
+    from parallel4d.engine.compose import compose
+    from parallel4d.distributed.mesh import init_mesh
+
+    cfg = make_config({**BASE, "parallel": {"pp": 2, "dp": 2}, "pipeline": {"schedule": "1f1b", "microbatches": 2},
+                       "train": {**BASE["train"], "dtype": "bfloat16"}})
+    engine = compose(cfg, init_mesh(pp=2, dp=2))
+    data = build_dataset(cfg)
+    return [engine.train_step(*data.batch(step)) for step in range(PIPELINE_STEPS)]
+
+
+PIPELINE_STEPS = 6
+
+
 def _jobs():
-    return {"overflow": _overflow_worker(), "reduce": _reduce_worker()}
+    return {"overflow": _overflow_worker(), "reduce": _reduce_worker(), "pipeline": _pipeline_worker()}
 
 
 @pytest.fixture(scope="module")
@@ -153,6 +169,17 @@ def test_gradients_reduced_in_bfloat16(four_ranks):
         assert bf16["bytes"] * 2 == f32["bytes"] > 0
         assert bf16["losses"] != f32["losses"]
         assert max(abs(a - b) / b for a, b in zip(bf16["losses"], f32["losses"])) < 2e-2
+
+
+def test_bfloat16_through_the_pipeline_trains_as_in_one_process(four_ranks, single_rank):
+    """The pp=2 × dp=2 bf16 run (16-bit activations between the stages) against the one-process bf16
+    run of the same job (within 1e-2) and its float32 run (within 2e-2, as bf16 itself)."""
+    one, f32 = train({"dtype": "bfloat16"}, PIPELINE_STEPS), train({"dtype": "float32"}, PIPELINE_STEPS)
+    for r in four_ranks:
+        pp = r["pipeline"]
+        assert all(math.isfinite(x) for x in pp) and pp[-1] < pp[0], pp
+        assert max(abs(a - b) / b for a, b in zip(pp, one)) < 1e-2, (pp, one)
+        assert max(abs(a - b) / b for a, b in zip(pp, f32)) < 2e-2, (pp, f32)
 
 
 # --- train.fused: torch's kernels, apex's when present, the error when forced without it ------------
@@ -233,3 +260,76 @@ def test_apex_is_used_when_installed(single_rank, apex_stub):
     got = train_llama({"fused": "auto"})  # auto picks apex when it is importable
     assert ("FusedAdam", True) in apex_stub and ("fused_rms_norm_affine",) in apex_stub
     assert close(got, plain, 1e-5)
+
+
+# --- train.tf32: TensorFloat-32 for float32 matmuls on CUDA, set per worker process -------------------------------
+
+@pytest.mark.parametrize("train_fields, allowed", [
+    ({}, True), ({"dtype": "bfloat16"}, True), ({"dtype": "float16"}, True),
+    ({"tf32": False}, False), ({"dtype": "float64"}, False),
+])
+def test_tf32_follows_train_tf32_on_cuda(train_fields, allowed):
+    from parallel4d.engine.model import tf32_allowed
+
+    cfg = make_config({"train": train_fields})
+    assert tf32_allowed(cfg, torch.device("cuda", 0)) is allowed
+    assert tf32_allowed(cfg, "cpu") is None  # nothing to set off CUDA
+
+
+def test_the_worker_allows_tf32_before_building_the_model(single_rank, monkeypatch):
+    """run_training on a (faked) CUDA mesh sets this process's cuBLAS and cuDNN TF32 switches from
+    train.tf32 before it builds anything; train.tf32=false turns both off."""
+    import types
+
+    from parallel4d.training import loop
+
+    class Built(Exception):
+        pass
+
+    seen = []
+
+    def compose(cfg, mesh):
+        seen.append((torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32))
+        raise Built
+
+    monkeypatch.setattr(loop, "init_mesh", lambda **kw: types.SimpleNamespace(device=torch.device("cuda", 0)))
+    monkeypatch.setattr(loop, "compose", compose)
+    before = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    try:
+        torch.backends.cuda.matmul.allow_tf32 = False  # torch's defaults
+        for tf32 in (True, False):
+            with pytest.raises(Built):
+                loop.run_training(make_config({**BASE, "train": {**BASE["train"], "tf32": tf32}}))
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before
+    assert seen == [(True, True), (False, False)]
+
+
+# --- activations cross pipeline stages in the autocast dtype ---------------------------------------------------
+
+@pytest.mark.parametrize("dtype, wire", [("float32", torch.float32), ("bfloat16", torch.bfloat16),
+                                         ("float16", torch.float16)])
+def test_activations_cross_pipeline_stages_in_the_autocast_dtype(dtype, wire, monkeypatch):
+    """pp=2 (1F1B), one step of each rank dry-run as ``parallel4d plan`` runs it: every activation and
+    activation-gradient posted between the stages is in the autocast dtype (the parameters' without
+    autocast): the same messages as float32's, at half the bytes under bf16/fp16."""
+    from parallel4d.distributed import comm
+    from parallel4d.tools.plan import dry_run
+
+    posted, real = {}, comm.p2p
+
+    def p2p(ops, group=None, **kw):
+        ops = list(ops)
+        posted[run].extend((op[0], tuple(op[1].shape), op[1].dtype) for op in ops)
+        return real(ops, group, **kw)
+
+    monkeypatch.setattr(comm, "p2p", p2p)
+    pipeline = {"parallel": {"pp": 2}, "pipeline": {"schedule": "1f1b", "microbatches": 2}}
+    for run in {"float32", dtype}:
+        posted[run] = []
+        cfg = make_config({**BASE, **pipeline, "train": {**BASE["train"], "dtype": run}})
+        for pp_rank in (0, 1):
+            dry_run(cfg, pp_rank)
+    assert {kind for kind, _, _ in posted[dtype]} == {"send", "recv"}
+    assert {t for _, _, t in posted[dtype]} == {wire}, posted[dtype]
+    assert [m[:2] for m in posted[dtype]] == [m[:2] for m in posted["float32"]]

@@ -17,7 +17,7 @@ from parallel4d.distributed.mesh import init_mesh
 from parallel4d.sequence import (LAYOUTS, causal_balance, gather_sequence, local_positions, make_ring_attention_fn,
                                  positions_for, ring_attention, ring_bytes, split_sequence, step_plan)
 from parallel4d.sequence.emulate import ring_backward, ring_forward, shard, unshard
-from parallel4d.sequence.ring import BWD_DKV, BWD_KV, FWD_KV
+from parallel4d.sequence.ring import FWD_KV
 
 TOL = dict(rtol=1e-10, atol=1e-10)
 
@@ -329,17 +329,23 @@ def test_user_errors_are_value_errors():
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("backend", ["cudnn", "flash"])
-def test_fused_cuda_blocks_match_sdpa(backend):
-    """bf16 fused block kernels + fp32 merges vs one SDPA call, within bf16 rounding."""
+@pytest.mark.parametrize("backend, dtype, tol", [("cudnn", torch.bfloat16, 1e-2), ("flash", torch.bfloat16, 1e-2),
+                                                 ("efficient", torch.bfloat16, 1e-2),
+                                                 ("efficient", torch.float32, 1e-4)])
+def test_fused_cuda_blocks_match_sdpa(backend, dtype, tol):
+    """Fused block kernels (bf16, or fp32 for the memory-efficient one) + fp32 merges vs one SDPA call,
+    within the inputs' rounding."""
     import torch.nn.functional as F
+
+    from parallel4d.sequence.kernels import resolve_backend
 
     torch.manual_seed(0)
     b, h, s, d, n = 1, 8, 2048, 128, 4
+    if backend == "cudnn" and resolve_backend("auto", torch.empty(1, 1, 8, d, device="cuda", dtype=dtype)) != "cudnn":
+        pytest.skip("cuDNN attention does not run on this GPU (auto falls back)")
     for layout in LAYOUTS:
         for causal in (False, True):
-            q, k, v, do = (torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+            q, k, v, do = (torch.randn(b, h, s, d, device="cuda", dtype=dtype) for _ in range(4))
             qr, kr, vr = (x.float().requires_grad_() for x in (q, k, v))
             ref = F.scaled_dot_product_attention(qr, kr, vr, is_causal=causal)
             ref.backward(do.float())
@@ -350,7 +356,7 @@ def test_fused_cuda_blocks_match_sdpa(backend):
             for got, want in ((outs, ref), (dqs, qr.grad), (dks, kr.grad), (dvs, vr.grad)):
                 got = unshard(got, layout).float()
                 rel = float((got - want).norm() / want.norm())
-                assert rel < 1e-2, (backend, layout, causal, rel)
+                assert rel < tol, (backend, dtype, layout, causal, rel)
 
 
 def test_ring_of_one_without_process_group():
@@ -368,27 +374,88 @@ def test_ring_of_one_without_process_group():
             torch.testing.assert_close(a.detach(), r.detach(), **TOL)
 
 
-@pytest.mark.parametrize("backend", ["cudnn", "flash"])
-def test_fused_cuda_protocol_on_meta_tensors(backend, monkeypatch):
-    """The CUDA block path without a GPU: ATen's meta kernels of the cuDNN / flash SDPA
-    forward and backward ops check our calls against the installed torch's schemas and
+@pytest.mark.parametrize("backend, dtype", [("cudnn", torch.bfloat16), ("flash", torch.bfloat16),
+                                            ("efficient", torch.float32), ("efficient", torch.bfloat16)])
+def test_fused_cuda_protocol_on_meta_tensors(backend, dtype, monkeypatch):
+    """The CUDA block path without a GPU: ATen's meta kernels of the cuDNN / flash / memory-efficient
+    SDPA forward and backward ops check our calls against the installed torch's schemas and
     give the shapes and dtypes every step, merge and travelling dK/dV sees (GQA, both
-    layouts, causal and not). The numbers are checked by the gpu-marked test above."""
+    layouts, causal and not; local lengths 12 and 6 rows per block, which the memory-efficient
+    kernel's LSE pads to 32). The numbers are checked by the gpu-marked test above."""
     from parallel4d.sequence import emulate
 
     # resolve_backend rightly refuses non-CUDA tensors; meta tensors stand in for them here.
     monkeypatch.setattr(emulate, "resolve_backend", lambda name, q: name)
-    b, h, hkv, s, d, n = 2, 8, 2, 64, 128, 4
+    b, h, hkv, s, d, n = 2, 8, 2, 48, 128, 4
     for layout in LAYOUTS:
         for causal in (False, True):
-            q, do = (torch.empty(b, h, s, d, device="meta", dtype=torch.bfloat16) for _ in range(2))
-            k, v = (torch.empty(b, hkv, s, d, device="meta", dtype=torch.bfloat16) for _ in range(2))
+            q, do = (torch.empty(b, h, s, d, device="meta", dtype=dtype) for _ in range(2))
+            k, v = (torch.empty(b, hkv, s, d, device="meta", dtype=dtype) for _ in range(2))
             qs, ks, vs = shard(q, n, layout), shard(k, n, layout), shard(v, n, layout)
             outs, lses = ring_forward(qs, ks, vs, layout, causal, backend=backend)
-            assert all(o.shape == (b, h, s // n, d) and o.dtype == torch.bfloat16 for o in outs)
+            assert all(o.shape == (b, h, s // n, d) and o.dtype == dtype for o in outs)
             assert all(x.shape == (b, h, s // n) and x.dtype == torch.float32 for x in lses)
             dqs, dks, dvs = ring_backward(shard(do, n, layout), qs, ks, vs, outs, lses, layout, causal,
                                           backend=backend)
-            assert all(g.shape == (b, h, s // n, d) and g.dtype == torch.bfloat16 for g in dqs)
-            assert all(g.shape == (b, hkv, s // n, d) and g.dtype == torch.bfloat16 for g in dks + dvs)
+            assert all(g.shape == (b, h, s // n, d) and g.dtype == dtype for g in dqs)
+            assert all(g.shape == (b, hkv, s // n, d) and g.dtype == dtype for g in dks + dvs)
             assert unshard(outs, layout).shape == q.shape
+
+
+def _fake_cuda_q(dtype, d=64):
+    """What resolve_backend reads of a CUDA ``q [b, h, l, d]`` (its GPU and torch's checks are faked)."""
+    import types
+
+    return types.SimpleNamespace(is_cuda=True, dtype=dtype, device=torch.device("cuda", 0), shape=(1, 4, 8, d))
+
+
+@pytest.mark.parametrize("dtype, capability, refused, want", [
+    (torch.bfloat16, (9, 0), (), "cudnn"),
+    (torch.bfloat16, (9, 0), ("cudnn",), "flash"),  # torch's checks refuse cuDNN here: the next one
+    (torch.float16, (7, 5), (), "efficient"),  # Turing: neither cuDNN's SDPA nor FlashAttention-2
+    (torch.float32, (9, 0), (), "efficient"),  # fp32: the memory-efficient kernel, not the [L, L] math path
+    (torch.float32, (9, 0), ("efficient",), "math"),
+    (torch.float64, (9, 0), (), "math"),
+])
+def test_auto_asks_the_gpu_and_torch_which_fused_kernel_runs(dtype, capability, refused, want, monkeypatch):
+    from parallel4d.sequence import kernels
+
+    monkeypatch.setattr(kernels, "_capability", lambda q: capability)
+    monkeypatch.setattr(kernels, "fused_usable", lambda name, q: name not in refused)
+    assert kernels.resolve_backend("auto", _fake_cuda_q(dtype)) == want
+    assert kernels.choose_backend(dtype, capability, lambda name: name not in refused) == want
+
+
+def test_a_fused_kernel_named_where_it_cannot_run_is_refused(monkeypatch):
+    from parallel4d.sequence import kernels
+
+    monkeypatch.setattr(kernels, "_capability", lambda q: (7, 5))
+    monkeypatch.setattr(kernels, "fused_usable", lambda name, q: True)
+    with pytest.raises(ValueError, match=r"backend='cudnn' needs a GPU of compute capability \(8, 0\).*'auto'"):
+        kernels.resolve_backend("cudnn", _fake_cuda_q(torch.bfloat16))
+    with pytest.raises(ValueError, match="backend='flash' does not take torch.float32"):
+        kernels.resolve_backend("flash", _fake_cuda_q(torch.float32))
+    assert kernels.resolve_backend("efficient", _fake_cuda_q(torch.float32)) == "efficient"
+    monkeypatch.setattr(kernels, "fused_usable", lambda name, q: False)
+    with pytest.raises(ValueError, match="backend='efficient' is refused by torch's checks"):
+        kernels.resolve_backend("efficient", _fake_cuda_q(torch.float32))
+
+
+def test_fused_usable_asks_torchs_checks_for_causal_and_full_blocks(monkeypatch):
+    from torch.backends import cuda as sdp
+
+    from parallel4d.sequence.kernels import fused_usable
+
+    asked = []
+
+    def can_use(params, debug=False):
+        asked.append((tuple(params.query.shape), params.is_causal))
+        return True
+
+    monkeypatch.setattr(sdp, "can_use_efficient_attention", can_use)
+    q = torch.zeros(1, 4, 8, 64)
+    assert fused_usable("efficient", q)
+    assert sorted(asked) == [((1, 4, 8, 64), False), ((1, 4, 8, 64), True)]
+    monkeypatch.setattr(torch.backends.cudnn, "is_available", lambda: True)
+    monkeypatch.setattr(sdp, "can_use_cudnn_attention", lambda params, debug=False: True)
+    assert fused_usable("cudnn", q) and not fused_usable("cudnn", torch.zeros(1, 4, 8, 160))  # head dim > 128

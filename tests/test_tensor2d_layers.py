@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from conftest import run_workers
 from parallel4d.distributed.mesh import init_mesh
+from parallel4d.distributed.startup import visible_gpus
 from parallel4d.models.gpt2.model import Block, GPTShape, build_gpt
 from parallel4d.models.gpt2.tp2d import Block2D, TokenPositionEmbedding2D, from_dense_stage
 from parallel4d.tensor2d import (Embedding2D, Head2D, LayerNorm2D, Linear2D, LMHead2D, VocabParallelCrossEntropy2D,
@@ -266,9 +267,8 @@ def _gpu_job():
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_block2d_cuda_autocast():
     from parallel4d.launcher.spawn import spawn
 
-    world = 4 if torch.cuda.device_count() >= 4 else 1
+    world = 4 if visible_gpus() >= 4 else 1
     spawn(_gpu_job, world, backend="nccl", timeout_s=300)

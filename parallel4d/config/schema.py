@@ -262,13 +262,18 @@ class TrainConfig(_Section):
                                "with dynamic loss scaling). param_dtype, autocast_dtype, grad_reduce_dtype say "
                                "each part explicitly")
     param_dtype: Optional[Literal["float32", "float64"]] = Field(
-        None, description="parameters, optimizer state and the tensors between pipeline stages; None: from "
-                          "train.dtype (float64 for float64, else float32)")
+        None, description="parameters and optimizer state (and the tensors between pipeline stages without "
+                          "autocast); None: from train.dtype (float64 for float64, else float32)")
     autocast_dtype: Optional[Literal["none", "bfloat16", "float16"]] = Field(
-        None, description="compute precision of matmuls and attention (torch.autocast); float16 scales the loss "
-                          "dynamically; None: from train.dtype")
+        None, description="compute precision of matmuls and attention (torch.autocast), and the dtype activations "
+                          "and their gradients cross pipeline stages in; float16 scales the loss dynamically; None: "
+                          "from train.dtype")
     grad_reduce_dtype: Optional[Literal["float32", "float64", "bfloat16"]] = Field(
         None, description="dtype of the data-parallel gradient all-reduce; None: the parameters' dtype")
+    tf32: bool = Field(True, description="on CUDA, float32 matmuls and cuDNN kernels use TensorFloat-32 tensor cores "
+                                         "(10-bit mantissa products, float32 sums: several times faster on Ampere and "
+                                         "later); false: full float32 products. Set per worker process; CPU runs and "
+                                         "float64 parameters are unaffected")
     fused: Literal["auto", "apex", "torch", "off"] = Field(
         "off", description="optimizer and norm kernels: torch's fused AdamW and RMSNorm, NVIDIA apex's FusedAdam "
                            "and fused norms, auto (apex when installed, else torch), off (the plain reference ops)")

@@ -7,7 +7,10 @@ A local job's workers join through :mod:`parallel4d.launcher.spawn`'s file rende
 
 from __future__ import annotations
 
+import functools
 import os
+import subprocess
+import sys
 from datetime import timedelta
 
 import torch
@@ -18,21 +21,59 @@ from parallel4d.config.schema import Config
 from parallel4d.distributed import elastic
 
 
+def visible_gpus() -> int:
+    """How many CUDA devices this process sees, asked without initialising CUDA in it.
+
+    ``torch.cuda.is_available()`` initialises the CUDA driver (``cuInit``) in the asking process, and
+    no process forked from it afterwards can use CUDA: a launcher's zygote that asked would fork
+    workers that fail at ``set_device``. NVML answers instead (torch's count, which honours
+    ``CUDA_VISIBLE_DEVICES``); where it cannot (no NVML, MIG devices), a child interpreter asks.
+    Once CUDA is initialised here anyway, torch's own count."""
+    if not torch.backends.cuda.is_built():
+        return 0
+    if torch.cuda.is_initialized():
+        return torch.cuda.device_count()
+    count = _management_library_count()
+    return count if count >= 0 else _count_in_child(os.environ.get("CUDA_VISIBLE_DEVICES"))
+
+
+def _management_library_count() -> int:
+    """torch's NVML (ROCm: AMD SMI) device count, which leaves CUDA uninitialised; -1 where it cannot say."""
+    probe = getattr(torch.cuda, "_device_count_amdsmi" if torch.version.hip else "_device_count_nvml", None)
+    try:
+        return int(probe()) if probe is not None else -1
+    except Exception:  # a private helper of torch's: any failure means "cannot say"
+        return -1
+
+
+@functools.lru_cache(maxsize=None)
+def _count_in_child(visible: str | None) -> int:
+    """``torch.cuda.device_count()`` asked of a child interpreter (CUDA initialised there, not here),
+    once per ``CUDA_VISIBLE_DEVICES`` value; 0 when the child fails."""
+    code = "import torch; print(torch.cuda.device_count())"
+    try:
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+        return int(out.stdout.strip().splitlines()[-1]) if out.returncode == 0 else 0
+    except (OSError, ValueError, IndexError, subprocess.TimeoutExpired):
+        return 0
+
+
 def default_backend() -> str:
-    """NCCL when this process has its own GPU, gloo otherwise."""
-    return "nccl" if torch.cuda.is_available() else "gloo"
+    """NCCL when this process has its own GPU, gloo otherwise (asked without initialising CUDA)."""
+    return "nccl" if visible_gpus() > 0 else "gloo"
 
 
 def _gpus_and_local_ranks(cfg: Config) -> tuple[int, int]:
     """``(visible GPUs, ranks on this machine)``: torchrun's LOCAL_WORLD_SIZE, else the whole job."""
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    gpus = visible_gpus()
     return gpus, int(os.environ.get("LOCAL_WORLD_SIZE", cfg.world_size))
 
 
 def device_and_backend(cfg: Config) -> tuple[str, str]:
     """``(device type, backend)`` for ``train.device``: ``("cuda", "nccl")`` when every local rank
     gets its own GPU, ``("cpu", "gloo")`` otherwise (:func:`cpu_fallback_note` says why, when GPUs are
-    there); ConfigError when cuda is asked for and missing."""
+    there); ConfigError when cuda is asked for and missing. CUDA stays uninitialised here
+    (:func:`visible_gpus`): the launcher may fork the workers after."""
     want = cfg.train.device
     gpus, local_world = _gpus_and_local_ranks(cfg)
     if want == "cuda" and gpus == 0:

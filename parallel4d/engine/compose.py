@@ -31,7 +31,9 @@ import torch.utils.checkpoint
 from parallel4d.config.errors import ConfigError
 from parallel4d.config.schema import Config
 from parallel4d.distributed.mesh import Mesh
-from parallel4d.engine.model import LocalModel, PositionedEmbedding, model_shape, parameter_dtype
+from parallel4d.engine.flops import stage_flops
+from parallel4d.engine.model import (LocalModel, PositionedEmbedding, model_shape, parameter_dtype,
+                                     pipeline_activation_dtype)
 from parallel4d.engine.pretrained import load_pretrained
 from parallel4d.engine.state import dense_layouts
 from parallel4d.engine.step import Engine
@@ -41,7 +43,7 @@ from parallel4d.models.stages import cross_entropy, stage_names
 from parallel4d.optim.fused import use_fused_norms
 from parallel4d.pipeline import make_schedule
 from parallel4d.pipeline.executor import PipelineExecutor, TiedGradSync
-from parallel4d.pipeline.partition import build_chunks, parameter_costs, partition
+from parallel4d.pipeline.partition import build_chunks, partition
 from parallel4d.sequence import make_ring_attention_fn, positions_for
 from parallel4d.tensor2d import Head2D, loss_2d
 
@@ -154,24 +156,24 @@ def build_pipeline(cfg: Config, mesh: Mesh, loss_scale: float = 1.0,
     """Cut the model into the chunks of ``pipeline.schedule`` and build only this rank's.
 
     ``loss_scale`` multiplies each micro-batch's mean loss (the DeepSpeed plugin's 1/sp);
-    ``activation_dtype``: what travels between pp ranks (default: the parameters' dtype)."""
+    ``activation_dtype``: what activations and their gradients travel between pp ranks in (default
+    :func:`~.model.pipeline_activation_dtype`: the autocast dtype under autocast, else the parameters');
+    chunks cast at their boundaries where it differs from the parameters' dtype."""
     pl, p, m = cfg.pipeline, cfg.parallel, cfg.model
     schedule = make_schedule(pl.schedule, p.pp, pl.microbatches, waves=pl.waves, chunks_per_rank=pl.chunks_per_rank,
                              split_backward=pl.split_backward)
     shape = model_shape(cfg)
-    # Costs from shapes alone (meta tensors): every rank computes the same cut.
-    costs = parameter_costs([build_stage(shape, i, meta=True) for i in range(shape.layers + 2)])
-    ranges = partition(costs, schedule.num_chunks)
+    ranges = pipeline_cut(cfg, schedule.num_chunks)
     mine = schedule.placement[mesh.rank("pp")]
     untie = schedule.owner(0) != schedule.owner(schedule.num_chunks - 1)
     stages, loss_fn = build_stages(cfg, mesh, {i for c in mine for i in ranges[c]}, untie=untie)
     if loss_scale != 1.0:
         loss_fn = functools.partial(_scaled_loss, loss_fn, loss_scale)
-    chunks = build_chunks(stages, ranges, mine)
+    wire = activation_dtype or pipeline_activation_dtype(cfg)
+    chunks = build_chunks(stages, ranges, mine, activation_dtype=wire if wire != parameter_dtype(cfg) else None)
     q, sp = mesh.size("tp_row"), mesh.size("sp")
     act_shape = [cfg.data.batch_size // (p.dp * q * pl.microbatches), m.seq_len // sp, m.hidden // q]
-    executor = PipelineExecutor(schedule, mesh, chunks, loss_fn, act_shape,
-                                activation_dtype or parameter_dtype(cfg),
+    executor = PipelineExecutor(schedule, mesh, chunks, loss_fn, act_shape, wire,
                                 timeout_s=cfg.train.timeout_s, device=mesh.device)
     tied_sync, tied_params = None, []
     if m.tie_embeddings and untie:
@@ -181,6 +183,14 @@ def build_pipeline(cfg: Config, mesh: Mesh, loss_scale: float = 1.0,
         if shape.layers + 1 in stages:
             tied_params.append(_tied_table(stages[shape.layers + 1], head=True))
     return PipelineParts(stages, executor, tied_sync, tied_params)
+
+
+def pipeline_cut(cfg: Config, num_chunks: int) -> list[range]:
+    """The stages ``[embedding, blocks…, LM head]`` of each of ``num_chunks`` chunks: contiguous, balanced
+    by compute, the training FLOPs per token of each stage (:func:`~.flops.stage_flops`: the embedding's
+    lookup ≈ 0, a block's products and attention, the head's ``6·h·V``), from the config alone, so
+    every rank computes the same cut. Where the cut falls changes no result, only the balance."""
+    return partition(stage_flops(cfg), num_chunks)
 
 
 def _scaled_loss(loss_fn, scale: float, output, targets):

@@ -10,7 +10,7 @@ import torch.nn as nn
 from parallel4d.config.schema import Config
 from parallel4d.models.build import Shape, shape_from_config
 
-# train.dtype → the dtype parameters (and pipeline activations between ranks) are kept in;
+# train.dtype → the dtype parameters are kept in (and, under autocast, pipeline activations cross ranks in);
 TORCH_DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16,
                 "float16": torch.float16}
 
@@ -18,6 +18,31 @@ TORCH_DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": 
 def parameter_dtype(cfg: Config) -> torch.dtype:
     """The parameters' dtype (``train.param_dtype``, or what the ``train.dtype`` preset implies)."""
     return TORCH_DTYPES[cfg.train.parameters]
+
+
+def pipeline_activation_dtype(cfg: Config) -> torch.dtype:
+    """The dtype activations and their gradients cross pipeline stages in: the autocast dtype under
+    autocast (what the stages' matmuls compute in: bf16/fp16 halve the bytes sent), else the
+    parameters'."""
+    return TORCH_DTYPES[cfg.train.autocast] if cfg.train.autocast != "none" else parameter_dtype(cfg)
+
+
+def tf32_allowed(cfg: Config, device: torch.device | str) -> bool | None:
+    """Whether this process's float32 matmuls and cuDNN kernels may use TensorFloat-32 on ``device``:
+    ``train.tf32`` where float32 compute happens (float32 parameters: the float32, bfloat16 and
+    float16 presets; float64 never rounds through TF32); None off CUDA (nothing to set)."""
+    if torch.device(device).type != "cuda":
+        return None
+    return cfg.train.tf32 and cfg.train.parameters == "float32"
+
+
+def use_tf32(allowed: bool | None) -> None:
+    """Set this process's cuBLAS and cuDNN TF32 switches to ``allowed`` (None: leave them). Called
+    where a worker sets up its device, never at import: the switches are per process."""
+    if allowed is None:
+        return
+    torch.backends.cuda.matmul.allow_tf32 = allowed
+    torch.backends.cudnn.allow_tf32 = allowed
 
 
 def model_shape(cfg: Config) -> Shape:

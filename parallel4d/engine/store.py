@@ -169,7 +169,23 @@ class PlainStore(ParameterStore):
             with torch.no_grad():
                 p.copy_(params[name])
             if p.requires_grad and float(optim[name]["step"]) > 0:
-                self.optimizer.state[p] = optim[name]
+                self.optimizer.state[p] = placed_optimizer_state(self.optimizer, p, optim[name])
+
+
+def placed_optimizer_state(optimizer, p: nn.Parameter, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``p``'s loaded Adam ``state`` where ``optimizer`` reads it, by torch's own rule for a loaded state
+    (``Optimizer.load_state_dict``): the moments on ``p``'s device in its dtype; ``step`` there too,
+    as float32, when ``p``'s group is ``fused`` or ``capturable`` (their kernels read it on the device,
+    and refuse or sync on a host one), else as loaded (the host: a plain step reads it there)."""
+    group = next(g for g in optimizer.param_groups if any(q is p for q in g["params"]))
+    on_device = bool(group.get("fused") or group.get("capturable"))
+    placed = {}
+    for key, value in state.items():
+        if key == "step":
+            placed[key] = value.to(device=p.device, dtype=torch.float32) if on_device else value
+        else:
+            placed[key] = value.to(device=p.device, dtype=p.dtype if value.is_floating_point() else value.dtype)
+    return placed
 
 
 class HeteroStore(ParameterStore):

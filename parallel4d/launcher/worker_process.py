@@ -5,8 +5,15 @@ They talk to the launcher through the job's temporary directory only: the payloa
 (``payload.pkl``: ``sys.path``, then the function, its arguments, the job's settings and the modules
 the zygote imports before forking), the
 rendezvous file, and what they write back: ``result{r}.pkl`` (``("ok", result)`` or ``("error",
-(details, refusal))``), and from the zygote ``pid{r}`` and ``exit{r}``. A worker whose launcher (or
-zygote) dies exits by itself; one whose job directory is gone exits quietly.
+(details, refusal))``), and from the zygote ``pid{r}`` and ``exit{r}``, or ``zygote_failed`` (why it
+forked no worker). A worker whose launcher (or zygote) dies exits by itself; one whose job directory is
+gone exits quietly.
+
+CUDA and fork: a process forked after CUDA was initialised in its parent cannot use CUDA. The zygote
+imports the function's module before forking, so it refuses to fork once torch has initialised CUDA
+there (:func:`refuse_cuda_before_fork`), and while it imports, ``torch.cuda.is_available()`` asks NVML
+(``PYTORCH_NVML_BASED_CUDA_CHECK=1``), which leaves the driver alone; each worker gets the variable's
+own value back.
 """
 
 from __future__ import annotations
@@ -26,6 +33,10 @@ from datetime import timedelta
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 # Written into the job's directory by rank 0 once every worker has joined the process group.
 JOINED = "joined"
+# Written by the zygote when it exits before forking the workers: why, in words.
+ZYGOTE_FAILED = "zygote_failed"
+# torch asks NVML rather than the CUDA driver in torch.cuda.is_available() while this is "1"
+NVML_CHECK = "PYTORCH_NVML_BASED_CUDA_CHECK"
 
 
 def _watch_parent(parent_pid: int) -> None:
@@ -49,11 +60,17 @@ def zygote_main(payload_path: str, world_size: int) -> None:
     # exits after its workers, or when the launcher is gone
     for sig in STOP_SIGNALS:
         signal.signal(sig, signal.SIG_IGN)
-    payload = _load(payload_path)
-    os.environ.update(payload[-1])
-    # the expensive imports, shared by every worker
-    for module in ("torch.distributed", *payload[10]):
-        importlib.import_module(module)
+    nvml_check = os.environ.get(NVML_CHECK)
+    try:
+        os.environ[NVML_CHECK] = "1"  # a module asking torch.cuda.is_available() at import leaves CUDA alone
+        payload = _load(payload_path)
+        os.environ.update(payload[-1])
+        # the expensive imports, shared by every worker
+        for module in ("torch.distributed", *payload[10]):
+            importlib.import_module(module)
+        refuse_cuda_before_fork(payload[0])
+    except BaseException as e:  # no worker forked: the launcher names this as the zygote's failure
+        _fail_before_forking(os.path.dirname(payload_path), e)
     out_dir, launcher = payload[7], payload[8]
     ranks = {}
     sys.stdout.flush()
@@ -63,6 +80,7 @@ def zygote_main(payload_path: str, world_size: int) -> None:
         if pid == 0:
             for sig in STOP_SIGNALS:
                 signal.signal(sig, signal.SIG_DFL)
+            _restore(NVML_CHECK, nvml_check)
             worker_main(payload_path, rank, parent_pid=os.getppid())  # never returns
         ranks[pid] = rank
         with quiet_once_the_job_is_gone(out_dir):
@@ -75,6 +93,43 @@ def zygote_main(payload_path: str, world_size: int) -> None:
             with quiet_once_the_job_is_gone(out_dir):
                 _write(os.path.join(out_dir, f"exit{ranks.pop(pid)}"), str(code))
     os._exit(0)
+
+
+class CudaBeforeFork(RuntimeError):
+    """CUDA was initialised in the zygote before it forked the workers (they could not use it)."""
+
+
+def refuse_cuda_before_fork(fn) -> None:
+    """:class:`CudaBeforeFork` when torch has initialised CUDA in this process (the zygote, after the
+    import of ``fn``'s module): workers forked now would fail at ``set_device``."""
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_initialized():
+        return
+    module = getattr(fn, "__module__", None) or "the function's module"
+    raise CudaBeforeFork(
+        f"CUDA was initialised in the process that forks the workers (the zygote) while it imported {module}, "
+        "so no forked worker could use the GPU. Something ran CUDA at import time (a CUDA tensor, "
+        "torch.cuda.init(), torch.cuda.current_device() … at module level): move it into a function, ask "
+        "parallel4d.distributed.startup.visible_gpus() for a device count (it leaves CUDA uninitialised), "
+        "or set PARALLEL4D_FORK=0 to start each worker as its own interpreter")
+
+
+def _fail_before_forking(tmp: str, error: BaseException) -> None:
+    """Record why the zygote forks no worker (``zygote_failed``, read by the launcher), say it, exit 1."""
+    text = f"{type(error).__name__}: {error}"
+    if not isinstance(error, CudaBeforeFork):
+        text += "\n\n" + traceback.format_exc()
+    with quiet_once_the_job_is_gone(tmp):
+        _write(os.path.join(tmp, ZYGOTE_FAILED), text)
+    print(text, file=sys.stderr, flush=True)
+    os._exit(1)
+
+
+def _restore(name: str, value: str | None) -> None:
+    if value is None:
+        os.environ.pop(name, None)
+    else:
+        os.environ[name] = value
 
 
 @contextmanager
@@ -111,6 +166,24 @@ def _say_joined(out_dir: str) -> None:
         pass
 
 
+def use_gpu(rank: int, forked: bool) -> None:
+    """``torch.cuda.set_device`` for ``rank``; in a forked worker a failure also names the likely cause:
+    CUDA's driver initialised in the zygote before the fork, which torch cannot tell (only its own
+    initialisation is refused there, by :func:`refuse_cuda_before_fork`)."""
+    import torch
+
+    try:
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    except RuntimeError as e:
+        if not forked:
+            raise
+        raise RuntimeError(
+            f"{e}\nThis worker was forked by the job's zygote: if the GPU works in a fresh process, CUDA's driver "
+            "was initialised in the zygote before the fork, by code run while it imported the function's module "
+            "(torch.cuda.is_available() or device queries at module level): use "
+            "parallel4d.distributed.startup.visible_gpus() there, or set PARALLEL4D_FORK=0") from e
+
+
 def worker_main(payload_path: str, rank: int, parent_pid: int | None = None) -> None:
     """Entry point of one worker process (``python -m parallel4d.launcher.worker_entry PAYLOAD RANK``, or
     forked by the zygote, which is then ``parent_pid``).
@@ -142,7 +215,7 @@ def worker_main(payload_path: str, rank: int, parent_pid: int | None = None) -> 
 
         torch.set_num_threads(int(env.get("PARALLEL4D_THREADS", "1")))
         if backend == "nccl":
-            torch.cuda.set_device(rank % torch.cuda.device_count())
+            use_gpu(rank, forked=parent_pid != launcher)
         dist.init_process_group(
             backend=backend, init_method=f"file://{init_file}", rank=rank, world_size=world_size,
             timeout=timedelta(seconds=pg_timeout_s),

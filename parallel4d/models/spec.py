@@ -40,6 +40,7 @@ class ModelSpec:
     problems: Callable[[ModelConfig, int], list[str]]  # (m, q): the family's rules, one message each
     dense_parameters: Callable[[ModelConfig], int]  # about how many parameters (norms, biases left out)
     flops_per_token: Callable[[ModelConfig], float]  # training (forward + backward) FLOPs per token
+    stage_flops: Callable[[ModelConfig], list[float]]  # the same per stage [embed, blocks…, head]: the pipeline's cut
     fields_from_hf: Callable[[dict], dict]  # config.json → model: fields (ValueError for what cannot load)
     hf_config: Callable[[ModelConfig, dict], dict]  # (m, the keys every family writes) → config.json
     hf_names: Callable[[ModelConfig], NameMap]  # dense name → (Hugging Face name, transform), no lm_head
@@ -64,6 +65,16 @@ def training_flops(matmul_parameters: int, layers: int, seq_len: int, attention_
     layer). Norms, activations and softmax are left out: that is what torch's ``FlopCounterMode``
     counts (the full ``s×s`` scores, also for causal attention)."""
     return 6 * matmul_parameters + 12 * layers * seq_len * attention_width
+
+
+def stage_training_flops(block_matrices: int, head_matrix: int, layers: int, seq_len: int,
+                         attention_width: int) -> list[float]:
+    """:func:`training_flops` per pipeline stage ``[embedding, block_0 … block_{L-1}, LM head]`` (they sum
+    to it): the embedding looks rows up (0), a block is ``6·(its matrices' weights) + 12·s·width``, the LM
+    head ``6·V·h`` (``head_matrix`` weights). What each stage costs to train, whatever it holds: the
+    embedding's table weighs nothing here, the head's ``V·h`` weighs as much as its products."""
+    block = 6 * block_matrices + 12 * seq_len * attention_width
+    return [0.0] + [float(block)] * layers + [float(6 * head_matrix)]
 
 
 def refuse(model_type: str, what: str) -> None:

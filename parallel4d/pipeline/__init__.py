@@ -18,7 +18,8 @@ How the engine uses it (one optimizer step = one ``executor.step``)::
     # 2. on every rank, same arguments → the same schedule
     sched = make_schedule(name, P, m, waves=W, chunks_per_rank=v)
     stages = model.stages()                      # [embed, block_0..block_{L-1}, head]
-    ranges = partition(parameter_costs(stages), sched.num_chunks)   # contiguous, balanced
+    ranges = partition(costs, sched.num_chunks)   # contiguous, balanced: costs per stage, e.g. its
+                                                  # training FLOPs (the engine's), parameter_costs(stages)
     me = mesh.rank("pp")
     chunks = build_chunks(stages, ranges, sched.placement[me])      # {chunk id: nn.Sequential}
     # only parameters of `chunks` belong to this rank (optimizer, DP all-reduce, hetero)

@@ -2,8 +2,10 @@
 
 The model is ``[embed, block_0, ..., block_{L-1}, head]``; a contiguous cut
 keeps the embedding in chunk 0 and the LM head (the executor adds the loss
-after it) in the last chunk. Costs are per stage: parameter counts by default
-(:func:`parameter_costs`), or measured forward times (:func:`timed_costs`).
+after it) in the last chunk. Costs are per stage, whatever the caller balances:
+the engine gives each stage's training FLOPs per token (its compute:
+:func:`parallel4d.engine.compose.pipeline_cut`); :func:`parameter_costs` (memory)
+and :func:`timed_costs` (measured forward times) are the other choices.
 """
 
 from __future__ import annotations
@@ -85,7 +87,32 @@ def timed_costs(stages: Sequence[nn.Module], sample: torch.Tensor, repeats: int 
     return costs
 
 
-def build_chunks(stages: Sequence[nn.Module], ranges: Sequence[range], chunk_ids) -> dict[int, nn.Module]:
+def build_chunks(stages: Sequence[nn.Module], ranges: Sequence[range], chunk_ids,
+                 activation_dtype: torch.dtype | None = None) -> dict[int, nn.Module]:
     """``{chunk id: nn.Sequential(stages in its range)}`` for the given chunk ids
-    (this rank's ``schedule.placement[pp_rank]``). Shares the stage modules."""
-    return {c: nn.Sequential(*[stages[i] for i in ranges[c]]) for c in chunk_ids}
+    (this rank's ``schedule.placement[pp_rank]``). Shares the stage modules.
+    ``activation_dtype``: activations cross chunks in this dtype (:class:`CastChunk`); None: in
+    whatever dtype the stages give them."""
+    if activation_dtype is None:
+        return {c: nn.Sequential(*[stages[i] for i in ranges[c]]) for c in chunk_ids}
+    last = len(ranges) - 1
+    return {c: CastChunk(activation_dtype, c < last, *[stages[i] for i in ranges[c]]) for c in chunk_ids}
+
+
+class CastChunk(nn.Sequential):
+    """A chunk whose activations cross to the next chunk in ``dtype`` (e.g. bf16 between float32
+    stages under bf16 autocast: half the bytes) while its stages compute as they would unpipelined:
+    a floating input is cast to the chunk's parameters' dtype on the way in, the output to ``dtype``
+    on the way out (``cast_out``: all but the last chunk, whose output goes to the loss). Both casts
+    are differentiable, so the input-gradient handed back is in ``dtype`` as well and the
+    output-gradient received is cast back by autograd. Casts to the dtype a tensor has are free."""
+
+    def __init__(self, dtype: torch.dtype, cast_out: bool, *stages: nn.Module):
+        super().__init__(*stages)
+        self.activation_dtype, self.cast_out = dtype, cast_out
+
+    def forward(self, x):
+        if x.is_floating_point():  # chunk 0 takes token ids
+            x = x.to(next((p.dtype for p in self.parameters() if p.is_floating_point()), x.dtype))
+        y = super().forward(x)
+        return y.to(self.activation_dtype) if self.cast_out and y.is_floating_point() else y

@@ -11,12 +11,18 @@ Backends (``backend=``):
   Scores are ``[b, h_kv, h/h_kv, lq, lk]`` — one block pair, never a full row of the sequence.
 * ``cpu_flash``: ATen's fused CPU flash kernel (``_scaled_dot_product_flash_attention_for_cpu``
   and its backward). Exercises the same protocol as the CUDA kernels on CPU.
-* ``cudnn`` / ``flash``: ATen's CUDA cuDNN / FlashAttention-2 SDPA ops, which return the
-  LSE. Their backward ops are called per block with the **final** merged ``out`` and
-  ``lse`` of the query rows, which makes the per-block gradients exact pieces of the
-  full gradient (the softmax normaliser is the global one).
-* ``auto``: ``cudnn`` for fp16/bf16 CUDA tensors with head dim ≤ 128 and a multiple of
-  8, else ``flash`` for fp16/bf16 CUDA, else ``math``.
+* ``cudnn`` / ``flash`` / ``efficient``: ATen's CUDA cuDNN / FlashAttention-2 /
+  memory-efficient SDPA ops, which return the LSE (``efficient``'s comes padded to a multiple
+  of 32 rows: cut on the way out, padded again for its backward). Their backward ops are called
+  per block with the **final** merged ``out`` and ``lse`` of the query rows, which makes the
+  per-block gradients exact pieces of the full gradient (the softmax normaliser is the global
+  one). cuDNN and flash take fp16/bf16; ``efficient`` also fp32, with no ``[lq, lk]`` scores in
+  memory (``math`` holds them: ~2 GB per block pair at s=32k, sp=8, h=32 in fp32).
+* ``auto`` on CUDA: the first of ``cudnn``, ``flash``, ``efficient`` (fp16/bf16) or ``efficient``
+  (fp32) that this GPU runs (:data:`MIN_CAPABILITY`) and torch's own checks accept for these
+  shapes (``torch.backends.cuda.can_use_*_attention``, which also honour
+  ``torch.backends.cuda.enable_*_sdp``), else ``math``; ``math`` on other devices and for fp64.
+  A fused backend named explicitly is refused (``ValueError``) where it cannot run.
 
 The fused kernels get K/V expanded to ``h`` heads for GQA (a local copy of the
 visiting block only; the ring still carries ``h_kv`` heads) and their dK/dV are
@@ -32,13 +38,20 @@ import functools
 import math
 
 import torch
+import torch.nn.functional as F
 
 from parallel4d.sequence.layout import BlockCall
 
 aten = torch.ops.aten
 
-BACKENDS = ("auto", "math", "cpu_flash", "cudnn", "flash")
+BACKENDS = ("auto", "math", "cpu_flash", "cudnn", "flash", "efficient")
 _HALF = (torch.float16, torch.bfloat16)
+# The fused CUDA kernels auto tries, best first, per input dtype (fp64 has none: math).
+FUSED_ORDER = {torch.float16: ("cudnn", "flash", "efficient"), torch.bfloat16: ("cudnn", "flash", "efficient"),
+               torch.float32: ("efficient",)}
+# The oldest GPU (compute capability) each runs on: cuDNN's SDPA and FlashAttention-2 need Ampere.
+MIN_CAPABILITY = {"cudnn": (8, 0), "flash": (8, 0), "efficient": (5, 0)}
+_LSE_ROWS = 32  # the memory-efficient kernel's LSE is padded to a multiple of this many rows (CUDA)
 
 
 def acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -47,22 +60,65 @@ def acc_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def resolve_backend(backend: str, q: torch.Tensor) -> str:
-    """The concrete backend for ``q``; ``ValueError`` for a name that cannot run on it."""
+    """The concrete backend for ``q [b, h, l, d]``; ``ValueError`` for a name that cannot run on it."""
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r} is not one of {BACKENDS}")
     if backend == "auto":
-        if q.is_cuda and q.dtype in _HALF:
-            d = q.shape[-1]
-            if torch.backends.cudnn.is_available() and d <= 128 and d % 8 == 0:
-                return "cudnn"
-            return "flash"
-        return "math"
-    if backend in ("cudnn", "flash") and not (q.is_cuda and q.dtype in _HALF):
-        raise ValueError(f"backend={backend!r} needs fp16/bf16 CUDA tensors (got {q.dtype} on {q.device}); "
-                         "use backend='math' or 'auto'")
+        if not q.is_cuda:
+            return "math"
+        return choose_backend(q.dtype, _capability(q), lambda name: fused_usable(name, q))
+    if backend in MIN_CAPABILITY:
+        why = _cannot_run(backend, q)
+        if why:
+            raise ValueError(f"backend={backend!r} {why}; use backend='auto' (the fastest kernel that runs here) "
+                             "or 'math'")
     if backend == "cpu_flash" and q.is_cuda:
-        raise ValueError("backend='cpu_flash' runs on CPU tensors only; use 'auto', 'cudnn' or 'flash' on CUDA")
+        raise ValueError("backend='cpu_flash' runs on CPU tensors only; use 'auto', 'cudnn', 'flash' or 'efficient' "
+                         "on CUDA")
     return backend
+
+
+def choose_backend(dtype: torch.dtype, capability: tuple[int, int], usable) -> str:
+    """``auto``'s kernel for CUDA tensors of ``dtype`` on a GPU of compute ``capability``: the first of
+    :data:`FUSED_ORDER` that the GPU has (:data:`MIN_CAPABILITY`) and ``usable(name)`` accepts, else
+    ``math``."""
+    for name in FUSED_ORDER.get(dtype, ()):
+        if tuple(capability) >= MIN_CAPABILITY[name] and usable(name):
+            return name
+    return "math"
+
+
+def _cannot_run(name: str, q: torch.Tensor) -> str | None:
+    """Why the fused kernel ``name`` cannot run on ``q``'s blocks (None when it can)."""
+    if not q.is_cuda:
+        return f"needs CUDA tensors (got {q.device})"
+    if name not in FUSED_ORDER.get(q.dtype, ()):
+        return f"does not take {q.dtype}"
+    if _capability(q) < MIN_CAPABILITY[name]:
+        return f"needs a GPU of compute capability {MIN_CAPABILITY[name]} or newer, this one is {_capability(q)}"
+    if not fused_usable(name, q):
+        return ("is refused by torch's checks for these tensors (torch.backends.cuda.can_use_*_attention with "
+                "debug=True says why)")
+    return None
+
+
+def _capability(q: torch.Tensor) -> tuple[int, int]:
+    return tuple(torch.cuda.get_device_capability(q.device))
+
+
+_CAN_USE = {"cudnn": "can_use_cudnn_attention", "flash": "can_use_flash_attention",
+            "efficient": "can_use_efficient_attention"}
+
+
+def fused_usable(name: str, q: torch.Tensor) -> bool:
+    """Whether torch's own checks let the fused kernel ``name`` run on blocks shaped like ``q [b, h, l, d]``
+    (K/V are expanded to its heads), causal and not: the GPU, the build, the dtype, the head size, the
+    strides and the user's ``torch.backends.cuda.enable_*_sdp`` switches."""
+    if name == "cudnn" and not (torch.backends.cudnn.is_available() and q.shape[-1] <= 128 and q.shape[-1] % 8 == 0):
+        return False
+    sdp = torch.backends.cuda
+    can_use = getattr(sdp, _CAN_USE[name])
+    return all(can_use(sdp.SDPAParams(q, q, q, None, 0.0, causal, False)) for causal in (False, True))
 
 
 def default_scale(d: int) -> float:
@@ -141,6 +197,10 @@ def _rng_placeholders(backend: str, device: str) -> tuple[torch.Tensor, torch.Te
     if backend == "flash":
         r = aten._scaled_dot_product_flash_attention(t, t, t, 0.0, False, False)
         return r[6], r[7]
+    if backend == "efficient":  # fp32: every GPU it runs on takes that
+        t = t.float()
+        r = aten._scaled_dot_product_efficient_attention(t, t, t, None, False)
+        return r[2], r[3]
     r = aten._scaled_dot_product_cudnn_attention(t, t, t, None, True, 0.0, False, False)
     return r[6], r[7]
 
@@ -154,6 +214,9 @@ def _fused_forward(backend, q, k, v, causal, scale):
     elif backend == "flash":
         r = aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)
         out, lse = r[0], r[1]
+    elif backend == "efficient":  # its LSE has padding rows past lq
+        r = aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, causal, scale=scale)
+        out, lse = r[0], r[1][:, :, :lq]
     else:  # cudnn: logsumexp comes as [b, h, lq, 1]; dense inputs (row slices copied, cheap next to the kernel)
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         r = aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, causal, False, scale=scale)
@@ -172,6 +235,12 @@ def _fused_backward(backend, dout, q, k, v, out, lse, causal, scale):
         seed, offset = _rng_placeholders("flash", str(q.device))
         dq, dk, dv = aten._scaled_dot_product_flash_attention_backward(
             dout, q, ke, ve, out, lse.contiguous(), None, None, lq, lk, 0.0, causal, seed, offset, scale=scale)
+    elif backend == "efficient":  # the LSE padded back to the rows its forward gave
+        seed, offset = _rng_placeholders("efficient", str(q.device))
+        rows = lq if torch.version.hip else -(-lq // _LSE_ROWS) * _LSE_ROWS
+        dq, dk, dv, _ = aten._scaled_dot_product_efficient_attention_backward(
+            dout, q, ke, ve, None, out, F.pad(lse, (0, rows - lq)).contiguous(), seed, offset, 0.0, [True, True, True, False],
+            causal, scale=scale)
     else:  # cuDNN wants matching dense layouts for q/k/v/out/dout
         seed, offset = _rng_placeholders("cudnn", str(q.device))
         dout, q, ke, ve, out = (x.contiguous() for x in (dout, q, ke, ve, out))

@@ -74,6 +74,16 @@ def _cmd_validate(args) -> int:
     return 0
 
 
+def _cut(cfg: Config) -> str:
+    """The pipeline's chunks as stage names, ``embed–blocks.1 | blocks.2–head``."""
+    from parallel4d.engine.compose import pipeline_cut
+
+    last = cfg.model.layers + 1
+    name = lambda i: "embed" if i == 0 else "head" if i == last else f"blocks.{i - 1}"  # noqa: E731
+    ranges = pipeline_cut(cfg, cfg.pipeline.num_chunks(cfg.parallel.pp))
+    return " | ".join(name(r[0]) if len(r) == 1 else f"{name(r[0])}–{name(r[-1])}" for r in ranges)
+
+
 @_job_command
 def _cmd_plan(args) -> int:
     """The resolved layout and, per rank, the bytes held and sent (a dry run: :mod:`.plan`)."""
@@ -90,6 +100,8 @@ def _cmd_plan(args) -> int:
     print(f"model           {m.layers} layers, hidden {m.hidden}, {m.heads} heads, vocab {m.vocab_size}, seq {m.seq_len}")
     print(f"pipeline        {cfg.pipeline.schedule}, {cfg.pipeline.num_chunks(p.pp)} chunks, "
           f"{cfg.pipeline.microbatches} micro-batches")
+    if p.pp > 1:
+        print(f"chunks          {_cut(cfg)}  (cut by training FLOPs per token)")
     print(f"activation/rank [b/(dp·q)/m, s/sp, h/q] = [{micro}, {seq}, {m.hidden // q}]")
     print(f"precision       parameters {cfg.train.parameters}, autocast {cfg.train.autocast}, "
           f"activation checkpointing {cfg.train.activation_checkpointing}")

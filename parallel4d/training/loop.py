@@ -24,6 +24,7 @@ from parallel4d.config.schema import Config
 from parallel4d.data.batches import build_dataset, build_validation
 from parallel4d.engine.compose import compose
 from parallel4d.engine.flops import flops_per_token
+from parallel4d.engine.model import tf32_allowed, use_tf32
 from parallel4d.engine.trainer import Trainer
 from parallel4d.distributed.mesh import init_mesh
 from parallel4d.integrations import deepspeed_integration
@@ -203,6 +204,7 @@ def run_training(cfg: Config) -> dict:
         check_start(ckpt_dir, cfg.train.resume)
     p = cfg.parallel
     mesh = init_mesh(pp=p.pp, dp=p.dp, sp=p.sp, tp=p.tp, timeout_s=cfg.train.timeout_s)
+    use_tf32(tf32_allowed(cfg, mesh.device))  # this process's matmul precision, before any model is built
     if elastic.under_torchelastic():  # nodes started apart: one config, one checkpoint directory
         elastic.check_nodes_agree(cfg.model_dump(mode="json"), ckpt_dir if cfg.checkpoint.enabled else None)
     rank = dist.get_rank()

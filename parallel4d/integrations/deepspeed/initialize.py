@@ -16,6 +16,7 @@ import torch
 from parallel4d.config.load import load_config
 from parallel4d.config.schema import Config
 from parallel4d.engine.compose import build_pipeline, local_model
+from parallel4d.engine.model import tf32_allowed, use_tf32
 from parallel4d.distributed.mesh import Mesh, init_mesh
 from parallel4d.distributed.startup import device_and_backend, init_process_group_from_env
 from parallel4d.optim.optimizer import build_optimizer, lr_lambda
@@ -37,6 +38,7 @@ def initialize(config: str | Path | Config | dict, overrides: list[str] | None =
     init_process_group_from_env(backend, cfg.train.timeout_s, cfg.train.join_timeout_s)
     p = cfg.parallel
     mesh = init_mesh(pp=p.pp, dp=p.dp, sp=p.sp, tp=p.tp, timeout_s=cfg.train.timeout_s)
+    use_tf32(tf32_allowed(cfg, mesh.device))
     return build_engine(cfg, mesh, ds_config)
 
 

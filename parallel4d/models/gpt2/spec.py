@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from parallel4d.models.spec import ModelSpec, NameMap, need, refuse, training_flops
+from parallel4d.models.spec import ModelSpec, NameMap, need, refuse, stage_training_flops, training_flops
 
 if TYPE_CHECKING:
     from parallel4d.config.schema import ModelConfig
@@ -50,10 +50,20 @@ def dense_parameters(m: ModelConfig) -> int:
     return _tables(m) + m.seq_len * h + m.layers * (4 * h * h + 2 * h * m.mlp_width)
 
 
+def _block_matrices(m: ModelConfig) -> int:
+    """Weights of one block's matrices: ``qkv + proj = 4h²`` and the MLP's ``2·h·width``."""
+    return 4 * m.hidden * m.hidden + 2 * m.hidden * m.mlp_width
+
+
 def flops_per_token(m: ModelConfig) -> float:
     """:func:`~parallel4d.models.spec.training_flops` of the block matrices and the LM head ``V·h``."""
     h = m.hidden
-    return training_flops(m.layers * (4 * h * h + 2 * h * m.mlp_width) + m.vocab_size * h, m.layers, m.seq_len, h)
+    return training_flops(m.layers * _block_matrices(m) + m.vocab_size * h, m.layers, m.seq_len, h)
+
+
+def stage_flops(m: ModelConfig) -> list[float]:
+    """:func:`flops_per_token` per stage (:func:`~parallel4d.models.spec.stage_training_flops`)."""
+    return stage_training_flops(_block_matrices(m), m.vocab_size * m.hidden, m.layers, m.seq_len, m.hidden)
 
 
 def fields_from_hf(c: dict) -> dict:
@@ -101,6 +111,7 @@ SPEC = ModelSpec(
     fields=("arch", "vocab_size", "seq_len", "hidden", "heads", "layers", "mlp_ratio", "tie_embeddings", "norm_eps",
             "init_std", "activation", "pretrained"),
     learned_positions=True, problems=problems, dense_parameters=dense_parameters, flops_per_token=flops_per_token,
+    stage_flops=stage_flops,
     fields_from_hf=fields_from_hf, hf_config=hf_config, hf_names=hf_names, hf_positions="n_positions",
     hf_prefix="transformer.", hf_ignored=(".attn.bias", ".attn.masked_bias"),
 )

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from parallel4d.config.rules.common import divisors, not_divisible, or_list
-from parallel4d.models.spec import ModelSpec, NameMap, need, refuse, training_flops
+from parallel4d.models.spec import ModelSpec, NameMap, need, refuse, stage_training_flops, training_flops
 
 if TYPE_CHECKING:
     from parallel4d.config.schema import ModelConfig
@@ -53,6 +53,11 @@ def flops_per_token(m: ModelConfig) -> float:
     """:func:`~parallel4d.models.spec.training_flops` of the block matrices and the LM head ``V·h``;
     the attention's width is that of the query heads (grouped keys are shared, not fewer products)."""
     return training_flops(m.layers * _block_matrices(m) + m.vocab_size * m.hidden, m.layers, m.seq_len, m.hidden)
+
+
+def stage_flops(m: ModelConfig) -> list[float]:
+    """:func:`flops_per_token` per stage (:func:`~parallel4d.models.spec.stage_training_flops`)."""
+    return stage_training_flops(_block_matrices(m), m.vocab_size * m.hidden, m.layers, m.seq_len, m.hidden)
 
 
 def _rope_theta(cfg: dict, model_type: str) -> float:
@@ -130,6 +135,7 @@ SPEC = ModelSpec(
     fields=("arch", "vocab_size", "seq_len", "hidden", "heads", "kv_heads", "layers", "intermediate_size",
             "tie_embeddings", "norm_eps", "init_std", "rope_theta", "qkv_bias", "pretrained"),
     learned_positions=False, problems=problems, dense_parameters=dense_parameters, flops_per_token=flops_per_token,
+    stage_flops=stage_flops,
     fields_from_hf=fields_from_hf, hf_config=hf_config, hf_names=hf_names, hf_positions="max_position_embeddings",
     hf_ignored=(".rotary_emb.inv_freq",), defaults={"tie_embeddings": False}, resolved=resolved,
 )
