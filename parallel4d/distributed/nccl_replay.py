@@ -26,7 +26,10 @@ The model (``torch.distributed`` over NCCL, ``ProcessGroupNCCL``):
 * **lazy init**: the first use of a communicator (all of them without ``eager_init``; only the pair
   ones never exist there) blocks the host until every member reached its own first use of it
   (``ncclCommInitRank`` is blocking);
-* a recorded ``is_completed()`` query says False (the recorder's choice: the code then waits).
+* a recorded ``is_completed()`` query says False (the recorder's choice: the code then waits);
+* with ``serial``, all of a rank's kernels, whatever their communicator, run one at a time in post
+  order: NCCL does not promise that kernels of two communicators make progress at the same time
+  (its guidance: issue them in the same order on every rank), so this is the strictest reading.
 """
 
 from __future__ import annotations
@@ -81,6 +84,7 @@ class Verdict:
 class _Kernel:
     rank: int
     comm: tuple
+    stream: tuple  # (rank, communicator), or (rank, "serial")
     post: Post
     pending: set = field(default_factory=set)  # op keys not yet completed
 
@@ -95,10 +99,10 @@ def _comm(rank: int, post: Post, eager: bool) -> tuple[tuple, tuple[int, ...]]:
 
 
 class _Replay:
-    def __init__(self, traces: dict[int, list], eager: bool):
-        self.traces, self.eager = traces, eager
+    def __init__(self, traces: dict[int, list], eager: bool, serial: bool):
+        self.traces, self.eager, self.serial = traces, eager, serial
         self.pc = {r: 0 for r in traces}
-        self.streams: dict[tuple, list[_Kernel]] = defaultdict(list)  # (rank, comm) → queued kernels
+        self.streams: dict[tuple, list[_Kernel]] = defaultdict(list)  # stream → its queued kernels
         self.kernel_of: dict[tuple[int, int], _Kernel] = {}           # (rank, work) → kernel
         self.done: set[tuple[int, int]] = set()                        # (rank, work) completed
         self.arrived: dict[tuple, set[int]] = defaultdict(set)         # comm → ranks at its init
@@ -128,7 +132,7 @@ class _Replay:
         return moved
 
     def _enqueue(self, r: int, comm: tuple, post: Post) -> None:
-        k = _Kernel(r, comm, post)
+        k = _Kernel(r, comm, (r, "serial") if self.serial else (r, comm), post)
         for kind, peer in post.ops:
             if kind == "coll":
                 key = ("coll", comm, self._next(("coll", comm, r)), r)
@@ -137,7 +141,7 @@ class _Replay:
                 key = (kind, comm, src, dst, self._next((kind, comm, src, dst)))
             k.pending.add(key)
             self.where[key] = k
-        self.streams[(r, comm)].append(k)
+        self.streams[k.stream].append(k)
         self.kernel_of[(r, post.work)] = k
 
     def _next(self, counter) -> int:
@@ -146,8 +150,8 @@ class _Replay:
 
     # --- devices ---------------------------------------------------------------------
     def _running(self, k: _Kernel | None) -> bool:
-        stream = self.streams[(k.rank, k.comm)] if k is not None else None
-        return bool(stream) and stream[0] is k
+        queue = self.streams[k.stream] if k is not None else []
+        return bool(queue) and queue[0] is k
 
     def _partners(self, key: tuple, k: _Kernel) -> list[tuple]:
         """The op keys that must run at the same time as ``key``."""
@@ -217,10 +221,10 @@ class _Replay:
             return (f"posting {_name(ev)}: first use of communicator {_comm_name(comm)} waits for rank(s) "
                     f"{missing} to reach theirs (blocking init)"), set(missing)
         k = self.kernel_of[(r, ev.work)]
-        head = self.streams[(r, k.comm)][0]
+        head = self.streams[k.stream][0]
         why, on = self._kernel_blocker(head)
         behind = "" if head is k else f" (queued behind {_name(head.post)} on that stream)"
-        return f"waits for {_name(k.post)} [{ev.what}] on {_comm_name(k.comm)}{behind}: {why}", on
+        return f"waits for {_name(k.post)} [{ev.what}] on {_stream_name(k)}{behind}: {why}", on
 
     def _kernel_blocker(self, k: _Kernel) -> tuple[str, set[int]]:
         for key in sorted(k.pending, key=str):
@@ -230,9 +234,9 @@ class _Replay:
                 if other is None:
                     return f"rank {peer} has not posted its {_op_name(x)}", {peer}
                 if not self._running(other):
-                    head = self.streams[(other.rank, other.comm)][0]
+                    head = self.streams[other.stream][0]
                     return (f"rank {peer}'s {_op_name(x)} in {_name(other.post)} is queued behind "
-                            f"{_name(head.post)} on its stream {_comm_name(other.comm)}"), {peer}
+                            f"{_name(head.post)} on {_stream_name(other)}"), {peer}
         return "its ops wait for each other", set()
 
 
@@ -247,6 +251,10 @@ def _op_name(key: tuple) -> str:
         return f"collective #{key[2]}"
     kind, _, src, dst, n = key
     return f"{kind} #{n} of {src}→{dst}"
+
+
+def _stream_name(k: _Kernel) -> str:
+    return "its one (serial) queue" if k.stream[1] == "serial" else f"the stream of {_comm_name(k.comm)}"
 
 
 def _comm_name(comm: tuple) -> str:
@@ -275,7 +283,7 @@ def _cycle(waits_on: dict[int, set[int]]) -> list[int]:
     return []
 
 
-def replay(traces: dict[int, list], eager_init: bool = False) -> Verdict:
+def replay(traces: dict[int, list], eager_init: bool = False, serial: bool = False) -> Verdict:
     """Run ``traces`` (global rank → its :class:`Post` / :class:`Wait` events in host order) under the
     model of the module docstring until nothing moves; the :class:`Verdict`."""
-    return _Replay(traces, eager_init).run()
+    return _Replay(traces, eager_init, serial).run()
