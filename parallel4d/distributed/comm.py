@@ -48,6 +48,7 @@ _LOST = ("connection closed", "connection reset", "broken pipe", "socket closed"
 
 
 _UNKNOWN = object()  # a wait on works: their group is not known here
+_LEAST_TIMEOUT_S = 1e-3
 
 
 def _members(group) -> str:
@@ -224,26 +225,29 @@ def reduce_scatter(tensor: torch.Tensor, group=None, *, dim: int = 0, stats=None
     return full.chunk(n, dim=dim)[group_rank(group)].contiguous()
 
 
-def p2p(ops: Iterable[tuple[str, torch.Tensor, int]], group=None, *, stats=None, label="p2p") -> list:
-    """Post sends/receives together; returns the works to :func:`wait`.
+def p2p(ops: Iterable[tuple[str, torch.Tensor, int]], group=None, *, stats=None, label="p2p",
+        coalesce: bool = True) -> list:
+    """Post sends/receives; returns the works to :func:`wait`.
 
-    ``ops`` holds ``("send" | "recv", tensor, peer_global_rank)``. Posting both
-    directions in one batch avoids the send-before-recv ordering deadlock.
+    ``ops`` holds ``("send" | "recv", tensor, peer_global_rank)``. ``coalesce``: one
+    ``batch_isend_irecv`` (NCCL: one kernel on the group's own communicator and stream, done when
+    every op is; posting both directions together avoids the send-before-recv deadlock), else one
+    ``isend``/``irecv`` each (NCCL: each pair of ranks has a communicator and stream of its own, so
+    a pending op holds up only that pair's later ops). gloo posts one op at a time either way.
     """
-    p2p_ops = []
-    for kind, tensor, peer in ops:
-        if kind == "send":
-            _count(stats, label, _nbytes(tensor), 0, group)
-            p2p_ops.append(dist.P2POp(dist.isend, tensor, peer, group))
-        elif kind == "recv":
-            _count(stats, label, 0, _nbytes(tensor), group)
-            p2p_ops.append(dist.P2POp(dist.irecv, tensor, peer, group))
-        else:
+    ops = list(ops)
+    for kind, tensor, _ in ops:
+        if kind not in ("send", "recv"):
             raise ValueError(f"p2p op kind must be 'send' or 'recv', got {kind!r}")
-    if not p2p_ops:
+        _count(stats, label, _nbytes(tensor) if kind == "send" else 0, _nbytes(tensor) if kind == "recv" else 0, group)
+    if not ops:
         return []
-    with named(f"{label} with ranks {sorted({op.peer for op in p2p_ops})}", group):
-        return list(dist.batch_isend_irecv(p2p_ops))
+    with named(f"{label} with ranks {sorted({peer for *_, peer in ops})}", group):
+        if not coalesce:
+            return [dist.isend(t, peer, group) if kind == "send" else dist.irecv(t, peer, group)
+                    for kind, t, peer in ops]
+        return list(dist.batch_isend_irecv([dist.P2POp(dist.isend if kind == "send" else dist.irecv, t, peer, group)
+                                            for kind, t, peer in ops]))
 
 
 def wait(works, timeout_s: float | None = None, what: str = "communication") -> None:
@@ -253,6 +257,8 @@ def wait(works, timeout_s: float | None = None, what: str = "communication") -> 
         return
     if not isinstance(works, (list, tuple)):
         works = [works]
+    if timeout_s is not None:  # a zero timeout means "none" to torch's Work.wait: keep a spent limit positive
+        timeout_s = max(float(timeout_s), _LEAST_TIMEOUT_S)
     with named(what, _UNKNOWN, timeout_s):
         for w in works:
             if w is None:

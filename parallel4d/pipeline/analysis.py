@@ -10,7 +10,8 @@ A schedule with W actions splits every backward: each ``(i, c)`` has exactly one
 then the input gradient alone, and the chunk's stored activation lives until its W.
 
 A dependency on another rank's action is a point-to-point message (activation
-for F, input-gradient for B); on the same rank it is a local hand-off. Every
+for F, input-gradient for B); on the same rank it is a local hand-off. :func:`message_order`
+puts every message in one global order (the executor posts in it). Every
 rank runs its list strictly in order and blocks until the inputs of its next
 action exist, exactly like the executor, so a schedule deadlocks iff this
 blocking simulation stops before every list is done.
@@ -93,7 +94,8 @@ def _check_structure(s: Schedule) -> None:
 
 def _check_actions(s: Schedule) -> None:
     owner = {c: r for r, cs in s.placement.items() for c in cs}
-    each = " and ".join(kinds(s))
+    every = kinds(s)  # once: it scans every action list
+    each = " and ".join(every)
     done: set[Action] = set()
     for r in range(s.pp):
         local: set[Action] = set()
@@ -117,7 +119,7 @@ def _check_actions(s: Schedule) -> None:
             local.add(a)
     for c in range(s.num_chunks):
         for mb in range(s.microbatches):
-            for kind in kinds(s):
+            for kind in every:
                 a = Action(kind, mb, c)
                 if a not in done:
                     raise ScheduleError(f"rank {owner[c]}: missing {a.describe()} (each {each} exactly once)")
@@ -286,26 +288,34 @@ class Message:
         return self.producer.chunk if self.producer.kind == "F" else self.consumer.chunk
 
 
-def message_plan(schedule: Schedule) -> dict[tuple[int, int], list[Message]]:
-    """Per unordered rank pair ``(a, b)``, ``a < b``: every message between them,
-    both directions, in one canonical order both ranks derive alike.
+def message_order(schedule: Schedule) -> list[Message]:
+    """Every cross-rank message in one global order that all ranks derive alike: by the simulated
+    end time of the producing action, then sender, then its position in the sender's list.
 
-    The order is by the simulated end time of the producing action (then sender,
-    then its position). Posting each pair's sends/receives in this order on both
-    sides keeps FIFO matching right (gloo and NCCL match p2p per pair in order,
-    without tags) and never asks a rank to post a send it has not produced before
-    a receive it needs: an earlier send in the order finished earlier in the
-    simulation, so it comes earlier in that rank's list.
+    Each rank posts its own messages (sends and receives, all peers) in this order, so every
+    rank's posting order, and every pair's (a subsequence), is one total order — the property
+    that keeps the executor deadlock-free when all of a rank's transfers share one stream and
+    each completes only when its peer's matching op runs (NCCL: :mod:`parallel4d.distributed.nccl_replay`).
+    The order never asks a rank to post a send it has not produced before a receive it needs: a
+    message ahead of that receive ended earlier in the simulation, so its producer comes earlier
+    in the rank's own list.
     """
     sim = simulate(schedule)
     owner = {c: r for r, cs in schedule.placement.items() for c in cs}
-    plan: dict[tuple[int, int], list[tuple]] = {}
+    keyed = []
     for r in range(schedule.pp):
         for i, a in enumerate(schedule.actions[r]):
             nxt = consumer(a, schedule.num_chunks)
-            if nxt is None or owner[nxt.chunk] == r:
-                continue
-            dst = owner[nxt.chunk]
-            key = (min(r, dst), max(r, dst))
-            plan.setdefault(key, []).append((sim.end[(r, i)], r, i, Message(r, dst, a, nxt)))
-    return {k: [m for *_, m in sorted(v, key=lambda x: x[:3])] for k, v in plan.items()}
+            if nxt is not None and owner[nxt.chunk] != r:
+                keyed.append((sim.end[(r, i)], r, i, Message(r, owner[nxt.chunk], a, nxt)))
+    return [m for *_, m in sorted(keyed, key=lambda x: x[:3])]
+
+
+def message_plan(schedule: Schedule) -> dict[tuple[int, int], list[Message]]:
+    """Per unordered rank pair ``(a, b)``, ``a < b``: every message between them, both
+    directions, in :func:`message_order` (the pair's canonical order: gloo and NCCL match p2p per
+    pair in order, without tags)."""
+    plan: dict[tuple[int, int], list[Message]] = {}
+    for msg in message_order(schedule):
+        plan.setdefault((min(msg.src, msg.dst), max(msg.src, msg.dst)), []).append(msg)
+    return plan

@@ -13,14 +13,19 @@ Per optimizer step, each pp rank walks its own action list in order:
   input-gradient and keeps the chunk's graph; ``W(i, c)`` later accumulates the
   weight gradients from it and frees it (:mod:`.split_grad`).
 
-Transfers: shapes/dtypes are known up front (no handshake); every message
-between two ranks has a canonical position (:func:`~.analysis.message_plan`)
-and both sides post their sends/receives for that pair in that order, so p2p
-matching is FIFO-correct on gloo and NCCL without tags, and no rank ever has to
-post a send it has not produced yet before a receive it needs. Receives are
-posted ahead (``recv_lookahead`` actions) and batched with the sends that are
-ready into one ``comm.p2p`` call. Each wait has ``timeout_s`` and a hang
-becomes a :class:`~parallel4d.comm.CommTimeout` naming the rank and action.
+Transfers: shapes/dtypes are known up front (no handshake). Every message has a
+position in one global order (:func:`~.analysis.message_order`) and each rank posts
+its sends and receives, over all its peers, in that order: p2p matching is
+FIFO-correct per pair on gloo and NCCL without tags, no rank ever has to post a
+send it has not produced before a receive it needs, and no cycle of ops waiting
+on each other can form, even where a rank's transfers share one stream and each
+completes only when its peer's op runs (NCCL's rules, replayed for every schedule
+by ``tests/test_nccl_replay.py``). Receives are posted ahead (``recv_lookahead``
+actions); each op is its own ``isend``/``irecv`` (NCCL: a communicator and stream
+per pair of ranks, created at construction by :meth:`PipelineExecutor._warm_up`).
+Each receive must arrive within ``timeout_s`` of being posted, as NCCL's watchdog
+counts, and a hang becomes a :class:`~parallel4d.comm.CommTimeout` naming the rank
+and action.
 """
 
 from __future__ import annotations
@@ -34,7 +39,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from parallel4d.distributed import comm
-from parallel4d.pipeline.analysis import Message, message_plan, validate
+from parallel4d.pipeline.analysis import Message, message_order, validate
 from parallel4d.pipeline.split_grad import input_gradient
 from parallel4d.pipeline.types import Action, Schedule
 
@@ -74,7 +79,7 @@ class PipelineExecutor:
             micro-batch, e.g. ``[b/m, s, h]`` (local shard shape under TP/SP), or
             ``f(c) -> shape`` for the output of chunk ``c``.
         activation_dtype: dtype of those tensors (and of their gradients).
-        timeout_s: limit for any single wait.
+        timeout_s: limit for any single wait (a receive: from its post).
         recv_lookahead: post the receives of this many upcoming actions early.
     """
 
@@ -107,24 +112,16 @@ class PipelineExecutor:
         self.owner = {c: r for r, cs in schedule.placement.items() for c in cs}
         self.split = schedule.split_backward
         # Forward only (evaluation): the schedule's forwards in its order, and only their messages
-        # (a subsequence of each rank's order and of each pair's canonical order: still deadlock-free).
+        # (a subsequence of the global message order: still deadlock-free).
         self.actions = [a for a in schedule.actions[self.me] if a.kind == "F" or not forward_only]
-        # Per peer: the canonical message list; per action: the message it needs / produces.
-        self.plan: dict[int, list[Message]] = {}
-        for (a, b), msgs in message_plan(schedule).items():
-            msgs = [m for m in msgs if m.kind == "act" or not forward_only]
-            if self.me in (a, b) and msgs:
-                self.plan[b if a == self.me else a] = msgs
-        self.need: dict[Action, tuple[int, int]] = {}
-        self.makes: dict[Action, tuple[int, int]] = {}
-        for peer, msgs in self.plan.items():
-            for idx, msg in enumerate(msgs):
-                if msg.dst == self.me:
-                    self.need[msg.consumer] = (peer, idx)
-                else:
-                    self.makes[msg.producer] = (peer, idx)
+        # This rank's messages in the global order; per action: the position it needs / produces.
+        self.order: list[Message] = [m for m in message_order(schedule) if self.me in (m.src, m.dst)
+                                     and (m.kind == "act" or not forward_only)]
+        self.need: dict[Action, int] = {m.consumer: k for k, m in enumerate(self.order) if m.dst == self.me}
+        self.makes: dict[Action, int] = {m.producer: k for k, m in enumerate(self.order) if m.src == self.me}
         if schedule.pp > 1:
             self._check_same_schedule()
+            self._warm_up()
 
     # --- setup ------------------------------------------------------------------
     def _check_same_schedule(self) -> None:
@@ -134,6 +131,16 @@ class PipelineExecutor:
         if comm.has_values(every) and bool((every != mine).any()):
             raise ValueError(f"pp ranks run different schedules (fingerprints {every.tolist()}); build the "
                              f"schedule from the same config on every rank")
+
+    def _warm_up(self) -> None:
+        """One tiny message over every pair of ranks this rank exchanges messages with, pairs in one
+        order on every rank (ascending). On NCCL a pair's first ``isend``/``irecv`` creates its
+        communicator and blocks until the peer's first one does: done here, in an order that cannot
+        close a cycle, the step's first transfers find them ready (and a failure names the pair)."""
+        peers = sorted({m.src if m.dst == self.me else m.dst for m in self.order})
+        ops = [("send" if self.me < p else "recv", torch.zeros(1, device=self.device), self._peer(p)) for p in peers]
+        works = comm.p2p(ops, self.group, stats=self.stats, label="pp.warm_up", coalesce=False)
+        comm.wait(works, self.timeout_s, what=f"pp rank {self.me}: first transfer with pp ranks {peers}")
 
     def _peer(self, pp_index: int) -> int:
         return self.mesh.global_rank("pp", pp_index)
@@ -226,9 +233,13 @@ class PipelineExecutor:
         if src == self.me:
             t += torch.stack([x.double() for x in st.losses]).sum() / self.schedule.microbatches
         if self.schedule.pp > 1:
+            # The same limit as every wait. A rank that finished waits here for the slowest. A rank
+            # stalled in an action waits for a receive whose limit counts from its post, which the
+            # look-ahead put early: where that post came before this one, the stalled action is the
+            # first to time out and the one reported.
             work = comm.broadcast(t, self._peer(src), self.group, stats=self.stats, label="pp.loss", async_op=True)
-            # Longer than one action's limit: a stalled action elsewhere should be what gets reported.
-            comm.wait(work, 2 * self.timeout_s, what=f"pp rank {self.me}: loss broadcast from pp rank {src}")
+            comm.wait(work, self.timeout_s, what=f"pp rank {self.me}: loss broadcast from pp rank {src} "
+                                                 f"(waiting for every pp rank to finish its step)")
         return float(t.item()) if comm.has_values(t) else float("nan")
 
 
@@ -237,9 +248,9 @@ class _StepState:
 
     def __init__(self, ex: PipelineExecutor):
         self.ex = ex
-        self.ptr = {p: 0 for p in ex.plan}            # next unposted canonical index per peer
-        self.outbox: dict[tuple[int, int], torch.Tensor] = {}
-        self.recv: dict[tuple[int, int], tuple[torch.Tensor, list]] = {}
+        self.ptr = 0                                  # next unposted position in ex.order
+        self.outbox: dict[int, torch.Tensor] = {}     # produced, not yet posted: position → tensor
+        self.recv: dict[int, tuple[torch.Tensor, list, float]] = {}  # position → (buffer, works, posted at)
         self.sends: list[tuple[list, torch.Tensor]] = []
         self.local: dict[Action, torch.Tensor] = {}   # wave-turn hand-offs, keyed by consumer
         self.stash: dict[Action, object] = {}        # F → (input, output); W → its WeightGradients
@@ -259,20 +270,19 @@ class _StepState:
         return self.stash.pop(Action("F" if a.kind == "B" else "W", a.microbatch, a.chunk))
 
     # posting
-    def _post_upto(self, peer: int, idx: int, ops: list) -> bool:
-        msgs = self.ex.plan[peer]
-        while self.ptr[peer] <= idx:
-            k = self.ptr[peer]
-            msg = msgs[k]
+    def _post_upto(self, pos: int, ops: list) -> bool:
+        """Queue this rank's messages up to ``pos`` in the global order; False at a send not produced yet."""
+        while self.ptr <= pos:
+            msg = self.ex.order[self.ptr]
             if msg.src == self.ex.me:
-                t = self.outbox.pop((peer, k), None)
+                t = self.outbox.pop(self.ptr, None)
                 if t is None:
-                    return False  # produced later; the canonical order guarantees the wait is not needed now
-                ops.append(("send", t, peer))
+                    return False  # produced later; the global order guarantees the wait is not needed now
+                ops.append(("send", t, msg.dst, self.ptr))
             else:
                 buf = torch.empty(tuple(self.ex._shape(msg.boundary)), dtype=self.ex.dtype, device=self.ex.device)
-                ops.append(("recv", buf, peer, (peer, k)))
-            self.ptr[peer] = k + 1
+                ops.append(("recv", buf, msg.src, self.ptr))
+            self.ptr += 1
         return True
 
     def lookahead_ops(self, start: int) -> list:
@@ -280,21 +290,20 @@ class _StepState:
         for a in self.ex.actions[start:start + self.ex.lookahead]:
             need = self.ex.need.get(a)
             if need is not None:
-                self._post_upto(*need, ops)
+                self._post_upto(need, ops)
         return ops
 
     def issue(self, ops: list) -> None:
         if not ops:
             return
-        flat = [(op[0], op[1], self.ex._peer(op[2])) for op in ops]
-        works = comm.p2p(flat, self.ex.group, stats=self.ex.stats, label="pp.p2p")
-        per_op = len(works) == len(ops)  # gloo: one work per op; coalesced backends: one for all
-        for j, op in enumerate(ops):
-            w = [works[j]] if per_op else works
-            if op[0] == "recv":
-                self.recv[op[3]] = (op[1], w)
+        now = time.monotonic()
+        flat = [(kind, t, self.ex._peer(peer)) for kind, t, peer, _ in ops]
+        works = comm.p2p(flat, self.ex.group, stats=self.ex.stats, label="pp.p2p", coalesce=False)
+        for (kind, t, _, pos), w in zip(ops, works):
+            if kind == "recv":
+                self.recv[pos] = (t, [w], now)
             else:
-                self.sends.append((w, op[1]))
+                self.sends.append(([w], t))
 
     def take_input(self, i: int, a: Action):
         """The received / local tensor action ``a`` consumes (``None`` when it needs none)."""
@@ -305,16 +314,18 @@ class _StepState:
             return None
         if need not in self.recv:
             ops: list = []
-            if not self._post_upto(*need, ops):
+            if not self._post_upto(need, ops):
                 raise RuntimeError(f"{self.ex._where(i, a)}: message plan out of order (a bug)")
             self.issue(ops)
-        buf, works = self.recv.pop(need)
-        peer = need[0]
+        buf, works, posted = self.recv.pop(need)
+        peer = self.ex.order[need].src
         what = "activation" if a.kind == "F" else "gradient"
         src = Action("F", a.microbatch, a.chunk - 1) if a.kind == "F" else Action("B", a.microbatch, a.chunk + 1)
         t0 = time.perf_counter()
-        comm.wait(works, self.ex.timeout_s,
-                  what=f"{self.ex._where(i, a)} waiting for the {what} of {src.describe()} from pp rank {peer}")
+        ago = time.monotonic() - posted  # the limit counts from the post, as NCCL's watchdog does
+        comm.wait(works, round(self.ex.timeout_s - ago, 3),
+                  what=f"{self.ex._where(i, a)} waiting for the {what} of {src.describe()} from pp rank {peer} "
+                       f"(posted {ago:.2f}s before)")
         self.wait_s += time.perf_counter() - t0
         return buf
 
@@ -327,9 +338,9 @@ class _StepState:
         if self.ex.owner[nxt.chunk] == self.ex.me:
             self.local[nxt] = out
             return ops
-        peer, idx = self.ex.makes[a]
-        self.outbox[(peer, idx)] = out.contiguous()
-        if not self._post_upto(peer, idx, ops):
+        pos = self.ex.makes[a]
+        self.outbox[pos] = out.contiguous()
+        if not self._post_upto(pos, ops):
             raise RuntimeError(f"pp rank {self.ex.me}: message plan out of order at {a.describe()} (a bug)")
         return ops
 

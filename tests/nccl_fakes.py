@@ -1,0 +1,251 @@
+"""Record what the real code posts, over fake NCCL process groups, every rank in turn in this process.
+
+:func:`recording` swaps the ``torch.distributed`` functions that ``parallel4d.distributed.comm`` (and
+the code under test) calls for recording fakes: each post becomes a
+:class:`~parallel4d.distributed.nccl_replay.Post`, each ``Work.wait`` a ``Wait``; ``is_completed()``
+says False (the code then waits: the conservative answer); a received tensor is zeros; the backend
+is reported as ``"nccl"``. The code runs rank by rank (a wait returns at once), so the sequences are
+the code's own, not a re-derivation; :func:`~parallel4d.distributed.nccl_replay.replay` then decides.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from contextlib import contextmanager
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from parallel4d.distributed import comm
+from parallel4d.distributed.comm import CommStats
+from parallel4d.distributed.nccl_replay import Post, Wait
+
+
+class FakeGroup:
+    def __init__(self, name: str, ranks):
+        self.name, self.ranks = name, list(ranks)
+
+    def __repr__(self):
+        return f"FakeGroup({self.name})"
+
+
+class FakeWork:
+    def __init__(self, rec: "Recorder", rank: int, work: int):
+        self.rec, self.rank, self.work = rec, rank, work
+
+    def wait(self, timeout: timedelta | None = None):
+        limit = None if timeout is None else timeout.total_seconds()
+        self.rec.events[self.rank].append(Wait(self.work, self.rec.what, limit))
+        return True
+
+    def is_completed(self) -> bool:
+        return False
+
+
+class FakeP2POp:
+    def __init__(self, op, tensor, peer, group=None, tag=0):
+        self.op, self.tensor, self.peer, self.group, self.tag = op, tensor, peer, group, tag
+
+
+class Recorder:
+    """Events per global rank; ``rank``: the rank whose code runs now."""
+
+    def __init__(self, world: int):
+        self.world = FakeGroup("world", range(world))
+        self.rank = 0
+        self.events: dict[int, list] = defaultdict(list)
+        self._next: dict[int, int] = defaultdict(int)
+        self.what = ""
+
+    def post(self, kind: str, group, ops, label: str = "") -> FakeWork:
+        group = group or self.world
+        work = self._next[self.rank]
+        self._next[self.rank] += 1
+        self.events[self.rank].append(Post(work, kind, group.name, tuple(group.ranks), tuple(ops), label or self.what))
+        return FakeWork(self, self.rank, work)
+
+    def collective(self, name: str, group, async_op: bool):
+        work = self.post("coll", group, [("coll", name)])
+        if async_op:
+            return work
+        work.wait()  # a blocking call: the host waits (conservative on NCCL)
+        return None
+
+    # the fakes, as torch.distributed spells them
+    def isend(self, tensor, dst=None, group=None, tag=0):
+        return self.post("p2p", group, [("send", dst)])
+
+    def irecv(self, tensor, src=None, group=None, tag=0):
+        tensor.zero_()
+        return self.post("p2p", group, [("recv", src)])
+
+    def batch_isend_irecv(self, ops):
+        for op in ops:
+            if op.op == self.irecv:
+                op.tensor.zero_()
+        return [self.post("batch", ops[0].group, [("send" if op.op == self.isend else "recv", op.peer) for op in ops])]
+
+    def broadcast(self, tensor, src, group=None, async_op=False):
+        return self.collective("broadcast", group, async_op)
+
+    def all_reduce(self, tensor, op=None, group=None, async_op=False):
+        return self.collective("all_reduce", group, async_op)
+
+    def reduce(self, tensor, dst, op=None, group=None, async_op=False):
+        return self.collective("reduce", group, async_op)
+
+    def all_gather(self, parts, tensor, group=None, async_op=False):
+        for p in parts:
+            p.copy_(tensor)
+        return self.collective("all_gather", group, async_op)
+
+    def get_rank(self, group=None):
+        return self.rank if group is None else group.ranks.index(self.rank)
+
+    def get_world_size(self, group=None):
+        return len((group or self.world).ranks)
+
+
+@contextmanager
+def recording(world: int):
+    """A :class:`Recorder` whose fakes stand in for ``torch.distributed``'s functions inside the block."""
+    rec = Recorder(world)
+
+    class named:  # remembers what the code says it waits for (a fake never fails: nothing to translate)
+        def __init__(self, what, group=None, timeout_s=None):
+            rec.what = what
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+    fakes = {
+        "isend": rec.isend, "irecv": rec.irecv, "batch_isend_irecv": rec.batch_isend_irecv, "P2POp": FakeP2POp,
+        "broadcast": rec.broadcast, "all_reduce": rec.all_reduce, "reduce": rec.reduce, "all_gather": rec.all_gather,
+        "get_rank": rec.get_rank, "get_world_size": rec.get_world_size, "is_initialized": lambda: True,
+        "get_backend": lambda group=None: "nccl", "get_global_rank": lambda group, i: group.ranks[i],
+        "get_process_group_ranks": lambda group: list(group.ranks),
+    }
+    real_named = comm.named
+    saved = {name: getattr(dist, name) for name in fakes}
+    try:
+        for name, fake in fakes.items():
+            setattr(dist, name, fake)
+        comm.named = named
+        yield rec
+    finally:
+        for name, real in saved.items():
+            setattr(dist, name, real)
+        comm.named = real_named
+
+
+# --- the code under test, every rank in turn ---------------------------------------------------
+
+
+class PipelineMesh:
+    """What the executor asks of a mesh: pp only, global rank = pp index."""
+
+    def __init__(self, pp: int, me: int, group: FakeGroup):
+        self.pp, self.me, self.pp_group = pp, me, group
+        self.comm_stats = CommStats()
+        self.device = torch.device("cpu")
+
+    def size(self, axis):
+        return self.pp if axis == "pp" else 1
+
+    def rank(self, axis):
+        return self.me if axis == "pp" else 0
+
+    def global_rank(self, axis, index):
+        return index
+
+    def group(self, axis):
+        return self.pp_group
+
+
+def record_pipeline(schedule, steps: int = 1, timeout_s: float = 60.0) -> tuple[dict, dict]:
+    """Per pp rank, what ``PipelineExecutor`` posts and waits for: its construction and ``steps``
+    training steps; then its ``for_evaluation()`` twin's construction and ``steps`` steps under
+    no_grad (``(training, evaluation)``, each global rank → events). Tiny ``nn.Linear(4, 4)`` chunks
+    on ``[2, 4]`` activations. The schedule's validation and message order (pure functions of it)
+    are computed once for all ranks, not once per rank as in a real job."""
+    from parallel4d.pipeline import executor
+
+    pp, m = schedule.pp, schedule.microbatches
+    group = FakeGroup("pp", range(pp))
+    x = [torch.ones(2, 4) for _ in range(m)]
+    real = {name: getattr(executor, name) for name in ("validate", "message_order", "message_plan")
+            if hasattr(executor, name)}
+    for name, fn in real.items():  # once for all ranks: the same schedule every time
+        setattr(executor, name, lambda s, fn=fn, done={}: done[0] if done else done.setdefault(0, fn(s)))
+    training: dict[int, list] = {}
+    try:
+        with recording(pp) as rec:
+            for r in range(pp):
+                rec.rank = r
+                chunks = {c: nn.Linear(4, 4) for c in schedule.placement[r]}
+                ex = executor.PipelineExecutor(schedule, PipelineMesh(pp, r, group), chunks,
+                                               lambda y, t: (y * t).mean(), (2, 4), torch.float32, timeout_s=timeout_s)
+                for _ in range(steps):
+                    ex.step(x, x)
+                training[r] = rec.events.pop(r)
+                ev = ex.for_evaluation()
+                with torch.no_grad():
+                    for _ in range(steps):
+                        ev.step(x, x)
+    finally:
+        for name, fn in real.items():
+            setattr(executor, name, fn)
+    return training, dict(rec.events)
+
+
+def record_ring(n: int, causal: bool = True):
+    """Per rank of an ``n``-rank sp group, what ``ring_attention`` posts and waits for, forward and
+    backward (``q, k, v [1, 2, 2, 4]`` per rank)."""
+    from parallel4d.sequence import ring_attention
+
+    group = FakeGroup("sp", range(n))
+    with recording(n) as rec:
+        for r in range(n):
+            rec.rank = r
+            q, k, v = (torch.ones(1, 2, 2, 4, requires_grad=True) for _ in range(3))
+            ring_attention(q, k, v, group, causal=causal, timeout_s=60.0).sum().backward()
+    return dict(rec.events)
+
+
+class GridMesh:
+    """What ``tensor2d.Grid`` asks of a mesh: a q×q grid, global rank ``i·q + j``."""
+
+    def __init__(self, q: int, rank: int):
+        self.q, self.i, self.j = q, rank // q, rank % q
+        self.comm_stats = CommStats()
+        self.rows = [FakeGroup(f"tp_col[i={i}]", [i * q + t for t in range(q)]) for i in range(q)]
+        self.cols = [FakeGroup(f"tp_row[j={j}]", [t * q + j for t in range(q)]) for j in range(q)]
+
+    def rank(self, axis):
+        return self.i if axis == "tp_row" else self.j
+
+    def group(self, axis):  # tp_col varies along my row; tp_row along my column
+        return self.rows[self.i] if axis == "tp_col" else self.cols[self.j]
+
+    def global_rank(self, axis, index):
+        return self.i * self.q + index if axis == "tp_col" else index * self.q + self.j
+
+
+def record_summa(q: int, overlap: bool = True):
+    """Per rank of a q×q grid, what ``summa_ab``, ``summa_abt`` and ``summa_atb`` post and wait for,
+    each forward and backward, one after another (``[2, 2]`` blocks)."""
+    from parallel4d.tensor2d.summa import summa_ab, summa_abt, summa_atb
+
+    with recording(q * q) as rec:
+        for r in range(q * q):
+            rec.rank = r
+            mesh = GridMesh(q, r)
+            for op in (summa_ab, summa_abt, summa_atb):
+                a, b = (torch.ones(2, 2, requires_grad=True) for _ in range(2))
+                op(a, b, mesh, overlap=overlap).sum().backward()
+    return dict(rec.events)
