@@ -53,6 +53,8 @@ class RowAdam:
         on_host = self.host_optimizer in ("exact", "fused") and any(c.slot is None for c in (P, G, M, V))
         views = self._host_views(parts) if on_host else self._device_views(parts, grad_scale is not None)
         update = fused_adam_update if on_host and self.host_optimizer == "fused" else adam_update
+        if on_host and isinstance(grad_scale, torch.Tensor):  # host arithmetic takes a host number: this
+            grad_scale = grad_scale.cpu()  # waits for the device, as the host update does for its chunks
         for a, b, (st, hp) in self._spans(G, ks, steps, lo, hi):
             if b > a:
                 p, g, m, v = (x[a:b] for x in views)
