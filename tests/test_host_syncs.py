@@ -285,3 +285,38 @@ def test_all_four_techniques_together(sixteen):
     for rank, per_case in enumerate(sixteen):
         syncs = [Sync(*s) for s in per_case["all four (configs/4d.yaml)"]]
         assert unexpected(syncs, cfg, 16, known=HETERO_OFF_DEVICE_NORM) == [], rank
+
+
+def test_a_diverged_loss_read_at_the_log_step_names_its_own_step(tmp_path):
+    """Losses are read back at log steps only: a loss that diverged at step 2 is caught at step 3 (the log
+    step, before any checkpoint of it could be saved) and named as step 2's."""
+    from conftest import run_in_this_process
+
+    cfg = job(optimizer={"lr": 1e30}, train={"dtype": "float64", "steps": 5, "out_dir": str(tmp_path / "run")},
+              checkpoint={"enabled": True, "every": 3})
+    with pytest.raises(FloatingPointError, match="loss became .* at step 2; lower optimizer.lr"):
+        run_in_this_process(cfg, [])
+    assert not (tmp_path / "run" / "checkpoints" / "step_00000003").exists()
+
+
+def test_a_signal_stops_the_run_at_the_next_log_step_and_saves(tmp_path, monkeypatch):
+    """SIGTERM during step 4 of a run that logs every 3 steps: the ranks agree on it with the read of step
+    6 (the next step that reads back), save step 6 and stop: the latency docs/operations.md states."""
+    import os
+    import signal
+
+    from conftest import run_in_this_process
+    from parallel4d.engine.step import Engine
+
+    real = Engine.train_step
+
+    def train_step(engine, *args, **kwargs):
+        if engine.step == 3:
+            os.kill(os.getpid(), signal.SIGTERM)  # the loop's handler records it
+        return real(engine, *args, **kwargs)
+
+    monkeypatch.setattr(Engine, "train_step", train_step)
+    cfg = job(train={"steps": 20, "log_every": 3, "out_dir": str(tmp_path / "run")}, checkpoint={"enabled": True})
+    summary = run_in_this_process(cfg, [])
+    assert (summary["stop_signal"], summary["steps"], len(summary["losses"])) == ("SIGTERM", 6, 6)
+    assert Path(summary["checkpoint"]).name == "step_00000006"

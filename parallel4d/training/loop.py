@@ -321,8 +321,8 @@ def _saved(step: int, cfg: Config) -> bool:
 def _read_back(engine: Trainer, mesh, losses: list[float], pending: list[torch.Tensor], stop: _StopFlag | None,
                logged: bool) -> dict:
     """What the host needs after this step, read back from the device together (one wait on a GPU):
-    the ``pending`` losses (since the last read; moved to ``losses`` as floats — a non-finite one
-    raises, naming its step); where ``logged``, the gradient norm, float16's loss scale and skipped
+    the ``pending`` losses (since the last read; moved to ``losses`` as floats — one that diverged
+    raises, naming its step: :func:`_diverged`); where ``logged``, the gradient norm, float16's loss scale and skipped
     steps and every rank's peak memory (``peaks``, collective); with ``stop``, the signal number every
     rank agrees on (``signal``, collective). The same steps call it on every rank."""
     values: dict = {"losses": list(pending)}
@@ -337,11 +337,20 @@ def _read_back(engine: Trainer, mesh, losses: list[float], pending: list[torch.T
     first = engine.step - len(pending) + 1
     pending.clear()
     for k, loss in enumerate(read["losses"]):
-        if not math.isfinite(loss):
+        if _diverged(loss):
             raise FloatingPointError(f"loss became {loss} at step {first + k}; lower optimizer.lr or set "
                                      "train.grad_clip")
     losses.extend(read["losses"])
     return read
+
+
+def _diverged(loss: float) -> bool:
+    """A loss that is not finite, or beyond float32's range (infinite in the float32 the model
+    computes in by default: a run diverged, whatever the dtype the loss is read in)."""
+    return not math.isfinite(loss) or abs(loss) > _FLOAT32_MAX
+
+
+_FLOAT32_MAX = torch.finfo(torch.float32).max
 
 
 def _evaluated(step: int, cfg: Config) -> bool:
