@@ -12,11 +12,13 @@ Through the training loop and the engine's own ``train_step``, per step:
   rank holds (summary.json's ``memory``);
 * float16 with an optimizer that cannot skip a step on the device (``train.fused=off``/``apex``,
   hetero): one read of the overflow flag per step; with torch's fused AdamW, none;
-* hetero under a device budget: its gradient norm reads the gradient chunks that are off the
-  device on the host (known, reported in #28).
+* hetero: its gradient norm reads the gradient chunks that are off the device (under a budget, and
+  most ZeRO shards) on the host (known, reported in #28); rows its optimizer updates on the host read
+  the clipping coefficient once per step.
 
 Each technique alone and all four together; single-process where the layout allows, else in the
-suite's 16-worker job (tests/conftest.py ``sixteen_workers``). docs/operations.md says the same.
+suite's 16-worker job (tests/conftest.py ``sixteen_workers``). Where a GPU is, torch's own detector
+(``torch.cuda.set_sync_debug_mode``) checks the engine's steps as well. docs/operations.md says the same.
 """
 
 from __future__ import annotations
@@ -320,3 +322,63 @@ def test_a_signal_stops_the_run_at_the_next_log_step_and_saves(tmp_path, monkeyp
     summary = run_in_this_process(cfg, [])
     assert (summary["stop_signal"], summary["steps"], len(summary["losses"])) == ("SIGTERM", 6, 6)
     assert Path(summary["checkpoint"]).name == "step_00000006"
+
+
+def test_hetero_rows_updated_on_the_host_read_the_clip_coefficient_once_per_step(single_rank):
+    """hetero's optimizer on the host (the default on CUDA) for rows off the device: the clipping
+    coefficient, a device tensor, is read back once per step (host arithmetic takes a host number) and
+    the steps equal those of the rows updated on the device, bit for bit ("exact")."""
+    from parallel4d.config.load import make_config
+    from parallel4d.data.batches import build_dataset
+    from parallel4d.distributed.mesh import init_mesh
+    from parallel4d.engine.compose import compose
+    from parallel4d.engine.step import Engine
+
+    cfg = make_config(job(hetero={"enabled": True, "chunk_elems": 4096, "device_budget_bytes": 100000},
+                          train={"grad_clip": 0.05}))
+    losses, counted = {}, None
+    for mode in ("off", "exact"):
+        with HostSyncs().watch_steps(Engine) as syncs:
+            engine = compose(cfg, init_mesh())
+            engine.optimizer.rt.host_optimizer = mode
+            data = build_dataset(cfg)
+            losses[mode] = [engine.train_step(*data.batch(step)) for step in range(3)]
+        counted = syncs
+    assert engine.hetero_stats()["host_optimizer_rows"] > 0
+    assert [float(x) for x in losses["exact"]] == [float(x) for x in losses["off"]]
+    reads = [(s.label, s.site) for s in counted.syncs if s.what == ".cpu(host)"]
+    assert reads == [(f"step {n}", "parallel4d/hetero/step.py") for n in (1, 2, 3)]
+
+
+@pytest.mark.gpu
+def test_steps_on_a_gpu_make_no_synchronizing_cuda_call(tmp_path):
+    """Where a GPU is: torch's own detector of synchronizing CUDA calls (``set_sync_debug_mode("error")``:
+    ``.item()``, blocking copies, stream synchronizations) around the engine's steps after the first (one
+    rank, NCCL): plain with clipping, gradient accumulation, float16 with fused AdamW and clipping."""
+    import math
+
+    import torch.distributed as dist
+
+    from parallel4d.config.load import make_config
+    from parallel4d.data.batches import build_dataset
+    from parallel4d.distributed.mesh import init_mesh
+    from parallel4d.engine.compose import compose
+
+    torch.cuda.set_device(0)
+    dist.init_process_group("nccl", init_method=f"file://{tmp_path}/rendezvous", rank=0, world_size=1)
+    try:
+        for sections in ({"train": {"grad_clip": 1.0}}, {"pipeline": {"microbatches": 2}},
+                         {"train": {"dtype": "float16", "fused": "torch", "grad_clip": 1.0}}):
+            cfg = make_config(job(**sections))
+            engine = compose(cfg, init_mesh())
+            assert engine.device.type == "cuda"
+            data = build_dataset(cfg)
+            losses = [engine.train_step(*data.batch(0))]  # the first step allocates and builds the state
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                losses += [engine.train_step(*data.batch(step)) for step in (1, 2, 3)]
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+            assert all(math.isfinite(float(x)) for x in losses), sections
+    finally:
+        dist.destroy_process_group()
