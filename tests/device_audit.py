@@ -11,6 +11,7 @@ storage through a ``TorchFunctionMode``:
   ``device=t.device`` and ``.to(t.device)`` mean what they would on a GPU;
 * ``.to(...)`` / ``.pin_memory()`` / ``.cpu()`` decide by their target; a tensor moved
   between host and device is cloned here (a no-op on the CPU), as a GPU run copies it;
+  ``.pin_memory()`` without CUDA (where torch refuses it) is a host copy;
 * any other op makes device outputs when one input is a device tensor (as CUDA does,
   a 0-dim host tensor joins a device op), host outputs when its tensor inputs are host.
 
@@ -101,8 +102,12 @@ class DeviceAudit(TorchFunctionMode):
         kwargs = kwargs or {}
         if getattr(func, "__self__", None) is torch.Tensor.device:  # `t.device`: where a GPU run has it
             return torch.device("cpu") if self.is_host(args[0]) else MESH_DEVICE
-        out = func(*args, **kwargs)
         name = getattr(func, "__name__", "")
+        if name == "pin_memory" and not torch.cuda.is_available():  # nothing to page-lock: a host copy
+            out = args[0].clone()
+            self._mark(out, host=True)
+            return out
+        out = func(*args, **kwargs)
         inputs = list(_tensors(args)) + list(_tensors(kwargs))
         if name in ("to", "cpu", "pin_memory", "cuda") and inputs:
             if name == "to":

@@ -73,7 +73,7 @@ def _train_layouts(jobs: dict, with_hetero_stats: bool = False):
         p = cfg.parallel
         mesh = init_mesh(pp=p.pp, dp=p.dp, sp=p.sp, tp=p.tp, timeout_s=60)
         engine, data = compose(cfg, mesh), build_dataset(cfg)
-        losses = [engine.train_step(*data.batch(step)) for step in range(cfg.train.steps)]
+        losses = [float(engine.train_step(*data.batch(step))) for step in range(cfg.train.steps)]  # read back
         pieces = {k[len("model."):]: [(tuple(off), view.detach().clone()) for off, view in v.pieces]
                   for k, v in engine.state_dict().items() if k.startswith("model.")}
         out[name] = losses, pieces

@@ -108,7 +108,8 @@ def _overflow_worker():
         before = [p.detach().clone() for p in engine.params]
         engine.train_step(*data.batch(step))
         changed = any(not torch.equal(a, p) for a, p in zip(before, engine.params))
-        out.append({"skipped": engine.last_step_skipped, "changed": changed, "scale": engine.loss_scale.scale})
+        out.append({"skipped": bool(engine.last_step_skipped), "changed": changed,
+                    "scale": float(engine.loss_scale.scale)})  # read back: the scale is updated in place
     return {"coords": mesh.coords, "steps": out}
 
 

@@ -23,9 +23,15 @@ def local_rows(mesh: Mesh, batch_size: int) -> range:
 def local_batch(mesh: Mesh, x: torch.Tensor, layout: str = "zigzag") -> torch.Tensor:
     """This rank's share of a global ``[B, S]`` tensor (tokens or targets): its rows
     (:func:`local_rows`), then sequence shard sp in ``layout`` (``sequence.layout``)
-    → ``[B/(dp·q), S/sp]`` on ``mesh.device``."""
+    → ``[B/(dp·q), S/sp]`` on ``mesh.device``. A host tensor is page-locked and copied without
+    making the host wait (a plain copy from pageable memory would wait for the device's queue)."""
     rows = local_rows(mesh, x.shape[0])
     x = x[rows.start:rows.stop]
     if mesh.size("sp") > 1:
         x = split_sequence(x, mesh.group("sp"), dim=1, layout=layout)
-    return x.contiguous().to(mesh.device)
+    x = x.contiguous()
+    if x.device == mesh.device:
+        return x
+    if x.device.type == "cpu":
+        x = x.pin_memory()
+    return x.to(mesh.device, non_blocking=True)

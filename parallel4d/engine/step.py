@@ -42,15 +42,15 @@ class Engine(Trainer):
         self.tokens_seen = 0
         self.last_step_info: dict = {}
         self.last_lr: float | None = None  # the learning rate of the last step
-        self.last_grad_norm: float | None = None  # see train_step
+        self.last_grad_norm: torch.Tensor | None = None  # see train_step
         self._eval_executor = None  # forwards-only twin of the executor, built at the first evaluate()
         half = cfg.train.autocast
         self.autocast = (torch.autocast(device_type=self.device.type, dtype=TORCH_DTYPES[half])
                          if half != "none" else nullcontext())
         # float16: the loss is scaled for the backward; every rank agrees on skipping a step that overflowed
-        self.loss_scale = LossScale(cfg.train.loss_scale_init, cfg.train.loss_scale_window) if half == "float16" \
-            else None
-        self.last_step_skipped = False
+        self.loss_scale = LossScale(cfg.train.loss_scale_init, cfg.train.loss_scale_window, self.device) \
+            if half == "float16" else None
+        self.last_step_skipped: torch.Tensor | None = None  # float16: bool [], whether the last step was skipped
         self.memory: dict | None = None  # what the last step asked to measure held (memory.py's rules)
         self.pretrained_bytes_read: int | None = None  # compose() sets it when model.pretrained is loaded
 
@@ -73,7 +73,7 @@ class Engine(Trainer):
             self.last_step_info = {"peak_activations": result.peak_activations, "wait_s": result.wait_s}
             if self.tied_sync is not None:
                 self.tied_sync(self.tied_params, timeout_s=self.cfg.train.timeout_s)
-            return torch.tensor([result.loss], dtype=torch.float64, device=self.device)
+            return result.loss.reshape(1)
         mb = self.cfg.pipeline.microbatches
         if mb == 1:
             return self._micro_step(x, y, 1)
@@ -84,7 +84,9 @@ class Engine(Trainer):
             total += self._micro_step(xm, ym, mb)
         return total / mb
 
-    def _scale(self) -> float:
+    def _scale(self) -> torch.Tensor | float:
+        """What the loss is multiplied by for the backward: float16's scale (float64 ``[]`` on the
+        device, never read here), else 1."""
         return self.loss_scale.scale if self.loss_scale is not None else 1.0
 
     def _micro_step(self, x, y, mb: int) -> torch.Tensor:
@@ -95,8 +97,8 @@ class Engine(Trainer):
             for stage in self._stages:
                 h = stage(h)
             loss = self.loss_fn(h, y)
-        scale = self._scale()
-        (loss * (scale / mb) if scale != 1.0 or mb > 1 else loss).backward()
+        scaled = self.loss_scale is not None or mb > 1  # decided on the host: the scale is never read
+        (loss * (self._scale() / mb) if scaled else loss).backward()
         return loss.detach().to(torch.float64).reshape(1)
 
     def compute_gradients(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -111,10 +113,11 @@ class Engine(Trainer):
         return loss
 
     @torch.no_grad()
-    def evaluate(self, tokens: torch.Tensor, targets: torch.Tensor) -> float:
+    def evaluate(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """The global mean loss of a ``[B, S]`` batch, forwards only (no gradient is computed or
         touched), in ``pipeline.microbatches`` micro-batches as a training step cuts it: equal in
-        every layout to the dense model's loss on the batch. Collective over the whole mesh."""
+        every layout to the dense model's loss on the batch. Float64 ``[]`` on the device, not read
+        back (as :meth:`train_step`'s). Collective over the whole mesh."""
         x, y = self.local_batch(tokens), self.local_batch(targets)
         mb = self.cfg.pipeline.microbatches
         total = torch.zeros(1, dtype=torch.float64, device=self.device)
@@ -132,16 +135,17 @@ class Engine(Trainer):
         work = comm.all_reduce(total, self.mesh.group_over("dp", "sp"), stats=self.mesh.comm_stats,
                                label="val_loss", async_op=True)
         comm.wait(work, self.cfg.train.timeout_s, "validation loss all-reduce over the data replicas (dp·sp)")
-        return total.item() / (self.mesh.size("dp") * self.mesh.size("sp"))
+        return total.reshape(()) / (self.mesh.size("dp") * self.mesh.size("sp"))
 
-    def _overflow(self, norm: torch.Tensor) -> bool:
+    def _overflow(self, norm: torch.Tensor) -> torch.Tensor:
         """Whether any rank's gradients hold an inf or NaN, agreed by every rank of the mesh (the
-        norm already sums over every axis; the explicit MAX over the world makes the rule plain)."""
-        flag = torch.tensor([0.0 if bool(torch.isfinite(norm)) else 1.0], device=self.device)
+        norm already sums over every axis; the explicit MAX over the world makes the rule plain):
+        float32 ``[]`` on the device, 1.0 or 0.0 (the form torch's fused Adam reads), never read here."""
+        flag = (~torch.isfinite(norm)).to(torch.float32).reshape(1)
         work = comm.all_reduce(flag, None, op=dist.ReduceOp.MAX, stats=self.mesh.comm_stats, label="overflow",
                                async_op=True)
         comm.wait(work, self.cfg.train.timeout_s, "float16 overflow agreement over every rank")
-        return bool(flag.item() > 0)
+        return flag.reshape(())
 
     def grad_norm(self) -> torch.Tensor:
         """L2 norm of the whole model's gradient after :meth:`compute_gradients`, float64 ``[]``,
@@ -167,11 +171,16 @@ class Engine(Trainer):
         return loss
 
     def train_step(self, tokens: torch.Tensor, targets: torch.Tensor, measure_grad_norm: bool = False,
-                   measure_memory: bool = False) -> float:
-        """One optimizer step on the global batch; returns the global mean loss. The gradient's
-        norm (before clipping) is in ``last_grad_norm`` when ``train.grad_clip`` is set or
-        ``measure_grad_norm`` asks for it (a collective: ask on every rank), else None.
-        ``measure_memory``: fill :attr:`memory` (:meth:`measure_gradients`, then the optimizer state)."""
+                   measure_memory: bool = False) -> torch.Tensor:
+        """One optimizer step on the global batch; returns the global mean loss, float64 ``[]`` on
+        the mesh's device. The step never waits for the device: the loss, like ``last_grad_norm``
+        and the loss scale, is not read back here (``float(loss)`` waits for the step to finish:
+        read it when it is needed, as the training loop does once per log interval). The
+        gradient's norm (before clipping, float64 ``[]``) is in ``last_grad_norm`` when
+        ``train.grad_clip`` is set or ``measure_grad_norm`` asks for it (a collective: ask on every
+        rank), else None. Clipping multiplies the gradients by ``min(1, clip / (norm + 1e-6))`` on
+        the device. ``measure_memory``: fill :attr:`memory` (:meth:`measure_gradients`, then the
+        optimizer state)."""
         lr = lr_at(self.step, self.cfg.optimizer, self.cfg.train.steps)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
@@ -179,26 +188,24 @@ class Engine(Trainer):
         loss = (self.measure_gradients if measure_memory else self.compute_gradients)(tokens, targets)
         clip, scaler = self.cfg.train.grad_clip, self.loss_scale
         norm = self.grad_norm() if clip or measure_grad_norm or scaler else None
-        coef = None  # what the gradients are multiplied by before the update: unscaling, clipping
+        coef = None  # what the gradients are multiplied by before the update (float64 []): unscaling, clipping
         if scaler is not None:
             norm, coef = norm / scaler.scale, 1.0 / scaler.scale
         if clip:
-            c = float((clip / (norm + 1e-6)).clamp(max=1.0))
+            c = (clip / (norm + 1e-6)).clamp(max=1.0)
             coef = c if coef is None else coef * c
-        self.last_grad_norm = None if norm is None else float(norm)
-        self.last_step_skipped = scaler is not None and self._overflow(norm)
-        if not self.last_step_skipped:
-            if coef is not None:
-                self.store.scale_gradients(coef)
-            self.optimizer.step()
+        self.last_grad_norm = norm
+        overflow = self._overflow(norm) if scaler is not None else None
+        self.last_step_skipped = None if overflow is None else overflow.bool()
+        self.store.optimizer_step(coef, overflow)
         if measure_memory:
             self.memory["optimizer_state"] = self.store.optimizer_state_bytes()
         self.optimizer.zero_grad()
         if scaler is not None:
-            scaler.update(self.last_step_skipped)
+            scaler.update(overflow)
         self.step += 1
         self.tokens_seen += tokens.numel()
-        return self.sum_over_replicas(loss).item() / (self.mesh.size("dp") * self.mesh.size("sp"))
+        return self.sum_over_replicas(loss).reshape(()) / (self.mesh.size("dp") * self.mesh.size("sp"))
 
     def sum_over_replicas(self, loss: torch.Tensor) -> torch.Tensor:
         """The sum of the data replicas' mean losses (a no-op with one replica)."""

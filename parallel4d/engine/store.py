@@ -62,8 +62,31 @@ class ParameterStore(ABC):
         element once (:func:`~parallel4d.engine.grads.norm_weight`), summed over tp and pp."""
 
     @abstractmethod
-    def scale_gradients(self, coef: float) -> None:
-        """Multiply the gradients by ``coef`` before the next optimizer step (unscaling, clipping)."""
+    def scale_gradients(self, coef: torch.Tensor) -> None:
+        """Multiply the gradients by ``coef`` (float64 ``[]`` on the device) before the next optimizer
+        step (unscaling, clipping)."""
+
+    def skips_on_device(self) -> bool:
+        """Whether the optimizer can skip a step on a flag it reads on the device (see :meth:`optimizer_step`)."""
+        return False
+
+    def _step(self, overflow: torch.Tensor | None) -> None:
+        """The optimizer's step; ``overflow``: only where :meth:`skips_on_device`."""
+        self.optimizer.step()
+
+    def optimizer_step(self, coef: torch.Tensor | None, overflow: torch.Tensor | None) -> None:
+        """The update: the gradients times ``coef`` (None: as they are), then the optimizer's step,
+        skipped where ``overflow`` (float16's flag, agreed by every rank: float32 ``[]``, 1.0 or 0.0) is
+        set. An optimizer that :meth:`skips_on_device` gets the flag on the device and the step never
+        waits; any other needs it on the host: the one read a float16 step makes (``train.fused=off``
+        or ``apex``; hetero, whose optimizer counts its steps on the host)."""
+        if overflow is not None and not self.skips_on_device():
+            if bool(overflow):  # a host read: this optimizer cannot leave a step undone on the device
+                return
+            overflow = None
+        if coef is not None:
+            self.scale_gradients(coef)
+        self._step(overflow)
 
     # --- memory ---------------------------------------------------------------------
     @abstractmethod
@@ -127,10 +150,26 @@ class PlainStore(ParameterStore):
     def grad_norm(self) -> torch.Tensor:
         return grads.global_grad_norm(self.params, self.mesh, {id(p) for p in self.tied_params})
 
-    def scale_gradients(self, coef: float) -> None:
-        for p in self.params:
-            if p.grad is not None:
-                p.grad.mul_(coef)
+    def scale_gradients(self, coef: torch.Tensor) -> None:
+        grads = [p.grad for p in self.params if p.grad is not None]
+        if grads:
+            torch._foreach_mul_(grads, coef)
+
+    def skips_on_device(self) -> bool:
+        """torch's fused Adam/AdamW read a ``found_inf`` flag on the device (as ``GradScaler`` hands it
+        over) and leave the parameters, moments and step counts as they were where it is 1."""
+        return isinstance(self.optimizer, torch.optim.Adam | torch.optim.AdamW) and \
+            all(g.get("fused") for g in self.optimizer.param_groups)
+
+    def _step(self, overflow: torch.Tensor | None) -> None:
+        if overflow is None:
+            self.optimizer.step()
+            return
+        self.optimizer.found_inf = overflow
+        try:
+            self.optimizer.step()
+        finally:
+            del self.optimizer.found_inf
 
     def measuring(self, meter: SavedActivations) -> AbstractContextManager:
         return nullcontext()  # autograd's saved-tensor hooks (meter's own) see every activation
@@ -203,7 +242,7 @@ class HeteroStore(ParameterStore):
         weights = {name: grads.norm_weight(p, q, tied) for name, p in self.model.named_parameters()}
         return grads.sum_over_model_axes(self.optimizer.grad_sq_norm(weights), self.mesh).sqrt()
 
-    def scale_gradients(self, coef: float) -> None:
+    def scale_gradients(self, coef: torch.Tensor) -> None:
         self.optimizer.scale_next_step(coef)  # the gradients live in the chunks until the step
 
     @contextmanager

@@ -6,6 +6,10 @@ Two classes implement it, and say so by subclassing :class:`Trainer`: parallel4d
 abstract, so a class that forgets one cannot be instantiated; a capability one trainer lacks
 is a method that answers None (e.g. :meth:`Trainer.held_memory`), never an attribute the
 loop has to probe for.
+
+No method the loop calls per step waits for the device: the loss and the gradient norm stay
+tensors on it, and the loop reads them back together once per log interval
+(:mod:`parallel4d.training.loop`; docs/operations.md lists the host syncs of a step).
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ class Trainer(Protocol):
     step: int  # optimizer steps taken (restored by load_checkpoint)
     checkpoint_format: str  # run.json's "format": whose files checkpoint_state writes
     last_lr: float | None  # the learning rate of the last step
-    last_grad_norm: float | None  # the gradient's norm at the last step, when it was measured
+    last_grad_norm: torch.Tensor | float | None  # the gradient's norm at the last step (``[]``), when measured
 
     # --- training -------------------------------------------------------------------
     @abstractmethod
@@ -36,14 +40,16 @@ class Trainer(Protocol):
 
     @abstractmethod
     def train_step(self, tokens: torch.Tensor, targets: torch.Tensor, measure_grad_norm: bool = False,
-                   measure_memory: bool = False) -> float:
+                   measure_memory: bool = False) -> torch.Tensor:
         """One optimizer step on the global ``[B, S]`` batch (rows outside :meth:`data_rows` may be
-        zeros); the global mean loss. ``measure_grad_norm``: fill ``last_grad_norm``;
-        ``measure_memory``: what the step holds, for :meth:`held_memory`, where the trainer can."""
+        zeros); the global mean loss, float64 ``[]`` on the device, not read back (reading it waits
+        for the step). ``measure_grad_norm``: fill ``last_grad_norm``; ``measure_memory``: what the
+        step holds, for :meth:`held_memory`, where the trainer can."""
 
     @abstractmethod
-    def evaluate(self, tokens: torch.Tensor, targets: torch.Tensor) -> float:
-        """The global mean loss of a ``[B, S]`` batch, forwards only."""
+    def evaluate(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The global mean loss of a ``[B, S]`` batch, forwards only: float64 ``[]`` on the device,
+        not read back."""
 
     # --- what the loop reports --------------------------------------------------------
     @abstractmethod

@@ -65,7 +65,7 @@ class HeteroOptimizer(torch.optim.Optimizer):
         if sorted(grouped) != sorted(id(p) for p in trainable):
             raise ValueError("hetero.wrap: the parameter groups must hold each trainable parameter of the wrapped "
                              "model exactly once")
-        self._clip_coef: float | None = None
+        self._clip_coef: torch.Tensor | float | None = None
 
     # --- the training-loop surface ------------------------------------------------
     def step(self, closure=None):
@@ -83,13 +83,14 @@ class HeteroOptimizer(torch.optim.Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.rt.zero_grad()
 
-    def clip_grad_norm_(self, max_norm: float) -> float:
-        """Global L2 norm of the gradients (over dp under ZeRO); the next ``step()``
-        scales them by ``min(1, max_norm/(norm+1e-6))`` like ``torch.nn.utils.clip_grad_norm_``.
-        The norm of this model's parameters only: a model split over more ranks (tensor or
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Global L2 norm of the gradients (over dp under ZeRO), float64 ``[]`` on the compute
+        device; the next ``step()`` scales them by ``min(1, max_norm/(norm+1e-6))`` like
+        ``torch.nn.utils.clip_grad_norm_``, the coefficient staying on the device (nothing here waits
+        for it). The norm of this model's parameters only: a model split over more ranks (tensor or
         pipeline parallel) sums :meth:`grad_sq_norm` over them and calls :meth:`scale_next_step`."""
-        norm = float(self.rt.grad_sq_norm().sqrt())
-        self.scale_next_step(min(1.0, max_norm / (norm + 1e-6)))
+        norm = self.rt.grad_sq_norm().sqrt()
+        self.scale_next_step((max_norm / (norm + 1e-6)).clamp(max=1.0))
         return norm
 
     def grad_sq_norm(self, weights: dict[str, float] | None = None) -> torch.Tensor:
@@ -97,8 +98,9 @@ class HeteroOptimizer(torch.optim.Optimizer):
         (``weights`` by parameter name, default 1)."""
         return self.rt.grad_sq_norm(weights)
 
-    def scale_next_step(self, coef: float) -> None:
-        """Multiply the gradients by ``coef`` in the next ``step()`` (clipping)."""
+    def scale_next_step(self, coef: torch.Tensor | float) -> None:
+        """Multiply the gradients by ``coef`` (a number, or ``[]`` on the compute device) in the next
+        ``step()`` (clipping, unscaling)."""
         self._clip_coef = coef
 
     # --- inspection -------------------------------------------------------------------

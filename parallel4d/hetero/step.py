@@ -29,12 +29,14 @@ class RowAdam:
         self.host_optimizer = host_optimizer  # "fused" | "exact" | "off"
         self.host_rows = 0  # row updates done on the host so far
         self.steps: dict[str, int] = {}
+        self._host_scale: torch.Tensor | None = None  # this step's grad_scale on the host (see step)
 
     @torch.no_grad()
     def step(self, hp_of: dict[str, dict], grad_scale=None) -> None:
         """One update of every parameter that has a gradient (``hp_of[name]``: its lr, beta1,
         beta2, eps, weight_decay, decoupled); the gradient is scaled by ``grad_scale`` first (clipping)."""
         self.layout.check_idle("optimizer.step()")
+        self._host_scale = None  # grad_scale read back once, at the first row updated on the host
         for row in self.layout.rows:
             if row.trainable:
                 self._step_row(row, hp_of, grad_scale)
@@ -54,6 +56,10 @@ class RowAdam:
         on_host = self.host_optimizer in ("exact", "fused") and any(c.slot is None for c in (P, G, M, V))
         views = self._host_views(parts) if on_host else self._device_views(parts, grad_scale is not None)
         update = fused_adam_update if on_host and self.host_optimizer == "fused" else adam_update
+        if on_host and isinstance(grad_scale, torch.Tensor):  # host arithmetic takes a host number: read
+            if self._host_scale is None:  # once a step (a wait, as the host update's for its chunks)
+                self._host_scale = grad_scale.cpu()
+            grad_scale = self._host_scale
         for a, b, (st, hp) in self._spans(G, ks, steps, lo, hi):
             if b > a:
                 p, g, m, v = (x[a:b] for x in views)

@@ -35,7 +35,7 @@ How the engine uses it (one optimizer step = one ``executor.step``)::
                         targets_mb if sched.owner(sched.num_chunks - 1) == me else None)
     if tied.active and me in tied.owners:
         tied([embedding_weight_copy_on_this_rank])   # sums embed/head grads between the two owners
-    loss = res.loss          # mean over micro-batches, identical on every pp rank
+    loss = res.loss          # mean over micro-batches, identical on every pp rank (float64 [1], on the device)
     # then DP gradient reduction over mesh.group("dp"), clipping, optimizer.step()
 
 Contract: ``loss_fn(output_of_last_chunk, targets_mb)`` returns the mean loss of

@@ -51,14 +51,14 @@ class StepResult:
     """What one :meth:`PipelineExecutor.step` did on this rank.
 
     ``loss``: mean over micro-batches of the per-micro-batch loss (same on all
-    pp ranks). ``peak_activations``: most chunk activations stored at once
+    pp ranks), float64 ``[1]`` on the device: not read back (that would wait for the step). ``peak_activations``: most chunk activations stored at once
     (equals ``simulate(schedule).peak_activations[pp_rank]``);
     ``peak_microbatches``: most distinct micro-batches among them. ``trace``:
     ``(action, start, end)`` in ``time.perf_counter`` seconds, compute only.
     ``wait_s``: seconds spent waiting for receives.
     """
 
-    loss: float
+    loss: torch.Tensor
     peak_activations: int
     peak_microbatches: int
     trace: list[tuple[Action, float, float]] = field(repr=False)
@@ -227,7 +227,7 @@ class PipelineExecutor:
             return None
         return gx if gx is not None else torch.zeros_like(x)
 
-    def _mean_loss(self, st: "_StepState") -> float:
+    def _mean_loss(self, st: "_StepState") -> torch.Tensor:
         src = self.owner[self.last]
         t = torch.zeros(1, dtype=torch.float64, device=self.device)
         if src == self.me:
@@ -240,7 +240,7 @@ class PipelineExecutor:
             work = comm.broadcast(t, self._peer(src), self.group, stats=self.stats, label="pp.loss", async_op=True)
             comm.wait(work, self.timeout_s, what=f"pp rank {self.me}: loss broadcast from pp rank {src} "
                                                  f"(waiting for every pp rank to finish its step)")
-        return float(t.item()) if comm.has_values(t) else float("nan")
+        return t  # float64 [1] on the device; reading it here would make every step wait for the GPU
 
 
 class _StepState:

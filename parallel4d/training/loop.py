@@ -1,4 +1,12 @@
-"""The training job one rank runs: mesh → engine → steps → checkpoints → summary.json."""
+"""The training job one rank runs: mesh → engine → steps → checkpoints → summary.json.
+
+The host never waits for the device at a step that neither logs, evaluates nor saves: the
+trainer's step returns its loss as a device tensor, and the losses since the last read come back
+to the host together, with the log's gradient norm, loss scale and peak memory and the ranks' stop
+signal, in one copy (:func:`_read_back`) at each log step (``train.log_every``), evaluation step
+and checkpoint step, and at the last. A signal is therefore acted on at the next such step
+(docs/operations.md: the host syncs of a step).
+"""
 
 from __future__ import annotations
 
@@ -28,11 +36,12 @@ from parallel4d.engine.model import tf32_allowed, use_tf32
 from parallel4d.engine.trainer import Trainer
 from parallel4d.distributed.mesh import init_mesh
 from parallel4d.integrations import deepspeed_integration
-from parallel4d.training.metrics import MetricsLog, gather_objects, gather_per_rank, peak_memory
+from parallel4d.training.metrics import MetricsLog, gather_objects, gather_per_rank, peak_memory, read_together
 
 
 class _StopFlag:
-    """Set by SIGINT/SIGTERM; the ranks agree on it at step boundaries, then save and stop."""
+    """Set by SIGINT/SIGTERM; the ranks agree on it at the steps that read back (:func:`_read_back`),
+    then save and stop."""
 
     def __init__(self):
         self.signum = 0  # the signal received, 0 for none
@@ -53,14 +62,20 @@ class _StopFlag:
         for sig, old in self._old.items():
             signal.signal(sig, old)
 
-    def agreed(self, device: torch.device) -> str | None:
-        """The signal that stops every rank (``"SIGTERM"`` before ``"SIGINT"``, whichever rank got it), or
-        None to go on: a collective over all ranks."""
-        flag = torch.tensor([float(self.signum)], device=device)  # NCCL groups take device tensors only
+    def post(self, device: torch.device) -> torch.Tensor:
+        """The largest signal number any rank got, float32 ``[1]`` on ``device``: a collective over all
+        ranks, not read back (:meth:`name` it once read)."""
+        # NCCL groups take device tensors only; a fill, where torch.tensor([...], device=) would copy and wait
+        flag = torch.full((1,), float(self.signum), device=device)
         with comm.named("stop-signal agreement at the step boundary", None):
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        signum = int(flag.item())
-        return signal.Signals(signum).name if signum else None
+        return flag
+
+    @staticmethod
+    def name(signum: float) -> str | None:
+        """The signal that stops every rank (``"SIGTERM"`` before ``"SIGINT"``: the larger number, whichever
+        rank got it), or None to go on."""
+        return signal.Signals(int(signum)).name if signum else None
 
 
 def _log(msg: str) -> None:
@@ -77,10 +92,12 @@ class _Progress:
 
             self.bar = tqdm(total=cfg.train.steps, initial=initial, desc="parallel4d", unit="step", file=sys.stderr)
 
-    def update(self, step: int, loss: float, tokens_per_second: float, elapsed: float) -> None:
+    def update(self, step: int, loss: float | None, tokens_per_second: float, elapsed: float) -> None:
+        """After ``step``; ``loss`` where the step read it back (a log step always does)."""
         if self.bar is not None:
             self.bar.update(1)
-            self.bar.set_postfix(loss=f"{loss:.4f}", tokens_per_s=f"{tokens_per_second:,.0f}")
+            if loss is not None:
+                self.bar.set_postfix(loss=f"{loss:.4f}", tokens_per_s=f"{tokens_per_second:,.0f}")
         elif self.enabled and _logged(step, self.cfg):
             _log(f"[parallel4d] step {step}/{self.cfg.train.steps} loss {loss:.4f} "
                  f"{tokens_per_second:,.0f} tokens/s ({elapsed:.1f}s)")
@@ -234,6 +251,7 @@ def run_training(cfg: Config) -> dict:
         return summary
 
     progress = _Progress(cfg, engine.step, enabled=lead)
+    pending: list[torch.Tensor] = []  # the losses of the steps since the last read, on the device
     # Until the end, final save and summary included: a signal after the agreement must not kill them.
     with _StopFlag() as stop:
         while engine.step < cfg.train.steps:
@@ -241,17 +259,19 @@ def run_training(cfg: Config) -> dict:
             evaluated = _evaluated(engine.step + 1, cfg)
             logged = evaluated or _logged(engine.step + 1, cfg)
             measure = engine.step == run.start_step  # this process's first step
-            loss = engine.train_step(tokens, targets, measure_grad_norm=logged, measure_memory=measure)
+            pending.append(engine.train_step(tokens, targets, measure_grad_norm=logged, measure_memory=measure))
             held = engine.held_memory() if measure else None
             if held is not None:  # what every rank held at it (memory.py), for summary.json
                 run.memory = {"step": engine.step, "per_rank": gather_objects(held)}
-            losses.append(loss)
-            if not torch.isfinite(torch.tensor(loss)):
-                raise FloatingPointError(f"loss became {loss} at step {engine.step}; lower optimizer.lr "
-                                         "or set train.grad_clip")
+            last = engine.step == cfg.train.steps  # nothing is left for a signal to stop
+            saving = not last and _saved(engine.step, cfg)
             elapsed = time.perf_counter() - start
             tps = (engine.step - run.start_step) * tokens.numel() / max(elapsed, 1e-9)
-            progress.update(engine.step, loss, tps, elapsed)
+            if not (logged or saving or last):  # nothing to read: the host runs on ahead of the device
+                progress.update(engine.step, None, tps, elapsed)
+                continue
+            read = _read_back(engine, mesh, losses, pending, stop=None if last else stop, logged=logged)
+            progress.update(engine.step, losses[-1], tps, elapsed)
             if evaluated:
                 run.validation.append(_validate(cfg, engine, val))
                 if lead:
@@ -259,18 +279,18 @@ def run_training(cfg: Config) -> dict:
                     _log(f"[parallel4d] step {engine.step}/{cfg.train.steps} validation loss {v['loss']:.4f} "
                          f"perplexity {v['perplexity']:.2f}")
             if logged:
-                record = _metrics_record(cfg, mesh, engine, loss, interval.tokens_per_second(engine.step, tokens))
+                record = _metrics_record(cfg, mesh, engine, losses[-1], read, interval.tokens_per_second(engine.step, tokens))
                 if evaluated:
                     record.update(val_loss=run.validation[-1]["loss"], val_perplexity=run.validation[-1]["perplexity"])
                 if metrics is not None:
                     metrics.write(record)
-            if engine.step == cfg.train.steps:  # nothing is left for a signal to stop
+            if last:
                 break
-            if cfg.checkpoint.enabled and cfg.checkpoint.every and engine.step % cfg.checkpoint.every == 0:
+            if saving:
                 run.save(elapsed, final=False)
                 if lead:
                     _try_write(write_summary, elapsed, finished=False)
-            interrupted = stop.agreed(mesh.device)
+            interrupted = _StopFlag.name(read["signal"][0])
             if interrupted:
                 if lead:
                     _log(f"[parallel4d] {interrupted} at step {engine.step}: saving a checkpoint and stopping")
@@ -295,6 +315,46 @@ def _logged(step: int, cfg: Config) -> bool:
     return step % cfg.train.log_every == 0 or step == cfg.train.steps
 
 
+def _saved(step: int, cfg: Config) -> bool:
+    """Whether ``step`` ends with a periodic checkpoint (every ``checkpoint.every`` steps)."""
+    return bool(cfg.checkpoint.enabled and cfg.checkpoint.every and step % cfg.checkpoint.every == 0)
+
+
+def _read_back(engine: Trainer, mesh, losses: list[float], pending: list[torch.Tensor], stop: _StopFlag | None,
+               logged: bool) -> dict:
+    """What the host needs after this step, read back from the device together (one wait on a GPU):
+    the ``pending`` losses (since the last read; moved to ``losses`` as floats — one that diverged
+    raises, naming its step: :func:`_diverged`); where ``logged``, the gradient norm, float16's loss scale and skipped
+    steps and every rank's peak memory (``peaks``, collective); with ``stop``, the signal number every
+    rank agrees on (``signal``, collective). The same steps call it on every rank."""
+    values: dict = {"losses": list(pending)}
+    if logged:
+        values.update(grad_norm=engine.last_grad_norm, peaks=gather_per_rank(peak_memory(mesh.device)[0], mesh.device))
+        scaler = engine.loss_scaler()
+        if scaler is not None:
+            values.update(loss_scale=scaler.scale, skipped_steps=scaler.skipped)
+    if stop is not None:
+        values["signal"] = stop.post(mesh.device)
+    read = read_together(values)
+    first = engine.step - len(pending) + 1
+    pending.clear()
+    for k, loss in enumerate(read["losses"]):
+        if _diverged(loss):
+            raise FloatingPointError(f"loss became {loss} at step {first + k}; lower optimizer.lr or set "
+                                     "train.grad_clip")
+    losses.extend(read["losses"])
+    return read
+
+
+def _diverged(loss: float) -> bool:
+    """A loss that is not finite, or beyond float32's range (infinite in the float32 the model
+    computes in by default: a run diverged, whatever the dtype the loss is read in)."""
+    return not math.isfinite(loss) or abs(loss) > _FLOAT32_MAX
+
+
+_FLOAT32_MAX = torch.finfo(torch.float32).max
+
+
 def _evaluated(step: int, cfg: Config) -> bool:
     """Whether ``step`` ends with a validation (every ``train.eval_every`` steps, and the last)."""
     every = cfg.train.eval_every
@@ -302,9 +362,11 @@ def _evaluated(step: int, cfg: Config) -> bool:
 
 
 def _validate(cfg: Config, engine: Trainer, val) -> dict:
-    """The mean loss of the ``train.eval_batches`` validation batches, and its perplexity."""
+    """The mean loss of the ``train.eval_batches`` validation batches, and its perplexity (read back
+    once, after the last batch)."""
     rows = engine.data_rows()
-    loss = sum(engine.evaluate(*val.batch(k, rows)) for k in range(cfg.train.eval_batches)) / cfg.train.eval_batches
+    total = sum(engine.evaluate(*val.batch(k, rows)) for k in range(cfg.train.eval_batches))
+    loss = float(total) / cfg.train.eval_batches
     return {"step": engine.step, "loss": loss, "perplexity": math.exp(min(loss, 700.0))}
 
 
@@ -321,23 +383,20 @@ class _Interval:
         return tps
 
 
-def _metrics_record(cfg: Config, mesh, engine: Trainer, loss: float, tokens_per_second: float) -> dict:
-    """One line of metrics.jsonl (:mod:`.metrics`); gathers every rank's peak memory (collective)."""
-    peak, kind = peak_memory(mesh.device)
-    return {
-        "step": engine.step, "loss": loss, "lr": engine.last_lr, "grad_norm": engine.last_grad_norm,
+def _metrics_record(cfg: Config, mesh, engine: Trainer, loss: float, read: dict, tokens_per_second: float) -> dict:
+    """One line of metrics.jsonl (:mod:`.metrics`) from the values a logged step read back
+    (:func:`_read_back`); float16 adds the loss scale after the step and how many steps overflowed
+    and were skipped."""
+    record = {
+        "step": engine.step, "loss": loss, "lr": engine.last_lr, "grad_norm": read["grad_norm"],
         "tokens_per_second": tokens_per_second,
         "model_flops_per_second": tokens_per_second * flops_per_token(cfg),
-        "peak_memory_bytes": gather_per_rank(peak, mesh.device), "peak_memory_kind": kind,
+        "peak_memory_bytes": [int(v) for v in read["peaks"]], "peak_memory_kind": peak_memory(mesh.device)[1],
         "bytes_sent_by_axis": dict(mesh.comm_stats.axis_sent),
-        **_loss_scale_fields(engine),
     }
-
-
-def _loss_scale_fields(engine: Trainer) -> dict:
-    """float16: the loss scale after the step and how many steps overflowed and were skipped."""
-    scaler = engine.loss_scaler()
-    return {} if scaler is None else {"loss_scale": scaler.scale, "skipped_steps": scaler.skipped}
+    if "loss_scale" in read:
+        record.update(loss_scale=read["loss_scale"], skipped_steps=int(read["skipped_steps"]))
+    return record
 
 
 def _try_write(write, *args, **kwargs) -> None:

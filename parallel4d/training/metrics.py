@@ -40,13 +40,43 @@ def peak_memory(device: torch.device) -> tuple[int, str]:
     return int(rss if sys.platform == "darwin" else rss * 1024), "host max resident set"  # Linux counts KiB
 
 
-def gather_per_rank(value: int, device: torch.device) -> list[int]:
-    """``value`` of every rank, in rank order (a collective over the default group, its failure
-    named as every collective's: :mod:`.comm`)."""
+def gather_per_rank(value: int, device: torch.device) -> torch.Tensor | list[int]:
+    """``value`` of every rank, in rank order: ``[value]`` in a one-rank job, else int64 ``[world]``
+    on ``device`` from a collective over the default group (its failure named as every
+    collective's: :mod:`.comm`), not read back: :func:`read_together` reads it with the step's
+    other values."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return [value]
-    mine = torch.tensor([value], dtype=torch.int64, device=device)  # NCCL takes device tensors only
-    return [int(v) for v in comm.all_gather(mine, None, label="metrics: per-rank peak memory gather").tolist()]
+    # NCCL takes device tensors only; a fill, where torch.tensor([value], device=) would copy and wait
+    mine = torch.full((1,), value, dtype=torch.int64, device=device)
+    return comm.all_gather(mine, None, label="metrics: per-rank peak memory gather")
+
+
+def read_together(values: dict) -> dict:
+    """``values`` (name → tensor, list of tensors, or anything else) with their tensors read back to
+    the host in one copy per device: one wait for a GPU, not one per value. A ``[]`` tensor becomes
+    a float, any other tensor or a list of tensors a list of floats (int64 counts exact up to 2**53);
+    anything else, an empty list included, is passed through."""
+    def tensors(v):
+        if isinstance(v, torch.Tensor):
+            return [v]
+        return v if isinstance(v, list) and v and all(isinstance(t, torch.Tensor) for t in v) else None
+
+    flat = {k: torch.cat([t.detach().reshape(-1).to(torch.float64) for t in ts])
+            for k, v in values.items() if (ts := tensors(v)) is not None}
+    by_device: dict[torch.device, list[str]] = {}
+    for k, t in flat.items():
+        by_device.setdefault(t.device, []).append(k)
+    out = dict(values)
+    for keys in by_device.values():
+        host = torch.cat([flat[k] for k in keys]).tolist()  # the one wait
+        start = 0
+        for k in keys:
+            end = start + flat[k].numel()
+            scalar = isinstance(values[k], torch.Tensor) and values[k].dim() == 0
+            out[k] = host[start] if scalar else host[start:end]
+            start = end
+    return out
 
 
 def gather_objects(obj) -> list:

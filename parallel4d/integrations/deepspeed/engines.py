@@ -35,18 +35,19 @@ class Parallel4DEngine(DeepSpeedEngine):
     p4d_cfg: Config
     p4d_mesh: Mesh
 
-    def train_batch(self, tokens: torch.Tensor, targets: torch.Tensor) -> float:
+    def train_batch(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """One optimizer step on the global batch ``[B, S]`` (``gradient_accumulation_steps``
-        micro-batches of this rank's shard through forward / backward / step); the global mean loss."""
+        micro-batches of this rank's shard through forward / backward / step); the global mean loss,
+        float64 ``[]`` on the device (not read back: that would wait for the step)."""
         layout = self.p4d_cfg.sequence.layout
         x, y = local_batch(self.p4d_mesh, tokens, layout), local_batch(self.p4d_mesh, targets, layout)
         gas = self.gradient_accumulation_steps()
-        total = 0.0
+        total = torch.zeros((), dtype=torch.float64, device=x.device)
         for xm, ym in zip(x.chunk(gas), y.chunk(gas)):
             loss = self(xm, ym)
             self.backward(loss)
             self.step()
-            total += float(loss.detach())
+            total += loss.detach().to(torch.float64).reshape(())
         return total / gas
 
 
@@ -68,8 +69,8 @@ class DeepSpeedPipeline:
                                  "forwards and backwards; call engine.train_batch(tokens, targets)")
         return getattr(self.__dict__["engine"], name)
 
-    def train_batch(self, tokens: torch.Tensor, targets: torch.Tensor) -> float:
-        """One optimizer step on the global batch ``[B, S]``; the global mean loss."""
+    def train_batch(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """One optimizer step on the global batch ``[B, S]``; the global mean loss, float64 ``[]`` on the device."""
         cfg, mesh = self.p4d_cfg, self.p4d_mesh
         m = cfg.pipeline.microbatches
         x = local_batch(mesh, tokens, cfg.sequence.layout)
@@ -79,5 +80,4 @@ class DeepSpeedPipeline:
         if self.tied_sync is not None:
             self.tied_sync(self.tied_params, timeout_s=cfg.train.timeout_s)
         self.engine.step()
-        share = torch.tensor(result.loss, dtype=torch.float64, device=mesh.device)
-        return float(global_mean(share, mesh, cfg.train.timeout_s))
+        return global_mean(result.loss.reshape(()), mesh, cfg.train.timeout_s)

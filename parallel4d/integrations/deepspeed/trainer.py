@@ -34,26 +34,27 @@ class DeepSpeedTrainer(Trainer):
         self.step = 0
         self.tokens_seen = 0
         self.last_lr: float | None = None
-        self.last_grad_norm: float | None = None
+        self.last_grad_norm: torch.Tensor | float | None = None
 
     def data_rows(self) -> None:
         """None: DeepSpeed's engine is given the whole global batch and takes its share itself."""
         return None
 
     def train_step(self, tokens: torch.Tensor, targets: torch.Tensor, measure_grad_norm: bool = False,
-                   measure_memory: bool = False) -> float:
-        """One optimizer step on the global batch; the global mean loss. ``last_lr`` and
-        ``last_grad_norm`` are DeepSpeed's (its norm is None without ZeRO, whatever is asked);
-        memory is not measured (:meth:`held_memory` is None)."""
+                   measure_memory: bool = False) -> torch.Tensor:
+        """One optimizer step on the global batch; the global mean loss, float64 ``[]`` on the device,
+        not read back (as :meth:`Engine.train_step <parallel4d.engine.step.Engine.train_step>`).
+        ``last_lr`` and ``last_grad_norm`` are DeepSpeed's as it keeps them (its norm is None without
+        ZeRO, whatever is asked); memory is not measured (:meth:`held_memory` is None)."""
         self.last_lr = float(self.optimizer.param_groups[0]["lr"])  # the scheduler set it for this step
         loss = self.engine.train_batch(tokens, targets)
         norm = self.engine.get_global_grad_norm()
-        self.last_grad_norm = None if norm is None else float(norm)
+        self.last_grad_norm = norm  # read back with the loss, at the log interval
         self.step += 1
         self.tokens_seen += tokens.numel()
         return loss
 
-    def evaluate(self, tokens: torch.Tensor, targets: torch.Tensor) -> float:
+    def evaluate(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError("train.eval_every is not supported with a deepspeed: section (the config "
                                   "refuses it)")
 
