@@ -27,6 +27,8 @@ import traceback
 import weakref
 
 import torch
+
+from parallel4d.distributed.startup import visible_gpus
 import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
 
@@ -103,7 +105,7 @@ class DeviceAudit(TorchFunctionMode):
         if getattr(func, "__self__", None) is torch.Tensor.device:  # `t.device`: where a GPU run has it
             return torch.device("cpu") if self.is_host(args[0]) else MESH_DEVICE
         name = getattr(func, "__name__", "")
-        if name == "pin_memory" and not torch.cuda.is_available():  # nothing to page-lock: a host copy
+        if name == "pin_memory" and not visible_gpus():  # nothing to page-lock: a host copy
             out = args[0].clone()
             self._mark(out, host=True)
             return out
