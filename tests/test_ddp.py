@@ -53,12 +53,15 @@ class Events:
         from parallel4d.distributed import comm
 
         self.steps: list[list[str]] = []
+        self.loss_tensors: list[torch.Tensor] = []  # what the loss all-reduces were given
         self._real = comm.all_reduce
         for p in engine.model.embed.parameters():
             p.register_post_accumulate_grad_hook(lambda _: self.steps[-1].append("embed grad"))
 
         def recorded(*args, **kwargs):
             self.steps[-1].append(f"all_reduce {kwargs.get('label')}")
+            if kwargs.get("label") == "loss":
+                self.loss_tensors.append(args[0])
             return self._real(*args, **kwargs)
 
         comm.all_reduce = recorded
@@ -96,6 +99,7 @@ def _train(cfg_dict, buckets: bool):
     if events is not None:
         events.close()
         out["events"] = events.steps
+        out["returns_the_reduced_tensor"] = [any(t is loss for t in events.loss_tensors) for loss in losses]
     grad_bytes = sum(q.numel() * q.element_size() for q in engine.params)
     out.update(losses=losses, sent=sent, grad_bytes=grad_bytes,
                params={n: q.detach().clone() for n, q in engine.model.named_parameters()})
@@ -140,6 +144,9 @@ def test_buckets_overlap_backward_and_match_single_all_reduce():
             first_reduce = log.index("all_reduce dp_grad")
             last_embed = len(log) - 1 - log[::-1].index("embed grad")
             assert first_reduce < last_embed, log
+        # The step returns the very tensor the loss all-reduce was given (so the caller holds the last
+        # reference, not gloo's worker thread: a script exiting right after its last step aborted).
+        assert new["returns_the_reduced_tensor"] == [True, True], new["returns_the_reduced_tensor"]
 
 
 def test_buckets_under_the_pipeline_with_tied_weights():

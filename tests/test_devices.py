@@ -87,8 +87,9 @@ def test_hetero_refuses_to_compute_on_the_host_of_a_gpu_mesh():
 
 
 def _fake_gpus(monkeypatch, n: int) -> None:
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: n > 0)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: n)
+    from parallel4d.distributed import startup
+
+    monkeypatch.setattr(startup, "visible_gpus", lambda: n)  # the launcher's one question (NVML, no CUDA init)
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     monkeypatch.delenv("RANK", raising=False)
 

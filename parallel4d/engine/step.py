@@ -132,10 +132,7 @@ class Engine(Trainer):
                     for stage in self._stages:
                         h = stage(h)
                     total += self.loss_fn(h, ym).double() / mb
-        work = comm.all_reduce(total, self.mesh.group_over("dp", "sp"), stats=self.mesh.comm_stats,
-                               label="val_loss", async_op=True)
-        comm.wait(work, self.cfg.train.timeout_s, "validation loss all-reduce over the data replicas (dp·sp)")
-        return total.reshape(()) / (self.mesh.size("dp") * self.mesh.size("sp"))
+        return self.mean_over_replicas(total, "val_loss")
 
     def _overflow(self, norm: torch.Tensor) -> torch.Tensor:
         """Whether any rank's gradients hold an inf or NaN, agreed by every rank of the mesh (the
@@ -205,14 +202,21 @@ class Engine(Trainer):
             scaler.update(overflow)
         self.step += 1
         self.tokens_seen += tokens.numel()
-        return self.sum_over_replicas(loss).reshape(()) / (self.mesh.size("dp") * self.mesh.size("sp"))
+        return self.mean_over_replicas(loss, "loss")
 
-    def sum_over_replicas(self, loss: torch.Tensor) -> torch.Tensor:
-        """The sum of the data replicas' mean losses (a no-op with one replica)."""
-        work = comm.all_reduce(loss, self.mesh.group_over("dp", "sp"), stats=self.mesh.comm_stats,
-                               label="loss", async_op=True)
-        comm.wait(work, self.cfg.train.timeout_s, "loss all-reduce over the data replicas (dp·sp)")
-        return loss
+    def mean_over_replicas(self, loss: torch.Tensor, label: str) -> torch.Tensor:
+        """The mean of the data replicas' (dp·sp) mean losses, ``[]``: ``loss`` ([1] or ``[]``) summed
+        in place over them (no collective with one replica) and divided in place.
+
+        The tensor returned is the very one the all-reduce was given, so the caller holds it: gloo's
+        worker thread drops its own reference just after the wait returns, and were that the last
+        one, the drop would need the GIL, which at interpreter exit aborts the process ("terminate
+        called without an active exception"; seen when a script's last step is followed by exit)."""
+        total = loss.reshape(())
+        work = comm.all_reduce(total, self.mesh.group_over("dp", "sp"), stats=self.mesh.comm_stats,
+                               label=label, async_op=True)
+        comm.wait(work, self.cfg.train.timeout_s, f"{label} all-reduce over the data replicas (dp·sp)")
+        return total.div_(self.mesh.size("dp") * self.mesh.size("sp"))
 
     # --- what the training loop reports ---------------------------------------------
     def parameter_count(self) -> int:
