@@ -20,6 +20,11 @@ package or test code that made it:
 * ``torch.cuda.synchronize``, ``torch.cuda.Event.synchronize``, ``torch.cuda.Stream.synchronize``
   (patched: on a machine without CUDA they only record);
 * ``torch.distributed``'s object collectives and ``barrier`` (on NCCL they read device tensors back);
+* a timed wait on a collective's or transfer's work, ``Work.wait(timeout)``: on NCCL it polls the host
+  until the GPU has finished the work. The meshes built while counting wait as on NCCL
+  (:meth:`HostSyncs.__enter__`): stream-ordered, their limits left to the mesh's
+  :class:`~parallel4d.distributed.deadlines.Deadlines` (checked at the read steps), which is what a
+  GPU run does; an untimed ``Work.wait()`` only orders the stream and is not counted;
 * hetero's chunk copies as its CUDA protocol runs them (:mod:`parallel4d.hetero.transfers`): a copy
   queued by ``Transfers.run`` goes on the copy stream between a page-locked buffer and the device
   and waits for nothing, so it is not counted; ``Transfers.sync`` (the host about to read a host
@@ -101,6 +106,14 @@ def _site() -> str:
     if mine is None:
         return innermost or "?"
     return mine if innermost == mine else f"{innermost} via {mine}"
+
+
+class _Passed:
+    """A stream marker on CPU: the host ran the work before it, so the stream is past it."""
+
+    @staticmethod
+    def query() -> bool:
+        return True
 
 
 class HostSyncs(DeviceAudit):
@@ -225,7 +238,28 @@ class HostSyncs(DeviceAudit):
         for name in OBJECT_COLLECTIVES:
             self._patch(dist, name, f"dist.{name}", lambda: True)
         self._patch_hetero()
+        self._patch_waits()
         return super().__enter__()
+
+    def _patch_waits(self) -> None:
+        """Meshes get NCCL's stream-ordered waits (their deadlines' markers are done at once: on CPU the
+        untimed wait has blocked until the work was done); ``Work.wait(timeout)`` is counted."""
+        from parallel4d.distributed.deadlines import Deadlines
+        from parallel4d.distributed.mesh import Mesh
+
+        real_init, real_wait = Mesh.__init__, dist.Work.wait
+
+        def init(mesh, *args, **kwargs):
+            real_init(mesh, *args, **kwargs)
+            mesh.deadlines = Deadlines(mesh.timeout_s, marker=_Passed)
+
+        def wait(work, *args, **kwargs):
+            if args or kwargs.get("timeout") is not None:
+                self.record("Work.wait(timeout)")
+            return real_wait(work, *args, **kwargs)
+
+        self._undo += [(Mesh, "__init__", real_init), (dist.Work, "wait", real_wait)]
+        Mesh.__init__, dist.Work.wait = init, wait
 
     def _patch_hetero(self) -> None:
         from parallel4d.hetero.transfers import Transfers

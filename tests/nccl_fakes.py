@@ -147,10 +147,11 @@ def recording(world: int):
 
 
 class PipelineMesh:
-    """What the executor asks of a mesh: pp only, global rank = pp index."""
+    """What the executor asks of a mesh: pp only, global rank = pp index. ``deadlines``: None, each wait
+    timed (as on gloo), or a mesh's stream-ordered ledger (as on NCCL); the posting order is the same."""
 
-    def __init__(self, pp: int, me: int, group: FakeGroup):
-        self.pp, self.me, self.pp_group = pp, me, group
+    def __init__(self, pp: int, me: int, group: FakeGroup, deadlines=None):
+        self.pp, self.me, self.pp_group, self.deadlines = pp, me, group, deadlines
         self.comm_stats = CommStats()
         self.device = torch.device("cpu")
 
@@ -167,10 +168,10 @@ class PipelineMesh:
         return self.pp_group
 
 
-def record_pipeline(schedule, steps: int = 1, timeout_s: float = 60.0) -> tuple[dict, dict]:
+def record_pipeline(schedule, steps: int = 1, timeout_s: float = 60.0, deadlines=None) -> tuple[dict, dict]:
     """Per pp rank, what ``PipelineExecutor`` posts and waits for: its construction and ``steps``
     training steps; then its ``for_evaluation()`` twin's construction and ``steps`` steps under
-    no_grad (``(training, evaluation)``, each global rank → events). Tiny ``nn.Linear(4, 4)`` chunks
+    no_grad (``(training, evaluation)``, each global rank → events); ``deadlines``: :class:`PipelineMesh`'s. Tiny ``nn.Linear(4, 4)`` chunks
     on ``[2, 4]`` activations. The schedule's validation and message order (pure functions of it)
     are computed once for all ranks, not once per rank as in a real job."""
     from parallel4d.pipeline import executor
@@ -188,7 +189,7 @@ def record_pipeline(schedule, steps: int = 1, timeout_s: float = 60.0) -> tuple[
             for r in range(pp):
                 rec.rank = r
                 chunks = {c: nn.Linear(4, 4) for c in schedule.placement[r]}
-                ex = executor.PipelineExecutor(schedule, PipelineMesh(pp, r, group), chunks,
+                ex = executor.PipelineExecutor(schedule, PipelineMesh(pp, r, group, deadlines), chunks,
                                                lambda y, t: (y * t).mean(), (2, 4), torch.float32, timeout_s=timeout_s)
                 for _ in range(steps):
                     ex.step(x, x)
@@ -222,7 +223,7 @@ class GridMesh:
 
     def __init__(self, q: int, rank: int):
         self.q, self.i, self.j = q, rank // q, rank % q
-        self.comm_stats = CommStats()
+        self.comm_stats, self.deadlines = CommStats(), None
         self.rows = [FakeGroup(f"tp_col[i={i}]", [i * q + t for t in range(q)]) for i in range(q)]
         self.cols = [FakeGroup(f"tp_row[j={j}]", [t * q + j for t in range(q)]) for j in range(q)]
 

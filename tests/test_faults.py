@@ -46,13 +46,15 @@ def worker_pid(launcher_pid: int, rank: int) -> int:
     return pids[rank]
 
 
-def start_job(tmp_path, cfg, name="job.yaml"):
-    """The CLI launcher on ``cfg``, after its third step (stderr lines read up to there). Its
-    temporary files go to ``tmp_path/tmp`` (a killed launcher leaves them there, not in /tmp)."""
+def start_job(tmp_path, cfg, name="job.yaml", command=None):
+    """The CLI launcher on ``cfg`` (or the interpreter with ``command``), after its third step (stderr
+    lines read up to there). Its temporary files go to ``tmp_path/tmp`` (a killed launcher leaves
+    them there, not in /tmp)."""
     path = tmp_path / name
     path.write_text(yaml.safe_dump(cfg))
     (tmp_path / "tmp").mkdir(exist_ok=True)
-    proc = subprocess.Popen([sys.executable, "-m", "parallel4d", "launch", str(path)], stderr=subprocess.PIPE,
+    command = command or ["-m", "parallel4d", "launch", str(path)]
+    proc = subprocess.Popen([sys.executable, *command], stderr=subprocess.PIPE,
                             text=True, env={**os.environ, "TMPDIR": str(tmp_path / "tmp")},
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     seen = []
@@ -241,6 +243,25 @@ def test_blame_prefers_a_silent_death_to_the_peers_it_disconnected(tmp_path):
     assert rank == 2 and "rank 1 timed out first" in details and "CommTimeout: rank 1" in details
 
 
+def test_blame_counts_an_abort_as_the_watchdogs_consequence_of_a_stopped_rank(tmp_path):
+    """On NCCL the watchdog aborts (SIGABRT, no report) a rank whose collective outlived the group's
+    timeout, waiting on a stopped peer: the stopped rank is named once settled, not the aborted one;
+    another kill is still blamed at once."""
+    from parallel4d.launcher.blame import blame
+
+    procs = [FakeProcess(10, -signal.SIGABRT), FakeProcess(os.getpid()), FakeProcess(12, 1)]
+    _report(tmp_path, 2, "CommTimeout: rank 2: dp_grad did not finish within its limit", time.time())
+    assert blame(procs, str(tmp_path), settled=False) is None
+    rank, details = blame(procs, str(tmp_path), settled=True)
+    assert rank == 1 and "stopped answering" in details and "rank 2 timed out first" in details, details
+    (tmp_path / "result2.pkl").unlink()
+    procs[2] = FakeProcess(12)  # no report at all: the abort is what is shown
+    rank, details = blame(procs, str(tmp_path), settled=True)
+    assert rank == 1 and "killed by SIGABRT without reporting an error: an abort in native code" in details
+    procs[2] = FakeProcess(12, -signal.SIGKILL)
+    assert blame(procs, str(tmp_path), settled=False)[0] == 2
+
+
 def test_stopped_worker_ends_the_job_naming_it(tmp_path):
     """With tp=4, SIGSTOP on rank 2: the job ends within train.timeout_s plus a grace and
     names rank 2 as the one that stopped answering, with the action its peers waited in."""
@@ -253,6 +274,41 @@ def test_stopped_worker_ends_the_job_naming_it(tmp_path):
     assert proc.returncode == 1, err[-3000:]
     assert "worker rank 2 failed" in err and "rank 2 (stopped)" in err, err[-3000:]
     assert "CommTimeout" in err and "did not finish" in err, err[-3000:]
+    assert took < cfg["train"]["timeout_s"] + 10, took
+
+
+def train_as_on_nccl(cfg_dict: dict) -> dict:
+    """launch's worker function in a worker whose waits behave as NCCL's (tests/nccl_like.py)."""
+    from nccl_like import wait_as_on_nccl
+
+    wait_as_on_nccl()
+    return importlib.import_module("parallel4d.launcher.launch")._train_entry(cfg_dict)
+
+
+def launch_as_on_nccl(path: str) -> int:
+    """``parallel4d launch PATH`` as it is, with workers that run :func:`train_as_on_nccl`."""
+    from parallel4d.tools.cli import main
+
+    importlib.import_module("parallel4d.launcher.launch")._train_entry = train_as_on_nccl
+    return main(["launch", path])
+
+
+def test_a_stopped_worker_ends_a_job_waiting_as_on_nccl_naming_it(tmp_path):
+    """Waits as on NCCL (the host never blocks in one; the stream does): SIGSTOP on rank 1 of dp=2. Rank
+    0's host runs on to its next read step, where the deadlines it left end the job within train.timeout_s
+    (plus a grace), naming the wait that never finished; the launcher names rank 1, the stopped one."""
+    cfg = tiny_job(tmp_path / "run", dp=2)
+    cli = ["-c", f"import sys; sys.path.insert(0, {TESTS!r}); import test_faults; "
+                 f"sys.exit(test_faults.launch_as_on_nccl({str(tmp_path / 'job.yaml')!r}))"]
+    proc, _ = start_job(tmp_path, cfg, command=cli)
+    os.kill(worker_pid(proc.pid, 1), signal.SIGSTOP)
+    t0 = time.monotonic()
+    err = finish(proc, timeout=120)
+    took = time.monotonic() - t0
+    assert proc.returncode == 1, err[-3000:]
+    assert "worker rank 1 failed" in err and "rank 1 (stopped)" in err, err[-3000:]
+    assert "CommTimeout: rank 0:" in err and "did not finish within its limit (the stream waited for it)" in err, \
+        err[-3000:]
     assert took < cfg["train"]["timeout_s"] + 10, took
 
 

@@ -23,6 +23,7 @@ suite's 16-worker job (tests/conftest.py ``sixteen_workers``). Where a GPU is, t
 
 from __future__ import annotations
 
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -94,8 +95,8 @@ def counted_run(cfg: dict) -> tuple:
 # --- the counter can fail -------------------------------------------------------------------------
 
 def test_the_counter_sees_each_kind_of_wait_and_where():
-    """Reads of a device tensor, blocking copies either way, the patched synchronizations and an object
-    collective are counted at their line here; host tensors, dtype changes and a non-blocking copy from
+    """Reads of a device tensor, blocking copies either way, the patched synchronizations and a timed
+    wait on a work are counted at their line here; host tensors, dtype changes and a non-blocking copy from
     page-locked memory are not."""
     from device_audit import MESH_DEVICE
 
@@ -110,12 +111,16 @@ def test_the_counter_sees_each_kind_of_wait_and_where():
             pass
         h.sum().item(), float(h[0]), h.tolist(), d.to(torch.float64), d.double()
         h.pin_memory().to(MESH_DEVICE, non_blocking=True), torch.full((1,), 1.0, device=MESH_DEVICE)
+        try:  # a work that never finishes, waited with a limit (on NCCL the host would poll it)
+            torch.distributed.Work().wait(timeout=timedelta(milliseconds=1))
+        except RuntimeError:
+            pass
     whats = [s.what for s in counted.syncs]
     waits = [] if visible_gpus() else ["torch.cuda.synchronize", "Event.synchronize", "Stream.synchronize"]
     assert whats == ["item", "__float__", "__int__", "__bool__", "__format__", "tolist", "numpy", ".cpu(host)",
                      ".to(host)", ".to(device) of a host tensor", "torch.tensor(data, device=...)",
-                     "boolean-mask index", *waits, "__bool__"], whats
-    assert counted.syncs[-1].where == f"tests/test_host_syncs.py:{line}"
+                     "boolean-mask index", *waits, "__bool__", "Work.wait(timeout)"], whats
+    assert counted.syncs[-2].where == f"tests/test_host_syncs.py:{line}"
 
 
 def test_a_planted_item_in_the_step_is_caught(single_rank, monkeypatch):

@@ -152,6 +152,24 @@ def test_every_wait_of_a_step_is_bounded_by_timeout_s():
             assert any("loss broadcast" in e.what for e in waits)
 
 
+def test_every_stream_ordered_wait_of_a_step_leaves_a_deadline_within_timeout_s():
+    """As on NCCL (the mesh's deadlines): no wait is timed (the host never polls a work), and each hands
+    the deadlines a limit within timeout_s, counted from the post for a receive."""
+    from parallel4d.distributed.deadlines import Deadlines
+
+    class Ledger(Deadlines):
+        def add(self, timeout_s, what):
+            self.limits.append((what, timeout_s))
+
+    ledger = Ledger(7.0)
+    ledger.limits = []
+    training, _ = record_pipeline(make_schedule("1f1b", 3, 4), steps=2, timeout_s=7.0, deadlines=ledger)
+    waits = [e for events in training.values() for e in events if isinstance(e, Wait) and e.what != "pp.check"]
+    assert waits and all(e.timeout_s is None for e in waits), [e for e in waits if e.timeout_s is not None][:3]
+    assert len(ledger.limits) >= len(waits) // 2 and all(0 < t <= 7.0 for _, t in ledger.limits), ledger.limits
+    assert any("loss broadcast" in what for what, _ in ledger.limits)
+
+
 def test_warm_up_pairs_in_a_rotating_order_would_deadlock(monkeypatch):
     """The replay models lazy communicator creation: the warm-up in ascending pair order is clean,
     each rank starting with its next ring neighbour (interleaved's wrap) is a cycle of inits."""
@@ -200,3 +218,76 @@ def test_a_spent_limit_still_bounds_the_wait():
     comm.wait(Work(), 0.0)
     comm.wait(Work(), -2.5)
     assert all(t > timedelta(0) for t in seen), seen
+
+
+class _Device:
+    """A fake stream: markers are numbered as made; the device is past the first ``done`` of them."""
+
+    def __init__(self):
+        self.made, self.done = 0, 0
+
+    def marker(self):
+        index, device = self.made, self
+        self.made += 1
+
+        class Marker:
+            @staticmethod
+            def query():
+                return index < device.done
+
+        return Marker()
+
+
+def test_a_stream_ordered_wait_leaves_the_host_free_and_its_limit_to_the_deadlines():
+    """With the mesh's deadlines (NCCL) ``comm.wait`` never hands torch a limit (a timed ``Work.wait``
+    polls the host until the GPU got there): each work gets an untimed wait (the stream's), and the
+    limit (the group's default where none is given) goes to the deadlines with the action's name."""
+    from parallel4d.distributed.deadlines import Deadlines
+
+    seen, now = [], [100.0]
+
+    class Work:
+        def wait(self, timeout=None):
+            seen.append(timeout)
+            return True
+
+    device = _Device()
+    ledger = Deadlines(30.0, marker=device.marker, clock=lambda: now[0])
+    comm.wait([Work(), Work()], 2.0, "ring_attention forward: K/V block of step 1", deadlines=ledger)
+    comm.wait(Work(), None, "summa_ab step 0", deadlines=ledger)
+    assert seen == [None, None, None]
+    assert [(d, w) for _, d, w in ledger.entries] == [(102.0, "ring_attention forward: K/V block of step 1"),
+                                                      (130.0, "summa_ab step 0")]
+    device.done = device.made  # the device caught up: the next wait forgets what it is past
+    comm.wait(Work(), 1.0, "pp.loss", deadlines=ledger)
+    assert [w for _, _, w in ledger.entries] == ["pp.loss"]
+
+
+def test_settling_names_the_first_wait_past_its_limit_within_that_limit():
+    """A peer stopped: the stream never gets past the second wait. The host's read step settles: it
+    returns as soon as the device catches up, else raises ``CommTimeout`` naming the stuck wait once
+    its limit is spent (counted from the wait, not from the read step)."""
+    import threading
+    import time
+
+    from parallel4d.distributed.comm import CommTimeout
+    from parallel4d.distributed.deadlines import Deadlines
+
+    device = _Device()
+    ledger = Deadlines(5.0, marker=device.marker)
+    ledger.add(0.3, "gradient all-reduce, bucket 1 of 2")
+    device.done = 1
+    start = time.monotonic()
+    ledger.add(0.3, "pp rank 1 waiting for the activation of F(2, 0) from pp rank 0")
+    ledger.add(0.3, "loss all-reduce")
+    with pytest.raises(CommTimeout, match=r"rank 0: pp rank 1 waiting for the activation of F\(2, 0\) from pp rank "
+                                          r"0 did not finish within its limit"):
+        ledger.settle("step 3: the read-back")
+    assert 0.3 <= time.monotonic() - start < 0.6
+    assert ledger.entries == []
+
+    ledger.add(0.5, "ring step 1")
+    threading.Timer(0.1, lambda: setattr(device, "done", 10**9)).start()  # the peer answers late, in time
+    start = time.monotonic()
+    ledger.settle("step 6: the read-back")
+    assert time.monotonic() - start < 0.4 and ledger.entries == []

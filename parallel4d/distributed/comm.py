@@ -27,7 +27,7 @@ from collections import defaultdict
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Iterable
+from typing import Iterable, Protocol
 
 import torch
 import torch.distributed as dist
@@ -250,13 +250,31 @@ def p2p(ops: Iterable[tuple[str, torch.Tensor, int]], group=None, *, stats=None,
                                             for kind, t, peer in ops]))
 
 
-def wait(works, timeout_s: float | None = None, what: str = "communication") -> None:
+class DeadlineLedger(Protocol):
+    """Where a stream-ordered wait leaves its limit (:class:`parallel4d.distributed.deadlines.Deadlines`)."""
+
+    def add(self, timeout_s: float | None, what: str) -> None: ...
+
+
+def wait(works, timeout_s: float | None = None, what: str = "communication",
+         deadlines: DeadlineLedger | None = None) -> None:
     """Wait for ``works`` (a work or a list), at most ``timeout_s`` each (None: the
-    group's timeout); ``CommTimeout`` / ``PeerLost`` naming ``what`` on failure."""
+    group's timeout); ``CommTimeout`` / ``PeerLost`` naming ``what`` on failure.
+
+    With ``deadlines`` (the mesh's, on NCCL) the wait is stream-ordered: what the current stream
+    runs next waits for the works, the host does not, and the limit goes to ``deadlines``, which
+    the host checks where it reads the device back."""
     if works is None:
         return
     if not isinstance(works, (list, tuple)):
         works = [works]
+    if deadlines is not None:
+        with named(what, _UNKNOWN, timeout_s):
+            for w in works:
+                if w is not None:
+                    w.wait()  # NCCL: the stream waits, not the host (gloo: bounded by the group's timeout)
+        deadlines.add(timeout_s, what)
+        return
     if timeout_s is not None:  # a zero timeout means "none" to torch's Work.wait: keep a spent limit positive
         timeout_s = max(float(timeout_s), _LEAST_TIMEOUT_S)
     with named(what, _UNKNOWN, timeout_s):

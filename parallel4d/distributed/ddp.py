@@ -189,7 +189,7 @@ class GradBuckets:
             self._post_next()
         n = len(self.buckets)
         for b in self.buckets:
-            comm.wait(b.work, self.timeout_s, f"{WHAT}, bucket {b.index + 1} of {n}")
+            comm.wait(b.work, self.timeout_s, f"{WHAT}, bucket {b.index + 1} of {n}", self.mesh.deadlines)
         for b in self.buckets:
             if b.work is not None:
                 b.unpack(self.replicas)

@@ -29,6 +29,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from parallel4d.distributed.comm import CommStats
+from parallel4d.distributed.deadlines import Deadlines, group_timeout_s
 from parallel4d.config.rules.tensor2d import grid_side
 from parallel4d.distributed.startup import init_process_group_from_env
 
@@ -55,7 +56,7 @@ def group_options(backend: str, timeout_s: float):
         options = dist.ProcessGroupGloo._Options()
     else:
         raise ValueError(f"backend {backend!r}: parallel4d builds meshes over 'nccl' or 'gloo'")
-    options._timeout = timedelta(seconds=timeout_s)
+    options._timeout = timedelta(seconds=group_timeout_s(backend, timeout_s))
     return backend, options
 
 
@@ -70,8 +71,10 @@ class Mesh:
         if tuple(device_mesh.mesh_dim_names or ()) != AXES:
             raise ValueError(f"DeviceMesh axes must be {AXES}, got {device_mesh.mesh_dim_names}")
         self.device_mesh = device_mesh
-        self.timeout_s = float(timeout_s)  # for the groups created here (group_over, new_group)
+        self.timeout_s = float(timeout_s)  # train.timeout_s: every wait's limit
         self.comm_stats = CommStats()
+        # NCCL's waits are stream-ordered: their limits wait here for the host's next read (None: gloo's block)
+        self.deadlines = Deadlines(self.timeout_s) if device_mesh.device_type == "cuda" else None
         self._coords = tuple(int(c) for c in device_mesh.get_coordinate())
         # {coordinates: global rank} in plain Python: peers resolve without tensor ops (a plan's
         # dry run traces the model under a fake-tensor mode, where tensors hold no values).
@@ -153,7 +156,7 @@ class Mesh:
             return self.group(key[0])
         if key not in self._groups:
             rows = self.lines_along(*key)
-            mine, _ = dist.new_subgroups_by_enumeration(rows, timeout=timedelta(seconds=self.timeout_s))
+            mine, _ = dist.new_subgroups_by_enumeration(rows, timeout=self._group_timeout())
             self._groups[key] = mine
             self.comm_stats.name_group(mine, "+".join(key))
         return self._groups[key]
@@ -178,7 +181,7 @@ class Mesh:
     def new_group(self, ranks: list[int], axis: str = "other") -> dist.ProcessGroup:
         """``dist.new_group(ranks)`` with the mesh's timeout (collective over the whole world);
         its bytes count under ``axis`` in :attr:`comm_stats` (say ``"pp"`` for ranks along pp)."""
-        group = dist.new_group(sorted(ranks), timeout=timedelta(seconds=self.timeout_s))
+        group = dist.new_group(sorted(ranks), timeout=self._group_timeout())
         if group is not None and group != dist.GroupMember.NON_GROUP_MEMBER:
             self.comm_stats.name_group(group, axis)
         return group
@@ -189,6 +192,9 @@ class Mesh:
         for d in sorted(self._dim(a) for a in axes):
             index = index * self.size(AXES[d]) + self._coords[d]
         return index
+
+    def _group_timeout(self) -> timedelta:
+        return timedelta(seconds=group_timeout_s(dist.get_backend(), self.timeout_s))
 
     def __repr__(self) -> str:
         dims = ", ".join(f"{a}={self.size(a)}" for a in AXES)

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from parallel4d.config.errors import ConfigError
 from parallel4d.config.schema import Config
 from parallel4d.distributed import elastic
+from parallel4d.distributed.deadlines import group_timeout_s
 
 
 def visible_gpus() -> int:
@@ -120,4 +121,4 @@ def init_process_group_from_env(backend: str | None = None, timeout_s: float = 3
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     store = elastic.job_store(rank, world, join_timeout_s)
     dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world,
-                            timeout=timedelta(seconds=timeout_s))
+                            timeout=timedelta(seconds=group_timeout_s(backend, timeout_s)))

@@ -57,7 +57,7 @@ def _sequence(cfg: Config, mesh: Mesh):
         return None, None
     group = mesh.group("sp")
     fn = make_ring_attention_fn(group, layout=cfg.sequence.layout, stats=mesh.comm_stats,
-                                timeout_s=cfg.train.timeout_s)
+                                timeout_s=cfg.train.timeout_s, deadlines=mesh.deadlines)
     return fn, positions_for(cfg.model.seq_len, group, cfg.sequence.layout, device=mesh.device)
 
 

@@ -29,7 +29,7 @@ def average_gradients(params: list[nn.Parameter], mesh: Mesh, timeout_s: float) 
         return
     flat = torch.cat([g.reshape(-1) for g in grads])
     work = comm.all_reduce(flat, mesh.group_over("dp", "sp"), stats=mesh.comm_stats, label="dp_grad", async_op=True)
-    comm.wait(work, timeout_s, "gradient all-reduce over the data replicas (dp·sp)")
+    comm.wait(work, timeout_s, "gradient all-reduce over the data replicas (dp·sp)", mesh.deadlines)
     flat /= replicas
     offset = 0
     for g in grads:

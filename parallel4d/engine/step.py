@@ -141,7 +141,7 @@ class Engine(Trainer):
         flag = (~torch.isfinite(norm)).to(torch.float32).reshape(1)
         work = comm.all_reduce(flag, None, op=dist.ReduceOp.MAX, stats=self.mesh.comm_stats, label="overflow",
                                async_op=True)
-        comm.wait(work, self.cfg.train.timeout_s, "float16 overflow agreement over every rank")
+        comm.wait(work, self.cfg.train.timeout_s, "float16 overflow agreement over every rank", self.mesh.deadlines)
         return flag.reshape(())
 
     def grad_norm(self) -> torch.Tensor:
@@ -215,7 +215,7 @@ class Engine(Trainer):
         total = loss.reshape(())
         work = comm.all_reduce(total, self.mesh.group_over("dp", "sp"), stats=self.mesh.comm_stats,
                                label=label, async_op=True)
-        comm.wait(work, self.cfg.train.timeout_s, f"{label} all-reduce over the data replicas (dp·sp)")
+        comm.wait(work, self.cfg.train.timeout_s, f"{label} all-reduce over the data replicas (dp·sp)", self.mesh.deadlines)
         return total.div_(self.mesh.size("dp") * self.mesh.size("sp"))
 
     # --- what the training loop reports ---------------------------------------------

@@ -33,7 +33,7 @@ def use_ring_attention(mesh: Mesh, layout: str = "zigzag", name: str = NAME) -> 
     """Register ring attention over ``mesh``'s ``sp`` axis as ``attn_implementation=name``
     (and a mask function that builds no mask); returns ``name``. Calling it again re-binds
     ``name`` to this mesh."""
-    group, stats, timeout_s = mesh.group("sp"), mesh.comm_stats, mesh.timeout_s
+    group, stats, timeout_s, deadlines = mesh.group("sp"), mesh.comm_stats, mesh.timeout_s, mesh.deadlines
 
     def attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, is_causal=None,
                    **kwargs):
@@ -47,7 +47,7 @@ def use_ring_attention(mesh: Mesh, layout: str = "zigzag", name: str = NAME) -> 
                              "(no padding masks: pack full sequences)")
         causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
         out = ring_attention(query, key, value, group, causal=bool(causal), layout=layout, scale=scaling,
-                             stats=stats, timeout_s=timeout_s)
+                             stats=stats, timeout_s=timeout_s, deadlines=deadlines)
         return out.transpose(1, 2).contiguous(), None
 
     AttentionInterface.register(name, attention)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import signal
 
 from parallel4d.launcher.workers import exit_status, process_state
 
@@ -45,6 +46,8 @@ def blame(procs, tmp, settled: bool) -> tuple[int, str] | None:
     Order: the earliest error that is not a consequence of another rank leaving; then a
     worker that died without a word (killed); then, once ``settled``, a rank that stopped
     answering (alive but silent while its peers timed out), else the earliest consequence.
+    A worker that aborted without a word (SIGABRT) counts as a consequence: NCCL's watchdog
+    aborts a rank whose collective outlived the group's timeout, the wait on a stopped peer.
     The consequence shown is the earliest timeout before any lost peer: a timed-out rank's gloo
     closes its sockets before its own report is written, so a peer's "connection closed" can be
     on disk first, though it only echoes the timeout (which names the action that never finished).
@@ -55,12 +58,13 @@ def blame(procs, tmp, settled: bool) -> tuple[int, str] | None:
         _, r, details = causes[0]
         return r, details
     died = [r for r, p in enumerate(procs) if p.poll() not in (None, 0) and r not in reports]
-    if died:
-        r = died[0]
+    killed = [r for r in died if procs[r].returncode != -signal.SIGABRT]
+    if killed:
+        r = killed[0]
         return r, f"process {exit_status(procs[r].returncode)} without reporting an error (killed?)"
-    if not settled or not reports:
+    if not settled or not (reports or died):
         return None
-    lost, t, first, details = min((lost_peer(d), t, r, d) for r, (t, d) in reports.items())
+    first, details, lost = _first_consequence(procs, reports, died)
     silent = [r for r, p in enumerate(procs) if p.poll() is None and r not in reports]
     if not silent:
         return first, details
@@ -69,6 +73,17 @@ def blame(procs, tmp, settled: bool) -> tuple[int, str] | None:
     said = ", ".join(f"rank {r} ({states[r]})" for r in silent)
     return silent[0], (f"stopped answering: {said} reported nothing while its peers gave up waiting; "
                        f"rank {first} {'reported first' if lost else 'timed out first'}:\n{details}")
+
+
+def _first_consequence(procs, reports, aborted) -> tuple[int, str, bool]:
+    """``(rank, details, a lost peer?)``: the earliest timeout before any lost peer among the reports,
+    else the first rank that aborted without a word."""
+    if reports:
+        lost, _, first, details = min((lost_peer(d), t, r, d) for r, (t, d) in reports.items())
+        return first, details, lost
+    r = aborted[0]
+    return r, (f"process {exit_status(procs[r].returncode)} without reporting an error: an abort in native "
+               f"code, e.g. NCCL's watchdog ending a collective that outlived the group's timeout"), False
 
 
 _CONSEQUENCES = ("CommTimeout", "PeerLost")

@@ -27,6 +27,7 @@ from parallel4d.checkpoint.failures import CheckpointError
 from parallel4d.checkpoint.resume import check_resume_model, check_start, holds_checkpoints, latest_checkpoint
 from parallel4d.checkpoint.steps import save_in_progress
 from parallel4d.distributed import elastic
+from parallel4d.distributed.deadlines import group_timeout_s
 from parallel4d.config.rules.job import torchrun_job_problems
 from parallel4d.config.errors import ConfigError
 from parallel4d.config.load import load_config
@@ -129,8 +130,8 @@ def launch(config: str | Path | Config | dict, overrides: list[str] | None = Non
         joined = _say_starting(cfg, device, threads)
         results = spawn(
             _train_entry, cfg.world_size, (cfg.model_dump(mode="json"),), backend=backend,
-            timeout_s=cfg.train.job_timeout_s or 7 * 24 * 3600.0, pg_timeout_s=cfg.train.timeout_s,
-            threads_per_worker=threads,
+            timeout_s=cfg.train.job_timeout_s or 7 * 24 * 3600.0,
+            pg_timeout_s=group_timeout_s(backend, cfg.train.timeout_s), threads_per_worker=threads,
             saving=lambda: save_in_progress(cfg.checkpoint_dir, started) if enabled else None,
             saved=lambda: _newest_checkpoint(cfg.checkpoint_dir) if enabled else None,
             refusals=(ConfigError, CheckpointError), joined=joined, preload=_preload(cfg),

@@ -140,7 +140,8 @@ class PipelineExecutor:
         peers = sorted({m.src if m.dst == self.me else m.dst for m in self.order})
         ops = [("send" if self.me < p else "recv", torch.zeros(1, device=self.device), self._peer(p)) for p in peers]
         works = comm.p2p(ops, self.group, stats=self.stats, label="pp.warm_up", coalesce=False)
-        comm.wait(works, self.timeout_s, what=f"pp rank {self.me}: first transfer with pp ranks {peers}")
+        comm.wait(works, self.timeout_s, what=f"pp rank {self.me}: first transfer with pp ranks {peers}",
+                  deadlines=self.mesh.deadlines)
 
     def _peer(self, pp_index: int) -> int:
         return self.mesh.global_rank("pp", pp_index)
@@ -239,7 +240,8 @@ class PipelineExecutor:
             # first to time out and the one reported.
             work = comm.broadcast(t, self._peer(src), self.group, stats=self.stats, label="pp.loss", async_op=True)
             comm.wait(work, self.timeout_s, what=f"pp rank {self.me}: loss broadcast from pp rank {src} "
-                                                 f"(waiting for every pp rank to finish its step)")
+                                                 f"(waiting for every pp rank to finish its step)",
+                      deadlines=self.mesh.deadlines)
         return t  # float64 [1] on the device; reading it here would make every step wait for the GPU
 
 
@@ -325,7 +327,7 @@ class _StepState:
         ago = time.monotonic() - posted  # the limit counts from the post, as NCCL's watchdog does
         comm.wait(works, round(self.ex.timeout_s - ago, 3),
                   what=f"{self.ex._where(i, a)} waiting for the {what} of {src.describe()} from pp rank {peer} "
-                       f"(posted {ago:.2f}s before)")
+                       f"(posted {ago:.2f}s before)", deadlines=self.ex.mesh.deadlines)
         self.wait_s += time.perf_counter() - t0
         return buf
 
@@ -350,7 +352,8 @@ class _StepState:
 
     def finish_sends(self) -> None:
         for w, _ in self.sends:
-            comm.wait(w, self.ex.timeout_s, what=f"pp rank {self.ex.me}: sends at the end of the step")
+            comm.wait(w, self.ex.timeout_s, what=f"pp rank {self.ex.me}: sends at the end of the step",
+                      deadlines=self.ex.mesh.deadlines)
         self.sends.clear()
         leftover = [k for k in self.outbox]
         if leftover or self.stash or self.local:
@@ -402,4 +405,5 @@ class TiedGradSync:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
             work = comm.all_reduce(p.grad, self.group, stats=self.mesh.comm_stats, label="pp.tied", async_op=True)
-            comm.wait(work, timeout_s, what=f"pp rank {self.mesh.rank('pp')}: tied-parameter gradient all-reduce")
+            comm.wait(work, timeout_s, what=f"pp rank {self.mesh.rank('pp')}: tied-parameter gradient all-reduce",
+                      deadlines=self.mesh.deadlines)

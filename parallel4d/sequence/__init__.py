@@ -14,7 +14,7 @@ Public API::
 Using it in the reference GPT (what the engine does for ``parallel.sp = N``)::
 
     sp = mesh.group("sp")
-    attn = make_ring_attention_fn(sp, layout=cfg.sequence.layout, stats=mesh.comm_stats)
+    attn = make_ring_attention_fn(sp, layout=cfg.sequence.layout, stats=mesh.comm_stats, deadlines=mesh.deadlines)
     for block in model.blocks:
         block.attn.attention_fn = attn               # or build Blocks with attention_fn=attn
     tokens_l  = split_sequence(tokens,  sp, dim=1, layout=layout)   # [b, s/N]

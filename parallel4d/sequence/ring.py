@@ -112,7 +112,7 @@ class RingAttention(torch.autograd.Function):
     """Autograd function behind :func:`ring_attention` (see the module docstring)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, group, causal, layout, scale, stats, timeout_s, backend):
+    def forward(ctx, q, k, v, group, causal, layout, scale, stats, timeout_s, backend, deadlines):
         ring = _Ring(group)
         n, me, L = ring.n, ring.rank, q.shape[2]
         kv = torch.stack([k, v])  # [2, b, h_kv, L, d]: one message per step
@@ -121,7 +121,7 @@ class RingAttention(torch.autograd.Function):
         out_acc = lse_acc = None
         for t in range(n):
             if works is not None:
-                comm.wait(works, timeout_s, f"ring_attention forward: K/V block of step {t}")
+                comm.wait(works, timeout_s, f"ring_attention forward: K/V block of step {t}", deadlines)
                 kv, buf = buf, kv
                 works = None
             if t + 1 < n:  # the next block's transfer runs while this block computes
@@ -133,13 +133,13 @@ class RingAttention(torch.autograd.Function):
                 forward_step(q, kv[0], kv[1], calls, out_acc, lse_acc, scale, backend)
         out = out_acc.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse_acc)
-        ctx.cfg = (ring, causal, layout, scale, stats, timeout_s, backend)
+        ctx.cfg = (ring, causal, layout, scale, stats, timeout_s, backend, deadlines)
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        ring, causal, layout, scale, stats, timeout_s, backend = ctx.cfg
+        ring, causal, layout, scale, stats, timeout_s, backend, deadlines = ctx.cfg
         n, me, L = ring.n, ring.rank, q.shape[2]
         ad = acc_dtype(q.dtype)
         dout = dout.contiguous()
@@ -151,7 +151,7 @@ class RingAttention(torch.autograd.Function):
         kv_works = dkv_works = None
         for t in range(n):
             if kv_works is not None:
-                comm.wait(kv_works, timeout_s, f"ring_attention backward: K/V block of step {t}")
+                comm.wait(kv_works, timeout_s, f"ring_attention backward: K/V block of step {t}", deadlines)
                 kv, kv_buf = kv_buf, kv
                 kv_works = None
             if t + 1 < n:
@@ -159,30 +159,31 @@ class RingAttention(torch.autograd.Function):
             calls = step_plan(me, (me - t) % n, n, layout, causal, L)
             grads = backward_step(dout, q, kv[0], kv[1], out, lse, calls, dq, scale, backend)
             if dkv_works is not None:  # the accumulator of this step's block, from prev
-                comm.wait(dkv_works, timeout_s, f"ring_attention backward: dK/dV of step {t}")
+                comm.wait(dkv_works, timeout_s, f"ring_attention backward: dK/dV of step {t}", deadlines)
                 dkv, dkv_buf = dkv_buf, dkv
             add_kv_grads_(dkv, grads)
             if n > 1:  # pass it on; after the last step this is the hop home to its owner
                 dkv_works = ring.shift(dkv, dkv_buf, stats, BWD_DKV)
         if dkv_works is not None:
-            comm.wait(dkv_works, timeout_s, "ring_attention backward: own dK/dV")
+            comm.wait(dkv_works, timeout_s, "ring_attention backward: own dK/dV", deadlines)
             dkv = dkv_buf
         return (dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype),
-                None, None, None, None, None, None, None)
+                None, None, None, None, None, None, None, None)
 
 
 def ring_attention(q, k, v, group=None, causal: bool = False, layout: str = "contiguous", scale=None,
                    stats: comm.CommStats | None = None, timeout_s: float | None = None,
-                   backend: str = "auto") -> torch.Tensor:
+                   backend: str = "auto", deadlines: comm.DeadlineLedger | None = None) -> torch.Tensor:
     """Exact softmax attention over a sequence sharded along ``group`` (the ring).
 
     ``q [b, h, s/N, d]``, ``k, v [b, h_kv, s/N, d]`` (``h % h_kv == 0``): this rank's tokens in
     ``layout`` order (:func:`split_sequence`). Returns ``[b, h, s/N, d]`` for the same tokens.
     ``scale`` defaults to ``1/sqrt(d)``; ``stats`` counts bytes; ``timeout_s`` bounds each
-    wait (``CommTimeout``); ``backend`` picks the block kernel (:mod:`.kernels`).
+    wait (``CommTimeout``; left to ``deadlines`` where waits are stream-ordered: :func:`comm.wait`);
+    ``backend`` picks the block kernel (:mod:`.kernels`).
     Every rank of ``group`` must call it with the same shapes and arguments.
     """
     _check_inputs(q, k, v, group, causal, layout, scale)
     backend = resolve_backend(backend, q)
     scale = default_scale(q.shape[-1]) if scale is None else float(scale)
-    return RingAttention.apply(q, k, v, group, causal, layout, scale, stats, timeout_s, backend)
+    return RingAttention.apply(q, k, v, group, causal, layout, scale, stats, timeout_s, backend, deadlines)

@@ -89,7 +89,7 @@ def _ab(a, b, grid: Grid, name: str, overlap: bool = True):
         (ab, wa), (bb, wb) = nxt
         if overlap and t + 1 < q:
             nxt = (bc_a.post(t + 1), bc_b.post(t + 1))
-        comm.wait([wa, wb], what=f"{name} summa_ab step {t}")
+        comm.wait([wa, wb], what=f"{name} summa_ab step {t}", deadlines=grid.mesh.deadlines)
         c += _local_product(ab, bb).to(acc)
         if not overlap and t + 1 < q:
             nxt = (bc_a.post(t + 1), bc_b.post(t + 1))
@@ -105,16 +105,16 @@ def _reduced(partial_fn, bcast: _Broadcasts, keep_at: int, dst_ranks, group, gri
         buf, w = nxt
         if overlap and t + 1 < q:
             nxt = bcast.post(t + 1)
-        comm.wait(w, what=f"{what} step {t} broadcast")
+        comm.wait(w, what=f"{what} step {t} broadcast", deadlines=grid.mesh.deadlines)
         p = partial_fn(buf).contiguous()
         works.append(comm.reduce(p, dst_ranks[t], group, stats=grid.stats, label=label, async_op=True))
         if t == keep_at:
             kept = p
         if not overlap:
-            comm.wait(works[-1], what=f"{what} step {t} reduce")
+            comm.wait(works[-1], what=f"{what} step {t} reduce", deadlines=grid.mesh.deadlines)
             if t + 1 < q:
                 nxt = bcast.post(t + 1)
-    comm.wait(works, what=f"{what} reduces")
+    comm.wait(works, what=f"{what} reduces", deadlines=grid.mesh.deadlines)
     return kept
 
 

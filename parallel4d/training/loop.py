@@ -62,13 +62,13 @@ class _StopFlag:
         for sig, old in self._old.items():
             signal.signal(sig, old)
 
-    def post(self, device: torch.device) -> torch.Tensor:
-        """The largest signal number any rank got, float32 ``[1]`` on ``device``: a collective over all
-        ranks, not read back (:meth:`name` it once read)."""
+    def post(self, mesh) -> torch.Tensor:
+        """The largest signal number any rank got, float32 ``[1]`` on the mesh's device: a collective over
+        all ranks, not read back (:meth:`name` it once read)."""
         # NCCL groups take device tensors only; a fill, where torch.tensor([...], device=) would copy and wait
-        flag = torch.full((1,), float(self.signum), device=device)
-        with comm.named("stop-signal agreement at the step boundary", None):
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        flag = torch.full((1,), float(self.signum), device=mesh.device)
+        work = comm.all_reduce(flag, None, op=dist.ReduceOp.MAX, label="stop signal", async_op=True)
+        comm.wait(work, mesh.timeout_s, "stop-signal agreement at the step boundary", mesh.deadlines)
         return flag
 
     @staticmethod
@@ -273,7 +273,7 @@ def run_training(cfg: Config) -> dict:
             read = _read_back(engine, mesh, losses, pending, stop=None if last else stop, logged=logged)
             progress.update(engine.step, losses[-1], tps, elapsed)
             if evaluated:
-                run.validation.append(_validate(cfg, engine, val))
+                run.validation.append(_validate(cfg, engine, val, mesh))
                 if lead:
                     v = run.validation[-1]
                     _log(f"[parallel4d] step {engine.step}/{cfg.train.steps} validation loss {v['loss']:.4f} "
@@ -310,6 +310,14 @@ def run_training(cfg: Config) -> dict:
     return summary
 
 
+def _settle(mesh, what: str) -> None:
+    """Before the host reads the device: where waits are stream-ordered (NCCL), wait, bounded, until the
+    device got past all it was given (``CommTimeout`` naming the first wait past its limit: a peer
+    stopped), so that the read itself cannot hang (:mod:`parallel4d.distributed.deadlines`)."""
+    if mesh.deadlines is not None:
+        mesh.deadlines.settle(what)
+
+
 def _logged(step: int, cfg: Config) -> bool:
     """Whether ``step`` gets a progress line and a metrics record (the same answer on every rank)."""
     return step % cfg.train.log_every == 0 or step == cfg.train.steps
@@ -329,12 +337,13 @@ def _read_back(engine: Trainer, mesh, losses: list[float], pending: list[torch.T
     rank agrees on (``signal``, collective). The same steps call it on every rank."""
     values: dict = {"losses": list(pending)}
     if logged:
-        values.update(grad_norm=engine.last_grad_norm, peaks=gather_per_rank(peak_memory(mesh.device)[0], mesh.device))
+        values.update(grad_norm=engine.last_grad_norm, peaks=gather_per_rank(peak_memory(mesh.device)[0], mesh))
         scaler = engine.loss_scaler()
         if scaler is not None:
             values.update(loss_scale=scaler.scale, skipped_steps=scaler.skipped)
     if stop is not None:
-        values["signal"] = stop.post(mesh.device)
+        values["signal"] = stop.post(mesh)
+    _settle(mesh, f"step {engine.step}: the device finishing the step before its read-back")
     read = read_together(values)
     first = engine.step - len(pending) + 1
     pending.clear()
@@ -361,11 +370,12 @@ def _evaluated(step: int, cfg: Config) -> bool:
     return every is not None and (step % every == 0 or step == cfg.train.steps)
 
 
-def _validate(cfg: Config, engine: Trainer, val) -> dict:
+def _validate(cfg: Config, engine: Trainer, val, mesh) -> dict:
     """The mean loss of the ``train.eval_batches`` validation batches, and its perplexity (read back
     once, after the last batch)."""
     rows = engine.data_rows()
     total = sum(engine.evaluate(*val.batch(k, rows)) for k in range(cfg.train.eval_batches))
+    _settle(mesh, f"step {engine.step}: the device finishing the validation batches")
     loss = float(total) / cfg.train.eval_batches
     return {"step": engine.step, "loss": loss, "perplexity": math.exp(min(loss, 700.0))}
 

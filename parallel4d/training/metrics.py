@@ -40,16 +40,21 @@ def peak_memory(device: torch.device) -> tuple[int, str]:
     return int(rss if sys.platform == "darwin" else rss * 1024), "host max resident set"  # Linux counts KiB
 
 
-def gather_per_rank(value: int, device: torch.device) -> torch.Tensor | list[int]:
+def gather_per_rank(value: int, mesh) -> torch.Tensor | list[int]:
     """``value`` of every rank, in rank order: ``[value]`` in a one-rank job, else int64 ``[world]``
-    on ``device`` from a collective over the default group (its failure named as every
-    collective's: :mod:`.comm`), not read back: :func:`read_together` reads it with the step's
-    other values."""
+    on the mesh's device from a collective over the default group (waited as every wait of the
+    step: :func:`comm.wait`), not read back: :func:`read_together` reads it with the step's other
+    values."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return [value]
     # NCCL takes device tensors only; a fill, where torch.tensor([value], device=) would copy and wait
-    mine = torch.full((1,), value, dtype=torch.int64, device=device)
-    return comm.all_gather(mine, None, label="metrics: per-rank peak memory gather")
+    mine = torch.full((1,), value, dtype=torch.int64, device=mesh.device)
+    parts = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    what = "metrics: per-rank peak memory gather"
+    with comm.named(what):
+        work = dist.all_gather(parts, mine, async_op=True)
+    comm.wait(work, mesh.timeout_s, what, mesh.deadlines)
+    return torch.cat(parts)
 
 
 def read_together(values: dict) -> dict:

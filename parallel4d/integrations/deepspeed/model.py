@@ -102,7 +102,7 @@ def global_mean(share: torch.Tensor, mesh: Mesh, timeout_s: float) -> torch.Tens
     summed over the replicas ``dp·sp`` (one scalar all-reduce), divided by dp."""
     total = share.detach().clone()
     work = comm.all_reduce(total, mesh.group_over("dp", "sp"), stats=mesh.comm_stats, label="loss", async_op=True)
-    comm.wait(work, timeout_s, "loss all-reduce over the data replicas (dp·sp)")
+    comm.wait(work, timeout_s, "loss all-reduce over the data replicas (dp·sp)", mesh.deadlines)
     return total / mesh.size("dp")
 
 
