@@ -14,12 +14,12 @@ What each test proves:
   1F1B pp=2 × ring sp=2 (zigzag) × hetero (ZeRO over the sp replicas) × activation checkpointing:
   float64 losses and this rank's piece of every parameter equal the eager job's (1e-10); the first
   step compiles graphs on every rank; every graph break is a call the code marked eager (a collective,
-  hetero's hooks), none is dynamo giving up inside a collective; nothing compiles after the first step (steps 2..3 run under
-  ``set_stance("fail_on_recompile")`` and the graph count stays); under tp no recompilation at all
-  (the collectives' per-layer labels stay out of the graphs: a traced label would recompile the
-  second block). These run dynamo and AOTAutograd with the ``aot_eager`` backend (the same graphs,
-  graph breaks, guards and forward/backward partition as inductor, without its code generation,
-  which costs minutes on the CI's 2 cores with 4 workers compiling at once).
+  hetero's layers and hooks), none is dynamo giving up inside a collective; nothing compiles after
+  the first step, and nothing recompiles at all (the collectives' per-layer labels stay out of the
+  graphs: a traced label would recompile the second block; under hetero a layer compiled alone would
+  recompile for each shape). These run dynamo and AOTAutograd with the ``aot_eager`` backend (the
+  same graphs, graph breaks, guards and forward/backward partition as inductor, without its code
+  generation, which costs minutes on the CI's 2 cores with 4 workers compiling at once).
 * the rule: a split backward (zb_h1, zbv, hanayo's split) refuses ``train.compile: blocks`` by name,
   before anything runs (``parallel4d validate``).
 """
@@ -62,10 +62,10 @@ def _breaks() -> dict:
     return dict(counters["graph_break"])
 
 
-def train(config: dict, mode: str, no_recompile: bool):
+def train(config: dict, mode: str):
     """``(losses, {dense name: [this rank's pieces]}, graphs compiled by the end of each step, why the
-    graphs broke)`` of ``config`` under ``train.compile=mode``. Steps after the first run under
-    ``fail_on_recompile``; ``no_recompile``: any recompilation at all is an error."""
+    graphs broke)`` of ``config`` under ``train.compile=mode``. A recompilation is an error: every
+    block reuses the graphs the first block compiled, and later steps reuse the first step's."""
     import torch._dynamo
 
     from parallel4d.data.batches import build_dataset
@@ -77,11 +77,9 @@ def train(config: dict, mode: str, no_recompile: bool):
     torch._dynamo.reset()  # a fresh start: graphs of an earlier job would be reused
     engine, data = compose(cfg, init_mesh(pp=p.pp, dp=p.dp, sp=p.sp, tp=p.tp, timeout_s=120)), build_dataset(cfg)
     start, breaks, losses, graphs = _graphs(), _breaks(), [], []
-    with torch._dynamo.config.patch(error_on_recompile=no_recompile):
+    with torch._dynamo.config.patch(error_on_recompile=True):
         for step in range(cfg.train.steps):
-            stance = "default" if step == 0 else "fail_on_recompile"
-            with torch.compiler.set_stance(stance):
-                losses.append(float(engine.train_step(*data.batch(step))))
+            losses.append(float(engine.train_step(*data.batch(step))))
             graphs.append(_graphs() - start)
     pieces = {k: [view.detach().clone() for _, view in v.pieces] for k, v in engine.state_dict().items()
               if k.startswith("model.")}
@@ -138,9 +136,9 @@ def test_compiled_blocks_with_inductor_equal_eager(single_rank):
     import torch._inductor.config
 
     config = job()
-    eager = train(config, "none", no_recompile=True)
+    eager = train(config, "none")
     with torch._inductor.config.patch(compile_threads=1):  # no compile workers left in the test process
-        compiled = train(config, "blocks", no_recompile=True)
+        compiled = train(config, "blocks")
     assert_equal(compiled, eager)
     assert_compiled_once(compiled)
     assert compiled[3] == []  # without collectives or hooks a block is one graph
@@ -150,11 +148,11 @@ def test_compiled_blocks_with_inductor_equal_eager(single_rank):
 # --- every technique, one 4-worker job ----------------------------------------------------------------
 
 LAYOUTS = {
-    "2D tp=4": (job({"tp": 4}), True),
-    "1F1B pp=2 × ring sp=2 × hetero × activation checkpointing": (job(
+    "2D tp=4": job({"tp": 4}),
+    "1F1B pp=2 × ring sp=2 × hetero × activation checkpointing": job(
         {"pp": 2, "sp": 2}, pipeline={"schedule": "1f1b", "microbatches": 2}, sequence={"layout": "zigzag"},
         model={"tie_embeddings": False}, hetero={"enabled": True, "chunk_elems": 4096},
-        train={"activation_checkpointing": "blocks"}), False),  # hetero: a graph per linear's shape in step 1
+        train={"activation_checkpointing": "blocks"}),
 }
 
 
@@ -163,8 +161,7 @@ def _layouts(layouts: dict) -> dict:
     import parallel4d.engine.compile as compile_module
 
     compile_module.BACKEND = "aot_eager"  # this worker process only
-    return {name: (train(config, "none", True), train(config, "blocks", no_recompile))
-            for name, (config, no_recompile) in layouts.items()}
+    return {name: (train(config, "none"), train(config, "blocks")) for name, config in layouts.items()}
 
 
 def test_compiled_blocks_compose_with_every_technique():

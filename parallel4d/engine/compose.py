@@ -99,7 +99,7 @@ def build_stages(cfg: Config, mesh: Mesh, wanted=None, untie: bool = False):
         if fam.positions == "attention" and positions is not None:  # the shard's tokens are rotated by their global positions
             (block if tp else block.attn).positions = positions
         if cfg.train.compile == "blocks":
-            compile_block(block)
+            compile_block(block, eager_layers=cfg.hetero.enabled)
         if cfg.train.activation_checkpointing == "blocks":
             recompute_in_backward(block)
         stages[index] = block
