@@ -32,6 +32,7 @@ ALLOWED_DEAD: set[tuple[str, str]] = set()
 # (models/<family>/spec.py) that only validate: a field read there is checked, not used.
 VALIDATION_ONLY = {"cross_field_problems", "_text_root_problems", "_family_problems", "_lr_schedule_problems",
                    "grid_problems", "ring_problems", "batch_split_problems", "layout_problems", "recompute_problems",
+                   "compile_problems",
                    "tied_head_problems", "split_backward_problems", "tensorboard_problems", "section_problems",
                    "source_problems", "problems"}
 

@@ -292,6 +292,10 @@ class TrainConfig(_Section):
     activation_checkpointing: Literal["none", "blocks"] = Field(
         "none", description="blocks: keep only each transformer block's input and recompute the block in the "
                             "backward (less activation memory, about a third more compute)")
+    compile: Literal["none", "blocks"] = Field(
+        "none", description="blocks: each transformer block's forward compiled on its own by torch.compile "
+                            "(inductor; one compilation shared by the blocks), its collectives left eager; "
+                            "the first step compiles, later steps reuse it. none: eager")
     eval_every: Optional[int] = Field(None, ge=1, le=MAX_STEPS, description="validation loss every this many steps (and at the "
                                                              "last); None: no validation")
     eval_batches: int = Field(4, ge=1, le=2**20, description="batches of data.batch_size in each validation (the same ones "

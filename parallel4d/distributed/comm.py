@@ -250,6 +250,14 @@ def p2p(ops: Iterable[tuple[str, torch.Tensor, int]], group=None, *, stats=None,
                                             for kind, t, peer in ops]))
 
 
+def eager(fn):
+    """``fn``, a function that communicates, run eagerly even when called from code ``torch.compile``
+    traces: the call is a graph break, so compiled graphs hold the computation between collectives and
+    never a c10d call, its timeout or its byte count (nor a guard on its label, which differs per layer
+    and would recompile each layer). Outside compiled code it is a plain call."""
+    return torch.compiler.disable(fn)
+
+
 class DeadlineLedger(Protocol):
     """Where a stream-ordered wait leaves its limit (:class:`parallel4d.distributed.deadlines.Deadlines`)."""
 

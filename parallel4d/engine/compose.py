@@ -31,6 +31,7 @@ import torch.utils.checkpoint
 from parallel4d.config.errors import ConfigError
 from parallel4d.config.schema import Config
 from parallel4d.distributed.mesh import Mesh
+from parallel4d.engine.compile import compile_block
 from parallel4d.engine.flops import stage_flops
 from parallel4d.engine.model import (LocalModel, PositionedEmbedding, model_shape, parameter_dtype,
                                      pipeline_activation_dtype)
@@ -97,6 +98,8 @@ def build_stages(cfg: Config, mesh: Mesh, wanted=None, untie: bool = False):
             block.attn.attention_fn = attention_fn
         if fam.positions == "attention" and positions is not None:  # the shard's tokens are rotated by their global positions
             (block if tp else block.attn).positions = positions
+        if cfg.train.compile == "blocks":
+            compile_block(block, eager_layers=cfg.hetero.enabled)
         if cfg.train.activation_checkpointing == "blocks":
             recompute_in_backward(block)
         stages[index] = block

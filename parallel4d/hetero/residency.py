@@ -11,6 +11,8 @@
 * a forward pre-hook that runs *inside* backward is activation-checkpoint recomputation:
   its holds last until the backward hold is released, so the views the recomputation saved
   cannot be relocated before they are used.
+* under ``torch.compile`` (``train.compile: blocks``) the forward hooks run eagerly, each a graph
+  break inside the compiled block: they swap ``param.data``, which a graph cannot hold.
 * the root module's own pre-hook and hook enter and leave :class:`SavedTensors` around its
   ``forward`` (which itself runs unmodified); a module called on its own (a pipeline stage)
   enters them in its pre-hook unless some are active.
@@ -59,9 +61,12 @@ class Residency:
     def install(self, model: nn.Module) -> list:
         """Register every hook; returns the handles."""
         handles = []
+        # a compiled block (train.compile=blocks) calls them eagerly, a graph break each: they point
+        # param.data at chunk slots, which a graph cannot do
+        pre, post = torch.compiler.disable(self._pre_forward), torch.compiler.disable(self._post_forward)
         for mod in self.mod_groups:
-            handles.append(mod.register_forward_pre_hook(self._pre_forward))
-            handles.append(mod.register_forward_hook(self._post_forward, always_call=True))
+            handles.append(mod.register_forward_pre_hook(pre))
+            handles.append(mod.register_forward_hook(post, always_call=True))
         for rec in self.layout.records:
             if rec.trainable:
                 handles.append(rec.param.register_post_accumulate_grad_hook(self._grad_ready))

@@ -171,6 +171,7 @@ class RingAttention(torch.autograd.Function):
                 None, None, None, None, None, None, None, None)
 
 
+@comm.eager
 def ring_attention(q, k, v, group=None, causal: bool = False, layout: str = "contiguous", scale=None,
                    stats: comm.CommStats | None = None, timeout_s: float | None = None,
                    backend: str = "auto", deadlines: comm.DeadlineLedger | None = None) -> torch.Tensor:

@@ -62,6 +62,7 @@ class _AllReduceSum(torch.autograd.Function):
         return g, None, None, None
 
 
+@comm.eager
 def all_reduce_sum(x, group, stats=None, label="all_reduce"):
     return _AllReduceSum.apply(x, group, stats, label)
 
@@ -85,6 +86,7 @@ class _SumGradAlong(torch.autograd.Function):
         return g, None, None, None
 
 
+@comm.eager
 def replicated_over_rows(p, grid: Grid, label: str):
     """Use parameter ``p`` (identical on the q ranks of my grid column) so that its
     gradient is the sum over that column (``along_i``, ``tp_row`` varies)."""
@@ -105,6 +107,7 @@ class _ReduceScatterBatch(torch.autograd.Function):
         return g, None, None
 
 
+@comm.eager
 def reduce_scatter_batch(x, grid: Grid, label: str):
     return _ReduceScatterBatch.apply(x, grid, label)
 

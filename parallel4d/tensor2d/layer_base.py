@@ -9,7 +9,8 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
-from parallel4d.tensor2d.grid import Grid
+from parallel4d.distributed import comm
+from parallel4d.tensor2d.grid import Grid, all_reduce_sum, replicated_over_rows
 
 # computed in float32 when activations are half (statistics, the loss)
 HALF = (torch.float16, torch.bfloat16)
@@ -58,6 +59,22 @@ class Layer2D(nn.Module):
     # Subclasses define ``_dense(get)``: dense tensors keyed like the dense module's
     # state dict, where ``get(param)`` picks the local tensor (data or grad) to gather;
     # and ``dense_layout()``: ``{parameter name: (dense shape, pieces)}``, keyed the same way.
+
+    # A layer's collectives are labelled with its name. Under torch.compile these two run eagerly
+    # (comm.eager) and build the label there: a label read in traced code would be guarded, and every
+    # layer (its own name) would compile the same code again.
+
+    @comm.eager
+    def row_sum(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` (``[.., 1]`` per token) summed over my grid row (``along_j``: the other hidden blocks of the
+        same tokens), labelled ``{name}.stats``; the backward sums the gradient the same way."""
+        return all_reduce_sum(x, self.grid.along_j, self.grid.stats, f"{self.name}.stats")
+
+    @comm.eager
+    def replicated(self, param: str) -> torch.Tensor:
+        """Parameter ``param`` (replicated over my grid column) as used in the forward: its gradient is
+        summed over the column (``{name}.{param}.grad``, :func:`~.grid.replicated_over_rows`)."""
+        return replicated_over_rows(getattr(self, param), self.grid, f"{self.name}.{param}.grad")
 
     def dense_state_dict(self) -> dict[str, torch.Tensor]:
         return self._dense(lambda p: p.detach())

@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from parallel4d.distributed import comm
 from parallel4d.tensor2d.checks import check_divisible
 from parallel4d.tensor2d.cross_entropy import VocabParallelCE
-from parallel4d.tensor2d.grid import (Grid, all_reduce_sum, block_of, gather_blocks, gather_columns,
+from parallel4d.tensor2d.grid import (Grid, block_of, gather_blocks, gather_columns,
                                       reduce_scatter_batch, replicated_over_rows)
 from parallel4d.tensor2d.layer_base import HALF, DenseLayout, Layer2D, block_layout, box_at, index_runs, new_param
 from parallel4d.tensor2d.summa import summa_ab, summa_abt
@@ -85,6 +85,7 @@ class Linear2D(Layer2D):
         self.out_order = None if out_perm is None else out_order
         return self
 
+    @comm.eager  # SUMMA and a bias add: nothing to compile, and the labels stay out of traced code
     def forward(self, x):
         y = summa_ab(x, self.weight, self.grid, name=self.name, overlap=self.overlap)
         if self.bias is not None:
@@ -154,15 +155,12 @@ class LayerNorm2D(Layer2D):
         return self
 
     def forward(self, x):
-        g = self.grid
         xf = x.float() if x.dtype in HALF else x
-        mean = all_reduce_sum(xf.sum(-1, keepdim=True), g.along_j, g.stats, f"{self.name}.stats") / self.hidden
+        mean = self.row_sum(xf.sum(-1, keepdim=True)) / self.hidden
         xc = xf - mean
-        var = all_reduce_sum((xc * xc).sum(-1, keepdim=True), g.along_j, g.stats, f"{self.name}.stats") / self.hidden
+        var = self.row_sum((xc * xc).sum(-1, keepdim=True)) / self.hidden
         y = xc * torch.rsqrt(var + self.eps)
-        w = replicated_over_rows(self.weight, g, f"{self.name}.weight.grad")
-        b = replicated_over_rows(self.bias, g, f"{self.name}.bias.grad")
-        return (y * w + b).to(x.dtype)
+        return (y * self.replicated("weight") + self.replicated("bias")).to(x.dtype)
 
     def _dense(self, get):
         return {"weight": gather_columns(get(self.weight), self.grid),
@@ -199,11 +197,10 @@ class RMSNorm2D(Layer2D):
         return self
 
     def forward(self, x):
-        g = self.grid
         xf = x.to(torch.promote_types(x.dtype, torch.float32))
-        sq = all_reduce_sum((xf * xf).sum(-1, keepdim=True), g.along_j, g.stats, f"{self.name}.stats") / self.hidden
+        sq = self.row_sum((xf * xf).sum(-1, keepdim=True)) / self.hidden
         y = (xf * torch.rsqrt(sq + self.eps)).to(x.dtype)
-        return replicated_over_rows(self.weight, g, f"{self.name}.weight.grad") * y
+        return self.replicated("weight") * y
 
     def _dense(self, get):
         return {"weight": gather_columns(get(self.weight), self.grid)}

@@ -238,6 +238,7 @@ def _check_inner(op: str, a, b, dim_a: int, dim_b: int):
         raise ValueError(f"{op}: local blocks do not match: a{tuple(a.shape)} dim {dim_a} vs b{tuple(b.shape)} dim {dim_b}")
 
 
+@comm.eager
 def summa_ab(a: torch.Tensor, b: torch.Tensor, mesh, *, name: str = "summa_ab", overlap: bool = True) -> torch.Tensor:
     """C = A·B. Local a ``[..., K/q]`` (rows = flattened leading dims), b ``[K/q, N/q]``
     → c ``[..., N/q]`` (block (i, j) of C)."""
@@ -247,6 +248,7 @@ def summa_ab(a: torch.Tensor, b: torch.Tensor, mesh, *, name: str = "summa_ab", 
     return _SummaAB.apply(a, b, _grid_of(mesh), name, overlap)
 
 
+@comm.eager
 def summa_abt(a: torch.Tensor, b: torch.Tensor, mesh, *, name: str = "summa_abt", overlap: bool = True) -> torch.Tensor:
     """C = A·Bᵀ. Local a ``[..., K/q]``, b ``[..., K/q]`` (block of B ``[N, K]``)
     → c ``[..., N/q]`` with a's leading dims."""
@@ -254,6 +256,7 @@ def summa_abt(a: torch.Tensor, b: torch.Tensor, mesh, *, name: str = "summa_abt"
     return _SummaABT.apply(a, b, _grid_of(mesh), name, overlap)
 
 
+@comm.eager
 def summa_atb(a: torch.Tensor, b: torch.Tensor, mesh, *, name: str = "summa_atb", overlap: bool = True) -> torch.Tensor:
     """C = Aᵀ·B. Local a ``[..., M/q]`` (block of A ``[K, M]``), b ``[..., N/q]`` (block of
     B ``[K, N]``, same leading dims) → c ``[M/q, N/q]``."""

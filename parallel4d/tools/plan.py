@@ -11,6 +11,10 @@ of them as formulas, and a 7B model costs no memory to plan. A training run meas
 quantities on its first step (``summary.json``'s ``memory``, :mod:`.memory`'s rules);
 ``tests/test_plan.py`` holds the two within 10 % on the example configs.
 
+``train.compile: blocks`` is planned with eager blocks (torch.compile does not run on this dry run's
+fake tensors): a compiled block's saved activations can differ from eager's (AOTAutograd's
+partitioner chooses what to save and what to recompute in the backward).
+
 Not counted: the CUDA context, the allocator's fragmentation, kernels' temporaries (an op's
 workspace, the logits' softmax while the loss is computed), communication buffers, and the
 one block that activation checkpointing recomputes during its backward. :data:`HEADROOM` of
@@ -98,6 +102,8 @@ def dry_run(cfg: Config, pp_rank: int = 0) -> RankPlan:
     rank = pp_rank * math.prod(shape[1:])
     if cfg.model.pretrained:  # its shapes are in the model fields already; its weights are not needed
         cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"pretrained": None})})
+    if cfg.train.compile != "none":  # eager blocks: torch.compile does not run on this dry run's fake tensors
+        cfg = cfg.model_copy(update={"train": cfg.train.model_copy(update={"compile": "none"})})
     with _fake_world(rank, cfg.world_size):
         mesh = init_mesh(p.pp, p.dp, p.sp, p.tp, timeout_s=cfg.train.timeout_s)
         with FakeTensorMode(allow_non_fake_inputs=True), _default_dtype(parameter_dtype(cfg)):

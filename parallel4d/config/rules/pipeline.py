@@ -149,3 +149,16 @@ def recompute_problems(cfg: Config) -> list[str]:
                 "would recompute each block once in B and again for every weight matrix in W; use "
                 "train.activation_checkpointing=none, or a schedule that does not split the backward"]
     return []
+
+
+def compile_problems(cfg: Config) -> list[str]:
+    """Compiled blocks under a split backward: a compiled block's backward is one graph computing its
+    input and weight gradients together (AOTAutograd), which B and W cannot run apart."""
+    p, pl = cfg.parallel, cfg.pipeline
+    if p.pp > 1 and splits_backward(pl.schedule, pl.split_backward) and cfg.train.compile != "none":
+        return [f"train.compile={cfg.train.compile} with a split backward (pipeline.schedule={pl.schedule}"
+                f"{', split_backward=true' if pl.schedule == 'hanayo' else ''}): a compiled block's backward is one "
+                "graph that computes its input and weight gradients together, so B cannot leave the weight "
+                "gradients to W; use train.compile=none, or a schedule that does not split the backward "
+                "(1f1b, gpipe, interleaved, hanayo with split_backward=false)"]
+    return []

@@ -1,0 +1,192 @@
+"""``train.compile: blocks`` (#28.6): each transformer block's forward compiled on its own.
+
+What each test proves:
+
+* ``test_only_the_blocks_are_compiled``: compose() compiles every block's forward and nothing else
+  (not the embedding, the head or the rank's whole model), and the dense names are unchanged;
+  ``none`` compiles nothing. No compilation runs (nothing is called).
+* ``test_compiled_blocks_with_inductor_equal_eager``: one process, torch's default backend (inductor),
+  float64: three steps' losses and every parameter equal the same job with ``train.compile: none``
+  (1e-10); the first step compiles graphs, shared by both blocks (a recompilation anywhere in the run
+  is an error: the second block reuses the first's graphs), each block is one graph (no graph break),
+  and steps 2..3 compile nothing.
+* ``test_compiled_blocks_compose_with_every_technique``: one 4-worker job, two layouts — 2D tp=4, and
+  1F1B pp=2 × ring sp=2 (zigzag) × hetero (ZeRO over the sp replicas) × activation checkpointing:
+  float64 losses and this rank's piece of every parameter equal the eager job's (1e-10); the first
+  step compiles graphs on every rank; every graph break is a call the code marked eager (a collective,
+  hetero's layers and hooks), none is dynamo giving up inside a collective; nothing compiles after
+  the first step, and nothing recompiles at all (the collectives' per-layer labels stay out of the
+  graphs: a traced label would recompile the second block; under hetero a layer compiled alone would
+  recompile for each shape). These run dynamo and AOTAutograd with the ``aot_eager`` backend (the
+  same graphs, graph breaks, guards and forward/backward partition as inductor, without its code
+  generation, which costs minutes on the CI's 2 cores with 4 workers compiling at once).
+* the rule: a split backward (zb_h1, zbv, hanayo's split) refuses ``train.compile: blocks`` by name,
+  before anything runs (``parallel4d validate``).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import run_workers
+from parallel4d.config.errors import ConfigError
+from parallel4d.config.load import make_config
+from parallel4d.tools.cli import main
+
+STEPS = 3
+TINY = {"model": {"vocab_size": 64, "seq_len": 16, "hidden": 32, "heads": 4, "layers": 2},
+        "data": {"source": "synthetic", "batch_size": 8},
+        "optimizer": {"lr": 0.01, "warmup_steps": 1},
+        "train": {"steps": STEPS, "dtype": "float64", "timeout_s": 120}, "checkpoint": {"enabled": False}}
+
+
+def job(parallel=None, **sections) -> dict:
+    """TINY with ``parallel`` and ``sections``' fields over it."""
+    out = {k: dict(v) for k, v in TINY.items()}
+    out["parallel"] = dict(parallel or {})
+    for name, fields in sections.items():
+        out.setdefault(name, {}).update(fields)
+    return out
+
+
+def _graphs() -> int:
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"]
+
+
+def _breaks() -> dict:
+    from torch._dynamo.utils import counters
+
+    return dict(counters["graph_break"])
+
+
+def train(config: dict, mode: str):
+    """``(losses, {dense name: [this rank's pieces]}, graphs compiled by the end of each step, why the
+    graphs broke)`` of ``config`` under ``train.compile=mode``. A recompilation is an error: every
+    block reuses the graphs the first block compiled, and later steps reuse the first step's."""
+    import torch._dynamo
+
+    from parallel4d.data.batches import build_dataset
+    from parallel4d.distributed.mesh import init_mesh
+    from parallel4d.engine.compose import compose
+
+    cfg = make_config({**config, "train": {**config["train"], "compile": mode}})
+    p = cfg.parallel
+    torch._dynamo.reset()  # a fresh start: graphs of an earlier job would be reused
+    engine, data = compose(cfg, init_mesh(pp=p.pp, dp=p.dp, sp=p.sp, tp=p.tp, timeout_s=120)), build_dataset(cfg)
+    start, breaks, losses, graphs = _graphs(), _breaks(), [], []
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for step in range(cfg.train.steps):
+            losses.append(float(engine.train_step(*data.batch(step))))
+            graphs.append(_graphs() - start)
+    pieces = {k: [view.detach().clone() for _, view in v.pieces] for k, v in engine.state_dict().items()
+              if k.startswith("model.")}
+    torch._dynamo.reset()
+    reasons = sorted(k for k, n in _breaks().items() if n > breaks.get(k, 0))
+    return losses, pieces, graphs, reasons
+
+
+def assert_equal(compiled, eager):
+    """float64: losses to 1e-10 relative, every parameter piece to 1e-10 (1e-12 absolute near zero)."""
+    torch.testing.assert_close(torch.tensor(compiled[0]), torch.tensor(eager[0]), rtol=1e-10, atol=0)
+    assert set(compiled[1]) == set(eager[1]) and compiled[1]
+    for name, pieces in eager[1].items():
+        for got, want in zip(compiled[1][name], pieces, strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def assert_compiled_once(compiled):
+    """The first step compiled graphs, the later ones nothing; the graphs broke only where the code asks
+    (a call of a ``torch.compiler.disable``d function: a collective, hetero's hooks), never where dynamo
+    gave up tracing (inside a collective's autograd function, say)."""
+    graphs, reasons = compiled[2], compiled[3]
+    assert graphs[0] > 0 and graphs == [graphs[0]] * STEPS, graphs
+    assert all("torch.compiler.disable" in r for r in reasons), reasons
+
+
+# --- one process ------------------------------------------------------------------------------------
+
+def test_only_the_blocks_are_compiled(single_rank):
+    from parallel4d.distributed.mesh import init_mesh
+    from parallel4d.engine.compose import compose
+
+    def compiled(mode, recompute="none"):
+        cfg = make_config(job(train={"compile": mode, "activation_checkpointing": recompute}))
+        stages = compose(cfg, init_mesh()).model.stages()
+        return {name: hasattr(inner_forward(stage), "_torchdynamo_orig_callable") for name, stage in stages.items()}, \
+            sorted(n for stage in stages.values() for n, _ in stage.named_parameters())
+
+    blocks, names = compiled("blocks")
+    assert blocks == {"embed": False, "blocks.0": True, "blocks.1": True, "head": False}
+    none, eager_names = compiled("none")
+    assert not any(none.values()) and names == eager_names
+    assert compiled("blocks", "blocks")[0] == blocks  # under activation checkpointing, what it recomputes
+
+
+def inner_forward(stage):
+    """The stage's own ``forward``, under activation checkpointing's wrapper (:func:`recompute_in_backward`)."""
+    forward = stage.__dict__.get("forward", stage.forward)
+    cells = dict(zip(forward.__code__.co_freevars, forward.__closure__ or ()))
+    return cells["inner"].cell_contents if "inner" in cells else forward
+
+
+def test_compiled_blocks_with_inductor_equal_eager(single_rank):
+    import torch._inductor.config
+
+    config = job()
+    eager = train(config, "none")
+    with torch._inductor.config.patch(compile_threads=1):  # no compile workers left in the test process
+        compiled = train(config, "blocks")
+    assert_equal(compiled, eager)
+    assert_compiled_once(compiled)
+    assert compiled[3] == []  # without collectives or hooks a block is one graph
+    assert eager[2] == [0] * STEPS
+
+
+# --- every technique, one 4-worker job ----------------------------------------------------------------
+
+LAYOUTS = {
+    "2D tp=4": job({"tp": 4}),
+    "1F1B pp=2 × ring sp=2 × hetero × activation checkpointing": job(
+        {"pp": 2, "sp": 2}, pipeline={"schedule": "1f1b", "microbatches": 2}, sequence={"layout": "zigzag"},
+        model={"tie_embeddings": False}, hetero={"enabled": True, "chunk_elems": 4096},
+        train={"activation_checkpointing": "blocks"}),
+}
+
+
+def _layouts(layouts: dict) -> dict:
+    """Each layout eager, then compiled with dynamo and AOTAutograd (``aot_eager``: see the docstring)."""
+    import parallel4d.engine.compile as compile_module
+
+    compile_module.BACKEND = "aot_eager"  # this worker process only
+    return {name: (train(config, "none"), train(config, "blocks")) for name, config in layouts.items()}
+
+
+def test_compiled_blocks_compose_with_every_technique():
+    results = run_workers(_layouts, 4, LAYOUTS, timeout_s=600)
+    for rank, by_layout in enumerate(results):
+        for name, (eager, compiled) in by_layout.items():
+            assert_equal(compiled, eager)
+            assert_compiled_once(compiled)
+            assert compiled[3], (rank, name)  # the collectives (and hetero's hooks) break the graphs
+            assert eager[2] == [0] * STEPS, (rank, name)
+
+
+# --- the rule -------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("pipeline", [{"schedule": "zb_h1"}, {"schedule": "zbv"},
+                                      {"schedule": "hanayo", "split_backward": True}])
+def test_a_split_backward_refuses_compiled_blocks(pipeline, tmp_path, capsys):
+    config = job({"pp": 2}, pipeline={**pipeline, "microbatches": 4}, model={"layers": 4},
+                 train={"compile": "blocks"})
+    with pytest.raises(ConfigError) as err:
+        make_config(config)
+    words = ["train.compile=blocks", f"pipeline.schedule={pipeline['schedule']}", "use train.compile=none"]
+    assert all(w in str(err.value) for w in words), err.value
+    path = tmp_path / "job.yaml"
+    path.write_text(make_config({**config, "train": {**config["train"], "compile": "none"}}).to_yaml())
+    assert main(["validate", str(path)]) == 0
+    assert main(["validate", str(path), "--set", "train.compile=blocks"]) == 2
+    assert "train.compile=blocks with a split backward" in capsys.readouterr().err
