@@ -98,9 +98,9 @@ def _event_order(group, n):
         events.append("P" + kw["label"].split(".")[-1])
         return orig[0](ops, *a, **kw)
 
-    def wait(works, timeout_s=None, what=""):
+    def wait(works, timeout_s=None, what="", deadlines=None):
         events.append("W" + ("dkv" if "dK/dV" in what else "kv"))
-        return orig[1](works, timeout_s, what)
+        return orig[1](works, timeout_s, what, deadlines)
 
     def fwd(*a, **kw):
         events.append("C")
