@@ -204,7 +204,7 @@ def test_grads_are_views_of_the_buckets_no_copy_in_or_out(monkeypatch):
     model = torch.nn.Sequential(*[torch.nn.Linear(16, 16, dtype=torch.float64) for _ in range(4)])
     params = list(model.parameters())
     mesh = types.SimpleNamespace(size=lambda axis: 2 if axis == "dp" else 1, device=torch.device("cpu"),
-                                 group_over=lambda *axes: None, comm_stats=None)
+                                 group_over=lambda *axes: None, comm_stats=None, deadlines=None)
     sync = GradBuckets(params, mesh, bucket_bytes=2 * 16 * 16 * 8, timeout_s=10.0, expected={id(p): 2 for p in params})
     assert len(sync.buckets) >= 2
     x = torch.randn(2, 8, 16, dtype=torch.float64)

@@ -220,7 +220,7 @@ def _norm_with_grads(n: int, dtype) -> tuple[float, float, int]:
     params.append(torch.nn.Parameter(torch.zeros(2, dtype=dtype)))  # no gradient: left out
     tied = {id(params[2]), id(params[5])}
     mesh = types.SimpleNamespace(size=lambda axis: 2 if axis == "tp_row" else 1, device=torch.device("cpu"),
-                                 group=lambda axis: None, comm_stats=None)
+                                 group=lambda axis: None, comm_stats=None, deadlines=None)
     real = comm.group_size
     comm.group_size = lambda group: 1  # one rank: the sums over tp/pp are no-ops
     try:
