@@ -51,6 +51,7 @@ import torch
 import torch.distributed as dist
 
 from device_audit import DeviceAudit, _target_device, _tensors
+from nccl_like import meshes_with_deadlines
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _OWN = {os.path.abspath(__file__), os.path.join(ROOT, "tests", "device_audit.py"),
@@ -244,22 +245,15 @@ class HostSyncs(DeviceAudit):
     def _patch_waits(self) -> None:
         """Meshes get NCCL's stream-ordered waits (their deadlines' markers are done at once: on CPU the
         untimed wait has blocked until the work was done); ``Work.wait(timeout)`` is counted."""
-        from parallel4d.distributed.deadlines import Deadlines
-        from parallel4d.distributed.mesh import Mesh
-
-        real_init, real_wait = Mesh.__init__, dist.Work.wait
-
-        def init(mesh, *args, **kwargs):
-            real_init(mesh, *args, **kwargs)
-            mesh.deadlines = Deadlines(mesh.timeout_s, marker=_Passed)
+        real_wait = dist.Work.wait
 
         def wait(work, *args, **kwargs):
             if args or kwargs.get("timeout") is not None:
                 self.record("Work.wait(timeout)")
             return real_wait(work, *args, **kwargs)
 
-        self._undo += [(Mesh, "__init__", real_init), (dist.Work, "wait", real_wait)]
-        Mesh.__init__, dist.Work.wait = init, wait
+        self._undo += [meshes_with_deadlines(_Passed), (dist.Work, "wait", real_wait)]
+        dist.Work.wait = wait
 
     def _patch_hetero(self) -> None:
         from parallel4d.hetero.transfers import Transfers

@@ -49,18 +49,28 @@ class EmulatedStream:
         return Marker()
 
 
-def wait_as_on_nccl() -> EmulatedStream:
-    """In this (worker) process, from now on: an untimed ``Work.wait()`` of :func:`comm.wait` returns at
-    once, handing the work to an :class:`EmulatedStream`, and every mesh built gets deadlines over that stream's markers."""
+def meshes_with_deadlines(marker) -> tuple:
+    """Every ``Mesh`` built from now on gets ``Deadlines`` over ``marker`` (as a mesh on CUDA gets them
+    over stream events); returns ``(Mesh, "__init__", the original)`` to undo it."""
     from parallel4d.distributed.deadlines import Deadlines
     from parallel4d.distributed.mesh import Mesh
 
-    stream = EmulatedStream()
-    real_init, real_wait = Mesh.__init__, dist.Work.wait
+    real_init = Mesh.__init__
 
     def init(mesh, *args, **kwargs):
         real_init(mesh, *args, **kwargs)
-        mesh.deadlines = Deadlines(mesh.timeout_s, marker=stream.marker)
+        mesh.deadlines = Deadlines(mesh.timeout_s, marker=marker)
+
+    Mesh.__init__ = init
+    return Mesh, "__init__", real_init
+
+
+def wait_as_on_nccl() -> EmulatedStream:
+    """In this (worker) process, from now on: an untimed ``Work.wait()`` of :func:`comm.wait` returns at
+    once, handing the work to an :class:`EmulatedStream`, and every mesh built gets deadlines over that stream's markers."""
+    stream = EmulatedStream()
+    meshes_with_deadlines(stream.marker)
+    real_wait = dist.Work.wait
 
     def wait(work, *args, **kwargs):
         # only the package's own waits (comm.wait): torch's object collectives wait inside and then read
@@ -70,5 +80,5 @@ def wait_as_on_nccl() -> EmulatedStream:
         stream.wait_for(work)
         return True
 
-    Mesh.__init__, dist.Work.wait = init, wait
+    dist.Work.wait = wait
     return stream

@@ -262,15 +262,21 @@ def test_blame_counts_an_abort_as_the_watchdogs_consequence_of_a_stopped_rank(tm
     assert blame(procs, str(tmp_path), settled=False)[0] == 2
 
 
+def stop_a_worker(tmp_path, cfg, rank: int, command=None) -> tuple[subprocess.Popen, str, float]:
+    """The job of ``cfg`` (:func:`start_job`) after its third step, SIGSTOP on worker ``rank``; returns
+    the launcher, its stderr and how long it took to end after the stop."""
+    proc, _ = start_job(tmp_path, cfg, command=command)
+    os.kill(worker_pid(proc.pid, rank), signal.SIGSTOP)
+    t0 = time.monotonic()
+    err = finish(proc, timeout=120)
+    return proc, err, time.monotonic() - t0
+
+
 def test_stopped_worker_ends_the_job_naming_it(tmp_path):
     """With tp=4, SIGSTOP on rank 2: the job ends within train.timeout_s plus a grace and
     names rank 2 as the one that stopped answering, with the action its peers waited in."""
     cfg = tiny_job(tmp_path / "run", tp=4)
-    proc, _ = start_job(tmp_path, cfg)
-    os.kill(worker_pid(proc.pid, 2), signal.SIGSTOP)
-    t0 = time.monotonic()
-    err = finish(proc, timeout=120)
-    took = time.monotonic() - t0
+    proc, err, took = stop_a_worker(tmp_path, cfg, 2)
     assert proc.returncode == 1, err[-3000:]
     assert "worker rank 2 failed" in err and "rank 2 (stopped)" in err, err[-3000:]
     assert "CommTimeout" in err and "did not finish" in err, err[-3000:]
@@ -286,11 +292,7 @@ def train_as_on_nccl(cfg_dict: dict) -> dict:
 
 
 def launch_as_on_nccl(path: str) -> int:
-    """``parallel4d launch PATH`` as it is, with workers that run :func:`train_as_on_nccl`."""
-    from parallel4d.tools.cli import main
-
-    importlib.import_module("parallel4d.launcher.launch")._train_entry = train_as_on_nccl
-    return main(["launch", path])
+    return launch_with(train_as_on_nccl, path)
 
 
 def test_a_stopped_worker_ends_a_job_waiting_as_on_nccl_naming_it(tmp_path):
@@ -300,11 +302,7 @@ def test_a_stopped_worker_ends_a_job_waiting_as_on_nccl_naming_it(tmp_path):
     cfg = tiny_job(tmp_path / "run", dp=2)
     cli = ["-c", f"import sys; sys.path.insert(0, {TESTS!r}); import test_faults; "
                  f"sys.exit(test_faults.launch_as_on_nccl({str(tmp_path / 'job.yaml')!r}))"]
-    proc, _ = start_job(tmp_path, cfg, command=cli)
-    os.kill(worker_pid(proc.pid, 1), signal.SIGSTOP)
-    t0 = time.monotonic()
-    err = finish(proc, timeout=120)
-    took = time.monotonic() - t0
+    proc, err, took = stop_a_worker(tmp_path, cfg, 1, command=cli)
     assert proc.returncode == 1, err[-3000:]
     assert "worker rank 1 failed" in err and "rank 1 (stopped)" in err, err[-3000:]
     assert "CommTimeout: rank 0:" in err and "did not finish within its limit (the stream waited for it)" in err, \
@@ -334,13 +332,17 @@ def train_with_slow_saves(cfg_dict: dict) -> dict:
     return importlib.import_module("parallel4d.launcher.launch")._train_entry(cfg_dict)
 
 
-def launch_with_slow_saves(path: str) -> int:
+def launch_with(train_entry, path: str) -> int:
     """``parallel4d launch PATH`` (the CLI, launch, spawn and its supervision as they are) with workers
-    that run :func:`train_with_slow_saves`."""
+    that run ``train_entry`` (a function of this module, which the workers import by name)."""
     from parallel4d.tools.cli import main
 
-    importlib.import_module("parallel4d.launcher.launch")._train_entry = train_with_slow_saves
+    importlib.import_module("parallel4d.launcher.launch")._train_entry = train_entry
     return main(["launch", path])
+
+
+def launch_with_slow_saves(path: str) -> int:
+    return launch_with(train_with_slow_saves, path)
 
 
 class Launcher:
