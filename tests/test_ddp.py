@@ -100,10 +100,21 @@ def _train(cfg_dict, buckets: bool):
         events.close()
         out["events"] = events.steps
         out["returns_the_reduced_tensor"] = [any(t is loss for t in events.loss_tensors) for loss in losses]
+        out["still_held_by_comm_thread"] = _losses_still_held(engine, 200)
     grad_bytes = sum(q.numel() * q.element_size() for q in engine.params)
     out.update(losses=losses, sent=sent, grad_bytes=grad_bytes,
                params={n: q.detach().clone() for n, q in engine.model.named_parameters()})
     return out
+
+
+def _losses_still_held(engine, n: int) -> int:
+    """Of ``n`` loss all-reduces, how many return while gloo's worker thread still holds the tensor
+    (its C++ use count above the Python object's one)."""
+    held = 0
+    for _ in range(n):
+        loss = engine.mean_over_replicas(torch.ones(1, device=engine.mesh.device), "loss")
+        held += loss._use_count() > 1
+    return held
 
 
 def _run_both(cfg_dicts):
@@ -144,9 +155,11 @@ def test_buckets_overlap_backward_and_match_single_all_reduce():
             first_reduce = log.index("all_reduce dp_grad")
             last_embed = len(log) - 1 - log[::-1].index("embed grad")
             assert first_reduce < last_embed, log
-        # The step returns the very tensor the loss all-reduce was given (so the caller holds the last
-        # reference, not gloo's worker thread: a script exiting right after its last step aborted).
+        # The step returns the very tensor the loss all-reduce was given, and only once gloo's worker
+        # thread has let go of it: were the thread's drop the last but the Python object's, it would
+        # need the GIL, and a script exiting right after its last step aborted.
         assert new["returns_the_reduced_tensor"] == [True, True], new["returns_the_reduced_tensor"]
+        assert new["still_held_by_comm_thread"] == 0, new["still_held_by_comm_thread"]
 
 
 def test_buckets_under_the_pipeline_with_tied_weights():

@@ -27,6 +27,7 @@ from collections import defaultdict
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
+import time
 from typing import Iterable, Protocol
 
 import torch
@@ -293,3 +294,18 @@ def wait(works, timeout_s: float | None = None, what: str = "communication",
                 w.wait()
             else:
                 w.wait(timeout=timedelta(seconds=timeout_s))
+
+
+def await_worker_release(tensor: torch.Tensor, uses_before: int, limit_s: float = 5.0) -> None:
+    """Sleep (the GIL released) until the communication thread has dropped its references to
+    ``tensor``, whose C++ use count was ``uses_before`` before the collective; at most ``limit_s``.
+
+    Why: gloo's worker thread drops a finished work — and the tensors it holds — a moment after the
+    wait returns. When that drop leaves only the Python object's reference, it needs the GIL; were
+    the interpreter finalizing by then (a script exiting right after its last step), Python ends
+    the thread and the process aborts ("terminate called without an active exception"). Call it
+    for a temporary that was given to the last collective of a step, after the wait and after
+    dropping the work; not for stream-ordered (NCCL) waits, where it would stall the host."""
+    end = time.monotonic() + limit_s
+    while tensor._use_count() > uses_before and time.monotonic() < end:
+        time.sleep(0)

@@ -208,14 +208,17 @@ class Engine(Trainer):
         """The mean of the data replicas' (dp·sp) mean losses, ``[]``: ``loss`` ([1] or ``[]``) summed
         in place over them (no collective with one replica) and divided in place.
 
-        The tensor returned is the very one the all-reduce was given, so the caller holds it: gloo's
-        worker thread drops its own reference just after the wait returns, and were that the last
-        one, the drop would need the GIL, which at interpreter exit aborts the process ("terminate
-        called without an active exception"; seen when a script's last step is followed by exit)."""
+        The step's last collective, so on host-timed (gloo) waits it returns only once the
+        communication thread has let go of the tensor (``comm.await_worker_release``): a script
+        may exit right after its last step."""
         total = loss.reshape(())
+        uses_before = total._use_count()
         work = comm.all_reduce(total, self.mesh.group_over("dp", "sp"), stats=self.mesh.comm_stats,
                                label=label, async_op=True)
         comm.wait(work, self.cfg.train.timeout_s, f"{label} all-reduce over the data replicas (dp·sp)", self.mesh.deadlines)
+        if work is not None and self.mesh.deadlines is None:
+            del work
+            comm.await_worker_release(total, uses_before)
         return total.div_(self.mesh.size("dp") * self.mesh.size("sp"))
 
     # --- what the training loop reports ---------------------------------------------

@@ -119,9 +119,9 @@ def launch(config: str | Path | Config | dict, overrides: list[str] | None = Non
                 return run_training(cfg)
             finally:
                 dist.destroy_process_group()
-                # The groups are freed (their gloo threads joined) only with their last reference, which sits
-                # in the mesh's cycles; left to interpreter exit, a gloo thread releasing a finished work's
-                # tensors takes the GIL mid-finalization and the process aborts (SIGABRT) after a good run.
+                # Frees what of the run's cycles Python can before interpreter exit. A gloo thread that
+                # drops a finished work's tensors mid-finalization aborts the process; the step's last
+                # collective waits for that drop itself (comm.await_worker_release).
                 gc.collect()
     threads = cfg.train.threads_per_worker or max(1, (os.cpu_count() or 1) // cfg.world_size)
     started = time.time() - 2.0  # a file system's timestamps may be that coarse
