@@ -60,6 +60,11 @@ def group_options(backend: str, timeout_s: float):
     return backend, options
 
 
+def _own(group) -> bool:
+    """Whether ``group`` is one of this rank's own, not the default group (nor a non-member's marker)."""
+    return group is not None and group != dist.GroupMember.NON_GROUP_MEMBER and group != dist.group.WORLD
+
+
 class Mesh:
     """Named axes over a :class:`DeviceMesh`; see the module docstring for the layout.
 
@@ -81,6 +86,8 @@ class Mesh:
         shape = tuple(device_mesh.mesh.shape)
         self._rank_at = dict(zip(itertools.product(*map(range, shape)), device_mesh.mesh.flatten().tolist()))
         self._groups: dict[str, dist.ProcessGroup] = {}
+        # the groups this mesh made, oldest first (:meth:`close`): its axes' (the default group aside)
+        self._made: list[dist.ProcessGroup] = [g for g in device_mesh.get_all_groups() if _own(g)]
 
     # --- sizes and coordinates -------------------------------------------------
     @property
@@ -158,6 +165,7 @@ class Mesh:
             rows = self.lines_along(*key)
             mine, _ = dist.new_subgroups_by_enumeration(rows, timeout=self._group_timeout())
             self._groups[key] = mine
+            self._made.append(mine)
             self.comm_stats.name_group(mine, "+".join(key))
         return self._groups[key]
 
@@ -184,7 +192,22 @@ class Mesh:
         group = dist.new_group(sorted(ranks), timeout=self._group_timeout())
         if group is not None and group != dist.GroupMember.NON_GROUP_MEMBER:
             self.comm_stats.name_group(group, axis)
+            self._made.append(group)
         return group
+
+    def close(self) -> None:
+        """Destroy the process groups this mesh made (newest first, the same order on every rank), the
+        default group aside; the mesh is not used after. Collective: every rank calls it.
+
+        Why: torch's registry keeps every group, and with it its communication threads, until the
+        default group is destroyed; a process that trains again (a notebook, a test job) would pile
+        them up, each woken every few milliseconds."""
+        if dist.is_initialized():  # else dist.destroy_process_group() already destroyed them all
+            for group in reversed(self._made):
+                if _own(group):
+                    dist.destroy_process_group(group)
+        self._made.clear()
+        self._groups.clear()
 
     def rank_over(self, *axes: str) -> int:
         """My index in :meth:`group_over` (row-major over ``axes`` in mesh order)."""

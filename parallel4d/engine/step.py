@@ -240,6 +240,9 @@ class Engine(Trainer):
     def pipeline_step_info(self) -> dict | None:
         return None if self.executor is None else self.last_step_info
 
+    def close(self) -> None:
+        self.store.close()
+
     # --- checkpointing --------------------------------------------------------------
     def state_dict(self) -> dict:
         """Model and optimizer state for DCP under the dense model's names and shapes, plus ``step``

@@ -66,6 +66,11 @@ class ParameterStore(ABC):
         """Multiply the gradients by ``coef`` (float64 ``[]`` on the device) before the next optimizer
         step (unscaling, clipping)."""
 
+    @abstractmethod
+    def close(self) -> None:
+        """Take the store's hooks off the model's parameters (a hook held by a parameter keeps the
+        store, and the groups it reaches, alive in a cycle Python cannot collect)."""
+
     def skips_on_device(self) -> bool:
         """Whether the optimizer can skip a step on a flag it reads on the device (see :meth:`optimizer_step`)."""
         return False
@@ -142,6 +147,10 @@ class PlainStore(ParameterStore):
     def start_gradient_reduction(self) -> None:
         if self.grad_sync is not None:
             self.grad_sync.start()
+
+    def close(self) -> None:
+        if self.grad_sync is not None:
+            self.grad_sync.remove()
 
     def finish_gradient_reduction(self) -> None:
         if self.grad_sync is not None:
@@ -236,6 +245,9 @@ class HeteroStore(ParameterStore):
 
     def finish_gradient_reduction(self) -> None:
         pass
+
+    def close(self) -> None:
+        self.optimizer.remove_hooks()
 
     def grad_norm(self) -> torch.Tensor:
         tied, q = {id(p) for p in self.tied_params}, self.mesh.size("tp_row")

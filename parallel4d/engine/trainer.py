@@ -78,6 +78,11 @@ class Trainer(Protocol):
     def pipeline_step_info(self) -> dict | None:
         """The pipeline's ``peak_activations`` and ``wait_s`` at the last step; None without a pipeline."""
 
+    @abstractmethod
+    def close(self) -> None:
+        """Take off the model what the trainer hung on it (gradient hooks), so the run's objects, and
+        the process groups they reach, can be freed; the trainer is not used after."""
+
     # --- checkpoints ----------------------------------------------------------------
     @abstractmethod
     def checkpoint_state(self):

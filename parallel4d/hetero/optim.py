@@ -83,6 +83,10 @@ class HeteroOptimizer(torch.optim.Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.rt.zero_grad()
 
+    def remove_hooks(self) -> None:
+        """Take the runtime's hooks off the model (training and its state-dict view end here)."""
+        self.rt.remove_hooks()
+
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Global L2 norm of the gradients (over dp under ZeRO), float64 ``[]`` on the compute
         device; the next ``step()`` scales them by ``min(1, max_norm/(norm+1e-6))`` like

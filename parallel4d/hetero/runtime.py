@@ -50,6 +50,11 @@ class HeteroRuntime:
         self.residency = Residency(self.layout, self.mgr, self.saved, self.zero)
         self.handles = self.residency.install(model) + self.full.install(model)
 
+    def remove_hooks(self) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles = []
+
     def _manager(self, cfg: HeteroConfig, budget: Budget) -> ChunkManager:
         return ChunkManager(self.device, self.layout.dtype, budget.pools, policy=cfg.policy,
                             dynamic_capacity=budget.dynamic_capacity, nonmodel_fn=self._nonmodel_bytes,

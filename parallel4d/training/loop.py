@@ -213,7 +213,8 @@ def run_training(cfg: Config) -> dict:
     after a resume it covers the whole run: ``losses`` from step 1, ``seconds``
     (training time of all sessions), while ``tokens_per_second`` is this session's (the session
     before's when this one had nothing left to train). ``finished`` once ``train.steps`` are done;
-    ``stop_signal``: the signal that stopped the run before that.
+    ``stop_signal``: the signal that stopped the run before that. A run that returns has taken its
+    hooks off the model and destroyed the process groups it made (the default group stays).
     """
     out_dir = Path(cfg.train.out_dir)
     ckpt_dir = cfg.checkpoint_dir
@@ -301,13 +302,15 @@ def run_training(cfg: Config) -> dict:
             if lead:  # the loss history is on disk even if the final save fails or is killed
                 _try_write(write_summary, elapsed, finished=False)
             run.save(elapsed, final=True)
-        if not lead:
-            return {"rank": rank, "stop_signal": interrupted}
-        metrics.close()
-        summary = write_summary(elapsed, finished=engine.step >= cfg.train.steps)
-        _log(f"[parallel4d] done: {engine.step} steps, last loss {losses[-1] if losses else float('nan'):.4f}, "
-             f"{summary['tokens_per_second']:,.0f} tokens/s; summary in {summary_path}")
-    return summary
+        if lead:
+            metrics.close()
+            summary = write_summary(elapsed, finished=engine.step >= cfg.train.steps)
+            _log(f"[parallel4d] done: {engine.step} steps, last loss {losses[-1] if losses else float('nan'):.4f}, "
+                 f"{summary['tokens_per_second']:,.0f} tokens/s; summary in {summary_path}")
+    # so that this process may train again without keeping this run's groups and their threads
+    engine.close()
+    mesh.close()
+    return summary if lead else {"rank": rank, "stop_signal": interrupted}
 
 
 def _settle(mesh, what: str) -> None:

@@ -81,6 +81,9 @@ class DeepSpeedTrainer(Trainer):
         """The pipeline's peak activations and wait of the last step; None at pp = 1."""
         return self.engine.last_step_info if self.executor is not None else None
 
+    def close(self) -> None:
+        self.engine.destroy()  # DeepSpeed's own hooks (its ZeRO optimizer's)
+
     def checkpoint_state(self):
         """``write(directory)`` for ``checkpoint.save``: DeepSpeed's ``save_checkpoint`` into it."""
         def write(directory: Path) -> None:
