@@ -103,3 +103,32 @@ def _check_group_over():
     dist.all_reduce(t, group=group)
     assert t.item() == float(sum(expect))
 
+
+
+def _threads_around_two_runs(jobs, tmp):
+    """This process's thread count before, then after each run of ``jobs`` (a gc between), in one job."""
+    import gc
+    import os
+
+    from conftest import train_in_job
+
+    counts = [len(os.listdir("/proc/self/task"))]
+    for i, cfg in enumerate(jobs):
+        train_in_job(cfg, [f"train.out_dir={tmp}/run{i}"])
+        gc.collect()
+        counts.append(len(os.listdir("/proc/self/task")))
+    return counts
+
+
+def test_a_process_that_trains_again_keeps_nothing_of_the_run_before(tmp_path):
+    """run_training takes its hooks off and destroys the groups its mesh made (the default group aside):
+    a process that trains again does not pile up groups and their communication threads (gloo's
+    poll every few milliseconds). pp=2 × dp=2 (the pipeline's own groups, the data replicas', the
+    gradient buckets' hooks), then hetero with ZeRO over dp=4."""
+    from test_ddp import job
+
+    plain = job(parallel={"pp": 2, "dp": 2}, pipeline={"microbatches": 2})
+    hetero = job(parallel={"dp": 4}, hetero={"enabled": True, "chunk_elems": 4096})
+    per_rank = run_workers(_threads_around_two_runs, 4, [plain, plain, hetero, hetero], str(tmp_path), timeout_s=120)
+    for counts in per_rank:
+        assert counts == [counts[0]] * len(counts), counts
