@@ -296,16 +296,24 @@ def wait(works, timeout_s: float | None = None, what: str = "communication",
                 w.wait(timeout=timedelta(seconds=timeout_s))
 
 
-def await_worker_release(tensor: torch.Tensor, uses_before: int, limit_s: float = 5.0) -> None:
-    """Sleep (the GIL released) until the communication thread has dropped its references to
-    ``tensor``, whose C++ use count was ``uses_before`` before the collective; at most ``limit_s``.
+def wait_released(post, tensor: torch.Tensor, timeout_s: float | None, what: str,
+                  deadlines: DeadlineLedger | None = None, limit_s: float = 5.0) -> None:
+    """``post()`` (a collective over ``tensor`` with ``async_op=True``: its work, or None), then
+    :func:`wait`; on host-timed (gloo) waits, return only once the communication thread has let go of
+    ``tensor`` too (at most ``limit_s`` more, sleeping with the GIL released). For a step's result.
 
     Why: gloo's worker thread drops a finished work — and the tensors it holds — a moment after the
     wait returns. When that drop leaves only the Python object's reference, it needs the GIL; were
     the interpreter finalizing by then (a script exiting right after its last step), Python ends
-    the thread and the process aborts ("terminate called without an active exception"). Call it
-    for a temporary that was given to the last collective of a step, after the wait and after
-    dropping the work; not for stream-ordered (NCCL) waits, where it would stall the host."""
+    the thread and the process aborts ("terminate called without an active exception"). The work
+    is held only here, so dropping it leaves the thread's references the only ones above the count
+    before the post. Not on stream-ordered (NCCL) waits, where waiting for the thread would stall the host."""
+    uses_before = tensor._use_count()
+    work = post()
+    wait(work, timeout_s, what, deadlines)
+    if work is None or deadlines is not None:
+        return
+    del work
     end = time.monotonic() + limit_s
     while tensor._use_count() > uses_before and time.monotonic() < end:
         time.sleep(0)

@@ -204,8 +204,7 @@ class Mesh:
         them up, each woken every few milliseconds."""
         if dist.is_initialized():  # else dist.destroy_process_group() already destroyed them all
             for group in reversed(self._made):
-                if _own(group):
-                    dist.destroy_process_group(group)
+                dist.destroy_process_group(group)
         self._made.clear()
         self._groups.clear()
 

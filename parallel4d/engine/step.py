@@ -208,17 +208,13 @@ class Engine(Trainer):
         """The mean of the data replicas' (dp·sp) mean losses, ``[]``: ``loss`` ([1] or ``[]``) summed
         in place over them (no collective with one replica) and divided in place.
 
-        The step's last collective, so on host-timed (gloo) waits it returns only once the
-        communication thread has let go of the tensor (``comm.await_worker_release``): a script
-        may exit right after its last step."""
+        The step's last collective, so it returns only once the communication thread has let go of
+        the tensor (``comm.wait_released``): a script may exit right after its last step."""
         total = loss.reshape(())
-        uses_before = total._use_count()
-        work = comm.all_reduce(total, self.mesh.group_over("dp", "sp"), stats=self.mesh.comm_stats,
-                               label=label, async_op=True)
-        comm.wait(work, self.cfg.train.timeout_s, f"{label} all-reduce over the data replicas (dp·sp)", self.mesh.deadlines)
-        if work is not None and self.mesh.deadlines is None:
-            del work
-            comm.await_worker_release(total, uses_before)
+        group = self.mesh.group_over("dp", "sp")
+        comm.wait_released(lambda: comm.all_reduce(total, group, stats=self.mesh.comm_stats, label=label, async_op=True),
+                           total, self.cfg.train.timeout_s, f"{label} all-reduce over the data replicas (dp·sp)",
+                           self.mesh.deadlines)
         return total.div_(self.mesh.size("dp") * self.mesh.size("sp"))
 
     # --- what the training loop reports ---------------------------------------------

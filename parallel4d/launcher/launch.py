@@ -121,7 +121,7 @@ def launch(config: str | Path | Config | dict, overrides: list[str] | None = Non
                 dist.destroy_process_group()
                 # Frees what of the run's cycles Python can before interpreter exit. A gloo thread that
                 # drops a finished work's tensors mid-finalization aborts the process; the step's last
-                # collective waits for that drop itself (comm.await_worker_release).
+                # collective waits for that drop itself (comm.wait_released).
                 gc.collect()
     threads = cfg.train.threads_per_worker or max(1, (os.cpu_count() or 1) // cfg.world_size)
     started = time.time() - 2.0  # a file system's timestamps may be that coarse

@@ -238,14 +238,11 @@ class PipelineExecutor:
             # stalled in an action waits for a receive whose limit counts from its post, which the
             # look-ahead put early: where that post came before this one, the stalled action is the
             # first to time out and the one reported.
-            uses_before = t._use_count()
-            work = comm.broadcast(t, self._peer(src), self.group, stats=self.stats, label="pp.loss", async_op=True)
-            comm.wait(work, self.timeout_s, what=f"pp rank {self.me}: loss broadcast from pp rank {src} "
-                                                 f"(waiting for every pp rank to finish its step)",
-                      deadlines=self.mesh.deadlines)
-            if self.mesh.deadlines is None:  # the step's result: gloo's thread lets go of it before it returns
-                del work
-                comm.await_worker_release(t, uses_before)
+            # the step's result: it returns once gloo's thread has let go of it too (comm.wait_released)
+            comm.wait_released(
+                lambda: comm.broadcast(t, self._peer(src), self.group, stats=self.stats, label="pp.loss", async_op=True),
+                t, self.timeout_s, f"pp rank {self.me}: loss broadcast from pp rank {src} "
+                                   f"(waiting for every pp rank to finish its step)", self.mesh.deadlines)
         return t  # float64 [1] on the device; reading it here would make every step wait for the GPU
 
 
