@@ -61,7 +61,7 @@ def _size_problems(cfg: "Config") -> list[str]:
                    "which no cluster holds; lower model.hidden, model.layers or model.vocab_size")
     if p.world_size > MAX_WORLD:
         out.append(f"parallel.pp·dp·sp·tp = {p.world_size} ranks is more than {MAX_WORLD}; lower the parallel sizes")
-    item = 8 if cfg.train.parameters == "float64" else 4
+    item = {"float64": 8, "float32": 4}.get(hetero.compute_dtype(cfg), 2)  # the device chunks' element
     return out + hetero.budget_problems(h, largest_block(m, p.q), item)
 
 
@@ -71,4 +71,4 @@ _RULES = (tensor2d.grid_problems, sequence.ring_problems, data.batch_split_probl
           hetero.split_backward_problems, _model_problems,
           _size_problems, _lr_schedule_problems, training.tensorboard_problems, deepspeed.section_problems,
           data.source_problems, data.validation_problems, training.dtype_problems, hetero.reduce_dtype_problems,
-          _fused_problems, deepspeed.float16_problems)
+          hetero.compute_dtype_problems, _fused_problems, deepspeed.float16_problems)

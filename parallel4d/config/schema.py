@@ -146,6 +146,10 @@ class HeteroConfig(_Section):
     policy: Literal["belady", "lru"] = "belady"
     compute_device: str = Field("auto", description="'auto', 'cpu', 'cuda' or 'cuda:N'")
     dynamic_budget: bool = Field(False, description="budget = device memory minus the traced non-model peak")
+    compute_dtype: Optional[Literal["bfloat16", "float16", "float32"]] = Field(
+        None, description="dtype of the parameters and gradients in the device chunks; the master parameters "
+                          "and Adam moments stay in the parameters' dtype on the host. None: the autocast dtype "
+                          "under train.dtype=bfloat16/float16, else the parameters' dtype")
 
     @field_validator("compute_device")
     @classmethod

@@ -45,7 +45,10 @@ class Engine(Trainer):
         self.last_grad_norm: torch.Tensor | None = None  # see train_step
         self._eval_executor = None  # forwards-only twin of the executor, built at the first evaluate()
         half = cfg.train.autocast
-        self.autocast = (torch.autocast(device_type=self.device.type, dtype=TORCH_DTYPES[half])
+        # hetero's parameters are already in the autocast dtype, and a cached cast would keep a copy
+        # of each outside the chunk budget for the whole forward: no cast cache under hetero
+        self.autocast = (torch.autocast(device_type=self.device.type, dtype=TORCH_DTYPES[half],
+                                        cache_enabled=not cfg.hetero.enabled)
                          if half != "none" else nullcontext())
         # float16: the loss is scaled for the backward; every rank agrees on skipping a step that overflowed
         self.loss_scale = LossScale(cfg.train.loss_scale_init, cfg.train.loss_scale_window, self.device) \

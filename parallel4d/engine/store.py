@@ -21,11 +21,12 @@ from contextlib import AbstractContextManager, contextmanager, nullcontext
 import torch
 import torch.nn as nn
 
+from parallel4d.config.rules import hetero as hetero_rules
 from parallel4d.config.schema import Config
 from parallel4d.distributed.mesh import Mesh
 from parallel4d.engine import grads
 from parallel4d.engine.memory import SavedActivations, adam_state_bytes, optimizer_state_bytes, tensor_bytes
-from parallel4d.engine.model import LocalModel
+from parallel4d.engine.model import TORCH_DTYPES, LocalModel
 from parallel4d.engine.state import LocalState
 from parallel4d.hetero import load_state_dict as hetero_load_state_dict
 from parallel4d.hetero import state_dict as hetero_state_dict
@@ -329,7 +330,8 @@ def parameter_store(cfg: Config, mesh: Mesh, model: LocalModel, executor=None, t
     named = model.dense_named_parameters()
     if cfg.hetero.enabled:
         model, optimizer = hetero_wrap(model, cfg.optimizer, cfg.hetero, mesh=DataReplicas(mesh),
-                                       param_groups=param_groups(named, cfg.optimizer))
+                                       param_groups=param_groups(named, cfg.optimizer),
+                                       compute_dtype=TORCH_DTYPES[hetero_rules.compute_dtype(cfg)])
         return HeteroStore(model, optimizer, mesh, list(tied_params))
     optimizer = build_optimizer(named, cfg.optimizer, cfg.train.fused)
     return PlainStore(model, optimizer, mesh, list(tied_params), cfg=cfg, executor=executor,

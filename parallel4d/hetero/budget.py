@@ -1,7 +1,8 @@
 """The compute device and how many chunk slots its budget buys.
 
 Two pools of slots: ``main`` (``C`` elements: P and G of every row, and M, V at dp = 1) and,
-under ZeRO, ``shard`` (``C/dp`` elements: 4 slots for the optimizer's PS, GS, M, V of one row).
+under ZeRO, ``shard`` (``C/dp`` elements: 4 slots for the optimizer's PS, GS, M, V of one row; under
+16-bit chunks 1, for GS: the optimizer works on the host). Slots are in the chunks' (compute) dtype.
 A budget below what one module or one optimizer row pins at once is refused up front.
 """
 
@@ -61,9 +62,9 @@ def replica_count(cfg: HeteroConfig, device: torch.device, mesh) -> int:
 def plan_budget(layout: Layout, cfg: HeteroConfig, device: torch.device) -> Budget:
     """The slots of each pool; ``ValueError`` naming the minimum when the budget is too small."""
     cap, dynamic_capacity = _capacity(cfg, device)
-    shard_slots = SHARD_SLOTS if layout.dp > 1 else 0
-    # chunks in the main pool: P(+G) per row (ZeRO keeps M, V in the shard pool)
-    main_chunks = len(layout.rows) + layout.trainable_rows * (1 if layout.dp > 1 else 3)
+    shard_slots = 0 if layout.dp == 1 else 1 if layout.mixed else SHARD_SLOTS  # mixed: GS only
+    # chunks in the main pool: P(+G) per row (ZeRO keeps M, V in the shard pool, 16-bit chunks on the host)
+    main_chunks = len(layout.rows) + layout.trainable_rows * (1 if layout.dp > 1 or layout.mixed else 3)
     main_slots = main_chunks if cap is None else _main_slots(layout, cap, main_chunks, shard_slots)
     pools = {"main": (layout.C, main_slots)}
     if shard_slots:
@@ -85,7 +86,7 @@ def _capacity(cfg: HeteroConfig, device: torch.device) -> tuple[Optional[int], O
 
 
 def _main_slots(layout: Layout, cap: int, main_chunks: int, shard_slots: int) -> int:
-    esize = torch.empty((), dtype=layout.dtype).element_size()
+    esize = layout.cdtype.itemsize
     chunk_bytes = layout.C * esize
     shard_bytes = shard_slots * layout.Sz * esize
     static_min = static_min_slots(layout)
@@ -102,11 +103,11 @@ def _main_slots(layout: Layout, cap: int, main_chunks: int, shard_slots: int) ->
 
 def static_min_slots(layout: Layout) -> int:
     """Lower bound on main-pool slots: the optimizer pins P, G, M, V of one row (under
-    ZeRO it works in the shard pool); a module pins the chunks of its parameters, plus
+    ZeRO it works in the shard pool, under 16-bit chunks on the host); a module pins the chunks of its parameters, plus
     one gradient chunk while a gradient is written."""
     spans = []
     for params in layout.module_params.values():
         rows = {layout.by_param[id(p)].row for p in params}
         spans.append(len(rows) + (1 if any(p.requires_grad for p in params) else 0))
-    opt = 4 if layout.trainable_rows and layout.dp == 1 else 0
+    opt = 4 if layout.trainable_rows and layout.dp == 1 and not layout.mixed else 0
     return max([opt, 1] + spans)

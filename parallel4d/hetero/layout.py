@@ -58,11 +58,20 @@ class Layout:
 
     C: int
     dp: int
-    dtype: torch.dtype
+    dtype: torch.dtype  # the parameters' (the master copy's)
     rows: list[Row]
     records: list[ParamRecord]
     module_params: dict[nn.Module, list[nn.Parameter]]  # modules with direct parameters
     by_param: dict[int, ParamRecord]  # id(param) → record
+    cdtype: torch.dtype = None  # the device chunks' (compute copy); None: ``dtype``
+
+    def __post_init__(self):
+        self.cdtype = self.cdtype or self.dtype
+
+    @property
+    def mixed(self) -> bool:
+        """A compute copy in another dtype than the master (16-bit chunks, master on the host)."""
+        return self.cdtype != self.dtype
 
     @property
     def Sz(self) -> int:
@@ -88,13 +97,19 @@ class Layout:
                                "call it after loss.backward() has returned")
 
 
-def plan_layout(model: nn.Module, chunk_elems: Optional[int], dp: int) -> Layout:
-    """Pack ``model``'s parameters into rows; ``chunk_elems`` (``hetero.chunk_elems``) or searched."""
+def plan_layout(model: nn.Module, chunk_elems: Optional[int], dp: int,
+                compute_dtype: Optional[torch.dtype] = None) -> Layout:
+    """Pack ``model``'s parameters into rows; ``chunk_elems`` (``hetero.chunk_elems``) or searched;
+    ``compute_dtype``: the device chunks' dtype (None: the parameters')."""
     order, names, module_params = unique_params(model)
     dtype = common_dtype(order)
+    if compute_dtype is not None and (not compute_dtype.is_floating_point
+                                      or compute_dtype.itemsize > dtype.itemsize):
+        raise ValueError(f"hetero.compute_dtype={compute_dtype} is wider than the parameters ({dtype}); "
+                         "use a narrower floating dtype or leave it unset")
     C = choose_chunk_elems([p.numel() for p in order], chunk_elems, dp)
     rows, records = pack_rows(order, names, C)
-    return Layout(C, dp, dtype, rows, records, module_params, {id(r.param): r for r in records})
+    return Layout(C, dp, dtype, rows, records, module_params, {id(r.param): r for r in records}, compute_dtype)
 
 
 def unique_params(model: nn.Module):

@@ -256,9 +256,14 @@ class ChunkManager:
         p.owner[c.slot] = c
         dst = self.slot_view(c)
         st = (self.stats, self.iter_stats)
-        if c.loader is not None and not c.dead:
+        if c.loader is not None and not c.dead and c.meta.get("gathers"):
             self.transfers.compute_waits()  # the slot's previous owner may still be written back
             c.loader(dst)
+        elif c.loader is not None and not c.dead:  # a copy of other content (the master, rounded)
+            c.loader(dst)
+            for s in st:
+                s.load_bytes += c.capacity * self.esize
+                s.loads += 1
         elif c.dead or c.backing is None:
             self.transfers.run(dst.zero_)
             for s in st:
@@ -269,7 +274,7 @@ class ChunkManager:
             for s in st:
                 s.load_bytes += c.capacity * self.esize
                 s.loads += 1
-        if c.loader is None:
+        if not c.meta.get("gathers"):
             self.transfers.mark_ready(c)
         c.dirty = False
 
@@ -300,8 +305,8 @@ class ChunkManager:
         ref, pos = self.trace.ref, self.trace.pos
         for j in range(pos, min(pos + self.prefetch_depth, len(ref))):
             c = self.chunks[ref[j]]
-            if c.slot is not None or c.loader is not None:
-                continue
+            if c.slot is not None or c.meta.get("gathers"):
+                continue  # a gather is a collective every dp rank posts at its moment of use
             p = self.pools[c.pool]
             if p.n_slots - len(p.free) >= self._limit(p):
                 cands = [x for x in p.owner if x is not None and not x.pinned and x is not current]

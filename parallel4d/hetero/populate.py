@@ -7,33 +7,42 @@ at its chunk's device slot; the original storage is freed row by row.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.nn as nn
 
 from parallel4d.hetero.chunk import Chunk, TensorInfo, TensorState
 from parallel4d.hetero.layout import Layout, Row
 from parallel4d.hetero.manager import ChunkManager
+from parallel4d.hetero.master import MasterState
 from parallel4d.hetero.zero import ZeroShards
 
 S = TensorState
 
 
-def add_chunks(layout: Layout, mgr: ChunkManager, zero: ZeroShards) -> None:
+def add_chunks(layout: Layout, mgr: ChunkManager, zero: ZeroShards, master: Optional[MasterState] = None) -> None:
     """P (and G, M, V for trainable rows) per row; under ZeRO also the shards PS, GS, with M
-    and V only as shards, and P a cache-only chunk filled by all-gathering PS."""
+    and V only as shards, and P a cache-only chunk filled by all-gathering PS. With a ``master``
+    (16-bit chunks) there are no M, V and PS chunks: P is filled from the master's ``W``."""
     zero_mode = layout.dp > 1
     for row in layout.rows:
-        row.P = _chunk(row, mgr, zero, "param", S.HOLD, backing=not zero_mode)
+        row.P = _chunk(row, mgr, zero, "param", S.HOLD, backing=not zero_mode and master is None)
         if row.trainable:
             row.G = _chunk(row, mgr, zero, "grad", S.FREE)
+        if row.trainable and master is None:
             pool = "shard" if zero_mode else "main"
             row.M = _chunk(row, mgr, zero, "exp_avg", S.FREE, pool=pool)
             row.V = _chunk(row, mgr, zero, "exp_avg_sq", S.FREE, pool=pool)
-        if zero_mode:
+        if zero_mode and master is None:
             row.PS = _chunk(row, mgr, zero, "param_shard", S.HOLD, pool="shard")
-            if row.trainable:
-                row.GS = _chunk(row, mgr, zero, "grad_shard", S.FREE, pool="shard")
-            row.P.loader = zero.loader(row)
+        if zero_mode and row.trainable:
+            row.GS = _chunk(row, mgr, zero, "grad_shard", S.FREE, pool="shard")
+        if zero_mode:
+            row.P.loader = zero.loader(row, master)
+            row.P.meta["gathers"] = True
+        elif master is not None:
+            row.P.loader = (lambda dst, row=row: master.upload(row, dst))
 
 
 def _chunk(row: Row, mgr: ChunkManager, zero: ZeroShards, kind: str, state: TensorState, pool: str = "main",
@@ -45,10 +54,12 @@ def _chunk(row: Row, mgr: ChunkManager, zero: ZeroShards, kind: str, state: Tens
 
 
 @torch.no_grad()
-def move_params_into_chunks(layout: Layout, zero: ZeroShards, device: torch.device) -> None:
-    """Each row's ``[C]`` parameter values (this rank's shard under ZeRO) into its host backing."""
+def move_params_into_chunks(layout: Layout, zero: ZeroShards, device: torch.device,
+                            master: Optional[MasterState] = None) -> None:
+    """Each row's ``[C]`` parameter values (this rank's shard under ZeRO) into its host backing, or
+    into the ``master``'s ``W`` (the parameters then compute in the chunks' dtype)."""
     for rec in layout.records:
-        rec.placeholder = torch.full((1,), float("nan"), dtype=layout.dtype, device=device).expand(rec.shape)
+        rec.placeholder = torch.full((1,), float("nan"), dtype=layout.cdtype, device=device).expand(rec.shape)
     lo, hi = zero.window
     for row in layout.rows:
         full = torch.zeros(layout.C, dtype=layout.dtype)
@@ -56,7 +67,9 @@ def move_params_into_chunks(layout: Layout, zero: ZeroShards, device: torch.devi
             full.narrow(0, rec.offset, rec.param.numel()).copy_(rec.param.detach().reshape(-1))
             rec.param.data = rec.placeholder  # free the original storage row by row
             rec.param.grad = None
-        if layout.dp > 1:
+        if master is not None:
+            master.W[row.index].copy_(full[lo:hi])
+        elif layout.dp > 1:
             row.PS.backing.copy_(full[lo:hi])
         else:
             row.P.backing.copy_(full)

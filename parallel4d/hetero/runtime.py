@@ -16,6 +16,7 @@ from parallel4d.config.schema import HeteroConfig, OptimizerConfig
 from parallel4d.hetero.budget import Budget, plan_budget, replica_count, resolve_device
 from parallel4d.hetero.layout import plan_layout
 from parallel4d.hetero.manager import ChunkManager
+from parallel4d.hetero.master import MasterState
 from parallel4d.hetero.populate import add_chunks, move_buffers, move_params_into_chunks
 from parallel4d.hetero.residency import Residency
 from parallel4d.hetero.saved import SavedTensors
@@ -27,26 +28,34 @@ from parallel4d.hetero.zero import ZeroShards
 class HeteroRuntime:
     """Chunks, hooks and the optimizer arithmetic behind one wrapped model."""
 
-    def __init__(self, model: nn.Module, opt_cfg: OptimizerConfig, cfg: HeteroConfig, mesh=None):
+    def __init__(self, model: nn.Module, opt_cfg: OptimizerConfig, cfg: HeteroConfig, mesh=None,
+                 compute_dtype: torch.dtype | None = None):
         self.model, self.cfg, self.mesh = model, cfg, mesh
         self.device = resolve_device(cfg.compute_device, mesh)
         self.dp = replica_count(cfg, self.device, mesh)
         self.group = mesh.group("dp") if self.dp > 1 else None
         self.dp_rank = mesh.rank("dp") if self.dp > 1 else 0
-        self.layout = plan_layout(model, cfg.chunk_elems, self.dp)
+        self.layout = plan_layout(model, cfg.chunk_elems, self.dp, compute_dtype)
         self.rows, self.records, self.C = self.layout.rows, self.layout.records, self.layout.C
         self.mgr = self._manager(cfg, plan_budget(self.layout, cfg, self.device))
         self.zero = ZeroShards(self.mgr, self.C, self.dp, self.dp_rank, self.group, mesh)
-        add_chunks(self.layout, self.mgr, self.zero)
-        # model data this rank holds (= P, G, M, V of every row at dp=1; under ZeRO the
-        # shards plus the full-size gradient staging chunks)
-        self.model_data_bytes = self.mgr.allocate_backings()
-        move_params_into_chunks(self.layout, self.zero, self.device)
+        # 16-bit chunks: the master parameters and Adam moments on the host, never on the device
+        self.master = MasterState(self.layout, self.zero.window, self.mgr.transfers) if self.layout.mixed else None
+        add_chunks(self.layout, self.mgr, self.zero, self.master)
+        # host bytes this rank holds: the chunks' backings (P, G, M, V of every row at dp=1; under ZeRO
+        # the shards plus the full-size gradient staging chunks) and the master's window
+        self.mgr.allocate_backings()
+        self.host_bytes = self.mgr.host_bytes + (self.master.bytes if self.master else 0)
+        # every chunk's bytes: what the device would hold with all of them resident
+        self.model_data_bytes = sum(c.capacity for c in self.mgr.chunks) * self.mgr.esize
+        move_params_into_chunks(self.layout, self.zero, self.device, self.master)
         move_buffers(model, self.device)
         self.saved = SavedTensors(self.mgr)
         # host Adam for rows not resident: on CUDA it saves the PCIe round trip; on the CPU nothing
-        self.adam = RowAdam(self.layout, self.mgr, self.zero, "fused" if self.device.type == "cuda" else "off")
-        self.full = FullState(self.layout, self.mgr, self.zero)
+        # (but every row under 16-bit chunks: the master is only there)
+        host = "fused" if self.device.type == "cuda" else "exact" if self.master else "off"
+        self.adam = RowAdam(self.layout, self.mgr, self.zero, host, self.master)
+        self.full = FullState(self.layout, self.mgr, self.zero, self.master)
         self.residency = Residency(self.layout, self.mgr, self.saved, self.zero)
         self.handles = self.residency.install(model) + self.full.install(model)
 
@@ -56,7 +65,7 @@ class HeteroRuntime:
         self.handles = []
 
     def _manager(self, cfg: HeteroConfig, budget: Budget) -> ChunkManager:
-        return ChunkManager(self.device, self.layout.dtype, budget.pools, policy=cfg.policy,
+        return ChunkManager(self.device, self.layout.cdtype, budget.pools, policy=cfg.policy,
                             dynamic_capacity=budget.dynamic_capacity, nonmodel_fn=self._nonmodel_bytes,
                             budget_bytes=budget.cap)
 
@@ -110,7 +119,9 @@ class HeteroRuntime:
             "model_data_bytes": self.model_data_bytes,
             "device_budget_bytes": m.budget_bytes,
             "arena_bytes": m.arena_bytes,
-            "host_bytes": m.host_bytes,
+            "host_bytes": self.host_bytes,
+            "compute_dtype": str(self.layout.cdtype).removeprefix("torch."),
+            "master_dtype": str(self.layout.dtype).removeprefix("torch.") if self.master else None,
             "peak_resident_bytes": m.peak_resident_bytes,
             "min_feasible_budget_bytes": m.min_feasible_bytes(),
             "chunk_elems": self.C,

@@ -12,9 +12,10 @@ from typing import Optional
 import torch
 import torch.nn as nn
 
-from parallel4d.hetero.chunk import Chunk, TensorState
+from parallel4d.hetero.chunk import Chunk, TensorInfo, TensorState
 from parallel4d.hetero.layout import Layout, ParamRecord
 from parallel4d.hetero.manager import ChunkManager
+from parallel4d.hetero.master import MasterState
 from parallel4d.hetero.zero import ZeroShards, segment
 
 S = TensorState
@@ -33,15 +34,17 @@ def _first(values: dict, rec: ParamRecord):
 class FullState:
     """Reads and writes whole tensors; installs the ``nn.Module`` state-dict hooks."""
 
-    def __init__(self, layout: Layout, mgr: ChunkManager, zero: ZeroShards):
-        self.layout, self.mgr, self.zero = layout, mgr, zero
+    def __init__(self, layout: Layout, mgr: ChunkManager, zero: ZeroShards, master: Optional[MasterState] = None):
+        self.layout, self.mgr, self.zero, self.master = layout, mgr, zero, master
         self._loading: Optional[dict] = None
 
     # --- out ------------------------------------------------------------------------------
     def params(self) -> dict[str, torch.Tensor]:
+        """The parameters (the master copy under 16-bit chunks)."""
         out = {}
         for row in self.layout.rows:
-            full = self.zero.full_row(row.P, row.PS)
+            full = (self.zero.full_row(row.P, row.PS) if self.master is None
+                    else self.zero.full_window(self.master.W[row.index]))
             for rec in row.records:
                 out[rec.name] = _cut(full, rec)
         return out
@@ -76,11 +79,15 @@ class FullState:
     def _adam_state(self, row, steps: dict[str, int]) -> dict:
         # every trainable parameter has an entry (zeros, step 0 before its first update) so
         # that a fresh optimizer's state_dict is a complete DCP load template
-        m = self.zero.full_row(row.M, row.M)
-        v = self.zero.full_row(row.V, row.V)
+        if self.master is None:
+            m, v = self.zero.full_row(row.M, row.M), self.zero.full_row(row.V, row.V)
+            fresh = [t.state == S.FREE for t in row.M.tensors]
+        else:
+            m, v = (self.zero.full_window(x[row.index]) for x in (self.master.M, self.master.V))
+            fresh = [steps.get(rec.name, 0) == 0 for rec in row.records]
         out = {}
-        for rec, t in zip(row.records, row.M.tensors):
-            if t.state == S.FREE:
+        for rec, is_fresh in zip(row.records, fresh):
+            if is_fresh:
                 out[rec.name] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros(rec.shape, dtype=self.layout.dtype),
                                  "exp_avg_sq": torch.zeros(rec.shape, dtype=self.layout.dtype)}
             else:
@@ -101,15 +108,26 @@ class FullState:
             self.mgr.slot_view(chunk)[seg[0] - lo:seg[1] - lo].copy_(flat[seg[0] - t.offset:seg[1] - t.offset])
         self.mgr.release(chunk, [t], S.HOLD)
 
+    @torch.no_grad()
+    def _write_master(self, window: torch.Tensor, t: TensorInfo, value: torch.Tensor) -> None:
+        """Write ``t``'s full value (its part inside this rank's window) into a master ``window``."""
+        lo, hi = self.zero.window
+        seg = segment(t, lo, hi)
+        if seg is not None:
+            flat = value.reshape(-1).to(window.dtype)
+            window[seg[0] - lo:seg[1] - lo].copy_(flat[seg[0] - t.offset:seg[1] - t.offset])
+
     def load_params(self, values: dict[str, torch.Tensor]) -> None:
         self.layout.check_idle("load_state_dict()")
         for row in self.layout.rows:
             target = row.PS if self.layout.dp > 1 else row.P
             for rec in row.records:
                 v = _first(values, rec)
-                if v is not None:
+                if v is not None and self.master is not None:
+                    self._write_master(self.master.W[row.index], row.P.tensors[rec.k], v)
+                elif v is not None:
                     self._write(target, rec.k, v)
-            if self.layout.dp > 1:  # the gathered parameters are stale now
+            if self.layout.dp > 1 or self.master is not None:  # the device's copy is stale now
                 self.mgr.invalidate(row.P)
 
     def load_optimizer(self, sd: dict, steps: dict[str, int]) -> None:
@@ -123,8 +141,12 @@ class FullState:
                 if st is None:
                     continue
                 steps[rec.name] = int(float(st["step"]))
-                self._write(row.M, rec.k, st["exp_avg"])
-                self._write(row.V, rec.k, st["exp_avg_sq"])
+                if self.master is None:
+                    self._write(row.M, rec.k, st["exp_avg"])
+                    self._write(row.V, rec.k, st["exp_avg_sq"])
+                else:
+                    for window, key in ((self.master.M, "exp_avg"), (self.master.V, "exp_avg_sq")):
+                        self._write_master(window[row.index], row.P.tensors[rec.k], st[key])
 
     # --- nn.Module state-dict hooks -------------------------------------------------------------
     def install(self, model: nn.Module) -> list:

@@ -4,7 +4,8 @@ A row whose P, G, M, V chunks are all resident is updated in its device slots; o
 when ``host_optimizer`` is on (default on CUDA), on the host backings (PatrickStar's hybrid
 placement: no chunk crosses PCIe for the step; ``"fused"`` uses torch's fused CPU AdamW,
 ``"exact"`` the single-tensor arithmetic, ``"off"`` loads the chunks). Under ZeRO each rank
-updates its shards only.
+updates its shards only. Under 16-bit chunks (``Layout.mixed``) every row is updated on the host,
+on its :class:`~parallel4d.hetero.master.MasterState` window, from the gradient's host backing.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import torch
 from parallel4d.hetero.chunk import Chunk, TensorInfo, TensorState
 from parallel4d.hetero.layout import Layout, Row
 from parallel4d.hetero.manager import ChunkManager
+from parallel4d.hetero.master import MasterState
 from parallel4d.hetero.optim import adam_update, fused_adam_update
 from parallel4d.hetero.zero import ZeroShards, segment
 from parallel4d.optim.norms import tensor_norms, weighted_sq_sum
@@ -24,9 +26,10 @@ S = TensorState
 class RowAdam:
     """Adam(W) over the rows' chunks; ``steps``: per parameter name, as torch's ``state["step"]``."""
 
-    def __init__(self, layout: Layout, mgr: ChunkManager, zero: ZeroShards, host_optimizer: str):
-        self.layout, self.mgr, self.zero = layout, mgr, zero
-        self.host_optimizer = host_optimizer  # "fused" | "exact" | "off"
+    def __init__(self, layout: Layout, mgr: ChunkManager, zero: ZeroShards, host_optimizer: str,
+                 master: MasterState | None = None):
+        self.layout, self.mgr, self.zero, self.master = layout, mgr, zero, master
+        self._host_optimizer = host_optimizer
         self.host_rows = 0  # row updates done on the host so far
         self.steps: dict[str, int] = {}
         self._host_scale: torch.Tensor | None = None  # this step's grad_scale on the host (see step)
@@ -46,7 +49,30 @@ class RowAdam:
                     t.set_state(S.HOLD)
         self.mgr.end_iteration()
 
+    @property
+    def host_optimizer(self) -> str:
+        """"fused" | "exact" | "off" (load the chunks: not with a master on the host)."""
+        return self._host_optimizer
+
+    @host_optimizer.setter
+    def host_optimizer(self, mode: str) -> None:
+        if mode not in ("fused", "exact", "off") or (mode == "off" and self.master is not None):
+            raise ValueError(f"host_optimizer={mode!r}: use 'fused' or 'exact'"
+                             + ("" if self.master is not None else " or 'off'"))
+        self._host_optimizer = mode
+
+    def _host_grad_scale(self, grad_scale):
+        """``grad_scale`` as the host arithmetic takes it: a device number read back once a step."""
+        if not isinstance(grad_scale, torch.Tensor):
+            return grad_scale
+        if self._host_scale is None:
+            self._host_scale = grad_scale.cpu()
+        return self._host_scale
+
     def _step_row(self, row: Row, hp_of: dict[str, dict], grad_scale) -> None:
+        if self.master is not None:
+            self._step_master_row(row, hp_of, grad_scale)
+            return
         P, G, M, V, (lo, hi) = self.zero.opt_chunks(row)
         ks = [k for k, t in enumerate(G.tensors) if t.state == S.HOLD_AFTER_BWD]
         if not ks:
@@ -56,10 +82,8 @@ class RowAdam:
         on_host = self.host_optimizer in ("exact", "fused") and any(c.slot is None for c in (P, G, M, V))
         views = self._host_views(parts) if on_host else self._device_views(parts, grad_scale is not None)
         update = fused_adam_update if on_host and self.host_optimizer == "fused" else adam_update
-        if on_host and isinstance(grad_scale, torch.Tensor):  # host arithmetic takes a host number: read
-            if self._host_scale is None:  # once a step (a wait, as the host update's for its chunks)
-                self._host_scale = grad_scale.cpu()
-            grad_scale = self._host_scale
+        if on_host:  # a wait, as the host update's for its chunks
+            grad_scale = self._host_grad_scale(grad_scale)
         for a, b, (st, hp) in self._spans(G, ks, steps, lo, hi):
             if b > a:
                 p, g, m, v = (x[a:b] for x in views)
@@ -72,6 +96,23 @@ class RowAdam:
             self._finish_device(parts)
         if self.layout.dp > 1:  # the gathered parameters are stale now
             self.mgr.invalidate(row.P)
+
+    def _step_master_row(self, row: Row, hp_of: dict[str, dict], grad_scale) -> None:
+        """The row's master window stepped on the host from its gradient (``G``, or ``GS`` under ZeRO)
+        written back; the gradient is consumed and the device's parameter copy is stale after."""
+        _, G, _, _, (lo, hi) = self.zero.opt_chunks(row)
+        ks = [k for k, t in enumerate(G.tensors) if t.state == S.HOLD_AFTER_BWD]
+        if not ks:
+            return
+        steps = [(self._count_step(row.records[k].name), hp_of[row.records[k].name]) for k in ks]
+        self.mgr.flush(G)
+        self.mgr.transfers.sync()
+        self.master.update(row, G.backing, self._spans(G, ks, steps, lo, hi), self._host_grad_scale(grad_scale),
+                           fused=self.host_optimizer == "fused")
+        for k in ks:
+            G.tensors[k].set_state(S.FREE)
+        self.mgr.invalidate(row.P)
+        self.host_rows += 1
 
     def _count_step(self, name: str) -> int:
         self.steps[name] = self.steps.get(name, 0) + 1

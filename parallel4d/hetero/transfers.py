@@ -15,6 +15,8 @@ import torch
 
 from parallel4d.hetero.chunk import Chunk
 
+STAGING = 4  # page-locked staging buffers for casting uploads (one in use, the rest in flight)
+
 
 @dataclass
 class MoveStats:
@@ -55,6 +57,7 @@ class Transfers:
         self._events: list = []
         self.pinned_host = False
         self._registered: list[torch.Tensor] = []
+        self._stages: list = []  # (page-locked buffer, event) ring for upload_cast
 
     def host_buffer(self, n: int) -> torch.Tensor:
         """Zeroed host buffer of ``n`` elements; page-locked when the compute device is CUDA.
@@ -82,6 +85,27 @@ class Transfers:
         except Exception:
             pass
 
+    def upload_cast(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """``dst`` (compute device, this dtype) ← ``src`` (host, a wider dtype), rounded on the host so
+        that only this dtype's bytes cross the link: through a page-locked staging buffer on CUDA (a
+        ring of :data:`STAGING` buffers; one is reused once the copy that last read it is done)."""
+        if self.copy_stream is None:
+            dst.copy_(src)
+            return
+        stage, done = self._staging(src.numel())
+        stage.copy_(src)
+        self.run(lambda: dst.copy_(stage, non_blocking=True))
+        done.record(self.copy_stream)
+
+    def _staging(self, n: int):
+        """The next staging buffer of at least ``n`` elements and its completion event, waited for."""
+        if not self._stages or self._stages[0][0].numel() < n:
+            self._stages = [(self.host_buffer(n), torch.cuda.Event()) for _ in range(STAGING)]
+        buf, ev = self._stages.pop(0)
+        ev.synchronize()  # the copy that read this buffer STAGING loads ago (long done, as a rule)
+        self._stages.append((buf, ev))
+        return buf.narrow(0, 0, n), ev
+
     def run(self, op) -> None:
         """Run a slot/backing copy: directly on the CPU; on CUDA on the copy stream,
         ordered after the compute stream's queued work (the event-free half of the protocol;
@@ -99,11 +123,6 @@ class Transfers:
                 self._events.append((a, b))
             else:
                 op()
-
-    def copy_now(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        """A copy the compute stream needs right away (ZeRO's local shard before a gather)."""
-        self.run(lambda: dst.copy_(src, non_blocking=self.cuda))
-        self.compute_waits()
 
     def compute_waits(self) -> None:
         """The compute stream waits for every copy queued so far (CUDA)."""

@@ -7,6 +7,7 @@ The sections are validated here (pydantic sections or dicts of their fields); th
 
 from __future__ import annotations
 
+import torch
 import torch.nn as nn
 from pydantic import ValidationError
 
@@ -33,7 +34,8 @@ def _validate(cfg, cls, field_name: str):
     raise ValueError(f"{field_name} must be a {cls.__name__} or a dict of its fields, got {type(cfg).__name__}")
 
 
-def wrap(model: nn.Module, optimizer_config=None, hetero_config=None, mesh=None, param_groups=None):
+def wrap(model: nn.Module, optimizer_config=None, hetero_config=None, mesh=None, param_groups=None,
+         compute_dtype: torch.dtype | None = None):
     """Move ``model``'s parameters, gradients and Adam states into chunks.
 
     ``optimizer_config``: :class:`~parallel4d.config.OptimizerConfig` or a dict of its
@@ -41,7 +43,9 @@ def wrap(model: nn.Module, optimizer_config=None, hetero_config=None, mesh=None,
     ``mesh``: a :class:`~parallel4d.mesh.Mesh` whose ``dp`` axis (if > 1) shards the
     chunks ZeRO-style; ``param_groups``: torch-style groups of ``model``'s trainable parameters
     (each once; e.g. ``weight_decay: 0.0`` for norms and biases), default one group of all of
-    them. Returns ``(model, optimizer)``: the same module object (hooks
+    them; ``compute_dtype``: the device chunks' dtype when narrower than the parameters' (16-bit
+    chunks: the parameters compute in it, their master copy and the Adam moments stay in the
+    parameters' dtype on the host), None for one copy. Returns ``(model, optimizer)``: the same module object (hooks
     installed, ``state_dict`` gives full values under the original keys) and a
     :class:`~parallel4d.hetero.optim.HeteroOptimizer`.
     """
@@ -49,6 +53,6 @@ def wrap(model: nn.Module, optimizer_config=None, hetero_config=None, mesh=None,
     cfg = _validate(hetero_config, HeteroConfig, "hetero")
     if getattr(model, "_hetero_runtime", None) is not None:
         raise ValueError("hetero.wrap: this model is already wrapped")
-    rt = HeteroRuntime(model, opt_cfg, cfg, mesh)
+    rt = HeteroRuntime(model, opt_cfg, cfg, mesh, compute_dtype)
     model._hetero_runtime = rt
     return model, HeteroOptimizer(rt, opt_cfg, param_groups)

@@ -66,15 +66,20 @@ class ZeroShards:
             return row.PS, row.GS, row.M, row.V, self.window
         return row.P, row.G, row.M, row.V, self.window
 
-    def loader(self, row):
-        """``load(dst[C])``: the row's full parameters, all-gathered from every rank's shard."""
+    def loader(self, row, master=None):
+        """``load(dst[C])``: the row's full parameters, all-gathered from every rank's shard (``PS``, or
+        the ``master``'s window rounded to the chunks' dtype under 16-bit chunks)."""
         def load(dst: torch.Tensor) -> None:
             local = dst.narrow(0, self.window[0], self.Sz)
             ps, nbytes = row.PS, self.Sz * self.mgr.esize
-            if ps.slot is not None:
+            if master is None and ps.slot is not None:
                 local.copy_(self.mgr.read(ps))
             else:
-                self.mgr.transfers.copy_now(local, ps.backing)
+                if master is None:
+                    self.mgr.transfers.run(lambda: local.copy_(ps.backing, non_blocking=self.mgr.cuda))
+                else:
+                    master.upload(row, local)
+                self.mgr.transfers.compute_waits()
                 self.mgr.count(load_bytes=nbytes, loads=1)
             all_gather_into(dst, local.clone(), self.group)
             got = (self.dp - 1) * nbytes
@@ -128,11 +133,15 @@ class ZeroShards:
 
     def full_row(self, chunk, shard) -> torch.Tensor:
         """A row's whole ``[C]`` content on the CPU (all-gathered from the shards under ZeRO)."""
+        return self.full_window(self.mgr.read(chunk if self.dp == 1 else shard))
+
+    def full_window(self, local: torch.Tensor) -> torch.Tensor:
+        """A row's whole ``[C]`` on the CPU from every rank's ``[C/dp]`` window ``local`` (any dtype;
+        a copy at dp = 1); gathered on the compute device, where the group communicates."""
         if self.dp == 1:
-            return self.mgr.read(chunk).detach().to("cpu", copy=True)
-        local = self.mgr.read(shard).to(self.mgr.device)
-        full = torch.empty(self.C, dtype=self.mgr.dtype, device=self.mgr.device)
-        all_gather_into(full, local, self.group)
+            return local.detach().to("cpu", copy=True)
+        full = torch.empty(self.C, dtype=local.dtype, device=self.mgr.device)
+        all_gather_into(full, local.to(self.mgr.device), self.group)
         return full.cpu()
 
     def all_reduce(self, t: torch.Tensor, what: str) -> None:

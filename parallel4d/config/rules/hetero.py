@@ -1,6 +1,6 @@
 """Heterogeneous memory's rules (``hetero:``): what its chunks cannot run with (a tied embedding on
 two pipeline ends, a split backward), a chunk size and a device budget that hold the largest
-parameter, and the dtype its gradients are reduced in."""
+parameter, and the dtypes of its chunks (:func:`compute_dtype`) and of its gradients' reduction."""
 
 from __future__ import annotations
 
@@ -50,10 +50,33 @@ def budget_problems(h: HeteroConfig, largest: int, item: int) -> list[str]:
     return out
 
 
-def reduce_dtype_problems(cfg: Config) -> list[str]:
-    """``train.grad_reduce_dtype`` other than the parameters' dtype: hetero reduces in its chunks' dtype."""
+def compute_dtype(cfg: Config) -> str:
+    """The dtype name of hetero's device chunks (parameters and gradients): ``hetero.compute_dtype``, or
+    the autocast dtype under autocast (16-bit chunks, the master copy in the parameters' dtype on the
+    host), else the parameters' dtype (one copy)."""
     t = cfg.train
-    if t.grad_reduce_dtype and cfg.hetero.enabled and t.grad_reduce != t.parameters:
+    return cfg.hetero.compute_dtype or (t.autocast if t.autocast != "none" else t.parameters)
+
+
+def reduce_dtype_problems(cfg: Config) -> list[str]:
+    """``train.grad_reduce_dtype`` other than the chunks' dtype: hetero reduces in its chunks' dtype."""
+    t = cfg.train
+    if t.grad_reduce_dtype and cfg.hetero.enabled and t.grad_reduce != compute_dtype(cfg):
         return [f"train.grad_reduce_dtype={t.grad_reduce_dtype}: hetero reduces gradients in its chunks' dtype "
-                f"({t.parameters}); unset it or hetero"]
+                f"({compute_dtype(cfg)}); unset it or hetero"]
+    return []
+
+
+def compute_dtype_problems(cfg: Config) -> list[str]:
+    """``hetero.compute_dtype`` that autocast would not compute in, or wider than the parameters."""
+    t, want = cfg.train, cfg.hetero.compute_dtype
+    if not (cfg.hetero.enabled and want):
+        return []
+    if t.autocast != "none" and want != t.autocast:
+        return [f"hetero.compute_dtype={want} but train's autocast computes in {t.autocast}; "
+                f"use hetero.compute_dtype={t.autocast} or leave it unset"]
+    if t.autocast == "none" and want != t.parameters and not (want == "float32" and t.parameters == "float64"):
+        return [f"hetero.compute_dtype={want} with {t.parameters} parameters and no autocast: the chunks would "
+                f"compute in another precision than train.dtype asks; leave hetero.compute_dtype unset, or set "
+                f"train.dtype=bfloat16/float16 (16-bit chunks), or float32 chunks under train.dtype=float64"]
     return []
