@@ -246,6 +246,31 @@ def test_hetero(tmp_path_factory):
     assert_losses_match(more, ref, rtol=1e-5)
 
 
+# float32 chunks on float64 masters: the 16-bit chunks' machinery (a compute copy rounded from a master
+# on the host, the update there) with rounding small enough to see a layout's error; eps 1e-5: Adam would
+# turn float32 rounding of the attention key bias (true gradient zero) into whole steps
+MIXED = ["parallel.tp=1", "train.dtype=float64", "hetero.compute_dtype=float32", "optimizer.eps=1e-5",
+         "train.steps=10", "hetero.chunk_elems=16384", "hetero.device_budget_bytes=400000"]
+
+
+def test_master_on_the_host_under_hanayo_ring_and_zero(tmp_path_factory):
+    """configs/4d.yaml at tp=1 with hetero's chunks narrower than its master (#29.1): Hanayo pp=2 ×
+    ring sp=2 × ZeRO over the dp·sp replicas, a budget below the model data (gradient chunks evicted
+    mid-row are reduced then), equals one process of the same chunks: 10 steps, losses and every
+    master parameter ≤ 1e-6 (measured 1.1e-7 and 6.8e-7; the one-process run equals torch's AdamW on
+    its masters: tests/test_hetero_master.py)."""
+    got, out = shared_run("4d", tmp_path_factory, MIXED)
+    ref, ref_out = reference("4d", tmp_path_factory, MIXED)
+    h = got["hetero"]
+    assert (h["compute_dtype"], h["master_dtype"]) == ("float32", "float64") and got["world_size"] == 4
+    assert h["peak_resident_bytes"] <= h["device_budget_bytes"] < h["model_data_bytes"]
+    assert h["reduce_scatters"]["on_eviction"] > 0
+    assert_losses_match(got, ref, rtol=1e-6)
+    a, b = (read_state(latest_checkpoint(o / "checkpoints")) for o in (out, ref_out))
+    rel = {k: ((a[k] - b[k]).norm() / b[k].norm()).item() for k in b if k.startswith("model.")}
+    assert rel and max(rel.values()) <= 1e-6, max(rel.items(), key=lambda kv: kv[1])  # ‖Δ‖/‖ref‖ per tensor
+
+
 def assert_bfloat16(got, out, f32):
     """A bfloat16 run (float32 parameters, bf16 autocast) against its layout's float32 run: finite
     losses within 2e-2, learning, and bf16 really used (float32 checkpoints, other losses, bf16 SUMMA
@@ -275,7 +300,11 @@ def test_bfloat16_with_all_four_techniques(sixteen_workers):
 
 
 def test_bfloat16_hetero(tmp_path, tmp_path_factory):
-    """hetero alone under bf16 autocast: its chunks stay float32."""
+    """hetero alone under bf16 autocast: bf16 chunks on the device (half the bytes moved and reduced),
+    the float32 master on the host (its checkpoints)."""
     f32, _ = shared_run("hetero", tmp_path_factory)
     got, out = run("hetero", tmp_path, ["train.dtype=bfloat16"], "bf16")
     assert_bfloat16(got, out, f32)
+    h, h32 = got["hetero"], f32["hetero"]
+    assert (h["compute_dtype"], h["master_dtype"], h32["compute_dtype"]) == ("bfloat16", "float32", "float32")
+    assert 2 * h["total"]["reduce_scatter_bytes"] == h32["total"]["reduce_scatter_bytes"]

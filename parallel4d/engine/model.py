@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from parallel4d.config.rules import hetero as hetero_rules
 from parallel4d.config.schema import Config
 from parallel4d.models.build import Shape, shape_from_config
 
@@ -22,9 +23,11 @@ def parameter_dtype(cfg: Config) -> torch.dtype:
 
 def pipeline_activation_dtype(cfg: Config) -> torch.dtype:
     """The dtype activations and their gradients cross pipeline stages in: the autocast dtype under
-    autocast (what the stages' matmuls compute in: bf16/fp16 halve the bytes sent), else the
-    parameters'."""
-    return TORCH_DTYPES[cfg.train.autocast] if cfg.train.autocast != "none" else parameter_dtype(cfg)
+    autocast (what the stages' matmuls compute in: bf16/fp16 halve the bytes sent), else the dtype
+    the parameters compute in (hetero's chunks', or the parameters')."""
+    if cfg.train.autocast != "none":
+        return TORCH_DTYPES[cfg.train.autocast]
+    return TORCH_DTYPES[hetero_rules.compute_dtype(cfg)] if cfg.hetero.enabled else parameter_dtype(cfg)
 
 
 def tf32_allowed(cfg: Config, device: torch.device | str) -> bool | None:

@@ -225,6 +225,11 @@ class ChunkManager:
         """
         p = self.pools[c.pool]
         st = (self.stats, self.iter_stats)
+        if c.dirty and not c.dead and c.backing is None:
+            if "spill" not in c.meta:
+                raise RuntimeError(f"hetero internal error: chunk {c.kind}[{c.index}] holds live content and "
+                                   "has no host copy to evict it to")
+            c.meta["spill"]()  # its content goes elsewhere (ZeRO: reduced into this rank's shard)
         if c.dirty and not c.dead and c.backing is not None:
             self.transfers.run(lambda: c.backing.copy_(self.slot_view(c), non_blocking=self.cuda))
             for s in st:

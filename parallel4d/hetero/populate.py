@@ -28,8 +28,10 @@ def add_chunks(layout: Layout, mgr: ChunkManager, zero: ZeroShards, master: Opti
     zero_mode = layout.dp > 1
     for row in layout.rows:
         row.P = _chunk(row, mgr, zero, "param", S.HOLD, backing=not zero_mode and master is None)
-        if row.trainable:
-            row.G = _chunk(row, mgr, zero, "grad", S.FREE)
+        if row.trainable:  # under ZeRO G is staging only: evicted, it is reduced into GS (zero.reduce_row)
+            row.G = _chunk(row, mgr, zero, "grad", S.FREE, backing=not zero_mode)
+            if zero_mode:
+                row.G.meta["spill"] = lambda row=row: zero.reduce_row(row, "on_eviction")
         if row.trainable and master is None:
             pool = "shard" if zero_mode else "main"
             row.M = _chunk(row, mgr, zero, "exp_avg", S.FREE, pool=pool)

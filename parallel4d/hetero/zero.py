@@ -5,8 +5,8 @@ dp rank ``r`` owns elements ``[r·S, (r+1)·S)`` of every row's parameter, gradi
 exp_avg and exp_avg_sq chunks (host backing of ``S`` elements each). Parameters are
 all-gathered into a full device slot before use; gradient chunks are reduce-scattered
 (summed, then divided by dp — the per-rank loss is the mean over that rank's slice,
-like DDP) as soon as all their tensors' gradients are written, and each rank updates
-only its shard.
+like DDP) as soon as all their tensors' gradients are written, or when evicted before
+(the full gradient chunk has no host copy), and each rank updates only its shard.
 
 All dp ranks run the same program on the same budget and policy, so their chunk
 accesses and eviction decisions are identical and every collective is matched.
@@ -58,7 +58,7 @@ class ZeroShards:
         self.mgr, self.C, self.dp, self.rank, self.group, self.mesh = mgr, C, dp, rank, group, mesh
         self.Sz = C // dp
         self.window = window(rank, self.Sz)
-        self.reduce_scatters = {"on_completion": 0, "end_of_backward": 0}
+        self.reduce_scatters = {"on_completion": 0, "end_of_backward": 0, "on_eviction": 0}
 
     def opt_chunks(self, row):
         """``(P, G, M, V, (lo, hi))`` the optimizer updates: under ZeRO the shards."""
@@ -89,16 +89,23 @@ class ZeroShards:
 
     def reduce_row(self, row, when: str) -> None:
         """Reduce-scatter the row's gradient chunk ``G[C]`` into this rank's ``GS[C/dp]``
-        (``when``: ``on_completion`` or ``end_of_backward``, for the stats)."""
+        (``when``: ``on_completion``, ``end_of_backward`` or ``on_eviction``, for the stats).
+
+        ``on_eviction`` is the eviction of a ``G`` still collecting gradients: ``G`` has no host
+        backing (the staging is sharded: a rank keeps only its ``GS``), so what it holds so far is
+        reduced now, from its slot, and the rest of the row's gradients come in a fresh ``G``. Every dp
+        rank evicts at the same moment (same program, budget and policy), so the collective matches."""
         self.reduce_scatters[when] += 1
         got = [k for k, t in enumerate(row.G.tensors) if t.state == TensorState.HOLD_AFTER_BWD]
-        shard = self._reduce_scatter(row.G, got)
+        shard = self._reduce_scatter(row.G, got, access=when != "on_eviction")
         self._accumulate(row.GS, got, shard)
 
     @torch.no_grad()
-    def _reduce_scatter(self, G, got: list[int]) -> torch.Tensor:
-        """The mean over dp of ``G``'s content, this rank's ``[C/dp]`` part; ``G``'s tensors → FREE."""
-        self.mgr.pin(G)
+    def _reduce_scatter(self, G, got: list[int], access: bool = True) -> torch.Tensor:
+        """The mean over dp of ``G``'s content, this rank's ``[C/dp]`` part; ``G``'s tensors → FREE.
+        ``access``: make ``G`` resident and pin it first (not while it is being evicted: it is)."""
+        if access:
+            self.mgr.pin(G)
         full = self.mgr.slot_view(G)
         for t in G.tensors:  # content of FREE tensors is stale: contribute zeros
             if t.state == TensorState.FREE:
@@ -109,7 +116,8 @@ class ZeroShards:
         self.mesh.comm_stats.add("hetero.reduce_scatter", sent, sent, self.group)
         for k in got:
             G.tensors[k].set_state(TensorState.FREE)
-        self.mgr.unpin(G)
+        if access:
+            self.mgr.unpin(G)
         return shard
 
     @torch.no_grad()
