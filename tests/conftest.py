@@ -111,6 +111,13 @@ def assert_plan_matches(config, overrides, summary, rel=0.10) -> dict:
             diff = abs(planned - real) / max(real, 1)
             worst[key] = max(worst.get(key, 0.0), diff)
             assert diff <= rel, f"rank {g}: {key} planned {planned} bytes, measured {real} ({diff:.1%})"
+    hetero = summary.get("hetero")
+    if hetero:  # rank 0's: pp position 0's plan
+        for key, planned in (("host_bytes_per_param", ranks[0].host_bytes_per_param),
+                             ("device_bytes_moved_per_step", ranks[0].hetero_moved)):
+            real = hetero[key]
+            worst[key] = abs(planned - real) / max(real, 1)
+            assert worst[key] <= rel, f"rank 0: hetero {key} planned {planned}, measured {real}"
     assert worst["activations"] <= rel and "parameters" in worst
     return worst
 

@@ -78,6 +78,11 @@ class Layout:
         return self.C // self.dp
 
     @property
+    def params(self) -> int:
+        """Elements of the unique parameters (padding left out)."""
+        return sum(r.param.numel() for r in self.records)
+
+    @property
     def trainable_rows(self) -> int:
         return sum(r.trainable for r in self.rows)
 

@@ -55,6 +55,12 @@ class RankPlan:
     hetero_device: int | None = None  # the chunk arena (model data on the device) under hetero
     hetero_host: int | None = None  # the chunks' host copies: parameters, gradients, Adam moments
     sent_by_axis: dict[str, int] = field(default_factory=dict)
+    hetero_moved: int | None = None  # host↔device bytes a steady step moves (loads + write-backs)
+    hetero_params: int | None = None  # parameters in this rank's chunks
+
+    @property
+    def host_bytes_per_param(self) -> float | None:
+        return self.hetero_host / self.hetero_params if self.hetero_params else None
 
     @property
     def device_bytes(self) -> int:
@@ -109,15 +115,25 @@ def dry_run(cfg: Config, pp_rank: int = 0) -> RankPlan:
         with FakeTensorMode(allow_non_fake_inputs=True), _default_dtype(parameter_dtype(cfg)):
             held, optimizer = _one_step(cfg, mesh)
     return RankPlan(pp_rank, rank, held["parameters"], held["gradients"], optimizer, held["activations"],
-                    held.get("hetero_device"), held.get("hetero_host"), held["sent_by_axis"])
+                    held.get("hetero_device"), held.get("hetero_host"), held["sent_by_axis"],
+                    held.get("hetero_moved"), held.get("hetero_params"))
 
 
 def _one_step(cfg: Config, mesh) -> tuple[dict, int]:
-    """(:attr:`.engine.Engine.memory` after one forward and backward, the optimizer state's bytes)."""
+    """(:attr:`.engine.Engine.memory` after one forward and backward, the optimizer state's bytes).
+    Under hetero two whole steps: the second, with the first's chunk trace to replay, moves what
+    every later step moves (``hetero_moved``, with ``hetero_params``: the parameters its chunks hold)."""
     engine = compose(cfg, mesh)
     tokens = torch.zeros(cfg.data.batch_size, cfg.model.seq_len, dtype=torch.long, device=mesh.device)
-    engine.measure_gradients(tokens, tokens)
-    return engine.memory, engine.store.expected_optimizer_state_bytes()
+    if not cfg.hetero.enabled:
+        engine.measure_gradients(tokens, tokens)
+        return engine.memory, engine.store.expected_optimizer_state_bytes()
+    engine.train_step(tokens, tokens, measure_memory=True)
+    memory = engine.memory
+    engine.train_step(tokens, tokens)
+    stats = engine.store.hetero_stats()
+    memory.update(hetero_moved=stats["device_bytes_moved_per_step"], hetero_params=stats["params"])
+    return memory, engine.store.expected_optimizer_state_bytes()
 
 
 EXACT_DEPTH = 4  # a deeper one-stage model is planned from two shallow dry runs (see plan)
@@ -156,9 +172,9 @@ def _extrapolates(cfg: Config) -> bool:
 
 def block_passes(cfg: Config) -> int:
     """The transformer-block forwards and backwards :func:`plan`'s dry runs make (hetero's cost about
-    four times as much: its hooks move chunks)."""
+    eight times as much: its hooks move chunks, and it runs two steps)."""
     layers = 3 if _extrapolates(cfg) else cfg.model.layers
-    return layers * cfg.pipeline.microbatches * (4 if cfg.hetero.enabled else 1)
+    return layers * cfg.pipeline.microbatches * (8 if cfg.hetero.enabled else 1)
 
 
 def _extrapolated(one: RankPlan, two: RankPlan, more: int) -> RankPlan:
@@ -248,6 +264,9 @@ def format_ranks(ranks: list[RankPlan]) -> list[str]:
         vals += [r.hetero_device, r.hetero_host, r.device_bytes, r.host_bytes] if hetero else [r.device_bytes]
         lines.append("  " + f"{r.pp_rank:>14}" + "".join(f"{'in chunks' if v is None else human(v):>14}"
                                                            for v in vals))
+    for r in ranks if hetero else ():
+        lines.append(f"  pp rank {r.pp_rank} hetero: {r.host_bytes_per_param:.2f} host bytes per parameter, "
+                     f"{human(r.hetero_moved)} between host and device per step")
     lines.append("sent per step by each rank (forward and backward, gradient reduction included):")
     for r in ranks:
         axes = sorted(r.sent_by_axis, key=lambda a: (a not in AXES, AXES.index(a) if a in AXES else 0, a))
