@@ -122,13 +122,43 @@ def _zero_worker():
                 "loss_rel": max(abs(a - b) / abs(b) for a, b in zip(mean, ref_losses)),
                 "param_rel": max_rel(sd, ref_sd), "model_rel": model_rel(sd, ref_sd), "stats": st}
             budget = st["min_feasible_budget_bytes"]
+    out["order"] = _recorded_order(mesh)
     return out
 
 
-def test_sixteen_bit_chunks_under_zero_equal_one_process():
+def _recorded_order(mesh):
+    """bf16 chunks, everything resident and at half the model data, prefetching off and on: the third
+    step's log of copies, collectives and accesses, the losses and the final state."""
+    half = hetero(torch.bfloat16, steps=0, mesh=mesh, chunk_elems=8192)[2]["model_data_bytes"] // 2
+    runs = {}
+    for budget, depth in ((None, 0), (None, 2), (half, 0), (half, 2)):
+        m, opt = wrap(build(), OPT, dict(compute_device="cpu", chunk_elems=8192, device_budget_bytes=budget),
+                      mesh=mesh, compute_dtype=torch.bfloat16)
+        transfers = m._hetero_runtime.mgr.transfers
+        m._hetero_runtime.mgr.prefetch_depth = depth  # on CUDA by default; the CPU has nothing to overlap
+
+        def step():
+            opt.step()
+            opt.zero_grad()
+
+        losses = train(m, step, 2, mesh.rank("dp"), 2)
+        transfers.log = []  # the third step: the trace recorded at the first is replayed
+        losses += train(m, step, 1, mesh.rank("dp"), 2)
+        runs[budget is not None, depth] = {"losses": losses, "log": transfers.log, "state": m.state_dict(),
+                       "chunks": {c.cid: (c.kind, c.index) for c in m._hetero_runtime.mgr.chunks}}
+    return runs
+
+
+@pytest.fixture(scope="module")
+def zero_job():
+    """One spawned dp = 2 job for the tests below: :func:`_zero_worker`'s results per rank."""
     from conftest import run_workers
 
-    for r in run_workers(_zero_worker, 2, timeout_s=300):
+    return run_workers(_zero_worker, 2, timeout_s=300)
+
+
+def test_sixteen_bit_chunks_under_zero_equal_one_process(zero_job):
+    for r in zero_job:
         f32 = r["torch.float32", "minimum"]
         assert f32["stats"]["reduce_scatters"]["on_eviction"] > 0  # the sharded staging really spilled
         for label in ("resident", "minimum"):
@@ -142,3 +172,40 @@ def test_sixteen_bit_chunks_under_zero_equal_one_process():
         sent = [r[dtype, "resident"]["stats"]["total"]["reduce_scatter_bytes"] for dtype in ("torch.bfloat16", "torch.float32")]
         assert 2 * sent[0] == sent[1] > 0  # bf16 gradients are reduced in bf16
 
+
+
+def test_gathers_are_posted_ahead_of_the_compute_that_needs_them(zero_job):
+    """#29.3: with the trace replayed and the parameters resident, every ZeRO all-gather but the step's
+    first is posted while an earlier chunk is in use (prefetched; on CUDA it runs beside that compute;
+    at half the model data most are: a prefetch never evicts what is needed sooner or unsaved), and a
+    gradient reduce-scatter is waited for after the next row's compute; prefetching changes no number."""
+    for r in zero_job:
+        runs = r["order"]
+        for tight in (False, True):
+            assert runs[tight, 0]["losses"] == runs[tight, 2]["losses"]
+            assert all(torch.equal(runs[tight, 0]["state"][k], v) for k, v in runs[tight, 2]["state"].items())
+        ahead = {tight: _gathers_posted_ahead(runs[tight, 2]["log"]) for tight in (False, True)}
+        print("gathers posted ahead / all (resident, half):", ahead)
+        assert ahead[False][0] == ahead[False][1] - 1 > 2 and ahead[True][0] >= 2 * ahead[True][1] // 3
+        log, chunks = runs[True, 2]["log"], runs[True, 2]["chunks"]
+        accesses = [i for i, (what, _) in enumerate(log) if what == "access"]
+        overlapped = []
+        for i, (what, cid) in enumerate(log):
+            if what == "reduce_scatter":  # until its shard is added (the GS access), other rows compute?
+                shard = next(j for j in accesses if j > i and chunks[log[j][1]] == ("grad_shard", chunks[cid][1]))
+                overlapped.append(any(chunks[log[j][1]][0] in ("param", "grad") for j in accesses if i < j < shard))
+        print("reduce-scatters overlapped with compute:", overlapped)
+        assert sum(overlapped) >= len(overlapped) // 2 > 0
+
+
+def _gathers_posted_ahead(log) -> tuple[int, int]:
+    """``(posted ahead, all)`` gathers of a log: ahead = posted at another chunk's access, and that
+    chunk's next access comes after another chunk's (a compute to overlap with)."""
+    accesses = [i for i, (what, _) in enumerate(log) if what == "access"]
+    ahead, gathers = 0, [(i, cid) for i, (what, cid) in enumerate(log) if what == "gather"]
+    for i, cid in gathers:
+        if log[i - 1] == ("access", cid):  # posted by its own use
+            continue
+        nxt = next(j for j in accesses if j > i and log[j][1] == cid)
+        ahead += any(log[j][1] != cid for j in accesses if i < j < nxt)
+    return ahead, len(gathers)

@@ -302,6 +302,7 @@ class DataReplicas:
 
     def __init__(self, mesh: Mesh):
         self.mesh, self.comm_stats, self.device = mesh, mesh.comm_stats, mesh.device
+        self.timeout_s, self.deadlines = mesh.timeout_s, mesh.deadlines  # every ZeRO wait's limit
         self._group = mesh.group_over("dp", "sp")
 
     def _check(self, axis: str) -> None:

@@ -12,9 +12,11 @@ dead first; then farthest next use in the warm-up trace (Belady) with clean befo
 dirty on ties, or least recently used (LRU; also the fallback while the trace is
 missing or has diverged).
 
-Fills and write-backs go through :class:`~parallel4d.hetero.transfers.Transfers` (on CUDA a side
-stream with per-chunk ready events), so that fills issued ahead of use (trace-driven prefetch,
-Belady-consistent and never past the budget) overlap with compute.
+Fills and write-backs go through :class:`~parallel4d.hetero.transfers.Transfers` (on CUDA a stream
+per direction, with per-chunk ready events and per-slot freed events), so that fills issued ahead of
+use (trace-driven prefetch, Belady-consistent and never past the budget) overlap with compute; a
+fill that is a ZeRO all-gather is posted asynchronously, prefetched the same way (every dp rank
+replays the same trace under the same budget, so the collectives match), and waited for at first use.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ class Pool:
     free: list = field(default_factory=list)
     owner: list = field(default_factory=list)
     peak_pinned: int = 0
+    freed: dict = field(default_factory=dict)  # slot → the event its last write-back completes at (CUDA)
 
 
 class BudgetError(ValueError):
@@ -131,7 +134,7 @@ class ChunkManager:
     def read(self, c: Chunk) -> torch.Tensor:
         """Current content of ``c`` (slot if resident, else backing), without an access."""
         if c.slot is not None:
-            self.transfers.wait_ready(c)
+            self._wait_fill(c)
             return self.slot_view(c)
         if c.backing is None:
             raise RuntimeError(f"chunk {c.kind}[{c.index}] has no content off the device")
@@ -229,9 +232,13 @@ class ChunkManager:
             if "spill" not in c.meta:
                 raise RuntimeError(f"hetero internal error: chunk {c.kind}[{c.index}] holds live content and "
                                    "has no host copy to evict it to")
+            c.extra_pins += 1  # the spill accesses other chunks: none of that may evict this one again
             c.meta["spill"]()  # its content goes elsewhere (ZeRO: reduced into this rank's shard)
+            c.extra_pins -= 1
+        self._wait_fill(c)  # a prefetched gather still in flight lands before the slot is reused
         if c.dirty and not c.dead and c.backing is not None:
-            self.transfers.run(lambda: c.backing.copy_(self.slot_view(c), non_blocking=self.cuda))
+            self.transfers.run(lambda: c.backing.copy_(self.slot_view(c), non_blocking=self.cuda), "d2h", c.cid)
+            p.freed[c.slot] = self.transfers.written_back()
             for s in st:
                 s.writeback_bytes += c.capacity * self.esize
                 s.writebacks += 1
@@ -261,27 +268,36 @@ class ChunkManager:
         p.owner[c.slot] = c
         dst = self.slot_view(c)
         st = (self.stats, self.iter_stats)
-        if c.loader is not None and not c.dead and c.meta.get("gathers"):
-            self.transfers.compute_waits()  # the slot's previous owner may still be written back
-            c.loader(dst)
+        gathers = c.loader is not None and not c.dead and c.meta.get("gathers")
+        self.transfers.wait_freed(p.freed.pop(c.slot, None), on_compute=bool(gathers))  # the last write-back
+        if gathers:  # posted now, waited for at first use (_wait_fill): a prefetched one overlaps
+            self.transfers.note("gather", c.cid)
+            c.meta["pending"] = c.loader(dst)
         elif c.loader is not None and not c.dead:  # a copy of other content (the master, rounded)
             c.loader(dst)
             for s in st:
                 s.load_bytes += c.capacity * self.esize
                 s.loads += 1
         elif c.dead or c.backing is None:
-            self.transfers.run(dst.zero_)
+            self.transfers.run(dst.zero_, "h2d", c.cid)
             for s in st:
                 s.zero_fill_bytes += c.capacity * self.esize
                 s.zero_fills += 1
         else:
-            self.transfers.run(lambda: dst.copy_(c.backing, non_blocking=self.cuda))
+            self.transfers.run(lambda: dst.copy_(c.backing, non_blocking=self.cuda), "h2d", c.cid)
             for s in st:
                 s.load_bytes += c.capacity * self.esize
                 s.loads += 1
-        if not c.meta.get("gathers"):
+        if not gathers:
             self.transfers.mark_ready(c)
         c.dirty = False
+
+    def _wait_fill(self, c: Chunk) -> None:
+        """What uses ``c``'s slot next waits for its fill: the copy's event, or the gather's work."""
+        self.transfers.wait_ready(c)
+        finish = c.meta.pop("pending", None)
+        if finish is not None:
+            finish()
 
     def ensure_resident(self, c: Chunk) -> None:
         p = self.pools[c.pool]
@@ -292,11 +308,14 @@ class ChunkManager:
                     self._make_room(p, limit - 1)
                 except BudgetError:
                     raise self._too_small(p, self._pinned(p) + 1) from None
+            if c.slot is not None:
+                raise RuntimeError(f"hetero internal error: chunk {c.kind}[{c.index}] was filled while room was "
+                                   "made for it")
             self._fill(c)
         elif self.dynamic_capacity is not None:
             # proactive: the budget may have shrunk since the last moment
             self._make_room(p, self._limit(p, extra=int(not c.pinned)), protect=c)
-        self.transfers.wait_ready(c)  # compute waits for this chunk's fill, and only for it
+        self._wait_fill(c)  # compute waits for this chunk's fill, and only for it
 
     def prefetch(self, current: Chunk) -> None:
         """Fill the next ``prefetch_depth`` chunks of the replayed trace ahead of use.
@@ -310,8 +329,8 @@ class ChunkManager:
         ref, pos = self.trace.ref, self.trace.pos
         for j in range(pos, min(pos + self.prefetch_depth, len(ref))):
             c = self.chunks[ref[j]]
-            if c.slot is not None or c.meta.get("gathers"):
-                continue  # a gather is a collective every dp rank posts at its moment of use
+            if c.slot is not None:  # a gather too: every dp rank replays the same trace and budget
+                continue
             p = self.pools[c.pool]
             if p.n_slots - len(p.free) >= self._limit(p):
                 cands = [x for x in p.owner if x is not None and not x.pinned and x is not current]
@@ -330,6 +349,7 @@ class ChunkManager:
         """Record the moment (unless ``record`` is False: state-dict traffic outside the
         training loop) and make ``c`` resident (evicting per policy)."""
         self.tick += 1
+        self.transfers.note("access", c.cid)
         if record:
             self.trace.record(c.cid, self.nonmodel_fn(), live=not c.dead)
         self.ensure_resident(c)
@@ -382,8 +402,8 @@ class ChunkManager:
     def flush(self, c: Chunk) -> None:
         """Write ``c`` back if it is resident and dirty (it stays resident, now clean)."""
         if c.slot is not None and c.dirty and not c.dead and c.backing is not None:
-            self.transfers.wait_ready(c)
-            self.transfers.run(lambda: c.backing.copy_(self.slot_view(c), non_blocking=self.cuda))
+            self._wait_fill(c)
+            self.transfers.run(lambda: c.backing.copy_(self.slot_view(c), non_blocking=self.cuda), "d2h", c.cid)
             for s in (self.stats, self.iter_stats):
                 s.writeback_bytes += c.capacity * self.esize
                 s.writebacks += 1
@@ -403,6 +423,9 @@ class ChunkManager:
 
     # --- iterations --------------------------------------------------------------
     def end_iteration(self) -> dict:
+        for c in self.chunks:  # a gather prefetched for a moment that never came (a diverged trace)
+            if "pending" in c.meta:
+                self._wait_fill(c)
         secs = self.transfers.take_copy_seconds()
         if secs is not None:
             self.stats.copy_seconds += secs

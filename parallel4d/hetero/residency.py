@@ -162,3 +162,4 @@ class Residency:
             for row in self.layout.rows:
                 if row.trainable and any(t.state == S.HOLD_AFTER_BWD for t in row.G.tensors):
                     self.zero.reduce_row(row, "end_of_backward")
+            self.zero.drain()

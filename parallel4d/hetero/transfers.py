@@ -1,10 +1,13 @@
 """How chunk content moves between host and compute device, and what that movement is counted as.
 
-On CUDA the host backings are one page-locked buffer, and every fill and write-back runs on a side
-stream: the copy stream first waits for the compute stream (the slot's previous readers/writers are
-done), a fill records a *ready* event on the chunk, and the compute stream waits for that event when
-the chunk is next accessed (or read) — so fills issued ahead of use overlap with compute. Host reads
-of a backing drain the copy stream first. On the CPU every copy runs at once, in order.
+On CUDA the host backings are one page-locked buffer, and copies run on two side streams, one per
+direction (pinned host-to-device and device-to-host copies run at once on separate engines): each
+first waits for the compute stream (the slot's previous readers and writers are done); a fill records
+a *ready* event on the chunk, and the compute stream waits for that event when the chunk is next
+accessed (or read), so fills issued ahead of use overlap with compute; a write-back records a *freed*
+event on its slot, and the next fill of that slot waits for it. Host reads of a backing drain both
+streams first. On the CPU every copy runs at once, in order. ``log`` (a list, when set) records every
+copy, collective and access in order: what a test on the CPU checks the overlap's order with.
 """
 
 from __future__ import annotations
@@ -46,13 +49,14 @@ class MoveStats:
 
 
 class Transfers:
-    """The copy machinery of one compute ``device`` for chunks of ``dtype``: host buffers, the copy
-    stream and the chunks' ready events (CUDA), and copy timing when ``profile`` is on."""
+    """The copy machinery of one compute ``device`` for chunks of ``dtype``: host buffers, the two
+    copy streams and the chunks' ready events (CUDA), and copy timing when ``profile`` is on."""
 
     def __init__(self, device: torch.device, dtype: torch.dtype):
         self.device, self.dtype = device, dtype
         self.cuda = device.type == "cuda"
-        self.copy_stream = torch.cuda.Stream(device) if self.cuda else None
+        self.streams = {way: torch.cuda.Stream(device) for way in ("h2d", "d2h")} if self.cuda else {}
+        self.log: list | None = None  # (what, detail) of every copy, collective and access, when a list
         self.profile = False  # time every copy (CUDA events), summed by take_copy_seconds
         self._events: list = []
         self.pinned_host = False
@@ -89,13 +93,13 @@ class Transfers:
         """``dst`` (compute device, this dtype) ← ``src`` (host, a wider dtype), rounded on the host so
         that only this dtype's bytes cross the link: through a page-locked staging buffer on CUDA (a
         ring of :data:`STAGING` buffers; one is reused once the copy that last read it is done)."""
-        if self.copy_stream is None:
-            dst.copy_(src)
+        if not self.cuda:
+            self.run(lambda: dst.copy_(src), "h2d")
             return
         stage, done = self._staging(src.numel())
         stage.copy_(src)
-        self.run(lambda: dst.copy_(stage, non_blocking=True))
-        done.record(self.copy_stream)
+        self.run(lambda: dst.copy_(stage, non_blocking=True), "h2d")
+        done.record(self.streams["h2d"])
 
     def _staging(self, n: int):
         """The next staging buffer of at least ``n`` elements and its completion event, waited for."""
@@ -106,15 +110,21 @@ class Transfers:
         self._stages.append((buf, ev))
         return buf.narrow(0, 0, n), ev
 
-    def run(self, op) -> None:
-        """Run a slot/backing copy: directly on the CPU; on CUDA on the copy stream,
-        ordered after the compute stream's queued work (the event-free half of the protocol;
-        consumers wait on the chunk's ``ready`` event)."""
-        if self.copy_stream is None:
+    def note(self, what: str, detail) -> None:
+        if self.log is not None:
+            self.log.append((what, detail))
+
+    def run(self, op, way: str, detail=None) -> None:
+        """Run a slot/backing copy (``way``: "h2d" fills, "d2h" write-backs): directly on the CPU; on
+        CUDA on that direction's stream, ordered after the compute stream's queued work (the event-free
+        half of the protocol; consumers wait on the chunk's ``ready`` event)."""
+        self.note(way, detail)
+        stream = self.streams.get(way)
+        if stream is None:
             op()
             return
-        self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self.copy_stream):
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
             if self.profile:
                 a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 a.record()
@@ -124,21 +134,36 @@ class Transfers:
             else:
                 op()
 
+    def written_back(self):
+        """The event the write-backs queued so far complete at (None off CUDA): a slot's next fill
+        waits for it (:meth:`wait_freed`)."""
+        if not self.cuda:
+            return None
+        ev = torch.cuda.Event()
+        ev.record(self.streams["d2h"])
+        return ev
+
+    def wait_freed(self, ev, on_compute: bool = False) -> None:
+        """The fill stream (or the compute stream, for a fill that is a collective) waits for a slot's
+        last write-back."""
+        if ev is not None:
+            (torch.cuda.current_stream(self.device) if on_compute else self.streams["h2d"]).wait_event(ev)
+
     def compute_waits(self) -> None:
         """The compute stream waits for every copy queued so far (CUDA)."""
-        if self.copy_stream is not None:
-            torch.cuda.current_stream(self.device).wait_stream(self.copy_stream)
+        for stream in self.streams.values():
+            torch.cuda.current_stream(self.device).wait_stream(stream)
 
     def sync(self) -> None:
-        """Host reads of backings need the copy stream drained."""
-        if self.copy_stream is not None:
-            self.copy_stream.synchronize()
+        """Host reads (and writes) of backings need both copy streams drained."""
+        for stream in self.streams.values():
+            stream.synchronize()
 
     def mark_ready(self, c: Chunk) -> None:
-        """Record on ``c`` the event its fill, queued last on the copy stream, completes (CUDA)."""
-        if self.copy_stream is not None:
+        """Record on ``c`` the event its fill, queued last on the fill stream, completes (CUDA)."""
+        if self.cuda:
             ev = torch.cuda.Event()
-            ev.record(self.copy_stream)
+            ev.record(self.streams["h2d"])
             c.meta["ready"] = ev
 
     def wait_ready(self, c: Chunk) -> None:

@@ -33,20 +33,24 @@ def segment(t: TensorInfo, lo: int, hi: int) -> tuple[int, int] | None:
     return (a, b) if a < b else None
 
 
-def all_gather_into(full: torch.Tensor, local: torch.Tensor, group) -> None:
-    """``full[C]`` ← concatenation of every rank's ``local[S]`` (rank order of ``group``)."""
+GATHER, REDUCE = "hetero ZeRO parameter all-gather", "hetero ZeRO gradient reduce-scatter"
+IN_FLIGHT = 2  # reduce-scatters posted and not yet added into GS: each pins its gradient chunk
+
+
+def all_gather_into(full: torch.Tensor, local: torch.Tensor, group, async_op: bool = False):
+    """``full[C]`` ← concatenation of every rank's ``local[S]`` (rank order of ``group``); the work
+    when ``async_op``."""
     fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    with comm.named("hetero ZeRO parameter all-gather", group):
-        fn(full, local.contiguous(), group=group)
+    with comm.named(GATHER, group):
+        return fn(full, local.contiguous(), group=group, async_op=async_op)
 
 
-def reduce_scatter_mean(full: torch.Tensor, group, dp: int) -> torch.Tensor:
-    """Sum ``full[C]`` over the group and return this rank's ``[S]`` shard divided by ``dp``."""
+def reduce_scatter_sum(full: torch.Tensor, group, dp: int):
+    """``(out[S], work)``: the sum of ``full[C]`` over the group, this rank's shard, once ``work`` is done."""
     out = torch.empty(full.numel() // dp, dtype=full.dtype, device=full.device)
     fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    with comm.named("hetero ZeRO gradient reduce-scatter", group):
-        fn(out, full, op=dist.ReduceOp.SUM, group=group)
-    return out.div_(dp)
+    with comm.named(REDUCE, group):
+        return out, fn(out, full, op=dist.ReduceOp.SUM, group=group, async_op=True)
 
 
 class ZeroShards:
@@ -59,6 +63,11 @@ class ZeroShards:
         self.Sz = C // dp
         self.window = window(rank, self.Sz)
         self.reduce_scatters = {"on_completion": 0, "end_of_backward": 0, "on_eviction": 0}
+        self.in_flight: list[tuple] = []  # reduce-scatters posted, not yet added into GS (see drain)
+
+    def _wait(self, work, what: str) -> None:
+        """Wait for a ZeRO collective within the mesh's limit (stream-ordered on NCCL)."""
+        comm.wait(work, self.mesh.timeout_s, what, self.mesh.deadlines)
 
     def opt_chunks(self, row):
         """``(P, G, M, V, (lo, hi))`` the optimizer updates: under ZeRO the shards."""
@@ -69,22 +78,24 @@ class ZeroShards:
     def loader(self, row, master=None):
         """``load(dst[C])``: the row's full parameters, all-gathered from every rank's shard (``PS``, or
         the ``master``'s window rounded to the chunks' dtype under 16-bit chunks)."""
-        def load(dst: torch.Tensor) -> None:
+        def load(dst: torch.Tensor):
+            """Posts the gather; returns what waits for it."""
             local = dst.narrow(0, self.window[0], self.Sz)
             ps, nbytes = row.PS, self.Sz * self.mgr.esize
             if master is None and ps.slot is not None:
                 local.copy_(self.mgr.read(ps))
             else:
                 if master is None:
-                    self.mgr.transfers.run(lambda: local.copy_(ps.backing, non_blocking=self.mgr.cuda))
+                    self.mgr.transfers.run(lambda: local.copy_(ps.backing, non_blocking=self.mgr.cuda), "h2d", ps.cid)
                 else:
                     master.upload(row, local)
                 self.mgr.transfers.compute_waits()
                 self.mgr.count(load_bytes=nbytes, loads=1)
-            all_gather_into(dst, local.clone(), self.group)
+            work = all_gather_into(dst, local.clone(), self.group, async_op=True)
             got = (self.dp - 1) * nbytes
             self.mgr.count(gather_bytes=got)
             self.mesh.comm_stats.add("hetero.all_gather", nbytes, got, self.group)
+            return lambda: self._wait(work, GATHER)
         return load
 
     def reduce_row(self, row, when: str) -> None:
@@ -97,36 +108,50 @@ class ZeroShards:
         rank evicts at the same moment (same program, budget and policy), so the collective matches."""
         self.reduce_scatters[when] += 1
         got = [k for k, t in enumerate(row.G.tensors) if t.state == TensorState.HOLD_AFTER_BWD]
-        shard = self._reduce_scatter(row.G, got, access=when != "on_eviction")
-        self._accumulate(row.GS, got, shard)
+        evicting = when == "on_eviction"
+        if not evicting:  # pinned until its reduction is added into GS (drain)
+            self.mgr.pin(row.G)
+        self.in_flight.append((row, got, *self._reduce_scatter(row.G, got), not evicting))
+        if evicting:  # its slot is given up now; nothing inside an eviction may fill or prefetch
+            self.drain(record=False)
+        else:
+            self.drain(keep=IN_FLIGHT - 1)
+
+    def drain(self, keep: int = 0, record: bool = True) -> None:
+        """Wait for the oldest reduce-scatters in flight until ``keep`` are left, adding each into its
+        ``GS`` (``record``: as a moment of the chunk trace). A reduction overlaps with the backward of
+        the next row; the backward's end drains all."""
+        while len(self.in_flight) > keep:
+            row, got, shard, work, pinned = self.in_flight.pop(0)
+            self._wait(work, REDUCE)
+            self._accumulate(row.GS, got, shard.div_(self.dp), record)
+            if pinned:
+                self.mgr.unpin(row.G)
 
     @torch.no_grad()
-    def _reduce_scatter(self, G, got: list[int], access: bool = True) -> torch.Tensor:
-        """The mean over dp of ``G``'s content, this rank's ``[C/dp]`` part; ``G``'s tensors → FREE.
-        ``access``: make ``G`` resident and pin it first (not while it is being evicted: it is)."""
-        if access:
-            self.mgr.pin(G)
+    def _reduce_scatter(self, G, got: list[int]) -> tuple:
+        """Post the sum over dp of resident ``G``'s content, this rank's ``[C/dp]`` part: ``(shard, work)``;
+        ``G``'s tensors → FREE."""
         full = self.mgr.slot_view(G)
         for t in G.tensors:  # content of FREE tensors is stale: contribute zeros
             if t.state == TensorState.FREE:
                 full.narrow(0, t.offset, t.numel).zero_()
-        shard = reduce_scatter_mean(full, self.group, self.dp)
+        self.mgr.transfers.note("reduce_scatter", G.cid)
+        shard, work = reduce_scatter_sum(full, self.group, self.dp)
         sent = (self.dp - 1) * self.Sz * self.mgr.esize
         self.mgr.count(reduce_scatter_bytes=sent)
         self.mesh.comm_stats.add("hetero.reduce_scatter", sent, sent, self.group)
         for k in got:
             G.tensors[k].set_state(TensorState.FREE)
-        if access:
-            self.mgr.unpin(G)
-        return shard
+        return shard, work
 
     @torch.no_grad()
-    def _accumulate(self, GS, got: list[int], shard: torch.Tensor) -> None:
+    def _accumulate(self, GS, got: list[int], shard: torch.Tensor, record: bool = True) -> None:
         """``GS`` += ``shard`` for tensors ``got`` (copy where ``GS`` held no gradient yet)."""
         lo, hi = self.window
         first = {k: GS.tensors[k].state == TensorState.FREE for k in got}
         ts = [GS.tensors[k] for k in got]
-        self.mgr.acquire(GS, ts, write=True, zero_free=False)
+        self.mgr.acquire(GS, ts, write=True, zero_free=False, record=record)
         dst = self.mgr.slot_view(GS)
         for k in got:
             seg = segment(GS.tensors[k], lo, hi)
@@ -156,4 +181,4 @@ class ZeroShards:
         """Sum ``t`` over the data replicas (nothing at dp = 1)."""
         if self.dp > 1:
             with comm.named(what, self.group):
-                dist.all_reduce(t, group=self.group)
+                self._wait(dist.all_reduce(t, group=self.group, async_op=True), what)
