@@ -10,6 +10,10 @@ That the measured activations are what the process holds is checked against glib
 tests/test_validation.py.
 """
 
+import contextlib
+import dataclasses
+import io
+import json
 import time
 
 import pytest
@@ -17,8 +21,10 @@ import pytest
 from conftest import assert_plan_matches
 from parallel4d.tools.cli import main
 from parallel4d.config.errors import ConfigError
-from parallel4d.config.load import make_config
-from parallel4d.tools.plan import dry_run, parse_bytes, plan
+from parallel4d.config.load import load_config, make_config
+from parallel4d.tools.largest import (Memory, Verdict, _deepest, candidate, count, deepspeed_estimate, largest,
+                                      with_layers)
+from parallel4d.tools.plan import HEADROOM, dry_run, parse_bytes, plan
 from test_e2e import FOUR_D, FOUR_D_STEPS, PIPELINE_STEPS, ROOT, shared_run
 
 SHIPPED = {  # config → the overrides its shared end-to-end run uses (test_e2e)
@@ -124,3 +130,144 @@ def test_the_plan_cuts_the_pipeline_by_compute(tmp_path, capsys):
     (tmp_path / "wide.yaml").write_text(yaml.safe_dump(job))
     assert main(["plan", str(tmp_path / "wide.yaml")]) == 0
     assert "chunks          embed–blocks.3 | head  (cut by training FLOPs per token)" in capsys.readouterr().out
+
+
+
+# --- --largest (#29.6): the largest model with hetero, beside DeepSpeed's estimator -------------
+
+SMALL = ["--gpu-memory", "80GiB", "--host-memory", "40MiB", "--largest", "--grow", "layers"]
+SMALL_MEMORY = Memory(80 * 2**30, 40 * 2**20)
+
+
+@pytest.fixture(scope="module")
+def largest_run(tmp_path_factory):
+    """``plan configs/hetero.yaml --largest --grow layers`` on 40 MiB of host memory (a few dry runs
+    of 4-10 layer models, 2 ranks): (what it printed, its --json, the config)."""
+    pytest.importorskip("deepspeed")
+    path = tmp_path_factory.mktemp("largest") / "plan.json"
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        assert main(["plan", str(config_path("hetero")), *SMALL, "--json", str(path)]) == 0
+    return printed.getvalue(), json.loads(path.read_text()), candidate(load_config(config_path("hetero")), {})
+
+
+def _planned(cfg, layers, budget):
+    """(the largest rank's device bytes, all ranks' host bytes) of ``cfg`` at ``layers`` and hetero budget."""
+    cfg = with_layers(cfg, layers)
+    ranks = plan(cfg.model_copy(update={"hetero": cfg.hetero.model_copy(update={"device_budget_bytes": budget})}))
+    return max(r.device_bytes for r in ranks), sum(r.host_bytes for r in ranks) * cfg.parallel.dp
+
+
+def test_the_grown_model_fits_and_one_layer_more_does_not(largest_run):
+    """Re-planned here: the reported depth at the reported budget fits (device within 90 %, host
+    within 40 MiB for both ranks), that budget is hetero's smallest (a byte less is refused), and
+    one layer more needs more host memory than there is."""
+    _, got, cfg = largest_run
+    ours, deeper = got["largest"], got["largest"]["one_layer_more"]
+    device, host = _planned(cfg, ours["layers"], ours["hetero_device_budget_bytes"])
+    assert (device, host) == (ours["device_bytes"], ours["host_bytes"])
+    assert device <= HEADROOM * SMALL_MEMORY.gpu and host <= SMALL_MEMORY.host
+    with pytest.raises(ValueError, match="hetero.device_budget_bytes≥"):
+        _planned(cfg, ours["layers"], ours["hetero_device_budget_bytes"] - 1)
+    assert deeper["layers"] == ours["layers"] + 1 > cfg.model.layers
+    assert _planned(cfg, deeper["layers"], deeper["hetero_device_budget_bytes"])[1] == deeper["host_bytes"] > \
+        SMALL_MEMORY.host
+    assert got["largest_params"] == ours["params"] == count(with_layers(cfg, ours["layers"]).model)[0]
+
+
+def test_deepspeeds_figure_is_its_estimators_and_one_layer_more_exceeds_the_memory(largest_run, monkeypatch):
+    """At the reported size the counts are DeepSpeed's own (``model_to_params`` of the dense model),
+    and the per-CPU and per-GPU bytes are those ``estimate_zero3_model_states_mem_needs_all_cold``
+    computes for its row offload_param=cpu, offload_optimizer=cpu, zero_init=1; the host memory
+    holds them, and not a layer more."""
+    from deepspeed.runtime.zero import stage3
+
+    from parallel4d.models.build import build_dense, shape_from_config
+
+    _, got, cfg = largest_run
+    theirs = got["deepspeed_largest"]
+    grown = with_layers(cfg, theirs["layers"])
+    total, layer = stage3.model_to_params(build_dense(shape_from_config(grown.model)))
+    assert (got["deepspeed_largest_params"], total) == (theirs["params"], count(grown.model)[0])
+    deeper = theirs["one_layer_more"]
+    assert deepspeed_estimate(with_layers(cfg, deeper["layers"])) == (deeper["host_bytes"], deeper["device_bytes"])
+    assert deeper["layers"] == theirs["layers"] + 1 and deeper["host_bytes"] > SMALL_MEMORY.host
+    rows, estimate = {}, stage3.estimate_zero3_model_states_mem_needs
+
+    def recorded(**kw):
+        rows[kw["cpu_offload"], kw["cpu_offload_params"], kw["zero_init"]] = out = estimate(**kw)
+        return out
+
+    monkeypatch.setattr(stage3, "estimate_zero3_model_states_mem_needs", recorded)
+    stage3.estimate_zero3_model_states_mem_needs_all_cold(total, layer, num_gpus_per_node=cfg.world_size)
+    cpu, gpu, _ = rows[True, True, True]
+    assert (cpu, gpu) == (theirs["host_bytes"], theirs["device_bytes"]) and cpu <= SMALL_MEMORY.host
+
+
+def test_largest_prints_both_models_and_writes_json(largest_run):
+    printed, got, _ = largest_run
+    assert {"ranks", "largest_params", "deepspeed_largest_params", "ratio", "largest", "deepspeed_largest",
+            "gpu_memory", "host_memory", "grow", "seconds"} <= set(got)
+    assert got["ratio"] == got["largest_params"] / got["deepspeed_largest_params"] and got["grow"] == "layers"
+    assert (got["gpu_memory"], got["host_memory"]) == (SMALL_MEMORY.gpu, SMALL_MEMORY.host)
+    for name in ("parallel4d hetero", "DeepSpeed ZeRO-3 offload", "ratio", "one layer more does not fit",
+                 "the smallest the hetero code accepts"):
+        assert name in printed, printed
+
+
+def test_largest_grows_through_the_familys_shapes_first(monkeypatch):
+    """--grow shapes: the widest of the family's shapes whose own depth fits (256 of 192, 256, 384),
+    then layers at its width, on both sides (a stand-in ladder of small gpt2 shapes: seconds)."""
+    pytest.importorskip("deepspeed")
+    from parallel4d.models import registry
+    from parallel4d.tools import largest as module
+
+    ladder = tuple({"hidden": h, "heads": 4, "layers": 2} for h in (192, 256, 384))
+    small = dataclasses.replace(registry.spec("gpt2"), shapes=ladder)
+    monkeypatch.setattr(module, "spec", lambda arch: small)
+    found = largest(load_config(config_path("hetero")), Memory(80 * 2**30, 80 * 2**20), "shapes")
+    for v, deeper in ((found.ours, found.ours_next), (found.deepspeed, found.deepspeed_next)):
+        assert v.cfg.model.hidden == 256 and v.layers > 2 and v.fits and not deeper.fits
+        assert deeper.layers == v.layers + 1 and deeper.cfg.model.hidden == 256
+
+
+def test_the_depth_search_brackets_the_limit_in_a_few_judgements():
+    """The layer search on a stand-in judge whose load grows linearly: the deepest that fits and the
+    one above it, in three judgements; a limit past the dry-run cap is refused, naming the fix."""
+    cfg = load_config(config_path("hetero"))
+    calls = []
+
+    def judge(c):
+        calls.append(c.model.layers)
+        load = (0.5 + c.model.layers) / 37.3
+        return Verdict(c, c.model.layers, 0, 0, load)
+
+    lo, hi = _deepest(judge(cfg), judge, cap=None)
+    assert (lo.layers, hi.layers) == (36, 37) and len(calls) <= 4, calls
+    with pytest.raises(ConfigError, match="--grow shapes"):
+        _deepest(judge(cfg), judge, cap=20)
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--largest", "--host-memory", "125GiB"], "--largest needs --gpu-memory SIZE"),
+    (["--largest", "--gpu-memory", "80GiB"], "--largest needs --host-memory SIZE"),
+    (["--host-memory", "125GiB"], "--host-memory is read only with --largest"),
+    (["--largest", "--gpu-memory", "80GiB", "--host-memory", "lots"], "--host-memory 'lots'"),
+    (["--largest", "--gpu-memory", "80GiB", "--host-memory", "125GiB", "--set", "hetero.enabled=false"],
+     "add --set hetero.enabled=true"),
+])
+def test_largest_refuses_a_request_it_cannot_answer_before_planning(args, says, capsys):
+    assert main(["plan", str(config_path("hetero")), *args]) == 2
+    got = capsys.readouterr()
+    assert says in got.err and got.out == "", got
+
+
+def test_each_familys_usual_shapes_validate_and_grow_in_parameters():
+    """models/*/spec.py's ``shapes``, at the family's own usual vocabulary: each a valid model, each
+    larger than the one before (--largest's binary search over them needs the order)."""
+    from parallel4d.models.registry import SPECS
+
+    for family, vocab in zip(SPECS, (50257, 32000)):
+        counts = [count(make_config({"model": {"arch": family.name, "vocab_size": vocab, **s}}).model)[0]
+                  for s in family.shapes]
+        assert len(counts) >= 5 and counts == sorted(set(counts)), (family.name, counts)

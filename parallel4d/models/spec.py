@@ -2,8 +2,8 @@
 
 A spec holds everything about a family that the configuration needs: its ``model.arch`` name, the
 ``model:`` fields it reads, its rules, its Hugging Face ``model_type`` values and the mapping of their
-``config.json`` both ways, its tensor names in a Hugging Face checkpoint, its parameter count and its
-training FLOPs per token. A spec module imports only the standard library, this module and
+``config.json`` both ways, its tensor names in a Hugging Face checkpoint, its parameter count, its
+training FLOPs per token and its usual shapes. A spec module imports only the standard library, this module and
 :mod:`parallel4d.config.rules` (pure), so :mod:`parallel4d.config` can import the registry
 (:mod:`.registry`) without torch. The
 family's torch side (dense model, 2D twin) is the module :attr:`ModelSpec.torch_module` names;
@@ -49,6 +49,9 @@ class ModelSpec:
     hf_ignored: tuple[str, ...] = ()  # name suffixes of tensors that are not weights (buffers)
     defaults: Mapping[str, Any] = field(default_factory=dict)  # this family's defaults of shared fields
     resolved: Callable[[ModelConfig], dict] = lambda m: {}  # shown values for fields whose None means more
+    # the family's usual shapes (model: fields), each with more parameters than the one before: the
+    # widths ``parallel4d plan --largest`` grows a model through
+    shapes: tuple[Mapping[str, int], ...] = ()
 
     def shown(self, m: ModelConfig) -> dict:
         """The ``model:`` section as ``validate`` prints it: this family's fields only (in the schema's

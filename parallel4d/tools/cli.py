@@ -87,9 +87,11 @@ def _cut(cfg: Config) -> str:
 @_job_command
 def _cmd_plan(args) -> int:
     """The resolved layout and, per rank, the bytes held and sent (a dry run: :mod:`.plan`)."""
+    from parallel4d.tools.largest import check_request, format_largest, largest, largest_json
     from parallel4d.tools.plan import HEADROOM, format_fit, format_ranks, parse_bytes, plan, try_knobs
 
     cfg = load_config(args.config, args.overrides)
+    memory = check_request(cfg, args.largest, args.gpus_memory, args.host_memory, args.grow)
     p, m = cfg.parallel, cfg.model
     q = p.q
     micro = cfg.data.batch_size // (p.dp * q * cfg.pipeline.microbatches)
@@ -114,9 +116,14 @@ def _cmd_plan(args) -> int:
         need = max(r.device_bytes for r in ranks)
         tried = try_knobs(args.config, args.overrides, cfg) if need > HEADROOM * capacity else []
         print("\n".join(format_fit(ranks, capacity, tried)))
+    found = None
+    if memory is not None:
+        found = largest(cfg, memory, args.grow or "shapes")
+        print("\n".join(format_largest(found, memory)))
     if args.json:
-        Path(args.json).write_text(json.dumps([{**asdict(r), "device_bytes": r.device_bytes,
-                                                "host_bytes": r.host_bytes} for r in ranks], indent=1))
+        per_rank = [{**asdict(r), "device_bytes": r.device_bytes, "host_bytes": r.host_bytes} for r in ranks]
+        out = per_rank if found is None else {"ranks": per_rank, **largest_json(found, memory)}
+        Path(args.json).write_text(json.dumps(out, indent=1))
     return 0
 
 
@@ -278,9 +285,19 @@ def build_parser() -> argparse.ArgumentParser:
                                     "gradients, optimizer state, activations (hetero's device and host) and "
                                     "the bytes sent per step along each axis")
     _add_config_args(p)
-    p.add_argument("--gpus-memory", default=None, metavar="SIZE",
+    p.add_argument("--gpus-memory", "--gpu-memory", dest="gpus_memory", default=None, metavar="SIZE",
                    help="each device's memory, e.g. 80GiB: say whether the job fits, and which knob makes it fit")
-    p.add_argument("--json", default=None, metavar="FILE", help="also write the per-rank numbers as JSON")
+    p.add_argument("--largest", action="store_true",
+                   help="also grow the model to the largest that fits with hetero on --gpu-memory and --host-memory, "
+                        "beside the largest DeepSpeed's ZeRO-3 offload estimator admits on the same memory")
+    p.add_argument("--host-memory", default=None, metavar="SIZE",
+                   help="with --largest: the host's memory, shared by all the job's ranks, e.g. 125GiB")
+    p.add_argument("--grow", choices=("shapes", "layers"), default=None,
+                   help="with --largest: through the family's usual shapes, then layers (shapes, the default), "
+                        "or layers only at the config's width")
+    p.add_argument("--json", default=None, metavar="FILE",
+                   help="also write the per-rank numbers as JSON (with --largest: an object, the ranks under "
+                        "\"ranks\" beside largest_params, deepspeed_largest_params and the rest)")
     p.set_defaults(func=_cmd_plan)
     p = sub.add_parser("checkpoint", help="work with checkpoints of any layout")
     ckpt = p.add_subparsers(dest="action", required=True)

@@ -195,15 +195,14 @@ _UNITS = {"b": 1, "k": 1e3, "kb": 1e3, "kib": 2**10, "m": 1e6, "mb": 1e6, "mib":
           "g": 1e9, "gb": 1e9, "gib": 2**30, "t": 1e12, "tb": 1e12, "tib": 2**40}
 
 
-def parse_bytes(text: str) -> int:
-    """``"80GiB"``, ``"80GB"``, ``"81920MiB"``, ``"8e10B"`` → bytes; ConfigError naming the forms. A
-    unit is required: a bare ``80`` would be 80 bytes where 80 GiB was meant."""
+def parse_bytes(text: str, flag: str = "--gpus-memory") -> int:
+    """``"80GiB"``, ``"80GB"``, ``"81920MiB"``, ``"8e10B"`` → bytes; ConfigError naming ``flag`` and the
+    forms. A unit is required: a bare ``80`` would be 80 bytes where 80 GiB was meant."""
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-z]*)\s*", str(text).lower())
     if m and not m.group(2):
-        raise ConfigError(f"--gpus-memory {text!r} has no unit; write e.g. {m.group(1)}GiB (or {m.group(1)}B for "
-                          "bytes)")
+        raise ConfigError(f"{flag} {text!r} has no unit; write e.g. {m.group(1)}GiB (or {m.group(1)}B for bytes)")
     if not m or m.group(2) not in _UNITS:
-        raise ConfigError(f"--gpus-memory {text!r}: give a size such as 80GiB, 80GB or 81920MiB")
+        raise ConfigError(f"{flag} {text!r}: give a size such as 80GiB, 80GB or 81920MiB")
     return int(float(m.group(1)) * _UNITS[m.group(2)])
 
 

@@ -105,6 +105,19 @@ def hf_names(m: ModelConfig) -> NameMap:
     return out
 
 
+# GPT-2's four sizes, then GPT-3's wider ones (parameters at GPT-2's 50257-token vocabulary)
+SHAPES = (
+    {"hidden": 768, "heads": 12, "layers": 12},    # GPT-2, 124M
+    {"hidden": 1024, "heads": 16, "layers": 24},   # GPT-2 medium, 355M
+    {"hidden": 1280, "heads": 20, "layers": 36},   # GPT-2 large, 774M
+    {"hidden": 1600, "heads": 25, "layers": 48},   # GPT-2 XL, 1.5B
+    {"hidden": 2560, "heads": 32, "layers": 32},   # GPT-3 2.7B
+    {"hidden": 4096, "heads": 32, "layers": 32},   # GPT-3 6.7B
+    {"hidden": 5120, "heads": 40, "layers": 40},   # GPT-3 13B
+    {"hidden": 12288, "heads": 96, "layers": 96},  # GPT-3 175B
+)
+
+
 SPEC = ModelSpec(
     name="gpt2", summary="LayerNorm, learned positions, GELU MLP", torch_module="parallel4d.models.gpt2.family",
     hf_model_types=("gpt2",),
@@ -113,5 +126,5 @@ SPEC = ModelSpec(
     learned_positions=True, problems=problems, dense_parameters=dense_parameters, flops_per_token=flops_per_token,
     stage_flops=stage_flops,
     fields_from_hf=fields_from_hf, hf_config=hf_config, hf_names=hf_names, hf_positions="n_positions",
-    hf_prefix="transformer.", hf_ignored=(".attn.bias", ".attn.masked_bias"),
+    hf_prefix="transformer.", hf_ignored=(".attn.bias", ".attn.masked_bias"), shapes=SHAPES,
 )

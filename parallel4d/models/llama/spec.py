@@ -129,6 +129,18 @@ def resolved(m: ModelConfig) -> dict:
     return {"kv_heads": m.kv_heads_or_heads, "intermediate_size": m.mlp_width}
 
 
+# Meta's Llama sizes, smallest first (the names at their own 32k-128k vocabularies)
+SHAPES = (
+    {"hidden": 2048, "heads": 32, "kv_heads": 8, "layers": 16, "intermediate_size": 8192},     # Llama-3.2 1B
+    {"hidden": 3072, "heads": 24, "kv_heads": 8, "layers": 28, "intermediate_size": 8192},     # Llama-3.2 3B
+    {"hidden": 4096, "heads": 32, "kv_heads": 32, "layers": 32, "intermediate_size": 11008},   # Llama-2 7B
+    {"hidden": 5120, "heads": 40, "kv_heads": 40, "layers": 40, "intermediate_size": 13824},   # Llama-2 13B
+    {"hidden": 6656, "heads": 52, "kv_heads": 52, "layers": 60, "intermediate_size": 17920},   # Llama 33B
+    {"hidden": 8192, "heads": 64, "kv_heads": 8, "layers": 80, "intermediate_size": 28672},    # Llama-2 70B
+    {"hidden": 16384, "heads": 128, "kv_heads": 8, "layers": 126, "intermediate_size": 53248},  # Llama-3.1 405B
+)
+
+
 SPEC = ModelSpec(
     name="llama", summary="RMSNorm, rotary, SwiGLU, grouped-query attention (Llama, Mistral, Qwen2)",
     torch_module="parallel4d.models.llama.family", hf_model_types=("llama", "mistral", "qwen2"),
@@ -137,5 +149,5 @@ SPEC = ModelSpec(
     learned_positions=False, problems=problems, dense_parameters=dense_parameters, flops_per_token=flops_per_token,
     stage_flops=stage_flops,
     fields_from_hf=fields_from_hf, hf_config=hf_config, hf_names=hf_names, hf_positions="max_position_embeddings",
-    hf_ignored=(".rotary_emb.inv_freq",), defaults={"tie_embeddings": False}, resolved=resolved,
+    hf_ignored=(".rotary_emb.inv_freq",), defaults={"tie_embeddings": False}, resolved=resolved, shapes=SHAPES,
 )
