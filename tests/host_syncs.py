@@ -260,16 +260,16 @@ class HostSyncs(DeviceAudit):
 
         real_run = Transfers.run
 
-        def run(transfers, op):
+        def run(transfers, op, *args, **kwargs):
             self._quiet += 1
             try:
-                return real_run(transfers, op)
+                return real_run(transfers, op, *args, **kwargs)
             finally:
                 self._quiet -= 1
 
         self._undo.append((Transfers, "run", real_run))
         Transfers.run = run
-        self._patch(Transfers, "sync", "hetero Transfers.sync (copy stream)", lambda: True)
+        self._patch(Transfers, "sync", "hetero Transfers.sync (copy streams)", lambda: True)
 
     def __exit__(self, *exc):
         while self._undo:

@@ -53,15 +53,19 @@ def test_data_parallel_equals_single_process(tmp_path):
 
 
 def _join_like_torchrun(cfg):
-    # The spawn helper sets RANK/WORLD_SIZE like torchrun does: launch() must join, not spawn.
-    return launch(cfg)
+    # The spawn helper sets RANK/WORLD_SIZE like torchrun does: launch() must join, not spawn. Its
+    # workers start with one thread, as torchrun's do; a machine said to hold one rank of the job each
+    # gives each rank all of its cores (the host optimizer's), not torchrun's one.
+    os.environ["LOCAL_WORLD_SIZE"] = "1"
+    return launch(cfg), torch.get_num_threads()
 
 
 def test_launch_joins_an_existing_job(tmp_path):
     results = run_workers(_join_like_torchrun, 2, tiny(tmp_path, "joined", dp=2), timeout_s=240)
     ref = launch(tiny(tmp_path, "ref"))
-    assert results[1] == {"rank": 1, "stop_signal": None}
-    torch.testing.assert_close(f64(results[0]["losses"]), f64(ref["losses"]), rtol=1e-12, atol=0)
+    assert results[1][0] == {"rank": 1, "stop_signal": None}
+    torch.testing.assert_close(f64(results[0][0]["losses"]), f64(ref["losses"]), rtol=1e-12, atol=0)
+    assert [threads for _, threads in results] == [os.cpu_count()] * 2
 
 
 def test_world_size_mismatch_under_torchrun(tmp_path, monkeypatch):

@@ -70,6 +70,14 @@ def _gpus_and_local_ranks(cfg: Config) -> tuple[int, int]:
     return gpus, int(os.environ.get("LOCAL_WORLD_SIZE", cfg.world_size))
 
 
+def worker_threads(cfg: Config) -> int:
+    """torch threads per rank: ``train.threads_per_worker``, else this machine's cores over its ranks
+    (torchrun's LOCAL_WORLD_SIZE, else the whole job). The host optimizer and every CPU op use them;
+    torchrun alone would leave each rank one (it sets OMP_NUM_THREADS=1)."""
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", cfg.world_size))
+    return cfg.train.threads_per_worker or max(1, (os.cpu_count() or 1) // local)
+
+
 def device_and_backend(cfg: Config) -> tuple[str, str]:
     """``(device type, backend)`` for ``train.device``: ``("cuda", "nccl")`` when every local rank
     gets its own GPU, ``("cpu", "gloo")`` otherwise (:func:`cpu_fallback_note` says why, when GPUs are

@@ -30,9 +30,14 @@ Engine-facing API::
 * ``opt.stats()["bytes_moved"]`` is the cumulative host↔device bytes (loads +
   write-backs); ``stats()["last_iteration"]`` has the per-iteration counters (loads,
   write-backs, zero-fills, drops, all-gather / reduce-scatter bytes).
+* ``wrap(..., compute_dtype=torch.bfloat16)`` (the engine passes it under ``train.dtype:
+  bfloat16``): the device chunks hold that 16-bit compute copy and its gradients; the master
+  parameters and Adam moments stay in the parameters' dtype on the host (:mod:`.master`), every
+  row is updated there, and ``state_dict`` gives the master.
 * On CUDA: host backings are one page-locked buffer (``cudaHostRegister``), fills and
-  write-backs run on a side stream with per-chunk ready events, the next chunks of the
-  replayed trace are prefetched (``model._hetero_runtime.mgr.prefetch_depth``, 2), and rows that are
+  write-backs run on one side stream per direction with per-chunk ready events, the next chunks of the
+  replayed trace are prefetched, ZeRO all-gathers included (``model._hetero_runtime.mgr.prefetch_depth``,
+  2), reduce-scatters run asynchronously, and rows that are
   not fully resident at ``step()`` are updated on the host with torch's fused CPU AdamW
   (``model._hetero_runtime.host_optimizer``: "fused" | "exact" | "off"). On the CPU compute device
   both are off by default (nothing to overlap) and switched on by the tests.

@@ -91,6 +91,8 @@ class ChunkManager:
         # there is nothing to overlap with (tests switch it on to exercise the logic)
         self.prefetch_depth = 2 if self.cuda else 0
         self.host_bytes = 0
+        # gives back the pins taken for overlap (``pin(lent=True)``) when a fill finds no room; True if any
+        self.release_lent_pins: Callable[[], bool] = lambda: False
 
     # --- setup -----------------------------------------------------------------
     @property
@@ -307,7 +309,9 @@ class ChunkManager:
                 try:
                     self._make_room(p, limit - 1)
                 except BudgetError:
-                    raise self._too_small(p, self._pinned(p) + 1) from None
+                    if not self.release_lent_pins():
+                        raise self._too_small(p, self._pinned(p) + 1) from None
+                    self._make_room(p, limit - 1)  # what overlap held is free now
             if c.slot is not None:
                 raise RuntimeError(f"hetero internal error: chunk {c.kind}[{c.index}] was filled while room was "
                                    "made for it")
@@ -391,10 +395,14 @@ class ChunkManager:
             if t.holds == 0:
                 t.set_state(to)
 
-    def pin(self, c: Chunk) -> None:
+    def pin(self, c: Chunk, lent: bool = False) -> None:
+        """Keep ``c`` resident until :meth:`unpin`. ``lent``: for overlap only (a collective in flight),
+        given back through ``release_lent_pins`` when a fill finds no room, and so not counted in the
+        minimum feasible budget."""
         self.access(c)
         c.extra_pins += 1
-        self._note_pins(c)
+        if not lent:
+            self._note_pins(c)
 
     def unpin(self, c: Chunk) -> None:
         c.extra_pins -= 1

@@ -64,6 +64,7 @@ class ZeroShards:
         self.window = window(rank, self.Sz)
         self.reduce_scatters = {"on_completion": 0, "end_of_backward": 0, "on_eviction": 0}
         self.in_flight: list[tuple] = []  # reduce-scatters posted, not yet added into GS (see drain)
+        mgr.release_lent_pins = self._release_pins
 
     def _wait(self, work, what: str) -> None:
         """Wait for a ZeRO collective within the mesh's limit (stream-ordered on NCCL)."""
@@ -109,13 +110,19 @@ class ZeroShards:
         self.reduce_scatters[when] += 1
         got = [k for k, t in enumerate(row.G.tensors) if t.state == TensorState.HOLD_AFTER_BWD]
         evicting = when == "on_eviction"
-        if not evicting:  # pinned until its reduction is added into GS (drain)
-            self.mgr.pin(row.G)
+        if not evicting:  # pinned until its reduction is added into GS (drain), unless room is short
+            self.mgr.pin(row.G, lent=True)
         self.in_flight.append((row, got, *self._reduce_scatter(row.G, got), not evicting))
         if evicting:  # its slot is given up now; nothing inside an eviction may fill or prefetch
             self.drain(record=False)
         else:
             self.drain(keep=IN_FLIGHT - 1)
+
+    def _release_pins(self) -> bool:
+        """A fill found no room: finish the reductions in flight (their gradient chunks are pinned)."""
+        held = any(pinned for *_, pinned in self.in_flight)
+        self.drain(record=False)  # inside a fill: nothing may be prefetched
+        return held
 
     def drain(self, keep: int = 0, record: bool = True) -> None:
         """Wait for the oldest reduce-scatters in flight until ``keep`` are left, adding each into its

@@ -21,6 +21,7 @@ from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Callable
 
+import torch
 import torch.distributed as dist
 
 from parallel4d.checkpoint.failures import CheckpointError
@@ -32,7 +33,8 @@ from parallel4d.config.rules.job import torchrun_job_problems
 from parallel4d.config.errors import ConfigError
 from parallel4d.config.load import load_config
 from parallel4d.config.schema import Config
-from parallel4d.distributed.startup import cpu_fallback_note, device_and_backend, init_process_group_from_env
+from parallel4d.distributed.startup import (cpu_fallback_note, device_and_backend, init_process_group_from_env,
+                                            worker_threads)
 from parallel4d.launcher.preflight import check_job, under_torchrun
 from parallel4d.launcher.rundir import RunLock, check_history, check_writable
 from parallel4d.training.loop import run_training
@@ -113,6 +115,7 @@ def launch(config: str | Path | Config | dict, overrides: list[str] | None = Non
         warning = elastic.replacement_warning()
         if warning and os.environ["RANK"] == "0":
             _say(f"warning: {warning}")
+        torch.set_num_threads(worker_threads(cfg))  # as a launch's workers: not torchrun's one
         with prepared(cfg, False, device, source) if os.environ["RANK"] == "0" else nullcontext():
             init_process_group_from_env(backend, cfg.train.timeout_s, cfg.train.join_timeout_s)
             try:
@@ -123,7 +126,7 @@ def launch(config: str | Path | Config | dict, overrides: list[str] | None = Non
                 # drops a finished work's tensors mid-finalization aborts the process; the step's last
                 # collective waits for that drop itself (comm.wait_released).
                 gc.collect()
-    threads = cfg.train.threads_per_worker or max(1, (os.cpu_count() or 1) // cfg.world_size)
+    threads = worker_threads(cfg)
     started = time.time() - 2.0  # a file system's timestamps may be that coarse
     enabled = cfg.checkpoint.enabled
     with prepared(cfg, True, device, source):
