@@ -216,19 +216,26 @@ def test_largest_prints_both_models_and_writes_json(largest_run):
 
 
 def test_largest_grows_through_the_familys_shapes_first(monkeypatch):
-    """--grow shapes: the widest of the family's shapes whose own depth fits (256 of 192, 256, 384),
-    then layers at its width, on both sides (a stand-in ladder of small gpt2 shapes: seconds)."""
+    """--grow shapes: the widest of the family's shapes whose own depth fits (of 192, 256, 384; the next
+    wider one, judged here, does not), then layers at its width, on both sides (a stand-in ladder of
+    small gpt2 shapes: seconds)."""
     pytest.importorskip("deepspeed")
     from parallel4d.models import registry
     from parallel4d.tools import largest as module
 
-    ladder = tuple({"hidden": h, "heads": 4, "layers": 2} for h in (192, 256, 384))
+    widths = (192, 256, 384)
+    ladder = tuple({"hidden": h, "heads": 4, "layers": 2} for h in widths)
     small = dataclasses.replace(registry.spec("gpt2"), shapes=ladder)
     monkeypatch.setattr(module, "spec", lambda arch: small)
-    found = largest(load_config(config_path("hetero")), Memory(80 * 2**30, 80 * 2**20), "shapes")
-    for v, deeper in ((found.ours, found.ours_next), (found.deepspeed, found.deepspeed_next)):
-        assert v.cfg.model.hidden == 256 and v.layers > 2 and v.fits and not deeper.fits
-        assert deeper.layers == v.layers + 1 and deeper.cfg.model.hidden == 256
+    cfg, memory = load_config(config_path("hetero")), Memory(80 * 2**30, 100 * 2**20)
+    found = largest(cfg, memory, "shapes")
+    judges = (module.ours(memory)[0], module.deepspeed(memory))
+    for (v, deeper), judge in zip(((found.ours, found.ours_next), (found.deepspeed, found.deepspeed_next)), judges):
+        width = v.cfg.model.hidden
+        assert width > widths[0] and v.layers >= 2 and v.fits and not deeper.fits
+        assert deeper.layers == v.layers + 1 and deeper.cfg.model.hidden == width
+        wider = [h for h in widths if h > width]
+        assert not wider or not judge(module.candidate(cfg, {"hidden": wider[0], "heads": 4, "layers": 2})).fits
 
 
 def test_the_depth_search_brackets_the_limit_in_a_few_judgements():

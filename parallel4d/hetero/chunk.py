@@ -106,6 +106,7 @@ class Chunk:
     loader: Optional[object] = None  # callable(dst_view) for cache-only chunks
     last_use: int = 0
     extra_pins: int = 0  # pins without a tensor in COMPUTE (collectives in flight)
+    lent_pins: int = 0  # of those, the ones lent to overlap (given back when a fill finds no room)
     meta: dict = field(default_factory=dict)
 
     @property

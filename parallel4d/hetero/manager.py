@@ -363,8 +363,11 @@ class ChunkManager:
             self.prefetch(c)
 
     def _note_pins(self, c: Chunk) -> None:
+        """The most chunks of ``c``'s pool pinned at once, pins lent to overlap left out (they give way)."""
         p = self.pools[c.pool]
-        p.peak_pinned = max(p.peak_pinned, self._pinned(p))
+        needed = sum(1 for x in p.owner if x is not None and x.pinned and x.extra_pins > x.lent_pins
+                     or x is not None and any(t.state == S.COMPUTE for t in x.tensors))
+        p.peak_pinned = max(p.peak_pinned, needed)
 
     # --- tensor-level holds ---------------------------------------------------------
     def acquire(self, c: Chunk, tensors: Optional[list[TensorInfo]] = None, write: bool = False,
@@ -401,11 +404,13 @@ class ChunkManager:
         minimum feasible budget."""
         self.access(c)
         c.extra_pins += 1
+        c.lent_pins += lent
         if not lent:
             self._note_pins(c)
 
-    def unpin(self, c: Chunk) -> None:
+    def unpin(self, c: Chunk, lent: bool = False) -> None:
         c.extra_pins -= 1
+        c.lent_pins -= lent
 
     def flush(self, c: Chunk) -> None:
         """Write ``c`` back if it is resident and dirty (it stays resident, now clean)."""

@@ -133,7 +133,7 @@ class ZeroShards:
             self._wait(work, REDUCE)
             self._accumulate(row.GS, got, shard.div_(self.dp), record)
             if pinned:
-                self.mgr.unpin(row.G)
+                self.mgr.unpin(row.G, lent=True)
 
     @torch.no_grad()
     def _reduce_scatter(self, G, got: list[int]) -> tuple:

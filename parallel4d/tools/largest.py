@@ -12,8 +12,8 @@ of one family, counted the same way (:func:`count`).
 tensors, with hetero's chunk size searched for it (``chunk_elems`` unset) and its static device
 budget (``hetero.device_budget_bytes``) at the smallest value the hetero code accepts for that
 model: the model data waits on the host, so the model grows as far as the host allows. That value
-is found from hetero's own refusals, each of which names the minimum (``use
-hetero.device_budget_bytes≥N``), starting from 1 byte. A candidate fits when the largest rank's
+is hetero's own ``min_feasible_budget_bytes`` of a dry run with every chunk resident (what its steps
+pinned at once), and the candidate is planned again at it. A candidate fits when the largest rank's
 device bytes are at most :data:`.plan.HEADROOM` of ``--gpu-memory`` and the host bytes of all the
 job's ranks together (one host holds them, as ``parallel4d launch`` runs them) at most
 ``--host-memory``. The bytes are the dry run's, never a formula: they follow what hetero keeps where.
@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import importlib.util
 import math
-import re
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -88,7 +87,7 @@ class Largest:
     grow: str
     seconds: float  # wall time of the whole search, both sides
     models: int  # models our side judged, each by dry runs
-    dry_runs: int  # the plans those made (hetero's refusals of a budget included)
+    dry_runs: int  # the plans those made (two per candidate: resident, then at the smallest budget)
 
     @property
     def ratio(self) -> float:
@@ -173,25 +172,16 @@ def with_layers(cfg: Config, layers: int) -> Config:
 
 # --- the two judges ----------------------------------------------------------------------------
 
-_NAMED_BUDGET = re.compile(r"hetero\.device_budget_bytes≥(\d+)")
-
-
-def smallest_budget_plan(cfg: Config, tries: int = 6) -> tuple[list[RankPlan], int, int]:
+def smallest_budget_plan(cfg: Config) -> tuple[list[RankPlan], int, int]:
     """``(the plan, its budget, plans made)`` at the smallest static ``hetero.device_budget_bytes``
-    the hetero code accepts for ``cfg``: from 1 byte, each refusal's named minimum in turn (the static
-    one when the chunks are laid out, then the one a step's accesses pin)."""
-    budget = 1
-    for made in range(1, tries + 1):
-        tried = cfg.model_copy(update={"hetero": cfg.hetero.model_copy(update={"device_budget_bytes": budget,
-                                                                               "dynamic_budget": False})})
-        try:
-            return plan(tried), budget, made
-        except ValueError as e:
-            named = _NAMED_BUDGET.search(str(e))
-            if named is None or int(named.group(1)) <= budget:
-                raise
-            budget = int(named.group(1))
-    raise RuntimeError(f"hetero refused {tries} device budgets in turn for {shape_text(cfg.model)}")
+    that runs ``cfg``: what its dry run's steps pinned at once with every chunk resident (hetero's own
+    ``min_feasible_budget_bytes``, the largest over the pipeline's ranks), then planned at it."""
+    def at(budget):
+        return plan(cfg.model_copy(update={"hetero": cfg.hetero.model_copy(
+            update={"device_budget_bytes": budget, "dynamic_budget": False})}))
+
+    budget = max(r.hetero_min_budget for r in at(None))
+    return at(budget), budget, 2
 
 
 def job_host_bytes(ranks: list[RankPlan], cfg: Config) -> int:
@@ -351,7 +341,7 @@ def format_largest(result: Largest, memory: Memory) -> list[str]:
               f"  DeepSpeed: estimate_zero3_model_states_mem_needs, offload_param=cpu offload_optimizer=cpu "
               f"zero_init=1, additional_buffer_factor {BUFFER_FACTOR}, {_ranks(cfg, 'GPU')} on one node",
               f"  searched in {result.seconds:.0f} s ({result.models} models of ours judged in {result.dry_runs} "
-              "dry runs, hetero's refusals of a budget included)"]
+              "dry runs, two each)"]
     return lines
 
 

@@ -57,6 +57,7 @@ class RankPlan:
     sent_by_axis: dict[str, int] = field(default_factory=dict)
     hetero_moved: int | None = None  # host↔device bytes a steady step moves (loads + write-backs)
     hetero_params: int | None = None  # parameters in this rank's chunks
+    hetero_min_budget: int | None = None  # the smallest static device budget that runs what the steps pinned
 
     @property
     def host_bytes_per_param(self) -> float | None:
@@ -116,7 +117,7 @@ def dry_run(cfg: Config, pp_rank: int = 0) -> RankPlan:
             held, optimizer = _one_step(cfg, mesh)
     return RankPlan(pp_rank, rank, held["parameters"], held["gradients"], optimizer, held["activations"],
                     held.get("hetero_device"), held.get("hetero_host"), held["sent_by_axis"],
-                    held.get("hetero_moved"), held.get("hetero_params"))
+                    held.get("hetero_moved"), held.get("hetero_params"), held.get("hetero_min_budget"))
 
 
 def _one_step(cfg: Config, mesh) -> tuple[dict, int]:
@@ -132,7 +133,8 @@ def _one_step(cfg: Config, mesh) -> tuple[dict, int]:
     memory = engine.memory
     engine.train_step(tokens, tokens)
     stats = engine.store.hetero_stats()
-    memory.update(hetero_moved=stats["device_bytes_moved_per_step"], hetero_params=stats["params"])
+    memory.update(hetero_moved=stats["device_bytes_moved_per_step"], hetero_params=stats["params"],
+                  hetero_min_budget=stats["min_feasible_budget_bytes"])
     return memory, engine.store.expected_optimizer_state_bytes()
 
 
