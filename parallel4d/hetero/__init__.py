@@ -53,7 +53,7 @@ from parallel4d.config.schema import HeteroConfig, OptimizerConfig
 from parallel4d.hetero.chunk import InvalidTransition, TensorState, TRANSITIONS, search_chunk_elems
 from parallel4d.hetero.manager import BudgetError, ChunkManager
 from parallel4d.hetero.optim import HeteroOptimizer, adam_update
-from parallel4d.hetero.tracer import AccessTrace, opt_loads
+from parallel4d.hetero.tracer import AccessTrace, opt_loads, opt_traffic, opt_traffic_of
 from parallel4d.hetero.transfers import MoveStats
 from parallel4d.hetero.wrap import HeteroRuntime, wrap
 
@@ -71,4 +71,5 @@ def load_state_dict(model, opt, sd: dict) -> None:
 
 __all__ = ["wrap", "state_dict", "load_state_dict", "HeteroConfig", "OptimizerConfig", "HeteroOptimizer",
            "HeteroRuntime", "ChunkManager", "MoveStats", "BudgetError", "InvalidTransition", "TensorState",
-           "TRANSITIONS", "AccessTrace", "opt_loads", "adam_update", "search_chunk_elems"]
+           "TRANSITIONS", "AccessTrace", "opt_loads", "opt_traffic", "opt_traffic_of", "adam_update",
+           "search_chunk_elems"]

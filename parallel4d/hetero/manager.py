@@ -8,9 +8,17 @@ clean ones for free, and a load of dead content is a zero-fill instead of a copy
 
 The budget is checked on every access: ``resident_bytes ≤ budget`` (static), or
 ``≤ capacity − traced non-model peak`` (dynamic, PatrickStar's rule). Eviction victim:
-dead first; then farthest next use in the warm-up trace (Belady) with clean before
-dirty on ties, or least recently used (LRU; also the fallback while the trace is
-missing or has diverged).
+dead first; then, under ``belady`` with a valid trace (the warm-up iteration's accesses,
+replayed), the chunk whose stay is worth least per moment, ``load/d + wb/r``. Evicting it
+costs a load at its next use, ``d`` moments ahead, if that use finds live content (``load``
+1, 0 for a zero-fill), and a write-back now if it is dirty (``wb`` 1) — which staying saves
+only up to its next access that rewrites it or after which it is dead, ``r ≥ d`` ahead. So
+clean chunks go in Belady's order (farthest next use); a dirty one rewritten at its next use
+weighs as two loads; one whose write-back is due far ahead anyway (a parameter dirtied by the
+last step, read before the next) little more than a clean one. Ties: the cheaper eviction,
+the farther use, the least recent. ``lru``: least recently used (also the fallback while the
+trace is missing or has diverged). Total traffic = loads + write-backs; zero-fills of dead
+content are not host traffic (:func:`~parallel4d.hetero.tracer.opt_traffic` bounds it).
 
 Fills and write-backs go through :class:`~parallel4d.hetero.transfers.Transfers` (on CUDA a stream
 per direction, with per-chunk ready events and per-slot freed events), so that fills issued ahead of
@@ -84,7 +92,7 @@ class ChunkManager:
         self.history: list[dict] = []  # finished iterations: stats + trace
         self.peak_resident_bytes = 0
         self.peak_steady_total = 0  # dynamic budget: max resident + live non-model after warm-up
-        self._iter_start_resident: set[int] = set()
+        self._iter_start: dict = {"start_resident": [], "start_dirty": []}
         self.cuda = device.type == "cuda"
         self.transfers = Transfers(device, dtype)
         # chunks filled ahead of use once the trace is replayed: overlap on CUDA; on the CPU
@@ -217,9 +225,16 @@ class ChunkManager:
         if dead:
             return min(dead, key=lambda c: c.last_use)
         if self.policy == "belady" and self.trace.valid:
-            # farthest next use; on ties prefer clean (free to drop), then least recent
-            return max(cands, key=lambda c: (self.trace.next_use(c.cid), not c.dirty, -c.last_use))
+            return max(cands, key=self._rank)
         return min(cands, key=lambda c: c.last_use)
+
+    def _rank(self, c: Chunk) -> tuple:
+        """Belady with the write-back's cost (module docstring): the larger, the sooner evicted."""
+        now = self.trace.pos - 1  # the current access is recorded already
+        d = self.trace.next_use(c.cid) - now
+        load, wb = int(self.trace.next_live(c.cid)), int(c.dirty and c.backing is not None)
+        worth = load / d + wb / (self.trace.next_settle(c.cid) - now)  # 0 when never used again
+        return (-worth, -(load + wb), d, -c.last_use)
 
     def evict(self, c: Chunk) -> None:
         """Give up ``c``'s slot; write back only dirty live content.
@@ -324,9 +339,10 @@ class ChunkManager:
     def prefetch(self, current: Chunk) -> None:
         """Fill the next ``prefetch_depth`` chunks of the replayed trace ahead of use.
 
-        Only into a free slot or in place of a dead chunk or one whose next use comes
-        after the prefetched chunk's (Belady-consistent: never evict what is needed
-        sooner); never beyond the budget. On CUDA the fills overlap with compute.
+        Only into a free slot or in place of the chunk the demand rule would evict now
+        (:meth:`_rank`), and only if that one is dead, or clean and not needed before the
+        prefetched chunk (no write-back ahead of time, nothing needed sooner evicted);
+        never beyond the budget. On CUDA the fills overlap with compute.
         """
         if not self.prefetch_depth or not self.trace.valid or self.policy != "belady":
             return
@@ -340,7 +356,7 @@ class ChunkManager:
                 cands = [x for x in p.owner if x is not None and not x.pinned and x is not current]
                 if not cands:
                     return
-                v = max(cands, key=lambda x: (x.dead, self.trace.next_use(x.cid), not x.dirty))
+                v = max(cands, key=lambda x: (x.dead,) + self._rank(x))
                 if not v.dead and (v.dirty or self.trace.next_use(v.cid) <= j):
                     return  # a write-back or a victim needed sooner: leave it to demand time
                 self.evict(v)
@@ -349,13 +365,14 @@ class ChunkManager:
             self.iter_stats.prefetches += 1
             self._check_budget()
 
-    def access(self, c: Chunk, record: bool = True) -> None:
+    def access(self, c: Chunk, record: bool = True, write: bool = False) -> None:
         """Record the moment (unless ``record`` is False: state-dict traffic outside the
-        training loop) and make ``c`` resident (evicting per policy)."""
+        training loop) and make ``c`` resident (evicting per policy); ``write``: the caller
+        writes ``c`` (it becomes dirty)."""
         self.tick += 1
         self.transfers.note("access", c.cid)
         if record:
-            self.trace.record(c.cid, self.nonmodel_fn(), live=not c.dead)
+            self.trace.record(c.cid, self.nonmodel_fn(), live=not c.dead, write=write and c.backing is not None)
         self.ensure_resident(c)
         c.last_use = self.tick
         self._check_budget(c)
@@ -377,7 +394,7 @@ class ChunkManager:
         A FREE tensor's range is zeroed on its way to COMPUTE unless ``zero_free`` is
         False (the caller overwrites it).
         """
-        self.access(c, record)
+        self.access(c, record, write)
         for t in (c.tensors if tensors is None else tensors):
             if t.holds == 0:
                 if t.state == S.FREE and zero_free:
@@ -397,6 +414,8 @@ class ChunkManager:
             t.holds -= 1
             if t.holds == 0:
                 t.set_state(to)
+        if not c.pinned:
+            self.trace.unpinned(c.cid)
 
     def pin(self, c: Chunk, lent: bool = False) -> None:
         """Keep ``c`` resident until :meth:`unpin`. ``lent``: for overlap only (a collective in flight),
@@ -411,6 +430,8 @@ class ChunkManager:
     def unpin(self, c: Chunk, lent: bool = False) -> None:
         c.extra_pins -= 1
         c.lent_pins -= lent
+        if not c.pinned:
+            self.trace.unpinned(c.cid)
 
     def flush(self, c: Chunk) -> None:
         """Write ``c`` back if it is resident and dirty (it stays resident, now clean)."""
@@ -445,13 +466,17 @@ class ChunkManager:
             self.iter_stats.copy_seconds += secs
         finished = self.trace.end_iteration()
         rec = self.iter_stats.as_dict()
-        rec["start_resident"] = sorted(self._iter_start_resident)
+        rec.update(self._iter_start)
+        self._iter_start = {"start_resident": [c.cid for c in self.chunks if c.slot is not None],
+                            "start_dirty": [c.cid for c in self.chunks if c.slot is not None and c.dirty]}
+        # what opt_traffic needs: the state at the end
+        rec["end_resident"] = self._iter_start["start_resident"]
+        rec["live_at_end"] = [c.cid for c in self.chunks if not c.dead]
         rec.update(finished)
         self.history.append(rec)
         if len(self.history) > 4:  # keep the recent ones only (traces can be long)
             self.history.pop(0)
         self.iter_stats = MoveStats()
-        self._iter_start_resident = {c.cid for c in self.chunks if c.slot is not None}
         return rec
 
     def min_feasible_bytes(self) -> int:

@@ -24,6 +24,10 @@ from parallel4d.hetero.state import FullState
 from parallel4d.hetero.step import RowAdam
 from parallel4d.hetero.zero import ZeroShards
 
+# per-iteration history entries that are per-moment lists or chunk sets, not counters
+_TRACE_KEYS = ("trace", "live", "write", "nonmodel", "start_resident", "start_dirty",
+              "end_resident", "live_at_end")
+
 
 class HeteroRuntime:
     """Chunks, hooks and the optimizer arithmetic behind one wrapped model."""
@@ -143,6 +147,6 @@ class HeteroRuntime:
             "host_optimizer_rows": self.adam.host_rows,
             "bytes_moved": m.stats.moved_bytes,
             "total": m.stats.as_dict(),
-            "last_iteration": {k: v for k, v in last.items() if k not in ("trace", "live", "nonmodel", "start_resident")}
+            "last_iteration": {k: v for k, v in last.items() if k not in _TRACE_KEYS}
             if last else None,
         }
