@@ -42,8 +42,9 @@ READ = ("tolist", "parallel4d/training/metrics.py")  # read_together: a read ste
 VALIDATION = ("__float__", "parallel4d/training/loop.py")  # _validate: the validation loss
 MEMORY = ("dist.all_gather_object", "parallel4d/training/metrics.py")  # first step: what each rank holds
 OVERFLOW = ("__bool__", "parallel4d/engine/store.py")  # float16's flag, where the optimizer cannot skip
-# hetero under a budget: grad_sq_norm reads the gradient chunks that are off the device on the host
-HETERO_OFF_DEVICE_NORM = {("hetero Transfers.sync (copy streams)", "parallel4d/hetero/manager.py"),
+# hetero under a budget: grad_sq_norm drains the copy streams once and norms the gradients off the device
+# on the host, one number then crossing to the device
+HETERO_OFF_DEVICE_NORM = {("hetero Transfers.sync (copy streams)", "parallel4d/hetero/step.py"),
                           (".to(device) of a host tensor", "parallel4d/hetero/step.py")}
 
 

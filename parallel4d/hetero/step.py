@@ -40,6 +40,11 @@ class RowAdam:
         beta2, eps, weight_decay, decoupled); the gradient is scaled by ``grad_scale`` first (clipping)."""
         self.layout.check_idle("optimizer.step()")
         self._host_scale = None  # grad_scale read back once, at the first row updated on the host
+        if self.master is not None:  # every gradient to the host, the copy streams drained once
+            for row in self.layout.rows:
+                if row.trainable:
+                    self.mgr.flush(self.zero.opt_chunks(row)[1])
+            self.mgr.transfers.sync()
         for row in self.layout.rows:
             if row.trainable:
                 self._step_row(row, hp_of, grad_scale)
@@ -98,15 +103,13 @@ class RowAdam:
             self.mgr.invalidate(row.P)
 
     def _step_master_row(self, row: Row, hp_of: dict[str, dict], grad_scale) -> None:
-        """The row's master window stepped on the host from its gradient (``G``, or ``GS`` under ZeRO)
-        written back; the gradient is consumed and the device's parameter copy is stale after."""
+        """The row's master window stepped on the host from its gradient (``G``, or ``GS`` under ZeRO),
+        written back by :meth:`step`; the gradient is consumed and the device's parameter copy is stale after."""
         _, G, _, _, (lo, hi) = self.zero.opt_chunks(row)
         ks = [k for k, t in enumerate(G.tensors) if t.state == S.HOLD_AFTER_BWD]
         if not ks:
             return
         steps = [(self._count_step(row.records[k].name), hp_of[row.records[k].name]) for k in ks]
-        self.mgr.flush(G)
-        self.mgr.transfers.sync()
         self.master.update(row, G.backing, self._spans(G, ks, steps, lo, hi), self._host_grad_scale(grad_scale),
                            fused=self.host_optimizer == "fused")
         for k in ks:
@@ -183,16 +186,22 @@ class RowAdam:
         replicas (ZeRO's group); float64 ``[]``. ``weights``: by parameter name (default 1), e.g. 1/q
         for a tensor another rank also holds, so a caller summing over more axes counts it once."""
         weights = weights or {}
-        norms, ws = [], []  # one foreach norm per row's chunk, one sum at the end: not a kernel per tensor
-        for row in self.layout.rows:
-            if not row.trainable:
-                continue
+        # each gradient's norm where it is: the device's slots there, the host's backings on the host (the
+        # copy streams drained once); one foreach norm per row's chunk, one sum per side
+        parts = {"device": ([], []), "host": ([], [])}
+        rows = [row for row in self.layout.rows if row.trainable]
+        if any(self.zero.opt_chunks(row)[1].slot is None for row in rows):
+            self.mgr.transfers.sync()
+        for row in rows:
             _, G, _, _, (lo, hi) = self.zero.opt_chunks(row)
-            content = self.mgr.read(G).to(self.mgr.device)
+            content, (norms, ws) = ((self.mgr.read(G), parts["device"]) if G.slot is not None
+                                    else (G.backing, parts["host"]))
             segs = [(t, segment(t, lo, hi)) for t in G.tensors if t.state == S.HOLD_AFTER_BWD]
             segs = [(t, s) for t, s in segs if s is not None]
             norms += tensor_norms([content[a - lo:b - lo] for _, (a, b) in segs])
             ws += [weights.get(t.name.split(":", 1)[1], 1.0) for t, _ in segs]
-        sq = weighted_sq_sum(norms, ws, self.mgr.device)
+        sq = weighted_sq_sum(*parts["device"], self.mgr.device)
+        if parts["host"][0]:  # one number crosses, not the gradients
+            sq = sq + weighted_sq_sum(*parts["host"], "cpu").to(self.mgr.device, non_blocking=True)
         self.zero.all_reduce(sq, "hetero gradient-norm all-reduce")
         return sq
