@@ -10,17 +10,9 @@ import pytest
 import torch
 
 from parallel4d.hetero import wrap
-from test_hetero import OPT, batch, build
+from test_hetero import OPT, batch, build, one_thread  # noqa: F401 (one_thread: an autouse fixture, here too)
 
 STEPS, MICRO = 10, 2
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def train(model, step, steps=STEPS, rank=0, dp=1):
