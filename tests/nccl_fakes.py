@@ -101,6 +101,14 @@ class Recorder:
             p.copy_(tensor)
         return self.collective("all_gather", group, async_op)
 
+    def all_gather_into_tensor(self, out, tensor, group=None, async_op=False):
+        out.zero_()
+        return self.collective("all_gather_into_tensor", group, async_op)
+
+    def reduce_scatter_tensor(self, out, tensor, op=None, group=None, async_op=False):
+        out.zero_()
+        return self.collective("reduce_scatter_tensor", group, async_op)
+
     def get_rank(self, group=None):
         return self.rank if group is None else group.ranks.index(self.rank)
 
@@ -126,6 +134,9 @@ def recording(world: int):
     fakes = {
         "isend": rec.isend, "irecv": rec.irecv, "batch_isend_irecv": rec.batch_isend_irecv, "P2POp": FakeP2POp,
         "broadcast": rec.broadcast, "all_reduce": rec.all_reduce, "reduce": rec.reduce, "all_gather": rec.all_gather,
+        "all_gather_into_tensor": rec.all_gather_into_tensor, "reduce_scatter_tensor": rec.reduce_scatter_tensor,
+        **{name: fake for name, fake in (("all_gather_single", rec.all_gather_into_tensor),  # newer torch's names
+                                         ("reduce_scatter_single", rec.reduce_scatter_tensor)) if hasattr(dist, name)},
         "get_rank": rec.get_rank, "get_world_size": rec.get_world_size, "is_initialized": lambda: True,
         "get_backend": lambda group=None: "nccl", "get_global_rank": lambda group, i: group.ranks[i],
         "get_process_group_ranks": lambda group: list(group.ranks),
@@ -249,4 +260,56 @@ def record_summa(q: int, overlap: bool = True):
             for op in (summa_ab, summa_abt, summa_atb):
                 a, b = (torch.ones(2, 2, requires_grad=True) for _ in range(2))
                 op(a, b, mesh, overlap=overlap).sum().backward()
+    return dict(rec.events)
+
+
+class ReplicaMesh:
+    """What hetero's ZeRO asks of a mesh: a dp group of ``dp`` ranks, global rank = dp index."""
+
+    def __init__(self, dp: int, rank: int, timeout_s: float, deadlines=None):
+        self.dp, self._rank, self.timeout_s, self.deadlines = dp, rank, timeout_s, deadlines
+        self.comm_stats, self.device = CommStats(), "cpu"
+        self._group = FakeGroup("dp", range(dp))
+
+    def size(self, axis):
+        return self.dp
+
+    def rank(self, axis):
+        return self._rank
+
+    def group(self, axis):
+        return self._group
+
+
+def record_hetero_zero(dp: int, steps: int = 3, timeout_s: float = 60.0):
+    """Per rank of a ``dp``-rank ZeRO group, what hetero posts and waits for: one step with every chunk
+    resident (which measures the smallest budget), then ``steps`` steps of a small GPT in bf16 chunks at
+    that budget, prefetching on (as on CUDA): prefetched all-gathers and the ones evictions force again,
+    reduce-scatters in flight and those an eviction forces, the norm's all-reduce."""
+    from parallel4d.hetero import wrap
+    from parallel4d.models.gpt2.model import GPTShape, build_gpt
+
+    shape = GPTShape(vocab_size=64, seq_len=8, hidden=32, heads=4, layers=3, tie_embeddings=True)
+    x = torch.randint(0, shape.vocab_size, (2, shape.seq_len), generator=torch.Generator().manual_seed(0))
+
+    def train(budget, n):
+        model, opt = wrap(build_gpt(shape, seed=0), None, dict(compute_device="cpu", chunk_elems=4096,
+                                                              device_budget_bytes=budget),
+                          mesh=mesh, compute_dtype=torch.bfloat16)
+        model._hetero_runtime.mgr.prefetch_depth = 2
+        for _ in range(n):
+            for _ in range(2):  # micro-batches
+                (model(x, x) / 2).backward()
+            opt.clip_grad_norm_(1.0)
+            opt.step()
+            opt.zero_grad()
+        opt.remove_hooks()
+        return opt.stats()
+
+    with recording(dp) as rec:
+        for r in range(dp):
+            rec.rank = r
+            mesh = ReplicaMesh(dp, r, timeout_s)
+            st = train(train(None, 1)["min_feasible_budget_bytes"], steps)
+            assert st["total"]["evictions"] > 0 and st["reduce_scatters"]["on_eviction"] > 0, st
     return dict(rec.events)

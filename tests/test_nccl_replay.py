@@ -19,7 +19,7 @@ from datetime import timedelta
 import pytest
 import torch
 
-from nccl_fakes import record_pipeline, record_ring, record_summa
+from nccl_fakes import record_hetero_zero, record_pipeline, record_ring, record_summa
 from parallel4d.distributed import comm
 from parallel4d.distributed.nccl_replay import Post, Wait, replay
 from parallel4d.pipeline import make_schedule
@@ -201,6 +201,20 @@ def test_ring_attention_posting_is_deadlock_free_under_nccl(sp):
 def test_summa_posting_is_deadlock_free_under_nccl(q, overlap):
     stuck = _stuck(record_summa(q, overlap))
     assert not stuck, stuck[0]
+
+
+@pytest.mark.parametrize("dp", [2, 4])
+def test_hetero_zero_posting_is_deadlock_free_and_bounded_under_nccl(dp):
+    """#29.3: hetero's ZeRO with prefetched (asynchronous) all-gathers, reduce-scatters in flight and the
+    ones an eviction forces, over 3 steps at the smallest budget: every rank posts the same collectives
+    in the same order, and every wait has the mesh's limit."""
+    traces = record_hetero_zero(dp, timeout_s=7.0)
+    assert not _stuck(traces), _stuck(traces)[0]
+    kinds = {e.ops[0][1] for e in traces[0] if isinstance(e, Post)}
+    assert {"all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce"} <= kinds
+    waits = [e for e in traces[0] if isinstance(e, Wait)]
+    assert waits and all(e.timeout_s is not None and 0 < e.timeout_s <= 7.0 for e in waits), \
+        [(e.what, e.timeout_s) for e in waits if not e.timeout_s or e.timeout_s > 7.0][:3]
 
 
 # --- comm.wait ----------------------------------------------------------------------------------------
