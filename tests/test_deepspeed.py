@@ -264,12 +264,30 @@ def eight_workers(tmp_path_factory):
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "deepspeed"
 
 
-def _torchrun_losses(script: str, nproc: int, job: Path) -> list[float]:
+def _torchrun_losses(scripts: dict[str, int], job: Path) -> list[list[float]]:
+    """Each of ``scripts`` (``{script: processes}``) under torchrun on ``job``, side by side (a job of one
+    process leaves a core idle); the losses each printed, once all exited 0."""
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
-    proc = subprocess.run([torchrun, "--standalone", "--nproc-per-node", str(nproc), str(EXAMPLES / script),
-                           str(job)], capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return [float(m) for m in re.findall(r"^step \d+ loss (\S+)$", proc.stdout, re.M)]
+    procs = {}
+    try:
+        for script, nproc in scripts.items():
+            out, err = (job.parent / f"{script}.{name}" for name in ("out", "err"))
+            with out.open("w") as stdout, err.open("w") as stderr:
+                procs[script] = subprocess.Popen([torchrun, "--standalone", "--nproc-per-node", str(nproc),
+                                                  str(EXAMPLES / script), str(job)], stdout=stdout, stderr=stderr)
+        for script, proc in procs.items():
+            assert proc.wait(timeout=300) == 0, (job.parent / f"{script}.err").read_text()[-3000:]
+    finally:  # a failed job must not leave the other running: torchrun passes SIGTERM on to its workers
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.terminate()
+                try:
+                    proc.wait(60)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+    return [[float(m) for m in re.findall(r"^step \d+ loss (\S+)$", (job.parent / f"{script}.out").read_text(), re.M)]
+            for script in scripts]
 
 
 def test_the_deepspeed_example_with_parallel4d_equals_the_plain_one(tmp_path):
@@ -290,8 +308,7 @@ def test_the_deepspeed_example_with_parallel4d_equals_the_plain_one(tmp_path):
                                                      lineterm="", n=0)
                if line.startswith("+") and not line.startswith("+++")]
     assert len(changed) <= 5, changed  # the mesh, the model, mpu=, the batch shards (one call on two lines)
-    want = _torchrun_losses("train.py", 1, tmp_path / "job.yaml")
-    got = _torchrun_losses("train_parallel4d.py", 8, tmp_path / "job.yaml")
+    want, got = _torchrun_losses({"train.py": 1, "train_parallel4d.py": 8}, tmp_path / "job.yaml")
     assert len(want) == len(got) == 6 and want[-1] < want[0]
     torch.testing.assert_close(torch.tensor(got, dtype=torch.float64), torch.tensor(want, dtype=torch.float64),
                                rtol=1e-4, atol=0)

@@ -8,7 +8,8 @@ are written there for a later block to run (or, naming a file of the repository,
 pages run in one copy of configs/, docs/, examples/ and benchmarks/, README first, with
 ``.venv/bin/{parallel4d,python,torchrun}`` standing for this interpreter, and every config any of
 their processes loads gets :data:`OVERRIDES` appended (a ``sitecustomize`` on ``PYTHONPATH``), so
-each printed job trains two steps.
+each printed job trains two steps. The README runs alone (the quickstart's pace is checked); the
+other pages then run two at a time (most of their blocks are one process, which leaves a core idle).
 """
 
 from __future__ import annotations
@@ -16,11 +17,13 @@ from __future__ import annotations
 import json
 import os
 import re
-import resource
 import shutil
+import signal
 import subprocess
 import sys
+import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -38,6 +41,7 @@ A_COMMAND = re.compile(r"^\s*(\$ |\.venv/bin/|parallel4d |python |torchrun |make
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
 MODULE_PATH = re.compile(r"\b(?:parallel4d|tests|configs|examples|benchmarks)/[\w/.-]*[\w/]")
 BLOCK_TIMEOUT_S = 600
+SIDE_BY_SIDE = 2  # pages run at once after the README
 # What the former tests/test_quickstart.py checked (#27: folded in here, one start-up less): the README's
 # launch_quickstart.py trains the shipped configs/quickstart.yaml (what `make demo` trains: real text,
 # dp=2, ~3.2M parameters) for its first 40 steps (the whole 200 would take a minute of the suite's 2
@@ -149,15 +153,18 @@ def test_named_files_exist():
 class Workdir:
     path: Path
     env: dict
+    pool: ThreadPoolExecutor
     done: set = field(default_factory=set)
     seconds: dict = field(default_factory=dict)
     quickstart_checked: bool = False
+    pages: dict[str, Future] | None = None  # the pages after the README, once started
 
 
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory) -> Workdir:
     """A directory as a user's checkout after ``make``: the copied folders, ``.venv/bin`` tools that are
-    this interpreter, and the overrides hook on ``PYTHONPATH``."""
+    this interpreter, and the overrides hook on ``PYTHONPATH``. Leaving the module waits for every page
+    started."""
     work = tmp_path_factory.mktemp("docs")
     for name in COPIED:
         shutil.copytree(ROOT / name, work / name, ignore=shutil.ignore_patterns("__pycache__"))
@@ -171,12 +178,29 @@ def workdir(tmp_path_factory) -> Workdir:
     path = os.pathsep.join([str(hook), str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
     env = {**os.environ, "PYTHONPATH": path, "PARALLEL4D_DOCS_OVERRIDES": "\n".join(OVERRIDES),
            "PYTHONUNBUFFERED": "1"}
-    return Workdir(work, env)
+    with ThreadPoolExecutor(SIDE_BY_SIDE, thread_name_prefix="docs-page") as pool:
+        yield Workdir(work, env, pool)
 
 
-def _run(work: Workdir, command: list[str], env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run(command, cwd=work.path, env=env or work.env, stdout=subprocess.PIPE,
-                          stderr=subprocess.STDOUT, text=True, timeout=BLOCK_TIMEOUT_S)
+def _run(work: Workdir, command: list[str], env: dict | None = None) -> tuple[subprocess.CompletedProcess, float]:
+    """``command`` run in the work directory (stdout and stderr together), and the CPU seconds it and the
+    processes it waited for used: its own resource usage (pages run side by side, so this process's
+    children's total would count the other page's too)."""
+    proc = subprocess.Popen(command, cwd=work.path, env=env or work.env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    killed = threading.Event()  # os.kill, not Popen.kill: that polls, and could reap it before wait4 reads its usage
+    timer = threading.Timer(BLOCK_TIMEOUT_S, lambda: (killed.set(), os.kill(proc.pid, signal.SIGKILL)))
+    timer.start()
+    try:
+        with proc.stdout:
+            out = proc.stdout.read()
+        _, status, usage = os.wait4(proc.pid, 0)
+    finally:
+        timer.cancel()
+    proc.returncode = os.waitstatus_to_exitcode(status)  # reaped here: Popen has nothing left to wait for
+    if killed.is_set():
+        raise subprocess.TimeoutExpired(command, BLOCK_TIMEOUT_S, out)
+    return subprocess.CompletedProcess(command, proc.returncode, out), usage.ru_utime + usage.ru_stime
 
 
 def _check_quickstart(work: Workdir, seconds: float) -> None:
@@ -193,8 +217,9 @@ def _check_quickstart(work: Workdir, seconds: float) -> None:
     assert (out / "metrics.jsonl").is_file() and (out / "checkpoints" / "latest").is_file()
 
 
-def _console(work: Workdir, b: Block) -> None:
-    """Each ``$ `` command (with ``\\`` continuations) runs; the lines under it must be in its output."""
+def _console(work: Workdir, b: Block) -> float:
+    """Each ``$ `` command (with ``\\`` continuations) runs; the lines under it must be in its output. Returns
+    their CPU seconds."""
     steps: list[tuple[str, list[str]]] = []
     for line in b.text.splitlines():
         if line.startswith("$ "):
@@ -205,12 +230,15 @@ def _console(work: Workdir, b: Block) -> None:
             assert steps, f"{b.where}: a console block starts with a $ command"
             steps[-1][1].append(line)
     norm = lambda s: " ".join(s.split())  # noqa: E731
+    cpu = 0.0
     for command, shown in steps:
-        out = _run(work, ["bash", "-c", command]).stdout
+        proc, seconds = _run(work, ["bash", "-c", command])
+        out, cpu = proc.stdout, cpu + seconds
         printed, at = [norm(x) for x in out.splitlines()], 0
         for want in (norm(x) for x in shown if x.strip() and x.strip() != "..."):
             assert want in printed[at:], f"{b.where}: `{command}` did not print\n  {want}\nafter line {at}; it printed:\n{out}"
             at = printed.index(want, at) + 1
+    return cpu
 
 
 def _file_block(work: Workdir, b: Block) -> None:
@@ -227,37 +255,36 @@ def _run_page(work: Workdir, page: str) -> None:
     for b in page_blocks(page):
         if b.skip or b.lang in SHOWN:
             continue
-        start, cpu = time.monotonic(), _children_cpu()
+        start, cpu = time.monotonic(), 0.0
         if b.file:
             _file_block(work, b)
         elif b.lang == "yaml":
             yaml.safe_load(b.text)
         elif b.lang == "console":
-            _console(work, b)
+            cpu = _console(work, b)
         else:
             quickstart = QUICKSTART["program"] in b.text
             env = {**work.env, "PARALLEL4D_DOCS_OVERRIDES": f"train.steps={QUICKSTART['steps']}"} if quickstart else None
-            proc = _run(work, ["bash", "-e", "-o", "pipefail", "-c", b.text], env)
+            proc, cpu = _run(work, ["bash", "-e", "-o", "pipefail", "-c", b.text], env)
             assert proc.returncode == 0, f"{b.where}: exit {proc.returncode}\n{b.text}\n--- output:\n{proc.stdout[-6000:]}"
             if quickstart:
                 _check_quickstart(work, time.monotonic() - start)
                 work.quickstart_checked = True
-        work.seconds[b.where] = (time.monotonic() - start, _children_cpu() - cpu)
+        work.seconds[b.where] = (time.monotonic() - start, cpu)
     work.done.add(page)
     if page == "README.md":
         assert work.quickstart_checked, f"README.md no longer runs {QUICKSTART['program']}: keep the quickstart's checks"
 
 
-def _children_cpu() -> float:
-    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return usage.ru_utime + usage.ru_stime
-
-
 @pytest.mark.parametrize("page", PAGES)
-def test_page_runs_as_printed(page, workdir):
-    if page != PAGES[0] and PAGES[0] not in workdir.done:  # later pages use the README's run (runs/first)
+def test_page_runs_as_printed(page, workdir, request):
+    if PAGES[0] not in workdir.done:  # first and alone: later pages use its run (runs/first)
         _run_page(workdir, PAGES[0])
-    if page not in workdir.done:
-        _run_page(workdir, page)
+    if workdir.pages is None:  # the selected others, side by side
+        selected = {item.callspec.params["page"] for item in request.session.items
+                    if getattr(item, "module", None) is request.module and hasattr(item, "callspec")}
+        workdir.pages = {p: workdir.pool.submit(_run_page, workdir, p) for p in PAGES[1:] if p in selected}
+    if page != PAGES[0]:
+        workdir.pages[page].result()
     slow = sorted(((s, w) for w, s in workdir.seconds.items() if w.startswith(page + ":")), reverse=True)
     print(f"\n{page}: " + ", ".join(f"line {w.split(':')[1]} {s:.1f}s ({cpu:.1f}s CPU)" for (s, cpu), w in slow))

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -26,6 +27,22 @@ from parallel4d.launcher.workers import _start_time, child_processes, worker_pid
 
 TIMEOUT_S = 2.0  # the mesh groups' collective limit in the strategy scenarios
 GRACE_S = 1.5    # what a wait may take beyond it
+
+
+def stay_away(tmp: str, what: str, ranks) -> None:
+    """What a rank that takes no part in ``what`` does: nothing, until each of ``ranks`` has given up on
+    it (:func:`gave_up`), or at most TIMEOUT_S + GRACE_S + 1 s (a rank still waiting by then has failed
+    its limit anyway)."""
+    deadline = time.monotonic() + TIMEOUT_S + GRACE_S + 1.0
+    while not all(os.path.exists(os.path.join(tmp, f"{what}.gave_up.{r}")) for r in ranks):
+        if time.monotonic() > deadline:
+            return
+        time.sleep(0.02)
+
+
+def gave_up(tmp: str, what: str) -> None:
+    """This rank is done waiting in ``what`` (for :func:`stay_away`)."""
+    open(os.path.join(tmp, f"{what}.gave_up.{torch.distributed.get_rank()}"), "w").close()
 
 
 def tiny_job(out_dir, steps=100000, **parallel):
@@ -75,24 +92,54 @@ def finish(proc, timeout):
             proc.wait()
 
 
+# --- jobs run side by side ------------------------------------------------------------------------
+# Most of a fault test's time is waiting: for a timeout, a slow save, a blame to settle. The tests whose
+# job is a process of its own (the CLI) have it run in a thread from the module's first test on, each in a
+# directory of its own, while the others run; each such test waits for its job and checks what it returned.
+
+SIDE_BY_SIDE: dict = {}  # test name → its job: a function of a directory, returning what the test checks
+
+
+def side_by_side(job):
+    """Registers ``job`` as the job of the test named ``test_`` + its name."""
+    SIDE_BY_SIDE[f"test_{job.__name__}"] = job
+    return job
+
+
+@pytest.fixture(scope="module", autouse=True)
+def jobs_side_by_side(request, tmp_path_factory):
+    """The jobs of this module's selected tests, started at once; ``{test name: future}``. Leaving the
+    module waits for every one (none outlives it: each ends or kills its processes)."""
+    selected = {item.name for item in request.session.items if getattr(item, "module", None) is request.module}
+    names = [name for name in SIDE_BY_SIDE if name in selected]
+    with ThreadPoolExecutor(max(1, len(names)), thread_name_prefix="fault-job") as pool:
+        yield {name: pool.submit(SIDE_BY_SIDE[name], tmp_path_factory.mktemp(name)) for name in names}
+
+
+@pytest.fixture
+def job_result(request, jobs_side_by_side):
+    """What the requesting test's job (:func:`side_by_side`) returned; its exception if it raised."""
+    return jobs_side_by_side[request.node.name].result()
+
+
 # --- every wait of every strategy ends within the mesh's timeout ---------------------------------
 
 
-def _scenarios(absent: int):
-    """Each strategy's communication with global rank ``absent`` not taking part; the other
-    ranks return ``(scenario, exception type, message, seconds)``."""
+def _scenarios(absent: int, tmp: str):
+    """Each strategy's communication with global rank ``absent`` not taking part (until the others
+    have given up); the other ranks return ``(scenario, exception type, message, seconds)``."""
     from parallel4d.distributed import comm
     from parallel4d.hetero import zero
     from parallel4d.distributed.mesh import init_mesh
     from parallel4d.sequence import ring_attention
     from parallel4d.tensor2d import summa_ab
 
-    me = torch.distributed.get_rank()
+    me, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     out = []
 
     def attempt(name, fn):
         if me == absent:  # stalls: takes no part until the others have given up
-            time.sleep(TIMEOUT_S + GRACE_S + 1.0)
+            stay_away(tmp, name, [r for r in range(world) if r != absent])
             return
         t0 = time.monotonic()
         try:
@@ -100,6 +147,7 @@ def _scenarios(absent: int):
             out.append((name, "finished", "", time.monotonic() - t0))
         except Exception as e:
             out.append((name, type(e).__name__, str(e), time.monotonic() - t0))
+        gave_up(tmp, name)
 
     mesh = init_mesh(tp=4, timeout_s=TIMEOUT_S)
     attempt("summa", lambda: summa_ab(torch.ones(2, 2), torch.ones(2, 2), mesh, name="test.summa"))
@@ -115,11 +163,11 @@ def _scenarios(absent: int):
     return out
 
 
-def test_every_strategy_wait_ends_within_the_timeout():
+def test_every_strategy_wait_ends_within_the_timeout(tmp_path):
     """tp SUMMA, sp ring, ZeRO over dp·sp and a pp group: a rank that takes no part makes the
     others fail within the mesh's timeout (not torch's 30-minute default for sub-groups),
     with the action and the group named."""
-    results = run_workers(_scenarios, 4, 2, timeout_s=200, preload=())
+    results = run_workers(_scenarios, 4, 2, str(tmp_path), timeout_s=200, preload=())
     names = {"summa": "test.summa", "ring": "ring_attention forward", "zero": "hetero ZeRO parameter all-gather",
              "pp.group": "pp.tied"}
     for rank, rows in enumerate(results):
@@ -142,11 +190,11 @@ def test_every_strategy_wait_ends_within_the_timeout():
         assert "CommTimeout" in kinds, (name, kinds)
 
 
-def _checkpoint_save_without_rank_1(root):
+def _checkpoint_save_without_rank_1(root, tmp):
     from parallel4d.checkpoint import dcp as checkpoint
 
     if torch.distributed.get_rank() == 1:  # never joins the save
-        time.sleep(TIMEOUT_S + GRACE_S + 1.0)
+        stay_away(tmp, "save", [0])
         return None
     t0 = time.monotonic()
     try:
@@ -154,13 +202,15 @@ def _checkpoint_save_without_rank_1(root):
         return "finished", "", time.monotonic() - t0
     except Exception as e:
         return type(e).__name__, str(e), time.monotonic() - t0
+    finally:
+        gave_up(tmp, "save")
 
 
 def test_checkpoint_save_waits_end_within_the_timeout(tmp_path):
     """The checkpoint's agreements (on the default group, whose timeout is train.timeout_s) fail
     within the limit, naming the checkpoint step, when a rank never joins the save."""
-    kind, msg, seconds = spawn(_checkpoint_save_without_rank_1, 2, (str(tmp_path / "ckpt"),), timeout_s=120,
-                               pg_timeout_s=TIMEOUT_S)[0]
+    kind, msg, seconds = spawn(_checkpoint_save_without_rank_1, 2, (str(tmp_path / "ckpt"), str(tmp_path)),
+                               timeout_s=120, pg_timeout_s=TIMEOUT_S)[0]
     assert kind in ("CommTimeout", "PeerLost", "CheckpointError"), (kind, msg)
     assert "checkpoint" in msg and "did not finish" in msg, msg
     assert seconds < TIMEOUT_S + GRACE_S, (seconds, msg)
@@ -179,20 +229,10 @@ def test_killed_worker_is_blamed_not_the_peer_that_saw_it_leave(tmp_path):
     import threading
 
     for attempt in range(2):
-        def kill_rank_2():
-            deadline = time.monotonic() + 60
-            while time.monotonic() < deadline:
-                try:
-                    os.kill(worker_pid(os.getpid(), 2), signal.SIGKILL)
-                    return
-                except LookupError:
-                    time.sleep(0.05)
-
-        killer = threading.Timer(4.0, kill_rank_2)  # after the workers have joined
-        killer.start()
+        killer = threading.Timer(0.5, lambda: os.kill(worker_pid(os.getpid(), 2), signal.SIGKILL))
         try:
-            with pytest.raises(WorkerError) as err:
-                spawn(_collectives_forever, 4, timeout_s=120, pg_timeout_s=30)
+            with pytest.raises(WorkerError) as err:  # killed once the workers have joined: in their collectives
+                spawn(_collectives_forever, 4, timeout_s=120, pg_timeout_s=30, joined=killer.start)
         finally:
             killer.cancel()
         assert err.value.rank == 2, (attempt, str(err.value)[:2000])
@@ -272,11 +312,16 @@ def stop_a_worker(tmp_path, cfg, rank: int, command=None) -> tuple[subprocess.Po
     return proc, err, time.monotonic() - t0
 
 
-def test_stopped_worker_ends_the_job_naming_it(tmp_path):
+@side_by_side
+def stopped_worker_ends_the_job_naming_it(tmp_path):
+    cfg = tiny_job(tmp_path / "run", tp=4)
+    return cfg, *stop_a_worker(tmp_path, cfg, 2)
+
+
+def test_stopped_worker_ends_the_job_naming_it(job_result):
     """With tp=4, SIGSTOP on rank 2: the job ends within train.timeout_s plus a grace and
     names rank 2 as the one that stopped answering, with the action its peers waited in."""
-    cfg = tiny_job(tmp_path / "run", tp=4)
-    proc, err, took = stop_a_worker(tmp_path, cfg, 2)
+    cfg, proc, err, took = job_result
     assert proc.returncode == 1, err[-3000:]
     assert "worker rank 2 failed" in err and "rank 2 (stopped)" in err, err[-3000:]
     assert "CommTimeout" in err and "did not finish" in err, err[-3000:]
@@ -295,14 +340,19 @@ def launch_as_on_nccl(path: str) -> int:
     return launch_with(train_as_on_nccl, path)
 
 
-def test_a_stopped_worker_ends_a_job_waiting_as_on_nccl_naming_it(tmp_path):
-    """Waits as on NCCL (the host never blocks in one; the stream does): SIGSTOP on rank 1 of dp=2. Rank
-    0's host runs on to its next read step, where the deadlines it left end the job within train.timeout_s
-    (plus a grace), naming the wait that never finished; the launcher names rank 1, the stopped one."""
+@side_by_side
+def a_stopped_worker_ends_a_job_waiting_as_on_nccl_naming_it(tmp_path):
     cfg = tiny_job(tmp_path / "run", dp=2)
     cli = ["-c", f"import sys; sys.path.insert(0, {TESTS!r}); import test_faults; "
                  f"sys.exit(test_faults.launch_as_on_nccl({str(tmp_path / 'job.yaml')!r}))"]
-    proc, err, took = stop_a_worker(tmp_path, cfg, 1, command=cli)
+    return cfg, *stop_a_worker(tmp_path, cfg, 1, command=cli)
+
+
+def test_a_stopped_worker_ends_a_job_waiting_as_on_nccl_naming_it(job_result):
+    """Waits as on NCCL (the host never blocks in one; the stream does): SIGSTOP on rank 1 of dp=2. Rank
+    0's host runs on to its next read step, where the deadlines it left end the job within train.timeout_s
+    (plus a grace), naming the wait that never finished; the launcher names rank 1, the stopped one."""
+    cfg, proc, err, took = job_result
     assert proc.returncode == 1, err[-3000:]
     assert "worker rank 1 failed" in err and "rank 1 (stopped)" in err, err[-3000:]
     assert "CommTimeout: rank 0:" in err and "did not finish within its limit (the stream waited for it)" in err, \
@@ -451,11 +501,8 @@ def assert_stopped_and_saved(job, code: int, left: list, signame: str):
     return err, summary, saved
 
 
-def test_ctrl_c_twice_waits_for_the_save_in_progress_then_names_the_verified_checkpoint(tmp_path):
-    """Ctrl-C (SIGINT to the launcher's process group, as a terminal sends it), and again while the final
-    save is in progress: the launcher says it waits for that save, the save completes, and only then does
-    the CLI say it saved, naming the checkpoint it verified. Exit 130; summary.json records SIGINT (the
-    signal received) and finished: false; no process of the job outlives the launcher."""
+@side_by_side
+def ctrl_c_twice_waits_for_the_save_in_progress_then_names_the_verified_checkpoint(tmp_path):
     ckpt = tmp_path / "run" / "checkpoints"
     with Launcher(tmp_path, saving_job(tmp_path, dp=2), slow_saves=True) as job:
         job.wait_for_line("step 3/")
@@ -463,16 +510,23 @@ def test_ctrl_c_twice_waits_for_the_save_in_progress_then_names_the_verified_che
         step = job.ctrl_c_twice_during_a_save(ckpt)
         code = job.finish()
         left = running(processes)
+    return job, ckpt, step, code, left
+
+
+def test_ctrl_c_twice_waits_for_the_save_in_progress_then_names_the_verified_checkpoint(job_result):
+    """Ctrl-C (SIGINT to the launcher's process group, as a terminal sends it), and again while the final
+    save is in progress: the launcher says it waits for that save, the save completes, and only then does
+    the CLI say it saved, naming the checkpoint it verified. Exit 130; summary.json records SIGINT (the
+    signal received) and finished: false; no process of the job outlives the launcher."""
+    job, ckpt, step, code, left = job_result
     err, summary, saved = assert_stopped_and_saved(job, code, left, "SIGINT")
     assert summary["steps"] == step and saved == ckpt / f"step_{step:08d}"
     assert f"stopped by SIGINT at step {step}, after saving checkpoint {saved} (verified" in err, err[-3000:]
     assert sorted(ckpt.glob(".step_*.tmp")) == [] and "Traceback" not in err
 
 
-def test_a_third_signal_stops_at_once_saying_what_is_lost(tmp_path):
-    """Three Ctrl-Cs, the last two while a save is in progress: the third kills the workers at once (the
-    save never completes) and waits for them, and the CLI says what is lost: that save, and the steps
-    since the newest complete checkpoint, named. Exit 130; no process of the job is left."""
+@side_by_side
+def a_third_signal_stops_at_once_saying_what_is_lost(tmp_path):
     ckpt = tmp_path / "run" / "checkpoints"
     with Launcher(tmp_path, saving_job(tmp_path, every=2, dp=2), slow_saves=True) as job:
         job.wait_for_line("step 3/")
@@ -481,6 +535,14 @@ def test_a_third_signal_stops_at_once_saying_what_is_lost(tmp_path):
         os.killpg(job.proc.pid, signal.SIGINT)
         code = job.finish()
         left = running(processes)
+    return job, ckpt, step, code, left
+
+
+def test_a_third_signal_stops_at_once_saying_what_is_lost(job_result):
+    """Three Ctrl-Cs, the last two while a save is in progress: the third kills the workers at once (the
+    save never completes) and waits for them, and the CLI says what is lost: that save, and the steps
+    since the newest complete checkpoint, named. Exit 130; no process of the job is left."""
+    job, ckpt, step, code, left = job_result
     err = job.text()
     assert code == 130, err[-3000:]
     assert left == [], left
@@ -491,11 +553,8 @@ def test_a_third_signal_stops_at_once_saying_what_is_lost(tmp_path):
     assert "Traceback" not in err
 
 
-def test_gnu_timeout_signalling_twice_waits_for_the_workers_and_their_save(tmp_path):
-    """GNU timeout (the README names it for SIGTERM) sends SIGTERM to the launcher and then to its whole
-    process group: the zygote and the workers, and the launcher a second time (which the kernel may merge
-    with the first). The launcher outlives its workers, names the checkpoint they saved once it verified,
-    exits 143; no traceback; its temporary directory is removed."""
+@side_by_side
+def gnu_timeout_signalling_twice_waits_for_the_workers_and_their_save(tmp_path):
     ckpt = tmp_path / "run" / "checkpoints"
     with Launcher(tmp_path, saving_job(tmp_path, dp=2), wrapper=["timeout", "-s", "TERM", "600"]) as job:
         job.wait_for_line("step 3/")
@@ -504,6 +563,15 @@ def test_gnu_timeout_signalling_twice_waits_for_the_workers_and_their_save(tmp_p
         job.proc.send_signal(signal.SIGTERM)  # timeout passes a signal it gets on as it passes its own at the limit
         code = job.finish()
         left = running(processes)
+    return tmp_path, job, ckpt, code, left
+
+
+def test_gnu_timeout_signalling_twice_waits_for_the_workers_and_their_save(job_result):
+    """GNU timeout (the README names it for SIGTERM) sends SIGTERM to the launcher and then to its whole
+    process group: the zygote and the workers, and the launcher a second time (which the kernel may merge
+    with the first). The launcher outlives its workers, names the checkpoint they saved once it verified,
+    exits 143; no traceback; its temporary directory is removed."""
+    tmp_path, job, ckpt, code, left = job_result
     err, summary, saved = assert_stopped_and_saved(job, code, left, "SIGTERM")
     assert saved == ckpt / f"step_{summary['steps']:08d}"
     assert f"after saving checkpoint {saved} (verified" in err, err[-3000:]
@@ -511,10 +579,8 @@ def test_gnu_timeout_signalling_twice_waits_for_the_workers_and_their_save(tmp_p
     assert [n for n in os.listdir(tmp_path / "tmp") if n.startswith("parallel4d-")] == []
 
 
-def test_a_killed_zygote_is_blamed_as_the_zygote_and_its_workers_are_stopped(tmp_path):
-    """SIGKILL to the process that forks the workers: the job names it (not a worker, none was killed),
-    its workers (no longer its children) are stopped before the launcher leaves, and no worker prints a
-    traceback about the launcher's files."""
+@side_by_side
+def a_killed_zygote_is_blamed_as_the_zygote_and_its_workers_are_stopped(tmp_path):
     with Launcher(tmp_path, tiny_job(tmp_path / "run", dp=2)) as job:
         job.wait_for_line("step 3/")
         processes = job.job_processes()
@@ -522,6 +588,14 @@ def test_a_killed_zygote_is_blamed_as_the_zygote_and_its_workers_are_stopped(tmp
         os.kill(zygote, signal.SIGKILL)
         code = job.finish()
         left = running(processes)
+    return job, zygote, code, left
+
+
+def test_a_killed_zygote_is_blamed_as_the_zygote_and_its_workers_are_stopped(job_result):
+    """SIGKILL to the process that forks the workers: the job names it (not a worker, none was killed),
+    its workers (no longer its children) are stopped before the launcher leaves, and no worker prints a
+    traceback about the launcher's files."""
+    job, zygote, code, left = job_result
     err = job.text()
     assert code == 1, err[-3000:]
     assert left == [], left

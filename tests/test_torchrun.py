@@ -142,7 +142,8 @@ def two_agents_train_one_job_and_its_checkpoint_resumes_at_four_agents(tmp: Path
                                                                        hung: threading.Event) -> None:
     """pp=2 across two agents × tp=4 within each (c10d rendezvous); its checkpoint resumes at four agents
     of one worker (dp=2 × sp=2, both across agents; static rendezvous). Losses equal one process's, for
-    the whole run. It starts once the restart scenario has hung its worker (busy CPUs while that one waits)."""
+    the whole run. It starts once the restart scenario has hung its worker: its twelve workers' start-up fills
+    that scenario's wait for the timeout and the restart, and stays out of its first 30 steps."""
     assert hung.wait(300), "the restart scenario never hung its worker"
     want = reference[:6]
     port = free_port()
@@ -187,12 +188,23 @@ class FaultyRun:
                    self.everyone)
         before = self.workers()
         fault()
-        wait_until("the restarted workers", lambda: len(self.workers()) == 2 and not self.workers() & before,
-                   self.everyone)
+        wait_until("the restarted workers", lambda: len(now := self.workers()) == 2 and not now & before, self.everyone)
         self.resumed.append(max(steps_saved(self.ckpt)))  # the attempt before is gone: nothing writes now
 
-    def signal_worker(self, node: int, sig: int) -> None:
-        os.kill(self.live[node].workers().popitem()[1], sig)
+    def signal_worker(self, node: int, sig: int) -> int:
+        pid = self.live[node].workers().popitem()[1]
+        os.kill(pid, sig)
+        return pid
+
+    def hang_worker(self, node: int, hung: threading.Event) -> None:
+        """SIGSTOP on ``node``'s worker; its peer times out (train.timeout_s) and the agents stop the attempt.
+        A stopped process acts on torchrun's SIGTERM only once continued, so torchrun would wait 30 s and then
+        kill -9 it: once the agent has sent that SIGTERM, the kill -9 it would send is sent here at once."""
+        agent, pid = self.live[node], self.signal_worker(node, signal.SIGSTOP)
+        hung.set()
+        wait_until(f"torchrun's SIGTERM to the stopped worker (pid {pid})",
+                   lambda: f"Sending process {pid} closing signal SIGTERM" in agent.text(), self.everyone)
+        os.kill(pid, signal.SIGKILL)
 
     def replace_node(self, node: int) -> None:
         self.live[node].kill()
@@ -216,14 +228,15 @@ class FaultyRun:
 
 def restarts_resume_from_the_newest_checkpoint(tmp: Path, reference: torch.Tensor, hung: threading.Event) -> None:
     """Under --max-restarts 2 (torchrun's default store), a worker killed (kill -9) and later a worker
-    hung (SIGSTOP: its peer times out after train.timeout_s) each lead to a restart that re-forms the
-    groups and resumes from the newest complete checkpoint; the run ends with an uninterrupted run's
-    losses in a summary.json that covers all of it."""
+    hung (SIGSTOP: its peer times out after train.timeout_s; torchrun's kill -9 of it sent at once, see
+    :meth:`FaultyRun.hang_worker`) each lead to a restart that re-forms the groups and resumes from the
+    newest complete checkpoint; the run ends with an uninterrupted run's losses in a summary.json that
+    covers all of it."""
     steps = 45
     try:
         run = FaultyRun(tmp, steps, max_restarts=2)
         run.after_checkpoint(15, lambda: run.signal_worker(0, signal.SIGKILL))
-        run.after_checkpoint(30, lambda: (run.signal_worker(1, signal.SIGSTOP), hung.set()))
+        run.after_checkpoint(30, lambda: run.hang_worker(1, hung))
     finally:
         hung.set()  # never leave the multi-node scenario waiting
     logs = run.finish(reference[:steps])
@@ -289,9 +302,9 @@ def a_refused_config_is_one_line_in_torchruns_report(tmp: Path, reference: torch
 
 
 def test_torchrun_jobs(tmp_path):
-    """The five torchrun scenarios above, side by side, each its own job on its own ports and directory.
-    Most of the fault scenarios' time is waiting (torchrun gives a hung worker 30 s before kill -9), and
-    the multi-node job, which keeps both cores busy, runs in that wait: ~76 s instead of ~95 s one after another."""
+    """The six torchrun scenarios above, side by side, each its own job on its own ports and directory.
+    Much of the fault scenarios' time is waiting (for a timeout, a rendezvous, a restart), and the
+    multi-node job, which keeps both cores busy, runs in those waits."""
     scenarios = (restarts_resume_from_the_newest_checkpoint, a_lost_node_is_replaced_and_the_job_continues,
                  a_node_lost_for_good_stops_naming_the_sizes, sigterm_saves_and_exits_143,
                  two_agents_train_one_job_and_its_checkpoint_resumes_at_four_agents,
