@@ -181,6 +181,23 @@ class OptimizerConfig(_Section):
 ArchName = Literal[FAMILY_NAMES]
 
 
+class RopeScaling(_Section):
+    """``model.rope_scaling``: a scaled rotary as transformers' ``rope_parameters`` / ``rope_scaling`` state
+    it (the parameters each ``rope_type`` reads; the others stay unset)."""
+
+    rope_type: Literal["linear", "dynamic", "yarn", "llama3"]
+    factor: Finite = Field(..., gt=0)
+    original_max_position_embeddings: Optional[int] = Field(None, ge=1, le=2**24)
+    low_freq_factor: Optional[Finite] = None  # llama3
+    high_freq_factor: Optional[Finite] = None  # llama3
+    beta_fast: Optional[Finite] = None  # yarn
+    beta_slow: Optional[Finite] = None  # yarn
+    attention_factor: Optional[Finite] = None  # yarn
+    mscale: Optional[Finite] = None  # yarn (DeepSeek's form)
+    mscale_all_dim: Optional[Finite] = None  # yarn (DeepSeek's form)
+    truncate: Optional[bool] = None  # yarn
+
+
 class ModelConfig(_Section):
     arch: ArchName = Field(FAMILY_NAMES[0], description="; ".join(f"{s.name}: {s.summary}" for s in SPECS))
     vocab_size: int = Field(256, ge=2, le=2**32, description="token ids: a token file stores them as uint16 or "
@@ -201,6 +218,22 @@ class ModelConfig(_Section):
     qkv_bias: bool = Field(False, description="llama: biases on the q, k, v projections (Qwen2)")
     activation: Literal["gelu", "gelu_tanh"] = Field("gelu", description="gpt2: the MLP's GELU, exact or the "
                                                                          "tanh form of GPT-2 checkpoints")
+    max_positions: Optional[int] = Field(None, ge=1, le=2**24, description="the positions the model has: gpt2's "
+                                         "position table rows (seq_len ≤ it; rows past seq_len kept as they are), "
+                                         "llama's max_position_embeddings (what rotary scaling reads); None = seq_len")
+    head_dim: Optional[int] = Field(None, ge=1, le=MAX_WIDTH, description="llama: width of one attention head; "
+                                                                        "None = hidden/heads (Qwen3 sets it)")
+    qk_norm: bool = Field(False, description="llama: RMSNorm over each head's queries and keys before the rotary "
+                                             "(Qwen3)")
+    rope_scaling: Optional[RopeScaling] = Field(None, description="llama: scaled rotary (linear, dynamic, yarn, "
+                                                                  "llama3) with the checkpoint's own parameters")
+    dropout: Finite = Field(0.0, ge=0, lt=1, description="dropout on the residual branches in training (never in "
+                                                         "evaluation); masks drawn per dense element, so every "
+                                                         "layout drops the same elements")
+    attention_dropout: Optional[Finite] = Field(None, ge=0, lt=1, description="dropout on the attention "
+                                                                              "probabilities; None = model.dropout")
+    embedding_dropout: Optional[Finite] = Field(None, ge=0, lt=1, description="dropout on the embedding's output; "
+                                                                              "None = model.dropout")
     pretrained: Optional[PathStr] = Field(None, description="a Hugging Face model directory (config.json and "
                                                             "*.safetensors): the architecture from it, the weights "
                                                             "loaded, each rank reading its own slices")
@@ -219,6 +252,24 @@ class ModelConfig(_Section):
     @property
     def mlp_width(self) -> int:
         return self.intermediate_size or self.mlp_ratio * self.hidden
+
+    @property
+    def positions(self) -> int:
+        """The positions the model has (``max_positions``, else ``seq_len``)."""
+        return self.max_positions or self.seq_len
+
+    @property
+    def head_size(self) -> int:
+        """The width of one attention head (``head_dim``, else ``hidden/heads``)."""
+        return self.head_dim or self.hidden // self.heads
+
+    @property
+    def attention_p(self) -> float:
+        return self.dropout if self.attention_dropout is None else self.attention_dropout
+
+    @property
+    def embedding_p(self) -> float:
+        return self.dropout if self.embedding_dropout is None else self.embedding_dropout
 
 
 def model_shape_changes(saved: dict, model: ModelConfig) -> list[str]:
