@@ -10,7 +10,12 @@ Tiny random models built from ``transformers`` configs (no download), in this on
 * export: a dense model → ``save_hf`` → ``AutoModelForCausalLM.from_pretrained`` (no missing or
   unexpected keys, no warning) → the same logits; sharded too;
 * errors: an unsupported ``model_type``, a missing / wrong-shaped tensor, a truncated or missing
-  file, sliding-window attention, rope scaling, ``seq_len`` above gpt2's ``n_positions``.
+  file, what the dense model lacks (sliding windows, mixtures of experts, per-layer or unsupported
+  rotary, biases), ``seq_len`` above gpt2's ``n_positions``.
+
+Llama-family imports include each scaled rotary (linear, dynamic, yarn, llama3) and Qwen3 (q/k norms,
+a head size other than hidden/heads); tests/test_pretrained.py runs every IMPORTS case again under
+2D tp=4 × ring sp=2.
 """
 
 from __future__ import annotations
@@ -29,10 +34,13 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
 from transformers import (AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel, LlamaConfig,  # noqa: E402
-                          LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM)
+                          LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM,
+                          Qwen3Config, Qwen3ForCausalLM)
+from transformers import modeling_rope_utils  # noqa: E402
 from transformers.models.llama import modeling_llama  # noqa: E402
 from transformers.models.mistral import modeling_mistral  # noqa: E402
 from transformers.models.qwen2 import modeling_qwen2  # noqa: E402
+from transformers.models.qwen3 import modeling_qwen3  # noqa: E402
 
 from parallel4d.config.load import make_config
 from parallel4d.models.build import build_dense, shape_from_config  # noqa: E402
@@ -47,15 +55,40 @@ _LLAMA = dict(vocab_size=V, hidden_size=32, intermediate_size=40, num_hidden_lay
               tie_word_embeddings=False, **_NO_IDS)
 
 
-def _rope(theta):
-    return {"rope_parameters": {"rope_type": "default", "rope_theta": theta}}
+def _rope(theta, rope_type="default", **scaling):
+    return {"rope_parameters": {"rope_type": rope_type, "rope_theta": theta, **scaling}}
+
+
+# Scaled rotary, each with the checkpoint's own parameters, chosen so that the scaling changes the
+# logits at the test's S = 16 positions (test_scaled_rotary_is_not_the_plain_one): with theta 1e4 and
+# a head of 8, the wavelengths are 6.3, 63, 628 and 6283 positions.
+SCALED = {
+    "llama-linear": (64, _rope(1e4, "linear", factor=4.0)),
+    # max_position_embeddings 8 < S: the base grows with the sequence's length (plain rotary up to 8 tokens)
+    "llama-dynamic": (8, _rope(1e4, "dynamic", factor=2.0)),
+    # the ramp runs over dimensions 0..2 (one half-way), cos and sin scaled by 0.1·ln 4 + 1
+    "llama-yarn": (256, _rope(1e4, "yarn", factor=4.0, original_max_position_embeddings=64)),
+    # 6.3 kept (< 64/4), 63 blended (between 16 and 64), 628 and 6283 divided by 8 (> 64)
+    "llama-llama3": (128, _rope(1e4, "llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                                original_max_position_embeddings=64)),
+}
+
+
+def _scaled(case, v=V, scaled=True):
+    """A tiny Llama with ``SCALED[case]``'s rotary (``scaled=False``: the same model, plain rotary)."""
+    positions, rope = SCALED[case]
+    return LlamaForCausalLM(LlamaConfig(**{**_LLAMA, "vocab_size": v, "max_position_embeddings": positions},
+                                        **(rope if scaled else _rope(1e4))))
 
 
 # Each takes the vocabulary size: 61 in one process, a multiple of the grid side under 2D layouts.
 IMPORTS = {
     "llama-theta1e4": lambda v=V: LlamaForCausalLM(LlamaConfig(**{**_LLAMA, "vocab_size": v}, **_rope(1e4))),
     "llama-theta5e5": lambda v=V: LlamaForCausalLM(LlamaConfig(**{**_LLAMA, "vocab_size": v}, **_rope(5e5))),
+    **{case: (lambda v=V, case=case: _scaled(case, v)) for case in SCALED},
     "qwen2": lambda v=V: Qwen2ForCausalLM(Qwen2Config(**{**_LLAMA, "vocab_size": v}, **_rope(1e6))),  # + q, k, v biases
+    # q and k norms per head; heads of 16 (not hidden/heads = 8): q_proj [64, 32]; GQA 4:2
+    "qwen3": lambda v=V: Qwen3ForCausalLM(Qwen3Config(**{**_LLAMA, "vocab_size": v}, head_dim=16, **_rope(1e6))),
     "mistral-tied": lambda v=V: MistralForCausalLM(MistralConfig(
         **{**_LLAMA, "vocab_size": v, "tie_word_embeddings": True}, sliding_window=None, **_rope(1e4))),
     # n_positions 24 > seq_len 16: the dense model takes the first rows of the position table
@@ -78,13 +111,38 @@ def _rmsnorm_forward(self, hidden_states):
 
 
 @torch.no_grad()
-def _rotary_forward(self, x, position_ids):
-    """transformers' ``{Llama,Mistral,Qwen2}RotaryEmbedding.forward`` with its two ``.float()`` /
+def _rotary_cos_sin(self, x, position_ids):
+    """transformers' ``{Llama,Mistral,Qwen2,Qwen3}RotaryEmbedding.forward`` with its two ``.float()`` /
     ``dtype=torch.float`` casts replaced by the wider of ``x``'s dtype and float32."""
     wide = torch.promote_types(x.dtype, torch.float32)
     freqs = position_ids[..., None].to(wide) * self.inv_freq.to(device=x.device, dtype=wide)
     emb = torch.cat((freqs, freqs), dim=-1)
     return (emb.cos() * self.attention_scaling).to(x.dtype), (emb.sin() * self.attention_scaling).to(x.dtype)
+
+
+_dynamic_cos_sin = modeling_rope_utils.dynamic_rope_update(_rotary_cos_sin)  # transformers' own decorator, as theirs
+
+
+def _rotary_forward(self, x, position_ids):
+    """:func:`_rotary_cos_sin` after transformers' dynamic-rotary update (what its ``forward`` is
+    decorated with), run with float64 as the default dtype: its dynamic base is a tensor product of an
+    integer length and a float, which the default dtype would otherwise round to float32."""
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        return _dynamic_cos_sin(self, x, position_ids)
+    finally:
+        torch.set_default_dtype(default)
+
+
+class _Float64Torch:
+    """``torch`` as transformers' rotary formulas (``modeling_rope_utils``) see it under the float64
+    patch: ``torch.float`` / ``torch.float32`` are float64, all else is torch."""
+
+    float = float32 = torch.float64
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
 
 
 def float64_transformers(mp, model):
@@ -93,23 +151,33 @@ def float64_transformers(mp, model):
     transformers computes RMSNorm in float32 even for a float64 model, and the rotary table in
     float32 (``inv_freq`` made with ``dtype=torch.float`` at construction, cos/sin from float32
     ``freqs``); that alone limits agreement to ~3e-8. Patched, via ``mp`` (pytest's monkeypatch):
-    only ``forward`` of the RMSNorm and RotaryEmbedding classes of llama, mistral and qwen2 (same
-    code, the float32 casts widened to float64, see the two functions above), and ``inv_freq``
-    of ``model``'s rotary modules recomputed by transformers' own default-RoPE formula in float64.
-    Everything else (attention, GQA, rotate_half, MLP, the models) is transformers' own code; the
-    test runs the float64 Llama family with ``attn_implementation="sdpa"`` (transformers' SDPA
-    integration), as its eager attention also takes the softmax in float32. GPT-2 stays eager.
+    only ``forward`` of the RMSNorm and RotaryEmbedding classes of llama, mistral, qwen2 and qwen3
+    (same code, the float32 casts widened to float64, see the functions above; the rotary still
+    goes through transformers' dynamic-rotary update), the ``torch`` that ``modeling_rope_utils``
+    sees (:class:`_Float64Torch`), and ``inv_freq`` of ``model``'s rotary modules recomputed in
+    float64: by transformers' own formula of its rope_type (``ROPE_INIT_FUNCTIONS``, with that
+    float64 ``torch``), the default type's by its formula written out. Everything else (attention,
+    GQA, rotate_half, MLP, q/k norms, the models) is transformers' own code; the test runs the
+    float64 Llama family with ``attn_implementation="sdpa"`` (transformers' SDPA integration), as
+    its eager attention also takes the softmax in float32. GPT-2 stays eager.
     """
-    for module, prefix in ((modeling_llama, "Llama"), (modeling_mistral, "Mistral"), (modeling_qwen2, "Qwen2")):
+    for module, prefix in ((modeling_llama, "Llama"), (modeling_mistral, "Mistral"), (modeling_qwen2, "Qwen2"),
+                           (modeling_qwen3, "Qwen3")):
         mp.setattr(getattr(module, f"{prefix}RMSNorm"), "forward", _rmsnorm_forward)
         mp.setattr(getattr(module, f"{prefix}RotaryEmbedding"), "forward", _rotary_forward)
+    mp.setattr(modeling_rope_utils, "torch", _Float64Torch())
     for m in model.modules():
         if type(m).__name__.endswith("RotaryEmbedding"):
             c = m.config
-            dim = c.hidden_size // c.num_attention_heads
-            inv = 1.0 / (c.rope_parameters["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
-            torch.testing.assert_close(inv, m.inv_freq.double(), rtol=1e-6, atol=0)  # the same table, wider
-            m.inv_freq = inv
+            if m.rope_type == "default":
+                dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+                inv = 1.0 / (c.rope_parameters["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+            else:
+                inv, m.attention_scaling = modeling_rope_utils.ROPE_INIT_FUNCTIONS[m.rope_type](c, m.inv_freq.device)
+            # the same table as at construction, wider (dynamic's: the one before any sequence grew it)
+            torch.testing.assert_close(inv, m.original_inv_freq.double(), rtol=1e-6, atol=0)
+            assert inv.dtype == torch.float64
+            m.inv_freq, m.original_inv_freq, m.max_seq_len_cached = inv, inv.clone(), m.original_max_seq_len
 
 
 # --------------------------------------------------------------------------- helpers
@@ -204,6 +272,23 @@ def test_import_matches_transformers(case, tmp_path, monkeypatch):
           f"float64 logits {d_logits:.1e}, loss {d_loss:.1e}, grads {d_grad:.1e}")
     assert ref_logits.dtype == torch.float64 and ref_logits.abs().max() > 1.0  # not a degenerate model
     assert d_logits < 1e-10 and d_loss < 1e-10 and d_grad < 1e-10
+
+
+def test_scaled_rotary_is_not_the_plain_one():
+    """Each SCALED model's logits differ from the same weights' with plain rotary at the test's
+    positions (else the import test could not tell a scaling applied from one ignored); dynamic's
+    equal them up to its max_position_embeddings (8 tokens)."""
+    tokens, _ = _tokens()
+    for case in SCALED:
+        torch.manual_seed(0)
+        scaled = _scaled(case).eval()
+        torch.manual_seed(0)
+        plain = _scaled(case, scaled=False).eval()
+        with torch.no_grad():
+            if case == "llama-dynamic":  # first: transformers' dynamic rotary keeps the longest length it saw
+                short = tokens[:, :8]
+                torch.testing.assert_close(scaled(input_ids=short).logits, plain(input_ids=short).logits)
+            assert _max(scaled(input_ids=tokens).logits, plain(input_ids=tokens).logits) > 1e-2, case
 
 
 def test_gpt2_hub_layout(tmp_path):
@@ -309,19 +394,71 @@ def test_refused_features():
     assert hf.model_fields_from_hf({**base, "model_type": "mistral", "sliding_window": None})["arch"] == "llama"
     with pytest.raises(ValueError, match="use_sliding_window"):
         hf.model_fields_from_hf({**base, "model_type": "qwen2", "use_sliding_window": True})
-    llama3 = {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0}
-    with pytest.raises(ValueError, match="rope scaling 'llama3'"):
-        hf.model_fields_from_hf({**base, "model_type": "llama", "rope_parameters": llama3})
-    with pytest.raises(ValueError, match="rope scaling 'linear'"):  # a transformers-4 file
-        hf.model_fields_from_hf({**base, "model_type": "llama", "rope_theta": 1e4,
-                                 "rope_scaling": {"type": "linear", "factor": 2.0}})
     assert hf.model_fields_from_hf({**base, "model_type": "llama", "rope_theta": 2e4})["rope_theta"] == 2e4
-    with pytest.raises(ValueError, match="head_dim=16"):
-        hf.model_fields_from_hf({**base, "model_type": "llama", "head_dim": 16})
+    # what the dense model lacks, by name, before anything is built (#30.7)
+    refused = {
+        "'longrope' is not supported": {"model_type": "llama", "rope_parameters": {
+            "rope_type": "longrope", "short_factor": [1.0] * 4, "long_factor": [2.0] * 4}},
+        "'su' is not supported": {"model_type": "llama", "rope_scaling": {"type": "su", "factor": 2.0}},
+        "partial_rotary_factor=0.5": {"model_type": "llama", "rope_parameters": {
+            "rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}},
+        r"per layer type \(full_attention, sliding_attention\)": {"model_type": "qwen3", "rope_parameters": {
+            "full_attention": {"rope_type": "default"}, "sliding_attention": {"rope_type": "default"}}},
+        r"'llama3' needs low_freq_factor, high_freq_factor": {"model_type": "llama", "max_position_embeddings": 64,
+                                                             "rope_parameters": {"rope_type": "llama3", "factor": 8.0}},
+        "num_local_experts=8: mixture-of-experts": {"model_type": "mistral", "sliding_window": None,
+                                                     "num_local_experts": 8},
+        "num_experts=4, num_experts_per_tok=2: mixture-of-experts": {"model_type": "qwen3", "num_experts": 4,
+                                                                     "num_experts_per_tok": 2},
+        "n_routed_experts=64": {"model_type": "llama", "n_routed_experts": 64},
+        "'qwen3': use_sliding_window: true": {"model_type": "qwen3", "use_sliding_window": True},
+        r"layer_types \['full_attention', 'sliding_attention'\]": {
+            "model_type": "qwen3", "layer_types": ["full_attention", "sliding_attention"]},
+        "'qwen3': attention_bias: true": {"model_type": "qwen3", "attention_bias": True},
+        "'llama': attention_bias: true": {"model_type": "llama", "attention_bias": True},
+        "'llama': mlp_bias: true": {"model_type": "llama", "mlp_bias": True},
+        "hidden_act 'gelu'": {"model_type": "qwen3", "hidden_act": "gelu"},
+        "no head_dim is given": {"model_type": "llama", "num_attention_heads": 5},
+    }
+    for words, fields in refused.items():
+        with pytest.raises(ValueError, match=words):
+            hf.model_fields_from_hf({**base, **fields})
     gpt2 = {"model_type": "gpt2", "vocab_size": V, "n_embd": 32, "n_head": 4, "n_layer": 2, "n_positions": 24}
     with pytest.raises(ValueError, match="activation_function 'relu'"):
         hf.model_fields_from_hf({**gpt2, "activation_function": "relu"})
     assert hf.model_fields_from_hf({**gpt2, "activation_function": "gelu_pytorch_tanh"})["activation"] == "gelu_tanh"
+
+
+def test_rotary_and_head_fields_from_config_json():
+    """transformers 5's ``rope_parameters``, a transformers-4 ``rope_scaling`` (``type``, the theta at the
+    top level), the defaults transformers fills in (yarn's and llama3's original length, Qwen3's head of
+    128), and the fields back in ``config.json`` (``hf_config``) as transformers writes them."""
+    base = {"vocab_size": V, "hidden_size": 32, "num_attention_heads": 4, "num_hidden_layers": 2,
+            "intermediate_size": 40, "max_position_embeddings": 128}
+    llama3 = {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8, "low_freq_factor": 1, "high_freq_factor": 4,
+              "original_max_position_embeddings": 64}
+    got = hf.model_fields_from_hf({**base, "model_type": "llama", "rope_parameters": llama3})
+    assert got["rope_theta"] == 5e5 and got["max_positions"] == 128 and got["rope_scaling"] == {
+        "rope_type": "llama3", "factor": 8.0, "original_max_position_embeddings": 64, "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0}
+    legacy = hf.model_fields_from_hf({**base, "model_type": "qwen2", "rope_theta": 1e6,
+                                      "rope_scaling": {"type": "yarn", "factor": 4.0}})
+    assert legacy["rope_theta"] == 1e6 and legacy["rope_scaling"] == {
+        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128, "truncate": True}
+    dynamic = {"rope_type": "dynamic", "factor": 2.0}
+    assert hf.model_fields_from_hf({**base, "model_type": "llama", "rope_parameters": dynamic})["rope_scaling"] == \
+        dynamic
+    qwen3 = hf.model_fields_from_hf({**base, "model_type": "qwen3"})
+    assert (qwen3["head_dim"], qwen3["qk_norm"], qwen3["qkv_bias"]) == (128, True, False)
+    assert hf.model_fields_from_hf({**base, "model_type": "llama", "head_dim": 8})["head_dim"] is None  # = 32/4
+    for fields in ({**got, "seq_len": 16}, {**qwen3, "seq_len": 16, "rope_scaling": got["rope_scaling"]}):
+        cfg = make_config({"model": fields}).model
+        written = hf.hf_config(cfg, torch.float32)
+        assert written["rope_parameters"] == {**cfg.rope_scaling.model_dump(exclude_none=True),
+                                              "rope_theta": cfg.rope_theta}
+        assert written["max_position_embeddings"] == 128 and written["head_dim"] == cfg.head_size
+        back = make_config({"model": {**hf.model_fields_from_hf(written), "seq_len": 16}}).model
+        assert back == cfg, (back, cfg)
 
 
 def test_missing_and_wrong_shaped_tensor(saved):

@@ -2,9 +2,10 @@
 
 Used by :mod:`.load` for ``model.pretrained`` (before any field is validated, so the rules see
 the checkpoint's shape) and by ``models/hf.py``. The ``model_type`` picks the family
-(:mod:`parallel4d.models.registry`: ``llama``, ``mistral`` and ``qwen2`` become ``arch: llama``;
+(:mod:`parallel4d.models.registry`: ``llama``, ``mistral``, ``qwen2`` and ``qwen3`` become ``arch: llama``;
 ``gpt2`` stays ``gpt2``), whose spec maps the rest; anything else, or a feature the dense models
-lack (sliding windows, rope scaling, other activations), is a ``ValueError`` saying which.
+lack (sliding windows, mixtures of experts, per-layer or other rotary types, other activations), is a
+``ValueError`` saying which.
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ def model_fields_from_hf(config: dict) -> dict:
     ``seq_len`` (a training choice) and ``init_std`` are left out; :func:`hf_max_positions` gives
     the checkpoint's positions (a hard limit for gpt2's learned table). ``ValueError`` for a
     ``model_type`` no family loads or a feature the dense model lacks (sliding-window
-    attention, rope scaling, other activations, biases Llama's attention/MLP may have).
+    attention, mixtures of experts, per-layer or unsupported rotary, other activations, biases
+    Llama's attention/MLP may have).
     """
     mt = config.get("model_type")
     family = spec_for_hf(mt)
@@ -41,6 +43,10 @@ def mismatches(fields: dict, values: dict) -> list[tuple[str, object, object]]:
     """``(field, value, the checkpoint's)`` for each of :func:`model_fields_from_hf`'s ``fields``
     that ``values`` holds with another value (floats to 1e-9 relative)."""
     def same(a, b):
+        if isinstance(a, dict) and isinstance(b, dict):  # model.rope_scaling: its unset keys are None
+            return a.keys() - {k for k, v in a.items() if v is None} == b.keys() - {k for k, v in b.items()
+                                                                                    if v is None} \
+                and all(same(a[k], v) for k, v in b.items() if v is not None)
         return math.isclose(a, b, rel_tol=1e-9) if isinstance(b, float) and isinstance(a, (int, float)) else a == b
 
     return [(k, values[k], v) for k, v in fields.items() if k in values and not same(values[k], v)]

@@ -278,13 +278,20 @@ def model_shape_changes(saved: dict, model: ModelConfig) -> list[str]:
     def get(field: str) -> Any:
         if field == "kv_heads":
             return saved.get("kv_heads") or saved.get("heads")
+        if field == "head_dim":  # a checkpoint's model: section written before the field existed has none
+            return saved.get("head_dim") or (saved["hidden"] // saved["heads"] if saved.get("hidden") and
+                                             saved.get("heads") else None)
+        if field == "qk_norm":
+            return saved.get("qk_norm", False)
         if field == "intermediate_size":
             return saved.get("intermediate_size") or (saved.get("mlp_ratio") or 0) * (saved.get("hidden") or 0)
         return saved.get(field)
 
-    ours = {"kv_heads": model.kv_heads_or_heads, "intermediate_size": model.mlp_width}
-    fields = ["arch", "vocab_size", "hidden", "heads", "kv_heads", "layers", "intermediate_size", "tie_embeddings",
-              "qkv_bias"] + (["seq_len"] if spec(model.arch).learned_positions else [])  # a table of positions
+    ours = {"kv_heads": model.kv_heads_or_heads, "intermediate_size": model.mlp_width, "head_dim": model.head_size,
+            "qk_norm": model.qk_norm}
+    fields = ["arch", "vocab_size", "hidden", "heads", "kv_heads", "head_dim", "layers", "intermediate_size",
+              "tie_embeddings", "qkv_bias", "qk_norm"] + (["seq_len"] if spec(model.arch).learned_positions
+                                                          else [])  # a table of positions
     return [f"model.{f}={get(f)!r} there, {ours.get(f, getattr(model, f))!r} here" for f in fields
             if get(f) is not None and get(f) != ours.get(f, getattr(model, f))]
 

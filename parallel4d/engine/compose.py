@@ -96,8 +96,9 @@ def build_stages(cfg: Config, mesh: Mesh, wanted=None, untie: bool = False):
                                             overlap=cfg.tensor2d.overlap)
         elif attention_fn is not None:
             block.attn.attention_fn = attention_fn
-        if fam.positions == "attention" and positions is not None:  # the shard's tokens are rotated by their global positions
-            (block if tp else block.attn).positions = positions
+        if fam.positions == "attention" and positions is not None:  # the shard's tokens are rotated by their global
+            target = block if tp else block.attn  # positions, in a sequence of the whole length (dynamic rotary)
+            target.positions, target.length = positions, cfg.model.seq_len
         if cfg.train.compile == "blocks":
             compile_block(block, eager_layers=cfg.hetero.enabled)
         if cfg.train.activation_checkpointing == "blocks":

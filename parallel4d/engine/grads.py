@@ -39,11 +39,11 @@ def average_gradients(params: list[nn.Parameter], mesh: Mesh, timeout_s: float) 
 
 def norm_weight(p: nn.Parameter, q: int, tied_copies: set[int]) -> float:
     """How much of ``p``'s squared gradient norm this rank contributes to the whole model's, so
-    that summing over tp and pp counts each dense element once: 1/q for a parameter replicated over
-    the grid rows (``tensor2d_replicated_over``), 1/2 for a tied copy held on two pp ranks
-    (``tied_copies``: ids), else 1."""
+    that summing over tp and pp counts each dense element once: 1/q for each grid axis a parameter
+    is replicated over (``tensor2d_replicated_over``: the rows, or rows and columns), 1/2 for a tied
+    copy held on two pp ranks (``tied_copies``: ids), else 1."""
     w = 1.0
-    if "tp_row" in getattr(p, "tensor2d_replicated_over", ()):
+    for _ in getattr(p, "tensor2d_replicated_over", ()):
         w /= q
     if id(p) in tied_copies:
         w /= 2

@@ -144,7 +144,8 @@ def _check_config(directory: Path, model_cfg) -> None:
     if not path.is_file():
         return
     hf = json.loads(path.read_text())
-    ours = {**model_cfg.model_dump(), "kv_heads": model_cfg.kv_heads_or_heads, "intermediate_size": model_cfg.mlp_width}
+    ours = {**model_cfg.model_dump(), "kv_heads": model_cfg.kv_heads_or_heads, "intermediate_size": model_cfg.mlp_width,
+            "max_positions": model_cfg.positions}
     wrong = [f"{k}={v!r} (the checkpoint's {theirs!r})" for k, v, theirs in mismatches(model_fields_from_hf(hf), ours)]
     if wrong:
         raise ValueError(f"{path} does not describe model: " + ", ".join(f"model.{w}" for w in wrong))
@@ -238,7 +239,8 @@ def load_pieces(pieces: dict[str, list], directory, model_cfg) -> int:
 
 def hf_config(model_cfg, dtype: torch.dtype) -> dict:
     """The ``config.json`` of :func:`save_hf`: the family spec's ``hf_config`` (gpt2 →
-    ``GPT2LMHeadModel``; llama → ``LlamaForCausalLM``, or ``Qwen2ForCausalLM`` with ``qkv_bias``)
+    ``GPT2LMHeadModel``; llama → ``LlamaForCausalLM``, ``Qwen2ForCausalLM`` with ``qkv_bias``, ``Qwen3ForCausalLM``
+    with ``qk_norm``)
     around the keys every family writes: no bos/eos ids (the dense model has neither), ``dtype``."""
     m = model_cfg
     common = {"vocab_size": m.vocab_size, "tie_word_embeddings": m.tie_embeddings, "initializer_range": m.init_std,

@@ -31,17 +31,18 @@ built from this package's layers, each stage mirroring its dense module attribut
 4. Gradients: every parameter's ``.grad`` after backward is the exact dense gradient of
    its local block — parameters replicated over grid rows (``tensor2d_replicated_over ==
    ("tp_row",)``: all biases, norm gains/biases, the position table) get their
-   gradient summed over ``mesh.group("tp_row")`` inside the backward. Nothing is
-   replicated over ``tp_col``. The engine only averages over ``dp`` as usual, and a
+   gradient summed over ``mesh.group("tp_row")`` inside the backward; a per-head norm's
+   weight (``HeadRMSNorm2D``, Qwen3's q and k norms) is on every grid rank,
+   ``("tp_row", "tp_col")``, its gradient summed over both. The engine only averages over ``dp`` as usual, and a
    plain optimizer (e.g. AdamW, weight decay included) on the local tensors equals the
    dense one, since replicas see identical parameters and gradients. A global gradient
    norm must count replicated parameters once (divide their squared norm by q when
-   summing over the grid).
+   summing over the grid, by q² for one on every grid rank).
 5. ``dense_state_dict()`` / ``dense_grads()`` on each converted stage (a :class:`Composite2D`)
    gather the dense tensors under the dense module's keys (collective over the grid).
 
 Public API: ``summa_ab, summa_abt, summa_atb`` (autograd; backward of each uses the
-other two), ``Linear2D, LayerNorm2D, RMSNorm2D, Embedding2D, VocabParallelEmbedding2D, LMHead2D,
+other two), ``Linear2D, LayerNorm2D, RMSNorm2D, HeadRMSNorm2D, Embedding2D, VocabParallelEmbedding2D, LMHead2D,
 VocabParallelCrossEntropy2D`` (``from_dense`` / ``to_dense``), ``Composite2D, Head2D, sdpa_attention,
 loss_2d``, ``scatter_2d, gather_2d, split_batch``, ``check_tensor2d``. This package never imports a
 model: the families import it.
@@ -50,13 +51,14 @@ model: the families import it.
 from parallel4d.tensor2d.checks import check_tensor2d
 from parallel4d.tensor2d.composite import Composite2D, Head2D, loss_2d, sdpa_attention
 from parallel4d.tensor2d.grid import Grid, gather_2d, scatter_2d, split_batch
-from parallel4d.tensor2d.layers import (Embedding2D, LayerNorm2D, Linear2D, RMSNorm2D, LMHead2D, VocabParallelCrossEntropy2D,
-                     VocabParallelEmbedding2D, vocab_parallel_cross_entropy)
+from parallel4d.tensor2d.layers import (Embedding2D, HeadRMSNorm2D, LayerNorm2D, Linear2D, RMSNorm2D, LMHead2D,
+                                       VocabParallelCrossEntropy2D, VocabParallelEmbedding2D,
+                                       vocab_parallel_cross_entropy)
 from parallel4d.tensor2d.summa import summa_ab, summa_abt, summa_atb
 
 __all__ = [
     "summa_ab", "summa_abt", "summa_atb",
-    "Linear2D", "LayerNorm2D", "RMSNorm2D", "Embedding2D", "VocabParallelEmbedding2D", "LMHead2D",
+    "Linear2D", "LayerNorm2D", "RMSNorm2D", "HeadRMSNorm2D", "Embedding2D", "VocabParallelEmbedding2D", "LMHead2D",
     "VocabParallelCrossEntropy2D", "vocab_parallel_cross_entropy",
     "Composite2D", "Head2D", "loss_2d", "sdpa_attention",
     "scatter_2d", "gather_2d", "split_batch", "Grid", "check_tensor2d",

@@ -93,6 +93,14 @@ def replicated_over_rows(p, grid: Grid, label: str):
     return _SumGradAlong.apply(p, grid.along_i, grid.stats, label)
 
 
+@comm.eager
+def replicated_over_grid(p, grid: Grid, label: str):
+    """Use parameter ``p`` (identical on every rank of the grid) so that its gradient is the sum
+    over the whole grid: over my column (``along_i``), then my row (``along_j``)."""
+    p = _SumGradAlong.apply(p, grid.along_i, grid.stats, label)
+    return _SumGradAlong.apply(p, grid.along_j, grid.stats, label)
+
+
 class _ReduceScatterBatch(torch.autograd.Function):
     """Sum over ``along_i`` and keep batch block i (dim 0); backward all-gathers."""
 

@@ -12,9 +12,10 @@ layer                          local parameter                                 s
 ``Embedding2D``                weight ``[V, h/q]`` = hidden block j             replicated over rows
 ``VocabParallelEmbedding2D``   weight ``[V/q, h/q]`` = (E ``[V, h]``)_ij        unique
 ``LMHead2D``                   weight ``[V/q, h/q]`` = (E ``[V, h]``)_ij        unique (may be tied)
+``HeadRMSNorm2D``              weight ``[d]`` (one head's width), whole         replicated over the grid
 =============================  =============================================  =======================
 
-Every parameter carries ``tensor2d_replicated_over``: ``()`` or ``("tp_row",)``
+Every parameter carries ``tensor2d_replicated_over``: ``()``, ``("tp_row",)`` or ``("tp_row", "tp_col")``
 (for gradient-norm clipping). Each layer has ``from_dense(module, mesh)`` (slices
 locally, no communication), ``to_dense()`` / ``dense_state_dict()`` / ``dense_grads()``
 (gather over the grid; collective: every grid rank must call them) and
@@ -35,7 +36,7 @@ from parallel4d.distributed import comm
 from parallel4d.tensor2d.checks import check_divisible
 from parallel4d.tensor2d.cross_entropy import VocabParallelCE
 from parallel4d.tensor2d.grid import (Grid, block_of, gather_blocks, gather_columns,
-                                      reduce_scatter_batch, replicated_over_rows)
+                                      reduce_scatter_batch, replicated_over_grid, replicated_over_rows)
 from parallel4d.tensor2d.layer_base import HALF, DenseLayout, Layer2D, block_layout, box_at, index_runs, new_param
 from parallel4d.tensor2d.summa import summa_ab, summa_abt
 
@@ -207,6 +208,37 @@ class RMSNorm2D(Layer2D):
 
     def dense_layout(self) -> dict[str, DenseLayout]:
         return {"weight": ((self.hidden,), box_at(self.grid.j * (self.hidden // self.grid.q)))}
+
+
+class HeadRMSNorm2D(Layer2D):
+    """RMSNorm over the last dimension of whole heads (``[..., heads/q, d]``: Qwen3's q and k norms),
+    its weight ``[d]`` on every grid rank. No forward communication (each head is whole here); the
+    backward sums the weight's gradient over the grid (rows: other batch blocks, columns: other heads)."""
+
+    def __init__(self, width: int, mesh, eps: float = 1e-6, *, name: str = "head_rmsnorm", dtype=None, device=None):
+        super().__init__(mesh, name)
+        self.width, self.eps = width, eps
+        self.weight = new_param(torch.ones(width, dtype=dtype, device=device or mesh.device), ("tp_row", "tp_col"))
+
+    @classmethod
+    def from_dense(cls, module: nn.Module, mesh, *, name: str = "head_rmsnorm") -> "HeadRMSNorm2D":
+        """From a module with ``weight [d]`` and ``eps``."""
+        (width,) = tuple(module.weight.shape)
+        self = cls(width, mesh, eps=module.eps, name=name, dtype=module.weight.dtype, device=module.weight.device)
+        with torch.no_grad():
+            self.weight.copy_(module.weight.detach())
+        return self
+
+    def forward(self, x):
+        xf = x.to(torch.promote_types(x.dtype, torch.float32))
+        y = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+        return replicated_over_grid(self.weight, self.grid, f"{self.name}.weight.grad") * y
+
+    def _dense(self, get):
+        return {"weight": get(self.weight)}
+
+    def dense_layout(self) -> dict[str, DenseLayout]:
+        return {"weight": ((self.width,), box_at(0))}
 
 
 class Embedding2D(Layer2D):

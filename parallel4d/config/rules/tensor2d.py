@@ -47,13 +47,15 @@ def heads_problems(heads: int, hidden: int, q: int = 1, heads_field: str = FIELD
     return out
 
 
-def tensor2d_problems(q: int, hidden: int, heads: int, vocab: int, names: Optional[dict] = None) -> list[str]:
+def tensor2d_problems(q: int, hidden: int, heads: int, vocab: int, names: Optional[dict] = None,
+                      head_dim: Optional[int] = None) -> list[str]:
     """A GPT split over a q×q grid: ``hidden`` and ``vocab`` in q blocks (weights, activations
-    ``h/q``; vocab-parallel embedding, head and loss), whole heads per grid column."""
+    ``h/q``; vocab-parallel embedding, head and loss), whole heads per grid column (of ``head_dim``
+    each when set, else ``hidden/heads``)."""
     n = {**FIELD_NAMES, **(names or {})}
     by, alt = f"q={q} ({n['tp']}={q * q} is a {q}×{q} grid)", f" or a smaller {n['tp']}"
     out = [not_divisible(n["hidden"], hidden, q, by, alt=alt)]
-    out += heads_problems(heads, hidden, q, n["heads"], n["hidden"])
+    out += heads_problems(heads, heads * head_dim if head_dim else hidden, q, n["heads"], n["hidden"])
     out.append(not_divisible(n["vocab"], vocab, q, by, alt=alt))
     return [p for p in out if p]
 
@@ -61,4 +63,4 @@ def tensor2d_problems(q: int, hidden: int, heads: int, vocab: int, names: Option
 def grid_problems(cfg: Config) -> list[str]:
     """The job's model on its ``parallel.tp`` grid (:func:`tensor2d_problems`)."""
     m = cfg.model
-    return tensor2d_problems(cfg.parallel.q, m.hidden, m.heads, m.vocab_size)
+    return tensor2d_problems(cfg.parallel.q, m.hidden, m.heads, m.vocab_size, head_dim=m.head_dim)

@@ -31,11 +31,10 @@ deepspeed_comm = importlib.import_module("deepspeed.comm.torch")
 def tag_parameters(model: nn.Module, mesh: Mesh, tied_copies=()) -> None:
     """Set ``tensor_model_parallel`` (and ``ds_pipe_replicated`` on ``tied_copies``, the
     pipeline's second copies of tied tables) so DeepSpeed counts every dense element once."""
-    on_first_row = mesh.rank("tp_row") == 0
+    first = {"tp_row": mesh.rank("tp_row") == 0, "tp_col": mesh.rank("tp_col") == 0}
     copies = {id(p) for p in tied_copies}
-    for p in model.parameters():
-        row_replica = "tp_row" in getattr(p, "tensor2d_replicated_over", ())
-        p.tensor_model_parallel = on_first_row or not row_replica
+    for p in model.parameters():  # a grid replica counts on the first row (and column) of what it spans
+        p.tensor_model_parallel = all(first[a] for a in getattr(p, "tensor2d_replicated_over", ()))
         p.ds_pipe_replicated = id(p) in copies
 
 

@@ -32,7 +32,8 @@ def problems(m: ModelConfig, q: int) -> list[str]:
         out.append(f"model.kv_heads={m.kv_heads} with model.arch=gpt2: grouped-query attention is llama's; "
                    "remove model.kv_heads or set model.arch=llama")
     out += [f"model.{f}={getattr(m, f)} is a llama field and model.arch=gpt2 does not read it; remove it or "
-            "set model.arch=llama" for f in ("rope_theta", "qkv_bias") if getattr(m, f) != defaults[f].default]
+            "set model.arch=llama" for f in ("rope_theta", "qkv_bias", "head_dim", "qk_norm", "rope_scaling")
+            if getattr(m, f) != defaults[f].default]
     if m.intermediate_size not in (None, m.mlp_ratio * m.hidden):
         out.append(f"model.intermediate_size={m.intermediate_size} with model.arch=gpt2: its MLP is "
                    f"model.mlp_ratio·hidden = {m.mlp_ratio * m.hidden} wide; set model.mlp_ratio or remove "

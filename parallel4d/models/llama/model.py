@@ -6,9 +6,12 @@ window, Qwen2 with ``qkv_bias``). Module and parameter names inside a block are 
 checkpoint maps onto it name by name (:mod:`.spec`'s ``hf_names``).
 
 Shapes (dense): tokens ``[b, s]`` → hidden ``[b, s, h]`` → logits ``[b, s, V]``; q
-``[b, heads, s, d]``, k and v ``[b, kv_heads, s, d]`` with ``d = h / heads``. Rotary
-embeddings rotate q and k by their token's *global* position (``Attention.positions``; the
-engine sets a sequence shard's), so a shard of the sequence rotates as in the whole.
+``[b, heads, s, d]``, k and v ``[b, kv_heads, s, d]`` with ``d = head_dim`` (``h / heads``
+unless set: Qwen3's is wider). Qwen3 (``qk_norm``) normalises each head's q and k (RMSNorm over
+``d``, ``q_norm`` / ``k_norm``) before the rotary. Rotary embeddings (:mod:`.rotary`, scaled or not)
+rotate q and k by their token's *global* position (``Attention.positions``; the engine sets a
+sequence shard's, and ``Attention.length``, the whole sequence's), so a shard of the sequence
+rotates as in the whole.
 Stages: ``embed, block_0..block_{L-1}, head`` (:mod:`parallel4d.models.stages`).
 """
 
@@ -22,6 +25,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from parallel4d.models.llama.rotary import Rotary, Scaling, rotate
 from parallel4d.models.stages import DenseModel, cached_attention, seeded_stage
 
 if TYPE_CHECKING:
@@ -47,10 +51,18 @@ class LlamaShape:
     rope_theta: float = 10000.0
     qkv_bias: bool = False  # Qwen2's q, k, v projections have biases
     causal: bool = True
+    head_width: int | None = None  # model.head_dim (None: hidden / heads)
+    qk_norm: bool = False  # Qwen3's RMSNorm of each head's q and k
+    max_positions: int | None = None  # model.max_positions (None: seq_len), what rotary scaling reads
+    rope_scaling: Scaling | None = None
 
     @property
     def head_dim(self) -> int:
-        return self.hidden // self.heads
+        return self.head_width or self.hidden // self.heads
+
+    @property
+    def rotary(self) -> Rotary:
+        return Rotary(self.head_dim, self.rope_theta, self.rope_scaling, self.max_positions or self.seq_len)
 
 
 def dense_attention(q, k, v, causal: bool = True):
@@ -73,19 +85,6 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
 
-def rotary(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
-    """``x`` ``[b, heads, s, d]`` rotated by ``positions`` ``[s]`` (the half-split convention of
-    Hugging Face's Llama: dimension ``i`` pairs with ``i + d/2``)."""
-    d = x.shape[-1]
-    wide = torch.promote_types(x.dtype, torch.float32)
-    inv_freq = 1.0 / (theta ** (torch.arange(0, d, 2, device=x.device, dtype=torch.int64).to(wide) / d))
-    angles = positions.to(device=x.device, dtype=wide)[:, None] * inv_freq[None, :]  # [s, d/2]
-    emb = torch.cat((angles, angles), dim=-1)
-    cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
-    x1, x2 = x[..., : d // 2], x[..., d // 2:]
-    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
-
-
 class Embedding(nn.Module):
     """Token embedding (positions enter through the rotary attention): ``[b, s]`` → ``[b, s, h]``."""
 
@@ -100,29 +99,41 @@ class Embedding(nn.Module):
 class Attention(nn.Module):
     """Grouped-query self-attention with rotary q, k: ``[b, s, h]`` → ``[b, s, h]``; the core is
     ``attention_fn(q, k, v, causal=...)``. ``positions`` ``[s]``: the tokens' global positions
-    (None: ``0..s-1``)."""
-
-    rotary = staticmethod(rotary)  # the 2D block rotates with the same function
+    (None: ``0..s-1``) in a sequence of ``length`` tokens (None: ``s``; dynamic rotary reads it)."""
 
     def __init__(self, shape: LlamaShape, attention_fn=dense_attention):
         super().__init__()
         d = shape.head_dim
-        self.heads, self.kv_heads, self.theta, self.causal = shape.heads, shape.kv_heads, shape.rope_theta, shape.causal
+        self.heads, self.kv_heads, self.causal = shape.heads, shape.kv_heads, shape.causal
+        self.rotary = shape.rotary  # the 2D block and decoding rotate with it too
         self.q_proj = nn.Linear(shape.hidden, shape.heads * d, bias=shape.qkv_bias)
         self.k_proj = nn.Linear(shape.hidden, shape.kv_heads * d, bias=shape.qkv_bias)
         self.v_proj = nn.Linear(shape.hidden, shape.kv_heads * d, bias=shape.qkv_bias)
         self.o_proj = nn.Linear(shape.heads * d, shape.hidden, bias=False)
+        if shape.qk_norm:  # one gain per head dimension, shared by the heads
+            self.q_norm, self.k_norm = RMSNorm(d, shape.norm_eps), RMSNorm(d, shape.norm_eps)
+        self.qk_norm = shape.qk_norm
         self.attention_fn = attention_fn
         self.positions: torch.Tensor | None = None
+        self.length: int | None = None
+
+    def heads_of(self, x, t: int):
+        """q ``[b, heads, t, d]``, k and v ``[b, kv_heads, t, d]`` of ``x`` ``[b, t, h]`` (q and k
+        normalised per head under ``qk_norm``; not yet rotated)."""
+        b = x.shape[0]
+        q = self.q_proj(x).view(b, t, self.heads, -1)
+        k = self.k_proj(x).view(b, t, self.kv_heads, -1)
+        v = self.v_proj(x).view(b, t, self.kv_heads, -1)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
 
     def forward(self, x):
         b, s, _ = x.shape
-        q = self.q_proj(x).view(b, s, self.heads, -1).transpose(1, 2)
-        k = self.k_proj(x).view(b, s, self.kv_heads, -1).transpose(1, 2)
-        v = self.v_proj(x).view(b, s, self.kv_heads, -1).transpose(1, 2)
+        q, k, v = self.heads_of(x, s)
         pos = self.positions if self.positions is not None else torch.arange(s, device=x.device)
-        q, k = self.rotary(q, pos, self.theta), self.rotary(k, pos, self.theta)
-        y = self.attention_fn(q, k, v, causal=self.causal)  # [b, heads, s, d]
+        cos, sin = self.rotary.table(pos, self.length or s, q.dtype)
+        y = self.attention_fn(rotate(q, cos, sin), rotate(k, cos, sin), v, causal=self.causal)  # [b, heads, s, d]
         return self.o_proj(y.transpose(1, 2).reshape(b, s, -1))
 
 
@@ -213,7 +224,8 @@ def shape_from_config(m: ModelConfig, causal: bool = True) -> LlamaShape:
     return LlamaShape(vocab_size=m.vocab_size, seq_len=m.seq_len, hidden=m.hidden, heads=m.heads,
                       kv_heads=m.kv_heads_or_heads, layers=m.layers, intermediate_size=m.mlp_width,
                       tie_embeddings=m.tie_embeddings, norm_eps=m.norm_eps, init_std=m.init_std,
-                      rope_theta=m.rope_theta, qkv_bias=m.qkv_bias, causal=causal)
+                      rope_theta=m.rope_theta, qkv_bias=m.qkv_bias, causal=causal, head_width=m.head_dim,
+                      qk_norm=m.qk_norm, max_positions=m.positions, rope_scaling=Scaling.of(m.rope_scaling))
 
 
 # --- decoding with a KV cache (parallel4d generate): the dense modules' own projections, one new token at a time
@@ -225,15 +237,14 @@ def decode_embed(embed: Embedding, tokens, start: int):
 
 def decode_block(block: Block, x, kv, start: int):
     """``(block output [b, t, h], (k, v) extended by the t new tokens)``, q and k rotated by their
-    positions ``start..start+t-1``; ``kv``: the cache (None: empty)."""
+    positions ``start..start+t-1`` in a sequence of ``start + t`` tokens so far (dynamic rotary: the
+    new tokens' frequencies are those of that length, the cached keys keep theirs, as in
+    transformers' ``generate``); ``kv``: the cache (None: empty)."""
     b, t, _ = x.shape
     attn = block.self_attn
-    h = block.input_layernorm(x)
-    q = attn.q_proj(h).view(b, t, attn.heads, -1).transpose(1, 2)
-    k = attn.k_proj(h).view(b, t, attn.kv_heads, -1).transpose(1, 2)
-    v = attn.v_proj(h).view(b, t, attn.kv_heads, -1).transpose(1, 2)
-    pos = torch.arange(start, start + t, device=x.device)
-    q, k = attn.rotary(q, pos, attn.theta), attn.rotary(k, pos, attn.theta)
+    q, k, v = attn.heads_of(block.input_layernorm(x), t)
+    cos, sin = attn.rotary.table(torch.arange(start, start + t, device=x.device), start + t, q.dtype)
+    q, k = rotate(q, cos, sin), rotate(k, cos, sin)
     if kv is not None:
         k, v = torch.cat((kv[0], k), 2), torch.cat((kv[1], v), 2)
     y = cached_attention(q, k, v, start)

@@ -1,9 +1,12 @@
 """``model.arch: llama`` without torch: fields, rules, Hugging Face mapping, parameters and FLOPs.
 
-The Llama family: pre-norm blocks with RMSNorm, rotary embeddings (no position table), grouped-query
-attention (``kv_heads`` key/value heads for ``heads`` query heads), a SwiGLU MLP ``intermediate_size``
-wide, no biases but Qwen2's on q, k, v (``qkv_bias``), an LM head of its own by default. Hugging Face
-``model_type`` llama, mistral (without a sliding window) and qwen2 load as this family.
+The Llama family: pre-norm blocks with RMSNorm, rotary embeddings (no position table; scaled as
+``rope_scaling`` says: linear, dynamic, yarn, llama3), grouped-query attention (``kv_heads`` key/value
+heads for ``heads`` query heads of ``head_dim`` each), a SwiGLU MLP ``intermediate_size`` wide, no
+biases but Qwen2's on q, k, v (``qkv_bias``), Qwen3's RMSNorm of each head's q and k (``qk_norm``), an
+LM head of its own by default. Hugging Face ``model_type`` llama, mistral (without a sliding window),
+qwen2 and qwen3 load as this family; what the dense model lacks (sliding windows, mixtures of experts,
+per-layer rotary, other rotary types, biases but Qwen2's) is refused by name.
 """
 
 from __future__ import annotations
@@ -20,8 +23,45 @@ _BLOCK = ("input_layernorm.weight", *(f"self_attn.{p}_proj.weight" for p in "qkv
           "post_attention_layernorm.weight", *(f"mlp.{p}_proj.weight" for p in ("gate", "up", "down")))
 
 
+# What each model.rope_scaling.rope_type reads besides factor: (required, optional) — one home for the
+# validation, the Hugging Face mapping and models/llama/rotary.py's formulas
+ROPE_FIELDS = {
+    "linear": ((), ()),
+    "dynamic": ((), ()),  # reads max_positions (max_position_embeddings) and the sequence's length
+    "yarn": (("original_max_position_embeddings",),
+             ("beta_fast", "beta_slow", "attention_factor", "mscale", "mscale_all_dim", "truncate")),
+    "llama3": (("original_max_position_embeddings", "low_freq_factor", "high_freq_factor"), ()),
+}
+_ROPE_PARAMETERS = ("factor", "original_max_position_embeddings", "low_freq_factor", "high_freq_factor", "beta_fast",
+                    "beta_slow", "attention_factor", "mscale", "mscale_all_dim", "truncate")
+_MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "num_experts_per_tok", "moe_intermediate_size",
+             "n_shared_experts")
+
+
+def _rope_problems(m: ModelConfig) -> list[str]:
+    """Each rope_type's parameters there, no other's; llama3's two factors in order; dynamic's head size."""
+    rs = m.rope_scaling
+    if rs is None:
+        return []
+    kind, (required, optional) = rs.rope_type, ROPE_FIELDS[rs.rope_type]
+    out = [f"model.rope_scaling.{f} is missing: rope_type {kind} needs it (the checkpoint's rope_parameters "
+           f"hold it)" for f in required if getattr(rs, f) is None]
+    out += [f"model.rope_scaling.{f}={getattr(rs, f)} is not read by rope_type {kind} (it reads factor"
+            f"{''.join(', ' + x for x in required + optional)}); remove it" for f in _ROPE_PARAMETERS[1:]
+            if f not in required + optional and getattr(rs, f) is not None]
+    if kind == "llama3" and None not in (rs.low_freq_factor, rs.high_freq_factor) and \
+            rs.high_freq_factor <= rs.low_freq_factor:
+        out.append(f"model.rope_scaling.high_freq_factor={rs.high_freq_factor} must exceed low_freq_factor="
+                   f"{rs.low_freq_factor} (llama3 blends the wavelengths between original/high and original/low)")
+    if kind == "dynamic" and m.head_size <= 2:
+        out.append(f"model.rope_scaling rope_type dynamic needs a head size above 2 (its base grows with the power "
+                   f"d/(d-2)); model.head_dim is {m.head_size}")
+    return out
+
+
 def problems(m: ModelConfig, q: int) -> list[str]:
-    """gpt2's activation set; key/value heads, head size and widths the attention and the ``q×q`` grid need."""
+    """gpt2's activation set; key/value heads, head size, widths the attention and the ``q×q`` grid need;
+    the rotary scaling's parameters."""
     out = []
     if m.activation != type(m).model_fields["activation"].default:
         out.append(f"model.activation={m.activation} is gpt2's (llama's MLP is SwiGLU); remove it")
@@ -29,19 +69,20 @@ def problems(m: ModelConfig, q: int) -> list[str]:
     if m.heads % kv:
         out.append(f"model.kv_heads={kv} must divide model.heads={m.heads} (each key/value head serves a group of "
                    f"query heads); use {or_list(d for d in divisors(m.heads) if d <= m.heads)}")
-    if m.hidden % m.heads == 0 and (m.hidden // m.heads) % 2:
-        out.append(f"model.hidden/model.heads = {m.hidden // m.heads} is odd, and rotary embeddings rotate pairs of "
-                   "dimensions; use an even head size")
+    if (m.head_dim or m.hidden % m.heads == 0) and m.head_size % 2:
+        out.append(f"the head size {m.head_size} (model.head_dim, else model.hidden/model.heads) is odd, and rotary "
+                   "embeddings rotate pairs of dimensions; use an even head size")
     by = f"q={q} (parallel.tp={q * q} is a {q}×{q} grid: each grid column holds whole key/value heads and an MLP block)"
     out += filter(None, [not_divisible("model.kv_heads", kv, q, by),
                          not_divisible("model.intermediate_size", m.mlp_width, q, by)])
-    return out
+    return out + _rope_problems(m)
 
 
 def _block_matrices(m: ModelConfig) -> int:
-    """Weights of one block's matrices: q and o ``h²`` each, k and v ``h·d·kv`` each, SwiGLU ``3·h·I``."""
-    h = m.hidden
-    return 2 * h * h + 2 * h * (h // m.heads) * m.kv_heads_or_heads + 3 * h * m.mlp_width
+    """Weights of one block's matrices: q and o ``h·a·d`` each, k and v ``h·d·kv`` each, SwiGLU ``3·h·I``
+    (``d`` the head size: ``h/a`` unless ``head_dim`` sets it)."""
+    h, d = m.hidden, m.head_size
+    return 2 * h * m.heads * d + 2 * h * d * m.kv_heads_or_heads + 3 * h * m.mlp_width
 
 
 def dense_parameters(m: ModelConfig) -> int:
@@ -51,73 +92,135 @@ def dense_parameters(m: ModelConfig) -> int:
 
 def flops_per_token(m: ModelConfig) -> float:
     """:func:`~parallel4d.models.spec.training_flops` of the block matrices and the LM head ``V·h``;
-    the attention's width is that of the query heads (grouped keys are shared, not fewer products)."""
-    return training_flops(m.layers * _block_matrices(m) + m.vocab_size * m.hidden, m.layers, m.seq_len, m.hidden)
+    the attention's width is that of the query heads, ``a·d`` (grouped keys are shared, not fewer products)."""
+    return training_flops(m.layers * _block_matrices(m) + m.vocab_size * m.hidden, m.layers, m.seq_len,
+                          m.heads * m.head_size)
 
 
 def stage_flops(m: ModelConfig) -> list[float]:
     """:func:`flops_per_token` per stage (:func:`~parallel4d.models.spec.stage_training_flops`)."""
-    return stage_training_flops(_block_matrices(m), m.vocab_size * m.hidden, m.layers, m.seq_len, m.hidden)
+    return stage_training_flops(_block_matrices(m), m.vocab_size * m.hidden, m.layers, m.seq_len,
+                                m.heads * m.head_size)
 
 
-def _rope_theta(cfg: dict, model_type: str) -> float:
-    """The rotary base: transformers 5 writes ``rope_parameters: {rope_type, rope_theta}``, older
-    files ``rope_theta`` and ``rope_scaling`` (``type`` or ``rope_type``) at the top level."""
-    rope = cfg.get("rope_parameters") or {}
-    scaling = cfg.get("rope_scaling") or {}
-    kind = rope.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
-    if kind != "default":
-        refuse(model_type, f"rope scaling {kind!r} is not supported (only none/default: the dense model's plain RoPE)")
-    if rope and "rope_theta" not in rope:
-        refuse(model_type, f"rope_parameters {rope!r} without rope_theta (per-layer-type rotary) is not supported")
-    return float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+def _rope_parameters(c: dict, mt: str) -> dict:
+    """The rotary's settings as transformers 5 reads them: ``rope_parameters`` (its own files), else a
+    legacy ``rope_scaling`` (which wins when both are there, as in transformers), with ``type`` for
+    ``rope_type`` and ``rope_theta`` at the top level. A nested dict (per-layer-type rotary) is refused."""
+    rope = dict(c.get("rope_scaling") or c.get("rope_parameters") or {})
+    nested = sorted(k for k, v in rope.items() if isinstance(v, dict))
+    if nested:
+        refuse(mt, f"rope_parameters per layer type ({', '.join(nested)}) are not supported: the dense model has "
+                   "one rotary for every layer")
+    rope.setdefault("rope_type", rope.pop("type", "default"))
+    rope.setdefault("rope_theta", c.get("rope_theta", 10000.0))
+    return rope
 
 
-def fields_from_hf(c: dict) -> dict:
-    """A llama, mistral or qwen2 ``config.json`` → ``model:`` fields (``ValueError`` for sliding-window
-    attention, rope scaling, other activations, biases the dense model lacks, another head size)."""
-    mt = c.get("model_type")
+def _rope_fields(c: dict, mt: str) -> dict:
+    """``rope_theta`` and ``rope_scaling`` of a ``config.json`` (``ValueError`` for a rotary the dense model
+    lacks: another rope_type, a partial rotary, a parameter its type needs missing)."""
+    rope = _rope_parameters(c, mt)
+    kind = rope["rope_type"]
+    if kind not in ("default", *ROPE_FIELDS):
+        refuse(mt, f"rope_type {kind!r} is not supported (supported: default, {', '.join(ROPE_FIELDS)})")
+    if rope.get("partial_rotary_factor", 1.0) != 1.0:
+        refuse(mt, f"partial_rotary_factor={rope['partial_rotary_factor']} is not supported (every head dimension "
+                   "is rotated)")
+    out = {"rope_theta": float(rope["rope_theta"])}
+    if kind == "default":
+        return {**out, "rope_scaling": None}
+    required, optional = ROPE_FIELDS[kind]
+    if kind in ("yarn", "llama3"):  # transformers: the top-level key first, else max_position_embeddings
+        rope["original_max_position_embeddings"] = c.get("original_max_position_embeddings") or rope.get(
+            "original_max_position_embeddings") or need(c, "max_position_embeddings")
+    if kind == "yarn" and "factor" in rope and rope["factor"] is None:  # DeepSeek's: the two lengths' ratio
+        rope["factor"] = need(c, "max_position_embeddings") / rope["original_max_position_embeddings"]
+    if kind == "yarn":
+        rope["truncate"] = bool(rope.get("truncate", True))  # transformers: absent = true, null = false
+    missing = [k for k in ("factor", *required) if rope.get(k) is None]
+    if missing:
+        refuse(mt, f"rope_type {kind!r} needs {', '.join(missing)} in rope_parameters")
+    scaling = {k: rope[k] for k in ("factor", *required, *optional) if rope.get(k) is not None}
+    return {**out, "rope_scaling": {"rope_type": kind, **{k: v if isinstance(v, bool) or k.startswith("original")
+                                                          else float(v) for k, v in scaling.items()}}}
+
+
+def _refuse_unsupported(c: dict, mt: str) -> None:
+    """Named refusals of what the dense model lacks: sliding windows, per-layer attention types, mixtures
+    of experts, biases other than Qwen2's q, k, v ones, other activations."""
     if mt == "mistral" and c.get("sliding_window") is not None:
         refuse(mt, f"sliding_window={c['sliding_window']}: sliding-window attention is not supported (the dense "
                    "model attends to the whole causal prefix); only sliding_window: null loads")
-    if mt == "qwen2" and c.get("use_sliding_window", False):
+    if mt in ("qwen2", "qwen3") and c.get("use_sliding_window", False):
         refuse(mt, "use_sliding_window: true: sliding-window attention is not supported")
     if any(t != "full_attention" for t in c.get("layer_types") or ()):
         refuse(mt, f"layer_types {sorted(set(c['layer_types']))} are not supported (only full_attention)")
+    moe = [k for k in _MOE_KEYS if c.get(k)]
+    if moe:
+        refuse(mt, f"{', '.join(f'{k}={c[k]}' for k in moe)}: mixture-of-experts layers are not supported (the "
+                   "dense model has one SwiGLU MLP per block)")
     if c.get("hidden_act", "silu") != "silu":
         refuse(mt, f"hidden_act {c['hidden_act']!r} is not supported (the dense MLP is SwiGLU with silu)")
-    if mt == "llama" and (c.get("attention_bias", False) or c.get("mlp_bias", False)):
-        refuse(mt, "attention_bias/mlp_bias is not supported (the dense model has only Qwen2's q, k, v biases)")
+    if mt in ("llama", "qwen3") and c.get("attention_bias", False):
+        refuse(mt, "attention_bias: true is not supported (it puts a bias on o_proj too; the dense model has only "
+                   "Qwen2's q, k, v biases)")
+    if c.get("mlp_bias", False):
+        refuse(mt, "mlp_bias: true is not supported (the dense MLP has no biases)")
+
+
+def fields_from_hf(c: dict) -> dict:
+    """A llama, mistral, qwen2 or qwen3 ``config.json`` → ``model:`` fields (``ValueError`` for what the
+    dense model lacks: :func:`_refuse_unsupported`, a rotary other than plain / linear / dynamic / yarn /
+    llama3)."""
+    mt = c.get("model_type")
+    _refuse_unsupported(c, mt)
     h, heads = need(c, "hidden_size"), need(c, "num_attention_heads")
-    if h % heads or c.get("head_dim") not in (None, h // heads):
-        refuse(mt, f"head_dim={c.get('head_dim')} with hidden_size={h}, num_attention_heads={heads} is not "
-                   "supported (head_dim must be hidden_size/num_attention_heads)")
+    # transformers: Qwen3's head_dim defaults to 128, the others' to hidden_size/num_attention_heads
+    head_dim = c.get("head_dim") or (128 if mt == "qwen3" else None)
+    if head_dim is None and h % heads:
+        refuse(mt, f"hidden_size={h} is not divisible by num_attention_heads={heads} and no head_dim is given")
     return {"arch": "llama", "vocab_size": need(c, "vocab_size"), "hidden": h, "heads": heads,
             "kv_heads": c.get("num_key_value_heads") or heads, "layers": need(c, "num_hidden_layers"),
             "intermediate_size": need(c, "intermediate_size"), "tie_embeddings": c.get("tie_word_embeddings", False),
-            "norm_eps": c.get("rms_norm_eps", 1e-6), "rope_theta": _rope_theta(c, mt), "qkv_bias": mt == "qwen2"}
+            "norm_eps": c.get("rms_norm_eps", 1e-6), "qkv_bias": mt == "qwen2", "qk_norm": mt == "qwen3",
+            "head_dim": None if head_dim in (None, h // heads) and h % heads == 0 else head_dim,
+            "max_positions": c.get("max_position_embeddings"), **_rope_fields(c, mt)}
+
+
+def _hf_type(m: ModelConfig) -> str:
+    """The transformers family of a model: qwen3 (q/k norms), qwen2 (q, k, v biases) or llama."""
+    if m.qk_norm and m.qkv_bias:
+        raise ValueError("model.qk_norm with model.qkv_bias has no transformers model type (Qwen3's attention_bias "
+                         "also puts a bias on o_proj); it cannot be exported")
+    return "qwen3" if m.qk_norm else "qwen2" if m.qkv_bias else "llama"
 
 
 def hf_config(m: ModelConfig, common: dict) -> dict:
-    """``LlamaForCausalLM``'s ``config.json``, or ``Qwen2ForCausalLM``'s with ``qkv_bias`` (Llama's own
-    attention bias would include ``o_proj``). Dropout 0."""
-    qwen = m.qkv_bias
-    out = {"architectures": ["Qwen2ForCausalLM" if qwen else "LlamaForCausalLM"],
-           "model_type": "qwen2" if qwen else "llama",
+    """``LlamaForCausalLM``'s ``config.json``, ``Qwen2ForCausalLM``'s with ``qkv_bias`` (Llama's own
+    attention bias would include ``o_proj``) or ``Qwen3ForCausalLM``'s with ``qk_norm``; the rotary as
+    transformers 5 writes it (``rope_parameters``). Dropout 0."""
+    kind = _hf_type(m)
+    arch = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}[kind]
+    scaling = m.rope_scaling.model_dump(exclude_none=True) if m.rope_scaling else {"rope_type": "default"}
+    out = {"architectures": [arch], "model_type": kind,
            **common, "hidden_size": m.hidden, "intermediate_size": m.mlp_width, "num_hidden_layers": m.layers,
            "num_attention_heads": m.heads, "num_key_value_heads": m.kv_heads_or_heads, "hidden_act": "silu",
-           "max_position_embeddings": m.seq_len, "rms_norm_eps": m.norm_eps, "attention_dropout": 0.0,
-           "rope_parameters": {"rope_type": "default", "rope_theta": m.rope_theta}}
-    if qwen:
+           "max_position_embeddings": m.positions, "rms_norm_eps": m.norm_eps, "attention_dropout": 0.0,
+           "rope_parameters": {**scaling, "rope_theta": m.rope_theta}}
+    if kind == "qwen2":
         return {**out, "use_sliding_window": False, "sliding_window": None, "max_window_layers": m.layers}
-    return {**out, "head_dim": m.hidden // m.heads, "attention_bias": False, "mlp_bias": False}
+    windows = {"use_sliding_window": False, "sliding_window": None, "max_window_layers": m.layers} if kind == "qwen3" \
+        else {"mlp_bias": False}
+    return {**out, "head_dim": m.head_size, "attention_bias": False, **windows}
 
 
 def hf_names(m: ModelConfig) -> NameMap:
     """Dense name → ``(Hugging Face name, transform)``: block names are Hugging Face's own, under
-    ``model.layers.<i>``; ``qkv_bias``: Qwen2's q, k, v biases too."""
+    ``model.layers.<i>``; ``qkv_bias``: Qwen2's q, k, v biases too; ``qk_norm``: Qwen3's q and k norms."""
     out = {"embed.tok.weight": ("model.embed_tokens.weight", "copy")}
-    names = _BLOCK + ((*(f"self_attn.{p}_proj.bias" for p in "qkv"),) if m.qkv_bias else ())
+    names = _BLOCK + ((*(f"self_attn.{p}_proj.bias" for p in "qkv"),) if m.qkv_bias else ()) + \
+        (("self_attn.q_norm.weight", "self_attn.k_norm.weight") if m.qk_norm else ())
     for i in range(m.layers):
         out.update({f"blocks.{i}.{n}": (f"model.layers.{i}.{n}", "copy") for n in names})
     out["head.norm.weight"] = ("model.norm.weight", "copy")
@@ -125,8 +228,9 @@ def hf_names(m: ModelConfig) -> NameMap:
 
 
 def resolved(m: ModelConfig) -> dict:
-    """The key/value heads and MLP width an unset field stands for."""
-    return {"kv_heads": m.kv_heads_or_heads, "intermediate_size": m.mlp_width}
+    """The key/value heads, MLP width, head size and positions an unset field stands for."""
+    return {"kv_heads": m.kv_heads_or_heads, "intermediate_size": m.mlp_width, "head_dim": m.head_size,
+            "max_positions": m.positions}
 
 
 # Meta's Llama sizes, smallest first (the names at their own 32k-128k vocabularies)
@@ -142,10 +246,12 @@ SHAPES = (
 
 
 SPEC = ModelSpec(
-    name="llama", summary="RMSNorm, rotary, SwiGLU, grouped-query attention (Llama, Mistral, Qwen2)",
-    torch_module="parallel4d.models.llama.family", hf_model_types=("llama", "mistral", "qwen2"),
+    name="llama", summary="RMSNorm, rotary (scaled or not), SwiGLU, grouped-query attention (Llama, Mistral, Qwen2, "
+                          "Qwen3)",
+    torch_module="parallel4d.models.llama.family", hf_model_types=("llama", "mistral", "qwen2", "qwen3"),
     fields=("arch", "vocab_size", "seq_len", "hidden", "heads", "kv_heads", "layers", "intermediate_size",
-            "tie_embeddings", "norm_eps", "init_std", "rope_theta", "qkv_bias", "pretrained"),
+            "tie_embeddings", "norm_eps", "init_std", "rope_theta", "qkv_bias", "max_positions", "head_dim",
+            "qk_norm", "rope_scaling", "pretrained"),
     learned_positions=False, problems=problems, dense_parameters=dense_parameters, flops_per_token=flops_per_token,
     stage_flops=stage_flops,
     fields_from_hf=fields_from_hf, hf_config=hf_config, hf_names=hf_names, hf_positions="max_position_embeddings",

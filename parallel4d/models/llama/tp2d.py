@@ -8,75 +8,88 @@ Heads are split over grid columns with no permutation: ``q_proj``, ``k_proj`` an
 are separate, each output's features are heads in order, so the column block j of
 ``q_proj`` is query heads ``j·a/q …`` and that of ``k_proj``/``v_proj`` the key/value heads
 ``j·kv/q …`` — exactly the ones those query heads read (a query head ``i`` reads key/value
-head ``i // (a/kv)``), given ``kv % q == 0``. Rotary embeddings act per head on
-the local ``[b/q, a/q, s, d]`` q and k with the tokens' global ``positions``. The SwiGLU
-product is elementwise on the matching ``[b/q, s, I/q]`` blocks of gate and up.
+head ``i // (a/kv)``), given ``kv % q == 0``. The head size ``d`` need not be ``h/a`` (Qwen3):
+the projections are ``[h, a·d]`` matrices cut in q×q blocks like any other. Qwen3's q and k norms
+act per head on the local ``[b/q, s, a/q, d]`` (whole heads, their weight ``[d]`` on every grid
+rank: :class:`~parallel4d.tensor2d.layers.HeadRMSNorm2D`). Rotary embeddings (the dense
+attention's :class:`~.rotary.Rotary`) act per head on the local ``[b/q, a/q, s, d]`` q and k with
+the tokens' global ``positions`` in a sequence of ``length`` tokens. The SwiGLU product is
+elementwise on the matching ``[b/q, s, I/q]`` blocks of gate and up.
 """
 
 from __future__ import annotations
-
-import functools
 
 import torch
 import torch.nn.functional as F
 
 from parallel4d.models.llama.model import Block, Embedding, Head
+from parallel4d.models.llama.rotary import Rotary, rotate
 from parallel4d.tensor2d.checks import check_divisible, check_heads
 from parallel4d.tensor2d.composite import Composite2D, Head2D, sdpa_attention
-from parallel4d.tensor2d.layers import Linear2D, RMSNorm2D, VocabParallelEmbedding2D
+from parallel4d.tensor2d.layers import HeadRMSNorm2D, Linear2D, RMSNorm2D, VocabParallelEmbedding2D
 
 
 class LlamaBlock2D(Composite2D):
     """``x + o(attn(rope(q(n1 x)), rope(k(n1 x)), v(n1 x)))``, then ``x + down(silu(gate(n2 x)) · up(n2 x))``
     on ``[b/q, s, h/q]``; the core ``attention_fn(q, k, v, causal=...)`` sees local q
     ``[b/q, a/q, s, d]`` and k, v ``[b/q, kv/q, s, d]``. ``positions`` ``[s]``: the tokens'
-    global positions (None: ``0..s-1``)."""
+    global positions (None: ``0..s-1``) in a sequence of ``length`` tokens (None: ``s``).
+    ``qk_norms``: Qwen3's ``(q_norm, k_norm)``, or None."""
 
-    def __init__(self, norms, projections, mlp, heads: int, kv_heads: int, rotate, attention_fn=None,
-                 causal: bool = True):
+    def __init__(self, norms, projections, mlp, heads: int, kv_heads: int, rotary: Rotary, attention_fn=None,
+                 causal: bool = True, qk_norms=None):
         super().__init__()
         self.input_layernorm, self.post_attention_layernorm = norms
         self.q_proj, self.k_proj, self.v_proj, self.o_proj = projections
         self.gate_proj, self.up_proj, self.down_proj = mlp
+        self.q_norm, self.k_norm = qk_norms or (None, None)
         q = self.q_proj.grid.q
         self.local_heads, self.local_kv_heads = heads // q, kv_heads // q
-        self.rotate, self.causal = rotate, causal
+        self.rotary, self.causal = rotary, causal
         self.attention_fn = attention_fn or sdpa_attention
         self.positions: torch.Tensor | None = None
+        self.length: int | None = None
 
     @classmethod
     def from_dense(cls, block: Block, mesh, attention_fn=None, *, name: str = "block",
                    overlap: bool = True) -> "LlamaBlock2D":
         """From a dense Llama block (``input_layernorm``, ``self_attn.{q,k,v,o}_proj``, ``mlp.{gate,up,down}_proj``,
-        ``self_attn.heads/kv_heads/theta``); divisibility checked before any collective."""
+        ``self_attn.heads/kv_heads/rotary``, Qwen3's ``self_attn.q_norm/k_norm``); divisibility checked
+        before any collective."""
         attn, mlp, q = block.self_attn, block.mlp, mesh.q
-        hidden = attn.q_proj.weight.shape[1]
-        check_heads(attn.heads, hidden, q, heads_field=f"{name}.self_attn.heads", hidden_field=f"{name}.hidden")
+        width = attn.q_proj.weight.shape[0]  # heads · head size: whole heads per grid column
+        check_heads(attn.heads, width, q, heads_field=f"{name}.self_attn.heads", hidden_field=f"{name}.attention width")
         check_divisible(f"{name}.self_attn.kv_heads", attn.kv_heads, q)
 
         def lin(module, part):
             return Linear2D.from_dense(module, mesh, name=f"{name}.{part}", overlap=overlap)
 
+        qk_norms = tuple(HeadRMSNorm2D.from_dense(getattr(attn, p), mesh, name=f"{name}.self_attn.{p}")
+                         for p in ("q_norm", "k_norm")) if attn.qk_norm else None
         return cls((RMSNorm2D.from_dense(block.input_layernorm, mesh, name=f"{name}.input_layernorm"),
                     RMSNorm2D.from_dense(block.post_attention_layernorm, mesh, name=f"{name}.post_attention_layernorm")),
                    tuple(lin(getattr(attn, p), f"self_attn.{p}") for p in ("q_proj", "k_proj", "v_proj", "o_proj")),
                    tuple(lin(getattr(mlp, p), f"mlp.{p}") for p in ("gate_proj", "up_proj", "down_proj")),
-                   attn.heads, attn.kv_heads, functools.partial(type(attn).rotary, theta=attn.theta),
-                   attention_fn, causal=attn.causal)
+                   attn.heads, attn.kv_heads, attn.rotary, attention_fn, causal=attn.causal, qk_norms=qk_norms)
 
     def _parts(self):
+        norms = [(f"self_attn.{p}.", getattr(self, p)) for p in ("q_norm", "k_norm")] if self.q_norm else []
         return [("input_layernorm.", self.input_layernorm), ("post_attention_layernorm.", self.post_attention_layernorm),
-                *((f"self_attn.{p}.", getattr(self, p)) for p in ("q_proj", "k_proj", "v_proj", "o_proj")),
+                *((f"self_attn.{p}.", getattr(self, p)) for p in ("q_proj", "k_proj", "v_proj", "o_proj")), *norms,
                 *((f"mlp.{p}.", getattr(self, p)) for p in ("gate_proj", "up_proj", "down_proj"))]
 
     def attention(self, x):
         """``[b/q, s, h/q]`` → ``[b/q, s, h/q]`` (my heads only; no communication in the core)."""
         bq, s, _ = x.shape
-        q = self.q_proj(x).view(bq, s, self.local_heads, -1).transpose(1, 2)
-        k = self.k_proj(x).view(bq, s, self.local_kv_heads, -1).transpose(1, 2)
+        q = self.q_proj(x).view(bq, s, self.local_heads, -1)
+        k = self.k_proj(x).view(bq, s, self.local_kv_heads, -1)
         v = self.v_proj(x).view(bq, s, self.local_kv_heads, -1).transpose(1, 2)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
         pos = self.positions if self.positions is not None else torch.arange(s, device=x.device)
-        y = self.attention_fn(self.rotate(q, pos), self.rotate(k, pos), v, causal=self.causal)
+        cos, sin = self.rotary.table(pos, self.length or s, q.dtype)
+        y = self.attention_fn(rotate(q, cos, sin), rotate(k, cos, sin), v, causal=self.causal)
         return self.o_proj(y.transpose(1, 2).reshape(bq, s, -1))
 
     def forward(self, x):
