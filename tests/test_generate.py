@@ -16,7 +16,7 @@ from parallel4d.checkpoint.export import export  # noqa: E402
 from parallel4d.tools.generate import forward_cached, load_model, sample  # noqa: E402
 from test_hf import IMPORTS, V  # noqa: E402
 
-FAMILIES = ["llama-theta1e4", "qwen2", "gpt2"]
+FAMILIES = ["llama-theta1e4", "llama-yarn", "qwen2", "qwen3", "gpt2"]  # yarn: scaled rotary and its cos/sin factor
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -65,6 +65,33 @@ def test_past_the_context_the_cache_restarts(family):
     assert out[0, window].item() == model(out[:, :window])[0, -1].argmax().item()
     ctx = out[:, window + 1 - window // 2: window + 1]
     assert out[0, window + 1].item() == model(ctx)[0, -1].argmax().item()
+
+
+def test_dynamic_rotary_decodes_as_transformers_generate(tmp_path):
+    """Dynamic rotary past max_position_embeddings (8) while decoding: each new token is rotated with
+    the frequencies of the length so far, the cached keys keep theirs — transformers' ``generate``
+    does the same, step for step (float64 weights; its rotary table and logits are float32: 1e-5)."""
+    import json
+
+    from parallel4d.config.load import make_config
+    from parallel4d.models import hf
+    from parallel4d.models.build import build_dense, shape_from_config
+
+    torch.manual_seed(0)
+    ref = IMPORTS["llama-dynamic"]().double().eval()
+    ref.save_pretrained(tmp_path)
+    fields = hf.model_fields_from_hf(json.loads((tmp_path / "config.json").read_text()))
+    cfg = make_config({"model": {**fields, "seq_len": 16}}).model
+    model = build_dense(shape_from_config(cfg)).double()
+    model.load_state_dict(hf.load_hf_state_dict(tmp_path, cfg))
+    prompt = torch.randint(0, V, (2, 4), generator=torch.Generator().manual_seed(5))
+    theirs = ref.generate(prompt, max_new_tokens=10, do_sample=False, pad_token_id=0, return_dict_in_generate=True,
+                          output_logits=True)
+    logits, cache = forward_cached(model, prompt, None)
+    for step, want in enumerate(theirs.logits):
+        torch.testing.assert_close(logits[:, -1].float(), want, rtol=1e-5, atol=1e-5, msg=lambda m: f"step {step}: {m}")
+        logits, cache = forward_cached(model, theirs.sequences[:, 4 + step:5 + step], cache)
+    assert cache[0][0].shape[2] == 14
 
 
 @pytest.fixture(scope="module")

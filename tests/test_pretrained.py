@@ -21,6 +21,8 @@ from test_hf import IMPORTS, S, _perturb, float64_transformers  # noqa: E402
 
 LLAMA = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=4, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=64, rope_theta=5e5, tie_word_embeddings=False)
+# q/k norms per head, heads of 16 (not 32/4), GQA 4:2
+QWEN3 = dict(LLAMA, head_dim=16, rope_theta=1e6)
 GPT2 = dict(vocab_size=64, n_embd=32, n_layer=2, n_head=4, n_positions=32, activation_function="gelu_new",
             resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
 OPTIMIZER = {"lr": 3e-3, "weight_decay": 0.1}
@@ -32,6 +34,7 @@ def checkpoints(tmp_path_factory):
     """Tiny random transformers models saved as float32 safetensors: {name: directory}."""
     out = {}
     for name, cls, conf, kwargs in [("llama", transformers.LlamaForCausalLM, transformers.LlamaConfig, LLAMA),
+                                    ("qwen3", transformers.Qwen3ForCausalLM, transformers.Qwen3Config, QWEN3),
                                     ("gpt2", transformers.GPT2LMHeadModel, transformers.GPT2Config, GPT2)]:
         torch.manual_seed(0)
         directory = tmp_path_factory.mktemp(name)
@@ -96,22 +99,29 @@ def eight_workers(checkpoints, float64_checkpoints):
     """One 8-worker job for both 8-worker checks: the training runs and the float64 gradients."""
     jobs = {"tp=4 × sp=2": _job(checkpoints["llama"], {"tp": 4, "sp": 2}),
             "Hanayo pp=2 × tp=4": _job(checkpoints["llama"], {"pp": 2, "tp": 4}, {"schedule": "hanayo",
-                                                                                  "microbatches": 2})}
+                                                                                  "microbatches": 2}),
+            "qwen3 tp=4 × sp=2": _job(checkpoints["qwen3"], {"tp": 4, "sp": 2})}
     return jobs, run_workers(_eight_worker_jobs, 8, jobs, float64_checkpoints, *FLOAT64_BATCH, timeout_s=300)
 
 
 def test_a_pretrained_llama_trains_like_transformers_in_every_layout(checkpoints, eight_workers):
     """A LlamaForCausalLM checkpoint (GQA, rope 5e5) under 2D tp=4 × ring sp=2 and Hanayo pp=2 ×
-    2D tp=4 (8 workers): 20 AdamW steps in float32 equal transformers' model trained with torch's
-    AdamW in one process (rel 1e-4); each rank read under half of the model's bytes."""
+    2D tp=4, and a Qwen3ForCausalLM one (q/k norms, heads of 16 ≠ hidden/heads) under tp=4 × sp=2 (8
+    workers): 20 AdamW steps in float32 equal transformers' model trained with torch's AdamW in one
+    process (rel 1e-4); each rank read under half of the model's bytes."""
     jobs, results = eight_workers
-    want = torch.tensor(transformers_run(checkpoints["llama"], jobs["tp=4 × sp=2"]), dtype=torch.float64)
-    assert want[-1] < 0.9 * want[0]
-    total = _model_bytes(checkpoints["llama"])
+    wants = {}
+    for name, job in jobs.items():
+        directory = job["model"]["pretrained"]
+        if directory not in wants:
+            wants[directory] = torch.tensor(transformers_run(directory, job), dtype=torch.float64)
+            assert wants[directory][-1] < 0.9 * wants[directory][0]
     for rank_results, _ in results:
         for name, (losses, read) in rank_results.items():
-            torch.testing.assert_close(torch.tensor(losses, dtype=torch.float64), want, rtol=1e-4, atol=0,
-                                       msg=lambda m, n=name: f"{n}: {m}")
+            directory = jobs[name]["model"]["pretrained"]
+            torch.testing.assert_close(torch.tensor(losses, dtype=torch.float64), wants[directory], rtol=1e-4,
+                                       atol=0, msg=lambda m, n=name: f"{n}: {m}")
+            total = _model_bytes(directory)
             assert 0 < read < 0.5 * total, (name, read, total)
 
 
@@ -124,8 +134,9 @@ FLOAT64_BATCH = tuple(t.contiguous() for t in (lambda w: (w[:, :-1], w[:, 1:]))(
 
 @pytest.fixture(scope="module")
 def float64_checkpoints(tmp_path_factory):
-    """test_hf's tiny transformers models (Llama with GQA at rope 1e4 and 5e5, Qwen2 with qkv
-    biases, Mistral tied, GPT-2), norm gains and biases perturbed, saved: {case: directory}."""
+    """test_hf's tiny transformers models (Llama with GQA at rope 1e4 and 5e5 and with each scaled
+    rotary, Qwen2 with qkv biases, Qwen3 with q/k norms and heads of 16, Mistral tied, GPT-2), norm gains
+    and biases perturbed, saved: {case: directory}."""
     out = {}
     for case, make in IMPORTS.items():
         torch.manual_seed(0)
