@@ -28,6 +28,10 @@ SHAPES = {
     "llama, GQA 4/1, qkv bias, tied": {"arch": "llama", "vocab_size": 512, "seq_len": 48, "hidden": 128, "heads": 4,
                                        "kv_heads": 1, "layers": 2, "intermediate_size": 344, "qkv_bias": True,
                                        "tie_embeddings": True},
+    # Qwen3's shape: heads of 32, twice hidden/heads (the attention is twice as wide as the residual)
+    "llama, head_dim 32 > 64/4, q/k norms": {"arch": "llama", "vocab_size": 256, "seq_len": 32, "hidden": 64,
+                                             "heads": 4, "kv_heads": 2, "layers": 2, "intermediate_size": 96,
+                                             "head_dim": 32, "qk_norm": True},
 }
 
 
