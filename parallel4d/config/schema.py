@@ -280,11 +280,13 @@ def model_shape_changes(saved: dict, model: ModelConfig) -> list[str]:
             return saved.get("kv_heads") or saved.get("heads")
         if field == "intermediate_size":
             return saved.get("intermediate_size") or (saved.get("mlp_ratio") or 0) * (saved.get("hidden") or 0)
+        if field == "max_positions":  # None: seq_len (checkpoints from before the field too)
+            return saved.get("max_positions") or saved.get("seq_len")
         return saved.get(field)
 
-    ours = {"kv_heads": model.kv_heads_or_heads, "intermediate_size": model.mlp_width}
+    ours = {"kv_heads": model.kv_heads_or_heads, "intermediate_size": model.mlp_width, "max_positions": model.positions}
     fields = ["arch", "vocab_size", "hidden", "heads", "kv_heads", "layers", "intermediate_size", "tie_embeddings",
-              "qkv_bias"] + (["seq_len"] if spec(model.arch).learned_positions else [])  # a table of positions
+              "qkv_bias"] + (["max_positions"] if spec(model.arch).learned_positions else [])  # a table of positions
     return [f"model.{f}={get(f)!r} there, {ours.get(f, getattr(model, f))!r} here" for f in fields
             if get(f) is not None and get(f) != ours.get(f, getattr(model, f))]
 

@@ -106,7 +106,7 @@ def hf_config(m: ModelConfig, common: dict) -> dict:
            "model_type": "qwen2" if qwen else "llama",
            **common, "hidden_size": m.hidden, "intermediate_size": m.mlp_width, "num_hidden_layers": m.layers,
            "num_attention_heads": m.heads, "num_key_value_heads": m.kv_heads_or_heads, "hidden_act": "silu",
-           "max_position_embeddings": m.seq_len, "rms_norm_eps": m.norm_eps, "attention_dropout": 0.0,
+           "max_position_embeddings": m.positions, "rms_norm_eps": m.norm_eps, "attention_dropout": 0.0,
            "rope_parameters": {"rope_type": "default", "rope_theta": m.rope_theta}}
     if qwen:
         return {**out, "use_sliding_window": False, "sliding_window": None, "max_window_layers": m.layers}
