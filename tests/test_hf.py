@@ -321,6 +321,47 @@ def test_refused_features():
     assert hf.model_fields_from_hf({**gpt2, "activation_function": "gelu_pytorch_tanh"})["activation"] == "gelu_tanh"
 
 
+# GPT2Config's keys that do not change what GPT2LMHeadModel computes from tokens, and why
+GPT2_INERT = {"_name_or_path", "architectures", "model_type", "dtype", "transformers_version",  # bookkeeping
+              "initializer_range",  # the initialisation (a loaded model has its weights)
+              "bos_token_id", "eos_token_id", "pad_token_id", "use_cache",  # generation
+              "output_attentions", "output_hidden_states", "return_dict",  # what forward returns besides logits
+              "id2label", "label2id", "problem_type", "summary_activation", "summary_first_dropout",
+              "summary_proj_to_labels", "summary_type", "summary_use_proj",  # other heads (classifier, double heads)
+              "chunk_size_feed_forward", "is_encoder_decoder"}  # GPT-2's MLP never chunks; a decoder alone
+
+
+def _other(value, key):
+    """A value of config key ``key`` other than ``value``."""
+    if isinstance(value, bool):
+        return not value
+    if key == "activation_function":
+        return "relu"
+    return {None: 64, 0.0: 0.25}.get(value, value * 2 if isinstance(value, (int, float)) else value)
+
+
+def test_no_gpt2_config_key_is_silently_dropped():
+    """Each key of transformers' GPT2Config, changed alone, either changes the model: fields or is
+    refused by name (ValueError), unless it is one that changes nothing the model computes (GPT2_INERT)."""
+    base = GPT2Config(vocab_size=V, n_positions=24, n_embd=32, n_head=4, n_layer=2).to_dict()
+    assert GPT2_INERT <= set(base), GPT2_INERT - set(base)
+    fields = hf.model_fields_from_hf(base)
+    dropped = []
+    for key in sorted(set(base) - GPT2_INERT):
+        changed = {**base, key: _other(base[key], key)}
+        assert changed[key] != base[key], key
+        try:
+            if hf.model_fields_from_hf(changed) == fields:
+                dropped.append(key)
+        except ValueError as e:
+            assert key in str(e), (key, e)  # named
+    assert dropped == [], f"GPT2Config keys read by nothing: {dropped}"
+    with pytest.raises(ValueError, match="reorder_and_upcast_attn=true .* set it false"):
+        hf.model_fields_from_hf({**base, "reorder_and_upcast_attn": True})
+    with pytest.raises(ValueError, match=r"pruned_heads=\{'0': \[1\]\}"):
+        hf.model_fields_from_hf({**base, "pruned_heads": {"0": [1]}})
+
+
 def test_missing_and_wrong_shaped_tensor(saved):
     directory, cfg = saved
     path = directory / "model.safetensors"

@@ -84,8 +84,11 @@ def fields_from_hf(c: dict) -> dict:
     act = c.get("activation_function", "gelu_new")
     if act not in _ACTIVATIONS:
         refuse(mt, f"activation_function {act!r} is not supported (supported: {', '.join(_ACTIVATIONS)})")
-    if not c.get("scale_attn_weights", True) or c.get("scale_attn_by_inverse_layer_idx", False):
-        refuse(mt, "attention scaled other than by 1/sqrt(head_dim) is not supported")
+    if not c.get("scale_attn_weights", True):
+        refuse(mt, "scale_attn_weights=false: attention scaled other than by 1/sqrt(head_dim) is not supported")
+    if c.get("scale_attn_by_inverse_layer_idx", False):
+        refuse(mt, "scale_attn_by_inverse_layer_idx=true: attention scaled other than by 1/sqrt(head_dim) is not "
+                   "supported")
     if c.get("add_cross_attention", False):
         refuse(mt, "add_cross_attention is not supported")
     if c.get("reorder_and_upcast_attn", False):
