@@ -349,6 +349,13 @@ def test_pretrained_fields_and_files_are_checked_before_training(checkpoints, tm
     cfg = make_config({"model": {"pretrained": checkpoints["llama"], "seq_len": 16}})
     assert (cfg.model.arch, cfg.model.kv_heads, cfg.model.rope_theta, cfg.model.tie_embeddings) == \
         ("llama", 2, 5e5, False)
+    with pytest.raises(ConfigError, match=r"model.seq_len=64 is more than model.max_positions=32 \(model.pretrained's "
+                                          r"n_positions\), the rows of gpt2's learned position table; lower model.seq_len"):
+        make_config({"model": {"pretrained": checkpoints["gpt2"], "seq_len": 64}})
+    assert make_config({"model": {"pretrained": checkpoints["gpt2"], "seq_len": 32}}).model.max_positions == 32
+    with pytest.raises(ConfigError, match=r"model.seq_len=64 is more than model.max_positions=48, .* or raise "
+                                          r"model.max_positions"):
+        make_config({"model": {"seq_len": 64, "max_positions": 48}})
     with pytest.raises(ConfigError, match=r"model.pretrained=.*cannot read .*config.json"):
         make_config({"model": {"pretrained": str(tmp_path)}})
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "bert"}))
