@@ -91,7 +91,7 @@ IMPORTS = {
     "qwen3": lambda v=V: Qwen3ForCausalLM(Qwen3Config(**{**_LLAMA, "vocab_size": v}, head_dim=16, **_rope(1e6))),
     "mistral-tied": lambda v=V: MistralForCausalLM(MistralConfig(
         **{**_LLAMA, "vocab_size": v, "tie_word_embeddings": True}, sliding_window=None, **_rope(1e4))),
-    # n_positions 24 > seq_len 16: the dense model takes the first rows of the position table
+    # n_positions 24 > seq_len 16: the dense model holds the whole position table (rows past 16 unread)
     "gpt2": lambda v=V: GPT2LMHeadModel(GPT2Config(vocab_size=v, n_positions=24, n_embd=32, n_head=4, n_layer=2,
                                                    activation_function="gelu_new", resid_pdrop=0.0, embd_pdrop=0.0,
                                                    attn_pdrop=0.0, initializer_range=0.2, **_NO_IDS)),
@@ -225,9 +225,6 @@ def _grad_diffs(model, ref, cfg):
         g = ref.get_parameter(hf_name).grad
         if how == "t":
             g = g.t()
-        elif how == "rows":  # positions the batch does not reach get no gradient
-            assert g[S:].abs().max().item() == 0.0
-            g = g[:S]
         assert p.grad.shape == g.shape, name
         worst = max(worst, _max(p.grad, g))
     return worst
@@ -461,6 +458,47 @@ def test_rotary_and_head_fields_from_config_json():
         assert back == cfg, (back, cfg)
 
 
+# GPT2Config's keys that do not change what GPT2LMHeadModel computes from tokens, and why
+GPT2_INERT = {"_name_or_path", "architectures", "model_type", "dtype", "transformers_version",  # bookkeeping
+              "initializer_range",  # the initialisation (a loaded model has its weights)
+              "bos_token_id", "eos_token_id", "pad_token_id", "use_cache",  # generation
+              "output_attentions", "output_hidden_states", "return_dict",  # what forward returns besides logits
+              "id2label", "label2id", "problem_type", "summary_activation", "summary_first_dropout",
+              "summary_proj_to_labels", "summary_type", "summary_use_proj",  # other heads (classifier, double heads)
+              "chunk_size_feed_forward", "is_encoder_decoder"}  # GPT-2's MLP never chunks; a decoder alone
+
+
+def _other(value, key):
+    """A value of config key ``key`` other than ``value``."""
+    if isinstance(value, bool):
+        return not value
+    if key == "activation_function":
+        return "relu"
+    return {None: 64, 0.0: 0.25}.get(value, value * 2 if isinstance(value, (int, float)) else value)
+
+
+def test_no_gpt2_config_key_is_silently_dropped():
+    """Each key of transformers' GPT2Config, changed alone, either changes the model: fields or is
+    refused by name (ValueError), unless it is one that changes nothing the model computes (GPT2_INERT)."""
+    base = GPT2Config(vocab_size=V, n_positions=24, n_embd=32, n_head=4, n_layer=2).to_dict()
+    assert GPT2_INERT <= set(base), GPT2_INERT - set(base)
+    fields = hf.model_fields_from_hf(base)
+    dropped = []
+    for key in sorted(set(base) - GPT2_INERT):
+        changed = {**base, key: _other(base[key], key)}
+        assert changed[key] != base[key], key
+        try:
+            if hf.model_fields_from_hf(changed) == fields:
+                dropped.append(key)
+        except ValueError as e:
+            assert key in str(e), (key, e)  # named
+    assert dropped == [], f"GPT2Config keys read by nothing: {dropped}"
+    with pytest.raises(ValueError, match="reorder_and_upcast_attn=true .* set it false"):
+        hf.model_fields_from_hf({**base, "reorder_and_upcast_attn": True})
+    with pytest.raises(ValueError, match=r"pruned_heads=\{'0': \[1\]\}"):
+        hf.model_fields_from_hf({**base, "pruned_heads": {"0": [1]}})
+
+
 def test_missing_and_wrong_shaped_tensor(saved):
     directory, cfg = saved
     path = directory / "model.safetensors"
@@ -503,7 +541,7 @@ def test_config_json_must_match(saved):
         hf.load_hf_state_dict(directory, cfg.model_copy(update={"rope_theta": 1e4}))
     model, gcfg = _dense(EXPORTS["gpt2"])
     hf.save_hf(model.state_dict(), gcfg, directory)
-    with pytest.raises(ValueError, match=rf"model.seq_len=32 exceeds n_positions=16 of {re.escape(str(directory))}"):
+    with pytest.raises(ValueError, match=rf"{re.escape(str(directory))}.* model.max_positions=32 \(the checkpoint's 16\)"):
         hf.load_hf_state_dict(directory, gcfg.model_copy(update={"seq_len": 32}))
     with pytest.raises(ValueError, match=r"'embed.pos.weight' is \[17, 32\], expected \[16, 32\]"):
         hf.save_hf({**model.state_dict(), "embed.pos.weight": torch.zeros(17, 32)}, gcfg, directory)

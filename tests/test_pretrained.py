@@ -4,6 +4,8 @@ trained in one process with torch's AdamW, and ``parallel4d export`` gives back 
 ``from_pretrained`` loads with the trained model's logits."""
 
 import json
+import os
+import shutil
 
 import pytest
 import torch
@@ -215,7 +217,7 @@ def test_pretrained_models_under_2d_and_ring_equal_transformers_in_float64(float
                 seen.add(dense)
                 hf_name, how = names[dense]
                 g = ref.get_parameter(hf_name).grad
-                g = g.t() if how == "t" else g[:tokens.shape[1]] if how == "rows" else g
+                g = g.t() if how == "t" else g
                 for off, t in boxes:
                     box = g[tuple(slice(o, o + n) for o, n in zip(off, t.shape))]
                     worst = max(worst, (t - box).abs().max().item())
@@ -255,30 +257,101 @@ def test_a_pretrained_gpt2_loads_through_the_2d_layout(checkpoints, four_workers
         torch.testing.assert_close(torch.tensor(trained["tp=4"][0], dtype=torch.float64), want, rtol=1e-4, atol=0)
 
 
-def test_round_trip_transformers_parallel4d_export_transformers(checkpoints, tmp_path):
-    """transformers → parallel4d (tp=4, 5 steps, launch) → ``parallel4d export`` → from_pretrained:
-    the logits of the trained parallel4d model (its gathered checkpoint in the dense Llama), 1e-6."""
-    from parallel4d import launch
-    from parallel4d.tools.cli import main
-    from parallel4d.checkpoint.gather import gather
-    from parallel4d.models.build import build_dense, shape_from_config
+CHARS = "abcdefghijklmnopqrstuvwxyz ABCDEFGHIJKLMNOPQRSTUVWXYZ.,!?"  # a character tokenizer's, ids 1..60
+SOURCE_FILES = {"tokenizer_config.json": json.dumps({"tokenizer_class": "PreTrainedTokenizerFast", "unk_token": "<unk>"}),
+                "special_tokens_map.json": json.dumps({"unk_token": "<unk>"}),
+                "chat_template.jinja": "{% for m in messages %}{{ m['content'] }}{% endfor %}"}
 
-    job = {**_job(checkpoints["llama"], {"tp": 4}, steps=5), "train": {"steps": 5, "timeout_s": 60,
-                                                                       "out_dir": str(tmp_path / "run")}}
-    summary = launch(job)
-    assert summary["pretrained"]["bytes_read_by_rank_0"] > 0
-    assert main(["export", str(tmp_path / "run" / "checkpoints"), str(tmp_path / "hf")]) == 0
-    assert json.loads((tmp_path / "hf" / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
-    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
-    cfg = make_config(job)
-    trained = build_dense(shape_from_config(cfg.model))
-    state = torch.load(gather(tmp_path / "run" / "checkpoints", tmp_path / "dense.pt"))["model"]
-    trained.load_state_dict(state)
-    tokens = build_dataset(cfg).batch(0)[0]
-    with torch.no_grad():
-        torch.testing.assert_close(back(tokens).logits, trained(tokens), rtol=1e-6, atol=1e-6)
-        original = transformers.AutoModelForCausalLM.from_pretrained(checkpoints["llama"])
-        assert not torch.allclose(original(tokens).logits, trained(tokens), atol=1e-3)  # it did train
+
+def _with_tokenizer(source: str, directory) -> None:
+    """A copy of checkpoint ``source`` with a tokenizer's files and a weights file no export carries."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+
+    shutil.copytree(source, directory)
+    tok = Tokenizer(models.WordLevel({"<unk>": 0, **{c: i + 1 for i, c in enumerate(CHARS)}}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), "isolated")
+    tok.decoder = decoders.Fuse()
+    tok.save(str(directory / "tokenizer.json"))
+    for name, text in SOURCE_FILES.items():
+        (directory / name).write_text(text)
+    torch.save({}, directory / "training_args.bin")
+
+
+@pytest.mark.parametrize("family,dtype", [("gpt2", "float64"), ("llama", "float32")])
+def test_round_trip_transformers_parallel4d_export_transformers(checkpoints, tmp_path, capsys, family, dtype):
+    """transformers → parallel4d (seq_len 16 of the model's 32 / 64 positions; 3 AdamW steps in one
+    process; gpt2 in float64) → ``parallel4d export`` → from_pretrained: the original's tensor names
+    and shapes, its config.json key by key (only dtype changed, by the float64 training), the trained
+    tensors exactly as checkpointed (gpt2's position rows past 16 as loaded, the first 16 trained),
+    the tokenizer and generation files byte for byte (no weights file carried), every file readable by
+    others, and ``parallel4d generate`` continues a prompt from the export."""
+    from conftest import run_in_this_process
+    from parallel4d.tools.cli import main
+    from parallel4d.checkpoint.gather import gather, with_tied_head
+
+    source, out = tmp_path / "source", tmp_path / "hf"
+    _with_tokenizer(checkpoints[family], source)
+    job = {**_job(str(source), {}, steps=3), "train": {"steps": 3, "dtype": dtype, "out_dir": str(tmp_path / "run")}}
+    run_in_this_process(job, [])
+    umask = os.umask(0o022)  # what the export's files get from the process
+    try:
+        assert main(["export", str(tmp_path / "run" / "checkpoints"), str(out)]) == 0
+    finally:
+        os.umask(umask)
+    names = {p.name for p in source.iterdir()} - {"training_args.bin"}
+    assert {p.name for p in out.iterdir()} == names
+    assert [oct(p.stat().st_mode & 0o777) for p in (out, *out.iterdir())] == ["0o755"] + ["0o644"] * len(names)
+    for name in names - {"config.json", "model.safetensors"}:
+        assert (out / name).read_bytes() == (source / name).read_bytes(), name
+
+    original, exported = (json.loads((d / "config.json").read_text()) for d in (source, out))
+    assert original["dtype"] == "float32" and exported["dtype"] == dtype
+    changed = {k for k in {*original, *exported} if original.get(k) != exported.get(k)}
+    assert changed == (set() if dtype == "float32" else {"dtype"}), changed
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(source)
+    back = transformers.AutoModelForCausalLM.from_pretrained(out)
+    assert back.config.to_dict() == {**theirs.config.to_dict(), "_name_or_path": str(out), "dtype": dtype}
+    back_state, their_state = back.state_dict(), theirs.state_dict()
+    assert {k: v.shape for k, v in back_state.items()} == {k: v.shape for k, v in their_state.items()}
+
+    cfg = make_config(job).model
+    saved = with_tied_head(torch.load(gather(tmp_path / "run" / "checkpoints", tmp_path / "dense.pt", progress=False))
+                           ["model"], cfg.tie_embeddings)
+    for dense, (name, how) in hf.p4d_to_hf(cfg).items():
+        want = saved[dense].t() if how == "t" else saved[dense]
+        assert back_state[name].dtype == getattr(torch, dtype) and torch.equal(back_state[name], want), name
+    if family == "gpt2":
+        rows, loaded = back_state["transformer.wpe.weight"], their_state["transformer.wpe.weight"].double()
+        assert rows.shape[0] == 32 and torch.equal(rows[16:], loaded[16:])  # never read: as loaded
+        assert (rows[:16] != loaded[:16]).any(1).all()  # each trained row moved
+
+    capsys.readouterr()
+    assert main(["generate", str(out), "--prompt", "Hello", "--max-new-tokens", "8", "--seed", "1"]) == 0
+    text = capsys.readouterr().out
+    assert text.startswith("Hello") and len(text.rstrip("\n")) > len("Hello"), text
+
+
+def test_own_gpt2_keeps_its_position_rows_past_seq_len(tmp_path):
+    """Our own gpt2 with model.max_positions 32 > seq_len 16 (one process, 3 steps): the table has 32
+    rows, the 16 read are trained, the others leave training as drawn (no gradient, no weight decay);
+    the export says n_positions 32 and carries no tokenizer (no model.pretrained)."""
+    from conftest import run_in_this_process
+    from parallel4d.checkpoint.export import export
+    from parallel4d.checkpoint.gather import gather
+    from parallel4d.models.build import build_stage, shape_from_config
+
+    job = {"model": {"vocab_size": 64, "seq_len": 16, "max_positions": 32, "hidden": 32, "heads": 4, "layers": 2},
+           "data": {"source": "synthetic", "batch_size": 4}, "optimizer": OPTIMIZER,
+           "train": {"steps": 3, "out_dir": str(tmp_path / "run")}}
+    run_in_this_process(job, [])
+    rows = torch.load(gather(tmp_path / "run" / "checkpoints", tmp_path / "dense.pt", progress=False))["model"][
+        "embed.pos.weight"]
+    drawn = build_stage(shape_from_config(make_config(job).model), 0).pos.weight.detach()
+    assert rows.shape == (32, 32) and torch.equal(rows[16:], drawn[16:])
+    assert (rows[:16] != drawn[:16]).any(1).all()
+    out = export(tmp_path / "run" / "checkpoints", tmp_path / "hf")
+    assert json.loads((out / "config.json").read_text())["n_positions"] == 32
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
 
 
 def test_pretrained_fields_and_files_are_checked_before_training(checkpoints, tmp_path):
@@ -287,6 +360,13 @@ def test_pretrained_fields_and_files_are_checked_before_training(checkpoints, tm
     cfg = make_config({"model": {"pretrained": checkpoints["llama"], "seq_len": 16}})
     assert (cfg.model.arch, cfg.model.kv_heads, cfg.model.rope_theta, cfg.model.tie_embeddings) == \
         ("llama", 2, 5e5, False)
+    with pytest.raises(ConfigError, match=r"model.seq_len=64 is more than model.max_positions=32 \(model.pretrained's "
+                                          r"n_positions\), the rows of gpt2's learned position table; lower model.seq_len"):
+        make_config({"model": {"pretrained": checkpoints["gpt2"], "seq_len": 64}})
+    assert make_config({"model": {"pretrained": checkpoints["gpt2"], "seq_len": 32}}).model.max_positions == 32
+    with pytest.raises(ConfigError, match=r"model.seq_len=64 is more than model.max_positions=48, .* or raise "
+                                          r"model.max_positions"):
+        make_config({"model": {"seq_len": 64, "max_positions": 48}})
     with pytest.raises(ConfigError, match=r"model.pretrained=.*cannot read .*config.json"):
         make_config({"model": {"pretrained": str(tmp_path)}})
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "bert"}))

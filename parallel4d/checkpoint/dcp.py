@@ -6,6 +6,7 @@ Layout under the checkpoint directory::
         .metadata, *.distcp    DCP's files (each rank writes its own shards), or DeepSpeed's
                                (*_model_states.pt, *_optim_states.pt) under a deepspeed: section
         config.yaml            the job's config (extra_files of the caller)
+        pretrained/            model.pretrained's config.json, tokenizer and other small files (checkpoint/hf_source.py)
         run.json               run id, step, save time and the caller's info (train.py: loss history)
         checksums.json         size and sha256 of every other file; written last, before the rename
     latest                 the name of the newest checkpoint (replaced atomically)
@@ -74,9 +75,10 @@ def _prepare(root: Path, final: Path, tmp: Path, run_id: str | None) -> str:
 
 
 def _publish(root: Path, final: Path, tmp: Path, run_id: str, step: int, info: dict | None,
-             extra_files: dict[str, str] | None, keep: int) -> None:
+             extra_files: dict[str, str | bytes] | None, keep: int) -> None:
     """Writer, after every rank wrote its shards: small files, checksums, rename, ``latest``, retention."""
     for name, text in (extra_files or {}).items():
+        (tmp / name).parent.mkdir(parents=True, exist_ok=True)  # a name may be in a folder ("pretrained/…")
         write_synced(tmp / name, text)
     write_synced(tmp / RUN_INFO, json.dumps({**(info or {}), "run_id": run_id, "step": step, "saved": time.time()}))
     write_checksums(tmp)
@@ -109,7 +111,7 @@ def _retain(root: Path, run_id: str, keep: int, latest: Path) -> None:
 
 
 def save(state: dict | Callable[[Path], Any], root: str | Path, step: int, keep: int = 2,
-         extra_files: dict[str, str] | None = None, *, run_id: str | None = None, info: dict | None = None) -> Path:
+         extra_files: dict[str, str | bytes] | None = None, *, run_id: str | None = None, info: dict | None = None) -> Path:
     """Collectively save ``state`` as checkpoint ``step`` under ``root``; every rank calls this.
 
     ``state``: a state dict for DCP, or ``write(directory)``, a collective that writes the
@@ -118,7 +120,8 @@ def save(state: dict | Callable[[Path], Any], root: str | Path, step: int, keep:
 
     ``run_id``: the run this checkpoint belongs to (only the writer's value is used);
     None continues the run of the checkpoint ``latest`` names, or starts a new one.
-    ``info`` (JSON-able) is stored in ``run.json``; ``extra_files`` maps names to texts.
+    ``info`` (JSON-able) is stored in ``run.json``; ``extra_files`` maps names (``a/b`` in a folder) to
+    texts or bytes.
     A step this run saved already and that verifies is not written again.
     Returns the checkpoint's path. Raises :class:`CheckpointError` on every rank,
     naming the path and why, if any rank failed; earlier checkpoints stay intact.

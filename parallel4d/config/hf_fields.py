@@ -12,14 +12,14 @@ from __future__ import annotations
 
 import math
 
-from parallel4d.models.registry import HF_MODEL_TYPES, spec, spec_for_hf
+from parallel4d.models.registry import HF_MODEL_TYPES, spec_for_hf
 
 
 def model_fields_from_hf(config: dict) -> dict:
     """The ``model:`` fields of a job for a ``transformers`` ``config.json`` dict.
 
-    ``seq_len`` (a training choice) and ``init_std`` are left out; :func:`hf_max_positions` gives
-    the checkpoint's positions (a hard limit for gpt2's learned table). ``ValueError`` for a
+    ``seq_len`` (a training choice) and ``init_std`` are left out; gpt2's position table is
+    ``max_positions`` (``n_positions``), which ``seq_len`` must not exceed. ``ValueError`` for a
     ``model_type`` no family loads or a feature the dense model lacks (sliding-window
     attention, mixtures of experts, per-layer or unsupported rotary, other activations, biases
     Llama's attention/MLP may have).
@@ -50,10 +50,3 @@ def mismatches(fields: dict, values: dict) -> list[tuple[str, object, object]]:
         return math.isclose(a, b, rel_tol=1e-9) if isinstance(b, float) and isinstance(a, (int, float)) else a == b
 
     return [(k, values[k], v) for k, v in fields.items() if k in values and not same(values[k], v)]
-
-
-def positions_short(config: dict, arch: str, seq_len: int) -> int | None:
-    """A learned position table's rows (gpt2) when ``seq_len`` needs more of them; None when they
-    suffice or the family has no table."""
-    limit = hf_max_positions(config)
-    return limit if spec(arch).learned_positions and limit and seq_len > limit else None

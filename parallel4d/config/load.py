@@ -14,7 +14,7 @@ from parallel4d.config.messages import format_validation_error
 from parallel4d.config.reader import _parse_yaml, apply_overrides
 from parallel4d.config.schema import Config
 
-from parallel4d.config.hf_fields import mismatches, model_fields_from_hf, positions_short
+from parallel4d.config.hf_fields import mismatches, model_fields_from_hf
 
 
 def make_config(data: dict | Config | None = None, overrides: list[str] | None = None) -> Config:
@@ -48,10 +48,6 @@ def _pretrained_fields(data: dict) -> dict:
     except ValueError as e:  # a JSON error or a model the dense references cannot be
         raise ConfigError(f"model.pretrained={where!r}: {path}: {e}") from None
     disagree = [f"model.{k}={ours!r} but {path} makes it {theirs!r}" for k, ours, theirs in mismatches(fields, model)]
-    positions = positions_short(hf, fields["arch"], model.get("seq_len", 0))
-    if positions is not None:
-        disagree.append(f"model.seq_len={model['seq_len']} is longer than the checkpoint's {positions} learned "
-                        "positions (n_positions)")
     if disagree:
         raise ConfigError("invalid configuration:\n" + "\n".join(f"  - {d}; remove the field or change it"
                                                                   for d in disagree))

@@ -285,12 +285,14 @@ def model_shape_changes(saved: dict, model: ModelConfig) -> list[str]:
             return saved.get("qk_norm", False)
         if field == "intermediate_size":
             return saved.get("intermediate_size") or (saved.get("mlp_ratio") or 0) * (saved.get("hidden") or 0)
+        if field == "max_positions":  # None: seq_len (checkpoints from before the field too)
+            return saved.get("max_positions") or saved.get("seq_len")
         return saved.get(field)
 
     ours = {"kv_heads": model.kv_heads_or_heads, "intermediate_size": model.mlp_width, "head_dim": model.head_size,
-            "qk_norm": model.qk_norm}
+            "qk_norm": model.qk_norm, "max_positions": model.positions}
     fields = ["arch", "vocab_size", "hidden", "heads", "kv_heads", "head_dim", "layers", "intermediate_size",
-              "tie_embeddings", "qkv_bias", "qk_norm"] + (["seq_len"] if spec(model.arch).learned_positions
+              "tie_embeddings", "qkv_bias", "qk_norm"] + (["max_positions"] if spec(model.arch).learned_positions
                                                           else [])  # a table of positions
     return [f"model.{f}={get(f)!r} there, {ours.get(f, getattr(model, f))!r} here" for f in fields
             if get(f) is not None and get(f) != ours.get(f, getattr(model, f))]

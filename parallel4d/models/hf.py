@@ -11,8 +11,8 @@
   ``model.safetensors.index.json``) that ``AutoModelForCausalLM.from_pretrained`` loads.
 
 Transforms (a dense tensor from the Hugging Face one): ``copy``; ``t``: GPT-2's ``Conv1D`` keeps
-its weight ``[in, out]``, ``nn.Linear`` ``[out, in]``; ``rows``: GPT-2's position table has
-``n_positions`` rows, the dense one ``seq_len ≤ n_positions`` (the first ones). With tied
+its weight ``[in, out]``, ``nn.Linear`` ``[out, in]``. Every tensor keeps its shape both ways (GPT-2's
+position table all its ``n_positions = model.max_positions`` rows, whatever ``seq_len``). With tied
 embeddings the dense state dict holds the token table twice (``embed.tok.weight`` and
 ``head.weight``, one tensor); a checkpoint holds it once. This module needs ``safetensors``
 (the ``hf`` extra), never ``transformers``; nothing else in parallel4d imports it.
@@ -29,7 +29,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from parallel4d.config.hf_fields import mismatches, model_fields_from_hf, positions_short
+from parallel4d.config.hf_fields import mismatches, model_fields_from_hf
 from parallel4d.models.build import build_stage, shape_from_config
 from parallel4d.models.registry import spec
 from parallel4d.models.stages import stage_names
@@ -51,7 +51,7 @@ def p4d_to_hf(model_cfg) -> dict[str, tuple[str, str]]:
 
 def hf_to_p4d(model_cfg) -> dict[str, tuple[str, str]]:
     """Hugging Face name → ``(dense name, transform)``: :func:`p4d_to_hf` reversed (the transform
-    is its own inverse: ``t`` transposes back; ``rows`` writes the ``seq_len`` rows there are)."""
+    is its own inverse: ``t`` transposes back)."""
     return {hf: (p4d, t) for p4d, (hf, t) in p4d_to_hf(model_cfg).items()}
 
 
@@ -149,11 +149,6 @@ def _check_config(directory: Path, model_cfg) -> None:
     wrong = [f"{k}={v!r} (the checkpoint's {theirs!r})" for k, v, theirs in mismatches(model_fields_from_hf(hf), ours)]
     if wrong:
         raise ValueError(f"{path} does not describe model: " + ", ".join(f"model.{w}" for w in wrong))
-    limit = positions_short(hf, model_cfg.arch, model_cfg.seq_len)
-    if limit is not None:
-        key = spec(model_cfg.arch).hf_positions
-        raise ValueError(f"model.seq_len={model_cfg.seq_len} exceeds {key}={limit} of {path} ({model_cfg.arch}'s "
-                         "learned position table has that many rows)")
 
 
 def load_hf_state_dict(directory, model_cfg) -> dict[str, torch.Tensor]:
@@ -163,22 +158,22 @@ def load_hf_state_dict(directory, model_cfg) -> dict[str, torch.Tensor]:
     Tensors keep their saved dtype (the caller casts). ``ValueError`` naming the file and tensor
     for a missing tensor, one of the wrong shape (vs. ``model_cfg``), an unexpected one (say a
     layer more), or a ``config.json`` that disagrees with ``model_cfg``; ``OSError`` for a
-    missing or truncated file. gpt2: the first ``seq_len ≤ n_positions`` rows of the positions.
+    missing or truncated file.
     """
     directory = Path(directory)
     _check_config(directory, model_cfg)
     out = {}
     with HFCheckpoint(directory) as ckpt:
-        for p4d, (hf, how, rows) in _checked_names(ckpt, model_cfg).items():
-            tensor = ckpt.read_tensor(hf, (slice(0, rows),) if how == "rows" else None)
+        for p4d, (hf, how) in _checked_names(ckpt, model_cfg).items():
+            tensor = ckpt.read_tensor(hf)
             out[p4d] = tensor.t().contiguous() if how == "t" else tensor
     if model_cfg.tie_embeddings:
         out["head.weight"] = out["embed.tok.weight"]
     return out
 
 
-def _checked_names(ckpt: HFCheckpoint, model_cfg) -> dict[str, tuple[str, str, int]]:
-    """Dense name → ``(the checkpoint's name, transform, dense rows)``, every tensor there and of
+def _checked_names(ckpt: HFCheckpoint, model_cfg) -> dict[str, tuple[str, str]]:
+    """Dense name → ``(the checkpoint's name, transform)``, every tensor there and of
     the model's shape, none left over (``ValueError`` naming the file and tensor otherwise)."""
     shapes, names, out = dense_shapes(model_cfg), set(ckpt.file_of), {}
     family = spec(model_cfg.arch)
@@ -191,12 +186,11 @@ def _checked_names(ckpt: HFCheckpoint, model_cfg) -> dict[str, tuple[str, str, i
             raise ValueError(f"tensor {hf!r} (for {p4d}) is missing from {where}")
         want, have = shapes[p4d], ckpt.shape(hf)
         expect = tuple(reversed(want)) if how == "t" else tuple(want)
-        fits = len(have) == 2 and have[1] == want[1] and have[0] >= want[0] if how == "rows" else have == expect
-        if not fits:
+        if have != expect:
             raise ValueError(f"{ckpt.path(hf)}: tensor {hf!r} has shape {list(have)}, model expects "
-                             f"{list(expect)}{' rows or more' if how == 'rows' else ''} (for {p4d})")
-        out[p4d] = (hf, how, want[0])
-    used = {hf for hf, _, _ in out.values()}
+                             f"{list(expect)} (for {p4d})")
+        out[p4d] = (hf, how)
+    used = {hf for hf, _ in out.values()}
     extra = sorted(n for n in names - used if not n.endswith(family.hf_ignored)
                    and not (model_cfg.tie_embeddings and n == "lm_head.weight"))
     if extra:
@@ -225,7 +219,7 @@ def load_pieces(pieces: dict[str, list], directory, model_cfg) -> int:
     with HFCheckpoint(directory) as ckpt:
         names = _checked_names(ckpt, model_cfg)
         for dense, boxes in pieces.items():
-            hf, how, _ = names[dense]
+            hf, how = names[dense]
             for offsets, view in boxes:
                 box = tuple(slice(o, o + n) for o, n in zip(offsets, view.shape))
                 part = ckpt.read_tensor(hf, box[::-1] if how == "t" else box)

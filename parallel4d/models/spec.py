@@ -22,7 +22,7 @@ if TYPE_CHECKING:  # annotations only: the schema imports the registry of specs
     from parallel4d.config.schema import ModelConfig
 
 # Hugging Face name → (dense name, transform): "copy"; "t" (a Conv1D weight [in, out] → nn.Linear's
-# [out, in]); "rows" (the first seq_len rows of a longer position table).
+# [out, in]).
 NameMap = dict[str, tuple[str, str]]
 
 
@@ -36,7 +36,7 @@ class ModelSpec:
     torch_module: str  # the module holding the family's torch side (its ``FAMILY``, a build.Family)
     hf_model_types: tuple[str, ...]  # config.json model_type values that load as this family
     fields: tuple[str, ...]  # the model: fields this family reads (``parallel4d validate`` shows these)
-    learned_positions: bool  # a table of seq_len positions: seq_len is part of the tensor shapes
+    learned_positions: bool  # a table of max_positions (else seq_len) positions: part of the tensor shapes
     problems: Callable[[ModelConfig, int], list[str]]  # (m, q): the family's rules, one message each
     dense_parameters: Callable[[ModelConfig], int]  # about how many parameters (norms, biases left out)
     flops_per_token: Callable[[ModelConfig], float]  # training (forward + backward) FLOPs per token

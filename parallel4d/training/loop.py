@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from parallel4d.checkpoint import dcp as checkpoint
 from parallel4d.checkpoint.failures import CheckpointError
+from parallel4d.checkpoint.hf_source import checkpoint_files, source_files
 from parallel4d.checkpoint.resume import check_start, choose_checkpoint
 from parallel4d.checkpoint.steps import new_run_id, read_info
 from parallel4d.distributed import comm
@@ -126,6 +127,18 @@ class _Run:
         self.resumed_from: int | None = None
         self.saved_step: int | None = None  # the step whose state is on disk (saved or loaded here)
         self.saved: Path | None = None
+        self.extra_files: dict[str, str | bytes] = {"config.yaml": cfg.to_yaml()}
+        if lead and cfg.model.pretrained and cfg.checkpoint.enabled:  # its tokenizer etc., for the export
+            self.extra_files.update(self._pretrained_files(cfg.model.pretrained))
+
+    @staticmethod
+    def _pretrained_files(directory: str) -> dict[str, bytes]:
+        """model.pretrained's small files (hf_source.source_files), read once: each checkpoint carries them."""
+        files, skipped = source_files(directory)
+        if skipped:
+            _log(f"[parallel4d] warning: model.pretrained: {', '.join(skipped)} not carried with the checkpoints "
+                 "(larger than a tokenizer or config file); copy it into the export by hand")
+        return checkpoint_files(files)
 
     def resume(self, summary_path: Path) -> None:
         """Load the checkpoint :func:`choose_checkpoint` picks (every rank calls this)."""
@@ -175,7 +188,7 @@ class _Run:
         try:
             self.saved = checkpoint.save(
                 self.engine.checkpoint_state(), self.ckpt_dir, step, keep=self.cfg.checkpoint.keep,
-                extra_files={"config.yaml": self.cfg.to_yaml()}, run_id=self.run_id,
+                extra_files=self.extra_files, run_id=self.run_id,
                 info={"losses": self.losses, "validation": self.validation, "seconds": self.prior_seconds + seconds,
                       "format": self.engine.checkpoint_format, **self.throughput(seconds)})
             self.saved_step = step

@@ -43,10 +43,16 @@ class GPTShape:
     init_std: float = 0.02
     causal: bool = True  # False: bidirectional attention (``sequence.causal`` of a job, see engine.model_shape)
     activation: str = "gelu"  # or "gelu_tanh", the approximation GPT-2 checkpoints were trained with
+    max_positions: int | None = None  # the position table's rows (≥ seq_len; a checkpoint's n_positions); None: seq_len
 
     @property
     def head_dim(self) -> int:
         return self.hidden // self.heads
+
+    @property
+    def positions(self) -> int:
+        """The rows of the position table: ``max_positions``, else ``seq_len``."""
+        return self.max_positions or self.seq_len
 
 
 def dense_attention(q, k, v, causal: bool = True):
@@ -55,12 +61,14 @@ def dense_attention(q, k, v, causal: bool = True):
 
 
 class Embedding(nn.Module):
-    """Token + learned position embedding: tokens ``[b, s]`` → ``[b, s, h]``."""
+    """Token + learned position embedding: tokens ``[b, s]`` → ``[b, s, h]``. The position table has
+    ``shape.positions ≥ s`` rows; training at ``seq_len`` reads the first ``seq_len`` (the others get
+    no gradient and stay as they were loaded)."""
 
     def __init__(self, shape: GPTShape):
         super().__init__()
         self.tok = nn.Embedding(shape.vocab_size, shape.hidden)
-        self.pos = nn.Embedding(shape.seq_len, shape.hidden)
+        self.pos = nn.Embedding(shape.positions, shape.hidden)
 
     def forward(self, tokens, positions=None):
         if positions is None:
@@ -183,7 +191,7 @@ def shape_from_config(m: ModelConfig, causal: bool = True) -> GPTShape:
     """The shape of a job's ``model:`` section (``causal``: ``sequence.causal``)."""
     return GPTShape(vocab_size=m.vocab_size, seq_len=m.seq_len, hidden=m.hidden, heads=m.heads, layers=m.layers,
                     mlp_ratio=m.mlp_ratio, tie_embeddings=m.tie_embeddings, norm_eps=m.norm_eps, init_std=m.init_std,
-                    causal=causal, activation=m.activation)
+                    causal=causal, activation=m.activation, max_positions=m.positions)
 
 
 # --- decoding with a KV cache (parallel4d generate): the dense modules' own projections, one new token at a time

@@ -1,6 +1,7 @@
 """``model.arch: gpt2`` without torch: fields, rules, Hugging Face mapping, parameters and FLOPs.
 
-GPT-2: pre-LN blocks with LayerNorm, a learned table of ``seq_len`` positions, a fused ``qkv``
+GPT-2: pre-LN blocks with LayerNorm, a learned table of ``max_positions`` positions (``seq_len`` or
+more: the rows past ``seq_len`` are kept, never read, as a checkpoint's ``n_positions`` brings them), a fused ``qkv``
 projection, a GELU MLP ``mlp_ratio·hidden`` wide, biases everywhere, the LM head tied to the token
 table by default. Hugging Face checkpoints: ``GPT2LMHeadModel`` (``transformer.``-prefixed names),
 or ``GPT2Model`` (the hub's ``gpt2``, no prefix); ``Conv1D`` weights are stored ``[in, out]``.
@@ -26,8 +27,14 @@ _BLOCK = (("ln_1.weight", "ln1.weight", "copy"), ("ln_1.bias", "ln1.bias", "copy
 
 
 def problems(m: ModelConfig, q: int) -> list[str]:
-    """Another family's field set to a value gpt2 would ignore (a dumped config holds every field)."""
+    """A ``seq_len`` past the position table, or another family's field set to a value gpt2 would
+    ignore (a dumped config holds every field)."""
     out, defaults = [], type(m).model_fields
+    if m.seq_len > m.positions:
+        source = " (model.pretrained's n_positions)" if m.pretrained else ""
+        out.append(f"model.seq_len={m.seq_len} is more than model.max_positions={m.positions}{source}, the rows of "
+                   f"gpt2's learned position table; lower model.seq_len to {m.positions} or less"
+                   + ("" if m.pretrained else " or raise model.max_positions"))
     if m.kv_heads not in (None, m.heads):
         out.append(f"model.kv_heads={m.kv_heads} with model.arch=gpt2: grouped-query attention is llama's; "
                    "remove model.kv_heads or set model.arch=llama")
@@ -46,9 +53,10 @@ def _tables(m: ModelConfig) -> int:
 
 
 def dense_parameters(m: ModelConfig) -> int:
-    """Token table(s), position table, per block ``qkv + proj = 4h²`` and the MLP's ``2·h·width``."""
+    """Token table(s), position table (``max_positions`` rows), per block ``qkv + proj = 4h²`` and the
+    MLP's ``2·h·width``."""
     h = m.hidden
-    return _tables(m) + m.seq_len * h + m.layers * (4 * h * h + 2 * h * m.mlp_width)
+    return _tables(m) + m.positions * h + m.layers * (4 * h * h + 2 * h * m.mlp_width)
 
 
 def _block_matrices(m: ModelConfig) -> int:
@@ -77,12 +85,22 @@ def fields_from_hf(c: dict) -> dict:
     act = c.get("activation_function", "gelu_new")
     if act not in _ACTIVATIONS:
         refuse(mt, f"activation_function {act!r} is not supported (supported: {', '.join(_ACTIVATIONS)})")
-    if not c.get("scale_attn_weights", True) or c.get("scale_attn_by_inverse_layer_idx", False):
-        refuse(mt, "attention scaled other than by 1/sqrt(head_dim) is not supported")
+    if not c.get("scale_attn_weights", True):
+        refuse(mt, "scale_attn_weights=false: attention scaled other than by 1/sqrt(head_dim) is not supported")
+    if c.get("scale_attn_by_inverse_layer_idx", False):
+        refuse(mt, "scale_attn_by_inverse_layer_idx=true: attention scaled other than by 1/sqrt(head_dim) is not "
+                   "supported")
     if c.get("add_cross_attention", False):
         refuse(mt, "add_cross_attention is not supported")
+    if c.get("reorder_and_upcast_attn", False):
+        refuse(mt, "reorder_and_upcast_attn=true (attention scores in float32 whatever the dtype) is not supported; "
+                   "the dense GPT computes them in the training dtype (in float32 training the two are the same: "
+                   "set it false in config.json to load the model that way)")
+    if c.get("pruned_heads"):
+        refuse(mt, f"pruned_heads={c['pruned_heads']}: layers with fewer heads are not supported")
     return {"arch": "gpt2", "vocab_size": need(c, "vocab_size"), "hidden": h, "heads": need(c, "n_head"),
-            "layers": need(c, "n_layer"), "mlp_ratio": inner // h, "activation": _ACTIVATIONS[act],
+            "layers": need(c, "n_layer"), "max_positions": need(c, "n_positions"), "mlp_ratio": inner // h,
+            "activation": _ACTIVATIONS[act],
             "tie_embeddings": c.get("tie_word_embeddings", True), "norm_eps": c.get("layer_norm_epsilon", 1e-5)}
 
 
@@ -90,7 +108,7 @@ def hf_config(m: ModelConfig, common: dict) -> dict:
     """``GPT2LMHeadModel``'s ``config.json``. ``gelu_tanh`` is written ``gelu_pytorch_tanh`` (the
     ``F.gelu(approximate="tanh")`` the dense model calls; ``gelu_new``, GPT-2's name, is the same
     formula in Python ops, ~1e-7 apart in float32). Dropouts 0."""
-    return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", **common, "n_positions": m.seq_len,
+    return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", **common, "n_positions": m.positions,
             "n_embd": m.hidden, "n_head": m.heads, "n_layer": m.layers, "n_inner": m.mlp_ratio * m.hidden,
             "activation_function": "gelu_pytorch_tanh" if m.activation == "gelu_tanh" else "gelu",
             "layer_norm_epsilon": m.norm_eps, "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0,
@@ -99,7 +117,7 @@ def hf_config(m: ModelConfig, common: dict) -> dict:
 
 def hf_names(m: ModelConfig) -> NameMap:
     """Dense name → ``(GPT2LMHeadModel's name, transform)``, in the dense model's order."""
-    out = {"embed.tok.weight": ("transformer.wte.weight", "copy"), "embed.pos.weight": ("transformer.wpe.weight", "rows")}
+    out = {"embed.tok.weight": ("transformer.wte.weight", "copy"), "embed.pos.weight": ("transformer.wpe.weight", "copy")}
     for i in range(m.layers):
         out.update({f"blocks.{i}.{d}": (f"transformer.h.{i}.{h}", t) for h, d, t in _BLOCK})
     out.update({f"head.ln_f.{p}": (f"transformer.ln_f.{p}", "copy") for p in ("weight", "bias")})
@@ -122,10 +140,11 @@ SHAPES = (
 SPEC = ModelSpec(
     name="gpt2", summary="LayerNorm, learned positions, GELU MLP", torch_module="parallel4d.models.gpt2.family",
     hf_model_types=("gpt2",),
-    fields=("arch", "vocab_size", "seq_len", "hidden", "heads", "layers", "mlp_ratio", "tie_embeddings", "norm_eps",
-            "init_std", "activation", "pretrained"),
+    fields=("arch", "vocab_size", "seq_len", "max_positions", "hidden", "heads", "layers", "mlp_ratio",
+            "tie_embeddings", "norm_eps", "init_std", "activation", "pretrained"),
     learned_positions=True, problems=problems, dense_parameters=dense_parameters, flops_per_token=flops_per_token,
     stage_flops=stage_flops,
     fields_from_hf=fields_from_hf, hf_config=hf_config, hf_names=hf_names, hf_positions="n_positions",
     hf_prefix="transformer.", hf_ignored=(".attn.bias", ".attn.masked_bias"), shapes=SHAPES,
+    resolved=lambda m: {"max_positions": m.positions},
 )
