@@ -374,7 +374,11 @@ def _write_tensor(fd: int, at: int, p4d: str, how: str, source: DenseSource) -> 
 
 
 def _pwrite(fd: int, t: torch.Tensor, at: int) -> None:
-    data = memoryview(t.reshape(-1).view(torch.uint8).numpy())
+    """The elements of ``t`` in row-major order at byte ``at`` of file ``fd``."""
+    flat = t.reshape(-1)
+    if flat.stride(0) != 1:
+        flat = flat.new_empty(flat.shape).copy_(flat)  # a size-1 row of a transposed block keeps its stride
+    data = memoryview(flat.view(torch.uint8).numpy())
     while len(data):
         n = os.pwrite(fd, data, at)
         data, at = data[n:], at + n
