@@ -43,9 +43,12 @@ MODELS = {  # model: sections
 RUN_AND_REPORT = """
 import sys
 import torch.distributed.checkpoint, parallel4d.checkpoint.export, parallel4d.models.hf
+from parallel4d.checkpoint.resume import saved_config
+from parallel4d.config.load import make_config
 from parallel4d.tools.cli import main
 def hwm():
     return next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("VmHWM:"))
+parallel4d.models.hf.dense_shapes(make_config(saved_config(sys.argv[2])).model)  # the family's modules imported
 imported = hwm()
 rc = main(sys.argv[1:])
 print("PEAK_RSS", imported, hwm(), file=sys.stderr)

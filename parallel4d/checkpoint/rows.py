@@ -98,26 +98,25 @@ class CheckpointTensors:
         return self._files[name]
 
     def _layout(self, key: str, offsets: tuple) -> tuple:
-        """``(file, byte offset of the chunk's first element or None, meta tensor, storage info)``."""
+        """``(file, byte offset of the chunk's first element or None, shape, dtype, storage info)``."""
         if (key, offsets) not in self._layouts:
             info = self.where[key, offsets]
             f = self._file(info.relative_path)
             meta = torch.load(_Range(f, info.offset, info.length), map_location="meta", weights_only=True)
             start = None if info.transform_descriptors else _raw_start(f, info.offset, info.length, meta)
-            self._layouts[key, offsets] = (f, start, meta, info)
+            # not the meta tensor itself: it keeps the archive's reader, and its buffers, alive
+            self._layouts[key, offsets] = (f, start, meta.shape, meta.dtype, info)
         return self._layouts[key, offsets]
 
     def _chunk_rows(self, key: str, offsets: tuple, a: int, b: int) -> torch.Tensor:
         """Rows ``[a, b)`` of the chunk saved at ``offsets`` (all of it for a 0-dim tensor)."""
-        f, start, meta, info = self._layout(key, offsets)
+        f, start, shape, dtype, info = self._layout(key, offsets)
         if start is None:  # stored some other way: load it whole
             whole = torch.load(_Range(f, info.offset, info.length), map_location="cpu", weights_only=True)
             return whole if whole.dim() == 0 else whole[a:b]
-        shape = (b - a, *meta.shape[1:]) if meta.dim() else ()
-        out = torch.empty(shape, dtype=meta.dtype)
+        out = torch.empty((b - a, *shape[1:]) if len(shape) else (), dtype=dtype)
         buf = out.reshape(-1).view(torch.uint8).numpy()
-        row_bytes = out[0].numel() * out.element_size() if meta.dim() else 0
-        f.seek(start + a * row_bytes)
+        f.seek(start + a * (out[0].numel() * out.element_size() if len(shape) else 0))
         done = 0
         while done < len(buf):
             got = f.readinto(memoryview(buf)[done:])

@@ -371,6 +371,7 @@ def _write_tensor(fd: int, at: int, p4d: str, how: str, source: DenseSource) -> 
                 _pwrite(fd, cols[i], at + (i * rows + a) * dtype.itemsize)
         else:
             _pwrite(fd, block.t().contiguous() if how == "t" else block.contiguous(), at + a * row_bytes)
+        del block  # before the next block is read: one block in memory at a time
 
 
 def _pwrite(fd: int, t: torch.Tensor, at: int) -> None:
