@@ -121,7 +121,7 @@ COUNT_CASES = [(0, True), (1, True), (2, True), (1, False)]  # (ZeRO stage, para
 RING_JOB = {**JOB, "parallel": {"dp": 2, "sp": 2}}
 
 
-def _four_worker_jobs(pipeline_jobs):
+def _four_worker_jobs(pipeline_jobs, saves):
     """Every 4-worker check of this file in one job (one start-up, DeepSpeed imported once per
     worker): the norm counts, the ring under ZeRO-2, the layouts through initialize(), and the
     ZeRO-3 refusal (its message)."""
@@ -129,7 +129,7 @@ def _four_worker_jobs(pipeline_jobs):
 
     counts = _all_steps(JOB, COUNT_CASES)
     ring = _all_steps(RING_JOB, [(2, True)])
-    layouts = _train_batches(pipeline_jobs)
+    layouts = _train_batches(pipeline_jobs, saves)
     try:
         _all_steps(JOB, [(3, True)])
         refusal = None
@@ -139,17 +139,20 @@ def _four_worker_jobs(pipeline_jobs):
 
 
 @pytest.fixture(scope="module")
-def four_workers(tmp_path_factory, llama_checkpoint):
+def four_workers(tmp_path_factory, llama_checkpoint, saved):
     """The results of :func:`_four_worker_jobs` per rank, from workers whose PATH holds no C++
     compiler and whose extension cache is empty (a JIT build of a DeepSpeed op would fail them).
-    The layouts are :data:`PIPELINE_CASES`' jobs, then :func:`_llama_cases`'."""
+    The layouts are :data:`PIPELINE_CASES`' jobs, then :func:`_llama_cases`'; the bf16 one is saved
+    into ``saved``."""
     import yaml
 
     tmp = tmp_path_factory.mktemp("deepspeed4")
     (tmp / "tp4.yaml").write_text(yaml.safe_dump(PIPELINE_CASES[2][1]))
     given = [str(tmp / "tp4.yaml") if index == 2 else job for index, (_, job, _) in enumerate(PIPELINE_CASES)]
     given += [job for _, job, _ in _llama_cases(llama_checkpoint)]
-    results = spawn(_four_worker_jobs, 4, (given,), backend="gloo", timeout_s=600, env=_no_compiler(tmp),
+    saves = {5: saved["bf16"]}
+    assert PIPELINE_CASES[5][0] == "1F1B pp=2 × dp=2 in bf16"
+    results = spawn(_four_worker_jobs, 4, (given, saves), backend="gloo", timeout_s=600, env=_no_compiler(tmp),
                     preload=DEEPSPEED_JOB)
     assert not any((tmp / "torch_extensions").glob("**/*.so"))
     return results
@@ -248,17 +251,25 @@ def test_zero_stages_equal_parallel4d_data_parallelism(tmp_path, eight_workers):
 ZERO_RUNS = [(0, False), (1, False), (2, False), (1, True)]  # (ZeRO stage, bf16)
 
 
-def _eight_worker_jobs(hanayo_job: dict):
-    return _train_under_zero(TRAIN, ZERO_RUNS), _train_batches([hanayo_job])
+def _eight_worker_jobs(hanayo_job: dict, root: str):
+    return _train_under_zero(TRAIN, ZERO_RUNS), _train_batches([hanayo_job], {0: root})
 
 
 @pytest.fixture(scope="module")
-def eight_workers(tmp_path_factory):
-    """Per rank: the ZeRO runs of tp=4 × dp=2 and the Hanayo pp=2 × tp=4 job through initialize(),
-    in one spawned job whose workers reach no C++ compiler."""
+def saved(tmp_path_factory):
+    """Where the spawned jobs save their DeepSpeed checkpoints: ``{what: checkpoint root}``."""
+    tmp = tmp_path_factory.mktemp("deepspeed_saved")
+    return {what: str(tmp / what) for what in ("hanayo", "bf16")}
+
+
+@pytest.fixture(scope="module")
+def eight_workers(tmp_path_factory, saved):
+    """Per rank: the ZeRO runs of tp=4 × dp=2 and the Hanayo pp=2 × tp=4 job through initialize()
+    (then saved as parallel4d launch saves it, into ``saved["hanayo"]``), in one spawned job whose
+    workers reach no C++ compiler."""
     tmp = tmp_path_factory.mktemp("deepspeed8")
-    return spawn(_eight_worker_jobs, 8, (HANAYO_JOB,), backend="gloo", timeout_s=600, env=_no_compiler(tmp),
-                 preload=DEEPSPEED_JOB)
+    return spawn(_eight_worker_jobs, 8, (HANAYO_JOB, saved["hanayo"]), backend="gloo", timeout_s=600,
+                 env=_no_compiler(tmp), preload=DEEPSPEED_JOB)
 
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "deepspeed"
@@ -356,20 +367,27 @@ def dense_run(job: dict) -> tuple[list[float], list[float], dict]:
     return losses, norms, {n: p.detach() for n, p in model.named_parameters()}
 
 
-def _train_batches(jobs: list[dict]):
+def _train_batches(jobs: list[dict], saves: dict[int, str] | None = None):
     """Each job through ``initialize`` and ``engine.train_batch``: losses, DeepSpeed's last global
-    norm, this rank's parameter pieces after the last step, and what the engine is."""
+    norm, this rank's parameter pieces after the last step, and what the engine is. Job ``i`` in
+    ``saves`` is then saved as ``parallel4d launch`` saves it (DeepSpeedTrainer's writer) under ``saves[i]``."""
     from deepspeed.runtime.engine import DeepSpeedEngine
 
+    from parallel4d.checkpoint import dcp as checkpoint
     from parallel4d.integrations.deepspeed import DeepSpeedPipeline
     from parallel4d.integrations.deepspeed import initialize
+    from parallel4d.integrations.deepspeed.trainer import checkpoint_writer
 
     out = []
-    for job in jobs:
+    for index, job in enumerate(jobs):
         engine, optimizer, scheduler = initialize(job)  # a dict, or a YAML file's path
         cfg = engine.p4d_cfg
         data = build_dataset(cfg)
         losses = [engine.train_batch(*data.batch(step)) for step in range(cfg.train.steps)]
+        if index in (saves or {}):
+            steps = cfg.train.steps
+            checkpoint.save(checkpoint_writer(engine, steps, steps * cfg.data.batch_size * cfg.model.seq_len),
+                            saves[index], steps, extra_files={"config.yaml": cfg.to_yaml()})
         kind = "DeepSpeedEngine" if isinstance(engine, DeepSpeedEngine) else \
             "DeepSpeedPipeline" if isinstance(engine, DeepSpeedPipeline) else type(engine).__name__
         if kind == "DeepSpeedPipeline":
@@ -534,3 +552,47 @@ def test_llama_and_a_pretrained_checkpoint_inside_deepspeed(four_workers, llama_
         checked = [_check_layout(rank_results[index], job, what) for rank_results in results]
         assert {kind for kind, _, _ in checked} == {want}
         assert set().union(*(names for _, names, _ in checked)) == checked[0][2]
+
+
+# --- DeepSpeed's checkpoints gathered and exported as native ones (#30.5) ---
+
+def _gathered(root: str, out: Path) -> dict:
+    from parallel4d.checkpoint.gather import gather
+
+    return torch.load(gather(root, out, progress=False), weights_only=True)
+
+
+def _union(ranks: list[dict]) -> dict:
+    """Every rank's pieces ``{dense name: [(offsets, tensor)]}`` together."""
+    out: dict = {}
+    for pieces in ranks:
+        for name, boxes in pieces.items():
+            out.setdefault(name, []).extend(boxes)
+    return out
+
+
+def test_deepspeed_checkpoints_gather_and_export_like_native_ones(eight_workers, four_workers, saved, tmp_path):
+    """A DeepSpeed run's checkpoint, saved as ``parallel4d launch`` saves it, through ``parallel4d checkpoint
+    gather`` and ``parallel4d export`` (which refused it before, pointing to zero_to_fp32.py, which fails on
+    pp=2 × tp=4). Hanayo pp=2 × tp=4 under ZeRO-1 (the shipped example's layout): every dense parameter
+    equals, bit for bit, what the engine holds after its 5 steps (every rank's pieces of it); the export's
+    safetensors hold the same. 1F1B pp=2 × dp=2 in bf16: the float32 master, which rounds to the module's
+    bf16 parameters and is not them."""
+    from parallel4d.checkpoint.export import export
+    from parallel4d.models.hf import load_hf_state_dict
+
+    hanayo = _gathered(saved["hanayo"], tmp_path / "hanayo.pt")
+    assert hanayo["step"] == 5 and hanayo["optimizer"] == {}
+    pieces = _union([ranks[1][0][3] for ranks in eight_workers])
+    assert pieces.keys() == hanayo["model"].keys()
+    assert_pieces_close(pieces, hanayo["model"], 0, 0, "Hanayo pp=2 × tp=4 gathered")
+    cfg = make_config(HANAYO_JOB)
+    exported = load_hf_state_dict(export(saved["hanayo"], tmp_path / "hf"), cfg.model)
+    assert all(torch.equal(exported[k], v) for k, v in hanayo["model"].items())
+
+    bf16 = _gathered(saved["bf16"], tmp_path / "bf16.pt")["model"]
+    module = _union([ranks[2][5][3] for ranks in four_workers])  # the module's bf16 parameters, as float32
+    assert all(t.dtype == torch.float32 for t in bf16.values())
+    assert_pieces_close(module, {k: v.bfloat16() for k, v in bf16.items()}, 0, 0, "bf16 master rounded")
+    assert not all(torch.equal(t, bf16[n][tuple(slice(o, o + k) for o, k in zip(off, t.shape))])
+                   for n, boxes in module.items() for off, t in boxes)  # the master, not the 16-bit copy

@@ -145,7 +145,7 @@ def save(state: dict | Callable[[Path], Any], root: str | Path, step: int, keep:
         if callable(state):
             state(tmp)
         else:
-            _dcp().save(state, checkpoint_id=str(tmp), planner=shards.save_planner())
+            write_state(state, tmp)
     except failure_types() as e:
         error = e
     # the same verdict on every rank, in the words of a rank that failed itself (its own disk, limits)
@@ -160,6 +160,12 @@ def save(state: dict | Callable[[Path], Any], root: str | Path, step: int, keep:
     finally:
         clean_up()  # gone already (renamed) unless publishing failed
     return final
+
+
+def write_state(state: dict, directory: Path) -> None:
+    """Collectively write ``state`` (a DCP state dict; :class:`.shards.DenseShards` values are each rank's
+    pieces of a dense tensor) as DCP's files in ``directory``."""
+    _dcp().save(state, checkpoint_id=str(directory), planner=shards.save_planner())
 
 
 def _dcp():

@@ -1,11 +1,12 @@
 """``parallel4d export CKPT OUT_DIR``: a checkpoint of any layout → a Hugging Face model directory.
 
-The checkpoint's dense tensors are gathered (:func:`.gather.gather`, one tensor at a time into a
-mapped file), then written as ``config.json`` + safetensors (:func:`.models.hf.save_hf`, sharded
-above ``max_shard_bytes``) that ``transformers.AutoModelForCausalLM.from_pretrained(OUT_DIR)``
-loads. The architecture is the ``model:`` section of the config saved with the checkpoint. A job
-with ``model.pretrained`` gets back that directory's config.json (what training changed, merged),
-tokenizer and generation files, which its checkpoints carry (:mod:`.hf_source`).
+The checkpoint's dense tensors are read a block of rows at a time (:class:`.rows.CheckpointTensors`)
+straight into ``config.json`` + safetensors (:func:`.models.hf.save_hf`, sharded above
+``max_shard_bytes``), which ``transformers.AutoModelForCausalLM.from_pretrained(OUT_DIR)`` loads:
+no dense copy of the model is made, in memory or on disk, so the memory used does not grow with the
+model (``benchmarks/export.py``). The architecture is the ``model:`` section of the config saved
+with the checkpoint. A job with ``model.pretrained`` gets back that directory's config.json (what
+training changed, merged), tokenizer and generation files, which its checkpoints carry (:mod:`.hf_source`).
 """
 
 from __future__ import annotations
@@ -17,10 +18,28 @@ import torch
 
 from parallel4d.config.errors import ConfigError
 from parallel4d.config.load import make_config
+from parallel4d.checkpoint.checksums import verify
+from parallel4d.checkpoint.failures import CheckpointError
+from parallel4d.checkpoint.gather import resolve_checkpoint
 from parallel4d.checkpoint.resume import saved_config
-from parallel4d.checkpoint.gather import gather, resolve_checkpoint, with_tied_head
 from parallel4d.checkpoint.files import default_mode
 from parallel4d.checkpoint.hf_source import carry_source
+from parallel4d.checkpoint.rows import CheckpointTensors
+
+
+class ModelTensors:
+    """The checkpoint's ``model.*`` tensors under the dense model's names (``models.hf.DenseSource``):
+    with tied embeddings ``head.weight`` is the token table, as the dense ``state_dict()`` lists it."""
+
+    def __init__(self, tensors: CheckpointTensors, tied: bool):
+        self.tensors = tensors
+        self.keys = {k[len("model."):]: k for k in tensors.shapes if k.startswith("model.")}
+        if tied and "head.weight" not in self.keys:
+            self.keys["head.weight"] = self.keys["embed.tok.weight"]
+        self.shapes = {name: tensors.shapes[key] for name, key in self.keys.items()}
+
+    def read(self, name: str, start: int, stop: int) -> torch.Tensor:
+        return self.tensors.read(self.keys[name], start, stop)
 
 
 def export(ckpt: str | Path, out_dir: str | Path, max_shard_bytes: int = 5 << 30) -> Path:
@@ -32,15 +51,13 @@ def export(ckpt: str | Path, out_dir: str | Path, max_shard_bytes: int = 5 << 30
     except ImportError as e:
         raise ConfigError(f"parallel4d export needs the hf extra ({e.name} is missing): "
                           "pip install 'parallel4d[hf]'") from None
-    out_dir.mkdir(parents=True, exist_ok=True)
-    dense = out_dir / ".parallel4d-gather.pt"
-    try:
-        gather(path, dense)
-        state = with_tied_head(torch.load(dense, mmap=True, weights_only=True)["model"], model_cfg.tie_embeddings)
-        hf.save_hf(state, model_cfg, out_dir, max_shard_bytes=max_shard_bytes)
-        dtype = state["embed.tok.weight"].dtype
-        carried = carry_source(path, out_dir, model_cfg, lambda m: hf.hf_config(m, dtype))
-        default_mode([*out_dir.glob("*.safetensors"), *out_dir.glob("*.json"), *carried])  # readable by others
-    finally:
-        dense.unlink(missing_ok=True)
+    problem = verify(path)
+    if problem is not None:
+        raise CheckpointError(f"checkpoint {path} is not usable: {problem}")
+    with CheckpointTensors(path) as tensors:
+        source = ModelTensors(tensors, model_cfg.tie_embeddings)
+        hf.save_hf(source, model_cfg, out_dir, max_shard_bytes=max_shard_bytes)
+    dtype = source.shapes["embed.tok.weight"][1]
+    carried = carry_source(path, out_dir, model_cfg, lambda m: hf.hf_config(m, dtype))
+    default_mode([*out_dir.glob("*.safetensors"), *out_dir.glob("*.json"), *carried])  # readable by others
     return out_dir

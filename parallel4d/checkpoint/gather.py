@@ -27,17 +27,19 @@ from parallel4d.checkpoint.resume import latest_checkpoint
 
 
 def resolve_checkpoint(path: str | Path) -> Path:
-    """A checkpoint directory, or a checkpoint root (its newest complete checkpoint)."""
+    """A checkpoint directory, or a checkpoint root (its newest complete checkpoint), that holds the
+    dense tensors in parallel4d's layout-free format: every native checkpoint, and a ``deepspeed:`` run's
+    (beside DeepSpeed's own files, the model's float32 parameters)."""
     path = Path(path)
-    if (path / ".metadata").is_file():
-        return path
-    found = latest_checkpoint(path) if path.is_dir() else None
+    own = (path / ".metadata").is_file() or any(path.glob("*_model_states.pt"))
+    found = path if own else latest_checkpoint(path) if path.is_dir() else None
     if found is None:
         raise CheckpointError(f"{path} is neither a checkpoint (no .metadata) nor a directory of them")
     if not (found / ".metadata").is_file():
-        raise CheckpointError(f"{found} was saved by DeepSpeed (a deepspeed: section), not in parallel4d's "
-                              "layout-free format; turn it into one state dict with the zero_to_fp32.py "
-                              f"DeepSpeed wrote into {found.parent}")
+        raise CheckpointError(f"{found} holds only DeepSpeed's files (a deepspeed: section under fp16 without ZeRO, "
+                              "or saved before parallel4d wrote its own copy beside them): there is no layout-free copy of the model to read. "
+                              "At parallel.pp = tp = 1, the zero_to_fp32.py DeepSpeed wrote into "
+                              f"{found.parent} turns it into one state dict")
     return found
 
 

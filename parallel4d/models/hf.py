@@ -22,12 +22,13 @@ from __future__ import annotations
 
 import json
 import os
+import struct
 from contextlib import ExitStack
 from pathlib import Path
+from typing import Protocol
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 
 from parallel4d.config.hf_fields import mismatches, model_fields_from_hf
 from parallel4d.models.build import build_stage, shape_from_config
@@ -243,29 +244,53 @@ def hf_config(model_cfg, dtype: torch.dtype) -> dict:
     return spec(m.arch).hf_config(m, common)
 
 
-def save_hf(state_dict: dict[str, torch.Tensor], model_cfg, out_dir, max_shard_bytes: int = 5 << 30) -> Path:
-    """Write the dense ``state_dict`` of ``config.ModelConfig`` ``model_cfg`` as a Hugging Face
-    checkpoint in ``out_dir``: ``config.json`` (:func:`hf_config`, dtype that of ``embed.tok.weight``)
-    and ``model.safetensors``, or ``model-0000i-of-0000n.safetensors`` + ``model.safetensors.index.json``
-    when the tensors exceed ``max_shard_bytes`` (a tensor larger than that gets a shard of its own).
+class DenseSource(Protocol):
+    """Dense tensors by name, read a block of rows at a time: what :func:`save_hf` writes. A dict of
+    tensors is one (:class:`_Tensors`); ``checkpoint/export.py`` reads a checkpoint's this way."""
+
+    shapes: dict[str, tuple[torch.Size, torch.dtype]]  # dense name → (shape, dtype)
+
+    def read(self, name: str, start: int, stop: int) -> torch.Tensor:
+        """Rows ``[start, stop)`` of tensor ``name`` (a 0-dim one whole)."""
+
+
+class _Tensors:
+    """:class:`DenseSource` over a dict of tensors."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor]):
+        self.tensors = tensors
+        self.shapes = {k: (t.shape, t.dtype) for k, t in tensors.items()}
+
+    def read(self, name: str, start: int, stop: int) -> torch.Tensor:
+        t = self.tensors[name].detach()
+        return (t if t.dim() == 0 else t[start:stop]).cpu()
+
+
+def save_hf(state: dict[str, torch.Tensor] | DenseSource, model_cfg, out_dir, max_shard_bytes: int = 5 << 30) -> Path:
+    """Write the dense ``state`` (a state dict, or a :class:`DenseSource`) of ``config.ModelConfig``
+    ``model_cfg`` as a Hugging Face checkpoint in ``out_dir``: ``config.json`` (:func:`hf_config`,
+    dtype that of ``embed.tok.weight``) and ``model.safetensors``, or ``model-0000i-of-0000n.safetensors``
+    + ``model.safetensors.index.json`` when the tensors exceed ``max_shard_bytes`` (a tensor larger
+    than that gets a shard of its own). Each file is written as it is read, a block of rows at a time
+    (:func:`write_safetensors`): memory stays bounded whatever the model's size.
     Tied embeddings: the token table once (no ``lm_head.weight``, as transformers writes it).
     ``ValueError`` for a missing, unexpected or wrong-shaped tensor. Returns ``out_dir``."""
+    source = _Tensors(state) if isinstance(state, dict) else state
+    have = {k: shape for k, (shape, _) in source.shapes.items()}
     shapes = dense_shapes(model_cfg)
-    wrong = sorted(set(shapes) ^ set(state_dict)) or [k for k in shapes if state_dict[k].shape != shapes[k]]
+    wrong = sorted(set(shapes) ^ set(have)) or [k for k in shapes if have[k] != shapes[k]]
     if wrong:
         k = wrong[0]
         raise ValueError(f"state dict does not fit the model: {k!r} is " + (
-            f"{list(state_dict[k].shape)}, expected {list(shapes[k])}" if k in shapes and k in state_dict else
+            f"{list(have[k])}, expected {list(shapes[k])}" if k in shapes and k in have else
             "missing" if k in shapes else "unexpected"))
-    if model_cfg.tie_embeddings and not torch.equal(state_dict["head.weight"], state_dict["embed.tok.weight"]):
+    if model_cfg.tie_embeddings and isinstance(state, dict) \
+            and not torch.equal(state["head.weight"], state["embed.tok.weight"]):
         raise ValueError("model.tie_embeddings is true but head.weight differs from embed.tok.weight")
-    tensors = {}
-    for p4d, (hf, how) in p4d_to_hf(model_cfg).items():
-        t = state_dict[p4d].detach().cpu()
-        tensors[hf] = (t.t() if how == "t" else t).contiguous()
+    tensors = {hf: (p4d, how) for p4d, (hf, how) in p4d_to_hf(model_cfg).items()}
     shards, size = [[]], 0
-    for name, t in tensors.items():
-        nbytes = t.numel() * t.element_size()
+    for name, (p4d, _) in tensors.items():
+        nbytes = _nbytes(*source.shapes[p4d])
         if shards[-1] and size + nbytes > max_shard_bytes:
             shards.append([])
             size = 0
@@ -273,7 +298,7 @@ def save_hf(state_dict: dict[str, torch.Tensor], model_cfg, out_dir, max_shard_b
         size += nbytes
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    dtype = state_dict["embed.tok.weight"].dtype
+    dtype = source.shapes["embed.tok.weight"][1]
     (out / "config.json").write_text(json.dumps(hf_config(model_cfg, dtype), indent=2) + "\n")
     files = ["model.safetensors"] if len(shards) == 1 else \
         [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
@@ -281,9 +306,76 @@ def save_hf(state_dict: dict[str, torch.Tensor], model_cfg, out_dir, max_shard_b
         if stale.name not in files and stale.exists():
             os.remove(stale)
     for file, names in zip(files, shards):
-        save_file({n: tensors[n] for n in names}, str(out / file), metadata={"format": "pt"})
+        write_safetensors(out / file, {n: tensors[n] for n in names}, source)
     if len(shards) > 1:
-        index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in tensors.values())},
+        index = {"metadata": {"total_size": sum(_nbytes(*source.shapes[p4d]) for p4d, _ in tensors.values())},
                  "weight_map": {n: f for f, names in zip(files, shards) for n in names}}
         (out / INDEX).write_text(json.dumps(index, indent=2) + "\n")
     return out
+
+
+# ----------------------------------------------------------------------------- safetensors, streamed
+
+_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+           torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+           torch.bool: "BOOL"}
+BLOCK_BYTES = 64 << 20  # rows read and written at a time
+
+
+def _nbytes(shape: torch.Size, dtype: torch.dtype) -> int:
+    return torch.Size(shape).numel() * dtype.itemsize
+
+
+def write_safetensors(path: Path, tensors: dict[str, tuple[str, str]], source: DenseSource) -> None:
+    """Write ``tensors`` (safetensors name → ``(dense name in source, transform)``, in file order) to
+    the safetensors file ``path``: the header first (every shape, dtype and offset is known), then each
+    tensor's bytes, read from ``source`` ~:data:`BLOCK_BYTES` of rows at a time and written in place.
+    ``t`` (the dense tensor transposed): each block of dense rows is a block of the file's columns.
+    Written as ``.NAME.tmp`` and renamed once complete."""
+    header, offset = {}, 0
+    for name, (p4d, how) in tensors.items():
+        shape, dtype = source.shapes[p4d]
+        shape = list(reversed(shape)) if how == "t" else list(shape)
+        header[name] = {"dtype": _DTYPES[dtype], "shape": shape, "data_offsets": [offset, offset + _nbytes(shape, dtype)]}
+        offset += _nbytes(shape, dtype)
+    text = json.dumps({"__metadata__": {"format": "pt"}, **header}, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)  # the data 8-byte aligned, as safetensors writes it
+    base = 8 + len(text)
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "wb") as f:
+        f.write(struct.pack("<Q", len(text)) + text)
+        f.truncate(base + offset)
+        for name, (p4d, how) in tensors.items():
+            _write_tensor(f.fileno(), base + header[name]["data_offsets"][0], p4d, how, source)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _write_tensor(fd: int, at: int, p4d: str, how: str, source: DenseSource) -> None:
+    """Dense tensor ``p4d`` (transposed for ``t``) at byte ``at`` of file ``fd``, a block of rows at a time."""
+    shape, dtype = source.shapes[p4d]
+    rows = shape[0] if len(shape) else 1
+    row_bytes = max(_nbytes(shape[1:], dtype), 1)
+    step = max(1, BLOCK_BYTES // row_bytes)
+    for a in range(0, rows, step):
+        b = min(rows, a + step)
+        block = source.read(p4d, a, b)
+        if how == "t" and b - a < rows:  # the file's columns [a, b): one write per file row
+            cols = block.t().contiguous()
+            for i in range(cols.shape[0]):
+                _pwrite(fd, cols[i], at + (i * rows + a) * dtype.itemsize)
+        else:
+            _pwrite(fd, block.t().contiguous() if how == "t" else block.contiguous(), at + a * row_bytes)
+        del block  # before the next block is read: one block in memory at a time
+
+
+def _pwrite(fd: int, t: torch.Tensor, at: int) -> None:
+    """The elements of ``t`` in row-major order at byte ``at`` of file ``fd``."""
+    flat = t.reshape(-1)
+    if flat.stride(0) != 1:
+        flat = flat.new_empty(flat.shape).copy_(flat)  # a size-1 row of a transposed block keeps its stride
+    data = memoryview(flat.view(torch.uint8).numpy())
+    while len(data):
+        n = os.pwrite(fd, data, at)
+        data, at = data[n:], at + n

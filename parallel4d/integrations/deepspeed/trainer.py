@@ -5,21 +5,29 @@
 :func:`~.initialize.build_engine` builds, so progress, ``summary.json``, signals and the run
 directory's rules are the same with and without DeepSpeed. Checkpoints are DeepSpeed's own
 (``save_checkpoint`` / ``load_checkpoint``: model, optimizer and ZeRO partitions, scheduler),
-written into the directory parallel4d's checkpoint module then checksums and renames into place.
+written into the directory parallel4d's checkpoint module then checksums and renames into place,
+plus the model's float32 parameters in parallel4d's layout-free format (:func:`checkpoint_writer`), which
+``parallel4d checkpoint gather`` and ``parallel4d export`` read as they read a native checkpoint.
 """
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
+from typing import Callable
 
 import torch
+from deepspeed.utils import safe_get_full_fp32_param
 
+from parallel4d.checkpoint.dcp import write_state
 from parallel4d.checkpoint.failures import CheckpointError
 from parallel4d.config.schema import Config
 from parallel4d.distributed.mesh import Mesh
-from parallel4d.engine.model import parameter_count
+from parallel4d.engine.model import LocalModel, parameter_count
+from parallel4d.engine.state import dense_state_dict
 from parallel4d.engine.trainer import Trainer
 from parallel4d.integrations.deepspeed.initialize import build_engine
+from parallel4d.integrations.deepspeed.model import RankModel
 
 
 class DeepSpeedTrainer(Trainer):
@@ -85,11 +93,8 @@ class DeepSpeedTrainer(Trainer):
         self.engine.destroy()  # DeepSpeed's own hooks (its ZeRO optimizer's)
 
     def checkpoint_state(self):
-        """``write(directory)`` for ``checkpoint.save``: DeepSpeed's ``save_checkpoint`` into it."""
-        def write(directory: Path) -> None:
-            self.engine.save_checkpoint(str(directory.parent), tag=directory.name, save_latest=False,
-                                        client_state={"step": self.step, "tokens_seen": self.tokens_seen})
-        return write
+        """``write(directory)`` for ``checkpoint.save``: :func:`checkpoint_writer`'s."""
+        return checkpoint_writer(self.engine, self.step, self.tokens_seen)
 
     def load_checkpoint(self, path: Path) -> None:
         path = Path(path)
@@ -98,3 +103,48 @@ class DeepSpeedTrainer(Trainer):
             raise CheckpointError(f"checkpoint {path}: DeepSpeed found no checkpoint of this layout there "
                                   "(DeepSpeed checkpoints load into the parallel sizes that saved them)")
         self.step, self.tokens_seen = int(client["step"]), int(client["tokens_seen"])
+
+
+def checkpoint_writer(engine, step: int, tokens_seen: int) -> Callable[[Path], None]:
+    """``write(directory)`` (collective) for ``checkpoint.save`` of ``engine`` (:func:`.initialize.build_engine`'s):
+    DeepSpeed's ``save_checkpoint`` into ``directory`` (what a resumed run loads, in this layout only), then the
+    model's float32 parameters under the dense model's names (``model.<name>``, ``step``, ``tokens_seen``: DCP
+    files, each rank its pieces) — what gather and export read, the same as from a native checkpoint. Not the
+    optimizer's state: that stays in DeepSpeed's files. Under fp16 without ZeRO, whose float32 master
+    DeepSpeed does not expose, only DeepSpeed's files are written (with a warning)."""
+    def write(directory: Path) -> None:
+        engine.save_checkpoint(str(directory.parent), tag=directory.name, save_latest=False,
+                               client_state={"step": step, "tokens_seen": tokens_seen})
+        if engine.fp16_enabled() and engine.zero_optimization_stage() == 0:
+            if torch.distributed.get_rank() == 0:
+                print(f"[parallel4d] warning: checkpoint {directory.name} holds DeepSpeed's files only: under fp16 "
+                      "without ZeRO DeepSpeed keeps the float32 parameters to itself, so `parallel4d checkpoint "
+                      "gather` and `parallel4d export` cannot read it (zero_optimization.stage ≥ 1 or bf16 lets them)",
+                      file=sys.stderr, flush=True)
+            return
+        local = engine.module.local if isinstance(engine.module, RankModel) else engine.module
+        write_state(dense_state_dict(step, tokens_seen, (_float32_parameters(engine, local), {}), local.dense),
+                    directory)
+    return write
+
+
+def _float32_parameters(engine, local: LocalModel) -> dict[str, torch.Tensor]:
+    """``{LocalModel name: this rank's float32 parameter}`` (tied aliases included), as the engine
+    trains it: the module's own tensor where it holds the float32 values (ZeRO-0/1/2 in float32), else
+    the float32 master gathered over ZeRO's group by DeepSpeed (under bf16/fp16 the module holds
+    16-bit copies; under ZeRO-3 a partition). Collective over the data replicas, in module order."""
+    zero3 = engine.zero_optimization_stage() == 3
+    values: dict[int, torch.Tensor] = {}
+    out = {}
+    for name, p in local.named_parameters(remove_duplicate=False):
+        if id(p) not in values:
+            if p.dtype == torch.float32 and not zero3:
+                values[id(p)] = p.detach()
+            else:
+                full = safe_get_full_fp32_param(p)
+                if full is None:
+                    raise CheckpointError(f"parameter {name} ({p.dtype}): DeepSpeed gives no float32 master of it, "
+                                          "so its layout-free copy cannot be written")
+                values[id(p)] = full.detach().cpu()  # on the host: the device holds the 16-bit model only
+        out[name] = values[id(p)]
+    return out
