@@ -22,6 +22,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from parallel4d.models.dropout import Site, attend
 from parallel4d.models.stages import DenseModel, cached_attention, seeded_stage
 
 if TYPE_CHECKING:
@@ -47,14 +48,18 @@ class LlamaShape:
     rope_theta: float = 10000.0
     qkv_bias: bool = False  # Qwen2's q, k, v projections have biases
     causal: bool = True
+    attention_dropout: float = 0.0  # on the attention probabilities (models/dropout.py); no other dropout
 
     @property
     def head_dim(self) -> int:
         return self.hidden // self.heads
 
 
-def dense_attention(q, k, v, causal: bool = True):
-    """Softmax attention, q ``[b, heads, s, d]``, k and v ``[b, kv_heads, s, d]``."""
+def dense_attention(q, k, v, causal: bool = True, dropout=None):
+    """Softmax attention, q ``[b, heads, s, d]``, k and v ``[b, kv_heads, s, d]``; ``dropout``: an
+    :class:`~parallel4d.models.dropout.AttentionMask` (plain operations then: SDPA cannot take it)."""
+    if dropout is not None:
+        return dropout.attend(q, k, v, causal)
     return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=k.shape[1] != q.shape[1])
 
 
@@ -104,7 +109,7 @@ class Attention(nn.Module):
 
     rotary = staticmethod(rotary)  # the 2D block rotates with the same function
 
-    def __init__(self, shape: LlamaShape, attention_fn=dense_attention):
+    def __init__(self, shape: LlamaShape, attention_fn=dense_attention, stage: int = 1):
         super().__init__()
         d = shape.head_dim
         self.heads, self.kv_heads, self.theta, self.causal = shape.heads, shape.kv_heads, shape.rope_theta, shape.causal
@@ -114,6 +119,7 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(shape.heads * d, shape.hidden, bias=False)
         self.attention_fn = attention_fn
         self.positions: torch.Tensor | None = None
+        self.attn_drop = Site(shape.attention_dropout, stage, "attention")
 
     def forward(self, x):
         b, s, _ = x.shape
@@ -122,7 +128,7 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(b, s, self.kv_heads, -1).transpose(1, 2)
         pos = self.positions if self.positions is not None else torch.arange(s, device=x.device)
         q, k = self.rotary(q, pos, self.theta), self.rotary(k, pos, self.theta)
-        y = self.attention_fn(q, k, v, causal=self.causal)  # [b, heads, s, d]
+        y = attend(self.attention_fn, q, k, v, self.causal, self.attn_drop.attention(b, self.heads, x.device))
         return self.o_proj(y.transpose(1, 2).reshape(b, s, -1))
 
 
@@ -142,10 +148,10 @@ class MLP(nn.Module):
 class Block(nn.Module):
     """Pre-norm block: ``x + self_attn(input_layernorm(x))``, then ``x + mlp(post_attention_layernorm(x))``."""
 
-    def __init__(self, shape: LlamaShape, attention_fn=dense_attention):
+    def __init__(self, shape: LlamaShape, attention_fn=dense_attention, stage: int = 1):
         super().__init__()
         self.input_layernorm = RMSNorm(shape.hidden, shape.norm_eps)
-        self.self_attn = Attention(shape, attention_fn)
+        self.self_attn = Attention(shape, attention_fn, stage)
         self.post_attention_layernorm = RMSNorm(shape.hidden, shape.norm_eps)
         self.mlp = MLP(shape)
 
@@ -176,7 +182,7 @@ def make_stage(shape: LlamaShape, index: int, tied_weight: nn.Parameter | None =
     if index == 0:
         return Embedding(shape)
     if index <= shape.layers:
-        return Block(shape)
+        return Block(shape, stage=index)
     return Head(shape, tied_weight)
 
 
@@ -213,7 +219,7 @@ def shape_from_config(m: ModelConfig, causal: bool = True) -> LlamaShape:
     return LlamaShape(vocab_size=m.vocab_size, seq_len=m.seq_len, hidden=m.hidden, heads=m.heads,
                       kv_heads=m.kv_heads_or_heads, layers=m.layers, intermediate_size=m.mlp_width,
                       tie_embeddings=m.tie_embeddings, norm_eps=m.norm_eps, init_std=m.init_std,
-                      rope_theta=m.rope_theta, qkv_bias=m.qkv_bias, causal=causal)
+                      rope_theta=m.rope_theta, qkv_bias=m.qkv_bias, causal=causal, attention_dropout=m.attention_p)
 
 
 # --- decoding with a KV cache (parallel4d generate): the dense modules' own projections, one new token at a time

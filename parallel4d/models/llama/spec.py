@@ -25,6 +25,9 @@ def problems(m: ModelConfig, q: int) -> list[str]:
     out = []
     if m.activation != type(m).model_fields["activation"].default:
         out.append(f"model.activation={m.activation} is gpt2's (llama's MLP is SwiGLU); remove it")
+    out += [f"model.{f}={getattr(m, f)} with model.arch=llama: transformers' Llama, Mistral and Qwen2 drop out only "
+            "the attention probabilities; set model.attention_dropout for those and remove model." + f
+            for f in ("dropout", "embedding_dropout") if getattr(m, f)]
     kv = m.kv_heads_or_heads
     if m.heads % kv:
         out.append(f"model.kv_heads={kv} must divide model.heads={m.heads} (each key/value head serves a group of "
@@ -95,18 +98,19 @@ def fields_from_hf(c: dict) -> dict:
     return {"arch": "llama", "vocab_size": need(c, "vocab_size"), "hidden": h, "heads": heads,
             "kv_heads": c.get("num_key_value_heads") or heads, "layers": need(c, "num_hidden_layers"),
             "intermediate_size": need(c, "intermediate_size"), "tie_embeddings": c.get("tie_word_embeddings", False),
-            "norm_eps": c.get("rms_norm_eps", 1e-6), "rope_theta": _rope_theta(c, mt), "qkv_bias": mt == "qwen2"}
+            "norm_eps": c.get("rms_norm_eps", 1e-6), "rope_theta": _rope_theta(c, mt), "qkv_bias": mt == "qwen2",
+            "attention_dropout": float(c.get("attention_dropout", 0.0))}
 
 
 def hf_config(m: ModelConfig, common: dict) -> dict:
     """``LlamaForCausalLM``'s ``config.json``, or ``Qwen2ForCausalLM``'s with ``qkv_bias`` (Llama's own
-    attention bias would include ``o_proj``). Dropout 0."""
+    attention bias would include ``o_proj``). The attention dropout the model trained with."""
     qwen = m.qkv_bias
     out = {"architectures": ["Qwen2ForCausalLM" if qwen else "LlamaForCausalLM"],
            "model_type": "qwen2" if qwen else "llama",
            **common, "hidden_size": m.hidden, "intermediate_size": m.mlp_width, "num_hidden_layers": m.layers,
            "num_attention_heads": m.heads, "num_key_value_heads": m.kv_heads_or_heads, "hidden_act": "silu",
-           "max_position_embeddings": m.seq_len, "rms_norm_eps": m.norm_eps, "attention_dropout": 0.0,
+           "max_position_embeddings": m.seq_len, "rms_norm_eps": m.norm_eps, "attention_dropout": m.attention_p,
            "rope_parameters": {"rope_type": "default", "rope_theta": m.rope_theta}}
     if qwen:
         return {**out, "use_sliding_window": False, "sliding_window": None, "max_window_layers": m.layers}
@@ -145,7 +149,7 @@ SPEC = ModelSpec(
     name="llama", summary="RMSNorm, rotary, SwiGLU, grouped-query attention (Llama, Mistral, Qwen2)",
     torch_module="parallel4d.models.llama.family", hf_model_types=("llama", "mistral", "qwen2"),
     fields=("arch", "vocab_size", "seq_len", "hidden", "heads", "kv_heads", "layers", "intermediate_size",
-            "tie_embeddings", "norm_eps", "init_std", "rope_theta", "qkv_bias", "pretrained"),
+            "tie_embeddings", "norm_eps", "init_std", "rope_theta", "qkv_bias", "attention_dropout", "pretrained"),
     learned_positions=False, problems=problems, dense_parameters=dense_parameters, flops_per_token=flops_per_token,
     stage_flops=stage_flops,
     fields_from_hf=fields_from_hf, hf_config=hf_config, hf_names=hf_names, hf_positions="max_position_embeddings",

@@ -20,6 +20,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from parallel4d.models.dropout import Site, attend
 from parallel4d.models.llama.model import Block, Embedding, Head
 from parallel4d.tensor2d.checks import check_divisible, check_heads
 from parallel4d.tensor2d.composite import Composite2D, Head2D, sdpa_attention
@@ -30,11 +31,13 @@ class LlamaBlock2D(Composite2D):
     """``x + o(attn(rope(q(n1 x)), rope(k(n1 x)), v(n1 x)))``, then ``x + down(silu(gate(n2 x)) · up(n2 x))``
     on ``[b/q, s, h/q]``; the core ``attention_fn(q, k, v, causal=...)`` sees local q
     ``[b/q, a/q, s, d]`` and k, v ``[b/q, kv/q, s, d]``. ``positions`` ``[s]``: the tokens'
-    global positions (None: ``0..s-1``)."""
+    global positions (None: ``0..s-1``). ``attn_drop``: the dense block's attention dropout site for this
+    grid column's heads (None: none)."""
 
     def __init__(self, norms, projections, mlp, heads: int, kv_heads: int, rotate, attention_fn=None,
-                 causal: bool = True):
+                 causal: bool = True, attn_drop: Site | None = None):
         super().__init__()
+        self.attn_drop = attn_drop or Site(0.0, 1, "attention")
         self.input_layernorm, self.post_attention_layernorm = norms
         self.q_proj, self.k_proj, self.v_proj, self.o_proj = projections
         self.gate_proj, self.up_proj, self.down_proj = mlp
@@ -62,7 +65,8 @@ class LlamaBlock2D(Composite2D):
                    tuple(lin(getattr(attn, p), f"self_attn.{p}") for p in ("q_proj", "k_proj", "v_proj", "o_proj")),
                    tuple(lin(getattr(mlp, p), f"mlp.{p}") for p in ("gate_proj", "up_proj", "down_proj")),
                    attn.heads, attn.kv_heads, functools.partial(type(attn).rotary, theta=attn.theta),
-                   attention_fn, causal=attn.causal)
+                   attention_fn, causal=attn.causal,
+                   attn_drop=attn.attn_drop.shifted(mesh.rank("tp_col") * (attn.heads // q)))
 
     def _parts(self):
         return [("input_layernorm.", self.input_layernorm), ("post_attention_layernorm.", self.post_attention_layernorm),
@@ -76,7 +80,8 @@ class LlamaBlock2D(Composite2D):
         k = self.k_proj(x).view(bq, s, self.local_kv_heads, -1).transpose(1, 2)
         v = self.v_proj(x).view(bq, s, self.local_kv_heads, -1).transpose(1, 2)
         pos = self.positions if self.positions is not None else torch.arange(s, device=x.device)
-        y = self.attention_fn(self.rotate(q, pos), self.rotate(k, pos), v, causal=self.causal)
+        mask = self.attn_drop.attention(bq, self.local_heads, x.device)
+        y = attend(self.attention_fn, self.rotate(q, pos), self.rotate(k, pos), v, self.causal, mask)
         return self.o_proj(y.transpose(1, 2).reshape(bq, s, -1))
 
     def forward(self, x):
