@@ -121,22 +121,22 @@ def test_every_layout_draws_the_masks_one_process_draws(sixteen_workers):
 
 
 def test_masks_keep_1_minus_p_scaled_and_change_with_step_and_site():
-    coords = [torch.arange(8), torch.arange(64), torch.arange(1000, 1128)]
+    coords = [torch.arange(8), torch.arange(32), torch.arange(1000, 1064)]
     masks = {(step, stage, kind): keep_scale(site_key(7, step, stage, kind), 0.25, coords, torch.float64)
              for step in (0, 1) for stage in (1, 2) for kind in ("attention_output", "mlp_output")}
     for m in masks.values():
         assert set(m.unique().tolist()) == {0.0, 1 / 0.75}
-        assert abs(float((m == 0).double().mean()) - 0.25) < 0.01  # 65536 draws: σ ≈ 0.0017
+        assert abs(float((m == 0).double().mean()) - 0.25) < 0.015  # 16384 draws: σ ≈ 0.0034
     ms = list(masks.values())
     for i, a in enumerate(ms):
         for b in ms[i + 1:]:  # independent masks agree on 1 - 2p(1-p) = 62.5% of the elements
-            assert abs(float((a == b).double().mean()) - 0.625) < 0.02
+            assert abs(float((a == b).double().mean()) - 0.625) < 0.02  # σ ≈ 0.0038
     # a slice of the coordinates draws the same elements as the whole (what a shard does)
     whole = masks[(0, 1, "mlp_output")]
     part = keep_scale(site_key(7, 0, 1, "mlp_output"), 0.25, [coords[0][2:4], coords[1][8:16], coords[2][32:64]],
                       torch.float64)
     assert torch.equal(part, whole[2:4, 8:16, 32:64])
-    assert torch.equal(keep_scale(1, 0.0, coords, torch.float32), torch.ones(8, 64, 128))
+    assert torch.equal(keep_scale(1, 0.0, coords, torch.float32), torch.ones(8, 32, 64))
 
 
 def test_sites_need_a_draw_and_follow_its_rows_and_positions():
