@@ -226,3 +226,46 @@ def test_deepspeed_refuses_dropout_by_name():
     with pytest.raises(ConfigError, match=r"model.dropout=0.1, model.attention_dropout=0.1, "
                                           r"model.embedding_dropout=0.1 with DeepSpeed"):
         make_config({"model": GPT2, "deepspeed": {"zero_optimization": {"stage": 1}}})
+
+
+def test_gpt2_sites_are_transformers_own(tmp_path, monkeypatch):
+    """transformers' GPT-2 in training mode with its dropouts drawing our masks (its modules swapped for
+    our sites; its eager attention's probabilities multiplied by our keep) equals the dense model
+    drawing them (float64): the same sites, in the same places, with the same scaling."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.gpt2 import modeling_gpt2
+
+    from parallel4d.models import hf
+    from parallel4d.models.dropout import attach
+
+    ref = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        vocab_size=64, n_positions=16, n_embd=32, n_head=4, n_layer=2, resid_pdrop=0.1, embd_pdrop=0.2,
+        attn_pdrop=0.3, activation_function="gelu", bos_token_id=None, eos_token_id=None,
+        attn_implementation="eager")).double()
+    ref.save_pretrained(tmp_path)
+    fields = hf.model_fields_from_hf(ref.config.to_dict())
+    cfg = make_config({"model": {**fields, "seq_len": 16}, "train": {"dtype": "float64", "seed": 5}})
+    ours = build_dense(model_shape(cfg), seed=5).double()
+    ours.load_state_dict(hf.load_hf_state_dict(tmp_path, cfg.model), strict=True)
+
+    ref.transformer.drop = Site(0.2, 0, "embedding")
+    for i, block in enumerate(ref.transformer.h):
+        block.attn.resid_dropout, block.mlp.dropout = Site(0.1, i + 1, "attention_output"), Site(0.1, i + 1, "mlp_output")
+    attach(ref, ours.masks)
+
+    def eager(module, q, k, v, attention_mask, scaling=None, dropout=0.0, **kwargs):
+        site = Site(module.attn_dropout.p, module.layer_idx + 1, "attention")
+        site.masks = ours.masks
+        weights = ((q @ k.transpose(-1, -2)) * scaling + attention_mask).softmax(-1)
+        pos = torch.arange(q.shape[2])
+        weights = weights * site.attention(q.shape[0], q.shape[1], q.device).keep(pos, pos, weights.dtype)
+        return (weights @ v).transpose(1, 2), weights
+
+    monkeypatch.setattr(modeling_gpt2, "eager_attention_forward", eager)
+    tokens = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+    ref.train()
+    with ours.masks.drawing(Draw(step=4)):
+        want = ref(tokens).logits
+    got = ours(tokens, step=4)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-13)
+    assert (got - ours(tokens)).abs().max() > 1e-3  # dropout was drawn
