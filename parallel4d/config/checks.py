@@ -71,4 +71,4 @@ _RULES = (tensor2d.grid_problems, sequence.ring_problems, data.batch_split_probl
           hetero.split_backward_problems, _model_problems,
           _size_problems, _lr_schedule_problems, training.tensorboard_problems, deepspeed.section_problems,
           data.source_problems, data.validation_problems, training.dtype_problems, hetero.reduce_dtype_problems,
-          hetero.compute_dtype_problems, _fused_problems, deepspeed.float16_problems)
+          hetero.compute_dtype_problems, _fused_problems, deepspeed.float16_problems, deepspeed.dropout_problems)

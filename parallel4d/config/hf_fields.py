@@ -14,6 +14,9 @@ import math
 
 from parallel4d.models.registry import HF_MODEL_TYPES, spec_for_hf
 
+#: fields a config.json fills that a job may set otherwise: training choices, not the architecture
+TRAINING_CHOICES = ("dropout", "attention_dropout", "embedding_dropout")
+
 
 def model_fields_from_hf(config: dict) -> dict:
     """The ``model:`` fields of a job for a ``transformers`` ``config.json`` dict.
@@ -41,7 +44,8 @@ def hf_max_positions(config: dict) -> int | None:
 
 def mismatches(fields: dict, values: dict) -> list[tuple[str, object, object]]:
     """``(field, value, the checkpoint's)`` for each of :func:`model_fields_from_hf`'s ``fields``
-    that ``values`` holds with another value (floats to 1e-9 relative)."""
+    that ``values`` holds with another value (floats to 1e-9 relative); :data:`TRAINING_CHOICES` (the
+    dropouts a fine-tune picks) never disagree."""
     def same(a, b):
         if isinstance(a, dict) and isinstance(b, dict):  # model.rope_scaling: its unset keys are None
             return a.keys() - {k for k, v in a.items() if v is None} == b.keys() - {k for k, v in b.items()
@@ -49,4 +53,5 @@ def mismatches(fields: dict, values: dict) -> list[tuple[str, object, object]]:
                 and all(same(a[k], v) for k, v in b.items() if v is not None)
         return math.isclose(a, b, rel_tol=1e-9) if isinstance(b, float) and isinstance(a, (int, float)) else a == b
 
-    return [(k, values[k], v) for k, v in fields.items() if k in values and not same(values[k], v)]
+    return [(k, values[k], v) for k, v in fields.items()
+            if k in values and k not in TRAINING_CHOICES and not same(values[k], v)]

@@ -40,6 +40,7 @@ from parallel4d.engine.state import dense_layouts
 from parallel4d.engine.step import Engine
 from parallel4d.engine.store import parameter_store
 from parallel4d.models.build import build_stage, family
+from parallel4d.models.dropout import Masks, attach
 from parallel4d.models.stages import cross_entropy, stage_names
 from parallel4d.optim.fused import use_fused_norms
 from parallel4d.pipeline import make_schedule
@@ -56,13 +57,25 @@ def _sequence(cfg: Config, mesh: Mesh):
     """(attention_fn, positions) for ``parallel.sp``; (None, None) when sp = 1."""
     if mesh.size("sp") == 1:
         return None, None
-    group = mesh.group("sp")
-    fn = make_ring_attention_fn(group, layout=cfg.sequence.layout, stats=mesh.comm_stats,
+    fn = make_ring_attention_fn(mesh.group("sp"), layout=cfg.sequence.layout, stats=mesh.comm_stats,
                                 timeout_s=cfg.train.timeout_s, deadlines=mesh.deadlines)
-    return fn, positions_for(cfg.model.seq_len, group, cfg.sequence.layout, device=mesh.device)
+    return fn, _shard_positions(cfg, mesh)
 
 
-def build_stages(cfg: Config, mesh: Mesh, wanted=None, untie: bool = False):
+def _shard_positions(cfg: Config, mesh: Mesh) -> torch.Tensor | None:
+    """The global positions ``[s/sp]`` of this rank's tokens; None when sp = 1 (``0..s-1``)."""
+    if mesh.size("sp") == 1:
+        return None
+    return positions_for(cfg.model.seq_len, mesh.group("sp"), cfg.sequence.layout, device=mesh.device)
+
+
+def dropout_masks(cfg: Config, mesh: Mesh) -> Masks:
+    """Where this rank's dropout sites read each forward's draw (:mod:`parallel4d.models.dropout`):
+    ``train.seed`` and the global positions of the rank's tokens; the engine sets the draw per micro-batch."""
+    return Masks(cfg.train.seed, _shard_positions(cfg, mesh))
+
+
+def build_stages(cfg: Config, mesh: Mesh, wanted=None, untie: bool = False, masks: Masks | None = None):
     """``(stages, loss_fn)``: ``{stage index: module}`` for the stages in ``wanted``
     (default: all) in this rank's layout, and the loss function.
 
@@ -71,7 +84,8 @@ def build_stages(cfg: Config, mesh: Mesh, wanted=None, untie: bool = False):
     ``sp > 1``), and its dense copy dropped: a rank never holds the whole model.
     ``untie``: the LM head is on another pp rank than the embedding, so it gets its
     own copy of the tied table. ``loss_fn(logits, targets)`` is the mean token loss
-    over this rank's data (over the grid's batch under tp).
+    over this rank's data (over the grid's batch under tp). ``masks``: what the stages' dropout sites
+    read (:func:`dropout_masks`; None: a holder no one draws from, so no dropout).
     """
     shape = model_shape(cfg)
     seed, last = cfg.train.seed, shape.layers + 1
@@ -80,6 +94,7 @@ def build_stages(cfg: Config, mesh: Mesh, wanted=None, untie: bool = False):
     attention_fn, positions = _sequence(cfg, mesh)
     tp = mesh.size("tp_row") > 1
     fam = family(shape.arch)  # its dense stages, their 2D twins, where a shard's positions enter
+    masks = masks if masks is not None else dropout_masks(cfg, mesh)
 
     def dense(index, tied_weight=None):
         return _placed(build_stage(shape, index, seed, tied_weight=tied_weight), mesh.device, dtype)
@@ -102,7 +117,7 @@ def build_stages(cfg: Config, mesh: Mesh, wanted=None, untie: bool = False):
         if cfg.train.compile == "blocks":
             compile_block(block, eager_layers=cfg.hetero.enabled)
         if cfg.train.activation_checkpointing == "blocks":
-            recompute_in_backward(block)
+            recompute_in_backward(block, masks)
         stages[index] = block
     if last in wanted:
         tied = dense_embed.tok.weight if shape.tie_embeddings else None
@@ -116,6 +131,8 @@ def build_stages(cfg: Config, mesh: Mesh, wanted=None, untie: bool = False):
         use_fused_norms(stages.values(), cfg.train.fused, fam.rms_norms)
     if positions is not None and 0 in stages and fam.positions == "embedding":
         stages[0] = PositionedEmbedding(stages[0], positions)
+    for stage in stages.values():
+        attach(stage, masks)
     loss_fn = loss_2d(mesh) if tp else cross_entropy
     return stages, loss_fn
 
@@ -128,16 +145,26 @@ def _placed(module: nn.Module, device: torch.device, dtype: torch.dtype) -> nn.M
     return module.to(device=device, dtype=dtype)
 
 
-def recompute_in_backward(module: nn.Module) -> nn.Module:
+def recompute_in_backward(module: nn.Module, masks: Masks | None = None) -> nn.Module:
     """``module``'s forward under ``torch.utils.checkpoint`` (non-reentrant) while gradients are
     on: the block keeps only its input and runs again in the backward, collectives included (every
-    rank of a tp or sp group recomputes the same block at the same point of its backward)."""
+    rank of a tp or sp group recomputes the same block at the same point of its backward). The
+    recomputation draws under the forward's dropout draw of ``masks`` (another micro-batch's may be
+    current by then), so it drops the same elements."""
     inner = module.forward
 
     def forward(*args, **kwargs):
         if not torch.is_grad_enabled():
             return inner(*args, **kwargs)
-        return torch.utils.checkpoint.checkpoint(inner, *args, use_reentrant=False, **kwargs)
+        if masks is None:
+            return torch.utils.checkpoint.checkpoint(inner, *args, use_reentrant=False, **kwargs)
+        draw = masks.draw
+
+        def drawn(*a, **k):
+            with masks.drawing(draw):
+                return inner(*a, **k)
+
+        return torch.utils.checkpoint.checkpoint(drawn, *args, use_reentrant=False, **kwargs)
 
     module.forward = forward
     return module
@@ -156,13 +183,14 @@ class PipelineParts(NamedTuple):
 
 
 def build_pipeline(cfg: Config, mesh: Mesh, loss_scale: float = 1.0,
-                   activation_dtype: torch.dtype | None = None) -> PipelineParts:
+                   activation_dtype: torch.dtype | None = None, masks: Masks | None = None) -> PipelineParts:
     """Cut the model into the chunks of ``pipeline.schedule`` and build only this rank's.
 
     ``loss_scale`` multiplies each micro-batch's mean loss (the DeepSpeed plugin's 1/sp);
     ``activation_dtype``: what activations and their gradients travel between pp ranks in (default
     :func:`~.model.pipeline_activation_dtype`: the autocast dtype under autocast, else the parameters');
-    chunks cast at their boundaries where it differs from the parameters' dtype."""
+    chunks cast at their boundaries where it differs from the parameters' dtype. ``masks``: as
+    :func:`build_stages`'."""
     pl, p, m = cfg.pipeline, cfg.parallel, cfg.model
     schedule = make_schedule(pl.schedule, p.pp, pl.microbatches, waves=pl.waves, chunks_per_rank=pl.chunks_per_rank,
                              split_backward=pl.split_backward)
@@ -170,7 +198,7 @@ def build_pipeline(cfg: Config, mesh: Mesh, loss_scale: float = 1.0,
     ranges = pipeline_cut(cfg, schedule.num_chunks)
     mine = schedule.placement[mesh.rank("pp")]
     untie = schedule.owner(0) != schedule.owner(schedule.num_chunks - 1)
-    stages, loss_fn = build_stages(cfg, mesh, {i for c in mine for i in ranges[c]}, untie=untie)
+    stages, loss_fn = build_stages(cfg, mesh, {i for c in mine for i in ranges[c]}, untie=untie, masks=masks)
     if loss_scale != 1.0:
         loss_fn = functools.partial(_scaled_loss, loss_fn, loss_scale)
     wire = activation_dtype or pipeline_activation_dtype(cfg)
@@ -222,16 +250,17 @@ def compose(cfg: Config, mesh: Mesh) -> Engine:
                               "build the mesh from cfg.parallel")
     executor = tied_sync = None
     tied_params: list = []
+    masks = dropout_masks(cfg, mesh)
     if cfg.parallel.pp > 1:
-        stages, executor, tied_sync, tied_params = build_pipeline(cfg, mesh)
+        stages, executor, tied_sync, tied_params = build_pipeline(cfg, mesh, masks=masks)
         loss_fn = executor.loss_fn
     else:
-        stages, loss_fn = build_stages(cfg, mesh)
+        stages, loss_fn = build_stages(cfg, mesh, masks=masks)
     model = local_model(cfg, stages)
     dense, local = model.dense, model.stages()
     store = parameter_store(cfg, mesh, model, executor, tied_params, tied_sync)  # hetero's chunks or plain
     engine = Engine(cfg, mesh, store, loss_fn, list(local.values()), executor=executor, tied_sync=tied_sync,
-                    dense=dense)
+                    dense=dense, masks=masks)
     engine.pretrained_bytes_read = model.pretrained_bytes_read
     return engine
 

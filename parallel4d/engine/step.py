@@ -20,6 +20,7 @@ from parallel4d.engine.model import TORCH_DTYPES, model_shape, parameter_count
 from parallel4d.engine.state import checkpoint_keys, dense_state_dict, local_state
 from parallel4d.engine.store import ParameterStore
 from parallel4d.engine.trainer import Trainer
+from parallel4d.models.dropout import Draw, Masks
 from parallel4d.optim.loss_scale import LossScale
 from parallel4d.optim.optimizer import lr_at
 
@@ -29,8 +30,10 @@ class Engine(Trainer):
     :class:`~parallel4d.engine.trainer.Trainer` contract), over its :class:`~.store.ParameterStore`."""
 
     def __init__(self, cfg: Config, mesh: Mesh, store: ParameterStore, loss_fn, stages, *, executor=None,
-                 tied_sync=None, dense=None):
+                 tied_sync=None, dense=None, masks: Masks | None = None):
         self.cfg, self.mesh, self.store = cfg, mesh, store
+        # what the stages' dropout sites read: a training forward sets its micro-batch's draw, evaluation none
+        self.masks = masks if masks is not None else Masks(cfg.train.seed)
         self.model, self.optimizer = store.model, store.optimizer  # the LocalModel; what steps it
         self.dense = dense  # {LocalModel name: (dense name, shape, pieces)}: see dense_layouts()
         self._stages = list(stages)  # this rank's stages in model order (unused under pp)
@@ -67,10 +70,16 @@ class Engine(Trainer):
         return local_batch(self.mesh, x, self.cfg.sequence.layout)
 
     # --- one step -----------------------------------------------------------------
-    def _forward_backward(self, x, y) -> torch.Tensor:
+    def _draw(self, rows: range, microbatch: int, mb: int) -> Draw:
+        """Micro-batch ``microbatch`` of ``mb``'s dropout draw: this step and the global index of its first
+        sample (this rank's ``rows`` of the batch cut in ``mb`` equal parts), as one process draws it."""
+        return Draw(self.step, rows.start + microbatch * (len(rows) // mb))
+
+    def _forward_backward(self, x, y, rows: range) -> torch.Tensor:
         if self.executor is not None:
             mb = self.cfg.pipeline.microbatches
             self.executor.loss_scale = self._scale()
+            self.executor.around_forward = lambda i: self.masks.drawing(self._draw(rows, i, mb))
             with self.autocast:
                 result = self.executor.step(list(x.chunk(mb)), list(y.chunk(mb)))
             self.last_step_info = {"peak_activations": result.peak_activations, "wait_s": result.wait_s}
@@ -79,12 +88,12 @@ class Engine(Trainer):
             return result.loss.reshape(1)
         mb = self.cfg.pipeline.microbatches
         if mb == 1:
-            return self._micro_step(x, y, 1)
+            return self._micro_step(x, y, 1, self._draw(rows, 0, 1))
         # pp = 1: gradient accumulation over m equal micro-batches, so only one micro-batch's
         # activations are alive at a time; each mean loss weighs 1/m, the sum is the big batch's.
         total = torch.zeros(1, dtype=torch.float64, device=self.device)
-        for xm, ym in zip(x.chunk(mb), y.chunk(mb)):
-            total += self._micro_step(xm, ym, mb)
+        for i, (xm, ym) in enumerate(zip(x.chunk(mb), y.chunk(mb))):
+            total += self._micro_step(xm, ym, mb, self._draw(rows, i, mb))
         return total / mb
 
     def _scale(self) -> torch.Tensor | float:
@@ -92,11 +101,11 @@ class Engine(Trainer):
         device, never read here), else 1."""
         return self.loss_scale.scale if self.loss_scale is not None else 1.0
 
-    def _micro_step(self, x, y, mb: int) -> torch.Tensor:
-        """Forward and backward of the local ``[b, s]`` tokens through this rank's stages,
-        the gradient scaled by ``1/mb``; returns the (unscaled) mean loss as float64 ``[1]``."""
+    def _micro_step(self, x, y, mb: int, draw: Draw) -> torch.Tensor:
+        """Forward and backward of the local ``[b, s]`` tokens through this rank's stages (dropout from
+        ``draw``), the gradient scaled by ``1/mb``; returns the (unscaled) mean loss as float64 ``[1]``."""
         h = x
-        with self.autocast:
+        with self.autocast, self.masks.drawing(draw):
             for stage in self._stages:
                 h = stage(h)
             loss = self.loss_fn(h, y)
@@ -111,7 +120,7 @@ class Engine(Trainer):
         mean loss of this data replica's tokens, float64 ``[1]``, equal on its tp and pp ranks."""
         x, y = self.local_batch(tokens), self.local_batch(targets)
         self.store.start_gradient_reduction()
-        loss = self._forward_backward(x, y)
+        loss = self._forward_backward(x, y, local_rows(self.mesh, tokens.shape[0]))
         self.store.finish_gradient_reduction()
         return loss
 

@@ -11,7 +11,8 @@ For users who keep their own ``transformers`` model code::
 Each rank runs the model on its sequence shard (``sequence.layout``: zigzag or contiguous)
 with the tokens' *global* ``position_ids``, so rotary embeddings rotate as in the whole
 sequence; every attention layer then calls :func:`parallel4d.sequence.ring_attention` over
-``mesh.group("sp")`` (grouped-query heads included). The causal mask is the ring's own:
+``mesh.group("sp")`` (grouped-query heads included). Attention dropout in training is refused
+(transformers' mask comes from torch's RNG; parallel4d's own models draw theirs per dense element). The causal mask is the ring's own:
 ``transformers`` builds none for this implementation. Shift the labels on the whole
 sequence and shard them the same way; a rank's loss is the mean over its tokens, and the
 gradients averaged over ``sp`` are the whole sequence's.
@@ -40,8 +41,10 @@ def use_ring_attention(mesh: Mesh, layout: str = "zigzag", name: str = NAME) -> 
         """``transformers``' attention interface: q ``[b, a, s/sp, d]``, k, v ``[b, kv, s/sp, d]`` →
         ``([b, s/sp, a, d], None)``."""
         if dropout:
-            raise ValueError(f"{name}: attention dropout {dropout} is not supported by ring attention; set the "
-                             "model's attention_dropout to 0")
+            raise ValueError(f"{name}: attention dropout {dropout} in training is not supported: transformers "
+                             "draws its mask from torch's RNG, which the ring's shards cannot draw alike; set the "
+                             "model's attention_dropout to 0, or train parallel4d's own model, whose "
+                             "model.attention_dropout every layout draws exactly")
         if attention_mask is not None:
             raise ValueError(f"{name}: got an attention mask; ring attention applies only its own causal mask "
                              "(no padding masks: pack full sequences)")

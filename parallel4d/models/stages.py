@@ -14,6 +14,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from parallel4d.models.dropout import Draw, Masks, attach
+
 
 def cross_entropy(logits, targets, ignore_index: int = -100):
     """Mean token cross entropy of ``[b, s, V]`` logits against ``[b, s]`` targets."""
@@ -69,8 +71,11 @@ def seeded_stage(shape, index: int, seed: int, tied_weight, meta: bool, make, in
 
 
 class DenseModel(nn.Module):
-    """Stages ``embed → blocks → head`` of a family; ``forward(tokens, targets=None)`` → logits or loss.
-    A family's subclass sets ``build_stage`` (``(shape, index, seed, tied_weight=None)`` → stage)."""
+    """Stages ``embed → blocks → head`` of a family; ``forward(tokens, targets=None, step=None)`` →
+    logits or loss. A family's subclass sets ``build_stage`` (``(shape, index, seed, tied_weight=None)``
+    → stage). Dropout (:mod:`.dropout`) is drawn only in a forward given the optimizer ``step`` in
+    training mode, with masks from ``(seed, step)`` over the whole batch (sample 0 first): what the
+    engine draws in any layout for the same step."""
 
     build_stage: Callable[..., nn.Module]
 
@@ -82,13 +87,16 @@ class DenseModel(nn.Module):
         self.blocks = nn.ModuleList(build(shape, i + 1, seed) for i in range(shape.layers))
         tied = self.embed.tok.weight if shape.tie_embeddings else None
         self.head = build(shape, shape.layers + 1, seed, tied_weight=tied)
+        self.masks = Masks(seed)
+        attach(self, self.masks)
 
     def stages(self) -> list[nn.Module]:
         """The model as a flat list a pipeline cuts into contiguous chunks."""
         return [self.embed, *self.blocks, self.head]
 
-    def forward(self, tokens, targets=None):
+    def forward(self, tokens, targets=None, step: int | None = None):
         x = tokens
-        for stage in self.stages():
-            x = stage(x)
+        with self.masks.drawing(Draw(step) if step is not None and self.training else None):
+            for stage in self.stages():
+                x = stage(x)
         return x if targets is None else cross_entropy(x, targets)

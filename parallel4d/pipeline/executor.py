@@ -30,9 +30,10 @@ and action.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Sequence, Union
+from typing import Callable, ContextManager, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -90,6 +91,8 @@ class PipelineExecutor:
         validate(schedule)
         self.forward_only = forward_only
         self.loss_scale = 1.0  # the backward starts from loss · loss_scale / m (float16's dynamic scale)
+        # entered around each chunk's forward of micro-batch i (the engine's dropout draw for it); None: nothing
+        self.around_forward: Callable[[int], ContextManager] | None = None
         if mesh.size("pp") != schedule.pp:
             raise ValueError(f"schedule is for pp={schedule.pp} but the mesh has parallel.pp={mesh.size('pp')}")
         self.schedule = schedule
@@ -192,7 +195,8 @@ class PipelineExecutor:
             x = inputs[i].to(self.device)
         else:
             x = x.detach().requires_grad_(x.is_floating_point())
-        y = self.chunks[c](x)
+        with self.around_forward(i) if self.around_forward is not None else contextlib.nullcontext():
+            y = self.chunks[c](x)
         if c == self.last:
             loss = self.loss_fn(y, targets[i].to(self.device))
             st.losses.append(loss.detach())

@@ -9,6 +9,10 @@ Backends (``backend=``):
 
 * ``math``: plain matmul/softmax in the accumulation dtype; any device and dtype.
   Scores are ``[b, h_kv, h/h_kv, lq, lk]`` — one block pair, never a full row of the sequence.
+  The only kernel that takes attention dropout: ``keep [b, h, lq, lk]`` (0 or ``1/(1-p)``)
+  multiplies the probabilities (normalised by the whole row's LSE, so the merge is unchanged:
+  ``out = Σ_j keep·p·v``); its backward is ``dV = (P∘keep)ᵀdO``, ``dP = (dO·Vᵀ)∘keep`` and
+  ``dS = P∘(dP − rowsum(dO∘O))``, exact with the final ``O``.
 * ``cpu_flash``: ATen's fused CPU flash kernel (``_scaled_dot_product_flash_attention_for_cpu``
   and its backward). Exercises the same protocol as the CUDA kernels on CPU.
 * ``cudnn`` / ``flash`` / ``efficient``: ATen's CUDA cuDNN / FlashAttention-2 /
@@ -143,25 +147,30 @@ def _scores(q, k, causal, scale, ad):
     return s  # [b, h_kv, g, lq, lk]
 
 
-def _math_forward(q, k, v, causal, scale):
+def _math_forward(q, k, v, causal, scale, keep=None):
     ad = acc_dtype(q.dtype)
     b, h, lq, d = q.shape
     s = _scores(q, k, causal, scale, ad)
     lse = torch.logsumexp(s, dim=-1)
     p = s.sub_(lse.unsqueeze(-1)).exp_()
+    if keep is not None:  # dropout of the probabilities: the LSE stays the whole row's
+        p.mul_(_grouped(keep, k.shape[1], ad))
     out = torch.matmul(p, v.to(ad).unsqueeze(2))
     return out.reshape(b, h, lq, v.shape[-1]), lse.reshape(b, h, lq)
 
 
-def _math_backward(dout, q, k, v, out, lse, causal, scale):
+def _math_backward(dout, q, k, v, out, lse, causal, scale, keep=None):
     ad = acc_dtype(q.dtype)
     b, h, lq, d = q.shape
     hkv = k.shape[1]
     p = _scores(q, k, causal, scale, ad).sub_(lse.to(ad).reshape(b, hkv, h // hkv, lq, 1)).exp_()
     do = _grouped(dout, hkv, ad)
     vv = v.to(ad).unsqueeze(2)
-    dv = torch.matmul(p.transpose(-1, -2), do).sum(2)
+    kept = None if keep is None else _grouped(keep, hkv, ad)
+    dv = torch.matmul(p.transpose(-1, -2) if kept is None else (p * kept).transpose(-1, -2), do).sum(2)
     dp = torch.matmul(do, vv.transpose(-1, -2))
+    if kept is not None:
+        dp.mul_(kept)
     delta = (do * _grouped(out, hkv, ad)).sum(-1, keepdim=True)  # rowsum(dO ∘ O) = Σ_k P·dP
     ds = p.mul_(dp.sub_(delta))
     dq = torch.matmul(ds, k.to(ad).unsqueeze(2)).mul_(scale).reshape(b, h, lq, d)
@@ -253,24 +262,34 @@ def _fused_backward(backend, dout, q, k, v, out, lse, causal, scale):
 # --------------------------------------------------------------------------- public block ops
 
 
-def block_forward(q, k, v, causal: bool, scale: float, backend: str):
+def _fused_only_without(keep, backend):
+    if keep is not None:
+        raise ValueError(f"backend={backend!r} cannot apply attention dropout (a mask of our own on the "
+                         "probabilities); use backend='math' (or 'auto', which picks it under dropout)")
+
+
+def block_forward(q, k, v, causal: bool, scale: float, backend: str, keep=None):
     """Attention of one block pair → ``(out [b, h, lq, d], lse [b, h, lq])``.
 
     ``out`` is in the kernel's dtype (``q.dtype`` for fused kernels, the accumulation
-    dtype for ``math``); ``lse`` in fp32 (fp64 for fp64 inputs).
+    dtype for ``math``); ``lse`` in fp32 (fp64 for fp64 inputs). ``keep`` ``[b, h, lq, lk]``:
+    attention dropout's scale of each probability (``math`` only).
     """
     if backend == "math":
-        return _math_forward(q, k, v, causal, scale)
+        return _math_forward(q, k, v, causal, scale, keep)
+    _fused_only_without(keep, backend)
     return _fused_forward(backend, q, k, v, causal, scale)
 
 
-def block_backward(dout, q, k, v, out, lse, causal: bool, scale: float, backend: str):
-    """Gradients of one block pair given the **final** ``out`` / ``lse`` of these query rows.
+def block_backward(dout, q, k, v, out, lse, causal: bool, scale: float, backend: str, keep=None):
+    """Gradients of one block pair given the **final** ``out`` / ``lse`` of these query rows
+    (``keep``: the forward's dropout scales).
 
     Returns ``dq [b, h, lq, d]``, ``dk, dv [b, h_kv, lk, d]`` (summed over each query group).
     """
     if backend == "math":
-        return _math_backward(dout, q, k, v, out, lse, causal, scale)
+        return _math_backward(dout, q, k, v, out, lse, causal, scale, keep)
+    _fused_only_without(keep, backend)
     return _fused_backward(backend, dout, q, k, v, out, lse.to(acc_dtype(q.dtype)), causal, scale)
 
 
@@ -295,44 +314,50 @@ def _rows(x: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
     return x[:, :, lo:hi]
 
 
+def _keep(mask, c: BlockCall):
+    return None if mask is None else mask(c)
+
+
 def forward_step(q, k, v, calls: list[BlockCall], out_acc, lse_acc, scale: float, backend: str,
-                 merge=merge_) -> None:
+                 merge=merge_, mask=None) -> None:
     """Run one ring step's calls (queries of this rank × the visiting K/V block) and merge.
 
     ``out_acc [b, h, L, d]`` / ``lse_acc [b, h, L]`` are updated in place (rows with nothing
-    accumulated yet hold ``0`` / ``-inf``).
+    accumulated yet hold ``0`` / ``-inf``). ``mask``: ``call → keep [b, h, lq, lk]``, attention
+    dropout's scales of that call's block pair (None: no dropout).
     """
     for c in calls:
         out, lse = block_forward(_rows(q, c.q_lo, c.q_hi), _rows(k, c.k_lo, c.k_hi), _rows(v, c.k_lo, c.k_hi),
-                                 c.causal, scale, backend)
+                                 c.causal, scale, backend, _keep(mask, c))
         merge(_rows(out_acc, c.q_lo, c.q_hi), _rows(lse_acc, c.q_lo, c.q_hi), out, lse)
 
 
-def first_step_forward(q, k, v, calls: list[BlockCall], scale: float, backend: str):
+def first_step_forward(q, k, v, calls: list[BlockCall], scale: float, backend: str, mask=None):
     """The local (diagonal) step, which covers every query row exactly once: its
     result initialises the accumulators without a merge. Returns ``(out_acc, lse_acc)``."""
     b, h, L, d = q.shape
     ad = acc_dtype(q.dtype)
     if len(calls) == 1 and calls[0].q_lo == 0 and calls[0].q_hi == L:
         c = calls[0]
-        out, lse = block_forward(q, _rows(k, c.k_lo, c.k_hi), _rows(v, c.k_lo, c.k_hi), c.causal, scale, backend)
+        out, lse = block_forward(q, _rows(k, c.k_lo, c.k_hi), _rows(v, c.k_lo, c.k_hi), c.causal, scale, backend,
+                                 _keep(mask, c))
         return out.to(ad), lse.to(ad)
     out_acc = torch.zeros(b, h, L, v.shape[-1], dtype=ad, device=q.device)
     lse_acc = torch.full((b, h, L), float("-inf"), dtype=ad, device=q.device)
-    forward_step(q, k, v, calls, out_acc, lse_acc, scale, backend)
+    forward_step(q, k, v, calls, out_acc, lse_acc, scale, backend, mask=mask)
     return out_acc, lse_acc
 
 
-def backward_step(dout, q, k, v, out, lse, calls: list[BlockCall], dq_acc, scale: float, backend: str):
+def backward_step(dout, q, k, v, out, lse, calls: list[BlockCall], dq_acc, scale: float, backend: str, mask=None):
     """Gradients of one ring step: adds into ``dq_acc [b, h, L, d]`` and returns
     ``[(call, dk, dv)]`` for the visiting block (added to its travelling dK/dV later,
-    once that buffer has arrived)."""
+    once that buffer has arrived). ``mask``: as :func:`forward_step`'s."""
     grads = []
     for c in calls:
         qs = (c.q_lo, c.q_hi)
         dq, dk, dv = block_backward(_rows(dout, *qs), _rows(q, *qs), _rows(k, c.k_lo, c.k_hi),
                                     _rows(v, c.k_lo, c.k_hi), _rows(out, *qs), _rows(lse, *qs),
-                                    c.causal, scale, backend)
+                                    c.causal, scale, backend, _keep(mask, c))
         _rows(dq_acc, *qs).add_(dq)
         grads.append((c, dk, dv))
     return grads

@@ -41,7 +41,7 @@ from parallel4d.distributed import comm
 from parallel4d.sequence.kernels import (acc_dtype, add_kv_grads_, backward_step, default_scale, first_step_forward, forward_step,
                       resolve_backend)
 from parallel4d.config.rules.sequence import check_layout
-from parallel4d.sequence.layout import step_plan
+from parallel4d.sequence.layout import local_positions, step_plan
 
 FWD_KV = "ring_attention.fwd.kv"
 BWD_KV = "ring_attention.bwd.kv"
@@ -108,11 +108,25 @@ class _Ring:
                         stats=stats, label=label)
 
 
+def _block_masks(dropout, ring: _Ring, src: int, layout: str, L: int, like: torch.Tensor):
+    """``call → keep [b, h, lq, lk]`` for the block pairs of this rank's queries and ``src``'s keys:
+    attention dropout's scales by the tokens' global positions (None without dropout)."""
+    if dropout is None:
+        return None
+    n = ring.n
+
+    def positions(rank):
+        return torch.tensor(local_positions(L * n, rank, n, layout), dtype=torch.int64, device=like.device)
+
+    mine, theirs, ad = positions(ring.rank), positions(src), acc_dtype(like.dtype)
+    return lambda c: dropout.keep(mine[c.q_lo:c.q_hi], theirs[c.k_lo:c.k_hi], ad)
+
+
 class RingAttention(torch.autograd.Function):
     """Autograd function behind :func:`ring_attention` (see the module docstring)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, group, causal, layout, scale, stats, timeout_s, backend, deadlines):
+    def forward(ctx, q, k, v, group, causal, layout, scale, stats, timeout_s, backend, deadlines, dropout):
         ring = _Ring(group)
         n, me, L = ring.n, ring.rank, q.shape[2]
         kv = torch.stack([k, v])  # [2, b, h_kv, L, d]: one message per step
@@ -127,19 +141,20 @@ class RingAttention(torch.autograd.Function):
             if t + 1 < n:  # the next block's transfer runs while this block computes
                 works = ring.shift(kv, buf, stats, FWD_KV)
             calls = step_plan(me, (me - t) % n, n, layout, causal, L)
+            mask = _block_masks(dropout, ring, (me - t) % n, layout, L, q)
             if t == 0:
-                out_acc, lse_acc = first_step_forward(q, kv[0], kv[1], calls, scale, backend)
+                out_acc, lse_acc = first_step_forward(q, kv[0], kv[1], calls, scale, backend, mask)
             else:
-                forward_step(q, kv[0], kv[1], calls, out_acc, lse_acc, scale, backend)
+                forward_step(q, kv[0], kv[1], calls, out_acc, lse_acc, scale, backend, mask=mask)
         out = out_acc.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse_acc)
-        ctx.cfg = (ring, causal, layout, scale, stats, timeout_s, backend, deadlines)
+        ctx.cfg = (ring, causal, layout, scale, stats, timeout_s, backend, deadlines, dropout)
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        ring, causal, layout, scale, stats, timeout_s, backend, deadlines = ctx.cfg
+        ring, causal, layout, scale, stats, timeout_s, backend, deadlines, dropout = ctx.cfg
         n, me, L = ring.n, ring.rank, q.shape[2]
         ad = acc_dtype(q.dtype)
         dout = dout.contiguous()
@@ -157,7 +172,8 @@ class RingAttention(torch.autograd.Function):
             if t + 1 < n:
                 kv_works = ring.shift(kv, kv_buf, stats, BWD_KV)
             calls = step_plan(me, (me - t) % n, n, layout, causal, L)
-            grads = backward_step(dout, q, kv[0], kv[1], out, lse, calls, dq, scale, backend)
+            mask = _block_masks(dropout, ring, (me - t) % n, layout, L, q)
+            grads = backward_step(dout, q, kv[0], kv[1], out, lse, calls, dq, scale, backend, mask)
             if dkv_works is not None:  # the accumulator of this step's block, from prev
                 comm.wait(dkv_works, timeout_s, f"ring_attention backward: dK/dV of step {t}", deadlines)
                 dkv, dkv_buf = dkv_buf, dkv
@@ -168,23 +184,30 @@ class RingAttention(torch.autograd.Function):
             comm.wait(dkv_works, timeout_s, "ring_attention backward: own dK/dV", deadlines)
             dkv = dkv_buf
         return (dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype),
-                None, None, None, None, None, None, None, None)
+                None, None, None, None, None, None, None, None, None)
 
 
 @comm.eager
 def ring_attention(q, k, v, group=None, causal: bool = False, layout: str = "contiguous", scale=None,
                    stats: comm.CommStats | None = None, timeout_s: float | None = None,
-                   backend: str = "auto", deadlines: comm.DeadlineLedger | None = None) -> torch.Tensor:
+                   backend: str = "auto", deadlines: comm.DeadlineLedger | None = None, dropout=None) -> torch.Tensor:
     """Exact softmax attention over a sequence sharded along ``group`` (the ring).
 
     ``q [b, h, s/N, d]``, ``k, v [b, h_kv, s/N, d]`` (``h % h_kv == 0``): this rank's tokens in
     ``layout`` order (:func:`split_sequence`). Returns ``[b, h, s/N, d]`` for the same tokens.
     ``scale`` defaults to ``1/sqrt(d)``; ``stats`` counts bytes; ``timeout_s`` bounds each
     wait (``CommTimeout``; left to ``deadlines`` where waits are stream-ordered: :func:`comm.wait`);
-    ``backend`` picks the block kernel (:mod:`.kernels`).
+    ``backend`` picks the block kernel (:mod:`.kernels`). ``dropout``: attention dropout's mask, an object
+    whose ``keep(query_positions, key_positions, dtype)`` gives ``[b, h, lq, lk]`` scales (0 or ``1/(1-p)``)
+    for the global positions of a block pair (the model's
+    :class:`~parallel4d.models.dropout.AttentionMask`); only the ``math`` kernel takes it, which
+    ``auto`` then picks (a fused backend named explicitly is refused).
     Every rank of ``group`` must call it with the same shapes and arguments.
     """
     _check_inputs(q, k, v, group, causal, layout, scale)
-    backend = resolve_backend(backend, q)
+    if dropout is not None and backend not in ("auto", "math"):
+        raise ValueError(f"ring_attention: backend={backend!r} cannot apply attention dropout (fused kernels take "
+                         "no mask of ours); use backend='auto' or 'math', or set the model's attention dropout to 0")
+    backend = "math" if dropout is not None else resolve_backend(backend, q)
     scale = default_scale(q.shape[-1]) if scale is None else float(scale)
-    return RingAttention.apply(q, k, v, group, causal, layout, scale, stats, timeout_s, backend, deadlines)
+    return RingAttention.apply(q, k, v, group, causal, layout, scale, stats, timeout_s, backend, deadlines, dropout)

@@ -16,8 +16,12 @@ import torch.nn.functional as F
 from parallel4d.tensor2d.layers import DenseLayout, LayerNorm2D, LMHead2D, VocabParallelCrossEntropy2D
 
 
-def sdpa_attention(q, k, v, causal: bool = True):
-    """Default local attention core on ``[b/q, heads/q, s, d]``."""
+def sdpa_attention(q, k, v, causal: bool = True, dropout=None):
+    """Default local attention core on ``[b/q, heads/q, s, d]``. ``dropout``: the block's mask of the
+    attention probabilities (an object with ``attend(q, k, v, causal)``, the model's own plain-operations
+    attention: a fused kernel cannot take the mask), given only when one is drawn."""
+    if dropout is not None:
+        return dropout.attend(q, k, v, causal)
     return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
 
 

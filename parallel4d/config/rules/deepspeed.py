@@ -115,6 +115,25 @@ def float16_problems(cfg: Config) -> list[str]:
     return []
 
 
+def dropout_problem(cfg: Config) -> str | None:
+    """Dropout under DeepSpeed, whose loop runs the model without the step and micro-batch its masks
+    are drawn from (parallel4d's engine gives them): refused rather than trained without it."""
+    m = cfg.model
+    active = [f"model.{f}={v}" for f, v in (("dropout", m.dropout), ("attention_dropout", m.attention_p),
+                                            ("embedding_dropout", m.embedding_p)) if v]
+    if not active:
+        return None
+    return (f"{', '.join(dict.fromkeys(active))} with DeepSpeed: dropout masks are drawn from the step and each "
+            "micro-batch's samples, which only parallel4d's own engine passes; set the model's dropouts to 0 or "
+            "train without a deepspeed: section")
+
+
+def dropout_problems(cfg: Config) -> list[str]:
+    """:func:`dropout_problem` for a job with a ``deepspeed:`` section."""
+    problem = dropout_problem(cfg) if cfg.deepspeed is not None else None
+    return [problem] if problem else []
+
+
 def taken_key_problems(section: dict) -> list[str]:
     """Keys of the section that parallel4d's own fields decide (:data:`TAKEN`)."""
     return [f"deepspeed.{key}: set by {TAKEN[key]}; remove it" for key in section if key in TAKEN]

@@ -23,7 +23,7 @@ from parallel4d.optim.optimizer import build_optimizer, lr_lambda
 from parallel4d.integrations.deepspeed.ds_config import resolve
 from parallel4d.integrations.deepspeed.engines import DeepSpeedPipeline, Parallel4DEngine
 from parallel4d.integrations.deepspeed.mpu import as_mpu
-from parallel4d.integrations.deepspeed.model import RankModel, avoid_compiled_ops, tag_parameters
+from parallel4d.integrations.deepspeed.model import RankModel, avoid_compiled_ops, refuse_dropout, tag_parameters
 
 
 def initialize(config: str | Path | Config | dict, overrides: list[str] | None = None):
@@ -47,6 +47,7 @@ def build_engine(cfg: Config, mesh: Mesh, ds_config: dict | None = None):
     pp = 1, a :class:`DeepSpeedPipeline` at pp > 1. ``ds_config``: :func:`~.ds_config.resolve`'s
     (resolved here when not given)."""
     ds_config = resolve(cfg, mesh.device.type) if ds_config is None else ds_config
+    refuse_dropout(cfg)
     avoid_compiled_ops()
     if cfg.parallel.pp == 1:
         model, parts = RankModel(cfg, mesh), None

@@ -20,6 +20,7 @@ import torch.nn as nn
 
 from parallel4d.distributed import comm
 from parallel4d.config.errors import ConfigError
+from parallel4d.config.rules.deepspeed import dropout_problem
 from parallel4d.config.schema import Config
 from parallel4d.engine.compose import build_stages, local_model
 from parallel4d.distributed.mesh import Mesh
@@ -36,6 +37,13 @@ def tag_parameters(model: nn.Module, mesh: Mesh, tied_copies=()) -> None:
     for p in model.parameters():  # a grid replica counts on the first row (and column) of what it spans
         p.tensor_model_parallel = all(first[a] for a in getattr(p, "tensor2d_replicated_over", ()))
         p.ds_pipe_replicated = id(p) in copies
+
+
+def refuse_dropout(cfg: Config) -> None:
+    """ConfigError when ``cfg``'s model has dropout (:func:`~parallel4d.config.rules.deepspeed.dropout_problem`)."""
+    problem = dropout_problem(cfg)
+    if problem:
+        raise ConfigError(problem)
 
 
 def avoid_compiled_ops() -> None:
@@ -63,6 +71,7 @@ class RankModel(nn.Module):
             raise ConfigError("build_model: parallel.pp > 1 needs parallel4d's pipeline executor around DeepSpeed; "
                               "build it with parallel4d.integrations.deepspeed.initialize(config) and train with "
                               "engine.train_batch(tokens, targets), or use parallel.pp=1")
+        refuse_dropout(cfg)
         stages, self.loss_fn = build_stages(cfg, mesh)
         self.local = local_model(cfg, stages)  # model.pretrained's weights loaded
         self._order = list(self.local.stages().values())

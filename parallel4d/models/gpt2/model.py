@@ -21,6 +21,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from parallel4d.models.dropout import Site, attend
 from parallel4d.models.stages import DenseModel, cached_attention, seeded_stage
 
 if TYPE_CHECKING:
@@ -44,6 +45,9 @@ class GPTShape:
     causal: bool = True  # False: bidirectional attention (``sequence.causal`` of a job, see engine.model_shape)
     activation: str = "gelu"  # or "gelu_tanh", the approximation GPT-2 checkpoints were trained with
     max_positions: int | None = None  # the position table's rows (≥ seq_len; a checkpoint's n_positions); None: seq_len
+    dropout: float = 0.0  # resid_pdrop: each residual branch's output (models/dropout.py)
+    attention_dropout: float = 0.0  # attn_pdrop: the attention probabilities
+    embedding_dropout: float = 0.0  # embd_pdrop: token + position embedding
 
     @property
     def head_dim(self) -> int:
@@ -55,66 +59,78 @@ class GPTShape:
         return self.max_positions or self.seq_len
 
 
-def dense_attention(q, k, v, causal: bool = True):
-    """Softmax attention on ``[b, heads, s, d]``; the single-process reference."""
+def dense_attention(q, k, v, causal: bool = True, dropout=None):
+    """Softmax attention on ``[b, heads, s, d]``; the single-process reference. ``dropout``: an
+    :class:`~parallel4d.models.dropout.AttentionMask` (plain operations then: SDPA cannot take it)."""
+    if dropout is not None:
+        return dropout.attend(q, k, v, causal)
     return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
 
 
 class Embedding(nn.Module):
-    """Token + learned position embedding: tokens ``[b, s]`` → ``[b, s, h]``. The position table has
-    ``shape.positions ≥ s`` rows; training at ``seq_len`` reads the first ``seq_len`` (the others get
-    no gradient and stay as they were loaded)."""
+    """Token + learned position embedding, then its dropout: tokens ``[b, s]`` → ``[b, s, h]``. The
+    position table has ``shape.positions ≥ s`` rows; training at ``seq_len`` reads the first ``seq_len``
+    (the others get no gradient and stay as they were loaded)."""
 
     def __init__(self, shape: GPTShape):
         super().__init__()
         self.tok = nn.Embedding(shape.vocab_size, shape.hidden)
         self.pos = nn.Embedding(shape.positions, shape.hidden)
+        self.drop = Site(shape.embedding_dropout, 0, "embedding")
 
     def forward(self, tokens, positions=None):
         if positions is None:
             positions = torch.arange(tokens.shape[1], device=tokens.device)
-        return self.tok(tokens) + self.pos(positions)
+        return self.drop(self.tok(tokens) + self.pos(positions))
 
 
 class Attention(nn.Module):
     """Multi-head self-attention ``[b, s, h]`` → ``[b, s, h]`` with a pluggable core,
-    called as ``attention_fn(q, k, v, causal=self.causal)`` on ``[b, heads, s, d]``."""
+    called as ``attention_fn(q, k, v, causal=self.causal)`` on ``[b, heads, s, d]`` (with
+    ``dropout=`` the probabilities' mask when one is drawn); the output's dropout after ``proj``."""
 
-    def __init__(self, shape: GPTShape, attention_fn=dense_attention):
+    def __init__(self, shape: GPTShape, attention_fn=dense_attention, stage: int = 1):
         super().__init__()
         self.heads = shape.heads
         self.causal = shape.causal
         self.qkv = nn.Linear(shape.hidden, 3 * shape.hidden)
         self.proj = nn.Linear(shape.hidden, shape.hidden)
         self.attention_fn = attention_fn
+        self.attn_drop = Site(shape.attention_dropout, stage, "attention")
+        self.resid_drop = Site(shape.dropout, stage, "attention_output")
 
     def forward(self, x):
         b, s, h = x.shape
         q, k, v = self.qkv(x).view(b, s, 3, self.heads, h // self.heads).permute(2, 0, 3, 1, 4)
-        y = self.attention_fn(q, k, v, causal=self.causal)  # [b, heads, s, d]
-        return self.proj(y.transpose(1, 2).reshape(b, s, h))
+        mask = self.attn_drop.attention(b, self.heads, x.device)
+        y = attend(self.attention_fn, q, k, v, self.causal, mask)  # [b, heads, s, d]
+        return self.resid_drop(self.proj(y.transpose(1, 2).reshape(b, s, h)))
 
 
 class MLP(nn.Module):
-    def __init__(self, shape: GPTShape):
+    """``fc2(gelu(fc1(x)))``, then its dropout."""
+
+    def __init__(self, shape: GPTShape, stage: int = 1):
         super().__init__()
         self.fc1 = nn.Linear(shape.hidden, shape.mlp_ratio * shape.hidden)
         self.fc2 = nn.Linear(shape.mlp_ratio * shape.hidden, shape.hidden)
         self.approximate = "tanh" if shape.activation == "gelu_tanh" else "none"
+        self.drop = Site(shape.dropout, stage, "mlp_output")
 
     def forward(self, x):
-        return self.fc2(F.gelu(self.fc1(x), approximate=self.approximate))
+        return self.drop(self.fc2(F.gelu(self.fc1(x), approximate=self.approximate)))
 
 
 class Block(nn.Module):
-    """Pre-LN transformer block: ``x + attn(ln1(x))``, then ``x + mlp(ln2(x))``."""
+    """Pre-LN transformer block: ``x + attn(ln1(x))``, then ``x + mlp(ln2(x))``; ``stage``: its
+    index in the model (1…L), its dropout sites' key."""
 
-    def __init__(self, shape: GPTShape, attention_fn=dense_attention):
+    def __init__(self, shape: GPTShape, attention_fn=dense_attention, stage: int = 1):
         super().__init__()
         self.ln1 = nn.LayerNorm(shape.hidden, eps=shape.norm_eps)
-        self.attn = Attention(shape, attention_fn)
+        self.attn = Attention(shape, attention_fn, stage)
         self.ln2 = nn.LayerNorm(shape.hidden, eps=shape.norm_eps)
-        self.mlp = MLP(shape)
+        self.mlp = MLP(shape, stage)
 
     def forward(self, x):
         x = x + self.attn(self.ln1(x))
@@ -156,7 +172,7 @@ def make_stage(shape: GPTShape, index: int, tied_weight: nn.Parameter | None = N
     if index == 0:
         return Embedding(shape)
     if index <= shape.layers:
-        return Block(shape)
+        return Block(shape, stage=index)
     return Head(shape, tied_weight)
 
 
@@ -191,7 +207,8 @@ def shape_from_config(m: ModelConfig, causal: bool = True) -> GPTShape:
     """The shape of a job's ``model:`` section (``causal``: ``sequence.causal``)."""
     return GPTShape(vocab_size=m.vocab_size, seq_len=m.seq_len, hidden=m.hidden, heads=m.heads, layers=m.layers,
                     mlp_ratio=m.mlp_ratio, tie_embeddings=m.tie_embeddings, norm_eps=m.norm_eps, init_std=m.init_std,
-                    causal=causal, activation=m.activation, max_positions=m.positions)
+                    causal=causal, activation=m.activation, max_positions=m.positions, dropout=m.dropout,
+                    attention_dropout=m.attention_p, embedding_dropout=m.embedding_p)
 
 
 # --- decoding with a KV cache (parallel4d generate): the dense modules' own projections, one new token at a time

@@ -98,20 +98,30 @@ def fields_from_hf(c: dict) -> dict:
                    "set it false in config.json to load the model that way)")
     if c.get("pruned_heads"):
         refuse(mt, f"pruned_heads={c['pruned_heads']}: layers with fewer heads are not supported")
-    return {"arch": "gpt2", "vocab_size": need(c, "vocab_size"), "hidden": h, "heads": need(c, "n_head"),
+    return {**_dropouts_from_hf(c), "arch": "gpt2", "vocab_size": need(c, "vocab_size"), "hidden": h, "heads": need(c, "n_head"),
             "layers": need(c, "n_layer"), "max_positions": need(c, "n_positions"), "mlp_ratio": inner // h,
             "activation": _ACTIVATIONS[act],
             "tie_embeddings": c.get("tie_word_embeddings", True), "norm_eps": c.get("layer_norm_epsilon", 1e-5)}
 
 
+def _dropouts_from_hf(c: dict) -> dict:
+    """``resid_pdrop`` → ``dropout``; ``attn_pdrop`` and ``embd_pdrop`` → ``attention_dropout`` and
+    ``embedding_dropout``, left None (= ``dropout``) where equal to it, so a job's ``model.dropout``
+    sets them all. transformers' defaults (0.1) for a key the file lacks."""
+    resid = float(c.get("resid_pdrop", 0.1))
+    attn, embd = float(c.get("attn_pdrop", 0.1)), float(c.get("embd_pdrop", 0.1))
+    return {"dropout": resid, "attention_dropout": None if attn == resid else attn,
+            "embedding_dropout": None if embd == resid else embd}
+
+
 def hf_config(m: ModelConfig, common: dict) -> dict:
     """``GPT2LMHeadModel``'s ``config.json``. ``gelu_tanh`` is written ``gelu_pytorch_tanh`` (the
     ``F.gelu(approximate="tanh")`` the dense model calls; ``gelu_new``, GPT-2's name, is the same
-    formula in Python ops, ~1e-7 apart in float32). Dropouts 0."""
+    formula in Python ops, ~1e-7 apart in float32). The dropouts the model trained with."""
     return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", **common, "n_positions": m.positions,
             "n_embd": m.hidden, "n_head": m.heads, "n_layer": m.layers, "n_inner": m.mlp_ratio * m.hidden,
             "activation_function": "gelu_pytorch_tanh" if m.activation == "gelu_tanh" else "gelu",
-            "layer_norm_epsilon": m.norm_eps, "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0,
+            "layer_norm_epsilon": m.norm_eps, "resid_pdrop": m.dropout, "embd_pdrop": m.embedding_p, "attn_pdrop": m.attention_p,
             "scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False, "reorder_and_upcast_attn": False}
 
 
@@ -141,7 +151,8 @@ SPEC = ModelSpec(
     name="gpt2", summary="LayerNorm, learned positions, GELU MLP", torch_module="parallel4d.models.gpt2.family",
     hf_model_types=("gpt2",),
     fields=("arch", "vocab_size", "seq_len", "max_positions", "hidden", "heads", "layers", "mlp_ratio",
-            "tie_embeddings", "norm_eps", "init_std", "activation", "pretrained"),
+            "tie_embeddings", "norm_eps", "init_std", "activation", "dropout", "attention_dropout",
+            "embedding_dropout", "pretrained"),
     learned_positions=True, problems=problems, dense_parameters=dense_parameters, flops_per_token=flops_per_token,
     stage_flops=stage_flops,
     fields_from_hf=fields_from_hf, hf_config=hf_config, hf_names=hf_names, hf_positions="n_positions",

@@ -20,6 +20,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from parallel4d.models.dropout import Site, attend
 from parallel4d.models.gpt2.model import Block, Embedding, Head
 from parallel4d.tensor2d.checks import check_heads
 from parallel4d.tensor2d.composite import Composite2D, Head2D, sdpa_attention
@@ -36,11 +37,15 @@ class Block2D(Composite2D):
     """Pre-LN block ``x + proj(attn(qkv(ln1 x)))``, then ``x + fc2(gelu(fc1(ln2 x)))`` on
     ``[b/q, s, h/q]``. 4 SUMMA AB forward, 4 ABᵀ + 4 AᵀB backward; the attention core
     ``attention_fn(q, k, v, causal=self.causal)`` sees local ``[b/q, heads/q, s_local, d]``.
-    ``approximate``: ``F.gelu``'s (``"tanh"`` for GPT-2 checkpoints), the dense MLP's."""
+    ``approximate``: ``F.gelu``'s (``"tanh"`` for GPT-2 checkpoints), the dense MLP's. ``drops``: the
+    dense block's dropout sites (attention probabilities, attention output, MLP output) for this grid
+    column's heads and hidden block (None: no dropout)."""
 
     def __init__(self, ln1, qkv, proj, ln2, fc1, fc2, heads: int, attention_fn=None, causal: bool = True,
-                 approximate: str = "none"):
+                 approximate: str = "none", drops: tuple[Site, Site, Site] | None = None):
         super().__init__()
+        drops = drops or tuple(Site(0.0, 1, kind) for kind in ("attention", "attention_output", "mlp_output"))
+        self.attn_drop, self.attn_out_drop, self.mlp_drop = drops
         self.causal, self.approximate = causal, approximate
         self.ln1, self.qkv, self.proj, self.ln2, self.fc1, self.fc2 = ln1, qkv, proj, ln2, fc1, fc2
         self.heads = heads
@@ -57,6 +62,9 @@ class Block2D(Composite2D):
         q = mesh.q
         check_heads(heads, hidden, q, heads_field=f"{name}.attn.heads", hidden_field=f"{name}.hidden")
         perm = qkv_permutation(hidden, q)
+        j = mesh.rank("tp_col")  # this column's heads and hidden block
+        drops = (block.attn.attn_drop.shifted(j * heads // q), block.attn.resid_drop.shifted(j * hidden // q),
+                 block.mlp.drop.shifted(j * hidden // q))
         return cls(
             LayerNorm2D.from_dense(block.ln1, mesh, name=f"{name}.ln1"),
             Linear2D.from_dense(block.attn.qkv, mesh, name=f"{name}.attn.qkv", out_perm=perm, overlap=overlap),
@@ -64,7 +72,7 @@ class Block2D(Composite2D):
             LayerNorm2D.from_dense(block.ln2, mesh, name=f"{name}.ln2"),
             Linear2D.from_dense(block.mlp.fc1, mesh, name=f"{name}.mlp.fc1", overlap=overlap),
             Linear2D.from_dense(block.mlp.fc2, mesh, name=f"{name}.mlp.fc2", overlap=overlap),
-            heads, attention_fn, causal=block.attn.causal, approximate=block.mlp.approximate,
+            heads, attention_fn, causal=block.attn.causal, approximate=block.mlp.approximate, drops=drops,
         )
 
     def _parts(self):
@@ -75,12 +83,13 @@ class Block2D(Composite2D):
         """``[b/q, s, h/q]`` → ``[b/q, s, h/q]`` (my heads only; no communication in the core)."""
         bq, s, hq = x.shape
         qkv = self.qkv(x).view(bq, s, 3, self.local_heads, hq // self.local_heads).permute(2, 0, 3, 1, 4)
-        y = self.attention_fn(qkv[0], qkv[1], qkv[2], causal=self.causal)  # [b/q, a/q, s, d]
-        return self.proj(y.transpose(1, 2).reshape(bq, s, hq))
+        mask = self.attn_drop.attention(bq, self.local_heads, x.device)
+        y = attend(self.attention_fn, qkv[0], qkv[1], qkv[2], self.causal, mask)  # [b/q, a/q, s, d]
+        return self.attn_out_drop(self.proj(y.transpose(1, 2).reshape(bq, s, hq)))
 
     def forward(self, x):
         x = x + self.attention(self.ln1(x))
-        return x + self.fc2(F.gelu(self.fc1(self.ln2(x)), approximate=self.approximate))
+        return x + self.mlp_drop(self.fc2(F.gelu(self.fc1(self.ln2(x)), approximate=self.approximate)))
 
 
 class TokenPositionEmbedding2D(Composite2D):
@@ -88,16 +97,19 @@ class TokenPositionEmbedding2D(Composite2D):
 
     tokens ``[b/q, s]`` (batch block i) and optional positions (``[s]`` or ``[b/q, s]``,
     default ``arange(s)``; pass the original positions when the sequence is sharded
-    or permuted) → ``[b/q, s, h/q]``."""
+    or permuted) → ``[b/q, s, h/q]``, then the dense embedding's dropout ``drop`` on hidden block j."""
 
-    def __init__(self, tok: VocabParallelEmbedding2D, pos: Embedding2D):
+    def __init__(self, tok: VocabParallelEmbedding2D, pos: Embedding2D, drop: Site | None = None):
         super().__init__()
         self.tok, self.pos = tok, pos
+        self.drop = drop or Site(0.0, 0, "embedding")
 
     @classmethod
     def from_dense(cls, embed: Embedding, mesh, *, name: str = "embed") -> "TokenPositionEmbedding2D":
+        hidden = embed.tok.weight.shape[1]
         return cls(VocabParallelEmbedding2D.from_dense(embed.tok, mesh, name=f"{name}.tok"),
-                   Embedding2D.from_dense(embed.pos, mesh, name=f"{name}.pos"))
+                   Embedding2D.from_dense(embed.pos, mesh, name=f"{name}.pos"),
+                   embed.drop.shifted(mesh.rank("tp_col") * hidden // mesh.q))
 
     def _parts(self):
         return [("tok.", self.tok), ("pos.", self.pos)]
@@ -105,7 +117,7 @@ class TokenPositionEmbedding2D(Composite2D):
     def forward(self, tokens, positions=None):
         if positions is None:
             positions = torch.arange(tokens.shape[1], device=tokens.device)
-        return self.tok(tokens) + self.pos(positions)
+        return self.drop(self.tok(tokens) + self.pos(positions))
 
 
 def from_dense_stage(stage: nn.Module, mesh, *, embedding=None, attention_fn=None, name: str = "",

@@ -25,6 +25,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from parallel4d.models.dropout import Site, attend
 from parallel4d.models.llama.rotary import Rotary, Scaling, rotate
 from parallel4d.models.stages import DenseModel, cached_attention, seeded_stage
 
@@ -55,6 +56,7 @@ class LlamaShape:
     qk_norm: bool = False  # Qwen3's RMSNorm of each head's q and k
     max_positions: int | None = None  # model.max_positions (None: seq_len), what rotary scaling reads
     rope_scaling: Scaling | None = None
+    attention_dropout: float = 0.0  # on the attention probabilities (models/dropout.py); no other dropout
 
     @property
     def head_dim(self) -> int:
@@ -65,8 +67,11 @@ class LlamaShape:
         return Rotary(self.head_dim, self.rope_theta, self.rope_scaling, self.max_positions or self.seq_len)
 
 
-def dense_attention(q, k, v, causal: bool = True):
-    """Softmax attention, q ``[b, heads, s, d]``, k and v ``[b, kv_heads, s, d]``."""
+def dense_attention(q, k, v, causal: bool = True, dropout=None):
+    """Softmax attention, q ``[b, heads, s, d]``, k and v ``[b, kv_heads, s, d]``; ``dropout``: an
+    :class:`~parallel4d.models.dropout.AttentionMask` (plain operations then: SDPA cannot take it)."""
+    if dropout is not None:
+        return dropout.attend(q, k, v, causal)
     return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=k.shape[1] != q.shape[1])
 
 
@@ -101,7 +106,7 @@ class Attention(nn.Module):
     ``attention_fn(q, k, v, causal=...)``. ``positions`` ``[s]``: the tokens' global positions
     (None: ``0..s-1``) in a sequence of ``length`` tokens (None: ``s``; dynamic rotary reads it)."""
 
-    def __init__(self, shape: LlamaShape, attention_fn=dense_attention):
+    def __init__(self, shape: LlamaShape, attention_fn=dense_attention, stage: int = 1):
         super().__init__()
         d = shape.head_dim
         self.heads, self.kv_heads, self.causal = shape.heads, shape.kv_heads, shape.causal
@@ -116,6 +121,7 @@ class Attention(nn.Module):
         self.attention_fn = attention_fn
         self.positions: torch.Tensor | None = None
         self.length: int | None = None
+        self.attn_drop = Site(shape.attention_dropout, stage, "attention")
 
     def heads_of(self, x, t: int):
         """q ``[b, heads, t, d]``, k and v ``[b, kv_heads, t, d]`` of ``x`` ``[b, t, h]`` (q and k
@@ -133,7 +139,8 @@ class Attention(nn.Module):
         q, k, v = self.heads_of(x, s)
         pos = self.positions if self.positions is not None else torch.arange(s, device=x.device)
         cos, sin = self.rotary.table(pos, self.length or s, q.dtype)
-        y = self.attention_fn(rotate(q, cos, sin), rotate(k, cos, sin), v, causal=self.causal)  # [b, heads, s, d]
+        mask = self.attn_drop.attention(b, self.heads, x.device)
+        y = attend(self.attention_fn, rotate(q, cos, sin), rotate(k, cos, sin), v, self.causal, mask)  # [b, heads, s, d]
         return self.o_proj(y.transpose(1, 2).reshape(b, s, -1))
 
 
@@ -153,10 +160,10 @@ class MLP(nn.Module):
 class Block(nn.Module):
     """Pre-norm block: ``x + self_attn(input_layernorm(x))``, then ``x + mlp(post_attention_layernorm(x))``."""
 
-    def __init__(self, shape: LlamaShape, attention_fn=dense_attention):
+    def __init__(self, shape: LlamaShape, attention_fn=dense_attention, stage: int = 1):
         super().__init__()
         self.input_layernorm = RMSNorm(shape.hidden, shape.norm_eps)
-        self.self_attn = Attention(shape, attention_fn)
+        self.self_attn = Attention(shape, attention_fn, stage)
         self.post_attention_layernorm = RMSNorm(shape.hidden, shape.norm_eps)
         self.mlp = MLP(shape)
 
@@ -187,7 +194,7 @@ def make_stage(shape: LlamaShape, index: int, tied_weight: nn.Parameter | None =
     if index == 0:
         return Embedding(shape)
     if index <= shape.layers:
-        return Block(shape)
+        return Block(shape, stage=index)
     return Head(shape, tied_weight)
 
 
@@ -225,7 +232,8 @@ def shape_from_config(m: ModelConfig, causal: bool = True) -> LlamaShape:
                       kv_heads=m.kv_heads_or_heads, layers=m.layers, intermediate_size=m.mlp_width,
                       tie_embeddings=m.tie_embeddings, norm_eps=m.norm_eps, init_std=m.init_std,
                       rope_theta=m.rope_theta, qkv_bias=m.qkv_bias, causal=causal, head_width=m.head_dim,
-                      qk_norm=m.qk_norm, max_positions=m.positions, rope_scaling=Scaling.of(m.rope_scaling))
+                      qk_norm=m.qk_norm, max_positions=m.positions, rope_scaling=Scaling.of(m.rope_scaling),
+                      attention_dropout=m.attention_p)
 
 
 # --- decoding with a KV cache (parallel4d generate): the dense modules' own projections, one new token at a time

@@ -65,6 +65,9 @@ def problems(m: ModelConfig, q: int) -> list[str]:
     out = []
     if m.activation != type(m).model_fields["activation"].default:
         out.append(f"model.activation={m.activation} is gpt2's (llama's MLP is SwiGLU); remove it")
+    out += [f"model.{f}={getattr(m, f)} with model.arch=llama: transformers' Llama, Mistral and Qwen2 drop out only "
+            "the attention probabilities; set model.attention_dropout for those and remove model." + f
+            for f in ("dropout", "embedding_dropout") if getattr(m, f)]
     kv = m.kv_heads_or_heads
     if m.heads % kv:
         out.append(f"model.kv_heads={kv} must divide model.heads={m.heads} (each key/value head serves a group of "
@@ -185,7 +188,8 @@ def fields_from_hf(c: dict) -> dict:
             "intermediate_size": need(c, "intermediate_size"), "tie_embeddings": c.get("tie_word_embeddings", False),
             "norm_eps": c.get("rms_norm_eps", 1e-6), "qkv_bias": mt == "qwen2", "qk_norm": mt == "qwen3",
             "head_dim": None if head_dim in (None, h // heads) and h % heads == 0 else head_dim,
-            "max_positions": c.get("max_position_embeddings"), **_rope_fields(c, mt)}
+            "max_positions": c.get("max_position_embeddings"), **_rope_fields(c, mt),
+            "attention_dropout": float(c.get("attention_dropout", 0.0))}
 
 
 def _hf_type(m: ModelConfig) -> str:
@@ -199,14 +203,14 @@ def _hf_type(m: ModelConfig) -> str:
 def hf_config(m: ModelConfig, common: dict) -> dict:
     """``LlamaForCausalLM``'s ``config.json``, ``Qwen2ForCausalLM``'s with ``qkv_bias`` (Llama's own
     attention bias would include ``o_proj``) or ``Qwen3ForCausalLM``'s with ``qk_norm``; the rotary as
-    transformers 5 writes it (``rope_parameters``). Dropout 0."""
+    transformers 5 writes it (``rope_parameters``); the attention dropout the model trained with."""
     kind = _hf_type(m)
     arch = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}[kind]
     scaling = m.rope_scaling.model_dump(exclude_none=True) if m.rope_scaling else {"rope_type": "default"}
     out = {"architectures": [arch], "model_type": kind,
            **common, "hidden_size": m.hidden, "intermediate_size": m.mlp_width, "num_hidden_layers": m.layers,
            "num_attention_heads": m.heads, "num_key_value_heads": m.kv_heads_or_heads, "hidden_act": "silu",
-           "max_position_embeddings": m.positions, "rms_norm_eps": m.norm_eps, "attention_dropout": 0.0,
+           "max_position_embeddings": m.positions, "rms_norm_eps": m.norm_eps, "attention_dropout": m.attention_p,
            "rope_parameters": {**scaling, "rope_theta": m.rope_theta}}
     if kind == "qwen2":
         return {**out, "use_sliding_window": False, "sliding_window": None, "max_window_layers": m.layers}
@@ -251,7 +255,7 @@ SPEC = ModelSpec(
     torch_module="parallel4d.models.llama.family", hf_model_types=("llama", "mistral", "qwen2", "qwen3"),
     fields=("arch", "vocab_size", "seq_len", "hidden", "heads", "kv_heads", "layers", "intermediate_size",
             "tie_embeddings", "norm_eps", "init_std", "rope_theta", "qkv_bias", "max_positions", "head_dim",
-            "qk_norm", "rope_scaling", "pretrained"),
+            "qk_norm", "rope_scaling", "attention_dropout", "pretrained"),
     learned_positions=False, problems=problems, dense_parameters=dense_parameters, flops_per_token=flops_per_token,
     stage_flops=stage_flops,
     fields_from_hf=fields_from_hf, hf_config=hf_config, hf_names=hf_names, hf_positions="max_position_embeddings",

@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from parallel4d.models.dropout import Site, attend
 from parallel4d.models.llama.model import Block, Embedding, Head
 from parallel4d.models.llama.rotary import Rotary, rotate
 from parallel4d.tensor2d.checks import check_divisible, check_heads
@@ -34,11 +35,13 @@ class LlamaBlock2D(Composite2D):
     on ``[b/q, s, h/q]``; the core ``attention_fn(q, k, v, causal=...)`` sees local q
     ``[b/q, a/q, s, d]`` and k, v ``[b/q, kv/q, s, d]``. ``positions`` ``[s]``: the tokens'
     global positions (None: ``0..s-1``) in a sequence of ``length`` tokens (None: ``s``).
-    ``qk_norms``: Qwen3's ``(q_norm, k_norm)``, or None."""
+    ``qk_norms``: Qwen3's ``(q_norm, k_norm)``, or None. ``attn_drop``: the dense block's attention
+    dropout site for this grid column's heads (None: none)."""
 
     def __init__(self, norms, projections, mlp, heads: int, kv_heads: int, rotary: Rotary, attention_fn=None,
-                 causal: bool = True, qk_norms=None):
+                 causal: bool = True, qk_norms=None, attn_drop: Site | None = None):
         super().__init__()
+        self.attn_drop = attn_drop or Site(0.0, 1, "attention")
         self.input_layernorm, self.post_attention_layernorm = norms
         self.q_proj, self.k_proj, self.v_proj, self.o_proj = projections
         self.gate_proj, self.up_proj, self.down_proj = mlp
@@ -70,7 +73,8 @@ class LlamaBlock2D(Composite2D):
                     RMSNorm2D.from_dense(block.post_attention_layernorm, mesh, name=f"{name}.post_attention_layernorm")),
                    tuple(lin(getattr(attn, p), f"self_attn.{p}") for p in ("q_proj", "k_proj", "v_proj", "o_proj")),
                    tuple(lin(getattr(mlp, p), f"mlp.{p}") for p in ("gate_proj", "up_proj", "down_proj")),
-                   attn.heads, attn.kv_heads, attn.rotary, attention_fn, causal=attn.causal, qk_norms=qk_norms)
+                   attn.heads, attn.kv_heads, attn.rotary, attention_fn, causal=attn.causal, qk_norms=qk_norms,
+                   attn_drop=attn.attn_drop.shifted(mesh.rank("tp_col") * (attn.heads // q)))
 
     def _parts(self):
         norms = [(f"self_attn.{p}.", getattr(self, p)) for p in ("q_norm", "k_norm")] if self.q_norm else []
@@ -89,7 +93,8 @@ class LlamaBlock2D(Composite2D):
         q, k = q.transpose(1, 2), k.transpose(1, 2)
         pos = self.positions if self.positions is not None else torch.arange(s, device=x.device)
         cos, sin = self.rotary.table(pos, self.length or s, q.dtype)
-        y = self.attention_fn(rotate(q, cos, sin), rotate(k, cos, sin), v, causal=self.causal)
+        mask = self.attn_drop.attention(bq, self.local_heads, x.device)
+        y = attend(self.attention_fn, rotate(q, cos, sin), rotate(k, cos, sin), v, self.causal, mask)
         return self.o_proj(y.transpose(1, 2).reshape(bq, s, -1))
 
     def forward(self, x):

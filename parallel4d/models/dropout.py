@@ -1,0 +1,211 @@
+"""Dropout whose masks are a function of the dense element, so every layout drops the same ones.
+
+A mask element is kept or dropped by a counter-based hash of ``(train.seed, the step, the site, the
+sample's global index in the batch, the element's dense position)`` — never torch's RNG state. A
+rank holding a slice of an activation (a batch block, a sequence shard, a hidden block or some
+heads, a micro-batch, a recomputation in the backward) draws exactly the elements the single
+process draws there: the masks are layout-free, like the checkpoints.
+
+The sites (``transformers``' own):
+
+* gpt2: ``embedding`` after token + position embedding (``embd_pdrop``), ``attention`` on the
+  attention probabilities (``attn_pdrop``), ``attention_output`` and ``mlp_output`` on each residual
+  branch's output before its add (``resid_pdrop``);
+* llama: ``attention`` only (``attention_dropout``; transformers' Llama and Qwen have no other).
+
+Contract. Each site is a :class:`Site` module of a stage, keyed by the stage's index and its kind.
+Every site of one model (a rank's stages) reads the same :class:`Masks` holder: ``seed``, the
+global sequence positions of the local tokens (a ring shard's; None: ``0..s-1``), and ``draw``, the
+current forward's :class:`Draw` (the step and the global index of its first sample), which whoever
+runs the forward sets (:meth:`Masks.drawing`: the engine per micro-batch, ``DenseModel`` for a
+``step=``); ``draw`` None means no dropout (evaluation, generation). A 2D twin's site carries its
+offset in the dense hidden features or heads. The attention's site hands the core an
+:class:`AttentionMask` (``attention_fn(q, k, v, causal=..., dropout=mask)``, only when one is
+active): :meth:`AttentionMask.attend` for a core over the whole local sequence,
+:meth:`AttentionMask.keep` for one over blocks of it (ring attention: by global positions).
+
+The hash: 32-bit words mixed by Mueller's integer hash (two multiplies by ``0x45d9f3b``), the key
+of ``(seed, step, site)`` in Python, then one mix per coordinate in torch's int64 (every product
+stays below 2⁵⁹: no overflow on CPU or CUDA). Kept when the final word is ``≥ p·2³²``; kept
+elements are scaled by ``1/(1-p)`` (``torch.nn.Dropout``'s inverted dropout).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+import torch.nn as nn
+
+WORD = 0xFFFFFFFF
+_MULT = 0x45D9F3B  # < 2^27: a 32-bit word times it stays below 2^59
+KINDS = ("embedding", "attention", "attention_output", "mlp_output")
+
+
+def _mix(x):
+    """A 32-bit word (Python int or int64 tensor in ``[0, 2³²)``) → its hash word (a bijection)."""
+    x = ((x >> 16) ^ x) * _MULT & WORD
+    x = ((x >> 16) ^ x) * _MULT & WORD
+    return (x >> 16) ^ x
+
+
+def site_key(seed: int, step: int, stage: int, kind: str) -> int:
+    """The 32-bit key of one site's masks in one step: stage index and kind (:data:`KINDS`)."""
+    h = 0x9E3779B9
+    for word in (seed & WORD, seed >> 32, step & WORD, step >> 32, stage, KINDS.index(kind)):
+        h = _mix(h ^ (word & WORD))
+    return h
+
+
+def keep_scale(key: int, p: float, coords: Sequence[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    """``0`` (dropped) or ``1/(1-p)`` (kept) for every element of the grid ``coords`` spans: a tensor
+    ``[len(c) for c in coords]`` whose element ``[i0, i1, …]`` depends only on ``key`` and the dense
+    coordinates ``coords[0][i0], coords[1][i1], …`` (int64, each in ``[0, 2³²)``)."""
+    h = torch.tensor(key, dtype=torch.int64, device=coords[0].device)
+    for c in coords:
+        h = _mix(h.unsqueeze(-1) ^ c.to(torch.int64))
+    threshold = min(round(p * 2.0 ** 32), WORD + 1)
+    return (h >= threshold).to(dtype) * (1.0 / (1.0 - p))
+
+
+@dataclass(frozen=True)
+class Draw:
+    """One forward's part of the masks' key: the optimizer ``step`` and the global index of the
+    forward's first sample (row) in the step's batch."""
+
+    step: int
+    first_row: int = 0
+
+
+class Masks:
+    """Where a model's :class:`Site` modules read their draw: one per model (a rank's stages).
+    ``positions`` ``[s]``: the global sequence positions of the local tokens (None: ``0..s-1``)."""
+
+    def __init__(self, seed: int, positions: torch.Tensor | None = None):
+        self.seed = seed
+        self.positions = positions
+        self.draw: Draw | None = None  # None: no dropout (evaluation, generation)
+
+    @contextlib.contextmanager
+    def drawing(self, draw: Draw | None):
+        """Forwards inside draw from ``draw`` (None: none); the previous draw restored after."""
+        before, self.draw = self.draw, draw
+        try:
+            yield
+        finally:
+            self.draw = before
+
+    def seq_positions(self, s: int, device) -> torch.Tensor:
+        """Global positions ``[s]`` of the local tokens."""
+        return torch.arange(s, device=device) if self.positions is None else self.positions.to(device)
+
+
+def attach(module: nn.Module, masks: Masks) -> None:
+    """Point every :class:`Site` under ``module`` at ``masks``."""
+    for m in module.modules():
+        if isinstance(m, Site):
+            m.masks = masks
+
+
+class Site(nn.Module):
+    """A dropout site of stage ``stage`` (0 the embedding, 1…L the blocks), ``kind`` one of
+    :data:`KINDS`, rate ``p``; ``offset``: where this module's features (``[b, s, w]`` sites) or heads
+    (the attention's) start in the dense ones (a 2D twin's grid column)."""
+
+    def __init__(self, p: float, stage: int, kind: str, offset: int = 0):
+        super().__init__()
+        if kind not in KINDS:
+            raise ValueError(f"dropout site kind {kind!r} is not one of {KINDS}")
+        self.p, self.stage, self.kind, self.offset = float(p), stage, kind, offset
+        self.masks: Masks | None = None  # attach() sets the model's
+
+    def extra_repr(self) -> str:
+        return f"p={self.p}, stage={self.stage}, kind={self.kind}, offset={self.offset}"
+
+    def shifted(self, offset: int) -> "Site":
+        """The same site for a slice starting at dense feature / head ``offset`` (a 2D twin's)."""
+        return Site(self.p, self.stage, self.kind, offset)
+
+    def _key(self) -> int | None:
+        draw = None if self.masks is None else self.masks.draw
+        if draw is None:
+            return None
+        return site_key(self.masks.seed, draw.step, self.stage, self.kind)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` ``[b, s, w]`` (this slice's features) with the dense elements' masks applied."""
+        if self.p == 0.0:  # decided on the module: nothing traced, nothing drawn
+            return x
+        return _apply(self, x)
+
+    def attention(self, batch: int, heads: int, device) -> AttentionMask | None:
+        """The mask of a forward's attention probabilities over ``batch`` rows and ``heads`` query heads
+        (from dense head ``offset``); None when none is drawn (``p`` 0, no draw)."""
+        if self.p == 0.0:
+            return None
+        return _attention_mask(self, batch, heads, device)
+
+
+@torch.compiler.disable  # the draw changes every micro-batch: read eagerly (a graph break), never guarded
+def _apply(site: Site, x: torch.Tensor) -> torch.Tensor:
+    key = site._key()
+    if key is None:
+        return x
+    b, s, w = x.shape
+    m, d = site.masks, site.masks.draw
+    coords = (torch.arange(d.first_row, d.first_row + b, device=x.device), m.seq_positions(s, x.device),
+              torch.arange(site.offset, site.offset + w, device=x.device))
+    return x * keep_scale(key, site.p, coords, x.dtype)
+
+
+@torch.compiler.disable
+def _attention_mask(site: Site, batch: int, heads: int, device) -> AttentionMask | None:
+    key = site._key()
+    if key is None:
+        return None
+    d = site.masks.draw
+    return AttentionMask(site.p, key, torch.arange(d.first_row, d.first_row + batch, device=device),
+                         torch.arange(site.offset, site.offset + heads, device=device),
+                         None if site.masks.positions is None else site.masks.positions.to(device))
+
+
+@dataclass(frozen=True)
+class AttentionMask:
+    """Dropout of one forward's attention probabilities: ``out_i = Σ_j keep_ij · p_ij · v_j`` with ``p``
+    the softmax over all keys and ``keep`` 0 or ``1/(1-p)`` by (sample, query head, query position,
+    key position). ``rows`` ``[b]``: the samples' global indices; ``heads`` ``[h]``: the local query
+    heads' dense indices; ``positions`` ``[s]``: the local tokens' global positions (None: ``0..s-1``)."""
+
+    p: float
+    key: int
+    rows: torch.Tensor
+    heads: torch.Tensor
+    positions: torch.Tensor | None
+
+    def keep(self, query_positions: torch.Tensor, key_positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """``[b, h, lq, lk]``: 0 or ``1/(1-p)`` for these global query and key positions."""
+        return keep_scale(self.key, self.p, (self.rows, self.heads, query_positions, key_positions), dtype)
+
+    def attend(self, q, k, v, causal: bool) -> torch.Tensor:
+        """Softmax attention with this mask, in plain operations (fused kernels cannot take it): q
+        ``[b, h, s, d]``, k and v ``[b, h_kv, s, d]`` (``h % h_kv == 0``, query head ``i`` reading
+        key/value head ``i // (h/h_kv)``) → ``[b, h, s, d]``; scores in float32 or wider."""
+        b, h, s, d = q.shape
+        hkv, wide = k.shape[1], torch.promote_types(q.dtype, torch.float32)
+        pos = torch.arange(s, device=q.device) if self.positions is None else self.positions.to(q.device)
+        scores = q.to(wide).reshape(b, hkv, h // hkv, s, d) @ k.to(wide).unsqueeze(2).transpose(-1, -2)
+        scores = scores * d ** -0.5
+        if causal:
+            scores = scores.masked_fill(torch.ones(s, s, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
+        probs = scores.softmax(-1) * self.keep(pos, pos, wide).reshape(b, hkv, h // hkv, s, s)
+        return (probs @ v.to(wide).unsqueeze(2)).reshape(b, h, s, v.shape[-1]).to(q.dtype)
+
+
+def attend(attention_fn, q, k, v, causal: bool, mask: AttentionMask | None):
+    """``attention_fn(q, k, v, causal=causal)``, with ``dropout=mask`` when a mask is drawn (a core
+    that cannot take one raises: dropout is never silently left out)."""
+    if mask is None:
+        return attention_fn(q, k, v, causal=causal)
+    return attention_fn(q, k, v, causal=causal, dropout=mask)
