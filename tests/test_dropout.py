@@ -195,7 +195,7 @@ def test_gpt2_dropouts_from_and_to_config_json():
     from parallel4d.config.hf_fields import model_fields_from_hf
     from parallel4d.models.gpt2.spec import hf_config
 
-    hf = {"model_type": "gpt2", "vocab_size": 64, "n_embd": 32, "n_head": 4, "n_layer": 2,
+    hf = {"model_type": "gpt2", "vocab_size": 64, "n_embd": 32, "n_head": 4, "n_layer": 2, "n_positions": 64,
           "resid_pdrop": 0.1, "embd_pdrop": 0.2, "attn_pdrop": 0.1}
     fields = model_fields_from_hf(hf)
     assert (fields["dropout"], fields["embedding_dropout"], fields["attention_dropout"]) == (0.1, 0.2, None)

@@ -73,8 +73,8 @@ def problems(m: ModelConfig, q: int) -> list[str]:
         out.append(f"model.kv_heads={kv} must divide model.heads={m.heads} (each key/value head serves a group of "
                    f"query heads); use {or_list(d for d in divisors(m.heads) if d <= m.heads)}")
     if (m.head_dim or m.hidden % m.heads == 0) and m.head_size % 2:
-        out.append(f"the head size {m.head_size} (model.head_dim, else model.hidden/model.heads) is odd, and rotary "
-                   "embeddings rotate pairs of dimensions; use an even head size")
+        size = f"model.head_dim={m.head_dim}" if m.head_dim else f"model.hidden/model.heads = {m.head_size}"
+        out.append(f"{size} is odd, and rotary embeddings rotate pairs of dimensions; use an even head size")
     by = f"q={q} (parallel.tp={q * q} is a {q}×{q} grid: each grid column holds whole key/value heads and an MLP block)"
     out += filter(None, [not_divisible("model.kv_heads", kv, q, by),
                          not_divisible("model.intermediate_size", m.mlp_width, q, by)])
