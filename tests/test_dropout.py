@@ -22,6 +22,7 @@ from parallel4d.engine.model import model_shape
 from parallel4d.models.build import build_dense
 from parallel4d.models.dropout import Draw, Masks, Site, keep_scale, site_key
 from parallel4d.optim.optimizer import build_optimizer, lr_at
+from test_llama import check_pieces
 
 GPT2 = {"arch": "gpt2", "vocab_size": 64, "seq_len": 16, "hidden": 32, "heads": 4, "layers": 2, "dropout": 0.1}
 LLAMA = {"arch": "llama", "vocab_size": 64, "seq_len": 16, "hidden": 32, "heads": 4, "kv_heads": 2, "layers": 2,
@@ -87,19 +88,7 @@ def train_layouts(jobs: dict) -> dict:
 def check_layouts(results: list[dict], jobs: dict) -> None:
     """Every rank's losses (1e-10) and parameter pieces (1e-9) against :func:`dense_run`'s."""
     for name, job in jobs.items():
-        want_losses, want = dense_run(job)
-        seen = set()
-        for rank_results in results:
-            losses, pieces = rank_results[name]
-            torch.testing.assert_close(torch.tensor(losses), torch.tensor(want_losses), rtol=1e-10, atol=0,
-                                       msg=lambda m, n=name: f"{n} losses: {m}")
-            for dense, boxes in pieces.items():
-                seen.add(dense)
-                for off, t in boxes:
-                    box = want[dense][tuple(slice(o, o + n) for o, n in zip(off, t.shape))]
-                    torch.testing.assert_close(t, box, rtol=1e-9, atol=1e-12,
-                                               msg=lambda m, n=name, d=dense: f"{n} {d}: {m}")
-        assert seen == set(want), (name, set(want) - seen)
+        check_pieces(results, name, *dense_run(job))
 
 
 def sixteen_worker_job(tmp):

@@ -86,18 +86,24 @@ def _check(results, layouts):
     for name, job in layouts.items():
         want_losses, want = dense_run(job)
         assert want_losses[-1] < want_losses[0]
-        seen = set()
-        for rank_results in results:
-            losses, pieces = rank_results[name]
-            torch.testing.assert_close(torch.tensor(losses), torch.tensor(want_losses), rtol=1e-10, atol=0,
-                                       msg=lambda m, n=name: f"{n} losses: {m}")
-            for dense, boxes in pieces.items():
-                seen.add(dense)
-                for off, t in boxes:
-                    box = want[dense][tuple(slice(o, o + n) for o, n in zip(off, t.shape))]
-                    torch.testing.assert_close(t, box, rtol=1e-9, atol=1e-12,
-                                               msg=lambda m, n=name, d=dense: f"{n} {d}: {m}")
-        assert seen == set(want), (name, set(want) - seen)
+        check_pieces(results, name, want_losses, want)
+
+
+def check_pieces(results, name: str, want_losses, want: dict) -> None:
+    """Every rank's losses of job ``name`` (1e-10) and pieces of every dense parameter (1e-9) against
+    one process's ``want_losses`` and ``want`` (dense name → tensor); together the pieces cover all."""
+    seen = set()
+    for rank_results in results:
+        losses, pieces = rank_results[name]
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(want_losses), rtol=1e-10, atol=0,
+                                   msg=lambda m, n=name: f"{n} losses: {m}")
+        for dense, boxes in pieces.items():
+            seen.add(dense)
+            for off, t in boxes:
+                box = want[dense][tuple(slice(o, o + n) for o, n in zip(off, t.shape))]
+                torch.testing.assert_close(t, box, rtol=1e-9, atol=1e-12,
+                                           msg=lambda m, n=name, d=dense: f"{n} {d}: {m}")
+    assert seen == set(want), (name, set(want) - seen)
 
 
 def test_llama_in_every_layout_equals_the_dense_llama():
