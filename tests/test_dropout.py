@@ -21,8 +21,7 @@ from parallel4d.data.batches import build_dataset
 from parallel4d.engine.model import model_shape
 from parallel4d.models.build import build_dense
 from parallel4d.models.dropout import Draw, Masks, Site, keep_scale, site_key
-from parallel4d.optim.optimizer import build_optimizer, lr_at
-from test_llama import check_pieces
+from test_llama import check_pieces, dense_run
 
 GPT2 = {"arch": "gpt2", "vocab_size": 64, "seq_len": 16, "hidden": 32, "heads": 4, "layers": 2, "dropout": 0.1}
 LLAMA = {"arch": "llama", "vocab_size": 64, "seq_len": 16, "hidden": 32, "heads": 4, "kv_heads": 2, "layers": 2,
@@ -45,24 +44,6 @@ SIXTEEN = {
         LLAMA, {"pp": 2, "sp": 2, "tp": 4}, {"schedule": "hanayo", "waves": 1, "microbatches": 2},
         sequence={"layout": "contiguous"}, train=RECOMPUTE),
 }
-
-
-def dense_run(job: dict):
-    """The dense model in this process, drawing each step's masks over the whole batch
-    (``model(..., step=)``): AdamW and warm-up as the engine's."""
-    cfg = make_config(job)
-    model = build_dense(model_shape(cfg), seed=cfg.train.seed).double()
-    optimizer = build_optimizer(model.named_parameters(), cfg.optimizer)
-    data, losses = build_dataset(cfg), []
-    for step in range(cfg.train.steps):
-        for group in optimizer.param_groups:
-            group["lr"] = lr_at(step, cfg.optimizer, cfg.train.steps)
-        loss = model(*data.batch(step), step=step)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(float(loss.detach()))
-    return losses, {n: p.detach() for n, p in model.named_parameters()}
 
 
 def train_layouts(jobs: dict) -> dict:

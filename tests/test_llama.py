@@ -43,7 +43,8 @@ LAYOUTS = {
 
 
 def dense_run(job: dict):
-    """The dense Llama in this process: the engine's AdamW, warm-up and clipping on the whole batch."""
+    """The dense model in this process: the engine's AdamW, warm-up and clipping on the whole batch,
+    each step's dropout masks drawn over it (``model(..., step=)``; none without dropout)."""
     cfg = make_config(job)
     model = build_dense(model_shape(cfg), seed=cfg.train.seed).double()
     optimizer = build_optimizer(model.named_parameters(), cfg.optimizer)
@@ -51,7 +52,7 @@ def dense_run(job: dict):
     for step in range(cfg.train.steps):
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, cfg.optimizer, cfg.train.steps)
-        loss = model(*data.batch(step))
+        loss = model(*data.batch(step), step=step)
         loss.backward()
         if cfg.train.grad_clip:
             torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.grad_clip)
