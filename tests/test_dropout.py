@@ -21,7 +21,7 @@ from parallel4d.data.batches import build_dataset
 from parallel4d.engine.model import model_shape
 from parallel4d.models.build import build_dense
 from parallel4d.models.dropout import Draw, Masks, Site, keep_scale, site_key
-from test_llama import check_pieces, dense_run
+from test_llama import check_pieces, dense_run, train_layouts
 
 GPT2 = {"arch": "gpt2", "vocab_size": 64, "seq_len": 16, "hidden": 32, "heads": 4, "layers": 2, "dropout": 0.1}
 LLAMA = {"arch": "llama", "vocab_size": 64, "seq_len": 16, "hidden": 32, "heads": 4, "kv_heads": 2, "layers": 2,
@@ -44,26 +44,6 @@ SIXTEEN = {
         LLAMA, {"pp": 2, "sp": 2, "tp": 4}, {"schedule": "hanayo", "waves": 1, "microbatches": 2},
         sequence={"layout": "contiguous"}, train=RECOMPUTE),
 }
-
-
-def train_layouts(jobs: dict) -> dict:
-    """Each job through compose(): its losses and this rank's pieces of every dense parameter."""
-    from parallel4d.distributed.mesh import init_mesh
-    from parallel4d.engine.compose import compose
-
-    out = {}
-    for name, job in jobs.items():
-        cfg = make_config(job)
-        p = cfg.parallel
-        mesh = init_mesh(pp=p.pp, dp=p.dp, sp=p.sp, tp=p.tp, timeout_s=60)
-        engine, data = compose(cfg, mesh), build_dataset(cfg)
-        losses = [float(engine.train_step(*data.batch(step))) for step in range(cfg.train.steps)]
-        pieces = {k[len("model."):]: [(tuple(off), view.detach().clone()) for off, view in v.pieces]
-                  for k, v in engine.state_dict().items() if k.startswith("model.")}
-        out[name] = losses, pieces
-        engine.close()
-        mesh.close()
-    return out
 
 
 def check_layouts(results: list[dict], jobs: dict) -> None:

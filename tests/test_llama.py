@@ -62,7 +62,7 @@ def dense_run(job: dict):
     return losses, {n: p.detach() for n, p in model.named_parameters()}
 
 
-def _train_layouts(jobs: dict, with_hetero_stats: bool = False):
+def train_layouts(jobs: dict, with_hetero_stats: bool = False):
     """Each job through compose(): its losses and this rank's pieces of every dense parameter (and
     with ``with_hetero_stats`` the last hetero job's statistics under "hetero")."""
     from parallel4d.engine.compose import compose
@@ -80,6 +80,8 @@ def _train_layouts(jobs: dict, with_hetero_stats: bool = False):
         out[name] = losses, pieces
         if with_hetero_stats and cfg.hetero.enabled:
             out["hetero"] = engine.hetero_stats()
+        engine.close()  # a shared worker trains other jobs after this one
+        mesh.close()
     return out
 
 
@@ -108,7 +110,7 @@ def check_pieces(results, name: str, want_losses, want: dict) -> None:
 
 
 def test_llama_in_every_layout_equals_the_dense_llama():
-    _check(run_workers(_train_layouts, 4, LAYOUTS, timeout_s=300), LAYOUTS)
+    _check(run_workers(train_layouts, 4, LAYOUTS, timeout_s=300), LAYOUTS)
 
 
 # All four at once, 16 workers: Hanayo pp=2 × ring sp=2 (zigzag) × 2D tp=4 × hetero (a device budget
@@ -123,7 +125,7 @@ FOUR_D = {"Hanayo pp=2 × ring sp=2 × 2D tp=4 × hetero": _job(
 def sixteen_worker_job(tmp):
     """This file's share of the suite's 16-worker job (tests/conftest.py): the 4D run, and hetero's
     budget, peak residency and model data on this rank."""
-    return _train_layouts(FOUR_D, with_hetero_stats=True)
+    return train_layouts(FOUR_D, with_hetero_stats=True)
 
 
 def test_llama_with_all_four_techniques_equals_the_dense_llama(sixteen_workers):
