@@ -52,7 +52,7 @@ test: install
 # configs and the GPU benchmarks, into benchmarks/results/gpu_*.json (benchmarks/gpu_check.py). Installs
 # nothing (no venv step: the machine may have no package index). Without a GPU: prints what it would run.
 gpu-check:
-	PYTHONPATH=$(CURDIR) $(GPU_PYTHON) benchmarks/gpu_check.py --part $(PART)
+	PYTHONPATH=$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH} $(GPU_PYTHON) benchmarks/gpu_check.py --part $(PART)
 
 clean:
 	rm -rf $(VENV) runs *.egg-info

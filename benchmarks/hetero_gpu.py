@@ -262,7 +262,10 @@ def largest(args, device) -> dict:
         try:
             p = subprocess.run(cmd, capture_output=True, text=True, timeout=args.single_timeout)
             lines = [ln for ln in p.stdout.splitlines() if ln.startswith("SINGLE ")]
-            res = json.loads(lines[-1][7:]) if lines else {"ok": False, "error": (p.stderr or "")[-600:]}
+            # A size the host cannot hold is killed by the kernel (exit -9) before it can say anything.
+            res = json.loads(lines[-1][7:]) if lines else {
+                "ok": False, "error": f"exit {p.returncode}" + (" (killed: likely host memory)" if p.returncode == -9
+                                                                else "") + f"; {(p.stderr or '')[-600:]}"}
         except subprocess.TimeoutExpired:
             res = {"ok": False, "error": f"timed out after {args.single_timeout}s"}
         res.update({"hidden": hidden, "layers": layers, "wall_s": time.time() - t})
