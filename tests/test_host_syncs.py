@@ -167,6 +167,15 @@ def test_a_planted_item_in_the_step_is_caught(single_rank, monkeypatch):
     ("float16, fused AdamW: the skip decided on the device",
      {"train": {"dtype": "float16", "fused": "torch", "grad_clip": 1.0, "loss_scale_init": 2.0 ** 40}}, ()),
     ("float16, plain AdamW: the overflow flag read each step", {"train": {"dtype": "float16"}}, (OVERFLOW,)),
+    ("dropout at every site: masks hashed on the device",
+     {"model": {"dropout": 0.1, "attention_dropout": 0.1, "embedding_dropout": 0.1}}, ()),
+    ("Qwen3-style llama: yarn rotary, q/k norms, head_dim, attention dropout",
+     {"model": {"arch": "llama", "kv_heads": 2, "qk_norm": True, "head_dim": 16, "max_positions": 32,
+                "attention_dropout": 0.1, "rope_scaling": {"rope_type": "yarn", "factor": 4.0,
+                                                           "original_max_position_embeddings": 8}}}, ()),
+    ("llama with dynamic rotary past its positions",
+     {"model": {"arch": "llama", "kv_heads": 2, "max_positions": 8,
+                "rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}}, ()),
 ])
 def test_each_step_makes_the_documented_host_syncs(name, sections, every_step, tmp_path):
     cfg = job(**sections)

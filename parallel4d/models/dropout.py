@@ -63,8 +63,9 @@ def keep_scale(key: int, p: float, coords: Sequence[torch.Tensor], dtype: torch.
     """``0`` (dropped) or ``1/(1-p)`` (kept) for every element of the grid ``coords`` spans: a tensor
     ``[len(c) for c in coords]`` whose element ``[i0, i1, …]`` depends only on ``key`` and the dense
     coordinates ``coords[0][i0], coords[1][i1], …`` (int64, each in ``[0, 2³²)``)."""
-    h = torch.tensor(key, dtype=torch.int64, device=coords[0].device)
-    for c in coords:
+    # The key enters as a Python scalar: a tensor built from it would be a blocking host→device copy.
+    h = _mix(coords[0].to(torch.int64) ^ key)
+    for c in coords[1:]:
         h = _mix(h.unsqueeze(-1) ^ c.to(torch.int64))
     threshold = min(round(p * 2.0 ** 32), WORD + 1)
     return (h >= threshold).to(dtype) * (1.0 / (1.0 - p))
