@@ -596,3 +596,39 @@ def test_deepspeed_checkpoints_gather_and_export_like_native_ones(eight_workers,
     assert_pieces_close(module, {k: v.bfloat16() for k, v in bf16.items()}, 0, 0, "bf16 master rounded")
     assert not all(torch.equal(t, bf16[n][tuple(slice(o, o + k) for o, k in zip(off, t.shape))])
                    for n, boxes in module.items() for off, t in boxes)  # the master, not the 16-bit copy
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["FP16_Optimizer", "FP16_UnfusedOptimizer"])
+def test_fp16_without_zero_exposes_its_float32_masters_to_the_layout_free_copy(single_rank, fused, monkeypatch):
+    """DeepSpeed's fp16 optimizers without ZeRO (the real classes, which also construct on CPU) keep the
+    float32 masters in their own groups: ``_float32_parameters`` reads each parameter's — float32, the
+    parameter's shape, rounding to exactly the 16-bit parameter DeepSpeed copied back after its steps
+    (a wrong offset into the fused flat group would not), and finer than it (not an upcast copy);
+    the tied alias shares its master."""
+    from types import SimpleNamespace
+
+    import deepspeed.comm
+    from deepspeed.runtime.fp16.fused_optimizer import FP16_Optimizer
+    from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
+
+    from parallel4d.integrations.deepspeed.trainer import _float32_parameters
+
+    monkeypatch.setattr(deepspeed.comm.comm, "cdb", None)  # its hold on this process group ends with the test
+    deepspeed.comm.init_distributed(dist_backend="gloo", auto_mpi_discovery=False, verbose=False)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(11, 6), torch.nn.Linear(6, 6), torch.nn.Linear(6, 11)).half()
+    model[2].weight = model[0].weight  # tied, as a tied head
+    cls = FP16_Optimizer if fused else FP16_UnfusedOptimizer
+    opt = cls(torch.optim.Adam(model.parameters(), lr=3e-3), static_loss_scale=1.0, verbose=False)
+    for _ in range(3):
+        opt.zero_grad()
+        opt.backward(model(torch.randint(0, 11, (4, 3))).float().square().mean())
+        opt.step()
+    got = _float32_parameters(SimpleNamespace(zero_optimization_stage=lambda: 0, optimizer=opt), model)
+    assert sorted(got) == sorted(n for n, _ in model.named_parameters(remove_duplicate=False))
+    assert got["2.weight"] is got["0.weight"]
+    for name, p in model.named_parameters(remove_duplicate=False):
+        master = got[name]
+        assert master.dtype == torch.float32 and master.shape == p.shape, name
+        assert torch.equal(master.half(), p.detach()), name
+    assert any(not torch.equal(m, m.half().float()) for m in got.values())

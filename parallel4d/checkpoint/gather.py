@@ -36,8 +36,8 @@ def resolve_checkpoint(path: str | Path) -> Path:
     if found is None:
         raise CheckpointError(f"{path} is neither a checkpoint (no .metadata) nor a directory of them")
     if not (found / ".metadata").is_file():
-        raise CheckpointError(f"{found} holds only DeepSpeed's files (a deepspeed: section under fp16 without ZeRO, "
-                              "or saved before parallel4d wrote its own copy beside them): there is no layout-free copy of the model to read. "
+        raise CheckpointError(f"{found} holds only DeepSpeed's files (saved before parallel4d wrote its own "
+                              "copy beside them): there is no layout-free copy of the model to read. "
                               "At parallel.pp = tp = 1, the zero_to_fp32.py DeepSpeed wrote into "
                               f"{found.parent} turns it into one state dict")
     return found

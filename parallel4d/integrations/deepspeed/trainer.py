@@ -12,11 +12,12 @@ plus the model's float32 parameters in parallel4d's layout-free format (:func:`c
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from typing import Callable
 
 import torch
+from deepspeed.runtime.fp16.fused_optimizer import FP16_Optimizer
+from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
 from deepspeed.utils import safe_get_full_fp32_param
 
 from parallel4d.checkpoint.dcp import write_state
@@ -110,41 +111,56 @@ def checkpoint_writer(engine, step: int, tokens_seen: int) -> Callable[[Path], N
     DeepSpeed's ``save_checkpoint`` into ``directory`` (what a resumed run loads, in this layout only), then the
     model's float32 parameters under the dense model's names (``model.<name>``, ``step``, ``tokens_seen``: DCP
     files, each rank its pieces) — what gather and export read, the same as from a native checkpoint. Not the
-    optimizer's state: that stays in DeepSpeed's files. Under fp16 without ZeRO, whose float32 master
-    DeepSpeed does not expose, only DeepSpeed's files are written (with a warning)."""
+    optimizer's state: that stays in DeepSpeed's files."""
     def write(directory: Path) -> None:
         engine.save_checkpoint(str(directory.parent), tag=directory.name, save_latest=False,
                                client_state={"step": step, "tokens_seen": tokens_seen})
-        if engine.fp16_enabled() and engine.zero_optimization_stage() == 0:
-            if torch.distributed.get_rank() == 0:
-                print(f"[parallel4d] warning: checkpoint {directory.name} holds DeepSpeed's files only: under fp16 "
-                      "without ZeRO DeepSpeed keeps the float32 parameters to itself, so `parallel4d checkpoint "
-                      "gather` and `parallel4d export` cannot read it (zero_optimization.stage ≥ 1 or bf16 lets them)",
-                      file=sys.stderr, flush=True)
-            return
         local = engine.module.local if isinstance(engine.module, RankModel) else engine.module
         write_state(dense_state_dict(step, tokens_seen, (_float32_parameters(engine, local), {}), local.dense),
                     directory)
     return write
 
 
+def fp16_masters(optimizer: FP16_Optimizer | FP16_UnfusedOptimizer) -> dict[int, torch.Tensor]:
+    """``{id(16-bit parameter): its float32 master}`` of DeepSpeed's fp16 optimizer without ZeRO, which
+    exposes no per-parameter accessor: the fused one keeps each group's masters as one flat tensor laid
+    out as ``_flatten_dense_tensors`` of the group's parameters (in order), the unfused one a list."""
+    masters = {}
+    if isinstance(optimizer, FP16_Optimizer):
+        for params, flat in zip(optimizer.fp16_groups, optimizer.fp32_groups_flat):
+            offset = 0
+            for p in params:
+                masters[id(p)] = flat[offset:offset + p.numel()].view_as(p)
+                offset += p.numel()
+    else:
+        for params, fp32 in zip(optimizer.fp16_groups, optimizer.fp32_groups):
+            masters.update({id(p): m for p, m in zip(params, fp32)})
+    return masters
+
+
 def _float32_parameters(engine, local: LocalModel) -> dict[str, torch.Tensor]:
     """``{LocalModel name: this rank's float32 parameter}`` (tied aliases included), as the engine
-    trains it: the module's own tensor where it holds the float32 values (ZeRO-0/1/2 in float32), else
-    the float32 master gathered over ZeRO's group by DeepSpeed (under bf16/fp16 the module holds
-    16-bit copies; under ZeRO-3 a partition). Collective over the data replicas, in module order."""
+    trains it: the module's own tensor where it holds the float32 values (ZeRO-0/1/2 in float32), the
+    fp16 optimizer's master without ZeRO, else the float32 master gathered over ZeRO's group by
+    DeepSpeed (under bf16/fp16 the module holds 16-bit copies; under ZeRO-3 a partition). Collective
+    over the data replicas, in module order."""
     zero3 = engine.zero_optimization_stage() == 3
+    optimizer = engine.optimizer
+    masters = fp16_masters(optimizer) if isinstance(optimizer, (FP16_Optimizer, FP16_UnfusedOptimizer)) else None
+
+    def master(name: str, p: torch.Tensor) -> torch.Tensor:
+        if p.dtype == torch.float32 and not zero3:
+            return p.detach()
+        full = masters.get(id(p)) if masters is not None else safe_get_full_fp32_param(p)
+        if full is None:
+            raise CheckpointError(f"parameter {name} ({p.dtype}): DeepSpeed gives no float32 master of it, "
+                                  "so its layout-free copy cannot be written")
+        return full.detach().cpu()  # on the host: the device holds the 16-bit model only
+
     values: dict[int, torch.Tensor] = {}
     out = {}
     for name, p in local.named_parameters(remove_duplicate=False):
         if id(p) not in values:
-            if p.dtype == torch.float32 and not zero3:
-                values[id(p)] = p.detach()
-            else:
-                full = safe_get_full_fp32_param(p)
-                if full is None:
-                    raise CheckpointError(f"parameter {name} ({p.dtype}): DeepSpeed gives no float32 master of it, "
-                                          "so its layout-free copy cannot be written")
-                values[id(p)] = full.detach().cpu()  # on the host: the device holds the 16-bit model only
+            values[id(p)] = master(name, p)
         out[name] = values[id(p)]
     return out
