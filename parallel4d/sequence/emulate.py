@@ -13,13 +13,13 @@ import torch
 
 from parallel4d.sequence.kernels import (acc_dtype, add_kv_grads_, backward_step, default_scale, first_step_forward, forward_step,
                       merge_, resolve_backend)
-from parallel4d.sequence.layout import check_seq_len, local_positions, step_plan
+from parallel4d.sequence.layout import check_seq_len, rank_positions, step_plan
 
 
 def shard_index(seq_len: int, n: int, layout: str, device=None) -> list[torch.Tensor]:
     """Per rank, the global positions of its tokens (int64 index tensors)."""
     check_seq_len(seq_len, n, layout)
-    return [torch.tensor(local_positions(seq_len, r, n, layout), device=device) for r in range(n)]
+    return [rank_positions(seq_len, r, n, layout, device) for r in range(n)]
 
 
 def shard(x: torch.Tensor, n: int, layout: str) -> list[torch.Tensor]:

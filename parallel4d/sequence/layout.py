@@ -50,10 +50,19 @@ def _group_coords(group) -> tuple[int, int]:
     return dist.get_rank(group), dist.get_world_size(group)
 
 
+def rank_positions(seq_len: int, rank: int, n: int, layout: str, device=None) -> torch.Tensor:
+    """:func:`local_positions` as an int64 tensor ``[s/N]`` built on ``device`` (ranges filled there: no
+    host→device copy, which would make the host wait for a GPU)."""
+    check_seq_len(seq_len, n, layout)
+    p = seq_len // num_pieces(n, layout)
+    return torch.cat([torch.arange(piece * p, (piece + 1) * p, dtype=torch.long, device=device)
+                      for piece in pieces_of(rank, n, layout)])
+
+
 def positions_for(seq_len: int, group, layout: str, device=None) -> torch.Tensor:
     """Global position ids ``[s/N]`` (int64) of this rank's tokens along ``group``."""
     rank, n = _group_coords(group)
-    return torch.tensor(local_positions(seq_len, rank, n, layout), dtype=torch.long, device=device)
+    return rank_positions(seq_len, rank, n, layout, device)
 
 
 def split_sequence(x: torch.Tensor, group, dim: int, layout: str) -> torch.Tensor:

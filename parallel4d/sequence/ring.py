@@ -41,7 +41,7 @@ from parallel4d.distributed import comm
 from parallel4d.sequence.kernels import (acc_dtype, add_kv_grads_, backward_step, default_scale, first_step_forward, forward_step,
                       resolve_backend)
 from parallel4d.config.rules.sequence import check_layout
-from parallel4d.sequence.layout import local_positions, step_plan
+from parallel4d.sequence.layout import rank_positions, step_plan
 
 FWD_KV = "ring_attention.fwd.kv"
 BWD_KV = "ring_attention.bwd.kv"
@@ -115,10 +115,8 @@ def _block_masks(dropout, ring: _Ring, src: int, layout: str, L: int, like: torc
         return None
     n = ring.n
 
-    def positions(rank):
-        return torch.tensor(local_positions(L * n, rank, n, layout), dtype=torch.int64, device=like.device)
-
-    mine, theirs, ad = positions(ring.rank), positions(src), acc_dtype(like.dtype)
+    mine, theirs = (rank_positions(L * n, r, n, layout, like.device) for r in (ring.rank, src))
+    ad = acc_dtype(like.dtype)
     return lambda c: dropout.keep(mine[c.q_lo:c.q_hi], theirs[c.k_lo:c.k_hi], ad)
 
 
