@@ -8,6 +8,13 @@ import pytest
 sys.path.insert(0, os.path.dirname(__file__))
 
 
+def pytest_configure(config):
+    """This session's jobs fork their zygotes from one kept template (parallel4d/launcher/template.py):
+    ~3 s of imports once instead of once per job. Only this process (not on importing this module): a
+    `parallel4d launch` it starts, or a process importing a test module, starts its zygotes as usual."""
+    os.environ["PARALLEL4D_ZYGOTE_TEMPLATE"] = str(os.getpid())
+
+
 def run_workers(fn, world_size, *args, timeout_s=180.0, preload=None, **kwargs):
     """Run ``fn(*args, **kwargs)`` on ``world_size`` gloo CPU workers; per-rank results.
 

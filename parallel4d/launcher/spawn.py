@@ -15,12 +15,10 @@ import tempfile
 from typing import Any, Callable
 
 from parallel4d.launcher.supervise import Signals, Supervisor
+from parallel4d.launcher.worker_process import TRAINING_IMPORTS
 from parallel4d.launcher.workers import end_zygote, start, stop
 
-# What a worker that trains imports on its way to the first step: torch's optimizers import
-# torch._dynamo when constructed (~1.5 s of CPU per process), a checkpoint torch.distributed.checkpoint.
-# ``spawn(preload=...)`` imports them once.
-TRAINING_IMPORTS = ("torch._dynamo", "torch.distributed.checkpoint")
+__all__ = ["spawn", "TRAINING_IMPORTS"]
 
 
 def spawn(

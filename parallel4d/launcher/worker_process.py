@@ -18,10 +18,14 @@ own value back.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
+import json
 import os
 import pickle
+import select
 import signal
+import socket
 import sys
 import threading
 import time
@@ -29,12 +33,18 @@ import traceback
 from contextlib import contextmanager
 from datetime import timedelta
 
+# What a worker that trains imports on its way to the first step: torch's optimizers import
+# torch._dynamo when constructed (~1.5 s of CPU per process), a checkpoint torch.distributed.checkpoint.
+# ``spawn(preload=...)`` imports them once (a zygote template: once for all the launcher's jobs).
+TRAINING_IMPORTS = ("torch._dynamo", "torch.distributed.checkpoint")
 # What a user or a scheduler sends to stop a job: the workers finish the step and save.
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 # Written into the job's directory by rank 0 once every worker has joined the process group.
 JOINED = "joined"
 # Written by the zygote when it exits before forking the workers: why, in words.
 ZYGOTE_FAILED = "zygote_failed"
+# Written by a template into the job's directory once the zygote it forked has ended: its exit status.
+ZYGOTE_EXIT = "zygote_exit"
 # torch asks NVML rather than the CUDA driver in torch.cuda.is_available() while this is "1"
 NVML_CHECK = "PYTORCH_NVML_BASED_CUDA_CHECK"
 
@@ -53,9 +63,10 @@ def _load(payload_path: str) -> tuple:
         return pickle.load(f)
 
 
-def zygote_main(payload_path: str, world_size: int) -> None:
+def zygote_main(payload_path: str, world_size: int, parent_pid: int | None = None) -> None:
     """``python -m parallel4d.launcher.worker_entry PAYLOAD --fork N``: import once, fork the N workers, record
-    each one's pid (``pid{r}``) and exit status (``exit{r}``) in the job's directory, exit after them."""
+    each one's pid (``pid{r}``) and exit status (``exit{r}``) in the job's directory, exit after them.
+    ``parent_pid``: the process it must outlive no longer than (the launcher; a template that forked it)."""
     # Ctrl-C and `kill -TERM -<group>` are for the workers (they save) and the launcher: the zygote
     # exits after its workers, or when the launcher is gone
     for sig in STOP_SIGNALS:
@@ -85,7 +96,7 @@ def zygote_main(payload_path: str, world_size: int) -> None:
         ranks[pid] = rank
         with quiet_once_the_job_is_gone(out_dir):
             _write(os.path.join(out_dir, f"pid{rank}"), str(pid))
-    threading.Thread(target=_watch_parent, args=(launcher,), daemon=True).start()
+    threading.Thread(target=_watch_parent, args=(parent_pid or launcher,), daemon=True).start()
     while ranks:
         pid, status = os.wait()
         if pid in ranks:
@@ -93,6 +104,80 @@ def zygote_main(payload_path: str, world_size: int) -> None:
             with quiet_once_the_job_is_gone(out_dir):
                 _write(os.path.join(out_dir, f"exit{ranks.pop(pid)}"), str(code))
     os._exit(0)
+
+
+def template_main(registry: str, launcher: int, sock_fd: int, preload: tuple[str, ...]) -> None:
+    """``worker_entry --template REGISTRY LAUNCHER FD MODULES``: a process that has imported ``preload`` and
+    forks, for each request the launcher sends over the socket ``FD``, a job's zygote (:func:`zygote_main`)
+    at the launcher's working directory, environment and standard streams of that moment — so the
+    launcher's later jobs start without an interpreter's imports. Replies the zygote's pid; records its
+    job directory in ``REGISTRY/<pid>`` (for ``/proc`` lookups) and, once it ended, its exit status in
+    ``zygote_exit`` there. Exits when the launcher closes the socket or is gone."""
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
+    with _nvml_check():
+        for module in ("torch.distributed", *preload):
+            importlib.import_module(module)
+    sock = socket.socket(fileno=sock_fd)
+    jobs: dict[int, str] = {}
+    while os.getppid() == launcher:  # no threads here: the process forks
+        _reap_zygotes(jobs, registry)
+        if not select.select([sock], [], [], 0.1)[0]:
+            continue
+        request, fds, _, _ = socket.recv_fds(sock, 1 << 20, 3)
+        if not request:
+            break
+        payload, world_size, cwd, env = json.loads(request)
+        pid = os.fork()
+        if pid == 0:
+            sock.close()
+            _become_the_launchers(fds, cwd, env)
+            zygote_main(payload, world_size, parent_pid=os.getppid())  # never returns
+        for fd in fds:
+            os.close(fd)
+        jobs[pid] = os.path.dirname(payload)
+        _write(os.path.join(registry, str(pid)), jobs[pid])
+        sock.sendall(str(pid).encode())
+    os._exit(0)
+
+
+@contextmanager
+def _nvml_check():
+    """``torch.cuda.is_available()`` asks NVML meanwhile (a module asking at import leaves CUDA alone)."""
+    before = os.environ.get(NVML_CHECK)
+    os.environ[NVML_CHECK] = "1"
+    try:
+        yield
+    finally:
+        _restore(NVML_CHECK, before)
+
+
+def _become_the_launchers(fds: list[int], cwd: str, env: dict[str, str]) -> None:
+    """In a template's fresh child: the launcher's standard streams, directory and environment."""
+    for target, fd in enumerate(fds):
+        os.dup2(fd, target)
+        os.close(fd)
+    os.chdir(cwd)
+    os.environ.clear()
+    os.environ.update(env)
+
+
+def _reap_zygotes(jobs: dict[int, str], registry: str) -> None:
+    """Record the exit status of each ended zygote in its job's directory (``zygote_exit``)."""
+    while jobs:
+        pid, status = os.waitpid(-1, os.WNOHANG)
+        if pid == 0:
+            return
+        tmp = jobs.pop(pid, None)
+        if tmp is None:
+            continue
+        code = -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
+        try:
+            _write(os.path.join(tmp, ZYGOTE_EXIT), str(code))
+        except OSError:  # the job's directory is gone: its launcher is done with it
+            pass
+        with contextlib.suppress(OSError):
+            os.remove(os.path.join(registry, str(pid)))
 
 
 class CudaBeforeFork(RuntimeError):

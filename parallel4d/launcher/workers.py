@@ -16,7 +16,8 @@ import subprocess
 import sys
 import time
 
-from parallel4d.launcher.worker_process import read_int
+from parallel4d.launcher import template
+from parallel4d.launcher.worker_process import ZYGOTE_EXIT, read_int
 
 
 class Forked:
@@ -95,6 +96,48 @@ class Forked:
 _UNRECORDED = 1
 
 
+class TemplateChild:
+    """A job's zygote forked by the launcher's template (:mod:`.template`), with the calls supervision
+    makes of a ``Popen``: the template records its exit status in the job's directory (``zygote_exit``);
+    it is signalled by pid, together with its start time, so that a reused pid is never taken for it."""
+
+    def __init__(self, tmp: str, pid: int, template):
+        self.tmp, self.pid, self.template = tmp, pid, template
+        self.returncode: int | None = None
+        self._started = _start_time(pid)
+
+    def _running(self) -> bool:
+        return self._started is not None and _start_time(self.pid) == self._started
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            self.returncode = read_int(os.path.join(self.tmp, ZYGOTE_EXIT))
+            if self.returncode is None and not self.template.alive() and not self._running():
+                self.returncode = _UNRECORDED
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(f"zygote {self.pid}", timeout)
+            time.sleep(0.01)
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None and self._running():
+            try:
+                os.kill(self.pid, sig)
+            except OSError:
+                pass
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
 def _start_time(pid: int) -> str | None:
     """The start time of process ``pid`` (``/proc/<pid>/stat``); None once it has ended (a zombie too)."""
     try:
@@ -114,24 +157,48 @@ def start(payload: str, tmp: str, world_size: int) -> tuple[list, subprocess.Pop
     entry = [sys.executable, "-m", "parallel4d.launcher.worker_entry", payload]
     if not _forking():
         return [subprocess.Popen([*entry, str(r)]) for r in range(world_size)], None
-    zygote = subprocess.Popen([*entry, "--fork", str(world_size)])
+    if template.wanted():  # forked by the launcher's kept template: no interpreter to start
+        pid, kept = template.fork_zygote(payload, world_size)
+        zygote = TemplateChild(tmp, pid, kept)
+    else:
+        zygote = subprocess.Popen([*entry, "--fork", str(world_size)])
     return [Forked(tmp, r, zygote) for r in range(world_size)], zygote
 
 
 def worker_pids(launcher_pid: int) -> dict[int, int]:
     """``{rank: pid}`` of the live workers of the job started by the process ``launcher_pid`` (Linux
-    ``/proc``): its ``worker_entry`` children, or the workers its zygote forked."""
+    ``/proc``): its ``worker_entry`` children, the workers its zygote forked, or those of the zygotes its
+    template forked."""
     out = {}
     for pid, cmd in child_processes(launcher_pid):
         if b"parallel4d.launcher.worker_entry" not in cmd:
             continue
-        if cmd[-3:-1] == [b"--fork", cmd[-2]]:  # the zygote: its workers are its children
-            tmp = os.path.dirname(cmd[-4].decode())
-            forked = {read_int(os.path.join(tmp, f"pid{r}")): r for r in range(int(cmd[-2]))}
-            out.update({forked[child]: child for child, _ in child_processes(pid) if child in forked})
+        if template.ARG.encode() in cmd:  # the template: each child is a job's zygote, named in its registry
+            registry = cmd[cmd.index(template.ARG.encode()) + 1].decode()
+            for zygote, _ in child_processes(pid):
+                tmp = _read_text(os.path.join(registry, str(zygote)))
+                out.update(_forked_workers(zygote, tmp) if tmp else {})
+        elif cmd[-3:-1] == [b"--fork", cmd[-2]]:  # the zygote: its workers are its children
+            out.update(_forked_workers(pid, os.path.dirname(cmd[-4].decode())))
         else:
             out[int(cmd[-2])] = pid
     return out
+
+
+def _forked_workers(zygote: int, tmp: str) -> dict[int, int]:
+    """``{rank: pid}`` of the live workers ``zygote`` forked for the job of directory ``tmp``."""
+    forked, rank = {}, 0
+    while (pid := read_int(os.path.join(tmp, f"pid{rank}"))) is not None:
+        forked[pid], rank = rank, rank + 1
+    return {forked[child]: child for child, _ in child_processes(zygote) if child in forked}
+
+
+def _read_text(path: str) -> str | None:
+    try:
+        with open(path) as f:
+            return f.read()
+    except OSError:
+        return None
 
 
 def child_processes(parent: int) -> list[tuple[int, list[bytes]]]:
