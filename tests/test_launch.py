@@ -232,6 +232,36 @@ def test_workers_forked_by_a_zygote_or_started_alone_do_the_same(monkeypatch):
     assert {r[4:] for r in forked} == {("1", None)} and {r[4:] for r in alone} == {(None, None)}
 
 
+def test_jobs_forked_from_the_zygote_template_see_the_launchers_directory_environment_and_streams(
+        tmp_path, monkeypatch, capfd):
+    """The suite keeps a zygote template (conftest): each job's zygote is forked from it at the launcher's
+    working directory, environment and standard streams of the moment (not of the template's start);
+    worker_pids finds the workers through it; a template that ended is replaced by the next job."""
+    from parallel4d.launcher import template
+
+    assert template.wanted()
+    with capfd.disabled():  # the template exists before this capture and these directories
+        spawn(_where_and_who, 1, (os.getpid(),), preload=())
+    for probe in ("one", "two", "three"):
+        (tmp_path / probe).mkdir()
+        monkeypatch.chdir(tmp_path / probe)
+        monkeypatch.setenv("P4D_PROBE", probe)
+        got = spawn(_where_and_who, 2, (os.getpid(),), preload=())
+        assert [g[:2] for g in got] == [(str(tmp_path / probe), probe)] * 2
+        assert got[0][2] == got[1][2] == {0: got[0][3], 1: got[1][3]}  # worker_pids, as each rank saw it
+        assert capfd.readouterr().out.count(f"probe {probe} from rank") == 2
+        if probe == "two":
+            held = template._held["template"]
+            held.proc.kill()
+            held.proc.wait()
+    assert template._held["template"] is not held and template._held["template"].alive()
+
+
+def _where_and_who(launcher: int):
+    print(f"probe {os.environ.get('P4D_PROBE')} from rank {dist.get_rank()}", flush=True)
+    return os.getcwd(), os.environ.get("P4D_PROBE"), worker_pids(launcher), os.getpid()
+
+
 PRELOADED = "colorsys"  # a module nothing here imports
 # What this module's import saw: in the zygote, torch's NVML-based availability check
 NVML_CHECK_AT_IMPORT = os.environ.get("PYTORCH_NVML_BASED_CUDA_CHECK")
