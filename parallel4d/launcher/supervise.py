@@ -18,7 +18,7 @@ import time
 from typing import Callable
 
 from parallel4d.launcher.blame import blame, refusal_of
-from parallel4d.launcher.worker_process import JOINED, STOP_SIGNALS, ZYGOTE_FAILED
+from parallel4d.launcher.worker_process import JOINED, STOP_SIGNALS, ZYGOTE_FAILED, read_text
 from parallel4d.launcher.workers import Forked, exit_status, signal_process, stop
 
 
@@ -212,17 +212,9 @@ class Supervisor:
         if self._stopped_by_the_signal(self.zygote.returncode):
             signum = self.signals.received[0]
             return Interrupted(signum, f"{_name(signum)} stopped the job before its workers started: nothing was lost")
-        why = _read_text(os.path.join(self.tmp, ZYGOTE_FAILED))
+        why = read_text(os.path.join(self.tmp, ZYGOTE_FAILED))
         if why is not None:  # it said why before forking any worker
             return WorkerError(None, f"the process that forks the workers (zygote, pid {self.zygote.pid}) "
                                      f"{exit_status(self.zygote.returncode)} before starting any worker:\n{why}")
         return WorkerError(None, f"the process that forks the workers (zygote, pid {self.zygote.pid}) "
                                  f"{exit_status(self.zygote.returncode)}; its workers were stopped")
-
-
-def _read_text(path: str) -> str | None:
-    try:
-        with open(path) as f:
-            return f.read()
-    except OSError:
-        return None

@@ -235,6 +235,15 @@ def _write(path: str, text: str) -> None:
     os.replace(path + ".tmp", path)
 
 
+def read_text(path: str) -> str | None:
+    """The text of ``path``; None while it is not there."""
+    try:
+        with open(path) as f:
+            return f.read()
+    except OSError:
+        return None
+
+
 def read_int(path: str) -> int | None:
     """The number :func:`_write` put in ``path``; None while it is not there."""
     try:

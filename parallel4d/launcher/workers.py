@@ -10,6 +10,7 @@ either way. What runs inside them is :mod:`.worker_process`.
 
 from __future__ import annotations
 
+import abc
 import os
 import signal
 import subprocess
@@ -17,10 +18,39 @@ import sys
 import time
 
 from parallel4d.launcher import template
-from parallel4d.launcher.worker_process import ZYGOTE_EXIT, read_int
+from parallel4d.launcher.worker_process import ZYGOTE_EXIT, read_int, read_text
 
 
-class Forked:
+class _Polled(abc.ABC):
+    """``wait``, ``terminate`` and ``kill`` of a ``Popen``, for a process known by what ``poll()`` and
+    ``send_signal()`` read and do (not a child of this process)."""
+
+    returncode: int | None
+
+    @abc.abstractmethod
+    def poll(self) -> int | None:
+        """The exit status once known, else None (sets ``returncode``)."""
+
+    @abc.abstractmethod
+    def send_signal(self, sig: int) -> None:
+        """``sig`` to the process while it runs."""
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(repr(self), timeout)
+            time.sleep(0.01)
+        return self.returncode
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+class Forked(_Polled):
     """A worker forked by the job's zygote, with the calls supervision makes of a ``Popen``.
 
     While the zygote lives it says how each worker ended (``exit<r>``). Once it is gone, a worker
@@ -58,6 +88,9 @@ class Forked:
         """Asked of ``/proc`` (once the zygote, which would say, is gone)."""
         return self._known_pid() is not None and self._started is not None and _start_time(self._pid) == self._started
 
+    def __repr__(self) -> str:
+        return f"rank {self.rank}"
+
     def poll(self) -> int | None:
         if self.returncode is None:
             self.returncode = read_int(os.path.join(self.tmp, f"exit{self.rank}"))
@@ -65,13 +98,6 @@ class Forked:
                 self.returncode = _UNRECORDED
         return self.returncode
 
-    def wait(self, timeout: float | None = None) -> int:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while self.poll() is None:
-            if deadline is not None and time.monotonic() > deadline:
-                raise subprocess.TimeoutExpired(f"rank {self.rank}", timeout)
-            time.sleep(0.01)
-        return self.returncode
 
     def send_signal(self, sig: int) -> None:
         if self.poll() is not None:
@@ -85,18 +111,13 @@ class Forked:
         except OSError:
             pass
 
-    def terminate(self) -> None:
-        self.send_signal(signal.SIGTERM)
-
-    def kill(self) -> None:
-        self.send_signal(signal.SIGKILL)
 
 
 # How a forked worker ended when the zygote died before saying: unknown, so a failure.
 _UNRECORDED = 1
 
 
-class TemplateChild:
+class TemplateChild(_Polled):
     """A job's zygote forked by the launcher's template (:mod:`.template`), with the calls supervision
     makes of a ``Popen``: the template records its exit status in the job's directory (``zygote_exit``);
     it is signalled by pid, together with its start time, so that a reused pid is never taken for it."""
@@ -109,6 +130,9 @@ class TemplateChild:
     def _running(self) -> bool:
         return self._started is not None and _start_time(self.pid) == self._started
 
+    def __repr__(self) -> str:
+        return f"zygote {self.pid}"
+
     def poll(self) -> int | None:
         if self.returncode is None:
             self.returncode = read_int(os.path.join(self.tmp, ZYGOTE_EXIT))
@@ -116,13 +140,6 @@ class TemplateChild:
                 self.returncode = _UNRECORDED
         return self.returncode
 
-    def wait(self, timeout: float | None = None) -> int:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while self.poll() is None:
-            if deadline is not None and time.monotonic() > deadline:
-                raise subprocess.TimeoutExpired(f"zygote {self.pid}", timeout)
-            time.sleep(0.01)
-        return self.returncode
 
     def send_signal(self, sig: int) -> None:
         if self.poll() is None and self._running():
@@ -131,11 +148,6 @@ class TemplateChild:
             except OSError:
                 pass
 
-    def terminate(self) -> None:
-        self.send_signal(signal.SIGTERM)
-
-    def kill(self) -> None:
-        self.send_signal(signal.SIGKILL)
 
 
 def _start_time(pid: int) -> str | None:
@@ -176,7 +188,7 @@ def worker_pids(launcher_pid: int) -> dict[int, int]:
         if template.ARG.encode() in cmd:  # the template: each child is a job's zygote, named in its registry
             registry = cmd[cmd.index(template.ARG.encode()) + 1].decode()
             for zygote, _ in child_processes(pid):
-                tmp = _read_text(os.path.join(registry, str(zygote)))
+                tmp = read_text(os.path.join(registry, str(zygote)))
                 out.update(_forked_workers(zygote, tmp) if tmp else {})
         elif cmd[-3:-1] == [b"--fork", cmd[-2]]:  # the zygote: its workers are its children
             out.update(_forked_workers(pid, os.path.dirname(cmd[-4].decode())))
@@ -191,14 +203,6 @@ def _forked_workers(zygote: int, tmp: str) -> dict[int, int]:
     while (pid := read_int(os.path.join(tmp, f"pid{rank}"))) is not None:
         forked[pid], rank = rank, rank + 1
     return {forked[child]: child for child, _ in child_processes(zygote) if child in forked}
-
-
-def _read_text(path: str) -> str | None:
-    try:
-        with open(path) as f:
-            return f.read()
-    except OSError:
-        return None
 
 
 def child_processes(parent: int) -> list[tuple[int, list[bytes]]]:
