@@ -226,6 +226,25 @@ def reduce_scatter(tensor: torch.Tensor, group=None, *, dim: int = 0, stats=None
     return full.chunk(n, dim=dim)[group_rank(group)].contiguous()
 
 
+def all_to_all(tensor: torch.Tensor, group=None, *, scatter_dim: int, gather_dim: int, stats=None,
+               label="all_to_all") -> torch.Tensor:
+    """Member ``j`` gets this member's ``j``-th slice of ``tensor`` along ``scatter_dim``; the slices
+    received are concatenated along ``gather_dim`` in member order. ``[.., n·a, .., c, ..]`` →
+    ``[.., a, .., n·c, ..]``. One ``all_to_all_single`` (the slices moved to the front, contiguous)."""
+    n = group_size(group)
+    if n == 1:
+        return tensor
+    if tensor.shape[scatter_dim] % n:
+        raise ValueError(f"all_to_all: size {tensor.shape[scatter_dim]} along dim {scatter_dim} not divisible "
+                         f"by the group's {n} members")
+    parts = torch.stack(tensor.chunk(n, dim=scatter_dim)).contiguous()  # [n, ...]: slice j for member j
+    out = torch.empty_like(parts)
+    _count(stats, label, _nbytes(parts) * (n - 1) // n, _nbytes(parts) * (n - 1) // n, group)
+    with named(label, group):
+        dist.all_to_all_single(out, parts, group=group)
+    return torch.cat(out.unbind(0), dim=gather_dim)
+
+
 def p2p(ops: Iterable[tuple[str, torch.Tensor, int]], group=None, *, stats=None, label="p2p",
         coalesce: bool = True) -> list:
     """Post sends/receives; returns the works to :func:`wait`.
