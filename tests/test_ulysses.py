@@ -96,3 +96,30 @@ def test_ulysses_moves_the_bytes_its_formula_says(hybrid_results):
 ])
 def test_hybrid_positions_cut_each_ring_shard_in_ulysses_order(rank, ulysses, layout, want):
     assert hybrid_positions(12, rank, 4, ulysses, layout) == want
+
+
+def _job_file(tmp_path, name, arch="gpt2", **sections):
+    model = {"arch": arch, "vocab_size": 64, "seq_len": 16, "hidden": 32, "heads": 4, "layers": 2,
+             **({"heads": 8, "kv_heads": 4, "intermediate_size": 48} if arch == "llama" else {})}
+    cfg = {"model": model, "data": {"source": "synthetic", "batch_size": 4},
+           "train": {"steps": 3, "dtype": "float64", "out_dir": str(tmp_path / name), "timeout_s": 60,
+                     "job_timeout_s": 240},
+           "checkpoint": {"enabled": False}}
+    for key, fields in sections.items():
+        cfg.setdefault(key, {}).update(fields)
+    return cfg
+
+
+@pytest.mark.parametrize("arch, parallel, sequence", [
+    ("gpt2", {"sp": 4}, {"ulysses": 2, "layout": "zigzag"}),
+    ("gpt2", {"sp": 2}, {"ulysses": 2, "layout": "contiguous"}),
+    ("llama", {"sp": 2, "tp": 4}, {"ulysses": 2, "layout": "zigzag"}),
+], ids=["gpt2-hybrid-2x2-zigzag", "gpt2-pure-ulysses", "llama-gqa-ulysses-2d-tp4"])
+def test_training_under_ulysses_equals_one_process(tmp_path, arch, parallel, sequence):
+    """float64, 3 AdamW steps: every loss within 1e-10 of the same job at sp = 1."""
+    from parallel4d import launch
+
+    one = launch(_job_file(tmp_path, "one", arch))
+    many = launch(_job_file(tmp_path, "many", arch, parallel=parallel, sequence=sequence))
+    assert len(many["losses"]) == 3
+    assert max(abs(a - b) for a, b in zip(one["losses"], many["losses"])) <= 1e-10, (one["losses"], many["losses"])

@@ -137,6 +137,8 @@ class PipelineConfig(_Section):
 class SequenceConfig(_Section):
     layout: Literal["contiguous", "zigzag"] = "zigzag"
     causal: bool = True
+    ulysses: int = Field(1, ge=1, le=2**20, description="sp ranks per Ulysses group (all-to-all over heads); the "
+                                                        "ring runs over sp/ulysses: 1 the ring alone, sp pure Ulysses")
 
 
 class HeteroConfig(_Section):

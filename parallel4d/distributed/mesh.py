@@ -169,6 +169,25 @@ class Mesh:
             self.comm_stats.name_group(mine, "+".join(key))
         return self._groups[key]
 
+    def sp_split(self, ulysses: int) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
+        """``(ulysses group, ring group)`` of this rank for ``sp = R × ulysses`` (Ulysses innermost: sp
+        index ``i`` is member ``i % ulysses`` of the Ulysses group of the ranks sharing ``i // ulysses``,
+        and ring rank ``i // ulysses`` of the ring sharing ``i % ulysses``). Collective on first use."""
+        key = ("sp_split", ulysses)
+        if key not in self._groups:
+            lines = self.lines_along("sp")
+            n = self.size("sp")
+            parts = {"sp_ulysses": [line[i:i + ulysses] for line in lines for i in range(0, n, ulysses)],
+                     "sp_ring": [line[j::ulysses] for line in lines for j in range(ulysses)]}
+            made = []
+            for name, rows in parts.items():
+                mine, _ = dist.new_subgroups_by_enumeration(rows, timeout=self._group_timeout())
+                self._made.append(mine)
+                self.comm_stats.name_group(mine, name)
+                made.append(mine)
+            self._groups[key] = tuple(made)
+        return self._groups[key]
+
     def lines_along(self, *axes: str) -> list[list[int]]:
         """Every group of ranks along ``axes`` (those coordinates vary, the others fixed), one per
         combination of the other axes in row-major order; members row-major over ``axes``."""

@@ -7,6 +7,7 @@ import torch
 
 from parallel4d.distributed.mesh import Mesh
 from parallel4d.sequence import split_sequence
+from parallel4d.sequence.ulysses import hybrid_position_tensor
 
 
 def local_rows(mesh: Mesh, batch_size: int) -> range:
@@ -20,14 +21,18 @@ def local_rows(mesh: Mesh, batch_size: int) -> range:
     return range(start, start + per)
 
 
-def local_batch(mesh: Mesh, x: torch.Tensor, layout: str = "zigzag") -> torch.Tensor:
+def local_batch(mesh: Mesh, x: torch.Tensor, layout: str = "zigzag", ulysses: int = 1) -> torch.Tensor:
     """This rank's share of a global ``[B, S]`` tensor (tokens or targets): its rows
-    (:func:`local_rows`), then sequence shard sp in ``layout`` (``sequence.layout``)
+    (:func:`local_rows`), then sequence shard sp in ``layout`` (``sequence.layout``; with ``ulysses > 1``
+    the hybrid layout, :func:`~parallel4d.sequence.ulysses.hybrid_positions`)
     → ``[B/(dp·q), S/sp]`` on ``mesh.device``. A host tensor is page-locked and copied without
     making the host wait (a plain copy from pageable memory would wait for the device's queue)."""
     rows = local_rows(mesh, x.shape[0])
     x = x[rows.start:rows.stop]
-    if mesh.size("sp") > 1:
+    if mesh.size("sp") > 1 and ulysses > 1:
+        x = x.index_select(1, hybrid_position_tensor(x.shape[1], mesh.rank("sp"), mesh.size("sp"), ulysses, layout,
+                                                     device=x.device))
+    elif mesh.size("sp") > 1:
         x = split_sequence(x, mesh.group("sp"), dim=1, layout=layout)
     x = x.contiguous()
     if x.device == mesh.device:

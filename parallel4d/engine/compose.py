@@ -46,7 +46,8 @@ from parallel4d.optim.fused import use_fused_norms
 from parallel4d.pipeline import make_schedule
 from parallel4d.pipeline.executor import PipelineExecutor, TiedGradSync
 from parallel4d.pipeline.partition import build_chunks, partition
-from parallel4d.sequence import make_ring_attention_fn, positions_for
+from parallel4d.sequence import make_ring_attention_fn
+from parallel4d.sequence.ulysses import hybrid_position_tensor, make_ulysses_attention_fn
 from parallel4d.tensor2d import Head2D, loss_2d
 
 
@@ -54,11 +55,17 @@ from parallel4d.tensor2d import Head2D, loss_2d
 
 
 def _sequence(cfg: Config, mesh: Mesh):
-    """(attention_fn, positions) for ``parallel.sp``; (None, None) when sp = 1."""
+    """(attention_fn, positions) for ``parallel.sp``: the ring, or Ulysses around it
+    (``sequence.ulysses > 1``); (None, None) when sp = 1."""
     if mesh.size("sp") == 1:
         return None, None
-    fn = make_ring_attention_fn(mesh.group("sp"), layout=cfg.sequence.layout, stats=mesh.comm_stats,
-                                timeout_s=cfg.train.timeout_s, deadlines=mesh.deadlines)
+    seq = cfg.sequence
+    if seq.ulysses > 1:
+        fn = make_ulysses_attention_fn(*mesh.sp_split(seq.ulysses), layout=seq.layout, stats=mesh.comm_stats,
+                                       timeout_s=cfg.train.timeout_s, deadlines=mesh.deadlines)
+    else:
+        fn = make_ring_attention_fn(mesh.group("sp"), layout=seq.layout, stats=mesh.comm_stats,
+                                    timeout_s=cfg.train.timeout_s, deadlines=mesh.deadlines)
     return fn, _shard_positions(cfg, mesh)
 
 
@@ -66,7 +73,8 @@ def _shard_positions(cfg: Config, mesh: Mesh) -> torch.Tensor | None:
     """The global positions ``[s/sp]`` of this rank's tokens; None when sp = 1 (``0..s-1``)."""
     if mesh.size("sp") == 1:
         return None
-    return positions_for(cfg.model.seq_len, mesh.group("sp"), cfg.sequence.layout, device=mesh.device)
+    return hybrid_position_tensor(cfg.model.seq_len, mesh.rank("sp"), mesh.size("sp"), cfg.sequence.ulysses,
+                                  cfg.sequence.layout, device=mesh.device)
 
 
 def dropout_masks(cfg: Config, mesh: Mesh) -> Masks:

@@ -67,7 +67,7 @@ class Engine(Trainer):
 
     def local_batch(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's share of a global ``[B, S]`` tensor: ``[B/(dp·q), S/sp]``."""
-        return local_batch(self.mesh, x, self.cfg.sequence.layout)
+        return local_batch(self.mesh, x, self.cfg.sequence.layout, self.cfg.sequence.ulysses)
 
     # --- one step -----------------------------------------------------------------
     def _draw(self, rows: range, microbatch: int, mb: int) -> Draw:

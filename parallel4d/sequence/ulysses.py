@@ -31,7 +31,7 @@ import dataclasses
 import torch
 
 from parallel4d.distributed import comm
-from parallel4d.sequence.layout import check_seq_len, local_positions
+from parallel4d.sequence.layout import check_seq_len, local_positions, rank_positions
 from parallel4d.sequence.ring import ring_attention
 
 A2A = "ulysses.all_to_all"
@@ -47,6 +47,25 @@ def hybrid_positions(seq_len: int, rank: int, n: int, ulysses: int, layout: str)
     shard, part = local_positions(seq_len, rank // ulysses, ring_n, layout), seq_len // n
     j = rank % ulysses
     return shard[j * part:(j + 1) * part]
+
+
+def hybrid_position_tensor(seq_len: int, rank: int, n: int, ulysses: int, layout: str, device=None) -> torch.Tensor:
+    """:func:`hybrid_positions` as an int64 tensor built on ``device`` (no host→device copy)."""
+    hybrid_positions(seq_len, rank, n, ulysses, layout)  # its checks
+    part, j = seq_len // n, rank % ulysses
+    return rank_positions(seq_len, rank // ulysses, n // ulysses, layout, device)[j * part:(j + 1) * part]
+
+
+def make_ulysses_attention_fn(ulysses_group, ring_group, layout: str = "zigzag", stats=None, *,
+                              timeout_s: float | None = None, deadlines=None):
+    """A drop-in ``attention_fn(q, k, v, causal=True, dropout=None)`` running :func:`ulysses_attention`
+    (the model's attention core under ``sequence.ulysses > 1``)."""
+    def attention_fn(q, k, v, causal: bool = True, dropout=None):
+        return ulysses_attention(q, k, v, ulysses_group, ring_group, causal=causal, layout=layout, stats=stats,
+                                 timeout_s=timeout_s, deadlines=deadlines, dropout=dropout)
+
+    attention_fn.layout = layout
+    return attention_fn
 
 
 class _AllToAll(torch.autograd.Function):

@@ -78,6 +78,9 @@ def section_problems(cfg: Config) -> list[str]:
     if p.pp > 1 and "managed_gradient_accumulation" in ds:
         out.append("deepspeed.managed_gradient_accumulation with parallel.pp > 1: parallel4d's pipeline executor "
                    "accumulates the micro-batches itself; remove the key")
+    if cfg.sequence.ulysses > 1:
+        out.append(f"sequence.ulysses={cfg.sequence.ulysses} with a deepspeed: section: the DeepSpeed plugin shards "
+                   "the sequence over the ring alone; use sequence.ulysses=1, or train without the deepspeed: section")
     if _enabled(ds, "fp16") and p.pp > 1:
         out.append("deepspeed.fp16.enabled with parallel.pp > 1: the pipeline's backward bypasses DeepSpeed's "
                    "loss scaling; use bf16 (deepspeed.bf16.enabled=true)")

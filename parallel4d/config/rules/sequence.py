@@ -4,6 +4,7 @@ a tensor; the config reports them for a job file."""
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING, Optional
 
 from parallel4d.config.rules.common import near_multiples, not_divisible
@@ -39,11 +40,27 @@ def seq_len_problem(seq_len: int, n: int, layout: str, field: str = "seq_len") -
 
 
 def ring_problems(cfg: Config) -> list[str]:
-    """The job's ``model.seq_len`` over its ring (``parallel.sp > 1``): ``sp`` pieces, or ``2·sp``
-    for the zigzag layout."""
-    sp = cfg.parallel.sp
+    """The job's ``model.seq_len`` over its ring of ``sp/ulysses`` ranks (``parallel.sp > 1``): that many
+    pieces, or twice that for the zigzag layout, and a multiple of ``sp`` (each ring shard cut among its
+    Ulysses group); ``sequence.ulysses`` dividing ``sp`` and the heads each grid column holds."""
+    sp, u = cfg.parallel.sp, cfg.sequence.ulysses
+    if sp % u:
+        return [f"sequence.ulysses={u} does not divide parallel.sp={sp}; use one of "
+                f"{[d for d in range(1, sp + 1) if sp % d == 0]} (1: the ring alone, sp: pure Ulysses)"]
     if sp <= 1:
         return []
-    div = 2 * sp if cfg.sequence.layout == "zigzag" else sp
-    why = f"2·parallel.sp={div} (zigzag cuts the sequence into 2·sp pieces)" if div != sp else f"parallel.sp={sp}"
-    return list(filter(None, [not_divisible("model.seq_len", cfg.model.seq_len, div, why)]))
+    ring = sp // u
+    div = 2 * ring if cfg.sequence.layout == "zigzag" else ring
+    why = (f"2·parallel.sp={div} (zigzag cuts the sequence into 2·sp pieces)" if u == 1 and div != sp
+           else f"parallel.sp={sp}" if u == 1 else
+           f"{div} and parallel.sp={sp} (the ring of sp/ulysses={ring} cuts it into {div} pieces, each ring shard "
+           f"into ulysses={u} parts)")
+    out = [not_divisible("model.seq_len", cfg.model.seq_len, math.lcm(div, sp), why)]
+    q = math.isqrt(cfg.parallel.tp)
+    for field, heads in (("model.heads", cfg.model.heads), ("model.kv_heads", cfg.model.kv_heads or cfg.model.heads)):
+        if u > 1 and (heads % q or (heads // q) % u):
+            out.append(f"{field}={heads} does not split into sequence.ulysses={u} groups of whole heads"
+                       + (f" on each of the q={q} grid columns" if q > 1 else "")
+                       + f"; use a sequence.ulysses dividing {heads // q if heads % q == 0 else heads}, or fewer "
+                       "Ulysses ranks (a larger ring)")
+    return list(filter(None, out))
