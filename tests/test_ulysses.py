@@ -114,12 +114,19 @@ def _job_file(tmp_path, name, arch="gpt2", **sections):
     ("gpt2", {"sp": 4}, {"ulysses": 2, "layout": "zigzag"}),
     ("gpt2", {"sp": 2}, {"ulysses": 2, "layout": "contiguous"}),
     ("llama", {"sp": 2, "tp": 4}, {"ulysses": 2, "layout": "zigzag"}),
-], ids=["gpt2-hybrid-2x2-zigzag", "gpt2-pure-ulysses", "llama-gqa-ulysses-2d-tp4"])
+    ("gpt2", {"sp": 2, "pp": 2}, {"ulysses": 2, "layout": "zigzag", "pipeline": {"schedule": "1f1b", "microbatches": 2},
+                                  "model": {"dropout": 0.1, "attention_dropout": 0.1}}),
+    ("gpt2", {"sp": 2, "dp": 2}, {"ulysses": 2, "layout": "zigzag",
+                                  "hetero": {"enabled": True, "chunk_elems": 4096, "device_budget_bytes": 200000}}),
+], ids=["gpt2-hybrid-2x2-zigzag", "gpt2-pure-ulysses", "llama-gqa-ulysses-2d-tp4", "gpt2-1f1b-ulysses-dropout",
+        "gpt2-hetero-zero-ulysses"])
 def test_training_under_ulysses_equals_one_process(tmp_path, arch, parallel, sequence):
     """float64, 3 AdamW steps: every loss within 1e-10 of the same job at sp = 1."""
     from parallel4d import launch
 
-    one = launch(_job_file(tmp_path, "one", arch))
-    many = launch(_job_file(tmp_path, "many", arch, parallel=parallel, sequence=sequence))
+    sequence = dict(sequence)
+    others = {k: sequence.pop(k) for k in ("pipeline", "model", "hetero") if k in sequence}
+    one = launch(_job_file(tmp_path, "one", arch, **others))
+    many = launch(_job_file(tmp_path, "many", arch, parallel=parallel, sequence=sequence, **others))
     assert len(many["losses"]) == 3
     assert max(abs(a - b) for a, b in zip(one["losses"], many["losses"])) <= 1e-10, (one["losses"], many["losses"])
