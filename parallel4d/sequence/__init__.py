@@ -1,4 +1,4 @@
-"""Sequence parallelism: Ring Self-Attention over the ``sp`` axis of the mesh.
+"""Sequence parallelism over the ``sp`` axis of the mesh: Ring Self-Attention, and Ulysses around it.
 
 Public API::
 
@@ -10,6 +10,8 @@ Public API::
     make_ring_attention_fn(group, layout="zigzag", stats=None) -> attention_fn(q, k, v, causal=True)
     causal_balance(n, layout, seq_len=None) -> CausalBalance                 # per-rank causal work
     ring_bytes(n, b, kv_heads, local_len, d, dtype) -> {label: bytes}        # per-rank traffic formula
+    ulysses_attention(q, k, v, ulysses_group, ring_group, ...) -> out        # all-to-all over heads × ring
+    hybrid_positions(seq_len, rank, n, ulysses, layout) -> [int]             # the hybrid layout's positions
 
 Using it in the reference GPT (what the engine does for ``parallel.sp = N``)::
 
@@ -44,9 +46,11 @@ from parallel4d.sequence.kernels import BACKENDS, acc_dtype, merge_
 from parallel4d.sequence.layout import (BlockCall, CausalBalance, causal_balance, check_seq_len, gather_sequence,
                      local_positions, positions_for, split_sequence, step_plan)
 from parallel4d.sequence.ring import RingAttention, ring_attention, ring_bytes
+from parallel4d.sequence.ulysses import hybrid_positions, make_ulysses_attention_fn, ulysses_attention
 
 __all__ = [
     "ring_attention", "RingAttention", "ring_bytes", "split_sequence", "gather_sequence", "positions_for",
     "local_positions", "make_ring_attention_fn", "causal_balance", "CausalBalance", "step_plan", "BlockCall",
-    "check_seq_len", "LAYOUTS", "BACKENDS", "acc_dtype", "merge_",
+    "check_seq_len", "LAYOUTS", "BACKENDS", "acc_dtype", "merge_", "ulysses_attention", "hybrid_positions",
+    "make_ulysses_attention_fn",
 ]
