@@ -7,7 +7,7 @@ working tree on ``PYTHONPATH``. In two parts, each within 10 minutes on one H100
 1. the GPU-marked tests (``pytest -m gpu`` over the test files that hold one), then one-GPU launches of
    ``configs/quickstart.yaml``, ``llama.yaml``, ``hetero.yaml`` and ``sequence.yaml`` (every parallel size set
    to 1, ``train.device=cuda``, runs under ``runs/gpu_check/``);
-2. ``benchmarks/sequence.py`` (ring blocks against one SDPA call, s = 16k and 32k) and
+2. ``benchmarks/sequence.py`` (ring, hybrid and Ulysses blocks against one SDPA call, s = 16k and 32k) and
    ``benchmarks/hetero_gpu.py`` (1.4B GPT: plain, hetero resident and offloaded, DeepSpeed ZeRO-3 offload —
    reported as skipped where DeepSpeed is not installed; ``--skip-largest``: the largest-model ladder takes
    longer than a part may).
@@ -94,8 +94,9 @@ def sequence_figures(_output: str) -> dict:
     if not path.exists():
         return {"json": f"{path} was not written"}
     rows = json.loads(path.read_text())["rows"]
-    keys = ("seq", "causal", "ring", "blocks", "mono_backend", "mono_fwd_bwd_ms", "ring_fwd_bwd_ms", "ratio_fwd_bwd")
-    return {"json": str(path.relative_to(ROOT)), "rows": [{k: r[k] for k in keys} for r in rows]}
+    keys = ("seq", "causal", "ring", "ulysses", "blocks", "mono_backend", "mono_fwd_bwd_ms", "ring_fwd_bwd_ms",
+            "ratio_fwd_bwd")
+    return {"json": str(path.relative_to(ROOT)), "rows": [{k: r.get(k) for k in keys} for r in rows]}
 
 
 def hetero_figures(_output: str) -> dict:
@@ -120,7 +121,8 @@ def parts() -> dict[str, list[Step]]:
               launch_step("configs/llama.yaml", 70, 20),
               launch_step("configs/hetero.yaml", 70, 25),
               launch_step("configs/sequence.yaml", 70, 20)],
-        "2": [Step("benchmarks/sequence.py", [py, "benchmarks/sequence.py", "--out", str(RESULTS / "gpu_sequence.json")],
+        "2": [Step("benchmarks/sequence.py", [py, "benchmarks/sequence.py", "--ulysses", "1", "2", "8",
+                                              "--out", str(RESULTS / "gpu_sequence.json")],
                    240, 120, sequence_figures),
               Step("benchmarks/hetero_gpu.py", [py, "benchmarks/hetero_gpu.py", "--skip-largest",
                                                 "--out", str(RESULTS / "gpu_hetero.json")], 330, 200, hetero_figures)],

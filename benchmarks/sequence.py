@@ -8,6 +8,10 @@ forward+backward, and divides by the time of one SDPA call on the full sequence
 (fastest of the available backends, timed here). Communication is not included: this
 is the compute ceiling of the ring (the overhead the ring adds even with perfect overlap).
 
+``--ulysses 1 2 8``: the same ranks as Ulysses groups of U around rings of N/U (U = 1 the ring
+alone, U = N pure Ulysses): U head groups of h/U heads, each a ring of N/U over the whole sequence —
+the block work all N ranks do after the all-to-all.
+
 GPU (the issue's setting): ``python benchmarks/sequence.py`` → s 16k/32k, heads 32, d 128,
 bf16, causal and not, N 4 and 8, block kernels cudnn and flash.
 CPU smoke run: ``python benchmarks/sequence.py --quick`` → tiny sizes, fp32, CPU kernels
@@ -19,6 +23,7 @@ Prints a table and writes JSON under ``benchmarks/results/`` (device, torch vers
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import platform
@@ -94,21 +99,27 @@ def time_monolithic(q, k, v, do, causal, backend, args):
     return out, timed(fwd, device, args.iters, args.warmup), timed(fwd_bwd, device, args.iters, args.warmup)
 
 
-def time_ring(q, k, v, do, causal, n, block_backend, args, merge):
+def time_ring(q, k, v, do, causal, n, block_backend, args, merge, ulysses: int = 1):
+    """All ``n`` ranks' block work on this device: ``ulysses`` head groups (``h/U`` heads each, the
+    whole sequence after the all-to-all), each a ring of ``n/U`` (``U = 1``: the ring alone; ``U = n``:
+    pure Ulysses, one call per head group over the whole sequence). Communication excluded."""
     device = q.device
     layout = "zigzag" if causal else "contiguous"
-    qs, ks, vs, dos = (shard(x, n, layout) for x in (q, k, v, do))
+    ring = n // ulysses
+    groups = [[shard(x, ring, layout) for x in parts]
+              for parts in zip(*(x.chunk(ulysses, dim=1) for x in (q, k, v, do)))]
 
     def fwd():
-        return ring_forward(qs, ks, vs, layout, causal, backend=block_backend, merge=merge)
+        return [ring_forward(qs, ks, vs, layout, causal, backend=block_backend, merge=merge)
+                for qs, ks, vs, _ in groups]
 
     def fwd_bwd():
-        outs, lses = fwd()
-        return ring_backward(dos, qs, ks, vs, outs, lses, layout, causal, backend=block_backend)
+        for qs, ks, vs, dos in groups:
+            outs, lses = ring_forward(qs, ks, vs, layout, causal, backend=block_backend, merge=merge)
+            ring_backward(dos, qs, ks, vs, outs, lses, layout, causal, backend=block_backend)
 
-    outs, _ = fwd()
-    return unshard(outs, layout), timed(fwd, device, args.iters, args.warmup), \
-        timed(fwd_bwd, device, args.iters, args.warmup)
+    out = torch.cat([unshard(outs, layout) for outs, _ in fwd()], dim=1)
+    return out, timed(fwd, device, args.iters, args.warmup), timed(fwd_bwd, device, args.iters, args.warmup)
 
 
 def rel_err(a, b) -> float:
@@ -129,6 +140,9 @@ def main(argv=None):
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--compile-merge", action="store_true", help="also time a torch.compile'd (fused) merge")
+    ap.add_argument("--ulysses", type=int, nargs="+", default=[1],
+                    help="Ulysses group sizes U (1: the ring alone; U = N: pure Ulysses; between: hybrid); "
+                         "those not dividing N or the heads are skipped")
     ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/sequence_<device>.json)")
     args = ap.parse_args(argv)
 
@@ -148,7 +162,7 @@ def main(argv=None):
     dev_name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
 
     rows = []
-    hdr = (f"{'s':>6} {'causal':>6} {'N':>3} {'blocks':>9} {'merge':>8} | {'mono':>9} {'mono fwd':>9} "
+    hdr = (f"{'s':>6} {'causal':>6} {'N':>3} {'U':>3} {'blocks':>9} {'merge':>8} | {'mono':>9} {'mono fwd':>9} "
            f"{'mono f+b':>9} | {'ring fwd':>9} {'ring f+b':>9} | {'x fwd':>6} {'x f+b':>6} | {'rel err':>8}")
     print(f"device: {dev_name}; torch {torch.__version__}; dtype {dtype}; b={args.batch} h={heads} d={dim}")
     balance = {n: {lay: causal_balance(n, lay).imbalance for lay in ("zigzag", "contiguous")} for n in rings}
@@ -171,25 +185,25 @@ def main(argv=None):
             best = min(mono, key=lambda m: mono[m][2])
             ref_out, m_fwd, m_fb = mono[best]
             mono_diffs = {m: rel_err(mono[m][0], ref_out) for m in mono if m != best}
-            for n in rings:
-                for blk in blocks:
-                    for merge_name, merge in merges.items():
-                        try:
-                            out, r_fwd, r_fb = time_ring(q, k, v, do, causal, n, blk, args, merge)
-                        except (RuntimeError, ValueError) as e:
-                            print(f"  (ring blocks {blk} failed: {str(e).splitlines()[0][:100]})")
-                            continue
-                        row = dict(seq=s, causal=causal, ring=n, layout="zigzag" if causal else "contiguous",
-                                   blocks=blk, merge=merge_name, mono_backend=best, mono_fwd_ms=m_fwd,
-                                   mono_fwd_bwd_ms=m_fb, ring_fwd_ms=r_fwd, ring_fwd_bwd_ms=r_fb,
-                                   ratio_fwd=r_fwd / m_fwd, ratio_fwd_bwd=r_fb / m_fb,
-                                   out_rel_err_vs_mono=rel_err(out, ref_out),
-                                   mono_backends_ms={m: [mono[m][1], mono[m][2]] for m in mono},
-                                   mono_rel_diff_between_backends=mono_diffs)
-                        rows.append(row)
-                        print(f"{s:>6} {str(causal):>6} {n:>3} {blk:>9} {merge_name:>8} | {best:>9} {m_fwd:>9.3f} "
-                              f"{m_fb:>9.3f} | {r_fwd:>9.3f} {r_fb:>9.3f} | {row['ratio_fwd']:>6.2f} "
-                              f"{row['ratio_fwd_bwd']:>6.2f} | {row['out_rel_err_vs_mono']:>8.1e}")
+            for n, u, blk, (merge_name, merge) in itertools.product(rings, args.ulysses, blocks, merges.items()):
+                if n % u or heads % u:
+                    continue
+                try:
+                    out, r_fwd, r_fb = time_ring(q, k, v, do, causal, n, blk, args, merge, u)
+                except (RuntimeError, ValueError) as e:
+                    print(f"  (ring blocks {blk} failed: {str(e).splitlines()[0][:100]})")
+                    continue
+                row = dict(seq=s, causal=causal, ring=n, ulysses=u, layout="zigzag" if causal else "contiguous",
+                           blocks=blk, merge=merge_name, mono_backend=best, mono_fwd_ms=m_fwd,
+                           mono_fwd_bwd_ms=m_fb, ring_fwd_ms=r_fwd, ring_fwd_bwd_ms=r_fb,
+                           ratio_fwd=r_fwd / m_fwd, ratio_fwd_bwd=r_fb / m_fb,
+                           out_rel_err_vs_mono=rel_err(out, ref_out),
+                           mono_backends_ms={m: [mono[m][1], mono[m][2]] for m in mono},
+                           mono_rel_diff_between_backends=mono_diffs)
+                rows.append(row)
+                print(f"{s:>6} {str(causal):>6} {n:>3} {u:>3} {blk:>9} {merge_name:>8} | {best:>9} {m_fwd:>9.3f} "
+                      f"{m_fb:>9.3f} | {r_fwd:>9.3f} {r_fb:>9.3f} | {row['ratio_fwd']:>6.2f} "
+                      f"{row['ratio_fwd_bwd']:>6.2f} | {row['out_rel_err_vs_mono']:>8.1e}")
             del q, k, v, do, mono, ref_out
     target = [r for r in rows if r["seq"] == 32768 and r["ring"] == 8 and r["causal"]]
     if target:
