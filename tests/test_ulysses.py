@@ -7,8 +7,7 @@ import torch.distributed as dist
 from conftest import run_workers
 from parallel4d.distributed import comm
 from parallel4d.models.dropout import AttentionMask
-from parallel4d.sequence.ring import ring_bytes
-from parallel4d.sequence.ulysses import A2A, hybrid_positions, ulysses_attention
+from parallel4d.sequence.ulysses import hybrid_positions, ulysses_attention, ulysses_bytes
 from test_sequence import _inputs, dense_attention
 
 WORLD = 4
@@ -51,10 +50,7 @@ def _case(u, layout, causal, h, hkv, s, dropout_p=0.0):
         for r, piece in enumerate(comm.all_gather(local.contiguous(), dim=0).chunk(WORLD, dim=0)):
             whole.index_copy_(2, pos[r], piece)
         errs.append(float((whole - full).abs().max()))
-    L, e = s // WORLD, q.element_size()
-    want_a2a = 2 * (u - 1) * (2 * b * h * L * d + 2 * b * hkv * L * d) * e // u  # forward and backward
-    want = {**({A2A: want_a2a} if u > 1 else {}),
-            **{k_: v_ for k_, v_ in ring_bytes(WORLD // u, b, hkv // u, s * u // WORLD, d, q.dtype).items() if v_}}
+    want = ulysses_bytes(WORLD, u, b, h, hkv, s, d, q.dtype)
     return dict(case=(u, layout, causal, h, hkv, s, dropout_p), errs=errs, sent=dict(stats.sent),
                 received=dict(stats.received), want=want)
 

@@ -32,9 +32,19 @@ import torch
 
 from parallel4d.distributed import comm
 from parallel4d.sequence.layout import check_seq_len, local_positions, rank_positions
-from parallel4d.sequence.ring import ring_attention
+from parallel4d.sequence.ring import ring_attention, ring_bytes
 
 A2A = "ulysses.all_to_all"
+
+
+def ulysses_bytes(n: int, ulysses: int, b: int, heads: int, kv_heads: int, seq_len: int, d: int,
+                  dtype: torch.dtype) -> dict[str, int]:
+    """Bytes each rank sends (and receives) per label for one layer's attention, forward and backward,
+    from the formulas in the module docstring (labels with 0 bytes left out)."""
+    e, local = torch.empty((), dtype=dtype).element_size(), seq_len // n
+    a2a = 2 * (ulysses - 1) * (2 * b * heads * local * d + 2 * b * kv_heads * local * d) * e // ulysses
+    ring = ring_bytes(n // ulysses, b, kv_heads // ulysses, seq_len * ulysses // n, d, dtype)
+    return {label: v for label, v in ((A2A, a2a), *ring.items()) if v}
 
 
 def hybrid_positions(seq_len: int, rank: int, n: int, ulysses: int, layout: str) -> list[int]:
