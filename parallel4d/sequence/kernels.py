@@ -138,32 +138,40 @@ def _grouped(x: torch.Tensor, hkv: int, dtype: torch.dtype) -> torch.Tensor:
     return x.to(dtype).reshape(b, hkv, h // hkv, l, d)
 
 
-def _scores(q, k, causal, scale, ad):
+def _scores(q, k, causal, scale, ad, allowed=None):
     hkv = k.shape[1]
     s = torch.matmul(_grouped(q, hkv, ad), k.to(ad).unsqueeze(2).transpose(-1, -2)).mul_(scale)
     if causal:  # top-left aligned: only used on the diagonal, where lq == lk
         lq, lk = s.shape[-2:]
         s.masked_fill_(torch.ones(lq, lk, dtype=torch.bool, device=s.device).triu_(1), float("-inf"))
+    if allowed is not None:  # [b, lq, lk]: packed documents' pairs (a query attends its own document only)
+        s.masked_fill_(~allowed[:, None, None], float("-inf"))
     return s  # [b, h_kv, g, lq, lk]
 
 
-def _math_forward(q, k, v, causal, scale, keep=None):
+def _finite(lse: torch.Tensor) -> torch.Tensor:
+    """``lse`` with a row that attends nothing (``-inf``: every key masked) as 0, so that its
+    probabilities ``exp(-inf - 0)`` are 0 rather than NaN."""
+    return lse.masked_fill(lse == float("-inf"), 0.0)
+
+
+def _math_forward(q, k, v, causal, scale, keep=None, allowed=None):
     ad = acc_dtype(q.dtype)
     b, h, lq, d = q.shape
-    s = _scores(q, k, causal, scale, ad)
+    s = _scores(q, k, causal, scale, ad, allowed)
     lse = torch.logsumexp(s, dim=-1)
-    p = s.sub_(lse.unsqueeze(-1)).exp_()
+    p = s.sub_(_finite(lse).unsqueeze(-1)).exp_()
     if keep is not None:  # dropout of the probabilities: the LSE stays the whole row's
         p.mul_(_grouped(keep, k.shape[1], ad))
     out = torch.matmul(p, v.to(ad).unsqueeze(2))
     return out.reshape(b, h, lq, v.shape[-1]), lse.reshape(b, h, lq)
 
 
-def _math_backward(dout, q, k, v, out, lse, causal, scale, keep=None):
+def _math_backward(dout, q, k, v, out, lse, causal, scale, keep=None, allowed=None):
     ad = acc_dtype(q.dtype)
     b, h, lq, d = q.shape
     hkv = k.shape[1]
-    p = _scores(q, k, causal, scale, ad).sub_(lse.to(ad).reshape(b, hkv, h // hkv, lq, 1)).exp_()
+    p = _scores(q, k, causal, scale, ad, allowed).sub_(_finite(lse.to(ad)).reshape(b, hkv, h // hkv, lq, 1)).exp_()
     do = _grouped(dout, hkv, ad)
     vv = v.to(ad).unsqueeze(2)
     kept = None if keep is None else _grouped(keep, hkv, ad)
@@ -262,34 +270,38 @@ def _fused_backward(backend, dout, q, k, v, out, lse, causal, scale):
 # --------------------------------------------------------------------------- public block ops
 
 
-def _fused_only_without(keep, backend):
+def _fused_only_without(keep, backend, allowed=None):
     if keep is not None:
         raise ValueError(f"backend={backend!r} cannot apply attention dropout (a mask of our own on the "
                          "probabilities); use backend='math' (or 'auto', which picks it under dropout)")
+    if allowed is not None:
+        raise ValueError(f"backend={backend!r} cannot mask packed documents (a mask of our own on the scores); "
+                         "use backend='math' (or 'auto', which picks it for documents)")
 
 
-def block_forward(q, k, v, causal: bool, scale: float, backend: str, keep=None):
+def block_forward(q, k, v, causal: bool, scale: float, backend: str, keep=None, allowed=None):
     """Attention of one block pair → ``(out [b, h, lq, d], lse [b, h, lq])``.
 
     ``out`` is in the kernel's dtype (``q.dtype`` for fused kernels, the accumulation
     dtype for ``math``); ``lse`` in fp32 (fp64 for fp64 inputs). ``keep`` ``[b, h, lq, lk]``:
-    attention dropout's scale of each probability (``math`` only).
+    attention dropout's scale of each probability; ``allowed`` ``[b, lq, lk]``: the pairs packed
+    documents let attend (a row with none: ``out`` 0, ``lse`` ``-inf``) (``math`` only).
     """
     if backend == "math":
-        return _math_forward(q, k, v, causal, scale, keep)
-    _fused_only_without(keep, backend)
+        return _math_forward(q, k, v, causal, scale, keep, allowed)
+    _fused_only_without(keep, backend, allowed)
     return _fused_forward(backend, q, k, v, causal, scale)
 
 
-def block_backward(dout, q, k, v, out, lse, causal: bool, scale: float, backend: str, keep=None):
+def block_backward(dout, q, k, v, out, lse, causal: bool, scale: float, backend: str, keep=None, allowed=None):
     """Gradients of one block pair given the **final** ``out`` / ``lse`` of these query rows
-    (``keep``: the forward's dropout scales).
+    (``keep``, ``allowed``: the forward's dropout scales and document pairs).
 
     Returns ``dq [b, h, lq, d]``, ``dk, dv [b, h_kv, lk, d]`` (summed over each query group).
     """
     if backend == "math":
-        return _math_backward(dout, q, k, v, out, lse, causal, scale, keep)
-    _fused_only_without(keep, backend)
+        return _math_backward(dout, q, k, v, out, lse, causal, scale, keep, allowed)
+    _fused_only_without(keep, backend, allowed)
     return _fused_backward(backend, dout, q, k, v, out, lse.to(acc_dtype(q.dtype)), causal, scale)
 
 
@@ -302,7 +314,8 @@ def merge_(out_acc: torch.Tensor, lse_acc: torch.Tensor, out_blk: torch.Tensor, 
     takes the block as is. Accumulators are ``[b, h, l, d]`` / ``[b, h, l]`` (views allowed).
     """
     lse_blk = lse_blk.to(lse_acc.dtype)
-    w = torch.sigmoid(lse_blk - lse_acc).unsqueeze(-1)
+    # a block row that attends nothing (-inf) leaves the row as it is, even one with nothing yet (-inf - -inf)
+    w = torch.sigmoid(lse_blk - lse_acc).masked_fill_(lse_blk == float("-inf"), 0.0).unsqueeze(-1)
     out_acc.lerp_(out_blk.to(out_acc.dtype), w)
     torch.logaddexp(lse_acc, lse_blk, out=lse_acc)
 
@@ -319,20 +332,21 @@ def _keep(mask, c: BlockCall):
 
 
 def forward_step(q, k, v, calls: list[BlockCall], out_acc, lse_acc, scale: float, backend: str,
-                 merge=merge_, mask=None) -> None:
+                 merge=merge_, mask=None, allowed=None) -> None:
     """Run one ring step's calls (queries of this rank × the visiting K/V block) and merge.
 
     ``out_acc [b, h, L, d]`` / ``lse_acc [b, h, L]`` are updated in place (rows with nothing
     accumulated yet hold ``0`` / ``-inf``). ``mask``: ``call → keep [b, h, lq, lk]``, attention
-    dropout's scales of that call's block pair (None: no dropout).
+    dropout's scales of that call's block pair (None: no dropout); ``allowed``: ``call → [b, lq, lk]``,
+    the pairs packed documents let attend (None: all).
     """
     for c in calls:
         out, lse = block_forward(_rows(q, c.q_lo, c.q_hi), _rows(k, c.k_lo, c.k_hi), _rows(v, c.k_lo, c.k_hi),
-                                 c.causal, scale, backend, _keep(mask, c))
+                                 c.causal, scale, backend, _keep(mask, c), _keep(allowed, c))
         merge(_rows(out_acc, c.q_lo, c.q_hi), _rows(lse_acc, c.q_lo, c.q_hi), out, lse)
 
 
-def first_step_forward(q, k, v, calls: list[BlockCall], scale: float, backend: str, mask=None):
+def first_step_forward(q, k, v, calls: list[BlockCall], scale: float, backend: str, mask=None, allowed=None):
     """The local (diagonal) step, which covers every query row exactly once: its
     result initialises the accumulators without a merge. Returns ``(out_acc, lse_acc)``."""
     b, h, L, d = q.shape
@@ -340,24 +354,25 @@ def first_step_forward(q, k, v, calls: list[BlockCall], scale: float, backend: s
     if len(calls) == 1 and calls[0].q_lo == 0 and calls[0].q_hi == L:
         c = calls[0]
         out, lse = block_forward(q, _rows(k, c.k_lo, c.k_hi), _rows(v, c.k_lo, c.k_hi), c.causal, scale, backend,
-                                 _keep(mask, c))
+                                 _keep(mask, c), _keep(allowed, c))
         return out.to(ad), lse.to(ad)
     out_acc = torch.zeros(b, h, L, v.shape[-1], dtype=ad, device=q.device)
     lse_acc = torch.full((b, h, L), float("-inf"), dtype=ad, device=q.device)
-    forward_step(q, k, v, calls, out_acc, lse_acc, scale, backend, mask=mask)
+    forward_step(q, k, v, calls, out_acc, lse_acc, scale, backend, mask=mask, allowed=allowed)
     return out_acc, lse_acc
 
 
-def backward_step(dout, q, k, v, out, lse, calls: list[BlockCall], dq_acc, scale: float, backend: str, mask=None):
+def backward_step(dout, q, k, v, out, lse, calls: list[BlockCall], dq_acc, scale: float, backend: str, mask=None,
+                  allowed=None):
     """Gradients of one ring step: adds into ``dq_acc [b, h, L, d]`` and returns
     ``[(call, dk, dv)]`` for the visiting block (added to its travelling dK/dV later,
-    once that buffer has arrived). ``mask``: as :func:`forward_step`'s."""
+    once that buffer has arrived). ``mask``, ``allowed``: as :func:`forward_step`'s."""
     grads = []
     for c in calls:
         qs = (c.q_lo, c.q_hi)
         dq, dk, dv = block_backward(_rows(dout, *qs), _rows(q, *qs), _rows(k, c.k_lo, c.k_hi),
                                     _rows(v, c.k_lo, c.k_hi), _rows(out, *qs), _rows(lse, *qs),
-                                    c.causal, scale, backend, _keep(mask, c))
+                                    c.causal, scale, backend, _keep(mask, c), _keep(allowed, c))
         _rows(dq_acc, *qs).add_(dq)
         grads.append((c, dk, dv))
     return grads

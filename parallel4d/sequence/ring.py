@@ -41,7 +41,7 @@ from parallel4d.distributed import comm
 from parallel4d.sequence.kernels import (acc_dtype, add_kv_grads_, backward_step, default_scale, first_step_forward, forward_step,
                       resolve_backend)
 from parallel4d.config.rules.sequence import check_layout
-from parallel4d.sequence.layout import rank_positions, step_plan
+from parallel4d.sequence.layout import local_positions, rank_positions, step_plan
 
 FWD_KV = "ring_attention.fwd.kv"
 BWD_KV = "ring_attention.bwd.kv"
@@ -120,11 +120,26 @@ def _block_masks(dropout, ring: _Ring, src: int, layout: str, L: int, like: torc
     return lambda c: dropout.keep(mine[c.q_lo:c.q_hi], theirs[c.k_lo:c.k_hi], ad)
 
 
+def _document_plan(documents, ring: _Ring, me: int, src: int, layout: str, L: int, calls, like: torch.Tensor):
+    """``(calls, allowed)``: the calls in which some query shares a document with some key (decided on
+    the host), and ``call → [b, lq, lk]`` their document pairs; ``(calls, None)`` without documents."""
+    if documents is None:
+        return calls, None
+    n = ring.n
+    mine_h, theirs_h = (local_positions(L * n, r, n, layout) for r in (me, src))
+    kept = [c for c in calls
+            if c.causal or documents.meet((mine_h[c.q_lo], mine_h[c.q_hi - 1] + 1),
+                                          (theirs_h[c.k_lo], theirs_h[c.k_hi - 1] + 1))]
+    mine, theirs = (rank_positions(L * n, r, n, layout, like.device) for r in (me, src))
+    return kept, lambda c: documents.pairs(mine[c.q_lo:c.q_hi], theirs[c.k_lo:c.k_hi])
+
+
 class RingAttention(torch.autograd.Function):
     """Autograd function behind :func:`ring_attention` (see the module docstring)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, group, causal, layout, scale, stats, timeout_s, backend, deadlines, dropout):
+    def forward(ctx, q, k, v, group, causal, layout, scale, stats, timeout_s, backend, deadlines, dropout,
+                documents):
         ring = _Ring(group)
         n, me, L = ring.n, ring.rank, q.shape[2]
         kv = torch.stack([k, v])  # [2, b, h_kv, L, d]: one message per step
@@ -138,21 +153,22 @@ class RingAttention(torch.autograd.Function):
                 works = None
             if t + 1 < n:  # the next block's transfer runs while this block computes
                 works = ring.shift(kv, buf, stats, FWD_KV)
-            calls = step_plan(me, (me - t) % n, n, layout, causal, L)
+            calls, allowed = _document_plan(documents, ring, me, (me - t) % n, layout, L,
+                                            step_plan(me, (me - t) % n, n, layout, causal, L), q)
             mask = _block_masks(dropout, ring, (me - t) % n, layout, L, q)
             if t == 0:
-                out_acc, lse_acc = first_step_forward(q, kv[0], kv[1], calls, scale, backend, mask)
+                out_acc, lse_acc = first_step_forward(q, kv[0], kv[1], calls, scale, backend, mask, allowed)
             else:
-                forward_step(q, kv[0], kv[1], calls, out_acc, lse_acc, scale, backend, mask=mask)
+                forward_step(q, kv[0], kv[1], calls, out_acc, lse_acc, scale, backend, mask=mask, allowed=allowed)
         out = out_acc.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse_acc)
-        ctx.cfg = (ring, causal, layout, scale, stats, timeout_s, backend, deadlines, dropout)
+        ctx.cfg = (ring, causal, layout, scale, stats, timeout_s, backend, deadlines, dropout, documents)
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        ring, causal, layout, scale, stats, timeout_s, backend, deadlines, dropout = ctx.cfg
+        ring, causal, layout, scale, stats, timeout_s, backend, deadlines, dropout, documents = ctx.cfg
         n, me, L = ring.n, ring.rank, q.shape[2]
         ad = acc_dtype(q.dtype)
         dout = dout.contiguous()
@@ -169,9 +185,10 @@ class RingAttention(torch.autograd.Function):
                 kv_works = None
             if t + 1 < n:
                 kv_works = ring.shift(kv, kv_buf, stats, BWD_KV)
-            calls = step_plan(me, (me - t) % n, n, layout, causal, L)
+            calls, allowed = _document_plan(documents, ring, me, (me - t) % n, layout, L,
+                                            step_plan(me, (me - t) % n, n, layout, causal, L), q)
             mask = _block_masks(dropout, ring, (me - t) % n, layout, L, q)
-            grads = backward_step(dout, q, kv[0], kv[1], out, lse, calls, dq, scale, backend, mask)
+            grads = backward_step(dout, q, kv[0], kv[1], out, lse, calls, dq, scale, backend, mask, allowed)
             if dkv_works is not None:  # the accumulator of this step's block, from prev
                 comm.wait(dkv_works, timeout_s, f"ring_attention backward: dK/dV of step {t}", deadlines)
                 dkv, dkv_buf = dkv_buf, dkv
@@ -182,13 +199,14 @@ class RingAttention(torch.autograd.Function):
             comm.wait(dkv_works, timeout_s, "ring_attention backward: own dK/dV", deadlines)
             dkv = dkv_buf
         return (dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype),
-                None, None, None, None, None, None, None, None, None)
+                None, None, None, None, None, None, None, None, None, None)
 
 
 @comm.eager
 def ring_attention(q, k, v, group=None, causal: bool = False, layout: str = "contiguous", scale=None,
                    stats: comm.CommStats | None = None, timeout_s: float | None = None,
-                   backend: str = "auto", deadlines: comm.DeadlineLedger | None = None, dropout=None) -> torch.Tensor:
+                   backend: str = "auto", deadlines: comm.DeadlineLedger | None = None, dropout=None,
+                   documents=None) -> torch.Tensor:
     """Exact softmax attention over a sequence sharded along ``group`` (the ring).
 
     ``q [b, h, s/N, d]``, ``k, v [b, h_kv, s/N, d]`` (``h % h_kv == 0``): this rank's tokens in
@@ -199,13 +217,17 @@ def ring_attention(q, k, v, group=None, causal: bool = False, layout: str = "con
     whose ``keep(query_positions, key_positions, dtype)`` gives ``[b, h, lq, lk]`` scales (0 or ``1/(1-p)``)
     for the global positions of a block pair (the model's
     :class:`~parallel4d.models.dropout.AttentionMask`); only the ``math`` kernel takes it, which
-    ``auto`` then picks (a fused backend named explicitly is refused).
+    ``auto`` then picks (a fused backend named explicitly is refused). ``documents``: packed documents
+    (:class:`~.documents.Documents`, the whole sequence's): each query attends its own document's keys
+    only, and block pairs with no such pair are not computed (``math`` kernel, as for dropout).
     Every rank of ``group`` must call it with the same shapes and arguments.
     """
     _check_inputs(q, k, v, group, causal, layout, scale)
-    if dropout is not None and backend not in ("auto", "math"):
-        raise ValueError(f"ring_attention: backend={backend!r} cannot apply attention dropout (fused kernels take "
-                         "no mask of ours); use backend='auto' or 'math', or set the model's attention dropout to 0")
-    backend = "math" if dropout is not None else resolve_backend(backend, q)
+    masked = dropout is not None or documents is not None
+    if masked and backend not in ("auto", "math"):
+        raise ValueError(f"ring_attention: backend={backend!r} cannot apply attention dropout or packed documents "
+                         "(fused kernels take no mask of ours); use backend='auto' or 'math'")
+    backend = "math" if masked else resolve_backend(backend, q)
     scale = default_scale(q.shape[-1]) if scale is None else float(scale)
-    return RingAttention.apply(q, k, v, group, causal, layout, scale, stats, timeout_s, backend, deadlines, dropout)
+    return RingAttention.apply(q, k, v, group, causal, layout, scale, stats, timeout_s, backend, deadlines, dropout,
+                               documents)

@@ -1,0 +1,51 @@
+"""Packed documents in attention: a query attends only the keys of its own document.
+
+A packed sequence holds several documents end to end; :class:`Documents` gives, for each sample, the
+document of every global position (``ids [b, s]``, nondecreasing along the sequence: documents are
+contiguous). Ring attention then masks each block pair by document (varlen semantics, as
+``cu_seqlens`` gives them) and skips the block pairs in which no query shares a document with any key —
+decided on the host, from the host copy, so the step never waits for the device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Documents:
+    """``ids``: ``[b, s]`` int64, the document index of each global position, on the compute device;
+    ``host``: the same on the host (block skipping reads it there)."""
+
+    ids: torch.Tensor
+    host: torch.Tensor
+
+    @classmethod
+    def from_starts(cls, starts: torch.Tensor, device=None) -> "Documents":
+        """From a host ``[b, s]`` boolean: True where a document begins (position 0 always is one)."""
+        host = starts.to(torch.int64).cumsum(1)
+        return cls(host.to(device) if device is not None else host, host)
+
+    def pairs(self, query_positions: torch.Tensor, key_positions: torch.Tensor) -> torch.Tensor:
+        """``[b, lq, lk]``: whether each query at these global positions shares a document with each key."""
+        ids = self.ids
+        return ids[:, query_positions].unsqueeze(2) == ids[:, key_positions].unsqueeze(1)
+
+    def meet(self, queries: tuple[int, int], keys: tuple[int, int]) -> bool:
+        """Whether, in any sample, some query in global positions ``[lo, hi)`` shares a document with some
+        key in theirs (documents are contiguous: their id ranges overlap)."""
+        h = self.host
+        first = torch.maximum(h[:, queries[0]], h[:, keys[0]])
+        last = torch.minimum(h[:, queries[1] - 1], h[:, keys[1] - 1])
+        return bool((first <= last).any())
+
+
+def dense_mask(documents: Documents, causal: bool) -> torch.Tensor:
+    """``[b, s, s]``: the whole sequence's allowed (query, key) pairs — same document, and key ≤ query
+    when causal (the single-process reference of the ring's masking)."""
+    s = documents.ids.shape[1]
+    pos = torch.arange(s, device=documents.ids.device)
+    allowed = documents.pairs(pos, pos)
+    return allowed & torch.ones(s, s, dtype=torch.bool, device=allowed.device).tril() if causal else allowed
