@@ -8,6 +8,8 @@ from conftest import run_workers
 from parallel4d.distributed import comm
 from parallel4d.models.dropout import AttentionMask
 from parallel4d.sequence.ulysses import hybrid_positions, ulysses_attention, ulysses_bytes
+from parallel4d.sequence.documents import Documents, dense_mask
+from test_documents import masked_attention
 from test_sequence import _inputs, dense_attention
 
 WORLD = 4
@@ -28,7 +30,7 @@ def _groups(u: int):
     return mine["ulysses"], mine["ring"]
 
 
-def _case(u, layout, causal, h, hkv, s, dropout_p=0.0):
+def _case(u, layout, causal, h, hkv, s, dropout_p=0.0, documents=False):
     """One hybrid forward+backward against dense attention on the whole sequence: max errors and bytes."""
     b, d = 2, 4
     ug, rg = _groups(u)
@@ -37,12 +39,18 @@ def _case(u, layout, causal, h, hkv, s, dropout_p=0.0):
     mine = pos[dist.get_rank()]
     ql, kl, vl = (x.index_select(2, mine).requires_grad_() for x in (q, k, v))
     mask = (AttentionMask(dropout_p, 12345, torch.arange(b), torch.arange(h), None) if dropout_p else None)
+    starts = torch.zeros(b, s, dtype=torch.bool)
+    starts[:, 0], starts[0, s // 3], starts[1, 1] = True, True, True  # documents crossing the shards
+    docs = Documents.from_starts(starts) if documents else None
     stats = comm.CommStats()
     out = ulysses_attention(ql, kl, vl, ug, rg, causal=causal, layout=layout, stats=stats, timeout_s=60,
-                            backend="math", dropout=mask)
+                            backend="math", dropout=mask, documents=docs)
     out.backward(dout.index_select(2, mine))
     qr, kr, vr = (x.clone().requires_grad_() for x in (q, k, v))
-    ref = mask.attend(qr, kr, vr, causal) if mask else dense_attention(qr, kr, vr, causal)
+    if docs is not None:
+        ref = masked_attention(qr, kr, vr, dense_mask(docs, causal))
+    else:
+        ref = mask.attend(qr, kr, vr, causal) if mask else dense_attention(qr, kr, vr, causal)
     ref.backward(dout)
     errs = []
     for local, full in zip((out.detach(), ql.grad, kl.grad, vl.grad), (ref.detach(), qr.grad, kr.grad, vr.grad)):
@@ -63,6 +71,7 @@ def _job():
                 results.append(_case(u, layout, causal, 8, 4, 8 * ring_n * u))
             results.append(_case(u, layout, True, 8, 4, 8 * WORLD, dropout_p=0.3))
         results.append(_case(u, "zigzag", True, 4, 4, 6 * WORLD))  # a ring shard slice across both pieces
+        results.append(_case(u, "zigzag", True, 8, 4, 8 * WORLD, documents=True))  # packed documents
     return results
 
 

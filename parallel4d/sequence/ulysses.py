@@ -116,11 +116,13 @@ def _local_dropout(dropout, ulysses_rank: int, u: int, heads: int):
 @comm.eager
 def ulysses_attention(q, k, v, ulysses_group, ring_group, causal: bool = False, layout: str = "contiguous",
                       scale=None, stats: comm.CommStats | None = None, timeout_s: float | None = None,
-                      backend: str = "auto", deadlines: comm.DeadlineLedger | None = None, dropout=None):
+                      backend: str = "auto", deadlines: comm.DeadlineLedger | None = None, dropout=None,
+                      documents=None):
     """Exact softmax attention over a sequence held in the hybrid layout (module docstring): ``q
     [b, h, s/N, d]``, ``k, v [b, h_kv, s/N, d]`` → ``[b, h, s/N, d]``; ``ulysses_group``: this rank's
     ``U`` members (heads exchanged), ``ring_group``: its ``R`` ring members (None or a group of one:
-    pure Ulysses). The other arguments are :func:`~.ring.ring_attention`'s."""
+    pure Ulysses). The other arguments are :func:`~.ring.ring_attention`'s (``documents`` indexes global
+    positions, which the ring's shard after the all-to-all holds in the ring's layout)."""
     u = comm.group_size(ulysses_group)
     h, hkv = q.shape[1], k.shape[1]
     if h % u or hkv % u:
@@ -129,5 +131,5 @@ def ulysses_attention(q, k, v, ulysses_group, ring_group, causal: bool = False, 
     mask = _local_dropout(dropout, comm.group_rank(ulysses_group), u, h)
     ql, kl, vl = (_heads_out(x.contiguous(), ulysses_group, stats) for x in (q, k, v))
     out = ring_attention(ql, kl, vl, ring_group, causal=causal, layout=layout, scale=scale, stats=stats,
-                         timeout_s=timeout_s, backend=backend, deadlines=deadlines, dropout=mask)
+                         timeout_s=timeout_s, backend=backend, deadlines=deadlines, dropout=mask, documents=documents)
     return _heads_in(out, ulysses_group, stats)
