@@ -241,7 +241,7 @@ def test_jobs_forked_from_the_zygote_template_see_the_launchers_directory_enviro
 
     assert template.wanted()
     with capfd.disabled():  # the template exists before this capture and these directories
-        spawn(_where_and_who, 1, (os.getpid(),), preload=())
+        spawn(_rank_and_world, 1, (0,), preload=())
     for probe in ("one", "two", "three"):
         (tmp_path / probe).mkdir()
         monkeypatch.chdir(tmp_path / probe)
