@@ -149,10 +149,11 @@ def _scores(q, k, causal, scale, ad, allowed=None):
     return s  # [b, h_kv, g, lq, lk]
 
 
-def _finite(lse: torch.Tensor) -> torch.Tensor:
+def _finite(lse: torch.Tensor, allowed) -> torch.Tensor:
     """``lse`` with a row that attends nothing (``-inf``: every key masked) as 0, so that its
-    probabilities ``exp(-inf - 0)`` are 0 rather than NaN."""
-    return lse.masked_fill(lse == float("-inf"), 0.0)
+    probabilities ``exp(-inf - 0)`` are 0 rather than NaN. Only a document mask (``allowed``) leaves a
+    row so: the causal diagonal keeps each row's own key, so without one ``lse`` is returned as it is."""
+    return lse if allowed is None else lse.masked_fill(lse == float("-inf"), 0.0)
 
 
 def _math_forward(q, k, v, causal, scale, keep=None, allowed=None):
@@ -160,7 +161,7 @@ def _math_forward(q, k, v, causal, scale, keep=None, allowed=None):
     b, h, lq, d = q.shape
     s = _scores(q, k, causal, scale, ad, allowed)
     lse = torch.logsumexp(s, dim=-1)
-    p = s.sub_(_finite(lse).unsqueeze(-1)).exp_()
+    p = s.sub_(_finite(lse, allowed).unsqueeze(-1)).exp_()
     if keep is not None:  # dropout of the probabilities: the LSE stays the whole row's
         p.mul_(_grouped(keep, k.shape[1], ad))
     out = torch.matmul(p, v.to(ad).unsqueeze(2))
@@ -171,7 +172,8 @@ def _math_backward(dout, q, k, v, out, lse, causal, scale, keep=None, allowed=No
     ad = acc_dtype(q.dtype)
     b, h, lq, d = q.shape
     hkv = k.shape[1]
-    p = _scores(q, k, causal, scale, ad, allowed).sub_(_finite(lse.to(ad)).reshape(b, hkv, h // hkv, lq, 1)).exp_()
+    lse = _finite(lse.to(ad), allowed).reshape(b, hkv, h // hkv, lq, 1)
+    p = _scores(q, k, causal, scale, ad, allowed).sub_(lse).exp_()
     do = _grouped(dout, hkv, ad)
     vv = v.to(ad).unsqueeze(2)
     kept = None if keep is None else _grouped(keep, hkv, ad)

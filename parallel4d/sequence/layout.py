@@ -50,6 +50,14 @@ def _group_coords(group) -> tuple[int, int]:
     return dist.get_rank(group), dist.get_world_size(group)
 
 
+def global_position(index: int, rank: int, n: int, layout: str, local_len: int) -> int:
+    """The global position of ``rank``'s local token ``index`` (``local_positions(...)[index]``, by
+    arithmetic: no list of the shard)."""
+    pieces = pieces_of(rank, n, layout)
+    p = local_len // len(pieces)
+    return pieces[index // p] * p + index % p
+
+
 def rank_positions(seq_len: int, rank: int, n: int, layout: str, device=None) -> torch.Tensor:
     """:func:`local_positions` as an int64 tensor ``[s/N]`` built on ``device`` (ranges filled there: no
     host→device copy, which would make the host wait for a GPU)."""

@@ -41,7 +41,7 @@ from parallel4d.distributed import comm
 from parallel4d.sequence.kernels import (acc_dtype, add_kv_grads_, backward_step, default_scale, first_step_forward, forward_step,
                       resolve_backend)
 from parallel4d.config.rules.sequence import check_layout
-from parallel4d.sequence.layout import local_positions, rank_positions, step_plan
+from parallel4d.sequence.layout import global_position, rank_positions, step_plan
 
 FWD_KV = "ring_attention.fwd.kv"
 BWD_KV = "ring_attention.bwd.kv"
@@ -108,30 +108,40 @@ class _Ring:
                         stats=stats, label=label)
 
 
-def _block_masks(dropout, ring: _Ring, src: int, layout: str, L: int, like: torch.Tensor):
-    """``call → keep [b, h, lq, lk]`` for the block pairs of this rank's queries and ``src``'s keys:
-    attention dropout's scales by the tokens' global positions (None without dropout)."""
-    if dropout is None:
-        return None
-    n = ring.n
+class _Masks:
+    """One forward's or backward's per-step masks: attention dropout's scales and packed documents'
+    pairs by global positions (each rank's ``[L]`` built once on the device, only when either is set),
+    and the calls documents let run (decided on the host from piece arithmetic: no device read)."""
 
-    mine, theirs = (rank_positions(L * n, r, n, layout, like.device) for r in (ring.rank, src))
-    ad = acc_dtype(like.dtype)
-    return lambda c: dropout.keep(mine[c.q_lo:c.q_hi], theirs[c.k_lo:c.k_hi], ad)
+    def __init__(self, ring: _Ring, layout: str, causal: bool, L: int, like: torch.Tensor, dropout, documents):
+        self.ring, self.layout, self.causal, self.L, self.dropout, self.documents = ring, layout, causal, L, \
+            dropout, documents
+        self.ad = acc_dtype(like.dtype)
+        n = ring.n
+        self.positions = ([rank_positions(L * n, r, n, layout, like.device) for r in range(n)]
+                          if dropout is not None or documents is not None else None)
 
+    def step(self, t: int):
+        """``(calls, keep, allowed)`` of step ``t``: the block calls to run, ``call → [b, h, lq, lk]``
+        dropout scales and ``call → [b, lq, lk]`` document pairs (None when not set)."""
+        ring, L = self.ring, self.L
+        me, src = ring.rank, (ring.rank - t) % ring.n
+        calls = step_plan(me, src, ring.n, self.layout, self.causal, L)
+        keep = allowed = None
+        if self.positions is not None:
+            mine, theirs = self.positions[me], self.positions[src]
+        if self.dropout is not None:
+            keep = lambda c: self.dropout.keep(mine[c.q_lo:c.q_hi], theirs[c.k_lo:c.k_hi], self.ad)  # noqa: E731
+        if self.documents is not None:
+            calls = [c for c in calls if c.causal or self.documents.meet(
+                self._span(me, c.q_lo, c.q_hi), self._span(src, c.k_lo, c.k_hi))]
+            allowed = lambda c: self.documents.pairs(mine[c.q_lo:c.q_hi], theirs[c.k_lo:c.k_hi])  # noqa: E731
+        return calls, keep, allowed
 
-def _document_plan(documents, ring: _Ring, me: int, src: int, layout: str, L: int, calls, like: torch.Tensor):
-    """``(calls, allowed)``: the calls in which some query shares a document with some key (decided on
-    the host), and ``call → [b, lq, lk]`` their document pairs; ``(calls, None)`` without documents."""
-    if documents is None:
-        return calls, None
-    n = ring.n
-    mine_h, theirs_h = (local_positions(L * n, r, n, layout) for r in (me, src))
-    kept = [c for c in calls
-            if c.causal or documents.meet((mine_h[c.q_lo], mine_h[c.q_hi - 1] + 1),
-                                          (theirs_h[c.k_lo], theirs_h[c.k_hi - 1] + 1))]
-    mine, theirs = (rank_positions(L * n, r, n, layout, like.device) for r in (me, src))
-    return kept, lambda c: documents.pairs(mine[c.q_lo:c.q_hi], theirs[c.k_lo:c.k_hi])
+    def _span(self, rank: int, lo: int, hi: int) -> tuple[int, int]:
+        """Global positions ``[first, last + 1)`` of ``rank``'s local tokens ``lo … hi-1`` (a call's run)."""
+        n, L = self.ring.n, self.L
+        return (global_position(lo, rank, n, self.layout, L), global_position(hi - 1, rank, n, self.layout, L) + 1)
 
 
 class RingAttention(torch.autograd.Function):
@@ -141,7 +151,8 @@ class RingAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, group, causal, layout, scale, stats, timeout_s, backend, deadlines, dropout,
                 documents):
         ring = _Ring(group)
-        n, me, L = ring.n, ring.rank, q.shape[2]
+        n = ring.n
+        masks = _Masks(ring, layout, causal, q.shape[2], q, dropout, documents)
         kv = torch.stack([k, v])  # [2, b, h_kv, L, d]: one message per step
         buf = torch.empty_like(kv) if n > 1 else None
         works = None
@@ -153,9 +164,7 @@ class RingAttention(torch.autograd.Function):
                 works = None
             if t + 1 < n:  # the next block's transfer runs while this block computes
                 works = ring.shift(kv, buf, stats, FWD_KV)
-            calls, allowed = _document_plan(documents, ring, me, (me - t) % n, layout, L,
-                                            step_plan(me, (me - t) % n, n, layout, causal, L), q)
-            mask = _block_masks(dropout, ring, (me - t) % n, layout, L, q)
+            calls, mask, allowed = masks.step(t)
             if t == 0:
                 out_acc, lse_acc = first_step_forward(q, kv[0], kv[1], calls, scale, backend, mask, allowed)
             else:
@@ -169,7 +178,8 @@ class RingAttention(torch.autograd.Function):
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
         ring, causal, layout, scale, stats, timeout_s, backend, deadlines, dropout, documents = ctx.cfg
-        n, me, L = ring.n, ring.rank, q.shape[2]
+        n = ring.n
+        masks = _Masks(ring, layout, causal, q.shape[2], q, dropout, documents)
         ad = acc_dtype(q.dtype)
         dout = dout.contiguous()
         dq = torch.zeros(q.shape, dtype=ad, device=q.device)
@@ -185,9 +195,7 @@ class RingAttention(torch.autograd.Function):
                 kv_works = None
             if t + 1 < n:
                 kv_works = ring.shift(kv, kv_buf, stats, BWD_KV)
-            calls, allowed = _document_plan(documents, ring, me, (me - t) % n, layout, L,
-                                            step_plan(me, (me - t) % n, n, layout, causal, L), q)
-            mask = _block_masks(dropout, ring, (me - t) % n, layout, L, q)
+            calls, mask, allowed = masks.step(t)
             grads = backward_step(dout, q, kv[0], kv[1], out, lse, calls, dq, scale, backend, mask, allowed)
             if dkv_works is not None:  # the accumulator of this step's block, from prev
                 comm.wait(dkv_works, timeout_s, f"ring_attention backward: dK/dV of step {t}", deadlines)

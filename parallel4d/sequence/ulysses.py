@@ -47,21 +47,25 @@ def ulysses_bytes(n: int, ulysses: int, b: int, heads: int, kv_heads: int, seq_l
     return {label: v for label, v in ((A2A, a2a), *ring.items()) if v}
 
 
+def check_hybrid(seq_len: int, n: int, ulysses: int, layout: str) -> None:
+    """``ValueError`` unless ``seq_len`` splits over the ring of ``n/ulysses`` in ``layout`` and into ``n`` parts."""
+    check_seq_len(seq_len, n // ulysses, layout)
+    if seq_len % n:
+        raise ValueError(f"seq_len={seq_len} must be a multiple of sp={n} for Ulysses groups of {ulysses}")
+
+
 def hybrid_positions(seq_len: int, rank: int, n: int, ulysses: int, layout: str) -> list[int]:
     """Global positions of sp rank ``rank``'s tokens (local order) for ``n`` sp ranks of which ``ulysses``
     per Ulysses group (pure function)."""
-    ring_n = n // ulysses
-    check_seq_len(seq_len, ring_n, layout)
-    if seq_len % n:
-        raise ValueError(f"seq_len={seq_len} must be a multiple of sp={n} for Ulysses groups of {ulysses}")
-    shard, part = local_positions(seq_len, rank // ulysses, ring_n, layout), seq_len // n
+    check_hybrid(seq_len, n, ulysses, layout)
+    shard, part = local_positions(seq_len, rank // ulysses, n // ulysses, layout), seq_len // n
     j = rank % ulysses
     return shard[j * part:(j + 1) * part]
 
 
 def hybrid_position_tensor(seq_len: int, rank: int, n: int, ulysses: int, layout: str, device=None) -> torch.Tensor:
     """:func:`hybrid_positions` as an int64 tensor built on ``device`` (no host→device copy)."""
-    hybrid_positions(seq_len, rank, n, ulysses, layout)  # its checks
+    check_hybrid(seq_len, n, ulysses, layout)
     part, j = seq_len // n, rank % ulysses
     return rank_positions(seq_len, rank // ulysses, n // ulysses, layout, device)[j * part:(j + 1) * part]
 
