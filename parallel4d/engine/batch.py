@@ -6,7 +6,6 @@ from __future__ import annotations
 import torch
 
 from parallel4d.distributed.mesh import Mesh
-from parallel4d.sequence import split_sequence
 from parallel4d.sequence.ulysses import hybrid_position_tensor
 
 
@@ -29,11 +28,9 @@ def local_batch(mesh: Mesh, x: torch.Tensor, layout: str = "zigzag", ulysses: in
     making the host wait (a plain copy from pageable memory would wait for the device's queue)."""
     rows = local_rows(mesh, x.shape[0])
     x = x[rows.start:rows.stop]
-    if mesh.size("sp") > 1 and ulysses > 1:
+    if mesh.size("sp") > 1:  # the ring's layout is the hybrid one with ulysses = 1
         x = x.index_select(1, hybrid_position_tensor(x.shape[1], mesh.rank("sp"), mesh.size("sp"), ulysses, layout,
                                                      device=x.device))
-    elif mesh.size("sp") > 1:
-        x = split_sequence(x, mesh.group("sp"), dim=1, layout=layout)
     x = x.contiguous()
     if x.device == mesh.device:
         return x

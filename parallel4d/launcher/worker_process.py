@@ -71,14 +71,13 @@ def zygote_main(payload_path: str, world_size: int, parent_pid: int | None = Non
     # exits after its workers, or when the launcher is gone
     for sig in STOP_SIGNALS:
         signal.signal(sig, signal.SIG_IGN)
-    nvml_check = os.environ.get(NVML_CHECK)
     try:
-        os.environ[NVML_CHECK] = "1"  # a module asking torch.cuda.is_available() at import leaves CUDA alone
-        payload = _load(payload_path)
-        os.environ.update(payload[-1])
-        # the expensive imports, shared by every worker
-        for module in ("torch.distributed", *payload[10]):
-            importlib.import_module(module)
+        with _nvml_check():  # the workers get the variable's own value back
+            payload = _load(payload_path)
+            os.environ.update(payload[-1])
+            # the expensive imports, shared by every worker
+            for module in ("torch.distributed", *payload[10]):
+                importlib.import_module(module)
         refuse_cuda_before_fork(payload[0])
     except BaseException as e:  # no worker forked: the launcher names this as the zygote's failure
         _fail_before_forking(os.path.dirname(payload_path), e)
@@ -91,7 +90,6 @@ def zygote_main(payload_path: str, world_size: int, parent_pid: int | None = Non
         if pid == 0:
             for sig in STOP_SIGNALS:
                 signal.signal(sig, signal.SIG_DFL)
-            _restore(NVML_CHECK, nvml_check)
             worker_main(payload_path, rank, parent_pid=os.getppid())  # never returns
         ranks[pid] = rank
         with quiet_once_the_job_is_gone(out_dir):

@@ -51,10 +51,11 @@ def ring_problems(cfg: Config) -> list[str]:
         return []
     ring = sp // u
     div = 2 * ring if cfg.sequence.layout == "zigzag" else ring
-    why = (f"2·parallel.sp={div} (zigzag cuts the sequence into 2·sp pieces)" if u == 1 and div != sp
-           else f"parallel.sp={sp}" if u == 1 else
-           f"{div} and parallel.sp={sp} (the ring of sp/ulysses={ring} cuts it into {div} pieces, each ring shard "
-           f"into ulysses={u} parts)")
+    if u > 1:
+        why = (f"{div} and parallel.sp={sp} (the ring of sp/ulysses={ring} cuts it into {div} pieces, each ring "
+               f"shard into ulysses={u} parts)")
+    else:
+        why = f"2·parallel.sp={div} (zigzag cuts the sequence into 2·sp pieces)" if div != sp else f"parallel.sp={sp}"
     out = [not_divisible("model.seq_len", cfg.model.seq_len, math.lcm(div, sp), why)]
     q = math.isqrt(cfg.parallel.tp)
     for field, heads in (("model.heads", cfg.model.heads), ("model.kv_heads", cfg.model.kv_heads or cfg.model.heads)):
