@@ -10,7 +10,7 @@ import torch.distributed as dist
 from conftest import run_workers
 from parallel4d.sequence import gather_sequence, ring_attention, split_sequence
 from parallel4d.sequence import kernels
-from parallel4d.sequence.documents import Documents, dense_mask
+from parallel4d.sequence.documents import Documents
 from test_sequence import _inputs
 
 
@@ -48,7 +48,7 @@ def _case(group, layout, causal, h, hkv, s, lengths):
         kernels.block_forward = real
     out.backward(split_sequence(dout, group, 2, layout))
     qr, kr, vr = (x.clone().requires_grad_() for x in (q, k, v))
-    ref = masked_attention(qr, kr, vr, dense_mask(docs, causal))
+    ref = masked_attention(qr, kr, vr, docs.mask(causal))
     ref.backward(dout)
     got = [gather_sequence(x, group, 2, layout) for x in (out.detach(), ql.grad, kl.grad, vl.grad)]
     errs = [float((a - r).abs().max()) for a, r in zip(got, (ref.detach(), qr.grad, kr.grad, vr.grad))]

@@ -20,7 +20,8 @@ from parallel4d.config.load import make_config
 from parallel4d.data.batches import build_dataset
 from parallel4d.engine.model import model_shape
 from parallel4d.models.build import build_dense
-from parallel4d.models.dropout import Draw, Masks, Site, keep_scale, site_key
+from parallel4d.models.context import Draw, ForwardContext
+from parallel4d.models.dropout import Site, keep_scale, site_key
 from test_llama import check_pieces, dense_run, train_layouts
 
 GPT2 = {"arch": "gpt2", "vocab_size": 64, "seq_len": 16, "hidden": 32, "heads": 4, "layers": 2, "dropout": 0.1}
@@ -86,13 +87,13 @@ def test_masks_keep_1_minus_p_scaled_and_change_with_step_and_site():
 def test_sites_need_a_draw_and_follow_its_rows_and_positions():
     x = torch.ones(4, 6, 8, dtype=torch.float64)
     site = Site(0.5, 3, "embedding", offset=8)
-    site.masks = Masks(1, positions=torch.tensor([10, 11, 12, 13, 14, 15]))
+    site.context = ForwardContext(1, positions=torch.tensor([10, 11, 12, 13, 14, 15]))
     assert site(x) is x  # no draw: evaluation, generation
-    with site.masks.drawing(Draw(step=2, first_row=4)):
+    with site.context.drawing(Draw(step=2, first_row=4)):
         got = site(x)
     want = keep_scale(site_key(1, 2, 3, "embedding"), 0.5,
                       [torch.arange(4, 8), torch.arange(10, 16), torch.arange(8, 16)], torch.float64)
-    assert torch.equal(got, want) and site.masks.draw is None
+    assert torch.equal(got, want) and site.context.draw is None
 
 
 def _model(fields, **extra):
@@ -180,7 +181,7 @@ def test_gpt2_sites_are_transformers_own(tmp_path, monkeypatch):
     from transformers.models.gpt2 import modeling_gpt2
 
     from parallel4d.models import hf
-    from parallel4d.models.dropout import attach
+    from parallel4d.models.context import attach
 
     ref = transformers.GPT2LMHeadModel(transformers.GPT2Config(
         vocab_size=64, n_positions=16, n_embd=32, n_head=4, n_layer=2, resid_pdrop=0.1, embd_pdrop=0.2,
@@ -195,11 +196,11 @@ def test_gpt2_sites_are_transformers_own(tmp_path, monkeypatch):
     ref.transformer.drop = Site(0.2, 0, "embedding")
     for i, block in enumerate(ref.transformer.h):
         block.attn.resid_dropout, block.mlp.dropout = Site(0.1, i + 1, "attention_output"), Site(0.1, i + 1, "mlp_output")
-    attach(ref, ours.masks)
+    attach(ref, ours.context)
 
     def eager(module, q, k, v, attention_mask, scaling=None, dropout=0.0, **kwargs):
         site = Site(module.attn_dropout.p, module.layer_idx + 1, "attention")
-        site.masks = ours.masks
+        site.context = ours.context
         weights = ((q @ k.transpose(-1, -2)) * scaling + attention_mask).softmax(-1)
         pos = torch.arange(q.shape[2])
         weights = weights * site.attention(q.shape[0], q.shape[1], q.device).keep(pos, pos, weights.dtype)
@@ -208,7 +209,7 @@ def test_gpt2_sites_are_transformers_own(tmp_path, monkeypatch):
     monkeypatch.setattr(modeling_gpt2, "eager_attention_forward", eager)
     tokens = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
     ref.train()
-    with ours.masks.drawing(Draw(step=4)):
+    with ours.context.drawing(Draw(step=4)):
         want = ref(tokens).logits
     got = ours(tokens, step=4)
     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-13)

@@ -197,7 +197,7 @@ def test_packed_and_padded_batches_in_the_ring_equal_transformers_with_a_block_d
     attention inside transformers' Llama at sp=4 and sp=2 × dp=2, both layouts: the summed loss of the
     valid tokens and every gradient equal transformers on the whole batch in one process given the
     block-diagonal 4D mask and per-document position_ids (1e-10)."""
-    from parallel4d.sequence.documents import Documents, dense_mask
+    from parallel4d.sequence.documents import Documents
 
     from parallel4d.data.packing import document_positions
 
@@ -209,7 +209,7 @@ def test_packed_and_padded_batches_in_the_ring_equal_transformers_with_a_block_d
         starts = (positions == 0) if given else torch.zeros(ids.shape, dtype=torch.bool)
         starts[:, 0] = True
         starts[:, 1:] |= mask[:, 1:] != mask[:, :-1]
-        allowed = dense_mask(Documents.from_starts(starts), causal=True)
+        allowed = Documents.from_starts(starts).mask(causal=True)
         model = _model("sdpa")
         logits = model(ids, position_ids=positions if given else document_positions(starts),
                        attention_mask=allowed[:, None]).logits

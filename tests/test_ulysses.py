@@ -8,7 +8,7 @@ from conftest import run_workers
 from parallel4d.distributed import comm
 from parallel4d.models.dropout import AttentionMask
 from parallel4d.sequence.ulysses import hybrid_positions, ulysses_attention, ulysses_bytes
-from parallel4d.sequence.documents import Documents, dense_mask
+from parallel4d.sequence.documents import Documents
 from test_documents import masked_attention
 from test_sequence import _inputs, dense_attention
 
@@ -48,7 +48,7 @@ def _case(u, layout, causal, h, hkv, s, dropout_p=0.0, documents=False):
     out.backward(dout.index_select(2, mine))
     qr, kr, vr = (x.clone().requires_grad_() for x in (q, k, v))
     if docs is not None:
-        ref = masked_attention(qr, kr, vr, dense_mask(docs, causal))
+        ref = masked_attention(qr, kr, vr, docs.mask(causal))
     else:
         ref = mask.attend(qr, kr, vr, causal) if mask else dense_attention(qr, kr, vr, causal)
     ref.backward(dout)

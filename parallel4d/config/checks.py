@@ -70,5 +70,5 @@ _RULES = (tensor2d.grid_problems, sequence.ring_problems, data.batch_split_probl
           hetero.tied_head_problems, pipeline.recompute_problems, pipeline.compile_problems,
           hetero.split_backward_problems, _model_problems,
           _size_problems, _lr_schedule_problems, training.tensorboard_problems, deepspeed.section_problems,
-          data.source_problems, data.validation_problems, training.dtype_problems, hetero.reduce_dtype_problems,
+          data.source_problems, data.validation_problems, data.packing_problems, training.dtype_problems, hetero.reduce_dtype_problems,
           hetero.compute_dtype_problems, _fused_problems, deepspeed.float16_problems, deepspeed.dropout_problems)

@@ -317,6 +317,13 @@ class DataConfig(_Section):
                                                           "sidecar beside it")
     val_fraction: Optional[float] = Field(None, gt=0, lt=1, description="hold out the last fraction of the text "
                                                                         "or token file for validation")
+    packing: Literal["none", "documents"] = Field(
+        "none", description="documents: each sequence holds documents end to end, each ended by data.eod_token; "
+                            "attention stays inside a document, positions restart at each, and no token is "
+                            "trained to predict the next document's first")
+    eod_token: Optional[int] = Field(None, ge=0, le=2**31, description="the end-of-document token id "
+                                                                        "(data.packing: documents); None: the "
+                                                                        "token file's eos_token_id")
 
 
 class TrainConfig(_Section):

@@ -1,11 +1,18 @@
 """A rank's share of the global batch: rows block ``dp``, then rows block ``tp_row``, then
-sequence shard ``sp`` (in ``sequence.layout``): ``[B, S]`` → ``[B/(dp·q), S/sp]``."""
+sequence shard ``sp`` (in ``sequence.layout``): ``[B, S]`` → ``[B/(dp·q), S/sp]``; with packed
+documents (``data.packing: documents``) also each micro-batch's documents and positions, and the
+targets that never cross a boundary (:func:`packed_step`)."""
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
+from parallel4d.data.packing import IGNORE, boundary_targets, document_positions, document_starts
 from parallel4d.distributed.mesh import Mesh
+from parallel4d.models.context import Packed
+from parallel4d.sequence.documents import Documents
 from parallel4d.sequence.ulysses import hybrid_position_tensor
 
 
@@ -31,9 +38,49 @@ def local_batch(mesh: Mesh, x: torch.Tensor, layout: str = "zigzag", ulysses: in
     if mesh.size("sp") > 1:  # the ring's layout is the hybrid one with ulysses = 1
         x = x.index_select(1, hybrid_position_tensor(x.shape[1], mesh.rank("sp"), mesh.size("sp"), ulysses, layout,
                                                      device=x.device))
-    x = x.contiguous()
-    if x.device == mesh.device:
+    return to_device(x.contiguous(), mesh.device)
+
+
+def to_device(x: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``x`` on ``device``; a host tensor is page-locked and copied without making the host wait (a
+    plain copy from pageable memory would wait for the device's queue)."""
+    if x.device == device:
         return x
     if x.device.type == "cpu":
         x = x.pin_memory()
-    return x.to(mesh.device, non_blocking=True)
+    return x.to(device, non_blocking=True)
+
+
+class PackedStep(NamedTuple):
+    """One step's packed documents (:func:`packed_step`)."""
+
+    targets: torch.Tensor  # [B, S]: the step's targets, IGNORE where a token ends its document
+    microbatches: list[Packed]  # this rank's, in order
+
+
+def packed_step(mesh: Mesh, tokens: torch.Tensor, targets: torch.Tensor, eod: int, microbatches: int,
+                layout: str = "zigzag", ulysses: int = 1) -> PackedStep:
+    """A step of packed documents from the global batch's host ``tokens`` and ``targets`` ``[B, S]``:
+    documents end after each ``eod`` token (:mod:`parallel4d.data.packing`), whose target is ignored.
+
+    Each rank sums its token losses and weighs the sum by ``dp·sp·m / N`` (``N``: the whole batch's
+    valid targets, counted here on the host): the gradient averaging over the ``dp·sp`` data replicas
+    and the ``1/m`` of each micro-batch then leave exactly the batch's mean over its valid tokens, as one
+    process computes it, however unevenly the ranks hold them."""
+    if tokens.device.type != "cpu":  # the counting below is the host's (a device batch would be read back)
+        tokens, targets = tokens.cpu(), targets.cpu()
+    targets = boundary_targets(tokens, targets, eod)
+    valid = int((targets != IGNORE).sum())
+    if valid == 0:
+        raise ValueError(f"data.eod_token={eod}: every target of the batch follows an end-of-document token, so "
+                         "no token is left to learn from; check data.eod_token (or the token file's eos_token_id)")
+    rows = local_rows(mesh, tokens.shape[0])
+    starts = document_starts(tokens[rows.start:rows.stop], eod)
+    positions = document_positions(starts)  # [b, S]
+    if mesh.size("sp") > 1:
+        positions = positions.index_select(1, hybrid_position_tensor(tokens.shape[1], mesh.rank("sp"),
+                                                                     mesh.size("sp"), ulysses, layout))
+    weight = mesh.size("dp") * mesh.size("sp") * microbatches / valid
+    packs = [Packed(Documents.from_starts(s.contiguous(), mesh.device), to_device(p.contiguous(), mesh.device), weight)
+             for s, p in zip(starts.chunk(microbatches), positions.chunk(microbatches))]
+    return PackedStep(targets, packs)

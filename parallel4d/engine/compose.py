@@ -40,7 +40,7 @@ from parallel4d.engine.state import dense_layouts
 from parallel4d.engine.step import Engine
 from parallel4d.engine.store import parameter_store
 from parallel4d.models.build import build_stage, family
-from parallel4d.models.dropout import Masks, attach
+from parallel4d.models.context import ForwardContext, attach
 from parallel4d.models.stages import cross_entropy, stage_names
 from parallel4d.optim.fused import use_fused_norms
 from parallel4d.pipeline import make_schedule
@@ -48,7 +48,7 @@ from parallel4d.pipeline.executor import PipelineExecutor, TiedGradSync
 from parallel4d.pipeline.partition import build_chunks, partition
 from parallel4d.sequence import make_ring_attention_fn
 from parallel4d.sequence.ulysses import hybrid_position_tensor, make_ulysses_attention_fn
-from parallel4d.tensor2d import Head2D, loss_2d
+from parallel4d.tensor2d import Head2D, VocabParallelCrossEntropy2D, loss_2d
 
 
 # --- this rank's stages ------------------------------------------------------------
@@ -77,13 +77,14 @@ def _shard_positions(cfg: Config, mesh: Mesh) -> torch.Tensor | None:
                                   cfg.sequence.layout, device=mesh.device)
 
 
-def dropout_masks(cfg: Config, mesh: Mesh) -> Masks:
-    """Where this rank's dropout sites read each forward's draw (:mod:`parallel4d.models.dropout`):
-    ``train.seed`` and the global positions of the rank's tokens; the engine sets the draw per micro-batch."""
-    return Masks(cfg.train.seed, _shard_positions(cfg, mesh))
+def forward_context(cfg: Config, mesh: Mesh) -> ForwardContext:
+    """What this rank's modules read besides their input (:mod:`parallel4d.models.context`): ``train.seed``
+    and the global positions of the rank's tokens; the engine sets each micro-batch's dropout draw and
+    packed documents."""
+    return ForwardContext(cfg.train.seed, _shard_positions(cfg, mesh))
 
 
-def build_stages(cfg: Config, mesh: Mesh, wanted=None, untie: bool = False, masks: Masks | None = None):
+def build_stages(cfg: Config, mesh: Mesh, wanted=None, untie: bool = False, context: ForwardContext | None = None):
     """``(stages, loss_fn)``: ``{stage index: module}`` for the stages in ``wanted``
     (default: all) in this rank's layout, and the loss function.
 
@@ -92,8 +93,9 @@ def build_stages(cfg: Config, mesh: Mesh, wanted=None, untie: bool = False, mask
     ``sp > 1``), and its dense copy dropped: a rank never holds the whole model.
     ``untie``: the LM head is on another pp rank than the embedding, so it gets its
     own copy of the tied table. ``loss_fn(logits, targets)`` is the mean token loss
-    over this rank's data (over the grid's batch under tp). ``masks``: what the stages' dropout sites
-    read (:func:`dropout_masks`; None: a holder no one draws from, so no dropout).
+    over this rank's data (over the grid's batch under tp); with packed documents the summed one times
+    the forward's ``loss_weight``. ``context``: what the stages read besides their input
+    (:func:`forward_context`; None: a holder no one sets, so no dropout and no packing).
     """
     shape = model_shape(cfg)
     seed, last = cfg.train.seed, shape.layers + 1
@@ -102,7 +104,7 @@ def build_stages(cfg: Config, mesh: Mesh, wanted=None, untie: bool = False, mask
     attention_fn, positions = _sequence(cfg, mesh)
     tp = mesh.size("tp_row") > 1
     fam = family(shape.arch)  # its dense stages, their 2D twins, where a shard's positions enter
-    masks = masks if masks is not None else dropout_masks(cfg, mesh)
+    context = context if context is not None else forward_context(cfg, mesh)
 
     def dense(index, tied_weight=None):
         return _placed(build_stage(shape, index, seed, tied_weight=tied_weight), mesh.device, dtype)
@@ -125,7 +127,7 @@ def build_stages(cfg: Config, mesh: Mesh, wanted=None, untie: bool = False, mask
         if cfg.train.compile == "blocks":
             compile_block(block, eager_layers=cfg.hetero.enabled)
         if cfg.train.activation_checkpointing == "blocks":
-            recompute_in_backward(block, masks)
+            recompute_in_backward(block, context)
         stages[index] = block
     if last in wanted:
         tied = dense_embed.tok.weight if shape.tie_embeddings else None
@@ -140,9 +142,23 @@ def build_stages(cfg: Config, mesh: Mesh, wanted=None, untie: bool = False, mask
     if positions is not None and 0 in stages and fam.positions == "embedding":
         stages[0] = PositionedEmbedding(stages[0], positions)
     for stage in stages.values():
-        attach(stage, masks)
-    loss_fn = loss_2d(mesh) if tp else cross_entropy
-    return stages, loss_fn
+        attach(stage, context)
+    return stages, _loss(cfg, mesh, context)
+
+
+def _loss(cfg: Config, mesh: Mesh, context: ForwardContext):
+    """The token loss: the mean over this rank's data (the grid's under tp), or, with packed documents,
+    the sum times the forward's ``loss_weight`` (:func:`~.batch.packed_step`)."""
+    tp = mesh.size("tp_row") > 1
+    if cfg.data.packing == "none":
+        return loss_2d(mesh) if tp else cross_entropy
+    summed = VocabParallelCrossEntropy2D(mesh, reduction="sum") if tp else functools.partial(cross_entropy,
+                                                                                              reduction="sum")
+
+    def packed_loss(logits, targets):
+        return summed(logits, targets) * context.packed.loss_weight
+
+    return packed_loss
 
 
 def _placed(module: nn.Module, device: torch.device, dtype: torch.dtype) -> nn.Module:
@@ -153,26 +169,26 @@ def _placed(module: nn.Module, device: torch.device, dtype: torch.dtype) -> nn.M
     return module.to(device=device, dtype=dtype)
 
 
-def recompute_in_backward(module: nn.Module, masks: Masks | None = None) -> nn.Module:
+def recompute_in_backward(module: nn.Module, context: ForwardContext | None = None) -> nn.Module:
     """``module``'s forward under ``torch.utils.checkpoint`` (non-reentrant) while gradients are
     on: the block keeps only its input and runs again in the backward, collectives included (every
     rank of a tp or sp group recomputes the same block at the same point of its backward). The
-    recomputation draws under the forward's dropout draw of ``masks`` (another micro-batch's may be
-    current by then), so it drops the same elements."""
+    recomputation runs in the forward's state of ``context`` (another micro-batch's may be current by
+    then): the same dropout draw, the same packed documents."""
     inner = module.forward
 
     def forward(*args, **kwargs):
         if not torch.is_grad_enabled():
             return inner(*args, **kwargs)
-        if masks is None:
+        if context is None:
             return torch.utils.checkpoint.checkpoint(inner, *args, use_reentrant=False, **kwargs)
-        draw = masks.draw
+        state = context.state
 
-        def drawn(*a, **k):
-            with masks.drawing(draw):
+        def again(*a, **k):
+            with context.entering(state):
                 return inner(*a, **k)
 
-        return torch.utils.checkpoint.checkpoint(drawn, *args, use_reentrant=False, **kwargs)
+        return torch.utils.checkpoint.checkpoint(again, *args, use_reentrant=False, **kwargs)
 
     module.forward = forward
     return module
@@ -191,13 +207,13 @@ class PipelineParts(NamedTuple):
 
 
 def build_pipeline(cfg: Config, mesh: Mesh, loss_scale: float = 1.0,
-                   activation_dtype: torch.dtype | None = None, masks: Masks | None = None) -> PipelineParts:
+                   activation_dtype: torch.dtype | None = None, context: ForwardContext | None = None) -> PipelineParts:
     """Cut the model into the chunks of ``pipeline.schedule`` and build only this rank's.
 
     ``loss_scale`` multiplies each micro-batch's mean loss (the DeepSpeed plugin's 1/sp);
     ``activation_dtype``: what activations and their gradients travel between pp ranks in (default
     :func:`~.model.pipeline_activation_dtype`: the autocast dtype under autocast, else the parameters');
-    chunks cast at their boundaries where it differs from the parameters' dtype. ``masks``: as
+    chunks cast at their boundaries where it differs from the parameters' dtype. ``context``: as
     :func:`build_stages`'."""
     pl, p, m = cfg.pipeline, cfg.parallel, cfg.model
     schedule = make_schedule(pl.schedule, p.pp, pl.microbatches, waves=pl.waves, chunks_per_rank=pl.chunks_per_rank,
@@ -206,7 +222,7 @@ def build_pipeline(cfg: Config, mesh: Mesh, loss_scale: float = 1.0,
     ranges = pipeline_cut(cfg, schedule.num_chunks)
     mine = schedule.placement[mesh.rank("pp")]
     untie = schedule.owner(0) != schedule.owner(schedule.num_chunks - 1)
-    stages, loss_fn = build_stages(cfg, mesh, {i for c in mine for i in ranges[c]}, untie=untie, masks=masks)
+    stages, loss_fn = build_stages(cfg, mesh, {i for c in mine for i in ranges[c]}, untie=untie, context=context)
     if loss_scale != 1.0:
         loss_fn = functools.partial(_scaled_loss, loss_fn, loss_scale)
     wire = activation_dtype or pipeline_activation_dtype(cfg)
@@ -258,17 +274,17 @@ def compose(cfg: Config, mesh: Mesh) -> Engine:
                               "build the mesh from cfg.parallel")
     executor = tied_sync = None
     tied_params: list = []
-    masks = dropout_masks(cfg, mesh)
+    context = forward_context(cfg, mesh)
     if cfg.parallel.pp > 1:
-        stages, executor, tied_sync, tied_params = build_pipeline(cfg, mesh, masks=masks)
+        stages, executor, tied_sync, tied_params = build_pipeline(cfg, mesh, context=context)
         loss_fn = executor.loss_fn
     else:
-        stages, loss_fn = build_stages(cfg, mesh, masks=masks)
+        stages, loss_fn = build_stages(cfg, mesh, context=context)
     model = local_model(cfg, stages)
     dense, local = model.dense, model.stages()
     store = parameter_store(cfg, mesh, model, executor, tied_params, tied_sync)  # hetero's chunks or plain
     engine = Engine(cfg, mesh, store, loss_fn, list(local.values()), executor=executor, tied_sync=tied_sync,
-                    dense=dense, masks=masks)
+                    dense=dense, context=context)
     engine.pretrained_bytes_read = model.pretrained_bytes_read
     return engine
 

@@ -14,13 +14,14 @@ from parallel4d.checkpoint import dcp as checkpoint
 from parallel4d.config.schema import Config
 from parallel4d.distributed import comm
 from parallel4d.distributed.mesh import Mesh
-from parallel4d.engine.batch import local_batch, local_rows
+from parallel4d.config.rules.data import eod_token
+from parallel4d.engine.batch import local_batch, local_rows, packed_step
 from parallel4d.engine.memory import SavedActivations, tensor_bytes
 from parallel4d.engine.model import TORCH_DTYPES, model_shape, parameter_count
 from parallel4d.engine.state import checkpoint_keys, dense_state_dict, local_state
 from parallel4d.engine.store import ParameterStore
 from parallel4d.engine.trainer import Trainer
-from parallel4d.models.dropout import Draw, Masks
+from parallel4d.models.context import Draw, ForwardContext, Packed, State
 from parallel4d.optim.loss_scale import LossScale
 from parallel4d.optim.optimizer import lr_at
 
@@ -30,10 +31,11 @@ class Engine(Trainer):
     :class:`~parallel4d.engine.trainer.Trainer` contract), over its :class:`~.store.ParameterStore`."""
 
     def __init__(self, cfg: Config, mesh: Mesh, store: ParameterStore, loss_fn, stages, *, executor=None,
-                 tied_sync=None, dense=None, masks: Masks | None = None):
+                 tied_sync=None, dense=None, context: ForwardContext | None = None):
         self.cfg, self.mesh, self.store = cfg, mesh, store
-        # what the stages' dropout sites read: a training forward sets its micro-batch's draw, evaluation none
-        self.masks = masks if masks is not None else Masks(cfg.train.seed)
+        # what the stages read besides their input: each forward's dropout draw (training only) and packed documents
+        self.context = context if context is not None else ForwardContext(cfg.train.seed)
+        self.eod = eod_token(cfg) if cfg.data.packing == "documents" else None  # None: no packing
         self.model, self.optimizer = store.model, store.optimizer  # the LocalModel; what steps it
         self.dense = dense  # {LocalModel name: (dense name, shape, pieces)}: see dense_layouts()
         self._stages = list(stages)  # this rank's stages in model order (unused under pp)
@@ -62,7 +64,10 @@ class Engine(Trainer):
 
     # --- data ---------------------------------------------------------------------
     def data_rows(self) -> range:
-        """The rows of each global batch this rank reads (the data need not read the others)."""
+        """The rows of each global batch this rank reads (the data need not read the others); with
+        packed documents every row (the loss is normalised by the whole batch's valid targets)."""
+        if self.eod is not None:
+            return range(self.cfg.data.batch_size)
         return local_rows(self.mesh, self.cfg.data.batch_size)
 
     def local_batch(self, x: torch.Tensor) -> torch.Tensor:
@@ -75,25 +80,37 @@ class Engine(Trainer):
         sample (this rank's ``rows`` of the batch cut in ``mb`` equal parts), as one process draws it."""
         return Draw(self.step, rows.start + microbatch * (len(rows) // mb))
 
-    def _forward_backward(self, x, y, rows: range) -> torch.Tensor:
+    def _packing(self, tokens: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, list[Packed | None]]:
+        """The step's targets and each micro-batch's packed documents (:func:`~.batch.packed_step`; without
+        packing the targets as given and None for each)."""
+        mb = self.cfg.pipeline.microbatches
+        if self.eod is None:
+            return targets, [None] * mb
+        seq = self.cfg.sequence
+        return packed_step(self.mesh, tokens, targets, self.eod, mb, seq.layout, seq.ulysses)
+
+    def _forward_backward(self, x, y, rows: range, packs: list[Packed | None]) -> torch.Tensor:
+        mb = self.cfg.pipeline.microbatches
+
+        def state(i: int) -> State:  # micro-batch i's
+            return State(self._draw(rows, i, mb), packs[i])
+
         if self.executor is not None:
-            mb = self.cfg.pipeline.microbatches
             self.executor.loss_scale = self._scale()
-            self.executor.around_forward = lambda i: self.masks.drawing(self._draw(rows, i, mb))
+            self.executor.around_forward = lambda i: self.context.entering(state(i))
             with self.autocast:
                 result = self.executor.step(list(x.chunk(mb)), list(y.chunk(mb)))
             self.last_step_info = {"peak_activations": result.peak_activations, "wait_s": result.wait_s}
             if self.tied_sync is not None:
                 self.tied_sync(self.tied_params, timeout_s=self.cfg.train.timeout_s)
             return result.loss.reshape(1)
-        mb = self.cfg.pipeline.microbatches
         if mb == 1:
-            return self._micro_step(x, y, 1, self._draw(rows, 0, 1))
+            return self._micro_step(x, y, 1, state(0))
         # pp = 1: gradient accumulation over m equal micro-batches, so only one micro-batch's
         # activations are alive at a time; each mean loss weighs 1/m, the sum is the big batch's.
         total = torch.zeros(1, dtype=torch.float64, device=self.device)
         for i, (xm, ym) in enumerate(zip(x.chunk(mb), y.chunk(mb))):
-            total += self._micro_step(xm, ym, mb, self._draw(rows, i, mb))
+            total += self._micro_step(xm, ym, mb, state(i))
         return total / mb
 
     def _scale(self) -> torch.Tensor | float:
@@ -101,11 +118,12 @@ class Engine(Trainer):
         device, never read here), else 1."""
         return self.loss_scale.scale if self.loss_scale is not None else 1.0
 
-    def _micro_step(self, x, y, mb: int, draw: Draw) -> torch.Tensor:
-        """Forward and backward of the local ``[b, s]`` tokens through this rank's stages (dropout from
-        ``draw``), the gradient scaled by ``1/mb``; returns the (unscaled) mean loss as float64 ``[1]``."""
+    def _micro_step(self, x, y, mb: int, state: State) -> torch.Tensor:
+        """Forward and backward of the local ``[b, s]`` tokens through this rank's stages (in ``state``:
+        dropout's draw, packed documents), the gradient scaled by ``1/mb``; returns the (unscaled) mean
+        loss as float64 ``[1]``."""
         h = x
-        with self.autocast, self.masks.drawing(draw):
+        with self.autocast, self.context.entering(state):
             for stage in self._stages:
                 h = stage(h)
             loss = self.loss_fn(h, y)
@@ -118,9 +136,10 @@ class Engine(Trainer):
         ``.grad`` holds this rank's share of the gradient of the global mean loss (reduced
         over the data replicas dp·sp; under hetero its ZeRO reduces at the step). Returns the
         mean loss of this data replica's tokens, float64 ``[1]``, equal on its tp and pp ranks."""
+        targets, packs = self._packing(tokens, targets)
         x, y = self.local_batch(tokens), self.local_batch(targets)
         self.store.start_gradient_reduction()
-        loss = self._forward_backward(x, y, local_rows(self.mesh, tokens.shape[0]))
+        loss = self._forward_backward(x, y, local_rows(self.mesh, tokens.shape[0]), packs)
         self.store.finish_gradient_reduction()
         return loss
 
@@ -130,6 +149,7 @@ class Engine(Trainer):
         touched), in ``pipeline.microbatches`` micro-batches as a training step cuts it: equal in
         every layout to the dense model's loss on the batch. Float64 ``[]`` on the device, not read
         back (as :meth:`train_step`'s). Collective over the whole mesh."""
+        targets, packs = self._packing(tokens, targets)
         x, y = self.local_batch(tokens), self.local_batch(targets)
         mb = self.cfg.pipeline.microbatches
         total = torch.zeros(1, dtype=torch.float64, device=self.device)
@@ -137,13 +157,15 @@ class Engine(Trainer):
             if self.executor is not None:
                 if self._eval_executor is None:
                     self._eval_executor = self.executor.for_evaluation()
+                self._eval_executor.around_forward = lambda i: self.context.entering(State(packed=packs[i]))
                 total += self._eval_executor.step(list(x.chunk(mb)), list(y.chunk(mb))).loss
             else:
-                for xm, ym in zip(x.chunk(mb), y.chunk(mb)):
+                for xm, ym, packed in zip(x.chunk(mb), y.chunk(mb), packs):
                     h = xm
-                    for stage in self._stages:
-                        h = stage(h)
-                    total += self.loss_fn(h, ym).double() / mb
+                    with self.context.entering(State(packed=packed)):
+                        for stage in self._stages:
+                            h = stage(h)
+                        total += self.loss_fn(h, ym).double() / mb
         return self.mean_over_replicas(total, "val_loss")
 
     def _overflow(self, norm: torch.Tensor) -> torch.Tensor:

@@ -14,11 +14,12 @@ The sites (``transformers``' own):
 * llama: ``attention`` only (``attention_dropout``; transformers' Llama and Qwen have no other).
 
 Contract. Each site is a :class:`Site` module of a stage, keyed by the stage's index and its kind.
-Every site of one model (a rank's stages) reads the same :class:`Masks` holder: ``seed``, the
-global sequence positions of the local tokens (a ring shard's; None: ``0..s-1``), and ``draw``, the
-current forward's :class:`Draw` (the step and the global index of its first sample), which whoever
-runs the forward sets (:meth:`Masks.drawing`: the engine per micro-batch, ``DenseModel`` for a
-``step=``); ``draw`` None means no dropout (evaluation, generation). A 2D twin's site carries its
+Every site of one model (a rank's stages) reads the same
+:class:`~parallel4d.models.context.ForwardContext`: ``seed``, the global sequence positions of the
+local tokens (a ring shard's; None: ``0..s-1``), and ``draw``, the current forward's
+:class:`~parallel4d.models.context.Draw` (the step and the global index of its first sample), which
+whoever runs the forward sets (the engine per micro-batch, ``DenseModel`` for a ``step=``); ``draw``
+None means no dropout (evaluation, generation). A 2D twin's site carries its
 offset in the dense hidden features or heads. The attention's site hands the core an
 :class:`AttentionMask` (``attention_fn(q, k, v, causal=..., dropout=mask)``, only when one is
 active): :meth:`AttentionMask.attend` for a core over the whole local sequence,
@@ -32,12 +33,12 @@ elements are scaled by ``1/(1-p)`` (``torch.nn.Dropout``'s inverted dropout).
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 from typing import Sequence
 
 import torch
-import torch.nn as nn
+
+from parallel4d.models.context import ReadsContext
 
 WORD = 0xFFFFFFFF
 _MULT = 0x45D9F3B  # < 2^27: a 32-bit word times it stays below 2^59
@@ -71,46 +72,7 @@ def keep_scale(key: int, p: float, coords: Sequence[torch.Tensor], dtype: torch.
     return (h >= threshold).to(dtype) * (1.0 / (1.0 - p))
 
 
-@dataclass(frozen=True)
-class Draw:
-    """One forward's part of the masks' key: the optimizer ``step`` and the global index of the
-    forward's first sample (row) in the step's batch."""
-
-    step: int
-    first_row: int = 0
-
-
-class Masks:
-    """Where a model's :class:`Site` modules read their draw: one per model (a rank's stages).
-    ``positions`` ``[s]``: the global sequence positions of the local tokens (None: ``0..s-1``)."""
-
-    def __init__(self, seed: int, positions: torch.Tensor | None = None):
-        self.seed = seed
-        self.positions = positions
-        self.draw: Draw | None = None  # None: no dropout (evaluation, generation)
-
-    @contextlib.contextmanager
-    def drawing(self, draw: Draw | None):
-        """Forwards inside draw from ``draw`` (None: none); the previous draw restored after."""
-        before, self.draw = self.draw, draw
-        try:
-            yield
-        finally:
-            self.draw = before
-
-    def seq_positions(self, s: int, device) -> torch.Tensor:
-        """Global positions ``[s]`` of the local tokens."""
-        return torch.arange(s, device=device) if self.positions is None else self.positions.to(device)
-
-
-def attach(module: nn.Module, masks: Masks) -> None:
-    """Point every :class:`Site` under ``module`` at ``masks``."""
-    for m in module.modules():
-        if isinstance(m, Site):
-            m.masks = masks
-
-
-class Site(nn.Module):
+class Site(ReadsContext):
     """A dropout site of stage ``stage`` (0 the embedding, 1…L the blocks), ``kind`` one of
     :data:`KINDS`, rate ``p``; ``offset``: where this module's features (``[b, s, w]`` sites) or heads
     (the attention's) start in the dense ones (a 2D twin's grid column)."""
@@ -120,7 +82,6 @@ class Site(nn.Module):
         if kind not in KINDS:
             raise ValueError(f"dropout site kind {kind!r} is not one of {KINDS}")
         self.p, self.stage, self.kind, self.offset = float(p), stage, kind, offset
-        self.masks: Masks | None = None  # attach() sets the model's
 
     def extra_repr(self) -> str:
         return f"p={self.p}, stage={self.stage}, kind={self.kind}, offset={self.offset}"
@@ -130,10 +91,10 @@ class Site(nn.Module):
         return Site(self.p, self.stage, self.kind, offset)
 
     def _key(self) -> int | None:
-        draw = None if self.masks is None else self.masks.draw
+        draw = None if self.context is None else self.context.draw
         if draw is None:
             return None
-        return site_key(self.masks.seed, draw.step, self.stage, self.kind)
+        return site_key(self.context.seed, draw.step, self.stage, self.kind)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` ``[b, s, w]`` (this slice's features) with the dense elements' masks applied."""
@@ -155,7 +116,7 @@ def _apply(site: Site, x: torch.Tensor) -> torch.Tensor:
     if key is None:
         return x
     b, s, w = x.shape
-    m, d = site.masks, site.masks.draw
+    m, d = site.context, site.context.draw
     coords = (torch.arange(d.first_row, d.first_row + b, device=x.device), m.seq_positions(s, x.device),
               torch.arange(site.offset, site.offset + w, device=x.device))
     return x * keep_scale(key, site.p, coords, x.dtype)
@@ -166,10 +127,10 @@ def _attention_mask(site: Site, batch: int, heads: int, device) -> AttentionMask
     key = site._key()
     if key is None:
         return None
-    d = site.masks.draw
+    d = site.context.draw
     return AttentionMask(site.p, key, torch.arange(d.first_row, d.first_row + batch, device=device),
                          torch.arange(site.offset, site.offset + heads, device=device),
-                         None if site.masks.positions is None else site.masks.positions.to(device))
+                         None if site.context.positions is None else site.context.positions.to(device))
 
 
 @dataclass(frozen=True)
@@ -189,24 +150,27 @@ class AttentionMask:
         """``[b, h, lq, lk]``: 0 or ``1/(1-p)`` for these global query and key positions."""
         return keep_scale(self.key, self.p, (self.rows, self.heads, query_positions, key_positions), dtype)
 
-    def attend(self, q, k, v, causal: bool) -> torch.Tensor:
+    def attend(self, q, k, v, causal: bool, documents=None) -> torch.Tensor:
         """Softmax attention with this mask, in plain operations (fused kernels cannot take it): q
         ``[b, h, s, d]``, k and v ``[b, h_kv, s, d]`` (``h % h_kv == 0``, query head ``i`` reading
-        key/value head ``i // (h/h_kv)``) → ``[b, h, s, d]``; scores in float32 or wider."""
+        key/value head ``i // (h/h_kv)``) → ``[b, h, s, d]``; scores in float32 or wider.
+        ``documents``: packed documents over these ``s`` tokens (each query attends its own document's keys)."""
         b, h, s, d = q.shape
         hkv, wide = k.shape[1], torch.promote_types(q.dtype, torch.float32)
         pos = torch.arange(s, device=q.device) if self.positions is None else self.positions.to(q.device)
         scores = q.to(wide).reshape(b, hkv, h // hkv, s, d) @ k.to(wide).unsqueeze(2).transpose(-1, -2)
         scores = scores * d ** -0.5
-        if causal:
+        if documents is not None:
+            scores = scores.masked_fill(~documents.mask(causal)[:, None, None], float("-inf"))
+        elif causal:
             scores = scores.masked_fill(torch.ones(s, s, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
         probs = scores.softmax(-1) * self.keep(pos, pos, wide).reshape(b, hkv, h // hkv, s, s)
         return (probs @ v.to(wide).unsqueeze(2)).reshape(b, h, s, v.shape[-1]).to(q.dtype)
 
 
-def attend(attention_fn, q, k, v, causal: bool, mask: AttentionMask | None):
-    """``attention_fn(q, k, v, causal=causal)``, with ``dropout=mask`` when a mask is drawn (a core
-    that cannot take one raises: dropout is never silently left out)."""
-    if mask is None:
-        return attention_fn(q, k, v, causal=causal)
-    return attention_fn(q, k, v, causal=causal, dropout=mask)
+def attend(attention_fn, q, k, v, causal: bool, mask: AttentionMask | None, documents=None):
+    """``attention_fn(q, k, v, causal=causal)``, with ``dropout=mask`` when a mask is drawn and
+    ``documents=`` when the forward is packed (a core that cannot take one raises: neither is ever
+    silently left out)."""
+    extra = {k: v for k, v in (("dropout", mask), ("documents", documents)) if v is not None}
+    return attention_fn(q, k, v, causal=causal, **extra)

@@ -14,14 +14,29 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from parallel4d.models.dropout import Draw, Masks, attach
+from parallel4d.models.context import Draw, ForwardContext, attach
 
 
-def cross_entropy(logits, targets, ignore_index: int = -100):
-    """Mean token cross entropy of ``[b, s, V]`` logits against ``[b, s]`` targets."""
+def cross_entropy(logits, targets, ignore_index: int = -100, reduction: str = "mean"):
+    """Mean (or ``"sum"``) token cross entropy of ``[b, s, V]`` logits against ``[b, s]`` targets;
+    ``ignore_index`` targets count in neither."""
     if logits.dtype in (torch.float16, torch.bfloat16):  # the softmax wants ≥ fp32 accuracy
         logits = logits.float()
-    return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=ignore_index)
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=ignore_index, reduction=reduction)
+
+
+def dense_attention(q, k, v, causal: bool = True, dropout=None, documents=None):
+    """Softmax attention over the whole local sequence, the single-process reference's core (every
+    family's, dense and 2D): q ``[b, heads, s, d]``, k and v ``[b, kv_heads, s, d]`` (grouped-query when
+    fewer). ``dropout``: an :class:`~parallel4d.models.dropout.AttentionMask` (plain operations then:
+    SDPA cannot take it); ``documents``: packed :class:`~parallel4d.sequence.documents.Documents` over
+    the ``s`` tokens (each query attends its own document's keys)."""
+    if dropout is not None:
+        return dropout.attend(q, k, v, causal, documents)
+    gqa = k.shape[1] != q.shape[1]
+    if documents is not None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=documents.mask(causal)[:, None], enable_gqa=gqa)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa)
 
 
 def cached_attention(q, k, v, start: int) -> torch.Tensor:
@@ -87,8 +102,8 @@ class DenseModel(nn.Module):
         self.blocks = nn.ModuleList(build(shape, i + 1, seed) for i in range(shape.layers))
         tied = self.embed.tok.weight if shape.tie_embeddings else None
         self.head = build(shape, shape.layers + 1, seed, tied_weight=tied)
-        self.masks = Masks(seed)
-        attach(self, self.masks)
+        self.context = ForwardContext(seed)
+        attach(self, self.context)
 
     def stages(self) -> list[nn.Module]:
         """The model as a flat list a pipeline cuts into contiguous chunks."""
@@ -96,7 +111,7 @@ class DenseModel(nn.Module):
 
     def forward(self, tokens, targets=None, step: int | None = None):
         x = tokens
-        with self.masks.drawing(Draw(step) if step is not None and self.training else None):
+        with self.context.drawing(Draw(step) if step is not None and self.training else None):
             for stage in self.stages():
                 x = stage(x)
         return x if targets is None else cross_entropy(x, targets)

@@ -91,7 +91,8 @@ class PipelineExecutor:
         validate(schedule)
         self.forward_only = forward_only
         self.loss_scale = 1.0  # the backward starts from loss · loss_scale / m (float16's dynamic scale)
-        # entered around each chunk's forward of micro-batch i (the engine's dropout draw for it); None: nothing
+        # entered around each chunk's forward (and the loss) of micro-batch i: the engine's dropout draw and packed
+        # documents for it; None: nothing
         self.around_forward: Callable[[int], ContextManager] | None = None
         if mesh.size("pp") != schedule.pp:
             raise ValueError(f"schedule is for pp={schedule.pp} but the mesh has parallel.pp={mesh.size('pp')}")
@@ -197,8 +198,10 @@ class PipelineExecutor:
             x = x.detach().requires_grad_(x.is_floating_point())
         with self.around_forward(i) if self.around_forward is not None else contextlib.nullcontext():
             y = self.chunks[c](x)
+            if c == self.last:  # the loss too reads the micro-batch's context (packed documents' weight)
+                y = self.loss_fn(y, targets[i].to(self.device))
         if c == self.last:
-            loss = self.loss_fn(y, targets[i].to(self.device))
+            loss = y
             st.losses.append(loss.detach())
             if not self.forward_only:
                 st.store(a, x, loss)

@@ -24,9 +24,12 @@ class Documents:
 
     @classmethod
     def from_starts(cls, starts: torch.Tensor, device=None) -> "Documents":
-        """From a host ``[b, s]`` boolean: True where a document begins (position 0 always is one)."""
+        """From a host ``[b, s]`` boolean: True where a document begins (position 0 always is one); the
+        device copy from page-locked memory, so the host does not wait for the device's queue."""
         host = starts.to(torch.int64).cumsum(1)
-        return cls(host.to(device) if device is not None else host, host)
+        if device is None or torch.device(device).type == "cpu":
+            return cls(host.to(device) if device is not None else host, host)
+        return cls(host.pin_memory().to(device, non_blocking=True), host)
 
     def pairs(self, query_positions: torch.Tensor, key_positions: torch.Tensor) -> torch.Tensor:
         """``[b, lq, lk]``: whether each query at these global positions shares a document with each key."""
@@ -41,11 +44,10 @@ class Documents:
         last = torch.minimum(h[:, queries[1] - 1], h[:, keys[1] - 1])
         return bool((first <= last).any())
 
-
-def dense_mask(documents: Documents, causal: bool) -> torch.Tensor:
-    """``[b, s, s]``: the whole sequence's allowed (query, key) pairs — same document, and key ≤ query
-    when causal (the single-process reference of the ring's masking)."""
-    s = documents.ids.shape[1]
-    pos = torch.arange(s, device=documents.ids.device)
-    allowed = documents.pairs(pos, pos)
-    return allowed & torch.ones(s, s, dtype=torch.bool, device=allowed.device).tril() if causal else allowed
+    def mask(self, causal: bool) -> torch.Tensor:
+        """``[b, s, s]``: the whole sequence's allowed (query, key) pairs — same document, and key ≤ query
+        when causal (what attention over the whole sequence applies; the ring's reference)."""
+        s = self.ids.shape[1]
+        pos = torch.arange(s, device=self.ids.device)
+        allowed = self.pairs(pos, pos)
+        return allowed & torch.ones(s, s, dtype=torch.bool, device=allowed.device).tril() if causal else allowed

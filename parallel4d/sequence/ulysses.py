@@ -72,11 +72,11 @@ def hybrid_position_tensor(seq_len: int, rank: int, n: int, ulysses: int, layout
 
 def make_ulysses_attention_fn(ulysses_group, ring_group, layout: str = "zigzag", stats=None, *,
                               timeout_s: float | None = None, deadlines=None):
-    """A drop-in ``attention_fn(q, k, v, causal=True, dropout=None)`` running :func:`ulysses_attention`
-    (the model's attention core under ``sequence.ulysses > 1``)."""
-    def attention_fn(q, k, v, causal: bool = True, dropout=None):
+    """A drop-in ``attention_fn(q, k, v, causal=True, dropout=None, documents=None)`` running
+    :func:`ulysses_attention` (the model's attention core under ``sequence.ulysses > 1``)."""
+    def attention_fn(q, k, v, causal: bool = True, dropout=None, documents=None):
         return ulysses_attention(q, k, v, ulysses_group, ring_group, causal=causal, layout=layout, stats=stats,
-                                 timeout_s=timeout_s, deadlines=deadlines, dropout=dropout)
+                                 timeout_s=timeout_s, deadlines=deadlines, dropout=dropout, documents=documents)
 
     attention_fn.layout = layout
     return attention_fn

@@ -1,5 +1,6 @@
 """The data's rules: the global batch's split (data replicas, grid rows, micro-batches), the data
-source and what it reads (vocabulary, text corpus, token files), and the held-out validation data.
+source and what it reads (vocabulary, text corpus, token files), packed documents, and the held-out
+validation data.
 The token files' own rules live with their format in ``data/token_files.py``."""
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from typing import TYPE_CHECKING, Iterable, Optional
 
 from parallel4d.config.rules.common import FIELD_NAMES, closest, divisors, near_multiples, or_list
 from parallel4d.data.text_files import corpus_bytes
-from parallel4d.data.token_files import token_file_problems
+from parallel4d.data.token_files import read_sidecar, token_file_problems
 
 if TYPE_CHECKING:  # annotations only: the schema imports the rules
     from parallel4d.config.schema import Config
@@ -81,6 +82,50 @@ def _text_root_problems(root: str | None, patterns: list[str] | None) -> list[st
     return [f"{where} holds {found} bytes of .py files (without data.text_glob the corpus reads .py files only) "
             f"and data.source=text needs ≥ {_CORPUS_MIN_BYTES}; point it at a folder of .py files, set "
             "data.text_glob, or leave data.text_root unset to use Python's standard library"]
+
+
+def eod_token(cfg: Config) -> int | None:
+    """The end-of-document token of packed documents: ``data.eod_token``, else the token file's
+    ``eos_token_id`` (``parallel4d tokenize`` ends every file with it); None when neither says."""
+    d = cfg.data
+    if d.eod_token is not None or d.source != "tokens" or not d.path:
+        return d.eod_token
+    try:
+        eos = read_sidecar(d.path).get("eos_token_id")
+    except ValueError:  # source_problems names the unreadable sidecar
+        return None
+    return eos if isinstance(eos, int) else None
+
+
+def packing_problems(cfg: Config) -> list[str]:
+    """``data.packing: documents``: an end-of-document token the vocabulary holds, and nothing that
+    cannot follow documents (DeepSpeed's engine, a compiled block, dynamic rotary)."""
+    d, m = cfg.data, cfg.model
+    if d.packing == "none":
+        return ([] if d.eod_token is None else
+                [f"data.eod_token={d.eod_token} is read with data.packing=documents; set data.packing=documents "
+                 "or remove data.eod_token"])
+    eod, out = eod_token(cfg), []
+    if eod is None:
+        where = ("its sidecar names no eos_token_id (tokenized by an older parallel4d); " if d.source == "tokens"
+                 else "")
+        out.append(f"data.packing=documents needs the end-of-document token: {where}set data.eod_token to the id "
+                   "that ends each document")
+    elif eod >= m.vocab_size:
+        out.append(f"data.eod_token={eod} is not below model.vocab_size={m.vocab_size}; use the tokenizer's "
+                   "end-of-document id")
+    if cfg.deepspeed is not None:
+        out.append("data.packing=documents with a deepspeed: section: each micro-batch's documents are passed by "
+                   "parallel4d's own engine only; remove one of them")
+    if cfg.train.compile != "none":
+        out.append(f"data.packing=documents with train.compile={cfg.train.compile}: the documents change every "
+                   "micro-batch and would recompile each block; set train.compile=none")
+    scaling = m.rope_scaling
+    if scaling is not None and scaling.rope_type == "dynamic":
+        out.append("data.packing=documents with model.rope_scaling rope_type=dynamic: dynamic rotary scales by "
+                   "the sequence's length, which packed documents do not define; use linear, yarn or llama3 "
+                   "scaling, or data.packing=none")
+    return out
 
 
 def validation_problems(cfg: Config) -> list[str]:

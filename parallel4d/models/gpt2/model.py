@@ -21,8 +21,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from parallel4d.models.context import ReadsContext
 from parallel4d.models.dropout import Site, attend
-from parallel4d.models.stages import DenseModel, cached_attention, seeded_stage
+from parallel4d.models.stages import DenseModel, cached_attention, dense_attention, seeded_stage
 
 if TYPE_CHECKING:
     from parallel4d.config.schema import ModelConfig
@@ -59,18 +60,11 @@ class GPTShape:
         return self.max_positions or self.seq_len
 
 
-def dense_attention(q, k, v, causal: bool = True, dropout=None):
-    """Softmax attention on ``[b, heads, s, d]``; the single-process reference. ``dropout``: an
-    :class:`~parallel4d.models.dropout.AttentionMask` (plain operations then: SDPA cannot take it)."""
-    if dropout is not None:
-        return dropout.attend(q, k, v, causal)
-    return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
-
-
-class Embedding(nn.Module):
+class Embedding(ReadsContext):
     """Token + learned position embedding, then its dropout: tokens ``[b, s]`` → ``[b, s, h]``. The
     position table has ``shape.positions ≥ s`` rows; training at ``seq_len`` reads the first ``seq_len``
-    (the others get no gradient and stay as they were loaded)."""
+    (the others get no gradient and stay as they were loaded). ``positions``: ``[s]`` (default
+    ``0..s-1``); a packed forward's per-sample positions in each document replace them."""
 
     def __init__(self, shape: GPTShape):
         super().__init__()
@@ -79,12 +73,19 @@ class Embedding(nn.Module):
         self.drop = Site(shape.embedding_dropout, 0, "embedding")
 
     def forward(self, tokens, positions=None):
-        if positions is None:
-            positions = torch.arange(tokens.shape[1], device=tokens.device)
-        return self.drop(self.tok(tokens) + self.pos(positions))
+        return self.drop(self.tok(tokens) + self.pos(token_positions(self, tokens, positions)))
 
 
-class Attention(nn.Module):
+def token_positions(module: ReadsContext, tokens, positions=None) -> torch.Tensor:
+    """What a learned position table reads for ``tokens`` ``[b, s]``: a packed forward's per-document
+    positions ``[b, s]``, else ``positions`` ``[s]`` (default ``0..s-1``)."""
+    packed = module.packed()
+    if packed is not None:
+        return packed.positions
+    return torch.arange(tokens.shape[1], device=tokens.device) if positions is None else positions
+
+
+class Attention(ReadsContext):
     """Multi-head self-attention ``[b, s, h]`` → ``[b, s, h]`` with a pluggable core,
     called as ``attention_fn(q, k, v, causal=self.causal)`` on ``[b, heads, s, d]`` (with
     ``dropout=`` the probabilities' mask when one is drawn); the output's dropout after ``proj``."""
@@ -103,7 +104,7 @@ class Attention(nn.Module):
         b, s, h = x.shape
         q, k, v = self.qkv(x).view(b, s, 3, self.heads, h // self.heads).permute(2, 0, 3, 1, 4)
         mask = self.attn_drop.attention(b, self.heads, x.device)
-        y = attend(self.attention_fn, q, k, v, self.causal, mask)  # [b, heads, s, d]
+        y = attend(self.attention_fn, q, k, v, self.causal, mask, self.documents())  # [b, heads, s, d]
         return self.resid_drop(self.proj(y.transpose(1, 2).reshape(b, s, h)))
 
 

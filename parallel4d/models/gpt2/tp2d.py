@@ -16,14 +16,15 @@ projection needs no permutation: the attention output of my heads is hidden bloc
 
 from __future__ import annotations
 
-import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from parallel4d.models.context import ReadsContext
 from parallel4d.models.dropout import Site, attend
-from parallel4d.models.gpt2.model import Block, Embedding, Head
+from parallel4d.models.gpt2.model import Block, Embedding, Head, token_positions
+from parallel4d.models.stages import dense_attention
 from parallel4d.tensor2d.checks import check_heads
-from parallel4d.tensor2d.composite import Composite2D, Head2D, sdpa_attention
+from parallel4d.tensor2d.composite import Composite2D, Head2D
 from parallel4d.tensor2d.layers import Embedding2D, LayerNorm2D, Linear2D, VocabParallelEmbedding2D
 
 
@@ -33,7 +34,7 @@ def qkv_permutation(hidden: int, q: int) -> list[int]:
     return [part * hidden + j * w + r for j in range(q) for part in range(3) for r in range(w)]
 
 
-class Block2D(Composite2D):
+class Block2D(Composite2D, ReadsContext):
     """Pre-LN block ``x + proj(attn(qkv(ln1 x)))``, then ``x + fc2(gelu(fc1(ln2 x)))`` on
     ``[b/q, s, h/q]``. 4 SUMMA AB forward, 4 ABᵀ + 4 AᵀB backward; the attention core
     ``attention_fn(q, k, v, causal=self.causal)`` sees local ``[b/q, heads/q, s_local, d]``.
@@ -50,7 +51,7 @@ class Block2D(Composite2D):
         self.ln1, self.qkv, self.proj, self.ln2, self.fc1, self.fc2 = ln1, qkv, proj, ln2, fc1, fc2
         self.heads = heads
         self.local_heads = heads // qkv.grid.q
-        self.attention_fn = attention_fn or sdpa_attention
+        self.attention_fn = attention_fn or dense_attention
 
     @classmethod
     def from_dense(cls, block: Block, mesh, attention_fn=None, *, name: str = "block",
@@ -84,7 +85,7 @@ class Block2D(Composite2D):
         bq, s, hq = x.shape
         qkv = self.qkv(x).view(bq, s, 3, self.local_heads, hq // self.local_heads).permute(2, 0, 3, 1, 4)
         mask = self.attn_drop.attention(bq, self.local_heads, x.device)
-        y = attend(self.attention_fn, qkv[0], qkv[1], qkv[2], self.causal, mask)  # [b/q, a/q, s, d]
+        y = attend(self.attention_fn, qkv[0], qkv[1], qkv[2], self.causal, mask, self.documents())  # [b/q, a/q, s, d]
         return self.attn_out_drop(self.proj(y.transpose(1, 2).reshape(bq, s, hq)))
 
     def forward(self, x):
@@ -92,7 +93,7 @@ class Block2D(Composite2D):
         return x + self.mlp_drop(self.fc2(F.gelu(self.fc1(self.ln2(x)), approximate=self.approximate)))
 
 
-class TokenPositionEmbedding2D(Composite2D):
+class TokenPositionEmbedding2D(Composite2D, ReadsContext):
     """Mirrors the dense ``Embedding``: ``tok`` (vocab-parallel) + learned ``pos``.
 
     tokens ``[b/q, s]`` (batch block i) and optional positions (``[s]`` or ``[b/q, s]``,
@@ -115,9 +116,7 @@ class TokenPositionEmbedding2D(Composite2D):
         return [("tok.", self.tok), ("pos.", self.pos)]
 
     def forward(self, tokens, positions=None):
-        if positions is None:
-            positions = torch.arange(tokens.shape[1], device=tokens.device)
-        return self.drop(self.tok(tokens) + self.pos(positions))
+        return self.drop(self.tok(tokens) + self.pos(token_positions(self, tokens, positions)))
 
 
 def from_dense_stage(stage: nn.Module, mesh, *, embedding=None, attention_fn=None, name: str = "",

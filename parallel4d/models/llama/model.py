@@ -25,9 +25,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from parallel4d.models.context import ReadsContext
 from parallel4d.models.dropout import Site, attend
 from parallel4d.models.llama.rotary import Rotary, Scaling, rotate
-from parallel4d.models.stages import DenseModel, cached_attention, seeded_stage
+from parallel4d.models.stages import DenseModel, cached_attention, dense_attention, seeded_stage
 
 if TYPE_CHECKING:
     from parallel4d.config.schema import ModelConfig
@@ -67,14 +68,6 @@ class LlamaShape:
         return Rotary(self.head_dim, self.rope_theta, self.rope_scaling, self.max_positions or self.seq_len)
 
 
-def dense_attention(q, k, v, causal: bool = True, dropout=None):
-    """Softmax attention, q ``[b, heads, s, d]``, k and v ``[b, kv_heads, s, d]``; ``dropout``: an
-    :class:`~parallel4d.models.dropout.AttentionMask` (plain operations then: SDPA cannot take it)."""
-    if dropout is not None:
-        return dropout.attend(q, k, v, causal)
-    return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=k.shape[1] != q.shape[1])
-
-
 class RMSNorm(nn.Module):
     """``x / rms(x) · weight`` over the last dimension, computed in float32 (or wider)."""
 
@@ -101,10 +94,11 @@ class Embedding(nn.Module):
         return self.tok(tokens)
 
 
-class Attention(nn.Module):
+class Attention(ReadsContext):
     """Grouped-query self-attention with rotary q, k: ``[b, s, h]`` → ``[b, s, h]``; the core is
     ``attention_fn(q, k, v, causal=...)``. ``positions`` ``[s]``: the tokens' global positions
-    (None: ``0..s-1``) in a sequence of ``length`` tokens (None: ``s``; dynamic rotary reads it)."""
+    (None: ``0..s-1``) in a sequence of ``length`` tokens (None: ``s``; dynamic rotary reads it); a
+    packed forward rotates by each token's position in its document instead."""
 
     def __init__(self, shape: LlamaShape, attention_fn=dense_attention, stage: int = 1):
         super().__init__()
@@ -137,11 +131,21 @@ class Attention(nn.Module):
     def forward(self, x):
         b, s, _ = x.shape
         q, k, v = self.heads_of(x, s)
-        pos = self.positions if self.positions is not None else torch.arange(s, device=x.device)
-        cos, sin = self.rotary.table(pos, self.length or s, q.dtype)
+        cos, sin = self.rotary.table(rotary_positions(self, s, x.device), self.length or s, q.dtype)
         mask = self.attn_drop.attention(b, self.heads, x.device)
-        y = attend(self.attention_fn, rotate(q, cos, sin), rotate(k, cos, sin), v, self.causal, mask)  # [b, heads, s, d]
+        y = attend(self.attention_fn, rotate(q, cos, sin), rotate(k, cos, sin), v, self.causal, mask,
+                   self.documents())  # [b, heads, s, d]
         return self.o_proj(y.transpose(1, 2).reshape(b, s, -1))
+
+
+def rotary_positions(attn, s: int, device) -> torch.Tensor:
+    """What an attention (dense or 2D: a :class:`~parallel4d.models.context.ReadsContext` with
+    ``positions``) rotates its ``s`` local tokens by: a packed forward's positions in each document
+    ``[b, s]``, else the tokens' global positions ``[s]`` (default ``0..s-1``)."""
+    packed = attn.packed()
+    if packed is not None:
+        return packed.positions
+    return attn.positions if attn.positions is not None else torch.arange(s, device=device)
 
 
 class MLP(nn.Module):

@@ -128,19 +128,22 @@ class Rotary:
     max_positions: int = 2048
 
     def table(self, positions: torch.Tensor, length: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin ``[s, d]`` in ``dtype`` for ``positions`` ``[s]`` of a ``length``-token sequence,
-        computed in the wider of ``dtype`` and float32 (Hugging Face's half-split layout: dimension
-        ``i`` pairs with ``i + d/2``)."""
+        """cos and sin in ``dtype`` for ``positions`` of a ``length``-token sequence: ``[s, d]`` for
+        positions ``[s]`` (shared by the batch), ``[b, 1, s, d]`` for per-sample positions ``[b, s]``
+        (packed documents; broadcast over the heads). Computed in the wider of ``dtype`` and float32
+        (Hugging Face's half-split layout: dimension ``i`` pairs with ``i + d/2``)."""
         wide = torch.promote_types(dtype, torch.float32)
         inv, scale = frequencies(self.head_size, self.theta, self.scaling, self.max_positions, length, dtype=wide,
                                  device=positions.device)
-        angles = positions.to(wide)[:, None] * inv[None, :]  # [s, d/2]
+        angles = positions.to(wide)[..., None] * inv  # [..., s, d/2]
         emb = torch.cat((angles, angles), dim=-1)
+        if positions.dim() == 2:
+            emb = emb.unsqueeze(1)
         return (emb.cos() * scale).to(dtype), (emb.sin() * scale).to(dtype)
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """``x`` ``[b, heads, s, d]`` rotated by the table ``cos``, ``sin`` ``[s, d]``."""
+    """``x`` ``[b, heads, s, d]`` rotated by the table ``cos``, ``sin`` (``[s, d]`` or ``[b, 1, s, d]``)."""
     d = x.shape[-1]
     x1, x2 = x[..., : d // 2], x[..., d // 2:]
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin

@@ -22,15 +22,17 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from parallel4d.models.context import ReadsContext
 from parallel4d.models.dropout import Site, attend
-from parallel4d.models.llama.model import Block, Embedding, Head
+from parallel4d.models.llama.model import Block, Embedding, Head, rotary_positions
+from parallel4d.models.stages import dense_attention
 from parallel4d.models.llama.rotary import Rotary, rotate
 from parallel4d.tensor2d.checks import check_divisible, check_heads
-from parallel4d.tensor2d.composite import Composite2D, Head2D, sdpa_attention
+from parallel4d.tensor2d.composite import Composite2D, Head2D
 from parallel4d.tensor2d.layers import HeadRMSNorm2D, Linear2D, RMSNorm2D, VocabParallelEmbedding2D
 
 
-class LlamaBlock2D(Composite2D):
+class LlamaBlock2D(Composite2D, ReadsContext):
     """``x + o(attn(rope(q(n1 x)), rope(k(n1 x)), v(n1 x)))``, then ``x + down(silu(gate(n2 x)) · up(n2 x))``
     on ``[b/q, s, h/q]``; the core ``attention_fn(q, k, v, causal=...)`` sees local q
     ``[b/q, a/q, s, d]`` and k, v ``[b/q, kv/q, s, d]``. ``positions`` ``[s]``: the tokens'
@@ -49,7 +51,7 @@ class LlamaBlock2D(Composite2D):
         q = self.q_proj.grid.q
         self.local_heads, self.local_kv_heads = heads // q, kv_heads // q
         self.rotary, self.causal = rotary, causal
-        self.attention_fn = attention_fn or sdpa_attention
+        self.attention_fn = attention_fn or dense_attention
         self.positions: torch.Tensor | None = None
         self.length: int | None = None
 
@@ -91,10 +93,10 @@ class LlamaBlock2D(Composite2D):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = q.transpose(1, 2), k.transpose(1, 2)
-        pos = self.positions if self.positions is not None else torch.arange(s, device=x.device)
-        cos, sin = self.rotary.table(pos, self.length or s, q.dtype)
+        cos, sin = self.rotary.table(rotary_positions(self, s, x.device), self.length or s, q.dtype)
         mask = self.attn_drop.attention(bq, self.local_heads, x.device)
-        y = attend(self.attention_fn, rotate(q, cos, sin), rotate(k, cos, sin), v, self.causal, mask)
+        y = attend(self.attention_fn, rotate(q, cos, sin), rotate(k, cos, sin), v, self.causal, mask,
+                   self.documents())
         return self.o_proj(y.transpose(1, 2).reshape(bq, s, -1))
 
     def forward(self, x):
