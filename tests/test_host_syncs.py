@@ -173,6 +173,12 @@ def test_a_planted_item_in_the_step_is_caught(single_rank, monkeypatch):
      {"model": {"arch": "llama", "kv_heads": 2, "qk_norm": True, "head_dim": 16, "max_positions": 32,
                 "attention_dropout": 0.1, "rope_scaling": {"rope_type": "yarn", "factor": 4.0,
                                                            "original_max_position_embeddings": 8}}}, ()),
+    ("packed documents, evaluated: counted on the host, copied from page-locked memory",
+     {"data": {"packing": "documents", "eod_token": 5}, "pipeline": {"microbatches": 2},
+      "train": {"eval_every": 4, "eval_batches": 1}}, ()),
+    ("packed documents in a grouped-query llama, recomputed",
+     {"model": {"arch": "llama", "kv_heads": 2}, "data": {"packing": "documents", "eod_token": 5},
+      "train": {"activation_checkpointing": "blocks"}}, ()),
     ("llama with dynamic rotary past its positions",
      {"model": {"arch": "llama", "kv_heads": 2, "max_positions": 8,
                 "rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}}, ()),
@@ -253,6 +259,8 @@ SIXTEEN = {  # each alone fills the 16 ranks with data parallelism
     "pipeline interleaved": {"parallel": {"pp": 4, "dp": 4}, "model": {"layers": 6},
                              "pipeline": {"schedule": "interleaved", "chunks_per_rank": 2, "microbatches": 4}},
     "ring sp": {"parallel": {"sp": 2, "dp": 8}},
+    "ring sp × 2D tp, packed documents": {"parallel": {"sp": 2, "tp": 4, "dp": 2},
+                                          "data": {"packing": "documents", "eod_token": 5}},
     "hetero ZeRO": {"parallel": {"dp": 16}, "hetero": {"enabled": True, "chunk_elems": 4096}},
 }
 FOUR = ["train.steps=4", "train.log_every=3", "checkpoint.enabled=false"]  # configs/4d.yaml as shipped otherwise

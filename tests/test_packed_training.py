@@ -109,6 +109,46 @@ def test_one_process_packed_training_equals_each_document_alone(model, single_ra
         torch.testing.assert_close(p.detach(), want[name], rtol=1e-9, atol=1e-12, msg=name)
 
 
+def test_packed_llama_equals_transformers_given_the_block_diagonal_mask(tmp_path, monkeypatch, single_rank):
+    """transformers' own Llama (grouped-query, float64) given the batch's block-diagonal causal 4D mask and
+    position_ids restarting at each document, loss summed over the valid targets and divided by their
+    number: the engine's packed loss and every gradient, in one process (1e-10)."""
+    transformers = pytest.importorskip("transformers")
+    from parallel4d.data.packing import document_positions
+    from parallel4d.distributed.mesh import init_mesh
+    from parallel4d.engine.compose import compose
+    from parallel4d.models import hf
+    from parallel4d.sequence.documents import Documents
+    from test_hf import float64_transformers
+
+    torch.manual_seed(0)
+    ref = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=16, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=8,
+        num_key_value_heads=4, max_position_embeddings=64, rope_theta=5e5, tie_word_embeddings=False)).double()
+    ref.save_pretrained(tmp_path)
+    job = _job({"pretrained": str(tmp_path), "seq_len": 32})
+    cfg = make_config(job)
+    engine = compose(cfg, init_mesh(timeout_s=60))
+    tokens, targets = build_dataset(cfg).batch(0)
+    loss = float(engine.compute_gradients(tokens, targets))
+
+    float64_transformers(monkeypatch, ref)
+    ref.set_attn_implementation("sdpa")
+    starts = document_starts(tokens, EOD)
+    logits = ref(tokens, position_ids=document_positions(starts),
+                 attention_mask=Documents.from_starts(starts).mask(causal=True)[:, None]).logits
+    labels = boundary_targets(tokens, targets, EOD)
+    want = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE, reduction="sum")
+    want = want / int((labels != IGNORE).sum())
+    want.backward()
+    assert abs(loss - want.item()) <= 1e-10 * want.item(), (loss, want.item())
+    names = hf.p4d_to_hf(cfg.model)
+    for name, p in engine.model.dense_named_parameters():
+        hf_name, how = names[name]
+        g = ref.get_parameter(hf_name).grad
+        torch.testing.assert_close(p.grad, g.t() if how == "t" else g, rtol=1e-10, atol=1e-13, msg=name)
+
+
 # --- four workers ------------------------------------------------------------------------------------
 
 FOUR = {
@@ -161,3 +201,18 @@ def test_packing_rules_name_the_field_and_the_fix(change, message):
         job[section] = {**job.get(section, {}), **fields}
     with pytest.raises(ConfigError, match=message):
         make_config(job)
+
+
+def test_a_packed_job_is_planned_on_one_document_rows():
+    """``parallel4d plan`` dry-runs a packed job (its documents computed for real inside the fake-tensor
+    step) on rows of one document each, the most work: every ring block pair runs, so the bytes sent equal
+    the unpacked job's, and the dense core's document mask is counted in the activations."""
+    from parallel4d.tools.plan import plan
+
+    for parallel in ({"sp": 4}, {"dp": 2}):
+        packed = plan(make_config(_job(GPT2, parallel)))[0]
+        plain_job = _job(GPT2, parallel)
+        plain_job["data"] = {"source": "synthetic", "batch_size": 8}
+        plain = plan(make_config(plain_job))[0]
+        assert packed.sent_by_axis == plain.sent_by_axis and packed.parameters == plain.parameters, parallel
+        assert packed.activations > plain.activations if "dp" in parallel else packed.activations >= plain.activations

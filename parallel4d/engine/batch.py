@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from parallel4d.data.packing import IGNORE, boundary_targets, document_positions, document_starts
 from parallel4d.distributed.mesh import Mesh
@@ -66,7 +67,13 @@ def packed_step(mesh: Mesh, tokens: torch.Tensor, targets: torch.Tensor, eod: in
     Each rank sums its token losses and weighs the sum by ``dp·sp·m / N`` (``N``: the whole batch's
     valid targets, counted here on the host): the gradient averaging over the ``dp·sp`` data replicas
     and the ``1/m`` of each micro-batch then leave exactly the batch's mean over its valid tokens, as one
-    process computes it, however unevenly the ranks hold them."""
+    process computes it, however unevenly the ranks hold them. The documents are data, computed for real
+    even inside a fake-tensor dry run (``parallel4d plan``: pass it real host tensors)."""
+    with unset_fake_temporarily():
+        return _packed_step(mesh, tokens, targets, eod, microbatches, layout, ulysses)
+
+
+def _packed_step(mesh, tokens, targets, eod, microbatches, layout, ulysses) -> PackedStep:
     if tokens.device.type != "cpu":  # the counting below is the host's (a device batch would be read back)
         tokens, targets = tokens.cpu(), targets.cpu()
     targets = boundary_targets(tokens, targets, eod)

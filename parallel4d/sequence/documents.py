@@ -9,9 +9,10 @@ decided on the host, from the host copy, so the step never waits for the device.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 
 @dataclass(frozen=True)
@@ -21,14 +22,15 @@ class Documents:
 
     ids: torch.Tensor
     host: torch.Tensor
+    _masks: dict = field(default_factory=dict, init=False, repr=False, compare=False)  # mask(causal), built once
 
     @classmethod
     def from_starts(cls, starts: torch.Tensor, device=None) -> "Documents":
         """From a host ``[b, s]`` boolean: True where a document begins (position 0 always is one); the
         device copy from page-locked memory, so the host does not wait for the device's queue."""
         host = starts.to(torch.int64).cumsum(1)
-        if device is None or torch.device(device).type == "cpu":
-            return cls(host.to(device) if device is not None else host, host)
+        if device is None or torch.device(device) == host.device:
+            return cls(host, host)
         return cls(host.pin_memory().to(device, non_blocking=True), host)
 
     def pairs(self, query_positions: torch.Tensor, key_positions: torch.Tensor) -> torch.Tensor:
@@ -38,16 +40,22 @@ class Documents:
 
     def meet(self, queries: tuple[int, int], keys: tuple[int, int]) -> bool:
         """Whether, in any sample, some query in global positions ``[lo, hi)`` shares a document with some
-        key in theirs (documents are contiguous: their id ranges overlap)."""
+        key in theirs (documents are contiguous: their id ranges overlap). Read from the host copy, for real
+        even in a fake-tensor dry run (``parallel4d plan``): which blocks run is data."""
         h = self.host
-        first = torch.maximum(h[:, queries[0]], h[:, keys[0]])
-        last = torch.minimum(h[:, queries[1] - 1], h[:, keys[1] - 1])
-        return bool((first <= last).any())
+        with unset_fake_temporarily():
+            first = torch.maximum(h[:, queries[0]], h[:, keys[0]])
+            last = torch.minimum(h[:, queries[1] - 1], h[:, keys[1] - 1])
+            return bool((first <= last).any())
 
     def mask(self, causal: bool) -> torch.Tensor:
         """``[b, s, s]``: the whole sequence's allowed (query, key) pairs — same document, and key ≤ query
-        when causal (what attention over the whole sequence applies; the ring's reference)."""
-        s = self.ids.shape[1]
-        pos = torch.arange(s, device=self.ids.device)
-        allowed = self.pairs(pos, pos)
-        return allowed & torch.ones(s, s, dtype=torch.bool, device=allowed.device).tril() if causal else allowed
+        when causal (what attention over the whole sequence applies; the ring's reference). Built once per
+        ``causal`` and shared by every layer's attention (autograd then saves one copy, not one per layer)."""
+        if causal not in self._masks:
+            s = self.ids.shape[1]
+            pos = torch.arange(s, device=self.ids.device)
+            allowed = self.pairs(pos, pos)
+            self._masks[causal] = allowed & torch.ones(s, s, dtype=torch.bool, device=allowed.device).tril() \
+                if causal else allowed
+        return self._masks[causal]

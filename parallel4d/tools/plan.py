@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 
 from parallel4d.config.errors import ConfigError
 from parallel4d.config.load import load_config
@@ -125,7 +125,8 @@ def _one_step(cfg: Config, mesh) -> tuple[dict, int]:
     Under hetero two whole steps: the second, with the first's chunk trace to replay, moves what
     every later step moves (``hetero_moved``, with ``hetero_params``: the parameters its chunks hold)."""
     engine = compose(cfg, mesh)
-    tokens = torch.zeros(cfg.data.batch_size, cfg.model.seq_len, dtype=torch.long, device=mesh.device)
+    with unset_fake_temporarily():  # real: packed documents are computed from them on the host
+        tokens = torch.full((cfg.data.batch_size, cfg.model.seq_len), int(engine.eod == 0), dtype=torch.long)
     if not cfg.hetero.enabled:
         engine.measure_gradients(tokens, tokens)
         return engine.memory, engine.store.expected_optimizer_state_bytes()
