@@ -107,3 +107,21 @@ def test_a_block_row_that_attends_nothing_leaves_the_merge_as_it_was():
     kernels.merge_(out_acc, lse_acc, torch.zeros(1, 1, 2, 1, dtype=torch.float64),
                    torch.full((1, 1, 2), float("-inf"), dtype=torch.float64))
     assert out_acc.flatten().tolist() == [0.0, 2.0] and lse_acc.flatten().tolist() == [float("-inf"), 0.5]
+
+
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+def test_the_emulated_ring_over_documents_equals_masked_attention_and_runs_fewer_blocks(layout):
+    """``sequence.emulate.ring_forward`` with documents (the benchmark's replay of every rank's calls, the
+    ring's own ``StepMasks``) equals dense attention under the block-diagonal causal mask (float64), and
+    the query×key elements of the calls that run fall as the documents shorten."""
+    from parallel4d.sequence.emulate import ring_forward, ring_work, shard, unshard
+
+    n, s = 4, 64
+    q, k, v, _ = _inputs(5, 2, 4, 2, s, 4)
+    work = []
+    for length in (64, 16, 4):
+        docs = Documents.from_starts(starts_of([[length] * (s // length)] * 2, s))
+        got = unshard(ring_forward(*(shard(x, n, layout) for x in (q, k, v)), layout, True, documents=docs)[0], layout)
+        torch.testing.assert_close(got, masked_attention(q, k, v, docs.mask(True)), rtol=0, atol=1e-12)
+        work.append(ring_work(n, layout, True, s // n, docs))
+    assert work[0] == ring_work(n, layout, True, s // n) > work[1] >= work[2], work  # the diagonal blocks always run

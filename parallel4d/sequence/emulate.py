@@ -14,6 +14,7 @@ import torch
 from parallel4d.sequence.kernels import (acc_dtype, add_kv_grads_, backward_step, default_scale, first_step_forward, forward_step,
                       merge_, resolve_backend)
 from parallel4d.sequence.layout import check_seq_len, rank_positions, step_plan
+from parallel4d.sequence.ring import StepMasks
 
 
 def shard_index(seq_len: int, n: int, layout: str, device=None) -> list[torch.Tensor]:
@@ -37,23 +38,38 @@ def unshard(parts: list[torch.Tensor], layout: str) -> torch.Tensor:
     return full
 
 
-def ring_forward(qs, ks, vs, layout: str, causal: bool, scale=None, backend: str = "auto", merge=merge_):
+def ring_work(n: int, layout: str, causal: bool, L: int, documents=None) -> int:
+    """Query×key elements of the block calls all ``n`` ranks of a ring run in a forward over shards of ``L``
+    tokens (with ``documents``: the pairs that share one; whole pairs are skipped, partial ones masked)."""
+    like = torch.empty(0) if documents is None else documents.ids
+    total = 0
+    for r in range(n):
+        masks = StepMasks(r, n, layout, causal, L, like, None, documents)
+        for t in range(n):
+            total += sum((c.q_hi - c.q_lo) * (c.k_hi - c.k_lo) for c in masks.step(t)[0])
+    return total
+
+
+def ring_forward(qs, ks, vs, layout: str, causal: bool, scale=None, backend: str = "auto", merge=merge_,
+                 documents=None):
     """Forward of every rank: lists of shards in → ``(outs, lses)`` per rank
-    (``outs`` in the input dtype, ``lses`` in the accumulation dtype)."""
+    (``outs`` in the input dtype, ``lses`` in the accumulation dtype). ``documents``: packed
+    :class:`~.documents.Documents` (the ring's calls and masks, ``math`` kernel)."""
     n = len(qs)
-    backend = resolve_backend(backend, qs[0])
+    backend = "math" if documents is not None else resolve_backend(backend, qs[0])
     scale = default_scale(qs[0].shape[-1]) if scale is None else scale
     L = qs[0].shape[2]
     outs, lses = [], []
     for r in range(n):
         out = lse = None
+        masks = StepMasks(r, n, layout, causal, L, qs[r], None, documents)
         for t in range(n):
             src = (r - t) % n
-            calls = step_plan(r, src, n, layout, causal, L)
+            calls, _, allowed = masks.step(t)
             if t == 0:
-                out, lse = first_step_forward(qs[r], ks[src], vs[src], calls, scale, backend)
+                out, lse = first_step_forward(qs[r], ks[src], vs[src], calls, scale, backend, allowed=allowed)
             else:
-                forward_step(qs[r], ks[src], vs[src], calls, out, lse, scale, backend, merge=merge)
+                forward_step(qs[r], ks[src], vs[src], calls, out, lse, scale, backend, merge=merge, allowed=allowed)
         outs.append(out.to(qs[r].dtype))
         lses.append(lse)
     return outs, lses

@@ -108,25 +108,24 @@ class _Ring:
                         stats=stats, label=label)
 
 
-class _Masks:
-    """One forward's or backward's per-step masks: attention dropout's scales and packed documents'
-    pairs by global positions (each rank's ``[L]`` built once on the device, only when either is set),
-    and the calls documents let run (decided on the host from piece arithmetic: no device read)."""
+class StepMasks:
+    """One rank's per-step masks in one forward or backward of an ``n``-rank ring: attention dropout's
+    scales and packed documents' pairs by global positions (each rank's ``[L]`` built once on the device,
+    only when either is set), and the calls documents let run (decided on the host from piece arithmetic:
+    no device read). Also what :mod:`.emulate` replays."""
 
-    def __init__(self, ring: _Ring, layout: str, causal: bool, L: int, like: torch.Tensor, dropout, documents):
-        self.ring, self.layout, self.causal, self.L, self.dropout, self.documents = ring, layout, causal, L, \
-            dropout, documents
+    def __init__(self, rank: int, n: int, layout: str, causal: bool, L: int, like: torch.Tensor, dropout, documents):
+        self.rank, self.n, self.layout, self.causal, self.L = rank, n, layout, causal, L
+        self.dropout, self.documents = dropout, documents
         self.ad = acc_dtype(like.dtype)
-        n = ring.n
         self.positions = ([rank_positions(L * n, r, n, layout, like.device) for r in range(n)]
                           if dropout is not None or documents is not None else None)
 
     def step(self, t: int):
         """``(calls, keep, allowed)`` of step ``t``: the block calls to run, ``call → [b, h, lq, lk]``
         dropout scales and ``call → [b, lq, lk]`` document pairs (None when not set)."""
-        ring, L = self.ring, self.L
-        me, src = ring.rank, (ring.rank - t) % ring.n
-        calls = step_plan(me, src, ring.n, self.layout, self.causal, L)
+        me, src, L = self.rank, (self.rank - t) % self.n, self.L
+        calls = step_plan(me, src, self.n, self.layout, self.causal, L)
         keep = allowed = None
         if self.positions is not None:
             mine, theirs = self.positions[me], self.positions[src]
@@ -140,7 +139,7 @@ class _Masks:
 
     def _span(self, rank: int, lo: int, hi: int) -> tuple[int, int]:
         """Global positions ``[first, last + 1)`` of ``rank``'s local tokens ``lo … hi-1`` (a call's run)."""
-        n, L = self.ring.n, self.L
+        n, L = self.n, self.L
         return (global_position(lo, rank, n, self.layout, L), global_position(hi - 1, rank, n, self.layout, L) + 1)
 
 
@@ -152,7 +151,7 @@ class RingAttention(torch.autograd.Function):
                 documents):
         ring = _Ring(group)
         n = ring.n
-        masks = _Masks(ring, layout, causal, q.shape[2], q, dropout, documents)
+        masks = StepMasks(ring.rank, ring.n, layout, causal, q.shape[2], q, dropout, documents)
         kv = torch.stack([k, v])  # [2, b, h_kv, L, d]: one message per step
         buf = torch.empty_like(kv) if n > 1 else None
         works = None
@@ -179,7 +178,7 @@ class RingAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         ring, causal, layout, scale, stats, timeout_s, backend, deadlines, dropout, documents = ctx.cfg
         n = ring.n
-        masks = _Masks(ring, layout, causal, q.shape[2], q, dropout, documents)
+        masks = StepMasks(ring.rank, ring.n, layout, causal, q.shape[2], q, dropout, documents)
         ad = acc_dtype(q.dtype)
         dout = dout.contiguous()
         dq = torch.zeros(q.shape, dtype=ad, device=q.device)
