@@ -94,8 +94,8 @@ def sequence_figures(_output: str) -> dict:
     if not path.exists():
         return {"json": f"{path} was not written"}
     rows = json.loads(path.read_text())["rows"]
-    keys = ("seq", "causal", "ring", "ulysses", "blocks", "mono_backend", "mono_fwd_bwd_ms", "ring_fwd_bwd_ms",
-            "ratio_fwd_bwd")
+    keys = ("seq", "causal", "ring", "ulysses", "blocks", "merge", "mono_backend", "mono_fwd_bwd_ms",
+            "ring_fwd_bwd_ms", "ratio_fwd_bwd")
     return {"json": str(path.relative_to(ROOT)), "rows": [{k: r.get(k) for k in keys} for r in rows]}
 
 
@@ -121,7 +121,10 @@ def parts() -> dict[str, list[Step]]:
               launch_step("configs/llama.yaml", 70, 20),
               launch_step("configs/hetero.yaml", 70, 25),
               launch_step("configs/sequence.yaml", 70, 20)],
+        # cuDNN blocks only (flash's were ~2× slower in every case of the first GPU run), with the merge
+        # eager and compiled (the ring's remaining overhead at 8 ranks: #31.4)
         "2": [Step("benchmarks/sequence.py", [py, "benchmarks/sequence.py", "--ulysses", "1", "2", "8",
+                                              "--blocks", "cudnn", "--compile-merge",
                                               "--out", str(RESULTS / "gpu_sequence.json")],
                    240, 120, sequence_figures),
               Step("benchmarks/hetero_gpu.py", [py, "benchmarks/hetero_gpu.py", "--skip-largest",
