@@ -169,6 +169,10 @@ def test_pipeline_config_float32(name, tmp_path_factory):
     # rank 0 builds only its own chunks (4 of 16, 2 of 8): no whole-model copy per rank
     assert got["parameters"] < 0.5 * ref["parameters"]
     assert got["pipeline"]["peak_activations"] > 0
+    if name == "pipeline_zb":  # hop_cost: auto — the order built for the hop measured at start
+        order = got["pipeline"]["order"]
+        assert order["measured"] and order["hop_s"] > 0 and order["chunk_forward_s"] > 0, order
+        assert order["hop_cost"] == round(order["hop_s"] / order["chunk_forward_s"], 3), order
     assert_losses_match(got, ref)
 
 

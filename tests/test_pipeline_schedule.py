@@ -350,3 +350,48 @@ def test_hanayo_slot_order_is_a_candidate_and_improves_the_table():
     # Where the slot order wins the search (measured before it existed: .078 free, .150 latency).
     assert simulate(hanayo(8, 32, 3)).bubble_ratio < 0.05
     assert simulate(hanayo(4, 16, 3), p2p_cost=0.5).bubble_ratio < 0.11
+
+
+# --- orders built for the link (pipeline.hop_cost, #32.1) ---------------------------------------------
+
+
+@pytest.mark.parametrize("name, split", [("hanayo", True), ("hanayo", False), ("zb_h1", False), ("zbv", False)])
+def test_an_order_built_for_the_hop_is_no_slower_at_it_and_keeps_the_placement(name, split):
+    from parallel4d.pipeline import make_schedule
+
+    for pp, m, hop in ((4, 8, 1.0), (4, 16, 1.0), (8, 16, 0.5)):
+        robust = make_schedule(name, pp, m, split_backward=split)
+        tuned = make_schedule(name, pp, m, split_backward=split, p2p_cost=hop)
+        validate(tuned)
+        assert tuned.placement == robust.placement
+        at = [simulate(s, 1.0, 2.0, hop).makespan for s in (tuned, robust)]
+        assert at[0] <= at[1] + 1e-9, (name, pp, m, hop, at)
+
+
+def test_the_zero_bubble_v_built_for_a_slow_hop_is_much_shorter_at_it():
+    """ZB-V's order built for free transfers loses most of its advantage when a hop costs a chunk's forward;
+    the one built for that hop keeps it (P=4, m=16)."""
+    from parallel4d.pipeline import zbv
+
+    free, tuned = zbv(4, 16), zbv(4, 16, p2p_cost=1.0)
+    bubbles = [simulate(s, 1.0, 2.0, 1.0).bubble_ratio for s in (free, tuned)]
+    assert bubbles[1] < 0.8 * bubbles[0], bubbles
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"pipeline": {"schedule": "1f1b", "hop_cost": 0.5}}, r"pipeline.hop_cost=0.5 orders hanayo, zb_h1, zbv; "
+                                                          r"pipeline.schedule=1f1b has one fixed order"),
+    ({"pipeline": {"schedule": "zbv", "hop_cost": "fast"}}, r"pipeline.hop_cost='fast' is not 'auto' or a number"),
+    ({"pipeline": {"schedule": "zbv", "hop_cost": -1}}, r"pipeline.hop_cost=-1 is not 'auto' or a number"),
+])
+def test_hop_cost_is_refused_by_name(change, message):
+    from parallel4d.config.errors import ConfigError
+    from parallel4d.config.load import make_config
+
+    job = {"parallel": {"pp": 2}, "model": {"layers": 4}, "data": {"batch_size": 8},
+           "pipeline": {"microbatches": 4, **change["pipeline"]}}
+    with pytest.raises(ConfigError, match=message):
+        make_config(job)
+    job["parallel"]["pp"] = 1  # the pipeline's fields are read with pp > 1 only
+    if change["pipeline"]["hop_cost"] == 0.5:
+        make_config(job)

@@ -128,6 +128,20 @@ class PipelineConfig(_Section):
     chunks_per_rank: int = Field(2, ge=1, le=MAX_LAYERS, description="model chunks per rank for the interleaved schedule")
     split_backward: bool = Field(False, description="hanayo: split each backward into input-gradient (B) and "
                                                     "weight-gradient (W) actions; zb_h1 and zbv always do")
+    hop_cost: Optional[Any] = Field(
+        None, description="hanayo, zb_h1, zbv: build the order for this time of one activation hop between pp "
+                          "ranks, in forwards of one chunk; auto: measured at start (a short probe agreed on "
+                          "every rank); None: an order robust to hops of 0 to 0.5")
+
+    @field_validator("hop_cost")
+    @classmethod
+    def _hop_cost(cls, value):
+        if value is None or value == "auto":
+            return value
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1e6:
+            raise ValueError(f"pipeline.hop_cost={value!r} is not 'auto' or a number of chunk forwards in [0, 1e6]; "
+                             "use auto to measure it, or e.g. 0.5")
+        return float(value)
 
     def num_chunks(self, pp: int) -> int:
         """How many model chunks this schedule cuts the model into for ``pp`` ranks."""

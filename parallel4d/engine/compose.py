@@ -43,7 +43,7 @@ from parallel4d.models.build import build_stage, family
 from parallel4d.models.context import ForwardContext, attach
 from parallel4d.models.stages import cross_entropy, stage_names
 from parallel4d.optim.fused import use_fused_norms
-from parallel4d.pipeline import make_schedule
+from parallel4d.pipeline import make_schedule, probe
 from parallel4d.pipeline.executor import PipelineExecutor, TiedGradSync
 from parallel4d.pipeline.partition import build_chunks, partition
 from parallel4d.sequence import make_ring_attention_fn
@@ -204,6 +204,7 @@ class PipelineParts(NamedTuple):
     executor: PipelineExecutor
     tied_sync: TiedGradSync | None  # sums a tied table's gradient between two pp ranks; None when shared
     tied_params: list[nn.Parameter]  # this rank's copies of that table (empty when tied_sync is None)
+    order: dict | None = None  # pipeline.hop_cost: the cost the order was built for (and auto's measurements)
 
 
 def build_pipeline(cfg: Config, mesh: Mesh, loss_scale: float = 1.0,
@@ -216,8 +217,9 @@ def build_pipeline(cfg: Config, mesh: Mesh, loss_scale: float = 1.0,
     chunks cast at their boundaries where it differs from the parameters' dtype. ``context``: as
     :func:`build_stages`'."""
     pl, p, m = cfg.pipeline, cfg.parallel, cfg.model
+    fixed = pl.hop_cost if isinstance(pl.hop_cost, float) else None
     schedule = make_schedule(pl.schedule, p.pp, pl.microbatches, waves=pl.waves, chunks_per_rank=pl.chunks_per_rank,
-                             split_backward=pl.split_backward)
+                             split_backward=pl.split_backward, p2p_cost=fixed)
     shape = model_shape(cfg)
     ranges = pipeline_cut(cfg, schedule.num_chunks)
     mine = schedule.placement[mesh.rank("pp")]
@@ -229,6 +231,9 @@ def build_pipeline(cfg: Config, mesh: Mesh, loss_scale: float = 1.0,
     chunks = build_chunks(stages, ranges, mine, activation_dtype=wire if wire != parameter_dtype(cfg) else None)
     q, sp = mesh.size("tp_row"), mesh.size("sp")
     act_shape = [cfg.data.batch_size // (p.dp * q * pl.microbatches), m.seq_len // sp, m.hidden // q]
+    order = None if fixed is None else {"hop_cost": fixed}
+    if pl.hop_cost == "auto":
+        schedule, order = _ordered_for_the_link(cfg, mesh, schedule, chunks, act_shape, wire)
     executor = PipelineExecutor(schedule, mesh, chunks, loss_fn, act_shape, wire,
                                 timeout_s=cfg.train.timeout_s, device=mesh.device)
     tied_sync, tied_params = None, []
@@ -238,7 +243,23 @@ def build_pipeline(cfg: Config, mesh: Mesh, loss_scale: float = 1.0,
             tied_params.append(_tied_table(stages[0]))
         if shape.layers + 1 in stages:
             tied_params.append(_tied_table(stages[shape.layers + 1], head=True))
-    return PipelineParts(stages, executor, tied_sync, tied_params)
+    return PipelineParts(stages, executor, tied_sync, tied_params, order)
+
+
+def _ordered_for_the_link(cfg: Config, mesh: Mesh, schedule, chunks, act_shape, wire) -> tuple:
+    """``pipeline.hop_cost: auto``: the hop and a chunk's forward measured on this job's links and chunks
+    (:mod:`parallel4d.pipeline.probe`, agreed by every rank), and the schedule's order built again for
+    their ratio (the placement, hence the chunks built, unchanged). Returns ``(schedule, order info)``."""
+    pl, p = cfg.pipeline, cfg.parallel
+    hop = probe.hop_seconds(mesh, act_shape, wire, cfg.train.timeout_s)
+    forward = probe.forward_seconds(chunks, 0, schedule.num_chunks - 1, act_shape, wire, mesh.device)
+    hop, forward = probe.agreed([hop, forward], mesh.device)
+    cost = round(hop / max(forward, 1e-9), 3)
+    tuned = make_schedule(pl.schedule, p.pp, pl.microbatches, waves=pl.waves, chunks_per_rank=pl.chunks_per_rank,
+                          split_backward=pl.split_backward, p2p_cost=cost)
+    if tuned.placement != schedule.placement:  # the searched orders keep their placement: a bug otherwise
+        raise RuntimeError(f"pipeline.hop_cost=auto: the order built for {cost} moved the chunks")
+    return tuned, {"hop_cost": cost, "hop_s": hop, "chunk_forward_s": forward, "measured": True}
 
 
 def pipeline_cut(cfg: Config, num_chunks: int) -> list[range]:
@@ -272,11 +293,11 @@ def compose(cfg: Config, mesh: Mesh) -> Engine:
         if mesh.size(axis) != size:
             raise ConfigError(f"the mesh has {axis}={mesh.size(axis)} but the config asks for {size}; "
                               "build the mesh from cfg.parallel")
-    executor = tied_sync = None
+    executor = tied_sync = order = None
     tied_params: list = []
     context = forward_context(cfg, mesh)
     if cfg.parallel.pp > 1:
-        stages, executor, tied_sync, tied_params = build_pipeline(cfg, mesh, context=context)
+        stages, executor, tied_sync, tied_params, order = build_pipeline(cfg, mesh, context=context)
         loss_fn = executor.loss_fn
     else:
         stages, loss_fn = build_stages(cfg, mesh, context=context)
@@ -284,7 +305,7 @@ def compose(cfg: Config, mesh: Mesh) -> Engine:
     dense, local = model.dense, model.stages()
     store = parameter_store(cfg, mesh, model, executor, tied_params, tied_sync)  # hetero's chunks or plain
     engine = Engine(cfg, mesh, store, loss_fn, list(local.values()), executor=executor, tied_sync=tied_sync,
-                    dense=dense, context=context)
+                    dense=dense, context=context, pipeline_order=order)
     engine.pretrained_bytes_read = model.pretrained_bytes_read
     return engine
 

@@ -31,11 +31,12 @@ class Engine(Trainer):
     :class:`~parallel4d.engine.trainer.Trainer` contract), over its :class:`~.store.ParameterStore`."""
 
     def __init__(self, cfg: Config, mesh: Mesh, store: ParameterStore, loss_fn, stages, *, executor=None,
-                 tied_sync=None, dense=None, context: ForwardContext | None = None):
+                 tied_sync=None, dense=None, context: ForwardContext | None = None, pipeline_order: dict | None = None):
         self.cfg, self.mesh, self.store = cfg, mesh, store
         # what the stages read besides their input: each forward's dropout draw (training only) and packed documents
         self.context = context if context is not None else ForwardContext(cfg.train.seed)
         self.eod = eod_token(cfg) if cfg.data.packing == "documents" else None  # None: no packing
+        self.pipeline_order = pipeline_order  # pipeline.hop_cost: what the pipeline's order was built for
         self.model, self.optimizer = store.model, store.optimizer  # the LocalModel; what steps it
         self.dense = dense  # {LocalModel name: (dense name, shape, pieces)}: see dense_layouts()
         self._stages = list(stages)  # this rank's stages in model order (unused under pp)
@@ -268,7 +269,9 @@ class Engine(Trainer):
         return self.store.hetero_stats()
 
     def pipeline_step_info(self) -> dict | None:
-        return None if self.executor is None else self.last_step_info
+        if self.executor is None:
+            return None
+        return {**self.last_step_info, **({"order": self.pipeline_order} if self.pipeline_order else {})}
 
     def close(self) -> None:
         self.store.close()

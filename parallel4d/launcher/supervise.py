@@ -111,10 +111,13 @@ class Supervisor:
             if self.joined is not None and os.path.exists(os.path.join(self.tmp, JOINED)):
                 self.joined()
                 self.joined = None
-            if self.zygote is not None and self.zygote.poll() not in (None, 0):  # it exits 0, after its workers
+            if self._zygote_failed():
                 stop(self.procs)
                 raise self._zygote_failure()
             if any(p.poll() not in (None, 0) for p in self.procs):
+                if self._zygote_failed():  # it ended since the check above: a worker's poll says so too
+                    stop(self.procs)
+                    raise self._zygote_failure()
                 first_failure_at = first_failure_at or time.monotonic()
                 blamed = blame(self.procs, self.tmp, settled=time.monotonic() - first_failure_at >= BLAME_GRACE_S)
                 if blamed is not None:
@@ -205,6 +208,10 @@ class Supervisor:
             return Interrupted(signum, f"{_name(signum)} stopped the worker of rank {rank} before it could save; "
                                        f"lost: {self._lost()}")
         return WorkerError(rank, details)
+
+    def _zygote_failed(self) -> bool:
+        """The zygote exited non-zero (it exits 0 only after its workers)."""
+        return self.zygote is not None and self.zygote.poll() not in (None, 0)
 
     def _zygote_failure(self) -> BaseException:
         """The error for the zygote's death: the stop itself when a group signal reached it during its

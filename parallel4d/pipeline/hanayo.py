@@ -332,7 +332,7 @@ def _hanayo(pp: int, m: int, w: int, memory_cap: int | None, split: bool, p2p_co
     if not orders:
         raise ValueError(f"memory_cap={memory_cap} starves the hanayo pipeline (P={pp}, W={w}); "
                          f"use memory_cap≥{default_cap(pp, w, split)}")
-    return _most_robust(orders) if p2p_cost is None else _shortest_at(orders, p2p_cost)
+    return _most_robust(orders) if p2p_cost is None else shortest_at(orders, p2p_cost)
 
 
 def _split_orders(name: str, pp: int, m: int, w: int, top: int,
@@ -351,7 +351,7 @@ def _split_orders(name: str, pp: int, m: int, w: int, top: int,
                                         p2p_cost=delay, reserve=reserve)
 
 
-def _shortest_at(orders: list[Schedule], p2p_cost: float) -> Schedule:
+def shortest_at(orders: list[Schedule], p2p_cost: float) -> Schedule:
     """The shortest makespan at ``p2p_cost``, then with free transfers, then memory; first on a tie."""
     def key(s: Schedule):
         at, free = _run(s, 1.0, 2.0, p2p_cost), _run(s, 1.0, 2.0, 0.0)

@@ -104,9 +104,11 @@ def interleaved_1f1b(pp: int, microbatches: int, chunks_per_rank: int = 2) -> Sc
 
 
 def make_schedule(name: str, pp: int, microbatches: int, *, waves: int = 1, chunks_per_rank: int = 2,
-                  split_backward: bool = False) -> Schedule:
+                  split_backward: bool = False, p2p_cost: float | None = None) -> Schedule:
     """Build a schedule by config name (``gpipe``, ``1f1b``, ``interleaved``, ``hanayo``, ``zb_h1``,
-    ``zbv``); ``split_backward`` splits Hanayo's backward (zb_h1 and zbv always split it)."""
+    ``zbv``); ``split_backward`` splits Hanayo's backward (zb_h1 and zbv always split it); ``p2p_cost``:
+    the searched orders (hanayo, zb_h1, zbv) built for a hop of that many chunk forwards (the others
+    have one order)."""
     name = check_schedule_name(name)
     if split_backward and name not in ("hanayo", *SPLIT_SCHEDULES):
         raise ValueError(f"split_backward applies to hanayo, not {name} (zb_h1 and zbv always split)")
@@ -117,10 +119,10 @@ def make_schedule(name: str, pp: int, microbatches: int, *, waves: int = 1, chun
     if name == "interleaved":
         return interleaved_1f1b(pp, microbatches, chunks_per_rank)
     if name == "zb_h1":
-        return zb_h1(pp, microbatches)
+        return zb_h1(pp, microbatches, p2p_cost=p2p_cost)
     if name == "zbv":
-        return zbv(pp, microbatches)
-    return hanayo(pp, microbatches, waves, split_backward=split_backward)
+        return zbv(pp, microbatches, p2p_cost=p2p_cost)
+    return hanayo(pp, microbatches, waves, split_backward=split_backward, p2p_cost=p2p_cost)
 
 
 GENERATORS: dict[str, Callable[..., Schedule]] = {

@@ -10,20 +10,29 @@ oldest W when no F or B can start), on two placements, at 1F1B's activation memo
 from __future__ import annotations
 
 from parallel4d.config.rules.common import positive_int
-from parallel4d.pipeline.hanayo import hanayo, list_schedule
+from parallel4d.pipeline.hanayo import hanayo, list_schedule, shortest_at
 from parallel4d.pipeline.types import Schedule, linear_placement
 
 
-def zb_h1(pp: int, microbatches: int) -> Schedule:
+def zb_h1(pp: int, microbatches: int, p2p_cost: float | None = None) -> Schedule:
     """ZB-H1: one chunk per rank, no rank storing more than ``min(P, m)`` chunk activations (1F1B's
     first rank), W actions filling 1F1B's bubble. With F = B = W its bubble is ZB-H1's
-    ``(P-1)/(3m+P-1)`` for ``m ≥ P``, a third of 1F1B's idle time (P=4, m=8: 0.111 against 0.273)."""
+    ``(P-1)/(3m+P-1)`` for ``m ≥ P``, a third of 1F1B's idle time (P=4, m=8: 0.111 against 0.273).
+    ``p2p_cost`` (a hop's time in chunk forwards): the greedy orders built with that delay, half of it
+    and none, under each policy and new-micro-batch reserve, the shortest at that cost kept."""
     pp, m = positive_int("pp", pp), positive_int("microbatches", microbatches)
-    s = list_schedule("zb_h1", pp, m, linear_placement(pp), memory_cap=min(pp, m), policy="alternate",
-                      split_backward=True)
-    if s is None:  # the cap admits every rank's first micro-batch: it cannot starve
-        raise RuntimeError(f"zb_h1({pp}, {m}): the greedy order starved (a bug)")
-    return s
+    cap = min(pp, m)
+    if not p2p_cost:
+        s = list_schedule("zb_h1", pp, m, linear_placement(pp), memory_cap=cap, policy="alternate",
+                          split_backward=True)
+        if s is None:  # the cap admits every rank's first micro-batch: it cannot starve
+            raise RuntimeError(f"zb_h1({pp}, {m}): the greedy order starved (a bug)")
+        return s
+    orders = [list_schedule("zb_h1", pp, m, linear_placement(pp), memory_cap=cap, policy=policy,
+                            split_backward=True, p2p_cost=delay, reserve=reserve)
+              for delay in (0.0, p2p_cost / 2, p2p_cost) for policy in ("alternate", "forward_first")
+              for reserve in sorted({0, 1, min(2, cap - 1)})]
+    return shortest_at([s for s in orders if s is not None], p2p_cost)
 
 
 def zbv(pp: int, microbatches: int, p2p_cost: float | None = None) -> Schedule:

@@ -111,6 +111,8 @@ def dry_run(cfg: Config, pp_rank: int = 0) -> RankPlan:
         cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"pretrained": None})})
     if cfg.train.compile != "none":  # eager blocks: torch.compile does not run on this dry run's fake tensors
         cfg = cfg.model_copy(update={"train": cfg.train.model_copy(update={"compile": "none"})})
+    if cfg.pipeline.hop_cost == "auto":  # nothing to measure on fake tensors: the order for free transfers
+        cfg = cfg.model_copy(update={"pipeline": cfg.pipeline.model_copy(update={"hop_cost": None})})
     with _fake_world(rank, cfg.world_size):
         mesh = init_mesh(p.pp, p.dp, p.sp, p.tp, timeout_s=cfg.train.timeout_s)
         with FakeTensorMode(allow_non_fake_inputs=True), _default_dtype(parameter_dtype(cfg)):

@@ -140,6 +140,21 @@ def layout_problems(cfg: Config) -> list[str]:
                                  split_backward=pl.split_backward)
 
 
+ORDERED_FOR_THE_LINK = ("hanayo", "zb_h1", "zbv")  # the searched orders pipeline.hop_cost reaches
+
+
+def hop_cost_problems(cfg: Config) -> list[str]:
+    """``pipeline.hop_cost`` orders a searched schedule (read only with ``parallel.pp > 1``, as the
+    pipeline's other fields)."""
+    p, pl = cfg.parallel, cfg.pipeline
+    if pl.hop_cost is None or p.pp <= 1:
+        return []
+    if pl.schedule not in ORDERED_FOR_THE_LINK:
+        return [f"pipeline.hop_cost={pl.hop_cost} orders {', '.join(ORDERED_FOR_THE_LINK)}; "
+                f"pipeline.schedule={pl.schedule} has one fixed order; remove pipeline.hop_cost or use one of them"]
+    return []
+
+
 def recompute_problems(cfg: Config) -> list[str]:
     """Activation checkpointing under a split backward: every block recomputed again for W."""
     p, pl = cfg.parallel, cfg.pipeline
