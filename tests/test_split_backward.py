@@ -201,3 +201,20 @@ def test_the_schedule_cli_shows_w_and_refuses_a_split_it_cannot_make(tmp_path, c
     assert "backward=2 of which W=0.5" in capsys.readouterr().out
     assert schedule_command(["--schedule", "1f1b", "--split-backward"]) == 2
     assert "split_backward applies to hanayo, not 1f1b" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("p, m", [(4, 8), (8, 16)])
+def test_zbv_built_for_a_hop_idles_no_more_than_torchs_zb_v_at_it(p, m):
+    """A hop costing half a stage's forward (one chunk forward, at two chunks per rank): torch's own ZB-V
+    order (``ScheduleZBVZeroBubble``'s ``pipeline_order``, read through benchmarks/pipeline_schedules.py)
+    against our zbv built for that hop (``p2p_cost``), in one simulator, at ZB-V's memory (2P chunks)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from pipeline_schedules import torch_order
+
+    theirs, ours = torch_order("torch ZB-V", p, m), zbv(p, m, p2p_cost=1.0)
+    got, want = (simulate(s, 1, 2, 1.0, weight_cost=1) for s in (ours, theirs))
+    assert max(got.peak_activations) <= 2 * p == max(want.peak_activations)
+    assert got.bubble_ratio <= want.bubble_ratio + 1e-9, (got.bubble_ratio, want.bubble_ratio)

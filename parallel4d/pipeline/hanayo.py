@@ -54,6 +54,7 @@ def list_schedule(
     split_backward: bool = False,
     weight_cost: float | None = None,
     reserve: int = 0,
+    weight_slack: int | None = None,
 ) -> Schedule | None:
     """Order the actions of any placement by simulating the ranks greedily.
 
@@ -89,6 +90,10 @@ def list_schedule(
     fewer than ``memory_cap − reserve``. The slots kept free let the micro-batches already
     in flight through the rank's later chunks, which a transfer delay can otherwise block
     behind new ones (a memory deadlock: ``None``).
+
+    ``weight_slack``: a rank storing at least ``memory_cap − weight_slack`` activations runs its oldest
+    ready W before any F or B (ZB-V's steady state: F, B, W in turn), freeing the memory the next
+    forward needs before it waits for it; None: W only in the time a rank would idle.
     """
     _check_rules(policy, forward_order, backward_order)
     num_chunks = sum(len(c) for c in placement.values())
@@ -96,7 +101,7 @@ def list_schedule(
     keys = _priorities(forward_order, backward_order, max(1, group), num_chunks - 1)
     w = (backward_cost / 2 if weight_cost is None else weight_cost) if split_backward else 0.0
     greedy = _Greedy(pp, microbatches, placement, caps, policy, keys,
-                     (forward_cost, backward_cost - w, p2p_cost, w), split_backward, reserve)
+                     (forward_cost, backward_cost - w, p2p_cost, w), split_backward, reserve, weight_slack)
     actions = greedy.run()
     if actions is None:
         return None
@@ -140,8 +145,9 @@ class _Greedy:
 
     def __init__(self, pp: int, m: int, placement: dict[int, list[int]], caps: list[int], policy: str,
                  keys: tuple[Key, Key], costs: tuple[float, float, float, float], split: bool = False,
-                 reserve: int = 0):
+                 reserve: int = 0, weight_slack: int | None = None):
         self.pp, self.caps, self.policy, self.split, self.reserve = pp, caps, policy, split, reserve
+        self.weight_slack = weight_slack
         self.f_key, self.b_key = keys
         self.forward_cost, self.backward_cost, self.p2p_cost, self.weight_cost = costs
         self.owner = {c: r for r, cs in placement.items() for c in cs}
@@ -174,14 +180,16 @@ class _Greedy:
         if self.free_at[r] > t:
             return
         now = [(rt, a) for (rt, a) in self.ready[r] if rt <= t]
+        ws = [(rt, a.microbatch, -a.chunk, a) for rt, a in now if a.kind == "W"]
         bs = [a for _, a in now if a.kind == "B"]
         fs = [a for _, a in now if a.kind == "F" and self.stored[r] < self.caps[r] - (self.reserve if a.chunk == 0 else 0)]
-        if bs or fs:
+        if ws and self.weight_slack is not None and self.stored[r] >= self.caps[r] - self.weight_slack:
+            pick = min(ws)[3]  # near the cap: the oldest weight gradient frees its activation first
+        elif bs or fs:
             want_b = self.last_kind[r] == "F" if self.policy == "alternate" else self.policy == "backward_first"
             pick = min(bs, key=self.b_key) if bs and (want_b or not fs) else min(fs, key=self.f_key)
             self.last_kind[r] = pick.kind
         else:
-            ws = [(rt, a.microbatch, -a.chunk, a) for rt, a in now if a.kind == "W"]
             if not ws:
                 return
             pick = min(ws)[3]  # the oldest weight gradient
@@ -337,27 +345,34 @@ def _hanayo(pp: int, m: int, w: int, memory_cap: int | None, split: bool, p2p_co
 
 def _split_orders(name: str, pp: int, m: int, w: int, top: int,
                   p2p_cost: float | None) -> Iterator[Optional[Schedule]]:
-    """Greedy split-backward orders: each rule × new-micro-batch reserve, built at each transfer delay."""
+    """Greedy split-backward orders: each rule × new-micro-batch reserve, built at each transfer delay;
+    for a known hop also with W run first near the cap (``weight_slack``: ZB-V's steady state, which
+    a hop's delay rewards)."""
     placement = wave_placement(pp, w)
     delays = sorted({0.0, p2p_cost / 2, p2p_cost}) if p2p_cost else [0.0]
+    # W first near the cap: built without delay (where it won in every case of the benchmark)
+    variants = [(d, None) for d in delays] + ([(0.0, k) for k in sorted({1, 2, max(1, pp // 2)})] if p2p_cost else [])
     rules = [("diagonal", pp, "diagonal"), ("diagonal", pp, "microbatch"), ("microbatch", 1, "group")]
     reserves = sorted({min(k, top - 1) for k in (0, 1, 2, 3, pp // 2, pp, 3 * pp // 2)})
-    for delay in delays:
+    for delay, slack in variants:
         for reserve in reserves:
             for policy in ("forward_first", "alternate"):
                 for fwd, group, back in rules:
                     yield list_schedule(name, pp, m, placement, memory_cap=top, policy=policy, group=group,
                                         forward_order=fwd, backward_order=back, split_backward=True,
-                                        p2p_cost=delay, reserve=reserve)
+                                        p2p_cost=delay, reserve=reserve, weight_slack=slack)
 
 
 def shortest_at(orders: list[Schedule], p2p_cost: float) -> Schedule:
-    """The shortest makespan at ``p2p_cost``, then with free transfers, then memory; first on a tie."""
+    """The shortest makespan at ``p2p_cost``, then with free transfers, then memory; first on a tie
+    (an order the candidates repeat is simulated once)."""
+    unique = list({tuple(tuple(a) for _, a in sorted(s.actions.items())): s for s in reversed(orders)}.values())
+
     def key(s: Schedule):
         at, free = _run(s, 1.0, 2.0, p2p_cost), _run(s, 1.0, 2.0, 0.0)
-        return round(at.makespan, 9), round(free.makespan, 9), max(free.peak_activations)
+        return round(at.makespan, 9), round(free.makespan, 9), max(free.peak_activations), orders.index(s)
 
-    return min(orders, key=key)
+    return min(unique, key=key)
 
 
 def _orders(name: str, pp: int, m: int, w: int, top: int) -> Iterator[Optional[Schedule]]:
