@@ -257,9 +257,8 @@ SIXTEEN = {  # each alone fills the 16 ranks with data parallelism
     "pipeline 1f1b": {"parallel": {"pp": 2, "dp": 8}, "pipeline": {"schedule": "1f1b", "microbatches": 2}},
     "pipeline interleaved": {"parallel": {"pp": 4, "dp": 4}, "model": {"layers": 6},
                              "pipeline": {"schedule": "interleaved", "chunks_per_rank": 2, "microbatches": 4}},
-    "ring sp": {"parallel": {"sp": 2, "dp": 8}},
-    "ring sp × 2D tp, packed documents": {"parallel": {"sp": 2, "tp": 4, "dp": 2},
-                                          "data": {"packing": "documents", "eod_token": 5}},
+    # packed documents: the ring's block skipping is decided on the host, from the documents' host copy
+    "ring sp, packed documents": {"parallel": {"sp": 2, "dp": 8}, "data": {"packing": "documents", "eod_token": 5}},
     "hetero ZeRO": {"parallel": {"dp": 16}, "hetero": {"enabled": True, "chunk_elems": 4096}},
 }
 FOUR = ["train.steps=4", "train.log_every=3", "checkpoint.enabled=false"]  # configs/4d.yaml as shipped otherwise

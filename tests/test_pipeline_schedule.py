@@ -359,7 +359,7 @@ def test_hanayo_slot_order_is_a_candidate_and_improves_the_table():
 def test_an_order_built_for_the_hop_is_no_slower_at_it_and_keeps_the_placement(name, split):
     from parallel4d.pipeline import make_schedule
 
-    for pp, m, hop in ((4, 8, 1.0), (4, 16, 1.0), (8, 16, 0.5)):
+    for pp, m, hop in ((4, 8, 1.0), (4, 16, 0.5)):
         robust = make_schedule(name, pp, m, split_backward=split)
         tuned = make_schedule(name, pp, m, split_backward=split, p2p_cost=hop)
         validate(tuned)
