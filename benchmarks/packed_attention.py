@@ -20,19 +20,16 @@ Prints a table; writes JSON under ``benchmarks/results/``.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
-from datetime import datetime, timezone
 
 import torch
 import torch.nn.functional as F
 
 from parallel4d.sequence.documents import Documents
 from parallel4d.sequence.emulate import ring_forward, ring_work, shard, unshard
+from report import RESULTS, save
 from sequence import timed
-
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
 
 def packed(batch: int, seq: int, length: int, device) -> Documents:
@@ -87,14 +84,8 @@ def main(argv=None):
     for r in rows:
         print(f"{r['ranks']:>2} {r['layout']:>10} {r['document_length']:>7} | {r['work']:>6.3f} {r['needed']:>6.3f} | "
               f"{r['time_vs_one_document']:>6.3f} {r['error']:>8.1e}")
-    result = {"benchmark": "packed_attention", "device": f"cpu ({platform.machine()}, {torch.get_num_threads()} threads)",
-              "torch": torch.__version__, "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-              "config": vars(args), "rows": rows}
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=1)
-    print(f"wrote {args.out}")
-    return result
+    return save(args.out, "packed_attention", f"cpu ({platform.machine()}, {torch.get_num_threads()} threads)",
+                vars(args), rows=rows)
 
 
 if __name__ == "__main__":

@@ -16,18 +16,15 @@ weights autocast saves, ~470 MiB per layer at this width, count as well, whateve
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
-from datetime import datetime, timezone
 
 import torch
 
 from parallel4d.config.load import make_config
 from parallel4d.sequence.ulysses import ulysses_bytes
 from parallel4d.tools.plan import dry_run
-
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+from report import RESULTS, save
 SP_AXES = ("sp", "sp_ring", "sp_ulysses")
 
 
@@ -70,14 +67,7 @@ def main(argv=None):
         print(f"{r['sp']:>3} {r['ulysses']:>3} {r['ring']:>4} | {r['sent_per_layer'] / 2**20:>9.1f} "
               f"{r['analytic_per_layer'] / 2**20:>9.1f} {str(r['sent_per_layer'] == r['analytic_per_layer']):>5} | "
               f"{r['activations_per_layer'] / 2**20:>15.1f}")
-    result = {"benchmark": "sequence_bytes", "device": f"none (fake tensors; {platform.machine()})",
-              "torch": torch.__version__, "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-              "config": vars(args), "rows": rows}
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=1)
-    print(f"wrote {args.out}")
-    return result
+    return save(args.out, "sequence_bytes", f"none (fake tensors; {platform.machine()})", vars(args), rows=rows)
 
 
 if __name__ == "__main__":

@@ -42,9 +42,10 @@ LAYOUTS = {
 }
 
 
-def dense_run(job: dict):
+def dense_run(job: dict, loss_of=None):
     """The dense model in this process: the engine's AdamW, warm-up and clipping on the whole batch,
-    each step's dropout masks drawn over it (``model(..., step=)``; none without dropout)."""
+    each step's dropout masks drawn over it (``model(..., step=)``; none without dropout). ``loss_of(model,
+    tokens, targets, step)``: the step's loss another way (default: the model's on the whole batch)."""
     cfg = make_config(job)
     model = build_dense(model_shape(cfg), seed=cfg.train.seed).double()
     optimizer = build_optimizer(model.named_parameters(), cfg.optimizer)
@@ -52,7 +53,7 @@ def dense_run(job: dict):
     for step in range(cfg.train.steps):
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, cfg.optimizer, cfg.train.steps)
-        loss = model(*data.batch(step), step=step)
+        loss = (loss_of or (lambda m, x, y, s: m(x, y, step=s)))(model, *data.batch(step), step)
         loss.backward()
         if cfg.train.grad_clip:
             torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.grad_clip)

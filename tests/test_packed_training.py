@@ -31,8 +31,7 @@ from parallel4d.data.batches import build_dataset
 from parallel4d.data.packing import IGNORE, boundary_targets, document_starts
 from parallel4d.engine.model import model_shape
 from parallel4d.models.build import build_dense
-from parallel4d.optim.optimizer import build_optimizer, lr_at
-from test_llama import check_pieces, train_layouts
+from test_llama import check_pieces, dense_run, train_layouts
 
 EOD = 5
 GPT2 = {"arch": "gpt2", "vocab_size": 16, "seq_len": 32, "hidden": 32, "heads": 4, "layers": 2}
@@ -49,20 +48,9 @@ def _job(model: dict, parallel: dict | None = None, pipeline: dict | None = None
 
 def documents_run(job: dict):
     """Each document of each batch alone through the dense model in this process: the losses and the
-    parameters after ``train.steps`` AdamW steps."""
-    cfg = make_config(job)
-    model = build_dense(model_shape(cfg), seed=cfg.train.seed).double()
-    optimizer = build_optimizer(model.named_parameters(), cfg.optimizer)
-    data, losses = build_dataset(cfg), []
-    for step in range(cfg.train.steps):
-        for group in optimizer.param_groups:
-            group["lr"] = lr_at(step, cfg.optimizer, cfg.train.steps)
-        loss = documents_loss(model, *data.batch(step))
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(float(loss.detach()))
-    return losses, {n: p.detach() for n, p in model.named_parameters()}
+    parameters after ``train.steps`` AdamW steps (no clipping: the jobs here set none)."""
+    assert make_config(job).train.grad_clip is None
+    return dense_run(job, loss_of=lambda model, tokens, targets, step: documents_loss(model, tokens, targets))
 
 
 def documents_loss(model, tokens, targets):
