@@ -23,6 +23,7 @@ class Documents:
     ids: torch.Tensor
     host: torch.Tensor
     _masks: dict = field(default_factory=dict, init=False, repr=False, compare=False)  # mask(causal), built once
+    _meets: dict = field(default_factory=dict, init=False, repr=False, compare=False)  # meet's answers, asked once
 
     @classmethod
     def from_starts(cls, starts: torch.Tensor, device=None) -> "Documents":
@@ -41,12 +42,15 @@ class Documents:
     def meet(self, queries: tuple[int, int], keys: tuple[int, int]) -> bool:
         """Whether, in any sample, some query in global positions ``[lo, hi)`` shares a document with some
         key in theirs (documents are contiguous: their id ranges overlap). Read from the host copy, for real
-        even in a fake-tensor dry run (``parallel4d plan``): which blocks run is data."""
-        h = self.host
-        with unset_fake_temporarily():
-            first = torch.maximum(h[:, queries[0]], h[:, keys[0]])
-            last = torch.minimum(h[:, queries[1] - 1], h[:, keys[1] - 1])
-            return bool((first <= last).any())
+        even in a fake-tensor dry run (``parallel4d plan``): which blocks run is data. Every layer's
+        forward and backward asks the same questions of one micro-batch: each is answered once."""
+        if (queries, keys) not in self._meets:
+            h = self.host
+            with unset_fake_temporarily():
+                first = torch.maximum(h[:, queries[0]], h[:, keys[0]])
+                last = torch.minimum(h[:, queries[1] - 1], h[:, keys[1] - 1])
+                self._meets[queries, keys] = bool((first <= last).any())
+        return self._meets[queries, keys]
 
     def mask(self, causal: bool) -> torch.Tensor:
         """``[b, s, s]``: the whole sequence's allowed (query, key) pairs — same document, and key ≤ query

@@ -13,7 +13,10 @@ quantities on its first step (``summary.json``'s ``memory``, :mod:`.memory`'s ru
 
 ``train.compile: blocks`` is planned with eager blocks (torch.compile does not run on this dry run's
 fake tensors): a compiled block's saved activations can differ from eager's (AOTAutograd's
-partitioner chooses what to save and what to recompute in the backward).
+partitioner chooses what to save and what to recompute in the backward). ``pipeline.hop_cost: auto``
+is planned with the order for free transfers (nothing to measure here). ``data.packing: documents``
+is dry-run on rows of one document each, the most work and bytes (every ring block pair runs); its
+documents are computed for real inside the fake step.
 
 Not counted: the CUDA context, the allocator's fragmentation, kernels' temporaries (an op's
 workspace, the logits' softmax while the loss is computed), communication buffers, and the
