@@ -377,7 +377,8 @@ def test_hetero_rows_updated_on_the_host_read_the_clip_coefficient_once_per_step
 def test_steps_on_a_gpu_make_no_synchronizing_cuda_call(tmp_path):
     """Where a GPU is: torch's own detector of synchronizing CUDA calls (``set_sync_debug_mode("error")``:
     ``.item()``, blocking copies, stream synchronizations) around the engine's steps after the first (one
-    rank, NCCL): plain with clipping, gradient accumulation, float16 with fused AdamW and clipping."""
+    rank, NCCL): plain with clipping, gradient accumulation, float16 with fused AdamW and clipping, packed
+    documents in a grouped-query llama (their documents and positions copied from page-locked memory)."""
     import math
 
     import torch.distributed as dist
@@ -391,7 +392,9 @@ def test_steps_on_a_gpu_make_no_synchronizing_cuda_call(tmp_path):
     dist.init_process_group("nccl", init_method=f"file://{tmp_path}/rendezvous", rank=0, world_size=1)
     try:
         for sections in ({"train": {"grad_clip": 1.0}}, {"pipeline": {"microbatches": 2}},
-                         {"train": {"dtype": "float16", "fused": "torch", "grad_clip": 1.0}}):
+                         {"train": {"dtype": "float16", "fused": "torch", "grad_clip": 1.0}},
+                         {"data": {"packing": "documents", "eod_token": 5}, "pipeline": {"microbatches": 2},
+                          "model": {"arch": "llama", "kv_heads": 2}}):
             cfg = make_config(job(**sections))
             engine = compose(cfg, init_mesh())
             assert engine.device.type == "cuda"
