@@ -35,6 +35,8 @@ LAYOUTS = {
     "1F1B pp=2 × dp=2, tied head": _job({"pp": 2, "dp": 2}, {"schedule": "1f1b", "microbatches": 2},
                                         model={"tie_embeddings": True}),
     "2D tp=4, grouped heads over the grid columns": _job({"tp": 4}),
+    # 4 query and 2 key/value heads per grid column: the core must group them (SDPA's enable_gqa)
+    "2D tp=4, two key/value heads per grid column": _job({"tp": 4}, model={"heads": 8, "kv_heads": 4}),
     "2D tp=4, tied head": _job({"tp": 4}, model={"tie_embeddings": True}),
     "hetero ZeRO over dp=2 × sp=2": _job({"dp": 2, "sp": 2}, hetero={"enabled": True, "chunk_elems": 2048,
                                                                     "device_budget_bytes": 60000},
