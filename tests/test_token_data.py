@@ -556,3 +556,27 @@ def test_data_tokenized_with_another_tokenizer_than_the_pretrained_models_is_ref
     assert (f"data.path='{path}' was tokenized with {Path(tokenizer).resolve()} but model.pretrained='{model}' has "
             f"another tokenizer.json (their sha256 differ)") in err
     assert f"tokenize again with --tokenizer {model / 'tokenizer.json'}" in err
+
+
+def test_a_packed_tokens_job_ends_documents_at_the_files_end_token(token_file, single_rank):
+    """``data.packing: documents`` on a file `parallel4d tokenize` wrote: the end-of-document token is the
+    sidecar's eos_token_id (no data.eod_token), documents start after it, its target is ignored, and a
+    step trains on the rest."""
+    from parallel4d.config.rules.data import eod_token
+    from parallel4d.data.packing import IGNORE, document_starts
+    from parallel4d.distributed.mesh import init_mesh
+    from parallel4d.engine.batch import packed_step
+    from parallel4d.engine.compose import compose
+
+    eos = json.loads(token_file.with_suffix(".json").read_text())["eos_token_id"]
+    cfg = make_config({"data": {"source": "tokens", "path": str(token_file), "batch_size": 4, "packing": "documents"},
+                       "model": {"vocab_size": 320, "seq_len": 64}, "train": {"dtype": "float64"}})
+    assert eod_token(cfg) == eos and cfg.data.eod_token is None
+    data = build_dataset(cfg)
+    x, y = next(b for b in map(data.batch, range(50)) if (b[0] == eos).any())  # windows crossing documents
+    mesh = init_mesh(timeout_s=60)
+    step = packed_step(mesh, x, y, eos, 1)
+    assert torch.equal(step.targets == IGNORE, x == eos)
+    assert torch.equal(step.microbatches[0].documents.ids, document_starts(x, eos).long().cumsum(1))
+    engine = compose(cfg, mesh)
+    assert engine.eod == eos and torch.isfinite(engine.train_step(x, y))
