@@ -9,8 +9,8 @@ give its losses within 1e-10 and every parameter after 3 AdamW steps within 1e-9
 
 * one process (sp = 1), gpt2 and a grouped-query llama, 2 micro-batches, evaluation too;
 * the 4-worker job: the ring at sp = 4 in both layouts, Ulysses × ring, 2D tp = 4 (grouped-query heads,
-  more than one key/value head per grid column), 1F1B pp = 2 × ring, dp = 2 × ring with activation
-  checkpointing, hetero's ZeRO;
+  more than one key/value head per grid column; GPT-2's learned positions on the grid), 1F1B pp = 2 ×
+  ring, dp = 2 × ring with activation checkpointing, hetero's ZeRO;
 * the suite's 16-worker job (tests/conftest.py): Hanayo pp = 2 × ring sp = 2 × 2D tp = 4.
 
 Synthetic rows step through a 16-token vocabulary with their own stride (1 to 7), so the
@@ -144,6 +144,7 @@ FOUR = {
     "llama GQA ring sp=4 contiguous": _job(LLAMA, {"sp": 4}, sequence={"layout": "contiguous"}),
     "llama GQA Ulysses 2 × ring 2 zigzag": _job(LLAMA, {"sp": 4}, sequence={"layout": "zigzag", "ulysses": 2}),
     "llama GQA 2D tp=4": _job(LLAMA, {"tp": 4}),
+    "gpt2 2D tp=4 (learned positions on the grid)": _job(GPT2, {"tp": 4}),
     "gpt2 1F1B pp=2 × ring sp=2 contiguous": _job(GPT2, {"pp": 2, "sp": 2}, {"schedule": "1f1b", "microbatches": 2},
                                                   sequence={"layout": "contiguous"}),
     "gpt2 dp=2 × ring sp=2 zigzag, recomputed": _job(GPT2, {"dp": 2, "sp": 2},

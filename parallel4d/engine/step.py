@@ -11,10 +11,10 @@ import torch
 import torch.distributed as dist
 
 from parallel4d.checkpoint import dcp as checkpoint
+from parallel4d.config.rules.data import eod_token
 from parallel4d.config.schema import Config
 from parallel4d.distributed import comm
 from parallel4d.distributed.mesh import Mesh
-from parallel4d.config.rules.data import eod_token
 from parallel4d.engine.batch import local_batch, local_rows, packed_step
 from parallel4d.engine.memory import SavedActivations, tensor_bytes
 from parallel4d.engine.model import TORCH_DTYPES, model_shape, parameter_count
