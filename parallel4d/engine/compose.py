@@ -43,7 +43,7 @@ from parallel4d.models.build import build_stage, family
 from parallel4d.models.context import ForwardContext, attach
 from parallel4d.models.stages import cross_entropy, stage_names
 from parallel4d.optim.fused import use_fused_norms
-from parallel4d.pipeline import make_schedule, probe
+from parallel4d.pipeline import make_schedule, probe, simulate
 from parallel4d.pipeline.executor import PipelineExecutor, TiedGradSync
 from parallel4d.pipeline.partition import build_chunks, partition
 from parallel4d.sequence import make_ring_attention_fn
@@ -249,7 +249,9 @@ def build_pipeline(cfg: Config, mesh: Mesh, loss_scale: float = 1.0,
 def _ordered_for_the_link(cfg: Config, mesh: Mesh, schedule, chunks, act_shape, wire) -> tuple:
     """``pipeline.hop_cost: auto``: the hop and a chunk's forward measured on this job's links and chunks
     (:mod:`parallel4d.pipeline.probe`, agreed by every rank), and the schedule's order built again for
-    their ratio (the placement, hence the chunks built, unchanged). Returns ``(schedule, order info)``."""
+    their ratio (the placement, hence the chunks built, unchanged). Returns ``(schedule, order info)``:
+    the figures, and the simulated bubble at that hop of the order built for it and of the one it
+    replaces (uniform chunks, backward 2 forwards)."""
     pl, p = cfg.pipeline, cfg.parallel
     hop = probe.hop_seconds(mesh, act_shape, wire, cfg.train.timeout_s)
     forward = probe.forward_seconds(chunks, 0, schedule.num_chunks - 1, act_shape, wire, mesh.device)
@@ -259,7 +261,9 @@ def _ordered_for_the_link(cfg: Config, mesh: Mesh, schedule, chunks, act_shape, 
                           split_backward=pl.split_backward, p2p_cost=cost)
     if tuned.placement != schedule.placement:  # the searched orders keep their placement: a bug otherwise
         raise RuntimeError(f"pipeline.hop_cost=auto: the order built for {cost} moved the chunks")
-    return tuned, {"hop_cost": cost, "hop_s": hop, "chunk_forward_s": forward, "measured": True}
+    bubbles = [simulate(s, 1.0, 2.0, cost).bubble_ratio for s in (tuned, schedule)]
+    return tuned, {"hop_cost": cost, "hop_s": hop, "chunk_forward_s": forward, "measured": True,
+                   "bubble_at_hop": round(bubbles[0], 4), "bubble_at_hop_of_the_default_order": round(bubbles[1], 4)}
 
 
 def pipeline_cut(cfg: Config, num_chunks: int) -> list[range]:
