@@ -174,6 +174,7 @@ def test_pipeline_config_float32(name, tmp_path_factory):
         assert order["measured"] and order["hop_s"] > 0 and order["chunk_forward_s"] > 0, order
         assert order["hop_cost"] == round(order["hop_s"] / order["chunk_forward_s"], 3), order
         assert order["bubble_at_hop"] <= order["bubble_at_hop_of_the_default_order"], order
+        assert sorted(order["actions"]) == ["0", "1", "2", "3"] and order["actions"]["0"].startswith("F0.0 ")
     assert_losses_match(got, ref)
 
 

@@ -231,7 +231,7 @@ def build_pipeline(cfg: Config, mesh: Mesh, loss_scale: float = 1.0,
     chunks = build_chunks(stages, ranges, mine, activation_dtype=wire if wire != parameter_dtype(cfg) else None)
     q, sp = mesh.size("tp_row"), mesh.size("sp")
     act_shape = [cfg.data.batch_size // (p.dp * q * pl.microbatches), m.seq_len // sp, m.hidden // q]
-    order = None if fixed is None else {"hop_cost": fixed}
+    order = None if fixed is None else _order_info(schedule, hop_cost=fixed)
     if pl.hop_cost == "auto":
         schedule, order = _ordered_for_the_link(cfg, mesh, schedule, chunks, act_shape, wire)
     executor = PipelineExecutor(schedule, mesh, chunks, loss_fn, act_shape, wire,
@@ -262,8 +262,17 @@ def _ordered_for_the_link(cfg: Config, mesh: Mesh, schedule, chunks, act_shape, 
     if tuned.placement != schedule.placement:  # the searched orders keep their placement: a bug otherwise
         raise RuntimeError(f"pipeline.hop_cost=auto: the order built for {cost} moved the chunks")
     bubbles = [simulate(s, 1.0, 2.0, cost).bubble_ratio for s in (tuned, schedule)]
-    return tuned, {"hop_cost": cost, "hop_s": hop, "chunk_forward_s": forward, "measured": True,
-                   "bubble_at_hop": round(bubbles[0], 4), "bubble_at_hop_of_the_default_order": round(bubbles[1], 4)}
+    return tuned, _order_info(tuned, hop_cost=cost, hop_s=hop, chunk_forward_s=forward, measured=True,
+                              bubble_at_hop=round(bubbles[0], 4),
+                              bubble_at_hop_of_the_default_order=round(bubbles[1], 4))
+
+
+def _order_info(schedule, **figures) -> dict:
+    """What summary.json's ``pipeline.order`` says of an order built for a hop: ``figures`` and each pp
+    rank's actions (``"F3.1"``: micro-batch 3's forward of chunk 1; B, W likewise)."""
+    actions = {str(r): " ".join(f"{a.kind}{a.microbatch}.{a.chunk}" for a in acts)
+               for r, acts in sorted(schedule.actions.items())}
+    return {**figures, "actions": actions}
 
 
 def pipeline_cut(cfg: Config, num_chunks: int) -> list[range]:
