@@ -36,6 +36,17 @@ from parallel4d.distributed.startup import init_process_group_from_env
 AXES = ("pp", "dp", "sp", "tp_row", "tp_col")
 
 
+def to_device(x: torch.Tensor, device) -> torch.Tensor:
+    """``x`` on ``device``; a host tensor is page-locked and copied without making the host wait (a
+    plain copy from pageable memory would wait for the device's queue)."""
+    device = torch.device(device)
+    if x.device == device:
+        return x
+    if x.device.type == "cpu":
+        x = x.pin_memory()
+    return x.to(device, non_blocking=True)
+
+
 def mesh_shape(pp: int = 1, dp: int = 1, sp: int = 1, tp: int = 1) -> tuple[int, ...]:
     """The 5-D shape ``(pp, dp, sp, q, q)`` of the mesh for these sizes."""
     for name, v in (("pp", pp), ("dp", dp), ("sp", sp)):

@@ -11,7 +11,7 @@ import torch
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from parallel4d.data.packing import IGNORE, boundary_targets, document_positions, document_starts
-from parallel4d.distributed.mesh import Mesh
+from parallel4d.distributed.mesh import Mesh, to_device
 from parallel4d.models.context import Packed
 from parallel4d.sequence.documents import Documents
 from parallel4d.sequence.ulysses import hybrid_position_tensor
@@ -40,16 +40,6 @@ def local_batch(mesh: Mesh, x: torch.Tensor, layout: str = "zigzag", ulysses: in
         x = x.index_select(1, hybrid_position_tensor(x.shape[1], mesh.rank("sp"), mesh.size("sp"), ulysses, layout,
                                                      device=x.device))
     return to_device(x.contiguous(), mesh.device)
-
-
-def to_device(x: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """``x`` on ``device``; a host tensor is page-locked and copied without making the host wait (a
-    plain copy from pageable memory would wait for the device's queue)."""
-    if x.device == device:
-        return x
-    if x.device.type == "cpu":
-        x = x.pin_memory()
-    return x.to(device, non_blocking=True)
 
 
 class PackedStep(NamedTuple):

@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 import torch
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
+from parallel4d.distributed.mesh import to_device
+
 
 @dataclass(frozen=True)
 class Documents:
@@ -28,11 +30,9 @@ class Documents:
     @classmethod
     def from_starts(cls, starts: torch.Tensor, device=None) -> "Documents":
         """From a host ``[b, s]`` boolean: True where a document begins (position 0 always is one); the
-        device copy from page-locked memory, so the host does not wait for the device's queue."""
+        device copy made without making the host wait (:func:`~parallel4d.distributed.mesh.to_device`)."""
         host = starts.to(torch.int64).cumsum(1)
-        if device is None or torch.device(device) == host.device:
-            return cls(host, host)
-        return cls(host.pin_memory().to(device, non_blocking=True), host)
+        return cls(host if device is None else to_device(host, device), host)
 
     def pairs(self, query_positions: torch.Tensor, key_positions: torch.Tensor) -> torch.Tensor:
         """``[b, lq, lk]``: whether each query at these global positions shares a document with each key."""
