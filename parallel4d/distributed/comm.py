@@ -101,6 +101,7 @@ class CommStats:
     calls: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     axis_sent: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     axis_received: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    axis_calls: dict[str, int] = field(default_factory=lambda: defaultdict(int))  # messages: what latency costs
     group_names: dict[int, str] = field(default_factory=dict)  # id(group) → axis name
 
     def name_group(self, group, name: str) -> None:
@@ -113,6 +114,7 @@ class CommStats:
         axis = "world" if group is None else self.group_names.get(id(group), "other")
         self.axis_sent[axis] += int(sent)
         self.axis_received[axis] += int(received)
+        self.axis_calls[axis] += 1
 
     def total_sent(self) -> int:
         return sum(self.sent.values())
@@ -121,7 +123,7 @@ class CommStats:
         return sum(self.received.values())
 
     def reset(self) -> None:
-        for counts in (self.sent, self.received, self.calls, self.axis_sent, self.axis_received):
+        for counts in (self.sent, self.received, self.calls, self.axis_sent, self.axis_received, self.axis_calls):
             counts.clear()
 
     def as_dict(self) -> dict:

@@ -188,10 +188,11 @@ class Engine(Trainer):
         """:meth:`compute_gradients`, measuring what this rank holds (:mod:`.memory`) into
         :attr:`memory`: ``parameters``, ``gradients``, peak ``activations`` and ``sent_by_axis``
         (bytes this rank sent per mesh axis in the forward and backward, the data replicas'
-        gradient reduction included; the step's few scalars — loss, norm — are not); under hetero
+        gradient reduction included; the step's few scalars — loss, norm — are not), ``calls_by_axis``
+        (the collectives and messages behind them); under hetero
         also its ``hetero_device`` (the chunk arena) and ``hetero_host`` bytes."""
         stats = self.mesh.comm_stats
-        before = dict(stats.axis_sent)
+        before, calls_before = dict(stats.axis_sent), dict(stats.axis_calls)
         meter = SavedActivations(self.store.model_storages())
         with self.store.measuring(meter), meter:
             loss = self.compute_gradients(tokens, targets)
@@ -200,6 +201,8 @@ class Engine(Trainer):
         self.memory.update(self.store.held_bytes())
         self.memory["sent_by_axis"] = {a: n - before.get(a, 0) for a, n in stats.axis_sent.items()
                                        if n != before.get(a, 0)}
+        self.memory["calls_by_axis"] = {a: n - calls_before.get(a, 0) for a, n in stats.axis_calls.items()
+                                        if n != calls_before.get(a, 0)}
         return loss
 
     def train_step(self, tokens: torch.Tensor, targets: torch.Tensor, measure_grad_norm: bool = False,

@@ -28,7 +28,8 @@ from __future__ import annotations
 
 import math
 import re
-from contextlib import contextmanager
+from collections import Counter
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -41,6 +42,7 @@ from parallel4d.config.schema import Config
 from parallel4d.engine.model import parameter_dtype
 from parallel4d.engine.compose import compose
 from parallel4d.distributed.mesh import AXES, init_mesh, mesh_shape
+from parallel4d.planning.trace import Op, OpTrace
 
 HEADROOM = 0.9  # a job fits when its largest rank needs at most this share of the device's memory
 
@@ -61,6 +63,8 @@ class RankPlan:
     hetero_moved: int | None = None  # host↔device bytes a steady step moves (loads + write-backs)
     hetero_params: int | None = None  # parameters in this rank's chunks
     hetero_min_budget: int | None = None  # the smallest static device budget that runs what the steps pinned
+    calls_by_axis: dict[str, int] = field(default_factory=dict)  # the collectives and messages behind sent_by_axis
+    ops: Counter[Op] | None = None  # timed dry runs: every op of one whole step (planning.trace)
 
     @property
     def host_bytes_per_param(self) -> float | None:
@@ -104,9 +108,10 @@ def _default_dtype(dtype: torch.dtype):
         torch.set_default_dtype(before)
 
 
-def dry_run(cfg: Config, pp_rank: int = 0) -> RankPlan:
+def dry_run(cfg: Config, pp_rank: int = 0, timed: bool = False) -> RankPlan:
     """One step's forward and backward of the rank at pipeline position ``pp_rank`` (its other
-    coordinates 0), on fake tensors in this process (see the module docstring)."""
+    coordinates 0), on fake tensors in this process (see the module docstring). ``timed``: the
+    whole step (the optimizer's too), its ops traced into :attr:`RankPlan.ops` for the time model."""
     p = cfg.parallel
     shape = mesh_shape(p.pp, p.dp, p.sp, p.tp)
     rank = pp_rank * math.prod(shape[1:])
@@ -119,25 +124,33 @@ def dry_run(cfg: Config, pp_rank: int = 0) -> RankPlan:
     with _fake_world(rank, cfg.world_size):
         mesh = init_mesh(p.pp, p.dp, p.sp, p.tp, timeout_s=cfg.train.timeout_s)
         with FakeTensorMode(allow_non_fake_inputs=True), _default_dtype(parameter_dtype(cfg)):
-            held, optimizer = _one_step(cfg, mesh)
+            trace = OpTrace() if timed else None
+            held, optimizer = _one_step(cfg, mesh, trace)
     return RankPlan(pp_rank, rank, held["parameters"], held["gradients"], optimizer, held["activations"],
                     held.get("hetero_device"), held.get("hetero_host"), held["sent_by_axis"],
-                    held.get("hetero_moved"), held.get("hetero_params"), held.get("hetero_min_budget"))
+                    held.get("hetero_moved"), held.get("hetero_params"), held.get("hetero_min_budget"),
+                    held["calls_by_axis"], trace.ops() if trace else None)
 
 
-def _one_step(cfg: Config, mesh) -> tuple[dict, int]:
+def _one_step(cfg: Config, mesh, trace: OpTrace | None) -> tuple[dict, int]:
     """(:attr:`.engine.Engine.memory` after one forward and backward, the optimizer state's bytes).
     Under hetero two whole steps: the second, with the first's chunk trace to replay, moves what
-    every later step moves (``hetero_moved``, with ``hetero_params``: the parameters its chunks hold)."""
+    every later step moves (``hetero_moved``, with ``hetero_params``: the parameters its chunks hold).
+    ``trace``: entered around a whole step (the steady second one under hetero)."""
     engine = compose(cfg, mesh)
     with unset_fake_temporarily():  # real: packed documents are computed from them on the host
         tokens = torch.full((cfg.data.batch_size, cfg.model.seq_len), int(engine.eod == 0), dtype=torch.long)
     if not cfg.hetero.enabled:
-        engine.measure_gradients(tokens, tokens)
+        if trace is None:
+            engine.measure_gradients(tokens, tokens)
+        else:
+            with trace:
+                engine.train_step(tokens, tokens, measure_memory=True)
         return engine.memory, engine.store.expected_optimizer_state_bytes()
     engine.train_step(tokens, tokens, measure_memory=True)
     memory = engine.memory
-    engine.train_step(tokens, tokens)
+    with trace or nullcontext():
+        engine.train_step(tokens, tokens)
     stats = engine.store.hetero_stats()
     memory.update(hetero_moved=stats["device_bytes_moved_per_step"], hetero_params=stats["params"],
                   hetero_min_budget=stats["min_feasible_budget_bytes"])
@@ -147,14 +160,15 @@ def _one_step(cfg: Config, mesh) -> tuple[dict, int]:
 EXACT_DEPTH = 4  # a deeper one-stage model is planned from two shallow dry runs (see plan)
 
 
-def plan(cfg: Config) -> list[RankPlan]:
+def plan(cfg: Config, timed: bool = False) -> list[RankPlan]:
     """Every pipeline position's :class:`RankPlan`.
 
     Without a pipeline every counted quantity is affine in the depth: each block adds the same
     parameters, gradients, optimizer state, saved activations (all of them live at the end of the
     forward, or only the blocks' inputs under activation checkpointing) and bytes sent. So a deeper
     model is the dry runs at depths 1 and 2 extrapolated, exactly, in the time of three blocks
-    (hetero's chunk packing is not affine: it is always dry-run whole).
+    (hetero's chunk packing is not affine: it is always dry-run whole). So are the ops a ``timed``
+    plan traces (:func:`dry_run`).
     """
     passes = block_passes(cfg)
     if passes > MAX_BLOCK_PASSES:
@@ -165,10 +179,10 @@ def plan(cfg: Config) -> list[RankPlan]:
                           "per-block parameters, gradients, optimizer state and activations, or lower "
                           "pipeline.microbatches for the plan")
     if _extrapolates(cfg):
-        one, two = (dry_run(cfg.model_copy(update={"model": cfg.model.model_copy(update={"layers": d})}))
+        one, two = (dry_run(cfg.model_copy(update={"model": cfg.model.model_copy(update={"layers": d})}), 0, timed)
                     for d in (1, 2))
         return [_extrapolated(one, two, cfg.model.layers - 1)]
-    return [dry_run(cfg, r) for r in range(cfg.parallel.pp)]
+    return [dry_run(cfg, r, timed) for r in range(cfg.parallel.pp)]
 
 
 MAX_BLOCK_PASSES = 1024  # ~20-30 ms each on fake tensors (2 busy cores): under half a minute
@@ -190,11 +204,15 @@ def _extrapolated(one: RankPlan, two: RankPlan, more: int) -> RankPlan:
     def at(a, b):
         return None if a is None else a + (b - a) * more
 
-    axes = {**one.sent_by_axis, **two.sent_by_axis}
+    def per_key(a: dict, b: dict) -> dict:
+        return {k: at(a.get(k, 0), b.get(k, 0)) for k in {**a, **b}}
+
+    ops = None if one.ops is None else Counter({k: n for k, n in per_key(one.ops, two.ops).items() if n})
     return RankPlan(one.pp_rank, one.global_rank, at(one.parameters, two.parameters),
                     at(one.gradients, two.gradients), at(one.optimizer_state, two.optimizer_state),
                     at(one.activations, two.activations), None, None,
-                    {a: at(one.sent_by_axis.get(a, 0), two.sent_by_axis.get(a, 0)) for a in axes})
+                    per_key(one.sent_by_axis, two.sent_by_axis), calls_by_axis=per_key(one.calls_by_axis, two.calls_by_axis),
+                    ops=ops)
 
 
 # --- will it fit ------------------------------------------------------------------------------

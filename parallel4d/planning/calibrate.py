@@ -1,0 +1,160 @@
+"""``parallel4d plan --calibrate``: a :class:`.profiles.Profile` of the machine this runs on.
+
+Each op kind is timed at sizes from tiny to large with the torch threads a rank gets, and its
+``latency_s`` and ``peak`` fitted to ``t = latency + work / peak`` (least squares on relative error,
+so the small ops weigh as much as the large). Ops are timed as training runs them — forward and
+backward through autograd, from Python — so their dispatch is in the latency. The link between
+two ranks is a gloo ping-pong between two worker processes (the same fit over message sizes).
+Nothing here reads the job being planned: the rates are the machine's, the work is the job's.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+from parallel4d.planning.profiles import Link, Profile, Rate
+
+MATMUL_SIZES = [(32, 64), (128, 128), (256, 256), (1024, 256), (512, 512), (2048, 512), (1024, 1024)]  # (m, k = n)
+ATTENTION_SIZES = [(1, 2, 64, 32), (2, 4, 128, 64), (4, 4, 256, 64), (4, 8, 512, 64), (2, 8, 1024, 64)]
+MEMORY_SIZES = [2**10, 2**13, 2**16, 2**19, 2**22]
+MESSAGE_SIZES = [2**8, 2**12, 2**16, 2**20, 2**22]
+CHAIN = 8  # ops in one timed graph: the backward's start is shared, as in a step's
+
+
+def _median_seconds(run, repeats: int) -> float:
+    run()
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def fit(points: list[tuple[float, float]]) -> tuple[float, float]:
+    """``(latency, peak)`` of ``t = latency + work / peak`` through ``(work, seconds)`` points, weighing
+    each by ``1/t²`` (relative error); latency ≥ 0."""
+    w = [1 / t**2 for _, t in points]
+    sw = sum(w)
+    sx = sum(wi * x for wi, (x, _) in zip(w, points))
+    sy = sum(wi * y for wi, (_, y) in zip(w, points))
+    sxx = sum(wi * x * x for wi, (x, _) in zip(w, points))
+    sxy = sum(wi * x * y for wi, (x, y) in zip(w, points))
+    slope = (sw * sxy - sx * sy) / (sw * sxx - sx * sx)
+    latency = (sy - slope * sx) / sw
+    if latency < 0:  # through the origin
+        latency, slope = 0.0, sxy / sxx
+    return latency, 1 / slope
+
+
+def _chain_seconds(first: torch.Tensor, step, g: torch.Tensor, repeats: int) -> float:
+    """Seconds per op of :data:`CHAIN` applications of ``step`` forward and backward (2·CHAIN ops
+    and, for a product, 3·CHAIN)."""
+    def run():
+        y = first
+        for i in range(CHAIN):
+            y = step(y, i)
+        y.backward(g)
+
+    return _median_seconds(run, repeats)
+
+
+def matmul_rate(dtype: torch.dtype, repeats: int) -> tuple[float, float]:
+    """Products of ``2·m·k·k`` FLOPs, forward and both backward products."""
+    points = []
+    for m, k in MATMUL_SIZES:
+        x = torch.randn(m, k, dtype=dtype, requires_grad=True)
+        ws = [(torch.randn(k, k, dtype=dtype) / k**0.5).requires_grad_() for _ in range(CHAIN)]
+        seconds = _chain_seconds(x, lambda y, i: y @ ws[i], torch.randn(m, k, dtype=dtype), repeats)
+        points.append((2.0 * m * k * k, seconds / (3 * CHAIN)))
+    return fit(points)
+
+
+def attention_rate(dtype: torch.dtype, repeats: int) -> tuple[float, float]:
+    """Causal SDPA forward (``2·b·h·s²·d`` FLOPs, as :mod:`.trace` counts) and backward (2.5×)."""
+    points = []
+    for b, h, s, d in ATTENTION_SIZES:
+        q = torch.randn(b, h, s, d, dtype=dtype, requires_grad=True)
+        seconds = _chain_seconds(q, lambda y, i: F.scaled_dot_product_attention(y, y, y, is_causal=True),
+                                 torch.randn(b, h, s, d, dtype=dtype), repeats)
+        points.append((4.0 * b * h * s * s * d / 2 * 3.5 / 2, seconds / (2 * CHAIN)))  # per op
+    return fit(points)
+
+
+def memory_rate(dtype: torch.dtype, repeats: int) -> tuple[float, float]:
+    """An elementwise product forward and backward (each pass reads two tensors and writes one)."""
+    points = []
+    for n in MEMORY_SIZES:
+        x = torch.randn(n, dtype=dtype, requires_grad=True)
+        cs = [torch.rand(n, dtype=dtype) + 0.5 for _ in range(CHAIN)]
+        seconds = _chain_seconds(x, lambda y, i: y * cs[i], torch.randn(n, dtype=dtype), repeats)
+        points.append((3.0 * n * x.element_size(), seconds / (2 * CHAIN)))
+    return fit(points)
+
+
+def view_latency(repeats: int) -> float:
+    x = torch.randn(8, 8, requires_grad=True)
+    steps = 100
+
+    def run():
+        y = x
+        for _ in range(steps):
+            y = y.view(64).view(8, 8)
+        return y
+
+    return _median_seconds(run, repeats) / (2 * steps)
+
+
+def _ping_pong(sizes: list[int], repeats: int) -> list[tuple[float, float]]:
+    import torch.distributed as dist
+
+    rank, points = dist.get_rank(), []
+    for n in sizes:
+        buf = torch.zeros(n // 4, dtype=torch.float32)
+
+        def run():
+            if rank == 0:
+                dist.send(buf, 1)
+                dist.recv(buf, 1)
+            else:
+                dist.recv(buf, 0)
+                dist.send(buf, 0)
+
+        dist.barrier()
+        points.append((float(n), _median_seconds(run, repeats) / 2))
+    return points
+
+
+def link(repeats: int) -> Link:
+    """Two worker processes on this machine (gloo, one thread each): one message's latency and bandwidth."""
+    from parallel4d.launcher.spawn import spawn
+
+    points = spawn(_ping_pong, 2, (MESSAGE_SIZES, repeats), timeout_s=300)[0]
+    latency, bandwidth = fit(points)
+    return Link(bandwidth, latency)
+
+
+def calibrate(dtypes: list[torch.dtype], threads: int, repeats: int = 15) -> Profile:
+    """This machine's profile, every op timed with ``threads`` torch threads (a rank's)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        names = [str(d).removeprefix("torch.") for d in dtypes]
+        mm = {n: matmul_rate(d, repeats) for n, d in zip(names, dtypes)}
+        att = {n: attention_rate(d, repeats) for n, d in zip(names, dtypes)}
+        mem = memory_rate(dtypes[0], repeats)
+        view = view_latency(repeats)
+        wire = link(repeats)
+    finally:
+        torch.set_num_threads(before)
+    first = names[0]
+    rates = {"matmul": Rate(mm[first][0], {n: v[1] for n, v in mm.items()}),
+             "attention": Rate(att[first][0], {n: v[1] for n, v in att.items()}),
+             "memory": Rate(mem[0], mem[1]), "view": Rate(view)}
+    return Profile(f"calibrated {os.uname().nodename}", None, rates, {"memory": rates["memory"]}, mem[1],
+                   os.cpu_count() or 1, {"node": wire, "network": wire}, threads)

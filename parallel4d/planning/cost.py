@@ -1,0 +1,169 @@
+"""The time model: a job's step time on a device profile, from its own dry run.
+
+Per pipeline position, :func:`parallel4d.tools.plan.plan` (``timed``) gives every op of one step
+(:mod:`.trace`) and the bytes and messages sent along each mesh axis. Then:
+
+* **compute**: each op at the profile's cost (:meth:`.profiles.Profile.op_seconds`), summed by phase;
+  hetero's optimizer step at the host's rates;
+* **communication**: per axis, ``messages·latency + bytes / bandwidth`` on the link that axis's groups
+  use (a group inside ``ranks_per_node`` consecutive ranks: the node's, else the network's). The
+  tensor and sequence axes' traffic happens inside the forward and backward (added to them, in
+  their proportion; nothing assumed overlapped); the pipeline's is each hop's latency; the data
+  replicas' gradient reduction follows the last backward;
+* **the pipeline**: :func:`parallel4d.pipeline.simulate` of the job's own order with each rank's
+  chunk forward and backward and that hop (``hop_cost: auto`` builds the order for them, as a run
+  does); without a pipeline, the micro-batches one after another;
+* **hetero**: the chunk traffic a steady step moves, over the host link.
+
+``step = pipeline + data-parallel reduction + optimizer step + hetero traffic``.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+from parallel4d.config.schema import Config
+from parallel4d.distributed.mesh import AXES
+from parallel4d.engine.flops import flops_per_token
+from parallel4d.pipeline import simulate
+from parallel4d.pipeline.schedule import make_schedule
+from parallel4d.planning.profiles import Profile
+from parallel4d.planning.trace import PHASES, Op
+from parallel4d.tools.plan import RankPlan
+
+INSIDE = ("tp_row", "tp_col", "sp", "tp")  # axes whose traffic is part of a chunk's forward and backward
+WEIGHT_SHARE = 0.5  # a split backward's W: the weight gradients' half of the backward's products
+
+
+@dataclass
+class RankTime:
+    """One pipeline position's seconds per step: compute by phase, communication by axis."""
+
+    pp_rank: int
+    compute_s: dict[str, float]  # forward / backward / step
+    comm_s: dict[str, float]  # by mesh axis
+    hetero_s: float = 0.0  # host link
+
+    def inside_s(self) -> float:
+        return sum(t for a, t in self.comm_s.items() if a in INSIDE)
+
+    def after_s(self) -> float:
+        """The data replicas' reduction and anything outside the tensor, sequence and pipeline axes."""
+        return sum(t for a, t in self.comm_s.items() if a not in INSIDE and a != "pp")
+
+
+@dataclass
+class Prediction:
+    """A job's predicted step on a profile: the step, its parts, throughput and MFU."""
+
+    step_s: float
+    parts: dict[str, float]  # pipeline (compute, its idle, inside traffic), data_parallel, optimizer, hetero
+    tokens_per_s: float
+    mfu: float | None
+    bubble: float
+    hop_s: float | None
+    ranks: list[RankTime] = field(default_factory=list)
+
+    def as_dict(self) -> dict:
+        return {"step_s": self.step_s, "tokens_per_s": self.tokens_per_s, "mfu": self.mfu, "bubble": self.bubble,
+                "hop_s": self.hop_s, "parts": self.parts,
+                "ranks": [{"pp_rank": r.pp_rank, "compute_s": r.compute_s, "comm_s": r.comm_s, "hetero_s": r.hetero_s}
+                          for r in self.ranks]}
+
+
+def axis_span(cfg: Config, axis: str) -> int:
+    """How many consecutive global ranks one group of ``axis`` spans (mesh order pp, dp, sp, tp_row,
+    tp_col: the last varies fastest); ``"dp+sp"``-style joined axes span their outermost's."""
+    p = cfg.parallel
+    sizes = dict(zip(AXES, (p.pp, p.dp, p.sp, p.q, p.q)))
+    parts = axis.split("+")
+    if any(a not in sizes for a in parts):
+        return cfg.world_size  # the default group, or one the mesh did not name: assume the widest
+    outer = min(AXES.index(a) for a in parts)
+    span = 1
+    for a in AXES[outer:]:
+        span *= sizes[a]
+    return span
+
+
+def compute_seconds(ops: Counter[Op], profile: Profile, host_step: bool) -> dict[str, float]:
+    """Seconds per phase; ``host_step``: the step phase runs on the host (hetero's optimizer)."""
+    out = dict.fromkeys(PHASES, 0.0)
+    for op, n in ops.items():
+        out[op.phase] += n * profile.op_seconds(op, on_host=host_step and op.phase == "step")
+    return out
+
+
+def rank_time(cfg: Config, plan: RankPlan, profile: Profile) -> RankTime:
+    comm = {}
+    for axis, nbytes in plan.sent_by_axis.items():
+        within = axis_span(cfg, axis) <= profile.ranks_per_node
+        comm[axis] = profile.link(within).seconds(nbytes, plan.calls_by_axis.get(axis, 1))
+    hetero = (plan.hetero_moved or 0) / profile.host_link_bytes_per_s
+    return RankTime(plan.pp_rank, compute_seconds(plan.ops, profile, cfg.hetero.enabled), comm, hetero)
+
+
+def hop_seconds(cfg: Config, plan: RankPlan, profile: Profile) -> float:
+    """One activation's trip between pp neighbours: its bytes (what the pp axis sent per message)."""
+    messages = plan.calls_by_axis.get("pp", 0)
+    per = plan.sent_by_axis.get("pp", 0) / messages if messages else 0
+    return profile.link(axis_span(cfg, "pp") <= profile.ranks_per_node).seconds(per, 1)
+
+
+def _chunk_costs(cfg: Config, t: RankTime, chunks: int) -> tuple[float, float]:
+    """``(forward, backward)`` seconds of one chunk and one micro-batch on that rank, its share of the
+    tensor and sequence traffic included."""
+    fwd, bwd = t.compute_s["forward"], t.compute_s["backward"]
+    inside = t.inside_s()
+    share = fwd / (fwd + bwd) if fwd + bwd else 0.5
+    per = cfg.pipeline.microbatches * chunks
+    return (fwd + inside * share) / per, (bwd + inside * (1 - share)) / per
+
+
+def _pipeline(cfg: Config, plans: list[RankPlan], times: list[RankTime], profile: Profile):
+    """(seconds of the forward and backward of all micro-batches, bubble, hop seconds)."""
+    pl, p = cfg.pipeline, cfg.parallel
+    if p.pp == 1:
+        t = times[0]
+        return t.compute_s["forward"] + t.compute_s["backward"] + t.inside_s(), 0.0, None
+    hop = hop_seconds(cfg, plans[0], profile)
+    base = make_schedule(pl.schedule, p.pp, pl.microbatches, waves=pl.waves, chunks_per_rank=pl.chunks_per_rank,
+                         split_backward=pl.split_backward)
+    costs = [_chunk_costs(cfg, t, len(base.placement[t.pp_rank])) for t in times]
+    cost = pl.hop_cost
+    if cost == "auto":  # as a run builds it: for the hop over a chunk's forward
+        cost = round(hop / max(sum(c[0] for c in costs) / len(costs), 1e-12), 3)
+    schedule = base if cost is None else make_schedule(
+        pl.schedule, p.pp, pl.microbatches, waves=pl.waves, chunks_per_rank=pl.chunks_per_rank,
+        split_backward=pl.split_backward, p2p_cost=cost)
+    owner = {c: r for r, cs in schedule.placement.items() for c in cs}
+    split = schedule.split_backward
+
+    def action_cost(a) -> float:
+        f, b = costs[owner[a.chunk]]
+        if a.kind == "F":
+            return f
+        if not split:
+            return b
+        return b * WEIGHT_SHARE if a.kind == "W" else b * (1 - WEIGHT_SHARE)
+
+    sim = simulate(schedule, 1.0, 2.0, hop, action_cost=action_cost)
+    return sim.makespan, sim.bubble_ratio, hop
+
+
+def predict(cfg: Config, plans: list[RankPlan], profile: Profile) -> Prediction:
+    """The step of ``cfg`` on ``profile`` from its timed plan (``plan(cfg, timed=True)``)."""
+    times = [rank_time(cfg, p, profile) for p in plans]
+    pipeline_s, bubble, hop = _pipeline(cfg, plans, times, profile)
+    parts = {"pipeline": pipeline_s,
+             "data_parallel": max(t.after_s() for t in times),
+             "optimizer": max(t.compute_s["step"] for t in times),
+             "hetero": max(t.hetero_s for t in times)}
+    step = sum(parts.values())
+    tokens = cfg.data.batch_size * cfg.model.seq_len
+    dtype = cfg.train.autocast if cfg.train.autocast != "none" else cfg.train.parameters
+    peak = profile.rates["matmul"].peak
+    peak = peak.get(dtype) if isinstance(peak, dict) else peak
+    mfu = tokens / step * flops_per_token(cfg) / (cfg.world_size * peak) if peak else None
+    return Prediction(step, parts, tokens / step, mfu, bubble, hop, times)
