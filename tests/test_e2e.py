@@ -2,6 +2,7 @@
 parameters) match the single-process run of the same job; bfloat16 (float32 parameters under bf16
 autocast) runs through every technique and stays within 2e-2 of float32."""
 
+import contextlib
 from pathlib import Path
 
 import pytest
@@ -209,16 +210,30 @@ def test_pipeline_schedules(case, pipeline_runs, tmp_path_factory):
         assert_plan_matches(ROOT / "configs" / "pipeline.yaml", overrides, got)
 
 
-FOUR_D = {"float32": ["checkpoint.enabled=false"], "bfloat16": ["train.dtype=bfloat16"]}  # bf16's is read
+# bf16's checkpoint is read; float32 logs at step 3 of its 4 (tests/test_host_syncs.py counts its host syncs)
+FOUR_D = {"float32": ["checkpoint.enabled=false", "train.log_every=3"],
+          "bfloat16": ["train.dtype=bfloat16", "train.log_every=100"]}
 FOUR_D_STEPS = ["train.steps=4"]  # of the config's 10: 16 workers share the CI's 2 cores
+FOUR_D_SYNCS = "float32 host syncs"
 
 
 def sixteen_worker_job(tmp):
     """This file's share of the suite's 16-worker job (tests/conftest.py): configs/4d.yaml as shipped
-    and in bfloat16, each as launch runs it on a rank; ``{case: (rank 0's summary, out_dir)}``."""
-    return {case: (train_in_job(ROOT / "configs" / "4d.yaml", [*extra, *FOUR_D_STEPS, f"train.out_dir={tmp / case}",
-                                                                "train.log_every=100"]), tmp / case)
-            for case, extra in FOUR_D.items()}
+    and in bfloat16, each as launch runs it on a rank; ``{case: (rank 0's summary, out_dir)}``, and
+    under :data:`FOUR_D_SYNCS` this rank's host syncs of the float32 run, counted while it trained
+    (``[(what, where, label)]``, for tests/test_host_syncs.py: one 16-rank run of the config for both)."""
+    from host_syncs import HostSyncs
+    from parallel4d.engine.step import Engine
+
+    out = {}
+    for case, extra in FOUR_D.items():
+        counted = HostSyncs().watch_steps(Engine) if case == "float32" else contextlib.nullcontext()
+        with counted:
+            out[case] = (train_in_job(ROOT / "configs" / "4d.yaml", [*extra, *FOUR_D_STEPS,
+                                                                     f"train.out_dir={tmp / case}"]), tmp / case)
+        if case == "float32":
+            out[FOUR_D_SYNCS] = [(s.what, s.where, s.label) for s in counted.syncs if s.label != "start"]
+    return out
 
 
 def test_all_four_techniques(sixteen_workers, tmp_path_factory):

@@ -261,7 +261,6 @@ SIXTEEN = {  # each alone fills the 16 ranks with data parallelism
     "ring sp, packed documents": {"parallel": {"sp": 2, "dp": 8}, "data": {"packing": "documents", "eod_token": 5}},
     "hetero ZeRO": {"parallel": {"dp": 16}, "hetero": {"enabled": True, "chunk_elems": 4096}},
 }
-FOUR = ["train.steps=4", "train.log_every=3", "checkpoint.enabled=false"]  # configs/4d.yaml as shipped otherwise
 
 
 def sixteen_job(name: str) -> dict:
@@ -270,18 +269,16 @@ def sixteen_job(name: str) -> dict:
 
 
 def sixteen_worker_job(tmp):
-    """This file's share of the suite's 16-worker job (tests/conftest.py): each case of SIXTEEN and
-    configs/4d.yaml trained by the loop, its host syncs counted on each rank: ``{case: [(label, what,
-    where)]}``."""
+    """This file's share of the suite's 16-worker job (tests/conftest.py): each case of SIXTEEN trained
+    by the loop, its host syncs counted on each rank: ``{case: [(what, where, label)]}``. configs/4d.yaml's
+    are counted in test_e2e's share, while its float32 run trains (test_e2e.FOUR_D_SYNCS)."""
     from conftest import train_in_job
     from parallel4d.engine.step import Engine
 
     out = {}
-    cases = {name: (sixteen_job(name), []) for name in SIXTEEN}
-    cases["all four (configs/4d.yaml)"] = (ROOT / "configs" / "4d.yaml", FOUR)
-    for i, (name, (config, overrides)) in enumerate(cases.items()):
+    for i, name in enumerate(SIXTEEN):
         with HostSyncs().watch_steps(Engine) as counted:
-            train_in_job(config, [*overrides, f"train.out_dir={tmp / f'case{i}'}"])
+            train_in_job(sixteen_job(name), [f"train.out_dir={tmp / f'case{i}'}"])
         out[name] = [(s.what, s.where, s.label) for s in counted.syncs if s.label != "start"]
     return out
 
@@ -301,14 +298,17 @@ def test_each_technique_alone_on_16_ranks(sixteen, name):
         assert unexpected([Sync(*s) for s in per_case[name]], cfg, 16, known=known) == [], (name, rank)
 
 
-def test_all_four_techniques_together(sixteen):
-    """configs/4d.yaml (Hanayo pp=2 × ring sp=2 × 2D tp=4 × hetero ZeRO under a device budget): the
-    documented minimum, plus hetero's known norm reads of off-device gradient chunks."""
+def test_all_four_techniques_together(sixteen_workers):
+    """configs/4d.yaml (Hanayo pp=2 × ring sp=2 × 2D tp=4 × hetero ZeRO under a device budget), its
+    float32 run of test_e2e (4 steps, a log step at 3): the documented minimum, plus hetero's known norm
+    reads of off-device gradient chunks."""
     from parallel4d.config.load import load_config
+    from test_e2e import FOUR_D, FOUR_D_STEPS, FOUR_D_SYNCS
 
-    cfg = load_config(ROOT / "configs" / "4d.yaml", FOUR)
-    for rank, per_case in enumerate(sixteen):
-        syncs = [Sync(*s) for s in per_case["all four (configs/4d.yaml)"]]
+    cfg = load_config(ROOT / "configs" / "4d.yaml", [*FOUR_D["float32"], *FOUR_D_STEPS])
+    assert (cfg.train.steps, cfg.train.log_every, cfg.checkpoint.enabled) == (4, 3, False)
+    for rank, results in enumerate(sixteen_workers):
+        syncs = [Sync(*s) for s in results["test_e2e"][FOUR_D_SYNCS]]
         assert unexpected(syncs, cfg, 16, known=HETERO_OFF_DEVICE_NORM) == [], rank
 
 
