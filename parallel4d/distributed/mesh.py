@@ -94,7 +94,9 @@ class Mesh:
         self._coords = tuple(int(c) for c in device_mesh.get_coordinate())
         # {coordinates: global rank} in plain Python: peers resolve without tensor ops (a plan's
         # dry run traces the model under a fake-tensor mode, where tensors hold no values).
-        shape = tuple(device_mesh.mesh.shape)
+        # the sizes, read once: DeviceMesh.mesh rebuilds its rank tensor on every access (~1 ms, and
+        # the step asks for sizes hundreds of times)
+        self._shape = shape = tuple(int(n) for n in device_mesh.mesh.shape)
         self._rank_at = dict(zip(itertools.product(*map(range, shape)), device_mesh.mesh.flatten().tolist()))
         self._groups: dict[str, dist.ProcessGroup] = {}
         # the groups this mesh made, oldest first (:meth:`close`): its axes' (the default group aside)
@@ -103,11 +105,11 @@ class Mesh:
     # --- sizes and coordinates -------------------------------------------------
     @property
     def shape(self) -> dict[str, int]:
-        return dict(zip(AXES, self.device_mesh.mesh.shape))
+        return dict(zip(AXES, self._shape))
 
     @property
     def world_size(self) -> int:
-        return self.device_mesh.mesh.numel()
+        return math.prod(self._shape)
 
     @property
     def q(self) -> int:
@@ -132,7 +134,7 @@ class Mesh:
             raise ValueError(f"unknown mesh axis {axis!r}; axes are {AXES}") from None
 
     def size(self, axis: str) -> int:
-        return int(self.device_mesh.mesh.shape[self._dim(axis)])
+        return self._shape[self._dim(axis)]
 
     def rank(self, axis: str) -> int:
         """This rank's coordinate along ``axis``."""
