@@ -100,7 +100,7 @@ def test_hung_job_times_out():
     from parallel4d.launcher.supervise import WorkerTimeout
 
     with pytest.raises(WorkerTimeout, match="ranks still running"):
-        spawn(_hang, 2, timeout_s=8)
+        spawn(_hang, 2, timeout_s=2)
     assert worker_processes() == []
 
 
