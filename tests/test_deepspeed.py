@@ -190,7 +190,7 @@ TRAIN = {**JOB, "parallel": {"tp": 4, "dp": 2},
          # Adam turns each layout's float32 round-off there into lr-sized steps (parameters would differ
          # by ~1e-4 there for reasons that are not the layouts')
          "optimizer": {"lr": 0.01, "warmup_steps": 3, "weight_decay": 0.1, "eps": 1e-4},
-         "train": {"steps": 10, "grad_clip": 0.5, "timeout_s": 60, "job_timeout_s": 240},
+         "train": {"steps": 5, "grad_clip": 0.5, "timeout_s": 60, "job_timeout_s": 240},
          "checkpoint": {"enabled": False}}
 
 
@@ -225,7 +225,7 @@ def _train_under_zero(job: dict, runs: list[tuple[int, bool]]):
 
 
 def test_zero_stages_equal_parallel4d_data_parallelism(tmp_path, eight_workers):
-    """tp=4 × dp=2 (8 workers), 10 AdamW steps with warm-up, weight decay and clipping active:
+    """tp=4 × dp=2 (8 workers), 5 AdamW steps (3 of them warm-up), weight decay and clipping active:
     DeepSpeed ZeRO 0, 1 and 2 give parallel4d's own run's losses (launch, same config) and its
     parameters after the last step (its layout-free checkpoint, read by DCP), rel 1e-5; with
     ``bf16`` (ZeRO 1) the losses are finite, within 2e-2 and learning."""
@@ -233,7 +233,7 @@ def test_zero_stages_equal_parallel4d_data_parallelism(tmp_path, eight_workers):
     from test_checkpoint import read_state
 
     ours = launch({**TRAIN, "train": {**TRAIN["train"], "out_dir": str(tmp_path / "p4d")}, "checkpoint": {}})
-    state = read_state(tmp_path / "p4d" / "checkpoints" / "step_00000010")
+    state = read_state(tmp_path / "p4d" / "checkpoints" / "step_00000005")
     params = {k[len("model."):]: v for k, v in state.items() if k.startswith("model.")}
     want = torch.tensor(ours["losses"], dtype=torch.float64)
     assert want[-1] < want[0]
@@ -245,7 +245,7 @@ def test_zero_stages_equal_parallel4d_data_parallelism(tmp_path, eight_workers):
                 torch.testing.assert_close(got, want, rtol=2e-2, atol=0, msg=lambda m: f"bf16: {m}")
                 continue
             torch.testing.assert_close(got, want, rtol=1e-5, atol=0, msg=lambda m, s=stage: f"ZeRO {s}: {m}")
-            assert_pieces_close(pieces, params, 1e-5, 1e-6, f"ZeRO {stage} after 10 steps")
+            assert_pieces_close(pieces, params, 1e-5, 1e-6, f"ZeRO {stage} after 5 steps")
 
 
 ZERO_RUNS = [(0, False), (1, False), (2, False), (1, True)]  # (ZeRO stage, bf16)
