@@ -105,7 +105,21 @@ def gather(ckpt: str | Path, out: str | Path, progress: bool = True) -> Path:
     if problem is not None:
         raise CheckpointError(f"checkpoint {path} is not usable: {problem}")
     dcp = checkpoint.dcp
-    saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+
+    class Reader(dcp.FileSystemReader):
+        """The checkpoint's metadata read once: ``dcp.load`` reads it on every call, one per tensor here
+        (the unpickling took most of a gather's time)."""
+
+        metadata = None
+
+        def read_metadata(self, *args, **kwargs):
+            if self.metadata is None:
+                self.metadata = super().read_metadata(*args, **kwargs)
+            self.metadata.storage_meta.load_id = self.load_id  # this load's, as a fresh read sets it
+            return self.metadata
+
+    reader = Reader(str(path))
+    saved = reader.read_metadata().state_dict_metadata
     tmp = out.with_name(f".{out.name}.tmp")
     with torch.serialization.skip_data(materialize_fake_tensors=True):
         torch.save(_skeleton(saved), tmp)
@@ -119,7 +133,7 @@ def gather(ckpt: str | Path, out: str | Path, progress: bool = True) -> Path:
     with warnings.catch_warnings():  # "no process group: assuming a single process" is the intent here
         warnings.simplefilter("ignore", UserWarning)
         for key, t in places.items():
-            dcp.load({key: t}, checkpoint_id=str(path), no_dist=True)
+            dcp.load({key: t}, checkpoint_id=str(path), storage_reader=reader, no_dist=True)
             if bar is not None:
                 bar.advance(t.nbytes)
     del mapped, places
