@@ -9,8 +9,7 @@ pages run in one copy of configs/, docs/, examples/ and benchmarks/, README firs
 ``.venv/bin/{parallel4d,python,torchrun}`` standing for this interpreter, and every config any of
 their processes loads gets :data:`OVERRIDES` appended (a ``sitecustomize`` on ``PYTHONPATH``), so
 each printed job trains two steps. The README runs alone (the quickstart's pace is checked); the
-other pages then run three at a time (most of their blocks are one process that waits on its start-up
-and its files part of the time: two at a time left the 2 cores idle for a fifth of that phase).
+other pages then run three at a time (most of their blocks are one process, which leaves a core idle).
 """
 
 from __future__ import annotations
