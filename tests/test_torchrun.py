@@ -13,7 +13,7 @@ import subprocess
 import sys
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -138,14 +138,14 @@ def steps_saved(ckpt: Path) -> list[int]:
     return sorted(int(p.name[5:]) for p in ckpt.glob("step_*") if p.name[5:].isdigit())
 
 
-def two_agents_train_one_job_and_its_checkpoint_resumes_at_four_agents(tmp: Path, reference: Future,
+def two_agents_train_one_job_and_its_checkpoint_resumes_at_four_agents(tmp: Path, reference: torch.Tensor,
                                                                        hung: threading.Event) -> None:
     """pp=2 across two agents × tp=4 within each (c10d rendezvous); its checkpoint resumes at four agents
     of one worker (dp=2 × sp=2, both across agents; static rendezvous). Losses equal one process's, for
     the whole run. It starts once the restart scenario has hung its worker: its twelve workers' start-up fills
     that scenario's wait for the timeout and the restart, and stays out of its first 30 steps."""
     assert hung.wait(300), "the restart scenario never hung its worker"
-    want = reference.result()[:6]
+    want = reference[:6]
     port = free_port()
     two = job(tmp, "two", 3, {"pp": 2, "tp": 4})
     for a in agents(tmp, "two", two, 2, 4, port):
@@ -226,7 +226,7 @@ class FaultyRun:
         return logs
 
 
-def restarts_resume_from_the_newest_checkpoint(tmp: Path, reference: Future, hung: threading.Event) -> None:
+def restarts_resume_from_the_newest_checkpoint(tmp: Path, reference: torch.Tensor, hung: threading.Event) -> None:
     """Under --max-restarts 2 (torchrun's default store), a worker killed (kill -9) and later a worker
     hung (SIGSTOP: its peer times out after train.timeout_s; torchrun's kill -9 of it sent at once, see
     :meth:`FaultyRun.hang_worker`) each lead to a restart that re-forms the groups and resumes from the
@@ -239,21 +239,21 @@ def restarts_resume_from_the_newest_checkpoint(tmp: Path, reference: Future, hun
         run.after_checkpoint(30, lambda: run.hang_worker(1, hung))
     finally:
         hung.set()  # never leave the multi-node scenario waiting
-    logs = run.finish(reference.result()[:steps])
+    logs = run.finish(reference[:steps])
     assert "a peer stopped answering" in logs  # the hung worker's peer, after train.timeout_s (5 s)
 
 
-def a_lost_node_is_replaced_and_the_job_continues(tmp: Path, reference: Future, _) -> None:
+def a_lost_node_is_replaced_and_the_job_continues(tmp: Path, reference: torch.Tensor, _) -> None:
     """One agent killed whole (its workers too) and a new one started with the same rendezvous id: the
     job continues from the newest checkpoint. (torch 2.13's agents keep the bootstrap store of their
     first round, which a new agent never learns: TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, as the README says.)"""
     steps = 30
     run = FaultyRun(tmp, steps, max_restarts=1, env={"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
     run.after_checkpoint(15, lambda: run.replace_node(1))
-    run.finish(reference.result()[:steps])
+    run.finish(reference[:steps])
 
 
-def a_node_lost_for_good_stops_naming_the_sizes(tmp: Path, reference: Future, _) -> None:
+def a_node_lost_for_good_stops_naming_the_sizes(tmp: Path, reference: torch.Tensor, _) -> None:
     """--nnodes 1:2: after one of two agents is killed, torchelastic re-forms the job on one node, where
     dp=2 does not fit: every worker stops with the sizes, and the agent ends with its restarts spent.
     (The rendezvous waits 15 s for a second node: under the other scenarios' load the second agent
@@ -268,7 +268,7 @@ def a_node_lost_for_good_stops_naming_the_sizes(tmp: Path, reference: Future, _)
     assert "WORLD_SIZE=1 but parallel.pp·dp·sp·tp = 1·2·1·1 = 2" in nodes[0].text()
 
 
-def sigterm_saves_and_exits_143(tmp: Path, reference: Future, _) -> None:
+def sigterm_saves_and_exits_143(tmp: Path, reference: torch.Tensor, _) -> None:
     """SIGTERM to torchrun (what SLURM and Kubernetes send): it passes it to its workers, which finish the
     step, save it and exit 143, not 0; summary.json says the run was stopped and by what."""
     cfg = job(tmp, "run", 1000, {"dp": 2})
@@ -281,13 +281,12 @@ def sigterm_saves_and_exits_143(tmp: Path, reference: Future, _) -> None:
     assert summary["stop_signal"] == "SIGTERM" and summary["interrupted"]
     assert summary["steps"] < 1000 and summary["steps"] == max(steps_saved(ckpt)), (summary["steps"], steps_saved(ckpt))
     assert "stopped by SIGTERM at step" in node.text()
-    want = reference.result()
-    n = min(len(want), summary["steps"])
-    torch.testing.assert_close(torch.tensor(summary["losses"][:n], dtype=torch.float64), want[:n], rtol=1e-12,
+    n = min(len(reference), summary["steps"])
+    torch.testing.assert_close(torch.tensor(summary["losses"][:n], dtype=torch.float64), reference[:n], rtol=1e-12,
                                atol=0)
 
 
-def a_refused_config_is_one_line_in_torchruns_report(tmp: Path, reference: Future, _) -> None:
+def a_refused_config_is_one_line_in_torchruns_report(tmp: Path, reference: torch.Tensor, _) -> None:
     """#26.9: an invalid config under torchrun: exit 2 on every worker, the refusal printed once per node,
     and torchrun's failure report quotes it (from the error file) instead of a traceback of ours."""
     cfg = job(tmp, "run", 5, {"pp": 0})
@@ -305,21 +304,15 @@ def a_refused_config_is_one_line_in_torchruns_report(tmp: Path, reference: Futur
 def test_torchrun_jobs(tmp_path):
     """The six torchrun scenarios above, side by side, each its own job on its own ports and directory.
     Much of the fault scenarios' time is waiting (for a timeout, a rendezvous, a restart), and the
-    multi-node job, which keeps both cores busy, runs in those waits. The one-process reference runs in
-    this thread meanwhile (one process group per process, none in the threads): the scenarios read it
-    only to compare their losses at the end."""
+    multi-node job, which keeps both cores busy, runs in those waits."""
     scenarios = (restarts_resume_from_the_newest_checkpoint, a_lost_node_is_replaced_and_the_job_continues,
                  a_node_lost_for_good_stops_naming_the_sizes, sigterm_saves_and_exits_143,
                  two_agents_train_one_job_and_its_checkpoint_resumes_at_four_agents,
                  a_refused_config_is_one_line_in_torchruns_report)
-    reference, hung = Future(), threading.Event()
+    reference = reference_losses(tmp_path, 45)  # here: one process group per process, none in the threads
+    hung = threading.Event()
     with ThreadPoolExecutor(len(scenarios)) as pool:
         futures = [pool.submit(fn, tmp_path / fn.__name__, reference, hung) for fn in scenarios]
-        try:
-            reference.set_result(reference_losses(tmp_path, 45))
-        except BaseException as e:  # the scenarios waiting for it fail with it
-            reference.set_exception(e)
-            raise
     for fn, future in zip(scenarios, futures):
         if future.exception() is not None:
             raise AssertionError(f"{fn.__name__}: {future.exception()}") from future.exception()
