@@ -111,7 +111,7 @@ def main() -> None:
     from parallel4d.config.load import load_config
     from parallel4d.planning.calibrate import calibrate
     from parallel4d.planning.cost import predict
-    from parallel4d.tools.plan import plan
+    from parallel4d.planning.dry_run import plan
 
     layouts = [x for x in LAYOUTS if x[0] in QUICK] if a.quick else LAYOUTS
     steps = 3 if a.quick else a.steps

@@ -23,7 +23,7 @@ import torch
 
 from parallel4d.config.load import make_config
 from parallel4d.sequence.ulysses import ulysses_bytes
-from parallel4d.tools.plan import dry_run
+from parallel4d.planning.dry_run import dry_run
 from report import RESULTS, save
 SP_AXES = ("sp", "sp_ring", "sp_ulysses")
 

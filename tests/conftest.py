@@ -99,7 +99,7 @@ def assert_plan_matches(config, overrides, summary, rel=0.10) -> dict:
     grid peers hold the same): each byte count, and the bytes sent along each axis, within ``rel``.
     Returns ``{quantity: worst relative difference}``."""
     from parallel4d.config.load import load_config
-    from parallel4d.tools.plan import plan
+    from parallel4d.planning.dry_run import plan
 
     cfg = load_config(config, list(overrides))
     ranks = plan(cfg)

@@ -44,7 +44,8 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("L6 integrations", ["parallel4d.integrations", "parallel4d.integrations.*"]),
     ("L7 training", ["parallel4d.training", "parallel4d.training.*"]),
     ("L8 launcher", ["parallel4d.launcher", "parallel4d.launcher.*"]),
-    ("L9 tools", ["parallel4d.tools", "parallel4d.tools.*"]),
+    ("L9 planning", ["parallel4d.planning", "parallel4d.planning.*"]),
+    ("L10 tools", ["parallel4d.tools", "parallel4d.tools.*"]),
     ("the package (its public names, imported on first use; python -m parallel4d)",
      ["parallel4d", "parallel4d.__main__"]),
 ]
@@ -61,7 +62,7 @@ DEFERRED = {
                                                                  "skips it",
     ("parallel4d.launcher.worker_process", "torch"): "a worker imports torch once its environment is set (threads, "
                                               "devices); the zygote once, for every worker it forks",
-    ("parallel4d.tools.plan", "torch.testing._internal.distributed.fake_pg"): "registers the fake backend, for the "
+    ("parallel4d.planning.dry_run", "torch.testing._internal.distributed.fake_pg"): "registers the fake backend, for the "
                                                                              "plan's dry run only",
     ("parallel4d.training.loop", "tqdm"): "a progress bar, on a terminal only",
     ("parallel4d.data.tokenize", "tqdm"): "a progress bar, on a terminal only",

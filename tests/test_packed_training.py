@@ -196,7 +196,7 @@ def test_a_packed_job_is_planned_on_one_document_rows():
     """``parallel4d plan`` dry-runs a packed job (its documents computed for real inside the fake-tensor
     step) on rows of one document each, the most work: every ring block pair runs, so the bytes sent equal
     the unpacked job's, and the dense core's document mask is counted in the activations."""
-    from parallel4d.tools.plan import plan
+    from parallel4d.planning.dry_run import plan
 
     for parallel in ({"sp": 4}, {"dp": 2}):
         packed = plan(make_config(_job(GPT2, parallel)))[0]

@@ -24,7 +24,7 @@ from parallel4d.config.errors import ConfigError
 from parallel4d.config.load import load_config, make_config
 from parallel4d.tools.largest import (Memory, Verdict, _deepest, candidate, count, deepspeed_estimate, largest,
                                       with_layers)
-from parallel4d.tools.plan import HEADROOM, dry_run, parse_bytes, plan
+from parallel4d.planning.dry_run import HEADROOM, dry_run, parse_bytes, plan
 from test_e2e import FOUR_D, FOUR_D_STEPS, PIPELINE_STEPS, ROOT, shared_run
 
 SHIPPED = {  # config → the overrides its shared end-to-end run uses (test_e2e)

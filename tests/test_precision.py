@@ -315,7 +315,7 @@ def test_activations_cross_pipeline_stages_in_the_autocast_dtype(dtype, wire, mo
     activation-gradient posted between the stages is in the autocast dtype (the parameters' without
     autocast): the same messages as float32's, at half the bytes under bf16/fp16."""
     from parallel4d.distributed import comm
-    from parallel4d.tools.plan import dry_run
+    from parallel4d.planning.dry_run import dry_run
 
     posted, real = {}, comm.p2p
 

@@ -170,7 +170,7 @@ def test_split_backward_sends_what_the_unsplit_backward_sends(split_runs):
     holds one. ``parallel4d plan`` of zb_h1 itself is within 10 % of the run, rank by rank."""
     from conftest import assert_plan_matches
     from parallel4d.config.load import load_config
-    from parallel4d.tools.plan import plan
+    from parallel4d.planning.dry_run import plan
 
     summaries, _ = split_runs
     got = summaries["zb_h1-pp2-tp4"]

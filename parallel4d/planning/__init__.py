@@ -3,5 +3,5 @@
 ``trace`` (every op of a dry-run step) → ``profiles`` (what a device charges per op and per byte; data
 under ``devices/``, or ``calibrate``'d on this machine) → ``cost`` (a job's predicted step) →
 ``search`` (every layout of N devices that fits, ranked). The dry run itself is
-:mod:`parallel4d.tools.plan`'s.
+:mod:`parallel4d.planning.dry_run`'s.
 """

@@ -15,8 +15,13 @@ import statistics
 import time
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
+from parallel4d.config.schema import Config
+from parallel4d.distributed.startup import worker_threads
+from parallel4d.engine.model import TORCH_DTYPES
+from parallel4d.launcher.spawn import spawn
 from parallel4d.planning.profiles import Link, Profile, Rate
 
 MATMUL_SIZES = [(32, 64), (128, 128), (256, 256), (1024, 256), (512, 512), (2048, 512), (1024, 1024)]  # (m, k = n)
@@ -111,8 +116,6 @@ def view_latency(repeats: int) -> float:
 
 
 def _ping_pong(sizes: list[int], repeats: int) -> list[tuple[float, float]]:
-    import torch.distributed as dist
-
     rank, points = dist.get_rank(), []
     for n in sizes:
         buf = torch.zeros(n // 4, dtype=torch.float32)
@@ -132,8 +135,6 @@ def _ping_pong(sizes: list[int], repeats: int) -> list[tuple[float, float]]:
 
 def link(repeats: int) -> Link:
     """Two worker processes on this machine (gloo, one thread each): one message's latency and bandwidth."""
-    from parallel4d.launcher.spawn import spawn
-
     points = spawn(_ping_pong, 2, (MESSAGE_SIZES, repeats), timeout_s=300)[0]
     latency, bandwidth = fit(points)
     return Link(bandwidth, latency)
@@ -158,3 +159,9 @@ def calibrate(dtypes: list[torch.dtype], threads: int, repeats: int = 15) -> Pro
              "memory": Rate(mem[0], mem[1]), "view": Rate(view)}
     return Profile(f"calibrated {os.uname().nodename}", None, rates, {"memory": rates["memory"]}, mem[1],
                    os.cpu_count() or 1, {"node": wire, "network": wire}, threads)
+
+
+def calibrate_for(cfg: Config) -> Profile:
+    """This machine's profile for ``cfg``: its parameter and autocast dtypes, the threads one of its ranks gets."""
+    dtypes = list(dict.fromkeys(TORCH_DTYPES[d] for d in (cfg.train.parameters, cfg.train.autocast) if d != "none"))
+    return calibrate(dtypes, worker_threads(cfg))

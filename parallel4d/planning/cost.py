@@ -1,6 +1,6 @@
 """The time model: a job's step time on a device profile, from its own dry run.
 
-Per pipeline position, :func:`parallel4d.tools.plan.plan` (``timed``) gives every op of one step
+Per pipeline position, :func:`parallel4d.planning.dry_run.plan` (``timed``) gives every op of one step
 (:mod:`.trace`) and the bytes and messages sent along each mesh axis. Then:
 
 * **compute**: each op at the profile's cost (:meth:`.profiles.Profile.op_seconds`), summed by phase;
@@ -20,6 +20,7 @@ Per pipeline position, :func:`parallel4d.tools.plan.plan` (``timed``) gives ever
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -30,7 +31,7 @@ from parallel4d.pipeline import simulate
 from parallel4d.pipeline.schedule import make_schedule
 from parallel4d.planning.profiles import Profile
 from parallel4d.planning.trace import PHASES, Op
-from parallel4d.tools.plan import RankPlan
+from parallel4d.planning.dry_run import RankPlan
 
 INSIDE = ("tp_row", "tp_col", "sp", "tp")  # axes whose traffic is part of a chunk's forward and backward
 WEIGHT_SHARE = 0.5  # a split backward's W: the weight gradients' half of the backward's products
@@ -87,6 +88,21 @@ def axis_span(cfg: Config, axis: str) -> int:
     return span
 
 
+def axis_size(cfg: Config, axis: str) -> int:
+    p = cfg.parallel
+    sizes = dict(zip(AXES, (p.pp, p.dp, p.sp, p.q, p.q)))
+    return math.prod(sizes.get(a, cfg.world_size) for a in axis.split("+"))
+
+
+def wire_bytes(cfg: Config, axis: str, counted: float) -> float:
+    """What a rank puts on the wire for ``counted`` bytes (:mod:`parallel4d.distributed.comm` counts each
+    collective's tensor once): the data replicas' all-reduce, a ring's ``2(n−1)/n`` of it."""
+    if not axis.startswith("dp"):
+        return counted
+    n = axis_size(cfg, axis)
+    return counted * 2 * (n - 1) / n
+
+
 def compute_seconds(ops: Counter[Op], profile: Profile, host_step: bool) -> dict[str, float]:
     """Seconds per phase; ``host_step``: the step phase runs on the host (hetero's optimizer)."""
     out = dict.fromkeys(PHASES, 0.0)
@@ -99,7 +115,7 @@ def rank_time(cfg: Config, plan: RankPlan, profile: Profile) -> RankTime:
     comm = {}
     for axis, nbytes in plan.sent_by_axis.items():
         within = axis_span(cfg, axis) <= profile.ranks_per_node
-        comm[axis] = profile.link(within).seconds(nbytes, plan.calls_by_axis.get(axis, 1))
+        comm[axis] = profile.link(within).seconds(wire_bytes(cfg, axis, nbytes), plan.calls_by_axis.get(axis, 1))
     hetero = (plan.hetero_moved or 0) / profile.host_link_bytes_per_s
     return RankTime(plan.pp_rank, compute_seconds(plan.ops, profile, cfg.hetero.enabled), comm, hetero)
 
@@ -121,8 +137,20 @@ def _chunk_costs(cfg: Config, t: RankTime, chunks: int) -> tuple[float, float]:
     return (fwd + inside * share) / per, (bwd + inside * (1 - share)) / per
 
 
-def _pipeline(cfg: Config, plans: list[RankPlan], times: list[RankTime], profile: Profile):
-    """(seconds of the forward and backward of all micro-batches, bubble, hop seconds)."""
+def half_octave(ratio: float) -> float:
+    """``ratio`` on the grid ``2^(k/2)`` (0 below 1/64): the search builds an order per grid point, not per
+    candidate (building one takes seconds at P ≥ 8), and the orders built for neighbouring ratios differ little."""
+    if ratio < 1 / 64:
+        return 0.0
+    return round(2 ** (round(2 * math.log2(ratio)) / 2), 4)
+
+
+def _pipeline(cfg: Config, plans: list[RankPlan], times: list[RankTime], profile: Profile, round_hop=None,
+              build_order: bool = True):
+    """(seconds of the forward and backward of all micro-batches, bubble, hop seconds); ``round_hop``: what
+    the hop/forward ratio an order is built for is rounded by (the run's 3 decimals by default);
+    ``build_order=False``: ``hop_cost: auto`` simulated with the order for free transfers instead (an upper
+    bound: the search behind a built order also tries the free-transfer orders and keeps the fastest at the hop)."""
     pl, p = cfg.pipeline, cfg.parallel
     if p.pp == 1:
         t = times[0]
@@ -132,8 +160,11 @@ def _pipeline(cfg: Config, plans: list[RankPlan], times: list[RankTime], profile
                          split_backward=pl.split_backward)
     costs = [_chunk_costs(cfg, t, len(base.placement[t.pp_rank])) for t in times]
     cost = pl.hop_cost
-    if cost == "auto":  # as a run builds it: for the hop over a chunk's forward
-        cost = round(hop / max(sum(c[0] for c in costs) / len(costs), 1e-12), 3)
+    if cost == "auto" and not build_order:
+        cost = None
+    elif cost == "auto":  # as a run builds it: for the hop over a chunk's forward
+        ratio = hop / max(sum(c[0] for c in costs) / len(costs), 1e-12)
+        cost = round_hop(ratio) if round_hop else round(ratio, 3)
     schedule = base if cost is None else make_schedule(
         pl.schedule, p.pp, pl.microbatches, waves=pl.waves, chunks_per_rank=pl.chunks_per_rank,
         split_backward=pl.split_backward, p2p_cost=cost)
@@ -152,10 +183,11 @@ def _pipeline(cfg: Config, plans: list[RankPlan], times: list[RankTime], profile
     return sim.makespan, sim.bubble_ratio, hop
 
 
-def predict(cfg: Config, plans: list[RankPlan], profile: Profile) -> Prediction:
-    """The step of ``cfg`` on ``profile`` from its timed plan (``plan(cfg, timed=True)``)."""
+def predict(cfg: Config, plans: list[RankPlan], profile: Profile, round_hop=None, build_order: bool = True) -> Prediction:
+    """The step of ``cfg`` on ``profile`` from its timed plan (``plan(cfg, timed=True)``); ``round_hop`` and
+    ``build_order``: as :func:`_pipeline`'s."""
     times = [rank_time(cfg, p, profile) for p in plans]
-    pipeline_s, bubble, hop = _pipeline(cfg, plans, times, profile)
+    pipeline_s, bubble, hop = _pipeline(cfg, plans, times, profile, round_hop, build_order)
     parts = {"pipeline": pipeline_s,
              "data_parallel": max(t.after_s() for t in times),
              "optimizer": max(t.compute_s["step"] for t in times),
@@ -167,3 +199,22 @@ def predict(cfg: Config, plans: list[RankPlan], profile: Profile) -> Prediction:
     peak = peak.get(dtype) if isinstance(peak, dict) else peak
     mfu = tokens / step * flops_per_token(cfg) / (cfg.world_size * peak) if peak else None
     return Prediction(step, parts, tokens / step, mfu, bubble, hop, times)
+
+
+def _ms(s: float) -> str:
+    return f"{s * 1e3:.1f} ms" if s < 10 else f"{s:.1f} s"
+
+
+def format_prediction(pred: Prediction, profile: Profile) -> list[str]:
+    """The predicted step on ``profile`` and its parts."""
+    parts = ", ".join(f"{k.replace('_', ' ')} {_ms(v)}" for k, v in pred.parts.items() if v)
+    lines = [f"predicted step on {profile.name}: {_ms(pred.step_s)} ({parts}); {pred.tokens_per_s:,.0f} tokens/s"
+             + (f", MFU {100 * pred.mfu:.1f} %" if pred.mfu is not None else "")]
+    if pred.hop_s is not None:
+        lines.append(f"  pipeline: bubble {100 * pred.bubble:.1f} % of the ranks' time, hop {_ms(pred.hop_s)}")
+    for r in pred.ranks:
+        comm = ", ".join(f"{a} {_ms(t)}" for a, t in r.comm_s.items())
+        lines.append(f"  pp rank {r.pp_rank}: forward {_ms(r.compute_s['forward'])}, backward "
+                     f"{_ms(r.compute_s['backward'])}, optimizer step {_ms(r.compute_s['step'])}"
+                     + (f"; communication {comm}" if comm else ""))
+    return lines

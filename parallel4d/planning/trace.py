@@ -100,14 +100,15 @@ class OpTrace(TorchDispatchMode):
         self._calls.append((kind, torch._C._current_graph_task_id() != -1, dtype.removeprefix("torch."), work))
         return out
 
+    def calls(self) -> list[Op]:
+        """Every call in order, its phase decided."""
+        last_backward = max((i for i, c in enumerate(self._calls) if c[1]), default=-1)
+        return [Op(kind, "backward" if backward else ("step" if i > last_backward >= 0 else "forward"), dtype, work)
+                for i, (kind, backward, dtype, work) in enumerate(self._calls)]
+
     def ops(self) -> Counter[Op]:
         """Each distinct :class:`Op` and how many times it ran."""
-        last_backward = max((i for i, c in enumerate(self._calls) if c[1]), default=-1)
-        counted: Counter[Op] = Counter()
-        for i, (kind, backward, dtype, work) in enumerate(self._calls):
-            phase = "backward" if backward else ("step" if i > last_backward >= 0 else "forward")
-            counted[Op(kind, phase, dtype, work)] += 1
-        return counted
+        return Counter(self.calls())
 
 
 def total(ops: Counter[Op], kind: str | None = None, phase: str | None = None) -> float:

@@ -86,12 +86,15 @@ def _cut(cfg: Config) -> str:
 
 @_job_command
 def _cmd_plan(args) -> int:
-    """The resolved layout and, per rank, the bytes held and sent (a dry run: :mod:`.plan`)."""
+    """The resolved layout and, per rank, the bytes held and sent (a dry run: :mod:`parallel4d.planning.dry_run`)."""
     from parallel4d.tools.largest import check_request, format_largest, largest, largest_json
-    from parallel4d.tools.plan import HEADROOM, format_fit, format_ranks, parse_bytes, plan, try_knobs
+    from parallel4d.planning.dry_run import HEADROOM, format_fit, format_ranks, parse_bytes, plan, try_knobs
 
     cfg = load_config(args.config, args.overrides)
     memory = check_request(cfg, args.largest, args.gpus_memory, args.host_memory, args.grow)
+    profile = _profile(args, cfg)
+    if args.search:
+        return _search(args, cfg, profile)
     p, m = cfg.parallel, cfg.model
     q = p.q
     micro = cfg.data.batch_size // (p.dp * q * cfg.pipeline.microbatches)
@@ -107,8 +110,12 @@ def _cmd_plan(args) -> int:
     print(f"activation/rank [b/(dp·q)/m, s/sp, h/q] = [{micro}, {seq}, {m.hidden // q}]")
     print(f"precision       parameters {cfg.train.parameters}, autocast {cfg.train.autocast}, "
           f"activation checkpointing {cfg.train.activation_checkpointing}")
-    ranks = plan(cfg)
+    ranks = plan(cfg, timed=profile is not None)
     print("\n".join(format_ranks(ranks)))
+    if profile is not None:
+        from parallel4d.planning.cost import format_prediction, predict
+
+        print("\n".join(format_prediction(predict(cfg, ranks, profile), profile)))
     if cfg.deepspeed is not None:
         print("note: these are parallel4d's own engine's numbers; under the deepspeed section, DeepSpeed's ZeRO "
               "shards the optimizer state (stage ≥ 1) and gradients (stage 2) over dp")
@@ -124,6 +131,54 @@ def _cmd_plan(args) -> int:
         per_rank = [{**asdict(r), "device_bytes": r.device_bytes, "host_bytes": r.host_bytes} for r in ranks]
         out = per_rank if found is None else {"ranks": per_rank, **largest_json(found, memory)}
         Path(args.json).write_text(json.dumps(out, indent=1))
+    return 0
+
+
+def _profile(args, cfg: Config):
+    """The device profile ``--device`` names or ``--calibrate`` measures (ConfigError for flags that do not
+    go together, before anything runs); None without either."""
+    from parallel4d.planning import profiles
+
+    if args.search and (args.gpus is None or args.gpus_memory is None):
+        raise ConfigError("--search needs --gpus N (the devices to lay out) and --gpu-memory SIZE (each one's, e.g. 80GiB)")
+    if not args.search:
+        for flag, value in (("--gpus", args.gpus), ("--write", args.write)):
+            if value is not None:
+                raise ConfigError(f"{flag} is read only with --search; add --search or remove {flag}")
+    if args.search and (cfg.hetero.enabled or cfg.deepspeed is not None):
+        raise ConfigError("--search lays out parallel4d's own engine without hetero: set hetero.enabled=false and "
+                          "remove the deepspeed section for the search (plan a hetero job without --search)")
+    if args.device and args.calibrate:
+        raise ConfigError("--device and --calibrate both name the device; keep one")
+    if args.write_profile and not args.calibrate:
+        raise ConfigError("--write-profile saves what --calibrate measures; add --calibrate")
+    if args.device:
+        return profiles.load(args.device)
+    if args.calibrate:
+        from parallel4d.planning.calibrate import calibrate_for
+
+        found = calibrate_for(cfg)
+        if args.write_profile:
+            profiles.save(found, args.write_profile)
+        return found
+    if args.search:
+        raise ConfigError("--search ranks by predicted time: add --device h100 (or h200, or a profile file) or --calibrate")
+    return None
+
+
+def _search(args, cfg: Config, profile) -> int:
+    from parallel4d.planning.search import format_search, search
+    from parallel4d.planning.dry_run import parse_bytes
+
+    capacity = parse_bytes(args.gpus_memory, "--gpu-memory")
+    ranked = search(args.config, args.overrides, args.gpus, capacity, profile, args.verify_seconds, top=args.top)
+    print("\n".join(format_search(ranked, capacity, args.top)))
+    if not ranked:
+        return 1
+    if args.write:
+        Path(args.write).write_text(f"# parallel4d plan --search --gpus {args.gpus} --gpu-memory {args.gpus_memory}: "
+                                    f"{ranked[0].describe()}\n" + ranked[0].cfg.shown_yaml())
+        print(f"wrote {args.write}")
     return 0
 
 
@@ -298,6 +353,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", default=None, metavar="FILE",
                    help="also write the per-rank numbers as JSON (with --largest: an object, the ranks under "
                         "\"ranks\" beside largest_params, deepspeed_largest_params and the rest)")
+    p.add_argument("--device", default=None, metavar="NAME|FILE",
+                   help="also predict the step's time on this device profile (h100, h200, or a profile YAML)")
+    p.add_argument("--calibrate", action="store_true",
+                   help="also predict the step's time on this machine, measured first (about half a minute)")
+    p.add_argument("--write-profile", default=None, metavar="FILE",
+                   help="with --calibrate: save the measured profile, for --device FILE later")
+    p.add_argument("--search", action="store_true",
+                   help="rank every layout of --gpus devices that fits --gpu-memory by predicted tokens/s")
+    p.add_argument("--gpus", type=int, default=None, metavar="N", help="with --search: the devices to lay out")
+    p.add_argument("--top", type=int, default=8, metavar="K", help="with --search: how many to print (8)")
+    p.add_argument("--write", default=None, metavar="FILE", help="with --search: write the best as a job file")
+    p.add_argument("--verify-seconds", type=float, default=30.0, metavar="S",
+                   help="with --search: time for whole dry runs of the best candidates, best first (30)")
     p.set_defaults(func=_cmd_plan)
     p = sub.add_parser("checkpoint", help="work with checkpoints of any layout")
     ckpt = p.add_subparsers(dest="action", required=True)

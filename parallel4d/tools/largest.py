@@ -41,7 +41,7 @@ from parallel4d.config.load import make_config
 from parallel4d.config.schema import Config, ModelConfig
 from parallel4d.models.build import build_stage, shape_from_config
 from parallel4d.models.registry import spec
-from parallel4d.tools.plan import HEADROOM, MAX_BLOCK_PASSES, RankPlan, block_passes, human, parse_bytes, plan
+from parallel4d.planning.dry_run import HEADROOM, MAX_BLOCK_PASSES, RankPlan, block_passes, human, parse_bytes, plan
 
 GROW = ("shapes", "layers")
 BUFFER_FACTOR = 1.5  # DeepSpeed's additional_buffer_factor (its estimator's default)

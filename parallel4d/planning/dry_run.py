@@ -65,6 +65,7 @@ class RankPlan:
     hetero_min_budget: int | None = None  # the smallest static device budget that runs what the steps pinned
     calls_by_axis: dict[str, int] = field(default_factory=dict)  # the collectives and messages behind sent_by_axis
     ops: Counter[Op] | None = None  # timed dry runs: every op of one whole step (planning.trace)
+    calls: list[Op] | None = field(default=None, repr=False)  # the same in order (timed dry runs only)
 
     @property
     def host_bytes_per_param(self) -> float | None:
@@ -129,7 +130,7 @@ def dry_run(cfg: Config, pp_rank: int = 0, timed: bool = False) -> RankPlan:
     return RankPlan(pp_rank, rank, held["parameters"], held["gradients"], optimizer, held["activations"],
                     held.get("hetero_device"), held.get("hetero_host"), held["sent_by_axis"],
                     held.get("hetero_moved"), held.get("hetero_params"), held.get("hetero_min_budget"),
-                    held["calls_by_axis"], trace.ops() if trace else None)
+                    held["calls_by_axis"], trace.ops() if trace else None, trace.calls() if trace else None)
 
 
 def _one_step(cfg: Config, mesh, trace: OpTrace | None) -> tuple[dict, int]:

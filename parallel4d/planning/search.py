@@ -1,0 +1,380 @@
+"""``parallel4d plan CONFIG --search --gpus N --gpu-memory M``: every layout of N devices that fits,
+ranked by predicted tokens/s.
+
+Candidates: every ``pp·dp·sp·tp = N`` (tp a square) with the pipeline schedules that differ in time
+(1F1B; Hanayo with 1 and 2 waves; ZB-H1; ZB-V; each order built for the predicted hop), 1, 2 and 4
+micro-batches per pp rank, and activation checkpointing off and on — each validated by the config's
+own rules (a layout they refuse is not a candidate). The model, batch, dtype and the rest stay the
+user's.
+
+A candidate is costed from **unit dry runs** (:func:`parallel4d.planning.dry_run.dry_run`, timed): the
+job's own code at depths 1 and 2, without a pipeline, on one micro-batch of the candidate's local
+shape ``[b/(dp·q)/m, s/sp, h/q]``. Their difference is one block's ops, bytes and memory, exactly
+(:func:`parallel4d.planning.dry_run.plan`'s extrapolation); what remains is the embedding and the head.
+Candidates sharing a local shape share their unit runs, which is what makes the search fast. A pipeline
+rank then holds its chunks' blocks (the engine's own cut, :func:`~parallel4d.engine.compose.pipeline_cut`)
+and, at its peak, the activations of the micro-batch chunks the schedule's simulation stores at once.
+The best candidates are then dry-run whole (``plan`` as it is), as many as ``--verify-seconds``
+allows, best first: their memory is the exact plan's, and a candidate that no longer fits is dropped.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import multiprocessing
+import os
+import time
+from collections import Counter
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from parallel4d.config.errors import ConfigError
+from parallel4d.config.load import load_config
+from parallel4d.config.schema import Config
+from parallel4d.engine.compose import pipeline_cut
+from parallel4d.pipeline import simulate
+from parallel4d.pipeline.schedule import make_schedule
+from parallel4d.planning.cost import INSIDE, Prediction, half_octave, predict
+from parallel4d.planning.profiles import Profile
+from parallel4d.planning.trace import Op
+from parallel4d.planning.dry_run import HEADROOM, MAX_BLOCK_PASSES, RankPlan, block_passes, dry_run, human, plan
+
+SCHEDULES = [("1f1b", []), ("hanayo", ["pipeline.waves=1"]), ("hanayo", ["pipeline.waves=2"]),
+             ("zb_h1", []), ("zbv", [])]
+
+
+@dataclass
+class Ranked:
+    """A candidate and what it is predicted to do; ``exact``: its memory is a whole dry run's."""
+
+    overrides: list[str]
+    cfg: Config
+    device_bytes: int
+    prediction: Prediction
+    exact: bool = False
+    order_built: bool = True  # False: hop_cost auto costed with the free-transfer order (an upper bound)
+    ranks: list[RankPlan] | None = field(default=None, repr=False)  # the plans the prediction came from
+
+    def describe(self) -> str:
+        p, pl, cfg = self.cfg.parallel, self.cfg.pipeline, self.cfg
+        sched = ""
+        if p.pp > 1:
+            sched = f" {pl.schedule}" + (f" W={pl.waves}" if pl.schedule == "hanayo" else "")
+        ckpt = " recompute" if cfg.train.activation_checkpointing != "none" else ""
+        return f"pp={p.pp} dp={p.dp} sp={p.sp} tp={p.tp}{sched} m={pl.microbatches}{ckpt}"
+
+
+def layouts(n: int) -> list[tuple[int, int, int, int]]:
+    """Every ``(pp, dp, sp, tp)`` with ``pp·dp·sp·tp = n`` and tp a square."""
+    out = []
+    for q in range(1, math.isqrt(n) + 1):
+        if n % (q * q):
+            continue
+        rest = n // (q * q)
+        for pp in (d for d in range(1, rest + 1) if rest % d == 0):
+            for dp in (d for d in range(1, rest // pp + 1) if (rest // pp) % d == 0):
+                out.append((pp, dp, rest // pp // dp, q * q))
+    return out
+
+
+def candidates(path, overrides: list[str], gpus: int) -> list[tuple[list[str], Config]]:
+    """Every candidate the config's rules accept (the module docstring's list)."""
+    out = []
+    for pp, dp, sp, tp in layouts(gpus):
+        for ckpt in ("none", "blocks"):
+            layout = [f"parallel.pp={pp}", f"parallel.dp={dp}", f"parallel.sp={sp}", f"parallel.tp={tp}",
+                      f"train.activation_checkpointing={ckpt}"]
+            scheds = SCHEDULES if pp > 1 else [("1f1b", [])]
+            for name, extra in scheds:
+                hop = ["pipeline.hop_cost=auto"] if pp > 1 and name in ("hanayo", "zb_h1", "zbv") else \
+                    ["pipeline.hop_cost=null"]
+                for per in (1, 2, 4):
+                    m = per * pp if pp > 1 else per
+                    knobs = [*layout, f"pipeline.schedule={name}", *extra, f"pipeline.microbatches={m}", *hop]
+                    try:
+                        cfg = load_config(path, [*overrides, *knobs])
+                    except (ConfigError, ValueError):
+                        continue
+                    if cfg.model.layers + 2 >= cfg.pipeline.num_chunks(pp):  # a stage or more per chunk
+                        out.append((knobs, cfg))
+    return out
+
+
+# --- unit dry runs ----------------------------------------------------------------------------------
+
+def rows_per_microbatch(cfg: Config) -> int:
+    p = cfg.parallel
+    return cfg.data.batch_size // (p.dp * p.q * cfg.pipeline.microbatches)
+
+
+def _unit_key(cfg: Config) -> tuple:
+    return cfg.parallel.sp, cfg.parallel.tp, cfg.train.activation_checkpointing
+
+
+def _unit_cfg(cfg: Config, layers: int, rows: int) -> Config:
+    """The candidate's local shape without a pipeline or data replicas: one micro-batch of ``rows`` rows
+    per grid row, ``layers`` blocks."""
+    p = cfg.parallel
+    return cfg.model_copy(update={
+        "parallel": p.model_copy(update={"pp": 1, "dp": 1}),
+        "pipeline": cfg.pipeline.model_copy(update={"schedule": "1f1b", "microbatches": 1, "hop_cost": None,
+                                                    "waves": 1, "split_backward": False}),
+        "data": cfg.data.model_copy(update={"batch_size": rows * p.q}),
+        "model": cfg.model.model_copy(update={"layers": layers})})
+
+
+@dataclass
+class Unit:
+    """One micro-batch's block and ends (embedding + head) at a local shape: each a RankPlan's worth."""
+
+    block: RankPlan
+    ends: RankPlan
+
+
+def _affine(a: RankPlan, b: RankPlan, t: float) -> RankPlan:
+    """``a + (b − a)·t`` field by field: dicts key by key, op calls pairwise in order (the same code runs
+    the same ops, with other sizes); the op counts follow from the calls."""
+    def f(x, y):
+        return x + (y - x) * t
+
+    def d(x, y):
+        return {k: f(x.get(k, 0), y.get(k, 0)) for k in {**x, **y}}
+
+    if len(a.calls) != len(b.calls) or any(x.kind != y.kind or x.phase != y.phase for x, y in zip(a.calls, b.calls)):
+        raise RuntimeError("parallel4d plan --search: the unit dry runs made different ops; plan the candidates "
+                           "one by one (without --search)")
+    calls = [Op(x.kind, x.phase, x.dtype, f(x.work, y.work)) for x, y in zip(a.calls, b.calls)]
+    return RankPlan(a.pp_rank, a.global_rank, f(a.parameters, b.parameters), f(a.gradients, b.gradients),
+                    f(a.optimizer_state, b.optimizer_state), f(a.activations, b.activations),
+                    sent_by_axis=d(a.sent_by_axis, b.sent_by_axis), calls_by_axis=d(a.calls_by_axis, b.calls_by_axis),
+                    ops=Counter(calls), calls=calls)
+
+
+def _minus(a: RankPlan, b: RankPlan) -> RankPlan:
+    """``a − b`` field by field (dicts and op counts key by key)."""
+    def d(x, y):
+        return {k: x.get(k, 0) - y.get(k, 0) for k in {**x, **y}}
+
+    return RankPlan(a.pp_rank, a.global_rank, a.parameters - b.parameters, a.gradients - b.gradients,
+                    a.optimizer_state - b.optimizer_state, a.activations - b.activations,
+                    sent_by_axis=d(a.sent_by_axis, b.sent_by_axis), calls_by_axis=d(a.calls_by_axis, b.calls_by_axis),
+                    ops=Counter({k: n for k, n in d(a.ops, b.ops).items() if n}))
+
+
+UNIT_ROWS = (2, 3)  # not 1: a dimension of one takes other paths in some ops (views, broadcasts)
+
+
+def _unit_runs(cfg: Config) -> dict:
+    """The four dry runs of ``cfg``'s local shape: depths 1 and 2 at :data:`UNIT_ROWS` rows."""
+    return {(d, r): dry_run(_unit_cfg(cfg, d, r), 0, timed=True) for d in (1, 2) for r in UNIT_ROWS}
+
+
+def _one_thread_runs(cfg: Config) -> tuple[tuple, dict]:
+    torch.set_num_threads(1)  # a dry run computes nothing: its cost is Python's, one core per worker
+    return _unit_key(cfg), _unit_runs(cfg)
+
+
+def fill_units(cfgs: list[Config], cache: dict, workers: int) -> None:
+    """The unit runs of every local shape among ``cfgs`` not in ``cache`` yet, ``workers`` processes at
+    once (forked: a dry run is pure Python work under fake tensors), the costliest first."""
+    todo = list({_unit_key(c): c for c in cfgs if _unit_key(c) not in cache}.values())
+    todo.sort(key=lambda c: -c.parallel.sp * c.parallel.tp)  # the ring's and the grid's steps: the most ops
+    if workers <= 1 or len(todo) <= 1:
+        cache.update(_one_thread_runs(c) for c in todo)
+        return
+    with multiprocessing.get_context("fork").Pool(min(workers, len(todo))) as pool:
+        cache.update(pool.imap_unordered(_one_thread_runs, todo, chunksize=1))
+
+
+def unit(cfg: Config, cache: dict) -> Unit:
+    """The candidate's :class:`Unit` from its local shape's four unit runs (:func:`fill_units`), shared by
+    every candidate with that shape; each candidate's rows by the affine rule (every op's work, the
+    activations and bytes are affine in the rows: exact)."""
+    key = _unit_key(cfg)
+    if key not in cache:
+        cache[key] = _unit_runs(cfg)
+    runs, rows = cache[key], rows_per_microbatch(cfg)
+    low, high = UNIT_ROWS
+    one, two = (_affine(runs[(d, low)], runs[(d, high)], (rows - low) / (high - low)) for d in (1, 2))
+    block = _minus(two, one)
+    return Unit(block, _minus(one, block))
+
+
+def _combine(parts: list[tuple[RankPlan, float]], phase_scale: dict[str, float], inside_scale: float,
+             pp_rank: int) -> RankPlan:
+    """Σ weight·part; op counts of the forward and backward and the tensor/sequence traffic times the
+    micro-batches, the step's ops and the other axes' traffic once."""
+    ops: Counter = Counter()
+    sent: Counter = Counter()
+    calls: Counter = Counter()
+    fields = dict.fromkeys(("parameters", "gradients", "optimizer_state", "activations"), 0.0)
+    for part, w in parts:
+        for f in fields:
+            fields[f] += w * getattr(part, f)
+        for op, n in part.ops.items():
+            ops[op] += w * n * phase_scale.get(op.phase, 1.0)
+        for a, n in part.sent_by_axis.items():
+            sent[a] += w * n * (inside_scale if a in INSIDE else 1.0)
+        for a, n in part.calls_by_axis.items():
+            calls[a] += w * n * (inside_scale if a in INSIDE else 1.0)
+    return RankPlan(pp_rank, 0, int(fields["parameters"]), int(fields["gradients"]), int(fields["optimizer_state"]),
+                    int(fields["activations"]), sent_by_axis=dict(sent), calls_by_axis=dict(calls), ops=ops)
+
+
+def _replicas(cfg: Config, r: RankPlan) -> RankPlan:
+    """The data replicas' gradient reduction (over dp·sp) the unit (dp = 1) may lack: the rank's whole
+    gradient, in ``train.dp_bucket_mb`` buckets."""
+    n = cfg.parallel.dp * cfg.parallel.sp
+    sent = {a: b for a, b in r.sent_by_axis.items() if a != "dp+sp"}
+    calls = {a: b for a, b in r.calls_by_axis.items() if a != "dp+sp"}
+    if n > 1:
+        sent["dp+sp"] = r.gradients
+        calls["dp+sp"] = max(1, math.ceil(r.gradients / (cfg.train.dp_bucket_mb * 2**20)))
+    return replace(r, sent_by_axis=sent, calls_by_axis=calls)
+
+
+def assembled(cfg: Config, u: Unit) -> list[RankPlan]:
+    """Each pp rank's plan from the unit (the module docstring)."""
+    return [_replicas(cfg, r) for r in _assembled(cfg, u)]
+
+
+@functools.lru_cache(maxsize=None)
+def _schedule_peaks(name: str, pp: int, m: int, waves: int, chunks_per_rank: int, split: bool):
+    """The schedule (its order for free transfers) and each rank's peak of stored chunk activations."""
+    schedule = make_schedule(name, pp, m, waves=waves, chunks_per_rank=chunks_per_rank, split_backward=split)
+    return schedule, simulate(schedule).peak_activations
+
+
+def _assembled(cfg: Config, u: Unit) -> list[RankPlan]:
+    pl, p, m = cfg.pipeline, cfg.parallel, cfg.pipeline.microbatches
+    fb = {"forward": m, "backward": m}
+    if p.pp == 1:
+        return [_combine([(u.ends, 1), (u.block, cfg.model.layers)], fb, m, 0)]
+    schedule, peaks = _schedule_peaks(pl.schedule, p.pp, m, pl.waves, pl.chunks_per_rank, pl.split_backward)
+    ranges = pipeline_cut(cfg, schedule.num_chunks)
+    last = cfg.model.layers + 1
+    out = []
+    for r in range(p.pp):
+        stages = [i for c in schedule.placement[r] for i in ranges[c]]
+        blocks = sum(1 for i in stages if 0 < i < last)
+        ends = (0 in stages) * 0.5 + (last in stages) * 0.5
+        plan_r = _combine([(u.ends, ends), (u.block, blocks)], fb, m, r)
+        per_chunk = (plan_r.activations / max(len(schedule.placement[r]), 1))
+        act_bytes = cfg.data.batch_size // (p.dp * p.q * m) * (cfg.model.seq_len // p.sp) * (cfg.model.hidden // p.q) * 4
+        sends = 2 * m * len(schedule.placement[r])
+        out.append(replace(plan_r, activations=int(per_chunk * peaks[r]),
+                           sent_by_axis={**plan_r.sent_by_axis, "pp": act_bytes * sends},
+                           calls_by_axis={**plan_r.calls_by_axis, "pp": sends}))
+    return out
+
+
+# --- the search ------------------------------------------------------------------------------------
+
+def search(path, overrides: list[str], gpus: int, capacity: int, profile: Profile,
+           verify_seconds: float = 30.0, say=print, workers: int | None = None, top: int = 8) -> list[Ranked]:
+    """Every candidate that fits ``capacity`` bytes per device (:data:`HEADROOM` of it), fastest first;
+    ``workers``: processes for the unit runs (default: this machine's cores)."""
+    t0 = time.perf_counter()
+    cands = candidates(path, overrides, gpus)
+    if not cands:
+        raise ConfigError(f"--gpus {gpus}: no layout of {gpus} devices passes this config's rules (tp must be a "
+                          "square whose root divides the heads, sp must divide seq_len, the batch must split "
+                          "over dp·tp_row and the micro-batches); try another --gpus or change the model or batch")
+    workers = workers or os.cpu_count() or 1
+    cache: dict = {}
+    plain = [c for c in cands if c[1].train.activation_checkpointing == "none"]
+    fill_units([cfg for _, cfg in plain], cache, workers)
+    ranked = _costed(plain, cache, capacity, profile)
+    fitted = {_twin(r.overrides) for r in ranked}
+    # recomputation only adds work: costed only where the job does not fit without it
+    recompute = [c for c in cands if c[1].train.activation_checkpointing != "none" and _twin(c[0]) not in fitted]
+    fill_units([cfg for _, cfg in recompute], cache, workers)
+    ranked += _costed(recompute, cache, capacity, profile)
+    ranked = _ordered_for_the_hop(ranked, top, profile)
+    say(f"{len(cands)} candidates, {len(cache)} local shapes dry-run ({4 * len(cache)} unit runs, {workers} "
+        f"processes), {len(ranked)} fit ({time.perf_counter() - t0:.1f} s)")
+    out = _verified(ranked, capacity, profile, time.perf_counter() + verify_seconds)
+    say(f"the best {sum(r.exact for r in out)} dry-run whole ({time.perf_counter() - t0:.1f} s in all)")
+    return sorted(out, key=lambda x: -x.prediction.tokens_per_s)
+
+
+def _twin(knobs: list[str]) -> tuple:
+    return tuple(k for k in knobs if not k.startswith("train.activation_checkpointing"))
+
+
+def _costed(cands: list[tuple[list[str], Config]], cache: dict, capacity: int, profile: Profile) -> list[Ranked]:
+    """The candidates that fit, each predicted with its schedule's order for free transfers (building the
+    order for the hop takes seconds per pipeline shape at P ≥ 8: :func:`_ordered_for_the_hop` does it for
+    the few that can win)."""
+    ranked = []
+    for knobs, cfg in cands:
+        ranks = assembled(cfg, unit(cfg, cache))
+        need = max(r.device_bytes for r in ranks)
+        if need <= HEADROOM * capacity:
+            built = cfg.pipeline.hop_cost != "auto"
+            ranked.append(Ranked(knobs, cfg, need, predict(cfg, ranks, profile, build_order=False),
+                                 order_built=built, ranks=ranks))
+    return ranked
+
+
+def _ordered_for_the_hop(ranked: list[Ranked], top: int, profile: Profile) -> list[Ranked]:
+    """The ``top`` fastest and the fastest of each schedule, predicted again with the order built for their
+    hop (on :func:`half_octave`'s grid): a built order is never slower at its hop, so only these can climb."""
+    ranked = sorted(ranked, key=lambda x: -x.prediction.tokens_per_s)
+    best_of = {}
+    for i, r in enumerate(ranked):
+        best_of.setdefault((r.cfg.pipeline.schedule, r.cfg.pipeline.waves), i)
+    chosen = set(range(min(top, len(ranked)))) | set(best_of.values())
+    out = []
+    for i, r in enumerate(ranked):
+        if i in chosen and not r.order_built:
+            r = replace(r, prediction=predict(r.cfg, r.ranks, profile, round_hop=half_octave), order_built=True)
+        out.append(r)
+    return sorted(out, key=lambda x: -x.prediction.tokens_per_s)
+
+
+def _verified(ranked: list[Ranked], capacity: int, profile: Profile, deadline: float) -> list[Ranked]:
+    """The best first, each dry-run whole while time remains: exact memory (dropped if it does not fit) and
+    the prediction from its own trace."""
+    out = []
+    for r in ranked:
+        left = deadline - time.perf_counter()
+        ranks = _whole_plan(r.cfg, left) if left > 0 and block_passes(r.cfg) <= MAX_BLOCK_PASSES else None
+        if ranks is not None:
+            need = max(x.device_bytes for x in ranks)
+            if need > HEADROOM * capacity:
+                continue
+            r = Ranked(r.overrides, r.cfg, need, predict(r.cfg, ranks, profile), exact=True, ranks=ranks)
+        out.append(r)
+    return out
+
+
+def _whole_plan(cfg: Config, seconds: float) -> list[RankPlan] | None:
+    """``plan(cfg, timed=True)`` in a forked process, or None when it takes more than ``seconds`` (a 7B
+    model's pipeline ranks take minutes: the budget is the user's)."""
+    with multiprocessing.get_context("fork").Pool(1) as pool:
+        pending = pool.apply_async(plan, (cfg,), {"timed": True})
+        try:
+            return pending.get(timeout=seconds)
+        except multiprocessing.TimeoutError:
+            return None
+
+
+def format_search(ranked: list[Ranked], capacity: int, top: int) -> list[str]:
+    if not ranked:
+        return [f"no candidate fits {HEADROOM:.0%} of {human(capacity)} per device: add devices (--gpus), "
+                "or plan the model smaller (--set model.layers=...), or with hetero (plain plan)"]
+    lines = [f"{'':>3} {'layout':<52}{'memory/device':>15}{'step':>10}{'tokens/s':>12}{'MFU':>7}{'bubble':>8}"]
+    for i, r in enumerate(ranked[:top], 1):
+        pred = r.prediction
+        mem = f"{human(r.device_bytes)}{'' if r.exact else '~'}"
+        step = f"{pred.step_s:.3f}s{'' if r.order_built else '+'}"
+        mfu = f"{100 * pred.mfu:.1f}%" if pred.mfu is not None else "–"
+        lines.append(f"{i:>3} {r.describe():<52}{mem:>15}{step:>11}{pred.tokens_per_s:>12,.0f}"
+                     f"{mfu:>7}{100 * pred.bubble:>7.1f}%")
+    lines.append("memory: a whole dry run's (exact as `parallel4d plan`), or ~ assembled from unit dry runs "
+                 "(not verified in --verify-seconds); step + : with the schedule's order for free transfers, "
+                 "an upper bound (its order for the hop built only for the top and each schedule's best)")
+    return lines
