@@ -9,8 +9,11 @@ user's.
 
 A candidate is costed from **unit dry runs** (:func:`parallel4d.planning.dry_run.dry_run`, timed): the
 job's own code at depths 1 and 2, without a pipeline, on one micro-batch of the candidate's local
-shape ``[b/(dp·q)/m, s/sp, h/q]``. Their difference is one block's ops, bytes and memory, exactly
-(:func:`parallel4d.planning.dry_run.plan`'s extrapolation); what remains is the embedding and the head.
+shape ``[b/(dp·q)/m, s/sp, h/q]``, each at 2 and 3 rows. Their difference is one block's ops, bytes and
+memory (:func:`parallel4d.planning.dry_run.plan`'s extrapolation); what remains is the embedding and the
+head. Every op's work and every byte is affine in the rows, so a candidate's rows are exact; the
+activations' peak is a max over the step's moments, exact unless the moment of the peak moves with the
+rows (within 0.5 % in tests/test_planning.py).
 Candidates sharing a local shape share their unit runs, which is what makes the search fast. A pipeline
 rank then holds its chunks' blocks (the engine's own cut, :func:`~parallel4d.engine.compose.pipeline_cut`)
 and, at its peak, the activations of the micro-batch chunks the schedule's simulation stores at once.
@@ -190,8 +193,7 @@ def fill_units(cfgs: list[Config], cache: dict, workers: int) -> None:
 
 def unit(cfg: Config, cache: dict) -> Unit:
     """The candidate's :class:`Unit` from its local shape's four unit runs (:func:`fill_units`), shared by
-    every candidate with that shape; each candidate's rows by the affine rule (every op's work, the
-    activations and bytes are affine in the rows: exact)."""
+    every candidate with that shape; each candidate's rows by the affine rule (the module docstring)."""
     key = _unit_key(cfg)
     if key not in cache:
         cache[key] = _unit_runs(cfg)

@@ -1,0 +1,133 @@
+"""The time model's parts against what they describe: the trace's FLOPs against a product's own count, the
+fit against points drawn from known rates, the unit dry runs against the whole one, and the search's
+command-line contract (named errors before anything runs; ``--write`` a job file that loads)."""
+
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from parallel4d.config.errors import ConfigError
+from parallel4d.config.load import load_config
+from parallel4d.planning import profiles
+from parallel4d.planning.calibrate import fit
+from parallel4d.planning.cost import half_octave, predict
+from parallel4d.planning.dry_run import plan
+from parallel4d.planning.search import assembled, layouts, unit
+from parallel4d.planning.trace import OpTrace, total
+
+QUICK = "configs/quickstart.yaml"
+SMALL = ["model.layers=2", "train.steps=1"]
+
+
+def test_the_trace_counts_each_product_and_phase_as_torch_runs_them():
+    b, i, o = 6, 40, 24
+    lin = torch.nn.Linear(i, o)
+    opt = torch.optim.SGD(lin.parameters(), lr=0.1)
+    x = torch.randn(b, i, requires_grad=True)
+    with OpTrace() as trace:
+        lin(x).square().sum().backward()
+        opt.step()
+    ops = trace.ops()
+    assert total(ops, "matmul", "forward") == 2 * b * i * o
+    assert total(ops, "matmul", "backward") == 2 * 2 * b * i * o  # the input's and the weight's gradients
+    assert total(ops, "matmul", "step") == 0
+    assert total(ops, "memory", "step") > 0  # the update reads and writes every parameter
+
+
+def test_the_fit_recovers_the_latency_and_peak_points_were_drawn_from():
+    latency, peak = 3e-6, 2.5e10
+    points = [(w, latency + w / peak) for w in (1e3, 1e5, 1e6, 1e8, 1e9)]
+    got_latency, got_peak = fit(points)
+    assert got_latency == pytest.approx(latency, rel=1e-6)
+    assert got_peak == pytest.approx(peak, rel=1e-6)
+
+
+def test_hop_ratios_share_orders_on_the_half_octave_grid():
+    assert half_octave(0.5) == 0.5 and half_octave(0.55) == 0.5 and half_octave(0.65) == pytest.approx(0.7071)
+    assert half_octave(0.001) == 0.0
+    assert sorted(layouts(8)) == sorted([(1, 1, 8, 1), (1, 2, 4, 1), (1, 4, 2, 1), (1, 8, 1, 1), (2, 1, 4, 1),
+                                         (2, 2, 2, 1), (2, 4, 1, 1), (4, 1, 2, 1), (4, 2, 1, 1), (8, 1, 1, 1),
+                                         (1, 1, 2, 4), (1, 2, 1, 4), (2, 1, 1, 4)])
+
+
+LAYOUTS = {
+    "dp2": ["parallel.dp=2"],
+    "sp2-tp4": ["parallel.sp=2", "parallel.tp=4"],
+    "recompute-m2": ["train.activation_checkpointing=blocks", "pipeline.microbatches=2"],
+}
+
+
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_unit_dry_runs_assemble_the_whole_dry_run_without_a_pipeline(name):
+    """Without a pipeline the assembly gives the whole run's parameters, gradients, optimizer state, bytes per
+    axis and every product's FLOPs exactly; the activations' peak within 0.5 % (a max over the step's moments,
+    each affine in the rows); the memory ops less only the ones over the gradients the unit (one replica, one
+    micro-batch) does not make — the replicas' buckets, the micro-batches' accumulation — so the predicted
+    step within 10 % on this tiny model, where those ops weigh most."""
+    cfg = load_config(QUICK, [*SMALL, "parallel.dp=1", *LAYOUTS[name]])
+    whole = plan(cfg, timed=True)[0]
+    parts = assembled(cfg, unit(cfg, {}))[0]
+    for f in ("parameters", "gradients", "optimizer_state"):
+        assert getattr(parts, f) == pytest.approx(getattr(whole, f), rel=1e-6, abs=8), f
+    assert parts.activations == pytest.approx(whole.activations, rel=5e-3)
+    assert parts.sent_by_axis == pytest.approx(whole.sent_by_axis, rel=1e-6)
+    for kind in ("matmul", "attention"):
+        for phase in ("forward", "backward", "step"):
+            assert total(parts.ops, kind, phase) == pytest.approx(total(whole.ops, kind, phase), rel=1e-6), (kind, phase)
+    gradients = whole.gradients * 4 * (2 + cfg.pipeline.microbatches)  # a few passes over the gradients per micro-batch
+    assert 0 <= total(whole.ops, "memory") - total(parts.ops, "memory") <= gradients
+    h100 = profiles.load("h100")
+    assert predict(cfg, [parts], h100).step_s == pytest.approx(predict(cfg, [whole], h100).step_s, rel=0.1)
+
+
+def test_a_pipeline_is_predicted_from_its_ranks_and_its_simulated_order():
+    """pp=2: the assembled ranks' work equals the whole run's; the predicted pipeline time is the simulated
+    makespan, at least each rank's own busy time and below their sum."""
+    cfg = load_config(QUICK, [*SMALL, "parallel.pp=2", "parallel.dp=1", "pipeline.microbatches=4"])
+    whole = plan(cfg, timed=True)
+    parts = assembled(cfg, unit(cfg, {}))
+    assert sum(total(r.ops, "matmul") for r in parts) == pytest.approx(sum(total(r.ops, "matmul") for r in whole), rel=1e-6)
+    pred = predict(cfg, whole, profiles.load("h100"))
+    busy = [t.compute_s["forward"] + t.compute_s["backward"] for t in pred.ranks]
+    assert max(busy) <= pred.parts["pipeline"] <= sum(busy) + 2 * 4 * 2 * pred.hop_s
+    assert 0 < pred.bubble < 1 and math.isclose(pred.step_s, sum(pred.parts.values()))
+
+
+def _plan_cli(*args):
+    return subprocess.run([sys.executable, "-m", "parallel4d", "plan", QUICK, *args], capture_output=True, text=True,
+                          timeout=300)
+
+
+@pytest.mark.parametrize("args, named", [
+    (["--search", "--gpu-memory", "1GiB", "--device", "h100"], "--gpus"),
+    (["--gpus", "4"], "--gpus is read only with --search"),
+    (["--search", "--gpus", "4", "--gpu-memory", "1GiB"], "--device h100"),
+    (["--search", "--gpus", "4", "--gpu-memory", "1GiB", "--device", "h100", "--set", "hetero.enabled=true"],
+     "hetero.enabled=false"),
+    (["--device", "h100", "--calibrate"], "keep one"),
+    (["--device", "tpu9"], "tpu9"),
+])
+def test_search_flags_that_cannot_work_are_refused_by_name(args, named):
+    out = _plan_cli(*args)
+    assert out.returncode != 0 and named in out.stderr, out.stderr[-2000:]
+
+
+def test_the_search_writes_the_best_layout_as_a_job_file_that_loads(tmp_path):
+    best = tmp_path / "best.yaml"
+    out = _plan_cli("--set", "model.layers=2", "--search", "--gpus", "2", "--gpu-memory", "1GiB", "--device", "h100",
+                    "--verify-seconds", "5", "--write", str(best))
+    assert out.returncode == 0, out.stderr[-2000:]
+    cfg = load_config(best)
+    assert cfg.world_size == 2 and cfg.model.layers == 2
+    first = next(line for line in out.stdout.splitlines() if line.strip().startswith("1 "))
+    p = cfg.parallel
+    assert f"pp={p.pp} dp={p.dp} sp={p.sp} tp={p.tp}" in first
+
+
+def test_no_layout_of_too_many_devices_is_a_named_error():
+    with pytest.raises(ConfigError, match="--gpus 7"):
+        from parallel4d.planning.search import search
+        search(QUICK, SMALL, 7, 2**30, profiles.load("h100"))
