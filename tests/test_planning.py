@@ -3,8 +3,6 @@ fit against points drawn from known rates, the unit dry runs against the whole o
 command-line contract (named errors before anything runs; ``--write`` a job file that loads)."""
 
 import math
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -17,6 +15,7 @@ from parallel4d.planning.cost import half_octave, predict
 from parallel4d.planning.dry_run import plan
 from parallel4d.planning.search import assembled, layouts, unit
 from parallel4d.planning.trace import OpTrace, total
+from parallel4d.tools.cli import main
 
 QUICK = "configs/quickstart.yaml"
 SMALL = ["model.layers=2", "train.steps=1"]
@@ -96,9 +95,11 @@ def test_a_pipeline_is_predicted_from_its_ranks_and_its_simulated_order():
     assert 0 < pred.bubble < 1 and math.isclose(pred.step_s, sum(pred.parts.values()))
 
 
-def _plan_cli(*args):
-    return subprocess.run([sys.executable, "-m", "parallel4d", "plan", QUICK, *args], capture_output=True, text=True,
-                          timeout=300)
+def _plan_cli(capsys, *args) -> tuple[int, str, str]:
+    """``parallel4d plan QUICK ARGS`` in this process: (exit code, stdout, stderr)."""
+    code = main(["plan", QUICK, *args])
+    out = capsys.readouterr()
+    return code, out.out, out.err
 
 
 @pytest.mark.parametrize("args, named", [
@@ -110,19 +111,19 @@ def _plan_cli(*args):
     (["--device", "h100", "--calibrate"], "keep one"),
     (["--device", "tpu9"], "tpu9"),
 ])
-def test_search_flags_that_cannot_work_are_refused_by_name(args, named):
-    out = _plan_cli(*args)
-    assert out.returncode != 0 and named in out.stderr, out.stderr[-2000:]
+def test_search_flags_that_cannot_work_are_refused_by_name(capsys, args, named):
+    code, _, err = _plan_cli(capsys, *args)
+    assert code != 0 and named in err, err[-2000:]
 
 
-def test_the_search_writes_the_best_layout_as_a_job_file_that_loads(tmp_path):
+def test_the_search_writes_the_best_layout_as_a_job_file_that_loads(capsys, tmp_path):
     best = tmp_path / "best.yaml"
-    out = _plan_cli("--set", "model.layers=2", "--search", "--gpus", "2", "--gpu-memory", "1GiB", "--device", "h100",
-                    "--verify-seconds", "5", "--write", str(best))
-    assert out.returncode == 0, out.stderr[-2000:]
+    code, out, err = _plan_cli(capsys, "--set", "model.layers=2", "--search", "--gpus", "2", "--gpu-memory", "1GiB",
+                               "--device", "h100", "--verify-seconds", "5", "--write", str(best))
+    assert code == 0, err[-2000:]
     cfg = load_config(best)
     assert cfg.world_size == 2 and cfg.model.layers == 2
-    first = next(line for line in out.stdout.splitlines() if line.strip().startswith("1 "))
+    first = next(line for line in out.splitlines() if line.strip().startswith("1 "))
     p = cfg.parallel
     assert f"pp={p.pp} dp={p.dp} sp={p.sp} tp={p.tp}" in first
 
