@@ -116,14 +116,17 @@ def main() -> None:
     layouts = [x for x in LAYOUTS if x[0] in QUICK] if a.quick else LAYOUTS
     steps = 3 if a.quick else a.steps
     t0 = time.perf_counter()
-    profile = calibrate([torch.float32], threads=1, repeats=5 if a.quick else 15)
-    print(f"calibrated in {time.perf_counter() - t0:.0f} s: {profile.as_dict()}")
+    # one profile per world size: a rank's rates while the job's other ranks run beside it on these cores
+    profiles = {w: calibrate([torch.float32], threads=1, repeats=5 if a.quick else 15, ranks=w)
+                for w in sorted({load_config(BASE, [*ONE, *x[1]]).world_size for x in layouts})}
+    for w, profile in profiles.items():
+        print(f"calibrated (world {w}) in {time.perf_counter() - t0:.0f} s: {profile.as_dict()}")
     rows = []
     for name, extra in layouts:
         overrides = [*ONE, *extra]
         cfg = load_config(BASE, overrides)
         t = time.perf_counter()
-        pred = predict(cfg, plan(cfg, timed=True), profile)
+        pred = predict(cfg, plan(cfg, timed=True), profiles[cfg.world_size])
         planned_s = time.perf_counter() - t
         real = measured(BASE, overrides, a.warmup, steps)
         rows.append({"layout": name, "overrides": overrides, "world": cfg.world_size, "predicted_s": pred.step_s,
@@ -137,7 +140,7 @@ def main() -> None:
     out = a.out or os.path.join(RESULTS, f"plan{'_quick' if a.quick else ''}.json")
     save(out, "plan", "cpu", {"cores": os.cpu_count(), "threads_per_rank": 1, "warmup": a.warmup, "steps": steps,
                               "base": "configs/quickstart.yaml"},
-         profile=profile.as_dict(), rows=rows, spearman=rho, largest_deviation=worst)
+         profiles={w: p.as_dict() for w, p in profiles.items()}, rows=rows, spearman=rho, largest_deviation=worst)
 
 
 if __name__ == "__main__":

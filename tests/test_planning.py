@@ -52,6 +52,19 @@ def test_hop_ratios_share_orders_on_the_half_octave_grid():
                                          (1, 1, 2, 4), (1, 2, 1, 4), (2, 1, 1, 4)])
 
 
+def test_a_profile_round_trips_through_its_file_and_adds_its_op_overhead_to_every_op(tmp_path):
+    from dataclasses import replace
+
+    from parallel4d.planning.trace import Op
+
+    h100 = profiles.load("h100")
+    mine = replace(h100, op_overhead_s=2e-6)
+    profiles.save(mine, tmp_path / "mine.yaml")
+    assert profiles.load(str(tmp_path / "mine.yaml")) == mine
+    op = Op("matmul", "forward", "bfloat16", 7e11)
+    assert mine.op_seconds(op) == pytest.approx(h100.op_seconds(op) + 2e-6) == pytest.approx(4e-6 + 1e-3 + 2e-6)
+
+
 LAYOUTS = {
     "dp2": ["parallel.dp=2"],
     "sp2-tp4": ["parallel.sp=2", "parallel.tp=4"],

@@ -13,15 +13,20 @@ from __future__ import annotations
 import os
 import statistics
 import time
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from parallel4d.config.load import make_config
 from parallel4d.config.schema import Config
+from parallel4d.distributed.mesh import init_mesh
+from parallel4d.engine.compose import compose
 from parallel4d.distributed.startup import worker_threads
 from parallel4d.engine.model import TORCH_DTYPES
 from parallel4d.launcher.spawn import spawn
+from parallel4d.planning.dry_run import plan
 from parallel4d.planning.profiles import Link, Profile, Rate
 
 MATMUL_SIZES = [(32, 64), (128, 128), (256, 256), (1024, 256), (512, 512), (2048, 512), (1024, 1024)]  # (m, k = n)
@@ -140,8 +145,39 @@ def link(repeats: int) -> Link:
     return Link(bandwidth, latency)
 
 
-def calibrate(dtypes: list[torch.dtype], threads: int, repeats: int = 15) -> Profile:
-    """This machine's profile, every op timed with ``threads`` torch threads (a rank's)."""
+# a job whose step is all overhead: a few thousand tiny ops (not any job the benchmark compares)
+TINY_JOB = {"model": {"arch": "gpt2", "vocab_size": 64, "seq_len": 16, "hidden": 32, "heads": 2, "layers": 2},
+            "data": {"source": "synthetic", "batch_size": 2}, "parallel": {}, "train": {"steps": 1}}
+
+
+def _engine_step(job: dict, threads: int, warmup: int, steps: int) -> float:
+    """One rank: the median of ``steps`` timed train steps of ``job`` after ``warmup``."""
+    torch.set_num_threads(threads)
+    cfg = make_config(job)
+    mesh = init_mesh(1, 1, 1, 1, timeout_s=cfg.train.timeout_s)
+    engine = compose(cfg, mesh)
+    tokens = torch.randint(cfg.model.vocab_size, (cfg.data.batch_size, cfg.model.seq_len))
+    times = []
+    for i in range(warmup + steps):
+        t = time.perf_counter()
+        float(engine.train_step(tokens, tokens))
+        times.append(time.perf_counter() - t)
+    engine.close()
+    return statistics.median(times[warmup:])
+
+
+def op_overhead(profile: Profile, dtype: torch.dtype, threads: int, repeats: int) -> float:
+    """The engine's Python per op, beyond what the op microbenchmarks time: a tiny job's measured step
+    less its ops at ``profile``'s rates, over its op count."""
+    job = {**TINY_JOB, "train": {**TINY_JOB["train"], "dtype": str(dtype).removeprefix("torch.")}}
+    measured = spawn(_engine_step, 1, (job, threads, 3, repeats), timeout_s=300)[0]
+    ops = plan(make_config(job), timed=True)[0].ops
+    predicted = sum(profile.op_seconds(op) * n for op, n in ops.items())
+    return max(0.0, (measured - predicted) / sum(ops.values()))
+
+
+def _op_rates(dtypes: list[torch.dtype], threads: int, repeats: int) -> dict[str, Rate]:
+    """Each op kind's :class:`Rate`, timed with ``threads`` torch threads."""
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -150,18 +186,32 @@ def calibrate(dtypes: list[torch.dtype], threads: int, repeats: int = 15) -> Pro
         att = {n: attention_rate(d, repeats) for n, d in zip(names, dtypes)}
         mem = memory_rate(dtypes[0], repeats)
         view = view_latency(repeats)
-        wire = link(repeats)
     finally:
         torch.set_num_threads(before)
     first = names[0]
-    rates = {"matmul": Rate(mm[first][0], {n: v[1] for n, v in mm.items()}),
-             "attention": Rate(att[first][0], {n: v[1] for n, v in att.items()}),
-             "memory": Rate(mem[0], mem[1]), "view": Rate(view)}
-    return Profile(f"calibrated {os.uname().nodename}", None, rates, {"memory": rates["memory"]}, mem[1],
-                   os.cpu_count() or 1, {"node": wire, "network": wire}, threads)
+    return {"matmul": Rate(mm[first][0], {n: v[1] for n, v in mm.items()}),
+            "attention": Rate(att[first][0], {n: v[1] for n, v in att.items()}),
+            "memory": Rate(mem[0], mem[1]), "view": Rate(view)}
+
+
+def calibrate(dtypes: list[torch.dtype], threads: int, repeats: int = 15, ranks: int = 1) -> Profile:
+    """This machine's profile, every op timed with ``threads`` torch threads (a rank's) while ``ranks`` ranks
+    time theirs at once (a job's ranks on one host share its memory bandwidth and caches: the rates one of
+    them gets, not one alone)."""
+    if ranks > 1:
+        rates = spawn(_op_rates, ranks, (dtypes, threads, repeats), timeout_s=900, threads_per_worker=threads)[0]
+    else:
+        rates = _op_rates(dtypes, threads, repeats)
+    wire = link(repeats)
+    found = Profile(f"calibrated {os.uname().nodename}" + (f" ({ranks} ranks at once)" if ranks > 1 else ""), None,
+                    rates, {"memory": rates["memory"]}, rates["memory"].peak, os.cpu_count() or 1,
+                    {"node": wire, "network": wire}, threads)
+    return replace(found, op_overhead_s=op_overhead(found, dtypes[0], threads, repeats))
 
 
 def calibrate_for(cfg: Config) -> Profile:
-    """This machine's profile for ``cfg``: its parameter and autocast dtypes, the threads one of its ranks gets."""
+    """This machine's profile for ``cfg``: its parameter and autocast dtypes, the threads one of its ranks gets,
+    as many ranks at once as it runs here (at most the cores)."""
     dtypes = list(dict.fromkeys(TORCH_DTYPES[d] for d in (cfg.train.parameters, cfg.train.autocast) if d != "none"))
-    return calibrate(dtypes, worker_threads(cfg))
+    here = int(os.environ.get("LOCAL_WORLD_SIZE", cfg.world_size))
+    return calibrate(dtypes, worker_threads(cfg), ranks=max(1, min(here, os.cpu_count() or 1)))

@@ -56,10 +56,11 @@ class Profile:
     ranks_per_node: int
     links: dict[str, Link]  # "node", "network"
     threads: int | None = None  # calibrated profiles: the torch threads each rank had
+    op_overhead_s: float = 0.0  # the engine's own Python per op, beyond the op's dispatch (calibrated)
 
     def op_seconds(self, op: Op, on_host: bool = False) -> float:
         rates = self.host if on_host and op.kind in self.host else self.rates
-        return rates[op.kind].seconds(op.work, op.dtype)
+        return rates[op.kind].seconds(op.work, op.dtype) + self.op_overhead_s
 
     def link(self, within_node: bool) -> Link:
         return self.links["node" if within_node else "network"]
@@ -67,6 +68,7 @@ class Profile:
     def as_dict(self) -> dict:
         rate = lambda r: {"latency_s": r.latency_s, **({"peak": r.peak} if r.peak is not None else {})}  # noqa: E731
         return {"name": self.name, "memory_bytes": self.memory_bytes, "threads": self.threads,
+                "op_overhead_s": self.op_overhead_s,
                 "rates": {k: rate(r) for k, r in self.rates.items()},
                 "host": {k: rate(r) for k, r in self.host.items()},
                 "host_link_bytes_per_s": self.host_link_bytes_per_s, "ranks_per_node": self.ranks_per_node,
@@ -88,7 +90,7 @@ def from_dict(d: dict, source: str) -> Profile:
                        {k: _rate(v) for k, v in d.get("host", {}).items()}, float(d["host_link_bytes_per_s"]),
                        int(d["ranks_per_node"]),
                        {k: Link(float(v["bytes_per_s"]), float(v["latency_s"])) for k, v in d["links"].items()},
-                       d.get("threads"))
+                       d.get("threads"), float(d.get("op_overhead_s", 0.0)))
     except (KeyError, TypeError, ValueError) as e:
         raise ConfigError(f"device profile {source}: missing or malformed field {e}; see "
                           f"{DEVICES / 'h100.yaml'} for the fields") from None
