@@ -1,6 +1,6 @@
 """``parallel4d plan`` against what runs measure.
 
-The plan is a dry run on fake tensors (parallel4d/plan.py); a run measures the same quantities on
+The plan is a dry run on fake tensors (parallel4d/planning/dry_run.py); a run measures the same quantities on
 real tensors at its first step (``summary.json``'s ``memory``). For the example configs as the
 end-to-end tests run them (their runs are shared with tests/test_e2e.py, not repeated), each
 rank's parameter, gradient, optimizer, activation and hetero bytes and the bytes it sends along
