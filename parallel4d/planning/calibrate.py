@@ -4,8 +4,11 @@ Each op kind is timed at sizes from tiny to large with the torch threads a rank 
 ``latency_s`` and ``peak`` fitted to ``t = latency + work / peak`` (least squares on relative error,
 so the small ops weigh as much as the large). Ops are timed as training runs them — forward and
 backward through autograd, from Python — so their dispatch is in the latency. The link between
-two ranks is a gloo ping-pong between two worker processes (the same fit over message sizes).
-Nothing here reads the job being planned: the rates are the machine's, the work is the job's.
+two ranks is a gloo ping-pong between two worker processes (the same fit over message sizes). With
+``ranks`` > 1 the ops are timed in that many processes at once, as a job's ranks share the host; the
+engine's own Python per op is what a tiny job's measured step has beyond its ops' predicted time.
+Nothing here reads the job being planned (only its dtypes and rank count): the rates are the
+machine's, the work is the job's.
 """
 
 from __future__ import annotations
@@ -22,8 +25,8 @@ import torch.nn.functional as F
 from parallel4d.config.load import make_config
 from parallel4d.config.schema import Config
 from parallel4d.distributed.mesh import init_mesh
-from parallel4d.engine.compose import compose
 from parallel4d.distributed.startup import worker_threads
+from parallel4d.engine.compose import compose
 from parallel4d.engine.model import TORCH_DTYPES
 from parallel4d.launcher.spawn import spawn
 from parallel4d.planning.dry_run import plan
@@ -158,7 +161,7 @@ def _engine_step(job: dict, threads: int, warmup: int, steps: int) -> float:
     engine = compose(cfg, mesh)
     tokens = torch.randint(cfg.model.vocab_size, (cfg.data.batch_size, cfg.model.seq_len))
     times = []
-    for i in range(warmup + steps):
+    for _ in range(warmup + steps):
         t = time.perf_counter()
         float(engine.train_step(tokens, tokens))
         times.append(time.perf_counter() - t)
