@@ -25,7 +25,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from parallel4d.config.schema import Config
-from parallel4d.distributed.mesh import AXES
+from parallel4d.distributed.mesh import AXES, mesh_shape
 from parallel4d.engine.flops import flops_per_token
 from parallel4d.pipeline import simulate
 from parallel4d.pipeline.schedule import make_schedule
@@ -73,11 +73,15 @@ class Prediction:
                           for r in self.ranks]}
 
 
+def _axis_sizes(cfg: Config) -> dict[str, int]:
+    p = cfg.parallel
+    return dict(zip(AXES, mesh_shape(p.pp, p.dp, p.sp, p.tp)))
+
+
 def axis_span(cfg: Config, axis: str) -> int:
     """How many consecutive global ranks one group of ``axis`` spans (mesh order pp, dp, sp, tp_row,
     tp_col: the last varies fastest); ``"dp+sp"``-style joined axes span their outermost's."""
-    p = cfg.parallel
-    sizes = dict(zip(AXES, (p.pp, p.dp, p.sp, p.q, p.q)))
+    sizes = _axis_sizes(cfg)
     parts = axis.split("+")
     if any(a not in sizes for a in parts):
         return cfg.world_size  # the default group, or one the mesh did not name: assume the widest
@@ -89,8 +93,7 @@ def axis_span(cfg: Config, axis: str) -> int:
 
 
 def axis_size(cfg: Config, axis: str) -> int:
-    p = cfg.parallel
-    sizes = dict(zip(AXES, (p.pp, p.dp, p.sp, p.q, p.q)))
+    sizes = _axis_sizes(cfg)
     return math.prod(sizes.get(a, cfg.world_size) for a in axis.split("+"))
 
 
