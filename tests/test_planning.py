@@ -145,3 +145,15 @@ def test_no_layout_of_too_many_devices_is_a_named_error():
     with pytest.raises(ConfigError, match="--gpus 7"):
         from parallel4d.planning.search import search
         search(QUICK, SMALL, 7, 2**30, profiles.load("h100"))
+
+
+@pytest.mark.parametrize("dtype, schedule", [("float32", "1f1b"), ("bfloat16", "zbv")])
+def test_assembled_pipeline_ranks_send_what_the_whole_dry_run_sends(dtype, schedule):
+    """The activations and their gradients between pp ranks, in the dtype the engine sends them in (untied
+    embeddings: the tied table's gradient sync between its two ranks, once a step, is not assembled)."""
+    cfg = load_config(QUICK, [*SMALL, "parallel.pp=2", "parallel.dp=1", "pipeline.microbatches=4", f"train.dtype={dtype}",
+                              "model.tie_embeddings=false", f"pipeline.schedule={schedule}"])
+    whole = plan(cfg)
+    parts = assembled(cfg, unit(cfg, {}))
+    for a, w in zip(parts, whole):  # the last rank also sends the step's loss: one float64
+        assert 0 <= w.sent_by_axis["pp"] - a.sent_by_axis["pp"] <= 8

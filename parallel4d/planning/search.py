@@ -37,6 +37,7 @@ from parallel4d.config.errors import ConfigError
 from parallel4d.config.load import load_config
 from parallel4d.config.schema import Config
 from parallel4d.engine.compose import pipeline_cut
+from parallel4d.engine.model import pipeline_activation_dtype
 from parallel4d.pipeline import simulate
 from parallel4d.pipeline.schedule import make_schedule
 from parallel4d.planning.cost import INSIDE, Prediction, half_octave, predict
@@ -242,6 +243,14 @@ def assembled(cfg: Config, u: Unit) -> list[RankPlan]:
     return [_replicas(cfg, r) for r in _assembled(cfg, u)]
 
 
+def _boundaries_out(schedule, rank: int) -> int:
+    """Per micro-batch, the tensors ``rank`` sends to another pp rank: an activation where its chunk's next
+    chunk is elsewhere, a gradient where its previous one is (a same-rank neighbour passes it in memory)."""
+    owner, last = schedule.owner, schedule.num_chunks - 1
+    return sum((c < last and owner(c + 1) != rank) + (c > 0 and owner(c - 1) != rank)
+               for c in schedule.placement[rank])
+
+
 @functools.lru_cache(maxsize=None)
 def _schedule_peaks(name: str, pp: int, m: int, waves: int, chunks_per_rank: int, split: bool):
     """The schedule (its order for free transfers) and each rank's peak of stored chunk activations."""
@@ -256,6 +265,7 @@ def _assembled(cfg: Config, u: Unit) -> list[RankPlan]:
         return [_combine([(u.ends, 1), (u.block, cfg.model.layers)], fb, m, 0)]
     schedule, peaks = _schedule_peaks(pl.schedule, p.pp, m, pl.waves, pl.chunks_per_rank, pl.split_backward)
     ranges = pipeline_cut(cfg, schedule.num_chunks)
+    wire = pipeline_activation_dtype(cfg).itemsize  # what the engine sends between pp ranks in
     last = cfg.model.layers + 1
     out = []
     for r in range(p.pp):
@@ -264,8 +274,8 @@ def _assembled(cfg: Config, u: Unit) -> list[RankPlan]:
         ends = (0 in stages) * 0.5 + (last in stages) * 0.5
         plan_r = _combine([(u.ends, ends), (u.block, blocks)], fb, m, r)
         per_chunk = (plan_r.activations / max(len(schedule.placement[r]), 1))
-        act_bytes = cfg.data.batch_size // (p.dp * p.q * m) * (cfg.model.seq_len // p.sp) * (cfg.model.hidden // p.q) * 4
-        sends = 2 * m * len(schedule.placement[r])
+        act_bytes = rows_per_microbatch(cfg) * (cfg.model.seq_len // p.sp) * (cfg.model.hidden // p.q) * wire
+        sends = m * _boundaries_out(schedule, r)
         out.append(replace(plan_r, activations=int(per_chunk * peaks[r]),
                            sent_by_axis={**plan_r.sent_by_axis, "pp": act_bytes * sends},
                            calls_by_axis={**plan_r.calls_by_axis, "pp": sends}))
