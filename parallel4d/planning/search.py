@@ -195,14 +195,15 @@ def fill_units(cfgs: list[Config], cache: dict, workers: int) -> None:
 def unit(cfg: Config, cache: dict) -> Unit:
     """The candidate's :class:`Unit` from its local shape's four unit runs (:func:`fill_units`), shared by
     every candidate with that shape; each candidate's rows by the affine rule (the module docstring)."""
-    key = _unit_key(cfg)
+    key, rows = _unit_key(cfg), rows_per_microbatch(cfg)
     if key not in cache:
         cache[key] = _unit_runs(cfg)
-    runs, rows = cache[key], rows_per_microbatch(cfg)
-    low, high = UNIT_ROWS
-    one, two = (_affine(runs[(d, low)], runs[(d, high)], (rows - low) / (high - low)) for d in (1, 2))
-    block = _minus(two, one)
-    return Unit(block, _minus(one, block))
+    if (key, rows) not in cache:  # candidates of one local shape differ mostly in pp and the schedule
+        runs, (low, high) = cache[key], UNIT_ROWS
+        one, two = (_affine(runs[(d, low)], runs[(d, high)], (rows - low) / (high - low)) for d in (1, 2))
+        block = _minus(two, one)
+        cache[key, rows] = Unit(block, _minus(one, block))
+    return cache[key, rows]
 
 
 def _combine(parts: list[tuple[RankPlan, float]], phase_scale: dict[str, float], inside_scale: float,
@@ -305,7 +306,8 @@ def search(path, overrides: list[str], gpus: int, capacity: int, profile: Profil
     fill_units([cfg for _, cfg in recompute], cache, workers)
     ranked += _costed(recompute, cache, capacity, profile)
     ranked = _ordered_for_the_hop(ranked, top, profile)
-    say(f"{len(cands)} candidates, {len(cache)} local shapes dry-run ({4 * len(cache)} unit runs, {workers} "
+    shapes = sum(isinstance(v, dict) for v in cache.values())  # the unit runs; Units are cached beside them
+    say(f"{len(cands)} candidates, {shapes} local shapes dry-run ({4 * shapes} unit runs, {workers} "
         f"processes), {len(ranked)} fit ({time.perf_counter() - t0:.1f} s)")
     out = _verified(ranked, capacity, profile, time.perf_counter() + verify_seconds)
     say(f"the best {sum(r.exact for r in out)} dry-run whole ({time.perf_counter() - t0:.1f} s in all)")
