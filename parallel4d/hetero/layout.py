@@ -13,9 +13,9 @@ from typing import Optional
 import torch
 import torch.nn as nn
 
+from parallel4d.config.rules.hetero import CHUNK_ALIGN as ALIGN
 from parallel4d.hetero.chunk import Chunk, pack, round_up, search_chunk_elems
 
-ALIGN = 64  # elements: 256 B for fp32, the alignment cuBLAS likes
 
 
 @dataclass(eq=False)

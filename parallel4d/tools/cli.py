@@ -1,4 +1,4 @@
-"""Command line: ``parallel4d launch | validate | plan | schedule | checkpoint gather | export | tokenize | plot | generate``."""
+"""Command line: ``parallel4d launch | validate | plan | check | schedule | checkpoint gather | export | tokenize | plot | generate``."""
 
 from __future__ import annotations
 
@@ -6,8 +6,10 @@ import argparse
 import functools
 import json
 import os
+import shutil
 import signal
 import sys
+import tempfile
 import time
 from contextlib import contextmanager
 from dataclasses import asdict
@@ -289,6 +291,22 @@ def _cmd_plot(args) -> int:
 
 
 @_job_command
+def _cmd_check(args) -> int:
+    from parallel4d.tools.check import format_report, run_check, shrunk
+
+    plan = shrunk(args.config, args.overrides, steps=args.steps, max_workers=args.max_workers)
+    keep = args.keep is not None
+    out = Path(args.keep) if keep else Path(tempfile.mkdtemp(prefix="parallel4d-check-"))
+    try:
+        outcome = run_check(args.config, args.overrides, plan, out)
+    finally:
+        if not keep:
+            shutil.rmtree(out, ignore_errors=True)
+    print("\n".join(format_report(args.config, plan, outcome)))
+    return 0 if outcome.equal else 1
+
+
+@_job_command
 def _cmd_schedule(args) -> int:
     from parallel4d.tools.schedule import run_schedule_command
 
@@ -399,6 +417,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-k", type=int, default=50, help="sample among the k likeliest tokens (0: all)")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=_cmd_generate)
+    p = sub.add_parser("check", help="the job's layout and features on a shrunk model, a few float64 steps on "
+                                     "CPU against one process: exit 0 when losses and every parameter are equal")
+    _add_config_args(p)
+    p.add_argument("--steps", type=int, default=3, help="training steps of both runs (default 3)")
+    p.add_argument("--max-workers", type=int, default=None, metavar="N",
+                   help="local workers at most (default train.max_local_workers); above, the largest "
+                        "sub-layout with every parallel axis > 1 that fits")
+    p.add_argument("--keep", metavar="DIR", help="keep both runs (summaries, checkpoints) in DIR")
+    p.set_defaults(func=_cmd_check)
     p = sub.add_parser("schedule", help="print a pipeline schedule and its simulated bubble / memory")
     _add_schedule_args(p)
     p.set_defaults(func=_cmd_schedule)

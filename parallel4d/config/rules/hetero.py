@@ -34,10 +34,28 @@ def split_backward_problems(cfg: Config) -> list[str]:
     return []
 
 
-def budget_problems(h: HeteroConfig, largest: int, item: int) -> list[str]:
-    """``hetero.chunk_elems`` and ``hetero.device_budget_bytes`` against the largest parameter a rank
+CHUNK_ALIGN = 64  # elements: 256 B for fp32, the alignment cuBLAS likes; a shard of a chunk keeps it
+
+
+def chunk_step(replicas: int) -> int:
+    """What ``hetero.chunk_elems`` must be a multiple of: every one of ``replicas`` (dp·sp) shards aligned."""
+    return CHUNK_ALIGN * replicas
+
+
+def budget_problems(h: HeteroConfig, largest: int, item: int, replicas: int = 1) -> list[str]:
+    """``hetero.chunk_elems`` against ZeRO's shards over ``replicas`` data replicas (a multiple of
+    :func:`chunk_step`), and it and ``hetero.device_budget_bytes`` against the largest parameter a rank
     holds (``largest`` elements of ``item`` bytes): a chunk holds at least that, the budget one chunk."""
     out = []
+    step = chunk_step(replicas)
+    if h.enabled and h.chunk_elems is not None and h.chunk_elems % step:
+        out.append(f"hetero.chunk_elems={h.chunk_elems} must be a multiple of {CHUNK_ALIGN}·{replicas} = {step} "
+                   f"({CHUNK_ALIGN} elements per shard of its {replicas} data replicas, dp·sp); use "
+                   f"hetero.chunk_elems={-(-h.chunk_elems // step) * step} or leave it unset to search")
+    if h.enabled and h.dynamic_budget and replicas > 1:
+        out.append(f"hetero.dynamic_budget=true with {replicas} data replicas (dp·sp): every replica must make "
+                   "the same eviction decisions, and a budget measured per device can differ; use "
+                   "hetero.dynamic_budget=false and a hetero.device_budget_bytes")
     if h.enabled and h.chunk_elems is not None and h.chunk_elems < largest:
         out.append(f"hetero.chunk_elems={h.chunk_elems} is smaller than the largest parameter a rank holds "
                    f"({largest} elements); use hetero.chunk_elems≥{largest} or leave it unset to search")

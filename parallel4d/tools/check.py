@@ -1,0 +1,344 @@
+"""``parallel4d check JOB.yaml``: the job's own layout, shrunk to a laptop, against one process.
+
+A user's job is their own combination of layout and features; each technique being exact alone does
+not prove them exact together. The check keeps the layout (pp, dp, sp, tp, or the largest sub-layout
+with every axis that was > 1 still > 1 when the world exceeds the local limit) and every feature the
+config names (schedule, waves, split backward, hop cost, ring layout, Ulysses, hetero at the same
+budget ratio, ZeRO, activation checkpointing, the model family and its options, tied head, packing,
+evaluation), shrinks the model to the smallest shape the config's own rules accept, and trains a few
+steps on CPU over gloo in float64. The reference is the same job on one process with none of the
+techniques: plain layers, no pipeline, no ring, no chunks. Equal means every step's loss within
+:data:`LOSS_RTOL` and every parameter within :data:`PARAM_RTOL` (relative; :data:`PARAM_ATOL` for
+entries whose exact value is 0: a key bias's gradient is zero in exact arithmetic).
+
+:func:`shrunk` (pure: configs in, overrides out), :func:`run_check` (runs both, compares) and
+:func:`format_report` are apart, so the fuzzer in the suite runs draws through the same code.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterator, Optional
+
+from parallel4d.config.errors import ConfigError
+from parallel4d.config.load import load_config
+from parallel4d.config.rules.hetero import chunk_step
+from parallel4d.config.schema import Config
+
+LOSS_RTOL = 1e-10
+PARAM_RTOL = 1e-9
+PARAM_ATOL = 1e-12
+AXES = ("pp", "dp", "sp", "tp")
+
+# What the check fixes whatever the job says: float64 on CPU, a short run, a checkpoint at its end
+RUN = ["train.dtype=float64", "train.param_dtype=null", "train.autocast_dtype=null",
+       "train.grad_reduce_dtype=null", "train.device=cpu", "train.compile=none", "train.fused=torch",
+       "train.log_every=1000", "train.tensorboard=false", "train.resume=false", "train.threads_per_worker=1",
+       "train.job_timeout_s=null", "train.grad_clip=null", "checkpoint.enabled=true", "checkpoint.every=0",
+       "checkpoint.dir=null", "hetero.compute_device=cpu", "hetero.dynamic_budget=false",
+       "model.dropout=0.0", "model.attention_dropout=null", "model.embedding_dropout=null"]
+# The reference: one process, none of the techniques (the model and the data as the check's)
+REFERENCE = ["parallel.pp=1", "parallel.dp=1", "parallel.sp=1", "parallel.tp=1", "pipeline.schedule=1f1b",
+             "pipeline.waves=1", "pipeline.split_backward=false", "pipeline.hop_cost=null",
+             "sequence.ulysses=1", "hetero.enabled=false", "train.activation_checkpointing=none"]
+
+
+@dataclass
+class Plan:
+    """What the check runs: the job's overrides followed by ``overrides``; ``notes`` say what changed."""
+
+    overrides: list[str]
+    cfg: Config
+    notes: list[str] = field(default_factory=list)
+
+    def reference(self, path, job_overrides: list[str]) -> Config:
+        return load_config(path, [*job_overrides, *self.overrides, *REFERENCE])
+
+
+# --- the sub-layout -----------------------------------------------------------------------------
+
+def sub_layouts(cfg: Config, limit: int) -> list[dict[str, int]]:
+    """Layouts of at most ``limit`` ranks, largest first: each axis at most the job's, an axis > 1 kept
+    > 1, tp a square (its side at least 2 where the job's is). The job's own first when it fits."""
+    p = cfg.parallel
+    want = {a: getattr(p, a) for a in AXES}
+    choices = {a: [v for v in range(2 if want[a] > 1 else 1, want[a] + 1)] for a in ("pp", "dp", "sp")}
+    choices["tp"] = [k * k for k in range(2 if want["tp"] > 1 else 1, math.isqrt(want["tp"]) + 1)]
+    out = [dict(zip(AXES, combo)) for combo in itertools.product(*(choices[a] for a in AXES))
+           if math.prod(combo) <= limit]
+    # the largest world, then the job's own sizes where they tie (pp, then tp, sp, dp kept closest)
+    return sorted(out, key=lambda d: (-math.prod(d.values()), *(-d[a] for a in ("pp", "tp", "sp", "dp"))))
+
+
+# --- the smallest model the rules accept -------------------------------------------------------
+
+def _shape_steps(cfg: Config) -> list[tuple[str, Callable[[], Iterator[list[str]]]]]:
+    """Per dimension, its candidate overrides smallest first (the job's own value last, always valid
+    as to that dimension)."""
+    m, p, pl = cfg.model, cfg.parallel, cfg.pipeline
+    group = m.heads // m.kv_heads if m.kv_heads else 1  # GQA kept: heads per key/value head
+
+    def layers():
+        first = max(1, pl.num_chunks(p.pp) - 2)
+        for n in [*range(first, min(m.layers, first + 4)), m.layers]:
+            yield [f"model.layers={n}"]
+
+    def heads():
+        # a head at least 4 wide, a model at least 8: narrower ones make norms and attention degenerate
+        for kv, d in sorted(itertools.product(range(1, 17), (4, 8)), key=lambda x: x[0] * group * x[1]):
+            h = kv * group
+            if h > m.heads or h < min(2, m.heads) or h * d < 8:  # 2 heads: their split is part of the layout
+                continue
+            out = [f"model.heads={h}", f"model.hidden={h * d}"]
+            out += [f"model.kv_heads={kv}"] if m.kv_heads else []
+            out += [f"model.head_dim={d}"] if m.head_dim else []
+            out += [f"model.intermediate_size={2 * h * d}"] if m.intermediate_size else []
+            yield out
+        yield []  # the job's own
+
+    def seq():
+        for s in sorted({p.sp * k for k in range(1, 17)} | {m.seq_len}):
+            if min(8, m.seq_len) <= s <= m.seq_len:  # 8 tokens at least: a causal mask with rows to mask
+                yield [f"model.seq_len={s}"] + ([f"model.max_positions={s}"] if m.max_positions else [])
+
+    def batch():
+        base = p.dp * math.isqrt(p.tp) * pl.microbatches
+        for b in sorted({base * k for k in range(1, 5)} | {cfg.data.batch_size}):
+            if b <= cfg.data.batch_size:
+                yield [f"data.batch_size={b}"]
+
+    return [("layers", layers), ("heads", heads), ("seq_len", seq), ("batch", batch)]
+
+
+def _first_valid(path, fixed: list[str], options: Iterator[list[str]]) -> Optional[list[str]]:
+    for extra in options:
+        try:
+            load_config(path, [*fixed, *extra])
+            return extra
+        except ConfigError:
+            continue
+    return None
+
+
+def _features(path, job: list[str], cfg: Config, own: list[str]) -> Optional[tuple[list[str], list[str]]]:
+    """Overrides that keep the job's features at the shape ``own`` gives, and notes on what is not kept
+    as it is; None when the rules refuse the hetero budget however it is scaled."""
+    out, notes = [], []
+    if cfg.train.eval_every is not None:
+        out.append("train.eval_every=2")
+    if cfg.model.pretrained is not None:
+        out.append("model.pretrained=null")
+        notes.append("model.pretrained: random weights at the family's options (the shape is shrunk)")
+    if cfg.data.source == "tokens" and cfg.data.path and not Path(cfg.data.path).exists():
+        out += ["data.source=synthetic", "data.path=null", "data.val_path=null", "data.packing=none"]
+        notes.append(f"data.path={cfg.data.path} is not on this machine: synthetic tokens instead")
+    if cfg.train.compile != "none":
+        notes.append("train.compile: not checked (compiles nothing on CPU in float64)")
+    h = cfg.hetero
+    if h.enabled and h.dynamic_budget:
+        notes.append("hetero.dynamic_budget: not checked (a CPU has no device memory to measure)")
+    if not h.enabled or (h.device_budget_bytes is None and h.chunk_elems is None):
+        return out, notes
+    small = load_config(path, [*job, *own, *out])
+    # the same share of the model data on the device: bytes scale with the weights and the dtype's size
+    scale = _weights(small) / max(1, _weights(cfg)) * 8 / _element_bytes(cfg)
+    step = chunk_step(small.parallel.dp * small.parallel.sp)
+    for factor in (2 ** k for k in range(40)):
+        hetero = [f"hetero.device_budget_bytes={max(1, int(h.device_budget_bytes * scale * factor))}"] \
+            if h.device_budget_bytes is not None else []
+        hetero += [f"hetero.chunk_elems={-(-int(h.chunk_elems * scale * factor) // step) * step}"] \
+            if h.chunk_elems is not None else []
+        if _first_valid(path, [*job, *own, *out], iter([hetero])) is not None:
+            if factor > 1:
+                notes.append(f"hetero: {factor}× the job's budget ratio, the least the rules accept at this shape")
+            return [*out, *hetero], notes
+        if scale * factor > 8 / _element_bytes(cfg):
+            return None
+    return None
+
+
+def _element_bytes(cfg: Config) -> int:
+    return {"float64": 8, "float32": 4}.get(cfg.train.param_dtype or cfg.train.dtype, 4)
+
+
+def _weights(cfg: Config) -> int:
+    """The model's parameter count from its shape (embedding, blocks' matrices, head): for the budget
+    ratio only."""
+    m = cfg.model
+    width = m.intermediate_size or m.mlp_ratio * m.hidden
+    block = 4 * m.hidden * m.hidden + (3 if cfg.model.arch == "llama" else 2) * m.hidden * width
+    return m.vocab_size * m.hidden * (1 if m.tie_embeddings else 2) + m.layers * block
+
+
+def shrunk(path, job_overrides: list[str], steps: int = 3, max_workers: Optional[int] = None) -> Plan:
+    """The check's overrides for the job ``path`` + ``job_overrides``: its layout (or the largest
+    sub-layout of at most ``max_workers`` ranks, default ``train.max_local_workers``), each model and
+    batch dimension cut to the smallest value the rules accept, the run fixed to :data:`RUN`."""
+    cfg = load_config(path, job_overrides)
+    if cfg.deepspeed is not None:
+        raise ConfigError("deepspeed: parallel4d check runs parallel4d's own engine; DeepSpeed's is checked "
+                          "against ours by tests/test_deepspeed.py. Remove the deepspeed: section to check the "
+                          "same layout on our engine")
+    limit = max_workers or cfg.train.max_local_workers
+    run = [*RUN, f"train.steps={steps}", f"train.max_local_workers={limit}"]
+    for layout in sub_layouts(cfg, limit):
+        plan = _shrunk_at(path, job_overrides, cfg, [*run, *(f"parallel.{a}={v}" for a, v in layout.items())])
+        if plan is not None:
+            if math.prod(layout.values()) < cfg.world_size:
+                plan.notes.insert(0, f"world size {cfg.world_size} > {limit} local workers: the sub-layout "
+                                     + " ".join(f"{a}={v}" for a, v in layout.items()))
+            return plan
+    raise ConfigError(f"parallel: no layout of at most {limit} ranks keeps every axis of "
+                      f"pp={cfg.parallel.pp} dp={cfg.parallel.dp} sp={cfg.parallel.sp} tp={cfg.parallel.tp} "
+                      "above 1 under this config's rules; raise --max-workers")
+
+
+def _shrunk_at(path, job: list[str], cfg: Config, own: list[str]) -> Optional[Plan]:
+    """The smallest shape at the layout ``own`` names, or None when the rules refuse that layout."""
+    try:
+        at = load_config(path, [*job, *own])
+    except ConfigError:
+        return None
+    for _, options in _shape_steps(at):
+        found = _first_valid(path, [*job, *own], options())
+        if found is None:
+            return None
+        own = [*own, *found]
+    kept = _features(path, job, cfg, own)
+    if kept is None:
+        return None
+    try:
+        return Plan([*own, *kept[0]], load_config(path, [*job, *own, *kept[0]]), kept[1])
+    except ConfigError:
+        return None
+
+
+# --- running and comparing ---------------------------------------------------------------------
+
+@dataclass
+class Difference:
+    """The first tensor (in the model's order) beyond the tolerance, and its worst entry."""
+
+    name: str
+    index: tuple
+    got: float
+    want: float
+    where: str
+
+    def describe(self) -> str:
+        rel = abs(self.got - self.want) / max(abs(self.want), 1e-300)
+        return (f"{self.name}{list(self.index)}: {self.got!r} against one process's {self.want!r} "
+                f"(relative {rel:.1e}){self.where}")
+
+
+@dataclass
+class Outcome:
+    """Both runs' losses, the parameters' largest relative difference and the first that differs."""
+
+    losses: list[float]
+    reference_losses: list[float]
+    validation: list[tuple[float, float]]
+    tensors: int
+    worst: tuple[str, float]
+    first_loss_step: Optional[int]
+    first_tensor: Optional[Difference]
+
+    @property
+    def equal(self) -> bool:
+        return self.first_loss_step is None and self.first_tensor is None
+
+
+def run_check(path, job_overrides: list[str], plan: Plan, out_dir, train: Callable = None) -> Outcome:
+    """Trains the check's job and its one-process reference into ``out_dir`` (``train(cfg) → summary``,
+    default :func:`~parallel4d.launcher.launch.launch`), then compares them."""
+    if train is None:
+        from parallel4d.launcher.launch import launch as train
+    out = Path(out_dir)
+    got = train(plan.cfg.model_copy(update={"train": plan.cfg.train.model_copy(
+        update={"out_dir": str(out / "layout")})}))
+    ref_cfg = plan.reference(path, job_overrides)
+    want = train(ref_cfg.model_copy(update={"train": ref_cfg.train.model_copy(update={"out_dir": str(out / "one")})}))
+    return compare(plan.cfg, got, want, out / "layout" / "checkpoints", out / "one" / "checkpoints")
+
+
+def _dense(checkpoints: Path, tied: bool) -> dict:
+    import torch
+
+    from parallel4d.checkpoint.gather import gather, with_tied_head
+
+    target = checkpoints.parent / "dense.pt"
+    gather(checkpoints, target, progress=False)
+    return with_tied_head(torch.load(target, weights_only=True)["model"], tied)
+
+
+def compare(cfg: Config, got: dict, want: dict, got_ckpt: Path, want_ckpt: Path) -> Outcome:
+    """The runs' summaries and final checkpoints against :data:`LOSS_RTOL` / :data:`PARAM_RTOL`."""
+    import torch
+
+    a, b = got["losses"], want["losses"]
+    bad = [i for i, (x, y) in enumerate(zip(a, b)) if abs(x - y) > LOSS_RTOL * abs(y)]
+    bad += [min(len(a), len(b))] if len(a) != len(b) else []
+    first_step = bad[0] + 1 if bad else None
+    val = [(x["loss"], y["loss"]) for x, y in zip(got.get("validation", []), want.get("validation", []))]
+    if any(abs(x - y) > LOSS_RTOL * abs(y) for x, y in val) and first_step is None:
+        first_step = 0  # a validation loss differs
+    mine, ref = _dense(got_ckpt, cfg.model.tie_embeddings), _dense(want_ckpt, cfg.model.tie_embeddings)
+    worst, first = ("", 0.0), None
+    for name, r in ref.items():
+        x = mine[name].to(torch.float64)
+        diff = (x - r).abs()
+        excess = diff - PARAM_RTOL * r.abs() - PARAM_ATOL
+        rel = (diff / r.abs().clamp_min(PARAM_ATOL / PARAM_RTOL)).max().item() if diff.numel() else 0.0
+        worst = max(worst, (name, rel), key=lambda t: t[1])
+        if first is None and excess.max().item() > 0:
+            i = tuple(int(k) for k in torch.unravel_index(excess.argmax(), excess.shape))
+            first = Difference(name, i, x[i].item(), r[i].item(), _where(cfg, name))
+    return Outcome(a, b, val, len(ref), worst, first_step, first)
+
+
+def _where(cfg: Config, name: str) -> str:
+    """The pipeline rank that holds the dense tensor ``name`` (its stage's chunk), when pp > 1."""
+    if cfg.parallel.pp == 1:
+        return ""
+    from parallel4d.engine.compose import pipeline_cut
+    from parallel4d.pipeline.schedule import make_schedule
+
+    pl = cfg.pipeline
+    schedule = make_schedule(pl.schedule, cfg.parallel.pp, pl.microbatches, waves=pl.waves,
+                             chunks_per_rank=pl.chunks_per_rank, split_backward=pl.split_backward)
+    parts = name.split(".")
+    stage = 0 if parts[0] == "embed" else int(parts[1]) + 1 if parts[0] == "blocks" else cfg.model.layers + 1
+    chunk = next(c for c, r in enumerate(pipeline_cut(cfg, schedule.num_chunks)) if stage in r)
+    return f"; stage {stage} is in chunk {chunk}, on pp rank {schedule.owner(chunk)}"
+
+
+def format_report(path, plan: Plan, outcome: Outcome) -> list[str]:
+    """The table ``parallel4d check`` prints."""
+    c, p = plan.cfg, plan.cfg.parallel
+    lines = [f"parallel4d check {path}: {c.world_size} ranks (pp={p.pp} dp={p.dp} sp={p.sp} tp={p.tp}), "
+             f"{c.train.steps} steps in float64 on CPU against one process",
+             f"  model {c.model.arch}: layers={c.model.layers} hidden={c.model.hidden} heads={c.model.heads}"
+             + (f" kv_heads={c.model.kv_heads}" if c.model.kv_heads else "")
+             + f" seq_len={c.model.seq_len} batch={c.data.batch_size}",
+             *(f"  note: {n}" for n in plan.notes),
+             f"  {'step':>4}  {'loss (layout)':>22}  {'loss (one process)':>22}  {'relative':>8}"]
+    for i, (x, y) in enumerate(zip(outcome.losses, outcome.reference_losses), 1):
+        lines.append(f"  {i:>4}  {x:>22.16f}  {y:>22.16f}  {abs(x - y) / abs(y):8.1e}")
+    for x, y in outcome.validation:
+        lines.append(f"  {'val':>4}  {x:>22.16f}  {y:>22.16f}  {abs(x - y) / abs(y):8.1e}")
+    lines.append(f"  parameters: {outcome.tensors} tensors, largest relative difference {outcome.worst[1]:.1e}"
+                 + (f" ({outcome.worst[0]})" if outcome.worst[0] else ""))
+    if outcome.equal:
+        lines.append(f"EQUAL: every loss within {LOSS_RTOL:g}, every parameter within {PARAM_RTOL:g} (relative; "
+                     f"entries under {PARAM_ATOL / PARAM_RTOL:g} against {PARAM_ATOL / PARAM_RTOL:g})")
+    else:
+        if outcome.first_loss_step is not None:
+            lines.append(f"DIFFERS: the loss of step {outcome.first_loss_step} first" if outcome.first_loss_step
+                         else "DIFFERS: a validation loss")
+        if outcome.first_tensor is not None:
+            lines.append(f"DIFFERS: first tensor {outcome.first_tensor.describe()}")
+    return lines
