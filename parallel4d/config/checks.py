@@ -62,7 +62,10 @@ def _size_problems(cfg: "Config") -> list[str]:
     if p.world_size > MAX_WORLD:
         out.append(f"parallel.pp·dp·sp·tp = {p.world_size} ranks is more than {MAX_WORLD}; lower the parallel sizes")
     item = {"float64": 8, "float32": 4}.get(hetero.compute_dtype(cfg), 2)  # the device chunks' element
-    return out + hetero.budget_problems(h, largest_block(m, p.q), item, p.dp * p.sp)
+    mixed = hetero.compute_dtype(cfg) != cfg.train.parameters  # 16-bit chunks, the master on the host
+    on_cpu = next((f"{f}=cpu" for f, v in (("train.device", cfg.train.device), ("hetero.compute_device",
+                                                                                  h.compute_device)) if v == "cpu"), "")
+    return out + hetero.budget_problems(h, largest_block(m, p.q), item, p.dp * p.sp, mixed, on_cpu)
 
 
 #: every cross-field rule, in the order their messages are listed

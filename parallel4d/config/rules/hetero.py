@@ -42,10 +42,14 @@ def chunk_step(replicas: int) -> int:
     return CHUNK_ALIGN * replicas
 
 
-def budget_problems(h: HeteroConfig, largest: int, item: int, replicas: int = 1) -> list[str]:
+def budget_problems(h: HeteroConfig, largest: int, item: int, replicas: int = 1, mixed: bool = False,
+                    on_cpu: str = "") -> list[str]:
     """``hetero.chunk_elems`` against ZeRO's shards over ``replicas`` data replicas (a multiple of
     :func:`chunk_step`), and it and ``hetero.device_budget_bytes`` against the largest parameter a rank
-    holds (``largest`` elements of ``item`` bytes): a chunk holds at least that, the budget one chunk."""
+    holds (``largest`` elements of ``item`` bytes): a chunk holds at least that, the budget the chunks
+    hetero pins at once at the least (:func:`least_budget`; ``mixed``: 16-bit chunks over wider parameters).
+    ``on_cpu``: the field that puts the chunks on the CPU (``"train.device=cpu"``), where a dynamic budget
+    has no device memory to measure; empty when the device is not known to be the CPU."""
     out = []
     step = chunk_step(replicas)
     if h.enabled and h.chunk_elems is not None and h.chunk_elems % step:
@@ -59,13 +63,40 @@ def budget_problems(h: HeteroConfig, largest: int, item: int, replicas: int = 1)
     if h.enabled and h.chunk_elems is not None and h.chunk_elems < largest:
         out.append(f"hetero.chunk_elems={h.chunk_elems} is smaller than the largest parameter a rank holds "
                    f"({largest} elements); use hetero.chunk_elems≥{largest} or leave it unset to search")
-    chunk = max(largest, h.chunk_elems or 0) * item
-    if h.enabled and h.device_budget_bytes is not None and h.device_budget_bytes < chunk:
-        out.append(f"hetero.device_budget_bytes={h.device_budget_bytes} cannot hold one chunk: a chunk holds at "
-                   f"least the largest parameter a rank holds, {max(largest, h.chunk_elems or 0)} elements × {item} "
-                   f"bytes = {chunk}; use hetero.device_budget_bytes≥{chunk} (`parallel4d plan` shows the chunks a "
-                   "rank keeps on the device at once), or leave it unset")
+    if h.enabled and h.device_budget_bytes is not None:
+        least, why = least_budget(max(largest, h.chunk_elems or 0), item, replicas, mixed)
+        if h.device_budget_bytes < least:
+            out.append(f"hetero.device_budget_bytes={h.device_budget_bytes} is below what hetero pins on the device "
+                       f"at once: {why}; use hetero.device_budget_bytes≥{least} (`parallel4d plan` shows the "
+                       "chunks a rank keeps on the device at once), or leave it unset")
+    if h.enabled and h.dynamic_budget and h.device_budget_bytes is None and on_cpu:
+        out.append(f"hetero.dynamic_budget=true on the CPU ({on_cpu}) needs hetero.device_budget_bytes: a CPU has no "
+                   "device memory to measure the budget from; set hetero.device_budget_bytes or "
+                   "hetero.dynamic_budget=false")
     return out
+
+
+SHARD_SLOTS = 4  # hetero/budget.py: the optimizer step of one row under ZeRO (PS, GS, M, V)
+
+
+def least_budget(largest: int, item: int, replicas: int = 1, mixed: bool = False) -> tuple[int, str]:
+    """``(bytes, why)``: a lower bound of the smallest ``hetero.device_budget_bytes`` that runs, as
+    ``hetero/budget.py`` counts it on the rank holding the largest parameter (``largest`` elements of
+    ``item`` bytes): its chunk is at least that, rounded up to :func:`chunk_step`; the main pool pins the
+    P, G, M, V chunks of one row for the optimizer without data replicas and 16-bit chunks (else at
+    least a module's parameter chunk and a gradient chunk); ZeRO adds its shard slots of a chunk/replicas
+    each (one under 16-bit chunks, else ``SHARD_SLOTS``). The exact value depends on how the parameters
+    pack into chunks: ``parallel4d plan`` reports it."""
+    step = chunk_step(replicas)
+    chunk = -(-max(largest, 1) // step) * step
+    slots = 4 if replicas == 1 and not mixed else 2
+    shards = 0 if replicas == 1 else 1 if mixed else SHARD_SLOTS
+    least = (slots * chunk + shards * (chunk // replicas)) * item
+    why = (f"{slots} chunks of at least {chunk} elements (the largest parameter a rank holds, {largest} elements, "
+           f"in chunks of multiples of {step}) × {item} bytes"
+           + (f" plus {shards} ZeRO shard slot{'s' if shards > 1 else ''} of {chunk // replicas} elements" if shards
+              else "") + f" = {least} bytes")
+    return least, why
 
 
 def compute_dtype(cfg: Config) -> str:
