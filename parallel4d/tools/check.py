@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import itertools
 import math
-import tempfile
+import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator, Optional
@@ -84,6 +84,8 @@ def _shape_steps(cfg: Config) -> list[tuple[str, Callable[[], Iterator[list[str]
 
     def layers():
         first = max(1, pl.num_chunks(p.pp) - 2)
+        if cfg.hetero.enabled and cfg.hetero.device_budget_bytes is not None:
+            first += 3  # more chunks than the least budget holds: the check moves them (one layer fits it)
         for n in [*range(first, min(m.layers, first + 4)), m.layers]:
             yield [f"model.layers={n}"]
 
@@ -155,10 +157,28 @@ def _features(path, job: list[str], cfg: Config, own: list[str]) -> Optional[tup
         if _first_valid(path, [*job, *own, *out], iter([hetero])) is not None:
             if factor > 1:
                 notes.append(f"hetero: {factor}× the job's budget ratio, the least the rules accept at this shape")
-            return [*out, *hetero], notes
+            return [*out, *_at_least_the_layouts(load_config(path, [*job, *own, *out, *hetero]), hetero, notes)], notes
         if scale * factor > 8 / _element_bytes(cfg):
             return None
     return None
+
+
+def _at_least_the_layouts(cfg: Config, hetero: list[str], notes: list[str]) -> list[str]:
+    """``hetero`` with the device budget raised to the least the chunk layout runs with, where it is
+    below: what a module and the optimizer pin at once depends on how the parameters pack into chunks,
+    which only the model knows (:func:`~parallel4d.planning.dry_run.plan` builds it, on fake tensors)."""
+    from parallel4d.planning.dry_run import plan
+
+    if cfg.hetero.device_budget_bytes is None:
+        return hetero
+    resident = cfg.model_copy(update={"hetero": cfg.hetero.model_copy(update={"device_budget_bytes": None})})
+    least = max(r.hetero_min_budget for r in plan(resident))
+    if least <= cfg.hetero.device_budget_bytes:
+        return hetero
+    notes.append(f"hetero: the chunk layout's least budget, {least:,} bytes (the job's ratio gives "
+                 f"{cfg.hetero.device_budget_bytes:,})")
+    return [o for o in hetero if not o.startswith("hetero.device_budget_bytes")] + \
+        [f"hetero.device_budget_bytes={least}"]
 
 
 def _element_bytes(cfg: Config) -> int:
@@ -246,23 +266,48 @@ class Outcome:
     worst: tuple[str, float]
     first_loss_step: Optional[int]
     first_tensor: Optional[Difference]
+    hetero_moved: Optional[int] = None  # rank 0's bytes moved host ↔ device per step: the budget bites
 
     @property
     def equal(self) -> bool:
         return self.first_loss_step is None and self.first_tensor is None
 
 
-def run_check(path, job_overrides: list[str], plan: Plan, out_dir, train: Callable = None) -> Outcome:
+def run_check(path, job_overrides: list[str], plan: Plan, out_dir, train: Optional[Callable] = None,
+              resume_at: Optional[int] = None) -> Outcome:
     """Trains the check's job and its one-process reference into ``out_dir`` (``train(cfg) → summary``,
-    default :func:`~parallel4d.launcher.launch.launch`), then compares them."""
+    default :func:`~parallel4d.launcher.launch.launch`), then compares them. ``resume_at``: the job
+    is stopped after that step (its checkpoint then) and resumed to the end, as after an interruption."""
     if train is None:
         from parallel4d.launcher.launch import launch as train
     out = Path(out_dir)
-    got = train(plan.cfg.model_copy(update={"train": plan.cfg.train.model_copy(
-        update={"out_dir": str(out / "layout")})}))
-    ref_cfg = plan.reference(path, job_overrides)
-    want = train(ref_cfg.model_copy(update={"train": ref_cfg.train.model_copy(update={"out_dir": str(out / "one")})}))
+    if resume_at is None:
+        got = train(_into(plan.cfg, out / "layout"))
+    else:
+        got = _resumed(plan.cfg, out, resume_at, train)
+    want = train(_into(plan.reference(path, job_overrides), out / "one"))
     return compare(plan.cfg, got, want, out / "layout" / "checkpoints", out / "one" / "checkpoints")
+
+
+def _into(cfg: Config, out: Path, **train) -> Config:
+    return cfg.model_copy(update={"train": cfg.train.model_copy(update={"out_dir": str(out), **train})})
+
+
+def _resumed(cfg: Config, out: Path, step: int, train: Callable) -> dict:
+    """The job run to the end from its step-``step`` checkpoint (saved by a run that went on past it)."""
+    from parallel4d.checkpoint.steps import step_name
+
+    if not 1 <= step < cfg.train.steps:
+        raise ConfigError(f"--resume-at {step}: resume after a step within the run, 1 ≤ step < {cfg.train.steps}")
+    first = cfg.model_copy(update={"checkpoint": cfg.checkpoint.model_copy(update={"every": step,
+                                                                                   "keep": cfg.train.steps})})
+    train(_into(first, out / "interrupted"))
+    (out / "layout" / "checkpoints").mkdir(parents=True)
+    shutil.copytree(out / "interrupted" / "checkpoints" / step_name(step), out / "layout" / "checkpoints" / step_name(step))
+    got = train(_into(cfg, out / "layout", resume=True))
+    if got.get("resumed_from") != step:
+        raise RuntimeError(f"the resumed run started from step {got.get('resumed_from')}, not {step}")
+    return got
 
 
 def _dense(checkpoints: Path, tied: bool) -> dict:
@@ -297,7 +342,8 @@ def compare(cfg: Config, got: dict, want: dict, got_ckpt: Path, want_ckpt: Path)
         if first is None and excess.max().item() > 0:
             i = tuple(int(k) for k in torch.unravel_index(excess.argmax(), excess.shape))
             first = Difference(name, i, x[i].item(), r[i].item(), _where(cfg, name))
-    return Outcome(a, b, val, len(ref), worst, first_step, first)
+    moved = (got.get("hetero") or {}).get("device_bytes_moved_per_step")
+    return Outcome(a, b, val, len(ref), worst, first_step, first, moved)
 
 
 def _where(cfg: Config, name: str) -> str:
@@ -332,6 +378,8 @@ def format_report(path, plan: Plan, outcome: Outcome) -> list[str]:
         lines.append(f"  {'val':>4}  {x:>22.16f}  {y:>22.16f}  {abs(x - y) / abs(y):8.1e}")
     lines.append(f"  parameters: {outcome.tensors} tensors, largest relative difference {outcome.worst[1]:.1e}"
                  + (f" ({outcome.worst[0]})" if outcome.worst[0] else ""))
+    if outcome.hetero_moved is not None:
+        lines.append(f"  hetero: {outcome.hetero_moved:,} bytes moved between host and device per step on rank 0")
     if outcome.equal:
         lines.append(f"EQUAL: every loss within {LOSS_RTOL:g}, every parameter within {PARAM_RTOL:g} (relative; "
                      f"entries under {PARAM_ATOL / PARAM_RTOL:g} against {PARAM_ATOL / PARAM_RTOL:g})")

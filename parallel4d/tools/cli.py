@@ -298,7 +298,7 @@ def _cmd_check(args) -> int:
     keep = args.keep is not None
     out = Path(args.keep) if keep else Path(tempfile.mkdtemp(prefix="parallel4d-check-"))
     try:
-        outcome = run_check(args.config, args.overrides, plan, out)
+        outcome = run_check(args.config, args.overrides, plan, out, resume_at=args.resume_at)
     finally:
         if not keep:
             shutil.rmtree(out, ignore_errors=True)
@@ -424,6 +424,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-workers", type=int, default=None, metavar="N",
                    help="local workers at most (default train.max_local_workers); above, the largest "
                         "sub-layout with every parallel axis > 1 that fits")
+    p.add_argument("--resume-at", type=int, default=None, metavar="K",
+                   help="stop the job after step K and resume it to the end (its checkpoint, as after an interruption)")
     p.add_argument("--keep", metavar="DIR", help="keep both runs (summaries, checkpoints) in DIR")
     p.set_defaults(func=_cmd_check)
     p = sub.add_parser("schedule", help="print a pipeline schedule and its simulated bubble / memory")

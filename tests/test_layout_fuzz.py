@@ -1,0 +1,153 @@
+"""#33: Hypothesis draws jobs across the whole space — pp, dp, sp, tp; every schedule, waves, split
+backward and hop cost; ring layouts and Ulysses; hetero with budgets from the minimum up (ZeRO where
+dp·sp > 1); activation checkpointing; gpt2 and llama (GQA, tied and untied); evaluation; a resume
+mid-run — and runs each through ``parallel4d check``'s own code (:mod:`parallel4d.tools.check`):
+the shrunk job on gloo workers in float64 against one process, losses to 1e-10, every parameter to 1e-9.
+
+A fixed time budget per run (``PARALLEL4D_FUZZ_SECONDS``, default 100 s): draws after it pass
+without running (``PARALLEL4D_FUZZ_EXAMPLES``, default 40, bounds the draws generated). The seed is printed (``PARALLEL4D_FUZZ_SEED`` sets it); every draw prints the one
+command that reruns it alone, ``parallel4d check configs/quickstart.yaml --set ...``. A draw the
+config refuses is not a test of the layout (refusals: tests/test_config_fuzz.py)."""
+
+import os
+import random
+import shlex
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, Phase, assume, given, seed, settings, strategies as st
+
+from parallel4d.config.errors import ConfigError
+from parallel4d.config.load import load_config
+from parallel4d.tools.check import _weights, format_report, run_check, shrunk
+
+ROOT = Path(__file__).resolve().parents[1]
+BASE = ROOT / "configs" / "quickstart.yaml"
+BUDGET_S = float(os.environ.get("PARALLEL4D_FUZZ_SECONDS", 100))
+SEED = int(os.environ.get("PARALLEL4D_FUZZ_SEED", random.randrange(2**32)))
+MAX_WORLD = 8  # the CI's 2 cores
+EXAMPLES = int(os.environ.get("PARALLEL4D_FUZZ_EXAMPLES", 40))  # more than the budget runs: the rest are free
+KEEP_GOING = os.environ.get("PARALLEL4D_FUZZ_KEEP_GOING") == "1"  # a long run: count failures, go on
+RUN: dict = {"start": None, "ran": 0, "refused": 0, "failed": []}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _tally():
+    yield
+    print(f"\nlayout fuzz: seed {SEED}, {RUN['ran']} draws run, {RUN['ran'] - len(RUN['failed'])} equal, "
+          f"{len(RUN['failed'])} failed, {RUN['refused']} refused by the config", file=sys.stderr)
+    for line in RUN["failed"]:
+        print(f"layout fuzz FAILED: {line}", file=sys.stderr)
+
+
+@st.composite
+def jobs(draw) -> tuple[list[str], float | None, int | None]:
+    """``(overrides of configs/quickstart.yaml, hetero's device budget as a share of the model's bytes or
+    None, the step to resume after or None)``: the check keeps that share at its shape, or the least
+    budget its rules accept (a share of 0.001: the minimum)."""
+    tp = draw(st.sampled_from([1, 4]))
+    sp = draw(st.sampled_from([s for s in (1, 2, 4) if s * tp <= MAX_WORLD]))
+    pp = draw(st.sampled_from([p for p in (1, 2, 4) if p * sp * tp <= MAX_WORLD]))
+    dp = draw(st.sampled_from([d for d in (1, 2) if d * pp * sp * tp <= MAX_WORLD]))
+    out = [f"parallel.pp={pp}", f"parallel.dp={dp}", f"parallel.sp={sp}", f"parallel.tp={tp}"]
+    m = draw(st.sampled_from([1, 2, 4])) * (pp if pp > 1 else 1)
+    out += _pipeline(draw, pp) + [f"pipeline.microbatches={m}"]
+    if sp > 1:
+        out.append(f"sequence.layout={draw(st.sampled_from(['contiguous', 'zigzag']))}")
+        out.append(f"sequence.ulysses={draw(st.sampled_from([1, 2]))}")
+    out += _model(draw) + [f"data.batch_size={dp * int(tp ** 0.5) * m * 2}", "model.seq_len=32"]
+    out.append(f"train.activation_checkpointing={draw(st.sampled_from(['none', 'blocks']))}")
+    if draw(st.booleans()):
+        out.append("train.eval_every=2")
+    budget = draw(st.sampled_from([None, 0.001, 0.2, 0.5]))
+    out.append(f"hetero.enabled={budget is not None or draw(st.booleans())}")
+    resume = draw(st.sampled_from([None, None, None, 1, 2]))
+    return out, budget, resume
+
+
+def _pipeline(draw, pp: int) -> list[str]:
+    if pp == 1:
+        return []
+    schedule = draw(st.sampled_from(["gpipe", "1f1b", "interleaved", "hanayo", "zb_h1", "zbv"]))
+    out = [f"pipeline.schedule={schedule}"]
+    if schedule == "hanayo":
+        out += [f"pipeline.waves={draw(st.sampled_from([1, 2]))}",
+                f"pipeline.split_backward={draw(st.booleans())}"]
+    if schedule in ("hanayo", "zb_h1", "zbv"):
+        out.append(f"pipeline.hop_cost={draw(st.sampled_from(['null', 'auto', '0.5']))}")
+    return out
+
+
+def _model(draw) -> list[str]:
+    arch = draw(st.sampled_from(["gpt2", "llama"]))
+    out = [f"model.arch={arch}", "model.hidden=32", "model.heads=4", "model.layers=8",
+           f"model.tie_embeddings={draw(st.booleans())}"]
+    if arch == "llama":
+        out.append(f"model.kv_heads={draw(st.sampled_from([4, 2, 1]))}")  # MHA, GQA, MQA
+        out.append(f"model.qk_norm={draw(st.booleans())}")
+    return out
+
+
+def _with_budget(job: list[str], share: float | None) -> list[str]:
+    """``job`` with a hetero device budget of ``share`` of its model's bytes (the check scales it)."""
+    if share is None:
+        return job
+    cfg = load_config(BASE, job)
+    return [*job, f"hetero.device_budget_bytes={max(1, int(share * _weights(cfg) * 4))}"]
+
+
+def _train(cfg):
+    """A one-process reference in this process (no spawn); anything else as ``launch`` runs it."""
+    if cfg.world_size > 1:
+        from parallel4d import launch
+
+        return launch(cfg)
+    import torch.distributed as dist
+
+    from parallel4d.training.loop import run_training
+
+    with tempfile.TemporaryDirectory() as tmp:
+        dist.init_process_group("gloo", init_method=f"file://{tmp}/rendezvous", rank=0, world_size=1)
+        try:
+            return run_training(cfg)
+        finally:
+            dist.destroy_process_group()
+
+
+def command(job: list[str], resume: int | None) -> str:
+    """The one command that reruns a draw alone."""
+    sets = " ".join(f"--set {shlex.quote(o)}" for o in job)
+    return f"parallel4d check configs/quickstart.yaml {sets}" + (f" --steps 4 --resume-at {resume}" if resume else "")
+
+
+@settings(max_examples=EXAMPLES, deadline=None, database=None, phases=[Phase.generate],
+          suppress_health_check=list(HealthCheck))
+@seed(SEED)
+@given(jobs())
+def test_a_drawn_layout_trains_as_one_process(draw):
+    RUN["start"] = RUN["start"] or time.monotonic()
+    if RUN["ran"] == 0 and RUN["refused"] == 0:
+        print(f"\nlayout fuzz: seed {SEED} (PARALLEL4D_FUZZ_SEED={SEED} reruns these draws)", file=sys.stderr)
+    if time.monotonic() - RUN["start"] > BUDGET_S:
+        return
+    job, share, resume = draw
+    try:
+        job = _with_budget(job, share)
+        plan = shrunk(BASE, job, steps=4 if resume else 3, max_workers=MAX_WORLD)
+    except ConfigError:
+        RUN["refused"] += 1
+        assume(False)
+    line = command(job, resume)
+    print(f"layout fuzz draw {RUN['ran'] + 1}: {line}", file=sys.stderr)
+    RUN["ran"] += 1
+    try:
+        with tempfile.TemporaryDirectory() as out:
+            outcome = run_check(BASE, job, plan, out, train=_train, resume_at=resume)
+        assert outcome.equal, "\n".join([f"seed {SEED}; rerun alone: {line}", *format_report(BASE, plan, outcome)])
+    except Exception as e:
+        if not KEEP_GOING:
+            raise
+        RUN["failed"].append(f"{line}\n    {type(e).__name__}: {str(e)[-600:]}")
