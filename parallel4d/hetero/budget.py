@@ -13,10 +13,9 @@ from typing import Optional
 
 import torch
 
+from parallel4d.config.rules.hetero import SHARD_SLOTS
 from parallel4d.config.schema import HeteroConfig
 from parallel4d.hetero.layout import Layout
-
-SHARD_SLOTS = 4  # the optimizer step of one row under ZeRO: PS, GS, M, V
 
 
 @dataclass

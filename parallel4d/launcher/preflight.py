@@ -12,6 +12,7 @@ import os
 
 from parallel4d.checkpoint.pretrained import check_pretrained
 from parallel4d.config.errors import ConfigError
+from parallel4d.config.rules.hetero import dynamic_budget_problems
 from parallel4d.config.rules.job import local_job_problems
 from parallel4d.config.schema import Config
 from parallel4d.data.token_files import content_problems
@@ -20,11 +21,14 @@ from parallel4d.integrations import deepspeed_integration
 
 def check_job(cfg: Config, local: bool, device_type: str = "cpu", source: str | None = None) -> None:
     """Every check of a valid config that needs the machine but no lock and no worker: the local
-    limits (``local``: this process spawns the workers), a ``deepspeed:`` section against DeepSpeed
+    limits (``local``: this process spawns the workers), a dynamic hetero budget where ``auto`` finds
+    only the CPU, a ``deepspeed:`` section against DeepSpeed
     for ``device_type``, ``model.pretrained``'s weight files, the token files' contents. A
     ``ConfigError`` names ``source`` (the job file) first, as the config's own errors do."""
     try:
         problems = local_job_problems(cfg) if local else []
+        if device_type == "cpu" and "cpu" not in (cfg.train.device, cfg.hetero.compute_device):
+            problems += dynamic_budget_problems(cfg.hetero, "train.device=auto finds no GPU on this machine")
         if problems:
             raise ConfigError("invalid configuration:\n" + "\n".join(f"  - {p}" for p in problems))
         if cfg.deepspeed is not None:

@@ -58,9 +58,11 @@ def _job_command(command):
 
 def _device_type(cfg: Config) -> str:
     """The device type the job runs on, where a check depends on it: a ``deepspeed:`` section's
-    rules are per device, and ``train.device=cuda`` is refused without a GPU. Only then is torch
-    asked (imported here); no other check reads it, and ``validate`` runs without torch."""
-    if cfg.deepspeed is None and cfg.train.device != "cuda":
+    rules are per device, ``train.device=cuda`` is refused without a GPU, and a dynamic hetero budget
+    without one. Only then is torch asked (imported here); no other check reads it, and ``validate``
+    runs without torch."""
+    dynamic = cfg.hetero.enabled and cfg.hetero.dynamic_budget
+    if cfg.deepspeed is None and cfg.train.device != "cuda" and not dynamic:
         return "cpu"  # read by no check
     from parallel4d.distributed.startup import device_and_backend
 

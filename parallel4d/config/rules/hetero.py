@@ -35,6 +35,7 @@ def split_backward_problems(cfg: Config) -> list[str]:
 
 
 CHUNK_ALIGN = 64  # elements: 256 B for fp32, the alignment cuBLAS likes; a shard of a chunk keeps it
+SHARD_SLOTS = 4  # the optimizer step of one row under ZeRO: PS, GS, M, V (hetero/budget.py's shard pool)
 
 
 def chunk_step(replicas: int) -> int:
@@ -69,14 +70,17 @@ def budget_problems(h: HeteroConfig, largest: int, item: int, replicas: int = 1,
             out.append(f"hetero.device_budget_bytes={h.device_budget_bytes} is below what hetero pins on the device "
                        f"at once: {why}; use hetero.device_budget_bytes≥{least} (`parallel4d plan` shows the "
                        "chunks a rank keeps on the device at once), or leave it unset")
+    return out + dynamic_budget_problems(h, on_cpu)
+
+
+def dynamic_budget_problems(h: HeteroConfig, on_cpu: str) -> list[str]:
+    """A dynamic budget whose chunks compute on the CPU (``on_cpu`` says why: a field, or the machine
+    for ``auto``; empty when not known to be the CPU) and no fixed budget to fall back on."""
     if h.enabled and h.dynamic_budget and h.device_budget_bytes is None and on_cpu:
-        out.append(f"hetero.dynamic_budget=true on the CPU ({on_cpu}) needs hetero.device_budget_bytes: a CPU has no "
-                   "device memory to measure the budget from; set hetero.device_budget_bytes or "
-                   "hetero.dynamic_budget=false")
-    return out
-
-
-SHARD_SLOTS = 4  # hetero/budget.py: the optimizer step of one row under ZeRO (PS, GS, M, V)
+        return [f"hetero.dynamic_budget=true on the CPU ({on_cpu}) needs hetero.device_budget_bytes: a CPU has no "
+                "device memory to measure the budget from; set hetero.device_budget_bytes or "
+                "hetero.dynamic_budget=false"]
+    return []
 
 
 def least_budget(largest: int, item: int, replicas: int = 1, mixed: bool = False) -> tuple[int, str]:

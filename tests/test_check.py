@@ -1,0 +1,133 @@
+"""#33: ``parallel4d check JOB.yaml`` — the job's own layout and features on the smallest model its
+rules accept, float64 on CPU, against one process; and the config gaps its runs found."""
+
+import time
+from pathlib import Path
+
+import pytest
+
+import parallel4d.launcher.launch as launch_module
+from parallel4d.config.errors import ConfigError
+from parallel4d.config.load import load_config
+from parallel4d.tools.check import _where, shrunk, sub_layouts
+from parallel4d.tools.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIGS = ["4d", "hetero", "llama", "pipeline", "pipeline_zb", "quickstart", "sequence", "tensor2d"]
+KEPT = ["parallel", "pipeline", "sequence"]  # whole sections the check keeps as the job has them
+
+
+def test_check_of_the_16_rank_4d_job_is_equal_within_two_minutes(capsys):
+    """configs/4d.yaml: Hanayo pp=2 × ring sp=2 × SUMMA tp=4 × hetero (ZeRO over dp·sp = 2), 16 workers."""
+    start = time.monotonic()
+    assert main(["check", str(ROOT / "configs" / "4d.yaml")]) == 0
+    seconds = time.monotonic() - start
+    out = capsys.readouterr().out
+    assert "16 ranks (pp=2 dp=1 sp=2 tp=4)" in out and "EQUAL" in out, out
+    moved = int(out.split("hetero: ")[-1].split(" bytes moved")[0].replace(",", ""))
+    assert moved > 0, out  # the budget bites: chunks move every step
+    assert seconds < 120, seconds
+
+
+def test_check_exits_1_naming_the_first_step_and_tensor_that_differ(monkeypatch, capsys):
+    """A layout run that is not the job (another initialization seed, injected where the check starts
+    its runs): exit 1, the first step whose loss differs, the first tensor in the model's order."""
+    real = launch_module.launch
+
+    def launch(cfg, overrides=None):
+        if cfg.train.out_dir.endswith("layout"):
+            cfg = cfg.model_copy(update={"train": cfg.train.model_copy(update={"seed": cfg.train.seed + 1})})
+        return real(cfg, overrides)
+
+    monkeypatch.setattr(launch_module, "launch", launch)
+    assert main(["check", str(ROOT / "configs" / "quickstart.yaml"), "--steps", "2"]) == 1
+    out = capsys.readouterr().out
+    assert "DIFFERS: the loss of step 1 first" in out, out
+    assert "DIFFERS: first tensor embed.tok.weight[" in out and "against one process's" in out, out
+
+
+def test_where_names_the_pp_rank_that_holds_a_tensor():
+    """1F1B puts the head on the last rank; ZB-V's V brings it back to rank 0 beside the embedding."""
+    base = ["parallel.pp=2", "model.layers=2", "pipeline.microbatches=2", "data.batch_size=4"]
+    one_f = load_config(ROOT / "configs" / "quickstart.yaml", [*base, "pipeline.schedule=1f1b"])
+    assert _where(one_f, "embed.tok.weight").endswith("on pp rank 0")
+    assert _where(one_f, "head.weight").endswith("on pp rank 1")
+    zbv = load_config(ROOT / "configs" / "quickstart.yaml", [*base, "pipeline.schedule=zbv"])
+    assert _where(zbv, "head.weight").endswith("on pp rank 0")
+    assert _where(load_config(ROOT / "configs" / "quickstart.yaml"), "head.weight") == ""  # no pipeline
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_check_keeps_the_layout_and_features_and_shrinks_the_model(name):
+    path = ROOT / "configs" / f"{name}.yaml"
+    job, plan = load_config(path), shrunk(path, [])
+    small = plan.cfg
+    for section in KEPT:
+        assert getattr(small, section) == getattr(job, section), section
+    m, s = job.model, small.model
+    assert (s.arch, s.tie_embeddings, s.qk_norm, s.qkv_bias) == (m.arch, m.tie_embeddings, m.qk_norm, m.qkv_bias)
+    assert s.heads // (s.kv_heads or s.heads) == m.heads // (m.kv_heads or m.heads)  # GQA's group kept
+    assert small.hetero.enabled == job.hetero.enabled and small.train.activation_checkpointing == \
+        job.train.activation_checkpointing
+    assert (small.train.dtype, small.train.steps, small.train.device) == ("float64", 3, "cpu")
+    assert s.layers <= m.layers and s.hidden <= m.hidden and s.seq_len <= m.seq_len
+    assert small.data.batch_size <= job.data.batch_size
+    assert s.hidden < m.hidden or s.hidden == 8  # shrunk, or already the least the check uses
+
+
+def test_check_shrinks_each_dimension_to_the_least_the_rules_accept():
+    """configs/pipeline.yaml (Hanayo W=2 on 4 ranks: 16 chunks): 14 layers is the least; one fewer is
+    refused, and so is a batch below dp·q·micro-batches and a sequence the ring cannot split."""
+    path = ROOT / "configs" / "pipeline.yaml"
+    plan = shrunk(path, [])
+    assert plan.cfg.model.layers == 14 and plan.cfg.data.batch_size == plan.cfg.pipeline.microbatches
+    with pytest.raises(ConfigError):
+        load_config(path, [*plan.overrides, "model.layers=13"])
+    ring = shrunk(ROOT / "configs" / "sequence.yaml", [])
+    assert ring.cfg.model.seq_len == 8  # 8 tokens at least; the ring's 4 ranks take 2 each
+
+
+def test_sub_layout_keeps_every_axis_above_one_within_the_limit():
+    cfg = load_config(ROOT / "configs" / "quickstart.yaml", ["parallel.pp=8", "parallel.dp=8", "model.layers=8",
+                                                            "pipeline.microbatches=8", "data.batch_size=64"])
+    assert sub_layouts(cfg, 16)[0] == {"pp": 8, "dp": 2, "sp": 1, "tp": 1}
+    assert all(d["pp"] > 1 and d["dp"] > 1 and d["sp"] == d["tp"] == 1 for d in sub_layouts(cfg, 16))
+    plan = shrunk(ROOT / "configs" / "quickstart.yaml", ["parallel.pp=8", "parallel.dp=8", "model.layers=8",
+                                                         "pipeline.microbatches=8", "data.batch_size=64"],
+                  max_workers=16)
+    assert plan.cfg.world_size == 16 and "world size 64 > 16 local workers" in plan.notes[0]
+    with pytest.raises(ConfigError, match="--max-workers"):
+        shrunk(ROOT / "configs" / "4d.yaml", [], max_workers=8)  # pp, sp > 1 and tp ≥ 4: 16 at least
+
+
+def test_check_refuses_a_deepspeed_job_naming_the_section():
+    with pytest.raises(ConfigError, match="^deepspeed: .*Remove the deepspeed: section"):
+        shrunk(ROOT / "configs" / "deepspeed.yaml", [])
+
+
+def test_chunk_elems_not_a_multiple_of_the_replicas_shards_is_refused_by_validate():
+    """Found by the check of configs/4d.yaml (its chunk scaled to 551): validate accepted it and every
+    worker then failed building its chunks. 4d.yaml has dp·sp = 2 replicas: a multiple of 128."""
+    with pytest.raises(ConfigError, match=r"hetero\.chunk_elems=4100 must be a multiple of 64·2 = 128.*use "
+                                          r"hetero\.chunk_elems=4224"):
+        load_config(ROOT / "configs" / "4d.yaml", ["hetero.chunk_elems=4100"])
+    load_config(ROOT / "configs" / "4d.yaml", ["hetero.chunk_elems=4224"])
+
+
+def test_dynamic_budget_with_data_replicas_is_refused_by_validate():
+    """Accepted by validate, then refused by every worker of a dp·sp > 1 job at start."""
+    with pytest.raises(ConfigError, match=r"hetero\.dynamic_budget=true with 2 data replicas"):
+        load_config(ROOT / "configs" / "hetero.yaml", ["hetero.dynamic_budget=true"])
+    load_config(ROOT / "configs" / "hetero.yaml", ["hetero.dynamic_budget=true", "parallel.dp=1",
+                                                   "data.batch_size=8"])
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="auto finds a GPU there")
+def test_dynamic_budget_where_auto_finds_only_the_cpu_is_refused_by_validate(capsys):
+    """``hetero: {enabled: true, dynamic_budget: true}`` with the devices at ``auto`` on a machine
+    without a GPU: validate passed it and every worker failed (found by the config fuzzer's dry runs)."""
+    job = ["hetero.enabled=true", "hetero.dynamic_budget=true", "hetero.device_budget_bytes=null",
+           "parallel.dp=1", "data.batch_size=8"]
+    assert main(["validate", str(ROOT / "configs" / "hetero.yaml"), *(f"--set={o}" for o in job)]) == 2
+    err = capsys.readouterr().err
+    assert "hetero.dynamic_budget=true on the CPU (train.device=auto finds no GPU on this machine)" in err, err
