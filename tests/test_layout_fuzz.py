@@ -22,7 +22,8 @@ from hypothesis import HealthCheck, Phase, assume, given, seed, settings, strate
 
 from parallel4d.config.errors import ConfigError
 from parallel4d.config.load import load_config
-from parallel4d.tools.check import _weights, format_report, run_check, shrunk
+from parallel4d.config.checks import dense_parameters
+from parallel4d.tools.check import format_report, run_check, shrunk
 
 ROOT = Path(__file__).resolve().parents[1]
 BASE = ROOT / "configs" / "quickstart.yaml"
@@ -96,7 +97,7 @@ def _with_budget(job: list[str], share: float | None) -> list[str]:
     if share is None:
         return job
     cfg = load_config(BASE, job)
-    return [*job, f"hetero.device_budget_bytes={max(1, int(share * _weights(cfg) * 4))}"]
+    return [*job, f"hetero.device_budget_bytes={max(1, int(share * dense_parameters(cfg.model) * 4))}"]
 
 
 def _train(cfg):

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator, Optional
 
+from parallel4d.config.checks import dense_parameters
 from parallel4d.config.errors import ConfigError
 from parallel4d.config.load import load_config
 from parallel4d.config.rules.hetero import chunk_step
@@ -147,7 +148,7 @@ def _features(path, job: list[str], cfg: Config, own: list[str]) -> Optional[tup
         return out, notes
     small = load_config(path, [*job, *own, *out])
     # the same share of the model data on the device: bytes scale with the weights and the dtype's size
-    scale = _weights(small) / max(1, _weights(cfg)) * 8 / _element_bytes(cfg)
+    scale = dense_parameters(small.model) / max(1, dense_parameters(cfg.model)) * 8 / _element_bytes(cfg)
     step = chunk_step(small.parallel.dp * small.parallel.sp)
     for factor in (2 ** k for k in range(40)):
         hetero = [f"hetero.device_budget_bytes={max(1, int(h.device_budget_bytes * scale * factor))}"] \
@@ -183,15 +184,6 @@ def _at_least_the_layouts(cfg: Config, hetero: list[str], notes: list[str]) -> l
 
 def _element_bytes(cfg: Config) -> int:
     return {"float64": 8, "float32": 4}.get(cfg.train.param_dtype or cfg.train.dtype, 4)
-
-
-def _weights(cfg: Config) -> int:
-    """The model's parameter count from its shape (embedding, blocks' matrices, head): for the budget
-    ratio only."""
-    m = cfg.model
-    width = m.intermediate_size or m.mlp_ratio * m.hidden
-    block = 4 * m.hidden * m.hidden + (3 if cfg.model.arch == "llama" else 2) * m.hidden * width
-    return m.vocab_size * m.hidden * (1 if m.tie_embeddings else 2) + m.layers * block
 
 
 def shrunk(path, job_overrides: list[str], steps: int = 3, max_workers: Optional[int] = None) -> Plan:
