@@ -20,6 +20,7 @@ from contextlib import AbstractContextManager, contextmanager, nullcontext
 
 import torch
 import torch.nn as nn
+from torch._subclasses.fake_tensor import is_fake
 
 from parallel4d.config.rules import hetero as hetero_rules
 from parallel4d.config.schema import Config
@@ -87,8 +88,8 @@ class ParameterStore(ABC):
         waits; any other needs it on the host: the one read a float16 step makes (``train.fused=off``
         or ``apex``; hetero, whose optimizer counts its steps on the host)."""
         if overflow is not None and not self.skips_on_device():
-            if bool(overflow):  # a host read: this optimizer cannot leave a step undone on the device
-                return
+            if not is_fake(overflow) and bool(overflow):  # a host read: this optimizer cannot leave a step
+                return  # undone on the device (a dry run's flag holds no value: it plans the step taken)
             overflow = None
         if coef is not None:
             self.scale_gradients(coef)
