@@ -30,7 +30,7 @@ def run_workers(fn, world_size, *args, timeout_s=180.0, preload=None, **kwargs):
 # the CI's 2 cores): each module listed defines ``sixteen_worker_job(tmp)``, run on every rank
 # (``tmp``: a directory of its own, shared by the ranks).
 SIXTEEN_WORKER_MODULES = ("test_mesh", "test_llama", "test_e2e", "test_reshard", "test_host_syncs", "test_dropout",
-                          "test_packed_training")
+                          "test_packed_training", "test_check")
 
 
 def _sixteen_worker_jobs(modules, tmp):
@@ -42,8 +42,17 @@ def _sixteen_worker_jobs(modules, tmp):
 
 @pytest.fixture(scope="session")
 def sixteen_workers(tmp_path_factory):
-    """``{module: its sixteen_worker_job(tmp) result}`` per rank, from one 16-worker job."""
+    """``{module: its sixteen_worker_job(tmp) result}`` per rank, from one 16-worker job; a module's
+    ``sixteen_worker_prepare(tmp)``, if it has one, runs here first (what needs this process: no group)."""
+    import importlib
+    from pathlib import Path
+
     tmp = tmp_path_factory.mktemp("sixteen")
+    for name in SIXTEEN_WORKER_MODULES:
+        prepare = getattr(importlib.import_module(name), "sixteen_worker_prepare", None)
+        if prepare is not None:
+            (Path(tmp) / name).mkdir()
+            prepare(Path(tmp) / name)
     return run_workers(_sixteen_worker_jobs, 16, SIXTEEN_WORKER_MODULES, str(tmp), timeout_s=900)
 
 

@@ -22,6 +22,7 @@ from hypothesis import HealthCheck, Phase, assume, given, seed, settings, strate
 
 from parallel4d.config.errors import ConfigError
 from parallel4d.config.load import load_config
+from conftest import run_in_this_process
 from parallel4d.config.checks import dense_parameters
 from parallel4d.tools.check import format_report, run_check, shrunk
 
@@ -106,16 +107,7 @@ def _train(cfg):
         from parallel4d import launch
 
         return launch(cfg)
-    import torch.distributed as dist
-
-    from parallel4d.training.loop import run_training
-
-    with tempfile.TemporaryDirectory() as tmp:
-        dist.init_process_group("gloo", init_method=f"file://{tmp}/rendezvous", rank=0, world_size=1)
-        try:
-            return run_training(cfg)
-        finally:
-            dist.destroy_process_group()
+    return run_in_this_process(cfg, [])
 
 
 def command(job: list[str], resume: int | None) -> str:

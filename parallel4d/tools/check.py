@@ -141,12 +141,19 @@ def _features(path, job: list[str], cfg: Config, own: list[str]) -> Optional[tup
         notes.append(f"data.path={cfg.data.path} is not on this machine: synthetic tokens instead")
     if cfg.train.compile != "none":
         notes.append("train.compile: not checked (compiles nothing on CPU in float64)")
-    h = cfg.hetero
-    if h.enabled and h.dynamic_budget:
+    if cfg.hetero.enabled and cfg.hetero.dynamic_budget:
         notes.append("hetero.dynamic_budget: not checked (a CPU has no device memory to measure)")
+    hetero = _hetero_kept(path, [*job, *own, *out], cfg, notes)
+    return None if hetero is None else ([*out, *hetero], notes)
+
+
+def _hetero_kept(path, fixed: list[str], cfg: Config, notes: list[str]) -> Optional[list[str]]:
+    """The job's hetero budget and chunk as the same share of the model's bytes at the shape ``fixed``
+    gives (raised to what the rules and the chunk layout accept); None when the rules refuse it."""
+    h = cfg.hetero
     if not h.enabled or (h.device_budget_bytes is None and h.chunk_elems is None):
-        return out, notes
-    small = load_config(path, [*job, *own, *out])
+        return []
+    small = load_config(path, fixed)
     # the same share of the model data on the device: bytes scale with the weights and the dtype's size
     scale = dense_parameters(small.model) / max(1, dense_parameters(cfg.model)) * 8 / _element_bytes(cfg)
     step = chunk_step(small.parallel.dp * small.parallel.sp)
@@ -155,10 +162,10 @@ def _features(path, job: list[str], cfg: Config, own: list[str]) -> Optional[tup
             if h.device_budget_bytes is not None else []
         hetero += [f"hetero.chunk_elems={-(-int(h.chunk_elems * scale * factor) // step) * step}"] \
             if h.chunk_elems is not None else []
-        if _first_valid(path, [*job, *own, *out], iter([hetero])) is not None:
+        if _first_valid(path, fixed, iter([hetero])) is not None:
             if factor > 1:
                 notes.append(f"hetero: {factor}× the job's budget ratio, the least the rules accept at this shape")
-            return [*out, *_at_least_the_layouts(load_config(path, [*job, *own, *out, *hetero]), hetero, notes)], notes
+            return _at_least_the_layouts(load_config(path, [*fixed, *hetero]), hetero, notes)
         if scale * factor > 8 / _element_bytes(cfg):
             return None
     return None
