@@ -15,6 +15,14 @@ def pytest_configure(config):
     os.environ["PARALLEL4D_ZYGOTE_TEMPLATE"] = str(os.getpid())
 
 
+def pytest_terminal_summary(terminalreporter):
+    """The layout fuzzer's seed and counts, in every run that drew (tests/test_layout_fuzz.py)."""
+    fuzz = sys.modules.get("test_layout_fuzz")
+    if fuzz is not None and fuzz.RUN["start"] is not None:
+        for line in fuzz.summary():
+            terminalreporter.write_line(line)
+
+
 def run_workers(fn, world_size, *args, timeout_s=180.0, preload=None, **kwargs):
     """Run ``fn(*args, **kwargs)`` on ``world_size`` gloo CPU workers; per-rank results.
 

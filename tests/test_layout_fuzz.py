@@ -17,7 +17,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import pytest
 from hypothesis import HealthCheck, Phase, assume, given, seed, settings, strategies as st
 
 from parallel4d.config.errors import ConfigError
@@ -36,13 +35,12 @@ KEEP_GOING = os.environ.get("PARALLEL4D_FUZZ_KEEP_GOING") == "1"  # a long run: 
 RUN: dict = {"start": None, "ran": 0, "refused": 0, "failed": []}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _tally():
-    yield
-    print(f"\nlayout fuzz: seed {SEED}, {RUN['ran']} draws run, {RUN['ran'] - len(RUN['failed'])} equal, "
-          f"{len(RUN['failed'])} failed, {RUN['refused']} refused by the config", file=sys.stderr)
-    for line in RUN["failed"]:
-        print(f"layout fuzz FAILED: {line}", file=sys.stderr)
+def summary() -> list[str]:
+    """What this session's fuzzing did (conftest prints it at the end of every run that drew)."""
+    lines = [f"layout fuzz: seed {SEED} (PARALLEL4D_FUZZ_SEED={SEED} reruns these draws), {RUN['ran']} draws run, "
+             f"{RUN['ran'] - len(RUN['failed'])} equal, {len(RUN['failed'])} failed, {RUN['refused']} refused by "
+             "the config"]
+    return lines + [f"layout fuzz FAILED: {line}" for line in RUN["failed"]]
 
 
 @st.composite
