@@ -1,6 +1,7 @@
 """#33: ``parallel4d check JOB.yaml`` — the job's own layout and features on the smallest model its
 rules accept, float64 on CPU, against one process; and the config gaps its runs found."""
 
+import functools
 import json
 from pathlib import Path
 
@@ -18,13 +19,19 @@ CONFIGS = ["4d", "hetero", "llama", "pipeline", "pipeline_zb", "quickstart", "se
 KEPT = ["parallel", "pipeline", "sequence"]  # whole sections the check keeps as the job has them
 
 
+@functools.lru_cache(maxsize=None)
+def plan_of(name: str):
+    """``shrunk`` of configs/NAME.yaml, once per session (a hetero job's dry runs take seconds)."""
+    return shrunk(ROOT / "configs" / f"{name}.yaml", [])
+
+
 FOUR_D = ROOT / "configs" / "4d.yaml"  # Hanayo pp=2 × ring sp=2 × SUMMA tp=4 × hetero (ZeRO over dp·sp = 2)
 
 
 def sixteen_worker_prepare(tmp):
     """Before the shared 16-worker job (its dry run of hetero's least budget needs a process without a
     group): the check's overrides of configs/4d.yaml."""
-    (tmp / "overrides.json").write_text(json.dumps(shrunk(FOUR_D, []).overrides))
+    (tmp / "overrides.json").write_text(json.dumps(plan_of("4d").overrides))
 
 
 def sixteen_worker_job(tmp):
@@ -39,7 +46,7 @@ def sixteen_worker_job(tmp):
 
 def test_the_check_of_the_16_rank_4d_job_is_equal(sixteen_workers, tmp_path):
     summary, out = sixteen_workers[0]["test_check"]
-    plan = shrunk(FOUR_D, [])
+    plan = plan_of("4d")
     reference = plan.reference(FOUR_D, [])
     reference = reference.model_copy(update={"train": reference.train.model_copy(update={"out_dir": str(tmp_path)})})
     outcome = compare(plan.cfg, summary, run_in_this_process(reference, []), Path(out) / "checkpoints",
@@ -80,7 +87,7 @@ def test_where_names_the_pp_rank_that_holds_a_tensor():
 @pytest.mark.parametrize("name", CONFIGS)
 def test_check_keeps_the_layout_and_features_and_shrinks_the_model(name):
     path = ROOT / "configs" / f"{name}.yaml"
-    job, plan = load_config(path), shrunk(path, [])
+    job, plan = load_config(path), plan_of(name)
     small = plan.cfg
     for section in KEPT:
         assert getattr(small, section) == getattr(job, section), section
@@ -99,11 +106,11 @@ def test_check_shrinks_each_dimension_to_the_least_the_rules_accept():
     """configs/pipeline.yaml (Hanayo W=2 on 4 ranks: 16 chunks): 14 layers is the least; one fewer is
     refused, and so is a batch below dp·q·micro-batches and a sequence the ring cannot split."""
     path = ROOT / "configs" / "pipeline.yaml"
-    plan = shrunk(path, [])
+    plan = plan_of("pipeline")
     assert plan.cfg.model.layers == 14 and plan.cfg.data.batch_size == plan.cfg.pipeline.microbatches
     with pytest.raises(ConfigError):
         load_config(path, [*plan.overrides, "model.layers=13"])
-    ring = shrunk(ROOT / "configs" / "sequence.yaml", [])
+    ring = plan_of("sequence")
     assert ring.cfg.model.seq_len == 8  # 8 tokens at least; the ring's 4 ranks take 2 each
 
 

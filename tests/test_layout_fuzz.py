@@ -139,6 +139,6 @@ def test_a_drawn_layout_trains_as_one_process(draw):
             outcome = run_check(BASE, job, plan, out, train=_train, resume_at=resume)
         assert outcome.equal, "\n".join([f"seed {SEED}; rerun alone: {line}", *format_report(BASE, plan, outcome)])
     except Exception as e:
+        RUN["failed"].append(f"{line}\n    {type(e).__name__}: {str(e)[-600:]}")
         if not KEEP_GOING:
             raise
-        RUN["failed"].append(f"{line}\n    {type(e).__name__}: {str(e)[-600:]}")
