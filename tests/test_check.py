@@ -159,13 +159,3 @@ def test_dynamic_budget_where_auto_finds_only_the_cpu_is_refused_by_validate(cap
     err = capsys.readouterr().err
     assert "hetero.dynamic_budget=true on the CPU (train.device=auto finds no GPU on this machine)" in err, err
 
-
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved", "zb_h1", "zbv"])
-def test_waves_where_the_schedule_reads_none_are_refused_naming_pipeline_waves(schedule):
-    """Found reading the config fuzzer's draws: ``pipeline.waves=2`` beside any schedule but Hanayo was
-    accepted and ignored without a word."""
-    job = ["parallel.pp=2", "model.layers=8", "pipeline.microbatches=4", "data.batch_size=8", "pipeline.waves=2",
-           f"pipeline.schedule={schedule}"]
-    with pytest.raises(ConfigError, match=rf"pipeline\.waves=2 is read only by pipeline\.schedule=hanayo; {schedule}"):
-        load_config(ROOT / "configs" / "quickstart.yaml", job)
-    load_config(ROOT / "configs" / "quickstart.yaml", [*job[:-1], "pipeline.schedule=hanayo"])

@@ -70,8 +70,7 @@ def _size_problems(cfg: "Config") -> list[str]:
 
 #: every cross-field rule, in the order their messages are listed
 _RULES = (tensor2d.grid_problems, sequence.ring_problems, data.batch_split_problems, pipeline.layout_problems,
-          hetero.tied_head_problems, pipeline.recompute_problems, pipeline.hop_cost_problems, pipeline.waves_problems,
-          pipeline.compile_problems,
+          hetero.tied_head_problems, pipeline.recompute_problems, pipeline.hop_cost_problems, pipeline.compile_problems,
           hetero.split_backward_problems, _model_problems,
           _size_problems, _lr_schedule_problems, training.tensorboard_problems, deepspeed.section_problems,
           data.source_problems, data.validation_problems, data.packing_problems, training.dtype_problems, hetero.reduce_dtype_problems,

@@ -24,11 +24,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator, Optional
 
+import torch
+
+from parallel4d.checkpoint.gather import gather, with_tied_head
+from parallel4d.checkpoint.steps import step_name
 from parallel4d.config.checks import dense_parameters
 from parallel4d.config.errors import ConfigError
 from parallel4d.config.load import load_config
 from parallel4d.config.rules.hetero import chunk_step
 from parallel4d.config.schema import Config
+from parallel4d.engine.compose import pipeline_cut
+from parallel4d.launcher import launch as launch_module
+from parallel4d.pipeline.schedule import make_schedule
+from parallel4d.planning.dry_run import plan
 
 LOSS_RTOL = 1e-10
 PARAM_RTOL = 1e-9
@@ -175,8 +183,6 @@ def _at_least_the_layouts(cfg: Config, hetero: list[str], notes: list[str]) -> l
     """``hetero`` with the device budget raised to the least the chunk layout runs with, where it is
     below: what a module and the optimizer pin at once depends on how the parameters pack into chunks,
     which only the model knows (:func:`~parallel4d.planning.dry_run.plan` builds it, on fake tensors)."""
-    from parallel4d.planning.dry_run import plan
-
     if cfg.hetero.device_budget_bytes is None:
         return hetero
     resident = cfg.model_copy(update={"hetero": cfg.hetero.model_copy(update={"device_budget_bytes": None})})
@@ -277,8 +283,7 @@ def run_check(path, job_overrides: list[str], plan: Plan, out_dir, train: Option
     """Trains the check's job and its one-process reference into ``out_dir`` (``train(cfg) → summary``,
     default :func:`~parallel4d.launcher.launch.launch`), then compares them. ``resume_at``: the job
     is stopped after that step (its checkpoint then) and resumed to the end, as after an interruption."""
-    if train is None:
-        from parallel4d.launcher.launch import launch as train
+    train = train or launch_module.launch  # read when called: a test may stand in for it
     out = Path(out_dir)
     if resume_at is None:
         got = train(_into(plan.cfg, out / "layout"))
@@ -294,8 +299,6 @@ def _into(cfg: Config, out: Path, **train) -> Config:
 
 def _resumed(cfg: Config, out: Path, step: int, train: Callable) -> dict:
     """The job run to the end from its step-``step`` checkpoint (saved by a run that went on past it)."""
-    from parallel4d.checkpoint.steps import step_name
-
     if not 1 <= step < cfg.train.steps:
         raise ConfigError(f"--resume-at {step}: resume after a step within the run, 1 ≤ step < {cfg.train.steps}")
     first = cfg.model_copy(update={"checkpoint": cfg.checkpoint.model_copy(update={"every": step,
@@ -310,10 +313,6 @@ def _resumed(cfg: Config, out: Path, step: int, train: Callable) -> dict:
 
 
 def _dense(checkpoints: Path, tied: bool) -> dict:
-    import torch
-
-    from parallel4d.checkpoint.gather import gather, with_tied_head
-
     target = checkpoints.parent / "dense.pt"
     gather(checkpoints, target, progress=False)
     return with_tied_head(torch.load(target, weights_only=True)["model"], tied)
@@ -321,8 +320,6 @@ def _dense(checkpoints: Path, tied: bool) -> dict:
 
 def compare(cfg: Config, got: dict, want: dict, got_ckpt: Path, want_ckpt: Path) -> Outcome:
     """The runs' summaries and final checkpoints against :data:`LOSS_RTOL` / :data:`PARAM_RTOL`."""
-    import torch
-
     a, b = got["losses"], want["losses"]
     bad = [i for i, (x, y) in enumerate(zip(a, b)) if abs(x - y) > LOSS_RTOL * abs(y)]
     bad += [min(len(a), len(b))] if len(a) != len(b) else []
@@ -332,7 +329,8 @@ def compare(cfg: Config, got: dict, want: dict, got_ckpt: Path, want_ckpt: Path)
         first_step = 0  # a validation loss differs
     mine, ref = _dense(got_ckpt, cfg.model.tie_embeddings), _dense(want_ckpt, cfg.model.tie_embeddings)
     worst, first = ("", 0.0), None
-    for name, r in ref.items():
+    for name in sorted(ref, key=lambda n: _stage(cfg, n)):  # the model's order (stable within a stage)
+        r = ref[name]
         x = mine[name].to(torch.float64)
         diff = (x - r).abs()
         excess = diff - PARAM_RTOL * r.abs() - PARAM_ATOL
@@ -345,18 +343,20 @@ def compare(cfg: Config, got: dict, want: dict, got_ckpt: Path, want_ckpt: Path)
     return Outcome(a, b, val, len(ref), worst, first_step, first, moved)
 
 
+def _stage(cfg: Config, name: str) -> int:
+    """The dense stage a dense tensor belongs to: 0 the embedding, ``k + 1`` block ``k``, then the head."""
+    parts = name.split(".")
+    return 0 if parts[0] == "embed" else int(parts[1]) + 1 if parts[0] == "blocks" else cfg.model.layers + 1
+
+
 def _where(cfg: Config, name: str) -> str:
     """The pipeline rank that holds the dense tensor ``name`` (its stage's chunk), when pp > 1."""
     if cfg.parallel.pp == 1:
         return ""
-    from parallel4d.engine.compose import pipeline_cut
-    from parallel4d.pipeline.schedule import make_schedule
-
     pl = cfg.pipeline
     schedule = make_schedule(pl.schedule, cfg.parallel.pp, pl.microbatches, waves=pl.waves,
                              chunks_per_rank=pl.chunks_per_rank, split_backward=pl.split_backward)
-    parts = name.split(".")
-    stage = 0 if parts[0] == "embed" else int(parts[1]) + 1 if parts[0] == "blocks" else cfg.model.layers + 1
+    stage = _stage(cfg, name)
     chunk = next(c for c, r in enumerate(pipeline_cut(cfg, schedule.num_chunks)) if stage in r)
     return f"; stage {stage} is in chunk {chunk}, on pp rank {schedule.owner(chunk)}"
 

@@ -155,16 +155,6 @@ def hop_cost_problems(cfg: Config) -> list[str]:
     return []
 
 
-def waves_problems(cfg: Config) -> list[str]:
-    """``pipeline.waves`` > 1 where the schedule reads no waves: it would be ignored without a word."""
-    p, pl = cfg.parallel, cfg.pipeline
-    if pl.waves > 1 and p.pp > 1 and pl.schedule != "hanayo":
-        return [f"pipeline.waves={pl.waves} is read only by pipeline.schedule=hanayo; {pl.schedule} "
-                f"{'runs one V (two chunks per rank)' if pl.schedule == 'zbv' else 'has no waves'}: use "
-                "pipeline.schedule=hanayo, or pipeline.waves=1"]
-    return []
-
-
 def recompute_problems(cfg: Config) -> list[str]:
     """Activation checkpointing under a split backward: every block recomputed again for W."""
     p, pl = cfg.parallel, cfg.pipeline
