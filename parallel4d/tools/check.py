@@ -196,7 +196,8 @@ def _at_least_the_layouts(cfg: Config, hetero: list[str], notes: list[str]) -> l
 
 
 def _element_bytes(cfg: Config) -> int:
-    return {"float64": 8, "float32": 4}.get(cfg.train.param_dtype or cfg.train.dtype, 4)
+    """Bytes of one parameter element as the job keeps them (the config's own rule: ``train.parameters``)."""
+    return 8 if cfg.train.parameters == "float64" else 4
 
 
 def shrunk(path, job_overrides: list[str], steps: int = 3, max_workers: Optional[int] = None) -> Plan:
