@@ -11,7 +11,7 @@ import parallel4d.launcher.launch as launch_module
 from parallel4d.config.errors import ConfigError
 from parallel4d.config.load import load_config
 from conftest import run_in_this_process
-from parallel4d.tools.check import _where, compare, format_report, shrunk, sub_layouts
+from parallel4d.tools.check import _where, compare, format_report, into, shrunk, sub_layouts
 from parallel4d.tools.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -41,14 +41,14 @@ def sixteen_worker_job(tmp):
 
     cfg = load_config(FOUR_D, json.loads((tmp / "overrides.json").read_text()))
     out = tmp / "layout"
-    return run_training(cfg.model_copy(update={"train": cfg.train.model_copy(update={"out_dir": str(out)})})), str(out)
+    return run_training(into(cfg, out)), str(out)
 
 
 def test_the_check_of_the_16_rank_4d_job_is_equal(sixteen_workers, tmp_path):
     summary, out = sixteen_workers[0]["test_check"]
     plan = plan_of("4d")
     reference = plan.reference(FOUR_D, [])
-    reference = reference.model_copy(update={"train": reference.train.model_copy(update={"out_dir": str(tmp_path)})})
+    reference = into(reference, tmp_path)
     outcome = compare(plan.cfg, summary, run_in_this_process(reference, []), Path(out) / "checkpoints",
                       tmp_path / "checkpoints")
     report = "\n".join(format_report(FOUR_D, plan, outcome))

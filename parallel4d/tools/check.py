@@ -287,14 +287,15 @@ def run_check(path, job_overrides: list[str], plan: Plan, out_dir, train: Option
     train = train or launch_module.launch  # read when called: a test may stand in for it
     out = Path(out_dir)
     if resume_at is None:
-        got = train(_into(plan.cfg, out / "layout"))
+        got = train(into(plan.cfg, out / "layout"))
     else:
         got = _resumed(plan.cfg, out, resume_at, train)
-    want = train(_into(plan.reference(path, job_overrides), out / "one"))
+    want = train(into(plan.reference(path, job_overrides), out / "one"))
     return compare(plan.cfg, got, want, out / "layout" / "checkpoints", out / "one" / "checkpoints")
 
 
-def _into(cfg: Config, out: Path, **train) -> Config:
+def into(cfg: Config, out, **train) -> Config:
+    """``cfg`` writing into ``out`` (``train.out_dir``), with any other ``train`` fields given."""
     return cfg.model_copy(update={"train": cfg.train.model_copy(update={"out_dir": str(out), **train})})
 
 
@@ -304,10 +305,10 @@ def _resumed(cfg: Config, out: Path, step: int, train: Callable) -> dict:
         raise ConfigError(f"--resume-at {step}: resume after a step within the run, 1 ≤ step < {cfg.train.steps}")
     first = cfg.model_copy(update={"checkpoint": cfg.checkpoint.model_copy(update={"every": step,
                                                                                    "keep": cfg.train.steps})})
-    train(_into(first, out / "interrupted"))
+    train(into(first, out / "interrupted"))
     (out / "layout" / "checkpoints").mkdir(parents=True)
     shutil.copytree(out / "interrupted" / "checkpoints" / step_name(step), out / "layout" / "checkpoints" / step_name(step))
-    got = train(_into(cfg, out / "layout", resume=True))
+    got = train(into(cfg, out / "layout", resume=True))
     if got.get("resumed_from") != step:
         raise RuntimeError(f"the resumed run started from step {got.get('resumed_from')}, not {step}")
     return got
