@@ -151,70 +151,103 @@ class SimResult:
         return [1.0 - b / self.makespan if self.makespan else 0.0 for b in self.busy]
 
 
+def _indexed(s: Schedule, cost: Callable[[Action], float]) -> list[list[tuple]]:
+    """Per rank, its actions as ``(id, dep, dep_crosses, dep2, dep2_crosses, seconds)``: ids index one flat
+    table of finish times (``(kind·m + micro-batch)·S + chunk``, kinds F, B, W = 0, 1, 2; -1 for no
+    dependency), so the simulation hashes no :class:`Action` (a 16-rank order has tens of thousands).
+    The dependencies are :func:`dependencies`' in that arithmetic."""
+    m, n, owner = s.microbatches, s.num_chunks, s.owners()
+    out = []
+    for r in range(s.pp):
+        rows = []
+        for a in s.actions[r]:
+            i, c = a.microbatch, a.chunk
+            if a.kind == "F":
+                dep = (i * n + c - 1, owner[c - 1] != r) if c > 0 else (-1, False)
+                row = ((i * n + c), *dep, -1, False)
+            elif a.kind == "B":
+                dep = ((m + i) * n + c + 1, owner[c + 1] != r) if c < n - 1 else (-1, False)
+                row = ((m + i) * n + c, i * n + c, False, *dep)
+            else:
+                row = ((2 * m + i) * n + c, (m + i) * n + c, False, -1, False)
+            rows.append((*row, cost(a)))
+        out.append(rows)
+    return out
+
+
 def _run(s: Schedule, forward_cost: float, backward_cost: float, p2p_cost: float,
          weight_cost: float | None = None, action_cost: Callable[[Action], float] | None = None) -> SimResult:
     """Blocking in-order simulation; raises ScheduleError on a deadlock. Under a split backward,
     B costs ``backward_cost − weight_cost`` and W ``weight_cost`` (default: half the backward);
     ``action_cost(action)``, when given, is the time of each action instead."""
-    owner = {c: r for r, cs in s.placement.items() for c in cs}
     split = s.split_backward
     w_cost = backward_cost / 2 if weight_cost is None else weight_cost
     by_kind = {"F": forward_cost, "B": backward_cost - w_cost if split else backward_cost, "W": w_cost}
-    cost = action_cost or (lambda a: by_kind[a.kind])
-    pos = [0] * s.pp
-    free = [0.0] * s.pp
-    finished: dict[Action, float] = {}
-    start: dict[tuple[int, int], float] = {}
-    end: dict[tuple[int, int], float] = {}
-    total = sum(len(a) for a in s.actions.values())
-    n = 0
+    plans = _indexed(s, action_cost or (lambda a: by_kind[a.kind]))
+    finished = [-1.0] * (3 * s.microbatches * s.num_chunks)  # -1: not yet
+    pos, free = [0] * s.pp, [0.0] * s.pp
+    start: list[list[float]] = [[] for _ in range(s.pp)]
+    total, n = sum(len(p) for p in plans), 0
     while n < total:
-        progressed = False
-        for r in range(s.pp):
-            acts = s.actions[r]
-            while pos[r] < len(acts):
-                a = acts[pos[r]]
-                deps = dependencies(a, s.num_chunks)
-                if any(d not in finished for d in deps):
-                    break
-                t0 = free[r]
-                for d in deps:
-                    t0 = max(t0, finished[d] + (p2p_cost if owner[d.chunk] != r else 0.0))
-                t1 = t0 + cost(a)
-                finished[a] = t1
-                start[(r, pos[r])], end[(r, pos[r])] = t0, t1
-                free[r] = t1
-                pos[r] += 1
-                n += 1
-                progressed = True
-        if not progressed:
-            raise ScheduleError(_deadlock_report(s, pos, finished, owner))
-    makespan = max(end.values()) - min(start.values()) if end else 0.0
-    busy = [sum(end[(r, i)] - start[(r, i)] for i in range(len(s.actions[r]))) for r in range(s.pp)]
+        before = n
+        for r, plan in enumerate(plans):
+            i, t_free, began = pos[r], free[r], start[r]
+            while i < len(plan):
+                ident, d1, x1, d2, x2, seconds = plan[i]
+                t0 = t_free
+                if d1 >= 0:
+                    e = finished[d1]
+                    if e < 0:
+                        break
+                    t0 = max(t0, e + p2p_cost if x1 else e)
+                if d2 >= 0:
+                    e = finished[d2]
+                    if e < 0:
+                        break
+                    t0 = max(t0, e + p2p_cost if x2 else e)
+                t_free = finished[ident] = t0 + seconds
+                began.append(t0)
+                i += 1
+            n += i - pos[r]
+            pos[r], free[r] = i, t_free
+        if n == before:
+            raise ScheduleError(_deadlock_report(s, pos))
+    return _result(s, plans, start, finished)
+
+
+def _result(s: Schedule, plans: list[list[tuple]], start: list[list[float]], finished: list[float]) -> SimResult:
+    """The simulation's timeline as a :class:`SimResult` (makespan, bubble, busy time and peaks per rank)."""
+    begin = {(r, i): t for r in range(s.pp) for i, t in enumerate(start[r])}
+    end = {(r, i): finished[row[0]] for r in range(s.pp) for i, row in enumerate(plans[r])}
+    makespan = max(end.values()) - min(begin.values()) if end else 0.0
+    busy = [sum(finished[row[0]] - t for row, t in zip(plans[r], start[r])) for r in range(s.pp)]
     ratio = 1.0 - sum(busy) / (s.pp * makespan) if makespan else 0.0
+    split = s.split_backward
     peaks, peak_mbs = [], []
     for r in range(s.pp):
         live: dict[int, int] = {}
         n_live = best = best_mb = 0
         for a in s.actions[r]:
-            n_live += stored_change(a, split)
-            live[a.microbatch] = live.get(a.microbatch, 0) + stored_change(a, split)
+            change = stored_change(a, split)
+            n_live += change
+            live[a.microbatch] = live.get(a.microbatch, 0) + change
             if live[a.microbatch] == 0:
                 del live[a.microbatch]
             best, best_mb = max(best, n_live), max(best_mb, len(live))
         peaks.append(best)
         peak_mbs.append(best_mb)
-    return SimResult(makespan, ratio, busy, peaks, peak_mbs, start, end)
+    return SimResult(makespan, ratio, busy, peaks, peak_mbs, begin, end)
 
 
-def _deadlock_report(s: Schedule, pos, finished, owner) -> str:
+def _deadlock_report(s: Schedule, pos: list[int]) -> str:
+    finished = {a for r in range(s.pp) for a in s.actions[r][:pos[r]]}
     lines = []
     for r in range(s.pp):
         if pos[r] >= len(s.actions[r]):
             continue
         a = s.actions[r][pos[r]]
         missing = [d for d in dependencies(a, s.num_chunks) if d not in finished]
-        waits = ", ".join(f"{d.describe()} on rank {owner[d.chunk]}" for d in missing)
+        waits = ", ".join(f"{d.describe()} on rank {s.owner(d.chunk)}" for d in missing)
         lines.append(f"rank {r}, action #{pos[r]} {a.describe()} waits for {waits}")
     return "deadlock: no rank can make progress (cycle of waits across ranks):\n  " + "\n  ".join(lines)
 

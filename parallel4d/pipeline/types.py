@@ -48,10 +48,11 @@ class Schedule:
 
     def owner(self, chunk: int) -> int:
         """The pp rank that holds ``chunk``."""
-        return self._owners()[chunk]
+        return self.owners()[chunk]
 
-    def _owners(self) -> dict[int, int]:
-        # Cached on the (frozen) instance: owner() is called per action by the executor.
+    def owners(self) -> dict[int, int]:
+        """``{chunk: the pp rank that holds it}``; do not edit it."""
+        # Cached on the (frozen) instance: owner() is called per action by the executor and the simulator.
         cache = self.__dict__.get("_owner_cache")
         if cache is None:
             cache = {c: r for r, cs in self.placement.items() for c in cs}
