@@ -13,7 +13,7 @@ from parallel4d.planning import profiles
 from parallel4d.planning.calibrate import fit
 from parallel4d.planning.cost import half_octave, predict
 from parallel4d.planning.dry_run import plan
-from parallel4d.planning.search import assembled, layouts, unit
+from parallel4d.planning.search import RING_PROXIES, assembled, fill_units, layouts, unit
 from parallel4d.planning.trace import OpTrace, total
 from parallel4d.tools.cli import main
 
@@ -69,6 +69,10 @@ LAYOUTS = {
     "dp2": ["parallel.dp=2"],
     "sp2-tp4": ["parallel.sp=2", "parallel.tp=4"],
     "recompute-m2": ["train.activation_checkpointing=blocks", "pipeline.microbatches=2"],
+    # rings longer than RING_PROXIES: their units extrapolated from rings of 2 and 4 at the same local shape
+    "sp8-tp4": ["parallel.sp=8", "parallel.tp=4"],
+    "sp16-contiguous-llama-recompute": ["parallel.sp=16", "sequence.layout=contiguous", "model.arch=llama",
+                                        "model.kv_heads=2", "train.activation_checkpointing=blocks"],
 }
 
 
@@ -93,6 +97,17 @@ def test_unit_dry_runs_assemble_the_whole_dry_run_without_a_pipeline(name):
     assert 0 <= total(whole.ops, "memory") - total(parts.ops, "memory") <= gradients
     h100 = profiles.load("h100")
     assert predict(cfg, [parts], h100).step_s == pytest.approx(predict(cfg, [whole], h100).step_s, rel=0.1)
+
+
+def test_a_long_ring_is_dry_run_as_the_proxy_rings_at_its_local_shape():
+    """A ring of 16's unit runs are rings of 2 and 4 (a sixteenth of the ring's steps), each on a sequence
+    shortened with the ring so a rank's block ``[.., s/sp, ..]`` is the same; the test above holds the
+    extrapolation to the ring's own whole dry run."""
+    cfg = load_config(QUICK, [*SMALL, "parallel.dp=1", "parallel.sp=16"])
+    cache: dict = {}
+    fill_units([cfg], cache, workers=1)
+    local = cfg.model.seq_len // 16
+    assert sorted((sp, seq) for sp, _, _, seq in cache) == [(k, k * local) for k in RING_PROXIES] == [(2, 16), (4, 32)]
 
 
 def test_a_pipeline_is_predicted_from_its_ranks_and_its_simulated_order():

@@ -114,7 +114,26 @@ def rows_per_microbatch(cfg: Config) -> int:
 
 
 def _unit_key(cfg: Config) -> tuple:
-    return cfg.parallel.sp, cfg.parallel.tp, cfg.train.activation_checkpointing
+    return cfg.parallel.sp, cfg.parallel.tp, cfg.train.activation_checkpointing, cfg.model.seq_len
+
+
+RING_PROXIES = (2, 4)  # a longer ring's unit runs: these rings at its local shape, extrapolated
+
+
+def _proxies(cfg: Config) -> list[Config]:
+    """The configs whose unit runs stand for ``cfg``'s: ``cfg`` itself or, for a ring longer than
+    :data:`RING_PROXIES` (without Ulysses), the proxy rings at its local shape ``[.., s/sp, ..]`` (the
+    sequence shortened with the ring). Each step of a ring repeats the same calls and messages on blocks of
+    that shape, and what depends on the whole sequence (position tables) grows with it, so everything a
+    unit counts is affine in the ring's length there: a ring of 64 is taken from rings of 2 and 4, whose
+    dry runs make a sixteenth of its ops (tests/test_planning.py holds it to the ring's own dry run)."""
+    p, longest = cfg.parallel, RING_PROXIES[-1]
+    if p.sp <= longest or cfg.sequence.ulysses > 1:
+        return [cfg]
+    local = cfg.model.seq_len // p.sp
+    return [cfg.model_copy(update={"parallel": p.model_copy(update={"sp": k}),
+                                   "model": cfg.model.model_copy(update={"seq_len": local * k})})
+            for k in RING_PROXIES]
 
 
 def _unit_cfg(cfg: Config, layers: int, rows: int) -> Config:
@@ -137,23 +156,36 @@ class Unit:
     ends: RankPlan
 
 
-def _affine(a: RankPlan, b: RankPlan, t: float) -> RankPlan:
-    """``a + (b − a)·t`` field by field: dicts key by key, op calls pairwise in order (the same code runs
-    the same ops, with other sizes); the op counts follow from the calls."""
+def _line(a: RankPlan, b: RankPlan, t: float, ops: Counter, calls: list[Op] | None = None) -> RankPlan:
+    """``a + (b − a)·t`` field by field (dicts key by key), with the op counts given."""
     def f(x, y):
         return x + (y - x) * t
 
     def d(x, y):
         return {k: f(x.get(k, 0), y.get(k, 0)) for k in {**x, **y}}
 
-    if len(a.calls) != len(b.calls) or any(x.kind != y.kind or x.phase != y.phase for x, y in zip(a.calls, b.calls)):
-        raise RuntimeError("parallel4d plan --search: the unit dry runs made different ops; plan the candidates "
-                           "one by one (without --search)")
-    calls = [Op(x.kind, x.phase, x.dtype, f(x.work, y.work)) for x, y in zip(a.calls, b.calls)]
     return RankPlan(a.pp_rank, a.global_rank, f(a.parameters, b.parameters), f(a.gradients, b.gradients),
                     f(a.optimizer_state, b.optimizer_state), f(a.activations, b.activations),
                     sent_by_axis=d(a.sent_by_axis, b.sent_by_axis), calls_by_axis=d(a.calls_by_axis, b.calls_by_axis),
-                    ops=Counter(calls), calls=calls)
+                    ops=ops, calls=calls)
+
+
+def _affine(a: RankPlan, b: RankPlan, t: float) -> RankPlan:
+    """:func:`_line` with op calls paired in order (the same code runs the same ops, with other sizes: each
+    call's work on the line); the op counts follow from the calls."""
+    if len(a.calls) != len(b.calls) or any(x.kind != y.kind or x.phase != y.phase for x, y in zip(a.calls, b.calls)):
+        raise RuntimeError("parallel4d plan --search: the unit dry runs made different ops; plan the candidates "
+                           "one by one (without --search)")
+    calls = [Op(x.kind, x.phase, x.dtype, x.work + (y.work - x.work) * t) for x, y in zip(a.calls, b.calls)]
+    return _line(a, b, t, Counter(calls), calls)
+
+
+def _extended(a: RankPlan, b: RankPlan, t: float) -> RankPlan:
+    """:func:`_line` with each distinct op's count on the line (a longer ring repeats the same ops more
+    often; an op whose work follows the whole sequence moves its count to its longer twin: the work
+    summed is still on the line)."""
+    return _line(a, b, t, Counter({op: a.ops.get(op, 0) + (b.ops.get(op, 0) - a.ops.get(op, 0)) * t
+                                   for op in {**a.ops, **b.ops}}))
 
 
 def _minus(a: RankPlan, b: RankPlan) -> RankPlan:
@@ -183,7 +215,7 @@ def _one_thread_runs(cfg: Config) -> tuple[tuple, dict]:
 def fill_units(cfgs: list[Config], cache: dict, workers: int) -> None:
     """The unit runs of every local shape among ``cfgs`` not in ``cache`` yet, ``workers`` processes at
     once (forked: a dry run is pure Python work under fake tensors), the costliest first."""
-    todo = list({_unit_key(c): c for c in cfgs if _unit_key(c) not in cache}.values())
+    todo = list({_unit_key(x): x for c in cfgs for x in _proxies(c) if _unit_key(x) not in cache}.values())
     todo.sort(key=lambda c: -c.parallel.sp * c.parallel.tp)  # the ring's and the grid's steps: the most ops
     if workers <= 1 or len(todo) <= 1:
         cache.update(_one_thread_runs(c) for c in todo)
@@ -194,15 +226,23 @@ def fill_units(cfgs: list[Config], cache: dict, workers: int) -> None:
 
 def unit(cfg: Config, cache: dict) -> Unit:
     """The candidate's :class:`Unit` from its local shape's four unit runs (:func:`fill_units`), shared by
-    every candidate with that shape; each candidate's rows by the affine rule (the module docstring)."""
+    every candidate with that shape; each candidate's rows by the affine rule (the module docstring); a long
+    ring's from its :func:`_proxies`."""
     key, rows = _unit_key(cfg), rows_per_microbatch(cfg)
+    if (key, rows) in cache:  # candidates of one local shape differ mostly in pp and the schedule
+        return cache[key, rows]
+    proxies = _proxies(cfg)
+    if len(proxies) > 1:
+        (a, b), (low, high) = [unit(x, cache) for x in proxies], RING_PROXIES
+        t = (cfg.parallel.sp - low) / (high - low)
+        cache[key, rows] = Unit(_extended(a.block, b.block, t), _extended(a.ends, b.ends, t))
+        return cache[key, rows]
     if key not in cache:
         cache[key] = _unit_runs(cfg)
-    if (key, rows) not in cache:  # candidates of one local shape differ mostly in pp and the schedule
-        runs, (low, high) = cache[key], UNIT_ROWS
-        one, two = (_affine(runs[(d, low)], runs[(d, high)], (rows - low) / (high - low)) for d in (1, 2))
-        block = _minus(two, one)
-        cache[key, rows] = Unit(block, _minus(one, block))
+    runs, (low, high) = cache[key], UNIT_ROWS
+    one, two = (_affine(runs[(d, low)], runs[(d, high)], (rows - low) / (high - low)) for d in (1, 2))
+    block = _minus(two, one)
+    cache[key, rows] = Unit(block, _minus(one, block))
     return cache[key, rows]
 
 
