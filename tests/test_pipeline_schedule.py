@@ -2,12 +2,13 @@
 
 import dataclasses
 import itertools
+import random
 
 import pytest
 
 from parallel4d.pipeline import (
     Action, Schedule, ScheduleError, bubble_formula, check_pipeline_args, gpipe, hanayo, interleaved_1f1b,
-    make_schedule, message_plan, one_f_one_b, plot, simulate, validate, wave_placement, wave_rank,
+    make_schedule, makespan_floor, message_plan, one_f_one_b, plot, simulate, validate, wave_placement, wave_rank,
 )
 from parallel4d.pipeline.analysis import dependencies
 
@@ -395,3 +396,27 @@ def test_hop_cost_is_refused_by_name(change, message):
     job["parallel"]["pp"] = 1  # the pipeline's fields are read with pp > 1 only
     if change["pipeline"]["hop_cost"] == 0.5:
         make_config(job)
+
+
+@pytest.mark.parametrize("name, waves, split", [("gpipe", 1, False), ("1f1b", 1, False), ("interleaved", 1, False),
+                                                ("hanayo", 1, False), ("hanayo", 2, True), ("zb_h1", 1, True),
+                                                ("zbv", 1, True)])
+def test_the_makespan_floor_is_below_every_order_of_the_placement_and_tight_for_1f1b(name, waves, split):
+    """``makespan_floor`` bounds any order of a placement (the search prunes by it): below the simulated makespan of
+    the free-transfer order and of the orders built for a hop, at random per-chunk costs and hops; and it is
+    1F1B's makespan at uniform costs, so it is not vacuous."""
+    rng = random.Random(0)
+    for pp, m in ((2, 4), (4, 8), (4, 16)):
+        for built_for in (None, 0.5):
+            s = make_schedule(name, pp, m, waves=waves, split_backward=split and name == "hanayo", p2p_cost=built_for)
+            for _ in range(4):
+                f = [rng.uniform(0.5, 2) for _ in range(s.num_chunks)]
+                b = [rng.uniform(1, 4) for _ in range(s.num_chunks)]
+
+                def cost(a):
+                    return f[a.chunk] if a.kind == "F" else b[a.chunk] / (2 if s.split_backward else 1)
+
+                for hop in (0.0, 0.3, 1.0):
+                    assert makespan_floor(s, cost, hop) <= simulate(s, 1.0, 2.0, hop, action_cost=cost).makespan + 1e-9
+    s = make_schedule("1f1b", 4, 8)
+    assert makespan_floor(s, lambda a: 1.0 if a.kind == "F" else 2.0) == simulate(s).makespan == (8 + 3) * 3

@@ -11,9 +11,9 @@ from parallel4d.config.errors import ConfigError
 from parallel4d.config.load import load_config
 from parallel4d.planning import profiles
 from parallel4d.planning.calibrate import fit
-from parallel4d.planning.cost import half_octave, predict
+from parallel4d.planning.cost import half_octave, predict, step_floor
 from parallel4d.planning.dry_run import plan
-from parallel4d.planning.search import RING_PROXIES, assembled, fill_units, layouts, unit
+from parallel4d.planning.search import RING_PROXIES, assembled, layouts, prepare, unit
 from parallel4d.planning.trace import OpTrace, total
 from parallel4d.tools.cli import main
 
@@ -105,7 +105,7 @@ def test_a_long_ring_is_dry_run_as_the_proxy_rings_at_its_local_shape():
     extrapolation to the ring's own whole dry run."""
     cfg = load_config(QUICK, [*SMALL, "parallel.dp=1", "parallel.sp=16"])
     cache: dict = {}
-    fill_units([cfg], cache, workers=1)
+    prepare([cfg], cache, workers=1)
     local = cfg.model.seq_len // 16
     assert sorted((sp, seq) for sp, _, _, seq in cache) == [(k, k * local) for k in RING_PROXIES] == [(2, 16), (4, 32)]
 
@@ -182,3 +182,24 @@ def test_plan_of_a_float16_hetero_job_takes_its_step():
                        "data": {"batch_size": 2}, "hetero": {"enabled": True}, "train": {"dtype": "float16"}})
     (rank,) = plan(cfg)
     assert rank.hetero_device > 0 and rank.hetero_min_budget > 0  # the chunks hold the model data
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "hanayo", "zb_h1", "zbv"])
+def test_a_jobs_step_floor_is_below_its_prediction_and_its_recomputing_twins(schedule):
+    """The search skips a recomputing candidate whose twin without recomputation has a step floor above the
+    top's steps: the floor must be below both predictions (orders built for the hop included). Split schedules
+    refuse recomputation: there, below the job's own prediction."""
+    knobs = [*SMALL, "parallel.pp=2", "parallel.dp=1", "pipeline.microbatches=4", f"pipeline.schedule={schedule}",
+             f"pipeline.hop_cost={'null' if schedule == '1f1b' else 'auto'}"]
+    h100 = profiles.load("h100")
+    plain = load_config(QUICK, knobs)
+    recompute = [] if schedule in ("zb_h1", "zbv") else [load_config(QUICK, [*knobs, "train.activation_checkpointing=blocks"])]
+    jobs = [plain, *recompute]
+    floor = step_floor(plain, assembled(plain, unit(plain, {})), h100)
+    steps = []
+    for cfg in jobs:
+        ranks = assembled(cfg, unit(cfg, {}))
+        steps.append(predict(cfg, ranks, h100).step_s)
+        free = predict(cfg, ranks, h100, build_order=False).step_s  # the order for free transfers
+        assert 0 < floor <= steps[-1] * (1 + 1e-12) and steps[-1] <= free * (1 + 1e-12)
+    assert floor > 0.5 * steps[0]  # not vacuous

@@ -50,8 +50,8 @@ per-action timestamps; ``res.peak_activations`` equals
 """
 
 from parallel4d.config.rules.pipeline import SCHEDULES, check_schedule_name, num_chunks, pipeline_arg_problems
-from parallel4d.pipeline.analysis import (Message, ScheduleError, SimResult, bubble_formula, message_order, message_plan,
-                                         simulate, validate)
+from parallel4d.pipeline.analysis import (Message, ScheduleError, SimResult, bubble_formula, makespan_floor,
+                                         message_order, message_plan, simulate, validate)
 from parallel4d.pipeline.checks import check_pipeline_args
 from parallel4d.pipeline.executor import PipelineExecutor, StepResult, TiedGradSync
 from parallel4d.pipeline.hanayo import hanayo, list_schedule, wave_placement, wave_rank
@@ -65,7 +65,7 @@ __all__ = [
     "Action", "Schedule", "ScheduleError", "SimResult", "Message", "SCHEDULES",
     "gpipe", "one_f_one_b", "interleaved_1f1b", "hanayo", "zb_h1", "zbv", "make_schedule", "list_schedule",
     "linear_placement", "looped_placement", "wave_placement", "wave_rank",
-    "validate", "simulate", "bubble_formula", "message_order", "message_plan", "plot",
+    "validate", "simulate", "makespan_floor", "bubble_formula", "message_order", "message_plan", "plot",
     "check_pipeline_args", "check_schedule_name", "num_chunks", "pipeline_arg_problems",
     "partition", "parameter_costs", "timed_costs", "build_chunks",
     "PipelineExecutor", "StepResult", "TiedGradSync",

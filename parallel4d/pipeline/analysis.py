@@ -285,6 +285,24 @@ def simulate(schedule: Schedule, forward_cost: float = 1.0, backward_cost: float
     return _run(schedule, forward_cost, backward_cost, p2p_cost, weight_cost, action_cost)
 
 
+def makespan_floor(schedule: Schedule, action_cost: Callable[[Action], float], p2p_cost: float = 0.0) -> float:
+    """A lower bound on the makespan of *any* order of ``schedule``'s placement at these costs (its own, or one
+    built for another hop): on each rank, its busy time, after the forwards of the chunks below its lowest
+    (and their hops: its first action needs micro-batch 0 through them) and, without a split backward, before
+    their backwards (its last action is a backward of its lowest chunk: the input gradient still goes down
+    through them). ``action_cost`` is called on micro-batch 0 (costs are per chunk and kind)."""
+    owner, split = schedule.owners(), schedule.split_backward
+    every = kinds(schedule)
+    floor = 0.0
+    for r, chunks in schedule.placement.items():
+        busy = schedule.microbatches * sum(action_cost(Action(k, 0, c)) for c in chunks for k in every)
+        below = range(min(chunks))
+        head = sum(action_cost(Action("F", 0, c)) + (p2p_cost if owner[c] != owner[c + 1] else 0.0) for c in below)
+        tail = 0.0 if split else sum(action_cost(Action("B", 0, c)) for c in below)
+        floor = max(floor, head + busy + tail)
+    return floor
+
+
 # --- closed forms ------------------------------------------------------------------
 
 

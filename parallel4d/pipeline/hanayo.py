@@ -9,6 +9,7 @@ behind these choices is in docs/hanayo.md.
 
 from __future__ import annotations
 
+import math
 from functools import lru_cache
 from typing import Callable, Iterable, Iterator, Optional
 
@@ -167,23 +168,28 @@ class _Greedy:
         t = 0.0
         while self.remaining:
             for r in range(self.pp):
-                self._start(r, t)
-            upcoming = [e for (e, _, _) in self.running] + [rt for r in range(self.pp)
-                                                               for (rt, _) in self.ready[r] if rt > t]
-            if not upcoming:
+                if self.free_at[r] <= t:
+                    self._start(r, t)
+            t = min(min((e for e, _, _ in self.running), default=math.inf),
+                    min((rt for ready in self.ready.values() for rt, _ in ready if rt > t), default=math.inf))
+            if t == math.inf:
                 return None
-            t = min(upcoming)
             self._finish(t)
         return self.actions
 
     def _start(self, r: int, t: float) -> None:
-        if self.free_at[r] > t:
-            return
-        now = [(rt, a) for (rt, a) in self.ready[r] if rt <= t]
-        ws = [(rt, a.microbatch, -a.chunk, a) for rt, a in now if a.kind == "W"]
-        bs = [a for _, a in now if a.kind == "B"]
-        fs = [a for _, a in now if a.kind == "F" and self.stored[r] < self.caps[r] - (self.reserve if a.chunk == 0 else 0)]
-        if ws and self.weight_slack is not None and self.stored[r] >= self.caps[r] - self.weight_slack:
+        ready, room = self.ready[r], self.caps[r] - self.stored[r]
+        ws, bs, fs = [], [], []
+        for rt, a in ready:
+            if rt > t:
+                continue
+            if a.kind == "W":
+                ws.append((rt, a.microbatch, -a.chunk, a))
+            elif a.kind == "B":
+                bs.append(a)
+            elif room > (self.reserve if a.chunk == 0 else 0):
+                fs.append(a)
+        if ws and self.weight_slack is not None and room <= self.weight_slack:
             pick = min(ws)[3]  # near the cap: the oldest weight gradient frees its activation first
         elif bs or fs:
             want_b = self.last_kind[r] == "F" if self.policy == "alternate" else self.policy == "backward_first"
@@ -193,7 +199,7 @@ class _Greedy:
             if not ws:
                 return
             pick = min(ws)[3]  # the oldest weight gradient
-        self.ready[r].remove(next(x for x in self.ready[r] if x[1] == pick))
+        del ready[next(j for j, x in enumerate(ready) if x[1] is pick)]
         end = t + {"F": self.forward_cost, "B": self.backward_cost, "W": self.weight_cost}[pick.kind]
         self.free_at[r] = end
         self.stored[r] += stored_change(pick, self.split)

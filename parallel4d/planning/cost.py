@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from parallel4d.config.schema import Config
 from parallel4d.distributed.mesh import AXES, mesh_shape
 from parallel4d.engine.flops import flops_per_token
-from parallel4d.pipeline import simulate
+from parallel4d.pipeline import makespan_floor, simulate
 from parallel4d.pipeline.schedule import make_schedule
 from parallel4d.planning.profiles import Profile
 from parallel4d.planning.trace import PHASES, Op
@@ -148,31 +148,48 @@ def half_octave(ratio: float) -> float:
     return round(2 ** (round(2 * math.log2(ratio)) / 2), 4)
 
 
-def _pipeline(cfg: Config, plans: list[RankPlan], times: list[RankTime], profile: Profile, round_hop=None,
-              build_order: bool = True):
-    """(seconds of the forward and backward of all micro-batches, bubble, hop seconds); ``round_hop``: what
-    the hop/forward ratio an order is built for is rounded by (the run's 3 decimals by default);
-    ``build_order=False``: ``hop_cost: auto`` simulated with the order for free transfers instead (an upper
-    bound: the search behind a built order also tries the free-transfer orders and keeps the fastest at the hop)."""
-    pl, p = cfg.pipeline, cfg.parallel
-    if p.pp == 1:
-        t = times[0]
-        return t.compute_s["forward"] + t.compute_s["backward"] + t.inside_s(), 0.0, None
-    hop = hop_seconds(cfg, plans[0], profile)
-    base = make_schedule(pl.schedule, p.pp, pl.microbatches, waves=pl.waves, chunks_per_rank=pl.chunks_per_rank,
-                         split_backward=pl.split_backward)
-    costs = [_chunk_costs(cfg, t, len(base.placement[t.pp_rank])) for t in times]
-    cost = pl.hop_cost
-    if cost == "auto" and not build_order:
-        cost = None
-    elif cost == "auto":  # as a run builds it: for the hop over a chunk's forward
-        ratio = hop / max(sum(c[0] for c in costs) / len(costs), 1e-12)
-        cost = round_hop(ratio) if round_hop else round(ratio, 3)
-    schedule = base if cost is None else make_schedule(
-        pl.schedule, p.pp, pl.microbatches, waves=pl.waves, chunks_per_rank=pl.chunks_per_rank,
-        split_backward=pl.split_backward, p2p_cost=cost)
-    owner = {c: r for r, cs in schedule.placement.items() for c in cs}
-    split = schedule.split_backward
+def order_key(cfg: Config, p2p_cost: float | None = None) -> tuple:
+    """What :func:`make_order` builds ``cfg``'s schedule from (for a hop of ``p2p_cost`` chunk forwards)."""
+    pl = cfg.pipeline
+    return pl.schedule, cfg.parallel.pp, pl.microbatches, pl.waves, pl.chunks_per_rank, pl.split_backward, p2p_cost
+
+
+def make_order(key: tuple):
+    """The schedule a run builds (:func:`~parallel4d.pipeline.schedule.make_schedule`) from :func:`order_key`."""
+    name, pp, m, waves, chunks_per_rank, split, p2p_cost = key
+    return make_schedule(name, pp, m, waves=waves, chunks_per_rank=chunks_per_rank, split_backward=split,
+                         p2p_cost=p2p_cost)
+
+
+def order(cfg: Config, orders: dict | None, p2p_cost: float | None = None):
+    """``cfg``'s schedule, from ``orders`` (by :func:`order_key`; built into it when missing) when given: a
+    search costs hundreds of candidates on a few dozen orders, each seconds to build at 16 ranks. Read it,
+    never edit it."""
+    key = order_key(cfg, p2p_cost)
+    if orders is None:
+        return make_order(key)
+    if key not in orders:
+        orders[key] = make_order(key)
+    return orders[key]
+
+
+def _hop_cost(cfg: Config, times: list[RankTime], hop: float, round_hop) -> float | None:
+    """What the order is built for: ``pipeline.hop_cost``, or for ``auto`` (as a run builds it) the hop over a
+    chunk's mean forward, rounded by ``round_hop`` (the run's 3 decimals by default)."""
+    cost = cfg.pipeline.hop_cost
+    if cost != "auto":
+        return cost
+    chunks = cfg.pipeline.num_chunks(cfg.parallel.pp) // cfg.parallel.pp  # every schedule: as many on each rank
+    forwards = [_chunk_costs(cfg, t, chunks)[0] for t in times]
+    ratio = hop / max(sum(forwards) / len(forwards), 1e-12)
+    return round_hop(ratio) if round_hop else round(ratio, 3)
+
+
+def _action_cost(cfg: Config, schedule, times: list[RankTime]):
+    """``action → seconds`` on ``schedule``'s placement: its rank's chunk forward, backward, or a split
+    backward's B and W (:data:`WEIGHT_SHARE`)."""
+    costs = [_chunk_costs(cfg, t, len(schedule.placement[t.pp_rank])) for t in times]
+    owner, split = schedule.owners(), schedule.split_backward
 
     def action_cost(a) -> float:
         f, b = costs[owner[a.chunk]]
@@ -182,19 +199,48 @@ def _pipeline(cfg: Config, plans: list[RankPlan], times: list[RankTime], profile
             return b
         return b * WEIGHT_SHARE if a.kind == "W" else b * (1 - WEIGHT_SHARE)
 
-    sim = simulate(schedule, 1.0, 2.0, hop, action_cost=action_cost)
+    return action_cost
+
+
+def _pipeline(cfg: Config, plans: list[RankPlan], times: list[RankTime], profile: Profile, round_hop=None,
+              build_order: bool = True, orders: dict | None = None):
+    """(seconds of the forward and backward of all micro-batches, bubble, hop seconds); ``round_hop``: as
+    :func:`_hop_cost`'s; ``build_order=False``: ``hop_cost: auto`` simulated with the order for free transfers
+    instead (an upper bound: the search behind a built order also tries the free-transfer orders and keeps the
+    fastest at the hop); ``orders``: as :func:`order`'s."""
+    if cfg.parallel.pp == 1:
+        t = times[0]
+        return t.compute_s["forward"] + t.compute_s["backward"] + t.inside_s(), 0.0, None
+    hop = hop_seconds(cfg, plans[0], profile)
+    base = order(cfg, orders)
+    cost = None if cfg.pipeline.hop_cost == "auto" and not build_order else _hop_cost(cfg, times, hop, round_hop)
+    schedule = base if cost is None else order(cfg, orders, cost)
+    sim = simulate(schedule, 1.0, 2.0, hop, action_cost=_action_cost(cfg, base, times))
     return sim.makespan, sim.bubble_ratio, hop
 
 
-def predict(cfg: Config, plans: list[RankPlan], profile: Profile, round_hop=None, build_order: bool = True) -> Prediction:
-    """The step of ``cfg`` on ``profile`` from its timed plan (``plan(cfg, timed=True)``); ``round_hop`` and
-    ``build_order``: as :func:`_pipeline`'s."""
+def hop_order_key(cfg: Config, plans: list[RankPlan], profile: Profile, round_hop=None) -> tuple | None:
+    """The :func:`order_key` of the order :func:`predict` simulates ``cfg`` with (None: no pipeline)."""
+    if cfg.parallel.pp == 1:
+        return None
     times = [rank_time(cfg, p, profile) for p in plans]
-    pipeline_s, bubble, hop = _pipeline(cfg, plans, times, profile, round_hop, build_order)
-    parts = {"pipeline": pipeline_s,
-             "data_parallel": max(t.after_s() for t in times),
-             "optimizer": max(t.compute_s["step"] for t in times),
-             "hetero": max(t.hetero_s for t in times)}
+    return order_key(cfg, _hop_cost(cfg, times, hop_seconds(cfg, plans[0], profile), round_hop))
+
+
+def _after_pipeline(times: list[RankTime]) -> dict[str, float]:
+    """The step's parts after the pipeline: the replicas' reduction, the optimizer step, hetero's traffic."""
+    return {"data_parallel": max(t.after_s() for t in times),
+            "optimizer": max(t.compute_s["step"] for t in times),
+            "hetero": max(t.hetero_s for t in times)}
+
+
+def predict(cfg: Config, plans: list[RankPlan], profile: Profile, round_hop=None, build_order: bool = True,
+            orders: dict | None = None) -> Prediction:
+    """The step of ``cfg`` on ``profile`` from its timed plan (``plan(cfg, timed=True)``); ``round_hop``,
+    ``build_order`` and ``orders``: as :func:`_pipeline`'s."""
+    times = [rank_time(cfg, p, profile) for p in plans]
+    pipeline_s, bubble, hop = _pipeline(cfg, plans, times, profile, round_hop, build_order, orders)
+    parts = {"pipeline": pipeline_s, **_after_pipeline(times)}
     step = sum(parts.values())
     tokens = cfg.data.batch_size * cfg.model.seq_len
     dtype = cfg.train.autocast if cfg.train.autocast != "none" else cfg.train.parameters
@@ -202,6 +248,19 @@ def predict(cfg: Config, plans: list[RankPlan], profile: Profile, round_hop=None
     peak = peak.get(dtype) if isinstance(peak, dict) else peak
     mfu = tokens / step * flops_per_token(cfg) / (cfg.world_size * peak) if peak else None
     return Prediction(step, parts, tokens / step, mfu, bubble, hop, times)
+
+
+def step_floor(cfg: Config, plans: list[RankPlan], profile: Profile, orders: dict | None = None) -> float:
+    """A lower bound on :func:`predict`'s step for ``cfg`` whatever order its schedule's placement runs
+    (:func:`~parallel4d.pipeline.makespan_floor`), cheap beside it (no order built or simulated). Every part of
+    the step only grows with each op's work, so it also bounds the same job with recomputation."""
+    times = [rank_time(cfg, p, profile) for p in plans]
+    if cfg.parallel.pp == 1:
+        pipeline_s = _pipeline(cfg, plans, times, profile)[0]
+    else:
+        base = order(cfg, orders)
+        pipeline_s = makespan_floor(base, _action_cost(cfg, base, times), hop_seconds(cfg, plans[0], profile))
+    return pipeline_s + sum(_after_pipeline(times).values())
 
 
 def _ms(s: float) -> str:

@@ -23,7 +23,6 @@ allows, best first: their memory is the exact plan's, and a candidate that no lo
 
 from __future__ import annotations
 
-import functools
 import math
 import multiprocessing
 import os
@@ -39,8 +38,8 @@ from parallel4d.config.schema import Config
 from parallel4d.engine.compose import pipeline_cut
 from parallel4d.engine.model import pipeline_activation_dtype
 from parallel4d.pipeline import simulate
-from parallel4d.pipeline.schedule import make_schedule
-from parallel4d.planning.cost import INSIDE, Prediction, half_octave, predict
+from parallel4d.planning.cost import (INSIDE, Prediction, half_octave, hop_order_key, make_order, order, order_key,
+                                      predict, step_floor)
 from parallel4d.planning.profiles import Profile
 from parallel4d.planning.trace import Op
 from parallel4d.planning.dry_run import HEADROOM, MAX_BLOCK_PASSES, RankPlan, block_passes, dry_run, human, plan
@@ -200,32 +199,38 @@ def _minus(a: RankPlan, b: RankPlan) -> RankPlan:
 
 
 UNIT_ROWS = (2, 3)  # not 1: a dimension of one takes other paths in some ops (views, broadcasts)
+UNIT_DEPTHS = (0, 1)  # the ends alone (embedding, head, loss, optimizer), and with one block: the block is the difference
 
 
 def _unit_runs(cfg: Config) -> dict:
-    """The four dry runs of ``cfg``'s local shape: depths 1 and 2 at :data:`UNIT_ROWS` rows."""
-    return {(d, r): dry_run(_unit_cfg(cfg, d, r), 0, timed=True) for d in (1, 2) for r in UNIT_ROWS}
+    """The four dry runs of ``cfg``'s local shape: :data:`UNIT_DEPTHS` at :data:`UNIT_ROWS` rows."""
+    return {(d, r): dry_run(_unit_cfg(cfg, d, r), 0, timed=True) for d in UNIT_DEPTHS for r in UNIT_ROWS}
 
 
-def _one_thread_runs(cfg: Config) -> tuple[tuple, dict]:
+def _one_task(task: tuple) -> tuple:
+    """``(cache key, value)`` of a unit shape's runs (``("unit", cfg)``) or of an order (``("order", key)``)."""
     torch.set_num_threads(1)  # a dry run computes nothing: its cost is Python's, one core per worker
-    return _unit_key(cfg), _unit_runs(cfg)
+    kind, what = task
+    return (_unit_key(what), _unit_runs(what)) if kind == "unit" else (what, make_order(what))
 
 
-def fill_units(cfgs: list[Config], cache: dict, workers: int) -> None:
-    """The unit runs of every local shape among ``cfgs`` not in ``cache`` yet, ``workers`` processes at
-    once (forked: a dry run is pure Python work under fake tensors), the costliest first."""
-    todo = list({_unit_key(x): x for c in cfgs for x in _proxies(c) if _unit_key(x) not in cache}.values())
-    todo.sort(key=lambda c: -c.parallel.sp * c.parallel.tp)  # the ring's and the grid's steps: the most ops
+def prepare(cfgs: list[Config], cache: dict, workers: int, orders=()) -> None:
+    """Into ``cache``: the unit runs of every local shape among ``cfgs`` (their :func:`_proxies`') and the
+    ``orders`` (by :func:`~parallel4d.planning.cost.order_key`) it lacks, ``workers`` processes at once
+    (forked: a dry run and an order's search are pure Python work), the costliest first (an order of 16
+    ranks takes seconds, as does a unit of a ring or a grid of 4)."""
+    shapes = {_unit_key(x): x for c in cfgs for x in _proxies(c) if _unit_key(x) not in cache}
+    todo = [("order", k) for k in sorted(set(orders) - set(cache), key=lambda k: -k[1] * k[2])]
+    todo += [("unit", c) for c in sorted(shapes.values(), key=lambda c: -c.parallel.sp * c.parallel.tp)]
     if workers <= 1 or len(todo) <= 1:
-        cache.update(_one_thread_runs(c) for c in todo)
+        cache.update(_one_task(t) for t in todo)
         return
     with multiprocessing.get_context("fork").Pool(min(workers, len(todo))) as pool:
-        cache.update(pool.imap_unordered(_one_thread_runs, todo, chunksize=1))
+        cache.update(pool.imap_unordered(_one_task, todo, chunksize=1))
 
 
 def unit(cfg: Config, cache: dict) -> Unit:
-    """The candidate's :class:`Unit` from its local shape's four unit runs (:func:`fill_units`), shared by
+    """The candidate's :class:`Unit` from its local shape's four unit runs (:func:`prepare`), shared by
     every candidate with that shape; each candidate's rows by the affine rule (the module docstring); a long
     ring's from its :func:`_proxies`."""
     key, rows = _unit_key(cfg), rows_per_microbatch(cfg)
@@ -240,9 +245,8 @@ def unit(cfg: Config, cache: dict) -> Unit:
     if key not in cache:
         cache[key] = _unit_runs(cfg)
     runs, (low, high) = cache[key], UNIT_ROWS
-    one, two = (_affine(runs[(d, low)], runs[(d, high)], (rows - low) / (high - low)) for d in (1, 2))
-    block = _minus(two, one)
-    cache[key, rows] = Unit(block, _minus(one, block))
+    ends, one = (_affine(runs[(d, low)], runs[(d, high)], (rows - low) / (high - low)) for d in UNIT_DEPTHS)
+    cache[key, rows] = Unit(_minus(one, ends), ends)
     return cache[key, rows]
 
 
@@ -279,9 +283,9 @@ def _replicas(cfg: Config, r: RankPlan) -> RankPlan:
     return replace(r, sent_by_axis=sent, calls_by_axis=calls)
 
 
-def assembled(cfg: Config, u: Unit) -> list[RankPlan]:
-    """Each pp rank's plan from the unit (the module docstring)."""
-    return [_replicas(cfg, r) for r in _assembled(cfg, u)]
+def assembled(cfg: Config, u: Unit, cache: dict | None = None) -> list[RankPlan]:
+    """Each pp rank's plan from the unit (the module docstring); ``cache``: the search's (orders, peaks)."""
+    return [_replicas(cfg, r) for r in _assembled(cfg, u, cache)]
 
 
 def _boundaries_out(schedule, rank: int) -> int:
@@ -292,19 +296,23 @@ def _boundaries_out(schedule, rank: int) -> int:
                for c in schedule.placement[rank])
 
 
-@functools.lru_cache(maxsize=None)
-def _schedule_peaks(name: str, pp: int, m: int, waves: int, chunks_per_rank: int, split: bool):
-    """The schedule (its order for free transfers) and each rank's peak of stored chunk activations."""
-    schedule = make_schedule(name, pp, m, waves=waves, chunks_per_rank=chunks_per_rank, split_backward=split)
-    return schedule, simulate(schedule).peak_activations
+def _peaks(cfg: Config, cache: dict | None) -> list[int]:
+    """Each pp rank's peak of stored chunk activations under ``cfg``'s order for free transfers."""
+    key = ("peaks", *order_key(cfg))
+    if cache is None or key not in cache:
+        peaks = simulate(order(cfg, cache)).peak_activations
+        if cache is None:
+            return peaks
+        cache[key] = peaks
+    return cache[key]
 
 
-def _assembled(cfg: Config, u: Unit) -> list[RankPlan]:
-    pl, p, m = cfg.pipeline, cfg.parallel, cfg.pipeline.microbatches
+def _assembled(cfg: Config, u: Unit, cache: dict | None) -> list[RankPlan]:
+    p, m = cfg.parallel, cfg.pipeline.microbatches
     fb = {"forward": m, "backward": m}
     if p.pp == 1:
         return [_combine([(u.ends, 1), (u.block, cfg.model.layers)], fb, m, 0)]
-    schedule, peaks = _schedule_peaks(pl.schedule, p.pp, m, pl.waves, pl.chunks_per_rank, pl.split_backward)
+    schedule, peaks = order(cfg, cache), _peaks(cfg, cache)
     ranges = pipeline_cut(cfg, schedule.num_chunks)
     wire = pipeline_activation_dtype(cfg).itemsize  # what the engine sends between pp ranks in
     last = cfg.model.layers + 1
@@ -336,19 +344,18 @@ def search(path, overrides: list[str], gpus: int, capacity: int, profile: Profil
                           "square whose root divides the heads, sp must divide seq_len, the batch must split "
                           "over dp·tp_row and the micro-batches); try another --gpus or change the model or batch")
     workers = workers or os.cpu_count() or 1
-    cache: dict = {}
+    cache: dict = {}  # unit runs, Units, orders, peaks
     plain = [c for c in cands if c[1].train.activation_checkpointing == "none"]
-    fill_units([cfg for _, cfg in plain], cache, workers)
-    ranked = _costed(plain, cache, capacity, profile)
-    fitted = {_twin(r.overrides) for r in ranked}
-    # recomputation only adds work: costed only where the job does not fit without it
-    recompute = [c for c in cands if c[1].train.activation_checkpointing != "none" and _twin(c[0]) not in fitted]
-    fill_units([cfg for _, cfg in recompute], cache, workers)
-    ranked += _costed(recompute, cache, capacity, profile)
-    ranked = _ordered_for_the_hop(ranked, top, profile)
+    prepare([cfg for _, cfg in plain], cache, workers, {order_key(cfg) for _, cfg in cands if cfg.parallel.pp > 1})
+    ranked, floors = _costed(plain, cache, capacity, profile)
+    recompute, beaten = _worth_recomputing(cands, ranked, floors, top)
+    prepare([cfg for _, cfg in recompute], cache, workers)
+    ranked += _costed(recompute, cache, capacity, profile)[0]
+    ranked = _ordered_for_the_hop(ranked, top, profile, cache, workers)
     shapes = sum(isinstance(v, dict) for v in cache.values())  # the unit runs; Units are cached beside them
     say(f"{len(cands)} candidates, {shapes} local shapes dry-run ({4 * shapes} unit runs, {workers} "
-        f"processes), {len(ranked)} fit ({time.perf_counter() - t0:.1f} s)")
+        f"processes), {len(ranked)} fit; {beaten} with recomputation not costed: slower than the {top} best "
+        f"even without it ({time.perf_counter() - t0:.1f} s)")
     out = _verified(ranked, capacity, profile, time.perf_counter() + verify_seconds)
     say(f"the best {sum(r.exact for r in out)} dry-run whole ({time.perf_counter() - t0:.1f} s in all)")
     return sorted(out, key=lambda x: -x.prediction.tokens_per_s)
@@ -358,35 +365,55 @@ def _twin(knobs: list[str]) -> tuple:
     return tuple(k for k in knobs if not k.startswith("train.activation_checkpointing"))
 
 
-def _costed(cands: list[tuple[list[str], Config]], cache: dict, capacity: int, profile: Profile) -> list[Ranked]:
+def _costed(cands: list[tuple[list[str], Config]], cache: dict, capacity: int,
+            profile: Profile) -> tuple[list[Ranked], dict[tuple, float]]:
     """The candidates that fit, each predicted with its schedule's order for free transfers (building the
     order for the hop takes seconds per pipeline shape at P ≥ 8: :func:`_ordered_for_the_hop` does it for
-    the few that can win)."""
-    ranked = []
+    the few that can win); and the ones that do not fit, by :func:`_twin`, with their step's floor
+    (:func:`~parallel4d.planning.cost.step_floor`)."""
+    ranked, floors = [], {}
     for knobs, cfg in cands:
-        ranks = assembled(cfg, unit(cfg, cache))
+        ranks = assembled(cfg, unit(cfg, cache), cache)
         need = max(r.device_bytes for r in ranks)
         if need <= HEADROOM * capacity:
             built = cfg.pipeline.hop_cost != "auto"
-            ranked.append(Ranked(knobs, cfg, need, predict(cfg, ranks, profile, build_order=False),
+            ranked.append(Ranked(knobs, cfg, need, predict(cfg, ranks, profile, build_order=False, orders=cache),
                                  order_built=built, ranks=ranks))
-    return ranked
+        else:
+            floors[_twin(knobs)] = step_floor(cfg, ranks, profile, cache)
+    return ranked, floors
 
 
-def _ordered_for_the_hop(ranked: list[Ranked], top: int, profile: Profile) -> list[Ranked]:
+def _worth_recomputing(cands: list[tuple[list[str], Config]], ranked: list[Ranked], floors: dict[tuple, float],
+                       top: int) -> tuple[list[tuple[list[str], Config]], int]:
+    """The candidates with recomputation to cost, and how many others there were: recomputation only adds
+    work, so one is costed only where its twin without it does not fit, and only if that twin's step floor
+    is within the ``top`` best steps costed (each an upper bound: a built order only shortens them), else it
+    cannot reach the top."""
+    steps = sorted(r.prediction.step_s for r in ranked)
+    bar = steps[top - 1] if len(steps) >= top else math.inf
+    fitted = {_twin(r.overrides) for r in ranked}
+    unfit = [c for c in cands if c[1].train.activation_checkpointing != "none" and _twin(c[0]) not in fitted]
+    kept = [c for c in unfit if floors.get(_twin(c[0]), 0.0) <= bar]
+    return kept, len(unfit) - len(kept)
+
+
+def _ordered_for_the_hop(ranked: list[Ranked], top: int, profile: Profile, cache: dict, workers: int) -> list[Ranked]:
     """The ``top`` fastest and the fastest of each schedule, predicted again with the order built for their
-    hop (on :func:`half_octave`'s grid): a built order is never slower at its hop, so only these can climb."""
+    hop (on :func:`half_octave`'s grid; the orders built side by side first): a built order is never slower
+    at its hop, so only these can climb."""
     ranked = sorted(ranked, key=lambda x: -x.prediction.tokens_per_s)
     best_of = {}
     for i, r in enumerate(ranked):
         best_of.setdefault((r.cfg.pipeline.schedule, r.cfg.pipeline.waves), i)
-    chosen = set(range(min(top, len(ranked)))) | set(best_of.values())
-    out = []
-    for i, r in enumerate(ranked):
-        if i in chosen and not r.order_built:
-            r = replace(r, prediction=predict(r.cfg, r.ranks, profile, round_hop=half_octave), order_built=True)
-        out.append(r)
-    return sorted(out, key=lambda x: -x.prediction.tokens_per_s)
+    chosen = [i for i in sorted(set(range(min(top, len(ranked)))) | set(best_of.values())) if not ranked[i].order_built]
+    keys = {hop_order_key(ranked[i].cfg, ranked[i].ranks, profile, half_octave) for i in chosen}
+    prepare([], cache, workers, keys - {None})
+    for i in chosen:
+        r = ranked[i]
+        ranked[i] = replace(r, prediction=predict(r.cfg, r.ranks, profile, round_hop=half_octave, orders=cache),
+                            order_built=True)
+    return sorted(ranked, key=lambda x: -x.prediction.tokens_per_s)
 
 
 def _verified(ranked: list[Ranked], capacity: int, profile: Profile, deadline: float) -> list[Ranked]:
