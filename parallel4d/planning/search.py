@@ -8,15 +8,20 @@ own rules (a layout they refuse is not a candidate). The model, batch, dtype and
 user's.
 
 A candidate is costed from **unit dry runs** (:func:`parallel4d.planning.dry_run.dry_run`, timed): the
-job's own code at depths 1 and 2, without a pipeline, on one micro-batch of the candidate's local
-shape ``[b/(dp·q)/m, s/sp, h/q]``, each at 2 and 3 rows. Their difference is one block's ops, bytes and
-memory (:func:`parallel4d.planning.dry_run.plan`'s extrapolation); what remains is the embedding and the
-head. Every op's work and every byte is affine in the rows, so a candidate's rows are exact; the
-activations' peak is a max over the step's moments, exact unless the moment of the peak moves with the
-rows (within 0.5 % in tests/test_planning.py).
+job's own code at depths 0 and 1 (the ends alone, then with one block), without a pipeline, on one
+micro-batch of the candidate's local shape ``[b/(dp·q)/m, s/sp, h/q]``, each at 2 and 3 rows. Their
+difference is one block's ops, bytes and memory; depth 0 is the embedding, the head, the loss and the
+optimizer's step. Every op's work and every byte is affine in the rows, so a candidate's rows are exact;
+the activations' peak is a max over the step's moments, exact unless the moment of the peak moves with
+the rows (within 0.5 % in tests/test_planning.py). A ring longer than 4 is dry-run as rings of 2 and 4 at
+its local shape and extrapolated (:func:`_proxies`).
 Candidates sharing a local shape share their unit runs, which is what makes the search fast. A pipeline
 rank then holds its chunks' blocks (the engine's own cut, :func:`~parallel4d.engine.compose.pipeline_cut`)
-and, at its peak, the activations of the micro-batch chunks the schedule's simulation stores at once.
+and, at its peak, the activations of the micro-batch chunks the schedule's simulation stores at once. The
+pipeline orders are built in the same processes as the unit runs, side by side, and shared by the
+candidates. Recomputation only adds work, so a candidate with it is costed only where its twin without it
+does not fit and that twin's step floor (:func:`~parallel4d.planning.cost.step_floor`: a bound for any
+order) is within the top's steps.
 The best candidates are then dry-run whole (``plan`` as it is), as many as ``--verify-seconds``
 allows, best first: their memory is the exact plan's, and a candidate that no longer fits is dropped.
 """
