@@ -5,7 +5,7 @@ mid-run — and runs each through ``parallel4d check``'s own code (:mod:`paralle
 the shrunk job on gloo workers in float64 against one process, losses to 1e-10, every parameter to 1e-9.
 
 A fixed time budget per run (``PARALLEL4D_FUZZ_SECONDS``, default 20 s, a new seed each run): a draw
-that would end after it, at the longest draw's pace so far, passes without running
+that would end after it, at the slowest pace per rank so far, passes without running
 (``PARALLEL4D_FUZZ_EXAMPLES``, default 40, bounds the draws generated). The seed is printed
 (``PARALLEL4D_FUZZ_SEED`` sets it); every draw prints the one command that reruns it alone,
 ``parallel4d check configs/quickstart.yaml --set ...``. A draw the
@@ -34,7 +34,8 @@ SEED = int(os.environ.get("PARALLEL4D_FUZZ_SEED", random.randrange(2**32)))
 MAX_WORLD = 8  # the CI's 2 cores
 EXAMPLES = int(os.environ.get("PARALLEL4D_FUZZ_EXAMPLES", 40))  # more than the budget runs: the rest are free
 KEEP_GOING = os.environ.get("PARALLEL4D_FUZZ_KEEP_GOING") == "1"  # a long run: count failures, go on
-RUN: dict = {"start": None, "ran": 0, "refused": 0, "failed": [], "longest": 0.0}  # longest: a draw's seconds
+# per_rank: the most seconds a draw took per rank of its world (a world of 8 takes about 8 times a world of 1)
+RUN: dict = {"start": None, "ran": 0, "refused": 0, "failed": [], "per_rank": 0.0, "over": False}
 
 
 def summary() -> list[str]:
@@ -124,7 +125,7 @@ def test_a_drawn_layout_trains_as_one_process(draw):
     RUN["start"] = RUN["start"] or time.monotonic()
     if RUN["ran"] == 0 and RUN["refused"] == 0:
         print(f"\nlayout fuzz: seed {SEED} (PARALLEL4D_FUZZ_SEED={SEED} reruns these draws)", file=sys.stderr)
-    if time.monotonic() - RUN["start"] + RUN["longest"] > BUDGET_S:  # the next draw would overrun the budget
+    if RUN["over"]:  # the budget is spent (the rest of the draws: Hypothesis's generation only)
         return
     job, share, resume = draw
     try:
@@ -133,6 +134,10 @@ def test_a_drawn_layout_trains_as_one_process(draw):
     except ConfigError:
         RUN["refused"] += 1
         assume(False)
+    world = plan.cfg.world_size
+    if time.monotonic() - RUN["start"] + RUN["per_rank"] * world > BUDGET_S:  # it would end after the budget
+        RUN["over"] = True
+        return
     line = command(job, resume)
     print(f"layout fuzz draw {RUN['ran'] + 1}: {line}", file=sys.stderr)
     RUN["ran"] += 1
@@ -140,7 +145,7 @@ def test_a_drawn_layout_trains_as_one_process(draw):
     try:
         with tempfile.TemporaryDirectory() as out:
             outcome = run_check(BASE, job, plan, out, train=_train, resume_at=resume)
-        RUN["longest"] = max(RUN["longest"], time.monotonic() - began)
+        RUN["per_rank"] = max(RUN["per_rank"], (time.monotonic() - began) / world)
         assert outcome.equal, "\n".join([f"seed {SEED}; rerun alone: {line}", *format_report(BASE, plan, outcome)])
     except Exception as e:
         RUN["failed"].append(f"{line}\n    {type(e).__name__}: {str(e)[-600:]}")

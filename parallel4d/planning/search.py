@@ -204,7 +204,7 @@ def _minus(a: RankPlan, b: RankPlan) -> RankPlan:
 
 
 UNIT_ROWS = (2, 3)  # not 1: a dimension of one takes other paths in some ops (views, broadcasts)
-UNIT_DEPTHS = (0, 1)  # the ends alone (embedding, head, loss, optimizer), and with one block: the block is the difference
+UNIT_DEPTHS = (0, 1)  # the ends alone (embedding, head, loss, optimizer), then with one block: its difference
 
 
 def _unit_runs(cfg: Config) -> dict:
