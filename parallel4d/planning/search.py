@@ -358,9 +358,9 @@ def search(path, overrides: list[str], gpus: int, capacity: int, profile: Profil
     ranked += _costed(recompute, cache, capacity, profile)[0]
     ranked = _ordered_for_the_hop(ranked, top, profile, cache, workers)
     shapes = sum(isinstance(v, dict) for v in cache.values())  # the unit runs; Units are cached beside them
+    skipped = f"; {beaten} with recomputation not costed: slower than the {top} best even without it" if beaten else ""
     say(f"{len(cands)} candidates, {shapes} local shapes dry-run ({4 * shapes} unit runs, {workers} "
-        f"processes), {len(ranked)} fit; {beaten} with recomputation not costed: slower than the {top} best "
-        f"even without it ({time.perf_counter() - t0:.1f} s)")
+        f"processes), {len(ranked)} fit{skipped} ({time.perf_counter() - t0:.1f} s)")
     out = _verified(ranked, capacity, profile, time.perf_counter() + verify_seconds)
     say(f"the best {sum(r.exact for r in out)} dry-run whole ({time.perf_counter() - t0:.1f} s in all)")
     return sorted(out, key=lambda x: -x.prediction.tokens_per_s)
