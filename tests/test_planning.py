@@ -3,6 +3,7 @@ fit against points drawn from known rates, the unit dry runs against the whole o
 command-line contract (named errors before anything runs; ``--write`` a job file that loads)."""
 
 import math
+import time
 
 import pytest
 import torch
@@ -13,7 +14,7 @@ from parallel4d.planning import profiles
 from parallel4d.planning.calibrate import fit
 from parallel4d.planning.cost import half_octave, predict, step_floor
 from parallel4d.planning.dry_run import plan
-from parallel4d.planning.search import RING_PROXIES, assembled, layouts, prepare, unit
+from parallel4d.planning.search import RING_PROXIES, Ranked, _verified, assembled, layouts, prepare, unit
 from parallel4d.planning.trace import OpTrace, total
 from parallel4d.tools.cli import main
 
@@ -203,3 +204,16 @@ def test_a_jobs_step_floor_is_below_its_prediction_and_its_recomputing_twins(sch
         free = predict(cfg, ranks, h100, build_order=False).step_s  # the order for free transfers
         assert 0 < floor <= steps[-1] * (1 + 1e-12) and steps[-1] <= free * (1 + 1e-12)
     assert floor > 0.5 * steps[0]  # not vacuous
+
+
+def test_a_whole_dry_run_that_would_outlast_the_verify_budget_is_not_started():
+    """The search dry-runs its best whole only where that can end in ``--verify-seconds``: at the unit runs' pace
+    per op a 7B pipeline's takes minutes, which a default search would otherwise wait out for nothing."""
+    cfg = load_config(QUICK, [*SMALL, "parallel.dp=1", "parallel.pp=2", "pipeline.microbatches=2"])
+    h100 = profiles.load("h100")
+    ranks = assembled(cfg, unit(cfg, {}))
+    best = Ranked([], cfg, 0, predict(cfg, ranks, h100), ranks=ranks)
+    out, estimate = _verified([best], 2**40, h100, time.perf_counter() + 30, seconds_per_op=1.0)
+    assert not out[0].exact and estimate > 30
+    out, estimate = _verified([best], 2**40, h100, time.perf_counter() + 30, seconds_per_op=1e-9)
+    assert out[0].exact and estimate == 0

@@ -22,8 +22,9 @@ pipeline orders are built in the same processes as the unit runs, side by side, 
 candidates. Recomputation only adds work, so a candidate with it is costed only where its twin without it
 does not fit and that twin's step floor (:func:`~parallel4d.planning.cost.step_floor`: a bound for any
 order) is within the top's steps.
-The best candidates are then dry-run whole (``plan`` as it is), as many as ``--verify-seconds``
-allows, best first: their memory is the exact plan's, and a candidate that no longer fits is dropped.
+The ``top`` candidates are then dry-run whole (``plan`` as it is), as many as ``--verify-seconds``
+allows, best first (one whose dry run would outlast it, at the unit runs' pace per op, is not started):
+their memory is the exact plan's, and a candidate that no longer fits is dropped.
 """
 
 from __future__ import annotations
@@ -160,6 +161,14 @@ class Unit:
     ends: RankPlan
 
 
+@dataclass
+class UnitRuns:
+    """A local shape's four unit dry runs, by ``(depth, rows)``, and their pace: seconds per op traced."""
+
+    runs: dict[tuple[int, int], RankPlan]
+    seconds_per_op: float
+
+
 def _line(a: RankPlan, b: RankPlan, t: float, ops: Counter, calls: list[Op] | None = None) -> RankPlan:
     """``a + (b − a)·t`` field by field (dicts key by key), with the op counts given."""
     def f(x, y):
@@ -207,9 +216,18 @@ UNIT_ROWS = (2, 3)  # not 1: a dimension of one takes other paths in some ops (v
 UNIT_DEPTHS = (0, 1)  # the ends alone (embedding, head, loss, optimizer), then with one block: its difference
 
 
-def _unit_runs(cfg: Config) -> dict:
+def _unit_runs(cfg: Config) -> UnitRuns:
     """The four dry runs of ``cfg``'s local shape: :data:`UNIT_DEPTHS` at :data:`UNIT_ROWS` rows."""
-    return {(d, r): dry_run(_unit_cfg(cfg, d, r), 0, timed=True) for d in UNIT_DEPTHS for r in UNIT_ROWS}
+    runs, seconds = {}, {}
+    for d in UNIT_DEPTHS:
+        for r in UNIT_ROWS:
+            began = time.perf_counter()
+            runs[d, r] = dry_run(_unit_cfg(cfg, d, r), 0, timed=True)
+            seconds[d, r] = time.perf_counter() - began
+    # the block's ops' own pace (each run also builds its model: a fixed cost a whole dry run pays once per rank)
+    (d0, d1), rows = UNIT_DEPTHS, UNIT_ROWS[-1]
+    more = len(runs[d1, rows].calls) - len(runs[d0, rows].calls)
+    return UnitRuns(runs, max(0.0, seconds[d1, rows] - seconds[d0, rows]) / max(1, more))
 
 
 def _one_task(task: tuple) -> tuple:
@@ -249,7 +267,7 @@ def unit(cfg: Config, cache: dict) -> Unit:
         return cache[key, rows]
     if key not in cache:
         cache[key] = _unit_runs(cfg)
-    runs, (low, high) = cache[key], UNIT_ROWS
+    runs, (low, high) = cache[key].runs, UNIT_ROWS
     ends, one = (_affine(runs[(d, low)], runs[(d, high)], (rows - low) / (high - low)) for d in UNIT_DEPTHS)
     cache[key, rows] = Unit(_minus(one, ends), ends)
     return cache[key, rows]
@@ -357,12 +375,15 @@ def search(path, overrides: list[str], gpus: int, capacity: int, profile: Profil
     prepare([cfg for _, cfg in recompute], cache, workers)
     ranked += _costed(recompute, cache, capacity, profile)[0]
     ranked = _ordered_for_the_hop(ranked, top, profile, cache, workers)
-    shapes = sum(isinstance(v, dict) for v in cache.values())  # the unit runs; Units are cached beside them
+    runs = [v for v in cache.values() if isinstance(v, UnitRuns)]
     skipped = f"; {beaten} with recomputation not costed: slower than the {top} best even without it" if beaten else ""
-    say(f"{len(cands)} candidates, {shapes} local shapes dry-run ({4 * shapes} unit runs, {workers} "
+    say(f"{len(cands)} candidates, {len(runs)} local shapes dry-run ({4 * len(runs)} unit runs, {workers} "
         f"processes), {len(ranked)} fit{skipped} ({time.perf_counter() - t0:.1f} s)")
-    out = _verified(ranked, capacity, profile, time.perf_counter() + verify_seconds)
-    say(f"the best {sum(r.exact for r in out)} dry-run whole ({time.perf_counter() - t0:.1f} s in all)")
+    pace = sorted(r.seconds_per_op for r in runs)[len(runs) // 2]  # a whole dry run's per op: the units' median
+    out, longer = _verified(ranked[:top], capacity, profile, time.perf_counter() + verify_seconds, pace)
+    out += ranked[top:]
+    unverified = f" (the first left out would take ~{longer:.0f} s, more than --verify-seconds allows)" if longer else ""
+    say(f"the best {sum(r.exact for r in out)} dry-run whole{unverified} ({time.perf_counter() - t0:.1f} s in all)")
     return sorted(out, key=lambda x: -x.prediction.tokens_per_s)
 
 
@@ -421,20 +442,27 @@ def _ordered_for_the_hop(ranked: list[Ranked], top: int, profile: Profile, cache
     return sorted(ranked, key=lambda x: -x.prediction.tokens_per_s)
 
 
-def _verified(ranked: list[Ranked], capacity: int, profile: Profile, deadline: float) -> list[Ranked]:
+def _verified(ranked: list[Ranked], capacity: int, profile: Profile, deadline: float,
+              seconds_per_op: float) -> tuple[list[Ranked], float]:
     """The best first, each dry-run whole while time remains: exact memory (dropped if it does not fit) and
-    the prediction from its own trace."""
-    out = []
+    the prediction from its own trace. One whose dry run would not end in the time left (its ranks' ops at
+    ``seconds_per_op``) is not started; also that estimate for the best of them, if none before it was verified."""
+    out, longer = [], 0.0
     for r in ranked:
         left = deadline - time.perf_counter()
-        ranks = _whole_plan(r.cfg, left) if left > 0 and block_passes(r.cfg) <= MAX_BLOCK_PASSES else None
+        ops = sum(sum(x.ops.values()) for x in r.ranks or [])  # a step's; plan's dry runs make block_passes
+        estimate = seconds_per_op * ops * block_passes(r.cfg) / (r.cfg.model.layers * r.cfg.pipeline.microbatches)
+        if estimate > left and not longer and not any(x.exact for x in out):
+            longer = estimate  # the best one not verified
+        fits_time = left > 0 and estimate <= left and block_passes(r.cfg) <= MAX_BLOCK_PASSES
+        ranks = _whole_plan(r.cfg, left) if fits_time else None
         if ranks is not None:
             need = max(x.device_bytes for x in ranks)
             if need > HEADROOM * capacity:
                 continue
             r = Ranked(r.overrides, r.cfg, need, predict(r.cfg, ranks, profile), exact=True, ranks=ranks)
         out.append(r)
-    return out
+    return out, longer
 
 
 def _whole_plan(cfg: Config, seconds: float) -> list[RankPlan] | None:
