@@ -207,6 +207,14 @@ class PipelineParts(NamedTuple):
     order: dict | None = None  # pipeline.hop_cost: the cost the order was built for (and auto's measurements)
 
 
+def job_schedule(cfg: Config, p2p_cost: float | None = None):
+    """The schedule ``cfg.pipeline`` names on ``parallel.pp`` ranks; ``p2p_cost``: its order built for a hop of
+    that many chunk forwards (:func:`~parallel4d.pipeline.schedule.make_schedule`)."""
+    pl = cfg.pipeline
+    return make_schedule(pl.schedule, cfg.parallel.pp, pl.microbatches, waves=pl.waves,
+                         chunks_per_rank=pl.chunks_per_rank, split_backward=pl.split_backward, p2p_cost=p2p_cost)
+
+
 def build_pipeline(cfg: Config, mesh: Mesh, loss_scale: float = 1.0,
                    activation_dtype: torch.dtype | None = None, context: ForwardContext | None = None) -> PipelineParts:
     """Cut the model into the chunks of ``pipeline.schedule`` and build only this rank's.
@@ -218,8 +226,7 @@ def build_pipeline(cfg: Config, mesh: Mesh, loss_scale: float = 1.0,
     :func:`build_stages`'."""
     pl, p, m = cfg.pipeline, cfg.parallel, cfg.model
     fixed = pl.hop_cost if isinstance(pl.hop_cost, float) else None
-    schedule = make_schedule(pl.schedule, p.pp, pl.microbatches, waves=pl.waves, chunks_per_rank=pl.chunks_per_rank,
-                             split_backward=pl.split_backward, p2p_cost=fixed)
+    schedule = job_schedule(cfg, fixed)
     shape = model_shape(cfg)
     ranges = pipeline_cut(cfg, schedule.num_chunks)
     mine = schedule.placement[mesh.rank("pp")]
@@ -252,13 +259,11 @@ def _ordered_for_the_link(cfg: Config, mesh: Mesh, schedule, chunks, act_shape, 
     their ratio (the placement, hence the chunks built, unchanged). Returns ``(schedule, order info)``:
     the figures, and the simulated bubble at that hop of the order built for it and of the one it
     replaces (uniform chunks, backward 2 forwards)."""
-    pl, p = cfg.pipeline, cfg.parallel
     hop = probe.hop_seconds(mesh, act_shape, wire, cfg.train.timeout_s)
     forward = probe.forward_seconds(chunks, 0, schedule.num_chunks - 1, act_shape, wire, mesh.device)
     hop, forward = probe.agreed([hop, forward], mesh.device)
     cost = round(hop / max(forward, 1e-9), 3)
-    tuned = make_schedule(pl.schedule, p.pp, pl.microbatches, waves=pl.waves, chunks_per_rank=pl.chunks_per_rank,
-                          split_backward=pl.split_backward, p2p_cost=cost)
+    tuned = job_schedule(cfg, cost)
     if tuned.placement != schedule.placement:  # the searched orders keep their placement: a bug otherwise
         raise RuntimeError(f"pipeline.hop_cost=auto: the order built for {cost} moved the chunks")
     bubbles = [simulate(s, 1.0, 2.0, cost).bubble_ratio for s in (tuned, schedule)]

@@ -26,9 +26,9 @@ from dataclasses import dataclass, field
 
 from parallel4d.config.schema import Config
 from parallel4d.distributed.mesh import AXES, mesh_shape
+from parallel4d.engine.compose import job_schedule
 from parallel4d.engine.flops import flops_per_token
 from parallel4d.pipeline import makespan_floor, simulate
-from parallel4d.pipeline.schedule import make_schedule
 from parallel4d.planning.profiles import Profile
 from parallel4d.planning.trace import PHASES, Op
 from parallel4d.planning.dry_run import RankPlan
@@ -149,16 +149,9 @@ def half_octave(ratio: float) -> float:
 
 
 def order_key(cfg: Config, p2p_cost: float | None = None) -> tuple:
-    """What :func:`make_order` builds ``cfg``'s schedule from (for a hop of ``p2p_cost`` chunk forwards)."""
+    """What tells ``cfg``'s schedule (its order built for a hop of ``p2p_cost`` chunk forwards) from another's."""
     pl = cfg.pipeline
     return pl.schedule, cfg.parallel.pp, pl.microbatches, pl.waves, pl.chunks_per_rank, pl.split_backward, p2p_cost
-
-
-def make_order(key: tuple):
-    """The schedule a run builds (:func:`~parallel4d.pipeline.schedule.make_schedule`) from :func:`order_key`."""
-    name, pp, m, waves, chunks_per_rank, split, p2p_cost = key
-    return make_schedule(name, pp, m, waves=waves, chunks_per_rank=chunks_per_rank, split_backward=split,
-                         p2p_cost=p2p_cost)
 
 
 def order(cfg: Config, orders: dict | None, p2p_cost: float | None = None):
@@ -167,9 +160,9 @@ def order(cfg: Config, orders: dict | None, p2p_cost: float | None = None):
     never edit it."""
     key = order_key(cfg, p2p_cost)
     if orders is None:
-        return make_order(key)
+        return job_schedule(cfg, p2p_cost)
     if key not in orders:
-        orders[key] = make_order(key)
+        orders[key] = job_schedule(cfg, p2p_cost)
     return orders[key]
 
 
@@ -219,12 +212,10 @@ def _pipeline(cfg: Config, plans: list[RankPlan], times: list[RankTime], profile
     return sim.makespan, sim.bubble_ratio, hop
 
 
-def hop_order_key(cfg: Config, plans: list[RankPlan], profile: Profile, round_hop=None) -> tuple | None:
-    """The :func:`order_key` of the order :func:`predict` simulates ``cfg`` with (None: no pipeline)."""
-    if cfg.parallel.pp == 1:
-        return None
+def hop_cost_of(cfg: Config, plans: list[RankPlan], profile: Profile, round_hop=None) -> float | None:
+    """The hop (in chunk forwards) the order :func:`predict` simulates a pipelined ``cfg`` with is built for."""
     times = [rank_time(cfg, p, profile) for p in plans]
-    return order_key(cfg, _hop_cost(cfg, times, hop_seconds(cfg, plans[0], profile), round_hop))
+    return _hop_cost(cfg, times, hop_seconds(cfg, plans[0], profile), round_hop)
 
 
 def _after_pipeline(times: list[RankTime]) -> dict[str, float]:

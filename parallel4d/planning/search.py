@@ -41,11 +41,10 @@ import torch
 from parallel4d.config.errors import ConfigError
 from parallel4d.config.load import load_config
 from parallel4d.config.schema import Config
-from parallel4d.engine.compose import pipeline_cut
+from parallel4d.engine.compose import job_schedule, pipeline_cut
 from parallel4d.engine.model import pipeline_activation_dtype
 from parallel4d.pipeline import simulate
-from parallel4d.planning.cost import (INSIDE, Prediction, half_octave, hop_order_key, make_order, order, order_key,
-                                      predict, step_floor)
+from parallel4d.planning.cost import INSIDE, Prediction, half_octave, hop_cost_of, order, order_key, predict, step_floor
 from parallel4d.planning.profiles import Profile
 from parallel4d.planning.trace import Op
 from parallel4d.planning.dry_run import HEADROOM, MAX_BLOCK_PASSES, RankPlan, block_passes, dry_run, human, plan
@@ -231,19 +230,23 @@ def _unit_runs(cfg: Config) -> UnitRuns:
 
 
 def _one_task(task: tuple) -> tuple:
-    """``(cache key, value)`` of a unit shape's runs (``("unit", cfg)``) or of an order (``("order", key)``)."""
+    """``(cache key, value)`` of a unit shape's runs (``("unit", cfg)``) or of an order (``("order", (cfg,
+    p2p_cost))``)."""
     torch.set_num_threads(1)  # a dry run computes nothing: its cost is Python's, one core per worker
     kind, what = task
-    return (_unit_key(what), _unit_runs(what)) if kind == "unit" else (what, make_order(what))
+    if kind == "unit":
+        return _unit_key(what), _unit_runs(what)
+    return order_key(*what), job_schedule(*what)
 
 
-def prepare(cfgs: list[Config], cache: dict, workers: int, orders=()) -> None:
+def prepare(cfgs: list[Config], cache: dict, workers: int, orders: list[tuple[Config, float | None]] = ()) -> None:
     """Into ``cache``: the unit runs of every local shape among ``cfgs`` (their :func:`_proxies`') and the
-    ``orders`` (by :func:`~parallel4d.planning.cost.order_key`) it lacks, ``workers`` processes at once
+    ``(cfg, p2p_cost)`` orders (by :func:`~parallel4d.planning.cost.order_key`) it lacks, ``workers`` processes at once
     (forked: a dry run and an order's search are pure Python work), the costliest first (an order of 16
     ranks takes seconds, as does a unit of a ring or a grid of 4)."""
     shapes = {_unit_key(x): x for c in cfgs for x in _proxies(c) if _unit_key(x) not in cache}
-    todo = [("order", k) for k in sorted(set(orders) - set(cache), key=lambda k: -k[1] * k[2])]
+    missing = {order_key(*o): o for o in orders if order_key(*o) not in cache}
+    todo = [("order", missing[k]) for k in sorted(missing, key=lambda k: -k[1] * k[2])]  # pp·m: the costliest
     todo += [("unit", c) for c in sorted(shapes.values(), key=lambda c: -c.parallel.sp * c.parallel.tp)]
     if workers <= 1 or len(todo) <= 1:
         cache.update(_one_task(t) for t in todo)
@@ -369,7 +372,7 @@ def search(path, overrides: list[str], gpus: int, capacity: int, profile: Profil
     workers = workers or os.cpu_count() or 1
     cache: dict = {}  # unit runs, Units, orders, peaks
     plain = [c for c in cands if c[1].train.activation_checkpointing == "none"]
-    prepare([cfg for _, cfg in plain], cache, workers, {order_key(cfg) for _, cfg in cands if cfg.parallel.pp > 1})
+    prepare([cfg for _, cfg in plain], cache, workers, [(cfg, None) for _, cfg in cands if cfg.parallel.pp > 1])
     ranked, floors = _costed(plain, cache, capacity, profile)
     recompute, beaten = _worth_recomputing(cands, ranked, floors, top)
     prepare([cfg for _, cfg in recompute], cache, workers)
@@ -382,7 +385,8 @@ def search(path, overrides: list[str], gpus: int, capacity: int, profile: Profil
     pace = sorted(r.seconds_per_op for r in runs)[len(runs) // 2]  # a whole dry run's per op: the units' median
     out, longer = _verified(ranked[:top], capacity, profile, time.perf_counter() + verify_seconds, pace)
     out += ranked[top:]
-    unverified = f" (the first left out would take ~{longer:.0f} s, more than --verify-seconds allows)" if longer else ""
+    unverified = f" (the first left out would take ~{longer:.0f} s, more than --verify-seconds allows)" if longer \
+        else ""
     say(f"the best {sum(r.exact for r in out)} dry-run whole{unverified} ({time.perf_counter() - t0:.1f} s in all)")
     return sorted(out, key=lambda x: -x.prediction.tokens_per_s)
 
@@ -433,8 +437,8 @@ def _ordered_for_the_hop(ranked: list[Ranked], top: int, profile: Profile, cache
     for i, r in enumerate(ranked):
         best_of.setdefault((r.cfg.pipeline.schedule, r.cfg.pipeline.waves), i)
     chosen = [i for i in sorted(set(range(min(top, len(ranked)))) | set(best_of.values())) if not ranked[i].order_built]
-    keys = {hop_order_key(ranked[i].cfg, ranked[i].ranks, profile, half_octave) for i in chosen}
-    prepare([], cache, workers, keys - {None})
+    prepare([], cache, workers, [(ranked[i].cfg, hop_cost_of(ranked[i].cfg, ranked[i].ranks, profile, half_octave))
+                                 for i in chosen if ranked[i].cfg.parallel.pp > 1])
     for i in chosen:
         r = ranked[i]
         ranked[i] = replace(r, prediction=predict(r.cfg, r.ranks, profile, round_hop=half_octave, orders=cache),

@@ -33,9 +33,8 @@ from parallel4d.config.errors import ConfigError
 from parallel4d.config.load import load_config
 from parallel4d.config.rules.hetero import chunk_step
 from parallel4d.config.schema import Config
-from parallel4d.engine.compose import pipeline_cut
+from parallel4d.engine.compose import job_schedule, pipeline_cut
 from parallel4d.launcher import launch as launch_module
-from parallel4d.pipeline.schedule import make_schedule
 from parallel4d.planning.dry_run import plan
 
 LOSS_RTOL = 1e-10
@@ -355,9 +354,7 @@ def _where(cfg: Config, name: str) -> str:
     """The pipeline rank that holds the dense tensor ``name`` (its stage's chunk), when pp > 1."""
     if cfg.parallel.pp == 1:
         return ""
-    pl = cfg.pipeline
-    schedule = make_schedule(pl.schedule, cfg.parallel.pp, pl.microbatches, waves=pl.waves,
-                             chunks_per_rank=pl.chunks_per_rank, split_backward=pl.split_backward)
+    schedule = job_schedule(cfg)
     stage = _stage(cfg, name)
     chunk = next(c for c, r in enumerate(pipeline_cut(cfg, schedule.num_chunks)) if stage in r)
     return f"; stage {stage} is in chunk {chunk}, on pp rank {schedule.owner(chunk)}"
