@@ -366,3 +366,13 @@ def test_strict_types_keep_ordinary_yaml_working(tmp_path):
     assert cfg.optimizer.lr == 2e-3 and cfg.optimizer.eps == 1e-8 and cfg.optimizer.betas == (0.8, 0.9)
     assert cfg.train.timeout_s == 1000.0 and cfg.train.steps == 50 and cfg.hetero.compute_device == "cuda:1"
     assert make_config(yaml.safe_load(cfg.to_yaml())) == cfg
+
+
+def test_a_home_directory_in_a_path_field_expands(tmp_path, monkeypatch):
+    """`train.out_dir: ~/x` is the home directory's x, as in a shell, not a directory named `~` under the
+    current one: every path field expands `~` (model.pretrained before its config.json is read)."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    cfg = load_config({"train": {"out_dir": "~/runs/x"}, "checkpoint": {"dir": "~/ckpt"}})
+    assert cfg.train.out_dir == str(tmp_path / "runs" / "x") and cfg.checkpoint_dir == tmp_path / "ckpt"
+    with pytest.raises(ConfigError, match=f"cannot read {tmp_path / 'model' / 'config.json'}"):
+        load_config({}, ["model.pretrained=~/model"])

@@ -5,6 +5,8 @@ keep what was trained."""
 import importlib
 import json
 import os
+import pty
+import select
 import shutil
 import signal
 import subprocess
@@ -397,10 +399,11 @@ def launch_with_slow_saves(path: str) -> int:
 
 class Launcher:
     """``parallel4d launch`` on ``cfg`` in a session of its own (its process group is what a terminal's
-    Ctrl-C signals), under ``wrapper`` (e.g. GNU timeout); stderr collected by a thread. On leaving the
-    ``with`` block, a job still running is killed (a failed check must not leave it under the suite)."""
+    Ctrl-C signals), under ``wrapper`` (e.g. GNU timeout); stderr collected by a thread, from a pipe or,
+    with ``terminal``, from a pseudo-terminal (:meth:`hang_up` closes it). On leaving the ``with`` block,
+    a job still running is killed (a failed check must not leave it under the suite)."""
 
-    def __init__(self, tmp_path, cfg, wrapper=(), slow_saves=False):
+    def __init__(self, tmp_path, cfg, wrapper=(), slow_saves=False, terminal=False):
         self.tmp = tmp_path
         path = tmp_path / "job.yaml"
         path.write_text(yaml.safe_dump(cfg))
@@ -409,16 +412,36 @@ class Launcher:
                       "sys.exit(test_faults.launch_with_slow_saves(sys.argv[1]))"] if slow_saves
                else ["-m", "parallel4d", "launch"])
         self.wrapped = bool(wrapper)
-        self.proc = subprocess.Popen([*wrapper, sys.executable, *cli, str(path)], stderr=subprocess.PIPE, text=True,
+        self.terminal, self.hung_up = pty.openpty() if terminal else None, threading.Event()
+        self.proc = subprocess.Popen([*wrapper, sys.executable, *cli, str(path)], text=True,
+                                     stderr=self.terminal[1] if terminal else subprocess.PIPE,
                                      start_new_session=True, env={**os.environ, "TMPDIR": str(tmp_path / "tmp")},
                                      preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+        if terminal:
+            os.close(self.terminal[1])
         self.lines: list[str] = []
-        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader = threading.Thread(target=self._read_terminal if terminal else self._read, daemon=True)
         self.reader.start()
 
     def _read(self):
         for line in self.proc.stderr:
             self.lines.append(line)
+
+    def _read_terminal(self):
+        master = self.terminal[0]
+        while not self.hung_up.is_set():
+            if select.select([master], [], [], 0.05)[0]:
+                try:
+                    chunk = os.read(master, 1 << 16)
+                except OSError:  # every process of the job has closed it
+                    return
+                self.lines.append(chunk.decode(errors="replace"))
+
+    def hang_up(self) -> None:
+        """Close the terminal, as its window closing does: every write to it fails (EIO) from now on."""
+        self.hung_up.set()
+        self.reader.join(5)
+        os.close(self.terminal[0])
 
     def __enter__(self):
         return self
@@ -427,6 +450,8 @@ class Launcher:
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait()
+        if self.terminal and not self.hung_up.is_set():
+            self.hang_up()
 
     def text(self) -> str:
         return "".join(self.lines)
@@ -580,6 +605,113 @@ def test_gnu_timeout_signalling_twice_waits_for_the_workers_and_their_save(job_r
 
 
 @side_by_side
+def sighup_to_the_group_saves_and_stops_as_sigterm_does(tmp_path):
+    ckpt = tmp_path / "run" / "checkpoints"
+    with Launcher(tmp_path, saving_job(tmp_path, dp=2)) as job:
+        job.wait_for_line("step 3/")
+        processes = job.job_processes()
+        os.killpg(job.proc.pid, signal.SIGHUP)  # a shell passing on its terminal's hang-up to the job
+        code = job.finish()
+        left = running(processes)
+    return job, ckpt, code, left
+
+
+def test_sighup_to_the_group_saves_and_stops_as_sigterm_does(job_result):
+    """SIGHUP to the whole process group (a terminal closed under the job, an ssh session ending without
+    nohup): the workers finish the step and save, the launcher names the checkpoint it verified and
+    exits 129; summary.json records SIGHUP and finished: false; no process of the job is left."""
+    job, ckpt, code, left = job_result
+    err, summary, saved = assert_stopped_and_saved(job, code, left, "SIGHUP")
+    assert saved == ckpt / f"step_{summary['steps']:08d}"
+    assert f"stopped by SIGHUP at step {summary['steps']}, after saving checkpoint {saved} (verified" in err, err[-3000:]
+    assert "Traceback" not in err, err[-3000:]
+
+
+def metrics_lines(run) -> int:
+    """How many steps the run has logged (metrics.jsonl's lines)."""
+    try:
+        return (run / "metrics.jsonl").read_text().count("\n")
+    except FileNotFoundError:
+        return 0
+
+
+@side_by_side
+def sighup_to_the_launcher_of_a_closed_terminal_saves_and_stops(tmp_path):
+    with Launcher(tmp_path, saving_job(tmp_path, dp=2), terminal=True) as job:
+        job.wait_for(lambda: metrics_lines(tmp_path / "run") >= 3, "the third step (a progress bar on a terminal)")
+        processes = job.job_processes()
+        job.hang_up()
+        os.kill(job.proc.pid, signal.SIGHUP)  # what the kernel sends a session's leader when its terminal closes
+        code = job.finish()
+        left = running(processes)
+    return job, code, left
+
+
+def test_sighup_to_the_launcher_of_a_closed_terminal_saves_and_stops(job_result):
+    """The terminal of the job (every process's stderr) hangs up, then SIGHUP reaches the launcher alone: it
+    passes it on, the workers save as for SIGTERM though no line they write can be shown (each write to a
+    hung-up terminal fails), and the launcher exits 129 once the checkpoint verified; nothing is left running."""
+    job, code, left = job_result
+    assert_stopped_and_saved(job, code, left, "SIGHUP")
+
+
+def _zygote(job) -> int | None:
+    return next((pid for pid, cmd in child_processes(job.proc.pid) if b"--fork" in cmd), None)
+
+
+@side_by_side
+def ctrl_c_while_the_workers_start_ends_the_job_in_one_line(tmp_path):
+    with Launcher(tmp_path, tiny_job(tmp_path / "run", dp=2)) as job:
+        job.wait_for(lambda: _zygote(job), "the zygote's interpreter starting")
+        os.killpg(job.proc.pid, signal.SIGINT)  # its interpreter's start: Python's own SIGINT handler, then imports
+        code = job.finish()
+    return tmp_path, job, code
+
+
+def test_ctrl_c_while_the_workers_start_ends_the_job_in_one_line(job_result):
+    """Ctrl-C to the group while the zygote's interpreter starts (its own imports, before it forks a worker):
+    exit 130 and the one line saying the job was stopped before its workers started, never a
+    KeyboardInterrupt traceback from a process of the job; the run directory it created is gone."""
+    tmp_path, job, code = job_result
+    err = job.text()
+    assert code == 130, err[-3000:]
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err[-3000:]
+    assert err.splitlines()[-1] == "parallel4d: SIGINT stopped the job before its workers started: nothing was lost"
+    assert not (tmp_path / "run").exists()
+
+
+@side_by_side
+def a_job_stopped_whole_longer_than_its_timeout_is_not_blamed_on_a_rank(tmp_path):
+    cfg = tiny_job(tmp_path / "run", dp=2)
+    with Launcher(tmp_path, cfg) as job:
+        job.wait_for_line("step 3/")
+        processes = job.job_processes()
+        # rank 0 a moment first, as a Ctrl-Z reaches processes one by one: rank 1 is waiting for it by then
+        os.kill(worker_pid(job.proc.pid, 0), signal.SIGSTOP)
+        time.sleep(0.2)
+        os.killpg(job.proc.pid, signal.SIGSTOP)
+        time.sleep(cfg["train"]["timeout_s"] + 1.0)
+        os.killpg(job.proc.pid, signal.SIGCONT)  # `fg`
+        code = job.finish()
+        left = running(processes)
+    return tmp_path, job, code, left
+
+
+def test_a_job_stopped_whole_longer_than_its_timeout_is_not_blamed_on_a_rank(job_result):
+    """SIGSTOP to the whole group (Ctrl-Z) for longer than train.timeout_s, then SIGCONT (fg): the waits in
+    progress ran out while it was stopped (gloo's timer counts the stop), so the job ends, and it says that
+    the job was stopped and for how long, that no rank is at fault, what is lost and how to pause a job
+    instead; exit 1, no worker's traceback, no rank blamed, nothing left running."""
+    tmp_path, job, code, left = job_result
+    err = job.text()
+    assert code == 1 and left == [], err[-3000:]
+    assert "the job was stopped (SIGSTOP or Ctrl-Z of its whole process group) for 4." in err, err[-3000:]
+    assert ("no rank is at fault (CommTimeout: rank " in err and "lost: everything trained (there is no complete "
+            "checkpoint). To pause a job, stop it with Ctrl-C or SIGTERM" in err), err[-3000:]
+    assert "Traceback" not in err and "worker rank" not in err and "stopped answering:" not in err, err[-3000:]
+
+
+@side_by_side
 def a_killed_zygote_is_blamed_as_the_zygote_and_its_workers_are_stopped(tmp_path):
     with Launcher(tmp_path, tiny_job(tmp_path / "run", dp=2)) as job:
         job.wait_for_line("step 3/")
@@ -713,6 +845,59 @@ def test_the_interrupt_grace_never_cuts_a_save_short(tmp_path):
         spawn(_save_slowly_after_a_signal, 2, (os.getpid(), str(tmp_path / "unseen"), 30.0), timeout_s=60,
               interrupt_grace_s=0.2)
     assert worker_pids(os.getpid()) == {}
+
+
+def test_a_job_timeout_shorter_than_the_workers_start_up_is_said_in_one_line(tmp_path, capsys, monkeypatch):
+    """train.job_timeout_s=1 with workers slower to start (their zygote imports a module that takes 3 s):
+    exit 1 and one line naming the field and the fix, not the launcher's traceback about a worker never
+    started; no run directory left behind, no process left."""
+    from parallel4d.tools.cli import main
+
+    launch_module = importlib.import_module("parallel4d.launcher.launch")
+    monkeypatch.setattr(launch_module, "_preload", lambda cfg: ("slow_to_import",))
+    cfg = tiny_job(tmp_path / "run", steps=2, dp=2)
+    cfg["train"]["job_timeout_s"] = 1
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    assert main(["launch", str(path)]) == 1
+    err = capsys.readouterr().err
+    assert err.splitlines()[-1] == (
+        "parallel4d: the job failed: train.job_timeout_s=1 ran out while the workers were still starting (importing, "
+        "joining the process group; ranks still running: [0, 1]); raise train.job_timeout_s well above their "
+        "start-up, or leave it out (a week)"), err
+    assert not (tmp_path / "run").exists() and worker_pids(os.getpid()) == {}
+
+
+def test_a_refused_launch_leaves_no_directory_behind(tmp_path, capsys):
+    """A launch refused once its run directory exists (here train.resume=false and a checkpoint.dir holding
+    an earlier run's checkpoints) exits 2 and removes the train.out_dir it created, with the parents it
+    created; what was there before stays."""
+    from parallel4d.tools.cli import main
+
+    ckpt = tmp_path / "earlier" / "checkpoints"
+    (ckpt / "step_00000002").mkdir(parents=True)
+    cfg = tiny_job(tmp_path / "new" / "run", steps=2)
+    cfg["checkpoint"] = {"enabled": True, "dir": str(ckpt)}
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    assert main(["launch", str(path)]) == 2
+    assert "already holds checkpoints (step_00000002)" in capsys.readouterr().err
+    assert not (tmp_path / "new").exists() and (ckpt / "step_00000002").is_dir()
+
+
+def _sighup_ignored() -> bool:
+    return signal.getsignal(signal.SIGHUP) == signal.SIG_IGN
+
+
+def test_a_launch_under_nohup_keeps_sighup_ignored_in_its_workers():
+    """SIGHUP stops a job as SIGTERM does, except where the launcher started with it ignored (nohup): its
+    workers ignore it too, as nohup asked."""
+    assert spawn(_sighup_ignored, 1, timeout_s=60, preload=()) == [False]
+    old = signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    try:
+        assert spawn(_sighup_ignored, 1, timeout_s=60, preload=()) == [True]
+    finally:
+        signal.signal(signal.SIGHUP, old)
 
 
 def _remove_the_job_directory_then_fail():

@@ -12,7 +12,7 @@ from pydantic import ValidationError
 from parallel4d.config.errors import ConfigError
 from parallel4d.config.messages import format_validation_error
 from parallel4d.config.reader import _parse_yaml, apply_overrides
-from parallel4d.config.schema import Config
+from parallel4d.config.schema import Config, expand_home
 
 from parallel4d.config.hf_fields import mismatches, model_fields_from_hf
 
@@ -35,7 +35,7 @@ def _pretrained_fields(data: dict) -> dict:
     where = model.get("pretrained") if isinstance(model, dict) else None
     if not isinstance(where, str) or not where:
         return data  # absent, or refused by the field's own validation
-    path = Path(where) / "config.json"
+    path = Path(expand_home(where)) / "config.json"
     try:
         hf = json.loads(path.read_text())
         if not isinstance(hf, dict):

@@ -40,12 +40,18 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, validate_assignment=False)
 
 
+def expand_home(path: str) -> str:
+    """``path`` with a leading ``~`` or ``~user`` expanded, as a shell does: a job file's path fields
+    (``PathStr``) mean the home directory there, not a directory named ``~``."""
+    return os.path.expanduser(path)
+
+
 def _check_path(value: str) -> str:
     if not value:
         raise ValueError("is an empty path; give a directory, or leave the field out for its default")
     if "\0" in value:
         raise ValueError(f"{value!r} contains a NUL byte, which no file system accepts; remove it")
-    return _encodes(value)
+    return _encodes(expand_home(value))
 
 
 def _encodes(value: str) -> str:

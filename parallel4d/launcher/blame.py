@@ -75,6 +75,20 @@ def blame(procs, tmp, settled: bool) -> tuple[int, str] | None:
                        f"rank {first} {'reported first' if lost else 'timed out first'}:\n{details}")
 
 
+def only_consequences(procs, tmp) -> str | None:
+    """When every failure so far is a consequence — each error reported a timeout or a lost peer, and no
+    worker died without a word but by an abort (NCCL's watchdog) — the first line of the one
+    :func:`blame` would show first (no rank failed of itself); else None."""
+    reports = _reports(procs, tmp)
+    died = [r for r, p in enumerate(procs) if p.poll() not in (None, 0) and r not in reports]
+    if not all(is_consequence(d) for _, d in reports.values()) or not (reports or died):
+        return None
+    if any(procs[r].returncode != -signal.SIGABRT for r in died):
+        return None
+    _, details, _ = _first_consequence(procs, reports, died)
+    return details.splitlines()[0]
+
+
 def _first_consequence(procs, reports, aborted) -> tuple[int, str, bool]:
     """``(rank, details, a lost peer?)``: the earliest timeout before any lost peer among the reports,
     else the first rank that aborted without a word."""

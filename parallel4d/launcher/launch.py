@@ -36,9 +36,10 @@ from parallel4d.config.schema import Config
 from parallel4d.distributed.startup import (cpu_fallback_note, device_and_backend, init_process_group_from_env,
                                             worker_threads)
 from parallel4d.launcher.preflight import check_job, under_torchrun
-from parallel4d.launcher.rundir import RunLock, check_history, check_writable
+from parallel4d.launcher.rundir import RunLock, check_history, check_writable, first_missing, remove_if_unused
 from parallel4d.training.loop import run_training
 from parallel4d.launcher.spawn import TRAINING_IMPORTS, spawn
+from parallel4d.launcher.supervise import Signals, WorkerTimeout
 
 
 @contextmanager
@@ -46,22 +47,39 @@ def prepared(cfg: Config, local: bool, device_type: str = "cpu", source: str | N
     """:func:`check_job`, then the run directories checked and locked for the job.
 
     The lock comes before the look for another run's checkpoints, so a job still writing them is
-    reported as a job in use, not as leftovers.
+    reported as a job in use, not as leftovers. A launch refused or failed before writing in the
+    directories it created leaves none of them behind.
     """
     check_job(cfg, local, device_type, source)
-    check_writable(cfg.train.out_dir, "train.out_dir")
-    dirs = [Path(cfg.train.out_dir)]
+    dirs = {Path(cfg.train.out_dir): "train.out_dir"}
     if cfg.checkpoint.enabled:
-        check_writable(cfg.checkpoint_dir, "checkpoint.dir" if cfg.checkpoint.dir else "train.out_dir")
-        dirs.append(cfg.checkpoint_dir)
-    with RunLock(dirs):
-        if cfg.checkpoint.enabled:
-            check_start(cfg.checkpoint_dir, cfg.train.resume)
-        continues = cfg.checkpoint.enabled and holds_checkpoints(cfg.checkpoint_dir)
-        check_history(cfg.train.out_dir, cfg.train.resume, continues)
-        if cfg.checkpoint.enabled and cfg.train.resume:
-            check_resume_model(cfg.checkpoint_dir, cfg.model)
-        yield
+        dirs.setdefault(cfg.checkpoint_dir, "checkpoint.dir" if cfg.checkpoint.dir else "train.out_dir")
+    created = [top for top in dict.fromkeys(map(first_missing, dirs)) if top is not None]
+    try:
+        for path, field in dirs.items():
+            check_writable(path, field)
+        with RunLock(list(dirs)):
+            try:
+                if cfg.checkpoint.enabled:
+                    check_start(cfg.checkpoint_dir, cfg.train.resume)
+                continues = cfg.checkpoint.enabled and holds_checkpoints(cfg.checkpoint_dir)
+                check_history(cfg.train.out_dir, cfg.train.resume, continues)
+                if cfg.checkpoint.enabled and cfg.train.resume:
+                    check_resume_model(cfg.checkpoint_dir, cfg.model)
+                yield
+            except BaseException:
+                _remove_unused(created)  # while locked: no other job can have started writing there
+                raise
+    except BaseException:
+        _remove_unused(created)  # e.g. the second directory not writable: the first one goes
+        raise
+
+
+def _remove_unused(created: list[Path]) -> None:
+    """A refused or failed launch leaves nothing behind: of the directories it created, those it wrote
+    nothing in (an earlier check created them, the run never wrote there) are removed."""
+    for top in created:
+        remove_if_unused(top)
 
 
 def _train_entry(cfg_dict: dict) -> dict:
@@ -129,14 +147,18 @@ def launch(config: str | Path | Config | dict, overrides: list[str] | None = Non
     threads = worker_threads(cfg)
     started = time.time() - 2.0  # a file system's timestamps may be that coarse
     enabled = cfg.checkpoint.enabled
-    with prepared(cfg, True, device, source):
+    # the stop signals counted from the first word about the workers on: their start is the supervisor's
+    with prepared(cfg, True, device, source), Signals() as signals:
         joined = _say_starting(cfg, device, threads)
-        results = spawn(
-            _train_entry, cfg.world_size, (cfg.model_dump(mode="json"),), backend=backend,
-            timeout_s=cfg.train.job_timeout_s or 7 * 24 * 3600.0,
-            pg_timeout_s=group_timeout_s(backend, cfg.train.timeout_s), threads_per_worker=threads,
-            saving=lambda: save_in_progress(cfg.checkpoint_dir, started) if enabled else None,
-            saved=lambda: _newest_checkpoint(cfg.checkpoint_dir) if enabled else None,
-            refusals=(ConfigError, CheckpointError), joined=joined, preload=_preload(cfg),
-        )
+        try:
+            results = spawn(
+                _train_entry, cfg.world_size, (cfg.model_dump(mode="json"),), backend=backend,
+                timeout_s=cfg.train.job_timeout_s or 7 * 24 * 3600.0,
+                pg_timeout_s=group_timeout_s(backend, cfg.train.timeout_s), threads_per_worker=threads,
+                saving=lambda: save_in_progress(cfg.checkpoint_dir, started) if enabled else None,
+                saved=lambda: _newest_checkpoint(cfg.checkpoint_dir) if enabled else None,
+                refusals=(ConfigError, CheckpointError), joined=joined, preload=_preload(cfg), signals=signals,
+            )
+        except WorkerTimeout as e:  # the limit is the job's field: named, with the fix
+            raise WorkerTimeout(e.limit_s, e.running, e.starting, field="train.job_timeout_s") from None
     return results[0]

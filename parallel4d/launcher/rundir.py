@@ -2,7 +2,8 @@
 
 ``check_writable`` creates the directory and a probe file in it, so a chmod-555 or
 read-only ``train.out_dir`` is reported before training rather than at the first
-save. :class:`RunLock` holds an exclusive ``flock`` on ``<dir>/.parallel4d.lock``
+save; a launch refused (or ended) before writing in a directory it created removes it again
+(:func:`first_missing`, :func:`remove_if_unused`). :class:`RunLock` holds an exclusive ``flock`` on ``<dir>/.parallel4d.lock``
 for the job's lifetime, with the holder's pid, host and start time written in
 it: a second job on the same directory is refused at once, naming them. The
 kernel drops the lock when its holder dies, so a lock file left by a killed job
@@ -37,6 +38,46 @@ def check_writable(path: str | Path, field: str) -> None:
         why = os.strerror(e.errno) if e.errno else str(e)
         raise ConfigError(f"{field}={str(path)!r} is not writable ({why}: {e.filename or path}); "
                           f"choose a directory you can write to, or fix its permissions") from None
+
+
+def first_missing(path: str | Path) -> Path | None:
+    """The outermost directory of ``path`` (itself or a parent) that does not exist yet: what creating it
+    creates; None when it exists."""
+    path = Path(path).absolute()
+    missing = None
+    for d in (path, *path.parents):
+        if d.exists() or d.is_symlink():
+            return missing
+        missing = d
+    return missing
+
+
+def remove_if_unused(directory: Path) -> None:
+    """Remove ``directory`` when it holds nothing but empty directories and run locks (:class:`RunLock`'s,
+    which a launch that ended having written nothing leaves): a launch leaves nothing behind that it
+    created for a run it never ran. Anything else in it keeps it whole."""
+    if _unused(directory):
+        try:
+            _remove_unused(directory)
+        except OSError:  # written meanwhile: what is left stays
+            pass
+
+
+def _unused(d: Path) -> bool:
+    try:
+        return d.is_dir() and not d.is_symlink() and all(
+            (e.name == LOCK_NAME and e.is_file() and not e.is_symlink()) or _unused(e) for e in d.iterdir())
+    except OSError:
+        return False
+
+
+def _remove_unused(d: Path) -> None:
+    for entry in d.iterdir():
+        if entry.is_dir():
+            _remove_unused(entry)
+        else:
+            entry.unlink()
+    d.rmdir()
 
 
 HISTORY = ("summary.json", "metrics.jsonl")  # what a run writes into train.out_dir about itself

@@ -12,6 +12,7 @@ import pickle
 import shutil
 import sys
 import tempfile
+from contextlib import nullcontext
 from typing import Any, Callable
 
 from parallel4d.launcher.supervise import Signals, Supervisor
@@ -38,6 +39,7 @@ def spawn(
     refusals: tuple[type[BaseException], ...] = (),
     joined: Callable[[], None] | None = None,
     preload: tuple[str, ...] = (),
+    signals: Signals | None = None,
 ) -> list[Any]:
     """Run ``fn(*args, **kwargs)`` on ``world_size`` fresh processes; return each rank's result.
 
@@ -47,8 +49,9 @@ def spawn(
     the first failing rank's traceback, :class:`~.supervise.WorkerTimeout` after ``timeout_s``; an exception of
     one of ``refusals`` (a user's mistake, e.g. ConfigError) that caused the failure is raised as itself.
 
-    SIGINT or SIGTERM to this process is passed on to the workers (the signal received), which are
-    expected to stop cleanly: their results are returned as usual. ``saving()`` names the save in
+    A stop signal to this process (SIGINT, SIGTERM, SIGHUP) is passed on to the workers (the signal
+    received), which are expected to stop cleanly: their results are returned as usual. ``signals``: the
+    caller's :class:`~.supervise.Signals`, entered already (a launch counts them from before it spawns). ``saving()`` names the save in
     progress (e.g. ``"step 12"``) or None, ``saved()`` the newest complete checkpoint: the interrupt
     grace never ends while a save is in progress, a second signal says what it waits for, and a third
     (or the grace run out) kills the workers and raises :class:`~.supervise.Interrupted` saying what was lost.
@@ -70,10 +73,11 @@ def spawn(
                      tuple(preload), child_env), f)
     procs: list = []
     zygote = None
-    with Signals() as signals:
+    with nullcontext(signals) if signals is not None else Signals() as signals:
         try:
             procs, zygote = start(payload, tmp, world_size)
-            Supervisor(procs, zygote, tmp, signals, timeout_s, interrupt_grace_s, saving, saved, joined).run()
+            Supervisor(procs, zygote, tmp, signals, timeout_s, interrupt_grace_s, saving, saved, joined,
+                       collective_limit_s=pg_timeout_s).run()
             results = []
             for r in range(world_size):
                 with open(os.path.join(tmp, f"result{r}.pkl"), "rb") as f:

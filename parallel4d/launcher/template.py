@@ -24,7 +24,8 @@ import sys
 import tempfile
 import threading
 
-from parallel4d.launcher.worker_process import TRAINING_IMPORTS
+from parallel4d.launcher.worker_process import TRAINING_IMPORTS, stop_signals_blocked
+from parallel4d.training.signals import stop_signals
 
 ENV = "PARALLEL4D_ZYGOTE_TEMPLATE"
 ARG = "--template"  # worker_entry's argument: a template's command line says it is one
@@ -48,7 +49,8 @@ class Template:
         self.sock, self.lock = ours, threading.Lock()
         entry = [sys.executable, "-m", "parallel4d.launcher.worker_entry", ARG, self.registry,
                  str(os.getpid()), str(theirs.fileno()), ",".join(PRELOAD)]
-        self.proc = subprocess.Popen(entry, pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL)
+        with stop_signals_blocked():  # until it ignores them
+            self.proc = subprocess.Popen(entry, pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL)
         theirs.close()
 
     def alive(self) -> bool:
@@ -56,7 +58,8 @@ class Template:
 
     def fork(self, payload: str, world_size: int) -> int:
         """The pid of a zygote forked now for the job of ``payload`` (``OSError`` if the template is gone)."""
-        request = json.dumps([payload, world_size, os.getcwd(), dict(os.environ)]).encode()
+        # the signals that stop this launcher's workers, as a zygote it started would take them
+        request = json.dumps([payload, world_size, os.getcwd(), dict(os.environ), stop_signals()]).encode()
         streams, opened = [], []
         for fd in (0, 1, 2):  # a closed standard stream is /dev/null in the zygote
             if not _is_open(fd):

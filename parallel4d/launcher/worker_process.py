@@ -9,6 +9,13 @@ rendezvous file, and what they write back: ``result{r}.pkl`` (``("ok", result)``
 forked no worker). A worker whose launcher (or zygote) dies exits by itself; one whose job directory is
 gone exits quietly.
 
+Stop signals (:mod:`parallel4d.training.signals`): each process starts with them blocked (the launcher
+starts it inside :func:`stop_signals_blocked`) and unblocks them once it has chosen their action
+(:func:`take_stop_signals`): the zygote and a template ignore them, a worker takes their default (it
+ends, silently, until the training loop's handler is in place and saves). None of them can meet one
+while Python's own SIGINT handler is there: a Ctrl-C in their interpreter's start would end it with a
+``KeyboardInterrupt`` traceback.
+
 CUDA and fork: a process forked after CUDA was initialised in its parent cannot use CUDA. The zygote
 imports the function's module before forking, so it refuses to fork once torch has initialised CUDA
 there (:func:`refuse_cuda_before_fork`), and while it imports, ``torch.cuda.is_available()`` asks NVML
@@ -33,12 +40,12 @@ import traceback
 from contextlib import contextmanager
 from datetime import timedelta
 
+from parallel4d.training.signals import STOP_SIGNALS, stop_signals
+
 # What a worker that trains imports on its way to the first step: torch's optimizers import
 # torch._dynamo when constructed (~1.5 s of CPU per process), a checkpoint torch.distributed.checkpoint.
 # ``spawn(preload=...)`` imports them once (a zygote template: once for all the launcher's jobs).
 TRAINING_IMPORTS = ("torch._dynamo", "torch.distributed.checkpoint")
-# What a user or a scheduler sends to stop a job: the workers finish the step and save.
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 # Written into the job's directory by rank 0 once every worker has joined the process group.
 JOINED = "joined"
 # Written by the zygote when it exits before forking the workers: why, in words.
@@ -63,14 +70,16 @@ def _load(payload_path: str) -> tuple:
         return pickle.load(f)
 
 
-def zygote_main(payload_path: str, world_size: int, parent_pid: int | None = None) -> None:
+def zygote_main(payload_path: str, world_size: int, parent_pid: int | None = None,
+                stops: tuple[int, ...] | None = None) -> None:
     """``python -m parallel4d.launcher.worker_entry PAYLOAD --fork N``: import once, fork the N workers, record
     each one's pid (``pid{r}``) and exit status (``exit{r}``) in the job's directory, exit after them.
-    ``parent_pid``: the process it must outlive no longer than (the launcher; a template that forked it)."""
+    ``parent_pid``: the process it must outlive no longer than (the launcher; a template that forked it);
+    ``stops``: the signals that stop the workers (default: this process's :func:`stop_signals`)."""
+    stops = stop_signals() if stops is None else stops  # asked before ignoring them: nohup's SIGHUP stays ignored
     # Ctrl-C and `kill -TERM -<group>` are for the workers (they save) and the launcher: the zygote
     # exits after its workers, or when the launcher is gone
-    for sig in STOP_SIGNALS:
-        signal.signal(sig, signal.SIG_IGN)
+    take_stop_signals(signal.SIG_IGN, STOP_SIGNALS)
     try:
         with _nvml_check():  # the workers get the variable's own value back
             payload = _load(payload_path)
@@ -88,8 +97,7 @@ def zygote_main(payload_path: str, world_size: int, parent_pid: int | None = Non
     for rank in range(world_size):
         pid = os.fork()
         if pid == 0:
-            for sig in STOP_SIGNALS:
-                signal.signal(sig, signal.SIG_DFL)
+            take_stop_signals(signal.SIG_DFL, stops)
             worker_main(payload_path, rank, parent_pid=os.getppid())  # never returns
         ranks[pid] = rank
         with quiet_once_the_job_is_gone(out_dir):
@@ -111,8 +119,7 @@ def template_main(registry: str, launcher: int, sock_fd: int, preload: tuple[str
     launcher's later jobs start without an interpreter's imports. Replies the zygote's pid; records its
     job directory in ``REGISTRY/<pid>`` (for ``/proc`` lookups) and, once it ended, its exit status in
     ``zygote_exit`` there. Exits when the launcher closes the socket or is gone."""
-    for sig in STOP_SIGNALS:
-        signal.signal(sig, signal.SIG_IGN)
+    take_stop_signals(signal.SIG_IGN, STOP_SIGNALS)
     with _nvml_check():
         for module in ("torch.distributed", *preload):
             importlib.import_module(module)
@@ -125,18 +132,39 @@ def template_main(registry: str, launcher: int, sock_fd: int, preload: tuple[str
         request, fds, _, _ = socket.recv_fds(sock, 1 << 20, 3)
         if not request:
             break
-        payload, world_size, cwd, env = json.loads(request)
+        payload, world_size, cwd, env, stops = json.loads(request)
         pid = os.fork()
         if pid == 0:
             sock.close()
             _become_the_launchers(fds, cwd, env)
-            zygote_main(payload, world_size, parent_pid=os.getppid())  # never returns
+            zygote_main(payload, world_size, parent_pid=os.getppid(), stops=tuple(stops))  # never returns
         for fd in fds:
             os.close(fd)
         jobs[pid] = os.path.dirname(payload)
         _write(os.path.join(registry, str(pid)), jobs[pid])
         sock.sendall(str(pid).encode())
     os._exit(0)
+
+
+@contextmanager
+def stop_signals_blocked():
+    """Around the start of a child interpreter (the zygote, a template, an unforked worker) by this thread:
+    the child starts with the stop signals blocked (a mask survives ``exec``) and takes them with
+    :func:`take_stop_signals`. This thread's own wait until the block ends; those the process gets
+    meanwhile reach its handlers then, or another thread."""
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
+def take_stop_signals(action, signals: tuple[int, ...]) -> None:
+    """``action`` (``SIG_IGN``, ``SIG_DFL``) for ``signals``, then every stop signal unblocked: one that
+    arrived meanwhile is acted on now (or dropped, where ignored)."""
+    for sig in signals:
+        signal.signal(sig, action)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
 
 
 @contextmanager
@@ -284,6 +312,8 @@ def worker_main(payload_path: str, rank: int, parent_pid: int | None = None) -> 
     caller's ``__main__`` is never re-imported: ``parallel4d.launch`` works from a
     script without an ``if __name__ == "__main__"`` guard.
     """
+    if parent_pid is None:  # started by the launcher, stop signals blocked (forked: the zygote chose already)
+        take_stop_signals(signal.SIG_DFL, stop_signals())
     fn, world_size, backend, init_file, pg_timeout_s, args, kwargs, out_dir, launcher, refusals, preload, env = \
         _load(payload_path)
     parent_pid = parent_pid or launcher

@@ -18,7 +18,7 @@ import sys
 import time
 
 from parallel4d.launcher import template
-from parallel4d.launcher.worker_process import ZYGOTE_EXIT, read_int, read_text
+from parallel4d.launcher.worker_process import ZYGOTE_EXIT, read_int, read_text, stop_signals_blocked
 
 
 class _Polled(abc.ABC):
@@ -168,12 +168,14 @@ def start(payload: str, tmp: str, world_size: int) -> tuple[list, subprocess.Pop
     """The workers (one ``Popen`` each, or forked by one zygote) and the zygote (None without)."""
     entry = [sys.executable, "-m", "parallel4d.launcher.worker_entry", payload]
     if not _forking():
-        return [subprocess.Popen([*entry, str(r)]) for r in range(world_size)], None
+        with stop_signals_blocked():  # each takes them once it can (worker_process.take_stop_signals)
+            return [subprocess.Popen([*entry, str(r)]) for r in range(world_size)], None
     if template.wanted():  # forked by the launcher's kept template: no interpreter to start
         pid, kept = template.fork_zygote(payload, world_size)
         zygote = TemplateChild(tmp, pid, kept)
     else:
-        zygote = subprocess.Popen([*entry, "--fork", str(world_size)])
+        with stop_signals_blocked():  # until it ignores them: no KeyboardInterrupt in its imports
+            zygote = subprocess.Popen([*entry, "--fork", str(world_size)])
     return [Forked(tmp, r, zygote) for r in range(world_size)], zygote
 
 
@@ -227,8 +229,9 @@ def stop(procs: list[subprocess.Popen], grace_s: float = 5.0) -> None:
     """SIGTERM to each process still running, SIGKILL to those left after ``grace_s``; returns once all ended."""
     for p in procs:
         if p.poll() is None:
-            p.terminate()
-            signal_process(p, signal.SIGCONT)  # a stopped worker acts on SIGTERM only once continued
+            p.terminate()  # a worker not forked yet: its zygote is killed instead
+        if p.poll() is None:
+            p.send_signal(signal.SIGCONT)  # a stopped worker acts on SIGTERM only once continued
     deadline = time.monotonic() + grace_s
     for p in procs:
         try:

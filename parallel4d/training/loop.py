@@ -38,11 +38,12 @@ from parallel4d.engine.trainer import Trainer
 from parallel4d.distributed.mesh import init_mesh
 from parallel4d.integrations import deepspeed_integration
 from parallel4d.training.metrics import MetricsLog, gather_objects, gather_per_rank, peak_memory, read_together
+from parallel4d.training.signals import silence_a_hung_up_terminal, stop_signals
 
 
 class _StopFlag:
-    """Set by SIGINT/SIGTERM; the ranks agree on it at the steps that read back (:func:`_read_back`),
-    then save and stop."""
+    """Set by a stop signal (SIGINT, SIGTERM, SIGHUP: :func:`.signals.stop_signals`); the ranks agree on it
+    at the steps that read back (:func:`_read_back`), then save and stop."""
 
     def __init__(self):
         self.signum = 0  # the signal received, 0 for none
@@ -51,8 +52,9 @@ class _StopFlag:
     def __enter__(self):
         def handler(signum, frame):
             self.signum = signum
+            silence_a_hung_up_terminal()  # a closed terminal's SIGHUP: the save must not fail saying so
 
-        for sig in (signal.SIGINT, signal.SIGTERM):
+        for sig in stop_signals():
             try:
                 self._old[sig] = signal.signal(sig, handler)
             except ValueError:  # not the main thread: leave signals alone
@@ -74,8 +76,8 @@ class _StopFlag:
 
     @staticmethod
     def name(signum: float) -> str | None:
-        """The signal that stops every rank (``"SIGTERM"`` before ``"SIGINT"``: the larger number, whichever
-        rank got it), or None to go on."""
+        """The signal that stops every rank (``"SIGTERM"`` before ``"SIGINT"`` before ``"SIGHUP"``: the larger
+        number, whichever rank got it), or None to go on."""
         return signal.Signals(int(signum)).name if signum else None
 
 
@@ -439,7 +441,7 @@ def _summary(cfg: Config, mesh, engine: Trainer, run: _Run, elapsed: float, inte
         "validation": run.validation,
         "steps": engine.step,
         "interrupted": interrupted is not None,
-        "stop_signal": interrupted,  # SIGINT or SIGTERM when a signal stopped the run early
+        "stop_signal": interrupted,  # SIGINT, SIGTERM or SIGHUP when a signal stopped the run early
         "finished": finished,
         "resumed_from": run.resumed_from,
         "checkpoint": str(run.saved) if run.saved else None,
