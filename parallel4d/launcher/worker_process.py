@@ -150,8 +150,8 @@ def template_main(registry: str, launcher: int, sock_fd: int, preload: tuple[str
 def stop_signals_blocked():
     """Around the start of a child interpreter (the zygote, a template, an unforked worker) by this thread:
     the child starts with the stop signals blocked (a mask survives ``exec``) and takes them with
-    :func:`take_stop_signals`. This thread's own wait until the block ends; those the process gets
-    meanwhile reach its handlers then, or another thread."""
+    :func:`take_stop_signals`. Here one sent meanwhile waits until the block ends (or another thread
+    takes it): the launcher's handlers still record it."""
     old = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
     try:
         yield
