@@ -819,6 +819,45 @@ def test_a_third_signal_returns_only_once_the_killed_workers_ended(tmp_path):
     assert [p.returncode for p in procs] == [-signal.SIGKILL] * 2
 
 
+class Endless(FakeProcess):
+    """A worker that runs until it is signalled."""
+
+    def send_signal(self, sig):
+        self.returncode = -sig
+
+    def terminate(self):
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self):
+        self.send_signal(signal.SIGKILL)
+
+    def wait(self, timeout=None):
+        return self.returncode
+
+
+def test_the_job_time_limit_counts_only_the_time_the_job_could_run(tmp_path):
+    """train.job_timeout_s (the supervisor's ``timeout_s``) measures the time the job could run: a stop of
+    the whole job (the launcher frozen with it, then SIGCONT) does not count, so a 1 s limit still ends the
+    job about 1 s of running time after its start, not at the first look after a 5 s stop."""
+    from parallel4d.launcher.supervise import Signals, Supervisor, WorkerTimeout
+
+    class StoppedOnce(Supervisor):
+        """On its fifth turn the launcher's clock jumps 5 s and a SIGCONT has come: the job was stopped."""
+        now, turns = 0.0, 0
+        clock = lambda self: self.now  # noqa: E731
+
+        def sleep(self, seconds):
+            self.turns += 1
+            self.now += seconds + (5.0 if self.turns == 5 else 0.0)
+            self.signals.continued += self.turns == 5
+
+    supervisor = StoppedOnce([Endless(10), Endless(11)], None, str(tmp_path), Signals(), timeout_s=1.0,
+                             interrupt_grace_s=120, saving=None, saved=None)
+    with pytest.raises(WorkerTimeout, match=r"the job's time limit of 1s ran out while the workers were still"):
+        supervisor.run()
+    assert supervisor.stopped_s == pytest.approx(5.05) and supervisor.now == pytest.approx(6.05, abs=0.06)
+
+
 def _save_slowly_after_a_signal(launcher: int, marker: str, save_s: float) -> str:
     """Rank 0 starts a "save" (``marker`` exists while it lasts) and sends SIGINT to the launcher; every rank
     waits for the signal the launcher passes on, and returns its name once the save is over."""

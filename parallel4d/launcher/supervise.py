@@ -132,10 +132,15 @@ def _name(signum: int) -> str:
 class Supervisor:
     """Watches one job's workers (and zygote) until every one has ended, and acts on the launcher's signals.
 
-    The first signal is passed on to each worker (to one the zygote has not forked yet as soon as it
-    has); the workers finish the step, save and return. A second only says what the launcher waits
-    for. A third, or ``interrupt_grace_s`` after the first with no save in progress, kills them.
-    ``joined()`` is called once, as soon as every worker has joined the process group."""
+    The first signal is passed on to each worker (while the zygote has not forked them all, it is killed
+    instead: the job had not started); the workers finish the step, save and return. A second only says
+    what the launcher waits for. A third, or ``interrupt_grace_s`` after the first with no save in
+    progress, kills them. ``joined()`` is called once, as soon as every worker has joined the process
+    group. ``timeout_s`` and the grace count the time the job could run (:meth:`running_time`); a failure
+    of the collectives (``collective_limit_s``) just after a stop of the whole job is that stop's."""
+
+    clock = staticmethod(time.monotonic)  # what the supervision waits by (a test's stand-ins replace both)
+    sleep = staticmethod(time.sleep)
 
     def __init__(self, procs: list, zygote: subprocess.Popen | None, tmp: str, signals: Signals, timeout_s: float,
                  interrupt_grace_s: float, saving: Callable[[], str | None] | None,
@@ -154,15 +159,15 @@ class Supervisor:
         self.stopped_s = 0.0  # how long the whole job was stopped (SIGSTOP, Ctrl-Z), all stops together
         self.last_stop: tuple[float, float] | None = None  # (when the job continued, how long it was stopped)
         self._continues_seen = 0
-        self._ticked = time.monotonic()
+        self._ticked = self.clock()
 
     def running_time(self) -> float:
         """The monotonic clock less the time the whole job was stopped: what the job's limits count."""
-        return time.monotonic() - self.stopped_s
+        return self.clock() - self.stopped_s
 
     def _tick(self) -> None:
         """Each turn of the loop: a gap with a SIGCONT in it was a stop of the whole job (this process too)."""
-        now = time.monotonic()
+        now = self.clock()
         gap, self._ticked = now - self._ticked, now
         if self.signals.continued > self._continues_seen:
             self._continues_seen = self.signals.continued
@@ -189,8 +194,8 @@ class Supervisor:
                 if self._zygote_failed():  # it ended since the check above: a worker's poll says so too
                     stop(self.procs)
                     raise self._zygote_failure()
-                first_failure_at = first_failure_at or time.monotonic()
-                blamed = blame(self.procs, self.tmp, settled=time.monotonic() - first_failure_at >= BLAME_GRACE_S)
+                first_failure_at = first_failure_at or self.clock()
+                blamed = blame(self.procs, self.tmp, settled=self.clock() - first_failure_at >= BLAME_GRACE_S)
                 if blamed is not None:
                     stopped = self._stop_of_the_job(first_failure_at)  # before stop() kills the rest
                     stop(self.procs)
@@ -204,7 +209,7 @@ class Supervisor:
                 running = [r for r, p in enumerate(self.procs) if p.poll() is None]
                 stop(self.procs)
                 raise WorkerTimeout(self.timeout_s, running, starting=not self.all_joined)
-            time.sleep(POLL_S)
+            self.sleep(POLL_S)
 
     def _stop_of_the_job(self, failed_at: float) -> JobWasStopped | None:
         """The failure as the stop of the whole job, when it was one: timeouts and lost peers only (no error
