@@ -631,7 +631,8 @@ def test_sighup_to_the_group_saves_and_stops_as_sigterm_does(job_result):
     job, ckpt, code, left = job_result
     err, summary, saved = assert_stopped_and_saved(job, code, left, "SIGHUP")
     assert saved == ckpt / f"step_{summary['steps']:08d}"
-    assert f"stopped by SIGHUP at step {summary['steps']}, after saving checkpoint {saved} (verified" in err, err[-3000:]
+    assert f"stopped by SIGHUP at step {summary['steps']}, after saving checkpoint {saved} (verified" in err, \
+        err[-3000:]
     assert "Traceback" not in err, err[-3000:]
 
 

@@ -60,19 +60,25 @@ def prepared(cfg: Config, local: bool, device_type: str = "cpu", source: str | N
             check_writable(path, field)
         with RunLock(list(dirs)):
             try:
-                if cfg.checkpoint.enabled:
-                    check_start(cfg.checkpoint_dir, cfg.train.resume)
-                continues = cfg.checkpoint.enabled and holds_checkpoints(cfg.checkpoint_dir)
-                check_history(cfg.train.out_dir, cfg.train.resume, continues)
-                if cfg.checkpoint.enabled and cfg.train.resume:
-                    check_resume_model(cfg.checkpoint_dir, cfg.model)
+                _check_other_runs(cfg)
                 yield
             except BaseException:
                 _remove_unused(created)  # while locked: no other job can have started writing there
                 raise
     except BaseException:
-        _remove_unused(created)  # e.g. the second directory not writable: the first one goes
+        _remove_unused(created)  # e.g. the second directory not writable, or in use: the first one goes
         raise
+
+
+def _check_other_runs(cfg: Config) -> None:
+    """In the locked run directories: no other run's checkpoints or history is written over, and a resumed
+    checkpoint holds this model."""
+    if cfg.checkpoint.enabled:
+        check_start(cfg.checkpoint_dir, cfg.train.resume)
+    continues = cfg.checkpoint.enabled and holds_checkpoints(cfg.checkpoint_dir)
+    check_history(cfg.train.out_dir, cfg.train.resume, continues)
+    if cfg.checkpoint.enabled and cfg.train.resume:
+        check_resume_model(cfg.checkpoint_dir, cfg.model)
 
 
 def _remove_unused(created: list[Path]) -> None:

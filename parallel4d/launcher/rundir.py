@@ -3,8 +3,8 @@
 ``check_writable`` creates the directory and a probe file in it, so a chmod-555 or
 read-only ``train.out_dir`` is reported before training rather than at the first
 save; a launch refused (or ended) before writing in a directory it created removes it again
-(:func:`first_missing`, :func:`remove_if_unused`). :class:`RunLock` holds an exclusive ``flock`` on ``<dir>/.parallel4d.lock``
-for the job's lifetime, with the holder's pid, host and start time written in
+(:func:`first_missing`, :func:`remove_if_unused`). :class:`RunLock` holds an exclusive ``flock`` on
+``<dir>/.parallel4d.lock`` for the job's lifetime, with the holder's pid, host and start time written in
 it: a second job on the same directory is refused at once, naming them. The
 kernel drops the lock when its holder dies, so a lock file left by a killed job
 is stale by construction: the next job takes it over (and says so).

@@ -50,8 +50,8 @@ def spawn(
     one of ``refusals`` (a user's mistake, e.g. ConfigError) that caused the failure is raised as itself.
 
     A stop signal to this process (SIGINT, SIGTERM, SIGHUP) is passed on to the workers (the signal
-    received), which are expected to stop cleanly: their results are returned as usual. ``signals``: the
-    caller's :class:`~.supervise.Signals`, entered already (a launch counts them from before it spawns). ``saving()`` names the save in
+    received), which are expected to stop cleanly: their results are returned as usual (``signals``: the
+    caller's :class:`~.supervise.Signals`, entered already, else spawn's own). ``saving()`` names the save in
     progress (e.g. ``"step 12"``) or None, ``saved()`` the newest complete checkpoint: the interrupt
     grace never ends while a save is in progress, a second signal says what it waits for, and a third
     (or the grace run out) kills the workers and raises :class:`~.supervise.Interrupted` saying what was lost.

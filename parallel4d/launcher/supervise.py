@@ -65,7 +65,8 @@ class WorkerTimeout(RuntimeError):
                        f"group; ranks still running: {running})")
             message += f"; raise {field} well above their start-up, or leave it out (a week)" if field else ""
         else:
-            message = f"{field + ': ' if field else ''}job did not finish within {limit_s:.0f}s; ranks still running: {running}"
+            message = (f"{field + ': ' if field else ''}job did not finish within {limit_s:.0f}s; ranks still "
+                       f"running: {running}")
         super().__init__(message)
 
 
