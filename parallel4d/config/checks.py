@@ -46,9 +46,9 @@ def dense_parameters(m: ModelConfig) -> int:
 
 
 def largest_block(m: ModelConfig, q: int) -> int:
-    """Elements of the largest parameter a rank holds: the token table or an MLP matrix, each cut in
-    q² blocks by the 2D grid."""
-    return max(m.vocab_size * m.hidden, m.hidden * m.mlp_width) // (q * q)
+    """Elements of the largest parameter a rank holds: the token table (its vocabulary padded to the
+    grid) or an MLP matrix, each cut in q² blocks by the 2D grid."""
+    return max(tensor2d.padded_vocab(m.vocab_size, q) * m.hidden, m.hidden * m.mlp_width) // (q * q)
 
 
 def _size_problems(cfg: "Config") -> list[str]:
