@@ -133,9 +133,15 @@ def test_a_pretrained_llama_trains_like_transformers_in_every_layout(checkpoints
 
 # --- float64 under 2D × ring: logits, loss and every gradient equal transformers' (#15.4) ---
 
-FLOAT64_VOCAB = 64  # the 2×2 grid splits the vocabulary in two (test_hf's 61 in one process)
-FLOAT64_BATCH = tuple(t.contiguous() for t in (lambda w: (w[:, :-1], w[:, 1:]))(
-    torch.randint(0, FLOAT64_VOCAB, (4, S + 1), generator=torch.Generator().manual_seed(5))))
+FLOAT64_VOCAB = 61  # test_hf's: the 2×2 grid pads it to 62 (a row no token uses, out of the softmax)
+def _float64_batch():
+    """Tokens and targets ``[4, S]``, the last real id (in the padded block) among both."""
+    window = torch.randint(0, FLOAT64_VOCAB, (4, S + 1), generator=torch.Generator().manual_seed(5))
+    window[1, 3:5] = FLOAT64_VOCAB - 1
+    return window[:, :-1].contiguous(), window[:, 1:].contiguous()
+
+
+FLOAT64_BATCH = _float64_batch()
 
 
 @pytest.fixture(scope="module")
@@ -157,7 +163,8 @@ def float64_checkpoints(tmp_path_factory):
 def _float64_gradients(directories: dict, tokens, targets):
     """Each checkpoint loaded under 2D tp=4 × ring sp=2 (zigzag) in float64, one forward and
     backward of the ``[B, S]`` batch: {case: ((tp_row, tp_col, sp rank), this rank's logits
-    ``[B/2, S/2, V/2]``, its replica's loss, its pieces of every parameter's gradient)}."""
+    ``[B/2, S/2, Vp/2]`` (V padded to 62), its replica's loss, its pieces of every parameter's gradient,
+    the largest gradient outside every piece (the padded rows'))}."""
     from parallel4d.engine.compose import compose
     from parallel4d.distributed.mesh import init_mesh
 
@@ -174,11 +181,16 @@ def _float64_gradients(directories: dict, tokens, targets):
             for stage in engine.model.stages().values():
                 logits = stage(logits)
         loss = engine.compute_gradients(tokens, targets)
-        grads = {}
+        grads, outside = {}, 0.0
         for name, p in engine.model.named_parameters():
             dense, _, cut = engine.dense[name]
             grads[dense] = [(tuple(off), view.clone()) for off, view in cut(p.grad)]
-        out[case] = (mesh.rank("tp_row"), mesh.rank("tp_col"), mesh.rank("sp")), logits, float(loss), grads
+            rest = p.grad.clone()
+            for _, view in cut(rest):
+                view.zero_()
+            outside = max(outside, rest.abs().max().item())
+        out[case] = ((mesh.rank("tp_row"), mesh.rank("tp_col"), mesh.rank("sp")), logits, float(loss), grads,
+                     outside)
     return out
 
 
@@ -198,11 +210,12 @@ def _transformers_float64(directory: str, tokens, targets, mp):
 
 def test_pretrained_models_under_2d_and_ring_equal_transformers_in_float64(float64_checkpoints, eight_workers,
                                                                            monkeypatch):
-    """Each test_hf model at tp=4 × sp=2 (zigzag), float64: every rank's block of the logits, the
-    mean of the replicas' losses and every rank's piece of every parameter's gradient equal
-    transformers' within 1e-10 (absolute); together the pieces cover every parameter."""
+    """Each test_hf model at tp=4 × sp=2 (zigzag), float64, its vocabulary of 61 padded to the grid: every
+    rank's block of the logits (its real columns), the mean of the replicas' losses and every rank's piece
+    of every parameter's gradient equal transformers' within 1e-10 (absolute); together the pieces cover
+    every parameter, and the padded rows' gradients (outside every piece) are zero."""
     tokens, targets = FLOAT64_BATCH
-    b, v = tokens.shape[0] // 2, FLOAT64_VOCAB // 2
+    b, v = tokens.shape[0] // 2, -(-FLOAT64_VOCAB // 2)
     results = [f64 for _, f64 in eight_workers[1]]
     for case, directory in float64_checkpoints.items():
         with monkeypatch.context() as mp:
@@ -210,11 +223,13 @@ def test_pretrained_models_under_2d_and_ring_equal_transformers_in_float64(float
         names = hf.p4d_to_hf(cfg)
         worst, replica_losses, seen = 0.0, {}, set()
         for rank_results in results:
-            (row, col, sp), block, replica_loss, grads = rank_results[case]
+            (row, col, sp), block, replica_loss, grads, outside = rank_results[case]
+            assert outside == 0.0, (case, "a padded row got a gradient", outside)
             positions = list(local_positions(tokens.shape[1], sp, 2, "zigzag"))
             want = logits[row * b:(row + 1) * b, positions, col * v:(col + 1) * v]
-            assert block.dtype == torch.float64 and block.shape == want.shape, (case, block.shape)
-            worst = max(worst, (block - want).abs().max().item())
+            assert block.dtype == torch.float64 and block.shape[:-1] == want.shape[:-1], (case, block.shape)
+            assert block.shape[-1] == v and want.shape[-1] == (v if col == 0 else FLOAT64_VOCAB - v)
+            worst = max(worst, (block[..., :want.shape[-1]] - want).abs().max().item())
             replica_losses.setdefault(sp, replica_loss)
             assert replica_losses[sp] == replica_loss  # equal on every grid rank of a replica
             for dense, boxes in grads.items():
