@@ -26,9 +26,10 @@ from parallel4d.config.errors import ConfigError
 from test_checkpoint import read_state
 
 ROOT = Path(__file__).resolve().parents[1]
-# configs/4d.yaml with 6 layers (8 stages: pp=4 interleaved needs 8 chunks) and 4 micro-batches
-MODEL = ["model.layers=6", "model.vocab_size=257", "pipeline.microbatches=4", "train.dtype=float64",
-         "train.log_every=100", "data.batch_size=8", "checkpoint.every=3"]
+# configs/4d.yaml with 6 layers (8 stages: pp=4 interleaved needs 8 chunks) and 4 micro-batches;
+# vocabulary 257: the 2×2 grid's token table blocks are 129 × 32 = 4128 elements, hetero's chunks 4224 (128·33)
+MODEL = ["model.layers=6", "model.vocab_size=257", "hetero.chunk_elems=4224", "pipeline.microbatches=4",
+         "train.dtype=float64", "train.log_every=100", "data.batch_size=8", "checkpoint.every=3"]
 SINGLE = ["parallel.pp=1", "parallel.dp=1", "parallel.sp=1", "parallel.tp=1", "hetero.enabled=false"]
 TARGETS = {
     "dp2": ["parallel.pp=1", "parallel.dp=2", "parallel.sp=1", "parallel.tp=1", "hetero.enabled=false"],
