@@ -89,7 +89,7 @@ def _model(draw) -> list[str]:
     arch = draw(st.sampled_from(["gpt2", "llama"]))
     out = [f"model.arch={arch}", "model.hidden=32", "model.heads=4", "model.layers=8",
            f"model.tie_embeddings={draw(st.booleans())}",
-           f"model.vocab_size={draw(st.sampled_from([256, 257]))}"]  # 257: padded to the 2D grid (258)
+           f"model.vocab_size={draw(st.sampled_from([257, 256]))}"]  # 257 (first: the early draws): padded to 258
     if arch == "llama":
         out.append(f"model.kv_heads={draw(st.sampled_from([4, 2, 1]))}")  # MHA, GQA, MQA
         out.append(f"model.qk_norm={draw(st.booleans())}")

@@ -361,7 +361,7 @@ class VocabParallelEmbedding2D(Layer2D):
 
 
 class LMHead2D(Layer2D):
-    """Logits = x·Eᵀ (no bias) via SUMMA ABᵀ: x ``[b/q, s, h/q]`` → ``[b/q, s, V/q]``
+    """Logits = x·Eᵀ (no bias) via SUMMA ABᵀ: x ``[b/q, s, h/q]`` → ``[b/q, s, Vp/q]``
     (batch block i, vocab block j). ``E [V, h]`` is stored like
     :class:`VocabParallelEmbedding2D` (vocab block i, hidden block j, padded to ``Vp`` rows) and, when
     tied, *is* that layer's Parameter. The padded logits (columns past ``V``) are zero: the loss leaves
