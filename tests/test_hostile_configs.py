@@ -178,3 +178,25 @@ def test_launch_refuses_the_same_before_any_worker(tmp_path, capsys, monkeypatch
     monkeypatch.setattr(importlib.import_module("parallel4d.launcher.launch"), "spawn", spawn)  # the CLI imports it on use
     for n, (case, text, field) in enumerate(field_cases()[::15] + CROSS):
         assert_refused(*refusal(capsys, ["launch", job_file(tmp_path, n, text)]), field, case)
+
+
+def test_byte_text_under_a_bpe_model_is_refused_before_any_worker(tmp_path, capsys, monkeypatch):
+    """#45: ``data.source: text`` (byte ids 0–255) under a ``model.pretrained`` whose tokenizer.json is a
+    BPE was accepted and trained on ids that mean other tokens to the model; validate and launch refuse it."""
+    tokenizers = pytest.importorskip("tokenizers")
+    from parallel4d.config.load import make_config
+    from parallel4d.models import hf
+    from parallel4d.models.build import build_dense, shape_from_config
+
+    model = tmp_path / "model"
+    cfg = make_config({"model": {"vocab_size": 320, "hidden": 32, "layers": 2, "heads": 4, "seq_len": 32}})
+    hf.save_hf(build_dense(shape_from_config(cfg.model), seed=0).state_dict(), cfg.model, model)
+    bpe = tokenizers.Tokenizer(tokenizers.models.BPE())
+    bpe.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.train_from_iterator(["def f(x):\n    return x\n" * 40], tokenizers.trainers.BpeTrainer(
+        vocab_size=300, initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet()))
+    bpe.save(str(model / "tokenizer.json"))
+    text = job_file(tmp_path, 0, f"model: {{pretrained: {model}, seq_len: 16}}\ndata: {{source: text}}\n")
+    assert_refused(*refusal(capsys, ["validate", text]), "data.source", "byte text under BPE")
+    monkeypatch.setattr(importlib.import_module("parallel4d.launcher.launch"), "spawn", lambda *a, **k: 1 / 0)
+    assert_refused(*refusal(capsys, ["launch", text]), "data.source", "byte text under BPE (launch)")

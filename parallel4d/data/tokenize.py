@@ -23,6 +23,7 @@ from pathlib import Path
 from parallel4d.config.errors import ConfigError
 from parallel4d.checkpoint.files import fsync_dir, write_synced
 from parallel4d.data.token_files import dtype_for, file_sha256, record_verified, sidecar_path, stamp_path
+from parallel4d.data.tokenizer_identity import fingerprint
 
 # the end-of-document tokens of common tokenizers, tried in this order
 EOS_NAMES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "<|im_end|>", "[SEP]")
@@ -201,7 +202,8 @@ def tokenize(tokenizer: str, inputs: list[str], out: str, eos_token: str | None 
     tok = _load(path)
     eos, vocab = _eos_id(tok, eos_token), tok.get_vocab_size(with_added_tokens=True)
     meta = {"dtype": dtype_for(vocab), "vocab_size": vocab, "tokenizer": str(path.resolve()),
-            "tokenizer_sha256": file_sha256(path), "eos_token_id": eos, "files": len(inputs)}
+            "tokenizer_sha256": file_sha256(path), "tokenizer_fingerprint": fingerprint(path), "eos_token_id": eos,
+            "files": len(inputs)}
     _make_parent(out_path)
     try:
         return _write_both([(str(path), f, eos) for f in inputs], out_path, meta, workers, progress)

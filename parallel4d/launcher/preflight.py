@@ -12,6 +12,7 @@ import os
 
 from parallel4d.checkpoint.pretrained import check_pretrained
 from parallel4d.config.errors import ConfigError
+from parallel4d.config.rules.data import byte_text_problems
 from parallel4d.config.rules.hetero import dynamic_budget_problems
 from parallel4d.config.rules.job import local_job_problems
 from parallel4d.config.schema import Config
@@ -23,8 +24,8 @@ def check_job(cfg: Config, local: bool, device_type: str = "cpu", source: str | 
     """Every check of a valid config that needs the machine but no lock and no worker: the local
     limits (``local``: this process spawns the workers), a dynamic hetero budget where ``auto`` finds
     only the CPU, a ``deepspeed:`` section against DeepSpeed
-    for ``device_type``, ``model.pretrained``'s weight files, the token files' contents. A
-    ``ConfigError`` names ``source`` (the job file) first, as the config's own errors do."""
+    for ``device_type``, ``model.pretrained``'s weight files, byte text under its tokenizer, the token
+    files' contents. A ``ConfigError`` names ``source`` (the job file) first, as the config's own errors do."""
     try:
         problems = local_job_problems(cfg) if local else []
         if device_type == "cpu" and "cpu" not in (cfg.train.device, cfg.hetero.compute_device):
@@ -35,6 +36,7 @@ def check_job(cfg: Config, local: bool, device_type: str = "cpu", source: str | 
             deepspeed_integration().resolve(cfg, device_type)
         if cfg.model.pretrained:  # every weight file there and of the model's shape, from the headers
             check_pretrained(cfg.model)
+        _refuse(byte_text_problems(cfg))  # byte ids under a model whose tokenizer reads them as other tokens
         verify_token_files(cfg)  # the token files' bytes against their sidecars (hashed once, then stamped)
     except ConfigError as e:
         raise ConfigError(f"{source}: {e}" if source else str(e)) from None
@@ -48,7 +50,10 @@ def verify_token_files(cfg: Config) -> None:
     if d.source != "tokens":
         return
     files = [("data.path", d.path)] + ([("data.val_path", d.val_path)] if d.val_path else [])
-    problems = [p for field, path in files for p in content_problems(path, field, cfg.model.pretrained)]
+    _refuse([p for field, path in files for p in content_problems(path, field, cfg.model.pretrained)])
+
+
+def _refuse(problems: list[str]) -> None:
     if problems:
         raise ConfigError("invalid configuration:\n" + "\n".join(f"  - {p}" for p in problems))
 
