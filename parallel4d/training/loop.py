@@ -23,7 +23,6 @@ import torch.distributed as dist
 
 from parallel4d.checkpoint import dcp as checkpoint
 from parallel4d.checkpoint.failures import CheckpointError
-from parallel4d.checkpoint.hf_source import checkpoint_files, source_files
 from parallel4d.checkpoint.resume import check_start, choose_checkpoint
 from parallel4d.checkpoint.steps import new_run_id, read_info
 from parallel4d.distributed import comm
@@ -37,6 +36,7 @@ from parallel4d.engine.model import tf32_allowed, use_tf32
 from parallel4d.engine.trainer import Trainer
 from parallel4d.distributed.mesh import init_mesh
 from parallel4d.integrations import deepspeed_integration
+from parallel4d.training.checkpoints import check_format, job_files
 from parallel4d.training.metrics import MetricsLog, gather_objects, gather_per_rank, peak_memory, read_together
 
 
@@ -127,18 +127,7 @@ class _Run:
         self.resumed_from: int | None = None
         self.saved_step: int | None = None  # the step whose state is on disk (saved or loaded here)
         self.saved: Path | None = None
-        self.extra_files: dict[str, str | bytes] = {"config.yaml": cfg.to_yaml()}
-        if lead and cfg.model.pretrained and cfg.checkpoint.enabled:  # its tokenizer etc., for the export
-            self.extra_files.update(self._pretrained_files(cfg.model.pretrained))
-
-    @staticmethod
-    def _pretrained_files(directory: str) -> dict[str, bytes]:
-        """model.pretrained's small files (hf_source.source_files), read once: each checkpoint carries them."""
-        files, skipped = source_files(directory)
-        if skipped:
-            _log(f"[parallel4d] warning: model.pretrained: {', '.join(skipped)} not carried with the checkpoints "
-                 "(larger than a tokenizer or config file); copy it into the export by hand")
-        return checkpoint_files(files)
+        self.extra_files = job_files(cfg, with_pretrained=lead and cfg.checkpoint.enabled)  # read once
 
     def resume(self, summary_path: Path) -> None:
         """Load the checkpoint :func:`choose_checkpoint` picks (every rank calls this)."""
@@ -148,12 +137,7 @@ class _Run:
                 _log(f"[parallel4d] train.resume: no checkpoint under {self.ckpt_dir}; starting from step 0")
             return
         info = read_info(found)
-        saved_by = info.get("format", "parallel4d")
-        if saved_by != self.engine.checkpoint_format:
-            raise CheckpointError(
-                f"checkpoint {found} was saved by {saved_by} and this job trains with {self.engine.checkpoint_format} "
-                "(a deepspeed: section or not); resume it with the config it was saved with, or start afresh in "
-                "another train.out_dir")
+        check_format(found, self.engine, info)
         self.engine.load_checkpoint(found)  # choose_checkpoint verified its files
         self.run_id = info.get("run_id") or self.run_id
         before = _summary_before(summary_path)  # for checkpoints saved before run.json held the history
