@@ -198,5 +198,8 @@ def test_byte_text_under_a_bpe_model_is_refused_before_any_worker(tmp_path, caps
     bpe.save(str(model / "tokenizer.json"))
     text = job_file(tmp_path, 0, f"model: {{pretrained: {model}, seq_len: 16}}\ndata: {{source: text}}\n")
     assert_refused(*refusal(capsys, ["validate", text]), "data.source", "byte text under BPE")
-    monkeypatch.setattr(importlib.import_module("parallel4d.launcher.launch"), "spawn", lambda *a, **k: 1 / 0)
+    def spawn(*args, **kwargs):
+        raise AssertionError("a worker was started for byte text under a BPE model")
+
+    monkeypatch.setattr(importlib.import_module("parallel4d.launcher.launch"), "spawn", spawn)
     assert_refused(*refusal(capsys, ["launch", text]), "data.source", "byte text under BPE (launch)")
