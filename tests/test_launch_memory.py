@@ -72,7 +72,12 @@ def test_a_gpu_job_is_measured_against_its_gpu_and_hetero_is_offered(tmp_path, c
     assert not (tmp_path / "run").exists()
     # hetero keeps the model state on the host: the GPU holds a budget and the activations
     cfg = make_config({"model": SEVEN_B, "data": {"batch_size": 1}, "hetero": {"enabled": True}})
-    assert memory_problems(cfg, 1, False, (1 << 50, "ample"), 80 * GIB) == []
+    assert memory_problems(cfg, 1, "cuda", (1 << 50, "ample"), 80 * GIB) == []
+    # computing on the host (hetero.compute_device=cpu, no ZeRO): the GPU holds none of it
+    on_host = make_config({"model": SEVEN_B, "data": {"batch_size": 128}, "hetero": {"enabled": True,
+                                                                                    "compute_device": "cpu"}})
+    assert rank_bytes(on_host).activations > 80 * GIB
+    assert memory_problems(on_host, 1, "cuda", (1 << 50, "ample"), 80 * GIB) == []
 
 
 @pytest.mark.parametrize("path", sorted((ROOT / "configs").glob("*.yaml")), ids=lambda p: p.stem)
@@ -80,7 +85,7 @@ def test_the_shipped_configs_are_not_refused(path):
     """On this machine's memory as it is, and on 80 GiB GPUs."""
     cfg = load_config(path)
     preflight.check_memory(cfg, "cpu", None, str(path))
-    assert memory_problems(cfg, cfg.world_size, False, preflight.host_memory_available(), 80 * GIB) == []
+    assert memory_problems(cfg, cfg.world_size, "cuda", preflight.host_memory_available(), 80 * GIB) == []
 
 
 def test_the_estimate_is_read_from_the_config_in_microseconds():

@@ -95,13 +95,15 @@ def _offloads(section: dict) -> bool:
 # --- against the machine ----------------------------------------------------------------------
 
 
-def memory_problems(cfg: Config, local_ranks: int, on_cpu: bool, host_available: tuple[int, str] | None,
+def memory_problems(cfg: Config, local_ranks: int, device_type: str, host_available: tuple[int, str] | None,
                     gpu_bytes: int | None) -> list[str]:
     """One line for each memory the job cannot fit, naming the figures and the fields to change.
 
-    ``local_ranks``: the ranks on this machine; ``on_cpu``: they compute on the host; ``host_available``:
-    ``(bytes, what they are)`` or None where unknown; ``gpu_bytes``: each rank's GPU (None: no GPU, or
-    unknown). Empty when the lower bound (:func:`rank_bytes`) fits."""
+    ``local_ranks``: the ranks on this machine; ``device_type``: the mesh's (``"cpu"`` or ``"cuda"``);
+    ``host_available``: ``(bytes, what they are)`` or None where unknown; ``gpu_bytes``: each rank's GPU
+    (None: no GPU, or unknown). Empty when the lower bound (:func:`rank_bytes`) fits."""
+    # hetero.compute_device=cpu computes on the host whatever the mesh (without ZeRO: config/rules/hetero.py)
+    on_cpu = device_type == "cpu" or (cfg.hetero.enabled and cfg.hetero.compute_device == "cpu")
     need, out = rank_bytes(cfg), []
     if gpu_bytes is not None and not on_cpu and need.device() > gpu_bytes:
         out.append(f"each rank needs at least {human_bytes(need.device())} of GPU memory ({_parts(need, False)}) "

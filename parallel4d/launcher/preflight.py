@@ -68,7 +68,7 @@ def check_memory(cfg: Config, device_type: str, gpu_bytes: int | None, source: s
     (``gpu_bytes``, None when unknown). Reads two small files: launches stay as fast."""
     local = int(os.environ["LOCAL_WORLD_SIZE"]) if under_torchrun() and "LOCAL_WORLD_SIZE" in os.environ \
         else cfg.world_size
-    problems = memory_problems(cfg, local, device_type == "cpu", host_memory_available(), gpu_bytes)
+    problems = memory_problems(cfg, local, device_type, host_memory_available(), gpu_bytes)
     if problems:
         message = "; and ".join(problems)
         raise ConfigError(f"{source}: {message}" if source else message)
