@@ -142,8 +142,9 @@ def _fixes(cfg: Config, need: RankBytes, on_cpu: bool, host: bool = False) -> st
     if largest == "model state":
         fix = f"lower model.hidden ({m.hidden}), model.layers ({m.layers}) or model.vocab_size ({m.vocab_size})"
         if not host:
-            fix += (f", set hetero.enabled=true (the optimizer state on the host), or raise parallel.pp ({p.pp}) or "
-                    f"parallel.tp ({p.tp}): each GPU holds a share")
+            offload = ("deepspeed.zero_optimization.offload_optimizer (DeepSpeed's optimizer state on the host)"
+                       if cfg.deepspeed is not None else "hetero.enabled=true (the optimizer state on the host)")
+            fix += f", set {offload}, or raise parallel.pp ({p.pp}) or parallel.tp ({p.tp}): each GPU holds a share"
     else:
         fix = f"lower data.batch_size ({d.batch_size}) or model.seq_len ({m.seq_len})"
         if largest == "activations":
