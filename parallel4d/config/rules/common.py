@@ -99,3 +99,12 @@ FIELD_NAMES = {
     "batch": "data.batch_size",
     "microbatches": "pipeline.microbatches",
 }
+
+
+def human_bytes(n: float) -> str:
+    """``1536`` → ``"1.5 KiB"``: bytes in the largest binary unit below 1024 of it (TiB at most)."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
