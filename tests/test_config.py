@@ -42,6 +42,13 @@ def test_overrides_parse_yaml_values(tmp_path):
     assert cfg.model.tie_embeddings is False and cfg.sequence.layout == "contiguous"
 
 
+def test_overrides_leave_the_callers_dict_as_it_was():
+    job = {"train": {"steps": 3}, "model": {"layers": 2}}
+    cfg = make_config(job, ["train.steps=7", "model.layers=4"])
+    assert (cfg.train.steps, cfg.model.layers) == (7, 4)
+    assert job == {"train": {"steps": 3}, "model": {"layers": 2}}
+
+
 @pytest.mark.parametrize("data, expect", [
     ({"parallel": {"tp": 8}}, ["parallel.tp=8", "perfect square", "4 or 9"]),
     ({"parallel": {"tp": 4}, "model": {"heads": 3, "hidden": 48}}, ["model.heads=3", "q=2", "2 or 4"]),
