@@ -143,4 +143,4 @@ def test_generate_refuses_what_it_cannot_do(trained, tmp_path, capsys):
         got = _generate(capsys, run, *args)
         assert got[0] == code and words in got[2], got
     got = _generate(capsys, tmp_path)
-    assert got[0] == 1 and "neither a checkpoint" in got[2], got
+    assert got[0] == 2 and "neither a checkpoint" in got[2], got  # a refusal (#45: it was 1)

@@ -18,9 +18,7 @@ import torch
 
 from parallel4d.config.errors import ConfigError
 from parallel4d.config.load import make_config
-from parallel4d.checkpoint.checksums import verify
-from parallel4d.checkpoint.failures import CheckpointError
-from parallel4d.checkpoint.gather import resolve_checkpoint
+from parallel4d.checkpoint.gather import verified_checkpoint
 from parallel4d.checkpoint.resume import saved_config
 from parallel4d.checkpoint.files import default_mode
 from parallel4d.checkpoint.hf_source import carry_source
@@ -44,16 +42,13 @@ class ModelTensors:
 
 def export(ckpt: str | Path, out_dir: str | Path, max_shard_bytes: int = 5 << 30) -> Path:
     """Write checkpoint ``ckpt`` (a ``step_*`` directory or a checkpoint root) to ``out_dir``."""
-    path, out_dir = resolve_checkpoint(ckpt), Path(out_dir)
+    path, out_dir = verified_checkpoint(ckpt), Path(out_dir)
     model_cfg = make_config(saved_config(path)).model
     try:
         hf = importlib.import_module("parallel4d.models.hf")  # safetensors: the optional hf extra
     except ImportError as e:
         raise ConfigError(f"parallel4d export needs the hf extra ({e.name} is missing): "
                           "pip install 'parallel4d[hf]'") from None
-    problem = verify(path)
-    if problem is not None:
-        raise CheckpointError(f"checkpoint {path} is not usable: {problem}")
     with CheckpointTensors(path) as tensors:
         source = ModelTensors(tensors, model_cfg.tie_embeddings)
         hf.save_hf(source, model_cfg, out_dir, max_shard_bytes=max_shard_bytes)

@@ -22,7 +22,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from parallel4d.checkpoint import dcp as checkpoint
 from parallel4d.checkpoint.checksums import verify
-from parallel4d.checkpoint.failures import CheckpointError
+from parallel4d.checkpoint.failures import UnusableCheckpoint
 from parallel4d.checkpoint.resume import latest_checkpoint
 
 
@@ -34,12 +34,24 @@ def resolve_checkpoint(path: str | Path) -> Path:
     own = (path / ".metadata").is_file() or any(path.glob("*_model_states.pt"))
     found = path if own else latest_checkpoint(path) if path.is_dir() else None
     if found is None:
-        raise CheckpointError(f"{path} is neither a checkpoint (no .metadata) nor a directory of them")
+        raise UnusableCheckpoint(f"{path} is neither a checkpoint (no .metadata) nor a directory of them; give a "
+                                 "step_* directory or the directory holding them (train.out_dir/checkpoints)")
     if not (found / ".metadata").is_file():
-        raise CheckpointError(f"{found} holds only DeepSpeed's files (saved before parallel4d wrote its own "
-                              "copy beside them): there is no layout-free copy of the model to read. "
-                              "At parallel.pp = tp = 1, the zero_to_fp32.py DeepSpeed wrote into "
-                              f"{found.parent} turns it into one state dict")
+        raise UnusableCheckpoint(f"{found} holds only DeepSpeed's files (saved before parallel4d wrote its own "
+                                 "copy beside them): there is no layout-free copy of the model to read. "
+                                 "At parallel.pp = tp = 1, the zero_to_fp32.py DeepSpeed wrote into "
+                                 f"{found.parent} turns it into one state dict")
+    return found
+
+
+def verified_checkpoint(path: str | Path) -> Path:
+    """:func:`resolve_checkpoint`'s checkpoint once its files match their checksums (else
+    :class:`UnusableCheckpoint` naming the file)."""
+    found = resolve_checkpoint(path)
+    problem = verify(found)
+    if problem is not None:
+        raise UnusableCheckpoint(f"checkpoint {found} is not usable: {problem}; restore its files, or give an "
+                                 f"earlier checkpoint (a step_* directory of {found.parent})")
     return found
 
 
@@ -100,10 +112,7 @@ class _Progress:
 
 def gather(ckpt: str | Path, out: str | Path, progress: bool = True) -> Path:
     """Write checkpoint ``ckpt`` (any layout) as the dense state dict ``out``; returns ``out``'s path."""
-    path, out = resolve_checkpoint(ckpt), Path(out)
-    problem = verify(path)
-    if problem is not None:
-        raise CheckpointError(f"checkpoint {path} is not usable: {problem}")
+    path, out = verified_checkpoint(ckpt), Path(out)
     dcp = checkpoint.dcp
 
     class Reader(dcp.FileSystemReader):

@@ -32,17 +32,20 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
 
 
 def _job_command(command):
-    """``command`` with a job's or a checkpoint's failure said in one line: exit 1 for a failed job
-    or an unusable checkpoint, 128 + the signal for a job a signal ended. Their classes are imported
-    when the command runs (their modules need torch; ``validate`` does without)."""
+    """``command`` with a job's or a checkpoint's failure said in one line: exit 2 for a checkpoint it
+    refuses (as for every refusal), 1 for a failed job or checkpoint I/O, 128 + the signal for a job a
+    signal ended. Their classes are imported when the command runs (their modules need torch;
+    ``validate`` does without)."""
 
     @functools.wraps(command)
     def run(args) -> int:
-        from parallel4d.checkpoint.failures import CheckpointError
+        from parallel4d.checkpoint.failures import CheckpointError, UnusableCheckpoint
         from parallel4d.launcher.supervise import Interrupted, WorkerError, WorkerTimeout
 
         try:
             return command(args)
+        except UnusableCheckpoint as e:
+            return _refused(str(e))
         except CheckpointError as e:
             print(f"parallel4d: {e}", file=sys.stderr)
             return 1

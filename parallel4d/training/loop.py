@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from parallel4d.checkpoint import dcp as checkpoint
-from parallel4d.checkpoint.failures import CheckpointError
+from parallel4d.checkpoint.failures import CheckpointError, UnusableCheckpoint
 from parallel4d.checkpoint.hf_source import checkpoint_files, source_files
 from parallel4d.checkpoint.resume import check_start, choose_checkpoint
 from parallel4d.checkpoint.steps import new_run_id, read_info
@@ -150,7 +150,7 @@ class _Run:
         info = read_info(found)
         saved_by = info.get("format", "parallel4d")
         if saved_by != self.engine.checkpoint_format:
-            raise CheckpointError(
+            raise UnusableCheckpoint(
                 f"checkpoint {found} was saved by {saved_by} and this job trains with {self.engine.checkpoint_format} "
                 "(a deepspeed: section or not); resume it with the config it was saved with, or start afresh in "
                 "another train.out_dir")
