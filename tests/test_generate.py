@@ -125,9 +125,14 @@ def test_the_export_of_a_tied_gpt2_run_loads_in_transformers(trained):
 
 
 def test_generate_from_a_run_and_from_its_export(trained, capsys):
+    """The same text from a run and its export; stderr names what was loaded (#45: nothing did), stdout
+    holds only the text."""
     run, exported = trained
-    code, a, _ = _generate(capsys, run, "--seed", "3")
+    code, a, err = _generate(capsys, run, "--seed", "3")
     assert code == 0 and a.startswith("def ") and len(a.encode()) >= 20
+    assert err == f"parallel4d: generating from step 4 of {run / 'checkpoints'}\n", err
+    assert _generate(capsys, exported, "--seed", "3")[2] == f"parallel4d: generating from the Hugging Face model in " \
+                                                            f"{exported}\n"
     assert _generate(capsys, run, "--seed", "3")[1] == a  # the seed decides
     assert _generate(capsys, exported, "--seed", "3")[1] == a  # the same model either way
     assert _generate(capsys, run, "--seed", "4")[1] != a

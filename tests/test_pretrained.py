@@ -294,9 +294,9 @@ def test_round_trip_transformers_parallel4d_export_transformers(checkpoints, tmp
     and shapes, its config.json key by key (only dtype changed, by the float64 training), the trained
     tensors exactly as checkpointed (gpt2's position rows past 16 as loaded, the first 16 trained),
     the tokenizer and generation files byte for byte (no weights file carried), every file readable by
-    others, transformers' logits of the export are those of the checkpoint's dense model (the rotary as
-    trained: plain, each scaled one, Qwen3's), and ``parallel4d generate`` continues a prompt from the
-    export."""
+    others, the step exported said; transformers' logits of the export are those of the checkpoint's
+    dense model (the rotary as trained: plain, each scaled one, Qwen3's), and ``parallel4d generate``
+    continues a prompt from the export."""
     from conftest import run_in_this_process
     from parallel4d.tools.cli import main
     from parallel4d.checkpoint.gather import gather, with_tied_head
@@ -307,10 +307,12 @@ def test_round_trip_transformers_parallel4d_export_transformers(checkpoints, tmp
     job = {**_job(str(source), {}, steps=3), "train": {"steps": 3, "dtype": dtype, "out_dir": str(tmp_path / "run")}}
     run_in_this_process(job, [])
     umask = os.umask(0o022)  # what the export's files get from the process
+    capsys.readouterr()
     try:
         assert main(["export", str(tmp_path / "run" / "checkpoints"), str(out)]) == 0
     finally:
         os.umask(umask)
+    assert capsys.readouterr().out == f"exported step 3 of {tmp_path / 'run' / 'checkpoints'} to {out}\n"
     names = {p.name for p in source.iterdir()} - {"training_args.bin"}
     assert {p.name for p in out.iterdir()} == names
     assert [oct(p.stat().st_mode & 0o777) for p in (out, *out.iterdir())] == ["0o755"] + ["0o644"] * len(names)
