@@ -11,7 +11,7 @@ from pathlib import Path
 import yaml
 
 from parallel4d.checkpoint.checksums import CHECKSUMS, verify
-from parallel4d.checkpoint.failures import CheckpointError, on_writer
+from parallel4d.checkpoint.failures import CheckpointError, UnusableCheckpoint, on_writer
 from parallel4d.checkpoint.steps import (WHY_BROKEN, broken_dirs, latest_name, recover, step_dirs,
                                          step_of)
 from parallel4d.config.errors import ConfigError
@@ -86,7 +86,7 @@ def _choose(root: Path) -> Path | None:
         _warn(f"checkpoint {path} is not usable: {problem}; kept as {aside.name} and trying the previous one")
     broken = broken_dirs(root)  # set aside now or by an earlier resume: the same report every time
     if broken:
-        raise CheckpointError(f"no usable checkpoint under {root}: "
+        raise UnusableCheckpoint(f"no usable checkpoint under {root}: "
                               + "; ".join(f"{p}: {_why_broken(p)}" for p in broken)
                               + ". Restore one, or start afresh with train.resume=false in another directory")
     return None
@@ -96,7 +96,7 @@ def choose_checkpoint(root: str | Path) -> Path | None:
     """The checkpoint to resume from: ``latest``'s if it verifies, else the newest older one that does.
 
     Warns on stderr for each broken checkpoint skipped; None if ``root`` holds no
-    checkpoint; :class:`CheckpointError` naming each one if none is usable. With a
+    checkpoint; :class:`UnusableCheckpoint` naming each one if none is usable. With a
     process group every rank must call it: rank 0 chooses and broadcasts its choice.
     """
     return on_writer(lambda: _choose(Path(root)), f"checkpoint choice under {root}")
@@ -136,11 +136,12 @@ def check_start(root: str | Path, resume: bool) -> None:
 
 def saved_config(ckpt: str | Path) -> dict:
     """The job config saved with checkpoint ``ckpt`` (``config.yaml``), without ``model.pretrained``
-    (its fields are all in the saved model section); CheckpointError when it has none."""
+    (its fields are all in the saved model section); :class:`UnusableCheckpoint` when it has none."""
     saved = Path(ckpt) / "config.yaml"
     if not saved.is_file():
-        raise CheckpointError(f"{ckpt} has no config.yaml (saved by parallel4d before exports existed); "
-                              "the model's architecture is unknown")
+        raise UnusableCheckpoint(f"{ckpt} has no config.yaml (saved by parallel4d before exports existed), so the "
+                                 "model's architecture is unknown; resume the run for a step to save a checkpoint "
+                                 "that has one")
     data = yaml.safe_load(saved.read_text())
     data.get("model", {}).pop("pretrained", None)
     return data

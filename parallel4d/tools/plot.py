@@ -4,13 +4,15 @@ and ``metrics.jsonl`` (the logged steps, and its events: checkpoint saves, resum
 where the run resumed (and what changed: the layout, the learning rate, ...); the throughput panel
 marks each save and the logged point whose interval holds it (a save's seconds count in that
 interval's tokens/s: the dip is the save). Works on a run still training or one that crashed: both
-files are rewritten as it goes."""
+files are rewritten as it goes. The image follows :mod:`parallel4d.checkpoint.outputs`' rules: never
+onto those two files or into a checkpoint, written under a temporary name and renamed once complete."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
+from parallel4d.checkpoint.outputs import check_output, new_file, user_path
 from parallel4d.checkpoint.resume import describe_changes
 from parallel4d.config.errors import ConfigError
 from parallel4d.config.schema import OptimizerConfig
@@ -138,9 +140,25 @@ def _draw_lr(ax, summary: dict, records: list[dict]) -> None:
         inset.tick_params(labelsize=8, labelleft=False)  # the shape; the values are on the panel's axis
 
 
+def _image_format(out: Path) -> str:
+    """The format ``out``'s suffix names (none: png); ``ConfigError`` for one matplotlib does not write."""
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    kind = out.suffix[1:].lower() or "png"
+    known = FigureCanvasBase.get_supported_filetypes()
+    if kind not in known:
+        raise ConfigError(f"-o {out}: matplotlib writes no .{kind} image; give one of the suffixes "
+                          f"{', '.join('.' + k for k in sorted(known))}")
+    return kind
+
+
 def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
-    """Draw ``run_dir``'s curves into ``out`` (default ``run_dir/curves.png``); returns its path."""
-    run_dir = Path(run_dir)
+    """Draw ``run_dir``'s curves into ``out`` (default ``run_dir/curves.png``); returns its path (``~``
+    expanded). ``ConfigError`` for an ``out`` :func:`~parallel4d.checkpoint.outputs.check_output` refuses."""
+    run_dir = user_path(run_dir)
+    out = check_output(run_dir / PLOT_FILE if out is None else out, "-o",
+                       [(run_dir / "summary.json", "the run's summary.json"), (run_dir / METRICS_FILE,
+                                                                               f"the run's {METRICS_FILE}")])
     log = read_log(run_dir / METRICS_FILE)
     records = [r for r in log if "event" not in r]
     summary = _summary(run_dir)
@@ -155,6 +173,7 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
         import matplotlib.pyplot as plt
     except ImportError:
         raise ConfigError("parallel4d plot needs matplotlib: pip install 'parallel4d[viz]' (make installs it)") from None
+    kind = _image_format(out)
     fig, axes = plt.subplots(2, 2, figsize=(12, 8))
     ax = axes[0][0]
     ax.plot(*zip(*losses), label="train", linewidth=1)
@@ -174,7 +193,9 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
     footer = _draw_resumes(fig, [axes[0][0], axes[0][1], axes[1][0], axes[1][1]], found["resumes"])
     fig.suptitle(str(run_dir))
     fig.tight_layout(rect=(0, footer, 1, 1))
-    out = Path(out) if out is not None else run_dir / PLOT_FILE
-    fig.savefig(out, dpi=100)
-    plt.close(fig)
+    try:
+        with new_file(out, "-o") as tmp:
+            fig.savefig(tmp, dpi=100, format=kind)
+    finally:
+        plt.close(fig)
     return out

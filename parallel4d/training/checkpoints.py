@@ -16,7 +16,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from parallel4d.checkpoint import dcp as checkpoint
-from parallel4d.checkpoint.failures import CheckpointError
+from parallel4d.checkpoint.failures import UnusableCheckpoint
 from parallel4d.checkpoint.hf_source import checkpoint_files, source_files
 from parallel4d.checkpoint.resume import choose_checkpoint
 from parallel4d.checkpoint.steps import read_info
@@ -49,11 +49,11 @@ def job_files(cfg: Config, with_pretrained: bool = True) -> dict[str, str | byte
 
 
 def check_format(found: Path, trainer: Trainer, info: dict | None = None) -> None:
-    """CheckpointError unless checkpoint ``found`` (its ``run.json`` ``info``) holds ``trainer``'s files:
+    """UnusableCheckpoint unless checkpoint ``found`` (its ``run.json`` ``info``) holds ``trainer``'s files:
     parallel4d's own engine and a ``deepspeed:`` section's write different ones."""
     saved_by = (read_info(found) if info is None else info).get("format", "parallel4d")
     if saved_by != trainer.checkpoint_format:
-        raise CheckpointError(
+        raise UnusableCheckpoint(
             f"checkpoint {found} was saved by {saved_by} and this job trains with {trainer.checkpoint_format} "
             "(a deepspeed: section or not); resume it with the config it was saved with, or start afresh in "
             "another train.out_dir")
