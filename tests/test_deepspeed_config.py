@@ -227,6 +227,16 @@ def test_batch_key_disagreeing_with_parallel4d_names_both_sides_and_the_value(ke
                  "pipeline.microbatches=2", f"set deepspeed.{key}={WANT[key]}", '"auto"')
 
 
+def test_deepspeed_accumulation_steps_refusal_names_pipeline_microbatches():
+    """#45: a user asking DeepSpeed for 4 accumulation steps is told parallel4d's field for them."""
+    with pytest.raises(ConfigError) as err:
+        make_config(job({"gradient_accumulation_steps": 4}, **BATCH))
+    assert_names(str(err.value), "set deepspeed.gradient_accumulation_steps=2",
+                 "for 4, set pipeline.microbatches=4: parallel4d's field for it")
+    make_config(job({"gradient_accumulation_steps": 4}, parallel={"dp": 2}, pipeline={"microbatches": 4},
+                    data={"source": "synthetic", "batch_size": 16}))  # the fix, with its batch
+
+
 def test_batch_key_that_is_a_boolean_is_refused():
     # true == 1 in Python; gradient_accumulation_steps: true is still not a count
     with pytest.raises(ConfigError, match="deepspeed.gradient_accumulation_steps=True"):
