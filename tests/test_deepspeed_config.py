@@ -56,6 +56,15 @@ def assert_names(msg: str, *texts: str) -> None:
         assert text in msg, (text, msg)
 
 
+def test_build_model_and_as_mpu_import_no_deepspeed_and_print_nothing(tmp_path):
+    """#45: ``import parallel4d; parallel4d.build_model`` printed DeepSpeed's accelerator warning to a
+    user who never asked for DeepSpeed: its package imported every module, DeepSpeed's too."""
+    code = ("import sys, parallel4d; parallel4d.build_model; parallel4d.integrations.deepspeed.as_mpu; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] == 'deepspeed'))")
+    run = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert (run.returncode, run.stdout, run.stderr) == (0, "[]\n", ""), run
+
+
 # --- keys DeepSpeed would silently ignore ------------------------------------------------------------
 
 
