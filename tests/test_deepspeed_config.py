@@ -221,6 +221,28 @@ def test_all_real_keys_together_are_accepted():
     assert set(REAL_KEYS) <= set(ds)
 
 
+@pytest.mark.parametrize("section, where, said", [
+    ({"steps_per_print": "x"}, "deepspeed.steps_per_print='x'", "write a whole number ≥ 1"),  # #45: a worker's TypeError
+    ({"steps_per_print": 0}, "deepspeed.steps_per_print=0", "write a whole number ≥ 1"),  # ZeroDivisionError there
+    ({"wall_clock_breakdown": "no"}, "deepspeed.wall_clock_breakdown='no'", "reads true or false"),
+    ({"dump_state": 1}, "deepspeed.dump_state=1", "reads true or false"),
+    ({"gradient_predivide_factor": True}, "deepspeed.gradient_predivide_factor=True", "reads a number"),
+    ({"flops_profiler": {"enabled": True, "profile_step": 1.5}}, "deepspeed.flops_profiler.profile_step=1.5",
+     "reads a whole number"),
+    ({"log_level": "loud"}, "deepspeed.log_level='loud'", "use one of debug, info"),
+])
+def test_values_of_another_type_than_deepspeed_reads_are_refused_naming_the_key_and_the_type(section, where, said):
+    """Taken as given by DeepSpeed's parser, then a failure in every worker or a wrong reading ("no"
+    is true): the types are those of the defaults DeepSpeed reads each key with."""
+    assert_names(refused(job(section)), where, said)
+
+
+def test_values_of_the_type_deepspeed_reads_are_accepted():
+    ds = resolve(make_config(job({"steps_per_print": 5, "gradient_predivide_factor": 2, "log_level": "INFO",
+                                  "flops_profiler": {"enabled": False, "profile_step": 3}})), "cpu")
+    assert (ds["steps_per_print"], ds["gradient_predivide_factor"]) == (5, 2)
+
+
 # --- the batch triple --------------------------------------------------------------------------------
 
 BATCH = {"parallel": {"dp": 2}, "pipeline": {"microbatches": 2}}  # with data.batch_size 8: 8 = 2 · 2 · 2

@@ -101,6 +101,10 @@ def section_problems(cfg: Config) -> list[str]:
     elif cfg.train.autocast == "bfloat16" and _enabled(ds, "fp16"):  # resolve() enables bf16: DeepSpeed refuses both
         out.append("train.dtype=bfloat16 but deepspeed.fp16.enabled is true, and DeepSpeed runs one of bf16 and fp16; "
                    "set train.dtype=float32 (DeepSpeed's fp16) or replace deepspeed.fp16 by deepspeed.bf16.enabled=true")
+    steps = ds.get("steps_per_print")  # read with no default to type it: the engine takes the step modulo it
+    if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):
+        out.append(f"deepspeed.steps_per_print={steps!r}: DeepSpeed prints every that many steps (the step modulo "
+                   "it, in every worker); write a whole number ≥ 1, e.g. deepspeed.steps_per_print=10, or leave it out")
     clip = ds.get("gradient_clipping")
     if clip is not None and (isinstance(clip, bool) or not isinstance(clip, (int, float)) or not 0 <= clip < math.inf):
         out.append(f"deepspeed.gradient_clipping={clip!r} must be a finite number ≥ 0 (0 = no clipping); DeepSpeed "
