@@ -10,7 +10,8 @@ dense model of a checkpoint or Hugging Face directory, in one process); with the
 DeepSpeed engine, optimizer, scheduler).
 
 Every name is imported on first use, so ``import parallel4d.config`` (and ``parallel4d
-validate``) never imports torch, and DeepSpeed (~1 s) is imported only for ``build_model``.
+validate``) never imports torch, and DeepSpeed (~1 s, and its accelerator warning) is imported only
+where a DeepSpeed engine is built or a ``deepspeed:`` section checked, never for ``build_model``.
 """
 
 from parallel4d.config.lazy import lazy_names

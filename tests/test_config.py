@@ -86,6 +86,21 @@ def test_errors_name_field_and_fix(data, expect):
         assert text in str(err.value), (text, str(err.value))
 
 
+@pytest.mark.parametrize("where", ["train.gradient_accumulation_steps", "gradient_accumulation_steps",
+                                   "optimizer.gradient_accumulation_steps", "train.accumulate_grad_batches"])
+def test_gradient_accumulation_by_its_usual_name_points_to_pipeline_microbatches(where):
+    """#45: refused as an unknown field without a hint; the fix it names is a job that loads."""
+    job = {"data": {"batch_size": 16}, "pipeline": {"microbatches": 2}}
+    with pytest.raises(ConfigError) as err:
+        make_config(job, [f"{where}=4"])
+    msg = str(err.value)
+    fix = "use pipeline.microbatches=4 (and data.batch_size=32 to keep micro-batches of 8 sequences)"
+    assert f"unknown field '{where}': parallel4d's gradient accumulation is pipeline.microbatches" in msg, msg
+    assert fix in msg, msg
+    cfg = make_config(job, ["pipeline.microbatches=4", "data.batch_size=32"])
+    assert cfg.data.batch_size // cfg.pipeline.microbatches == 8
+
+
 def test_short_run_of_a_long_config_is_valid():
     # `--set train.steps=5` on a job that checkpoints every 50 steps just saves at the end.
     assert make_config({"checkpoint": {"every": 50}}, ["train.steps=5"]).train.steps == 5

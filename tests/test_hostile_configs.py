@@ -123,6 +123,14 @@ CROSS = [
     ("ds batch", "deepspeed: {train_batch_size: 3}", "deepspeed.train_batch_size"),
     ("ds stage", "deepspeed: {zero_optimization: {stage: '3'}}", "deepspeed.zero_optimization.stage"),
     ("ds scheduler params", "deepspeed: {scheduler: {type: WarmupLR, params: {nosuch: 1}}}", "deepspeed.scheduler"),
+    # #45: DeepSpeed's keys typed as it reads them (accepted, then a TypeError in every worker, or read wrongly)
+    ("ds steps_per_print", "deepspeed: {steps_per_print: x}", "deepspeed.steps_per_print"),
+    ("ds steps_per_print 0", "deepspeed: {steps_per_print: 0}", "deepspeed.steps_per_print"),
+    ("ds bool as a string", "deepspeed: {zero_allow_untested_optimizer: 'no'}", "deepspeed.zero_allow_untested_optimizer"),
+    ("ds number as a string", "deepspeed: {gradient_predivide_factor: x}", "deepspeed.gradient_predivide_factor"),
+    ("ds log level", "deepspeed: {log_level: loud}", "deepspeed.log_level"),
+    ("ds sub-section key", "deepspeed: {flops_profiler: {enabled: true, profile_step: two}}",
+     "deepspeed.flops_profiler.profile_step"),
     ("threads", "train: {threads_per_worker: 4096}", "train.threads_per_worker"),
     ("local workers", "parallel: {dp: 128}\ndata: {batch_size: 128}", "train.max_local_workers"),
 ]

@@ -5,6 +5,7 @@ trained in one process with torch's AdamW, and ``parallel4d export`` gives back 
 
 import json
 import os
+import re
 import shutil
 
 import pytest
@@ -402,6 +403,29 @@ def test_pretrained_fields_and_files_are_checked_before_training(checkpoints, tm
     with pytest.raises(ConfigError, match=r"model.safetensors"):
         launch({**_job(str(broken), {}), "train": {"steps": 1, "out_dir": str(tmp_path / "out")}})
     assert not (tmp_path / "out" / "summary.json").exists()
+
+
+@pytest.mark.parametrize("family, layout, said, fixed", [
+    # hidden 32, heads 4, kv_heads 2 on a 3×3 grid; kv_heads 2 on a 4×4 one
+    ("qwen3", {"parallel": {"tp": 9}}, "use parallel.tp=4", {"parallel": {"tp": 4}}),
+    ("qwen3", {"parallel": {"tp": 16}}, "use parallel.tp=4", {"parallel": {"tp": 4}}),
+    ("qwen3", {"parallel": {"pp": 4}, "pipeline": {"schedule": "zbv"}}, "use parallel.pp≤3",  # 8 chunks, 6 stages
+     {"parallel": {"pp": 3}, "pipeline": {"schedule": "zbv"}}),
+    ("gpt2", {"parallel": {"pp": 2}, "pipeline": {"schedule": "1f1b"}, "hetero": {"enabled": True}},
+     "use pipeline.schedule=hanayo or zbv", {"parallel": {"pp": 2}, "pipeline": {"schedule": "hanayo"},
+                                            "hetero": {"enabled": True}}),  # a tied head on two pp ranks
+])
+def test_refusals_for_a_pretrained_model_suggest_the_layout_never_its_shape(checkpoints, family, layout, said, fixed):
+    """#45: ``parallel.tp=9`` suggested model.heads=3 or 6, model.kv_heads=3 and model.vocab_size=510 or
+    513 for a Qwen3, each then refused because config.json fixes it. The fix offered loads."""
+    job = _job(checkpoints[family], {})
+    with pytest.raises(ConfigError) as err:
+        make_config({**job, **layout})
+    msg = str(err.value)
+    assert not re.search(r"\b(use|or) model\.", msg) and "model.tie_embeddings=false" not in msg, msg
+    assert said in msg, msg
+    assert family == "gpt2" or "model.pretrained's config.json sets" in msg, msg  # the grid's and layers' say why
+    make_config({**job, **fixed})
 
 
 def _peak_while_loading(directory: str):

@@ -27,7 +27,7 @@ def make_config(data: dict | Config | None = None, overrides: list[str] | None =
     try:
         return Config.model_validate(data)
     except ValidationError as err:
-        raise ConfigError("invalid configuration:\n" + format_validation_error(err)) from None
+        raise ConfigError("invalid configuration:\n" + format_validation_error(err, data=data)) from None
 
 
 def _pretrained_fields(data: dict) -> dict:

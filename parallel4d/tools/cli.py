@@ -304,8 +304,12 @@ def _cmd_plot(args) -> int:
 
 @_job_command
 def _cmd_check(args) -> int:
-    from parallel4d.tools.check import format_report, run_check, shrunk
+    from parallel4d.tools.check import format_report, nothing_to_compare, run_check, shrunk
 
+    alone = None if args.resume_at is not None else nothing_to_compare(args.config, args.overrides)
+    if alone:  # a resume is compared with the run that went on: something even for one process
+        print(alone)
+        return 0
     plan = shrunk(args.config, args.overrides, steps=args.steps, max_workers=args.max_workers)
     keep = args.keep is not None
     out = Path(args.keep) if keep else Path(tempfile.mkdtemp(prefix="parallel4d-check-"))
