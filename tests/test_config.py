@@ -43,6 +43,13 @@ def test_overrides_parse_yaml_values(tmp_path):
     assert cfg.model.tie_embeddings is False and cfg.sequence.layout == "contiguous"
 
 
+def test_overrides_leave_the_callers_dict_as_it_was():
+    job = {"train": {"steps": 3}, "model": {"layers": 2}}
+    cfg = make_config(job, ["train.steps=7", "model.layers=4"])
+    assert (cfg.train.steps, cfg.model.layers) == (7, 4)
+    assert job == {"train": {"steps": 3}, "model": {"layers": 2}}
+
+
 @pytest.mark.parametrize("data, expect", [
     ({"parallel": {"tp": 8}}, ["parallel.tp=8", "perfect square", "4 or 9"]),
     ({"parallel": {"tp": 4}, "model": {"heads": 3, "hidden": 48}}, ["model.heads=3", "q=2", "2 or 4"]),
@@ -90,6 +97,21 @@ def test_a_pretrained_vocabulary_the_grid_does_not_split_is_accepted(tmp_path, t
     cfg = make_config({"model": {"pretrained": str(tmp_path), "seq_len": 60}, "parallel": {"tp": tp},
                        "data": {"source": "synthetic", "batch_size": 60}})
     assert cfg.model.vocab_size == 151936 and cfg.parallel.q ** 2 == tp
+
+
+@pytest.mark.parametrize("where", ["train.gradient_accumulation_steps", "gradient_accumulation_steps",
+                                   "optimizer.gradient_accumulation_steps", "train.accumulate_grad_batches"])
+def test_gradient_accumulation_by_its_usual_name_points_to_pipeline_microbatches(where):
+    """#45: refused as an unknown field without a hint; the fix it names is a job that loads."""
+    job = {"data": {"batch_size": 16}, "pipeline": {"microbatches": 2}}
+    with pytest.raises(ConfigError) as err:
+        make_config(job, [f"{where}=4"])
+    msg = str(err.value)
+    fix = "use pipeline.microbatches=4 (and data.batch_size=32 to keep micro-batches of 8 sequences)"
+    assert f"unknown field '{where}': parallel4d's gradient accumulation is pipeline.microbatches" in msg, msg
+    assert fix in msg, msg
+    cfg = make_config(job, ["pipeline.microbatches=4", "data.batch_size=32"])
+    assert cfg.data.batch_size // cfg.pipeline.microbatches == 8
 
 
 def test_short_run_of_a_long_config_is_valid():
