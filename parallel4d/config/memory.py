@@ -14,7 +14,8 @@ least the average over the ranks, which is what these are):
 * **activations** — what one micro-batch saves for the backward at least, per token of its
   ``[b/(dp·q)/m, s/sp]`` and over ``q``: each block's input ``h`` (all activation checkpointing keeps)
   and, without checkpointing, the inputs of the attention's output projection ``a·d`` and of the MLP's
-  last matrix (its width), which their weight gradients need; and the loss's logits ``V``. In 16 bits
+  last matrix (its width), which their weight gradients need; and the loss's logits ``V`` (padded to a
+  multiple of ``q``). In 16 bits
   under autocast, else the parameters' dtype, over the ``pp`` ranks (every micro-batch in flight
   after the first, every other saved tensor left out);
 * **the batch** — every rank builds the whole global batch's tokens and targets on the host, int64
@@ -31,6 +32,7 @@ from typing import TYPE_CHECKING
 
 from parallel4d.config.checks import dense_parameters
 from parallel4d.config.rules.common import human_bytes
+from parallel4d.config.rules.tensor2d import padded_vocab
 
 if TYPE_CHECKING:  # annotations only: the schema imports the rules this module imports
     from parallel4d.config.schema import Config
@@ -82,7 +84,8 @@ def _activations(cfg: Config) -> int:
         item = min(item, _ITEM[cfg.hetero.compute_dtype])
     per_block = m.hidden if t.activation_checkpointing == "blocks" else \
         m.hidden + m.heads * m.head_size + m.mlp_width
-    return tokens * (m.layers * per_block + m.vocab_size) // p.q * item // p.pp
+    logits = padded_vocab(m.vocab_size, p.q)  # the head's [b/q, s, Vp/q]: the vocabulary padded to the grid
+    return tokens * (m.layers * per_block + logits) // p.q * item // p.pp
 
 
 def _offloads(section: dict) -> bool:
