@@ -162,7 +162,8 @@ def test_gather_reads_one_tensor_at_a_time(jobs, tmp_path, monkeypatch):
     def load(state, **kwargs):
         calls.append(list(state))
         t = next(iter(state.values()))
-        assert mapped_file(t.data_ptr()).endswith(".d.pt.tmp")  # the output file's pages, not a copy
+        mapped = Path(mapped_file(t.data_ptr())).name  # the output file's pages, not a copy: its temporary
+        assert mapped.startswith(".d.pt.") and mapped.endswith(".tmp"), mapped  # name (.d.pt.<pid>.<hex>.tmp)
         return real_load(state, **kwargs)
 
     monkeypatch.setattr(dcp, "load", load)
