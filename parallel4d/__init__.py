@@ -2,13 +2,16 @@
 heterogeneous-memory parallelism for transformers, composed over one mesh.
 
 Public API: :func:`launch`, :func:`load_config`, :func:`init_mesh`, :func:`compose`,
-:func:`local_batch`, :class:`Config`, :class:`Mesh`; with the ``deepspeed`` extra,
+:func:`local_batch`, :class:`Config`, :class:`Mesh`; :func:`save_checkpoint` / :func:`load_checkpoint`
+(an engine's state as ``launch`` writes it, and back in any layout) and :func:`load_model` (the
+dense model of a checkpoint or Hugging Face directory, in one process); with the ``deepspeed`` extra,
 :func:`build_model` (this rank's model for a DeepSpeed loop) and
 ``parallel4d.integrations.deepspeed.initialize`` (a job file with a ``deepspeed:`` section →
 DeepSpeed engine, optimizer, scheduler).
 
 Every name is imported on first use, so ``import parallel4d.config`` (and ``parallel4d
-validate``) never imports torch, and DeepSpeed (~1 s) is imported only for ``build_model``.
+validate``) never imports torch, and DeepSpeed (~1 s, and its accelerator warning) is imported only
+where a DeepSpeed engine is built or a ``deepspeed:`` section checked, never for ``build_model``.
 """
 
 from parallel4d.config.lazy import lazy_names
@@ -23,6 +26,9 @@ _HOMES = {
     "Mesh": "parallel4d.distributed.mesh",
     "compose": "parallel4d.engine.compose",
     "local_batch": "parallel4d.engine.batch",
+    "save_checkpoint": "parallel4d.training.checkpoints",
+    "load_checkpoint": "parallel4d.training.checkpoints",
+    "load_model": "parallel4d.tools.generate",
     "build_model": "parallel4d.integrations.deepspeed",
 }
 

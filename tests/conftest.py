@@ -95,6 +95,28 @@ def run_in_this_process(config, overrides) -> dict:
             gc.collect()
 
 
+def small_run(out_dir):
+    """A byte-level GPT-2 trained 2 steps in this process into ``out_dir``: a checkpoint at each step,
+    ``latest``, summary.json and metrics.jsonl — what export, gather, generate and plot read. Returns
+    ``out_dir`` as a Path."""
+    from pathlib import Path
+
+    run_in_this_process({"model": {"vocab_size": 256, "seq_len": 16, "hidden": 32, "heads": 2, "layers": 2},
+                         "data": {"source": "synthetic", "batch_size": 4},
+                         "train": {"steps": 2, "out_dir": str(out_dir), "log_every": 1},
+                         "checkpoint": {"every": 1}}, [])
+    return Path(out_dir)
+
+
+def snapshot(directory) -> dict:
+    """Every file under ``directory`` (hidden ones too) with its bytes: compared before and after, it
+    shows a command wrote nothing, and left no temporary file."""
+    from pathlib import Path
+
+    return {p.relative_to(directory).as_posix(): p.read_bytes() if p.is_file() else None
+            for p in sorted(Path(directory).rglob("*"))}
+
+
 def _train_cases(config, cases, common, tmp) -> dict:
     return {name: train_in_job(config, [*extra, *common, f"train.out_dir={tmp}/{name}", "train.log_every=100"])
             for name, extra in cases.items()}

@@ -2,6 +2,7 @@
 rules accept, float64 on CPU, against one process; and the config gaps its runs found."""
 
 import functools
+import importlib.util
 import json
 from pathlib import Path
 
@@ -11,7 +12,7 @@ import parallel4d.launcher.launch as launch_module
 from parallel4d.config.errors import ConfigError
 from parallel4d.config.load import load_config
 from conftest import run_in_this_process
-from parallel4d.tools.check import _where, compare, format_report, into, shrunk, sub_layouts
+from parallel4d.tools.check import _where, compare, format_report, into, nothing_to_compare, shrunk, sub_layouts
 from parallel4d.tools.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -26,26 +27,50 @@ def plan_of(name: str):
 
 
 FOUR_D = ROOT / "configs" / "4d.yaml"  # Hanayo pp=2 × ring sp=2 × SUMMA tp=4 × hetero (ZeRO over dp·sp = 2)
+# A Qwen3 as transformers writes its config.json: q/k norms, heads of 16 (not hidden/heads = 8), GQA 4:2
+QWEN3 = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=4, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=16, max_position_embeddings=64, rope_theta=1e6,
+             tie_word_embeddings=False)
+QWEN3_16 = ["parallel.pp=2", "parallel.sp=2", "parallel.tp=4"]  # the layout the shared 16-worker job checks
+
+
+def pretrained_qwen3_job(tmp: Path) -> Path:
+    """A job file fine-tuning ``tmp/qwen3`` (a Qwen3 directory saved by transformers: the check reads its
+    config.json only, so no weights are written)."""
+    transformers = pytest.importorskip("transformers")
+    transformers.Qwen3Config(**QWEN3).save_pretrained(tmp / "qwen3")
+    job = tmp / "qwen3.yaml"
+    job.write_text(f"model: {{pretrained: {json.dumps(str(tmp / 'qwen3'))}, seq_len: 16}}\n"
+                   "data: {source: synthetic, batch_size: 8}\ntrain: {steps: 10}\n")
+    return job
 
 
 def sixteen_worker_prepare(tmp):
     """Before the shared 16-worker job (its dry run of hetero's least budget needs a process without a
-    group): the check's overrides of configs/4d.yaml."""
+    group): the check's overrides of configs/4d.yaml and of the pretrained Qwen3 at pp=2 sp=2 tp=4."""
     (tmp / "overrides.json").write_text(json.dumps(plan_of("4d").overrides))
+    if importlib.util.find_spec("transformers") is not None:  # the hf extra: else its test skips
+        job = pretrained_qwen3_job(tmp)
+        (tmp / "qwen3.json").write_text(json.dumps([*QWEN3_16, *shrunk(job, QWEN3_16).overrides]))
 
 
 def sixteen_worker_job(tmp):
-    """On every rank of the suite's shared 16-worker job: the check's layout run of configs/4d.yaml
-    (``parallel4d check configs/4d.yaml`` starts 16 workers of its own: 30 s here, README)."""
+    """On every rank of the suite's shared 16-worker job: the check's layout runs of configs/4d.yaml
+    (``parallel4d check configs/4d.yaml`` starts 16 workers of its own: 30 s here, README) and of the
+    pretrained Qwen3 (3 s more here)."""
     from parallel4d.training.loop import run_training
 
     cfg = load_config(FOUR_D, json.loads((tmp / "overrides.json").read_text()))
-    out = tmp / "layout"
-    return run_training(into(cfg, out)), str(out)
+    out, qwen3 = tmp / "layout", tmp / "qwen3-layout"
+    four_d = run_training(into(cfg, out)), str(out)
+    if not (tmp / "qwen3.json").exists():
+        return four_d, None
+    cfg = load_config(tmp / "qwen3.yaml", json.loads((tmp / "qwen3.json").read_text()))
+    return four_d, (run_training(into(cfg, qwen3)), str(qwen3), str(tmp / "qwen3.yaml"))
 
 
 def test_the_check_of_the_16_rank_4d_job_is_equal(sixteen_workers, tmp_path):
-    summary, out = sixteen_workers[0]["test_check"]
+    summary, out = sixteen_workers[0]["test_check"][0]
     plan = plan_of("4d")
     reference = plan.reference(FOUR_D, [])
     reference = into(reference, tmp_path)
@@ -54,6 +79,53 @@ def test_the_check_of_the_16_rank_4d_job_is_equal(sixteen_workers, tmp_path):
     report = "\n".join(format_report(FOUR_D, plan, outcome))
     assert plan.cfg.world_size == 16 and outcome.equal, report
     assert outcome.hetero_moved > 0, report  # the budget bites: chunks move every step
+
+
+def test_the_check_of_a_pretrained_qwen3_at_pp2_sp2_tp4_is_equal(sixteen_workers, tmp_path):
+    """#45: every job with model.pretrained was refused ("raise --max-workers"): the shrunk shapes
+    clashed with its config.json. Its layout on 16 ranks, random weights, against one process."""
+    if sixteen_workers[0]["test_check"][1] is None:
+        pytest.skip("transformers (the hf extra) is not installed")
+    summary, out, job = sixteen_workers[0]["test_check"][1]
+    plan = shrunk(job, QWEN3_16)
+    reference = into(plan.reference(job, QWEN3_16), tmp_path)
+    outcome = compare(plan.cfg, summary, run_in_this_process(reference, []), Path(out) / "checkpoints",
+                      tmp_path / "checkpoints")
+    assert plan.cfg.world_size == 16 and outcome.equal, "\n".join(format_report(job, plan, outcome))
+
+
+@pytest.mark.parametrize("layout", [["parallel.sp=2"], ["parallel.tp=4"], ["parallel.pp=2"], ["parallel.dp=2"]],
+                         ids=["sp2", "tp4", "pp2", "dp2"])
+def test_check_of_a_pretrained_job_keeps_its_layout_family_and_options_with_random_weights(layout, tmp_path):
+    job = pretrained_qwen3_job(tmp_path)
+    want = load_config(job, layout)
+    plan = shrunk(job, layout)
+    small = plan.cfg
+    m, s = want.model, small.model
+    assert small.parallel == want.parallel and s.pretrained is None
+    assert "model.pretrained: random weights" in plan.notes[0]
+    assert (s.arch, s.qk_norm, s.tie_embeddings, s.rope_theta, s.norm_eps) == \
+        (m.arch, m.qk_norm, m.tie_embeddings, m.rope_theta, m.norm_eps)
+    assert s.heads // s.kv_heads == m.heads // m.kv_heads  # GQA's group
+    assert s.heads * s.head_dim * m.hidden == s.hidden * m.heads * m.head_dim  # heads wider than hidden/heads
+    assert s.hidden < m.hidden and s.layers < m.layers
+    assert plan.reference(job, layout).world_size == 1  # and the one-process reference loads too
+
+
+def test_check_of_one_process_says_there_is_nothing_to_compare_and_exits_0(tmp_path, capsys):
+    """#45: a one-worker job (here a pretrained one) was refused with "raise --max-workers", exit 2."""
+    job = pretrained_qwen3_job(tmp_path)
+    for argv in ([str(job)], [str(ROOT / "configs" / "quickstart.yaml"), "--set", "parallel.dp=1"]):
+        assert main(["check", *argv]) == 0
+        out = capsys.readouterr().out.strip().splitlines()
+        assert len(out) == 1 and "is the reference itself: nothing to compare" in out[0], out
+
+
+def test_check_of_one_process_with_hetero_still_compares():
+    """hetero's chunks are what the one-process reference leaves out: something to compare."""
+    assert nothing_to_compare(ROOT / "configs" / "hetero.yaml", ["parallel.dp=1", "data.batch_size=8"]) is None
+    assert nothing_to_compare(ROOT / "configs" / "quickstart.yaml",
+                              ["parallel.dp=1", "train.activation_checkpointing=blocks"]) is None
 
 
 def test_check_exits_1_naming_the_first_step_and_tensor_that_differ(monkeypatch, capsys):

@@ -85,9 +85,8 @@ def worker_problems(cfg) -> list[str]:
     # engine/batch.py: rows over dp·q, then micro-batches; at least one row each
     if d.batch_size % (p.dp * q * pl.microbatches):
         out.append("batch does not split over dp·q·microbatches")
-    # 2D layers: hidden, vocab and heads in q blocks; whole heads
-    for name, v in (("hidden", m.hidden), ("vocab_size", m.vocab_size), ("heads", m.heads),
-                    ("kv_heads", m.kv_heads_or_heads)):
+    # 2D layers: hidden and heads in q blocks (the vocabulary is padded to q); whole heads
+    for name, v in (("hidden", m.hidden), ("heads", m.heads), ("kv_heads", m.kv_heads_or_heads)):
         if v % q:
             out.append(f"model.{name} not divisible by q")
     if m.head_dim is None and m.hidden % m.heads:
@@ -256,11 +255,6 @@ def _hidden_per_grid(draw, d):
     return _set(d, model__hidden=_not_multiple(draw, q, 1, 256)), "model.hidden"
 
 
-def _vocab_per_grid(draw, d):
-    q = _q(d)
-    return _set(d, model__vocab_size=_not_multiple(draw, q, 256, 1000)), "model.vocab_size"
-
-
 def _seq_not_by_sp(draw, d):
     sp = _get(d, "parallel.sp")
     return _set(d, sequence__layout="contiguous", model__seq_len=_not_multiple(draw, sp, 1, 64)), "model.seq_len"
@@ -424,7 +418,6 @@ MUTATIONS = [
     ("tp not a square", lambda d: True, _tp_not_square),
     ("heads not divisible by the grid side", _tp, _heads_per_column),
     ("hidden not divisible by the grid side", _tp, _hidden_per_grid),
-    ("vocab not divisible by the grid side", _tp, _vocab_per_grid),
     ("seq_len not divisible by sp", _sp, _seq_not_by_sp),
     ("zigzag seq_len not divisible by 2·sp", _sp, _zigzag_seq_not_by_2sp),
     ("batch not divisible by dp·q·microbatches", lambda d: True, _batch_split),

@@ -56,6 +56,15 @@ def assert_names(msg: str, *texts: str) -> None:
         assert text in msg, (text, msg)
 
 
+def test_build_model_and_as_mpu_import_no_deepspeed_and_print_nothing(tmp_path):
+    """#45: ``import parallel4d; parallel4d.build_model`` printed DeepSpeed's accelerator warning to a
+    user who never asked for DeepSpeed: its package imported every module, DeepSpeed's too."""
+    code = ("import sys, parallel4d; parallel4d.build_model; parallel4d.integrations.deepspeed.as_mpu; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] == 'deepspeed'))")
+    run = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert (run.returncode, run.stdout, run.stderr) == (0, "[]\n", ""), run
+
+
 # --- keys DeepSpeed would silently ignore ------------------------------------------------------------
 
 
@@ -212,6 +221,28 @@ def test_all_real_keys_together_are_accepted():
     assert set(REAL_KEYS) <= set(ds)
 
 
+@pytest.mark.parametrize("section, where, said", [
+    ({"steps_per_print": "x"}, "deepspeed.steps_per_print='x'", "write a whole number ≥ 1"),  # #45: a worker's TypeError
+    ({"steps_per_print": 0}, "deepspeed.steps_per_print=0", "write a whole number ≥ 1"),  # ZeroDivisionError there
+    ({"wall_clock_breakdown": "no"}, "deepspeed.wall_clock_breakdown='no'", "reads true or false"),
+    ({"dump_state": 1}, "deepspeed.dump_state=1", "reads true or false"),
+    ({"gradient_predivide_factor": True}, "deepspeed.gradient_predivide_factor=True", "reads a number"),
+    ({"flops_profiler": {"enabled": True, "profile_step": 1.5}}, "deepspeed.flops_profiler.profile_step=1.5",
+     "reads a whole number"),
+    ({"log_level": "loud"}, "deepspeed.log_level='loud'", "use one of debug, info"),
+])
+def test_values_of_another_type_than_deepspeed_reads_are_refused_naming_the_key_and_the_type(section, where, said):
+    """Taken as given by DeepSpeed's parser, then a failure in every worker or a wrong reading ("no"
+    is true): the types are those of the defaults DeepSpeed reads each key with."""
+    assert_names(refused(job(section)), where, said)
+
+
+def test_values_of_the_type_deepspeed_reads_are_accepted():
+    ds = resolve(make_config(job({"steps_per_print": 5, "gradient_predivide_factor": 2, "log_level": "INFO",
+                                  "flops_profiler": {"enabled": False, "profile_step": 3}})), "cpu")
+    assert (ds["steps_per_print"], ds["gradient_predivide_factor"]) == (5, 2)
+
+
 # --- the batch triple --------------------------------------------------------------------------------
 
 BATCH = {"parallel": {"dp": 2}, "pipeline": {"microbatches": 2}}  # with data.batch_size 8: 8 = 2 · 2 · 2
@@ -225,6 +256,16 @@ def test_batch_key_disagreeing_with_parallel4d_names_both_sides_and_the_value(ke
         make_config(job({key: wrong}, **BATCH))
     assert_names(str(err.value), f"deepspeed.{key}={wrong}", "data.batch_size=8", "parallel.dp=2",
                  "pipeline.microbatches=2", f"set deepspeed.{key}={WANT[key]}", '"auto"')
+
+
+def test_deepspeed_accumulation_steps_refusal_names_pipeline_microbatches():
+    """#45: a user asking DeepSpeed for 4 accumulation steps is told parallel4d's field for them."""
+    with pytest.raises(ConfigError) as err:
+        make_config(job({"gradient_accumulation_steps": 4}, **BATCH))
+    assert_names(str(err.value), "set deepspeed.gradient_accumulation_steps=2",
+                 "for 4, set pipeline.microbatches=4: parallel4d's field for it")
+    make_config(job({"gradient_accumulation_steps": 4}, parallel={"dp": 2}, pipeline={"microbatches": 4},
+                    data={"source": "synthetic", "batch_size": 16}))  # the fix, with its batch
 
 
 def test_batch_key_that_is_a_boolean_is_refused():

@@ -1069,3 +1069,106 @@ def test_unwritable_run_directory_is_refused_before_any_worker(tmp_path, capsys,
         err = capsys.readouterr().err
         assert field in err and "not writable" in err and str(blocker) in err, err
         assert spawned == []
+
+
+# --- the tools' outputs (#45): as careful as launch ---------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tool_run(tmp_path_factory):
+    """conftest.small_run's run (2 steps, a checkpoint each), shared by the tool tests: they only read it."""
+    from conftest import small_run
+
+    return small_run(tmp_path_factory.mktemp("tools") / "run")
+
+
+def test_tools_refuse_a_read_only_place_in_one_line(tool_run, tmp_path, capsys):
+    """The reported cases, ``parallel4d plot RUN -o ro/c.png`` and ``parallel4d export … ro/exp`` onto a
+    read-only directory, ended in OSError tracebacks (``checkpoint gather`` and ``tokenize`` likewise):
+    now exit 2, one line naming the flag, the path and why, nothing written. Read-only as this process
+    sees it: for root, the immutable attribute (a mode alone does not stop root)."""
+    from parallel4d.tools.cli import main
+
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    try:
+        if not _read_only(ro):
+            pytest.skip("this file system lets this user write into a read-only directory")
+        for argv, flag, out in ((["plot", str(tool_run), "-o"], "-o", ro / "c.png"),
+                                (["export", str(tool_run / "checkpoints")], "OUT_DIR", ro / "exp"),
+                                (["checkpoint", "gather", str(tool_run / "checkpoints")], "OUT", ro / "model.pt")):
+            code = main([*argv, str(out)])
+            err = capsys.readouterr().err
+            assert code == 2 and err.count("\n") == 1, err
+            assert err.startswith(f"parallel4d: {flag} {out} cannot be written (") and "choose another" in err, err
+        assert list(ro.iterdir()) == []
+    finally:
+        _chattr("-i", ro)
+        ro.chmod(0o755)
+
+
+def _fail_midway(monkeypatch, tool: str, error: BaseException) -> None:
+    """Make ``tool``'s write fail after it has written part of its output."""
+    if tool == "export":  # half-way through its (only) safetensors file
+        hf = importlib.import_module("parallel4d.models.hf")
+        real = hf.write_safetensors
+
+        def write_then_fail(path, *args):
+            real(path, *args)
+            os.truncate(path, os.path.getsize(path) // 2)
+            raise error
+
+        monkeypatch.setattr(hf, "write_safetensors", write_then_fail)
+    elif tool == "gather":  # after its first tensor is in the file
+        gather = importlib.import_module("parallel4d.checkpoint.gather")
+        monkeypatch.setattr(gather._Progress, "advance", lambda self, nbytes: (_ for _ in ()).throw(error))
+    else:  # plot: part of an image
+        import matplotlib.figure
+
+        def save_half(fig, fname, **kwargs):
+            Path(fname).write_bytes(b"\x89PNG\r\n\x1a\n half an image")
+            raise error
+
+        monkeypatch.setattr(matplotlib.figure.Figure, "savefig", save_half)
+
+
+@pytest.mark.parametrize("error, code", [(OSError(28, "No space left on device"), 2), (KeyboardInterrupt(), 130)])
+@pytest.mark.parametrize("tool", ["export", "gather", "plot"])
+def test_a_tool_failing_midway_leaves_the_earlier_output_and_no_temporary_file(tool_run, tmp_path, monkeypatch,
+                                                                                capsys, tool, error, code):
+    """A full disk (one line, exit 2) or Ctrl-C (exit 130) while export, gather or plot writes: the
+    earlier output is as it was, byte for byte, and nothing else is left — no half-written file (they
+    wrote in place), no temporary file (gather's stayed)."""
+    from conftest import snapshot
+    from parallel4d.tools.cli import main
+
+    out = tmp_path / "out"
+    out.mkdir()
+    argv = {"export": ["export", str(tool_run / "checkpoints"), str(out / "hf")],
+            "gather": ["checkpoint", "gather", str(tool_run / "checkpoints"), str(out / "model.pt")],
+            "plot": ["plot", str(tool_run), "-o", str(out / "c.png")]}[tool]
+    assert main(argv) == 0  # the earlier output
+    before = snapshot(out)
+    _fail_midway(monkeypatch, tool, error)
+    capsys.readouterr()
+    assert main(argv) == code
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and (code != 2 or "No space left on device" in err and err.count("\n") == 1), err
+    assert snapshot(out) == before
+
+
+def test_tool_paths_expand_the_home_directory(tool_run, tmp_path, monkeypatch, capsys):
+    """``~`` in a path the shell left alone (quoted, or after ``--out=``) is the home directory, as in
+    the shell: it made a literal ``./~`` or named no checkpoint (exit 1)."""
+    from parallel4d.tools.cli import main
+
+    home, cwd = tmp_path / "home", tmp_path / "cwd"
+    cwd.mkdir()
+    shutil.copytree(tool_run, home / "run")
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(cwd)
+    assert main(["export", "~/run/checkpoints", "~/hf"]) == 0
+    assert main(["checkpoint", "gather", "~/run/checkpoints", "~/model.pt"]) == 0
+    assert main(["plot", "~/run", "-o", "~/c.png"]) == 0
+    assert main(["generate", "~/hf", "--max-new-tokens", "2"]) == 0
+    assert (home / "hf" / "config.json").is_file() and (home / "model.pt").is_file() and (home / "c.png").is_file()
+    assert list(cwd.iterdir()) == []

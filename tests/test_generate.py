@@ -125,9 +125,14 @@ def test_the_export_of_a_tied_gpt2_run_loads_in_transformers(trained):
 
 
 def test_generate_from_a_run_and_from_its_export(trained, capsys):
+    """The same text from a run and its export; stderr names what was loaded (#45: nothing did), stdout
+    holds only the text."""
     run, exported = trained
-    code, a, _ = _generate(capsys, run, "--seed", "3")
+    code, a, err = _generate(capsys, run, "--seed", "3")
     assert code == 0 and a.startswith("def ") and len(a.encode()) >= 20
+    assert err == f"parallel4d: generating from step 4 of {run / 'checkpoints'}\n", err
+    assert _generate(capsys, exported, "--seed", "3")[2] == f"parallel4d: generating from the Hugging Face model in " \
+                                                            f"{exported}\n"
     assert _generate(capsys, run, "--seed", "3")[1] == a  # the seed decides
     assert _generate(capsys, exported, "--seed", "3")[1] == a  # the same model either way
     assert _generate(capsys, run, "--seed", "4")[1] != a
@@ -143,4 +148,4 @@ def test_generate_refuses_what_it_cannot_do(trained, tmp_path, capsys):
         got = _generate(capsys, run, *args)
         assert got[0] == code and words in got[2], got
     got = _generate(capsys, tmp_path)
-    assert got[0] == 1 and "neither a checkpoint" in got[2], got
+    assert got[0] == 2 and "neither a checkpoint" in got[2], got  # a refusal (#45: it was 1)

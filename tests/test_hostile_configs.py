@@ -123,6 +123,14 @@ CROSS = [
     ("ds batch", "deepspeed: {train_batch_size: 3}", "deepspeed.train_batch_size"),
     ("ds stage", "deepspeed: {zero_optimization: {stage: '3'}}", "deepspeed.zero_optimization.stage"),
     ("ds scheduler params", "deepspeed: {scheduler: {type: WarmupLR, params: {nosuch: 1}}}", "deepspeed.scheduler"),
+    # #45: DeepSpeed's keys typed as it reads them (accepted, then a TypeError in every worker, or read wrongly)
+    ("ds steps_per_print", "deepspeed: {steps_per_print: x}", "deepspeed.steps_per_print"),
+    ("ds steps_per_print 0", "deepspeed: {steps_per_print: 0}", "deepspeed.steps_per_print"),
+    ("ds bool as a string", "deepspeed: {zero_allow_untested_optimizer: 'no'}", "deepspeed.zero_allow_untested_optimizer"),
+    ("ds number as a string", "deepspeed: {gradient_predivide_factor: x}", "deepspeed.gradient_predivide_factor"),
+    ("ds log level", "deepspeed: {log_level: loud}", "deepspeed.log_level"),
+    ("ds sub-section key", "deepspeed: {flops_profiler: {enabled: true, profile_step: two}}",
+     "deepspeed.flops_profiler.profile_step"),
     ("threads", "train: {threads_per_worker: 4096}", "train.threads_per_worker"),
     ("local workers", "parallel: {dp: 128}\ndata: {batch_size: 128}", "train.max_local_workers"),
 ]
@@ -178,3 +186,99 @@ def test_launch_refuses_the_same_before_any_worker(tmp_path, capsys, monkeypatch
     monkeypatch.setattr(importlib.import_module("parallel4d.launcher.launch"), "spawn", spawn)  # the CLI imports it on use
     for n, (case, text, field) in enumerate(field_cases()[::15] + CROSS):
         assert_refused(*refusal(capsys, ["launch", job_file(tmp_path, n, text)]), field, case)
+
+
+def test_byte_text_under_a_bpe_model_is_refused_before_any_worker(tmp_path, capsys, monkeypatch):
+    """#45: ``data.source: text`` (byte ids 0–255) under a ``model.pretrained`` whose tokenizer.json is a
+    BPE was accepted and trained on ids that mean other tokens to the model; validate and launch refuse it."""
+    tokenizers = pytest.importorskip("tokenizers")
+    from parallel4d.config.load import make_config
+    from parallel4d.models import hf
+    from parallel4d.models.build import build_dense, shape_from_config
+
+    model = tmp_path / "model"
+    cfg = make_config({"model": {"vocab_size": 320, "hidden": 32, "layers": 2, "heads": 4, "seq_len": 32}})
+    hf.save_hf(build_dense(shape_from_config(cfg.model), seed=0).state_dict(), cfg.model, model)
+    bpe = tokenizers.Tokenizer(tokenizers.models.BPE())
+    bpe.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.train_from_iterator(["def f(x):\n    return x\n" * 40], tokenizers.trainers.BpeTrainer(
+        vocab_size=300, initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet()))
+    bpe.save(str(model / "tokenizer.json"))
+    text = job_file(tmp_path, 0, f"model: {{pretrained: {model}, seq_len: 16}}\ndata: {{source: text}}\n")
+    assert_refused(*refusal(capsys, ["validate", text]), "data.source", "byte text under BPE")
+    def spawn(*args, **kwargs):
+        raise AssertionError("a worker was started for byte text under a BPE model")
+
+    monkeypatch.setattr(importlib.import_module("parallel4d.launcher.launch"), "spawn", spawn)
+    assert_refused(*refusal(capsys, ["launch", text]), "data.source", "byte text under BPE (launch)")
+
+
+# --- the tools' arguments (#45) ------------------------------------------------------------------------
+# Outputs onto or into what a command reads, into a checkpoint, of the wrong kind or under a file, and
+# inputs that are no usable checkpoint: each was a traceback, an exit 1, or (gather onto a shard of its
+# own checkpoint, which the next resume then set aside) a silent loss.
+
+def tool_cases(run, tmp) -> list[tuple[str, list[str], str]]:
+    """``(case, argv, what the refusal names)`` over ``run`` (:func:`conftest.small_run`); ``tmp`` holds a
+    regular file ``blocker``, a copy of the newest checkpoint with a flipped byte under ``bad``, an empty
+    directory ``empty`` and a tokenizer with a text file."""
+    ckpt, blocker = run / "checkpoints", tmp / "blocker"
+    step, older = ckpt / "step_00000002", ckpt / "step_00000001"
+    gather, export, plot = ["checkpoint", "gather", str(ckpt)], ["export", str(ckpt)], ["plot", str(run), "-o"]
+    tokenize = ["tokenize", "--tokenizer", str(tmp / "tokenizer.json"), str(tmp / "text.txt"), "-o"]
+    return [
+        ("gather onto a shard of its own checkpoint", [*gather, str(step / "__0_0.distcp")], "OUT"),
+        ("gather onto latest", [*gather, str(ckpt / "latest")], "OUT"),
+        ("gather onto the checkpoint directory", [*gather, str(ckpt)], "OUT"),
+        ("gather into an older checkpoint", [*gather, str(older / "model.pt")], "OUT"),
+        ("gather under a file", [*gather, str(blocker / "model.pt")], "OUT"),
+        ("gather of no checkpoint", ["checkpoint", "gather", str(tmp / "empty"), str(tmp / "m.pt")], "neither"),
+        ("export into its checkpoint", [*export, str(step / "hf")], "OUT_DIR"),
+        ("export onto its checkpoint", [*export, str(step)], "OUT_DIR"),
+        ("export onto a file", [*export, str(blocker)], "OUT_DIR"),
+        ("export under a file", [*export, str(blocker / "hf")], "OUT_DIR"),
+        ("export of a corrupted checkpoint", ["export", str(tmp / "bad"), str(tmp / "hf")], "is not usable"),
+        ("plot onto its metrics", [*plot, str(run / "metrics.jsonl")], "-o"),
+        ("plot onto its summary", [*plot, str(run / "summary.json")], "-o"),
+        ("plot into a checkpoint", [*plot, str(step / "curves.png")], "-o"),
+        ("plot under a file", [*plot, str(blocker / "curves.png")], "-o"),
+        ("plot as an unknown format", [*plot, str(tmp / "curves.xyz")], "-o"),
+        ("generate from no checkpoint", ["generate", str(tmp / "empty")], "neither"),
+        ("tokenize into a checkpoint", [*tokenize, str(step / "t.bin")], "-o"),
+        ("tokenize under a file", [*tokenize, str(blocker / "t.bin")], "-o"),
+    ]
+
+
+def _tool_inputs(tmp) -> None:
+    """What :func:`tool_cases` reads besides the run (a word-level tokenizer: the hf extra's tokenizers)."""
+    import shutil
+
+    tokenizers = pytest.importorskip("tokenizers")
+    (tmp / "blocker").write_text("a file, not a directory")
+    (tmp / "empty").mkdir()
+    bad = tmp / "bad" / "step_00000002"
+    shutil.copytree(tmp / "run" / "checkpoints" / "step_00000002", bad)
+    shard = bad / "__0_0.distcp"
+    raw = bytearray(shard.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    shard.write_bytes(bytes(raw))
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel({"<unk>": 0, "<|endoftext|>": 1, "a": 2}, unk_token="<unk>"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    tok.save(str(tmp / "tokenizer.json"))
+    (tmp / "text.txt").write_text("a a a\n")
+
+
+def test_tool_arguments_that_would_lose_data_or_fail_are_refused_with_a_fix(tmp_path, capsys):
+    """Each :func:`tool_cases` case through the CLI's entry point: exit 2, one line naming the path's
+    flag (or the input's problem) and a fix, no traceback; the run's files and every input as they were."""
+    from conftest import small_run, snapshot
+
+    run = small_run(tmp_path / "run")
+    _tool_inputs(tmp_path)
+    capsys.readouterr()
+    before = snapshot(tmp_path)
+    for case, argv, field in tool_cases(run, tmp_path):
+        code, err = refusal(capsys, argv)
+        assert_refused(code, err, field, case)
+        assert err.count("\n") == 1, (case, err)  # one line
+        assert snapshot(tmp_path) == before, case

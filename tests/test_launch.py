@@ -350,8 +350,8 @@ def test_a_workers_refusal_is_raised_as_itself_without_a_traceback():
 
 
 def test_a_run_with_only_broken_checkpoints_is_refused_in_one_line_each_time(tmp_path, capfd):
-    """#26.7/9: resuming where every checkpoint fails verification: exit 1 with one line naming them
-    all (no worker traceback), the same on the next attempt."""
+    """#26.7/9: resuming where every checkpoint fails verification: refused with one line naming them
+    all (no worker traceback), the same on the next attempt; exit 2 as every refusal (#45: it was 1)."""
     from parallel4d.tools.cli import main
 
     cfg = tiny(tmp_path, "run")
@@ -368,7 +368,7 @@ def test_a_run_with_only_broken_checkpoints_is_refused_in_one_line_each_time(tmp
     capfd.readouterr()
     errors = []
     for _ in range(2):
-        assert main(["launch", str(job), "--set", "train.resume=true"]) == 1
+        assert main(["launch", str(job), "--set", "train.resume=true"]) == 2
         err = capfd.readouterr().err
         assert "Traceback" not in err, err
         errors.append(err.strip().splitlines()[-1])

@@ -31,7 +31,8 @@ PACKAGE = Path(parallel4d.__file__).resolve().parent
 #: bottom → top; a module belongs to the layer of its longest matching pattern
 LAYERS: list[tuple[str, list[str]]] = [
     ("L0 config (torch-free)", ["parallel4d.config", "parallel4d.config.*", "parallel4d.data.token_files",
-                                "parallel4d.data.text_files", "parallel4d.models.spec", "parallel4d.models.registry",
+                                "parallel4d.data.tokenizer_identity", "parallel4d.data.text_files",
+                                "parallel4d.models.spec", "parallel4d.models.registry",
                                 "parallel4d.models.*.spec"]),
     ("L1 distributed, optim", ["parallel4d.distributed", "parallel4d.distributed.*", "parallel4d.optim",
                                "parallel4d.optim.*"]),

@@ -1,6 +1,7 @@
 """#33: Hypothesis draws jobs across the whole space — pp, dp, sp, tp; every schedule, waves, split
 backward and hop cost; ring layouts and Ulysses; hetero with budgets from the minimum up (ZeRO where
-dp·sp > 1); activation checkpointing; gpt2 and llama (GQA, tied and untied); evaluation; a resume
+dp·sp > 1); activation checkpointing; gpt2 and llama (GQA, tied and untied; a vocabulary the 2D grid
+pads or not); evaluation; a resume
 mid-run — and runs each through ``parallel4d check``'s own code (:mod:`parallel4d.tools.check`):
 the shrunk job on gloo workers in float64 against one process, losses to 1e-10, every parameter to 1e-9.
 
@@ -87,7 +88,8 @@ def _pipeline(draw, pp: int) -> list[str]:
 def _model(draw) -> list[str]:
     arch = draw(st.sampled_from(["gpt2", "llama"]))
     out = [f"model.arch={arch}", "model.hidden=32", "model.heads=4", "model.layers=8",
-           f"model.tie_embeddings={draw(st.booleans())}"]
+           f"model.tie_embeddings={draw(st.booleans())}",
+           f"model.vocab_size={draw(st.sampled_from([257, 256]))}"]  # 257 (first: the early draws): padded to 258
     if arch == "llama":
         out.append(f"model.kv_heads={draw(st.sampled_from([4, 2, 1]))}")  # MHA, GQA, MQA
         out.append(f"model.qk_norm={draw(st.booleans())}")

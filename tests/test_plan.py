@@ -278,3 +278,32 @@ def test_each_familys_usual_shapes_validate_and_grow_in_parameters():
         counts = [count(make_config({"model": {"arch": family.name, "vocab_size": vocab, **s}}).model)[0]
                   for s in family.shapes]
         assert len(counts) >= 5 and counts == sorted(set(counts)), (family.name, counts)
+
+
+def _assert_estimate_below(cfg, measured: list[dict]) -> None:
+    """launch's memory estimate (config/memory.py) of each part at most the ranks' measured mean."""
+    from parallel4d.config.memory import rank_bytes
+
+    est = rank_bytes(cfg)
+    mean = {k: sum(r.get(k) or 0 for r in measured) / len(measured) for k in PLANNED_PARTS}
+    assert 0 < est.activations <= mean["activations"], (est, mean)
+    assert est.model_state_device <= mean["parameters"] + mean["gradients"] + mean["optimizer_state"], (est, mean)
+    assert est.model_state_host <= mean["hetero_host"], (est, mean)
+    assert (est.model_state_host > 0) == cfg.hetero.enabled and (est.model_state_device > 0) != cfg.hetero.enabled
+
+
+PLANNED_PARTS = ("parameters", "gradients", "optimizer_state", "activations", "hetero_host")
+
+
+@pytest.mark.parametrize("name", list(SHIPPED))
+def test_the_launch_estimate_is_under_what_the_run_measured(name, tmp_path_factory):
+    """The lower bound launch refuses by (#45.5) is one: for the shipped configs' shared runs, each
+    part is at most what the ranks held on average at their first step (summary.json's memory)."""
+    got, _ = shared_run(name, tmp_path_factory, SHIPPED[name])
+    _assert_estimate_below(load_config(config_path(name), SHIPPED[name]), got["memory"]["per_rank"])
+
+
+@pytest.mark.parametrize("case", list(FOUR_D))
+def test_the_launch_estimate_is_under_what_all_four_techniques_measured(case, sixteen_workers):
+    got, _ = sixteen_workers[0]["test_e2e"][case]
+    _assert_estimate_below(load_config(config_path("4d"), [*FOUR_D[case], *FOUR_D_STEPS]), got["memory"]["per_rank"])

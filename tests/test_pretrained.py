@@ -5,6 +5,7 @@ trained in one process with torch's AdamW, and ``parallel4d export`` gives back 
 
 import json
 import os
+import re
 import shutil
 
 import pytest
@@ -19,7 +20,7 @@ from parallel4d.config.load import make_config
 from parallel4d.data.batches import build_dataset  # noqa: E402
 from parallel4d.models import hf  # noqa: E402
 from parallel4d.sequence.layout import local_positions  # noqa: E402
-from test_hf import IMPORTS, S, _perturb, float64_transformers  # noqa: E402
+from test_hf import IMPORTS, S, SCALED, _perturb, _scaled, float64_transformers  # noqa: E402
 
 LLAMA = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=4, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=64, rope_theta=5e5, tie_word_embeddings=False)
@@ -42,6 +43,11 @@ def checkpoints(tmp_path_factory):
         torch.manual_seed(0)
         directory = tmp_path_factory.mktemp(name)
         cls(conf(**kwargs)).save_pretrained(directory)
+        out[name] = str(directory)
+    for name in SCALED:  # test_hf's Llamas of each scaled rotary (linear, dynamic, yarn, llama3)
+        torch.manual_seed(0)
+        directory = tmp_path_factory.mktemp(name)
+        _scaled(name, v=LLAMA["vocab_size"]).save_pretrained(directory)
         out[name] = str(directory)
     return out
 
@@ -133,9 +139,15 @@ def test_a_pretrained_llama_trains_like_transformers_in_every_layout(checkpoints
 
 # --- float64 under 2D × ring: logits, loss and every gradient equal transformers' (#15.4) ---
 
-FLOAT64_VOCAB = 64  # the 2×2 grid splits the vocabulary in two (test_hf's 61 in one process)
-FLOAT64_BATCH = tuple(t.contiguous() for t in (lambda w: (w[:, :-1], w[:, 1:]))(
-    torch.randint(0, FLOAT64_VOCAB, (4, S + 1), generator=torch.Generator().manual_seed(5))))
+FLOAT64_VOCAB = 61  # test_hf's: the 2×2 grid pads it to 62 (a row no token uses, out of the softmax)
+def _float64_batch():
+    """Tokens and targets ``[4, S]``, the last real id (in the padded block) among both."""
+    window = torch.randint(0, FLOAT64_VOCAB, (4, S + 1), generator=torch.Generator().manual_seed(5))
+    window[1, 3:5] = FLOAT64_VOCAB - 1
+    return window[:, :-1].contiguous(), window[:, 1:].contiguous()
+
+
+FLOAT64_BATCH = _float64_batch()
 
 
 @pytest.fixture(scope="module")
@@ -157,7 +169,8 @@ def float64_checkpoints(tmp_path_factory):
 def _float64_gradients(directories: dict, tokens, targets):
     """Each checkpoint loaded under 2D tp=4 × ring sp=2 (zigzag) in float64, one forward and
     backward of the ``[B, S]`` batch: {case: ((tp_row, tp_col, sp rank), this rank's logits
-    ``[B/2, S/2, V/2]``, its replica's loss, its pieces of every parameter's gradient)}."""
+    ``[B/2, S/2, Vp/2]`` (V padded to 62), its replica's loss, its pieces of every parameter's gradient,
+    the largest gradient outside every piece (the padded rows'))}."""
     from parallel4d.engine.compose import compose
     from parallel4d.distributed.mesh import init_mesh
 
@@ -174,11 +187,16 @@ def _float64_gradients(directories: dict, tokens, targets):
             for stage in engine.model.stages().values():
                 logits = stage(logits)
         loss = engine.compute_gradients(tokens, targets)
-        grads = {}
+        grads, outside = {}, 0.0
         for name, p in engine.model.named_parameters():
             dense, _, cut = engine.dense[name]
             grads[dense] = [(tuple(off), view.clone()) for off, view in cut(p.grad)]
-        out[case] = (mesh.rank("tp_row"), mesh.rank("tp_col"), mesh.rank("sp")), logits, float(loss), grads
+            rest = p.grad.clone()
+            for _, view in cut(rest):
+                view.zero_()
+            outside = max(outside, rest.abs().max().item())
+        out[case] = ((mesh.rank("tp_row"), mesh.rank("tp_col"), mesh.rank("sp")), logits, float(loss), grads,
+                     outside)
     return out
 
 
@@ -198,11 +216,12 @@ def _transformers_float64(directory: str, tokens, targets, mp):
 
 def test_pretrained_models_under_2d_and_ring_equal_transformers_in_float64(float64_checkpoints, eight_workers,
                                                                            monkeypatch):
-    """Each test_hf model at tp=4 × sp=2 (zigzag), float64: every rank's block of the logits, the
-    mean of the replicas' losses and every rank's piece of every parameter's gradient equal
-    transformers' within 1e-10 (absolute); together the pieces cover every parameter."""
+    """Each test_hf model at tp=4 × sp=2 (zigzag), float64, its vocabulary of 61 padded to the grid: every
+    rank's block of the logits (its real columns), the mean of the replicas' losses and every rank's piece
+    of every parameter's gradient equal transformers' within 1e-10 (absolute); together the pieces cover
+    every parameter, and the padded rows' gradients (outside every piece) are zero."""
     tokens, targets = FLOAT64_BATCH
-    b, v = tokens.shape[0] // 2, FLOAT64_VOCAB // 2
+    b, v = tokens.shape[0] // 2, -(-FLOAT64_VOCAB // 2)
     results = [f64 for _, f64 in eight_workers[1]]
     for case, directory in float64_checkpoints.items():
         with monkeypatch.context() as mp:
@@ -210,11 +229,13 @@ def test_pretrained_models_under_2d_and_ring_equal_transformers_in_float64(float
         names = hf.p4d_to_hf(cfg)
         worst, replica_losses, seen = 0.0, {}, set()
         for rank_results in results:
-            (row, col, sp), block, replica_loss, grads = rank_results[case]
+            (row, col, sp), block, replica_loss, grads, outside = rank_results[case]
+            assert outside == 0.0, (case, "a padded row got a gradient", outside)
             positions = list(local_positions(tokens.shape[1], sp, 2, "zigzag"))
             want = logits[row * b:(row + 1) * b, positions, col * v:(col + 1) * v]
-            assert block.dtype == torch.float64 and block.shape == want.shape, (case, block.shape)
-            worst = max(worst, (block - want).abs().max().item())
+            assert block.dtype == torch.float64 and block.shape[:-1] == want.shape[:-1], (case, block.shape)
+            assert block.shape[-1] == v and want.shape[-1] == (v if col == 0 else FLOAT64_VOCAB - v)
+            worst = max(worst, (block[..., :want.shape[-1]] - want).abs().max().item())
             replica_losses.setdefault(sp, replica_loss)
             assert replica_losses[sp] == replica_loss  # equal on every grid rank of a replica
             for dense, boxes in grads.items():
@@ -281,27 +302,33 @@ def _with_tokenizer(source: str, directory) -> None:
     torch.save({}, directory / "training_args.bin")
 
 
-@pytest.mark.parametrize("family,dtype", [("gpt2", "float64"), ("llama", "float32")])
+@pytest.mark.parametrize("family,dtype", [("gpt2", "float64"), ("llama", "float32"), ("qwen3", "float32"),
+                                          *((name, "float32") for name in SCALED)])
 def test_round_trip_transformers_parallel4d_export_transformers(checkpoints, tmp_path, capsys, family, dtype):
     """transformers → parallel4d (seq_len 16 of the model's 32 / 64 positions; 3 AdamW steps in one
     process; gpt2 in float64) → ``parallel4d export`` → from_pretrained: the original's tensor names
     and shapes, its config.json key by key (only dtype changed, by the float64 training), the trained
     tensors exactly as checkpointed (gpt2's position rows past 16 as loaded, the first 16 trained),
     the tokenizer and generation files byte for byte (no weights file carried), every file readable by
-    others, and ``parallel4d generate`` continues a prompt from the export."""
+    others, the step exported said; transformers' logits of the export are those of the checkpoint's
+    dense model (the rotary as trained: plain, each scaled one, Qwen3's), and ``parallel4d generate``
+    continues a prompt from the export."""
     from conftest import run_in_this_process
     from parallel4d.tools.cli import main
     from parallel4d.checkpoint.gather import gather, with_tied_head
+    from parallel4d.tools.generate import load_model
 
     source, out = tmp_path / "source", tmp_path / "hf"
     _with_tokenizer(checkpoints[family], source)
     job = {**_job(str(source), {}, steps=3), "train": {"steps": 3, "dtype": dtype, "out_dir": str(tmp_path / "run")}}
     run_in_this_process(job, [])
     umask = os.umask(0o022)  # what the export's files get from the process
+    capsys.readouterr()
     try:
         assert main(["export", str(tmp_path / "run" / "checkpoints"), str(out)]) == 0
     finally:
         os.umask(umask)
+    assert capsys.readouterr().out == f"exported step 3 of {tmp_path / 'run' / 'checkpoints'} to {out}\n"
     names = {p.name for p in source.iterdir()} - {"training_args.bin"}
     assert {p.name for p in out.iterdir()} == names
     assert [oct(p.stat().st_mode & 0o777) for p in (out, *out.iterdir())] == ["0o755"] + ["0o644"] * len(names)
@@ -324,6 +351,10 @@ def test_round_trip_transformers_parallel4d_export_transformers(checkpoints, tmp
     for dense, (name, how) in hf.p4d_to_hf(cfg).items():
         want = saved[dense].t() if how == "t" else saved[dense]
         assert back_state[name].dtype == getattr(torch, dtype) and torch.equal(back_state[name], want), name
+    ours, _ = load_model(tmp_path / "run")  # the checkpoint as parallel4d's dense model computes it
+    tokens = torch.randint(0, 61, (2, 16), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        torch.testing.assert_close(back.float().eval()(input_ids=tokens).logits, ours(tokens), rtol=1e-5, atol=1e-5)
     if family == "gpt2":
         rows, loaded = back_state["transformer.wpe.weight"], their_state["transformer.wpe.weight"].double()
         assert rows.shape[0] == 32 and torch.equal(rows[16:], loaded[16:])  # never read: as loaded
@@ -387,6 +418,29 @@ def test_pretrained_fields_and_files_are_checked_before_training(checkpoints, tm
     with pytest.raises(ConfigError, match=r"model.safetensors"):
         launch({**_job(str(broken), {}), "train": {"steps": 1, "out_dir": str(tmp_path / "out")}})
     assert not (tmp_path / "out" / "summary.json").exists()
+
+
+@pytest.mark.parametrize("family, layout, said, fixed", [
+    # hidden 32, heads 4, kv_heads 2 on a 3×3 grid; kv_heads 2 on a 4×4 one
+    ("qwen3", {"parallel": {"tp": 9}}, "use parallel.tp=4", {"parallel": {"tp": 4}}),
+    ("qwen3", {"parallel": {"tp": 16}}, "use parallel.tp=4", {"parallel": {"tp": 4}}),
+    ("qwen3", {"parallel": {"pp": 4}, "pipeline": {"schedule": "zbv"}}, "use parallel.pp≤3",  # 8 chunks, 6 stages
+     {"parallel": {"pp": 3}, "pipeline": {"schedule": "zbv"}}),
+    ("gpt2", {"parallel": {"pp": 2}, "pipeline": {"schedule": "1f1b"}, "hetero": {"enabled": True}},
+     "use pipeline.schedule=hanayo or zbv", {"parallel": {"pp": 2}, "pipeline": {"schedule": "hanayo"},
+                                            "hetero": {"enabled": True}}),  # a tied head on two pp ranks
+])
+def test_refusals_for_a_pretrained_model_suggest_the_layout_never_its_shape(checkpoints, family, layout, said, fixed):
+    """#45: ``parallel.tp=9`` suggested model.heads=3 or 6, model.kv_heads=3 and model.vocab_size=510 or
+    513 for a Qwen3, each then refused because config.json fixes it. The fix offered loads."""
+    job = _job(checkpoints[family], {})
+    with pytest.raises(ConfigError) as err:
+        make_config({**job, **layout})
+    msg = str(err.value)
+    assert not re.search(r"\b(use|or) model\.", msg) and "model.tie_embeddings=false" not in msg, msg
+    assert said in msg, msg
+    assert family == "gpt2" or "model.pretrained's config.json sets" in msg, msg  # the grid's and layers' say why
+    make_config({**job, **fixed})
 
 
 def _peak_while_loading(directory: str):

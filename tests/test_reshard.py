@@ -1,7 +1,9 @@
 """Checkpoints move between layouts (#13.2): a float64 checkpoint written by all four techniques
 at once (Hanayo pp=2 × ring sp=2 × 2D tp=4 × hetero ZeRO, 16 workers) resumes at dp=2, at tp=4
 and at pp=4 interleaved; each continuation computes the straight single-process run's steps
-and state, and ``parallel4d checkpoint gather`` of any checkpoint is the dense state dict.
+and state, and ``parallel4d checkpoint gather`` of any checkpoint is the dense state dict. The
+vocabulary, 257, does not split over the 2×2 grid: the 2D runs pad it to 258 (a row no token uses),
+and their checkpoints hold the single-process model's 257 rows (saved padded, resumed unpadded).
 States are read back by torch.distributed.checkpoint itself (tests/test_checkpoint.read_state)."""
 
 import contextlib
@@ -24,9 +26,10 @@ from parallel4d.config.errors import ConfigError
 from test_checkpoint import read_state
 
 ROOT = Path(__file__).resolve().parents[1]
-# configs/4d.yaml with 6 layers (8 stages: pp=4 interleaved needs 8 chunks) and 4 micro-batches
-MODEL = ["model.layers=6", "pipeline.microbatches=4", "train.dtype=float64", "train.log_every=100",
-         "data.batch_size=8", "checkpoint.every=3"]
+# configs/4d.yaml with 6 layers (8 stages: pp=4 interleaved needs 8 chunks) and 4 micro-batches;
+# vocabulary 257: the 2×2 grid's token table blocks are 129 × 32 = 4128 elements, hetero's chunks 4224 (128·33)
+MODEL = ["model.layers=6", "model.vocab_size=257", "hetero.chunk_elems=4224", "pipeline.microbatches=4",
+         "train.dtype=float64", "train.log_every=100", "data.batch_size=8", "checkpoint.every=3"]
 SINGLE = ["parallel.pp=1", "parallel.dp=1", "parallel.sp=1", "parallel.tp=1", "hetero.enabled=false"]
 TARGETS = {
     "dp2": ["parallel.pp=1", "parallel.dp=2", "parallel.sp=1", "parallel.tp=1", "hetero.enabled=false"],
@@ -159,7 +162,8 @@ def test_gather_reads_one_tensor_at_a_time(jobs, tmp_path, monkeypatch):
     def load(state, **kwargs):
         calls.append(list(state))
         t = next(iter(state.values()))
-        assert mapped_file(t.data_ptr()).endswith(".d.pt.tmp")  # the output file's pages, not a copy
+        mapped = Path(mapped_file(t.data_ptr())).name  # the output file's pages, not a copy: its temporary
+        assert mapped.startswith(".d.pt.") and mapped.endswith(".tmp"), mapped  # name (.d.pt.<pid>.<hex>.tmp)
         return real_load(state, **kwargs)
 
     monkeypatch.setattr(dcp, "load", load)
@@ -175,8 +179,8 @@ def test_a_checkpoint_of_another_model_is_refused_naming_the_tensor(jobs):
     (out / "checkpoints").mkdir(parents=True)
     shutil.copytree(jobs.ckpt, out / "checkpoints" / jobs.ckpt.name)
     wider = [*SINGLE, "model.vocab_size=512", "train.steps=4", "train.resume=true", f"train.out_dir={out}"]
-    with pytest.raises(ConfigError, match=r"holds another model: model\.vocab_size=256 there, 512 here"):
+    with pytest.raises(ConfigError, match=r"holds another model: model\.vocab_size=257 there, 512 here"):
         run(out, wider)  # before any worker, from the checkpoint's config.yaml
-    with pytest.raises(CheckpointError,  # and in the worker, from the saved tensors' shapes
-                       match=r"model\.embed\.tok\.weight.* is \[256, 64\] there and \[512, 64\] here"):
+    with pytest.raises(CheckpointError,  # and in the worker, from the saved tensors' shapes: the real rows
+                       match=r"model\.embed\.tok\.weight.* is \[257, 64\] there and \[512, 64\] here"):
         run_in_this_process(ROOT / "configs" / "4d.yaml", [*MODEL, *wider])

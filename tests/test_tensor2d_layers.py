@@ -1,6 +1,7 @@
-"""2D layers, the 2D block and a whole 2D GPT against their dense twins (float64, q=2).
+"""2D layers, the 2D block and a whole 2D GPT against their dense twins (float64, q=2), also with a
+vocabulary the grid does not split (padded).
 
-``check_layers`` / ``check_block`` are also run at q=3 by ``test_tensor2d_ops``.
+``check_layers`` / ``check_block`` / ``check_padded_vocab`` are also run at q=3 by ``test_tensor2d_ops``.
 """
 
 import pytest
@@ -219,6 +220,100 @@ def check_gpt(mesh, tie: bool):
         _close(grads[name], p.grad, f"GPT grad {name} (tie={tie})")
 
 
+def _padded_rows(layer) -> torch.Tensor:
+    """The local rows of a vocab-parallel table past the real vocabulary (its padding)."""
+    start = layer.grid.i * layer.weight.shape[0]
+    vocab = getattr(layer, "num_embeddings", getattr(layer, "vocab", None))
+    return torch.arange(layer.weight.shape[0]) >= vocab - start
+
+
+def _assert_boxes_tile(layer, vocab: int, what: str):
+    """Every grid rank's ``dense_layout`` boxes cover the real ``[vocab, h]`` table once (the padded
+    rows in none), and each rank's boxes plus its padded rows are its whole local table."""
+    shape, pieces = layer.dense_layout()["weight"]
+    assert tuple(shape) == (vocab, layer.weight.shape[1] * layer.grid.q), (what, shape)
+    mine = [(tuple(off), tuple(view.shape)) for off, view in pieces(layer.weight)]
+    assert sum(r * c for _, (r, c) in mine) + int(_padded_rows(layer).sum()) * layer.weight.shape[1] == \
+        layer.weight.numel(), (what, mine)
+    boxes = [None] * dist.get_world_size()
+    dist.all_gather_object(boxes, mine)
+    count = torch.zeros(shape, dtype=torch.long)
+    for (r0, c0), (r, c) in {box for rank in boxes for box in rank}:  # a box replicated over dp once
+        count[r0:r0 + r, c0:c0 + c] += 1
+    assert bool((count == 1).all()), f"{what}: the boxes do not tile [{vocab}, h] once"
+
+
+def check_padded_vocab(mesh, vocab: int, steps: int = 3, ties=(True, False)):
+    """A vocabulary that does not split over the grid (``vocab`` rows padded to a multiple of q, rows no
+    token uses): the loss equals the dense one (also when the padded logits are huge, and with label
+    smoothing), the padded rows' gradients are zero, every real parameter after AdamW steps equals the
+    dense model's (tied and untied head), and the checkpoint boxes cover the real rows only."""
+    q = mesh.q
+    padded = -(-vocab // q) * q
+    assert padded != vocab or q == 1, "the test wants a vocabulary the grid does not split"
+    gen = torch.Generator().manual_seed(31)
+    b, s = 2 * q, 3
+    T = torch.randint(0, vocab, (b, s), generator=gen)
+    T[0, 0], T[-1, -1] = vocab - 1, -100  # the last real row (in a padded block), an ignored token
+    for smooth in (0.0, 0.1):
+        L = torch.randn(b, s, vocab, dtype=F64, generator=gen).requires_grad_(True)
+        ref = F.cross_entropy(L.flatten(0, 1), T.flatten(), label_smoothing=smooth)
+        ref.backward()
+        junk = torch.randn(b, s, padded - vocab, dtype=F64, generator=gen) * 1e3 + 50.0  # would win any max
+        lg = scatter_2d(torch.cat([L.detach(), junk], -1), mesh).requires_grad_(True)
+        loss = VocabParallelCrossEntropy2D(mesh, label_smoothing=smooth, vocab=vocab)(lg, split_batch(T, mesh))
+        _close(loss, ref.detach(), f"padded CE loss (V={vocab}, smoothing={smooth})")
+        loss.backward()
+        want = scatter_2d(torch.cat([L.grad, torch.zeros_like(junk)], -1), mesh)
+        _close(lg.grad, want, f"padded CE dlogits (V={vocab}, smoothing={smooth}): zero past the vocabulary")
+
+    for tie in ties:
+        shape = GPTShape(vocab_size=vocab, seq_len=s, hidden=2 * q, heads=q, layers=1, tie_embeddings=tie)
+        gpt = build_gpt(shape, seed=5).double()
+        _randomise(gpt, gen)
+        stages, emb = [], None
+        for k, stage in enumerate(gpt.stages()):
+            stages.append(from_dense_stage(stage, mesh, embedding=emb))
+            emb = stages[0]
+        tables = {"embed.tok.weight": stages[0].tok} | ({} if tie else {"head.weight": stages[-1].lm_head})
+        for name, layer in tables.items():
+            assert layer.weight.shape[0] == padded // q and not layer.weight[_padded_rows(layer)].any(), name
+            _assert_boxes_tile(layer, vocab, f"{name} (tie={tie})")
+        params_2d = list({id(p): p for st in stages for p in st.parameters()}.values())
+        dense_opt = torch.optim.AdamW(gpt.parameters(), lr=2e-2, weight_decay=0.1, eps=1e-4)
+        opt = torch.optim.AdamW(params_2d, lr=2e-2, weight_decay=0.1, eps=1e-4)
+        loss_2d = VocabParallelCrossEntropy2D(mesh, vocab=vocab)
+        for step in range(steps):
+            tokens = torch.randint(0, vocab, (b, s), generator=gen)
+            tokens[-1, 0] = vocab - 1
+            x = tokens
+            for stage in gpt.stages():
+                x = stage(x)
+            ref = F.cross_entropy(x.flatten(0, 1), T.flatten())
+            ref.backward()
+            y = split_batch(tokens, mesh)
+            for st in stages:
+                y = st(y)
+            loss = loss_2d(y, split_batch(T, mesh))
+            _close(loss, ref.detach(), f"padded GPT loss (V={vocab}, tie={tie}) step {step}")
+            loss.backward()
+            for name, layer in tables.items():
+                assert not layer.weight.grad[_padded_rows(layer)].any(), f"{name}: padded rows got a gradient"
+            dense_opt.step()
+            opt.step()
+            dense_opt.zero_grad()
+            opt.zero_grad()
+        got = {}
+        for prefix, st in zip(["embed."] + [f"blocks.{k}." for k in range(shape.layers)] + ["head."], stages):
+            got.update({prefix + n: t for n, t in st.dense_state_dict().items()})
+        assert sorted(got) == sorted(n for n, _ in gpt.named_parameters())
+        for name, p in gpt.named_parameters():
+            torch.testing.assert_close(got[name], p.detach(), rtol=1e-9, atol=1e-9, msg=lambda m, n=name: (
+                f"padded GPT (V={vocab}, tie={tie}) {n} after {steps} AdamW steps: {m}"))
+        for name, layer in tables.items():
+            assert not layer.weight[_padded_rows(layer)].any(), f"{name}: padded rows changed"
+
+
 def check_errors(mesh):
     """User mistakes raise ValueError on every rank before any collective (no hang after)."""
     with pytest.raises(ValueError, match=r"lin.in_features=5 is not divisible by q=2; use lin.in_features=4 or 6"):
@@ -227,8 +322,8 @@ def check_errors(mesh):
         Block2D.from_dense(Block(GPTShape(hidden=12, heads=3)), mesh)
     with pytest.raises(ValueError, match="batch"):
         scatter_2d(torch.zeros(3, 2, 4), mesh)
-    with pytest.raises(ValueError, match="vocab"):
-        VocabParallelEmbedding2D.from_dense(nn.Embedding(7, 4), mesh)
+    with pytest.raises(ValueError, match=r"logits of 2 columns per grid rank are not a vocabulary of 7"):
+        VocabParallelCrossEntropy2D(mesh, vocab=7)(torch.zeros(1, 1, 2), torch.zeros(1, 1, dtype=torch.long))
     dist.barrier()
 
 
@@ -239,6 +334,7 @@ def _q2_job():
     check_block(mesh)
     check_gpt(mesh, tie=True)
     check_gpt(mesh, tie=False)
+    check_padded_vocab(mesh, vocab=13)  # padded to 14
     return mesh.coords
 
 

@@ -1,5 +1,7 @@
 """SUMMA ops against the dense product (q=2 on 4 workers, q=3 on 9), shape checks."""
 
+import math
+
 import pytest
 import torch
 
@@ -145,9 +147,11 @@ def _q3_job():
     _check_bytes(mesh)
     _check_overlap_order(mesh)
     # layers and a whole block at q=3 (non-power-of-two grid)
-    from test_tensor2d_layers import check_block, check_layers
+    from test_tensor2d_layers import check_block, check_layers, check_padded_vocab
     check_layers(mesh)
     check_block(mesh, hidden=18, heads=6)
+    check_padded_vocab(mesh, vocab=13, ties=(True,))  # padded to 15: the last block's last 2 rows
+    check_padded_vocab(mesh, vocab=4, ties=(False,))  # padded to 6: vocab block 2 is all padding
     return mesh.coords
 
 
@@ -165,7 +169,6 @@ def test_summa_ops_and_layers_q3():
     (dict(tp=5, hidden=64, heads=4, vocab=64), "parallel.tp=5", "use parallel.tp=4 or 9"),
     (dict(tp=16, hidden=70, heads=4, vocab=64), "model.hidden=70", "use model.hidden=68 or 72"),
     (dict(tp=4, hidden=72, heads=3, vocab=64), "model.heads=3", "use model.heads=2 or 4"),
-    (dict(tp=4, hidden=64, heads=4, vocab=255), "model.vocab_size=255", "use model.vocab_size=254 or 256"),
     (dict(tp=4, hidden=64, heads=4, vocab=256, batch=10, dp=2), "data.batch_size=10", "use data.batch_size=8 or 12"),
     (dict(tp=9, hidden=48, heads=4, vocab=99), "model.heads=4 is not divisible by q=3", "use model.heads=3 or 6"),
     (dict(tp=4, hidden=64, heads=5, vocab=64), "model.hidden=64 is not divisible by model.heads=5", "model.heads=4 or 8"),
@@ -179,6 +182,20 @@ def test_check_tensor2d_messages(kw, field, hint):
 def test_check_tensor2d_ok_and_pure():
     assert check_tensor2d(4, 64, 4, 256, 8, dp=2) == 2
     assert check_tensor2d(9, 36, 6, 99, 9) == 3
+
+
+@pytest.mark.parametrize("tp", [4, 9, 25, 49])
+def test_any_vocabulary_splits_over_the_grid_padded(tp):
+    """A vocabulary the grid side does not divide (Qwen's 151,936 at q=3, 5, 7; 255 at q=2) is padded by
+    the layers, not refused: padded_vocab is the least multiple of q at or above it."""
+    q = math.isqrt(tp)
+    for vocab in (151936, 255, 13):
+        assert check_tensor2d(tp, 420, 210, vocab) == q  # 420 and 210: multiples of 2, 3, 5 and 7
+    from parallel4d.config.rules.tensor2d import padded_vocab
+
+    for vocab in (151936, 255, 13):
+        padded = padded_vocab(vocab, q)
+        assert padded % q == 0 and vocab <= padded < vocab + q
     # importable without torch side effects: the module has no torch import
     import parallel4d.tensor2d.checks as checks
     assert "torch" not in vars(checks)

@@ -529,6 +529,8 @@ def test_a_sidecars_largest_id_is_checked_against_the_vocabulary(token_file, tmp
     ("vocab_size", True, "vocab_size True (an integer ≥ 1)"),
     ("max_id", -1, "max_id -1 (an integer ≥ 0)"),
     ("sha256", "abc", "sha256 'abc' (64 lowercase hex digits)"),
+    ("tokenizer_fingerprint", {"vocab": "abc"}, "tokenizer_fingerprint {'vocab': 'abc'} (each part's 64 lowercase "
+                                                "hex digits)"),
 ])
 def test_a_sidecar_with_a_field_of_the_wrong_type_is_refused(token_file, tmp_path, field, value, words):
     path = _copy_token_file(token_file, tmp_path)
@@ -550,11 +552,17 @@ def test_data_tokenized_with_another_tokenizer_than_the_pretrained_models_is_ref
     path = _copy_token_file(token_file, tmp_path)
     job = _job_file(tmp_path, {"path": str(path)}, pretrained=str(model))
     assert main(["validate", job]) == 0  # the model's own tokenizer
-    (model / "tokenizer.json").write_text(json.dumps(json.loads(Path(tokenizer).read_text()), indent=2))
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    other = Tokenizer(models.BPE())  # trained on other text: other merges and vocabulary
+    other.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    other.train_from_iterator(["print('hello, world')\n" * 30], trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    other.save(str(model / "tokenizer.json"))
     assert main(["validate", job]) == 2
     err = capsys.readouterr().err
     assert (f"data.path='{path}' was tokenized with {Path(tokenizer).resolve()} but model.pretrained='{model}' has "
-            f"another tokenizer.json (their sha256 differ)") in err
+            f"another tokenizer.json (their vocabulary, merges differ)") in err
     assert f"tokenize again with --tokenizer {model / 'tokenizer.json'}" in err
 
 

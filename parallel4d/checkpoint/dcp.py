@@ -48,8 +48,8 @@ from typing import Any, Callable
 
 from parallel4d.checkpoint import shards
 from parallel4d.checkpoint.checksums import CHECKSUMS, verify, write_checksums
-from parallel4d.checkpoint.failures import (CheckpointError, any_failed, describe, diagnose, failure_types,
-                                            is_writer, on_writer, own_failure)
+from parallel4d.checkpoint.failures import (CheckpointError, UnusableCheckpoint, any_failed, describe, diagnose,
+                                            failure_types, is_writer, on_writer, own_failure)
 from parallel4d.checkpoint.files import fsync_dir, write_synced
 from parallel4d.checkpoint.steps import (RUN_INFO, TMP_GLOB, latest_name, new_run_id, read_info, recover,
                                          set_latest, step_dirs, step_name, step_of, tmp_name)
@@ -207,16 +207,17 @@ def load(state: dict, path: str | Path, verify_files: bool = True, known: set[st
     the whole checkpoint: pass False for one :func:`choose_checkpoint` verified).
     Tensors are matched by name and dense shape first (``known``: every key the whole
     job loads, so that a checkpoint of a larger model is refused too); a mismatch names the tensor.
-    Raises :class:`CheckpointError` naming the checkpoint (and the file) on failure.
+    Raises :class:`CheckpointError` naming the checkpoint (and the file) on failure
+    (:class:`UnusableCheckpoint` for files that do not verify or tensors of other shapes: a refusal).
     """
     if verify_files:
         problem = verify(path)
         if problem is not None:
-            raise CheckpointError(f"checkpoint {path} is not usable: {problem}")
+            raise UnusableCheckpoint(f"checkpoint {path} is not usable: {problem}")
     problem = _shape_problem(state, path, known)
     if problem is not None:
-        raise CheckpointError(f"checkpoint {path} does not fit this config's model: {problem}; load it with the "
-                              "model.* settings it was saved with, or start without it (train.resume=false)")
+        raise UnusableCheckpoint(f"checkpoint {path} does not fit this config's model: {problem}; load it with the "
+                                 "model.* settings it was saved with, or start without it (train.resume=false)")
     try:
         _dcp().load(state, checkpoint_id=str(path), planner=shards.load_planner())
     except failure_types() as e:

@@ -7,6 +7,8 @@ no dense copy of the model is made, in memory or on disk, so the memory used doe
 model (``benchmarks/export.py``). The architecture is the ``model:`` section of the config saved
 with the checkpoint. A job with ``model.pretrained`` gets back that directory's config.json (what
 training changed, merged), tokenizer and generation files, which its checkpoints carry (:mod:`.hf_source`).
+OUT_DIR follows :mod:`.outputs`' rules: never the checkpoint or inside it, and written as a whole —
+the files go in a temporary directory, moved into OUT_DIR once all are complete.
 """
 
 from __future__ import annotations
@@ -18,12 +20,11 @@ import torch
 
 from parallel4d.config.errors import ConfigError
 from parallel4d.config.load import make_config
-from parallel4d.checkpoint.checksums import verify
-from parallel4d.checkpoint.failures import CheckpointError
-from parallel4d.checkpoint.gather import resolve_checkpoint
+from parallel4d.checkpoint.gather import resolve_checkpoint, verified
 from parallel4d.checkpoint.resume import saved_config
 from parallel4d.checkpoint.files import default_mode
 from parallel4d.checkpoint.hf_source import carry_source
+from parallel4d.checkpoint.outputs import check_output, new_directory
 from parallel4d.checkpoint.rows import CheckpointTensors
 
 
@@ -43,21 +44,29 @@ class ModelTensors:
 
 
 def export(ckpt: str | Path, out_dir: str | Path, max_shard_bytes: int = 5 << 30) -> Path:
-    """Write checkpoint ``ckpt`` (a ``step_*`` directory or a checkpoint root) to ``out_dir``."""
-    path, out_dir = resolve_checkpoint(ckpt), Path(out_dir)
+    """Write checkpoint ``ckpt`` (a ``step_*`` directory or a checkpoint root) to ``out_dir``; returns
+    ``out_dir`` (``~`` expanded). ``ConfigError`` for an ``out_dir`` :func:`.outputs.check_output` refuses."""
+    path = resolve_checkpoint(ckpt)
+    out_dir = check_output(out_dir, "OUT_DIR", [(path, "the checkpoint it reads")], kind="directory")
     model_cfg = make_config(saved_config(path)).model
     try:
         hf = importlib.import_module("parallel4d.models.hf")  # safetensors: the optional hf extra
     except ImportError as e:
         raise ConfigError(f"parallel4d export needs the hf extra ({e.name} is missing): "
                           "pip install 'parallel4d[hf]'") from None
-    problem = verify(path)
-    if problem is not None:
-        raise CheckpointError(f"checkpoint {path} is not usable: {problem}")
+    verified(path)  # after the cheap refusals: it reads every byte of the checkpoint
+    with new_directory(out_dir, "OUT_DIR") as tmp:
+        _write_hf(hf, path, model_cfg, tmp, max_shard_bytes)
+        written = [p.name for p in tmp.iterdir()]
+    hf.remove_stale_weights(out_dir, written)  # an earlier export's shards, where it is written over
+    return out_dir
+
+
+def _write_hf(hf, path: Path, model_cfg, out: Path, max_shard_bytes: int) -> None:
+    """Checkpoint ``path``'s model as a Hugging Face directory in the (new, empty) ``out``."""
     with CheckpointTensors(path) as tensors:
         source = ModelTensors(tensors, model_cfg.tie_embeddings)
-        hf.save_hf(source, model_cfg, out_dir, max_shard_bytes=max_shard_bytes)
+        hf.save_hf(source, model_cfg, out, max_shard_bytes=max_shard_bytes)
     dtype = source.shapes["embed.tok.weight"][1]
-    carried = carry_source(path, out_dir, model_cfg, lambda m: hf.hf_config(m, dtype))
-    default_mode([*out_dir.glob("*.safetensors"), *out_dir.glob("*.json"), *carried])  # readable by others
-    return out_dir
+    carry_source(path, out, model_cfg, lambda m: hf.hf_config(m, dtype))
+    default_mode(list(out.iterdir()))  # readable by others (safetensors' writer leaves 0600)

@@ -21,6 +21,12 @@ class CheckpointError(RuntimeError):
     """A checkpoint could not be saved, verified or loaded; the message names the path and why."""
 
 
+class UnusableCheckpoint(CheckpointError):
+    """What the user pointed at (a checkpoint, a directory of them, a run to resume) holds nothing this
+    job or command can use: a refusal (the CLI's one line, exit 2), where a save or read that fails
+    midway is a failure (exit 1). The message names the path, why and what to do."""
+
+
 def is_writer() -> bool:
     """Whether this rank writes the checkpoint's own files (rank 0, or the only process)."""
     return not dist.is_initialized() or dist.get_rank() == 0
@@ -39,7 +45,8 @@ def _plain(error: BaseException) -> str:
 
 
 def on_writer(fn: Callable[[], Any], what: str, explain: Callable[[BaseException], str] = _plain) -> Any:
-    """Run ``fn`` on the writer; every rank returns its result, or raises CheckpointError(explain(error)).
+    """Run ``fn`` on the writer; every rank returns its result, or raises CheckpointError(explain(error))
+    (:class:`UnusableCheckpoint` where the writer's error was one: a refusal on every rank).
     ``what`` names the step for a peer that waits too long (``comm.CommTimeout``)."""
     value, error, message = None, None, None
     if is_writer():
@@ -47,13 +54,14 @@ def on_writer(fn: Callable[[], Any], what: str, explain: Callable[[BaseException
             value = fn()
         except failure_types() as e:
             error, message = e, explain(e)
+    refused = isinstance(error, UnusableCheckpoint)
     if dist.is_initialized():
-        box = [(value, message)]
+        box = [(value, message, refused)]
         with comm.named(f"{what} (rank 0 decides, every rank waits for it)", None):
             dist.broadcast_object_list(box, src=0)
-        value, message = box[0]
+        value, message, refused = box[0]
     if message is not None:
-        raise CheckpointError(message) from error
+        raise (UnusableCheckpoint if refused else CheckpointError)(message) from error
     return value
 
 

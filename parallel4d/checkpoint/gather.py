@@ -5,13 +5,14 @@ name: {"step", "exp_avg", "exp_avg_sq"}}, "step": N, "tokens_seen": T}``. It is 
 without holding the model: first a skeleton whose tensor bytes are left unwritten
 (``torch.serialization.skip_data`` over fake tensors), then the file is mapped shared
 and each tensor is read from the checkpoint straight into its place, one at a time, so
-the process holds at most one tensor's pieces beyond the mapped file's pages.
+the process holds at most one tensor's pieces beyond the mapped file's pages. OUT follows
+:mod:`.outputs`' rules: never onto or inside the checkpoint, written under a temporary name and
+renamed once complete.
 """
 
 from __future__ import annotations
 
 import mmap
-import os
 import sys
 import time
 import warnings
@@ -22,24 +23,36 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from parallel4d.checkpoint import dcp as checkpoint
 from parallel4d.checkpoint.checksums import verify
-from parallel4d.checkpoint.failures import CheckpointError
+from parallel4d.checkpoint.failures import UnusableCheckpoint
+from parallel4d.checkpoint.outputs import check_output, new_file, user_path
 from parallel4d.checkpoint.resume import latest_checkpoint
 
 
 def resolve_checkpoint(path: str | Path) -> Path:
     """A checkpoint directory, or a checkpoint root (its newest complete checkpoint), that holds the
     dense tensors in parallel4d's layout-free format: every native checkpoint, and a ``deepspeed:`` run's
-    (beside DeepSpeed's own files, the model's float32 parameters)."""
-    path = Path(path)
+    (beside DeepSpeed's own files, the model's float32 parameters). ``~`` expands."""
+    path = user_path(path)
     own = (path / ".metadata").is_file() or any(path.glob("*_model_states.pt"))
     found = path if own else latest_checkpoint(path) if path.is_dir() else None
     if found is None:
-        raise CheckpointError(f"{path} is neither a checkpoint (no .metadata) nor a directory of them")
+        raise UnusableCheckpoint(f"{path} is neither a checkpoint (no .metadata) nor a directory of them; give a "
+                                 "step_* directory or the directory holding them (train.out_dir/checkpoints)")
     if not (found / ".metadata").is_file():
-        raise CheckpointError(f"{found} holds only DeepSpeed's files (saved before parallel4d wrote its own "
-                              "copy beside them): there is no layout-free copy of the model to read. "
-                              "At parallel.pp = tp = 1, the zero_to_fp32.py DeepSpeed wrote into "
-                              f"{found.parent} turns it into one state dict")
+        raise UnusableCheckpoint(f"{found} holds only DeepSpeed's files (saved before parallel4d wrote its own "
+                                 "copy beside them): there is no layout-free copy of the model to read. "
+                                 "At parallel.pp = tp = 1, the zero_to_fp32.py DeepSpeed wrote into "
+                                 f"{found.parent} turns it into one state dict")
+    return found
+
+
+def verified(found: Path) -> Path:
+    """Checkpoint ``found`` once its files match their checksums (else :class:`UnusableCheckpoint`
+    naming the file)."""
+    problem = verify(found)
+    if problem is not None:
+        raise UnusableCheckpoint(f"checkpoint {found} is not usable: {problem}; restore its files, or give an "
+                                 f"earlier checkpoint (a step_* directory of {found.parent})")
     return found
 
 
@@ -99,11 +112,18 @@ class _Progress:
 
 
 def gather(ckpt: str | Path, out: str | Path, progress: bool = True) -> Path:
-    """Write checkpoint ``ckpt`` (any layout) as the dense state dict ``out``; returns ``out``'s path."""
-    path, out = resolve_checkpoint(ckpt), Path(out)
-    problem = verify(path)
-    if problem is not None:
-        raise CheckpointError(f"checkpoint {path} is not usable: {problem}")
+    """Write checkpoint ``ckpt`` (any layout) as the dense state dict ``out``; returns ``out``'s path
+    (``~`` expanded). ``ConfigError`` for an ``out`` :func:`.outputs.check_output` refuses."""
+    path = resolve_checkpoint(ckpt)
+    out = check_output(out, "OUT", [(path, "the checkpoint it reads")])
+    verified(path)  # after the cheap refusals: it reads every byte of the checkpoint
+    with new_file(out, "OUT") as tmp:
+        _write_dense(path, tmp, progress)
+    return out
+
+
+def _write_dense(path: Path, tmp: Path, progress: bool) -> None:
+    """Checkpoint ``path``'s dense state dict into the new file ``tmp`` (see the module docstring)."""
     dcp = checkpoint.dcp
 
     class Reader(dcp.FileSystemReader):
@@ -120,7 +140,6 @@ def gather(ckpt: str | Path, out: str | Path, progress: bool = True) -> Path:
 
     reader = Reader(str(path))
     saved = reader.read_metadata().state_dict_metadata
-    tmp = out.with_name(f".{out.name}.tmp")
     with torch.serialization.skip_data(materialize_fake_tensors=True):
         torch.save(_skeleton(saved), tmp)
     torch.serialization.set_default_mmap_options(mmap.MAP_SHARED)  # writes reach the file
@@ -137,5 +156,3 @@ def gather(ckpt: str | Path, out: str | Path, progress: bool = True) -> Path:
             if bar is not None:
                 bar.advance(t.nbytes)
     del mapped, places
-    os.replace(tmp, out)
-    return out

@@ -82,7 +82,9 @@ def carry_source(ckpt: Path, out_dir: Path, model_cfg: ModelConfig,
     for path in sorted(source.iterdir()):
         if path.name == "config.json":
             original = json.loads(path.read_text())
-            untrained = model_cfg.model_copy(update=model_fields_from_hf(original))
+            # validated, not model_copy(update=...): the fields are plain values (rope_scaling a dict),
+            # and only validation makes them the model's types
+            untrained = type(model_cfg).model_validate({**model_cfg.model_dump(), **model_fields_from_hf(original)})
             config = merged_config(original, hf_config(model_cfg), hf_config(untrained))
             (out_dir / path.name).write_text(json.dumps(config, indent=2) + "\n")
         else:

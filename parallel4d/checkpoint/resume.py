@@ -11,11 +11,11 @@ from pathlib import Path
 import yaml
 
 from parallel4d.checkpoint.checksums import CHECKSUMS, verify
-from parallel4d.checkpoint.failures import CheckpointError, on_writer
+from parallel4d.checkpoint.failures import CheckpointError, UnusableCheckpoint, on_writer
 from parallel4d.checkpoint.steps import (WHY_BROKEN, broken_dirs, latest_name, recover, step_dirs,
                                          step_of)
 from parallel4d.config.errors import ConfigError
-from parallel4d.config.schema import ModelConfig, model_shape_changes
+from parallel4d.config.schema import Config, ModelConfig, model_shape_changes
 
 
 def latest_checkpoint(root: str | Path) -> Path | None:
@@ -86,7 +86,7 @@ def _choose(root: Path) -> Path | None:
         _warn(f"checkpoint {path} is not usable: {problem}; kept as {aside.name} and trying the previous one")
     broken = broken_dirs(root)  # set aside now or by an earlier resume: the same report every time
     if broken:
-        raise CheckpointError(f"no usable checkpoint under {root}: "
+        raise UnusableCheckpoint(f"no usable checkpoint under {root}: "
                               + "; ".join(f"{p}: {_why_broken(p)}" for p in broken)
                               + ". Restore one, or start afresh with train.resume=false in another directory")
     return None
@@ -96,7 +96,7 @@ def choose_checkpoint(root: str | Path) -> Path | None:
     """The checkpoint to resume from: ``latest``'s if it verifies, else the newest older one that does.
 
     Warns on stderr for each broken checkpoint skipped; None if ``root`` holds no
-    checkpoint; :class:`CheckpointError` naming each one if none is usable. With a
+    checkpoint; :class:`UnusableCheckpoint` naming each one if none is usable. With a
     process group every rank must call it: rank 0 chooses and broadcasts its choice.
     """
     return on_writer(lambda: _choose(Path(root)), f"checkpoint choice under {root}")
@@ -136,11 +136,12 @@ def check_start(root: str | Path, resume: bool) -> None:
 
 def saved_config(ckpt: str | Path) -> dict:
     """The job config saved with checkpoint ``ckpt`` (``config.yaml``), without ``model.pretrained``
-    (its fields are all in the saved model section); CheckpointError when it has none."""
+    (its fields are all in the saved model section); :class:`UnusableCheckpoint` when it has none."""
     saved = Path(ckpt) / "config.yaml"
     if not saved.is_file():
-        raise CheckpointError(f"{ckpt} has no config.yaml (saved by parallel4d before exports existed); "
-                              "the model's architecture is unknown")
+        raise UnusableCheckpoint(f"{ckpt} has no config.yaml (saved by parallel4d before exports existed), so the "
+                                 "model's architecture is unknown; resume the run for a step to save a checkpoint "
+                                 "that has one")
     data = yaml.safe_load(saved.read_text())
     data.get("model", {}).pop("pretrained", None)
     return data
@@ -160,3 +161,62 @@ def check_resume_model(root: str | Path, model: ModelConfig) -> None:
         raise ConfigError(f"train.resume=true but checkpoint {found} holds another model: {'; '.join(changes)}; "
                           "resume with the model.* settings it was saved with, or start afresh in another "
                           "train.out_dir")
+
+
+# What a resume may change without a word: where files go, how often the run logs or evaluates, its
+# limits, threads and kernels; not what it trains (a prefix ending in "." covers a section).
+_UNREPORTED = ("train.resume", "train.out_dir", "train.log_every", "train.eval_every", "train.eval_batches",
+               "train.tensorboard", "train.timeout_s", "train.join_timeout_s", "train.job_timeout_s",
+               "train.threads_per_worker", "train.max_local_workers", "train.dp_bucket_mb", "train.fused",
+               "train.compile", "train.device", "train.activation_checkpointing", "checkpoint.",
+               "model.pretrained")
+# How the job is laid out over its ranks, which a checkpoint loads under whatever it is: said as a
+# change of layout (pipeline.microbatches is the batch's split: a change of what a step trains).
+_LAYOUT = ("parallel.", "pipeline.", "sequence.", "tensor2d.", "hetero.")
+
+
+def resume_changes(saved: dict, cfg: Config) -> list[dict]:
+    """What ``cfg`` changes from ``saved`` (the config a checkpoint was saved with, :func:`saved_config`):
+    ``{"field", "was", "now"}`` per field, ``"layout": True`` for a change of layout, in the config's
+    order. Left out: the fields a run may change silently (output, logging, limits, kernels), those the
+    saved config lacks (written before they existed), and ``train.steps`` unless the learning rate decays
+    over it (``optimizer.decay_steps`` unset). The model's shape is refused before (:func:`check_resume_model`)."""
+    was, now = _leaves(saved), _leaves(cfg.model_dump(mode="json"))
+    o = cfg.optimizer
+    silent = _UNREPORTED + (() if o.schedule != "constant" and o.decay_steps is None else ("train.steps",))
+    out = []
+    for field, value in now.items():
+        if field not in was or was[field] == value or _under(field, silent):
+            continue
+        layout = _under(field, _LAYOUT) and field != "pipeline.microbatches"
+        out.append({"field": field, "was": was[field], "now": value, **({"layout": True} if layout else {})})
+    return out
+
+
+def describe_changes(changes: list[dict]) -> str:
+    """:func:`resume_changes` as one line: ``"optimizer.lr 0.001 → 0.0005; layout: parallel.pp 1 → 2"``."""
+    def one(c: dict) -> str:
+        return f"{c['field']} {_shown(c['was'])} → {_shown(c['now'])}"
+
+    said = [one(c) for c in changes if not c.get("layout")]
+    layout = [one(c) for c in changes if c.get("layout")]
+    return "; ".join(said + (["layout: " + ", ".join(layout)] if layout else []))
+
+
+def _shown(value) -> str:
+    return "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def _under(field: str, names: tuple[str, ...]) -> bool:
+    return any(field == n or (n.endswith(".") and field.startswith(n)) for n in names)
+
+
+def _leaves(config: dict) -> dict:
+    """A config as ``{"section.field": value}``: a mapping a field holds (``model.rope_scaling``) is one value."""
+    out = {}
+    for section, fields in config.items():
+        if isinstance(fields, dict):
+            out.update({f"{section}.{name}": value for name, value in fields.items()})
+        else:
+            out[section] = fields
+    return out

@@ -90,6 +90,14 @@ def read_info(path: str | Path) -> dict:
     return info if isinstance(info, dict) else {}
 
 
+def describe_checkpoint(path: Path) -> str:
+    """``"step 340 of runs/first/checkpoints"`` (the step its ``run.json`` records, else its name's), or
+    ``"checkpoint PATH"`` for a directory that tells no step: what a command that read it says."""
+    step = read_info(path).get("step")
+    step = step if isinstance(step, int) else step_of(path)
+    return f"checkpoint {path}" if step is None else f"step {step} of {path.parent}"
+
+
 def new_run_id() -> str:
     """A fresh run id: readable start time plus random bits."""
     return f"{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:8]}"

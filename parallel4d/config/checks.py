@@ -4,9 +4,11 @@ machine."""
 
 from __future__ import annotations
 
+import re
 from typing import TYPE_CHECKING
 
 from parallel4d.config.rules import data, deepspeed, hetero, pipeline, sequence, tensor2d, training
+from parallel4d.config.rules.common import closest, divisors, fixed_fields, or_list
 
 if TYPE_CHECKING:  # annotations only: the schema imports these rules
     from parallel4d.config.schema import Config, ModelConfig
@@ -20,7 +22,41 @@ def cross_field_problems(cfg: Config) -> list[str]:
 
 
 def _model_problems(cfg: Config) -> list[str]:
-    return _family_problems(cfg.model, cfg.parallel.q)
+    """The family's rules; a pretrained model's on the grid are :func:`_grid_problems`' (said with the
+    layouts that fit), so only those that hold at any grid are its here."""
+    pretrained = "model.hidden" in fixed_fields(cfg.model)
+    return _family_problems(cfg.model, 1 if pretrained else cfg.parallel.q)
+
+
+def _on_the_grid(m: ModelConfig, q: int) -> list[str]:
+    """What the model's shape breaks on a q×q grid alone: the 2D rules and the family's, less those
+    it breaks without a grid."""
+    def rules(side: int) -> list[str]:
+        return tensor2d.tensor2d_problems(side, m.hidden, m.heads, m.vocab_size, head_dim=m.head_dim) + \
+            _family_problems(m, side)
+    alone = set(rules(1))
+    return [p for p in rules(q) if p not in alone]
+
+
+_FIELD = re.compile(r"model\.\w+=\S+?(?=[ ;,]|$)")
+
+
+def _grid_problems(cfg: Config) -> list[str]:
+    """The model on its ``parallel.tp`` grid (:func:`~parallel4d.config.rules.tensor2d.grid_problems`).
+    A pretrained model's shape is its config.json's: what it breaks on this grid is said in one
+    message whose fix is the grids it splits over, never a model field the job cannot change."""
+    m, q = cfg.model, cfg.parallel.q
+    if "model.hidden" not in fixed_fields(m):
+        return tensor2d.grid_problems(cfg)
+    broken = _on_the_grid(m, q)
+    if not broken:
+        return []
+    fields = list(dict.fromkeys(f.group(0) for f in map(_FIELD.match, broken) if f))
+    fits = [side * side for side in divisors(m.hidden) if not _on_the_grid(m, side)]
+    one = len(fields) == 1
+    return [f"parallel.tp={q * q} (a {q}×{q} grid) does not split the pretrained model: {', '.join(fields)} "
+            f"{'is' if one else 'are'} not divisible by q={q}, and model.pretrained's config.json sets "
+            f"{'it' if one else 'them'}; use parallel.tp={or_list(closest(fits, q * q))}"]
 
 
 def _lr_schedule_problems(cfg: Config) -> list[str]:
@@ -46,9 +82,9 @@ def dense_parameters(m: ModelConfig) -> int:
 
 
 def largest_block(m: ModelConfig, q: int) -> int:
-    """Elements of the largest parameter a rank holds: the token table or an MLP matrix, each cut in
-    q² blocks by the 2D grid."""
-    return max(m.vocab_size * m.hidden, m.hidden * m.mlp_width) // (q * q)
+    """Elements of the largest parameter a rank holds: the token table (its vocabulary padded to the
+    grid) or an MLP matrix, each cut in q² blocks by the 2D grid."""
+    return max(tensor2d.padded_vocab(m.vocab_size, q) * m.hidden, m.hidden * m.mlp_width) // (q * q)
 
 
 def _size_problems(cfg: "Config") -> list[str]:
@@ -69,7 +105,7 @@ def _size_problems(cfg: "Config") -> list[str]:
 
 
 #: every cross-field rule, in the order their messages are listed
-_RULES = (tensor2d.grid_problems, sequence.ring_problems, data.batch_split_problems, pipeline.layout_problems,
+_RULES = (_grid_problems, sequence.ring_problems, data.batch_split_problems, pipeline.layout_problems,
           hetero.tied_head_problems, pipeline.recompute_problems, pipeline.hop_cost_problems, pipeline.compile_problems,
           hetero.split_backward_problems, _model_problems,
           _size_problems, _lr_schedule_problems, training.tensorboard_problems, deepspeed.section_problems,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import stat
 from pathlib import Path
@@ -21,11 +22,12 @@ def make_config(data: dict | Config | None = None, overrides: list[str] | None =
     """Validate a dict (or re-validate a Config) with overrides; ``ConfigError`` on failure."""
     if isinstance(data, Config):
         data = data.model_dump(mode="json")
-    data = _pretrained_fields(apply_overrides(dict(data or {}), overrides))
+    # a deep copy: overrides and model.pretrained's fields set nested keys, never in the caller's dict
+    data = _pretrained_fields(apply_overrides(copy.deepcopy(data or {}), overrides))
     try:
         return Config.model_validate(data)
     except ValidationError as err:
-        raise ConfigError("invalid configuration:\n" + format_validation_error(err)) from None
+        raise ConfigError("invalid configuration:\n" + format_validation_error(err, data=data)) from None
 
 
 def _pretrained_fields(data: dict) -> dict:

@@ -26,6 +26,28 @@ def _model_at(keys: tuple) -> Optional[type[BaseModel]]:
     return model
 
 
+#: other stacks' names for gradient accumulation (Hugging Face's Trainer and DeepSpeed, Lightning)
+ACCUMULATION_NAMES = ("gradient_accumulation_steps", "accumulate_grad_batches")
+
+
+def _accumulation(value: Any, data: dict) -> str:
+    """The refusal of an accumulation field by another stack's name: parallel4d's is
+    ``pipeline.microbatches``, which splits ``data.batch_size`` (one optimizer step's global batch)
+    rather than multiplying it; with the job's batch, the batch that keeps today's micro-batches."""
+    text = ("parallel4d's gradient accumulation is pipeline.microbatches: data.batch_size is the global batch of "
+            "one optimizer step, split into that many micro-batches whose gradients add up before the step "
+            "(at parallel.pp > 1 the pipeline runs them)")
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        return f"{text}; use pipeline.microbatches=N"
+    section = lambda name: data.get(name) if isinstance(data.get(name), dict) else {}  # noqa: E731
+    batch, micro = section("data").get("batch_size", _field_default(("data", "batch_size"))), \
+        section("pipeline").get("microbatches", 1)
+    keep = ""
+    if isinstance(batch, int) and isinstance(micro, int) and micro >= 1 and batch % micro == 0:
+        keep = f" (and data.batch_size={batch // micro * value} to keep micro-batches of {batch // micro} sequences)"
+    return f"{text}; use pipeline.microbatches={value}{keep}"
+
+
 def _suggest(loc: tuple) -> str:
     """'did you mean model?' for a misspelt key, from the fields valid at that place."""
     model = _model_at(loc[:-1])
@@ -106,15 +128,18 @@ def _literal_choices(ctx: dict) -> list[str]:
     return re.findall(r"'([^']*)'", str(ctx.get("expected", "")))
 
 
-def format_validation_error(err: ValidationError, prefix: tuple = ()) -> str:
+def format_validation_error(err: ValidationError, prefix: tuple = (), data: Optional[dict] = None) -> str:
     """One ``  - `` line per error, naming the field as in the job file and the fix; ``prefix``:
-    where the validated model sits in :class:`Config` (``("hetero",)`` for a section alone)."""
+    where the validated model sits in :class:`Config` (``("hetero",)`` for a section alone);
+    ``data``: the whole job as given, for fixes that read other fields."""
     lines = []
     for e in err.errors():
         loc = (*prefix, *e["loc"])
         where = "".join(f"[{x}]" if isinstance(x, int) else f".{x}" for x in loc).lstrip(".")
         msg = e["msg"].removeprefix("Value error, ")
-        if e["type"] == "extra_forbidden":
+        if e["type"] == "extra_forbidden" and loc[-1] in ACCUMULATION_NAMES:
+            msg = f"unknown field '{where}': {_accumulation(e.get('input'), data or {})}"
+        elif e["type"] == "extra_forbidden":
             msg = f"unknown field '{where}'; {_suggest(loc)}"
         elif e["type"] == "missing":
             msg = f"missing field '{where}'" if not isinstance(loc[-1], int) else f"{where} is missing"

@@ -30,6 +30,7 @@ from pydantic import AfterValidator, AllowInfNan, BaseModel, ConfigDict, Field, 
 from parallel4d.config.checks import cross_field_problems
 from parallel4d.config.errors import _short
 
+from parallel4d.config.rules.common import SHAPE_FIELDS
 from parallel4d.config.rules.pipeline import SCHEDULES, num_chunks
 from parallel4d.config.rules.tensor2d import grid_side
 from parallel4d.models.registry import NAMES as FAMILY_NAMES, SPECS, spec
@@ -313,9 +314,7 @@ def model_shape_changes(saved: dict, model: ModelConfig) -> list[str]:
 
     ours = {"kv_heads": model.kv_heads_or_heads, "intermediate_size": model.mlp_width, "head_dim": model.head_size,
             "qk_norm": model.qk_norm, "max_positions": model.positions}
-    fields = ["arch", "vocab_size", "hidden", "heads", "kv_heads", "head_dim", "layers", "intermediate_size",
-              "tie_embeddings", "qkv_bias", "qk_norm"] + (["max_positions"] if spec(model.arch).learned_positions
-                                                          else [])  # a table of positions
+    fields = [*SHAPE_FIELDS] + (["max_positions"] if spec(model.arch).learned_positions else [])  # a table of positions
     return [f"model.{f}={get(f)!r} there, {ours.get(f, getattr(model, f))!r} here" for f in fields
             if get(f) is not None and get(f) != ours.get(f, getattr(model, f))]
 

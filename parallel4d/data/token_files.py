@@ -2,7 +2,9 @@
 
 ``OUT.bin`` holds token ids back to back (``uint16`` or ``uint32``, the machine's byte order); ``OUT.json``
 beside it says ``{"dtype", "tokens", "vocab_size", "max_id", "sha256", "tokenizer", "tokenizer_sha256",
-"eos_token_id"}``. ``parallel4d tokenize`` writes both; the config checks the sidecar before any worker
+"tokenizer_fingerprint", "eos_token_id"}`` (``tokenizer_fingerprint``: a hash of each part of the
+tokenizer.json that decides the ids, :mod:`.tokenizer_identity`; sidecars from before it hold the file's
+``tokenizer_sha256`` only). ``parallel4d tokenize`` writes both; the config checks the sidecar before any worker
 starts (sizes, vocabulary, largest id), and :func:`content_problems` the file's bytes against its
 ``sha256`` (once: a stamp ``.OUT.bin.verified`` beside it records a verified file, keyed by its size,
 times and inode, so an unchanged file is not hashed again); the dataset maps the file.
@@ -18,6 +20,8 @@ import sys
 import time
 from pathlib import Path
 from typing import Callable
+
+from parallel4d.data.tokenizer_identity import differing_parts, fingerprint
 
 ITEM_BYTES = {"uint16": 2, "uint32": 4}
 HASH_BLOCK = 8 << 20  # bytes hashed per read: the file is never in memory whole
@@ -50,9 +54,16 @@ def _sidecar_type_problem(meta: dict) -> str | None:
         if key in meta and not _is_count(meta[key], least):
             return f"{key} {meta[key]!r} (an integer ≥ {least})"
     for key in ("sha256", "tokenizer_sha256"):
-        if key in meta and not (isinstance(meta[key], str) and _SHA256.fullmatch(meta[key])):
+        if key in meta and not _is_sha256(meta[key]):
             return f"{key} {meta[key]!r} (64 lowercase hex digits)"
+    parts = meta.get("tokenizer_fingerprint")
+    if parts is not None and not (isinstance(parts, dict) and parts and all(map(_is_sha256, parts.values()))):
+        return f"tokenizer_fingerprint {parts!r} (each part's 64 lowercase hex digits)"
     return None
+
+
+def _is_sha256(value) -> bool:
+    return isinstance(value, str) and bool(_SHA256.fullmatch(value))
 
 
 def read_sidecar(path: str | Path, field: str = "data.path") -> dict:
@@ -181,15 +192,42 @@ def _warn(line: str) -> None:
 
 
 def _tokenizer_problem(path, field: str, meta: dict, pretrained: str | Path | None) -> str | None:
-    """The data's tokenizer against ``model.pretrained``'s tokenizer.json, where both are known."""
+    """The data's tokenizer against ``model.pretrained``'s tokenizer.json, where both are known,
+    compared by what decides the ids (:mod:`.tokenizer_identity`), not by the files' bytes."""
     theirs = Path(pretrained) / "tokenizer.json" if pretrained else None
-    if "tokenizer_sha256" not in meta or theirs is None or not theirs.is_file():
+    if theirs is None or not theirs.is_file() or not ({"tokenizer_fingerprint", "tokenizer_sha256"} & set(meta)):
         return None
-    if file_sha256(theirs) == meta["tokenizer_sha256"]:
+    try:
+        model_parts = fingerprint(theirs)
+    except ValueError as e:
+        return f"model.pretrained={str(pretrained)!r}: its {e}"
+    ours = meta.get("tokenizer_fingerprint") or _older_sidecars_fingerprint(meta, theirs, model_parts)
+    if ours is None:  # an older sidecar whose tokenizer file is gone or changed: nothing left to compare
+        named = meta.get("tokenizer", "it was tokenized with")
+        return (f"{field}={str(path)!r}: its sidecar (written by an older parallel4d) records only the sha256 of the "
+                f"file {named}, not that of {theirs} (model.pretrained's), and {named} is gone or changed, so what "
+                f"decides their ids cannot be compared; tokenize again with --tokenizer {theirs}")
+    differ = differing_parts(ours, model_parts)
+    if not differ:
         return None
     return (f"{field}={str(path)!r} was tokenized with {meta.get('tokenizer', 'another tokenizer')} but "
-            f"model.pretrained={str(pretrained)!r} has another tokenizer.json (their sha256 differ): its ids mean "
-            f"other tokens to the model; tokenize again with --tokenizer {theirs}")
+            f"model.pretrained={str(pretrained)!r} has another tokenizer.json (their {', '.join(differ)} differ): "
+            f"its ids mean other tokens to the model; tokenize again with --tokenizer {theirs}")
+
+
+def _older_sidecars_fingerprint(meta: dict, theirs: Path, model_parts: dict) -> dict | None:
+    """For a sidecar from before fingerprints (``tokenizer_sha256``, the file's hash, only): the model's
+    own fingerprint ``model_parts`` when the files are equal, else that of the file the sidecar names
+    while it still holds those bytes; None when neither can tell."""
+    if file_sha256(theirs) == meta["tokenizer_sha256"]:
+        return model_parts
+    named = Path(meta.get("tokenizer") or "")
+    try:
+        if named.is_file() and file_sha256(named) == meta["tokenizer_sha256"]:
+            return fingerprint(named)
+    except (OSError, ValueError):
+        pass
+    return None
 
 
 def content_problems(path: str | Path, field: str = "data.path", pretrained: str | Path | None = None,

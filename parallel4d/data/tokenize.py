@@ -2,9 +2,10 @@
 ``tokenizers``, in parallel over the files, each document followed by an end-of-document token.
 
 Nothing a user has is written over by mistake or left half written: an output that is (or whose
-sidecar is) one of the inputs or the tokenizer, by path or by inode, is refused; the token file and
-its sidecar are written to temporary files beside them and renamed into place only when both are
-complete, so a failure or Ctrl-C leaves an earlier output as it was and no temporary file behind.
+sidecar is) one of the inputs or the tokenizer, by path or by inode, is refused, and so is one
+:mod:`parallel4d.checkpoint.outputs` refuses (inside a checkpoint, a place that cannot be written); the
+token file and its sidecar are written to temporary files beside them and renamed into place only when
+both are complete, so a failure or Ctrl-C leaves an earlier output as it was and no temporary file behind.
 """
 
 from __future__ import annotations
@@ -12,24 +13,25 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import secrets
 import signal
 from array import array
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from functools import lru_cache
 from multiprocessing import Pool
 from pathlib import Path
 
 from parallel4d.config.errors import ConfigError
 from parallel4d.checkpoint.files import fsync_dir, write_synced
+from parallel4d.checkpoint.outputs import check_output, same_file, temporary_beside, through_link, user_path
 from parallel4d.data.token_files import dtype_for, file_sha256, record_verified, sidecar_path, stamp_path
+from parallel4d.data.tokenizer_identity import fingerprint
 
 # the end-of-document tokens of common tokenizers, tried in this order
 EOS_NAMES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "<|im_end|>", "[SEP]")
 
 
 def _tokenizer_file(tokenizer: str) -> Path:
-    path = Path(tokenizer)
+    path = user_path(tokenizer)
     path = path / "tokenizer.json" if path.is_dir() else path
     if not path.is_file():
         raise ConfigError(f"--tokenizer {tokenizer}: no tokenizer.json there; give a tokenizer.json file or a "
@@ -63,65 +65,38 @@ def _encode(job: tuple[str, str, int]) -> list[int]:
     return _load(Path(tokenizer_file)).encode(text, add_special_tokens=False).ids + [eos]
 
 
-def _check_inputs(inputs: list[str]) -> None:
+def _check_inputs(inputs: list[Path]) -> None:
     for f in inputs:
-        p = Path(f)
-        if not p.is_file():
+        if not f.is_file():
             raise ConfigError(f"{f}: no such file; give text files to tokenize")
-        if p.stat().st_size == 0:
+        if f.stat().st_size == 0:
             raise ConfigError(f"{f} is empty; leave it out of the inputs")
 
 
-def _same_file(a: Path, b: Path) -> bool:
-    """One file: the same resolved path, or (hard or symbolic links) the same device and inode."""
-    if a.resolve() == b.resolve():
-        return True
-    try:
-        return os.path.samefile(a, b)
-    except OSError:  # one of them does not exist yet
-        return False
-
-
-def _refuse_aliases(out: Path, inputs: list[str], tokenizer: Path) -> None:
-    """ConfigError naming the path and the fix where writing ``out`` would write over a source."""
+def _refuse_aliases(out: Path, sources: list[tuple[Path, str]]) -> None:
+    """ConfigError naming the path and the fix where writing ``out``, its sidecar or its stamp would
+    write over one of ``sources`` (``(path, "an input")``, ``(path, "the tokenizer")``)."""
     side = sidecar_path(out)
     fix = f"choose another -o, e.g. {out.with_name(out.stem + '.tokens.bin')}"
-    if _same_file(out, side):
+    if same_file(out, side):
         raise ConfigError(f"-o {out}: its sidecar (the token file's name with .json) is {side}, the token file "
                           f"itself; name the token file {out.with_suffix('.bin')}")
-    sources = [(Path(f), "an input") for f in inputs] + [(tokenizer, "the tokenizer")]
     for target, what in ((out, "the token file"), (side, "its sidecar"), (stamp_path(out), "its stamp")):
         if target.is_dir():
             raise ConfigError(f"-o {out}: {what} {target} is a directory; give a file name, e.g. "
                               f"{target / 'tokens.bin'}")
         for source, kind in sources:
-            if _same_file(target, source):
+            if same_file(target, source):
                 raise ConfigError(f"-o {out}: {what} {target} is {kind} ({source}), which tokenize would write "
                                   f"over; {fix}")
 
 
 def _make_parent(out: Path) -> None:
     try:
-        _through_link(out).parent.mkdir(parents=True, exist_ok=True)
+        through_link(out).parent.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise ConfigError(f"-o {out}: cannot create its directory {out.parent} ({e.strerror}: {e.filename}); "
                           "choose a directory you can write to") from None
-
-
-@contextmanager
-def _temporary(target: Path):
-    """A new file beside ``target`` (same file system: renamed into place atomically), removed on the
-    way out unless it was renamed. Created with the umask's permissions, as ``target`` would be."""
-    tmp = target.with_name(f".{target.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
-    try:
-        os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
-    except OSError as e:
-        raise ConfigError(f"-o: cannot write in {target.parent} ({e.strerror}); choose a directory you can "
-                          "write to") from None
-    try:
-        yield tmp
-    finally:
-        tmp.unlink(missing_ok=True)
 
 
 def _write_chunk(sink, data: bytes) -> None:
@@ -171,16 +146,10 @@ def _documents(pool, jobs, progress: bool):
     return docs
 
 
-def _through_link(path: Path) -> Path:
-    """Where writing ``path`` lands: a symbolic link's target (a token file kept on another disk stays
-    there), else ``path`` itself."""
-    return path.resolve() if path.is_symlink() else path
-
-
 def _write_both(jobs: list, out: Path, meta: dict, workers: int, progress: bool) -> dict:
     """The token file and its sidecar (``meta`` completed) into place together; the sidecar."""
-    dest, side = _through_link(out), _through_link(sidecar_path(out))
-    with _temporary(dest) as bin_tmp, _temporary(side) as side_tmp:
+    dest, side = through_link(out), through_link(sidecar_path(out))
+    with temporary_beside(dest, "-o") as bin_tmp, temporary_beside(side, "-o") as side_tmp:
         # on the way out the pool's processes are ended where they are: an interruption waits for none
         with Pool(workers, initializer=_worker_signals) if workers > 1 else nullcontext() as pool:
             total, max_id, sha = _write_tokens(bin_tmp, _documents(pool, jobs, progress), meta["dtype"])
@@ -194,17 +163,20 @@ def _write_both(jobs: list, out: Path, meta: dict, workers: int, progress: bool)
 def tokenize(tokenizer: str, inputs: list[str], out: str, eos_token: str | None = None, workers: int = 1,
              progress: bool = True) -> dict:
     """Tokenize ``inputs`` (in this order) into ``out`` and its sidecar; returns the sidecar."""
-    path = _tokenizer_file(tokenizer)
-    _check_inputs(inputs)
-    out_path = Path(out)
-    _refuse_aliases(out_path, inputs, path)
+    path, files = _tokenizer_file(tokenizer), [user_path(f) for f in inputs]
+    _check_inputs(files)
+    sources = [(f, "an input") for f in files] + [(path, "the tokenizer")]
+    out_path = user_path(out)
+    _refuse_aliases(out_path, sources)
+    check_output(out_path, "-o", sources)  # inside a checkpoint, a directory, a place that cannot be written
     tok = _load(path)
     eos, vocab = _eos_id(tok, eos_token), tok.get_vocab_size(with_added_tokens=True)
     meta = {"dtype": dtype_for(vocab), "vocab_size": vocab, "tokenizer": str(path.resolve()),
-            "tokenizer_sha256": file_sha256(path), "eos_token_id": eos, "files": len(inputs)}
+            "tokenizer_sha256": file_sha256(path), "tokenizer_fingerprint": fingerprint(path), "eos_token_id": eos,
+            "files": len(inputs)}
     _make_parent(out_path)
     try:
-        return _write_both([(str(path), f, eos) for f in inputs], out_path, meta, workers, progress)
+        return _write_both([(str(path), str(f), eos) for f in files], out_path, meta, workers, progress)
     except OSError as e:  # a full disk, an input gone: nothing was renamed into place
         raise ConfigError(f"-o {out}: tokenizing failed ({e.strerror}: {e.filename}); {out} and its sidecar were "
                           "left as they were; free the space or fix the file and run it again") from None

@@ -7,6 +7,7 @@ A local job's workers join through :mod:`parallel4d.launcher.spawn`'s file rende
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import os
 import subprocess
@@ -57,6 +58,41 @@ def _count_in_child(visible: str | None) -> int:
         return int(out.stdout.strip().splitlines()[-1]) if out.returncode == 0 else 0
     except (OSError, ValueError, IndexError, subprocess.TimeoutExpired):
         return 0
+
+
+def gpu_memory_bytes(count: int) -> int | None:
+    """The smallest total memory among the first ``count`` GPUs this process sees (one per local rank),
+    asked without initialising CUDA: NVML's figure for each device ``CUDA_VISIBLE_DEVICES`` names
+    (torch's own once CUDA is initialised here). None where it cannot say (no NVML, MIG devices, ROCm)."""
+    if torch.cuda.is_initialized():
+        return min(torch.cuda.get_device_properties(i).total_memory for i in range(count))
+    if torch.version.hip or count < 1:
+        return None
+    try:  # torch's private NVML helpers (CUDA_VISIBLE_DEVICES as CUDA parses it): any failure means "cannot say"
+        visible = torch.cuda._parse_visible_devices()
+        if visible and isinstance(visible[0], str):
+            if visible[0].startswith("MIG-"):
+                return None
+            visible = torch.cuda._transform_uuid_to_ordinals(visible, torch.cuda._raw_device_uuid_nvml())
+        if len(visible) < count:
+            return None
+        return min(_nvml_total_memory(index) for index in visible[:count])
+    except Exception:
+        return None
+
+
+class _NvmlMemory(ctypes.Structure):
+    _fields_ = [("total", ctypes.c_ulonglong), ("free", ctypes.c_ulonglong), ("used", ctypes.c_ulonglong)]
+
+
+def _nvml_total_memory(index: int) -> int:
+    """NVML's total memory of device ``index`` (NVML's numbering); OSError where NVML fails."""
+    nvml = ctypes.CDLL("libnvidia-ml.so.1")
+    handle, info = ctypes.c_void_p(), _NvmlMemory()
+    if (nvml.nvmlInit_v2() or nvml.nvmlDeviceGetHandleByIndex_v2(index, ctypes.byref(handle))
+            or nvml.nvmlDeviceGetMemoryInfo(handle, ctypes.byref(info))):
+        raise OSError(f"NVML cannot read the memory of device {index}")
+    return int(info.total)
 
 
 def default_backend() -> str:

@@ -149,11 +149,11 @@ def build_stages(cfg: Config, mesh: Mesh, wanted=None, untie: bool = False, cont
 def _loss(cfg: Config, mesh: Mesh, context: ForwardContext):
     """The token loss: the mean over this rank's data (the grid's under tp), or, with packed documents,
     the sum times the forward's ``loss_weight`` (:func:`~.batch.packed_step`)."""
-    tp = mesh.size("tp_row") > 1
+    tp, vocab = mesh.size("tp_row") > 1, cfg.model.vocab_size  # the head's logits: the vocabulary padded to q
     if cfg.data.packing == "none":
-        return loss_2d(mesh) if tp else cross_entropy
-    summed = VocabParallelCrossEntropy2D(mesh, reduction="sum") if tp else functools.partial(cross_entropy,
-                                                                                              reduction="sum")
+        return loss_2d(mesh, vocab=vocab) if tp else cross_entropy
+    summed = VocabParallelCrossEntropy2D(mesh, reduction="sum", vocab=vocab) if tp else functools.partial(
+        cross_entropy, reduction="sum")
 
     def packed_loss(logits, targets):
         return summed(logits, targets) * context.packed.loss_weight

@@ -15,6 +15,7 @@ def deepspeed_integration() -> ModuleType:
     """``parallel4d.integrations.deepspeed``, imported on use: DeepSpeed is an optional extra
     (and seconds to import); ConfigError saying how to install it when it is missing."""
     try:
+        importlib.import_module("deepspeed")  # here: the package's own names are imported on first use
         return importlib.import_module("parallel4d.integrations.deepspeed")
     except ImportError as e:
         if e.name is None or not e.name.startswith("deepspeed"):

@@ -7,7 +7,7 @@ If a worker raises, the others are stopped and the error is re-raised here.
 
 Before any worker starts (:func:`prepared`): :func:`~.preflight.check_job` (the local
 limits, a deepspeed: section, model.pretrained's and the token files' contents),
-then the run and checkpoint directories are writable, no other job holds them,
+:func:`~.preflight.check_memory` (the job's least memory against this machine's), then the run and checkpoint directories are writable, no other job holds them,
 and a fresh run does not write over another run's checkpoints.
 """
 
@@ -33,9 +33,9 @@ from parallel4d.config.rules.job import torchrun_job_problems
 from parallel4d.config.errors import ConfigError
 from parallel4d.config.load import load_config
 from parallel4d.config.schema import Config
-from parallel4d.distributed.startup import (cpu_fallback_note, device_and_backend, init_process_group_from_env,
-                                            worker_threads)
-from parallel4d.launcher.preflight import check_job, under_torchrun
+from parallel4d.distributed.startup import (cpu_fallback_note, device_and_backend, gpu_memory_bytes,
+                                            init_process_group_from_env, worker_threads)
+from parallel4d.launcher.preflight import check_job, check_memory, under_torchrun
 from parallel4d.launcher.rundir import RunLock, check_history, check_writable, first_missing, remove_if_unused
 from parallel4d.training.loop import run_training
 from parallel4d.launcher.spawn import TRAINING_IMPORTS, spawn
@@ -44,13 +44,16 @@ from parallel4d.launcher.supervise import Signals, WorkerTimeout
 
 @contextmanager
 def prepared(cfg: Config, local: bool, device_type: str = "cpu", source: str | None = None):
-    """:func:`check_job`, then the run directories checked and locked for the job.
+    """:func:`check_job` and :func:`check_memory` (this machine's memory and GPUs against the job's lower
+    bound), then the run directories checked and locked for the job.
 
     The lock comes before the look for another run's checkpoints, so a job still writing them is
     reported as a job in use, not as leftovers. A launch refused or failed before writing in the
     directories it created leaves none of them behind.
     """
     check_job(cfg, local, device_type, source)
+    gpus = gpu_memory_bytes(int(os.environ.get("LOCAL_WORLD_SIZE", cfg.world_size))) if device_type == "cuda" else None
+    check_memory(cfg, device_type, gpus, source)
     dirs = {Path(cfg.train.out_dir): "train.out_dir"}
     if cfg.checkpoint.enabled:
         dirs.setdefault(cfg.checkpoint_dir, "checkpoint.dir" if cfg.checkpoint.dir else "train.out_dir")

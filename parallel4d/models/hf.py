@@ -266,6 +266,14 @@ class _Tensors:
         return (t if t.dim() == 0 else t[start:stop]).cpu()
 
 
+def remove_stale_weights(out: Path, files: list[str]) -> None:
+    """Remove from ``out`` a previous save's weight files (``model*.safetensors``, the index) that are not
+    among ``files``, the new save's: transformers would read an old ``model.safetensors`` before a new index."""
+    for stale in [*out.glob("model*.safetensors"), out / INDEX]:
+        if stale.name not in files and stale.exists():
+            os.remove(stale)
+
+
 def save_hf(state: dict[str, torch.Tensor] | DenseSource, model_cfg, out_dir, max_shard_bytes: int = 5 << 30) -> Path:
     """Write the dense ``state`` (a state dict, or a :class:`DenseSource`) of ``config.ModelConfig``
     ``model_cfg`` as a Hugging Face checkpoint in ``out_dir``: ``config.json`` (:func:`hf_config`,
@@ -302,9 +310,7 @@ def save_hf(state: dict[str, torch.Tensor] | DenseSource, model_cfg, out_dir, ma
     (out / "config.json").write_text(json.dumps(hf_config(model_cfg, dtype), indent=2) + "\n")
     files = ["model.safetensors"] if len(shards) == 1 else \
         [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
-    for stale in [*out.glob("model*.safetensors"), out / INDEX]:  # a previous save's shards would mix in
-        if stale.name not in files and stale.exists():
-            os.remove(stale)
+    remove_stale_weights(out, files)
     for file, names in zip(files, shards):
         write_safetensors(out / file, {n: tensors[n] for n in names}, source)
     if len(shards) > 1:

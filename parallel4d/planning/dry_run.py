@@ -37,6 +37,7 @@ import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 
 from parallel4d.config.errors import ConfigError
+from parallel4d.config.rules.common import human_bytes as human
 from parallel4d.config.load import load_config
 from parallel4d.config.schema import Config
 from parallel4d.engine.model import parameter_dtype
@@ -268,14 +269,6 @@ def try_knobs(path, overrides: list[str], cfg: Config) -> list[tuple[list[str], 
 
 
 # --- printing ---------------------------------------------------------------------------------
-
-
-def human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return str(n)
 
 
 def format_ranks(ranks: list[RankPlan]) -> list[str]:

@@ -3,7 +3,9 @@
 Layout on grid rank (i, j) (``i = mesh.rank("tp_row")``, ``j = mesh.rank("tp_col")``):
 activations ``x[b, s, h]`` → ``[b/q, s, h/q]`` (batch block i, hidden block j);
 tokens/targets ``[b, s]`` → ``[b/q, s]`` (batch block i, the same on every j);
-logits ``[b, s, V]`` → ``[b/q, s, V/q]`` (batch block i, vocab block j).
+logits ``[b, s, V]`` → ``[b/q, s, Vp/q]`` (batch block i, vocab block j; ``Vp``: V padded to a multiple
+of q with rows no token uses, so any vocabulary splits — they are left out of the loss's softmax and
+of every dense view: state dicts, checkpoints, export).
 Groups are named by the axis that varies: ``mesh.group("tp_col")`` is my grid row
 (LayerNorm statistics, loss reductions over the vocab), ``mesh.group("tp_row")`` my
 grid column (gradient sums of row-replicated parameters).
@@ -25,7 +27,7 @@ built from this package's layers, each stage mirroring its dense module attribut
    (as for any tied weight under pp).
 3. Data: ``split_batch(tokens, mesh)`` / ``split_batch(targets, mesh)`` give row i its
    batch block ``[b/q, s]``; under dp each dp replica first takes its own ``b/dp`` slice.
-   Forward stage by stage; loss ``loss_2d(mesh)(logits, targets)`` (a
+   Forward stage by stage; loss ``loss_2d(mesh, vocab=V)(logits, targets)`` (a
    :class:`VocabParallelCrossEntropy2D`) is the token mean over the grid's batch, identical on
    all q² ranks; call ``backward()`` on it on every rank.
 4. Gradients: every parameter's ``.grad`` after backward is the exact dense gradient of

@@ -37,11 +37,11 @@ def check_tensor2d(tp: int, hidden: int, heads: int, vocab: int, batch: int | No
     """Check that a GPT of this shape can be split over a q×q grid; return ``q``.
 
     Requirements (q = √tp): ``hidden % q == 0`` (weight and activation blocks ``h/q``),
-    ``heads % q == 0`` and ``hidden % heads == 0`` (whole heads per grid column),
-    ``vocab % q == 0`` (vocab-parallel embedding / LM head / loss), and
+    ``heads % q == 0`` and ``hidden % heads == 0`` (whole heads per grid column), and
     ``batch % (dp·q·microbatches) == 0`` (each grid row takes batch block ``b/q`` of
     every micro-batch of every data-parallel replica). ``names`` overrides the field
-    names used in messages (defaults in :data:`FIELD_NAMES`). Raises ``ValueError``.
+    names used in messages (defaults in :data:`FIELD_NAMES`). Any ``vocab`` splits: the vocab-parallel
+    layers pad it (:func:`~parallel4d.config.rules.tensor2d.padded_vocab`). Raises ``ValueError``.
     """
     n = {**FIELD_NAMES, **(names or {})}
     q = grid_side(tp, n["tp"])

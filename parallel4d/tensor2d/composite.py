@@ -72,7 +72,7 @@ class Composite2D(nn.Module):
 
 class Head2D(Composite2D):
     """Mirrors a dense head: final norm ``ln_f`` then the LM head, ``[b/q, s, h/q]`` → logits
-    ``[b/q, s, V/q]`` (vocab block j). Tied: ``lm_head.weight`` is the embedding's Parameter.
+    ``[b/q, s, Vp/q]`` (vocab block j of the vocabulary padded to the grid: :class:`LMHead2D`). Tied: ``lm_head.weight`` is the embedding's Parameter.
     ``norm_prefix``: the final norm's dense name (a family's subclass sets its own)."""
 
     norm_prefix = "ln_f."  # the final norm's dense name
@@ -113,6 +113,7 @@ class Head2D(Composite2D):
         return self.lm_head(self.ln_f(x))
 
 
-def loss_2d(mesh, ignore_index: int = -100) -> VocabParallelCrossEntropy2D:
-    """The 2D twin of the dense ``cross_entropy(logits, targets)`` (token mean)."""
-    return VocabParallelCrossEntropy2D(mesh, ignore_index=ignore_index)
+def loss_2d(mesh, ignore_index: int = -100, vocab: int | None = None) -> VocabParallelCrossEntropy2D:
+    """The 2D twin of the dense ``cross_entropy(logits, targets)`` (token mean); ``vocab``: the model's
+    vocabulary, when the head pads it to the grid (the padded logits are left out of the softmax)."""
+    return VocabParallelCrossEntropy2D(mesh, ignore_index=ignore_index, vocab=vocab)

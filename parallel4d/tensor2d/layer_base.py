@@ -9,6 +9,7 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
+from parallel4d.config.rules.tensor2d import padded_vocab
 from parallel4d.distributed import comm
 from parallel4d.tensor2d.grid import Grid, all_reduce_sum, replicated_over_rows
 
@@ -84,6 +85,20 @@ class Layer2D(nn.Module):
         return self._dense(lambda p: p.grad if p.grad is not None else torch.zeros_like(p))
 
 
-def block_layout(rows: int, cols: int, grid: Grid) -> DenseLayout:
-    """A ``[rows, cols]`` table stored as q×q blocks, block (i, j) here."""
-    return (rows, cols), box_at(grid.i * (rows // grid.q), grid.j * (cols // grid.q))
+def vocab_rows(vocab: int, grid: Grid) -> tuple[int, int]:
+    """``(first row, real rows)`` of vocab block i of a ``vocab``-row table padded to the grid
+    (:func:`~parallel4d.config.rules.tensor2d.padded_vocab`; block i holds ``padded/q`` rows, the
+    rows past ``vocab`` are padding: the last block's tail, and whole blocks only for a vocabulary of
+    at most ``q·(q-1)`` rows)."""
+    rows = padded_vocab(vocab, grid.q) // grid.q
+    start = grid.i * rows
+    return start, max(0, min(rows, vocab - start))
+
+
+def vocab_block_layout(vocab: int, dim: int, grid: Grid) -> DenseLayout:
+    """A ``[vocab, dim]`` table stored padded as q×q blocks, block (i, j) here: its real rows are a
+    box of the dense ``[vocab, dim]`` table, its padded rows are in none (a block of padding only: no
+    piece), so a checkpoint holds the single-process model's shape at any q."""
+    start, real = vocab_rows(vocab, grid)
+    offsets = (start, grid.j * (dim // grid.q))
+    return (vocab, dim), lambda t: [(offsets, t[:real])] if real else []

@@ -10,10 +10,15 @@ layer                          local parameter                                 s
                                bias ``[out/q]`` = block j                       replicated over rows
 ``LayerNorm2D``                weight, bias ``[h/q]`` = block j                 replicated over rows
 ``Embedding2D``                weight ``[V, h/q]`` = hidden block j             replicated over rows
-``VocabParallelEmbedding2D``   weight ``[V/q, h/q]`` = (E ``[V, h]``)_ij        unique
-``LMHead2D``                   weight ``[V/q, h/q]`` = (E ``[V, h]``)_ij        unique (may be tied)
+``VocabParallelEmbedding2D``   weight ``[Vp/q, h/q]`` = (E ``[Vp, h]``)_ij      unique
+``LMHead2D``                   weight ``[Vp/q, h/q]`` = (E ``[Vp, h]``)_ij      unique (may be tied)
 ``HeadRMSNorm2D``              weight ``[d]`` (one head's width), whole         replicated over the grid
 =============================  =============================================  =======================
+
+``Vp`` is the vocabulary ``V`` padded to a multiple of q (``padded_vocab``: any Hugging Face vocabulary runs
+at any q): the rows past ``V`` are zero and no token's; the loss leaves their logits out of the softmax
+(``vocab=V``), so their gradients are zero and they stay zero; every dense view (``to_dense``,
+``dense_state_dict``, ``dense_grads``, ``dense_layout``: checkpoints, export) holds the ``V`` real rows only.
 
 Every parameter carries ``tensor2d_replicated_over``: ``()``, ``("tp_row",)`` or ``("tp_row", "tp_col")``
 (for gradient-norm clipping). Each layer has ``from_dense(module, mesh)`` (slices
@@ -32,12 +37,14 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from parallel4d.config.rules.tensor2d import padded_vocab
 from parallel4d.distributed import comm
 from parallel4d.tensor2d.checks import check_divisible
 from parallel4d.tensor2d.cross_entropy import VocabParallelCE
 from parallel4d.tensor2d.grid import (Grid, block_of, gather_blocks, gather_columns,
                                       reduce_scatter_batch, replicated_over_grid, replicated_over_rows)
-from parallel4d.tensor2d.layer_base import HALF, DenseLayout, Layer2D, block_layout, box_at, index_runs, new_param
+from parallel4d.tensor2d.layer_base import (HALF, DenseLayout, Layer2D, box_at, index_runs, new_param, vocab_block_layout,
+                                            vocab_rows)
 from parallel4d.tensor2d.summa import summa_ab, summa_abt
 
 
@@ -279,8 +286,24 @@ class Embedding2D(Layer2D):
         return e
 
 
+def _vocab_block(table: torch.Tensor, grid: Grid) -> torch.Tensor:
+    """Block (i, j) ``[Vp/q, h/q]`` of a dense ``[V, h]`` table padded with zero rows to ``Vp``
+    (:func:`vocab_rows`); the dense table is read, never copied whole."""
+    start, real = vocab_rows(table.shape[0], grid)
+    out = table.new_zeros(padded_vocab(table.shape[0], grid.q) // grid.q, table.shape[1] // grid.q)
+    out[:real] = table.detach()[start:start + real].chunk(grid.q, dim=1)[grid.j]
+    return out
+
+
+def _zero_padding(weight: torch.Tensor, vocab: int, grid: Grid) -> None:
+    """Zero the padded rows (past ``vocab``) of vocab block i."""
+    with torch.no_grad():
+        weight[vocab_rows(vocab, grid)[1]:].zero_()
+
+
 class VocabParallelEmbedding2D(Layer2D):
-    """Table ``E[V, h]`` as q×q blocks: rank (i, j) holds vocab block i, hidden block j.
+    """Table ``E[V, h]`` as q×q blocks: rank (i, j) holds vocab block i, hidden block j; ``V``
+    padded to ``Vp`` (a multiple of q) with zero rows no id reaches.
 
     ids ``[b/q, s]`` (my batch block) → ``[b/q, s, h/q]``. The ranks of my grid column
     (``along_i``) hold every vocab block of hidden block j: they all-gather the ids
@@ -292,22 +315,22 @@ class VocabParallelEmbedding2D(Layer2D):
     def __init__(self, num_embeddings: int, dim: int, mesh, *, name: str = "vocab_embedding", dtype=None, device=None):
         super().__init__(mesh, name)
         q = self.grid.q
-        check_divisible(f"{name}.num_embeddings (vocab)", num_embeddings, q)
         check_divisible(f"{name}.embedding_dim", dim, q)
         self.num_embeddings, self.dim = num_embeddings, dim
-        self.vocab_start = self.grid.i * (num_embeddings // q)
+        self.vocab_start = vocab_rows(num_embeddings, self.grid)[0]
         device = device or mesh.device
-        self.weight = new_param(torch.empty(num_embeddings // q, dim // q, dtype=dtype, device=device))
+        self.weight = new_param(torch.empty(padded_vocab(num_embeddings, q) // q, dim // q, dtype=dtype,
+                                            device=device))
         nn.init.normal_(self.weight)
+        _zero_padding(self.weight, num_embeddings, self.grid)
         self._dense_source = None
 
     @classmethod
     def from_dense(cls, module: nn.Module, mesh, *, name: str = "vocab_embedding") -> "VocabParallelEmbedding2D":
         v, h = module.weight.shape
         self = cls(v, h, mesh, name=name, dtype=module.weight.dtype, device=module.weight.device)
-        g = self.grid
         with torch.no_grad():
-            self.weight.copy_(block_of(block_of(module.weight.detach(), g.i, g.q, 0), g.j, g.q, 1))
+            self.weight.copy_(_vocab_block(module.weight, self.grid))
         # Remembered (weakly) so that a tied dense LM head can be recognised.
         self._dense_source = weakref.ref(module.weight)
         return self
@@ -326,10 +349,10 @@ class VocabParallelEmbedding2D(Layer2D):
         return reduce_scatter_batch(emb, g, f"{self.name}.reduce_scatter")
 
     def _dense(self, get):
-        return {"weight": gather_blocks(get(self.weight), self.grid)}
+        return {"weight": gather_blocks(get(self.weight), self.grid)[:self.num_embeddings]}
 
     def dense_layout(self) -> dict[str, DenseLayout]:
-        return {"weight": block_layout(self.num_embeddings, self.dim, self.grid)}
+        return {"weight": vocab_block_layout(self.num_embeddings, self.dim, self.grid)}
 
     def to_dense(self) -> nn.Embedding:
         e = nn.Embedding(self.num_embeddings, self.dim, dtype=self.weight.dtype, device=self.weight.device)
@@ -338,24 +361,26 @@ class VocabParallelEmbedding2D(Layer2D):
 
 
 class LMHead2D(Layer2D):
-    """Logits = x·Eᵀ (no bias) via SUMMA ABᵀ: x ``[b/q, s, h/q]`` → ``[b/q, s, V/q]``
+    """Logits = x·Eᵀ (no bias) via SUMMA ABᵀ: x ``[b/q, s, h/q]`` → ``[b/q, s, Vp/q]``
     (batch block i, vocab block j). ``E [V, h]`` is stored like
-    :class:`VocabParallelEmbedding2D` (vocab block i, hidden block j) and, when tied,
-    *is* that layer's Parameter."""
+    :class:`VocabParallelEmbedding2D` (vocab block i, hidden block j, padded to ``Vp`` rows) and, when
+    tied, *is* that layer's Parameter. The padded logits (columns past ``V``) are zero: the loss leaves
+    them out (:class:`VocabParallelCrossEntropy2D` with ``vocab=V``)."""
 
     def __init__(self, hidden: int, vocab: int, mesh, *, name: str = "lm_head", weight: nn.Parameter | None = None,
                  overlap: bool = True, dtype=None, device=None):
         super().__init__(mesh, name)
         q = self.grid.q
-        check_divisible(f"{name}.vocab", vocab, q)
         check_divisible(f"{name}.hidden", hidden, q)
         self.hidden, self.vocab, self.overlap = hidden, vocab, overlap
+        rows = padded_vocab(vocab, q) // q
         if weight is None:
-            weight = new_param(torch.empty(vocab // q, hidden // q, dtype=dtype, device=device or mesh.device))
+            weight = new_param(torch.empty(rows, hidden // q, dtype=dtype, device=device or mesh.device))
             nn.init.normal_(weight, 0.0, 0.02)
-        elif tuple(weight.shape) != (vocab // q, hidden // q):
+            _zero_padding(weight, vocab, self.grid)
+        elif tuple(weight.shape) != (rows, hidden // q):
             raise ValueError(f"{name}: tied weight has local shape {tuple(weight.shape)}, "
-                             f"expected [V/q, h/q] = [{vocab // q}, {hidden // q}]")
+                             f"expected [Vp/q, h/q] = [{rows}, {hidden // q}] (V={vocab} padded to a multiple of q)")
         self.weight = weight
 
     @classmethod
@@ -372,19 +397,18 @@ class LMHead2D(Layer2D):
                 raise ValueError(f"{name}: can only tie to a VocabParallelEmbedding2D of shape [{v}, {h}]")
             return cls(h, v, mesh, name=name, weight=tied.weight, overlap=overlap)
         self = cls(h, v, mesh, name=name, overlap=overlap, dtype=module.weight.dtype, device=module.weight.device)
-        g = self.grid
         with torch.no_grad():
-            self.weight.copy_(block_of(block_of(module.weight.detach(), g.i, g.q, 0), g.j, g.q, 1))
+            self.weight.copy_(_vocab_block(module.weight, self.grid))
         return self
 
     def forward(self, x):
         return summa_abt(x, self.weight, self.grid, name=self.name, overlap=self.overlap)
 
     def _dense(self, get):
-        return {"weight": gather_blocks(get(self.weight), self.grid)}
+        return {"weight": gather_blocks(get(self.weight), self.grid)[:self.vocab]}
 
     def dense_layout(self) -> dict[str, DenseLayout]:
-        return {"weight": block_layout(self.vocab, self.hidden, self.grid)}
+        return {"weight": vocab_block_layout(self.vocab, self.hidden, self.grid)}
 
     def to_dense(self) -> nn.Linear:
         lin = nn.Linear(self.hidden, self.vocab, bias=False, dtype=self.weight.dtype, device=self.weight.device)
@@ -395,37 +419,45 @@ class LMHead2D(Layer2D):
 class VocabParallelCrossEntropy2D(nn.Module):
     """Mean (or summed) token cross entropy of vocab-parallel logits.
 
-    logits ``[b/q, s, V/q]`` (batch block i, vocab block j; any leading dims), targets
+    logits ``[b/q, s, Vp/q]`` (batch block i, vocab block j; any leading dims), targets
     ``[b/q, s]`` (batch block i, replicated over j) → scalar loss over the grid's whole
     batch, equal on every grid rank. Numerically stable (global max subtracted; fp32),
     ``ignore_index`` tokens count neither in the sum nor in the mean's denominator,
-    optional ``label_smoothing`` as in ``F.cross_entropy``. Data-parallel replicas each
-    see their own mean: the engine averages gradients over ``dp``."""
+    optional ``label_smoothing`` as in ``F.cross_entropy``. ``vocab``: the real vocabulary ``V``
+    when the logits are padded to ``Vp`` (:class:`LMHead2D`'s): the columns past it are left out of
+    the softmax (and of label smoothing), exactly; None: every column is real. Data-parallel
+    replicas each see their own mean: the engine averages gradients over ``dp``."""
 
     def __init__(self, mesh, ignore_index: int = -100, label_smoothing: float = 0.0, reduction: str = "mean",
-                 *, name: str = "cross_entropy"):
+                 *, name: str = "cross_entropy", vocab: int | None = None):
         super().__init__()
         if reduction not in ("mean", "sum"):
             raise ValueError(f"{name}.reduction={reduction!r} must be 'mean' or 'sum'")
         if not 0.0 <= label_smoothing < 1.0:
             raise ValueError(f"{name}.label_smoothing={label_smoothing} must be in [0, 1)")
-        self.mesh, self.grid, self.name = mesh, Grid(mesh), name
+        self.mesh, self.grid, self.name, self.vocab = mesh, Grid(mesh), name, vocab
         self.ignore_index, self.label_smoothing, self.reduction = ignore_index, label_smoothing, reduction
 
     @classmethod
-    def from_dense(cls, module: nn.Module | None, mesh, *, name: str = "cross_entropy") -> "VocabParallelCrossEntropy2D":
+    def from_dense(cls, module: nn.Module | None, mesh, *, name: str = "cross_entropy",
+                   vocab: int | None = None) -> "VocabParallelCrossEntropy2D":
         """From an ``nn.CrossEntropyLoss`` (its ignore_index / label_smoothing / reduction) or
-        ``None`` for the defaults of ``F.cross_entropy``."""
+        ``None`` for the defaults of ``F.cross_entropy``; ``vocab``: as in the constructor."""
         if module is None:
-            return cls(mesh, name=name)
-        return cls(mesh, module.ignore_index, module.label_smoothing, module.reduction, name=name)
+            return cls(mesh, name=name, vocab=vocab)
+        return cls(mesh, module.ignore_index, module.label_smoothing, module.reduction, name=name, vocab=vocab)
 
     def forward(self, logits, targets):
         if logits.shape[:-1] != targets.shape:
             raise ValueError(f"{self.name}: logits {tuple(logits.shape)} and targets {tuple(targets.shape)} "
-                             "must share the leading dims ([b/q, s, V/q] and [b/q, s])")
+                             "must share the leading dims ([b/q, s, Vp/q] and [b/q, s])")
+        q, width = self.grid.q, logits.shape[-1]
+        vocab = width * q if self.vocab is None else self.vocab
+        if padded_vocab(vocab, q) != width * q:
+            raise ValueError(f"{self.name}: logits of {width} columns per grid rank are not a vocabulary of "
+                             f"{vocab} padded to q={q} ({padded_vocab(vocab, q) // q} columns)")
         return VocabParallelCE.apply(logits, targets, self.grid, self.ignore_index, self.label_smoothing,
-                                      self.reduction, self.name)
+                                      self.reduction, self.name, vocab)
 
     def to_dense(self) -> nn.CrossEntropyLoss:
         return nn.CrossEntropyLoss(ignore_index=self.ignore_index, label_smoothing=self.label_smoothing,
@@ -433,6 +465,6 @@ class VocabParallelCrossEntropy2D(nn.Module):
 
 
 def vocab_parallel_cross_entropy(logits, targets, mesh, ignore_index: int = -100, label_smoothing: float = 0.0,
-                                 reduction: str = "mean"):
+                                 reduction: str = "mean", vocab: int | None = None):
     """Functional form of :class:`VocabParallelCrossEntropy2D`."""
-    return VocabParallelCrossEntropy2D(mesh, ignore_index, label_smoothing, reduction)(logits, targets)
+    return VocabParallelCrossEntropy2D(mesh, ignore_index, label_smoothing, reduction, vocab=vocab)(logits, targets)

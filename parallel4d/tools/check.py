@@ -18,6 +18,7 @@ entries whose exact value is 0: a key bias's gradient is zero in exact arithmeti
 from __future__ import annotations
 
 import itertools
+import json
 import math
 import shutil
 from dataclasses import dataclass, field
@@ -97,13 +98,17 @@ def _shape_steps(cfg: Config) -> list[tuple[str, Callable[[], Iterator[list[str]
         for n in [*range(first, min(m.layers, first + 4)), m.layers]:
             yield [f"model.layers={n}"]
 
+    # Qwen3's heads are wider than hidden/heads: the same ratio kept (hidden ≠ heads·head_dim is an option)
+    ratio = (m.hidden, m.heads * m.head_dim) if m.head_dim else (1, 1)
+
     def heads():
         # a head at least 4 wide, a model at least 8: narrower ones make norms and attention degenerate
         for kv, d in sorted(itertools.product(range(1, 17), (4, 8)), key=lambda x: x[0] * group * x[1]):
             h = kv * group
-            if h > m.heads or h < min(2, m.heads) or h * d < 8:  # 2 heads: their split is part of the layout
+            width, rest = divmod(h * d * ratio[0], ratio[1])
+            if h > m.heads or h < min(2, m.heads) or width < 8 or rest:  # 2 heads: their split is part of the layout
                 continue
-            out = [f"model.heads={h}", f"model.hidden={h * d}"]
+            out = [f"model.heads={h}", f"model.hidden={width}"]
             out += [f"model.kv_heads={kv}"] if m.kv_heads else []
             out += [f"model.head_dim={d}"] if m.head_dim else []
             out += [f"model.intermediate_size={2 * h * d}"] if m.intermediate_size else []
@@ -140,9 +145,6 @@ def _features(path, job: list[str], cfg: Config, own: list[str]) -> Optional[tup
     out, notes = [], []
     if cfg.train.eval_every is not None:
         out.append("train.eval_every=2")
-    if cfg.model.pretrained is not None:
-        out.append("model.pretrained=null")
-        notes.append("model.pretrained: random weights at the family's options (the shape is shrunk)")
     if cfg.data.source == "tokens" and cfg.data.path and not Path(cfg.data.path).exists():
         out += ["data.source=synthetic", "data.path=null", "data.val_path=null", "data.packing=none"]
         notes.append(f"data.path={cfg.data.path} is not on this machine: synthetic tokens instead")
@@ -210,36 +212,61 @@ def shrunk(path, job_overrides: list[str], steps: int = 3, max_workers: Optional
                           "same layout on our engine")
     limit = max_workers or cfg.train.max_local_workers
     run = [*RUN, f"train.steps={steps}", f"train.max_local_workers={limit}"]
+    weights = random_weights(cfg)
+    job, refusals = [*job_overrides, *weights], []
     for layout in sub_layouts(cfg, limit):
-        plan = _shrunk_at(path, job_overrides, cfg, [*run, *(f"parallel.{a}={v}" for a, v in layout.items())])
-        if plan is not None:
-            if math.prod(layout.values()) < cfg.world_size:
-                plan.notes.insert(0, f"world size {cfg.world_size} > {limit} local workers: the sub-layout "
-                                     + " ".join(f"{a}={v}" for a, v in layout.items()))
-            return plan
-    raise ConfigError(f"parallel: no layout of at most {limit} ranks keeps every axis of "
-                      f"pp={cfg.parallel.pp} dp={cfg.parallel.dp} sp={cfg.parallel.sp} tp={cfg.parallel.tp} "
-                      "above 1 under this config's rules; raise --max-workers")
+        try:
+            plan = _shrunk_at(path, job, cfg, [*run, *(f"parallel.{a}={v}" for a, v in layout.items())])
+        except ConfigError as e:
+            refusals.append(e)
+            continue
+        plan.overrides[:0] = weights  # first: the shape's overrides come after them
+        if weights:
+            plan.notes.insert(0, "model.pretrained: random weights at the family's options (the shape is shrunk)")
+        if math.prod(layout.values()) < cfg.world_size:
+            plan.notes.insert(0, f"world size {cfg.world_size} > {limit} local workers: the sub-layout "
+                                 + " ".join(f"{a}={v}" for a, v in layout.items()))
+        return plan
+    if cfg.world_size <= limit:  # the job's own layout was tried first: more workers would not help
+        raise ConfigError(f"the check's run of this job (float64 on CPU, the shape shrunk) is refused: {refusals[0]}")
+    raise ConfigError(f"parallel: no layout of at most {limit} ranks keeps every axis of pp={cfg.parallel.pp} "
+                      f"dp={cfg.parallel.dp} sp={cfg.parallel.sp} tp={cfg.parallel.tp} above 1 under this config's "
+                      "rules; raise --max-workers")
 
 
-def _shrunk_at(path, job: list[str], cfg: Config, own: list[str]) -> Optional[Plan]:
-    """The smallest shape at the layout ``own`` names, or None when the rules refuse that layout."""
-    try:
-        at = load_config(path, [*job, *own])
-    except ConfigError:
+def random_weights(cfg: Config) -> list[str]:
+    """For a job with ``model.pretrained``: overrides that drop it and write out every ``model:`` field
+    its config.json filled, so that the check shrinks the family and its options freely (a shrunk
+    shape would contradict config.json); none for any other job."""
+    if cfg.model.pretrained is None:
+        return []
+    fields = cfg.model.model_dump(mode="json", exclude={"pretrained"})
+    return ["model.pretrained=null", *(f"model.{k}={json.dumps(v)}" for k, v in fields.items())]
+
+
+def nothing_to_compare(path, job_overrides: list[str]) -> Optional[str]:
+    """The line ``parallel4d check`` prints for a job that is its own reference (one process, no
+    hetero, no recomputation: what the reference drops is what a single process runs), else None."""
+    cfg = load_config(path, job_overrides)
+    if cfg.world_size > 1 or cfg.hetero.enabled or cfg.train.activation_checkpointing != "none":
         return None
-    for _, options in _shape_steps(at):
+    return (f"parallel4d check {path}: one process (pp=1 dp=1 sp=1 tp=1) without hetero or activation "
+            "checkpointing is the reference itself: nothing to compare (set parallel.dp/sp/tp/pp to check a layout)")
+
+
+def _shrunk_at(path, job: list[str], cfg: Config, own: list[str]) -> Plan:
+    """The smallest shape at the layout ``own`` names; ConfigError saying why when the rules refuse it."""
+    at = load_config(path, [*job, *own])
+    for name, options in _shape_steps(at):
         found = _first_valid(path, [*job, *own], options())
         if found is None:
-            return None
+            raise ConfigError(f"model: no {name} the rules accept at this layout")
         own = [*own, *found]
     kept = _features(path, job, cfg, own)
     if kept is None:
-        return None
-    try:
-        return Plan([*own, *kept[0]], load_config(path, [*job, *own, *kept[0]]), kept[1])
-    except ConfigError:
-        return None
+        raise ConfigError("hetero: no device budget the rules accept at the shrunk shape, however the job's "
+                          "share is scaled; check the layout with hetero.enabled=false")
+    return Plan([*own, *kept[0]], load_config(path, [*job, *own, *kept[0]]), kept[1])
 
 
 # --- running and comparing ---------------------------------------------------------------------
@@ -367,6 +394,7 @@ def format_report(path, plan: Plan, outcome: Outcome) -> list[str]:
              f"{c.train.steps} steps in float64 on CPU against one process",
              f"  model {c.model.arch}: layers={c.model.layers} hidden={c.model.hidden} heads={c.model.heads}"
              + (f" kv_heads={c.model.kv_heads}" if c.model.kv_heads else "")
+             + (f" head_dim={c.model.head_dim}" if c.model.head_dim else "")
              + f" seq_len={c.model.seq_len} batch={c.data.batch_size}",
              *(f"  note: {n}" for n in plan.notes),
              f"  {'step':>4}  {'loss (layout)':>22}  {'loss (one process)':>22}  {'relative':>8}"]

@@ -32,17 +32,20 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
 
 
 def _job_command(command):
-    """``command`` with a job's or a checkpoint's failure said in one line: exit 1 for a failed job
-    or an unusable checkpoint, 128 + the signal for a job a signal ended. Their classes are imported
-    when the command runs (their modules need torch; ``validate`` does without)."""
+    """``command`` with a job's or a checkpoint's failure said in one line: exit 2 for a checkpoint it
+    refuses (as for every refusal), 1 for a failed job or checkpoint I/O, 128 + the signal for a job a
+    signal ended. Their classes are imported when the command runs (their modules need torch;
+    ``validate`` does without)."""
 
     @functools.wraps(command)
     def run(args) -> int:
-        from parallel4d.checkpoint.failures import CheckpointError
+        from parallel4d.checkpoint.failures import CheckpointError, UnusableCheckpoint
         from parallel4d.launcher.supervise import Interrupted, WorkerError, WorkerTimeout
 
         try:
             return command(args)
+        except UnusableCheckpoint as e:
+            return _refused(str(e))
         except CheckpointError as e:
             print(f"parallel4d: {e}", file=sys.stderr)
             return 1
@@ -223,18 +226,23 @@ def _what_was_saved(summary: dict) -> str:
 
 @_job_command
 def _cmd_gather(args) -> int:
-    from parallel4d.checkpoint.gather import gather
+    from parallel4d.checkpoint.gather import gather, resolve_checkpoint
+    from parallel4d.checkpoint.steps import describe_checkpoint
 
-    out = gather(args.checkpoint, args.out)
-    print(out)
+    ckpt = resolve_checkpoint(args.checkpoint)
+    print(f"gathered {describe_checkpoint(ckpt)} into {gather(ckpt, args.out)}")
     return 0
 
 
 @_job_command
 def _cmd_export(args) -> int:
     from parallel4d.checkpoint.export import export
+    from parallel4d.checkpoint.gather import resolve_checkpoint
+    from parallel4d.checkpoint.steps import describe_checkpoint
 
-    print(export(args.checkpoint, args.out_dir, max_shard_bytes=int(args.max_shard_gb * 2**30)))
+    ckpt = resolve_checkpoint(args.checkpoint)  # once: the step said is the step exported
+    out = export(ckpt, args.out_dir, max_shard_bytes=int(args.max_shard_gb * 2**30))
+    print(f"exported {describe_checkpoint(ckpt)} to {out}")
     return 0
 
 
@@ -273,10 +281,12 @@ def _cmd_tokenize(args) -> int:
 
 @_job_command
 def _cmd_generate(args) -> int:
-    from parallel4d.tools.generate import generate
+    from parallel4d.tools.generate import describe_source, generate, model_source
 
+    source = model_source(args.source)  # once: the checkpoint said is the one sampled (stderr: stdout is the text)
+    print(f"parallel4d: generating from {describe_source(source)}", file=sys.stderr)
     try:
-        text = generate(args.source, args.prompt, args.max_new_tokens, args.temperature, args.top_k, args.seed)
+        text = generate(source, args.prompt, args.max_new_tokens, args.temperature, args.top_k, args.seed)
     except ValueError as e:
         print(f"parallel4d: {e}", file=sys.stderr)
         return 2
@@ -294,8 +304,12 @@ def _cmd_plot(args) -> int:
 
 @_job_command
 def _cmd_check(args) -> int:
-    from parallel4d.tools.check import format_report, run_check, shrunk
+    from parallel4d.tools.check import format_report, nothing_to_compare, run_check, shrunk
 
+    alone = None if args.resume_at is not None else nothing_to_compare(args.config, args.overrides)
+    if alone:  # a resume is compared with the run that went on: something even for one process
+        print(alone)
+        return 0
     plan = shrunk(args.config, args.overrides, steps=args.steps, max_workers=args.max_workers)
     keep = args.keep is not None
     out = Path(args.keep) if keep else Path(tempfile.mkdtemp(prefix="parallel4d-check-"))

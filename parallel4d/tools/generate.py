@@ -24,6 +24,8 @@ from parallel4d.config.errors import ConfigError
 from parallel4d.config.load import make_config
 from parallel4d.checkpoint.resume import saved_config
 from parallel4d.checkpoint.gather import gather, resolve_checkpoint, with_tied_head
+from parallel4d.checkpoint.outputs import user_path
+from parallel4d.checkpoint.steps import describe_checkpoint
 from parallel4d.config.hf_fields import hf_max_positions
 from parallel4d.models.build import build_dense, family, shape_from_config
 from parallel4d.data.token_files import read_sidecar
@@ -33,10 +35,25 @@ Cache = list[tuple[torch.Tensor, torch.Tensor]]
 
 # --- the model -----------------------------------------------------------------------------------
 
+def model_source(source: str | Path) -> Path:
+    """What :func:`load_model` reads for ``source`` (``~`` expanded): a Hugging Face directory as it is,
+    else one ``step_*`` checkpoint — a run directory's or a checkpoint root's newest."""
+    source = user_path(source)
+    if (source / "config.json").is_file():
+        return source
+    return resolve_checkpoint(source / "checkpoints" if (source / "checkpoints").is_dir() else source)
+
+
+def describe_source(path: Path) -> str:
+    """:func:`model_source`'s ``path`` as ``parallel4d generate`` names it: the step and its run's
+    checkpoints, or the Hugging Face directory."""
+    return f"the Hugging Face model in {path}" if (path / "config.json").is_file() else describe_checkpoint(path)
+
+
 def load_model(source: str | Path) -> tuple[torch.nn.Module, dict]:
     """``(dense model in float32, eval mode; the job config dict)`` from a Hugging Face directory,
     a run directory (its newest checkpoint), a checkpoint root or one ``step_*`` directory."""
-    source = Path(source)
+    source = model_source(source)
     if (source / "config.json").is_file():
         positions = hf_max_positions(json.loads((source / "config.json").read_text()))
         data = {"model": {"pretrained": str(source), **({"seq_len": positions} if positions else {})}}
@@ -45,12 +62,10 @@ def load_model(source: str | Path) -> tuple[torch.nn.Module, dict]:
 
         state = load_hf_state_dict(source, cfg.model)
     else:
-        root = source / "checkpoints" if (source / "checkpoints").is_dir() else source
-        ckpt = resolve_checkpoint(root)
-        data = saved_config(ckpt)
+        data = saved_config(source)
         cfg = make_config(data)
         with tempfile.TemporaryDirectory() as tmp:
-            dense = gather(ckpt, Path(tmp) / "model.pt", progress=False)
+            dense = gather(source, Path(tmp) / "model.pt", progress=False)
             state = with_tied_head(torch.load(dense, weights_only=True)["model"], cfg.model.tie_embeddings)
     model = build_dense(shape_from_config(cfg.model), seed=0)
     model.load_state_dict({k: v.float() for k, v in state.items()}, strict=True)
@@ -111,7 +126,7 @@ def sample(model, prompt: torch.Tensor, max_new_tokens: int, temperature: float 
 
 def text_codec(source: str | Path, cfg: dict):
     """``(encode: str → list[int], decode: list[int] → str)`` for the model of ``source``."""
-    source = Path(source)
+    source = user_path(source)
     data = cfg.get("data") or {}
     tokenizer = None
     if data.get("source") == "tokens" and data.get("path"):
@@ -138,6 +153,7 @@ def generate(source: str | Path, prompt: str, max_new_tokens: int = 200, tempera
     """The prompt and its continuation as text (see the module docstring)."""
     if max_new_tokens < 0:
         raise ValueError(f"--max-new-tokens must be ≥ 0, got {max_new_tokens}")
+    source = model_source(source)
     model, cfg = load_model(source)
     encode, decode = text_codec(source, cfg)
     ids = encode(prompt)

@@ -23,8 +23,7 @@ import torch.distributed as dist
 
 from parallel4d.checkpoint import dcp as checkpoint
 from parallel4d.checkpoint.failures import CheckpointError
-from parallel4d.checkpoint.hf_source import checkpoint_files, source_files
-from parallel4d.checkpoint.resume import check_start, choose_checkpoint
+from parallel4d.checkpoint.resume import check_start, choose_checkpoint, describe_changes, resume_changes, saved_config
 from parallel4d.checkpoint.steps import new_run_id, read_info
 from parallel4d.distributed import comm
 from parallel4d.distributed import elastic
@@ -37,6 +36,7 @@ from parallel4d.engine.model import tf32_allowed, use_tf32
 from parallel4d.engine.trainer import Trainer
 from parallel4d.distributed.mesh import init_mesh
 from parallel4d.integrations import deepspeed_integration
+from parallel4d.training.checkpoints import check_format, job_files
 from parallel4d.training.metrics import MetricsLog, gather_objects, gather_per_rank, peak_memory, read_together
 from parallel4d.training.signals import silence_a_hung_up_terminal, stop_signals
 
@@ -127,20 +127,10 @@ class _Run:
         self.prior_throughput: dict = {}  # the session before's figures, kept by a resume with nothing to train
         self.start_step = engine.step  # where this session started
         self.resumed_from: int | None = None
+        self.changes: list[dict] = []  # a resume's changes from the checkpoint's config (rank 0's)
         self.saved_step: int | None = None  # the step whose state is on disk (saved or loaded here)
         self.saved: Path | None = None
-        self.extra_files: dict[str, str | bytes] = {"config.yaml": cfg.to_yaml()}
-        if lead and cfg.model.pretrained and cfg.checkpoint.enabled:  # its tokenizer etc., for the export
-            self.extra_files.update(self._pretrained_files(cfg.model.pretrained))
-
-    @staticmethod
-    def _pretrained_files(directory: str) -> dict[str, bytes]:
-        """model.pretrained's small files (hf_source.source_files), read once: each checkpoint carries them."""
-        files, skipped = source_files(directory)
-        if skipped:
-            _log(f"[parallel4d] warning: model.pretrained: {', '.join(skipped)} not carried with the checkpoints "
-                 "(larger than a tokenizer or config file); copy it into the export by hand")
-        return checkpoint_files(files)
+        self.extra_files = job_files(cfg, with_pretrained=lead and cfg.checkpoint.enabled)  # read once
 
     def resume(self, summary_path: Path) -> None:
         """Load the checkpoint :func:`choose_checkpoint` picks (every rank calls this)."""
@@ -150,12 +140,7 @@ class _Run:
                 _log(f"[parallel4d] train.resume: no checkpoint under {self.ckpt_dir}; starting from step 0")
             return
         info = read_info(found)
-        saved_by = info.get("format", "parallel4d")
-        if saved_by != self.engine.checkpoint_format:
-            raise CheckpointError(
-                f"checkpoint {found} was saved by {saved_by} and this job trains with {self.engine.checkpoint_format} "
-                "(a deepspeed: section or not); resume it with the config it was saved with, or start afresh in "
-                "another train.out_dir")
+        check_format(found, self.engine, info)
         self.engine.load_checkpoint(found)  # choose_checkpoint verified its files
         self.run_id = info.get("run_id") or self.run_id
         before = _summary_before(summary_path)  # for checkpoints saved before run.json held the history
@@ -168,7 +153,9 @@ class _Run:
         self.resumed_from = self.saved_step = self.start_step = self.engine.step
         self.saved = found
         if self.lead:
-            _log(f"[parallel4d] resumed from {found} at step {self.engine.step}")
+            self.changes = _changes_since(found, self.cfg)
+            said = f", with changes: {describe_changes(self.changes)}" if self.changes else ""
+            _log(f"[parallel4d] resumed from {found} at step {self.engine.step}{said}")
 
     def throughput(self, seconds: float) -> dict:
         """This session's tokens and model FLOPs per second over ``seconds``; a session that trained nothing
@@ -180,13 +167,14 @@ class _Run:
         return {"tokens_per_second": tokens_per_second,
                 "model_flops_per_second": tokens_per_second * flops_per_token(self.cfg)}
 
-    def save(self, seconds: float, final: bool) -> None:
-        """Checkpoint the current step (with this session's figures, for a resume that trains nothing).
-        A failing periodic save warns and training goes on; a failing final save raises
-        :class:`CheckpointError`."""
+    def save(self, seconds: float, final: bool) -> float | None:
+        """Checkpoint the current step (with this session's figures, for a resume that trains nothing);
+        the seconds it took, None when nothing was saved. A failing periodic save warns and training
+        goes on; a failing final save raises :class:`CheckpointError`."""
         step = self.engine.step
         if step == self.saved_step:  # e.g. Ctrl-C right after a periodic save, or nothing left to train
-            return
+            return None
+        began = time.perf_counter()
         try:
             self.saved = checkpoint.save(
                 self.engine.checkpoint_state(), self.ckpt_dir, step, keep=self.cfg.checkpoint.keep,
@@ -194,12 +182,22 @@ class _Run:
                 info={"losses": self.losses, "validation": self.validation, "seconds": self.prior_seconds + seconds,
                       "format": self.engine.checkpoint_format, **self.throughput(seconds)})
             self.saved_step = step
+            return time.perf_counter() - began
         except CheckpointError as e:
             if final:
                 raise
             if self.lead:
                 _log(f"[parallel4d] warning: {e}. Training goes on (the state is in memory); "
                      "the next checkpoint tries again")
+            return None
+
+
+def _changes_since(checkpoint: Path, cfg: Config) -> list[dict]:
+    """What ``cfg`` changes from the config ``checkpoint`` was saved with (none where it has no readable one)."""
+    try:
+        return resume_changes(saved_config(checkpoint), cfg)
+    except (CheckpointError, OSError, ValueError, AttributeError):
+        return []
 
 
 def _summary_before(path: Path) -> dict:
@@ -257,6 +255,9 @@ def run_training(cfg: Config) -> dict:
         _log(f"[parallel4d] world {mesh.world_size} ({', '.join(f'{a}={n}' for a, n in mesh.shape.items())}), "
              f"{engine.parameter_count() / 1e6:.2f}M parameters per rank, {cfg.train.steps} steps")
         metrics = MetricsLog(out_dir, run.resumed_from, tensorboard=cfg.train.tensorboard)
+        if run.resumed_from is not None:  # where the curves continue, under which layout, with what changed
+            metrics.event("resume", run.resumed_from, checkpoint=str(run.saved), parallel=cfg.parallel.model_dump(),
+                          changes=run.changes)
     interrupted: str | None = None  # the signal that stopped the run early
     start = time.perf_counter()
     interval = _Interval(start, engine.step)
@@ -303,7 +304,7 @@ def run_training(cfg: Config) -> dict:
             if last:
                 break
             if saving:
-                run.save(elapsed, final=False)
+                _record_save(metrics, engine.step, run.save(elapsed, final=False), final=False)
                 if lead:
                     _try_write(write_summary, elapsed, finished=False)
             interrupted = _StopFlag.name(read["signal"][0])
@@ -316,7 +317,7 @@ def run_training(cfg: Config) -> dict:
         if cfg.checkpoint.enabled:
             if lead:  # the loss history is on disk even if the final save fails or is killed
                 _try_write(write_summary, elapsed, finished=False)
-            run.save(elapsed, final=True)
+            _record_save(metrics, engine.step, run.save(elapsed, final=True), final=True)
         if lead:
             metrics.close()
             summary = write_summary(elapsed, finished=engine.step >= cfg.train.steps)
@@ -326,6 +327,13 @@ def run_training(cfg: Config) -> dict:
     engine.close()
     mesh.close()
     return summary if lead else {"rank": rank, "stop_signal": interrupted}
+
+
+def _record_save(metrics: MetricsLog | None, step: int, seconds: float | None, final: bool) -> None:
+    """Rank 0 records a checkpoint save that took ``seconds`` (None: nothing was saved) in metrics.jsonl:
+    the next record's throughput includes them (the plot marks it)."""
+    if metrics is not None and seconds is not None:
+        metrics.event("save", step, seconds=seconds, final=final)
 
 
 def _settle(mesh, what: str) -> None:
@@ -444,6 +452,7 @@ def _summary(cfg: Config, mesh, engine: Trainer, run: _Run, elapsed: float, inte
         "stop_signal": interrupted,  # SIGINT, SIGTERM or SIGHUP when a signal stopped the run early
         "finished": finished,
         "resumed_from": run.resumed_from,
+        "resumed_with_changes": run.changes if run.resumed_from is not None else None,
         "checkpoint": str(run.saved) if run.saved else None,
         **run.throughput(elapsed),
         "seconds": run.prior_seconds + elapsed,

@@ -10,6 +10,12 @@ Each logged step (every ``train.log_every`` steps and the last) appends one JSON
   resident set on the host (``peak_memory_kind`` says which);
 * ``bytes_sent_by_axis``: rank 0's bytes sent per mesh axis since this process started.
 
+Between them, event records (``"event"`` names the kind; :func:`read_events`, which
+:func:`read_records` leaves out): ``{"event": "save", "step", "seconds", "final"}`` after a checkpoint
+of ``step`` was written (its seconds fall in the interval of the next record's throughput), and
+``{"event": "resume", "step", "checkpoint", "parallel", "changes"}`` where a run resumed (its layout;
+what it changed from the checkpoint's config, ``checkpoint.resume.resume_changes``).
+
 A resumed run keeps the records up to the step it resumed from and drops those after it (the
 steps it trains again), so the file holds each step once. Rank 0 writes; every rank takes part
 in gathering the per-rank peaks.
@@ -95,7 +101,18 @@ def gather_objects(obj) -> list:
 
 
 def read_records(path: Path) -> list[dict]:
-    """The records of a ``metrics.jsonl`` (a torn last line, from a killed run, is skipped)."""
+    """The logged steps' records of a ``metrics.jsonl``, in order (its events left out)."""
+    return [r for r in read_log(path) if "event" not in r]
+
+
+def read_events(path: Path) -> list[dict]:
+    """The events of a ``metrics.jsonl`` (checkpoint saves, resumes), in order."""
+    return [r for r in read_log(path) if "event" in r]
+
+
+def read_log(path: Path) -> list[dict]:
+    """Every object of a ``metrics.jsonl``, records and events, in order (a torn last line, from a killed
+    run, is skipped)."""
     out = []
     try:
         lines = Path(path).read_text().splitlines()
@@ -118,7 +135,7 @@ class MetricsLog:
 
     def __init__(self, out_dir: Path, resumed_step: int | None, tensorboard: bool = False):
         self.path = Path(out_dir) / METRICS_FILE
-        kept = [r for r in read_records(self.path) if r.get("step", 0) <= resumed_step] if resumed_step else []
+        kept = [r for r in read_log(self.path) if _kept(r, resumed_step)] if resumed_step else []
         tmp = self.path.with_suffix(".jsonl.tmp")
         tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
         tmp.replace(self.path)
@@ -140,7 +157,19 @@ class MetricsLog:
                                            record[key], record["step"])
             self.writer.flush()
 
+    def event(self, kind: str, step: int, **fields) -> None:
+        """An event record: ``{"event": kind, "step": step, **fields}`` (a save after ``step``, a resume from it)."""
+        self.file.write(json.dumps({"event": kind, "step": step, **fields}) + "\n")
+        self.file.flush()
+
     def close(self) -> None:
         self.file.close()
         if self.writer is not None:
             self.writer.close()
+
+
+def _kept(record: dict, resumed_step: int) -> bool:
+    """Whether a resume from ``resumed_step`` keeps a record of the file: every one up to that step but
+    an earlier resume from that same step (this one takes its place)."""
+    step = record.get("step", 0)
+    return step <= resumed_step and not (record.get("event") == "resume" and step == resumed_step)

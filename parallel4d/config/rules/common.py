@@ -89,6 +89,18 @@ def positive_int(name: str, value: int) -> int:
     return int(value)
 
 
+#: The ``model:`` fields that give the dense model's tensors their shapes: what a checkpoint's weights fix
+SHAPE_FIELDS = ("arch", "vocab_size", "hidden", "heads", "kv_heads", "head_dim", "layers", "intermediate_size",
+                "tie_embeddings", "qkv_bias", "qk_norm")
+
+
+def fixed_fields(model) -> frozenset[str]:
+    """The ``model:`` fields (``"model.hidden"``) a job cannot change: with ``model.pretrained``, every
+    one of :data:`SHAPE_FIELDS` (its config.json sets them and its weights have those shapes), so that a
+    rule suggests the layout instead; none otherwise. ``model``: the job's ``ModelConfig``."""
+    return frozenset(f"model.{f}" for f in SHAPE_FIELDS) if model.pretrained is not None else frozenset()
+
+
 #: Field names as spelled in ``parallel4d.config``; messages about a GPT's shape use them.
 FIELD_NAMES = {
     "tp": "parallel.tp",
@@ -99,3 +111,12 @@ FIELD_NAMES = {
     "batch": "data.batch_size",
     "microbatches": "pipeline.microbatches",
 }
+
+
+def human_bytes(n: float) -> str:
+    """``1536`` → ``"1.5 KiB"``: bytes in the largest binary unit below 1024 of it (TiB at most)."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)

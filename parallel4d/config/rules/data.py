@@ -6,12 +6,14 @@ The token files' own rules live with their format in ``data/token_files.py``."""
 from __future__ import annotations
 
 import math
+import shlex
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterable, Optional
 
 from parallel4d.config.rules.common import FIELD_NAMES, closest, divisors, near_multiples, or_list
-from parallel4d.data.text_files import corpus_bytes
+from parallel4d.data.text_files import corpus_bytes, stdlib_root
 from parallel4d.data.token_files import read_sidecar, token_file_problems
+from parallel4d.data.tokenizer_identity import VOCABULARY_FILES, describe, is_byte_level
 
 if TYPE_CHECKING:  # annotations only: the schema imports the rules
     from parallel4d.config.schema import Config
@@ -62,6 +64,55 @@ def source_problems(cfg: Config) -> list[str]:
         out.append(f"data.path is read with data.source=tokens, not {d.source}; set data.source=tokens "
                    "or remove data.path")
     return out
+
+
+def byte_text_problems(cfg: Config) -> list[str]:
+    """``data.source: text`` feeds each text's UTF-8 bytes as ids 0–255: refused under a
+    ``model.pretrained`` whose tokenizer is not byte-level (:func:`.tokenizer_identity.is_byte_level`),
+    to which those ids are other tokens. A directory with no tokenizer files at all (parallel4d's own
+    byte models export none) has nothing to compare: its ids are taken as bytes, as they were trained.
+    Run before any worker starts (``launcher.preflight``), with the model's files: it imports
+    ``tokenizers`` (the hf extra) for a tokenizer.json of at most 256 entries."""
+    d, pretrained = cfg.data, cfg.model.pretrained
+    if d.source != "text" or not pretrained:
+        return []
+    tokenizer = Path(pretrained) / "tokenizer.json"
+    if not tokenizer.is_file():
+        others = [name for name in VOCABULARY_FILES if (Path(pretrained) / name).is_file()]
+        if not others:
+            return []
+        return [f"data.source=text feeds the text's UTF-8 bytes as token ids 0–255, but model.pretrained="
+                f"{pretrained!r} has a tokenizer ({', '.join(others)}), to which those ids are other tokens, and no "
+                "tokenizer.json to tokenize with; write one with transformers (`AutoTokenizer.from_pretrained("
+                f"{pretrained!r}).save_pretrained({pretrained!r})`), then {_tokenize_fix(cfg, tokenizer)}"]
+    try:
+        if is_byte_level(tokenizer):
+            return []
+        what = describe(tokenizer)
+    except ImportError as e:
+        return [f"data.source=text under model.pretrained={pretrained!r}: telling whether its tokenizer.json is "
+                f"byte-level needs Hugging Face tokenizers ({e.name} is missing): pip install 'parallel4d[hf]'"]
+    except ValueError as e:
+        return [f"model.pretrained={pretrained!r}: its {e}"]
+    return [f"data.source=text feeds the text's UTF-8 bytes as token ids 0–255, but model.pretrained={pretrained!r} "
+            f"has {what} ({tokenizer}), not byte-level: to the model those ids are other tokens; "
+            f"{_tokenize_fix(cfg, tokenizer)}"]
+
+
+def _tokenize_fix(cfg: Config, tokenizer: Path) -> str:
+    """The command that tokenizes ``data.source: text``'s corpus with ``tokenizer``, and the fields to set."""
+    d = cfg.data
+    root = shlex.quote(str(d.text_root or stdlib_root()))
+    if d.text_glob:  # the shell expands the patterns as the corpus does (** under bash's globstar)
+        inputs = " ".join(f"{root}/{pattern}" for pattern in d.text_glob)
+        shell = " (bash: `shopt -s globstar` first)" if any("**" in p for p in d.text_glob) else ""
+    else:  # every .py file, as the corpus walks them
+        inputs = f"$(find {root} -name '*.py' -not -path '*/site-packages/*' -not -path '*/__pycache__/*' | sort)"
+        shell = ""
+    unset = [f for f, v in (("data.text_root", d.text_root), ("data.text_glob", d.text_glob)) if v]
+    return (f"tokenize the text with the model's tokenizer: `parallel4d tokenize --tokenizer {shlex.quote(str(tokenizer))} "
+            f"{inputs} -o train.bin`{shell}, then set data.source=tokens and data.path=train.bin"
+            + (f" and remove {' and '.join(unset)}" if unset else ""))
 
 
 _CORPUS_MIN_BYTES = 1024  # data.read_corpus refuses less

@@ -24,6 +24,10 @@ TAKEN = {"tensor_parallel": "parallel.tp (parallel4d's 2D tensor parallelism rep
 TORCH_OPTIMIZERS = ("adam", "adamw")
 
 
+#: DeepSpeed's batch keys that are one of parallel4d's fields (the micro-batch is derived from both)
+OURS = {"train_batch_size": "data.batch_size", "gradient_accumulation_steps": "pipeline.microbatches"}
+
+
 def deepspeed_batch(cfg: Config) -> dict[str, int]:
     """The ds_config batch keys as parallel4d's fields make them. DeepSpeed's "GPU" is a data
     replica (the mpu's data-parallel size is parallel.dp): its micro-batch counts the sequences
@@ -53,9 +57,12 @@ def section_problems(cfg: Config) -> list[str]:
            f"{cfg.pipeline.microbatches} make it")
     for key, want in deepspeed_batch(cfg).items():
         if key in ds and ds[key] != "auto" and (isinstance(ds[key], bool) or ds[key] != want):
+            ours = OURS.get(key) if isinstance(ds[key], int) and not isinstance(ds[key], bool) and ds[key] >= 1 \
+                else None
             out.append(f"deepspeed.{key}={ds[key]!r} but {why} {want} (train_batch_size = micro-batch × "
                        f"gradient_accumulation_steps × parallel.dp); set deepspeed.{key}={want}, \"auto\", or "
-                       "leave it out")
+                       "leave it out" + (f" (for {ds[key]}, set {ours}={ds[key]}: parallel4d's field for it)"
+                                         if ours else ""))
     zero = ds.get("zero_optimization") if isinstance(ds.get("zero_optimization"), dict) else {}
     offload = [k for k in ("offload_optimizer", "offload_param")
                if isinstance(zero.get(k), dict) and zero[k].get("device", "none") != "none"]
@@ -94,6 +101,10 @@ def section_problems(cfg: Config) -> list[str]:
     elif cfg.train.autocast == "bfloat16" and _enabled(ds, "fp16"):  # resolve() enables bf16: DeepSpeed refuses both
         out.append("train.dtype=bfloat16 but deepspeed.fp16.enabled is true, and DeepSpeed runs one of bf16 and fp16; "
                    "set train.dtype=float32 (DeepSpeed's fp16) or replace deepspeed.fp16 by deepspeed.bf16.enabled=true")
+    steps = ds.get("steps_per_print")  # read with no default to type it: the engine takes the step modulo it
+    if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):
+        out.append(f"deepspeed.steps_per_print={steps!r}: DeepSpeed prints every that many steps (the step modulo "
+                   "it, in every worker); write a whole number ≥ 1, e.g. deepspeed.steps_per_print=10, or leave it out")
     clip = ds.get("gradient_clipping")
     if clip is not None and (isinstance(clip, bool) or not isinstance(clip, (int, float)) or not 0 <= clip < math.inf):
         out.append(f"deepspeed.gradient_clipping={clip!r} must be a finite number ≥ 0 (0 = no clipping); DeepSpeed "

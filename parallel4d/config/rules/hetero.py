@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from parallel4d.config.rules.common import fixed_fields
 from parallel4d.config.rules.pipeline import splits_backward
 
 if TYPE_CHECKING:  # annotations only: the schema imports the rules
@@ -16,9 +17,9 @@ def tied_head_problems(cfg: Config) -> list[str]:
     """A tied embedding and LM head on two pp ranks: hetero cannot keep their chunks in step."""
     p, pl = cfg.parallel, cfg.pipeline
     if cfg.hetero.enabled and p.pp > 1 and cfg.model.tie_embeddings and pl.schedule not in ("hanayo", "zbv"):
+        untie = "" if "model.tie_embeddings" in fixed_fields(cfg.model) else " or model.tie_embeddings=false"
         return [f"hetero.enabled=true with pipeline.schedule={pl.schedule} cannot keep a tied embedding and "
-                "LM head on two pp ranks in step; use pipeline.schedule=hanayo or zbv (both ends on rank 0) or "
-                "model.tie_embeddings=false"]
+                f"LM head on two pp ranks in step; use pipeline.schedule=hanayo or zbv (both ends on rank 0){untie}"]
     return []
 
 

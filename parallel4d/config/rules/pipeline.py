@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Optional
 
-from parallel4d.config.rules.common import did_you_mean, near_multiples
+from parallel4d.config.rules.common import did_you_mean, fixed_fields, near_multiples
 from parallel4d.config.rules.data import batch_problem
 
 if TYPE_CHECKING:  # annotations only: the schema imports the rules
@@ -67,12 +67,14 @@ def pipeline_arg_problems(
     batch: int | None = None,
     batch_divisor: int = 1,
     split_backward: bool = False,
+    layers_fixed: bool = False,
 ) -> list[str]:
     """Every broken pipeline rule as one readable message (empty list = fine).
 
     ``layers``: transformer blocks (the model has ``layers + 2`` stages: embedding, blocks,
     head; every chunk needs at least one stage). ``batch``: global sequences per step, split
     over ``batch_divisor`` data replicas (dp·q) and then into ``microbatches`` micro-batches.
+    ``layers_fixed``: the layers are not the job's to change (model.pretrained).
     """
     try:
         schedule = check_schedule_name(schedule)
@@ -81,7 +83,7 @@ def pipeline_arg_problems(
     out = _count_problems(layers, pp, microbatches, waves, chunks_per_rank)
     if out:
         return out
-    out += _chunk_problems(layers, pp, schedule, waves, chunks_per_rank)
+    out += _chunk_problems(layers, pp, schedule, waves, chunks_per_rank, layers_fixed)
     if split_backward and schedule not in ("hanayo", *SPLIT_SCHEDULES):
         out.append(f"pipeline.split_backward=true splits the backward of pipeline.schedule=hanayo; {schedule} does "
                    f"not: use pipeline.schedule=hanayo, zb_h1 (1F1B's memory) or zbv (the V placement), or "
@@ -107,28 +109,34 @@ def _count_problems(layers: int, pp: int, microbatches: int, waves: int, chunks_
     return out
 
 
-def _chunk_problems(layers: int, pp: int, schedule: str, waves: int, chunks_per_rank: int) -> list[str]:
-    """Every chunk needs one of the ``layers + 2`` stages."""
+def _chunk_problems(layers: int, pp: int, schedule: str, waves: int, chunks_per_rank: int,
+                    layers_fixed: bool = False) -> list[str]:
+    """Every chunk needs one of the ``layers + 2`` stages. ``layers_fixed``: model.pretrained sets the
+    layers, so only the pipeline's fields are suggested."""
     chunks = num_chunks(schedule, pp, waves, chunks_per_rank)
     stages = layers + 2
     if pp == 1 or stages >= chunks:
         return []
-    fix = f"use model.layers≥{chunks - 2}"
+    fixes = [] if layers_fixed else [f"model.layers≥{chunks - 2}"]
     if schedule in ("hanayo", "zbv"):
         w_max = stages // (2 * pp)
         # Fewer waves first; if even one wave is too many chunks, fewer ranks as well.
         if schedule == "zbv":
-            fix += f" or parallel.pp≤{max(1, stages // 2)}"
+            fixes.append(f"parallel.pp≤{max(1, stages // 2)}")
         else:
-            fix += (f" or pipeline.waves≤{w_max}" if w_max >= 1
-                    else f" or pipeline.waves=1 with parallel.pp≤{max(1, stages // 2)}")
+            fixes.append(f"pipeline.waves≤{w_max}" if w_max >= 1
+                         else f"pipeline.waves=1 with parallel.pp≤{max(1, stages // 2)}")
     elif schedule == "interleaved":
         v_max = stages // pp
-        fix += f" or pipeline.chunks_per_rank≤{v_max}" if v_max >= 1 else ""
+        if v_max >= 1:
+            fixes.append(f"pipeline.chunks_per_rank≤{v_max}")
+        elif layers_fixed:  # fewer ranks then: chunks_per_rank·pp chunks
+            fixes.append(f"parallel.pp≤{max(1, stages // chunks_per_rank)}")
     else:
-        fix += f" or parallel.pp≤{stages}"
+        fixes.append(f"parallel.pp≤{stages}")
+    fixed = ", and model.pretrained's config.json sets model.layers" if layers_fixed else ""
     return [f"{schedule} with parallel.pp={pp} cuts the model into {chunks} chunks but it has only "
-            f"model.layers+2 = {stages} stages (embedding, {layers} layers, head); {fix}"]
+            f"model.layers+2 = {stages} stages (embedding, {layers} layers, head){fixed}; use {' or '.join(fixes)}"]
 
 
 def layout_problems(cfg: Config) -> list[str]:
@@ -137,7 +145,7 @@ def layout_problems(cfg: Config) -> list[str]:
     if p.pp <= 1:
         return []
     return pipeline_arg_problems(m.layers, p.pp, pl.microbatches, pl.schedule, pl.waves, pl.chunks_per_rank,
-                                 split_backward=pl.split_backward)
+                                 split_backward=pl.split_backward, layers_fixed="model.layers" in fixed_fields(m))
 
 
 ORDERED_FOR_THE_LINK = ("hanayo", "zb_h1", "zbv")  # the searched orders pipeline.hop_cost reaches

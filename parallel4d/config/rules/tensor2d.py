@@ -1,6 +1,6 @@
-"""2D tensor parallelism's rules: the tp = q² grid, and a GPT's shape on it (hidden, heads, vocab
-in q blocks). ``tensor2d/checks.py`` raises them as the layers are built; the config reports them
-for a job file."""
+"""2D tensor parallelism's rules: the tp = q² grid, and a GPT's shape on it (hidden and heads in q
+blocks; a vocabulary that does not split is padded, :func:`padded_vocab`). ``tensor2d/checks.py`` raises
+them as the layers are built; the config reports them for a job file."""
 
 from __future__ import annotations
 
@@ -47,16 +47,22 @@ def heads_problems(heads: int, hidden: int, q: int = 1, heads_field: str = FIELD
     return out
 
 
+def padded_vocab(vocab: int, q: int) -> int:
+    """The rows a vocab-parallel table holds on a q×q grid: ``vocab`` rounded up to a multiple of q
+    (Megatron's and torchtitan's padding, so a pretrained vocabulary runs at any q). The rows past
+    ``vocab`` are no token's: zero, out of the softmax, out of every checkpoint and export."""
+    return -(-vocab // q) * q
+
+
 def tensor2d_problems(q: int, hidden: int, heads: int, vocab: int, names: Optional[dict] = None,
                       head_dim: Optional[int] = None) -> list[str]:
-    """A GPT split over a q×q grid: ``hidden`` and ``vocab`` in q blocks (weights, activations
-    ``h/q``; vocab-parallel embedding, head and loss), whole heads per grid column (of ``head_dim``
-    each when set, else ``hidden/heads``)."""
+    """A GPT split over a q×q grid: ``hidden`` in q blocks (weights, activations ``h/q``), whole
+    heads per grid column (of ``head_dim`` each when set, else ``hidden/heads``). ``vocab`` has no
+    rule: the vocab-parallel embedding, head and loss pad it to :func:`padded_vocab`."""
     n = {**FIELD_NAMES, **(names or {})}
     by, alt = f"q={q} ({n['tp']}={q * q} is a {q}×{q} grid)", f" or a smaller {n['tp']}"
     out = [not_divisible(n["hidden"], hidden, q, by, alt=alt)]
     out += heads_problems(heads, heads * head_dim if head_dim else hidden, q, n["heads"], n["hidden"])
-    out.append(not_divisible(n["vocab"], vocab, q, by, alt=alt))
     return [p for p in out if p]
 
 

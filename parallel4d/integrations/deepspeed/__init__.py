@@ -10,14 +10,30 @@ Two ways in:
   ``deepspeed.initialize(model=..., mpu=as_mpu(mesh))`` (:mod:`.model`, :mod:`.mpu`).
 
 :mod:`.ds_config` checks the section against DeepSpeed before any process starts.
+
+Each name is imported on first use: :func:`build_model` and :func:`as_mpu` import no DeepSpeed (which
+prints its accelerator warnings when imported), the checks and the engines do.
 """
 
-from parallel4d.integrations.deepspeed.ds_config import resolve
-from parallel4d.integrations.deepspeed.engines import DeepSpeedPipeline, Parallel4DEngine
-from parallel4d.integrations.deepspeed.initialize import build_engine, initialize
-from parallel4d.integrations.deepspeed.mpu import MeshMPU, as_mpu
-from parallel4d.integrations.deepspeed.model import RankModel, avoid_compiled_ops, build_model, global_mean, tag_parameters
-from parallel4d.integrations.deepspeed.trainer import DeepSpeedTrainer
+from parallel4d.config.lazy import lazy_names
 
-__all__ = ["initialize", "build_engine", "build_model", "as_mpu", "MeshMPU", "resolve", "tag_parameters", "avoid_compiled_ops",
-           "global_mean", "RankModel", "Parallel4DEngine", "DeepSpeedPipeline", "DeepSpeedTrainer"]
+# public name → the module that defines it
+_HOMES = {
+    "initialize": "parallel4d.integrations.deepspeed.initialize",
+    "build_engine": "parallel4d.integrations.deepspeed.initialize",
+    "build_model": "parallel4d.integrations.deepspeed.model",
+    "as_mpu": "parallel4d.integrations.deepspeed.mpu",
+    "MeshMPU": "parallel4d.integrations.deepspeed.mpu",
+    "resolve": "parallel4d.integrations.deepspeed.ds_config",
+    "tag_parameters": "parallel4d.integrations.deepspeed.model",
+    "avoid_compiled_ops": "parallel4d.integrations.deepspeed.model",
+    "global_mean": "parallel4d.integrations.deepspeed.model",
+    "RankModel": "parallel4d.integrations.deepspeed.model",
+    "Parallel4DEngine": "parallel4d.integrations.deepspeed.engines",
+    "DeepSpeedPipeline": "parallel4d.integrations.deepspeed.engines",
+    "DeepSpeedTrainer": "parallel4d.integrations.deepspeed.trainer",
+}
+
+__all__ = list(_HOMES)
+
+__getattr__, __dir__ = lazy_names(__name__, _HOMES)

@@ -18,6 +18,7 @@ from typing import Any, Iterator, Optional
 import deepspeed
 from deepspeed.runtime.config import DeepSpeedConfig, DeepSpeedConfigError
 from deepspeed.runtime.config_utils import DeepSpeedConfigModel
+from deepspeed.utils.logging import log_levels
 from pydantic import BaseModel, ValidationError
 
 from parallel4d.config.rules.common import did_you_mean
@@ -31,14 +32,18 @@ _ONE_PROCESS = {"train_batch_size": 1, "train_micro_batch_size_per_gpu": 1, "gra
 
 
 class _Recording(dict):
-    """A dict that notes every key looked up; nested mappings are recording too."""
+    """A dict that notes every key looked up, and the default DeepSpeed passed with it (the type it
+    reads the key as); nested mappings are recording too."""
 
     def __init__(self, data: dict):
         super().__init__({k: _Recording(v) if isinstance(v, dict) else v for k, v in data.items()})
         self.read: set = set()
+        self.defaults: dict = {}
 
     def get(self, key, default=None):
         self.read.add(key)
+        if default is not None:
+            self.defaults.setdefault(key, default)
         return super().get(key, default)
 
     def __getitem__(self, key):
@@ -79,25 +84,71 @@ class _OneReplica:
 _REFUSALS = (ValueError, AssertionError, TypeError, KeyError, AttributeError, DeepSpeedConfigError)
 
 
+def _recording(section: dict) -> _Recording:
+    return _Recording({**copy.deepcopy(section), **_ONE_PROCESS})
+
+
 def _probe(section: dict) -> _Recording:
     """``section`` read by DeepSpeed's config parser; raises what the parser raises."""
-    recording = _Recording({**copy.deepcopy(section), **_ONE_PROCESS})
+    recording = _recording(section)
     DeepSpeedConfig(recording, mpu=_OneReplica())
     return recording
 
 
 def key_problems(section: dict) -> list[str]:
-    """Keys DeepSpeed would ignore or refuses, and keys parallel4d decides; one message each."""
+    """Keys DeepSpeed would ignore or refuses, values of another type than it reads, and keys
+    parallel4d decides; one message each."""
+    recording = _recording(section)
     try:
-        recording = _probe(section)
+        DeepSpeedConfig(recording, mpu=_OneReplica())
     except ValidationError as err:
         return located(err, section)
-    except _REFUSALS as err:  # DeepSpeedConfigError: a removed feature (amp, elasticity, ...)
-        return _not_mappings(section) or [f"deepspeed: DeepSpeed refuses the section: {err}; {DOCS}"]
+    except _REFUSALS as err:  # DeepSpeedConfigError: a removed feature (amp, elasticity, ...); a value's type
+        return _typed(recording, section) or _not_mappings(section) or \
+            [f"deepspeed: DeepSpeed refuses the section: {err}; {DOCS}"]
     ignored = [f"deepspeed.{'.'.join(path)}: DeepSpeed {deepspeed.__version__} does not read this key and would "
                f"ignore it; {did_you_mean(path[-1], sorted(read), prefix)}{DOCS}"
                for path, read, prefix in _unread(recording, section) if path[-1] not in TAKEN]
-    return taken_key_problems(section) + ignored
+    return taken_key_problems(section) + ignored + _typed(recording, section) + _log_level(section)
+
+
+#: the Python types DeepSpeed's defaults have, and what to write for each (bool before int: True is an int)
+_KINDS = ((bool, "true or false"), (int, "a whole number"), (float, "a number"), (str, "a string"))
+
+
+def _typed(recording: _Recording, section: dict, path: tuple = ()) -> list[str]:
+    """Values of another type than the default DeepSpeed reads their key with, in every mapping it reads
+    key by key: it takes them as given, then fails in a worker (``steps`` arithmetic on a string) or
+    reads them wrongly (the string "no" is true)."""
+    out = []
+    for key, default in recording.defaults.items():
+        kind = next((what for t, what in _KINDS if isinstance(default, t)), None)
+        if kind is None or key not in section or (not path and key in _ONE_PROCESS) or _fits(section[key], default):
+            continue
+        out.append(f"deepspeed.{'.'.join((*path, key))}={section[key]!r}: DeepSpeed reads {kind} here (its default "
+                   f"is {default!r}); write {kind} or leave the key out ({DOCS})")
+    for key, value in dict.items(recording):
+        if isinstance(value, _Recording) and isinstance(section.get(key), dict):
+            out += _typed(value, section[key], (*path, key))
+    return out
+
+
+def _fits(value: Any, default: Any) -> bool:
+    """Whether ``value`` is of the type of DeepSpeed's ``default`` (a whole number for a float too)."""
+    if isinstance(default, bool) or isinstance(value, bool):
+        return isinstance(default, bool) and isinstance(value, bool)
+    if isinstance(default, float):
+        return isinstance(value, (int, float))
+    return isinstance(value, type(default))
+
+
+def _log_level(section: dict) -> list[str]:
+    """``log_level``, read with no default to type it: DeepSpeed's engine sets its logger from it, by
+    the names its logging module knows (a ValueError in every worker otherwise)."""
+    level = section.get("log_level")
+    if level is None or (isinstance(level, str) and level.lower() in log_levels):
+        return []
+    return [f"deepspeed.log_level={level!r} is not a level DeepSpeed knows; use one of {', '.join(log_levels)} ({DOCS})"]
 
 
 def _unread(recording: _Recording, section: dict, path: tuple = ()) -> Iterator[tuple[tuple, set, str]]:

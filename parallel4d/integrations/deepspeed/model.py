@@ -25,9 +25,6 @@ from parallel4d.config.schema import Config
 from parallel4d.engine.compose import build_stages, local_model
 from parallel4d.distributed.mesh import Mesh
 
-# `import deepspeed.comm.torch as m` would bind the package attribute `torch`: the torch library
-deepspeed_comm = importlib.import_module("deepspeed.comm.torch")
-
 
 def tag_parameters(model: nn.Module, mesh: Mesh, tied_copies=()) -> None:
     """Set ``tensor_model_parallel`` (and ``ds_pipe_replicated`` on ``tied_copies``, the
@@ -49,8 +46,10 @@ def refuse_dropout(cfg: Config) -> None:
 def avoid_compiled_ops() -> None:
     """Keep DeepSpeed from JIT-building its shared-memory all-reduce op (g++ and ninja, ~45 s
     on first use): it serves only inference all-reduces on one host; training uses the
-    process groups. Call before ``deepspeed.initialize``; idempotent."""
-    deepspeed_comm.build_shm_op = lambda: None
+    process groups. Call before ``deepspeed.initialize``; idempotent. DeepSpeed is imported here, not
+    with this module: :func:`build_model` needs none (and importing it prints its accelerator warning)."""
+    # `import deepspeed.comm.torch as m` would bind the package attribute `torch`: the torch library
+    importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
 
 
 class RankModel(nn.Module):

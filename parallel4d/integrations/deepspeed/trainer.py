@@ -21,7 +21,7 @@ from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
 from deepspeed.utils import safe_get_full_fp32_param
 
 from parallel4d.checkpoint.dcp import write_state
-from parallel4d.checkpoint.failures import CheckpointError
+from parallel4d.checkpoint.failures import CheckpointError, UnusableCheckpoint
 from parallel4d.config.schema import Config
 from parallel4d.distributed.mesh import Mesh
 from parallel4d.engine.model import LocalModel, parameter_count
@@ -101,8 +101,9 @@ class DeepSpeedTrainer(Trainer):
         path = Path(path)
         loaded, client = self.engine.load_checkpoint(str(path.parent), tag=path.name)
         if loaded is None or "step" not in (client or {}):
-            raise CheckpointError(f"checkpoint {path}: DeepSpeed found no checkpoint of this layout there "
-                                  "(DeepSpeed checkpoints load into the parallel sizes that saved them)")
+            raise UnusableCheckpoint(f"checkpoint {path}: DeepSpeed found no checkpoint of this layout there "
+                                     "(DeepSpeed checkpoints load into the parallel sizes that saved them); resume "
+                                     "with the parallel.* sizes it was saved with")
         self.step, self.tokens_seen = int(client["step"]), int(client["tokens_seen"])
 
 
