@@ -934,6 +934,33 @@ def test_a_refused_launch_leaves_no_directory_behind(tmp_path, capsys):
     assert not (tmp_path / "new").exists() and (ckpt / "step_00000002").is_dir()
 
 
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
+def test_a_stop_signal_before_the_workers_start_ends_the_launch_in_one_line(sig, tmp_path, capsys, monkeypatch):
+    """SIGTERM or SIGHUP while the launch checks its run directory (before any worker: as during torch's
+    import or the preflight) ends it with 128 + the signal and one line, as Ctrl-C there does; the
+    directory it made is gone. Before, the signal's default action ended the launcher without a word."""
+    from parallel4d.launcher import launch as launching
+    from parallel4d.tools.cli import main
+
+    def signalled(cfg):
+        os.kill(os.getpid(), sig)
+        time.sleep(5)  # the handler raises here
+
+    def unhandled(signum, frame):
+        raise AssertionError(f"{signal.Signals(signum).name} reached the test: the launch did not take it")
+
+    monkeypatch.setattr(launching, "_check_other_runs", signalled)
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(tiny_job(tmp_path / "new" / "run", steps=2)))
+    old = signal.signal(sig, unhandled)  # a handler, not SIG_IGN (nohup) nor the default (it would end pytest)
+    try:
+        assert main(["launch", str(path)]) == 128 + sig
+    finally:
+        signal.signal(sig, old)
+    assert capsys.readouterr().err.splitlines()[-1] == f"parallel4d: stopped by {signal.Signals(sig).name}"
+    assert not (tmp_path / "new").exists()
+
+
 def _sighup_ignored() -> bool:
     return signal.getsignal(signal.SIGHUP) == signal.SIG_IGN
 

@@ -20,6 +20,7 @@ from parallel4d.config.load import load_config
 from parallel4d.config.rules.pipeline import SCHEDULES
 from parallel4d.config.schema import Config
 from parallel4d.launcher.preflight import check_job, under_torchrun
+from parallel4d.training.signals import silence_a_hung_up_terminal, stop_signals
 
 # Each command imports its own module (torch, and the extras it needs) when it runs, never here:
 # `parallel4d validate` then needs neither.
@@ -246,35 +247,52 @@ def _cmd_export(args) -> int:
     return 0
 
 
-class _Terminated(KeyboardInterrupt):
-    """SIGTERM while tokenizing: unwound like Ctrl-C, so the temporary files go."""
+class _Stopped(KeyboardInterrupt):
+    """SIGTERM or SIGHUP while a command runs outside a job's supervision (a tool; a launch before its
+    workers start or after they end): unwound like Ctrl-C, so temporary files go and directories the
+    launch made are removed, and said in one line by :func:`main`."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
 
 
 @contextmanager
-def _sigterm_unwinds():
+def _stop_signals_unwind():
+    """SIGTERM and SIGHUP (unless ``nohup`` ignores it) raise :class:`_Stopped` here, as SIGINT raises
+    KeyboardInterrupt; the launcher's supervisor takes them over while it runs workers."""
     def handler(signum, frame):
-        raise _Terminated
+        silence_a_hung_up_terminal()  # a closed terminal's SIGHUP: the one line must not fail
+        raise _Stopped(signum)
 
-    old = signal.signal(signal.SIGTERM, handler)
+    old = {sig: signal.signal(sig, handler) for sig in stop_signals() if sig != signal.SIGINT}
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, old)
+        for sig, action in old.items():
+            signal.signal(sig, action)
+
+
+def _signal_number(stop: KeyboardInterrupt) -> int:
+    return stop.signum if isinstance(stop, _Stopped) else signal.SIGINT
+
+
+def _stopped_by(signum: int) -> str:
+    return "interrupted" if signum == signal.SIGINT else f"stopped by {signal.Signals(signum).name}"
 
 
 @_job_command
 def _cmd_tokenize(args) -> int:
-    """130 on Ctrl-C (143 on SIGTERM), saying that ``-o`` and its sidecar were left as they were."""
+    """130 on Ctrl-C (143 on SIGTERM, 129 on SIGHUP), saying that ``-o`` and its sidecar were left as they were."""
     from parallel4d.data.tokenize import tokenize
 
     try:
-        with _sigterm_unwinds():
-            meta = tokenize(args.tokenizer, args.inputs, args.out, eos_token=args.eos_token, workers=args.workers)
+        meta = tokenize(args.tokenizer, args.inputs, args.out, eos_token=args.eos_token, workers=args.workers)
     except KeyboardInterrupt as e:
-        terminated = isinstance(e, _Terminated)
-        print(f"parallel4d: tokenize {'terminated (SIGTERM)' if terminated else 'interrupted'}; nothing was half "
-              f"written ({args.out} and its sidecar are as they were, or both complete)", file=sys.stderr)
-        return 143 if terminated else 130
+        signum = _signal_number(e)
+        print(f"parallel4d: tokenize {_stopped_by(signum)}; nothing was half written ({args.out} and its sidecar "
+              "are as they were, or both complete)", file=sys.stderr)
+        return 128 + signum
     print(json.dumps(meta))
     return 0
 
@@ -453,12 +471,14 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return args.func(args)
+        with _stop_signals_unwind():
+            return args.func(args)
     except ConfigError as e:
         return _refused(str(e))
-    except KeyboardInterrupt:  # Ctrl-C outside the job (before its workers started, or after they ended)
-        print("parallel4d: interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as e:  # a signal outside the job (before its workers started, or after they ended)
+        signum = _signal_number(e)
+        print(f"parallel4d: {_stopped_by(signum)}", file=sys.stderr)
+        return 128 + signum
 
 
 if __name__ == "__main__":
