@@ -221,11 +221,12 @@ def test_byte_text_under_a_bpe_model_is_refused_before_any_worker(tmp_path, caps
 def tool_cases(run, tmp) -> list[tuple[str, list[str], str]]:
     """``(case, argv, what the refusal names)`` over ``run`` (:func:`conftest.small_run`); ``tmp`` holds a
     regular file ``blocker``, a copy of the newest checkpoint with a flipped byte under ``bad``, an empty
-    directory ``empty`` and a tokenizer with a text file."""
+    directory ``empty``, a tokenizer with a text file and the run's job file ``job.yaml``."""
     ckpt, blocker = run / "checkpoints", tmp / "blocker"
     step, older = ckpt / "step_00000002", ckpt / "step_00000001"
     gather, export, plot = ["checkpoint", "gather", str(ckpt)], ["export", str(ckpt)], ["plot", str(run), "-o"]
     tokenize = ["tokenize", "--tokenizer", str(tmp / "tokenizer.json"), str(tmp / "text.txt"), "-o"]
+    job, schedule = tmp / "job.yaml", ["schedule", "--schedule", "gpipe", "--pp", "2", "--microbatches", "2", "--plot"]
     return [
         ("gather onto a shard of its own checkpoint", [*gather, str(step / "__0_0.distcp")], "OUT"),
         ("gather onto latest", [*gather, str(ckpt / "latest")], "OUT"),
@@ -246,6 +247,13 @@ def tool_cases(run, tmp) -> list[tuple[str, list[str], str]]:
         ("generate from no checkpoint", ["generate", str(tmp / "empty")], "neither"),
         ("tokenize into a checkpoint", [*tokenize, str(step / "t.bin")], "-o"),
         ("tokenize under a file", [*tokenize, str(blocker / "t.bin")], "-o"),
+        ("plan --json onto its job file", ["plan", str(job), "--json", str(job)], "--json"),
+        ("plan --write onto its job file", ["plan", str(job), "--write", str(job)], "--write"),
+        ("plan --write-profile into a checkpoint", ["plan", str(job), "--calibrate", "--write-profile",
+                                                    str(step / "h.yaml")], "--write-profile"),
+        ("plan --json under a file", ["plan", str(job), "--json", str(blocker / "p.json")], "--json"),
+        ("schedule --plot into a checkpoint", [*schedule, str(step / "t.png")], "--plot"),
+        ("schedule --plot as an unknown format", [*schedule, str(tmp / "t.xyz")], "--plot"),
     ]
 
 
@@ -266,6 +274,7 @@ def _tool_inputs(tmp) -> None:
     tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
     tok.save(str(tmp / "tokenizer.json"))
     (tmp / "text.txt").write_text("a a a\n")
+    shutil.copy(tmp / "run" / "checkpoints" / "step_00000002" / "config.yaml", tmp / "job.yaml")
 
 
 def test_tool_arguments_that_would_lose_data_or_fail_are_refused_with_a_fix(tmp_path, capsys):

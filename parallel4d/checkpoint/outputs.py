@@ -1,5 +1,6 @@
 """What a command writes where the user says (``export``'s OUT_DIR, ``checkpoint gather``'s OUT,
-``tokenize -o``, ``plot -o``): the one set of rules every such output follows.
+``tokenize -o``, ``plot -o``, ``plan --json / --write / --write-profile``, ``schedule --plot``): the one
+set of rules every such output follows.
 
 * :func:`user_path`: ``~`` expands (an argument the shell left alone: ``--out=~/x``, a quoted path).
 * :func:`check_output`, before any work: the output is refused in one line (``ConfigError``: the
@@ -185,6 +186,12 @@ def new_file(path: Path, flag: str) -> Iterator[Path]:
     except BaseException:
         _remove_dirs(created)
         raise
+
+
+def write_text(path: Path, flag: str, text: str) -> None:
+    """``text`` into the file ``path`` by :func:`new_file`'s rules (a small output: a job, a profile, JSON)."""
+    with new_file(path, flag) as tmp:
+        tmp.write_text(text)
 
 
 def _publish(tmp: Path, target: Path) -> None:

@@ -24,8 +24,9 @@ HATCH = {"B": "//", "W": ".."}
 
 def plot(schedule: Schedule, path: str, *, forward_cost: float = 1.0, backward_cost: float = 2.0,
          p2p_cost: float = 0.0, weight_cost: float | None = None, timings: dict[int, list[tuple]] | None = None,
-         title: str | None = None) -> str:
-    """Write a timeline PNG of ``schedule`` to ``path`` and return ``path``.
+         title: str | None = None, image_format: str | None = None) -> str:
+    """Write a timeline PNG of ``schedule`` to ``path`` and return ``path`` (``image_format``: matplotlib's
+    name for it, where ``path``'s suffix does not say: a temporary name).
 
     Times come from :func:`~.analysis.simulate` with the given costs, or from
     ``timings`` (rank → ``[(action, start_s, end_s), ...]``, e.g. measured by the
@@ -49,7 +50,7 @@ def plot(schedule: Schedule, path: str, *, forward_cost: float = 1.0, backward_c
                           f"chunks — makespan {makespan:.4g}, bubble {bubble:.1%}", fontsize=14)
     _legend(fig, schedule)
     fig.tight_layout(rect=(0, 0.06 if panels > 1 else 0.1, 1, 1))
-    fig.savefig(path, dpi=DPI)
+    fig.savefig(path, dpi=DPI, format=image_format)
     return path
 
 

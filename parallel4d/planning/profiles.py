@@ -15,6 +15,7 @@ from pathlib import Path
 
 import yaml
 
+from parallel4d.checkpoint.outputs import write_text
 from parallel4d.config.errors import ConfigError
 from parallel4d.planning.trace import KINDS, Op
 
@@ -112,4 +113,5 @@ def load(name_or_path: str) -> Profile:
 
 
 def save(profile: Profile, path) -> None:
-    Path(path).write_text(yaml.safe_dump(profile.as_dict(), sort_keys=False))
+    """``--write-profile``: under a temporary name, renamed once written (:mod:`parallel4d.checkpoint.outputs`)."""
+    write_text(Path(path), "--write-profile", yaml.safe_dump(profile.as_dict(), sort_keys=False))

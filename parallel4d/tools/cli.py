@@ -15,6 +15,7 @@ from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
 
+from parallel4d.checkpoint.outputs import check_output, write_text
 from parallel4d.config.errors import ConfigError
 from parallel4d.config.load import load_config
 from parallel4d.config.rules.pipeline import SCHEDULES
@@ -99,6 +100,7 @@ def _cmd_plan(args) -> int:
     from parallel4d.planning.dry_run import HEADROOM, format_fit, format_ranks, parse_bytes, plan, try_knobs
 
     cfg = load_config(args.config, args.overrides)
+    _check_plan_outputs(args)
     memory = check_request(cfg, args.largest, args.gpus_memory, args.host_memory, args.grow)
     profile = _profile(args, cfg)
     if args.search:
@@ -138,8 +140,21 @@ def _cmd_plan(args) -> int:
     if args.json:
         per_rank = [{**asdict(r), "device_bytes": r.device_bytes, "host_bytes": r.host_bytes} for r in ranks]
         out = per_rank if found is None else {"ranks": per_rank, **largest_json(found, memory)}
-        Path(args.json).write_text(json.dumps(out, indent=1))
+        write_text(args.json, "--json", json.dumps(out, indent=1))
     return 0
+
+
+def _check_plan_outputs(args) -> None:
+    """``--json``, ``--write`` and ``--write-profile`` checked before the dry run or the search (never onto
+    the job file or the profile it reads, nor into a checkpoint: :func:`.outputs.check_output`), ``~``
+    expanded in ``args``."""
+    inputs = [(Path(args.config), "the job file it plans")]
+    if args.device and Path(args.device).is_file():
+        inputs.append((Path(args.device), "the device profile it reads"))
+    for flag in ("--json", "--write", "--write-profile"):
+        name = flag[2:].replace("-", "_")
+        if getattr(args, name):
+            setattr(args, name, check_output(getattr(args, name), flag, inputs))
 
 
 def _profile(args, cfg: Config):
@@ -184,8 +199,8 @@ def _search(args, cfg: Config, profile) -> int:
     if not ranked:
         return 1
     if args.write:
-        Path(args.write).write_text(f"# parallel4d plan --search --gpus {args.gpus} --gpu-memory {args.gpus_memory}: "
-                                    f"{ranked[0].describe()}\n" + ranked[0].cfg.shown_yaml())
+        write_text(args.write, "--write", f"# parallel4d plan --search --gpus {args.gpus} --gpu-memory "
+                   f"{args.gpus_memory}: {ranked[0].describe()}\n" + ranked[0].cfg.shown_yaml())
         print(f"wrote {args.write}")
     return 0
 

@@ -140,14 +140,14 @@ def _draw_lr(ax, summary: dict, records: list[dict]) -> None:
         inset.tick_params(labelsize=8, labelleft=False)  # the shape; the values are on the panel's axis
 
 
-def _image_format(out: Path) -> str:
+def image_format(out: Path, flag: str = "-o") -> str:
     """The format ``out``'s suffix names (none: png); ``ConfigError`` for one matplotlib does not write."""
     from matplotlib.backend_bases import FigureCanvasBase
 
     kind = out.suffix[1:].lower() or "png"
     known = FigureCanvasBase.get_supported_filetypes()
     if kind not in known:
-        raise ConfigError(f"-o {out}: matplotlib writes no .{kind} image; give one of the suffixes "
+        raise ConfigError(f"{flag} {out}: matplotlib writes no .{kind} image; give one of the suffixes "
                           f"{', '.join('.' + k for k in sorted(known))}")
     return kind
 
@@ -173,7 +173,7 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
         import matplotlib.pyplot as plt
     except ImportError:
         raise ConfigError("parallel4d plot needs matplotlib: pip install 'parallel4d[viz]' (make installs it)") from None
-    kind = _image_format(out)
+    kind = image_format(out)
     fig, axes = plt.subplots(2, 2, figsize=(12, 8))
     ax = axes[0][0]
     ax.plot(*zip(*losses), label="train", linewidth=1)

@@ -11,14 +11,18 @@ from __future__ import annotations
 import argparse
 import sys
 
+from parallel4d.checkpoint.outputs import check_output, new_file
 from parallel4d.config.rules.pipeline import check_schedule_name
 from parallel4d.pipeline.analysis import ScheduleError, bubble_formula, simulate
 from parallel4d.pipeline.plot import plot
 from parallel4d.pipeline.schedule import make_schedule
+from parallel4d.tools.plot import image_format
 
 
 def run_schedule_command(args: argparse.Namespace) -> int:
     """Print the action table and simulated makespan, bubble ratio and peaks; 0 on success."""
+    out = check_output(args.plot, "--plot") if args.plot else None  # before any work (ConfigError: exit 2)
+    kind = image_format(out, "--plot") if out else None
     try:
         name = check_schedule_name(args.schedule)
         s = make_schedule(name, args.pp, args.microbatches, waves=args.waves, chunks_per_rank=args.chunks_per_rank,
@@ -40,8 +44,9 @@ def run_schedule_command(args: argparse.Namespace) -> int:
     print(f"bubble ratio        {sim.bubble_ratio:.4f}{bound}")
     print(f"peak activations    {sim.peak_activations}  (chunk activations stored per rank)")
     print(f"peak micro-batches  {sim.peak_microbatches}  (distinct in-flight micro-batches per rank)")
-    if args.plot:
-        plot(s, args.plot, forward_cost=args.forward_cost, backward_cost=args.backward_cost,
-             p2p_cost=args.p2p_cost, weight_cost=args.weight_cost)
-        print(f"timeline written to {args.plot}")
+    if out is not None:
+        with new_file(out, "--plot") as tmp:
+            plot(s, str(tmp), forward_cost=args.forward_cost, backward_cost=args.backward_cost,
+                 p2p_cost=args.p2p_cost, weight_cost=args.weight_cost, image_format=kind)
+        print(f"timeline written to {out}")
     return 0
