@@ -254,6 +254,8 @@ def tool_cases(run, tmp) -> list[tuple[str, list[str], str]]:
         ("plan --json under a file", ["plan", str(job), "--json", str(blocker / "p.json")], "--json"),
         ("schedule --plot into a checkpoint", [*schedule, str(step / "t.png")], "--plot"),
         ("schedule --plot as an unknown format", [*schedule, str(tmp / "t.xyz")], "--plot"),
+        ("check --keep into a checkpoint", ["check", str(job), "--keep", str(step / "kept")], "--keep"),
+        ("check --keep onto a file", ["check", str(job), "--keep", str(blocker)], "--keep"),
     ]
 
 

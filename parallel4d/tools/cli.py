@@ -339,6 +339,8 @@ def _cmd_plot(args) -> int:
 def _cmd_check(args) -> int:
     from parallel4d.tools.check import format_report, nothing_to_compare, run_check, shrunk
 
+    if args.keep is not None:  # before the runs: a place to write, outside the job file and any checkpoint
+        args.keep = check_output(args.keep, "--keep", [(Path(args.config), "the job file it checks")], "directory")
     alone = None if args.resume_at is not None else nothing_to_compare(args.config, args.overrides)
     if alone:  # a resume is compared with the run that went on: something even for one process
         print(alone)
