@@ -102,12 +102,20 @@ def _writable_problem(out: Path, kind: str) -> str | None:
         place = place.parent
     if not place.is_dir():
         return f"cannot be created: {place} is a file, not a directory"
-    probe = place / f".parallel4d-probe-{os.getpid()}-{secrets.token_hex(4)}"
+    failed = probe_write(place)
+    return None if failed is None else f"cannot be written ({failed.strerror or failed} in {place})"
+
+
+def probe_write(directory: Path) -> OSError | None:
+    """Whether this process can create a file in the existing ``directory``, asked of the kernel (a probe
+    file, then removed): root writes through modes, while a read-only mount or an immutable directory
+    refuses everyone. The ``OSError`` that says why not, or None."""
+    probe = Path(directory) / f".parallel4d-probe-{os.getpid()}-{secrets.token_hex(4)}"
     try:
         os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
         os.unlink(probe)
     except OSError as e:
-        return f"cannot be written ({e.strerror or e} in {place})"
+        return e
     return None
 
 

@@ -8,7 +8,7 @@ import re
 from typing import TYPE_CHECKING
 
 from parallel4d.config.rules import data, deepspeed, hetero, pipeline, sequence, tensor2d, training
-from parallel4d.config.rules.common import closest, divisors, fixed_fields, or_list
+from parallel4d.config.rules.common import DTYPE_BYTES, closest, divisors, fixed_fields, or_list
 
 if TYPE_CHECKING:  # annotations only: the schema imports these rules
     from parallel4d.config.schema import Config, ModelConfig
@@ -97,7 +97,7 @@ def _size_problems(cfg: "Config") -> list[str]:
                    "which no cluster holds; lower model.hidden, model.layers or model.vocab_size")
     if p.world_size > MAX_WORLD:
         out.append(f"parallel.pp·dp·sp·tp = {p.world_size} ranks is more than {MAX_WORLD}; lower the parallel sizes")
-    item = {"float64": 8, "float32": 4}.get(hetero.compute_dtype(cfg), 2)  # the device chunks' element
+    item = DTYPE_BYTES[hetero.compute_dtype(cfg)]  # the device chunks' element
     mixed = hetero.compute_dtype(cfg) != cfg.train.parameters  # 16-bit chunks, the master on the host
     on_cpu = next((f"{f}=cpu" for f, v in (("train.device", cfg.train.device), ("hetero.compute_device",
                                                                                   h.compute_device)) if v == "cpu"), "")

@@ -31,13 +31,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from parallel4d.config.checks import dense_parameters
-from parallel4d.config.rules.common import human_bytes
+from parallel4d.config.rules.common import DTYPE_BYTES, human_bytes
 from parallel4d.config.rules.tensor2d import padded_vocab
 
 if TYPE_CHECKING:  # annotations only: the schema imports the rules this module imports
     from parallel4d.config.schema import Config
 
-_ITEM = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}
 TOKEN_BYTES = 8  # int64 token ids
 
 
@@ -62,7 +61,7 @@ def rank_bytes(cfg: Config) -> RankBytes:
     """What every rank of ``cfg`` holds at least, on average over the ranks (see the module)."""
     p, m, t = cfg.parallel, cfg.model, cfg.train
     params = dense_parameters(m) // (p.pp * p.tp)
-    item = _ITEM[t.parameters]
+    item = DTYPE_BYTES[t.parameters]
     replicas = p.dp * p.sp
     device = host = 0
     if cfg.deepspeed is not None:
@@ -79,9 +78,9 @@ def _activations(cfg: Config) -> int:
     p, m, t = cfg.parallel, cfg.model, cfg.train
     rows = cfg.data.batch_size // (p.dp * p.q * cfg.pipeline.microbatches)
     tokens = rows * (m.seq_len // p.sp)
-    item = 2 if t.autocast != "none" else _ITEM[t.parameters]
+    item = 2 if t.autocast != "none" else DTYPE_BYTES[t.parameters]
     if cfg.hetero.enabled and cfg.hetero.compute_dtype:
-        item = min(item, _ITEM[cfg.hetero.compute_dtype])
+        item = min(item, DTYPE_BYTES[cfg.hetero.compute_dtype])
     per_block = m.hidden if t.activation_checkpointing == "blocks" else \
         m.hidden + m.heads * m.head_size + m.mlp_width
     logits = padded_vocab(m.vocab_size, p.q)  # the head's [b/q, s, Vp/q]: the vocabulary padded to the grid

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from parallel4d.config.errors import ConfigError
+from parallel4d.config.rules.job import local_ranks
 from parallel4d.config.schema import Config
 from parallel4d.distributed import elastic
 from parallel4d.distributed.deadlines import group_timeout_s
@@ -103,15 +104,14 @@ def default_backend() -> str:
 def _gpus_and_local_ranks(cfg: Config) -> tuple[int, int]:
     """``(visible GPUs, ranks on this machine)``: torchrun's LOCAL_WORLD_SIZE, else the whole job."""
     gpus = visible_gpus()
-    return gpus, int(os.environ.get("LOCAL_WORLD_SIZE", cfg.world_size))
+    return gpus, local_ranks(cfg)
 
 
 def worker_threads(cfg: Config) -> int:
     """torch threads per rank: ``train.threads_per_worker``, else this machine's cores over its ranks
     (torchrun's LOCAL_WORLD_SIZE, else the whole job). The host optimizer and every CPU op use them;
     torchrun alone would leave each rank one (it sets OMP_NUM_THREADS=1)."""
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", cfg.world_size))
-    return cfg.train.threads_per_worker or max(1, (os.cpu_count() or 1) // local)
+    return cfg.train.threads_per_worker or max(1, (os.cpu_count() or 1) // local_ranks(cfg))
 
 
 def device_and_backend(cfg: Config) -> tuple[str, str]:

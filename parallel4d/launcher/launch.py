@@ -29,7 +29,7 @@ from parallel4d.checkpoint.resume import check_resume_model, check_start, holds_
 from parallel4d.checkpoint.steps import save_in_progress
 from parallel4d.distributed import elastic
 from parallel4d.distributed.deadlines import group_timeout_s
-from parallel4d.config.rules.job import torchrun_job_problems
+from parallel4d.config.rules.job import local_ranks, torchrun_job_problems
 from parallel4d.config.errors import ConfigError
 from parallel4d.config.load import load_config
 from parallel4d.config.schema import Config
@@ -52,7 +52,7 @@ def prepared(cfg: Config, local: bool, device_type: str = "cpu", source: str | N
     directories it created leaves none of them behind.
     """
     check_job(cfg, local, device_type, source)
-    gpus = gpu_memory_bytes(int(os.environ.get("LOCAL_WORLD_SIZE", cfg.world_size))) if device_type == "cuda" else None
+    gpus = gpu_memory_bytes(local_ranks(cfg)) if device_type == "cuda" else None
     check_memory(cfg, device_type, gpus, source)
     dirs = {Path(cfg.train.out_dir): "train.out_dir"}
     if cfg.checkpoint.enabled:

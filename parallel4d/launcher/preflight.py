@@ -17,7 +17,7 @@ from parallel4d.config.errors import ConfigError
 from parallel4d.config.memory import memory_problems
 from parallel4d.config.rules.data import byte_text_problems
 from parallel4d.config.rules.hetero import dynamic_budget_problems
-from parallel4d.config.rules.job import local_job_problems
+from parallel4d.config.rules.job import local_job_problems, local_ranks
 from parallel4d.config.schema import Config
 from parallel4d.data.token_files import content_problems
 from parallel4d.integrations import deepspeed_integration
@@ -71,9 +71,7 @@ def check_memory(cfg: Config, device_type: str, gpu_bytes: int | None, source: s
     :func:`.config.memory.memory_problems`' lower bound: the host's (:func:`host_memory_available`, for
     the local ranks: torchrun's ``LOCAL_WORLD_SIZE``, else the whole job) and, on CUDA, each rank's GPU
     (``gpu_bytes``, None when unknown). Reads two small files: launches stay as fast."""
-    local = int(os.environ["LOCAL_WORLD_SIZE"]) if under_torchrun() and "LOCAL_WORLD_SIZE" in os.environ \
-        else cfg.world_size
-    problems = memory_problems(cfg, local, device_type, host_memory_available(), gpu_bytes)
+    problems = memory_problems(cfg, local_ranks(cfg), device_type, host_memory_available(), gpu_bytes)
     if problems:
         message = "; and ".join(problems)
         raise ConfigError(f"{source}: {message}" if source else message)

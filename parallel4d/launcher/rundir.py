@@ -21,6 +21,7 @@ import sys
 import time
 from pathlib import Path
 
+from parallel4d.checkpoint.outputs import probe_write
 from parallel4d.config.errors import ConfigError
 
 LOCK_NAME = ".parallel4d.lock"
@@ -29,14 +30,14 @@ LOCK_NAME = ".parallel4d.lock"
 def check_writable(path: str | Path, field: str) -> None:
     """Create ``path`` and a probe file in it; ``ConfigError`` naming ``field`` and why not."""
     path = Path(path)
-    probe = path / f".parallel4d-probe-{os.getpid()}"
     try:
         path.mkdir(parents=True, exist_ok=True)
-        probe.write_bytes(b"probe")
-        probe.unlink()
+        failed = probe_write(path)
     except OSError as e:
-        why = os.strerror(e.errno) if e.errno else str(e)
-        raise ConfigError(f"{field}={str(path)!r} is not writable ({why}: {e.filename or path}); "
+        failed = e
+    if failed is not None:
+        why = os.strerror(failed.errno) if failed.errno else str(failed)
+        raise ConfigError(f"{field}={str(path)!r} is not writable ({why}: {failed.filename or path}); "
                           f"choose a directory you can write to, or fix its permissions") from None
 
 

@@ -23,6 +23,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from parallel4d.config.load import make_config
+from parallel4d.config.rules.job import local_ranks
 from parallel4d.config.schema import Config
 from parallel4d.distributed.mesh import init_mesh
 from parallel4d.distributed.startup import worker_threads
@@ -216,5 +217,5 @@ def calibrate_for(cfg: Config) -> Profile:
     """This machine's profile for ``cfg``: its parameter and autocast dtypes, the threads one of its ranks gets,
     as many ranks at once as it runs here (at most the cores)."""
     dtypes = list(dict.fromkeys(TORCH_DTYPES[d] for d in (cfg.train.parameters, cfg.train.autocast) if d != "none"))
-    here = int(os.environ.get("LOCAL_WORLD_SIZE", cfg.world_size))
+    here = local_ranks(cfg)
     return calibrate(dtypes, worker_threads(cfg), ranks=max(1, min(here, os.cpu_count() or 1)))

@@ -113,6 +113,10 @@ FIELD_NAMES = {
 }
 
 
+#: bytes of one element of each dtype a config names (train.parameters, hetero.compute_dtype, ...)
+DTYPE_BYTES = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}
+
+
 def human_bytes(n: float) -> str:
     """``1536`` → ``"1.5 KiB"``: bytes in the largest binary unit below 1024 of it (TiB at most)."""
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):

@@ -10,6 +10,11 @@ if TYPE_CHECKING:  # annotations only: the schema imports the rules
     from parallel4d.config.schema import Config
 
 
+def local_ranks(cfg: Config) -> int:
+    """This job's ranks on this machine: torchrun's ``LOCAL_WORLD_SIZE``, else the whole job (a local launch)."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", cfg.world_size))
+
+
 def local_job_problems(cfg: Config, cores: int | None = None) -> list[str]:
     """Rules for a job the local launcher spawns itself (not under torchrun) on a machine of ``cores``
     (default: this one's): one message per problem."""
