@@ -136,13 +136,20 @@ def check_start(root: str | Path, resume: bool) -> None:
 
 def saved_config(ckpt: str | Path) -> dict:
     """The job config saved with checkpoint ``ckpt`` (``config.yaml``), without ``model.pretrained``
-    (its fields are all in the saved model section); :class:`UnusableCheckpoint` when it has none."""
+    (its fields are all in the saved model section); :class:`UnusableCheckpoint` when it has none, or
+    one that is not a config's mapping."""
     saved = Path(ckpt) / "config.yaml"
     if not saved.is_file():
         raise UnusableCheckpoint(f"{ckpt} has no config.yaml (saved by parallel4d before exports existed), so the "
                                  "model's architecture is unknown; resume the run for a step to save a checkpoint "
                                  "that has one")
-    data = yaml.safe_load(saved.read_text())
+    try:
+        data = yaml.safe_load(saved.read_text())
+    except yaml.YAMLError:
+        data = None  # not YAML: refused below, as no config
+    if not isinstance(data, dict) or not isinstance(data.get("model", {}), dict):
+        raise UnusableCheckpoint(f"{saved} holds no job config (a mapping of sections), so the model's architecture "
+                                 "is unknown; use another checkpoint, or write the job's config.yaml there")
     data.get("model", {}).pop("pretrained", None)
     return data
 
@@ -154,7 +161,7 @@ def check_resume_model(root: str | Path, model: ModelConfig) -> None:
     found = latest_checkpoint(root)
     try:
         saved = saved_config(found).get("model") if found is not None else None
-    except (CheckpointError, OSError, yaml.YAMLError, AttributeError):
+    except (CheckpointError, OSError):
         return
     changes = model_shape_changes(saved, model) if isinstance(saved, dict) else []
     if changes:

@@ -196,7 +196,7 @@ def _changes_since(checkpoint: Path, cfg: Config) -> list[dict]:
     """What ``cfg`` changes from the config ``checkpoint`` was saved with (none where it has no readable one)."""
     try:
         return resume_changes(saved_config(checkpoint), cfg)
-    except (CheckpointError, OSError, ValueError, AttributeError):
+    except (CheckpointError, OSError, ValueError):
         return []
 
 
