@@ -4,6 +4,12 @@ Two pools of slots: ``main`` (``C`` elements: P and G of every row, and M, V at 
 under ZeRO, ``shard`` (``C/dp`` elements: 4 slots for the optimizer's PS, GS, M, V of one row; under
 16-bit chunks 1, for GS: the optimizer works on the host). Slots are in the chunks' (compute) dtype.
 A budget below what one module or one optimizer row pins at once is refused up front.
+
+Under 16-bit chunks the budget also says how many rows keep their master state (``W``, ``M``, ``V`` in
+the parameters' dtype: :mod:`.master`) on the device — PatrickStar's order: every compute chunk gets a
+slot first, the optimizer state takes what is left. No budget: every row; a static budget: what is left
+after the arena, in whole rows; a dynamic one: decided after the warm-up, from the traced non-model peak
+(:func:`device_rows_after_warmup`).
 """
 
 from __future__ import annotations
@@ -21,11 +27,14 @@ from parallel4d.hetero.layout import Layout
 @dataclass
 class Budget:
     """``pools``: ``{name: (slot elements, slots)}``; ``cap``: the byte budget (None = all
-    resident); ``dynamic_capacity``: device bytes for model and non-model data, if dynamic."""
+    resident); ``dynamic_capacity``: device bytes for model and non-model data, if dynamic;
+    ``master_rows``: under 16-bit chunks, the trainable rows whose master state the device holds
+    (None: chosen after the warm-up, under a dynamic budget)."""
 
     pools: dict[str, tuple[int, int]]
     cap: Optional[int]
     dynamic_capacity: Optional[int]
+    master_rows: Optional[int] = 0
 
 
 def resolve_device(spec: str, mesh=None) -> torch.device:
@@ -68,7 +77,38 @@ def plan_budget(layout: Layout, cfg: HeteroConfig, device: torch.device) -> Budg
     pools = {"main": (layout.C, main_slots)}
     if shard_slots:
         pools["shard"] = (layout.Sz, shard_slots)
-    return Budget(pools, cap, dynamic_capacity)
+    arena = (main_slots * layout.C + shard_slots * layout.Sz) * layout.cdtype.itemsize
+    return Budget(pools, cap, dynamic_capacity, _master_rows(layout, cap, dynamic_capacity, arena,
+                                                            main_slots == main_chunks))
+
+
+def master_row_bytes(layout: Layout) -> int:
+    """A trainable row's master state on one rank: ``W``, ``M``, ``V`` of its ``[C/dp]`` window."""
+    return 3 * layout.Sz * layout.dtype.itemsize
+
+
+def _master_rows(layout: Layout, cap: Optional[int], dynamic: Optional[int], arena: int, all_slots: bool):
+    """The trainable rows whose master state fits on the device beside the arena (16-bit chunks)."""
+    if not layout.mixed:
+        return 0
+    if dynamic is not None:
+        return None
+    if cap is None:
+        return layout.trainable_rows
+    if not all_slots:  # the compute chunks come first: a budget short of them has nothing left
+        return 0
+    return min(layout.trainable_rows, max(0, cap - arena) // master_row_bytes(layout))
+
+
+DYNAMIC_MARGIN = 0.8  # PatrickStar's share of the margin a dynamic budget gives the optimizer state
+
+
+def device_rows_after_warmup(layout: Layout, capacity: int, nonmodel_peak: int, arena: int) -> int:
+    """Under a dynamic budget: the trainable rows whose master state goes to the device once the warm-up
+    has traced the non-model peak, ``0.8 · (capacity − non-model peak − arena) / row`` as PatrickStar
+    sizes its device optimizer chunks (the share left for the non-model data's variation)."""
+    margin = capacity - nonmodel_peak - arena
+    return min(layout.trainable_rows, max(0, int(DYNAMIC_MARGIN * margin) // master_row_bytes(layout)))
 
 
 def _capacity(cfg: HeteroConfig, device: torch.device) -> tuple[Optional[int], Optional[int]]:

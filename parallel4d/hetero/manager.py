@@ -99,6 +99,9 @@ class ChunkManager:
         # there is nothing to overlap with (tests switch it on to exercise the logic)
         self.prefetch_depth = 2 if self.cuda else 0
         self.host_bytes = 0
+        # device bytes hetero holds outside the arena (the master state of device rows): a dynamic budget
+        # leaves them out of what the chunks may take
+        self.reserved_bytes = 0
         # gives back the pins taken for overlap (``pin(lent=True)``) when a fill finds no room; True if any
         self.release_lent_pins: Callable[[], bool] = lambda: False
 
@@ -120,17 +123,20 @@ class ChunkManager:
         self.chunks.append(chunk)
         return chunk
 
-    def allocate_backings(self) -> int:
-        """One host buffer for every chunk that needs a backing; returns its bytes."""
-        need = [c for c in self.chunks if c.meta.get("needs_backing") and c.backing is None]
+    def allocate_backings(self, chunks: Optional[list[Chunk]] = None) -> int:
+        """One host buffer (exact size) for the backings of ``chunks`` (default: every chunk) that need
+        one and have none; returns its bytes. Allocated row by row as the parameters move in, so that the
+        model's own storage is freed as hetero's grows."""
+        need = [c for c in (self.chunks if chunks is None else chunks)
+                if c is not None and c.meta.get("needs_backing") and c.backing is None]
         total = sum(c.capacity for c in need)
         buf = self.transfers.host_buffer(total)
         off = 0
         for c in need:
             c.backing = buf.narrow(0, off, c.capacity)
             off += c.capacity
-        self.host_bytes = total * self.esize
-        return self.host_bytes
+        self.host_bytes += total * self.esize
+        return total * self.esize
 
     # --- views -----------------------------------------------------------------
     def slot_view(self, c: Chunk) -> torch.Tensor:
@@ -186,7 +192,7 @@ class ChunkManager:
             base = max(1, p.n_slots // 4)
         else:
             others = sum(q.n_slots * q.slot_elems for q in self.pools.values() if q is not p) * self.esize
-            avail = self.dynamic_capacity - self.trace.nonmodel_ahead() - others
+            avail = self.dynamic_capacity - self.trace.nonmodel_ahead() - others - self.reserved_bytes
             base = avail // (p.slot_elems * self.esize)
         return min(p.n_slots, max(base, self._pinned(p) + extra, 1))
 
@@ -254,6 +260,7 @@ class ChunkManager:
             c.extra_pins -= 1
         self._wait_fill(c)  # a prefetched gather still in flight lands before the slot is reused
         if c.dirty and not c.dead and c.backing is not None:
+            self._before_host_write(c)
             self.transfers.run(lambda: c.backing.copy_(self.slot_view(c), non_blocking=self.cuda), "d2h", c.cid)
             p.freed[c.slot] = self.transfers.written_back()
             for s in st:
@@ -437,11 +444,19 @@ class ChunkManager:
         """Write ``c`` back if it is resident and dirty (it stays resident, now clean)."""
         if c.slot is not None and c.dirty and not c.dead and c.backing is not None:
             self._wait_fill(c)
+            self._before_host_write(c)
             self.transfers.run(lambda: c.backing.copy_(self.slot_view(c), non_blocking=self.cuda), "d2h", c.cid)
             for s in (self.stats, self.iter_stats):
                 s.writeback_bytes += c.capacity * self.esize
                 s.writebacks += 1
             c.dirty = False
+
+    @staticmethod
+    def _before_host_write(c: Chunk) -> None:
+        """A backing the host optimizer may still read (a host row's gradient) is written only after it."""
+        guard = c.meta.get("before_host_write")
+        if guard is not None:
+            guard()
 
     def count(self, **delta) -> None:
         """Add ``delta`` (``MoveStats`` fields) to the cumulative and the iteration counters."""

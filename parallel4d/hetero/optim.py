@@ -36,7 +36,8 @@ def fused_adam_update(p, g, m, v, *, step: int, lr: float, beta1: float, beta2: 
     """The same update with torch's fused kernel (one pass; CPU or CUDA). Not bit-identical
     to :func:`adam_update` (different evaluation order), so exactness tests use the latter."""
     fn = torch._fused_adamw_ if decoupled else torch._fused_adam_
-    fn([p], [g], [m], [v], [], [torch.tensor(float(step), device=p.device)], lr=lr, beta1=beta1, beta2=beta2,
+    # the step count made where the kernel reads it by a fill, not copied from the host (no wait on CUDA)
+    fn([p], [g], [m], [v], [], [torch.full((), float(step), device=p.device)], lr=lr, beta1=beta1, beta2=beta2,
        weight_decay=weight_decay, eps=eps, amsgrad=False, maximize=False)
 
 

@@ -15,7 +15,7 @@ import torch.nn as nn
 from parallel4d.hetero.chunk import Chunk, TensorInfo, TensorState
 from parallel4d.hetero.layout import Layout, Row
 from parallel4d.hetero.manager import ChunkManager
-from parallel4d.hetero.master import MasterState
+from parallel4d.hetero.master import DEVICE, HOST, MasterState
 from parallel4d.hetero.zero import ZeroShards
 
 S = TensorState
@@ -45,6 +45,10 @@ def add_chunks(layout: Layout, mgr: ChunkManager, zero: ZeroShards, master: Opti
             row.P.meta["gathers"] = True
         elif master is not None:
             row.P.loader = (lambda dst, row=row: master.upload(row, dst))
+        if master is not None and row.trainable:  # the host update reads the gradient's backing
+            for c in (row.G, row.GS):
+                if c is not None:
+                    c.meta["before_host_write"] = lambda row=row: master.updates.wait(row.index)
 
 
 def _chunk(row: Row, mgr: ChunkManager, zero: ZeroShards, kind: str, state: TensorState, pool: str = "main",
@@ -56,20 +60,24 @@ def _chunk(row: Row, mgr: ChunkManager, zero: ZeroShards, kind: str, state: Tens
 
 
 @torch.no_grad()
-def move_params_into_chunks(layout: Layout, zero: ZeroShards, device: torch.device,
-                            master: Optional[MasterState] = None) -> None:
+def move_params_into_chunks(layout: Layout, mgr: ChunkManager, zero: ZeroShards, device: torch.device,
+                            master: Optional[MasterState] = None, on_device: frozenset = frozenset()) -> None:
     """Each row's ``[C]`` parameter values (this rank's shard under ZeRO) into its host backing, or
-    into the ``master``'s ``W`` (the parameters then compute in the chunks' dtype)."""
+    into the ``master``'s ``W`` (on the device for the rows in ``on_device``; the parameters then compute
+    in the chunks' dtype). Row by row: a row's backings and master state are allocated as its parameters'
+    storage is freed, so hetero's host memory grows as the model's shrinks."""
     for rec in layout.records:
         rec.placeholder = torch.full((1,), float("nan"), dtype=layout.cdtype, device=device).expand(rec.shape)
     lo, hi = zero.window
     for row in layout.rows:
+        mgr.allocate_backings([row.P, row.G, row.M, row.V, row.PS, row.GS])
         full = torch.zeros(layout.C, dtype=layout.dtype)
         for rec in row.records:
             full.narrow(0, rec.offset, rec.param.numel()).copy_(rec.param.detach().reshape(-1))
             rec.param.data = rec.placeholder  # free the original storage row by row
             rec.param.grad = None
         if master is not None:
+            master.allocate(row, DEVICE if row.index in on_device else HOST)
             master.W[row.index].copy_(full[lo:hi])
         elif layout.dp > 1:
             row.PS.backing.copy_(full[lo:hi])

@@ -13,10 +13,10 @@ import torch
 import torch.nn as nn
 
 from parallel4d.config.schema import HeteroConfig, OptimizerConfig
-from parallel4d.hetero.budget import Budget, plan_budget, replica_count, resolve_device
-from parallel4d.hetero.layout import plan_layout
+from parallel4d.hetero.budget import Budget, device_rows_after_warmup, plan_budget, replica_count, resolve_device
+from parallel4d.hetero.layout import Layout, plan_layout
 from parallel4d.hetero.manager import ChunkManager
-from parallel4d.hetero.master import MasterState
+from parallel4d.hetero.master import DEVICE, HOST, HostUpdates, MasterState
 from parallel4d.hetero.populate import add_chunks, move_buffers, move_params_into_chunks
 from parallel4d.hetero.residency import Residency
 from parallel4d.hetero.saved import SavedTensors
@@ -41,32 +41,66 @@ class HeteroRuntime:
         self.dp_rank = mesh.rank("dp") if self.dp > 1 else 0
         self.layout = plan_layout(model, cfg.chunk_elems, self.dp, compute_dtype)
         self.rows, self.records, self.C = self.layout.rows, self.layout.records, self.layout.C
-        self.mgr = self._manager(cfg, plan_budget(self.layout, cfg, self.device))
+        self.budget = plan_budget(self.layout, cfg, self.device)
+        self.mgr = self._manager(cfg, self.budget)
         self.zero = ZeroShards(self.mgr, self.C, self.dp, self.dp_rank, self.group, mesh)
-        # 16-bit chunks: the master parameters and Adam moments on the host, never on the device
-        self.master = MasterState(self.layout, self.zero.window, self.mgr.transfers) if self.layout.mixed else None
+        # 16-bit chunks: the master parameters and Adam moments of each row on the device or the host
+        # (placement: .budget; host rows updated by a worker beside the training thread)
+        self.updates = HostUpdates(self.mgr.transfers.note, getattr(mesh, "timeout_s", None) or 1800.0)
+        self.master = (MasterState(self.layout, self.zero.window, self.mgr.transfers, self.device, self.updates)
+                       if self.layout.mixed else None)
         add_chunks(self.layout, self.mgr, self.zero, self.master)
-        # host bytes this rank holds: the chunks' backings (P, G, M, V of every row at dp=1; under ZeRO
-        # the shards plus the full-size gradient staging chunks) and the master's window
-        self.mgr.allocate_backings()
-        self.host_bytes = self.mgr.host_bytes + (self.master.bytes if self.master else 0)
         # every chunk's bytes: what the device would hold with all of them resident
         self.model_data_bytes = sum(c.capacity for c in self.mgr.chunks) * self.mgr.esize
-        move_params_into_chunks(self.layout, self.zero, self.device, self.master)
+        # the chunks' backings and the host rows' master state, row by row as the parameters' storage goes
+        move_params_into_chunks(self.layout, self.mgr, self.zero, self.device, self.master,
+                                frozenset(first_trainable(self.layout, self.budget.master_rows or 0)))
+        self.staging_bytes = self.mgr.transfers.allocate_staging(self.zero.Sz) if self.master else 0
+        self._placed = False  # the master rows re-chosen from the warm-up trace (after the first step)
+        self._reserve()
         move_buffers(model, self.device)
         self.saved = SavedTensors(self.mgr)
         # host Adam for rows not resident: on CUDA it saves the PCIe round trip; on the CPU nothing
-        # (but every row under 16-bit chunks: the master is only there)
+        # (16-bit chunks: the host rows' master is only there)
         host = "fused" if self.device.type == "cuda" else "exact" if self.master else "off"
-        self.adam = RowAdam(self.layout, self.mgr, self.zero, host, self.master)
+        self.adam = RowAdam(self.layout, self.mgr, self.zero, host, self.master, self.updates)
         self.full = FullState(self.layout, self.mgr, self.zero, self.master)
         self.residency = Residency(self.layout, self.mgr, self.saved, self.zero)
         self.handles = self.residency.install(model) + self.full.install(model)
+
+    @property
+    def host_bytes(self) -> int:
+        """Host bytes hetero holds: the chunks' backings (P, G, M, V of every row at dp = 1; under ZeRO the
+        shards), the host rows' master state and the upload staging ring."""
+        master = self.master.bytes_on(HOST) if self.master else 0
+        return self.mgr.host_bytes + master + self.staging_bytes
+
+    def _reserve(self) -> None:
+        """The device rows' master state is device memory outside the arena (a dynamic budget's business)."""
+        self.mgr.reserved_bytes = self.master.bytes_on(DEVICE) if self.master else 0
+
+    def _place_from_trace(self) -> None:
+        """After the warm-up: the rows whose master state the device holds, chosen in the traced forward
+        order (the first layers first: their gradients are final last and the next forward needs them
+        first), as many as the budget leaves (a dynamic one: from the traced non-model peak)."""
+        self._placed = True
+        order = forward_order(self.layout, self.mgr.trace.ref)
+        self.adam.order = order
+        n = self.budget.master_rows
+        if n is None:
+            n = device_rows_after_warmup(self.layout, self.mgr.dynamic_capacity,
+                                         max(self.mgr.trace.ref_nonmodel, default=0), self.mgr.arena_bytes)
+        trainable = [i for i in order if self.layout.rows[i].trainable]
+        on_device = set(trainable[:n])
+        for i in sorted(trainable, key=lambda i: i in on_device):  # off the device first: room for what comes
+            self.master.move(self.layout.rows[i], DEVICE if i in on_device else HOST)
+        self._reserve()
 
     def remove_hooks(self) -> None:
         for h in self.handles:
             h.remove()
         self.handles = []
+        self.updates.close()
 
     def _manager(self, cfg: HeteroConfig, budget: Budget) -> ChunkManager:
         return ChunkManager(self.device, self.layout.cdtype, budget.pools, policy=cfg.policy,
@@ -76,7 +110,7 @@ class HeteroRuntime:
     def _nonmodel_bytes(self) -> int:
         """Device bytes outside the chunk arena, for the dynamic budget (on the CPU: saved activations)."""
         if self.device.type == "cuda":
-            return torch.cuda.memory_allocated(self.device) - self.mgr.arena_bytes
+            return torch.cuda.memory_allocated(self.device) - self.mgr.arena_bytes - self.mgr.reserved_bytes
         return self.saved.bytes
 
     @property
@@ -93,17 +127,22 @@ class HeteroRuntime:
         """``hp_of``: per trainable parameter name, its ``lr, beta1, beta2, eps, weight_decay,
         decoupled``."""
         self.adam.step(hp_of, grad_scale)
+        if self.master is not None and not self._placed and self.mgr.trace.valid:
+            self._place_from_trace()
 
     def zero_grad(self) -> None:
         self.adam.zero_grad()
 
+    # what reads a gradient's backing on the host waits for the host updates (the state: FullState waits)
     def grad_sq_norm(self, weights: dict[str, float] | None = None) -> torch.Tensor:
+        self.updates.wait_all()
         return self.adam.grad_sq_norm(weights)
 
     def full_params(self) -> dict[str, torch.Tensor]:
         return self.full.params()
 
     def full_gradients(self) -> dict[str, torch.Tensor]:
+        self.updates.wait_all()
         return self.full.gradients()
 
     def optimizer_state_dict(self, groups: list[dict]) -> dict:
@@ -145,8 +184,33 @@ class HeteroRuntime:
             "reduce_scatters": dict(self.zero.reduce_scatters),
             "host_optimizer": self.host_optimizer,
             "host_optimizer_rows": self.adam.host_rows,
+            "device_optimizer_rows": self.adam.device_rows,
+            **self._placement(),
+            "staging_bytes": self.staging_bytes,
             "bytes_moved": m.stats.moved_bytes,
             "total": m.stats.as_dict(),
             "last_iteration": {k: v for k, v in last.items() if k not in _TRACE_KEYS}
             if last else None,
         }
+
+    def _placement(self) -> dict:
+        """Where the master state is (16-bit chunks; None otherwise: Adam's moments are chunks then)."""
+        m = self.master
+        return {"optimizer_rows_on_device": m.rows_on(DEVICE) if m else None,
+                "optimizer_rows_on_host": m.rows_on(HOST) if m else None,
+                "optimizer_device_bytes": m.bytes_on(DEVICE) if m else None,
+                "optimizer_host_bytes": m.bytes_on(HOST) if m else None,
+                "host_update_seconds": self.updates.seconds}
+
+
+def first_trainable(layout: Layout, n: int) -> list[int]:
+    """The first ``n`` trainable rows in module order (the placement before the warm-up has traced)."""
+    return [row.index for row in layout.rows if row.trainable][:n]
+
+
+def forward_order(layout: Layout, ref: list[int]) -> list[int]:
+    """Row indices by their parameter chunk's first access in the trace ``ref`` (never accessed: last)."""
+    first: dict[int, int] = {}
+    for i, cid in enumerate(ref):
+        first.setdefault(cid, i)
+    return sorted((row.index for row in layout.rows), key=lambda i: first.get(layout.rows[i].P.cid, len(ref)))

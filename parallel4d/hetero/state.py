@@ -38,9 +38,15 @@ class FullState:
         self.layout, self.mgr, self.zero, self.master = layout, mgr, zero, master
         self._loading: Optional[dict] = None
 
+    def _settle(self) -> None:
+        """The host rows' updates done: what follows reads or writes their master state."""
+        if self.master is not None:
+            self.master.updates.wait_all()
+
     # --- out ------------------------------------------------------------------------------
     def params(self) -> dict[str, torch.Tensor]:
         """The parameters (the master copy under 16-bit chunks)."""
+        self._settle()
         out = {}
         for row in self.layout.rows:
             full = (self.zero.full_row(row.P, row.PS) if self.master is None
@@ -65,6 +71,7 @@ class FullState:
     def optimizer(self, steps: dict[str, int], groups: list[dict]) -> dict:
         """``{"state": {name: {"step", "exp_avg", "exp_avg_sq"}}, "param_groups": [hyperparameters
         of each group]}``."""
+        self._settle()
         state = {}
         for row in self.layout.rows:
             if row.trainable:
@@ -118,6 +125,7 @@ class FullState:
             window[seg[0] - lo:seg[1] - lo].copy_(flat[seg[0] - t.offset:seg[1] - t.offset])
 
     def load_params(self, values: dict[str, torch.Tensor]) -> None:
+        self._settle()
         self.layout.check_idle("load_state_dict()")
         for row in self.layout.rows:
             target = row.PS if self.layout.dp > 1 else row.P
@@ -132,6 +140,7 @@ class FullState:
 
     def load_optimizer(self, sd: dict, steps: dict[str, int]) -> None:
         """Adam moments into M, V; each parameter's step count into ``steps``."""
+        self._settle()
         self.layout.check_idle("optimizer.load_state_dict()")
         for row in self.layout.rows:
             if not row.trainable:

@@ -4,18 +4,23 @@ A row whose P, G, M, V chunks are all resident is updated in its device slots; o
 when ``host_optimizer`` is on (default on CUDA), on the host backings (PatrickStar's hybrid
 placement: no chunk crosses PCIe for the step; ``"fused"`` uses torch's fused CPU AdamW,
 ``"exact"`` the single-tensor arithmetic, ``"off"`` loads the chunks). Under ZeRO each rank
-updates its shards only. Under 16-bit chunks (``Layout.mixed``) every row is updated on the host,
-on its :class:`~parallel4d.hetero.master.MasterState` window, from the gradient's host backing.
+updates its shards only. Under 16-bit chunks (``Layout.mixed``) a row's master state
+(:class:`~parallel4d.hetero.master.MasterState`) is updated where its placement puts it: a device
+row there, from its gradient chunk, its parameter chunk rounded in place; a host row by the host
+worker, from the gradient's host backing, in forward order while the training thread goes on (the
+next forward's upload of the row waits for its update).
 """
 
 from __future__ import annotations
+
+from typing import Callable
 
 import torch
 
 from parallel4d.hetero.chunk import Chunk, TensorInfo, TensorState
 from parallel4d.hetero.layout import Layout, Row
 from parallel4d.hetero.manager import ChunkManager
-from parallel4d.hetero.master import MasterState
+from parallel4d.hetero.master import DEVICE, HOST, HostUpdates, MasterState
 from parallel4d.hetero.optim import adam_update, fused_adam_update
 from parallel4d.hetero.zero import ZeroShards, segment
 from parallel4d.optim.norms import tensor_norms, weighted_sq_sum
@@ -27,10 +32,12 @@ class RowAdam:
     """Adam(W) over the rows' chunks; ``steps``: per parameter name, as torch's ``state["step"]``."""
 
     def __init__(self, layout: Layout, mgr: ChunkManager, zero: ZeroShards, host_optimizer: str,
-                 master: MasterState | None = None):
-        self.layout, self.mgr, self.zero, self.master = layout, mgr, zero, master
+                 master: MasterState | None = None, updates: HostUpdates | None = None):
+        self.layout, self.mgr, self.zero, self.master, self.updates = layout, mgr, zero, master, updates
         self._host_optimizer = host_optimizer
         self.host_rows = 0  # row updates done on the host so far
+        self.device_rows = 0  # master row updates done on the device so far (16-bit chunks)
+        self.order: list[int] = [row.index for row in layout.rows]  # forward order (the warm-up trace's)
         self.steps: dict[str, int] = {}
         self._host_scale: torch.Tensor | None = None  # this step's grad_scale on the host (see step)
 
@@ -40,14 +47,12 @@ class RowAdam:
         beta2, eps, weight_decay, decoupled); the gradient is scaled by ``grad_scale`` first (clipping)."""
         self.layout.check_idle("optimizer.step()")
         self._host_scale = None  # grad_scale read back once, at the first row updated on the host
-        if self.master is not None:  # every gradient to the host, the copy streams drained once
+        if self.master is not None:
+            self._step_masters(hp_of, grad_scale)
+        else:
             for row in self.layout.rows:
                 if row.trainable:
-                    self.mgr.flush(self.zero.opt_chunks(row)[1])
-            self.mgr.transfers.sync()
-        for row in self.layout.rows:
-            if row.trainable:
-                self._step_row(row, hp_of, grad_scale)
+                    self._step_row(row, hp_of, grad_scale)
         for row in self.layout.rows:
             for t in row.P.tensors:
                 if t.state in (S.HOLD_AFTER_FWD, S.HOLD_AFTER_BWD):
@@ -75,9 +80,6 @@ class RowAdam:
         return self._host_scale
 
     def _step_row(self, row: Row, hp_of: dict[str, dict], grad_scale) -> None:
-        if self.master is not None:
-            self._step_master_row(row, hp_of, grad_scale)
-            return
         P, G, M, V, (lo, hi) = self.zero.opt_chunks(row)
         ks = [k for k, t in enumerate(G.tensors) if t.state == S.HOLD_AFTER_BWD]
         if not ks:
@@ -102,20 +104,83 @@ class RowAdam:
         if self.layout.dp > 1:  # the gathered parameters are stale now
             self.mgr.invalidate(row.P)
 
-    def _step_master_row(self, row: Row, hp_of: dict[str, dict], grad_scale) -> None:
-        """The row's master window stepped on the host from its gradient (``G``, or ``GS`` under ZeRO),
-        written back by :meth:`step`; the gradient is consumed and the device's parameter copy is stale after."""
+    def _step_masters(self, hp_of: dict[str, dict], grad_scale) -> None:
+        """16-bit chunks: the host rows handed to the worker in forward order (their gradients written
+        back first; the worker waits for those copies and for ``grad_scale``, the training thread
+        does not), then the device rows updated here."""
+        rows = [self.layout.rows[i] for i in self.order if self.layout.rows[i].trainable]
+        host = [row for row in rows if self.master.place[row.index] == HOST]
+        for row in host:
+            self.mgr.flush(self.zero.opt_chunks(row)[1])
+        written = self.mgr.transfers.written_back()
+        scale = self._scale_on_host(grad_scale) if host else None
+        for row in host:
+            self._submit_host_row(row, hp_of, scale, written)
+        for row in rows:
+            if self.master.place[row.index] == DEVICE:
+                self._step_device_row(row, hp_of, grad_scale)
+
+    def _final_grads(self, row: Row, hp_of: dict[str, dict]):
+        """``(G, its tensors with a gradient, the spans to update)`` of ``row`` (``G``: ``GS`` under ZeRO)."""
         _, G, _, _, (lo, hi) = self.zero.opt_chunks(row)
         ks = [k for k, t in enumerate(G.tensors) if t.state == S.HOLD_AFTER_BWD]
-        if not ks:
-            return
         steps = [(self._count_step(row.records[k].name), hp_of[row.records[k].name]) for k in ks]
-        self.master.update(row, G.backing, self._spans(G, ks, steps, lo, hi), self._host_grad_scale(grad_scale),
-                           fused=self.host_optimizer == "fused")
-        for k in ks:
-            G.tensors[k].set_state(S.FREE)
+        return G, [G.tensors[k] for k in ks], self._spans(G, ks, steps, lo, hi)
+
+    def _submit_host_row(self, row: Row, hp_of: dict[str, dict], scale: Callable, written) -> None:
+        """The row's master window stepped by the worker from its gradient's host backing; the gradient is
+        consumed now (its backing is written again only after the update: the chunk's guard) and the
+        device's parameter copy is stale (the next upload waits for the update)."""
+        G, gts, spans = self._final_grads(row, hp_of)
+        if not gts:
+            return
+        grad, fused = G.backing, self.host_optimizer == "fused"
+
+        def work():
+            if written is not None:
+                written.synchronize()  # the gradient's write-back
+            self.master.update(row, grad, spans, scale(), fused)
+
+        for t in gts:
+            t.set_state(S.FREE)
         self.mgr.invalidate(row.P)
+        self.updates.submit(row.index, work)
         self.host_rows += 1
+
+    def _step_device_row(self, row: Row, hp_of: dict[str, dict], grad_scale) -> None:
+        """The row's master window stepped on the device from its gradient chunk (loaded if it was
+        evicted), its parameter chunk rounded from it in place when resident (dp = 1), else refilled at
+        its next use."""
+        G, gts, spans = self._final_grads(row, hp_of)
+        if not gts:
+            return
+        self.mgr.acquire(G, gts, record=False)  # the warm-up trace is the same in every placement
+        fused = self.mgr.cuda or self.host_optimizer == "fused"  # on a CPU device: the host's arithmetic
+        self.master.update(row, self.mgr.slot_view(G), spans, grad_scale, fused)
+        self.mgr.release(G, gts, S.FREE)
+        if self.layout.dp == 1 and row.P.slot is not None:
+            self.master.upload(row, self.mgr.read(row.P))
+        else:
+            self.mgr.invalidate(row.P)
+        self.device_rows += 1
+
+    def _scale_on_host(self, grad_scale) -> Callable:
+        """What returns ``grad_scale`` on the host for the worker: a device number copied back without
+        the training thread waiting (the worker waits for the copy's event)."""
+        if not isinstance(grad_scale, torch.Tensor):
+            return lambda: grad_scale
+        if grad_scale.device.type != "cuda":
+            value = grad_scale.detach().clone()
+            return lambda: value
+        host = torch.empty(grad_scale.shape, dtype=grad_scale.dtype, pin_memory=True)
+        host.copy_(grad_scale, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+
+        def get():
+            done.synchronize()
+            return host
+        return get
 
     def _count_step(self, name: str) -> int:
         self.steps[name] = self.steps.get(name, 0) + 1

@@ -19,6 +19,7 @@ import torch
 from parallel4d.hetero.chunk import Chunk
 
 STAGING = 4  # page-locked staging buffers for casting uploads (one in use, the rest in flight)
+STAGE_ELEMS = 1 << 24  # elements per staging buffer (32 MiB in 16 bits): an upload goes in such pieces
 
 
 @dataclass
@@ -91,22 +92,33 @@ class Transfers:
 
     def upload_cast(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         """``dst`` (compute device, this dtype) ← ``src`` (host, a wider dtype), rounded on the host so
-        that only this dtype's bytes cross the link: through a page-locked staging buffer on CUDA (a
-        ring of :data:`STAGING` buffers; one is reused once the copy that last read it is done)."""
+        that only this dtype's bytes cross the link: on CUDA in pieces through a ring of :data:`STAGING`
+        page-locked staging buffers of :data:`STAGE_ELEMS` elements (one is reused once the copy that last
+        read it is done), so staging costs a fixed few MiB of host memory, not a chunk's size."""
         if not self.cuda:
             self.run(lambda: dst.copy_(src), "h2d")
             return
-        stage, done = self._staging(src.numel())
-        stage.copy_(src)
-        self.run(lambda: dst.copy_(stage, non_blocking=True), "h2d")
-        done.record(self.streams["h2d"])
+        n = src.numel()
+        self.allocate_staging(n)
+        step = self._stages[0][0].numel()
+        for lo in range(0, n, step):
+            hi = min(n, lo + step)
+            stage, done = self._staging(hi - lo)
+            stage.copy_(src[lo:hi])
+            self.run(lambda a=lo, b=hi, st=stage: dst[a:b].copy_(st, non_blocking=True), "h2d")
+            done.record(self.streams["h2d"])
+
+    def allocate_staging(self, n: int) -> int:
+        """The staging ring for windows of ``n`` elements (CUDA); returns its host bytes."""
+        if self.cuda and not self._stages and n:
+            size = min(n, STAGE_ELEMS)
+            self._stages = [(self.host_buffer(size), torch.cuda.Event()) for _ in range(STAGING)]
+        return sum(buf.numel() for buf, _ in self._stages) * torch.empty((), dtype=self.dtype).element_size()
 
     def _staging(self, n: int):
-        """The next staging buffer of at least ``n`` elements and its completion event, waited for."""
-        if not self._stages or self._stages[0][0].numel() < n:
-            self._stages = [(self.host_buffer(n), torch.cuda.Event()) for _ in range(STAGING)]
+        """The next staging buffer's first ``n`` elements and its completion event, waited for."""
         buf, ev = self._stages.pop(0)
-        ev.synchronize()  # the copy that read this buffer STAGING loads ago (long done, as a rule)
+        ev.synchronize()  # the copy that read this buffer STAGING pieces ago (long done, as a rule)
         self._stages.append((buf, ev))
         return buf.narrow(0, 0, n), ev
 
