@@ -81,9 +81,13 @@ def test_sixteen_bit_chunks_equal_torch_adamw_on_float32_masters(dtype):
     ref_losses, ref_sd = reference(dtype)
     full, _, st = hetero(dtype, steps=1)
     assert st["compute_dtype"] == str(dtype)[6:] and st["master_dtype"] == "float32"
-    minimum = st["min_feasible_budget_bytes"]
-    for budget in (None, minimum, (minimum + st["model_data_bytes"]) // 2):
+    minimum, row = st["min_feasible_budget_bytes"], 3 * st["chunk_elems"] * 4  # a row's float32 W, M, V
+    # every master on the device; the least budget; half the compute chunks; every compute chunk and two
+    # rows' masters on the device (#46: the placement mid-way)
+    for budget in (None, minimum, (minimum + st["model_data_bytes"]) // 2, st["model_data_bytes"] + 2 * row):
         losses, sd, st = hetero(dtype, budget)
+        assert st["optimizer_rows_on_device"] == {None: st["optimizer_rows_on_device"] + st["optimizer_rows_on_host"],
+                                                  st["model_data_bytes"] + 2 * row: 2}.get(budget, 0), budget
         assert all(v.dtype == torch.float32 for v in sd.values())  # the master, not the compute copy
         assert max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)) <= 1e-6, (budget, losses, ref_losses)
         assert max_rel(sd, ref_sd) <= 1e-6, budget
@@ -104,8 +108,8 @@ def _zero_worker():
     out = {}
     for dtype, master, cfg in ((torch.float32, torch.float64, OPT64), (torch.bfloat16, torch.float32, OPT)):
         ref_losses, ref_sd = reference(dtype, master_dtype=master, opt_cfg=cfg)
-        budget = None
-        for label in ("resident", "minimum"):
+        budget, row = None, 3 * 8192 // mesh.size("dp") * master.itemsize  # a row's W, M, V window
+        for label in ("resident", "mid", "minimum"):
             losses, sd, st = hetero(dtype, budget, master_dtype=master, opt_cfg=cfg, mesh=mesh, chunk_elems=8192)
             mean = torch.tensor(losses, dtype=torch.float64)
             dist.all_reduce(mean)
@@ -113,7 +117,8 @@ def _zero_worker():
             out[str(dtype), label] = {
                 "loss_rel": max(abs(a - b) / abs(b) for a, b in zip(mean, ref_losses)),
                 "param_rel": max_rel(sd, ref_sd), "model_rel": model_rel(sd, ref_sd), "stats": st}
-            budget = st["min_feasible_budget_bytes"]
+            # mid: every compute chunk (and the shard slot) resident, two rows' masters on the device
+            budget = st["arena_bytes"] + 2 * row if label == "resident" else st["min_feasible_budget_bytes"]
     out["order"] = _recorded_order(mesh)
     return out
 
@@ -153,7 +158,8 @@ def test_sixteen_bit_chunks_under_zero_equal_one_process(zero_job):
     for r in zero_job:
         f32 = r["torch.float32", "minimum"]
         assert f32["stats"]["reduce_scatters"]["on_eviction"] > 0  # the sharded staging really spilled
-        for label in ("resident", "minimum"):
+        assert [r["torch.float32", label]["stats"]["optimizer_rows_on_device"] for label in ("mid", "minimum")] == [2, 0]
+        for label in ("resident", "mid", "minimum"):
             got = r["torch.float32", label]  # float32 sums in another order: a bias summed over every
             # token drifts most (head.ln_f.bias 1.5e-6 after 10 steps), the model as a whole ~1e-7
             assert got["loss_rel"] <= 1e-6 and got["model_rel"] <= 1e-6 and got["param_rel"] <= 1e-5, (label, got)

@@ -298,10 +298,13 @@ class ChunkManager:
             self.transfers.note("gather", c.cid)
             c.meta["pending"] = c.loader(dst)
         elif c.loader is not None and not c.dead:  # a copy of other content (the master, rounded)
-            c.loader(dst)
+            crossed = c.loader(dst)  # False: rounded from a master on the device, no host traffic
             for s in st:
-                s.load_bytes += c.capacity * self.esize
-                s.loads += 1
+                if crossed is False:
+                    s.device_fills += 1
+                else:
+                    s.load_bytes += c.capacity * self.esize
+                    s.loads += 1
         elif c.dead or c.backing is None:
             self.transfers.run(dst.zero_, "h2d", c.cid)
             for s in st:

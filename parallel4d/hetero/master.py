@@ -48,8 +48,12 @@ class HostUpdates:
         self._pool: ThreadPoolExecutor | None = None
         self._pending: dict[int, Future] = {}
         self.seconds = 0.0  # the worker's time in updates, summed
+        self.inline = False  # run each update at once on the caller's thread (the sequential order)
 
     def submit(self, key: int, work: Callable[[], None]) -> None:
+        if self.inline:
+            self._run(key, work)
+            return
         if self._pool is None:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="parallel4d-host-optimizer")
         self.wait(key)  # one update of a row at a time
@@ -140,14 +144,17 @@ class MasterState:
                    if row.trainable == trainable and self.place.get(row.index) == where)
 
     @torch.no_grad()
-    def upload(self, row: Row, dst: torch.Tensor) -> None:
+    def upload(self, row: Row, dst: torch.Tensor) -> bool:
         """``dst`` (``[hi − lo]`` on the compute device, the chunks' dtype) ← ``W`` of ``row``, rounded: on
-        the device for a device row; else on the host, once the row's host update is done."""
+        the device for a device row; else on the host, once the row's host update is done. Whether the
+        bytes crossed the host link."""
         if self.place[row.index] == DEVICE:
             dst.copy_(self.W[row.index])
-            return
+            return False
         self.updates.wait(row.index)
+        self.transfers.note("upload", row.index)
         self.transfers.upload_cast(dst, self.W[row.index])
+        return True
 
     @torch.no_grad()
     def update(self, row: Row, grad: torch.Tensor, spans: list[tuple], grad_scale, fused: bool) -> None:

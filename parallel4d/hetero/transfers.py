@@ -38,6 +38,7 @@ class MoveStats:
     reduce_scatter_bytes: int = 0  # ZeRO reduce-scatter, bytes sent
     copy_seconds: float = 0.0  # CUDA only when profiling: time inside chunk copies
     prefetches: int = 0        # fills issued ahead of use from the replayed trace
+    device_fills: int = 0      # fills rounded from a master the device holds: no host traffic
 
     @property
     def moved_bytes(self) -> int:

@@ -88,10 +88,11 @@ class ZeroShards:
             else:
                 if master is None:
                     self.mgr.transfers.run(lambda: local.copy_(ps.backing, non_blocking=self.mgr.cuda), "h2d", ps.cid)
+                    crossed = True
                 else:
-                    master.upload(row, local)
+                    crossed = master.upload(row, local)
                 self.mgr.transfers.compute_waits()
-                self.mgr.count(load_bytes=nbytes, loads=1)
+                self.mgr.count(**(dict(load_bytes=nbytes, loads=1) if crossed else dict(device_fills=1)))
             work = all_gather_into(dst, local.clone(), self.group, async_op=True)
             got = (self.dp - 1) * nbytes
             self.mgr.count(gather_bytes=got)
