@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
+from torch._subclasses.fake_tensor import is_fake
 
 from parallel4d.config.schema import HeteroConfig, OptimizerConfig
 from parallel4d.hetero.budget import Budget, device_rows_after_warmup, plan_budget, replica_count, resolve_device
@@ -56,6 +57,8 @@ class HeteroRuntime:
         move_params_into_chunks(self.layout, self.mgr, self.zero, self.device, self.master,
                                 frozenset(first_trainable(self.layout, self.budget.master_rows or 0)))
         self.staging_bytes = self.mgr.transfers.allocate_staging(self.zero.Sz) if self.master else 0
+        # a dry run's fake tensors belong to its thread's fake mode: the worker could not touch them
+        self.updates.inline = self.master is not None and any(is_fake(w) for w in self.master.W.values())
         self._placed = False  # the master rows re-chosen from the warm-up trace (after the first step)
         self._reserve()
         move_buffers(model, self.device)
