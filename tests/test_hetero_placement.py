@@ -26,7 +26,7 @@ STEPS = 4
 
 
 def hetero(budget, dtype=torch.float32, master=torch.float64, steps=STEPS, inline=False, slow=None, fail=None,
-           **fields):
+           in_backward=False, **fields):
     """``(losses, state dict, optimizer state, stats, runtime)`` of the loop on ``dtype`` chunks over
     ``master`` masters; ``inline``: the host updates on the training thread, in order; ``slow``: seconds
     each host update sleeps first; ``fail``: the row whose host update raises."""
@@ -34,6 +34,7 @@ def hetero(budget, dtype=torch.float32, master=torch.float64, steps=STEPS, inlin
                   compute_dtype=dtype)
     rt = m._hetero_runtime
     rt.updates.inline = inline
+    opt.update_in_backward(in_backward)
     if slow is not None or fail is not None:
         update = rt.master.update
 
@@ -153,3 +154,37 @@ def test_a_failing_host_update_ends_the_step_with_its_error_never_a_hang():
     with pytest.raises(RuntimeError, match=r"host optimizer's update of row \d+ failed: OSError: disk on fire"):
         hetero(data, fail=0)
     assert time.perf_counter() - t0 < 60
+
+
+def test_with_no_scale_to_wait_for_host_updates_start_in_the_backward_and_change_nothing():
+    """``update_in_backward``: a host row is handed to the worker once its last gradient of the step is
+    written (the warm-up counted them), while the backward goes on to the earlier rows — bit for bit the
+    sequential result."""
+    data, row, rows = sizes()
+    everything = hetero(data, inline=True)
+    for budget in (data, data + row):
+        got = hetero(budget, in_backward=True)
+        assert same(got, everything), budget
+        assert got[3]["host_optimizer_rows"] == STEPS * got[3]["optimizer_rows_on_host"]
+    m, opt = wrap(build().to(torch.float64), OPT64, dict(compute_device="cpu", device_budget_bytes=data),
+                  compute_dtype=torch.float32)
+    rt = m._hetero_runtime
+    opt.update_in_backward()
+
+    def step():
+        opt.step()
+        opt.zero_grad()
+
+    train(m, step, 1)
+    rt.updates.wait_all()
+    rt.mgr.transfers.log = log = []
+    train(m, step, 1)
+    grads = {c.cid: c.index for c in rt.mgr.chunks if c.kind == "grad"}
+    last_grad_write = max(i for i, (w, d) in enumerate(log) if w == "access" and d in grads)
+    started = [i for i, (w, _) in enumerate(log) if w == "host_update"]
+    assert len(started) == rows and sum(i < last_grad_write for i in started) >= rows - 1, log
+    # what would make it inexact is refused: a scale after the fact, a gradient after the update
+    train(m, lambda: None, 1)
+    opt.scale_next_step(0.5)
+    with pytest.raises(RuntimeError, match="scaled .* after rows were updated in the backward"):
+        opt.step()

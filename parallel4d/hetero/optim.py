@@ -71,15 +71,28 @@ class HeteroOptimizer(torch.optim.Optimizer):
     # --- the training-loop surface ------------------------------------------------
     def step(self, closure=None):
         loss = closure() if closure is not None else None
+        self.rt.optimizer_step(self._hyperparameters(), grad_scale=self._clip_coef)
+        self._clip_coef = None
+        return loss
+
+    def _hyperparameters(self) -> dict[str, dict]:
+        """Per trainable parameter name: its group's ``lr, beta1, beta2, eps, weight_decay, decoupled``."""
         hp_of = {}
         for g in self.param_groups:
             b1, b2 = g["betas"]
             hp = dict(lr=float(g["lr"]), beta1=float(b1), beta2=float(b2), eps=float(g["eps"]),
                       weight_decay=float(g["weight_decay"]), decoupled=self.decoupled)
             hp_of.update((self._names[id(p)], hp) for p in g["params"])
-        self.rt.optimizer_step(hp_of, grad_scale=self._clip_coef)
-        self._clip_coef = None
-        return loss
+        return hp_of
+
+    def update_in_backward(self, on: bool = True) -> None:
+        """Start each host row's update in the backward, as soon as its gradient is final (16-bit chunks,
+        dp = 1, after the first step): the update overlaps the rest of the backward as well as the next
+        forward. Exact only when the step does not scale the gradients afterwards — no
+        :meth:`clip_grad_norm_`, no :meth:`scale_next_step` (``step`` refuses one then) — when the
+        hyperparameters in ``param_groups`` during the backward are the step's, and when every step runs
+        the micro-batches the first ran (a gradient after its row's update is refused)."""
+        self.rt.adam.in_backward = self._hyperparameters if on else None
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.rt.zero_grad()

@@ -46,6 +46,7 @@ class Residency:
         self.layout, self.mgr, self.saved, self.zero = layout, mgr, saved, zero
         self.mod_groups: dict[nn.Module, list[Group]] = {m: self._groups(ps) for m, ps in layout.module_params.items()}
         self._cb_task = None  # the backward whose end-of-backward callback is queued
+        self.on_grad_write = None  # called with a row after each gradient written into it (the optimizer's count)
 
     def _groups(self, params: list[nn.Parameter]) -> list[Group]:
         """``params`` by parameter chunk (a tied parameter once)."""
@@ -127,13 +128,16 @@ class Residency:
 
     def _grad_ready(self, p: nn.Parameter) -> None:
         rec, row = self.layout.row_of(p)
-        if p.grad is not None:
+        wrote = p.grad is not None
+        if wrote:
             self._store_grad(row.G, row.G.tensors[rec.k], p.grad)
             p.grad = None
         if rec.bwd_held:
             self._release_bwd(rec)
         if self.layout.dp > 1 and all(t.state == S.HOLD_AFTER_BWD for t in row.G.tensors):
             self.zero.reduce_row(row, "on_completion")
+        if wrote and self.on_grad_write is not None:
+            self.on_grad_write(row)
 
     @torch.no_grad()
     def _store_grad(self, G: Chunk, t: TensorInfo, g: torch.Tensor) -> None:

@@ -69,6 +69,7 @@ class HeteroRuntime:
         self.adam = RowAdam(self.layout, self.mgr, self.zero, host, self.master, self.updates)
         self.full = FullState(self.layout, self.mgr, self.zero, self.master)
         self.residency = Residency(self.layout, self.mgr, self.saved, self.zero)
+        self.residency.on_grad_write = self.adam.note_grad_write
         self.handles = self.residency.install(model) + self.full.install(model)
 
     @property

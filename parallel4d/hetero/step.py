@@ -38,6 +38,12 @@ class RowAdam:
         self.host_rows = 0  # row updates done on the host so far
         self.device_rows = 0  # master row updates done on the device so far (16-bit chunks)
         self.order: list[int] = [row.index for row in layout.rows]  # forward order (the warm-up trace's)
+        # updates in the backward (update_in_backward): the hyperparameters now, or None (off); each row's
+        # gradient writes in a step, counted at the warm-up; this step's so far; the rows handed over
+        self.in_backward: Callable[[], dict[str, dict]] | None = None
+        self._writes_per_step: dict[int, int] | None = None
+        self._writes: dict[int, int] = {}
+        self._early: set[int] = set()
         self.steps: dict[str, int] = {}
         self._host_scale: torch.Tensor | None = None  # this step's grad_scale on the host (see step)
 
@@ -47,6 +53,12 @@ class RowAdam:
         beta2, eps, weight_decay, decoupled); the gradient is scaled by ``grad_scale`` first (clipping)."""
         self.layout.check_idle("optimizer.step()")
         self._host_scale = None  # grad_scale read back once, at the first row updated on the host
+        if self._early and grad_scale is not None:
+            raise RuntimeError("hetero: the gradients were scaled (clipping, loss scaling) after rows were updated "
+                               "in the backward; call update_in_backward(False) when the step scales its gradients")
+        if self._writes_per_step is None:
+            self._writes_per_step = dict(self._writes)  # the warm-up's count: later steps write the same
+        self._writes = {}
         if self.master is not None:
             self._step_masters(hp_of, grad_scale)
         else:
@@ -115,7 +127,15 @@ class RowAdam:
         written = self.mgr.transfers.written_back()
         scale = self._scale_on_host(grad_scale) if host else None
         for row in host:
-            self._submit_host_row(row, hp_of, scale, written)
+            if row.index in self._early:  # handed over in the backward: its gradient is consumed now
+                self._early.discard(row.index)
+                G = self.zero.opt_chunks(row)[1]
+                for t in G.tensors:
+                    if t.state == S.HOLD_AFTER_BWD:
+                        t.set_state(S.FREE)
+                self.mgr.invalidate(row.P)
+            else:
+                self._submit_host_row(row, hp_of, scale, written)
         for row in rows:
             if self.master.place[row.index] == DEVICE:
                 self._step_device_row(row, hp_of, grad_scale)
@@ -126,6 +146,32 @@ class RowAdam:
         ks = [k for k, t in enumerate(G.tensors) if t.state == S.HOLD_AFTER_BWD]
         steps = [(self._count_step(row.records[k].name), hp_of[row.records[k].name]) for k in ks]
         return G, [G.tensors[k] for k in ks], self._spans(G, ks, steps, lo, hi)
+
+    def note_grad_write(self, row: Row) -> None:
+        """A gradient was written into ``row`` (the backward's hook). With ``in_backward`` on, a host row whose
+        writes reach the warm-up's count has its final gradient: handed to the worker now, while the backward
+        goes on (16-bit chunks, dp = 1, the trace replayed: every step writes as the warm-up did)."""
+        if row.index in self._early:
+            raise RuntimeError(f"hetero: a gradient arrived for row {row.index} after its update in the backward "
+                               "(this step ran more micro-batches than the first); every step must run the same "
+                               "micro-batches under update_in_backward, or call update_in_backward(False)")
+        n = self._writes[row.index] = self._writes.get(row.index, 0) + 1
+        if (self.in_backward is None or self.master is None or self.layout.dp > 1 or self._writes_per_step is None
+                or not self.mgr.trace.valid or self.master.place[row.index] != HOST
+                or n != self._writes_per_step.get(row.index)):
+            return
+        self.mgr.flush(row.G)
+        G, gts, spans = self._final_grads(row, self.in_backward())
+        grad, fused, written = G.backing, self.host_optimizer == "fused", self.mgr.transfers.written_back()
+
+        def work():
+            if written is not None:
+                written.synchronize()
+            self.master.update(row, grad, spans, None, fused)
+
+        self._early.add(row.index)
+        self.updates.submit(row.index, work)
+        self.host_rows += 1
 
     def _submit_host_row(self, row: Row, hp_of: dict[str, dict], scale: Callable, written) -> None:
         """The row's master window stepped by the worker from its gradient's host backing; the gradient is
