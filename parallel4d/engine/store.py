@@ -334,6 +334,10 @@ def parameter_store(cfg: Config, mesh: Mesh, model: LocalModel, executor=None, t
         model, optimizer = hetero_wrap(model, cfg.optimizer, cfg.hetero, mesh=DataReplicas(mesh),
                                        param_groups=param_groups(named, cfg.optimizer),
                                        compute_dtype=TORCH_DTYPES[hetero_rules.compute_dtype(cfg)])
+        if cfg.train.grad_clip is None and cfg.train.autocast != "float16":
+            # nothing scales the gradients after the backward (no clipping, no loss scale): a host row's
+            # update can start as soon as its gradient is final
+            optimizer.update_in_backward()
         return HeteroStore(model, optimizer, mesh, list(tied_params))
     optimizer = build_optimizer(named, cfg.optimizer, cfg.train.fused)
     return PlainStore(model, optimizer, mesh, list(tied_params), cfg=cfg, executor=executor,
