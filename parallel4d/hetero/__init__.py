@@ -32,8 +32,11 @@ Engine-facing API::
   write-backs, zero-fills, drops, all-gather / reduce-scatter bytes).
 * ``wrap(..., compute_dtype=torch.bfloat16)`` (the engine passes it under ``train.dtype:
   bfloat16``): the device chunks hold that 16-bit compute copy and its gradients; the master
-  parameters and Adam moments stay in the parameters' dtype on the host (:mod:`.master`), every
-  row is updated there, and ``state_dict`` gives the master.
+  parameters and Adam moments, in the parameters' dtype (:mod:`.master`), live on the device for as
+  many rows as the budget leaves after the compute chunks (all without a budget) and are updated there;
+  the other rows' on the host, updated by a worker thread in forward order beside the next forward
+  (``opt.update_in_backward()``: from the backward on, when nothing scales the gradients after it);
+  ``state_dict`` gives the master.
 * On CUDA: host backings are one page-locked buffer (``cudaHostRegister``), fills and
   write-backs run on one side stream per direction with per-chunk ready events, the next chunks of the
   replayed trace are prefetched, ZeRO all-gathers included (``model._hetero_runtime.mgr.prefetch_depth``,
