@@ -24,14 +24,13 @@ in gathering the per-rank peaks.
 from __future__ import annotations
 
 import json
-import resource
-import sys
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from parallel4d.distributed import comm
+from parallel4d.training.host_memory import max_rss
 
 METRICS_FILE = "metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"
@@ -42,8 +41,7 @@ def peak_memory(device: torch.device) -> tuple[int, str]:
     """``(bytes, kind)``: the CUDA allocator's peak on ``device``, else this process's peak RSS."""
     if device.type == "cuda":
         return int(torch.cuda.max_memory_allocated(device)), "cuda max allocated"
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return int(rss if sys.platform == "darwin" else rss * 1024), "host max resident set"  # Linux counts KiB
+    return max_rss(), "host max resident set"
 
 
 def gather_per_rank(value: int, mesh) -> torch.Tensor | list[int]:
