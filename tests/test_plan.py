@@ -322,14 +322,21 @@ def test_the_host_memory_a_run_grows_by_is_the_planned(dtype, tmp_path):
     """summary.json's hetero.host_rss_bytes_per_param (the peak resident set above the worker's resident set
     just before its model was built, over its parameters: build, three steps and the final checkpoint's
     save) is within 10 % of what ``parallel4d plan`` predicts for a CPU job, in float32 chunks and in
-    bf16 chunks over float32 masters. The rest is no tensor: torch's kernels paged in on their first use."""
+    bf16 chunks over float32 masters (measured: 23.4 and 22.9 against 22.1 and 21.1 planned; the rest is
+    no tensor, mostly torch's kernels paged in on their first use). Launch's lower bound
+    (config/memory.py: hetero's host rule and the save's gathered state) stays below the measured growth,
+    and within a quarter of it: it leaves out only the chunks' padding, the arena, norms, biases and
+    temporaries."""
     from parallel4d import launch
+    from parallel4d.config.memory import rank_bytes
 
     overrides = [*HOST_RSS_JOB, f"train.dtype={dtype}"]
     got = launch(config_path("hetero"), [*overrides, f"train.out_dir={tmp_path}"])["hetero"]
-    (rank,) = plan(load_config(config_path("hetero"), overrides))
+    cfg = load_config(config_path("hetero"), overrides)
+    (rank,) = plan(cfg)
     planned, measured = rank.host_rss_bytes_per_param(on_cpu=True), got["host_rss_bytes_per_param"]
     assert got["host_rss_source"] == "VmHWM" and got["params"] == rank.hetero_params
     assert got["compute_dtype"] == ("float32" if dtype == "float32" else "bfloat16")
-    print("HOSTRSS", dtype, planned, measured)
     assert abs(planned - measured) <= 0.10 * measured, (planned, measured)
+    least = rank_bytes(cfg).host(on_cpu=True)
+    assert 0.75 * got["host_rss_bytes"] <= least <= got["host_rss_bytes"], (least, got["host_rss_bytes"])

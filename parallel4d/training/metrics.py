@@ -7,7 +7,8 @@ Each logged step (every ``train.log_every`` steps and the last) appends one JSON
   ``grad_norm`` (the whole model's gradient norm before clipping);
 * ``tokens_per_second`` and ``model_flops_per_second`` over the steps since the previous record;
 * ``peak_memory_bytes``: per rank, the CUDA allocator's peak on a GPU, the process's peak
-  resident set on the host (``peak_memory_kind`` says which);
+  resident set on the host (``peak_memory_kind`` says which; since just before the model was built
+  where :class:`.host_memory.HostPeak` could reset it);
 * ``bytes_sent_by_axis``: rank 0's bytes sent per mesh axis since this process started.
 
 Between them, event records (``"event"`` names the kind; :func:`read_events`, which
