@@ -152,3 +152,20 @@ def test_tensorboard_without_the_package_is_refused_naming_the_extra(monkeypatch
     with pytest.raises(ConfigError, match=r"train.tensorboard=true needs the tensorboard package: pip install "
                                           r"'parallel4d\[viz\]'"):
         make_config({"train": {"tensorboard": True}})
+
+
+def test_host_peak_is_the_growth_from_its_baseline_and_says_how_it_was_read(monkeypatch):
+    """summary.json's hetero.host_rss_* (#46.3): the peak resident set reached above the resident set at the
+    baseline — a 64 MiB block written and freed still counts (but for pages the heap held already) —; without /proc/self/clear_refs, the
+    lifetime peak ru_maxrss, and the figures say which."""
+    from parallel4d.training import host_memory
+
+    peak = host_memory.HostPeak()
+    block = b"\x01" * (64 << 20)  # every page written: resident
+    del block
+    assert peak.source == "VmHWM" and peak.grown() >= 56 << 20  # pages the heap held already: reused
+    figures = peak.per_param(1 << 20)
+    assert figures["host_rss_source"] == "VmHWM" and figures["host_rss_bytes_per_param"] >= 56
+    monkeypatch.setattr(host_memory, "_reset_peak", lambda: False)
+    fallback = host_memory.HostPeak()
+    assert fallback.source == "ru_maxrss" and fallback.per_param(1)["host_rss_source"] == "ru_maxrss"

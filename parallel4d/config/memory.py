@@ -7,10 +7,13 @@ least the average over the ranks, which is what these are):
 
 * **model state** — the dense parameters (the family's count: norms and biases left out) over
   ``pp·tp``, times the bytes each holds: parameter, gradient and Adam's two moments in the parameters'
-  dtype (``4·p``) without hetero; under hetero the Adam moments of this rank's ZeRO window
-  (``2·p / (dp·sp)``) on the host, its chunks' device share left out (a budget); under a ``deepspeed:``
+  dtype (``4·p``) without hetero; under hetero what its chunks keep on the host (:func:`hetero_host_bytes`)
+  and, on a CPU job, the master state a budget could have put on the device; under a ``deepspeed:``
   section parameters and gradients in at least 16 bits partitioned over ``dp·sp`` (ZeRO-3's least),
   not counted where it offloads (its split between host and device is DeepSpeed's);
+* **a checkpoint's save** — under hetero with ``checkpoint.enabled``, the rank's parameters and both Adam
+  moments whole, in the parameters' dtype (``3·p``, on every data replica: hetero gathers them from its
+  chunks to save them), on the host beside the model state;
 * **activations** — what one micro-batch saves for the backward at least, per token of its
   ``[b/(dp·q)/m, s/sp]`` and over ``q``: each block's input ``h`` (all activation checkpointing keeps)
   and, without checkpointing, the inputs of the attention's output projection ``a·d`` and of the MLP's
@@ -31,6 +34,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from parallel4d.config.checks import dense_parameters
+from parallel4d.config.rules import hetero as hetero_rules
 from parallel4d.config.rules.common import DTYPE_BYTES, human_bytes
 from parallel4d.config.rules.tensor2d import padded_vocab
 
@@ -46,12 +50,15 @@ class RankBytes:
     rest on the host. Where the compute device is the CPU, :meth:`host` counts them all."""
 
     model_state_device: int  # parameters, gradients, optimizer state on the compute device
-    model_state_host: int  # hetero's Adam moments on the host
+    model_state_host: int  # hetero's chunk backings and the master state its budget leaves on the host
     activations: int  # on the compute device
     batch: int  # the global batch's tokens and targets, on the host
+    master_placed: int = 0  # hetero's master state a budget may place on the compute device (host on a CPU)
+    checkpoint: int = 0  # what hetero gathers on the host to save a checkpoint
 
     def host(self, on_cpu: bool) -> int:
-        return self.batch + self.model_state_host + (self.model_state_device + self.activations if on_cpu else 0)
+        on_device = self.model_state_device + self.activations + self.master_placed
+        return self.batch + self.model_state_host + self.checkpoint + (on_device if on_cpu else 0)
 
     def device(self) -> int:
         return self.model_state_device + self.activations
@@ -63,14 +70,37 @@ def rank_bytes(cfg: Config) -> RankBytes:
     params = dense_parameters(m) // (p.pp * p.tp)
     item = DTYPE_BYTES[t.parameters]
     replicas = p.dp * p.sp
-    device = host = 0
+    device = host = placed = saved = 0
     if cfg.deepspeed is not None:
         device = 0 if _offloads(cfg.deepspeed) else 4 * params // replicas
     elif cfg.hetero.enabled:
-        host = 2 * item * params // replicas
+        host, placed = hetero_host_bytes(cfg, params)
+        saved = 3 * item * params if cfg.checkpoint.enabled else 0
     else:
         device = 4 * item * params
-    return RankBytes(device, host, _activations(cfg), 2 * TOKEN_BYTES * cfg.data.batch_size * m.seq_len)
+    return RankBytes(device, host, _activations(cfg), 2 * TOKEN_BYTES * cfg.data.batch_size * m.seq_len, placed,
+                     saved)
+
+
+def hetero_host_bytes(cfg: Config, params: int) -> tuple[int, int]:
+    """``(on the host, placed)``: what hetero's chunks keep in host memory for a rank of ``params``
+    parameters at least, and the master state its budget may put on the compute device instead.
+
+    The rule of hetero/populate.py and hetero/budget.py, per parameter of the rank's ZeRO window
+    (``/ (dp·sp)``): with chunks in the parameters' dtype, every chunk's host backing — parameter,
+    gradient and both Adam moments (``4·item``); with 16-bit chunks over a wider master, the gradient's
+    backing in the chunks' dtype (``citem``) and the master parameters and moments (``3·item``), of which
+    the device takes whole rows as long as its budget lasts (``hetero.device_budget_bytes``, static or
+    dynamic; every row without a budget). The chunks' padding and the device's arena are left out."""
+    item = DTYPE_BYTES[cfg.train.parameters]
+    chunk = DTYPE_BYTES[hetero_rules.compute_dtype(cfg)]
+    window = params // (cfg.parallel.dp * cfg.parallel.sp)
+    if chunk == item:
+        return 4 * item * window, 0
+    master = 3 * item * window
+    budget = cfg.hetero.device_budget_bytes
+    placed = master if budget is None else min(master, budget)
+    return chunk * window + master - placed, placed
 
 
 def _activations(cfg: Config) -> int:
@@ -123,11 +153,14 @@ def _held(need: RankBytes, on_cpu: bool, host: bool = False) -> dict[str, int]:
     """The parts that count in one memory: the host's (``host``) or the compute device's."""
     on_device = not host or on_cpu
     return {"activations": need.activations if on_device else 0,
-            "model state": (need.model_state_device if on_device else 0) + (need.model_state_host if host else 0),
+            "model state": (need.model_state_device if on_device else 0)
+            + (need.model_state_host + (need.master_placed if on_cpu else 0) if host else 0),
+            "checkpoint": need.checkpoint if host else 0,
             "batch": need.batch if host else 0}
 
 
 _PART_NAMES = {"activations": "activations", "model state": "parameters, gradients and optimizer state",
+               "checkpoint": "a checkpoint's gathered parameters and Adam moments",
                "batch": "the batch's tokens and targets"}
 
 
@@ -141,7 +174,11 @@ def _fixes(cfg: Config, need: RankBytes, on_cpu: bool, host: bool = False) -> st
     held = _held(need, on_cpu, host)
     largest = max(held, key=held.get)
     p, m, d = cfg.parallel, cfg.model, cfg.data
-    if largest == "model state":
+    if largest == "checkpoint":
+        fix = (f"lower model.hidden ({m.hidden}), model.layers ({m.layers}) or model.vocab_size ({m.vocab_size}), "
+               f"raise parallel.pp ({p.pp}) or parallel.tp ({p.tp}) (each rank saves a share), or set "
+               "checkpoint.enabled=false")
+    elif largest == "model state":
         fix = f"lower model.hidden ({m.hidden}), model.layers ({m.layers}) or model.vocab_size ({m.vocab_size})"
         if not host:
             offload = ("deepspeed.zero_optimization.offload_optimizer (DeepSpeed's optimizer state on the host)"

@@ -164,10 +164,13 @@ class MasterState:
         dtype (as torch's ``master.grad = grad.float()``) is the only temporary."""
         w, m, v = self.W[row.index], self.M[row.index], self.V[row.index]
         update = fused_adam_update if fused else adam_update
+        # one buffer for every piece: a fresh allocation per piece would be mapped, faulted in and unmapped
+        # each time (the training loop has large blocks returned to the kernel when freed)
+        piece = torch.empty(min(PIECE, grad.numel()), dtype=self.layout.dtype, device=grad.device)
         for a, b, (st, hp) in spans:
             for lo in range(a, b, PIECE):
                 hi = min(b, lo + PIECE)
-                g = grad[lo:hi].to(self.layout.dtype)
+                g = piece[:hi - lo].copy_(grad[lo:hi])
                 if grad_scale is not None:
                     g.mul_(grad_scale)
                 update(w[lo:hi], g, m[lo:hi], v[lo:hi], step=st, **hp)

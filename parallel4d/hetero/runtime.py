@@ -79,6 +79,14 @@ class HeteroRuntime:
         master = self.master.bytes_on(HOST) if self.master else 0
         return self.mgr.host_bytes + master + self.staging_bytes
 
+    @property
+    def host_transient_bytes(self) -> int:
+        """The largest temporary hetero makes in host memory besides :attr:`host_bytes`: a row's ``[C]``
+        in the parameters' dtype while the model moves into the chunks (:mod:`.populate`). An update's
+        gradient piece in the master's dtype (16-bit chunks: at most :data:`.master.PIECE` elements of a
+        row's ``[C/dp]`` window) is no larger."""
+        return self.C * self.layout.dtype.itemsize
+
     def _reserve(self) -> None:
         """The device rows' master state is device memory outside the arena (a dynamic budget's business)."""
         self.mgr.reserved_bytes = self.master.bytes_on(DEVICE) if self.master else 0
@@ -169,6 +177,7 @@ class HeteroRuntime:
             "host_bytes": self.host_bytes,
             "params": self.layout.params,
             "host_bytes_per_param": self.host_bytes / self.layout.params,
+            "host_transient_bytes": self.host_transient_bytes,
             "device_bytes_moved_per_step": last["moved_bytes"] if last else None,
             "compute_dtype": str(self.layout.cdtype).removeprefix("torch."),
             "master_dtype": str(self.layout.dtype).removeprefix("torch.") if self.master else None,

@@ -43,6 +43,7 @@ from parallel4d.config.schema import Config
 from parallel4d.engine.model import parameter_dtype
 from parallel4d.engine.compose import compose
 from parallel4d.distributed.mesh import AXES, init_mesh, mesh_shape
+from parallel4d.planning.live import LiveTensors
 from parallel4d.planning.trace import Op, OpTrace
 
 HEADROOM = 0.9  # a job fits when its largest rank needs at most this share of the device's memory
@@ -67,6 +68,14 @@ class RankPlan:
     calls_by_axis: dict[str, int] = field(default_factory=dict)  # the collectives and messages behind sent_by_axis
     ops: Counter[Op] | None = None  # timed dry runs: every op of one whole step (planning.trace)
     calls: list[Op] | None = field(default=None, repr=False)  # the same in order (timed dry runs only)
+    # hetero: the most bytes the rank's tensors held at once from its model's build on, through two steps and
+    # (checkpoint.enabled) a save (planning.live): what a process computing on the CPU grows by
+    host_peak: int | None = None
+    save_bytes: int | None = None  # hetero: what a checkpoint's save holds on top of the steps' state (0: none)
+    hetero_host_transient: int | None = None  # hetero's largest host temporary (its stats' host_transient_bytes)
+    # hetero under 16-bit chunks: where the master state is (its stats' optimizer_rows_on_device, ..._on_host,
+    # optimizer_device_bytes, optimizer_host_bytes); None otherwise
+    master_placement: dict[str, int] | None = None
 
     @property
     def host_bytes_per_param(self) -> float | None:
@@ -74,14 +83,36 @@ class RankPlan:
 
     @property
     def device_bytes(self) -> int:
-        """What the compute device holds at the step's peak (counted parts only: see the module)."""
+        """What the compute device holds at the step's peak (counted parts only: see the module); under
+        hetero the chunk arena, the master state of the rows placed on the device, the activations."""
         if self.hetero_device is not None:
-            return self.hetero_device + self.activations
+            master = (self.master_placement or {}).get("optimizer_device_bytes") or 0
+            return self.hetero_device + master + self.activations
         return self.parameters + self.gradients + self.optimizer_state + self.activations
+
+    def host_rss_bytes(self, on_cpu: bool) -> int | None:
+        """hetero: what the rank's process grows by from just before its model is built to the end of the
+        run (``summary.json``'s ``hetero.host_rss_bytes``; None without hetero). Computing on the CPU, every
+        tensor it holds is host memory: :attr:`host_peak`. With the compute on a GPU, the host's part:
+        hetero's host memory (chunk backings, the host rows' master state, the staging ring) and the most
+        it adds at once, a temporary of its own or a checkpoint's gathered state."""
+        if self.host_peak is None:
+            return None
+        if on_cpu:
+            return self.host_peak
+        return self.hetero_host + max(self.hetero_host_transient or 0, self.save_bytes or 0)
+
+    def host_rss_bytes_per_param(self, on_cpu: bool) -> float | None:
+        """:meth:`host_rss_bytes` over the rank's parameters (``summary.json``'s
+        ``hetero.host_rss_bytes_per_param``)."""
+        rss = self.host_rss_bytes(on_cpu)
+        return None if rss is None else rss / self.hetero_params
 
     @property
     def host_bytes(self) -> int:
-        return self.hetero_host or 0
+        """The host memory the rank needs at its peak with its compute on a GPU (0 without hetero: the
+        host's share is not planned then)."""
+        return self.host_rss_bytes(on_cpu=False) or 0
 
 
 @contextmanager
@@ -131,32 +162,65 @@ def dry_run(cfg: Config, pp_rank: int = 0, timed: bool = False) -> RankPlan:
     return RankPlan(pp_rank, rank, held["parameters"], held["gradients"], optimizer, held["activations"],
                     held.get("hetero_device"), held.get("hetero_host"), held["sent_by_axis"],
                     held.get("hetero_moved"), held.get("hetero_params"), held.get("hetero_min_budget"),
-                    held["calls_by_axis"], trace.ops() if trace else None, trace.calls() if trace else None)
+                    held["calls_by_axis"], trace.ops() if trace else None, trace.calls() if trace else None,
+                    held.get("host_peak"), held.get("save_bytes"), held.get("hetero_host_transient"),
+                    held.get("master_placement"))
 
 
 def _one_step(cfg: Config, mesh, trace: OpTrace | None) -> tuple[dict, int]:
     """(:attr:`.engine.Engine.memory` after one forward and backward, the optimizer state's bytes).
     Under hetero two whole steps: the second, with the first's chunk trace to replay, moves what
-    every later step moves (``hetero_moved``, with ``hetero_params``: the parameters its chunks hold).
+    every later step moves (``hetero_moved``, with ``hetero_params``: the parameters its chunks hold);
+    and, in :class:`.live.LiveTensors`, the most bytes the rank's tensors held at once from the model's
+    build on, a checkpoint's state included where the job saves (``host_peak``).
     ``trace``: entered around a whole step (the steady second one under hetero)."""
+    if cfg.hetero.enabled:
+        return _hetero_steps(cfg, mesh, trace)
     engine = compose(cfg, mesh)
+    tokens = _tokens(cfg, engine)
+    if trace is None:
+        engine.measure_gradients(tokens, tokens)
+    else:
+        with trace:
+            engine.train_step(tokens, tokens, measure_memory=True)
+    return engine.memory, engine.store.expected_optimizer_state_bytes()
+
+
+def _tokens(cfg: Config, engine) -> torch.Tensor:
     with unset_fake_temporarily():  # real: packed documents are computed from them on the host
-        tokens = torch.full((cfg.data.batch_size, cfg.model.seq_len), int(engine.eod == 0), dtype=torch.long)
-    if not cfg.hetero.enabled:
-        if trace is None:
-            engine.measure_gradients(tokens, tokens)
-        else:
-            with trace:
-                engine.train_step(tokens, tokens, measure_memory=True)
-        return engine.memory, engine.store.expected_optimizer_state_bytes()
-    engine.train_step(tokens, tokens, measure_memory=True)
-    memory = engine.memory
-    with trace or nullcontext():
-        engine.train_step(tokens, tokens)
+        return torch.full((cfg.data.batch_size, cfg.model.seq_len), int(engine.eod == 0), dtype=torch.long)
+
+
+def _hetero_steps(cfg: Config, mesh, trace: OpTrace | None) -> tuple[dict, int]:
+    live = LiveTensors()
+    with live:
+        engine = compose(cfg, mesh)
+        tokens = _tokens(cfg, engine)
+        engine.train_step(tokens, tokens, measure_memory=True)
+        memory = engine.memory
+        with trace or nullcontext():
+            engine.train_step(tokens, tokens)
+        save = _save_bytes(engine, live) if cfg.checkpoint.enabled else 0
     stats = engine.store.hetero_stats()
+    placement = {k: stats[k] for k in _PLACEMENT} if stats["master_dtype"] else None
     memory.update(hetero_moved=stats["device_bytes_moved_per_step"], hetero_params=stats["params"],
-                  hetero_min_budget=stats["min_feasible_budget_bytes"])
+                  hetero_min_budget=stats["min_feasible_budget_bytes"], host_peak=live.peak, save_bytes=save,
+                  hetero_host_transient=stats["host_transient_bytes"], master_placement=placement)
     return memory, engine.store.expected_optimizer_state_bytes()
+
+
+_PLACEMENT = ("optimizer_rows_on_device", "optimizer_rows_on_host", "optimizer_device_bytes", "optimizer_host_bytes")
+
+
+def _save_bytes(engine, live: LiveTensors) -> int:
+    """The most a checkpoint's save adds to what the rank holds: the state it gathers (hetero's whole
+    parameters and Adam moments, on every data replica), held while DCP writes it."""
+    before, peak = live.live, live.restart_peak()
+    state = engine.checkpoint_state()
+    del state
+    grown = live.peak - before
+    live.peak = max(peak, live.peak)
+    return grown
 
 
 EXACT_DEPTH = 4  # a deeper one-stage model is planned from two shallow dry runs (see plan)
@@ -284,13 +348,30 @@ def format_ranks(ranks: list[RankPlan]) -> list[str]:
         lines.append("  " + f"{r.pp_rank:>14}" + "".join(f"{'in chunks' if v is None else human(v):>14}"
                                                            for v in vals))
     for r in ranks if hetero else ():
-        lines.append(f"  pp rank {r.pp_rank} hetero: {r.host_bytes_per_param:.2f} host bytes per parameter, "
-                     f"{human(r.hetero_moved)} between host and device per step")
+        lines += _hetero_lines(r)
     lines.append("sent per step by each rank (forward and backward, gradient reduction included):")
     for r in ranks:
         axes = sorted(r.sent_by_axis, key=lambda a: (a not in AXES, AXES.index(a) if a in AXES else 0, a))
         lines.append(f"  pp rank {r.pp_rank}: " + (", ".join(f"{a} {human(r.sent_by_axis[a])}" for a in axes)
                                                      or "nothing"))
+    return lines
+
+
+def _hetero_lines(r: RankPlan) -> list[str]:
+    """One rank's hetero figures: its chunks' host bytes and traffic, where the master state is (16-bit
+    chunks), and its process's peak host memory (``summary.json``'s ``hetero.host_rss_bytes_per_param``)."""
+    lines = [f"  pp rank {r.pp_rank} hetero: {r.host_bytes_per_param:.2f} host bytes per parameter in its chunks, "
+             f"{human(r.hetero_moved)} between host and device per step"]
+    m = r.master_placement
+    if m is not None:
+        lines.append(f"  pp rank {r.pp_rank} master state (parameters and Adam moments): {m['optimizer_rows_on_device']} "
+                     f"rows on the device ({human(m['optimizer_device_bytes'])}), {m['optimizer_rows_on_host']} on the "
+                     f"host ({human(m['optimizer_host_bytes'])})")
+    save = f" (a checkpoint's save adds {human(r.save_bytes)})" if r.save_bytes else ""
+    lines.append(f"  pp rank {r.pp_rank} process memory above its start at its peak (summary.json's host_rss): "
+                 f"{r.host_rss_bytes_per_param(True):.2f} bytes per parameter ({human(r.host_rss_bytes(True))}) "
+                 f"computing on the CPU, {r.host_rss_bytes_per_param(False):.2f} ({human(r.host_rss_bytes(False))}) "
+                 f"of host memory with a GPU{save}")
     return lines
 
 

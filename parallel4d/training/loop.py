@@ -37,6 +37,7 @@ from parallel4d.engine.trainer import Trainer
 from parallel4d.distributed.mesh import init_mesh
 from parallel4d.integrations import deepspeed_integration
 from parallel4d.training.checkpoints import check_format, job_files
+from parallel4d.training.host_memory import HostPeak, return_large_blocks
 from parallel4d.training.metrics import MetricsLog, gather_objects, gather_per_rank, peak_memory, read_together
 from parallel4d.training.signals import silence_a_hung_up_terminal, stop_signals
 
@@ -240,9 +241,11 @@ def run_training(cfg: Config) -> dict:
         elastic.check_nodes_agree(cfg.model_dump(mode="json"), ckpt_dir if cfg.checkpoint.enabled else None)
     rank = dist.get_rank()
     lead = rank == 0
+    data, val = build_dataset(cfg), build_validation(cfg)
+    return_large_blocks()  # freed memory leaves the resident set (host_memory.py: as the plan counts it)
+    host = HostPeak()  # the baseline just before the model is built (summary.json's hetero.host_rss_*)
     engine: Trainer = (compose(cfg, mesh) if cfg.deepspeed is None
                        else deepspeed_integration().DeepSpeedTrainer(cfg, mesh))
-    data, val = build_dataset(cfg), build_validation(cfg)
     summary_path = out_dir / "summary.json"
     run = _Run(cfg, engine, ckpt_dir, lead)
     if cfg.train.resume:
@@ -263,7 +266,7 @@ def run_training(cfg: Config) -> dict:
     interval = _Interval(start, engine.step)
 
     def write_summary(elapsed: float, finished: bool) -> dict:
-        summary = _summary(cfg, mesh, engine, run, elapsed, interrupted, finished)
+        summary = _summary(cfg, mesh, engine, run, elapsed, interrupted, finished, host)
         _write_json(summary_path, summary)
         return summary
 
@@ -443,7 +446,7 @@ def _try_write(write, *args, **kwargs) -> None:
 
 
 def _summary(cfg: Config, mesh, engine: Trainer, run: _Run, elapsed: float, interrupted: str | None,
-             finished: bool) -> dict:
+             finished: bool, host: HostPeak) -> dict:
     summary = {
         "losses": run.losses,
         "validation": run.validation,
@@ -473,8 +476,8 @@ def _summary(cfg: Config, mesh, engine: Trainer, run: _Run, elapsed: float, inte
     if run.memory is not None:
         summary["memory"] = run.memory
     hetero = engine.hetero_stats()
-    if hetero is not None:
-        summary["hetero"] = hetero
+    if hetero is not None:  # with the peak resident set this process grew by from the model's build on
+        summary["hetero"] = {**hetero, **host.per_param(hetero["params"])}
     pipeline = engine.pipeline_step_info()
     if pipeline is not None:
         summary["pipeline"] = {"schedule": cfg.pipeline.schedule, **pipeline}

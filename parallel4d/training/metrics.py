@@ -7,7 +7,8 @@ Each logged step (every ``train.log_every`` steps and the last) appends one JSON
   ``grad_norm`` (the whole model's gradient norm before clipping);
 * ``tokens_per_second`` and ``model_flops_per_second`` over the steps since the previous record;
 * ``peak_memory_bytes``: per rank, the CUDA allocator's peak on a GPU, the process's peak
-  resident set on the host (``peak_memory_kind`` says which);
+  resident set on the host (``peak_memory_kind`` says which; since just before the model was built
+  where :class:`.host_memory.HostPeak` could reset it);
 * ``bytes_sent_by_axis``: rank 0's bytes sent per mesh axis since this process started.
 
 Between them, event records (``"event"`` names the kind; :func:`read_events`, which
@@ -24,14 +25,13 @@ in gathering the per-rank peaks.
 from __future__ import annotations
 
 import json
-import resource
-import sys
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from parallel4d.distributed import comm
+from parallel4d.training.host_memory import max_rss
 
 METRICS_FILE = "metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"
@@ -42,8 +42,7 @@ def peak_memory(device: torch.device) -> tuple[int, str]:
     """``(bytes, kind)``: the CUDA allocator's peak on ``device``, else this process's peak RSS."""
     if device.type == "cuda":
         return int(torch.cuda.max_memory_allocated(device)), "cuda max allocated"
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return int(rss if sys.platform == "darwin" else rss * 1024), "host max resident set"  # Linux counts KiB
+    return max_rss(), "host max resident set"
 
 
 def gather_per_rank(value: int, mesh) -> torch.Tensor | list[int]:
