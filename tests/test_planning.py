@@ -217,3 +217,32 @@ def test_a_whole_dry_run_that_would_outlast_the_verify_budget_is_not_started():
     assert not out[0].exact and estimate > 30
     out, estimate = _verified([best], 2**40, h100, time.perf_counter() + 30, seconds_per_op=1e-9)
     assert out[0].exact and estimate == 0
+
+
+def test_the_time_model_steps_the_device_rows_there_and_hides_the_host_rows_behind_the_next_forward():
+    """#46: a bf16 hetero job's optimizer step in the time model follows the master placement the dry run
+    reports — every row on the device (no budget) steps at the device's rates; every row on the host (a budget
+    of the compute chunks alone) at the host's, less what the worker hides behind the forward, and behind the
+    backward too when nothing scales the gradients after it."""
+    h100 = profiles.load("h100")
+    base = {"model": {"arch": "llama", "layers": 2, "hidden": 64, "heads": 2, "seq_len": 32},
+            "data": {"batch_size": 2}, "hetero": {"enabled": True, "chunk_elems": 16384},
+            "train": {"dtype": "bfloat16"}}
+    (resident,) = plan(load_config(base), timed=True)
+    m = resident.master_placement
+    assert m["optimizer_rows_on_host"] == 0 and m["optimizer_rows_on_device"] > 0
+    budget = resident.hetero_device  # the arena alone: no room left for any row's master
+    parts = {}
+    for clip in (None, 1.0):
+        cfg = load_config({**base, "hetero": {**base["hetero"], "device_budget_bytes": budget},
+                           "train": {**base["train"], "grad_clip": clip}})
+        (host,) = plan(cfg, timed=True)
+        assert host.master_placement["optimizer_rows_on_device"] == 0
+        parts[clip] = predict(cfg, [host], h100).ranks[0], predict(cfg, [host], h100).parts["optimizer"]
+    device_opt = predict(load_config(base), [resident], h100).parts["optimizer"]
+    (t_free, opt_free), (t_clip, opt_clip) = parts[None], parts[1.0]
+    assert t_clip.host_step_s > 0 and t_clip.compute_s["step"] == 0
+    assert opt_clip == pytest.approx(max(0.0, t_clip.host_step_s - t_clip.compute_s["forward"]))
+    assert opt_free == pytest.approx(max(0.0, t_free.host_step_s - t_free.compute_s["forward"]
+                                         - t_free.compute_s["backward"]))
+    assert opt_free <= opt_clip and device_opt > 0

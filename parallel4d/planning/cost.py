@@ -13,7 +13,10 @@ Per pipeline position, :func:`parallel4d.planning.dry_run.plan` (``timed``) give
 * **the pipeline**: :func:`parallel4d.pipeline.simulate` of the job's own order with each rank's
   chunk forward and backward and that hop (``hop_cost: auto`` builds the order for them, as a run
   does); without a pipeline, the micro-batches one after another;
-* **hetero**: the chunk traffic a steady step moves, over the host link.
+* **hetero**: the chunk traffic a steady step moves, over the host link; the optimizer step's share of the
+  rows whose state is on the host (16-bit chunks: the master placement the dry run reports; otherwise
+  every row) at the host's rates, less what its worker hides behind the next forward (and the backward,
+  when nothing scales the gradients after it and there is one data replica).
 
 ``step = pipeline + data-parallel reduction + optimizer step + hetero traffic``.
 """
@@ -45,6 +48,7 @@ class RankTime:
     compute_s: dict[str, float]  # forward / backward / step
     comm_s: dict[str, float]  # by mesh axis
     hetero_s: float = 0.0  # host link
+    host_step_s: float = 0.0  # the optimizer step's host rows (hetero), before what the worker hides
 
     def inside_s(self) -> float:
         return sum(t for a, t in self.comm_s.items() if a in INSIDE)
@@ -69,7 +73,8 @@ class Prediction:
     def as_dict(self) -> dict:
         return {"step_s": self.step_s, "tokens_per_s": self.tokens_per_s, "mfu": self.mfu, "bubble": self.bubble,
                 "hop_s": self.hop_s, "parts": self.parts,
-                "ranks": [{"pp_rank": r.pp_rank, "compute_s": r.compute_s, "comm_s": r.comm_s, "hetero_s": r.hetero_s}
+                "ranks": [{"pp_rank": r.pp_rank, "compute_s": r.compute_s, "comm_s": r.comm_s, "hetero_s": r.hetero_s,
+                           "host_step_s": r.host_step_s}
                           for r in self.ranks]}
 
 
@@ -106,12 +111,38 @@ def wire_bytes(cfg: Config, axis: str, counted: float) -> float:
     return counted * 2 * (n - 1) / n
 
 
-def compute_seconds(ops: Counter[Op], profile: Profile, host_step: bool) -> dict[str, float]:
-    """Seconds per phase; ``host_step``: the step phase runs on the host (hetero's optimizer)."""
+def compute_seconds(ops: Counter[Op], profile: Profile, host_share: float = 0.0) -> tuple[dict[str, float], float]:
+    """``(seconds per phase, the step's host seconds)``: ``host_share`` of the step phase's work runs on the
+    host (hetero's host rows), the rest on the device (its ``step`` entry)."""
     out = dict.fromkeys(PHASES, 0.0)
+    host = 0.0
     for op, n in ops.items():
-        out[op.phase] += n * profile.op_seconds(op, on_host=host_step and op.phase == "step")
-    return out
+        if op.phase == "step" and host_share:
+            host += n * host_share * profile.op_seconds(op, on_host=True)
+            out["step"] += n * (1 - host_share) * profile.op_seconds(op)
+        else:
+            out[op.phase] += n * profile.op_seconds(op)
+    return out, host
+
+
+def host_step_share(cfg: Config, plan: RankPlan) -> float:
+    """The share of the optimizer step hetero runs on the host: its host rows' (16-bit chunks), else all."""
+    if not cfg.hetero.enabled:
+        return 0.0
+    m = plan.master_placement
+    if not m:
+        return 1.0
+    rows = m["optimizer_rows_on_device"] + m["optimizer_rows_on_host"]
+    return m["optimizer_rows_on_host"] / rows if rows else 0.0
+
+
+def hidden_host_step(cfg: Config, t: RankTime) -> float:
+    """The seconds of a rank's host step its worker overlaps: the next forward, and the backward too when the
+    rows are handed over in it (no clipping, no float16 loss scale, one data replica)."""
+    window = t.compute_s["forward"]
+    if cfg.train.grad_clip is None and cfg.train.autocast != "float16" and cfg.parallel.dp * cfg.parallel.sp == 1:
+        window += t.compute_s["backward"]
+    return min(t.host_step_s, window)
 
 
 def rank_time(cfg: Config, plan: RankPlan, profile: Profile) -> RankTime:
@@ -120,7 +151,8 @@ def rank_time(cfg: Config, plan: RankPlan, profile: Profile) -> RankTime:
         within = axis_span(cfg, axis) <= profile.ranks_per_node
         comm[axis] = profile.link(within).seconds(wire_bytes(cfg, axis, nbytes), plan.calls_by_axis.get(axis, 1))
     hetero = (plan.hetero_moved or 0) / profile.host_link_bytes_per_s
-    return RankTime(plan.pp_rank, compute_seconds(plan.ops, profile, cfg.hetero.enabled), comm, hetero)
+    compute, host = compute_seconds(plan.ops, profile, host_step_share(cfg, plan))
+    return RankTime(plan.pp_rank, compute, comm, hetero, host)
 
 
 def hop_seconds(cfg: Config, plan: RankPlan, profile: Profile) -> float:
@@ -218,10 +250,11 @@ def hop_cost_of(cfg: Config, plans: list[RankPlan], profile: Profile, round_hop=
     return _hop_cost(cfg, times, hop_seconds(cfg, plans[0], profile), round_hop)
 
 
-def _after_pipeline(times: list[RankTime]) -> dict[str, float]:
-    """The step's parts after the pipeline: the replicas' reduction, the optimizer step, hetero's traffic."""
+def _after_pipeline(cfg: Config, times: list[RankTime]) -> dict[str, float]:
+    """The step's parts after the pipeline: the replicas' reduction, the optimizer step (hetero's host rows:
+    what their worker does not hide), hetero's traffic."""
     return {"data_parallel": max(t.after_s() for t in times),
-            "optimizer": max(t.compute_s["step"] for t in times),
+            "optimizer": max(t.compute_s["step"] + t.host_step_s - hidden_host_step(cfg, t) for t in times),
             "hetero": max(t.hetero_s for t in times)}
 
 
@@ -231,7 +264,7 @@ def predict(cfg: Config, plans: list[RankPlan], profile: Profile, round_hop=None
     ``build_order`` and ``orders``: as :func:`_pipeline`'s."""
     times = [rank_time(cfg, p, profile) for p in plans]
     pipeline_s, bubble, hop = _pipeline(cfg, plans, times, profile, round_hop, build_order, orders)
-    parts = {"pipeline": pipeline_s, **_after_pipeline(times)}
+    parts = {"pipeline": pipeline_s, **_after_pipeline(cfg, times)}
     step = sum(parts.values())
     tokens = cfg.data.batch_size * cfg.model.seq_len
     dtype = cfg.train.autocast if cfg.train.autocast != "none" else cfg.train.parameters
@@ -251,7 +284,7 @@ def step_floor(cfg: Config, plans: list[RankPlan], profile: Profile, orders: dic
     else:
         base = order(cfg, orders)
         pipeline_s = makespan_floor(base, _action_cost(cfg, base, times), hop_seconds(cfg, plans[0], profile))
-    return pipeline_s + sum(_after_pipeline(times).values())
+    return pipeline_s + sum(_after_pipeline(cfg, times).values())
 
 
 def _ms(s: float) -> str:
