@@ -141,6 +141,8 @@ def parts() -> dict[str, list[Step]]:
                                               "--blocks", "cudnn", "--compile-merge",
                                               "--out", str(RESULTS / "gpu_sequence.json")],
                    240, 120, sequence_figures),
+              # hetero_gpu.py's estimate is a guess until a GPU runs it: five child processes since issue #46
+              # (bandwidth, plain, resident, half, DeepSpeed with its CPUAdam built on first use)
               Step("benchmarks/hetero_gpu.py", [py, "benchmarks/hetero_gpu.py",
                                                 "--out", str(RESULTS / "gpu_hetero.json")], 350, 240,
                    hetero_figures("gpu_hetero.json"))],
@@ -148,7 +150,9 @@ def parts() -> dict[str, list[Step]]:
 
 
 def optional_parts() -> dict[str, list[Step]]:
-    """Parts run only when named (not in ``all``): the largest-model ladders, within one part's time."""
+    """Parts run only when named (not in ``all``): the largest-model ladders, within one part's time (the
+    estimate a guess until a GPU runs it: a few plans, then one size of each side trained, if the plan's largest
+    trains)."""
     py = sys.executable
     return {"ladders": [Step("benchmarks/hetero_gpu.py --ladders-only",
                              [py, "benchmarks/hetero_gpu.py", "--ladders-only", "--child-timeout", "420",

@@ -62,6 +62,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from parallel4d.config.load import make_config  # noqa: E402
+from parallel4d.config.rules.common import human_bytes as human  # noqa: E402
 from parallel4d.models.gpt2.model import GPTShape, build_gpt, shape_from_config  # noqa: E402
 from parallel4d.models.stages import cross_entropy  # noqa: E402
 
@@ -83,7 +84,7 @@ def job(args, hidden: int, layers: int, heads: int, budget: int | None = None, c
                       "heads": heads, "layers": layers, "tie_embeddings": False},
             "data": {"batch_size": args.batch},
             "train": {"dtype": "bfloat16", "activation_checkpointing": "blocks" if ckpt else "none"},
-            "optimizer": {"name": "adamw", "lr": 1e-4},
+            "optimizer": {"name": "adamw", "lr": 1e-4, "weight_decay": 0.01},
             "hetero": {"enabled": True, "device_budget_bytes": budget}}
 
 
@@ -210,7 +211,9 @@ def build_on(shape, device, ckpt: bool = False):
 def run_plain(cfg, device, spec: Spec) -> dict:
     shape = shape_from_config(cfg.model)
     model = build_on(shape, device, cfg.train.activation_checkpointing == "blocks")
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.optimizer.lr, fused=True)
+    o = cfg.optimizer
+    opt = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay,
+                            fused=True)
 
     def step(x, y):
         with amp(device):
@@ -267,16 +270,18 @@ def run_hetero(cfg, device, spec: Spec) -> dict:
     return out
 
 
-def deepspeed_config(batch: int, offload: bool = True, pin: bool = True, cpu_adam: bool = True) -> dict:
+def deepspeed_config(batch: int, offload: bool = True, pin: bool = True, cpu_adam: bool = True,
+                     adamw: dict | None = None) -> dict:
     """ZeRO-3 with parameters and optimizer offloaded to (pinned) host memory (``offload``), bf16; the
-    offloaded optimizer is DeepSpeed's CPUAdam unless ``cpu_adam=False`` (torch's AdamW: no C++ build)."""
+    offloaded optimizer is DeepSpeed's CPUAdam unless ``cpu_adam=False`` (torch's AdamW: no C++ build);
+    ``adamw``: its hyper-parameters (lr, betas, eps, weight_decay; default lr 1e-4)."""
     zero = {"stage": 3, "overlap_comm": True, "contiguous_gradients": True, "stage3_max_live_parameters": 1e9,
             "stage3_max_reuse_distance": 1e9, "stage3_prefetch_bucket_size": 1e7,
             "stage3_param_persistence_threshold": 1e5, "reduce_bucket_size": 1e7, "sub_group_size": 1e9}
     if offload:
         zero.update(offload_param={"device": "cpu", "pin_memory": pin},
                     offload_optimizer={"device": "cpu", "pin_memory": pin})
-    params = {"lr": 1e-4} if cpu_adam else {"lr": 1e-4, "torch_adam": True}
+    params = {**(adamw or {"lr": 1e-4}), **({} if cpu_adam else {"torch_adam": True})}
     return {"train_micro_batch_size_per_gpu": batch, "gradient_accumulation_steps": 1, "bf16": {"enabled": True},
             "optimizer": {"type": "AdamW", "params": params}, "zero_optimization": zero}
 
@@ -315,7 +320,9 @@ def run_deepspeed(cfg, device, spec: Spec) -> dict:
     avoid_compiled_ops()  # its shared-memory all-reduce (the CPU accelerator's): not what is measured
     deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo")
     shape = shape_from_config(cfg.model)
-    ds_cfg = deepspeed_config(cfg.data.batch_size, pin=cuda, cpu_adam=cuda)
+    o = cfg.optimizer
+    ds_cfg = deepspeed_config(cfg.data.batch_size, pin=cuda, cpu_adam=cuda,
+                              adamw={"lr": o.lr, "betas": list(o.betas), "eps": o.eps, "weight_decay": o.weight_decay})
     engine = deepspeed_engine(shape, ds_cfg, device=device, ckpt=cfg.train.activation_checkpointing == "blocks")
 
     def step(x, y):
@@ -357,15 +364,27 @@ def run_bandwidth(cfg, device, spec: Spec, mib=256, repeats=10) -> dict:
 RUNS = {"plain": run_plain, "hetero": run_hetero, "deepspeed": run_deepspeed, "bandwidth": run_bandwidth}
 
 
+def preload(run: str) -> None:
+    """The run's libraries imported before the baseline: their code is not the run's memory."""
+    try:
+        if run == "hetero":
+            import parallel4d.hetero  # noqa: F401
+        elif run == "deepspeed":
+            import deepspeed  # noqa: F401
+    except Exception:  # reported by the run itself
+        pass
+
+
 def child_main(spec: Spec) -> None:
     """One run in this fresh process; prints its result as one ``RESULT {json}`` line."""
     if spec.dry_run:
         device = torch.device("cpu")
-        torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
+        torch.set_num_threads(1)  # a tiny model: more threads only wait on each other (and on a busy machine, long)
     else:
         device = torch.device("cuda", torch.cuda.current_device())
         torch.zeros(1, device=device)  # the CUDA context before the baseline: not the model's memory
     cfg = make_config(spec.job)
+    preload(spec.run)
     peak = HostPeak()
     try:
         out = RUNS[spec.run](cfg, device, spec)
@@ -453,9 +472,8 @@ def hetero_gate(cfg, memory) -> dict:
     ok = device <= HEADROOM * memory.gpu and host <= memory.host
     return {"accepted": ok, "device_bytes": device, "host_bytes": host,
             "host_bytes_per_param": ranks[0].host_bytes_per_param,
-            **({} if ok else {"reason": f"plan: {device / 2**30:.1f} GiB device (≤ {HEADROOM:.0%} of "
-                                        f"{memory.gpu / 2**30:.1f}), {host / 2**30:.1f} GiB host "
-                                        f"(≤ {memory.host / 2**30:.1f})"})}
+            **({} if ok else {"reason": f"plan: {human(device)} device (≤ {HEADROOM:.0%} of {human(memory.gpu)}), "
+                                        f"{human(host)} host (≤ {human(memory.host)})"})}
 
 
 def deepspeed_gate(cfg, memory) -> dict:
@@ -465,8 +483,8 @@ def deepspeed_gate(cfg, memory) -> dict:
     cpu, gpu = deepspeed_estimate(cfg)
     ok = cpu <= memory.host and gpu <= memory.gpu
     return {"accepted": ok, "device_bytes": gpu, "host_bytes": cpu,
-            **({} if ok else {"reason": f"DeepSpeed's estimator: {cpu / 2**30:.1f} GiB per CPU, "
-                                        f"{gpu / 2**30:.1f} GiB per GPU"})}
+            **({} if ok else {"reason": f"DeepSpeed's estimator: {human(cpu)} per CPU (≤ {human(memory.host)}), "
+                                        f"{human(gpu)} per GPU (≤ {human(memory.gpu)})"})}
 
 
 def largest_accepted(n: int, accepted) -> int:
@@ -535,7 +553,7 @@ def _line(r: dict) -> str:
 
 def table(res: dict) -> list[str]:
     head = f"{'run':<26}{'s/step':>8}{'TFLOP/s':>9}{'tokens/s':>10}{'GPU GB':>8}{'host B/p':>9}" \
-           f"{'master rows dev/host':>22}{'host upd s/step':>17}"
+           f"{'master rows dev/host':>22}{'host upd s/step':>17}{'moved GB/step':>15}"
     lines = [head]
     for name in ("plain", "hetero_resident", "hetero_half", "deepspeed_zero3_offload"):
         r = res.get(name)
@@ -548,8 +566,9 @@ def table(res: dict) -> list[str]:
                 else "—")
         upd = f"{r['host_update_seconds_per_step']:.3f}" if "host_update_seconds_per_step" in r else "—"
         gpu = f"{r['peak_gpu_alloc_GB']:.1f}" if "peak_gpu_alloc_GB" in r else "—"
+        moved = f"{r['moved_bytes_per_step'] / GB:.2f}" if "moved_bytes_per_step" in r else "—"
         lines.append(f"{name:<26}{r['step_s_median']:>8.3f}{r['TFLOPs']:>9.1f}{r['tokens_per_s']:>10.0f}{gpu:>8}"
-                     f"{r['host_rss_bytes_per_param']:>9.1f}{rows:>22}{upd:>17}")
+                     f"{r['host_rss_bytes_per_param']:>9.1f}{rows:>22}{upd:>17}{moved:>15}")
     lines.append("targets (issue #46)" + (" — dry run on the CPU: no verdict" if res["dry_run"] else ""))
     for t in res["targets"]:
         value = "not measured" if t["value"] is None else f"{t['value']:.2f}"
@@ -629,7 +648,8 @@ def main(argv=None):
         from parallel4d.tools.largest import Memory
 
         # dry run: a make-believe 4 MiB GPU and 32 MiB host, so that each ladder's last size is refused
-        memory = Memory(4 * 2**20, 32 * 2**20) if args.dry_run else Memory(bw["gpu_total_bytes"], mem_total())
+        gpu = bw.get("gpu_total_bytes") or (0 if args.dry_run else torch.cuda.get_device_properties(0).total_memory)
+        memory = Memory(4 * 2**20, 32 * 2**20) if args.dry_run else Memory(gpu, mem_total())
         res["ladders"] = {"gpu_memory_bytes": memory.gpu, "host_memory_bytes": memory.host,
                           "hetero": ladder("hetero", args, memory), "deepspeed": ladder("deepspeed", args, memory)}
     res["targets"] = targets(res)
