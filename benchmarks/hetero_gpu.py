@@ -44,6 +44,7 @@ Usage: ``python benchmarks/hetero_gpu.py [--dry-run] [--ladders | --ladders-only
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import platform
@@ -367,10 +368,7 @@ RUNS = {"plain": run_plain, "hetero": run_hetero, "deepspeed": run_deepspeed, "b
 def preload(run: str) -> None:
     """The run's libraries imported before the baseline: their code is not the run's memory."""
     try:
-        if run == "hetero":
-            import parallel4d.hetero  # noqa: F401
-        elif run == "deepspeed":
-            import deepspeed  # noqa: F401
+        importlib.import_module({"hetero": "parallel4d.hetero", "deepspeed": "deepspeed"}.get(run, "torch"))
     except Exception:  # reported by the run itself
         pass
 
@@ -447,11 +445,11 @@ def targets(res: dict) -> list[dict]:
             for name, a, b, t in TARGETS]
     lad = res.get("ladders")
     if lad:
-        ours, theirs = lad["hetero"].get("largest_params"), lad["deepspeed"].get("largest_params")
+        ours, theirs = (lad.get(side, {}).get("largest_params") for side in ("hetero", "deepspeed"))
         rows.append({"name": "largest hetero / largest DeepSpeed", "target": LARGEST_RATIO_TARGET,
                      "value": ours / theirs if ours and theirs else None})
         rows.append({"name": "largest hetero TFLOP/s", "target": LARGEST_TFLOPS_TARGET,
-                     "value": lad["hetero"].get("largest_TFLOPs")})
+                     "value": lad.get("hetero", {}).get("largest_TFLOPs")})
     for r in rows:
         r["met"] = None if r["value"] is None or res["dry_run"] else r["value"] >= r["target"]
     return rows
@@ -497,9 +495,10 @@ def largest_accepted(n: int, accepted) -> int:
     return lo
 
 
-def ladder(side: str, args, memory) -> dict:
+def ladder(side: str, args, memory, report=lambda partial: None) -> dict:
     """``side`` (hetero or deepspeed): the largest size of ``--ladder`` that trains three steps, tried from
-    the largest ``parallel4d plan`` accepts downwards (each in a fresh child)."""
+    the largest ``parallel4d plan`` accepts downwards (each in a fresh child); ``report`` gets the rows so
+    far after each."""
     sizes = [tuple(int(v) for v in s.split("x")) for s in args.ladder.split(",")]
     budget = int(args.ladder_budget_frac * memory.gpu)
     jobs = [job(args, h, L, max(1, h // 128), budget if side == "hetero" else None, ckpt=True) for h, L in sizes]
@@ -512,7 +511,7 @@ def ladder(side: str, args, memory) -> dict:
 
     if side == "deepspeed":
         try:
-            import deepspeed  # noqa: F401
+            importlib.import_module("deepspeed")
         except Exception as e:
             return {"skipped": f"deepspeed not importable: {type(e).__name__}: {e}"}
     top = largest_accepted(len(sizes), accepted)
@@ -524,6 +523,7 @@ def ladder(side: str, args, memory) -> dict:
                           dry_run=args.dry_run), args)
         r.update(hidden=h, layers=L, plan=verdicts.get(i) or gate(make_config(jobs[i]), memory))
         rows.append(r)
+        report({"tried": rows})
         print(f"  {side} ladder h{h} L{L}: {_line(r)}", flush=True)
         return r if "TFLOPs" in r else None
 
@@ -569,6 +569,15 @@ def table(res: dict) -> list[str]:
         moved = f"{r['moved_bytes_per_step'] / GB:.2f}" if "moved_bytes_per_step" in r else "—"
         lines.append(f"{name:<26}{r['step_s_median']:>8.3f}{r['TFLOPs']:>9.1f}{r['tokens_per_s']:>10.0f}{gpu:>8}"
                      f"{r['host_rss_bytes_per_param']:>9.1f}{rows:>22}{upd:>17}{moved:>15}")
+    for side, lad in ((k, v) for k, v in res.get("ladders", {}).items() if isinstance(v, dict)):
+        if "skipped" in lad or "largest_params" not in lad:
+            lines.append(f"largest {side}: {lad.get('skipped', 'not finished')}")
+            continue
+        refused = ", ".join(f"h{r['hidden']} L{r['layers']}" for r in lad["refused_by_plan"]) or "none"
+        tflops = f"{lad['largest_TFLOPs']:.1f} TFLOP/s" if lad["largest_TFLOPs"] is not None else "—"
+        rss = lad["largest_host_rss_bytes_per_param"]
+        lines.append(f"largest {side}: {lad['largest_shape']} {lad['largest_params'] / 1e9:.2f}B, {tflops}, host RSS "
+                     + (f"{rss:.1f} B/param" if rss is not None else "—") + f"; refused by the plan: {refused}")
     lines.append("targets (issue #46)" + (" — dry run on the CPU: no verdict" if res["dry_run"] else ""))
     for t in res["targets"]:
         value = "not measured" if t["value"] is None else f"{t['value']:.2f}"
@@ -631,9 +640,25 @@ def main(argv=None):
     print(f"GPT h{args.hidden} L{args.layers} vocab {args.vocab} seq {args.seq}: {n_params / 1e9:.3f}B params, "
           f"batch {args.batch} on {res['device']}; pinned bandwidth {bw}", flush=True)
 
+    out = args.out or (os.path.join(tempfile.gettempdir(), "hetero_gpu_dryrun.json") if args.dry_run
+                       else os.path.join(RESULTS, "gpu_hetero.json"))
+
+    def save():  # after every run: a run stopped from outside (gpu-check's budget) leaves what it measured
+        res["targets"] = targets(res)
+        os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+        with open(out, "w") as f:
+            json.dump(res, f, indent=1, default=str)
+
     def attempt(name, spec):
         res[name] = in_child(spec, args)
+        save()
         print(f"{name:>24}: {_line(res[name])}", flush=True)
+
+    def reporter(side):
+        def report(partial):
+            res["ladders"][side] = partial
+            save()
+        return report
 
     if not args.ladders_only:
         attempt("plain", Spec("plain", main_job, args.warmup, args.iters, args.dry_run))
@@ -650,15 +675,12 @@ def main(argv=None):
         # dry run: a make-believe 4 MiB GPU and 32 MiB host, so that each ladder's last size is refused
         gpu = bw.get("gpu_total_bytes") or (0 if args.dry_run else torch.cuda.get_device_properties(0).total_memory)
         memory = Memory(4 * 2**20, 32 * 2**20) if args.dry_run else Memory(gpu, mem_total())
-        res["ladders"] = {"gpu_memory_bytes": memory.gpu, "host_memory_bytes": memory.host,
-                          "hetero": ladder("hetero", args, memory), "deepspeed": ladder("deepspeed", args, memory)}
-    res["targets"] = targets(res)
+        res["ladders"] = {"gpu_memory_bytes": memory.gpu, "host_memory_bytes": memory.host}
+        for side in ("hetero", "deepspeed"):
+            res["ladders"][side] = ladder(side, args, memory, reporter(side))
+            save()
+    save()
     print("\n".join(table(res)), flush=True)
-    out = args.out or (os.path.join(tempfile.gettempdir(), "hetero_gpu_dryrun.json") if args.dry_run
-                       else os.path.join(RESULTS, "gpu_hetero.json"))
-    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    with open(out, "w") as f:
-        json.dump(res, f, indent=1, default=str)
     print(f"wrote {out}")
 
 
