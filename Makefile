@@ -10,7 +10,8 @@ BIN    := $(VENV)/bin
 TORCH_CPU ?= torch==2.13.0
 TORCH_GPU ?= torch==2.11.0
 # make gpu-check: the Python with CUDA torch (the venv's when it imports torch, else the system's) and
-# the part to run (1, 2 or all: each part within 10 minutes on one H100, all within 20)
+# the part to run (1, 2 or all: each part within 10 minutes on one H100, all within 20; ladders, named alone:
+# the largest-model ladders of benchmarks/hetero_gpu.py, within 10 minutes)
 GPU_PYTHON ?= $(shell $(BIN)/python -c "import torch" 2>/dev/null && echo $(BIN)/python || echo $(PYTHON))
 PART ?= all
 

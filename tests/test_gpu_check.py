@@ -40,7 +40,8 @@ def test_without_a_gpu_it_prints_the_plan_and_exits_0():
     assert "no CUDA GPU visible" in p.stdout
     for step in [s for steps in gpu_check.parts().values() for s in steps]:
         assert step.name in p.stdout
-    assert "benchmarks/hetero_gpu.py --skip-largest" in p.stdout and "-m gpu" in p.stdout
+    assert "benchmarks/hetero_gpu.py --out" in p.stdout and "-m gpu" in p.stdout
+    assert "--ladders-only" not in p.stdout  # the ladders run only when named (PART=ladders)
     assert _results() == before  # nothing run, nothing written
 
 
@@ -61,6 +62,9 @@ def test_parts_fit_their_budgets_and_launch_valid_one_rank_jobs():
         assert sum(s.budget_s for s in steps) <= gpu_check.PART_BUDGET_S
         assert all(s.estimate_s < s.budget_s for s in steps)
     assert sum(s.budget_s for steps in every.values() for s in steps) <= 20 * 60
+    for steps in gpu_check.optional_parts().values():  # named alone: each within one part's time
+        assert sum(s.budget_s for s in steps) <= gpu_check.PART_BUDGET_S
+        assert all(s.estimate_s < s.budget_s for s in steps)
     tests = gpu_check.gpu_test_files()
     assert "tests/test_launch.py" in tests and all((ROOT / t).exists() for t in tests)
     launches = [s for s in every["1"] if s.name.startswith("launch")]
@@ -80,7 +84,7 @@ def test_the_deepspeed_baseline_is_skipped_with_a_note_without_deepspeed(monkeyp
     import hetero_gpu
 
     monkeypatch.setitem(sys.modules, "deepspeed", None)  # import deepspeed → ImportError
-    res = hetero_gpu.run_deepspeed(None, 2, torch.device("cuda"), 1, 1)
+    res = hetero_gpu.run_deepspeed(None, torch.device("cuda"), None)
     assert "deepspeed not importable" in res["skipped"]
 
 
@@ -111,3 +115,32 @@ def test_the_deepspeed_baseline_starts_from_the_gpt_initialisation(tmp_path, mon
     want = list(build_gpt(shape, seed=0).bfloat16().parameters())
     assert len(got) == len(want) and all(torch.equal(g, w) for g, w in zip(got, want))
     assert all(torch.isfinite(g).all() for g in got)
+
+
+def _fake_ladder_runs(monkeypatch, hetero_gpu, accepted: set[int], trains: set[int]):
+    """The plan accepts the depths ``accepted``; a child trains the depths ``trains`` (no process is started)."""
+    monkeypatch.setattr(hetero_gpu, "hetero_gate", lambda cfg, memory: {"accepted": cfg.model.layers in accepted})
+
+    def child(spec, args):
+        layers = spec.job["model"]["layers"]
+        if layers not in trains:
+            return {"failed": "stopped: resident set passed the host's memory"}
+        return {"TFLOPs": 1.0, "params": layers, "step_s_median": 1.0, "host_rss_bytes_per_param": 14.0}
+    monkeypatch.setattr(hetero_gpu, "in_child", child)
+
+
+def test_the_ladder_tries_the_largest_size_the_plan_accepts_first_and_none_it_refuses(monkeypatch):
+    import hetero_gpu
+    from parallel4d.tools.largest import Memory
+
+    args = hetero_gpu.parse_args(["--ladders-only", "--ladder", "64x2,64x4,64x8,64x16,64x32"])
+    _fake_ladder_runs(monkeypatch, hetero_gpu, accepted={2, 4, 8}, trains={2, 4, 16, 32})
+    out = hetero_gpu.ladder("hetero", args, Memory(2**30, 2**30))
+    assert [r["layers"] for r in out["tried"]] == [8, 4]  # the plan's largest, then down to the first that trains
+    assert out["largest_shape"] == "h64 L4" and out["largest_params"] == 4
+    assert [r["layers"] for r in out["refused_by_plan"]] == [16]  # the next size up: refused, not tried
+
+    args.beyond_plan = True  # past the plan on request: up to the first size that fails
+    _fake_ladder_runs(monkeypatch, hetero_gpu, accepted={2, 4, 8}, trains={2, 4, 8, 16})
+    out = hetero_gpu.ladder("hetero", args, Memory(2**30, 2**30))
+    assert [r["layers"] for r in out["tried"]] == [8, 16, 32] and out["largest_shape"] == "h64 L16"
