@@ -329,3 +329,10 @@ def test_bfloat16_hetero(tmp_path, tmp_path_factory):
     h, h32 = got["hetero"], f32["hetero"]
     assert (h["compute_dtype"], h["master_dtype"], h32["compute_dtype"]) == ("bfloat16", "float32", "float32")
     assert 2 * h["total"]["reduce_scatter_bytes"] == h32["total"]["reduce_scatter_bytes"]
+    # parallel4d plan says where the master state will be, as the run placed it (#46.1): some rows each side
+    from parallel4d.config.load import load_config
+    from parallel4d.planning.dry_run import plan
+
+    (planned,) = plan(load_config(ROOT / "configs" / "hetero.yaml", ["train.dtype=bfloat16"]))
+    assert planned.master_placement == {k: h[k] for k in planned.master_placement}, (planned.master_placement, h)
+    assert h["optimizer_rows_on_device"] > 0 and h["optimizer_rows_on_host"] > 0

@@ -337,6 +337,8 @@ def test_the_host_memory_a_run_grows_by_is_the_planned(dtype, tmp_path):
     planned, measured = rank.host_rss_bytes_per_param(on_cpu=True), got["host_rss_bytes_per_param"]
     assert got["host_rss_source"] == "VmHWM" and got["params"] == rank.hetero_params
     assert got["compute_dtype"] == ("float32" if dtype == "float32" else "bfloat16")
+    if rank.master_placement is not None:  # bf16 chunks: the master where the plan said (all on the host here)
+        assert rank.master_placement == {k: got[k] for k in rank.master_placement}
     assert abs(planned - measured) <= 0.10 * measured, (planned, measured)
     least = rank_bytes(cfg).host(on_cpu=True)
     assert 0.75 * got["host_rss_bytes"] <= least <= got["host_rss_bytes"], (least, got["host_rss_bytes"])

@@ -18,6 +18,10 @@ is planned with the order for free transfers (nothing to measure here). ``data.p
 is dry-run on rows of one document each, the most work and bytes (every ring block pair runs); its
 documents are computed for real inside the fake step.
 
+Under hetero the dry run also counts every tensor the rank holds at once (:mod:`.live`), from the
+model's build through two steps and a checkpoint's save: the host memory its process grows by
+(:meth:`RankPlan.host_rss_bytes`, ``summary.json``'s ``hetero.host_rss_bytes``).
+
 Not counted: the CUDA context, the allocator's fragmentation, kernels' temporaries (an op's
 workspace, the logits' softmax while the loss is computed), communication buffers, and the
 one block that activation checkpointing recomputes during its backward. :data:`HEADROOM` of
@@ -192,6 +196,8 @@ def _tokens(cfg: Config, engine) -> torch.Tensor:
 
 
 def _hetero_steps(cfg: Config, mesh, trace: OpTrace | None) -> tuple[dict, int]:
+    """:func:`_one_step` under hetero: the build and two steps, then a checkpoint's state where the job
+    saves, all inside :class:`.live.LiveTensors`; hetero's own figures from its stats."""
     live = LiveTensors()
     with live:
         engine = compose(cfg, mesh)

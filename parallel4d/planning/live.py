@@ -54,7 +54,7 @@ class LiveTensors(TorchDispatchMode):
         self._bytes[key] = n = storage.nbytes()
         self.live += n
         self.peak = max(self.peak, self.live)
-        weakref.finalize(storage, self._release, key)
+        weakref.finalize(storage, self._release, key).atexit = False
 
     def _release(self, key: int) -> None:
         self.live -= self._bytes.pop(key)

@@ -16,7 +16,10 @@ is hetero's own ``min_feasible_budget_bytes`` of a dry run with every chunk resi
 pinned at once), and the candidate is planned again at it. A candidate fits when the largest rank's
 device bytes are at most :data:`.plan.HEADROOM` of ``--gpu-memory`` and the host bytes of all the
 job's ranks together (one host holds them, as ``parallel4d launch`` runs them) at most
-``--host-memory``. The bytes are the dry run's, never a formula: they follow what hetero keeps where.
+``--host-memory``. The bytes are the dry run's, never a formula: they follow what hetero keeps where,
+and a rank's host bytes are what ``parallel4d plan`` predicts its process grows by with a GPU
+(:meth:`.plan.RankPlan.host_rss_bytes`, the figure ``summary.json``'s ``hetero.host_rss_bytes`` measures:
+hetero's host memory and the most it adds at once, a checkpoint's gathered state where the config saves).
 The search: a binary search over the widths, then over the depth a guess interpolated between the
 two latest dry runs (the bytes grow about linearly with the layers), so a few dry runs each.
 
@@ -185,7 +188,8 @@ def smallest_budget_plan(cfg: Config) -> tuple[list[RankPlan], int, int]:
 
 
 def job_host_bytes(ranks: list[RankPlan], cfg: Config) -> int:
-    """Host bytes of every rank of the job: each pp position's, times its dp, sp and grid peers."""
+    """Host bytes of every rank of the job at its peak with a GPU computing (:attr:`.plan.RankPlan.host_bytes`):
+    each pp position's, times its dp, sp and grid peers."""
     p = cfg.parallel
     return sum(r.host_bytes for r in ranks) * p.dp * p.sp * p.tp
 
