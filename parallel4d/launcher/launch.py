@@ -37,6 +37,7 @@ from parallel4d.distributed.startup import (cpu_fallback_note, device_and_backen
                                             init_process_group_from_env, worker_threads)
 from parallel4d.launcher.preflight import check_job, check_memory, under_torchrun
 from parallel4d.launcher.rundir import RunLock, check_history, check_writable, first_missing, remove_if_unused
+from parallel4d.training.host_memory import return_large_blocks
 from parallel4d.training.loop import run_training
 from parallel4d.launcher.spawn import TRAINING_IMPORTS, spawn
 from parallel4d.launcher.supervise import Signals, WorkerTimeout
@@ -92,7 +93,18 @@ def _remove_unused(created: list[Path]) -> None:
 
 
 def _train_entry(cfg_dict: dict) -> dict:
-    return run_training(Config.model_validate(cfg_dict))
+    cfg = Config.model_validate(cfg_dict)
+    _own_process(cfg)
+    return run_training(cfg)
+
+
+def _own_process(cfg: Config) -> None:
+    """What a process that runs one rank of ``cfg``'s job and nothing else sets for itself (a launch's
+    workers, torchrun's processes; not a process that calls ``run_training`` among other work): under
+    hetero, large freed blocks returned to the kernel, so that its host memory is what the plan counts
+    (:func:`.host_memory.return_large_blocks`)."""
+    if cfg.hetero.enabled:
+        return_large_blocks()
 
 
 def _preload(cfg: Config) -> tuple[str, ...]:
@@ -143,6 +155,7 @@ def launch(config: str | Path | Config | dict, overrides: list[str] | None = Non
         if warning and os.environ["RANK"] == "0":
             _say(f"warning: {warning}")
         torch.set_num_threads(worker_threads(cfg))  # as a launch's workers: not torchrun's one
+        _own_process(cfg)
         with prepared(cfg, False, device, source) if os.environ["RANK"] == "0" else nullcontext():
             init_process_group_from_env(backend, cfg.train.timeout_s, cfg.train.join_timeout_s)
             try:

@@ -4,7 +4,7 @@ told to give large freed blocks back to the kernel.
 ``summary.json``'s ``hetero.host_rss_bytes_per_param`` is :class:`HostPeak`'s growth from just before
 the model is built to the end of the run, over the rank's parameters; ``parallel4d plan`` predicts it
 (docs/planning.md). The two agree only if memory freed during the run leaves the resident set, which
-glibc's default does not promise: :func:`return_large_blocks`.
+glibc's default does not promise: :func:`return_large_blocks`, which a launched hetero job's workers call.
 """
 
 from __future__ import annotations
@@ -15,20 +15,25 @@ import resource
 import sys
 
 M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter (malloc.h)
-MMAP_THRESHOLD = 1 << 17  # glibc's own starting value (128 KiB), held there
+MMAP_THRESHOLD = 1 << 20  # bytes: a block this large or larger is mapped on its own
 
 
 def return_large_blocks() -> bool:
     """Each block of :data:`MMAP_THRESHOLD` bytes or more mapped on its own, so that freeing it unmaps
-    it (glibc's ``mallopt(M_MMAP_THRESHOLD)``); False where the C library is not glibc (nothing done).
+    it (glibc's ``mallopt(M_MMAP_THRESHOLD)``), for the rest of this process; False where the C library
+    is not glibc (nothing done). A launched hetero job's workers call it (``launcher/launch.py``).
 
-    glibc raises that threshold, from 128 KiB, to the largest mapped block freed so far (up to 32 MiB):
-    once a rank's first parameters are freed into hetero's chunks, blocks of their size come from the
-    heap instead, where a freed block stays resident while any block above it lives. Measured on
-    ``configs/hetero.yaml`` at hidden 512 (25 M parameters per rank, dp = 2, float32): the freed
-    parameters and the first step's temporaries stayed resident, 19.2 host bytes per parameter where the
-    tensors held at most 10.4 at once; with the threshold held, 11.6 (the rest is torch's kernels, paged
-    in on first use). Setting it once stops the raising for this process."""
+    glibc starts that threshold at 128 KiB and raises it to the largest mapped block freed so far (up to
+    32 MiB): once a rank's first parameters are freed into hetero's chunks, blocks of their size come
+    from the heap instead, where a freed block stays resident while a block above it lives. Measured on
+    ``configs/hetero.yaml`` at hidden 512 (25.4 M parameters per rank, dp = 2, float32, no checkpoint):
+    the freed parameters and the first step's temporaries stayed resident, 19.2 host bytes per parameter
+    where its tensors held at most 10.4 at once; with the threshold held at 128 KiB, 11.6 (the rest is
+    torch's kernels paged in on first use). Held at 1 MiB, blocks below it stay in the heap: the figures
+    of docs/planning.md move by 0.1 byte per parameter, and the many small temporaries of a CPU step
+    are not mapped and faulted in one by one (at 128 KiB ``configs/hetero.yaml`` took 24 times the page
+    faults, at 1 MiB twice). A job without hetero keeps glibc's default: its CPU steps' activations of
+    a few MiB would each be mapped (``configs/quickstart.yaml``: 5 s more in the kernel per 30 steps)."""
     libc = _glibc()
     return bool(libc and libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD))
 

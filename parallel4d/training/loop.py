@@ -37,7 +37,7 @@ from parallel4d.engine.trainer import Trainer
 from parallel4d.distributed.mesh import init_mesh
 from parallel4d.integrations import deepspeed_integration
 from parallel4d.training.checkpoints import check_format, job_files
-from parallel4d.training.host_memory import HostPeak, return_large_blocks
+from parallel4d.training.host_memory import HostPeak
 from parallel4d.training.metrics import MetricsLog, gather_objects, gather_per_rank, peak_memory, read_together
 from parallel4d.training.signals import silence_a_hung_up_terminal, stop_signals
 
@@ -242,7 +242,6 @@ def run_training(cfg: Config) -> dict:
     rank = dist.get_rank()
     lead = rank == 0
     data, val = build_dataset(cfg), build_validation(cfg)
-    return_large_blocks()  # freed memory leaves the resident set (host_memory.py: as the plan counts it)
     host = HostPeak()  # the baseline just before the model is built (summary.json's hetero.host_rss_*)
     engine: Trainer = (compose(cfg, mesh) if cfg.deepspeed is None
                        else deepspeed_integration().DeepSpeedTrainer(cfg, mesh))
