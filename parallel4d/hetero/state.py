@@ -21,9 +21,11 @@ from parallel4d.hetero.zero import ZeroShards, segment
 S = TensorState
 
 
-def _cut(full: torch.Tensor, rec: ParamRecord) -> torch.Tensor:
-    """``rec``'s tensor out of a row's ``[C]`` content, with its shape."""
-    return full.narrow(0, rec.offset, rec.param.numel()).view(rec.shape).clone()
+def _cut(full: torch.Tensor, rec: ParamRecord, live: bool = False) -> torch.Tensor:
+    """``rec``'s tensor out of a row's ``[C]`` content, with its shape: a copy of its own, or with ``live``
+    a view of ``full`` (the live host master, as ``nn.Module.state_dict`` gives the live parameters)."""
+    t = full.narrow(0, rec.offset, rec.param.numel()).view(rec.shape)
+    return t if live else t.clone()
 
 
 def _first(values: dict, rec: ParamRecord):
@@ -38,6 +40,10 @@ class FullState:
         self.layout, self.mgr, self.zero, self.master = layout, mgr, zero, master
         self._loading: Optional[dict] = None
 
+    def _live(self, row) -> bool:
+        """Whether ``full_window(copy=False)`` gives ``row``'s live master (dp = 1, the state on the host)."""
+        return self.master is not None and self.layout.dp == 1 and self.master.W[row.index].device.type == "cpu"
+
     def _settle(self) -> None:
         """The host rows' updates done: what follows reads or writes their master state."""
         if self.master is not None:
@@ -50,9 +56,10 @@ class FullState:
         out = {}
         for row in self.layout.rows:
             full = (self.zero.full_row(row.P, row.PS) if self.master is None
-                    else self.zero.full_window(self.master.W[row.index]))
+                    else self.zero.full_window(self.master.W[row.index], copy=False))
+            live = self._live(row)
             for rec in row.records:
-                out[rec.name] = _cut(full, rec)
+                out[rec.name] = _cut(full, rec, live)
         return out
 
     def gradients(self) -> dict[str, torch.Tensor]:
@@ -90,8 +97,9 @@ class FullState:
             m, v = self.zero.full_row(row.M, row.M), self.zero.full_row(row.V, row.V)
             fresh = [t.state == S.FREE for t in row.M.tensors]
         else:
-            m, v = (self.zero.full_window(x[row.index]) for x in (self.master.M, self.master.V))
+            m, v = (self.zero.full_window(x[row.index], copy=False) for x in (self.master.M, self.master.V))
             fresh = [steps.get(rec.name, 0) == 0 for rec in row.records]
+        live = self._live(row)
         out = {}
         for rec, is_fresh in zip(row.records, fresh):
             if is_fresh:
@@ -99,7 +107,7 @@ class FullState:
                                  "exp_avg_sq": torch.zeros(rec.shape, dtype=self.layout.dtype)}
             else:
                 out[rec.name] = {"step": torch.tensor(float(steps.get(rec.name, 0))),
-                                 "exp_avg": _cut(m, rec), "exp_avg_sq": _cut(v, rec)}
+                                 "exp_avg": _cut(m, rec, live), "exp_avg_sq": _cut(v, rec, live)}
         return out
 
     # --- in -------------------------------------------------------------------------------

@@ -176,11 +176,13 @@ class ZeroShards:
         """A row's whole ``[C]`` content on the CPU (all-gathered from the shards under ZeRO)."""
         return self.full_window(self.mgr.read(chunk if self.dp == 1 else shard))
 
-    def full_window(self, local: torch.Tensor) -> torch.Tensor:
+    def full_window(self, local: torch.Tensor, copy: bool = True) -> torch.Tensor:
         """A row's whole ``[C]`` on the CPU from every rank's ``[C/dp]`` window ``local`` (any dtype;
-        a copy at dp = 1); gathered on the compute device, where the group communicates."""
+        gathered on the compute device, where the group communicates). At dp = 1 a copy, or with ``copy``
+        False ``local`` itself when it is on the host already (as ``nn.Module.state_dict`` gives the live
+        tensors: a checkpoint's save then needs no second copy of the host master)."""
         if self.dp == 1:
-            return local.detach().to("cpu", copy=True)
+            return local.detach() if not copy and local.device.type == "cpu" else local.detach().to("cpu", copy=True)
         full = torch.empty(self.C, dtype=local.dtype, device=self.mgr.device)
         all_gather_into(full, local.to(self.mgr.device), self.group)
         return full.cpu()
