@@ -126,6 +126,7 @@ def test_host_updates_run_beside_the_next_forward_in_forward_order():
     rt.updates.wait_all()
     rt.mgr.transfers.log = log = []
     train(m, step, 2)
+    rt.updates.wait_all()
     cid_row = {c.cid: c.index for c in rt.mgr.chunks}
     order = [i for i in rt.adam.order if rt.layout.rows[i].trainable]
     started = [d for w, d in log if w == "host_update"]
@@ -179,6 +180,7 @@ def test_with_no_scale_to_wait_for_host_updates_start_in_the_backward_and_change
     rt.updates.wait_all()
     rt.mgr.transfers.log = log = []
     train(m, step, 1)
+    rt.updates.wait_all()  # the last row handed over may not have started yet
     grads = {c.cid: c.index for c in rt.mgr.chunks if c.kind == "grad"}
     last_grad_write = max(i for i, (w, d) in enumerate(log) if w == "access" and d in grads)
     started = [i for i, (w, _) in enumerate(log) if w == "host_update"]
