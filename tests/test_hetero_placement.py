@@ -183,8 +183,8 @@ def test_with_no_scale_to_wait_for_host_updates_start_in_the_backward_and_change
     rt.updates.wait_all()  # the last row handed over may not have started yet
     grads = {c.cid: c.index for c in rt.mgr.chunks if c.kind == "grad"}
     last_grad_write = max(i for i, (w, d) in enumerate(log) if w == "access" and d in grads)
-    started = [i for i, (w, _) in enumerate(log) if w == "host_update"]
-    assert len(started) == rows and sum(i < last_grad_write for i in started) >= rows - 1, log
+    queued = [i for i, (w, _) in enumerate(log) if w == "host_update_queued"]  # handed over (when the worker
+    assert len(queued) == rows and sum(i < last_grad_write for i in queued) == rows - 1, log  # starts: its cores)
     # what would make it inexact is refused: a scale after the fact, a gradient after the update
     train(m, lambda: None, 1)
     opt.scale_next_step(0.5)

@@ -40,8 +40,9 @@ class HostUpdates:
     thread (torch's kernels release the GIL), so that they overlap the GPU's next forward.
 
     ``wait(key)`` returns once that update is done — a parameter chunk's upload waits for its row's — and
-    raises its error, naming it; ``timeout_s`` bounds every wait. ``note`` logs ``("host_update", key)``
-    when an update starts and ``("host_update_done", key)`` when it ends (the order tests read)."""
+    raises its error, naming it; ``timeout_s`` bounds every wait. ``note`` logs ``("host_update_queued", key)``
+    when an update is handed over, ``("host_update", key)`` when it starts and ``("host_update_done", key)``
+    when it ends (the order tests read)."""
 
     def __init__(self, note: Callable[[str, object], None], timeout_s: float):
         self.note, self.timeout_s = note, timeout_s
@@ -57,6 +58,7 @@ class HostUpdates:
         if self._pool is None:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="parallel4d-host-optimizer")
         self.wait(key)  # one update of a row at a time
+        self.note("host_update_queued", key)
         self._pending[key] = self._pool.submit(self._run, key, work)
 
     def _run(self, key: int, work: Callable[[], None]) -> None:
