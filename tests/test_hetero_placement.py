@@ -116,7 +116,7 @@ def test_host_updates_run_beside_the_next_forward_in_forward_order():
                   compute_dtype=torch.float32)
     rt = m._hetero_runtime
     update = rt.master.update
-    rt.master.update = lambda row, *a, **k: (time.sleep(0.05), update(row, *a, **k))
+    rt.master.update = lambda row, *a, **k: (time.sleep(0.15), update(row, *a, **k))
 
     def step():
         opt.step()
