@@ -209,6 +209,10 @@ def _hetero_steps(cfg: Config, mesh, trace: OpTrace | None) -> tuple[dict, int]:
         save = _save_bytes(engine, live) if cfg.checkpoint.enabled else 0
     stats = engine.store.hetero_stats()
     placement = {k: stats[k] for k in _PLACEMENT} if stats["master_dtype"] else None
+    if save and placement and stats["dp"] == 1:
+        # at dp = 1 a save writes the host master's live tensors (counted: none), and with a GPU copies the
+        # device rows' to the host (here, on fake CPU tensors, live too: added)
+        save += placement["optimizer_device_bytes"]
     memory.update(hetero_moved=stats["device_bytes_moved_per_step"], hetero_params=stats["params"],
                   hetero_min_budget=stats["min_feasible_budget_bytes"], host_peak=live.peak, save_bytes=save,
                   hetero_host_transient=stats["host_transient_bytes"], master_placement=placement)
