@@ -342,3 +342,19 @@ def test_the_host_memory_a_run_grows_by_is_the_planned(dtype, tmp_path):
     assert abs(planned - measured) <= 0.10 * measured, (planned, measured)
     least = rank_bytes(cfg).host(on_cpu=True)
     assert 0.75 * got["host_rss_bytes"] <= least <= got["host_rss_bytes"], (least, got["host_rss_bytes"])
+
+
+def test_under_16_bit_chunks_the_largest_search_keeps_master_rows_in_what_the_gpu_has_left():
+    """#46: a budget beyond the compute chunks holds rows' float32 master on the device, so the search raises
+    the smallest budget by what the GPU has left under the headroom: rows move off the host, the device stays
+    within the headroom."""
+    from parallel4d.tools.largest import budget_plan, smallest_budget_plan
+
+    cfg = load_config(config_path("hetero"), ["train.dtype=bfloat16", "parallel.dp=1", "checkpoint.enabled=false"])
+    low, smallest, _ = smallest_budget_plan(cfg)
+    gpu = int((low[0].device_bytes + 4 * low[0].master_placement["optimizer_host_bytes"]) / HEADROOM)
+    ranks, budget, made = budget_plan(cfg, gpu)
+    assert made == 3 and budget > smallest
+    assert low[0].master_placement["optimizer_rows_on_device"] == 0
+    assert ranks[0].master_placement["optimizer_rows_on_host"] == 0  # every trainable row's master moved
+    assert ranks[0].host_bytes < low[0].host_bytes and ranks[0].device_bytes <= HEADROOM * gpu

@@ -13,7 +13,9 @@ tensors, with hetero's chunk size searched for it (``chunk_elems`` unset) and it
 budget (``hetero.device_budget_bytes``) at the smallest value the hetero code accepts for that
 model: the model data waits on the host, so the model grows as far as the host allows. That value
 is hetero's own ``min_feasible_budget_bytes`` of a dry run with every chunk resident (what its steps
-pinned at once), and the candidate is planned again at it. A candidate fits when the largest rank's
+pinned at once), and the candidate is planned again at it. Under 16-bit chunks the budget is then raised
+by what the GPU has left at it (a budget beyond the compute chunks holds rows' float32 master state on
+the device, 12 bytes per parameter the host no longer holds), and the candidate planned a third time. A candidate fits when the largest rank's
 device bytes are at most :data:`.plan.HEADROOM` of ``--gpu-memory`` and the host bytes of all the
 job's ranks together (one host holds them, as ``parallel4d launch`` runs them) at most
 ``--host-memory``. The bytes are the dry run's, never a formula: they follow what hetero keeps where,
@@ -142,7 +144,7 @@ def count(model: ModelConfig) -> tuple[int, int]:
 
 def candidate(cfg: Config, fields: dict) -> Config | None:
     """``cfg`` with these ``model:`` fields, built from scratch (no ``model.pretrained``), hetero's
-    chunk size searched for it (``chunk_elems`` unset) and its budget left to :func:`smallest_budget_plan`;
+    chunk size searched for it (``chunk_elems`` unset) and its budget left to :func:`budget_plan`;
     None when the config's rules refuse the shape."""
     data = cfg.model_dump(mode="json")
     data["model"] = {**data["model"], **fields, "pretrained": None}
@@ -179,12 +181,27 @@ def smallest_budget_plan(cfg: Config) -> tuple[list[RankPlan], int, int]:
     """``(the plan, its budget, plans made)`` at the smallest static ``hetero.device_budget_bytes``
     that runs ``cfg``: what its dry run's steps pinned at once with every chunk resident (hetero's own
     ``min_feasible_budget_bytes``, the largest over the pipeline's ranks), then planned at it."""
-    def at(budget):
-        return plan(cfg.model_copy(update={"hetero": cfg.hetero.model_copy(
-            update={"device_budget_bytes": budget, "dynamic_budget": False})}))
+    budget = max(r.hetero_min_budget for r in _at_budget(cfg, None))
+    return _at_budget(cfg, budget), budget, 2
 
-    budget = max(r.hetero_min_budget for r in at(None))
-    return at(budget), budget, 2
+
+def budget_plan(cfg: Config, gpu: int) -> tuple[list[RankPlan], int, int]:
+    """``(the plan, its budget, plans made)`` at the budget that uses the GPU: the smallest (above), and under
+    16-bit chunks — where a budget beyond the compute chunks keeps rows' master state on the device (12 bytes
+    per parameter in float32 that the host no longer holds) — raised by what the GPU has left under
+    :data:`.plan.HEADROOM` at the smallest, then planned again."""
+    ranks, budget, n = smallest_budget_plan(cfg)
+    if ranks[0].master_placement is None:
+        return ranks, budget, n
+    free = min(int(HEADROOM * gpu) - r.device_bytes for r in ranks)
+    if free <= 0:
+        return ranks, budget, n
+    return _at_budget(cfg, budget + free), budget + free, n + 1
+
+
+def _at_budget(cfg: Config, budget: int | None) -> list[RankPlan]:
+    return plan(cfg.model_copy(update={"hetero": cfg.hetero.model_copy(
+        update={"device_budget_bytes": budget, "dynamic_budget": False})}))
 
 
 def job_host_bytes(ranks: list[RankPlan], cfg: Config) -> int:
@@ -195,11 +212,11 @@ def job_host_bytes(ranks: list[RankPlan], cfg: Config) -> int:
 
 
 def ours(memory: Memory) -> tuple[Callable[[Config], Verdict], list[int]]:
-    """Our judge on ``memory`` (dry runs: :func:`smallest_budget_plan`) and ``[models judged, plans made]``."""
+    """Our judge on ``memory`` (dry runs: :func:`budget_plan`) and ``[models judged, plans made]``."""
     made = [0, 0]
 
     def judge(cfg: Config) -> Verdict:
-        ranks, budget, n = smallest_budget_plan(cfg)
+        ranks, budget, n = budget_plan(cfg, memory.gpu)
         made[0] += 1
         made[1] += n
         device, host = max(r.device_bytes for r in ranks), job_host_bytes(ranks, cfg)
@@ -341,7 +358,8 @@ def format_largest(result: Largest, memory: Memory) -> list[str]:
               f"{human(on.host)} host; DeepSpeed's at {dn.layers}, {human(dn.device)} per GPU, "
               f"{human(dn.host)} per CPU",
               f"  ours: hetero.device_budget_bytes={o.budget} ({human(o.budget)}), the smallest the hetero code "
-              "accepts for that model (static; each candidate its own)",
+              "accepts for that model, under 16-bit chunks raised by what the GPU has left (the master state of "
+              "that many rows on the device) (static; each candidate its own)",
               f"  DeepSpeed: estimate_zero3_model_states_mem_needs, offload_param=cpu offload_optimizer=cpu "
               f"zero_init=1, additional_buffer_factor {BUFFER_FACTOR}, {_ranks(cfg, 'GPU')} on one node",
               f"  searched in {result.seconds:.0f} s ({result.models} models of ours judged in {result.dry_runs} "
