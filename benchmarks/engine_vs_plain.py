@@ -6,8 +6,8 @@ from the same weights — trained on the same batches by:
 * ``engine``: what a ``parallel4d launch`` worker runs, every parallel size 1 (``engine.compose`` over a
   one-rank mesh, ``Engine.train_step``), with the job's precision, fused AdamW, clipping and batch;
 * ``plain``: ``DenseModel`` and a hand-written loop — autocast in the job's half dtype, ``cross_entropy``,
-  ``loss.backward()``, ``clip_grad_norm_``, ``torch.optim.AdamW(fused=True)`` (foreach on a CPU without
-  the fused kernel), the same learning rate, betas, eps and weight decay, no schedule.
+  ``loss.backward()``, ``clip_grad_norm_``, ``torch.optim.AdamW(fused=True)`` over the job's two parameter
+  groups (weight decay but on norms and embeddings), the same learning rate, betas and eps, no schedule.
 
 Rounds of ``--steps`` steps take turns (the order reversed every other round so drift falls on both); a
 round's first step is left out of its time (a warm-up of the caches). Reported per mode: the median step,
@@ -88,14 +88,16 @@ def engine_mode(cfg):
 def plain_mode(cfg, device):
     """``step(x, y)`` of the plain loop over the same dense model (same seed: the same weights)."""
     from parallel4d.models.build import build_dense, shape_from_config
+    from parallel4d.optim.optimizer import param_groups
 
     model = build_dense(shape_from_config(cfg.model), seed=cfg.train.seed).to(device)
     if cfg.train.compile == "blocks":
         for block in model.blocks:
             block.compile()
     fused = device.type == "cuda" or hasattr(torch, "_fused_adamw_")
-    opt = torch.optim.AdamW(model.parameters(), lr=OPT["lr"], betas=tuple(OPT["betas"]), eps=OPT["eps"],
-                            weight_decay=OPT["weight_decay"], fused=fused)
+    # the job's groups (no decay on norms and embeddings, as a torchtitan or nanoGPT loop sets them)
+    opt = torch.optim.AdamW(param_groups(model.named_parameters(), cfg.optimizer), lr=OPT["lr"],
+                            betas=tuple(OPT["betas"]), eps=OPT["eps"], fused=fused)
     half = torch.bfloat16 if device.type == "cuda" else None
 
     def step(x, y):
