@@ -16,9 +16,9 @@ tokens/s, MFU where the device's peak is known (``parallel4d.planning.profiles``
 Prints a table and writes ``benchmarks/results/engine_vs_plain[_cpu].json``.
 
 Sizes: on a GPU a Llama-3.2-1B shape (hidden 2048, 16 layers, 32 heads, 8 kv heads, intermediate 8192,
-vocabulary 128256, seq 2048, bf16 autocast over float32 parameters), the batch the largest of
-``--batches`` that the plain loop trains without running out of memory; on the CPU a small llama
-(``--quick``: smaller still), float32.
+vocabulary 128256, seq 2048, bf16 autocast over float32 parameters) at ``--batch`` (4 by default: the
+search for the largest batch the plain loop fits is still to come); on the CPU a small llama (``--quick``:
+smaller still), float32.
 
 Usage: ``python benchmarks/engine_vs_plain.py [--rounds 6] [--steps 4] [--quick] [--compile]``.
 """
@@ -149,7 +149,7 @@ def measure(args) -> dict:
     cuda = torch.cuda.is_available() and not args.cpu
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")
     model = GPU_MODEL if cuda else QUICK_MODEL if args.quick else CPU_MODEL
-    cfg = make_config(job(model, args.batch or (4 if cuda else 4), cuda, args.compile))
+    cfg = make_config(job(model, args.batch or 4, cuda, args.compile))
     data = batches(cfg, device)
     modes = {"plain": plain_mode(cfg, device), "engine": engine_mode(cfg)}
     # the same weights and batch: the first step's losses agree (float32 on a CPU: to rounding)
