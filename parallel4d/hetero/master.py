@@ -68,9 +68,6 @@ class HostUpdates:
         self.note("host_update_done", key)
         self.seconds += time.perf_counter() - t0
 
-    def pending(self, key: int) -> bool:
-        return key in self._pending
-
     def wait(self, key: int) -> None:
         """Until ``key``'s update is done (nothing when none is pending)."""
         f = self._pending.pop(key, None)

@@ -41,7 +41,8 @@ class FullState:
         self._loading: Optional[dict] = None
 
     def _live(self, row) -> bool:
-        """Whether ``full_window(copy=False)`` gives ``row``'s live master (dp = 1, the state on the host)."""
+        """Whether the state dicts lend ``row``'s live master rather than a copy: dp = 1 (nothing to gather)
+        and the state on the host (a checkpoint's save then needs no second copy of it)."""
         return self.master is not None and self.layout.dp == 1 and self.master.W[row.index].device.type == "cpu"
 
     def _settle(self) -> None:
@@ -55,9 +56,9 @@ class FullState:
         self._settle()
         out = {}
         for row in self.layout.rows:
-            full = (self.zero.full_row(row.P, row.PS) if self.master is None
-                    else self.zero.full_window(self.master.W[row.index], copy=False))
             live = self._live(row)
+            full = (self.zero.full_row(row.P, row.PS) if self.master is None
+                    else self.zero.full_window(self.master.W[row.index], copy=not live))
             for rec in row.records:
                 out[rec.name] = _cut(full, rec, live)
         return out
@@ -93,13 +94,13 @@ class FullState:
     def _adam_state(self, row, steps: dict[str, int]) -> dict:
         # every trainable parameter has an entry (zeros, step 0 before its first update) so
         # that a fresh optimizer's state_dict is a complete DCP load template
+        live = self._live(row)
         if self.master is None:
             m, v = self.zero.full_row(row.M, row.M), self.zero.full_row(row.V, row.V)
             fresh = [t.state == S.FREE for t in row.M.tensors]
         else:
-            m, v = (self.zero.full_window(x[row.index], copy=False) for x in (self.master.M, self.master.V))
+            m, v = (self.zero.full_window(x[row.index], copy=not live) for x in (self.master.M, self.master.V))
             fresh = [steps.get(rec.name, 0) == 0 for rec in row.records]
-        live = self._live(row)
         out = {}
         for rec, is_fresh in zip(row.records, fresh):
             if is_fresh:

@@ -130,10 +130,7 @@ class RowAdam:
             if row.index in self._early:  # handed over in the backward: its gradient is consumed now
                 self._early.discard(row.index)
                 G = self.zero.opt_chunks(row)[1]
-                for t in G.tensors:
-                    if t.state == S.HOLD_AFTER_BWD:
-                        t.set_state(S.FREE)
-                self.mgr.invalidate(row.P)
+                self._consume(row, [t for t in G.tensors if t.state == S.HOLD_AFTER_BWD])
             else:
                 self._submit_host_row(row, hp_of, scale, written)
         for row in rows:
@@ -161,37 +158,37 @@ class RowAdam:
                 or n != self._writes_per_step.get(row.index)):
             return
         self.mgr.flush(row.G)
-        G, gts, spans = self._final_grads(row, self.in_backward())
-        grad, fused, written = G.backing, self.host_optimizer == "fused", self.mgr.transfers.written_back()
-
-        def work():
-            if written is not None:
-                written.synchronize()
-            self.master.update(row, grad, spans, None, fused)
-
-        self._early.add(row.index)
-        self.updates.submit(row.index, work)
-        self.host_rows += 1
+        G, _, spans = self._final_grads(row, self.in_backward())
+        self._early.add(row.index)  # consumed at the step (the gradient norm may still read it)
+        self._hand_over(row, G, spans, lambda: None, self.mgr.transfers.written_back())
 
     def _submit_host_row(self, row: Row, hp_of: dict[str, dict], scale: Callable, written) -> None:
         """The row's master window stepped by the worker from its gradient's host backing; the gradient is
         consumed now (its backing is written again only after the update: the chunk's guard) and the
         device's parameter copy is stale (the next upload waits for the update)."""
         G, gts, spans = self._final_grads(row, hp_of)
-        if not gts:
-            return
+        if gts:
+            self._consume(row, gts)
+            self._hand_over(row, G, spans, scale, written)
+
+    def _hand_over(self, row: Row, G: Chunk, spans: list[tuple], scale: Callable, written) -> None:
+        """The worker updates ``row``'s master from ``G``'s host backing once ``written`` (the event of the
+        gradient's write-back, None off CUDA) is reached, scaled by ``scale()``."""
         grad, fused = G.backing, self.host_optimizer == "fused"
 
         def work():
             if written is not None:
-                written.synchronize()  # the gradient's write-back
+                written.synchronize()
             self.master.update(row, grad, spans, scale(), fused)
 
+        self.updates.submit(row.index, work)
+        self.host_rows += 1
+
+    def _consume(self, row: Row, gts: list[TensorInfo]) -> None:
+        """The gradient tensors ``gts`` used up, the row's parameter chunk stale (its update is the worker's)."""
         for t in gts:
             t.set_state(S.FREE)
         self.mgr.invalidate(row.P)
-        self.updates.submit(row.index, work)
-        self.host_rows += 1
 
     def _step_device_row(self, row: Row, hp_of: dict[str, dict], grad_scale) -> None:
         """The row's master window stepped on the device from its gradient chunk (loaded if it was

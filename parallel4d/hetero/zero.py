@@ -179,10 +179,10 @@ class ZeroShards:
     def full_window(self, local: torch.Tensor, copy: bool = True) -> torch.Tensor:
         """A row's whole ``[C]`` on the CPU from every rank's ``[C/dp]`` window ``local`` (any dtype;
         gathered on the compute device, where the group communicates). At dp = 1 a copy, or with ``copy``
-        False ``local`` itself when it is on the host already (as ``nn.Module.state_dict`` gives the live
-        tensors: a checkpoint's save then needs no second copy of the host master)."""
+        False ``local`` itself (the caller's: a host tensor it lends as ``nn.Module.state_dict`` lends the
+        live parameters)."""
         if self.dp == 1:
-            return local.detach() if not copy and local.device.type == "cpu" else local.detach().to("cpu", copy=True)
+            return local.detach() if not copy else local.detach().to("cpu", copy=True)
         full = torch.empty(self.C, dtype=local.dtype, device=self.mgr.device)
         all_gather_into(full, local.to(self.mgr.device), self.group)
         return full.cpu()
