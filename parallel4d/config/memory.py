@@ -13,7 +13,8 @@ least the average over the ranks, which is what these are):
   not counted where it offloads (its split between host and device is DeepSpeed's);
 * **a checkpoint's save** — under hetero with ``checkpoint.enabled``, the rank's parameters and both Adam
   moments whole, in the parameters' dtype (``3·p``, on every data replica: hetero gathers them from its
-  chunks to save them), on the host beside the model state;
+  chunks to save them), on the host beside the model state; with 16-bit chunks at one data replica only
+  the master rows on the device (the host rows are saved from their live tensors);
 * **activations** — what one micro-batch saves for the backward at least, per token of its
   ``[b/(dp·q)/m, s/sp]`` and over ``q``: each block's input ``h`` (all activation checkpointing keeps)
   and, without checkpointing, the inputs of the attention's output projection ``a·d`` and of the MLP's
@@ -75,7 +76,7 @@ def rank_bytes(cfg: Config) -> RankBytes:
         device = 0 if _offloads(cfg.deepspeed) else 4 * params // replicas
     elif cfg.hetero.enabled:
         host, placed = hetero_host_bytes(cfg, params)
-        saved = 3 * item * params if cfg.checkpoint.enabled else 0
+        saved = hetero_save_bytes(cfg, params, placed) if cfg.checkpoint.enabled else 0
     else:
         device = 4 * item * params
     return RankBytes(device, host, _activations(cfg), 2 * TOKEN_BYTES * cfg.data.batch_size * m.seq_len, placed,
@@ -101,6 +102,16 @@ def hetero_host_bytes(cfg: Config, params: int) -> tuple[int, int]:
     budget = cfg.hetero.device_budget_bytes
     placed = master if budget is None else min(master, budget)
     return chunk * window + master - placed, placed
+
+
+def hetero_save_bytes(cfg: Config, params: int, placed: int) -> int:
+    """What a checkpoint's save gathers on the host beside hetero's own memory: the rank's parameters and
+    both Adam moments whole in the parameters' dtype (``3·item``; under ZeRO every data replica gathers
+    them), except with 16-bit chunks at one replica, where the host master is saved from its live tensors
+    and only the rows ``placed`` on the device are copied (hetero/state.py)."""
+    item = DTYPE_BYTES[cfg.train.parameters]
+    mixed = DTYPE_BYTES[hetero_rules.compute_dtype(cfg)] != item
+    return placed if mixed and cfg.parallel.dp * cfg.parallel.sp == 1 else 3 * item * params
 
 
 def _activations(cfg: Config) -> int:
