@@ -2,7 +2,7 @@
 ``importlib.import_module("...")``), keep the layers of docs/architecture.md.
 
 * no import upward: a module imports only modules of its own layer or a lower one;
-* no technique package (tensor2d, pipeline, sequence, hetero) imports another;
+* no technique package (tensor2d, pipeline, sequence, hetero, experts) imports another;
 * config (layer L0) is torch-free: what importing one of its modules runs (its imports, theirs, and
   the packages they sit in) imports nothing outside the standard library, pydantic and yaml;
 * no import cycle between modules, function-level imports included;
@@ -37,7 +37,8 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("L1 distributed, optim", ["parallel4d.distributed", "parallel4d.distributed.*", "parallel4d.optim",
                                "parallel4d.optim.*"]),
     ("L2 techniques", ["parallel4d.tensor2d", "parallel4d.tensor2d.*", "parallel4d.pipeline", "parallel4d.pipeline.*",
-                       "parallel4d.sequence", "parallel4d.sequence.*", "parallel4d.hetero", "parallel4d.hetero.*"]),
+                       "parallel4d.sequence", "parallel4d.sequence.*", "parallel4d.hetero", "parallel4d.hetero.*",
+                       "parallel4d.experts", "parallel4d.experts.*"]),
     ("L3 models", ["parallel4d.models", "parallel4d.models.*"]),
     ("L4 checkpoint", ["parallel4d.checkpoint", "parallel4d.checkpoint.*"]),
     ("L4 data (above checkpoint)", ["parallel4d.data", "parallel4d.data.*"]),
@@ -51,7 +52,8 @@ LAYERS: list[tuple[str, list[str]]] = [
      ["parallel4d", "parallel4d.__main__"]),
 ]
 #: the technique packages of L2, which never import one another
-TECHNIQUES = ("parallel4d.tensor2d", "parallel4d.pipeline", "parallel4d.sequence", "parallel4d.hetero")
+TECHNIQUES = ("parallel4d.tensor2d", "parallel4d.pipeline", "parallel4d.sequence", "parallel4d.hetero",
+              "parallel4d.experts")
 #: what L0 and everything importing it runs may import besides the standard library
 TORCH_FREE_THIRD_PARTY = ("pydantic", "pydantic_core", "yaml")
 #: optional extras, which a function may import where it needs them (with the parts of parallel4d that need them)

@@ -27,6 +27,7 @@ from collections import defaultdict
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
+import math
 import time
 from typing import Iterable, Protocol
 
@@ -245,6 +246,24 @@ def all_to_all(tensor: torch.Tensor, group=None, *, scatter_dim: int, gather_dim
     with named(label, group):
         dist.all_to_all_single(out, parts, group=group)
     return torch.cat(out.unbind(0), dim=gather_dim)
+
+
+def all_to_all_v(tensor: torch.Tensor, send_splits: list[int], recv_splits: list[int], group=None, *, stats=None,
+                 label="all_to_all_v") -> torch.Tensor:
+    """Uneven all-to-all along dim 0: ``tensor``'s first ``send_splits[0]`` rows go to member 0, the next
+    ``send_splits[1]`` to member 1, …; the rows received, ``recv_splits[j]`` from member ``j``, come back
+    concatenated in member order. ``[Σ send_splits, ...]`` → ``[Σ recv_splits, ...]``. The split sizes are
+    host integers (what the backend needs): the caller reads them once, before. Counts the rows that
+    cross to other members (not this member's own)."""
+    n, me = group_size(group), group_rank(group)
+    if n == 1:
+        return tensor
+    row = tensor.element_size() * math.prod(tensor.shape[1:])  # bytes per row
+    out = tensor.new_empty((sum(recv_splits), *tensor.shape[1:]))
+    _count(stats, label, row * (sum(send_splits) - send_splits[me]), row * (sum(recv_splits) - recv_splits[me]), group)
+    with named(label, group):
+        dist.all_to_all_single(out, tensor.contiguous(), recv_splits, send_splits, group=group)
+    return out
 
 
 def p2p(ops: Iterable[tuple[str, torch.Tensor, int]], group=None, *, stats=None, label="p2p",

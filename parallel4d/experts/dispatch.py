@@ -1,0 +1,136 @@
+"""Tokens to the experts they chose and back: on one rank, or over the ``ep`` ranks that share the experts.
+
+A mixture-of-experts layer routes each of its ``T`` tokens to ``k`` of ``E`` experts (``ids [T, k]``,
+with the router's ``weights [T, k]``) and returns ``Σ_j weights[t, j] · expert_{ids[t, j]}(x[t])``.
+Both dispatchers here compute exactly that; they differ in where the experts are:
+
+* :func:`dispatch_local`: every expert on this rank. The ``T·k`` (token, choice) slots are sorted by
+  expert (a stable sort: within an expert, token order), the experts run on contiguous row blocks,
+  the rows go back to their slots and are summed with their weights.
+* :class:`ExpertParallel`: the experts split over the ``n`` ranks of an ep group, rank ``r`` holding
+  experts ``[r·E/n, (r+1)·E/n)``. After the same sort, the rows for rank ``r``'s experts are one
+  contiguous block; one all-to-all sends each block to its rank, where the rows (arriving source by
+  source, each source's sorted by expert) are regrouped expert by expert, run, put back in arrival
+  order and returned by the inverse all-to-all. Dropless: every slot reaches its expert, however
+  uneven the load.
+
+The experts themselves are the caller's :class:`ExpertFn`: rows grouped by expert and the per-expert
+row counts, as a device tensor (a grouped matrix product takes them as offsets without reading them;
+a loop over experts reads them once).
+
+Host reads: the all-to-all's split sizes must be host integers, so :class:`ExpertParallel` reads once
+per call — this rank's rows per destination and per source, together (the counts it receives come by a
+small equal-split all-to-all first). :func:`dispatch_local` reads nothing.
+
+Autograd: the all-to-alls' gradient is the inverse all-to-all (:class:`_AllToAllV`); everything else is
+indexing, differentiable as it is. An expert's gradient on its rank therefore sums the contributions
+of every rank's tokens in the ep group: whoever reduces gradients over data replicas must sum expert
+parameters over the ranks that hold the same experts (not over ep) with the same divisor as the
+dense parameters.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from parallel4d.distributed import comm
+
+#: the label of the token all-to-alls in :class:`~parallel4d.distributed.comm.CommStats`
+A2A = "experts.all_to_all"
+#: the label of the small all-to-all of the per-expert counts
+COUNTS = "experts.counts"
+
+
+class ExpertFn(Protocol):
+    """Experts applied to rows grouped by expert: ``x [N, h]`` (expert ``e``'s ``counts[e]`` rows after
+    expert ``e-1``'s), ``counts [E_local]`` int64 on ``x``'s device (Σ = N) → ``[N, h_out]``."""
+
+    def __call__(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor: ...
+
+
+def sort_by_expert(ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(order [T·k], counts [E])``: the flat slots ``t·k + j`` ordered by expert (stable), and how many
+    slots each expert has. ``ids [T, k]`` int64."""
+    flat = ids.reshape(-1)
+    return torch.argsort(flat, stable=True), torch.bincount(flat, minlength=num_experts)
+
+
+def combine(rows: torch.Tensor, order: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """``[T, h]``: the sorted slots' outputs ``rows [T·k, h]`` put back at ``order`` and summed over each
+    token's ``k`` choices with ``weights [T, k]``."""
+    t, k = weights.shape
+    slots = rows.new_empty(rows.shape).index_copy(0, order, rows)
+    return (slots.view(t, k, rows.shape[-1]) * weights.unsqueeze(-1).to(rows.dtype)).sum(1)
+
+
+def dispatch_local(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, num_experts: int,
+                   expert_fn: ExpertFn) -> torch.Tensor:
+    """``[T, h]`` from ``x [T, h]`` with every expert on this rank (no host read)."""
+    order, counts = sort_by_expert(ids, num_experts)
+    rows = expert_fn(x[order // ids.shape[1]], counts)
+    return combine(rows, order, weights)
+
+
+class _AllToAllV(torch.autograd.Function):
+    """:func:`comm.all_to_all_v` whose gradient is the inverse all-to-all (the splits swapped)."""
+
+    @staticmethod
+    def forward(ctx, x, send, recv, group, stats):
+        ctx.cfg = (send, recv, group, stats)
+        return comm.all_to_all_v(x, send, recv, group, stats=stats, label=A2A)
+
+    @staticmethod
+    def backward(ctx, grad):
+        send, recv, group, stats = ctx.cfg
+        return comm.all_to_all_v(grad.contiguous(), recv, send, group, stats=stats, label=A2A), None, None, None, None
+
+
+class ExpertParallel:
+    """The ``num_experts`` experts split evenly over ``group``'s ranks; :meth:`__call__` dispatches.
+
+    ``group``: the ep process group (its size divides ``num_experts``; the config's rules refuse other
+    layouts before anything runs); ``stats``: the mesh's :class:`~parallel4d.distributed.comm.CommStats`."""
+
+    def __init__(self, num_experts: int, group, stats: comm.CommStats | None = None):
+        self.size, self.rank = comm.group_size(group), comm.group_rank(group)
+        if num_experts % self.size:
+            raise ValueError(f"{num_experts} experts do not split over {self.size} expert-parallel ranks: "
+                             "choose parallel.ep dividing the expert count")
+        self.num_experts, self.group, self.stats = num_experts, group, stats
+        self.local = num_experts // self.size
+
+    @property
+    def experts(self) -> range:
+        """The experts this rank holds."""
+        return range(self.rank * self.local, (self.rank + 1) * self.local)
+
+    def __call__(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, expert_fn: ExpertFn) -> torch.Tensor:
+        """``[T, h]`` from ``x [T, h]``, ``ids [T, k]`` (global expert indices), ``weights [T, k]``;
+        ``expert_fn`` applies this rank's experts (:attr:`experts`, numbered from 0)."""
+        if self.size == 1:
+            return dispatch_local(x, ids, weights, self.num_experts, expert_fn)
+        n, local = self.size, self.local
+        order, counts = sort_by_expert(ids, self.num_experts)
+        arriving = self._exchange_counts(counts)  # [n, local]: from source s, rows for local expert e
+        splits = torch.cat([counts.view(n, local).sum(1), arriving.sum(1)]).tolist()  # the one host read
+        send, recv = splits[:n], splits[n:]
+        rows = _AllToAllV.apply(x[order // ids.shape[1]], send, recv, self.group, self.stats)
+        regroup = self._regroup(arriving, sum(recv))
+        out = expert_fn(rows[regroup], arriving.sum(0))
+        back = out[torch.argsort(regroup)]  # arrival order again (the inverse permutation)
+        return combine(_AllToAllV.apply(back, recv, send, self.group, self.stats), order, weights)
+
+    def _exchange_counts(self, counts: torch.Tensor) -> torch.Tensor:
+        """``[n, local]``: how many rows each source sends for each of this rank's experts (an equal-split
+        all-to-all of the ``[E]`` counts, on the device)."""
+        return comm.all_to_all(counts.view(self.size, self.local), self.group, scatter_dim=0, gather_dim=0,
+                               stats=self.stats, label=COUNTS)
+
+    def _regroup(self, arriving: torch.Tensor, total: int) -> torch.Tensor:
+        """``[N]``: the arrival-ordered rows (source-major, each source's by expert) reordered expert-major
+        (stable: within an expert, by source)."""
+        expert_of_block = torch.arange(self.local, device=arriving.device).repeat(self.size)
+        expert_of_row = torch.repeat_interleave(expert_of_block, arriving.reshape(-1), output_size=total)
+        return torch.argsort(expert_of_row, stable=True)
