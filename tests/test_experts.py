@@ -113,9 +113,24 @@ def _refusal(group) -> str:
     return ""
 
 
+def _mesh_groups() -> dict:
+    """The mesh's ep groups at pp=2, dp=2, sp=4 (tp 1) and ep=4: this rank's ep and replica members."""
+    import torch.distributed as dist
+
+    from parallel4d.distributed.mesh import init_mesh
+
+    mesh = init_mesh(pp=2, dp=2, sp=4, timeout_s=120)
+    try:
+        ep, replicas = mesh.ep_split(4)
+        return {"ep": dist.get_process_group_ranks(ep), "replicas": dist.get_process_group_ranks(replicas),
+                "coords": mesh.coords}
+    finally:
+        mesh.close()
+
+
 def sixteen_worker_job(tmp):
     """This file's share of the suite's 16-worker job (tests/conftest.py)."""
-    return {ep: _one_group(ep) for ep in EP_SIZES}
+    return {"mesh": _mesh_groups(), **{ep: _one_group(ep) for ep in EP_SIZES}}
 
 
 def test_expert_parallel_dispatch_equals_the_reference_in_every_group_size(sixteen_workers):
@@ -131,3 +146,14 @@ def test_expert_parallel_dispatch_equals_the_reference_in_every_group_size(sixte
         # 6 experts split over 2 ranks, not over 4 or 16: refused naming the fix
         assert all(bool(r[ep]["refused"]) == (ep != 2) for r in results)
     assert "choose parallel.ep dividing the expert count" in results[0][4]["refused"]
+
+
+def test_mesh_draws_ep_groups_from_the_data_replicas_and_replicas_across_them(sixteen_workers):
+    """pp=2, dp=2, sp=4: each pp stage's 8 data-replica ranks form two ep groups of 4 consecutive ones
+    (sp innermost); an expert's replicas are the ranks at the same place in the other group."""
+    groups = {r: res["test_experts"]["mesh"] for r, res in enumerate(sixteen_workers)}
+    for rank, g in groups.items():
+        stage = rank // 8
+        first = stage * 8 + (rank - stage * 8) // 4 * 4
+        assert g["ep"] == list(range(first, first + 4))
+        assert g["replicas"] == sorted({stage * 8 + (rank % 4), stage * 8 + 4 + (rank % 4)})

@@ -201,6 +201,30 @@ class Mesh:
             self._groups[key] = tuple(made)
         return self._groups[key]
 
+    def ep_split(self, ep: int) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
+        """``(ep group, expert replicas)`` of this rank for expert parallelism over ``ep`` of the data
+        replicas' ``dp·sp`` ranks (``ep`` divides it). Data-replica index ``f`` (row-major over dp, sp: sp
+        innermost, so an ep group stays within a node where sp does) is member ``f % ep`` of the ep group
+        of ``f // ep``, and replica ``f // ep`` of the experts held by the ranks sharing ``f % ep``: the
+        group an expert's gradient is summed over. Collective on first use."""
+        key = ("ep_split", ep)
+        if key not in self._groups:
+            lines = self.lines_along("dp", "sp")
+            n = len(lines[0])
+            if n % ep:
+                raise ValueError(f"parallel.ep={ep} does not divide the {n} data-replica ranks (dp·sp): "
+                                 "choose parallel.ep dividing parallel.dp × parallel.sp")
+            parts = {"ep": [line[i:i + ep] for line in lines for i in range(0, n, ep)],
+                     "ep_replicas": [line[j::ep] for line in lines for j in range(ep)]}
+            made = []
+            for name, rows in parts.items():
+                mine, _ = dist.new_subgroups_by_enumeration(rows, timeout=self._group_timeout())
+                self._made.append(mine)
+                self.comm_stats.name_group(mine, name)
+                made.append(mine)
+            self._groups[key] = tuple(made)
+        return self._groups[key]
+
     def lines_along(self, *axes: str) -> list[list[int]]:
         """Every group of ranks along ``axes`` (those coordinates vary, the others fixed), one per
         combination of the other axes in row-major order; members row-major over ``axes``."""
