@@ -49,9 +49,9 @@ class LocalCollectives:
     """:mod:`parallel4d.distributed.comm`'s collectives for one emulated rank (global rank ``me``):
     stand-ins for what the others would send (the module docstring), bytes counted as comm counts them."""
 
-    def __init__(self, me: int, scale: float = 0.02):
+    def __init__(self, me: int, scale: float = 0.02, stand_ins: dict | None = None):
         self.me, self.scale = me, scale
-        self._stand_ins: dict[tuple, torch.Tensor] = {}
+        self._stand_ins: dict[tuple, torch.Tensor] = {} if stand_ins is None else stand_ins  # shared by a grid's ranks
 
     def _stand_in(self, like: torch.Tensor) -> torch.Tensor:
         key = (tuple(like.shape), like.dtype, like.device)
@@ -121,15 +121,15 @@ class LocalCollectives:
 class LocalRank:
     """Rank (i, j) of a q×q grid (``tp = q²``, every other axis of size 1) on ``device``, alone: what
     the 2D layers read of a mesh, with :class:`LocalCollectives` as its ``collectives``. Global rank
-    ``i·q + j``."""
+    ``i·q + j``. ``stand_ins``: a dict the ranks of one grid share (one stand-in per shape for them all)."""
 
-    def __init__(self, q: int, i: int, j: int, device="cpu"):
+    def __init__(self, q: int, i: int, j: int, device="cpu", stand_ins: dict | None = None):
         if not (0 <= i < q and 0 <= j < q):
             raise ValueError(f"grid rank ({i}, {j}) is outside a {q}x{q} grid: pick 0 <= i, j < {q}")
         self.q, self._coords, self.device = q, {"tp_row": i, "tp_col": j}, torch.device(device)
         self.comm_stats = CommStats()
         self.deadlines = None
-        self.collectives = LocalCollectives(i * q + j)
+        self.collectives = LocalCollectives(i * q + j, stand_ins=stand_ins)
 
     @property
     def coords(self) -> dict[str, int]:
@@ -156,4 +156,5 @@ class LocalRank:
 
 def grid_ranks(q: int, device="cpu") -> list[LocalRank]:
     """The q² ranks of a q×q grid, row by row: ``(0, 0), (0, 1), …, (q-1, q-1)``."""
-    return [LocalRank(q, i, j, device) for i in range(q) for j in range(q)]
+    stand_ins: dict = {}
+    return [LocalRank(q, i, j, device, stand_ins) for i in range(q) for j in range(q)]
