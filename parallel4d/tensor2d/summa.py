@@ -82,6 +82,7 @@ class _Broadcasts:
 
 
 def _wait(grid, works, what, label, step, event="wait"):
+    """Wait for ``works`` (stream-ordered on NCCL: the host goes on), then tell the trace."""
     grid.comm.wait(works, what=what, deadlines=grid.mesh.deadlines)
     if grid.trace is not None:
         grid.trace(event, label, step)
