@@ -1,9 +1,12 @@
 """One transformer layer at q=2 on 4 CPU workers: SUMMA bytes vs the analytic formula,
 and per-rank parameter + activation memory of Optimus 2D vs a Megatron-style 1D split
-vs no split.
+vs no split. With ``--blocks``: the compute of every rank's 2D block on one device against the dense
+block, per FLOP (see "Every rank's block on one device" below).
 
 Usage: ``python benchmarks/tensor2d.py [--batch 8 --seq 64 --hidden 128 --heads 8]``.
 Prints tables and writes ``benchmarks/results/tensor2d.json``.
+``python benchmarks/tensor2d.py --blocks [--quick] [--device cuda]``: writes
+``benchmarks/results/tensor2d_blocks_cpu.json`` (``gpu_tensor2d_blocks.json`` on a GPU).
 
 Bytes are the comm helpers' counts (payload handed to / received from each
 collective by this rank, see ``parallel4d.comm``), not wire bytes of a given
@@ -30,6 +33,9 @@ import platform
 import statistics
 import sys
 import time
+import warnings
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
 
 import torch
 import torch.distributed as dist
@@ -41,6 +47,9 @@ from parallel4d.distributed import comm  # noqa: E402
 from parallel4d.distributed.mesh import init_mesh  # noqa: E402
 from parallel4d.models.gpt2.model import Block, GPTShape  # noqa: E402
 from parallel4d.models.gpt2.tp2d import Block2D  # noqa: E402
+from parallel4d.models.llama.model import Block as LlamaBlock, LlamaShape  # noqa: E402
+from parallel4d.models.llama.tp2d import LlamaBlock2D  # noqa: E402
+from parallel4d.tensor2d.emulate import grid_ranks  # noqa: E402
 from parallel4d.tensor2d import scatter_2d  # noqa: E402
 from parallel4d.launcher.spawn import spawn  # noqa: E402
 
@@ -222,8 +231,15 @@ def main(argv=None):
     ap.add_argument("--hidden", type=int, default=128)
     ap.add_argument("--heads", type=int, default=8)
     ap.add_argument("--iters", type=int, default=3)
-    ap.add_argument("--out", default=os.path.join(RESULTS, "tensor2d.json"))
+    ap.add_argument("--out", default=None, help="the JSON written (default: under benchmarks/results/)")
+    ap.add_argument("--blocks", action="store_true", help="every rank's Llama block on one device vs the dense block")
+    ap.add_argument("--device", default=None, help="--blocks: cuda (the 8B block) or cpu (default: cuda if there is one)")
+    ap.add_argument("--quick", action="store_true", help="--blocks on the CPU: the tiny block the tests run")
+    ap.add_argument("--threads", type=int, default=1, help="--blocks on the CPU: torch's intra-op threads")
     a = ap.parse_args(argv)
+    if a.blocks:
+        return blocks_main(a)
+    a.out = a.out or os.path.join(RESULTS, "tensor2d.json")
     world, q = 4, 2
     per_rank = spawn(_job, world, (a.batch, a.seq, a.hidden, a.heads, a.iters), timeout_s=600)
 
@@ -277,6 +293,217 @@ def main(argv=None):
         json.dump(result, f, indent=2)
     print(f"wrote {a.out}")
     return result
+
+
+# --- every rank's block on one device (#47.3) ------------------------------------------
+#
+# The 2D block's compute, measured: the q² ranks of a q×q grid are built in this one process
+# (parallel4d.tensor2d.emulate.LocalRank, a stand-in for the mesh: the layers run their own code — the
+# SUMMA loops and block products, the fp32 accumulation of bf16 products, the norms and the attention on
+# the local blocks) and run forward + backward one after another on the device, every collective a local
+# copy or add of a stand-in block (what a peer would send). Against the dense block on the same device:
+#
+#     efficiency per FLOP = (dense time / dense FLOPs) / (2D time of all q² ranks / their FLOPs)
+#
+# (per round, then the median of the rounds)
+# FLOPs counted by torch's FlopCounterMode over one step of each (matrix products and attention, forward
+# and backward): the q² ranks' FLOPs equal the dense block's (SUMMA splits the same products), so the
+# figure is the dense time over the grid's summed time. 1.0: the blocks compute as fast as the whole; what
+# the grid loses to smaller products, to their extra passes (fp32 accumulation, casts, copies) and to the
+# copies standing for received blocks, is below it. Timing: CUDA events around `iters` steps, after a
+# warm-up, the variants alternating in `rounds` (median of the rounds); no host sync inside the events
+# (torch's sync debug mode counts any: `host_syncs`).
+
+
+@dataclass(frozen=True)
+class BlockSize:
+    """One Llama-style block (attention with grouped-query heads + SwiGLU MLP) and its input."""
+
+    hidden: int
+    intermediate: int
+    heads: int
+    kv_heads: int
+    seq: int
+    batch: int
+
+
+# Llama 3 8B's block. Batch 4: Optimus cuts the batch over the grid's rows, so it is a multiple of q
+# (4 serves q = 2 and q = 4 with one dense baseline); every rank then holds 4/q sequences of 4096 tokens.
+GPU_BLOCK = BlockSize(hidden=4096, intermediate=14336, heads=32, kv_heads=8, seq=4096, batch=4)
+CPU_BLOCK = BlockSize(hidden=512, intermediate=1792, heads=8, kv_heads=4, seq=256, batch=4)
+TINY_BLOCK = BlockSize(hidden=64, intermediate=224, heads=8, kv_heads=4, seq=32, batch=4)
+TARGET_Q2 = 0.85  # efficiency per FLOP wanted at q = 2 (#47.3)
+
+
+def llama_block(size: BlockSize, device, dtype) -> LlamaBlock:
+    """The dense block, seeded, built on ``device`` in ``dtype``."""
+    torch.manual_seed(0)
+    shape = LlamaShape(hidden=size.hidden, heads=size.heads, kv_heads=size.kv_heads, intermediate_size=size.intermediate,
+                       seq_len=size.seq, rope_theta=500000.0)
+    with torch.device(device):
+        return LlamaBlock(shape).to(dtype)
+
+
+def _runs(modules, xs, gs):
+    """One step: every (module, input, output gradient) in turn, forward then backward (gradients
+    set to None first: no accumulation kernels)."""
+
+    def step():
+        for m, x, g in zip(modules, xs, gs):
+            m.zero_grad(set_to_none=True)
+            x.grad = None
+            m(x).backward(g)
+
+    return step
+
+
+def dense_step(dense, X, G):
+    return _runs([dense], [X.detach().requires_grad_(True)], [G])
+
+
+def grid_step(dense, X, G, q: int):
+    """The step of all q² ranks of a q×q grid built from ``dense``, each on its block of ``X`` / ``G``."""
+    ranks = grid_ranks(q, X.device)
+    blocks = [LlamaBlock2D.from_dense(dense, r, name="block") for r in ranks]
+    xs = [X.chunk(q, 0)[r.rank("tp_row")].chunk(q, -1)[r.rank("tp_col")].contiguous().requires_grad_(True) for r in ranks]
+    gs = [G.chunk(q, 0)[r.rank("tp_row")].chunk(q, -1)[r.rank("tp_col")].contiguous() for r in ranks]
+    return _runs(blocks, xs, gs)
+
+
+def step_flops(step) -> int:
+    from torch.utils.flop_counter import FlopCounterMode
+    counter = FlopCounterMode(display=False)
+    with counter:
+        step()
+    return counter.get_total_flops()
+
+
+@contextmanager
+def _syncs_counted(device, into: list):
+    """On CUDA, torch's sync debug mode warns at each operation that makes the host wait; counted into ``into``."""
+    if device.type != "cuda":
+        yield
+        return
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            yield
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    into.extend(str(w.message) for w in caught if "synchroniz" in str(w.message).lower())
+
+
+def timed_steps(step, iters: int, device, syncs: list) -> float:
+    """Seconds per step over ``iters`` steps: CUDA events on a GPU (the host waits only after the last)."""
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        with _syncs_counted(device, syncs):
+            start.record()
+            for _ in range(iters):
+                step()
+            end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3 / iters
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        step()
+    return (time.perf_counter() - t0) / iters
+
+
+def measure_blocks(size: BlockSize = GPU_BLOCK, qs=(2, 4), device="cuda", dtype=torch.bfloat16, warmup: int = 2,
+                   iters: int = 3, rounds: int = 3) -> dict:
+    """The dense block and every rank's 2D block at each q in ``qs``, forward + backward on ``device``:
+    seconds per step, FLOPs, TFLOP/s and the efficiency per FLOP of each q (the section's comment)."""
+    device = torch.device(device)
+    for q in qs:
+        for what, n in (("batch", size.batch), ("hidden", size.hidden), ("heads", size.heads),
+                        ("kv_heads", size.kv_heads), ("intermediate", size.intermediate)):
+            if n % q:
+                raise ValueError(f"{what}={n} is not a multiple of q={q}: pick sizes every q divides")
+    dense = llama_block(size, device, dtype)
+    g = torch.Generator(device="cpu").manual_seed(1)
+    X = torch.randn(size.batch, size.seq, size.hidden, generator=g).to(device, dtype)
+    G = torch.randn(size.batch, size.seq, size.hidden, generator=g).to(device, dtype)
+    steps = {"dense": dense_step(dense, X, G), **{f"q{q}": grid_step(dense, X, G, q) for q in qs}}
+    flops = {name: step_flops(step) for name, step in steps.items()}
+    for step in steps.values():
+        for _ in range(warmup):
+            step()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    syncs: list = []
+    times = {name: [] for name in steps}
+    for _ in range(rounds):  # alternating, so that a drift of the clock or the load hits every variant alike
+        for name, step in steps.items():
+            times[name].append(timed_steps(step, iters, device, syncs))
+    out = {}
+    for name in steps:
+        t = statistics.median(times[name])
+        out[name] = dict(step_s=t, best_s=min(times[name]), rounds_s=times[name], flops=flops[name],
+                         tflops_per_s=flops[name] / t / 1e12)
+    for q in qs:
+        r, d = out[f"q{q}"], out["dense"]
+        # per round (the variants ran back to back there), then the median: a load that changes between
+        # rounds moves both times of a round alike
+        per_round = [(r["flops"] / t2d) / (d["flops"] / td) for t2d, td in zip(r["rounds_s"], d["rounds_s"])]
+        r.update(q=q, ranks=q * q, per_rank_step_s=r["step_s"] / q**2, flops_over_dense=r["flops"] / d["flops"],
+                 efficiency_per_flop=statistics.median(per_round), efficiency_rounds=per_round)
+    return dict(
+        benchmark="tensor2d_blocks",
+        device=torch.cuda.get_device_name(device) if device.type == "cuda" else
+        f"cpu ({platform.processor() or platform.machine()}), {torch.get_num_threads()} threads",
+        torch=torch.__version__, python=platform.python_version(), dtype=str(dtype).replace("torch.", ""),
+        block=asdict(size), qs=list(qs), warmup=warmup, iters=iters, rounds=rounds,
+        host_syncs=len(syncs), host_sync_messages=sorted(set(syncs))[:5],
+        peak_memory_gib=torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
+        target_efficiency_q2=TARGET_Q2, results=out,
+        emulated=("every rank of the q x q grid built in one process (parallel4d.tensor2d.emulate.LocalRank) and run "
+                  "forward + backward in turn on the one device; collectives are local copies/adds of stand-in blocks"),
+    )
+
+
+def blocks_on_gpu() -> dict:
+    """For ``benchmarks/gpu_check.py``: the 8B-shaped block at q = 2 and 4 on ``cuda``, bf16 (~20-40 s on
+    one H100/H200, CUDA start-up included)."""
+    return measure_blocks(GPU_BLOCK, (2, 4), "cuda", torch.bfloat16, warmup=2, iters=3, rounds=3)
+
+
+def print_blocks(res: dict) -> None:
+    b, dense = res["block"], res["results"]["dense"]
+    print(f"\nOne Llama block (h={b['hidden']}, I={b['intermediate']}, heads {b['heads']}/{b['kv_heads']}, "
+          f"s={b['seq']}, batch {b['batch']}, {res['dtype']}) forward + backward on {res['device']}")
+    print(f"{'variant':10s} {'step s':>9s} {'per rank s':>10s} {'GFLOP':>10s} {'TFLOP/s':>8s} {'eff/FLOP':>9s}")
+    print(f"{'dense':10s} {dense['step_s']:9.4f} {'':>10s} {dense['flops'] / 1e9:10.2f} {dense['tflops_per_s']:8.3f}")
+    for q in res["qs"]:
+        r = res["results"][f"q{q}"]
+        target = f"  (target >= {res['target_efficiency_q2']} at q = 2)" if q == 2 else ""
+        print(f"{f'2D q={q}':10s} {r['step_s']:9.4f} {r['per_rank_step_s']:10.4f} {r['flops'] / 1e9:10.2f} "
+              f"{r['tflops_per_s']:8.3f} {r['efficiency_per_flop']:9.3f}{target}")
+    print(f"host syncs inside the timed steps: {res['host_syncs']}")
+
+
+def blocks_main(a) -> dict:
+    device = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda":
+        res = blocks_on_gpu()
+        out = a.out or os.path.join(RESULTS, "gpu_tensor2d_blocks.json")
+    else:  # one thread by default: on a shared machine idle-spinning intra-op threads slow small products 10-100x
+        size, threads = TINY_BLOCK if a.quick else CPU_BLOCK, torch.get_num_threads()
+        torch.set_num_threads(a.threads)
+        try:
+            res = measure_blocks(size, (2, 4), device, torch.float32, warmup=1, iters=1 if a.quick else 2,
+                                 rounds=1 if a.quick else 5)
+        finally:
+            torch.set_num_threads(threads)
+        out = a.out or os.path.join(RESULTS, "tensor2d_blocks_cpu.json")
+    print_blocks(res)
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    with open(out, "w") as f:
+        json.dump(res, f, indent=2)
+    print(f"wrote {out}")
+    return res
 
 
 if __name__ == "__main__":

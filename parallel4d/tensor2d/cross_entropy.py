@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import torch
 
-from parallel4d.distributed import comm
 from parallel4d.tensor2d.layer_base import HALF
 
 
@@ -28,7 +27,7 @@ class VocabParallelCE(torch.autograd.Function):
         x = logits.float() if logits.dtype in HALF else logits
         kept = x.detach()[..., :real]
         m = kept.amax(-1, keepdim=True) if real else x.new_full((*x.shape[:-1], 1), float("-inf"))
-        comm.all_reduce(m, grid.along_j, op=torch.distributed.ReduceOp.MAX, stats=grid.stats, label=f"{name}.max")
+        grid.comm.all_reduce(m, grid.along_j, op=torch.distributed.ReduceOp.MAX, stats=grid.stats, label=f"{name}.max")
         x = x - m
         e = x.exp()
         if real < vq:
@@ -39,14 +38,14 @@ class VocabParallelCE(torch.autograd.Function):
         tl = x.gather(-1, local_t.clamp(0, vq - 1).unsqueeze(-1)).squeeze(-1) * mine
         parts = [e.sum(-1), tl] + ([x[..., :real].sum(-1)] if smoothing else [])
         sums = torch.stack(parts)
-        comm.all_reduce(sums, grid.along_j, stats=grid.stats, label=f"{name}.sums")
+        grid.comm.all_reduce(sums, grid.along_j, stats=grid.stats, label=f"{name}.sums")
         lse = sums[0].log()
         tok = lse - sums[1]
         if smoothing:
             tok = (1.0 - smoothing) * tok + smoothing * (lse - sums[2] / vocab)
         tok = tok * valid
         tot = torch.stack([tok.sum(), valid.sum().to(tok.dtype)])
-        comm.all_reduce(tot, grid.along_i, stats=grid.stats, label=f"{name}.tokens")
+        grid.comm.all_reduce(tot, grid.along_i, stats=grid.stats, label=f"{name}.tokens")
         scale = 1.0 / tot[1] if reduction == "mean" else torch.ones_like(tot[1])
         ctx.smoothing, ctx.vocab, ctx.real, ctx.dtype = smoothing, vocab, real, logits.dtype
         ctx.save_for_backward(e / sums[0].unsqueeze(-1), local_t.clamp(0, vq - 1), mine, valid, scale)

@@ -11,23 +11,42 @@ Groups are named by the axis that *varies* inside them:
   they hold the other batch blocks of my hidden block (gradients of parameters
   replicated over rows, SUMMA broadcasts of B-blocks).
 
-Peers are resolved through :meth:`Mesh.global_rank` only.
+Peers are resolved through :meth:`Mesh.global_rank` only. The grid's collectives go through
+``grid.comm``: :mod:`parallel4d.distributed.comm` itself, or the mesh's ``collectives`` where it has
+them (:class:`~.emulate.LocalRank`'s: one rank of a grid emulated in one process, no peers).
+``grid.trace`` (None unless set) hears of each SUMMA step (:class:`SummaTrace`).
 """
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
-import torch.distributed as dist
 
 from parallel4d.distributed import comm
 from parallel4d.tensor2d.checks import check_divisible
 
 
+class SummaTrace(Protocol):
+    """Told of each step of a SUMMA op as its code reaches it, in program order: ``event`` is
+    ``"post"`` (step ``step``'s broadcast posted), ``"wait"`` (waited for), ``"product"`` (its local
+    block product computed), ``"reduce"`` (its partial's reduce posted) or ``"reduce_wait"``
+    (``step`` -1: the wait for all of an op's reduces); ``label`` the collective's byte-count label
+    (``"{name}:summa_ab/bcast_a"``, ``"{name}:summa_abt/reduce_c"``; a product's
+    ``"{name}:summa_ab/product"``)."""
+
+    def __call__(self, event: str, label: str, step: int) -> None: ...
+
+
 class Grid:
-    """This rank's place on the tensor-parallel grid of ``mesh`` (cheap to build)."""
+    """This rank's place on the tensor-parallel grid of ``mesh`` (cheap to build). ``comm``: where
+    its collectives go (the comm module, or ``mesh.collectives``); ``trace``: a :class:`SummaTrace`
+    for this grid's SUMMA ops, None (the default: nothing is recorded) or set by whoever watches."""
 
     def __init__(self, mesh):
         self.mesh = mesh
+        self.comm = getattr(mesh, "collectives", comm)
+        self.trace: SummaTrace | None = None
         self.stats = mesh.comm_stats
         self.q = mesh.q
         self.i = mesh.rank("tp_row")
@@ -37,7 +56,7 @@ class Grid:
         # Global ranks of my row (index j) and of my column (index i).
         self.row_ranks = [mesh.global_rank("tp_col", t) for t in range(self.q)]
         self.col_ranks = [mesh.global_rank("tp_row", t) for t in range(self.q)]
-        if self.q > 1 and (dist.get_rank(self.along_j) != self.j or dist.get_rank(self.along_i) != self.i):
+        if self.q > 1 and (self.comm.group_rank(self.along_j) != self.j or self.comm.group_rank(self.along_i) != self.i):
             # all_gather / reduce_scatter order their pieces by group rank.
             raise RuntimeError("tensor-parallel group ranks do not follow grid coordinates")
 
@@ -49,22 +68,23 @@ class _AllReduceSum(torch.autograd.Function):
     """Sum over ``group``; every member then uses the sum, so the backward is a sum too."""
 
     @staticmethod
-    def forward(ctx, x, group, stats, label):
-        ctx.group, ctx.stats, ctx.label = group, stats, label
+    def forward(ctx, x, group, stats, label, ops):
+        ctx.group, ctx.stats, ctx.label, ctx.ops = group, stats, label, ops
         y = x.clone()
-        comm.all_reduce(y, group, stats=stats, label=label)
+        ops.all_reduce(y, group, stats=stats, label=label)
         return y
 
     @staticmethod
     def backward(ctx, g):
         g = g.clone()
-        comm.all_reduce(g, ctx.group, stats=ctx.stats, label=ctx.label + ".bwd")
-        return g, None, None, None
+        ctx.ops.all_reduce(g, ctx.group, stats=ctx.stats, label=ctx.label + ".bwd")
+        return g, None, None, None, None
 
 
 @comm.eager
-def all_reduce_sum(x, group, stats=None, label="all_reduce"):
-    return _AllReduceSum.apply(x, group, stats, label)
+def all_reduce_sum(x, group, stats=None, label="all_reduce", ops=comm):
+    """``x`` summed over ``group`` through ``ops`` (a grid's ``comm``); the backward sums too."""
+    return _AllReduceSum.apply(x, group, stats, label, ops)
 
 
 class _SumGradAlong(torch.autograd.Function):
@@ -75,30 +95,30 @@ class _SumGradAlong(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, p, group, stats, label):
-        ctx.group, ctx.stats, ctx.label = group, stats, label
+    def forward(ctx, p, group, stats, label, ops):
+        ctx.group, ctx.stats, ctx.label, ctx.ops = group, stats, label, ops
         return p.view_as(p)
 
     @staticmethod
     def backward(ctx, g):
         g = g.contiguous().clone()
-        comm.all_reduce(g, ctx.group, stats=ctx.stats, label=ctx.label)
-        return g, None, None, None
+        ctx.ops.all_reduce(g, ctx.group, stats=ctx.stats, label=ctx.label)
+        return g, None, None, None, None
 
 
 @comm.eager
 def replicated_over_rows(p, grid: Grid, label: str):
     """Use parameter ``p`` (identical on the q ranks of my grid column) so that its
     gradient is the sum over that column (``along_i``, ``tp_row`` varies)."""
-    return _SumGradAlong.apply(p, grid.along_i, grid.stats, label)
+    return _SumGradAlong.apply(p, grid.along_i, grid.stats, label, grid.comm)
 
 
 @comm.eager
 def replicated_over_grid(p, grid: Grid, label: str):
     """Use parameter ``p`` (identical on every rank of the grid) so that its gradient is the sum
     over the whole grid: over my column (``along_i``), then my row (``along_j``)."""
-    p = _SumGradAlong.apply(p, grid.along_i, grid.stats, label)
-    return _SumGradAlong.apply(p, grid.along_j, grid.stats, label)
+    p = _SumGradAlong.apply(p, grid.along_i, grid.stats, label, grid.comm)
+    return _SumGradAlong.apply(p, grid.along_j, grid.stats, label, grid.comm)
 
 
 class _ReduceScatterBatch(torch.autograd.Function):
@@ -107,11 +127,11 @@ class _ReduceScatterBatch(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, grid, label):
         ctx.grid, ctx.label = grid, label
-        return comm.reduce_scatter(x, grid.along_i, dim=0, stats=grid.stats, label=label)
+        return grid.comm.reduce_scatter(x, grid.along_i, dim=0, stats=grid.stats, label=label)
 
     @staticmethod
     def backward(ctx, g):
-        g = comm.all_gather(g.contiguous(), ctx.grid.along_i, dim=0, stats=ctx.grid.stats, label=ctx.label + ".bwd")
+        g = ctx.grid.comm.all_gather(g.contiguous(), ctx.grid.along_i, dim=0, stats=ctx.grid.stats, label=ctx.label + ".bwd")
         return g, None, None
 
 
@@ -146,19 +166,19 @@ def gather_2d(y: torch.Tensor, mesh, label: str = "gather_2d") -> torch.Tensor:
     grid rank (all-gather over ``along_j`` on the last dim, then over ``along_i`` on dim 0).
     Not differentiable; for checks, logging and ``to_dense``."""
     grid = Grid(mesh)
-    y = comm.all_gather(y.detach().contiguous(), grid.along_j, dim=-1, stats=grid.stats, label=label)
-    return comm.all_gather(y.contiguous(), grid.along_i, dim=0, stats=grid.stats, label=label)
+    y = grid.comm.all_gather(y.detach().contiguous(), grid.along_j, dim=-1, stats=grid.stats, label=label)
+    return grid.comm.all_gather(y.contiguous(), grid.along_i, dim=0, stats=grid.stats, label=label)
 
 
 def gather_blocks(w: torch.Tensor, grid: Grid, label: str = "to_dense") -> torch.Tensor:
     """A matrix stored as q×q blocks (block (i, j) here) → the full matrix."""
-    w = comm.all_gather(w.detach().contiguous(), grid.along_j, dim=1, stats=grid.stats, label=label)
-    return comm.all_gather(w.contiguous(), grid.along_i, dim=0, stats=grid.stats, label=label)
+    w = grid.comm.all_gather(w.detach().contiguous(), grid.along_j, dim=1, stats=grid.stats, label=label)
+    return grid.comm.all_gather(w.contiguous(), grid.along_i, dim=0, stats=grid.stats, label=label)
 
 
 def gather_columns(v: torch.Tensor, grid: Grid, dim: int = -1, label: str = "to_dense") -> torch.Tensor:
     """A tensor split into q blocks along ``dim`` by grid column j (replicated over i) → full."""
-    return comm.all_gather(v.detach().contiguous(), grid.along_j, dim=dim, stats=grid.stats, label=label)
+    return grid.comm.all_gather(v.detach().contiguous(), grid.along_j, dim=dim, stats=grid.stats, label=label)
 
 
 def block_of(t: torch.Tensor, index: int, q: int, dim: int) -> torch.Tensor:

@@ -69,7 +69,7 @@ class Layer2D(nn.Module):
     def row_sum(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` (``[.., 1]`` per token) summed over my grid row (``along_j``: the other hidden blocks of the
         same tokens), labelled ``{name}.stats``; the backward sums the gradient the same way."""
-        return all_reduce_sum(x, self.grid.along_j, self.grid.stats, f"{self.name}.stats")
+        return all_reduce_sum(x, self.grid.along_j, self.grid.stats, f"{self.name}.stats", self.grid.comm)
 
     @comm.eager
     def replicated(self, param: str) -> torch.Tensor:

@@ -341,7 +341,7 @@ class VocabParallelEmbedding2D(Layer2D):
 
     def forward(self, ids):
         g = self.grid
-        all_ids = comm.all_gather(ids.contiguous(), g.along_i, dim=0, stats=g.stats, label=f"{self.name}.ids")
+        all_ids = g.comm.all_gather(ids.contiguous(), g.along_i, dim=0, stats=g.stats, label=f"{self.name}.ids")
         local = all_ids - self.vocab_start
         outside = (local < 0) | (local >= self.weight.shape[0])
         emb = F.embedding(local.masked_fill(outside, 0), self.weight)

@@ -25,6 +25,12 @@ Backward, each expressed with the other two:
 
 Overlap: the broadcast of step t+1 is posted (async) before step t's local
 matmul; the reduce of step t is posted async right after it and waited at the end.
+Without it (``overlap=False``) each step posts, waits, multiplies (and reduces and waits)
+before the next step's broadcast is posted. A grid's ``trace`` (:class:`~.grid.SummaTrace`)
+is told of each post, wait, product and reduce in that order (``tests/test_tensor2d_overlap.py``).
+
+Collectives go through ``grid.comm`` (:mod:`parallel4d.distributed.comm`, or the local stand-ins
+of :mod:`.emulate`, which runs every rank's products on one device).
 
 Precision: under ``torch.autocast`` the operands are cast once to the autocast
 dtype (bf16 or fp16, whatever autocast says; float64 is left alone, like autocast
@@ -56,11 +62,6 @@ def _compute_dtype(*ts: torch.Tensor) -> torch.dtype:
     return dtype
 
 
-def _local_product(x, y):
-    """The local block product of one SUMMA step (a seam for the overlap-order test)."""
-    return torch.mm(x, y)
-
-
 def _label(name: str, op: str, part: str) -> str:
     return f"{name}:{op}/{part}"
 
@@ -73,8 +74,26 @@ class _Broadcasts:
 
     def post(self, t):
         buf = self.mine if self.me == t else torch.empty_like(self.mine)
-        work = comm.broadcast(buf, self.ranks[t], self.group, stats=self.grid.stats, label=self.label, async_op=True)
+        work = self.grid.comm.broadcast(buf, self.ranks[t], self.group, stats=self.grid.stats, label=self.label,
+                                        async_op=True)
+        if self.grid.trace is not None:
+            self.grid.trace("post", self.label, t)
         return buf, work
+
+
+def _wait(grid, works, what, label, step, event="wait"):
+    """Wait for ``works`` (stream-ordered on NCCL: the host goes on), then tell the trace."""
+    grid.comm.wait(works, what=what, deadlines=grid.mesh.deadlines)
+    if grid.trace is not None:
+        grid.trace(event, label, step)
+
+
+def _product(grid, x, y, label, step):
+    """The local block product of one SUMMA step."""
+    p = torch.mm(x, y)
+    if grid.trace is not None:
+        grid.trace("product", label, step)
+    return p
 
 
 def _ab(a, b, grid: Grid, name: str, overlap: bool = True):
@@ -82,6 +101,7 @@ def _ab(a, b, grid: Grid, name: str, overlap: bool = True):
     q = grid.q
     bc_a = _Broadcasts(a, grid.j, grid.row_ranks, grid.along_j, grid, _label(name, "summa_ab", "bcast_a"))
     bc_b = _Broadcasts(b, grid.i, grid.col_ranks, grid.along_i, grid, _label(name, "summa_ab", "bcast_b"))
+    product = _label(name, "summa_ab", "product")
     acc = torch.float32 if a.dtype in _HALF else a.dtype
     c = torch.zeros(a.shape[0], b.shape[1], dtype=acc, device=a.device)
     nxt = (bc_a.post(0), bc_b.post(0))
@@ -89,8 +109,8 @@ def _ab(a, b, grid: Grid, name: str, overlap: bool = True):
         (ab, wa), (bb, wb) = nxt
         if overlap and t + 1 < q:
             nxt = (bc_a.post(t + 1), bc_b.post(t + 1))
-        comm.wait([wa, wb], what=f"{name} summa_ab step {t}", deadlines=grid.mesh.deadlines)
-        c += _local_product(ab, bb).to(acc)
+        _wait(grid, [wa, wb], f"{name} summa_ab step {t}", bc_a.label, t)
+        c += _product(grid, ab, bb, product, t).to(acc)
         if not overlap and t + 1 < q:
             nxt = (bc_a.post(t + 1), bc_b.post(t + 1))
     return c.to(a.dtype)
@@ -99,22 +119,25 @@ def _ab(a, b, grid: Grid, name: str, overlap: bool = True):
 def _reduced(partial_fn, bcast: _Broadcasts, keep_at: int, dst_ranks, group, grid, label, what, overlap):
     """Shared loop of ABᵀ / AᵀB: broadcast an operand, reduce each step's partial to t."""
     q = grid.q
+    product = label.rsplit("/", 1)[0] + "/product"
     works, kept = [], None
     nxt = bcast.post(0)
     for t in range(q):
         buf, w = nxt
         if overlap and t + 1 < q:
             nxt = bcast.post(t + 1)
-        comm.wait(w, what=f"{what} step {t} broadcast", deadlines=grid.mesh.deadlines)
-        p = partial_fn(buf).contiguous()
-        works.append(comm.reduce(p, dst_ranks[t], group, stats=grid.stats, label=label, async_op=True))
+        _wait(grid, w, f"{what} step {t} broadcast", bcast.label, t)
+        p = partial_fn(buf, product, t).contiguous()
+        works.append(grid.comm.reduce(p, dst_ranks[t], group, stats=grid.stats, label=label, async_op=True))
+        if grid.trace is not None:
+            grid.trace("reduce", label, t)
         if t == keep_at:
             kept = p
         if not overlap:
-            comm.wait(works[-1], what=f"{what} step {t} reduce", deadlines=grid.mesh.deadlines)
+            _wait(grid, works[-1], f"{what} step {t} reduce", label, t, "reduce_wait")
             if t + 1 < q:
                 nxt = bcast.post(t + 1)
-    comm.wait(works, what=f"{what} reduces", deadlines=grid.mesh.deadlines)
+    _wait(grid, works, f"{what} reduces", label, -1, "reduce_wait")
     return kept
 
 
@@ -122,16 +145,16 @@ def _abt(a, b, grid: Grid, name: str, overlap: bool = True):
     """C_it = Σ_j A_ij·B_tjᵀ for a ``[m, k]``, b ``[n, k]`` (blocks of A[M,K], B[N,K])."""
     op = "summa_abt"
     bc = _Broadcasts(b, grid.i, grid.col_ranks, grid.along_i, grid, _label(name, op, "bcast_b"))
-    return _reduced(lambda bt: _local_product(a, bt.t()), bc, grid.j, grid.row_ranks, grid.along_j, grid,
-                    _label(name, op, "reduce_c"), f"{name} {op}", overlap)
+    return _reduced(lambda bt, label, t: _product(grid, a, bt.t(), label, t), bc, grid.j, grid.row_ranks,
+                    grid.along_j, grid, _label(name, op, "reduce_c"), f"{name} {op}", overlap)
 
 
 def _atb(a, b, grid: Grid, name: str, overlap: bool = True):
     """C_tj = Σ_i A_itᵀ·B_ij for a ``[k, m]``, b ``[k, n]`` (blocks of A[K,M], B[K,N])."""
     op = "summa_atb"
     bc = _Broadcasts(a, grid.j, grid.row_ranks, grid.along_j, grid, _label(name, op, "bcast_a"))
-    return _reduced(lambda at: _local_product(at.t(), b), bc, grid.i, grid.col_ranks, grid.along_i, grid,
-                    _label(name, op, "reduce_c"), f"{name} {op}", overlap)
+    return _reduced(lambda at, label, t: _product(grid, at.t(), b, label, t), bc, grid.i, grid.col_ranks,
+                    grid.along_i, grid, _label(name, op, "reduce_c"), f"{name} {op}", overlap)
 
 
 def _flat(t):
