@@ -232,6 +232,8 @@ def record_ring(n: int, causal: bool = True):
 class GridMesh:
     """What ``tensor2d.Grid`` asks of a mesh: a q×q grid, global rank ``i·q + j``."""
 
+    collectives = comm
+
     def __init__(self, q: int, rank: int):
         self.q, self.i, self.j = q, rank // q, rank % q
         self.comm_stats, self.deadlines = CommStats(), None

@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from parallel4d.distributed import comm
 from parallel4d.distributed.comm import CommStats
 from parallel4d.distributed.deadlines import Deadlines, group_timeout_s
 from parallel4d.config.rules.tensor2d import grid_side
@@ -82,6 +83,10 @@ class Mesh:
     Also carries this rank's :class:`CommStats` (bytes counted by ``comm``
     helpers) so that strategies need no global counters.
     """
+
+    #: where a technique's collectives go: :mod:`~parallel4d.distributed.comm` (a one-process stand-in
+    #: for a rank, such as ``tensor2d.emulate.LocalRank``, carries its own)
+    collectives = comm
 
     def __init__(self, device_mesh: DeviceMesh, timeout_s: float = 300.0):
         if tuple(device_mesh.mesh_dim_names or ()) != AXES:

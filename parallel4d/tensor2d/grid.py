@@ -12,8 +12,8 @@ Groups are named by the axis that *varies* inside them:
   replicated over rows, SUMMA broadcasts of B-blocks).
 
 Peers are resolved through :meth:`Mesh.global_rank` only. The grid's collectives go through
-``grid.comm``: :mod:`parallel4d.distributed.comm` itself, or the mesh's ``collectives`` where it has
-them (:class:`~.emulate.LocalRank`'s: one rank of a grid emulated in one process, no peers).
+``grid.comm``: the mesh's ``collectives`` — :mod:`parallel4d.distributed.comm` itself, or an emulation's
+(:class:`~.emulate.LocalRank`'s: one rank of a grid emulated in one process, no peers).
 ``grid.trace`` (None unless set) hears of each SUMMA step (:class:`SummaTrace`).
 """
 
@@ -40,12 +40,12 @@ class SummaTrace(Protocol):
 
 class Grid:
     """This rank's place on the tensor-parallel grid of ``mesh`` (cheap to build). ``comm``: where
-    its collectives go (the comm module, or ``mesh.collectives``); ``trace``: a :class:`SummaTrace`
+    its collectives go (``mesh.collectives``: the comm module, or an emulation's); ``trace``: a :class:`SummaTrace`
     for this grid's SUMMA ops, None (the default: nothing is recorded) or set by whoever watches."""
 
     def __init__(self, mesh):
         self.mesh = mesh
-        self.comm = getattr(mesh, "collectives", comm)
+        self.comm = mesh.collectives
         self.trace: SummaTrace | None = None
         self.stats = mesh.comm_stats
         self.q = mesh.q
