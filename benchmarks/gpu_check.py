@@ -271,6 +271,9 @@ class Forked:
                 fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
                 os.dup2(fd, 1)
                 os.dup2(fd, 2)
+                # Python's streams onto them too (whoever forks may have replaced sys.stdout, as pytest does)
+                sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115 — closed by os._exit
+                sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
                 os.environ.clear()
                 os.environ.update(env)
                 rc = main(child_argv) or 0
