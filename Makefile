@@ -11,9 +11,11 @@ TORCH_CPU ?= torch==2.13.0
 TORCH_GPU ?= torch==2.11.0
 # make gpu-check: the Python with CUDA torch (the venv's when it imports torch, else the system's) and
 # the part to run: default (the most telling figures, within 5 minutes on one H100, each step under its own
-# cap) or a named part within 8 minutes: launches, sweeps, ladders (benchmarks/gpu_check.py --plan lists them)
+# cap) or a named part within 8 minutes: launches, sweeps, ladders (benchmarks/gpu_check.py --plan lists them);
+# GPU_CHECK_ARGS: more of its flags (--out FILE, --profile NAME|FILE)
 GPU_PYTHON ?= $(shell $(BIN)/python -c "import torch" 2>/dev/null && echo $(BIN)/python || echo $(PYTHON))
 PART ?= default
+GPU_CHECK_ARGS ?=
 
 .PHONY: demo test install clean gpu-check
 
@@ -54,7 +56,7 @@ test: install
 # Installs nothing (no venv step: the machine may have no package index; carry wheels, docs/benchmarks.md).
 # Without a GPU: prints what it would run.
 gpu-check:
-	PYTHONPATH=$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH} $(GPU_PYTHON) benchmarks/gpu_check.py --part $(PART)
+	PYTHONPATH=$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH} $(GPU_PYTHON) benchmarks/gpu_check.py --part $(PART) $(GPU_CHECK_ARGS)
 
 clean:
 	rm -rf $(VENV) runs *.egg-info

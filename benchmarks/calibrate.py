@@ -37,9 +37,20 @@ def profile_for(gpu: str | None) -> str | None:
 
 
 def measured_steps(report: dict) -> list[MeasuredStep]:
-    """The one-GPU steps every step of a gpu-check report measured (configs rebuilt from their jobs)."""
-    return [MeasuredStep(s["name"], make_config(s["job"]), s["step_s"], s.get("peak_bytes"), s.get("host_update_s"))
-            for step in report["steps"] if step["status"] in USABLE for s in step.get("one_gpu_steps", [])]
+    """The one-GPU steps every step of a gpu-check report measured (configs rebuilt from their jobs; the same
+    job measured twice — the engine and the plain loop — shares one dry run)."""
+    steps, seen = [], {}
+    for step in report["steps"]:
+        if step["status"] not in USABLE:
+            continue
+        for s in step.get("one_gpu_steps", []):
+            m = MeasuredStep(s["name"], make_config(s["job"]), s["step_s"], s.get("peak_bytes"), s.get("host_update_s"))
+            key = json.dumps(s["job"], sort_keys=True)
+            if key in seen:
+                m.plans = seen[key].timed_plans()
+            seen.setdefault(key, m)
+            steps.append(m)
+    return steps
 
 
 def measured_rates(report: dict) -> dict[str, float]:

@@ -111,18 +111,28 @@ def _hetero_in_process(spec, args) -> dict:
         return {"failed": f"{type(e).__name__}: {str(e)[:600]}"}
 
 
+def _deepspeed_skipped(tiny: bool) -> str | None:
+    """Why the DeepSpeed run is skipped (None: it runs)."""
+    import importlib.util
+
+    if tiny:
+        return "dry run: DeepSpeed is measured on a GPU only"
+    if importlib.util.find_spec("deepspeed") is None:
+        return "deepspeed not importable: carry its wheel (docs/benchmarks.md, 'What the GPU machine lacks')"
+    return None
+
+
 def hetero_side_by_side(ctx: Context) -> None:
     """(c) hetero's side by side, short: each run a fresh child of ``hetero_gpu.py`` as that script makes them
-    (in this process on the CPU for the dry run), one warm-up and three timed steps; no ladders."""
-    import importlib.util
+    (in this process on the CPU for the dry run), one warm-up and three timed steps; no ladders. The targets
+    are recorded after every run (DeepSpeed last: its CPU-Adam build on first use may take the rest of the cap)."""
+    from parallel4d.config.load import make_config
+    from parallel4d.models.gpt2.model import shape_from_config
 
     hg = _benchmark("hetero_gpu")
     args = hg.parse_args(["--dry-run"] if ctx.tiny else ["--warmup", "1", "--iters", "3", "--child-timeout", "60"])
     run = (lambda spec: _hetero_in_process(spec, args)) if ctx.tiny else (lambda spec: hg.in_child(spec, args))
     main_job = hg.job(args, args.hidden, args.layers, args.heads)
-    from parallel4d.config.load import make_config
-    from parallel4d.models.gpt2.model import shape_from_config
-
     n_params = hg.param_count(shape_from_config(make_config(main_job).model))
     res = {"dry_run": ctx.tiny, "params": n_params}
     ctx.record.figure("model", {"params": n_params, "hidden": args.hidden, "layers": args.layers, "seq": args.seq,
@@ -133,30 +143,28 @@ def hetero_side_by_side(ctx: Context) -> None:
         if "h2d_GBps" in bw:
             ctx.record.measured_rate("host_link_bytes_per_s", min(bw["h2d_GBps"], bw["d2h_GBps"]) * hg.GB)
 
-    def attempt(name: str, spec, job: dict) -> dict:
-        res[name] = out = run(spec)
+    def attempt(name: str, run_kind: str, job: dict, planned: dict | None) -> dict:
+        """One run; ``planned``: the job the planner predicts for it (None: not parallel4d's, DeepSpeed)."""
+        res[name] = out = run(hg.Spec(run_kind, job, args.warmup, args.iters, args.dry_run))
         ctx.record.figure(name, {k: v for k, v in out.items() if k in HETERO_KEYS})
-        if "step_s_median" in out:
+        if planned is not None and "step_s_median" in out:
             peak = out.get("peak_gpu_alloc_GB")
-            ctx.record.one_gpu_step(f"hetero_gpu {name}, GPT {n_params / 1e9:.2f}B", job, out["step_s_median"],
+            ctx.record.one_gpu_step(f"hetero_gpu {name}, GPT {n_params / 1e9:.2f}B", planned, out["step_s_median"],
                                     None if peak is None else peak * hg.GB, out.get("host_update_seconds_per_step"))
+        ctx.record.figure("targets", hg.targets(res))
         return out
 
-    plain_job = {**main_job, "hetero": {"enabled": False}}  # what run_plain trains: no hetero
-    attempt("plain", hg.Spec("plain", main_job, args.warmup, args.iters, args.dry_run), plain_job)
-    resident = attempt("hetero_resident", hg.Spec("hetero", main_job, args.warmup, args.iters, args.dry_run), main_job)
-    budget, _ = hg.half_budget(args, resident, n_params)
-    half_job = hg.job(args, args.hidden, args.layers, args.heads, budget)
-    attempt("hetero_half", hg.Spec("hetero", half_job, args.warmup, args.iters, args.dry_run), half_job)
-    if ctx.tiny:
-        res["deepspeed_zero3_offload"] = {"skipped": "dry run: DeepSpeed is measured on a GPU only"}
-    elif importlib.util.find_spec("deepspeed") is None:
-        res["deepspeed_zero3_offload"] = {"skipped": "deepspeed not importable: carry its wheel (docs/benchmarks.md)"}
+    attempt("plain", "plain", main_job, {**main_job, "hetero": {"enabled": False}})  # run_plain: no hetero
+    resident = attempt("hetero_resident", "hetero", main_job, main_job)
+    half_job = hg.job(args, args.hidden, args.layers, args.heads, hg.half_budget(args, resident, n_params)[0])
+    attempt("hetero_half", "hetero", half_job, half_job)
+    why = _deepspeed_skipped(ctx.tiny)
+    if why is None:
+        attempt("deepspeed_zero3_offload", "deepspeed", main_job, None)
     else:
-        attempt("deepspeed_zero3_offload", hg.Spec("deepspeed", main_job, args.warmup, args.iters), main_job)
-    ctx.record.figure("deepspeed_zero3_offload", {k: v for k, v in res["deepspeed_zero3_offload"].items()
-                                                  if k in HETERO_KEYS})
-    ctx.record.figure("targets", hg.targets(res))
+        res["deepspeed_zero3_offload"] = {"skipped": why}
+        ctx.record.figure("deepspeed_zero3_offload", res["deepspeed_zero3_offload"])
+        ctx.record.figure("targets", hg.targets(res))
     ctx.record.headline("; ".join(f"{t['name']} " + ("—" if t["value"] is None else f"{t['value']:.2f}")
                                   for t in hg.targets(res)))
 
@@ -280,7 +288,8 @@ def _hetero_figures(ctx: Context, path: Path) -> None:
             ctx.record.figure(name, {k: v for k, v in res[name].items() if k in HETERO_KEYS})
         if name.startswith("hetero") and "step_s_median" in res.get(name, {}):
             r = res[name]
-            job = hg.job(args, args.hidden, args.layers, args.heads, r.get("device_budget_bytes"))
+            budget = r.get("device_budget_bytes") if name == "hetero_half" else None  # resident: none set
+            job = hg.job(args, args.hidden, args.layers, args.heads, budget)
             ctx.record.one_gpu_step(f"hetero_gpu {name}", job, r["step_s_median"], r.get("peak_gpu_alloc_GB", 0) * hg.GB
                                     or None, r.get("host_update_seconds_per_step"))
     if "step_s_median" in res.get("plain", {}):
