@@ -10,10 +10,12 @@ BIN    := $(VENV)/bin
 TORCH_CPU ?= torch==2.13.0
 TORCH_GPU ?= torch==2.11.0
 # make gpu-check: the Python with CUDA torch (the venv's when it imports torch, else the system's) and
-# the part to run (1, 2 or all: each part within 10 minutes on one H100, all within 20; ladders, named alone:
-# the largest-model ladders of benchmarks/hetero_gpu.py, within 10 minutes)
+# the part to run: default (the most telling figures, within 5 minutes on one H100, each step under its own
+# cap) or a named part within 8 minutes: launches, sweeps, ladders (benchmarks/gpu_check.py --plan lists them);
+# GPU_CHECK_ARGS: more of its flags (--out FILE, --profile NAME|FILE)
 GPU_PYTHON ?= $(shell $(BIN)/python -c "import torch" 2>/dev/null && echo $(BIN)/python || echo $(PYTHON))
-PART ?= all
+PART ?= default
+GPU_CHECK_ARGS ?=
 
 .PHONY: demo test install clean gpu-check
 
@@ -49,11 +51,12 @@ demo: install
 test: install
 	$(BIN)/python -m pytest -q --durations=15 tests
 
-# On a machine with a GPU and torch installed: the GPU-marked tests, one-GPU launches of the example
-# configs and the GPU benchmarks, into benchmarks/results/gpu_*.json (benchmarks/gpu_check.py). Installs
-# nothing (no venv step: the machine may have no package index). Without a GPU: prints what it would run.
+# On a machine with a GPU and torch installed: the GPU-marked tests and the GPU benchmarks with the planner's
+# predictions beside them, into one benchmarks/results/gpu_check[_PART].json (benchmarks/gpu_check.py).
+# Installs nothing (no venv step: the machine may have no package index; carry wheels, docs/benchmarks.md).
+# Without a GPU: prints what it would run.
 gpu-check:
-	PYTHONPATH=$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH} $(GPU_PYTHON) benchmarks/gpu_check.py --part $(PART)
+	PYTHONPATH=$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH} $(GPU_PYTHON) benchmarks/gpu_check.py --part $(PART) $(GPU_CHECK_ARGS)
 
 clean:
 	rm -rf $(VENV) runs *.egg-info

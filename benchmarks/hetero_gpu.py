@@ -1,8 +1,8 @@
 """Heterogeneous memory on one GPU, side by side in one run: plain PyTorch, hetero resident, hetero with
 half the model data on the device, DeepSpeed ZeRO-3 with CPU offload; optionally both largest-model ladders.
 
-The default run (``make gpu-check PART=2``), a GPT of 1.42B parameters (h2048, L24, 16 heads, vocab 50304,
-seq 1024, untied head), micro-batch 8, bf16:
+The default run (``make gpu-check PART=sweeps``; ``make gpu-check`` runs a short form of it), a GPT of 1.42B
+parameters (h2048, L24, 16 heads, vocab 50304, seq 1024, untied head), micro-batch 8, bf16:
 
 * ``plain``: PyTorch alone, float32 parameters on the GPU, bf16 autocast, ``AdamW(fused=True)``;
 * ``hetero_resident``: ``parallel4d.hetero`` without a device budget: bf16 chunks (parameters and
