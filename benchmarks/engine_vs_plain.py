@@ -280,9 +280,9 @@ def measure(args) -> dict:
         # resident bytes plus what autograd saves for the backward (the activations)
         rise = max(transient[m]) if cuda else saved_bytes(modes[m], *data[0])
         out[m] = {"step_s": s, "tokens_per_s": tokens / s, "steps_s": ts, "resident_bytes": resident,
-                  "peak_bytes" if cuda else "resident_plus_saved_bytes": resident + rise,
+                  "peak_memory_bytes" if cuda else "resident_plus_saved_bytes": resident + rise,
                   "mfu": tokens / s * flops_per_token(cfg) / peak if peak else None}
-    key = "peak_bytes" if cuda else "resident_plus_saved_bytes"
+    key = "peak_memory_bytes" if cuda else "resident_plus_saved_bytes"
     out["ratio_engine_over_plain"] = out["engine"]["tokens_per_s"] / out["plain"]["tokens_per_s"]
     out["memory_engine_over_plain"] = out["engine"][key] / out["plain"][key]
     out["targets"] = {"ratio_at_least": 1.0 if args.compile else 0.97, "memory_at_most": 1.05}

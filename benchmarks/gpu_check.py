@@ -117,6 +117,10 @@ PARTS = {
         Step("hetero_gpu.py in full", "gpu_check_steps:hetero_full", 240, 120,
              "benchmarks/hetero_gpu.py (2 warm-up, 5 timed steps each) → gpu_hetero.json"),
         PREDICTIONS), "the full sweeps behind the default part's figures"),
+    "compile": Part("compile", NAMED_CAP_S, (
+        Step("engine vs plain compiled (Llama-3.2-1B shape)", "gpu_check_steps:engine_vs_plain_compiled", 300, 180,
+             "benchmarks/engine_vs_plain.py --compile: train.compile: blocks against the plain loop's blocks compiled"),
+        PREDICTIONS), "torch.compile's blocks in both loops (inductor's compile time included)"),
     "ladders": Part("ladders", NAMED_CAP_S, (
         Step("largest-model ladders", "gpu_check_steps:ladders", 470, 420,
              "benchmarks/hetero_gpu.py --ladders-only: the largest model hetero and DeepSpeed each train"),),

@@ -470,6 +470,19 @@ def blocks_on_gpu() -> dict:
     return measure_blocks(GPU_BLOCK, (2, 4), "cuda", torch.bfloat16, warmup=2, iters=3, rounds=3)
 
 
+def gpu_block(tiny: bool, out: str) -> dict:
+    """``make gpu-check``'s entry (benchmarks/gpu_check_steps.py): :func:`blocks_on_gpu`, or with ``tiny`` (its
+    CPU dry run) the tiny block on the CPU; writes ``out`` and returns the result with a one-line ``headline``."""
+    if tiny:
+        res = measure_blocks(TINY_BLOCK, (2, 4), torch.device("cpu"), torch.float32, warmup=1, iters=1, rounds=1)
+    else:
+        res = blocks_on_gpu()
+    with open(out, "w") as f:
+        json.dump(res, f, indent=2)
+    effs = ", ".join(f"q={q}: {res['results'][f'q{q}']['efficiency_per_flop']:.2f}" for q in res["qs"])
+    return {**res, "headline": f"2D block efficiency per FLOP {effs} (target >= {res['target_efficiency_q2']} at q = 2)"}
+
+
 def print_blocks(res: dict) -> None:
     b, dense = res["block"], res["results"]["dense"]
     print(f"\nOne Llama block (h={b['hidden']}, I={b['intermediate']}, heads {b['heads']}/{b['kv_heads']}, "
