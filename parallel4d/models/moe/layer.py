@@ -74,8 +74,22 @@ class SparseMoE(ReadsContext):
         return out.reshape(shape)
 
 
+def from_transformers(tensor: torch.Tensor, how: str) -> torch.Tensor:
+    """Our tensor from transformers' one by the transform of the name map
+    (:func:`~.spec.hf_layer_names`): ``"copy"``; ``"gate_half"`` / ``"up_half"``: the first / second half of
+    a fused ``gate_up_proj`` ``[E, 2I, h]`` along its rows (a view)."""
+    if how == "copy":
+        return tensor
+    width = tensor.shape[1] // 2
+    if how == "gate_half":
+        return tensor[:, :width]
+    if how == "up_half":
+        return tensor[:, width:]
+    raise ValueError(f"unknown transform {how!r} (copy, gate_half, up_half)")
+
+
 def from_transformers_experts(gate_up_proj: torch.Tensor, down_proj: torch.Tensor) -> dict[str, torch.Tensor]:
     """transformers 5's fused experts (``gate_up_proj`` ``[E, 2I, h]``: the gate's ``I`` rows, then the
     up projection's; ``down_proj`` ``[E, h, I]``) → :class:`Experts`' tensors by name."""
-    width = gate_up_proj.shape[1] // 2
-    return {"gate_proj": gate_up_proj[:, :width], "up_proj": gate_up_proj[:, width:], "down_proj": down_proj}
+    return {"gate_proj": from_transformers(gate_up_proj, "gate_half"),
+            "up_proj": from_transformers(gate_up_proj, "up_half"), "down_proj": down_proj}

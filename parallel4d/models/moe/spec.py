@@ -56,7 +56,7 @@ def layer_matrices(moe: MoeShape, hidden: int) -> tuple[int, int]:
     per token), the router ``h·E``, the shared expert ``3·h·I_s`` and its gate ``h`` (both per token)."""
     per_token = hidden * moe.num_experts + 3 * hidden * moe.shared_width + (hidden if moe.shared_width else 0)
     expert = 3 * hidden * moe.expert_width
-    return moe.num_experts * expert + per_token, moe.top_k * expert + per_token
+    return moe.num_experts * expert + per_token, (moe.top_k or 0) * expert + per_token  # k unset: refused by the rules
 
 
 # --- transformers' config.json ------------------------------------------------------------------------
@@ -67,9 +67,9 @@ _HF_KEYS = {"num_experts_per_tok": "num_experts_per_tok", "moe_intermediate_size
             "decoder_sparse_step": "decoder_sparse_step", "mlp_only_layers": "mlp_only_layers",
             "router_aux_loss_coef": "router_aux_loss_coef", "output_router_logits": "output_router_logits"}
 
-#: what each MoE model_type's routing is: Mixtral renormalises the top-k (a softmax over their logits)
-#: and has no shared expert, sparse step or dense layers; Qwen2-MoE and Qwen3-MoE read every key
-HF_MOE_TYPES = {"mixtral": "num_local_experts", "qwen2_moe": "num_experts", "qwen3_moe": "num_experts"}
+#: the MoE model_types: Mixtral renormalises the top-k (a softmax over their logits) and has no shared expert,
+#: sparse step or dense layers; Qwen2-MoE and Qwen3-MoE read every key
+HF_MOE_TYPES = ("qwen3_moe", "qwen2_moe", "mixtral")
 
 
 def fields_from_hf(c: dict) -> dict:
@@ -82,7 +82,9 @@ def fields_from_hf(c: dict) -> dict:
         raise ValueError(f"Hugging Face model_type {mt!r}: router_jitter_noise={c['router_jitter_noise']} is not "
                          "supported (the router takes no noise); only 0 loads")
     out = {f: c[k] for k, f in _HF_KEYS.items() if c.get(k) is not None}
-    out["num_experts"] = c.get(HF_MOE_TYPES[mt]) or 0
+    # the experts' key: Mixtral's num_local_experts, the Qwens' num_experts — which transformers 5 writes as
+    # num_local_experts for Qwen3-MoE too (its attribute_map)
+    out["num_experts"] = c.get("num_experts") or c.get("num_local_experts") or 0
     if mt == "mixtral":  # its router: softmax, top-k, renormalised; every layer an MoE layer
         out.update(norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], shared_expert_intermediate_size=0)
         out.pop("moe_intermediate_size", None)
