@@ -243,3 +243,4 @@ def test_moe_layouts_not_supported_yet_are_refused(sections, words):
     with pytest.raises(ConfigError) as e:
         make_config(job)
     assert all(w in str(e.value) for w in words), str(e.value)
+

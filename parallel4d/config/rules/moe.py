@@ -26,12 +26,10 @@ def _set_fields(m: ModelConfig) -> list[str]:
 
 
 def field_problems(m: ModelConfig) -> list[str]:
-    """The router's top-k against the experts, the layers ``mlp_only_layers`` names, MoE fields on a
-    dense model (``num_experts: 0``)."""
+    """The router's top-k against the experts, the layers ``mlp_only_layers`` names (an MoE model's; a
+    dense one's MoE fields are :func:`layout_problems`')."""
     if not m.num_experts:
-        stray = _set_fields(m)
-        return [f"{', '.join(stray)} with model.num_experts=0 (no MoE layers) is read by nothing; set "
-                "model.num_experts to the routed experts per MoE layer, or remove them"] if stray else []
+        return []
     out, k, e = [], m.num_experts_per_tok, m.num_experts
     if k is None:
         out.append(f"model.num_experts_per_tok is missing: with model.num_experts={e} each token is routed to its "
@@ -47,11 +45,15 @@ def field_problems(m: ModelConfig) -> list[str]:
 
 
 def layout_problems(cfg: Config, family_has_moe: bool) -> list[str]:
-    """MoE layers in a family that has none (``family_has_moe``: the family reads ``num_experts``), or in a
-    layout they do not run in yet: one process, no hetero, no DeepSpeed, no compiled blocks."""
+    """MoE fields on a dense model (``num_experts: 0``, any family), MoE layers in a family that has none
+    (``family_has_moe``: the family reads ``num_experts``), or in a layout they do not run in yet: one
+    process, no hetero, no DeepSpeed, no compiled blocks."""
     m = cfg.model
     if not m.num_experts:
-        return []
+        stray = _set_fields(m)
+        return [f"{', '.join(stray)} with model.num_experts=0 (no MoE layers) is read by nothing; set "
+                "model.num_experts to the routed experts per MoE layer (model.arch=llama), or remove them"] \
+            if stray else []
     if not family_has_moe:
         return [f"model.num_experts={m.num_experts} with model.arch={m.arch}: only the llama family has "
                 "mixture-of-experts layers; use model.arch=llama, or model.num_experts=0"]
