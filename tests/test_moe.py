@@ -167,6 +167,19 @@ def test_moe_equals_transformers_in_float64(case, monkeypatch):
         assert d_params < 1e-9
 
 
+def test_pretrained_moe_directory_is_refused_until_its_experts_load(tmp_path):
+    """A transformers-saved Qwen3-MoE directory: its config.json's fields map (num_local_experts, the Qwens'
+    keys), and model.pretrained is refused in one line (its per-expert tensors do not load yet) rather
+    than failing on a missing tensor."""
+    ref = Qwen3MoeForCausalLM(Qwen3MoeConfig(**{**_COMMON, "initializer_range": 0.02}, num_hidden_layers=1,
+                                             num_experts=2, num_experts_per_tok=1, moe_intermediate_size=4))
+    ref.save_pretrained(tmp_path)
+    with pytest.raises(ConfigError) as e:
+        make_config({"model": {"pretrained": str(tmp_path), "seq_len": S}})
+    assert "model.pretrained=" in str(e.value) and "num_experts=2" in str(e.value) and \
+        "not supported yet" in str(e.value), str(e.value)
+
+
 def test_moe_layer_selection_matches_transformers():
     """Which layers hold experts (decoder_sparse_step, mlp_only_layers) is transformers' choice."""
     cases = {(1, ()): 4, (2, ()): 2, (1, (0, 3)): 2, (3, (2,)): 0}  # (step, mlp_only) → MoE layers of 4
@@ -226,6 +239,7 @@ def test_moe_job_trains_through_the_engine_as_the_dense_model(single_rank):
      ["model.mlp_only_layers=[0, 2]", "layer(s) [2]", "use layers 0 to 1"]),
 ])
 def test_moe_fields_that_cannot_run_are_refused(fields, words):
+    """The router's top-k, mlp_only_layers past the model, MoE fields on a dense model: named, with the fix."""
     with pytest.raises(ConfigError) as e:
         make_config({"model": {"arch": "llama", "layers": 2, **fields}})
     assert all(w in str(e.value) for w in words), str(e.value)
@@ -238,6 +252,7 @@ def test_moe_fields_that_cannot_run_are_refused(fields, words):
     ({"model": {"arch": "gpt2"}}, ["model.arch=gpt2: only the llama family", "model.num_experts=0"]),
 ])
 def test_moe_layouts_not_supported_yet_are_refused(sections, words):
+    """What MoE layers do not run in yet (one process, issue 48's first part) is refused naming the field."""
     job = {"model": {"arch": "llama", "num_experts": 4, "num_experts_per_tok": 2, **sections.get("model", {})},
            **{k: v for k, v in sections.items() if k != "model"}}
     with pytest.raises(ConfigError) as e:
