@@ -259,3 +259,12 @@ def test_moe_layouts_not_supported_yet_are_refused(sections, words):
         make_config(job)
     assert all(w in str(e.value) for w in words), str(e.value)
 
+
+
+def test_plan_refuses_moe_layers_in_one_line():
+    """``parallel4d plan`` dry-runs on fake tensors, which hold no router logits: refused naming the field
+    (it raised bincount's DynamicOutputShapeException before)."""
+    from parallel4d.planning.dry_run import plan
+
+    with pytest.raises(ConfigError, match=r"model.num_experts=4"):
+        plan(make_config({"model": {"arch": "llama", "num_experts": 4, "num_experts_per_tok": 2}}))
