@@ -268,3 +268,24 @@ def test_plan_refuses_moe_layers_in_one_line():
 
     with pytest.raises(ConfigError, match=r"model.num_experts=4"):
         plan(make_config({"model": {"arch": "llama", "num_experts": 4, "num_experts_per_tok": 2}}))
+
+
+@pytest.mark.parametrize("fields", [
+    {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 24, "decoder_sparse_step": 2},
+    {"num_experts": 3, "num_experts_per_tok": 1, "moe_intermediate_size": 16, "shared_expert_intermediate_size": 40,
+     "mlp_only_layers": [0]},
+])
+def test_moe_flops_per_token_count_the_active_experts(fields):
+    """The spec's FLOPs per token (MFU's numerator) count the router, the k experts a token reaches and the
+    shared expert: FlopCounterMode's count of one forward and backward, to 2 % (as tests/test_flops.py)."""
+    from test_flops import counted_per_token
+
+    from parallel4d.config.schema import ModelConfig
+    from parallel4d.models.registry import spec
+
+    m = ModelConfig(arch="llama", vocab_size=256, seq_len=32, hidden=64, heads=4, kv_heads=2, layers=2,
+                    intermediate_size=96, **fields)
+    counted, ours = counted_per_token(m), spec("llama").flops_per_token(m)
+    assert abs(ours / counted - 1) <= 0.02, (ours, counted)
+    every_expert = spec("llama").flops_per_token(m.model_copy(update={"num_experts_per_tok": m.num_experts}))
+    assert every_expert / counted - 1 > 0.02  # counting every expert (the parameters) would be seen

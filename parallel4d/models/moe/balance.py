@@ -43,11 +43,10 @@ class LayerLoad(NamedTuple):
     tokens: int
 
 
-def layer_load(probs: torch.Tensor, experts: torch.Tensor) -> LayerLoad:
-    """:class:`LayerLoad` of router probabilities ``[T, E]`` and each token's top-k experts ``[T, k]``."""
-    with torch.no_grad():
-        counts = torch.bincount(experts.reshape(-1), minlength=probs.shape[-1]).to(probs.dtype)
-    return LayerLoad(counts, probs.sum(dim=0), probs.shape[0])
+def layer_load(probs: torch.Tensor, counts: torch.Tensor) -> LayerLoad:
+    """:class:`LayerLoad` of router probabilities ``[T, E]`` and the top-k picks of each expert ``[E]`` (the
+    dispatch's row counts)."""
+    return LayerLoad(counts.detach().to(probs.dtype), probs.sum(dim=0), probs.shape[0])
 
 
 def load_balancing_loss(loads: list[LayerLoad], num_experts: int,

@@ -65,9 +65,9 @@ class SparseMoE(ReadsContext):
         shape = x.shape
         flat = x.reshape(-1, shape[-1])  # [T, h]
         routing = route(self.gate(flat), self.moe.top_k, self.moe.norm_topk_prob)
-        if self.moe.output_router_logits and self.context is not None:
-            self.context.state.routing[self.layer] = layer_load(routing.probs, routing.experts)
         d = dispatch(routing, self.moe.num_experts)
+        if self.moe.output_router_logits and self.context is not None:
+            self.context.state.routing[self.layer] = layer_load(routing.probs, d.counts)
         out = combine(self.experts(flat[d.token], d.counts), d, flat.shape[0])
         if self.has_shared:
             out = out + torch.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)
