@@ -36,6 +36,7 @@ from parallel4d.models.build import build_dense, shape_from_config  # noqa: E402
 from parallel4d.models.hf import p4d_to_hf  # noqa: E402
 from parallel4d.models.moe.balance import load_balancing_loss  # noqa: E402
 from parallel4d.models.moe.layer import from_transformers  # noqa: E402
+from parallel4d.models.moe.spec import alternatives  # noqa: E402
 
 V, S, B = 61, 16, 3
 _COMMON = dict(vocab_size=V, hidden_size=32, intermediate_size=40, num_attention_heads=4, num_key_value_heads=2,
@@ -104,6 +105,9 @@ def _ours_from(ref):
     model = build_dense(shape_from_config(cfg), seed=7).double()
     theirs = dict(ref.state_dict())
     names = p4d_to_hf(cfg)
+    theirs_names = set(theirs)  # in memory: fused experts (Mixtral's router under mlp.gate too)
+    names = {p4d: next((a for a in [(hf, how), *alternatives(hf, how)] if a[0] in theirs_names), (hf, how))
+             for p4d, (hf, how) in names.items()}
     model.load_state_dict({p4d: from_transformers(theirs[hf], how).clone() for p4d, (hf, how) in names.items()},
                           strict=True)
     used = {hf for hf, _ in names.values()}
@@ -167,17 +171,60 @@ def test_moe_equals_transformers_in_float64(case, monkeypatch):
         assert d_params < 1e-9
 
 
-def test_pretrained_moe_directory_is_refused_until_its_experts_load(tmp_path):
-    """A transformers-saved Qwen3-MoE directory: its config.json's fields map (num_local_experts, the Qwens'
-    keys), and model.pretrained is refused in one line (its per-expert tensors do not load yet) rather
-    than failing on a missing tensor."""
-    ref = Qwen3MoeForCausalLM(Qwen3MoeConfig(**{**_COMMON, "initializer_range": 0.02}, num_hidden_layers=1,
-                                             num_experts=2, num_experts_per_tok=1, moe_intermediate_size=4))
-    ref.save_pretrained(tmp_path)
-    with pytest.raises(ConfigError) as e:
-        make_config({"model": {"pretrained": str(tmp_path), "seq_len": S}})
-    assert "model.pretrained=" in str(e.value) and "num_experts=2" in str(e.value) and \
-        "not supported yet" in str(e.value), str(e.value)
+def test_pretrained_qwen3_moe_directory_loads_and_computes_transformers_loss(tmp_path, single_rank, monkeypatch):
+    """``model.pretrained`` pointing at a Qwen3-MoE directory transformers saved (one tensor per expert, as
+    its save_pretrained writes them): the job's fields come from its config.json (num_local_experts, the
+    Qwens' keys), the engine (one process) reads the experts' slices and evaluates a batch to transformers'
+    loss — cross entropy plus the auxiliary loss — in float64 (1e-10)."""
+    from parallel4d.distributed.mesh import init_mesh
+    from parallel4d.engine.compose import compose
+
+    with monkeypatch.context() as mp:
+        float64_transformers(mp)
+        torch.manual_seed(0)
+        ref = CASES["qwen3_moe norm_topk_prob, decoder_sparse_step=2"]()
+        _perturb(ref)
+        ref.save_pretrained(tmp_path / "qwen3_moe")
+        cfg = make_config({"model": {"pretrained": str(tmp_path / "qwen3_moe"), "seq_len": S},
+                           "data": {"batch_size": B}, "train": {"dtype": "float64"}})
+        assert (cfg.model.num_experts, cfg.model.num_experts_per_tok, cfg.model.decoder_sparse_step,
+                cfg.model.qk_norm, cfg.model.output_router_logits) == (5, 3, 2, True, True)
+        engine = compose(cfg, init_mesh())
+        tokens, targets = _batch(1)
+        ours = float(engine.evaluate(tokens, targets))
+        engine.close()
+        theirs = ref.double()(input_ids=tokens, labels=tokens).loss.item()
+    print(f"\npretrained qwen3_moe: loss {ours:.6f}, |ours - transformers| {abs(ours - theirs):.1e}")
+    assert abs(ours - theirs) < 1e-10
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_every_expert_layout_loads_the_same_tensors(case, tmp_path):
+    """A directory transformers saved (one tensor per expert: the Qwens' experts.{e}.gate_proj, Mixtral's
+    block_sparse_moe.experts.{e}.w1|w2|w3) and one holding transformers 5's fused gate_up_proj load to the
+    weights of the model itself, whole (load_hf_state_dict) and as a rank's box of experts (load_pieces:
+    experts 1..2 of a projection, the up half of the fused tensor)."""
+    from safetensors.torch import save_file
+
+    from parallel4d.models import hf
+
+    torch.manual_seed(0)
+    ref = CASES[case]()
+    model, _ = _ours_from(ref)  # the in-memory (fused) tensors through the name map
+    want = model.state_dict()
+    ref.save_pretrained(tmp_path / "saved")
+    (tmp_path / "fused").mkdir()
+    save_file({k: v.contiguous() for k, v in ref.state_dict().items()}, str(tmp_path / "fused" / "model.safetensors"))
+    (tmp_path / "fused" / "config.json").write_text((tmp_path / "saved" / "config.json").read_text())
+    cfg = make_config({"model": {**model_fields_from_hf(ref.config.to_dict()), "seq_len": S}}).model
+    sparse = next(i for i, block in enumerate(model.blocks) if type(block.mlp).__name__ == "SparseMoE")
+    for layout in ("saved", "fused"):
+        got = hf.load_hf_state_dict(tmp_path / layout, cfg)
+        assert set(got) == set(want) and all(torch.equal(got[k], want[k].float()) for k in want), layout
+        name = f"blocks.{sparse}.mlp.experts.up_proj"
+        box = torch.empty(2, *want[name].shape[1:])
+        hf.load_pieces({name: [((1, 0, 0), box)]}, tmp_path / layout, cfg)
+        assert torch.equal(box, want[name][1:3].float()), layout
 
 
 def test_moe_layer_selection_matches_transformers():

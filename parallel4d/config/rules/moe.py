@@ -1,7 +1,6 @@
 """Mixture-of-experts rules (``model.num_experts`` and the fields beside it): what the router and the
 layer selection need, the MoE fields set on a dense model, and the layouts MoE layers do not run in
-yet (one process only, issue 48's first part: expert parallelism over ranks comes with its second, a
-pretrained MoE directory's weights with its third).
+yet (one process only, issue 48's first part: expert parallelism over ranks comes with its second).
 
 Torch-free; ``models/llama/spec.py`` calls :func:`field_problems` among its rules, ``config/checks.py``
 :func:`layout_problems` among the cross-field rules.
@@ -48,7 +47,7 @@ def field_problems(m: ModelConfig) -> list[str]:
 def layout_problems(cfg: Config, family_has_moe: bool) -> list[str]:
     """MoE fields on a dense model (``num_experts: 0``, any family), MoE layers in a family that has none
     (``family_has_moe``: the family reads ``num_experts``), or in a layout they do not run in yet: one
-    process, no hetero, no DeepSpeed, no compiled blocks, no pretrained weights."""
+    process, no hetero, no DeepSpeed, no compiled blocks."""
     m = cfg.model
     if not m.num_experts:
         stray = _set_fields(m)
@@ -58,11 +57,6 @@ def layout_problems(cfg: Config, family_has_moe: bool) -> list[str]:
     if not family_has_moe:
         return [f"model.num_experts={m.num_experts} with model.arch={m.arch}: only the llama family has "
                 "mixture-of-experts layers; use model.arch=llama, or model.num_experts=0"]
-    if m.pretrained is not None:
-        return [f"model.pretrained={m.pretrained!r} is a mixture-of-experts model (num_experts={m.num_experts}): "
-                "loading its experts' weights is not supported yet (issue 48's third part: one tensor per expert, as "
-                "transformers' save_pretrained and the published checkpoints store them); train it from random "
-                "weights by copying its config.json's fields into model: instead"]
     p = cfg.parallel
     wide = [f"parallel.{a}={getattr(p, a)}" for a in ("pp", "dp", "sp", "tp") if getattr(p, a) > 1]
     other = ([f"hetero.enabled=true"] if cfg.hetero.enabled else []) + \

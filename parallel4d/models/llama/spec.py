@@ -256,7 +256,7 @@ def hf_names(m: ModelConfig) -> NameMap:
     for i in range(m.layers):
         out.update({f"blocks.{i}.{n}": (f"model.layers.{i}.{n}", "copy") for n in names
                     if not (i in sparse and n.startswith("mlp."))})
-        if i in sparse:  # transformers 5's fused experts; "gate_half" / "up_half": models/moe/layer.py
+        if i in sparse:  # one tensor per expert ("experts"), or fused: models/hf.py
             out.update({f"blocks.{i}.mlp.{n}": (f"model.layers.{i}.mlp.{hf}", how)
                         for n, (hf, how) in hf_layer_names(moe).items()})
     out["head.norm.weight"] = ("model.norm.weight", "copy")

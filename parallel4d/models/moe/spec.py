@@ -93,17 +93,35 @@ def fields_from_hf(c: dict) -> dict:
     return out
 
 
-def hf_layer_names(moe: MoeShape, fused: bool = True) -> dict[str, tuple[str, str]]:
-    """One MoE layer's tensors: our name under ``mlp.`` → ``(transformers' name under mlp., transform)``.
-    ``fused``: transformers 5's stacked experts (``experts.gate_up_proj [E, 2I, h]``, gate rows first,
-    and ``experts.down_proj [E, h, I]``): ``"gate_half"`` / ``"up_half"`` take each half of the fused tensor,
-    ``"copy"`` the tensor as it is (what :func:`~.layer.from_transformers_experts` applies)."""
-    if not fused:
-        raise NotImplementedError("one tensor per expert (published checkpoints) is issue 48's third part")
-    out = {"gate.weight": ("gate.weight", "copy"), "experts.gate_proj": ("experts.gate_up_proj", "gate_half"),
-           "experts.up_proj": ("experts.gate_up_proj", "up_half"), "experts.down_proj": ("experts.down_proj", "copy")}
+def hf_layer_names(moe: MoeShape) -> dict[str, tuple[str, str]]:
+    """One MoE layer's tensors: our name under ``mlp.`` → ``(transformers' name under mlp., transform)``, in the
+    layout published checkpoints and transformers 5's ``save_pretrained`` write: one tensor per expert and
+    projection, ``"experts"`` — ``{e}`` in the name stands for each expert, whose tensors stacked along a first
+    dimension are ours. :func:`alternatives` names the same tensor in the other layouts (fused, Mixtral's)."""
+    out = {"gate.weight": ("gate.weight", "copy"),
+           **{f"experts.{p}_proj": (f"experts.{{e}}.{p}_proj.weight", "experts") for p in ("gate", "up", "down")}}
     if moe.shared_width:
         out.update({f"shared_expert.{p}_proj.weight": (f"shared_expert.{p}_proj.weight", "copy")
                     for p in ("gate", "up", "down")})
         out["shared_expert_gate.weight"] = ("shared_expert_gate.weight", "copy")
     return out
+
+
+_MIXTRAL = {"gate": "w1", "down": "w2", "up": "w3"}  # Mixtral's published expert names
+
+
+def alternatives(hf: str, how: str) -> list[tuple[str, str]]:
+    """Other names and transforms of an entry of :func:`hf_layer_names` (its full name) in the other layouts
+    found in the wild, in the order a loader tries them: transformers 5's fused experts (``experts.gate_up_proj
+    [E, 2I, h]``, gate rows first: ``"gate_half"`` / ``"up_half"``; ``experts.down_proj [E, h, I]``: ``"copy"``),
+    then Mixtral's published ``block_sparse_moe.gate`` and ``block_sparse_moe.experts.{e}.w1|w2|w3`` (gate,
+    down, up). None for a tensor outside an MoE layer's router and experts."""
+    if hf.endswith(".mlp.gate.weight"):
+        return [(hf.replace(".mlp.gate.", ".block_sparse_moe.gate."), how)]
+    if how != "experts":
+        return []
+    stem, _, projection = hf.partition(".{e}.")
+    kind = projection.removesuffix("_proj.weight")
+    fused = (f"{stem}.down_proj", "copy") if kind == "down" else (f"{stem}.gate_up_proj", f"{kind}_half")
+    mixtral = (f"{stem.replace('.mlp.experts', '.block_sparse_moe.experts')}.{{e}}.{_MIXTRAL[kind]}.weight", how)
+    return [fused, mixtral]
