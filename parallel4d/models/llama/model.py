@@ -1,7 +1,8 @@
 """Reference Llama-family decoder: RMSNorm, rotary embeddings, SwiGLU MLP, grouped-query attention.
 
 The single-process dense reference of ``model.arch: llama`` (Llama, Mistral without a sliding
-window, Qwen2 with ``qkv_bias``). Module and parameter names inside a block are Hugging Face's
+window, Qwen2 with ``qkv_bias``; Qwen3-MoE, Qwen2-MoE and Mixtral with :mod:`parallel4d.models.moe`'s
+layers in place of the MLP where ``shape.moe`` selects them: :func:`block_mlp`). Module and parameter names inside a block are Hugging Face's
 (``self_attn.q_proj``, ``mlp.gate_proj``, ``input_layernorm``, …), so a ``transformers``
 checkpoint maps onto it name by name (:mod:`.spec`'s ``hf_names``).
 
