@@ -34,7 +34,8 @@ VALIDATION_ONLY = {"cross_field_problems", "_text_root_problems", "_family_probl
                    "grid_problems", "ring_problems", "batch_split_problems", "layout_problems", "recompute_problems",
                    "compile_problems",
                    "tied_head_problems", "split_backward_problems", "tensorboard_problems", "section_problems",
-                   "source_problems", "problems", "_grid_problems", "_on_the_grid", "fixed_fields"}
+                   "source_problems", "problems", "_grid_problems", "_on_the_grid", "fixed_fields",
+                   "field_problems", "layout_problems", "_set_fields", "_moe_problems"}
 
 
 def validates_only(path: Path, root: Path) -> bool:

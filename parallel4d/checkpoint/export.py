@@ -49,6 +49,10 @@ def export(ckpt: str | Path, out_dir: str | Path, max_shard_bytes: int = 5 << 30
     path = resolve_checkpoint(ckpt)
     out_dir = check_output(out_dir, "OUT_DIR", [(path, "the checkpoint it reads")], kind="directory")
     model_cfg = make_config(saved_config(path)).model
+    if model_cfg.num_experts:
+        raise ConfigError(f"parallel4d export: {path} holds a mixture-of-experts model (model.num_experts="
+                          f"{model_cfg.num_experts}); writing one as a Hugging Face directory is not supported yet "
+                          "(issue 48's third part); `parallel4d generate` and `checkpoint gather` read it")
     try:
         hf = importlib.import_module("parallel4d.models.hf")  # safetensors: the optional hf extra
     except ImportError as e:

@@ -2,10 +2,10 @@
 
 Used by :mod:`.load` for ``model.pretrained`` (before any field is validated, so the rules see
 the checkpoint's shape) and by ``models/hf.py``. The ``model_type`` picks the family
-(:mod:`parallel4d.models.registry`: ``llama``, ``mistral``, ``qwen2`` and ``qwen3`` become ``arch: llama``;
-``gpt2`` stays ``gpt2``), whose spec maps the rest; anything else, or a feature the dense models
-lack (sliding windows, mixtures of experts, per-layer or other rotary types, other activations), is a
-``ValueError`` saying which.
+(:mod:`parallel4d.models.registry`: ``llama``, ``mistral``, ``qwen2``, ``qwen3`` and the MoE ``qwen3_moe``,
+``qwen2_moe`` and ``mixtral`` become ``arch: llama``; ``gpt2`` stays ``gpt2``), whose spec maps the rest;
+anything else, or a feature the models lack (sliding windows, experts in a dense model type, per-layer or
+other rotary types, other activations), is a ``ValueError`` saying which.
 """
 
 from __future__ import annotations

@@ -257,6 +257,30 @@ class ModelConfig(_Section):
                                                                               "probabilities; None = model.dropout")
     embedding_dropout: Optional[Finite] = Field(None, ge=0, lt=1, description="dropout on the embedding's output; "
                                                                               "None = model.dropout")
+    # mixtures of experts (llama family; docs/models.md), named as transformers' Qwen3-MoE, Qwen2-MoE and Mixtral
+    # name them (Mixtral's num_local_experts is num_experts here)
+    num_experts: int = Field(0, ge=0, le=2**16, description="llama: routed experts per MoE layer; 0 = no MoE "
+                                                            "layers (one dense MLP per block)")
+    num_experts_per_tok: Optional[int] = Field(None, ge=1, le=2**16, description="llama: experts each token is "
+                                                                                   "routed to (top-k); needed "
+                                                                                   "with num_experts")
+    moe_intermediate_size: Optional[int] = Field(None, ge=1, le=2**20, description="llama: one expert's SwiGLU "
+                                                                                   "width; None = intermediate_size "
+                                                                                   "(Mixtral's)")
+    shared_expert_intermediate_size: int = Field(0, ge=0, le=2**20, description="llama: Qwen2-MoE's shared "
+                                                                                "expert (every token, a sigmoid "
+                                                                                "gate) width; 0 = none")
+    norm_topk_prob: bool = Field(False, description="llama: the top-k routing weights renormalised to sum to 1 "
+                                                    "(Mixtral's routing: a softmax over the top-k logits)")
+    decoder_sparse_step: int = Field(1, ge=1, le=MAX_LAYERS, description="llama: layer i (from 0) is an MoE layer "
+                                                                         "when (i+1) is a multiple of it and i is "
+                                                                         "not in mlp_only_layers")
+    mlp_only_layers: list[Annotated[int, Field(ge=0, le=MAX_LAYERS)]] = Field(
+        default_factory=list, max_length=MAX_LAYERS, description="llama: layers (from 0) that keep the dense MLP")
+    router_aux_loss_coef: Finite = Field(0.001, ge=0, description="llama: the load-balancing loss's weight in the "
+                                                                  "training loss (with output_router_logits)")
+    output_router_logits: bool = Field(False, description="llama: add router_aux_loss_coef × the load-balancing "
+                                                          "loss to the loss, as transformers does when it is true")
     pretrained: Optional[PathStr] = Field(None, description="a Hugging Face model directory (config.json and "
                                                             "*.safetensors): the architecture from it, the weights "
                                                             "loaded, each rank reading its own slices")
@@ -275,6 +299,11 @@ class ModelConfig(_Section):
     @property
     def mlp_width(self) -> int:
         return self.intermediate_size or self.mlp_ratio * self.hidden
+
+    @property
+    def expert_width(self) -> int:
+        """One routed expert's SwiGLU width (``moe_intermediate_size``, else the dense MLP's: Mixtral's)."""
+        return self.moe_intermediate_size or self.mlp_width
 
     @property
     def positions(self) -> int:

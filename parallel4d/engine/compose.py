@@ -41,7 +41,7 @@ from parallel4d.engine.step import Engine
 from parallel4d.engine.store import parameter_store
 from parallel4d.models.build import build_stage, family
 from parallel4d.models.context import ForwardContext, attach
-from parallel4d.models.stages import cross_entropy, stage_names
+from parallel4d.models.stages import cross_entropy, stage_names, with_auxiliary
 from parallel4d.optim.fused import use_fused_norms
 from parallel4d.pipeline import make_schedule, probe, simulate
 from parallel4d.pipeline.executor import PipelineExecutor, TiedGradSync
@@ -148,17 +148,25 @@ def build_stages(cfg: Config, mesh: Mesh, wanted=None, untie: bool = False, cont
 
 def _loss(cfg: Config, mesh: Mesh, context: ForwardContext):
     """The token loss: the mean over this rank's data (the grid's under tp), or, with packed documents,
-    the sum times the forward's ``loss_weight`` (:func:`~.batch.packed_step`)."""
+    the sum times the forward's ``loss_weight`` (:func:`~.batch.packed_step`); plus the family's auxiliary
+    loss of the forward (what its modules recorded in the context's state: MoE's load balancing; one
+    process only for now, config/rules/moe.py)."""
     tp, vocab = mesh.size("tp_row") > 1, cfg.model.vocab_size  # the head's logits: the vocabulary padded to q
     if cfg.data.packing == "none":
-        return loss_2d(mesh, vocab=vocab) if tp else cross_entropy
-    summed = VocabParallelCrossEntropy2D(mesh, reduction="sum", vocab=vocab) if tp else functools.partial(
-        cross_entropy, reduction="sum")
+        token_loss = loss_2d(mesh, vocab=vocab) if tp else cross_entropy
+    else:
+        summed = VocabParallelCrossEntropy2D(mesh, reduction="sum", vocab=vocab) if tp else functools.partial(
+            cross_entropy, reduction="sum")
 
-    def packed_loss(logits, targets):
-        return summed(logits, targets) * context.packed.loss_weight
+        def token_loss(logits, targets):
+            return summed(logits, targets) * context.packed.loss_weight
 
-    return packed_loss
+    shape, auxiliary = model_shape(cfg), family(cfg.model.arch).model_type.auxiliary_loss
+
+    def loss(logits, targets):
+        return with_auxiliary(token_loss(logits, targets), auxiliary(shape, context.state))
+
+    return loss
 
 
 def _placed(module: nn.Module, device: torch.device, dtype: torch.dtype) -> nn.Module:

@@ -9,7 +9,8 @@ forward and any recomputation of it; ``DenseModel`` for its ``step=`` and ``docu
 * ``draw`` (:class:`Draw`): the step and the global index of the forward's first sample, from which
   dropout's masks are hashed (None: no dropout — evaluation, generation);
 * ``packed`` (:class:`Packed`): the forward's packed documents — which document each global position
-  of its rows is in, each local token's position in its document — (None: one document per row).
+  of its rows is in, each local token's position in its document — (None: one document per row);
+* ``routing``: what the forward's mixture-of-experts layers record for its load-balancing loss.
 
 Fixed per model: ``seed`` (``train.seed``) and ``positions``, the global sequence positions of the
 local tokens (a sequence shard's; None: ``0..s-1``).
@@ -18,7 +19,7 @@ local tokens (a sequence shard's; None: ``0..s-1``).
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
@@ -50,10 +51,14 @@ class Packed:
 
 @dataclass(frozen=True)
 class State:
-    """What :meth:`ForwardContext.entering` sets (and a recomputation re-enters)."""
+    """What :meth:`ForwardContext.entering` sets (and a recomputation re-enters). ``routing``: what the
+    forward's MoE layers record for its loss (``{layer: models.moe.balance.LayerLoad}``), new with each
+    State, so each forward (micro-batch) has its own; a recomputation re-enters the same one and
+    overwrites its layers' entries."""
 
     draw: Draw | None = None
     packed: Packed | None = None
+    routing: dict = field(default_factory=dict, compare=False, hash=False)
 
 
 class ForwardContext:

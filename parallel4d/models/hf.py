@@ -11,7 +11,9 @@
   ``model.safetensors.index.json``) that ``AutoModelForCausalLM.from_pretrained`` loads.
 
 Transforms (a dense tensor from the Hugging Face one): ``copy``; ``t``: GPT-2's ``Conv1D`` keeps
-its weight ``[in, out]``, ``nn.Linear`` ``[out, in]``. Every tensor keeps its shape both ways (GPT-2's
+its weight ``[in, out]``, ``nn.Linear`` ``[out, in]``; loading only (mixtures of experts,
+:mod:`parallel4d.models.moe.spec`): ``experts``, one checkpoint tensor per expert (``{e}`` in its name),
+stacked, or transformers 5's fused experts, ``gate_half`` / ``up_half`` of ``gate_up_proj``. Every tensor keeps its shape both ways (GPT-2's
 position table all its ``n_positions = model.max_positions`` rows, whatever ``seq_len``). With tied
 embeddings the dense state dict holds the token table twice (``embed.tok.weight`` and
 ``head.weight``, one tensor); a checkpoint holds it once. This module needs ``safetensors``
@@ -32,6 +34,7 @@ from safetensors import safe_open
 
 from parallel4d.config.hf_fields import mismatches, model_fields_from_hf
 from parallel4d.models.build import build_stage, shape_from_config
+from parallel4d.models.moe.spec import alternatives
 from parallel4d.models.registry import spec
 from parallel4d.models.stages import stage_names
 
@@ -165,9 +168,9 @@ def load_hf_state_dict(directory, model_cfg) -> dict[str, torch.Tensor]:
     _check_config(directory, model_cfg)
     out = {}
     with HFCheckpoint(directory) as ckpt:
+        shapes = dense_shapes(model_cfg)
         for p4d, (hf, how) in _checked_names(ckpt, model_cfg).items():
-            tensor = ckpt.read_tensor(hf)
-            out[p4d] = tensor.t().contiguous() if how == "t" else tensor
+            out[p4d] = _read(ckpt, hf, how, tuple(slice(0, n) for n in shapes[p4d]), shapes[p4d]).contiguous()
     if model_cfg.tie_embeddings:
         out["head.weight"] = out["embed.tok.weight"]
     return out
@@ -183,15 +186,17 @@ def _checked_names(ckpt: HFCheckpoint, model_cfg) -> dict[str, tuple[str, str]]:
     where = ckpt.index or ", ".join(str(ckpt.directory / f) for f in ckpt.files)
     for p4d, (hf, how) in p4d_to_hf(model_cfg).items():
         hf = hf.removeprefix(prefix) if strip else hf
-        if hf not in names:
-            raise ValueError(f"tensor {hf!r} (for {p4d}) is missing from {where}")
-        want, have = shapes[p4d], ckpt.shape(hf)
-        expect = tuple(reversed(want)) if how == "t" else tuple(want)
-        if have != expect:
-            raise ValueError(f"{ckpt.path(hf)}: tensor {hf!r} has shape {list(have)}, model expects "
-                             f"{list(expect)} (for {p4d})")
+        if hf.format(e=0) not in names:  # MoE layers: the other expert layouts (fused, Mixtral's names)
+            hf, how = next(((a, t) for a, t in alternatives(hf, how) if a.format(e=0) in names), (hf, how))
+        want = shapes[p4d]
+        for name, expect in _stored(hf, how, want):
+            if name not in names:
+                raise ValueError(f"tensor {name!r} (for {p4d}) is missing from {where}")
+            if ckpt.shape(name) != expect:
+                raise ValueError(f"{ckpt.path(name)}: tensor {name!r} has shape {list(ckpt.shape(name))}, model "
+                                 f"expects {list(expect)} (for {p4d})")
         out[p4d] = (hf, how)
-    used = {hf for hf, _ in out.values()}
+    used = {name for p4d, (hf, how) in out.items() for name, _ in _stored(hf, how, shapes[p4d])}
     extra = sorted(n for n in names - used if not n.endswith(family.hf_ignored)
                    and not (model_cfg.tie_embeddings and n == "lm_head.weight"))
     if extra:
@@ -218,16 +223,42 @@ def load_pieces(pieces: dict[str, list], directory, model_cfg) -> int:
     _check_config(directory, model_cfg)
     read = 0
     with HFCheckpoint(directory) as ckpt:
-        names = _checked_names(ckpt, model_cfg)
+        names, shapes = _checked_names(ckpt, model_cfg), dense_shapes(model_cfg)
         for dense, boxes in pieces.items():
             hf, how = names[dense]
             for offsets, view in boxes:
                 box = tuple(slice(o, o + n) for o, n in zip(offsets, view.shape))
-                part = ckpt.read_tensor(hf, box[::-1] if how == "t" else box)
+                part = _read(ckpt, hf, how, box, shapes[dense])
                 read += part.numel() * part.element_size()
                 with torch.no_grad():
-                    view.copy_(part.t() if how == "t" else part)
+                    view.copy_(part)
     return read
+
+
+def _stored(hf: str, how: str, dense_shape) -> list[tuple[str, tuple[int, ...]]]:
+    """The checkpoint tensors (name, shape) a dense tensor of ``dense_shape`` is read from by ``how``."""
+    want = tuple(dense_shape)
+    if how == "t":
+        return [(hf, want[::-1])]
+    if how == "experts":  # one per expert: the dense tensor's first dimension
+        return [(hf.format(e=e), want[1:]) for e in range(want[0])]
+    if how in ("gate_half", "up_half"):  # the fused gate_up_proj [E, 2I, h]
+        return [(hf, (want[0], 2 * want[1], *want[2:]))]
+    return [(hf, want)]
+
+
+def _read(ckpt: HFCheckpoint, hf: str, how: str, box: tuple[slice, ...], dense_shape) -> torch.Tensor:
+    """The dense tensor's ``box`` (slices of ``dense_shape``) read from the checkpoint by ``how``: only those
+    slices of the stored tensors (the experts in the box, each one's slice, for ``experts``)."""
+    if how == "t":
+        return ckpt.read_tensor(hf, box[::-1]).t()
+    if how == "experts":
+        return torch.stack([ckpt.read_tensor(hf.format(e=e), box[1:]) for e in range(box[0].start, box[0].stop)])
+    if how in ("gate_half", "up_half"):
+        width = dense_shape[1]
+        shift = width if how == "up_half" else 0
+        return ckpt.read_tensor(hf, (box[0], slice(box[1].start + shift, box[1].stop + shift), *box[2:]))
+    return ckpt.read_tensor(hf, box)
 
 
 # ----------------------------------------------------------------------------- writing

@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from parallel4d.models.context import Draw, ForwardContext, attach
+from parallel4d.models.context import Draw, ForwardContext, State, attach
 
 
 def cross_entropy(logits, targets, ignore_index: int = -100, reduction: str = "mean"):
@@ -94,6 +94,12 @@ class DenseModel(nn.Module):
 
     build_stage: Callable[..., nn.Module]
 
+    @staticmethod
+    def auxiliary_loss(shape, state: State) -> torch.Tensor | None:
+        """What the family adds to a forward's token loss, from what its modules recorded in the forward's
+        ``state`` (mixtures of experts: the load-balancing loss); None: nothing (the default)."""
+        return None
+
     def __init__(self, shape, seed: int = 0):
         super().__init__()
         build = type(self).build_stage
@@ -109,9 +115,24 @@ class DenseModel(nn.Module):
         """The model as a flat list a pipeline cuts into contiguous chunks."""
         return [self.embed, *self.blocks, self.head]
 
-    def forward(self, tokens, targets=None, step: int | None = None):
+    def run(self, tokens, step: int | None = None) -> tuple[torch.Tensor, State]:
+        """Logits ``[b, s, V]`` of ``tokens`` and the forward's :class:`~.context.State` (what its modules
+        recorded: the MoE layers' routing statistics)."""
+        state = State(Draw(step) if step is not None and self.training else None)
         x = tokens
-        with self.context.drawing(Draw(step) if step is not None and self.training else None):
+        with self.context.entering(state):
             for stage in self.stages():
                 x = stage(x)
-        return x if targets is None else cross_entropy(x, targets)
+        return x, state
+
+    def forward(self, tokens, targets=None, step: int | None = None):
+        """Logits, or with ``targets`` the loss: mean token cross entropy plus the family's auxiliary loss."""
+        logits, state = self.run(tokens, step)
+        if targets is None:
+            return logits
+        return with_auxiliary(cross_entropy(logits, targets), type(self).auxiliary_loss(self.shape, state))
+
+
+def with_auxiliary(loss: torch.Tensor, auxiliary: torch.Tensor | None) -> torch.Tensor:
+    """``loss`` plus a family's auxiliary loss (None: ``loss`` itself)."""
+    return loss if auxiliary is None else loss + auxiliary.to(loss.dtype)

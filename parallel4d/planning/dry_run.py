@@ -149,6 +149,11 @@ def dry_run(cfg: Config, pp_rank: int = 0, timed: bool = False) -> RankPlan:
     """One step's forward and backward of the rank at pipeline position ``pp_rank`` (its other
     coordinates 0), on fake tensors in this process (see the module docstring). ``timed``: the
     whole step (the optimizer's too), its ops traced into :attr:`RankPlan.ops` for the time model."""
+    if cfg.model.num_experts:  # routing is data-dependent: fake tensors hold no router logits to pick experts by
+        raise ConfigError(f"parallel4d plan cannot dry-run mixture-of-experts layers yet (model.num_experts="
+                          f"{cfg.model.num_experts}: which experts a token reaches depends on values fake tensors do "
+                          "not hold; issue 48's fourth part); plan the same model with model.num_experts=0 for its "
+                          "attention and embeddings")
     p = cfg.parallel
     shape = mesh_shape(p.pp, p.dp, p.sp, p.tp)
     rank = pp_rank * math.prod(shape[1:])

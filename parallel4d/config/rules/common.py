@@ -91,7 +91,8 @@ def positive_int(name: str, value: int) -> int:
 
 #: The ``model:`` fields that give the dense model's tensors their shapes: what a checkpoint's weights fix
 SHAPE_FIELDS = ("arch", "vocab_size", "hidden", "heads", "kv_heads", "head_dim", "layers", "intermediate_size",
-                "tie_embeddings", "qkv_bias", "qk_norm")
+                "tie_embeddings", "qkv_bias", "qk_norm", "num_experts", "moe_intermediate_size",
+                "shared_expert_intermediate_size", "decoder_sparse_step", "mlp_only_layers")
 
 
 def fixed_fields(model) -> frozenset[str]:

@@ -1,7 +1,8 @@
 """Reference Llama-family decoder: RMSNorm, rotary embeddings, SwiGLU MLP, grouped-query attention.
 
 The single-process dense reference of ``model.arch: llama`` (Llama, Mistral without a sliding
-window, Qwen2 with ``qkv_bias``). Module and parameter names inside a block are Hugging Face's
+window, Qwen2 with ``qkv_bias``; Qwen3-MoE, Qwen2-MoE and Mixtral with :mod:`parallel4d.models.moe`'s
+layers in place of the MLP where ``shape.moe`` selects them: :func:`block_mlp`). Module and parameter names inside a block are Hugging Face's
 (``self_attn.q_proj``, ``mlp.gate_proj``, ``input_layernorm``, …), so a ``transformers``
 checkpoint maps onto it name by name (:mod:`.spec`'s ``hf_names``).
 
@@ -28,6 +29,9 @@ import torch.nn.functional as F
 from parallel4d.models.context import ReadsContext
 from parallel4d.models.dropout import Site, attend
 from parallel4d.models.llama.rotary import Rotary, Scaling, rotate
+from parallel4d.models.moe.balance import auxiliary_loss
+from parallel4d.models.moe.layer import SparseMoE
+from parallel4d.models.moe.spec import MoeShape
 from parallel4d.models.stages import DenseModel, cached_attention, dense_attention, seeded_stage
 
 if TYPE_CHECKING:
@@ -58,6 +62,7 @@ class LlamaShape:
     max_positions: int | None = None  # model.max_positions (None: seq_len), what rotary scaling reads
     rope_scaling: Scaling | None = None
     attention_dropout: float = 0.0  # on the attention probabilities (models/dropout.py); no other dropout
+    moe: MoeShape | None = None  # mixture-of-experts layers (Qwen3-MoE, Qwen2-MoE, Mixtral); None: dense MLPs
 
     @property
     def head_dim(self) -> int:
@@ -149,27 +154,40 @@ def rotary_positions(attn, s: int, device) -> torch.Tensor:
 
 
 class MLP(nn.Module):
-    """SwiGLU: ``down(silu(gate(x)) · up(x))``."""
+    """SwiGLU: ``down(silu(gate(x)) · up(x))``, ``width`` wide (None: ``intermediate_size``; Qwen2-MoE's
+    shared expert has its own)."""
 
-    def __init__(self, shape: LlamaShape):
+    def __init__(self, shape: LlamaShape, width: int | None = None):
         super().__init__()
-        self.gate_proj = nn.Linear(shape.hidden, shape.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(shape.hidden, shape.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(shape.intermediate_size, shape.hidden, bias=False)
+        width = width or shape.intermediate_size
+        self.gate_proj = nn.Linear(shape.hidden, width, bias=False)
+        self.up_proj = nn.Linear(shape.hidden, width, bias=False)
+        self.down_proj = nn.Linear(width, shape.hidden, bias=False)
 
     def forward(self, x):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+def block_mlp(shape: LlamaShape, layer: int) -> nn.Module:
+    """Layer ``layer``'s (from 0) MLP: a mixture of experts where ``shape.moe`` selects it (with Qwen2-MoE's
+    shared expert when it has a width), else the dense SwiGLU."""
+    moe = shape.moe
+    if moe is None or not moe.is_sparse(layer):
+        return MLP(shape)
+    shared = MLP(shape, moe.shared_width) if moe.shared_width else None
+    return SparseMoE(moe, shape.hidden, layer, shared)
+
+
 class Block(nn.Module):
-    """Pre-norm block: ``x + self_attn(input_layernorm(x))``, then ``x + mlp(post_attention_layernorm(x))``."""
+    """Pre-norm block: ``x + self_attn(input_layernorm(x))``, then ``x + mlp(post_attention_layernorm(x))``
+    (``mlp``: :func:`block_mlp`, dense or a mixture of experts)."""
 
     def __init__(self, shape: LlamaShape, attention_fn=dense_attention, stage: int = 1):
         super().__init__()
         self.input_layernorm = RMSNorm(shape.hidden, shape.norm_eps)
         self.self_attn = Attention(shape, attention_fn, stage)
         self.post_attention_layernorm = RMSNorm(shape.hidden, shape.norm_eps)
-        self.mlp = MLP(shape)
+        self.mlp = block_mlp(shape, stage - 1)
 
     @property
     def attn(self) -> Attention:  # the name the engine sets attention_fn through, as on the GPT block
@@ -203,7 +221,8 @@ def make_stage(shape: LlamaShape, index: int, tied_weight: nn.Parameter | None =
 
 
 def init_weights(module: nn.Module, shape: LlamaShape, skip=()) -> None:
-    """N(0, init_std) matrices (output projections scaled by 1/sqrt(2L)), zero biases, unit norms."""
+    """N(0, init_std) matrices (output projections scaled by 1/sqrt(2L), the stacked experts' too), zero
+    biases, unit norms."""
     skip_ids = {id(p) for p in skip}
     for name, p in module.named_parameters():
         if id(p) in skip_ids:
@@ -213,7 +232,7 @@ def init_weights(module: nn.Module, shape: LlamaShape, skip=()) -> None:
         elif p.dim() == 1:
             nn.init.ones_(p)
         else:
-            scaled = name.endswith("o_proj.weight") or name.endswith("down_proj.weight")
+            scaled = name.endswith(("o_proj.weight", "down_proj.weight", "experts.down_proj"))
             nn.init.normal_(p, 0.0, shape.init_std / (math.sqrt(2 * shape.layers) if scaled else 1.0))
 
 
@@ -224,10 +243,17 @@ def build_stage(shape: LlamaShape, index: int, seed: int = 0, tied_weight: nn.Pa
     return seeded_stage(shape, index, seed, tied_weight, meta, make_stage, init_weights)
 
 
+def moe_auxiliary_loss(shape: LlamaShape, state) -> torch.Tensor | None:
+    """The load-balancing loss term of one forward (:func:`~parallel4d.models.moe.balance.auxiliary_loss`
+    over what its MoE layers recorded in ``state``); None for a dense model."""
+    return auxiliary_loss(shape.moe, state.routing)
+
+
 class Llama(DenseModel):
     """Stages ``embed → blocks → head`` (:class:`~parallel4d.models.stages.DenseModel`) of the Llama family."""
 
     build_stage = staticmethod(build_stage)
+    auxiliary_loss = staticmethod(moe_auxiliary_loss)
 
 
 def shape_from_config(m: ModelConfig, causal: bool = True) -> LlamaShape:
@@ -237,7 +263,7 @@ def shape_from_config(m: ModelConfig, causal: bool = True) -> LlamaShape:
                       tie_embeddings=m.tie_embeddings, norm_eps=m.norm_eps, init_std=m.init_std,
                       rope_theta=m.rope_theta, qkv_bias=m.qkv_bias, causal=causal, head_width=m.head_dim,
                       qk_norm=m.qk_norm, max_positions=m.positions, rope_scaling=Scaling.of(m.rope_scaling),
-                      attention_dropout=m.attention_p)
+                      attention_dropout=m.attention_p, moe=MoeShape.of(m))
 
 
 # --- decoding with a KV cache (parallel4d generate): the dense modules' own projections, one new token at a time

@@ -4,9 +4,11 @@ The Llama family: pre-norm blocks with RMSNorm, rotary embeddings (no position t
 ``rope_scaling`` says: linear, dynamic, yarn, llama3), grouped-query attention (``kv_heads`` key/value
 heads for ``heads`` query heads of ``head_dim`` each), a SwiGLU MLP ``intermediate_size`` wide, no
 biases but Qwen2's on q, k, v (``qkv_bias``), Qwen3's RMSNorm of each head's q and k (``qk_norm``), an
-LM head of its own by default. Hugging Face ``model_type`` llama, mistral (without a sliding window),
-qwen2 and qwen3 load as this family; what the dense model lacks (sliding windows, mixtures of experts,
-per-layer rotary, other rotary types, biases but Qwen2's) is refused by name.
+LM head of its own by default; mixture-of-experts layers in place of the MLP where ``num_experts`` and
+the layer selection say (:mod:`parallel4d.models.moe`: Qwen3-MoE, Qwen2-MoE's shared expert, Mixtral).
+Hugging Face ``model_type`` llama, mistral (without a sliding window), qwen2, qwen3, qwen3_moe, qwen2_moe
+and mixtral load as this family; what the model lacks (sliding windows, mixtures of experts in the dense
+types, per-layer rotary, other rotary types, biases but Qwen2's, router jitter) is refused by name.
 """
 
 from __future__ import annotations
@@ -14,6 +16,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from parallel4d.config.rules.common import divisors, not_divisible, or_list
+from parallel4d.config.rules.moe import MOE_FIELDS, field_problems as moe_field_problems
+from parallel4d.models.moe.spec import HF_MOE_TYPES, MoeShape, fields_from_hf as moe_fields_from_hf, \
+    hf_layer_names, layer_matrices, sparse_layers
 from parallel4d.models.spec import ModelSpec, NameMap, need, refuse, stage_training_flops, training_flops
 
 if TYPE_CHECKING:
@@ -78,32 +83,48 @@ def problems(m: ModelConfig, q: int) -> list[str]:
     by = f"q={q} (parallel.tp={q * q} is a {q}×{q} grid: each grid column holds whole key/value heads and an MLP block)"
     out += filter(None, [not_divisible("model.kv_heads", kv, q, by),
                          not_divisible("model.intermediate_size", m.mlp_width, q, by)])
-    return out + _rope_problems(m)
+    return out + _rope_problems(m) + moe_field_problems(m)
 
 
-def _block_matrices(m: ModelConfig) -> int:
-    """Weights of one block's matrices: q and o ``h·a·d`` each, k and v ``h·d·kv`` each, SwiGLU ``3·h·I``
-    (``d`` the head size: ``h/a`` unless ``head_dim`` sets it)."""
-    h, d = m.hidden, m.head_size
-    return 2 * h * m.heads * d + 2 * h * d * m.kv_heads_or_heads + 3 * h * m.mlp_width
+def _block_matrices(m: ModelConfig, layer: int = 0, active: bool = True) -> int:
+    """Weights of block ``layer``'s matrices: q and o ``h·a·d`` each, k and v ``h·d·kv`` each, SwiGLU ``3·h·I``
+    (``d`` the head size: ``h/a`` unless ``head_dim`` sets it); an MoE layer's instead of the SwiGLU
+    (:func:`~parallel4d.models.moe.spec.layer_matrices`): those a token passes through when ``active``
+    (FLOPs), else all of them (parameters)."""
+    h, d, moe = m.hidden, m.head_size, MoeShape.of(m)
+    attention = 2 * h * m.heads * d + 2 * h * d * m.kv_heads_or_heads
+    if moe is not None and moe.is_sparse(layer):
+        return attention + layer_matrices(moe, h)[1 if active else 0]
+    return attention + 3 * h * m.mlp_width
+
+
+def _all_blocks(m: ModelConfig, active: bool) -> int:
+    return sum(_block_matrices(m, i, active) for i in range(m.layers)) if m.num_experts else \
+        m.layers * _block_matrices(m)
 
 
 def dense_parameters(m: ModelConfig) -> int:
-    """Token table (and the LM head when untied) and every block's matrices."""
-    return m.vocab_size * m.hidden * (1 if m.tie_embeddings else 2) + m.layers * _block_matrices(m)
+    """Token table (and the LM head when untied) and every block's matrices (every expert's)."""
+    return m.vocab_size * m.hidden * (1 if m.tie_embeddings else 2) + _all_blocks(m, active=False)
 
 
 def flops_per_token(m: ModelConfig) -> float:
-    """:func:`~parallel4d.models.spec.training_flops` of the block matrices and the LM head ``V·h``;
-    the attention's width is that of the query heads, ``a·d`` (grouped keys are shared, not fewer products)."""
-    return training_flops(m.layers * _block_matrices(m) + m.vocab_size * m.hidden, m.layers, m.seq_len,
+    """:func:`~parallel4d.models.spec.training_flops` of the block matrices a token passes through (an MoE
+    layer's router, its k experts and shared expert) and the LM head ``V·h``; the attention's width is
+    that of the query heads, ``a·d`` (grouped keys are shared, not fewer products)."""
+    return training_flops(_all_blocks(m, active=True) + m.vocab_size * m.hidden, m.layers, m.seq_len,
                           m.heads * m.head_size)
 
 
 def stage_flops(m: ModelConfig) -> list[float]:
-    """:func:`flops_per_token` per stage (:func:`~parallel4d.models.spec.stage_training_flops`)."""
-    return stage_training_flops(_block_matrices(m), m.vocab_size * m.hidden, m.layers, m.seq_len,
-                                m.heads * m.head_size)
+    """:func:`flops_per_token` per stage (:func:`~parallel4d.models.spec.stage_training_flops`; each block
+    its own when MoE layers make them differ)."""
+    out = stage_training_flops(_block_matrices(m), m.vocab_size * m.hidden, m.layers, m.seq_len,
+                               m.heads * m.head_size)
+    if m.num_experts:
+        out[1:-1] = [stage_training_flops(_block_matrices(m, i), 0, 1, m.seq_len, m.heads * m.head_size)[1]
+                     for i in range(m.layers)]
+    return out
 
 
 def _rope_parameters(c: dict, mt: str) -> dict:
@@ -152,20 +173,20 @@ def _rope_fields(c: dict, mt: str) -> dict:
 def _refuse_unsupported(c: dict, mt: str) -> None:
     """Named refusals of what the dense model lacks: sliding windows, per-layer attention types, mixtures
     of experts, biases other than Qwen2's q, k, v ones, other activations."""
-    if mt == "mistral" and c.get("sliding_window") is not None:
+    if mt in ("mistral", "mixtral") and c.get("sliding_window") is not None:
         refuse(mt, f"sliding_window={c['sliding_window']}: sliding-window attention is not supported (the dense "
                    "model attends to the whole causal prefix); only sliding_window: null loads")
-    if mt in ("qwen2", "qwen3") and c.get("use_sliding_window", False):
+    if mt in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe") and c.get("use_sliding_window", False):
         refuse(mt, "use_sliding_window: true: sliding-window attention is not supported")
     if any(t != "full_attention" for t in c.get("layer_types") or ()):
         refuse(mt, f"layer_types {sorted(set(c['layer_types']))} are not supported (only full_attention)")
     moe = [k for k in _MOE_KEYS if c.get(k)]
-    if moe:
+    if moe and mt not in HF_MOE_TYPES:
         refuse(mt, f"{', '.join(f'{k}={c[k]}' for k in moe)}: mixture-of-experts layers are not supported (the "
                    "dense model has one SwiGLU MLP per block)")
     if c.get("hidden_act", "silu") != "silu":
         refuse(mt, f"hidden_act {c['hidden_act']!r} is not supported (the dense MLP is SwiGLU with silu)")
-    if mt in ("llama", "qwen3") and c.get("attention_bias", False):
+    if mt in ("llama", "qwen3", "qwen3_moe") and c.get("attention_bias", False):
         refuse(mt, "attention_bias: true is not supported (it puts a bias on o_proj too; the dense model has only "
                    "Qwen2's q, k, v biases)")
     if c.get("mlp_bias", False):
@@ -175,21 +196,23 @@ def _refuse_unsupported(c: dict, mt: str) -> None:
 def fields_from_hf(c: dict) -> dict:
     """A llama, mistral, qwen2 or qwen3 ``config.json`` → ``model:`` fields (``ValueError`` for what the
     dense model lacks: :func:`_refuse_unsupported`, a rotary other than plain / linear / dynamic / yarn /
-    llama3)."""
+    llama3); qwen3_moe, qwen2_moe and mixtral with their MoE fields
+    (:func:`~parallel4d.models.moe.spec.fields_from_hf`)."""
     mt = c.get("model_type")
     _refuse_unsupported(c, mt)
     h, heads = need(c, "hidden_size"), need(c, "num_attention_heads")
     # transformers: Qwen3's head_dim defaults to 128, the others' to hidden_size/num_attention_heads
     head_dim = c.get("head_dim") or (128 if mt == "qwen3" else None)
+    qwen2 = mt == "qwen2" or (mt == "qwen2_moe" and c.get("qkv_bias", True))  # Qwen2-MoE: q, k, v biases by default
     if head_dim is None and h % heads:
         refuse(mt, f"hidden_size={h} is not divisible by num_attention_heads={heads} and no head_dim is given")
     return {"arch": "llama", "vocab_size": need(c, "vocab_size"), "hidden": h, "heads": heads,
             "kv_heads": c.get("num_key_value_heads") or heads, "layers": need(c, "num_hidden_layers"),
             "intermediate_size": need(c, "intermediate_size"), "tie_embeddings": c.get("tie_word_embeddings", False),
-            "norm_eps": c.get("rms_norm_eps", 1e-6), "qkv_bias": mt == "qwen2", "qk_norm": mt == "qwen3",
+            "norm_eps": c.get("rms_norm_eps", 1e-6), "qkv_bias": qwen2, "qk_norm": mt in ("qwen3", "qwen3_moe"),
             "head_dim": None if head_dim in (None, h // heads) and h % heads == 0 else head_dim,
             "max_positions": c.get("max_position_embeddings"), **_rope_fields(c, mt),
-            "attention_dropout": float(c.get("attention_dropout", 0.0))}
+            "attention_dropout": float(c.get("attention_dropout", 0.0)), **moe_fields_from_hf(c)}
 
 
 def _hf_type(m: ModelConfig) -> str:
@@ -204,6 +227,9 @@ def hf_config(m: ModelConfig, common: dict) -> dict:
     """``LlamaForCausalLM``'s ``config.json``, ``Qwen2ForCausalLM``'s with ``qkv_bias`` (Llama's own
     attention bias would include ``o_proj``) or ``Qwen3ForCausalLM``'s with ``qk_norm``; the rotary as
     transformers 5 writes it (``rope_parameters``); the attention dropout the model trained with."""
+    if m.num_experts:
+        raise ValueError(f"model.num_experts={m.num_experts}: writing a mixture-of-experts model as a Hugging Face "
+                         "directory is not supported yet (issue 48's third part); the checkpoint keeps it")
     kind = _hf_type(m)
     arch = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}[kind]
     scaling = m.rope_scaling.model_dump(exclude_none=True) if m.rope_scaling else {"rope_type": "default"}
@@ -225,8 +251,14 @@ def hf_names(m: ModelConfig) -> NameMap:
     out = {"embed.tok.weight": ("model.embed_tokens.weight", "copy")}
     names = _BLOCK + ((*(f"self_attn.{p}_proj.bias" for p in "qkv"),) if m.qkv_bias else ()) + \
         (("self_attn.q_norm.weight", "self_attn.k_norm.weight") if m.qk_norm else ())
+    moe = MoeShape.of(m)
+    sparse = set(sparse_layers(moe, m.layers))
     for i in range(m.layers):
-        out.update({f"blocks.{i}.{n}": (f"model.layers.{i}.{n}", "copy") for n in names})
+        out.update({f"blocks.{i}.{n}": (f"model.layers.{i}.{n}", "copy") for n in names
+                    if not (i in sparse and n.startswith("mlp."))})
+        if i in sparse:  # one tensor per expert ("experts"), or fused: models/hf.py
+            out.update({f"blocks.{i}.mlp.{n}": (f"model.layers.{i}.mlp.{hf}", how)
+                        for n, (hf, how) in hf_layer_names(moe).items()})
     out["head.norm.weight"] = ("model.norm.weight", "copy")
     return out
 
@@ -234,7 +266,7 @@ def hf_names(m: ModelConfig) -> NameMap:
 def resolved(m: ModelConfig) -> dict:
     """The key/value heads, MLP width, head size and positions an unset field stands for."""
     return {"kv_heads": m.kv_heads_or_heads, "intermediate_size": m.mlp_width, "head_dim": m.head_size,
-            "max_positions": m.positions}
+            "max_positions": m.positions, **({"moe_intermediate_size": m.expert_width} if m.num_experts else {})}
 
 
 # Meta's Llama sizes, smallest first (the names at their own 32k-128k vocabularies)
@@ -250,12 +282,13 @@ SHAPES = (
 
 
 SPEC = ModelSpec(
-    name="llama", summary="RMSNorm, rotary (scaled or not), SwiGLU, grouped-query attention (Llama, Mistral, Qwen2, "
-                          "Qwen3)",
-    torch_module="parallel4d.models.llama.family", hf_model_types=("llama", "mistral", "qwen2", "qwen3"),
+    name="llama", summary="RMSNorm, rotary (scaled or not), SwiGLU or mixtures of experts, grouped-query attention "
+                          "(Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE, Qwen2-MoE, Mixtral)",
+    torch_module="parallel4d.models.llama.family",
+    hf_model_types=("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe", "mixtral"),
     fields=("arch", "vocab_size", "seq_len", "hidden", "heads", "kv_heads", "layers", "intermediate_size",
             "tie_embeddings", "norm_eps", "init_std", "rope_theta", "qkv_bias", "max_positions", "head_dim",
-            "qk_norm", "rope_scaling", "attention_dropout", "pretrained"),
+            "qk_norm", "rope_scaling", "attention_dropout", "num_experts", *MOE_FIELDS, "pretrained"),
     learned_positions=False, problems=problems, dense_parameters=dense_parameters, flops_per_token=flops_per_token,
     stage_flops=stage_flops,
     fields_from_hf=fields_from_hf, hf_config=hf_config, hf_names=hf_names, hf_positions="max_position_embeddings",

@@ -1,0 +1,95 @@
+"""The MoE modules a block holds in place of its dense MLP: ``[b, s, h]`` → ``[b, s, h]``.
+
+Names are transformers' (``mlp.gate.weight`` the router, ``mlp.shared_expert``, ``mlp.shared_expert_gate``)
+but for the experts, stored stacked — ``experts.gate_proj`` and ``experts.up_proj`` ``[E, I, h]``,
+``experts.down_proj`` ``[E, h, I]`` — so that expert parallelism can shard them along ``E`` and a
+grouped matrix product can read them as they are; :func:`from_transformers_experts` maps transformers
+5's fused ``gate_up_proj [E, 2I, h]`` onto them.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from parallel4d.models.context import ReadsContext
+from parallel4d.models.moe.balance import layer_load
+from parallel4d.models.moe.routing import combine, dispatch, expert_ffn, route
+from parallel4d.models.moe.spec import MoeShape
+
+
+class Router(nn.Module):
+    """``weight`` ``[E, h]``: each token's logits over the experts (transformers' ``mlp.gate``)."""
+
+    def __init__(self, hidden: int, num_experts: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden))
+
+    def forward(self, x):
+        return F.linear(x, self.weight)
+
+
+class Experts(nn.Module):
+    """``E`` SwiGLU experts of width ``I``, each weight stacked along its first dimension ``E``."""
+
+    def __init__(self, hidden: int, width: int, num_experts: int):
+        super().__init__()
+        self.gate_proj = nn.Parameter(torch.empty(num_experts, width, hidden))
+        self.up_proj = nn.Parameter(torch.empty(num_experts, width, hidden))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, width))
+
+    def forward(self, x, counts):
+        """Rows ``x`` ``[N, h]`` sorted by expert (``counts`` ``[E]`` each) → ``[N, h]``."""
+        return expert_ffn(x, counts, self.gate_proj, self.up_proj, self.down_proj)
+
+
+class SparseMoE(ReadsContext):
+    """Dropless top-k mixture of experts of ``moe`` (:class:`~.spec.MoeShape`), layer ``layer`` (from 0)
+    of its model, plus Qwen2-MoE's shared expert (``shared_expert``, a dense MLP module the family
+    builds; None without one) behind its sigmoid gate. With ``output_router_logits`` the layer records
+    its :class:`~.balance.LayerLoad` in the forward's state (``context.state.routing[layer]``) for the
+    load-balancing loss."""
+
+    def __init__(self, moe: MoeShape, hidden: int, layer: int, shared_expert: nn.Module | None = None):
+        super().__init__()
+        self.moe, self.layer = moe, layer
+        self.gate = Router(hidden, moe.num_experts)
+        self.experts = Experts(hidden, moe.expert_width, moe.num_experts)
+        if shared_expert is not None:
+            self.shared_expert = shared_expert
+            self.shared_expert_gate = nn.Linear(hidden, 1, bias=False)
+        self.has_shared = shared_expert is not None
+
+    def forward(self, x):
+        shape = x.shape
+        flat = x.reshape(-1, shape[-1])  # [T, h]
+        routing = route(self.gate(flat), self.moe.top_k, self.moe.norm_topk_prob)
+        d = dispatch(routing, self.moe.num_experts)
+        if self.moe.output_router_logits and self.context is not None:
+            self.context.state.routing[self.layer] = layer_load(routing.probs, d.counts)
+        out = combine(self.experts(flat[d.token], d.counts), d, flat.shape[0])
+        if self.has_shared:
+            out = out + torch.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)
+        return out.reshape(shape)
+
+
+def from_transformers(tensor: torch.Tensor, how: str) -> torch.Tensor:
+    """Our tensor from transformers' one by the transform of the name map
+    (:func:`~.spec.hf_layer_names`): ``"copy"``; ``"gate_half"`` / ``"up_half"``: the first / second half of
+    a fused ``gate_up_proj`` ``[E, 2I, h]`` along its rows (a view)."""
+    if how == "copy":
+        return tensor
+    width = tensor.shape[1] // 2
+    if how == "gate_half":
+        return tensor[:, :width]
+    if how == "up_half":
+        return tensor[:, width:]
+    raise ValueError(f"unknown transform {how!r} (copy, gate_half, up_half)")
+
+
+def from_transformers_experts(gate_up_proj: torch.Tensor, down_proj: torch.Tensor) -> dict[str, torch.Tensor]:
+    """transformers 5's fused experts (``gate_up_proj`` ``[E, 2I, h]``: the gate's ``I`` rows, then the
+    up projection's; ``down_proj`` ``[E, h, I]``) → :class:`Experts`' tensors by name."""
+    return {"gate_proj": from_transformers(gate_up_proj, "gate_half"),
+            "up_proj": from_transformers(gate_up_proj, "up_half"), "down_proj": down_proj}
