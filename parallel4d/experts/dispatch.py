@@ -4,7 +4,7 @@ A mixture-of-experts layer routes each of its ``T`` tokens to ``k`` of ``E`` exp
 with the router's ``weights [T, k]``) and returns ``Σ_j weights[t, j] · expert_{ids[t, j]}(x[t])``.
 Both dispatchers here compute exactly that; they differ in where the experts are:
 
-* :func:`dispatch_local`: every expert on this rank. The ``T·k`` (token, choice) slots are sorted by
+* :class:`OneRank` (:func:`dispatch_local`): every expert on this rank. The ``T·k`` (token, choice) slots are sorted by
   expert (a stable sort: within an expert, token order), the experts run on contiguous row blocks,
   the rows go back to their slots and are summed with their weights.
 * :class:`ExpertParallel`: the experts split over the ``n`` ranks of an ep group, rank ``r`` holding
@@ -43,6 +43,16 @@ A2A = "experts.all_to_all"
 COUNTS = "experts.counts"
 
 
+class Dispatcher(Protocol):
+    """Where a mixture-of-experts layer's experts are: ``dispatcher(x [T, h], ids [T, k], weights [T, k],
+    expert_fn) → [T, h]`` (:class:`OneRank`, :class:`ExpertParallel`). ``experts``: the global indices of
+    the experts ``expert_fn`` applies, numbered from 0 there."""
+
+    experts: range
+
+    def __call__(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, expert_fn: "ExpertFn") -> torch.Tensor: ...
+
+
 class ExpertFn(Protocol):
     """Experts applied to rows grouped by expert: ``x [N, h]`` (expert ``e``'s ``counts[e]`` rows after
     expert ``e-1``'s), ``counts [E_local]`` int64 on ``x``'s device (Σ = N) → ``[N, h_out]``."""
@@ -71,6 +81,17 @@ def dispatch_local(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, nu
     order, counts = sort_by_expert(ids, num_experts)
     rows = expert_fn(x[order // ids.shape[1]], counts)
     return combine(rows, order, weights)
+
+
+class OneRank:
+    """Every one of ``num_experts`` experts on this rank (:func:`dispatch_local`)."""
+
+    def __init__(self, num_experts: int):
+        self.num_experts = num_experts
+        self.experts = range(num_experts)
+
+    def __call__(self, x, ids, weights, expert_fn: ExpertFn) -> torch.Tensor:
+        return dispatch_local(x, ids, weights, self.num_experts, expert_fn)
 
 
 class _AllToAllV(torch.autograd.Function):

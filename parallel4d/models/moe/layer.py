@@ -13,9 +13,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from parallel4d.experts import Dispatcher, OneRank
 from parallel4d.models.context import ReadsContext
 from parallel4d.models.moe.balance import layer_load
-from parallel4d.models.moe.routing import combine, dispatch, expert_ffn, route
+from parallel4d.models.moe.routing import expert_ffn, route
 from parallel4d.models.moe.spec import MoeShape
 
 
@@ -31,7 +32,8 @@ class Router(nn.Module):
 
 
 class Experts(nn.Module):
-    """``E`` SwiGLU experts of width ``I``, each weight stacked along its first dimension ``E``."""
+    """``E`` SwiGLU experts of width ``I``, each weight stacked along its first dimension ``E`` (under
+    expert parallelism, this rank's experts only): an :class:`~parallel4d.experts.ExpertFn`."""
 
     def __init__(self, hidden: int, width: int, num_experts: int):
         super().__init__()
@@ -49,11 +51,13 @@ class SparseMoE(ReadsContext):
     of its model, plus Qwen2-MoE's shared expert (``shared_expert``, a dense MLP module the family
     builds; None without one) behind its sigmoid gate. With ``output_router_logits`` the layer records
     its :class:`~.balance.LayerLoad` in the forward's state (``context.state.routing[layer]``) for the
-    load-balancing loss."""
+    load-balancing loss. ``dispatcher``: where the experts are (:class:`~parallel4d.experts.OneRank`
+    until a layout puts them elsewhere)."""
 
     def __init__(self, moe: MoeShape, hidden: int, layer: int, shared_expert: nn.Module | None = None):
         super().__init__()
         self.moe, self.layer = moe, layer
+        self.dispatcher: Dispatcher = OneRank(moe.num_experts)
         self.gate = Router(hidden, moe.num_experts)
         self.experts = Experts(hidden, moe.expert_width, moe.num_experts)
         if shared_expert is not None:
@@ -65,10 +69,10 @@ class SparseMoE(ReadsContext):
         shape = x.shape
         flat = x.reshape(-1, shape[-1])  # [T, h]
         routing = route(self.gate(flat), self.moe.top_k, self.moe.norm_topk_prob)
-        d = dispatch(routing, self.moe.num_experts)
         if self.moe.output_router_logits and self.context is not None:
-            self.context.state.routing[self.layer] = layer_load(routing.probs, d.counts)
-        out = combine(self.experts(flat[d.token], d.counts), d, flat.shape[0])
+            picks = torch.bincount(routing.experts.reshape(-1), minlength=self.moe.num_experts)
+            self.context.state.routing[self.layer] = layer_load(routing.probs, picks)
+        out = self.dispatcher(flat, routing.experts, routing.weights, self.experts)
         if self.has_shared:
             out = out + torch.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)
         return out.reshape(shape)

@@ -1,4 +1,6 @@
-"""The router's arithmetic and the tokens' trip to their experts and back, without a loop over tokens.
+"""The router's arithmetic and the experts' SwiGLU; the tokens' trip to their experts and back is the
+dispatcher's (:mod:`parallel4d.experts`: sorted by expert without a loop over tokens, on this rank or
+over the ep ranks).
 
 Shapes: ``T`` tokens (a micro-batch's ``b·s``, flattened), ``h`` hidden, ``E`` experts, ``k`` experts per
 token, ``I`` an expert's SwiGLU width.
@@ -6,12 +8,9 @@ token, ``I`` an expert's SwiGLU width.
 * :func:`route`: router logits ``[T, E]`` → softmax probabilities ``[T, E]``, each token's top ``k``
   experts ``[T, k]`` and their weights ``[T, k]`` (the top-k probabilities, renormalised to sum to 1
   with ``norm_topk_prob`` — which is Mixtral's softmax over the top-k logits, the same numbers);
-* :func:`dispatch`: the ``T·k`` (token, expert) pairs sorted by expert (stable: within an expert in
-  token order) — which token each sorted row is, its weight, and each expert's row count ``[E]``;
 * :func:`expert_ffn`: each expert's SwiGLU over its contiguous rows of the sorted tokens. The one
   place the experts compute: a loop over experts here, a grouped matrix product later (issue 48,
-  fourth part) with the same arguments;
-* :func:`combine`: the expert outputs weighted and summed back into each token's row.
+  fourth part) with the same arguments.
 
 Dropless: every token reaches its ``k`` experts (no capacity, nothing dropped or padded).
 """
@@ -45,24 +44,6 @@ def route(logits: torch.Tensor, k: int, norm_topk_prob: bool) -> Routing:
     return Routing(probs, experts, top.to(logits.dtype))
 
 
-class Dispatch(NamedTuple):
-    """The ``T·k`` (token, expert) pairs sorted by expert: ``token`` ``[T·k]`` (the token each sorted
-    row is), ``weight`` ``[T·k]`` (its routing weight), ``counts`` ``[E]`` (rows per expert, int64)."""
-
-    token: torch.Tensor
-    weight: torch.Tensor
-    counts: torch.Tensor
-
-
-def dispatch(routing: Routing, num_experts: int) -> Dispatch:
-    """Sort the pairs of ``routing`` by expert (a stable sort: no loop over tokens or experts)."""
-    k = routing.experts.shape[-1]
-    flat = routing.experts.reshape(-1)
-    order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=num_experts)
-    return Dispatch(order // k, routing.weights.reshape(-1)[order], counts)
-
-
 def expert_ffn(x: torch.Tensor, counts: torch.Tensor, gate_proj: torch.Tensor, up_proj: torch.Tensor,
                down_proj: torch.Tensor) -> torch.Tensor:
     """Every expert's SwiGLU ``down(silu(gate x) · up x)`` over its rows of ``x`` ``[N, h]`` (sorted by
@@ -78,10 +59,3 @@ def expert_ffn(x: torch.Tensor, counts: torch.Tensor, gate_proj: torch.Tensor, u
             out.append(F.linear(F.silu(F.linear(rows, gate_proj[e])) * F.linear(rows, up_proj[e]), down_proj[e]))
             start += n
     return torch.cat(out) if out else x.new_zeros((0, down_proj.shape[1]))
-
-
-def combine(y: torch.Tensor, d: Dispatch, tokens: int) -> torch.Tensor:
-    """Expert outputs ``y`` ``[T·k, h]`` (sorted rows) times their weights, summed into their tokens'
-    rows: ``[T, h]``."""
-    weighted = y * d.weight.unsqueeze(-1)
-    return weighted.new_zeros((tokens, y.shape[-1])).index_add_(0, d.token, weighted)
