@@ -322,10 +322,15 @@ def test_plan_refuses_moe_layers_in_one_line():
     {"num_experts": 3, "num_experts_per_tok": 1, "moe_intermediate_size": 16, "shared_expert_intermediate_size": 40,
      "mlp_only_layers": [0]},
 ])
-def test_moe_flops_per_token_count_the_active_experts(fields):
+def test_moe_flops_per_token_count_the_active_experts(fields, monkeypatch):
     """The spec's FLOPs per token (MFU's numerator) count the router, the k experts a token reaches and the
-    shared expert: FlopCounterMode's count of one forward and backward, to 2 % (as tests/test_flops.py)."""
+    shared expert: FlopCounterMode's count of one forward and backward, to 2 % (as tests/test_flops.py).
+    The experts loop here: FlopCounterMode counts nothing for ``torch._grouped_mm`` (the same products)."""
     from test_flops import counted_per_token
+
+    from parallel4d.models.moe import routing
+
+    monkeypatch.setattr(routing, "grouped_usable", lambda *a: False)
 
     from parallel4d.config.schema import ModelConfig
     from parallel4d.models.registry import spec
@@ -336,3 +341,29 @@ def test_moe_flops_per_token_count_the_active_experts(fields):
     assert abs(ours / counted - 1) <= 0.02, (ours, counted)
     every_expert = spec("llama").flops_per_token(m.model_copy(update={"num_experts_per_tok": m.num_experts}))
     assert every_expert / counted - 1 > 0.02  # counting every expert (the parameters) would be seen
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+def test_grouped_experts_compute_what_the_loop_computes_with_every_gradient(autocast):
+    """torch's grouped product (three calls whatever E, no host read) against the loop over experts, on
+    the same rows: outputs and the gradients of the rows and of all three stacked weights (float32; bf16
+    under autocast, both paths cast alike). Experts 2 and 5 get no row; the loss is a plain sum (its
+    gradient broadcast, strides 0: what the grouped product's backward refuses unless made dense)."""
+    from parallel4d.models.moe import routing
+
+    g = torch.Generator().manual_seed(0)
+    e, h, width = 6, 16, 8
+    counts = torch.tensor([3, 1, 0, 4, 2, 0])
+    leaves = [torch.randn(int(counts.sum()), h, generator=g), torch.randn(e, width, h, generator=g),
+              torch.randn(e, width, h, generator=g), torch.randn(e, h, width, generator=g)]
+    results = []
+    for ffn in (routing.grouped_ffn, routing.looped_ffn):
+        args = [t.clone().requires_grad_() for t in leaves]
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            assert routing.grouped_usable(args[0], args[1], args[3])
+            out = ffn(args[0], counts, *args[1:])
+        out.float().sum().backward()
+        results.append([out.float()] + [a.grad for a in args])
+    tol = {"rtol": 2e-2, "atol": 2e-2} if autocast else {"rtol": 1e-5, "atol": 1e-5}
+    for grouped, looped in zip(*results):
+        torch.testing.assert_close(grouped, looped, **tol)

@@ -50,8 +50,17 @@ def expert_ffn(x: torch.Tensor, counts: torch.Tensor, gate_proj: torch.Tensor, u
     expert: ``counts[e]`` rows each, ``counts`` ``[E]``), weights stacked ``gate_proj``, ``up_proj``
     ``[E, I, h]`` and ``down_proj`` ``[E, h, I]`` (nn.Linear's ``[out, in]`` per expert) → ``[N, h]``.
 
-    A loop over the experts that have rows; ``counts`` is read on the host once (the split sizes).
-    A grouped matrix product replaces this function whole (same arguments, same result)."""
+    Grouped matrix products (:func:`grouped_ffn`: three calls, whatever ``E``; ``counts`` stays on the
+    device) where :func:`grouped_usable` says torch has them for these tensors, else a loop over the
+    experts (:func:`looped_ffn`: one host read of ``counts``, one product per expert with rows). Both
+    compute the same products; float64 (the exactness tests) always loops."""
+    if grouped_usable(x, gate_proj, down_proj):
+        return grouped_ffn(x, counts, gate_proj, up_proj, down_proj)
+    return looped_ffn(x, counts, gate_proj, up_proj, down_proj)
+
+
+def looped_ffn(x, counts, gate_proj, up_proj, down_proj) -> torch.Tensor:
+    """:func:`expert_ffn` as a loop over the experts that have rows (``counts`` read on the host once)."""
     out, start = [], 0
     for e, n in enumerate(counts.tolist()):
         if n:
@@ -59,3 +68,55 @@ def expert_ffn(x: torch.Tensor, counts: torch.Tensor, gate_proj: torch.Tensor, u
             out.append(F.linear(F.silu(F.linear(rows, gate_proj[e])) * F.linear(rows, up_proj[e]), down_proj[e]))
             start += n
     return torch.cat(out) if out else x.new_zeros((0, down_proj.shape[1]))
+
+
+def grouped_ffn(x, counts, gate_proj, up_proj, down_proj) -> torch.Tensor:
+    """:func:`expert_ffn` as three ``torch._grouped_mm`` calls over the row blocks ``counts`` delimits (their
+    ends, int32, on the device: no host read). Under autocast the operands are cast to its dtype, as
+    ``F.linear`` would be (torch's autocast lists do not cover the grouped product)."""
+    dtype = _compute_dtype(x)
+    x = x.to(dtype)
+    ends = torch.cumsum(counts, 0, dtype=torch.int32)
+
+    def product(rows, weight):  # rows [N, in] @ weight[e].T for each expert's block: weight [E, out, in]
+        return _DenseGrad.apply(torch._grouped_mm(rows, weight.to(dtype).transpose(-2, -1), offs=ends))
+
+    return product(F.silu(product(x, gate_proj)) * product(x, up_proj), down_proj)
+
+
+class _DenseGrad(torch.autograd.Function):
+    """The identity, whose backward hands on a contiguous gradient: the grouped product's backward
+    refuses a broadcast one (strides 0, as ``y.sum()``'s), which any loss may send."""
+
+    @staticmethod
+    def forward(ctx, y):
+        return y.view_as(y)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.contiguous()
+
+
+#: the dtypes torch's grouped matrix product takes
+GROUPED_DTYPES = (torch.bfloat16, torch.float32)
+
+
+def grouped_usable(x: torch.Tensor, gate_proj: torch.Tensor, down_proj: torch.Tensor) -> bool:
+    """Whether :func:`grouped_ffn` runs for these tensors: torch has ``_grouped_mm``, the compute dtype is
+    one it takes, every row is a multiple of 16 bytes (its alignment), and on CUDA the device is a Hopper or
+    newer (compute capability 9: its grouped GEMM kernels)."""
+    dtype = _compute_dtype(x)
+    if not hasattr(torch, "_grouped_mm") or dtype not in GROUPED_DTYPES:
+        return False
+    size = torch.finfo(dtype).bits // 8
+    if (gate_proj.shape[-1] * size) % 16 or (down_proj.shape[-1] * size) % 16 or (down_proj.shape[1] * size) % 16:
+        return False
+    if x.device.type == "cuda":
+        return torch.cuda.get_device_capability(x.device) >= (9, 0)
+    return x.device.type == "cpu"
+
+
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype a product of ``x`` runs in: autocast's where it is on for ``x``'s device, else ``x``'s."""
+    kind = x.device.type
+    return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else x.dtype
