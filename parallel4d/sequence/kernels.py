@@ -318,7 +318,8 @@ def merge_(out_acc: torch.Tensor, lse_acc: torch.Tensor, out_blk: torch.Tensor, 
     ``empty_rows=False``: the caller knows no block row attends nothing (no document mask), which
     saves the two passes that guard such a row.
     """
-    lse_blk = lse_blk.to(lse_acc.dtype)
+    if lse_blk.dtype != lse_acc.dtype:
+        lse_blk = lse_blk.to(lse_acc.dtype)
     w = torch.sigmoid(lse_blk - lse_acc)
     if empty_rows:  # a block row that attends nothing (-inf) leaves the row as it is, even one with nothing yet
         w.masked_fill_(lse_blk == float("-inf"), 0.0)
@@ -362,7 +363,9 @@ def merge_for(device: torch.device):
 
 
 def _rows(x: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
-    return x[:, :, lo:hi]
+    """Rows ``[lo, hi)`` of ``x [b, h, L, ...]``: ``x`` itself for all of them (a view costs the host
+    microseconds, and a ring step takes a handful per call)."""
+    return x if lo == 0 and hi == x.shape[2] else x.narrow(2, lo, hi - lo)
 
 
 class QueryRows:
@@ -439,6 +442,7 @@ def backward_step(rows: QueryRows, k, v, calls: list[BlockCall], dq_acc, scale: 
 
 def add_kv_grads_(dkv: torch.Tensor, grads) -> None:
     """Add a step's ``[(call, dk, dv)]`` into the travelling ``dkv [2, b, h_kv, L, d]``."""
+    dk_acc, dv_acc = dkv
     for c, dk, dv in grads:
-        dkv[0, :, :, c.k_lo:c.k_hi].add_(dk)
-        dkv[1, :, :, c.k_lo:c.k_hi].add_(dv)
+        _rows(dk_acc, c.k_lo, c.k_hi).add_(dk)
+        _rows(dv_acc, c.k_lo, c.k_hi).add_(dv)
