@@ -40,9 +40,11 @@ from __future__ import annotations
 
 import functools
 import math
+import warnings
 
 import torch
 import torch.nn.functional as F
+from torch.utils._triton import has_triton
 
 from parallel4d.sequence.layout import BlockCall
 
@@ -343,14 +345,32 @@ def fused_merge(backend: str = "inductor"):
     return torch.compile(_merge_traceable, backend=backend, dynamic=True, fullgraph=True)
 
 
+class FusedOrEager:
+    """The fused merge (:func:`fused_merge`), or :func:`merge_` from the first time torch cannot compile it
+    here (no C compiler for Triton's launcher, an unsupported build), with one warning: a failed compile
+    raises before the graph runs, so the eager merge then does the call's whole work."""
+
+    def __init__(self, fused):
+        self.fused, self.failed = fused, None
+
+    def __call__(self, out_acc, lse_acc, out_blk, lse_blk, empty_rows: bool = True) -> None:
+        if self.failed is None:
+            try:
+                return self.fused(out_acc, lse_acc, out_blk, lse_blk, empty_rows)
+            except torch._dynamo.exc.TorchDynamoException as e:  # compiling failed: nothing was written yet
+                self.failed = e
+                warnings.warn(f"ring attention: the fused LSE merge does not compile here ({type(e).__name__}: "
+                              f"{str(e).splitlines()[0][:200] if str(e) else ''}); merging eagerly (same results, "
+                              "more passes)", RuntimeWarning, stacklevel=2)
+        merge_(out_acc, lse_acc, out_blk, lse_blk, empty_rows)
+
+
 @functools.lru_cache(maxsize=None)
 def _cuda_merge():
     """The fused merge where torch can build it for CUDA (Triton present), else :func:`merge_`. One
     per process: compiled graphs are kept by ``torch.compile`` (shapes are dynamic: a few graphs for
     the row counts and offsets a ring's steps take)."""
-    from torch.utils._triton import has_triton
-
-    return fused_merge() if has_triton() else merge_
+    return FusedOrEager(fused_merge()) if has_triton() else merge_
 
 
 def merge_for(device: torch.device):
