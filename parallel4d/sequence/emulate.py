@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from parallel4d.sequence.kernels import (QueryRows, acc_dtype, add_kv_grads_, backward_step, default_scale,
-                                         first_step_forward, forward_step, merge_for, resolve_backend)
+                                         first_step_forward, forward_step, merge_, resolve_backend)
 from parallel4d.sequence.layout import check_seq_len, rank_positions, step_plan
 from parallel4d.sequence.ring import StepMasks
 
@@ -50,17 +50,16 @@ def ring_work(n: int, layout: str, causal: bool, L: int, documents=None) -> int:
     return total
 
 
-def ring_forward(qs, ks, vs, layout: str, causal: bool, scale=None, backend: str = "auto", merge=None,
+def ring_forward(qs, ks, vs, layout: str, causal: bool, scale=None, backend: str = "auto", merge=merge_,
                  documents=None):
     """Forward of every rank: lists of shards in → ``(outs, lses)`` per rank
-    (``outs`` in the input dtype, ``lses`` in the accumulation dtype). ``merge``: the LSE merge
-    (:func:`.kernels.merge_for` the device's, as the ring's, when None). ``documents``: packed
+    (``outs`` in the input dtype, ``lses`` in the accumulation dtype). ``merge``: the LSE merge (the ring's
+    by default; the benchmark times :func:`.kernels.fused_merge` too). ``documents``: packed
     :class:`~.documents.Documents` (the ring's calls and masks, ``math`` kernel)."""
     n = len(qs)
     backend = "math" if documents is not None else resolve_backend(backend, qs[0])
     scale = default_scale(qs[0].shape[-1]) if scale is None else scale
     L = qs[0].shape[2]
-    merge = merge_for(qs[0].device) if merge is None else merge
     outs, lses = [], []
     for r in range(n):
         out = lse = None

@@ -44,7 +44,6 @@ import warnings
 
 import torch
 import torch.nn.functional as F
-from torch.utils._triton import has_triton
 
 from parallel4d.sequence.layout import BlockCall
 
@@ -341,14 +340,20 @@ def _merge_traceable(out_acc, lse_acc, out_blk, lse_blk, empty_rows: bool = True
 def fused_merge(backend: str = "inductor"):
     """:func:`merge_` compiled by ``torch.compile`` (``backend``) into one pass over the accumulators:
     reads ``out_acc``, the block's ``out`` in its own dtype and both LSEs once, writes both accumulators
-    once (eager: five passes and an fp32 copy of the block). Same signature as :func:`merge_`."""
-    return torch.compile(_merge_traceable, backend=backend, dynamic=True, fullgraph=True)
+    once (eager: five launches and an fp32 copy of the block), falling back to :func:`merge_` where it
+    does not compile (:class:`FusedOrEager`). Same signature and results as :func:`merge_`.
+
+    Not the ring's merge: a compiled call costs the host more than the eager merge's five launches
+    (on CPU, 24–30 µs against 11 µs per call at small blocks; ``benchmarks/sequence.py --glue
+    --compile-merge``), which is where the ring's glue shows (many small blocks). ``benchmarks/sequence.py
+    --compile-merge`` times both on a GPU, where the fused one saves the block's bytes at large blocks."""
+    return FusedOrEager(torch.compile(_merge_traceable, backend=backend, dynamic=True, fullgraph=True))
 
 
 class FusedOrEager:
-    """The fused merge (:func:`fused_merge`), or :func:`merge_` from the first time torch cannot compile it
-    here (no C compiler for Triton's launcher, an unsupported build), with one warning: a failed compile
-    raises before the graph runs, so the eager merge then does the call's whole work."""
+    """A compiled merge, or :func:`merge_` from the first time torch cannot compile it here (no C compiler
+    for Triton's launcher, an unsupported build), with one warning: a failed compile raises before the
+    graph runs, so the eager merge then does the call's whole work."""
 
     def __init__(self, fused):
         self.fused, self.failed = fused, None
@@ -363,20 +368,6 @@ class FusedOrEager:
                               f"{str(e).splitlines()[0][:200] if str(e) else ''}); merging eagerly (same results, "
                               "more passes)", RuntimeWarning, stacklevel=2)
         merge_(out_acc, lse_acc, out_blk, lse_blk, empty_rows)
-
-
-@functools.lru_cache(maxsize=None)
-def _cuda_merge():
-    """The fused merge where torch can build it for CUDA (Triton present), else :func:`merge_`. One
-    per process: compiled graphs are kept by ``torch.compile`` (shapes are dynamic: a few graphs for
-    the row counts and offsets a ring's steps take)."""
-    return FusedOrEager(fused_merge()) if has_triton() else merge_
-
-
-def merge_for(device: torch.device):
-    """The merge a ring pass over tensors on ``device`` uses: fused (:func:`fused_merge`) on CUDA where
-    Triton is installed, :func:`merge_` elsewhere (CPU, meta) — the same arithmetic either way."""
-    return _cuda_merge() if device.type == "cuda" else merge_
 
 
 # --------------------------------------------------------------------------- one ring step

@@ -39,7 +39,7 @@ import torch.distributed as dist
 from parallel4d.distributed import comm
 
 from parallel4d.sequence.kernels import (QueryRows, acc_dtype, add_kv_grads_, backward_step, default_scale,
-                                         first_step_forward, forward_step, merge_for, resolve_backend)
+                                         first_step_forward, forward_step, resolve_backend)
 from parallel4d.config.rules.sequence import check_layout
 from parallel4d.sequence.layout import global_position, rank_positions, step_plan
 
@@ -156,7 +156,7 @@ class RingAttention(torch.autograd.Function):
         buf = torch.empty_like(kv) if n > 1 else None
         works = None
         out_acc = lse_acc = None
-        rows, merge = QueryRows(q), merge_for(q.device)
+        rows = QueryRows(q)
         for t in range(n):
             if works is not None:
                 comm.wait(works, timeout_s, f"ring_attention forward: K/V block of step {t}", deadlines)
@@ -166,9 +166,9 @@ class RingAttention(torch.autograd.Function):
                 works = ring.shift(kv, buf, stats, FWD_KV)
             calls, mask, allowed = masks.step(t)
             if t == 0:
-                out_acc, lse_acc = first_step_forward(rows, kv[0], kv[1], calls, scale, backend, mask, allowed, merge)
+                out_acc, lse_acc = first_step_forward(rows, kv[0], kv[1], calls, scale, backend, mask, allowed)
             else:
-                forward_step(rows, kv[0], kv[1], calls, out_acc, lse_acc, scale, backend, merge, mask, allowed)
+                forward_step(rows, kv[0], kv[1], calls, out_acc, lse_acc, scale, backend, mask=mask, allowed=allowed)
         out = out_acc.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse_acc)
         ctx.cfg = (ring, causal, layout, scale, stats, timeout_s, backend, deadlines, dropout, documents)
