@@ -12,10 +12,21 @@ is the compute ceiling of the ring (the overhead the ring adds even with perfect
 alone, U = N pure Ulysses): U head groups of h/U heads, each a ring of N/U over the whole sequence —
 the block work all N ranks do after the all-to-all.
 
+Each ring row also times the same block kernel calls alone, back to back on inputs cut beforehand
+(``g`` columns: the ring over its kernels = the glue's cost — merges, accumulation, row cuts, layout
+copies, the host's launches), and the kernels alone over the single call (``kernels_ratio_fwd_bwd``:
+what no glue can win back). Issue 47.2's targets (:data:`TARGETS`: causal, N = 8 at 32k 1.25×, at 16k
+1.4×, N = 4 1.15×) are printed beside the measured ratios.
+
 GPU (the issue's setting): ``python benchmarks/sequence.py`` → s 16k/32k, heads 32, d 128,
-bf16, causal and not, N 4 and 8, block kernels cudnn and flash.
+bf16, causal and not, N 4 and 8, block kernels cudnn and flash. ``--ring-check`` (:func:`ring_check`,
+what ``make gpu-check`` calls for "the ring at 8 ranks"): only the targets' cases, cuDNN blocks, about
+a minute on an H200 → ``results/gpu_sequence_ring.json``. ``--compile-merge``: rows for the eager merge
+(the ring's) and the fused one (``kernels.fused_merge``).
 CPU smoke run: ``python benchmarks/sequence.py --quick`` → tiny sizes, fp32, CPU kernels
-(numbers labelled CPU; they say nothing about GPUs).
+(numbers labelled CPU; they say nothing about GPUs). ``--glue``: the ring's glue on CPU (thread CPU
+time, least of alternating rounds, and ops dispatched per block call) → ``results/sequence_glue_cpu.json``
+under ``--label``.
 
 Prints a table and writes JSON under ``benchmarks/results/`` (device, torch version, config).
 """
@@ -224,11 +235,11 @@ def _cpu_ms(fn, rounds: int) -> float:
     return best
 
 
-def glue_case(s: int, heads: int, dim: int, n: int, dtype, rounds: int, merge=None) -> dict:
+def glue_case(s: int, heads: int, dim: int, n: int, dtype, rounds: int, merge=merge_) -> dict:
     """One causal zigzag ring of ``n`` on CPU (cpu_flash blocks): its forward and backward against the same
     block kernels alone (:func:`time_ring_kernels`' calls), in thread CPU time, alternating, least of
-    ``rounds``; and the ops each dispatches per block call (what a GPU would launch). ``merge``: the ring's
-    (None: the eager one, which CPU tensors take)."""
+    ``rounds``; and the ops each dispatches per block call (what a GPU would launch). ``merge``: the LSE merge (the ring's
+    by default)."""
     g = torch.Generator().manual_seed(0)
     q, k, v, do = (torch.randn(1, heads, s, dim, dtype=dtype, generator=g) for _ in range(4))
     layout = "zigzag"
@@ -246,7 +257,7 @@ def glue_case(s: int, heads: int, dim: int, n: int, dtype, rounds: int, merge=No
             ms[name] = min(ms[name], _cpu_ms(fn, 1))
     ops = {}
     for name, fn in fns.items():
-        if merge is not None and name.startswith("ring"):  # torch.compile runs under no dispatch mode
+        if merge is not merge_ and name.startswith("ring"):  # torch.compile runs under no dispatch mode
             continue
         with _Dispatches() as d:
             fn()
@@ -267,7 +278,7 @@ def glue_main(args) -> dict:
     torch.set_num_threads(1)
     rows = []
     print(f"{'s':>5} {'h':>3} {'d':>3} {'N':>3} | {'glue fwd':>8} {'glue bwd':>8} {'glue f+b':>8} | {'glue ops/call':>13}")
-    merge = fused_merge() if args.compile_merge else None  # --compile-merge: inductor's C++ merge on CPU
+    merge = fused_merge() if args.compile_merge else merge_  # --compile-merge: inductor's C++ merge on CPU
     for s, h, d, n in GLUE_CASES:
         r = glue_case(s, h, d, n, torch.bfloat16, rounds=max(args.iters, 9), merge=merge)
         rows.append(r)
