@@ -307,6 +307,109 @@ def test_merge_is_stable_for_far_apart_lse():
     assert empty_out.flatten().tolist() == [3.0, 5.0] and empty_lse.item() == 2.5
 
 
+def _merge_cases(dtype_blk=torch.float64):
+    """Accumulators ``[2, 3, 8, 4]`` (float64) and a block for rows 4..7 (a view, as a zigzag step's second
+    piece): ordinary rows, far-apart LSEs, accumulator rows with nothing yet (-inf) and block rows that
+    attend nothing (-inf, as a document mask leaves them), one of them both."""
+    g = torch.Generator().manual_seed(7)
+    out = torch.randn(2, 3, 8, 4, generator=g, dtype=torch.float64)
+    lse = torch.randn(2, 3, 8, generator=g, dtype=torch.float64)
+    lse[0, 0, 5], out[0, 0, 5] = float("-inf"), 0.0  # nothing yet: takes the block's row
+    lse[0, 1, 7], out[0, 1, 7] = float("-inf"), 0.0  # nothing yet, and the block's row attends nothing either
+    out_blk = torch.randn(2, 3, 4, 4, generator=g, dtype=torch.float64).to(dtype_blk)
+    lse_blk = torch.randn(2, 3, 4, generator=g, dtype=torch.float64)
+    lse_blk[1, 2, 0], lse_blk[0, 1, 3] = -900.0, float("-inf")
+    lse_blk[0, 0, 1] = 700.0
+    return out, lse, out_blk, lse_blk
+
+
+@pytest.mark.parametrize("dtype_blk", [torch.float64, torch.bfloat16])
+def test_the_fused_merge_equals_the_eager_one_on_row_views(dtype_blk):
+    """The merge the ring compiles for CUDA (``fused_merge``: one pass) is captured whole by ``torch.compile``
+    and writes the same accumulators as the eager ``merge_``, in place through row views, empty and far-apart
+    rows included (float64 accumulators; a bf16 block as the GPU's). ``aot_eager`` replays the captured
+    graph on CPU: Triton's code for it is the gpu-marked test's."""
+    from parallel4d.sequence.kernels import fused_merge, merge_
+
+    want_out, want_lse, out_blk, lse_blk = _merge_cases(dtype_blk)
+    got_out, got_lse = want_out.clone(), want_lse.clone()
+    merge_(want_out[:, :, 4:], want_lse[:, :, 4:], out_blk, lse_blk)
+    fused_merge("aot_eager")(got_out[:, :, 4:], got_lse[:, :, 4:], out_blk, lse_blk)
+    assert torch.isfinite(want_out).all() and want_lse[0, 1, 7] == float("-inf")
+    torch.testing.assert_close(got_out, want_out, rtol=0, atol=1e-15)
+    torch.testing.assert_close(got_lse, want_lse, rtol=0, atol=1e-15)
+
+
+def test_a_merge_that_does_not_compile_falls_back_to_the_eager_one_with_a_warning():
+    """Where torch cannot compile the fused merge (a machine without a compiler for Triton), the ring still
+    merges, eagerly, and says so once."""
+    from torch._dynamo.exc import TorchDynamoException  # what torch.compile raises when a backend fails
+
+    from parallel4d.sequence.kernels import FusedOrEager, merge_
+
+    calls = []
+
+    def broken(*args):
+        calls.append(args)
+        raise TorchDynamoException("backend='inductor' raised: no C compiler")
+
+    merge = FusedOrEager(broken)
+    want_out, want_lse, out_blk, lse_blk = _merge_cases()
+    got_out, got_lse = want_out.clone(), want_lse.clone()
+    merge_(want_out[:, :, 4:], want_lse[:, :, 4:], out_blk, lse_blk)
+    with pytest.warns(RuntimeWarning, match="merging eagerly"):
+        merge(got_out[:, :, 4:], got_lse[:, :, 4:], out_blk, lse_blk)
+    merge(got_out[:, :, :4], got_lse[:, :, :4], out_blk, lse_blk)  # the second call goes straight to merge_
+    merge_(want_out[:, :, :4], want_lse[:, :, :4], out_blk, lse_blk)
+    assert len(calls) == 1 and torch.equal(got_out, want_out) and torch.equal(got_lse, want_lse)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype_blk", [torch.float64, torch.bfloat16])
+def test_the_fused_merge_on_cuda_equals_the_eager_one(dtype_blk):
+    """Inductor's Triton code for the fused merge (what ``benchmarks/sequence.py --compile-merge`` times)
+    compiles on the GPU and gives the eager merge's accumulators (float64, bf16 blocks as the kernels give)."""
+    from parallel4d.sequence.kernels import fused_merge, merge_
+
+    fused = fused_merge()
+    want_out, want_lse, out_blk, lse_blk = (x.cuda() for x in _merge_cases(dtype_blk))
+    got_out, got_lse = want_out.clone(), want_lse.clone()
+    merge_(want_out[:, :, 4:], want_lse[:, :, 4:], out_blk, lse_blk)
+    fused(got_out[:, :, 4:], got_lse[:, :, 4:], out_blk, lse_blk)
+    assert fused.failed is None
+    torch.testing.assert_close(got_out, want_out, rtol=1e-14, atol=1e-14)
+    torch.testing.assert_close(got_lse, want_lse, rtol=1e-14, atol=1e-14)
+
+
+class _Ops(TorchDispatchMode):
+    """Counts the ops that compute (not views): what a GPU would launch."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += not func.is_view
+        return func(*args, **(kwargs or {}))
+
+
+def test_the_ring_launches_few_ops_beside_its_block_kernels():
+    """Every rank's steps of a causal zigzag ring of 8 (bf16 blocks, fp32 accumulators: the GPU's path, on
+    CPU) dispatch at most 9.5 ops per block call beside the kernel itself, forward and backward together
+    (11.0 before the query rows were cut once per pass and the merge's empty-row guard kept to documents):
+    on a GPU each is a launch, and small blocks leave the ring waiting on them."""
+    n, layout = 8, "zigzag"
+    q, k, v, do = (torch.randn(1, 2, 16 * n, 8, dtype=torch.bfloat16) for _ in range(4))
+    qs, ks, vs, dos = (shard(x, n, layout) for x in (q, k, v, do))
+    with _Ops() as fwd:
+        outs, lses = ring_forward(qs, ks, vs, layout, True, backend="cpu_flash")
+    with _Ops() as bwd:
+        ring_backward(dos, qs, ks, vs, outs, lses, layout, True, backend="cpu_flash")
+    calls = sum(len(step_plan(r, (r - t) % n, n, layout, True, 16)) for r in range(n) for t in range(n))
+    kernel_ops = 2 * calls  # one forward and one backward op per call
+    assert (fwd.count + bwd.count - kernel_ops) / calls <= 9.5, (fwd.count, bwd.count, calls)
+
+
 def test_user_errors_are_value_errors():
     q = torch.zeros(1, 4, 3, 8)
     kv = torch.zeros(1, 4, 3, 8)

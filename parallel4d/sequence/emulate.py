@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from parallel4d.sequence.kernels import (acc_dtype, add_kv_grads_, backward_step, default_scale, first_step_forward, forward_step,
-                      merge_, resolve_backend)
+from parallel4d.sequence.kernels import (QueryRows, acc_dtype, add_kv_grads_, backward_step, default_scale,
+                                         first_step_forward, forward_step, merge_, resolve_backend)
 from parallel4d.sequence.layout import check_seq_len, rank_positions, step_plan
 from parallel4d.sequence.ring import StepMasks
 
@@ -53,7 +53,8 @@ def ring_work(n: int, layout: str, causal: bool, L: int, documents=None) -> int:
 def ring_forward(qs, ks, vs, layout: str, causal: bool, scale=None, backend: str = "auto", merge=merge_,
                  documents=None):
     """Forward of every rank: lists of shards in → ``(outs, lses)`` per rank
-    (``outs`` in the input dtype, ``lses`` in the accumulation dtype). ``documents``: packed
+    (``outs`` in the input dtype, ``lses`` in the accumulation dtype). ``merge``: the LSE merge (the ring's
+    by default; the benchmark times :func:`.kernels.fused_merge` too). ``documents``: packed
     :class:`~.documents.Documents` (the ring's calls and masks, ``math`` kernel)."""
     n = len(qs)
     backend = "math" if documents is not None else resolve_backend(backend, qs[0])
@@ -63,13 +64,14 @@ def ring_forward(qs, ks, vs, layout: str, causal: bool, scale=None, backend: str
     for r in range(n):
         out = lse = None
         masks = StepMasks(r, n, layout, causal, L, qs[r], None, documents)
+        rows = QueryRows(qs[r])
         for t in range(n):
             src = (r - t) % n
             calls, _, allowed = masks.step(t)
             if t == 0:
-                out, lse = first_step_forward(qs[r], ks[src], vs[src], calls, scale, backend, allowed=allowed)
+                out, lse = first_step_forward(rows, ks[src], vs[src], calls, scale, backend, allowed=allowed, merge=merge)
             else:
-                forward_step(qs[r], ks[src], vs[src], calls, out, lse, scale, backend, merge=merge, allowed=allowed)
+                forward_step(rows, ks[src], vs[src], calls, out, lse, scale, backend, merge=merge, allowed=allowed)
         outs.append(out.to(qs[r].dtype))
         lses.append(lse)
     return outs, lses
@@ -90,10 +92,11 @@ def ring_backward(douts, qs, ks, vs, outs, lses, layout: str, causal: bool, scal
     dqs = []
     for r in range(n):
         dq = torch.zeros(qs[r].shape, dtype=ad, device=qs[r].device)
+        rows = QueryRows(douts[r], qs[r], outs[r], lses[r].to(ad))
         for t in range(n):
             src = (r - t) % n
             calls = step_plan(r, src, n, layout, causal, L)
-            grads = backward_step(douts[r], qs[r], ks[src], vs[src], outs[r], lses[r], calls, dq, scale, backend)
+            grads = backward_step(rows, ks[src], vs[src], calls, dq, scale, backend)
             add_kv_grads_(dkvs[src], grads)
         dqs.append(dq.to(qs[r].dtype))
     return dqs, [d[0].to(ks[0].dtype) for d in dkvs], [d[1].to(vs[0].dtype) for d in dkvs]

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import functools
 import math
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -307,81 +308,152 @@ def block_backward(dout, q, k, v, out, lse, causal: bool, scale: float, backend:
     return _fused_backward(backend, dout, q, k, v, out, lse.to(acc_dtype(q.dtype)), causal, scale)
 
 
-def merge_(out_acc: torch.Tensor, lse_acc: torch.Tensor, out_blk: torch.Tensor, lse_blk: torch.Tensor) -> None:
+def merge_(out_acc: torch.Tensor, lse_acc: torch.Tensor, out_blk: torch.Tensor, lse_blk: torch.Tensor,
+           empty_rows: bool = True) -> None:
     """In-place log-sum-exp merge of a block result into the running one.
 
     ``out = (e^lse_acc·out_acc + e^lse_blk·out_blk) / (e^lse_acc + e^lse_blk)`` is a lerp with
     weight ``σ(lse_blk − lse_acc)``; ``lse = logaddexp(lse_acc, lse_blk)``. Both forms stay
     finite for any gap between the two LSEs, and an accumulator at ``-inf`` (nothing yet)
     takes the block as is. Accumulators are ``[b, h, l, d]`` / ``[b, h, l]`` (views allowed).
+    ``empty_rows=False``: the caller knows no block row attends nothing (no document mask), which
+    saves the two passes that guard such a row.
     """
-    lse_blk = lse_blk.to(lse_acc.dtype)
-    # a block row that attends nothing (-inf) leaves the row as it is, even one with nothing yet (-inf - -inf)
-    w = torch.sigmoid(lse_blk - lse_acc).masked_fill_(lse_blk == float("-inf"), 0.0).unsqueeze(-1)
-    out_acc.lerp_(out_blk.to(out_acc.dtype), w)
+    if lse_blk.dtype != lse_acc.dtype:
+        lse_blk = lse_blk.to(lse_acc.dtype)
+    w = torch.sigmoid(lse_blk - lse_acc)
+    if empty_rows:  # a block row that attends nothing (-inf) leaves the row as it is, even one with nothing yet
+        w.masked_fill_(lse_blk == float("-inf"), 0.0)
+    out_acc.lerp_(out_blk.to(out_acc.dtype), w.unsqueeze(-1))
     torch.logaddexp(lse_acc, lse_blk, out=lse_acc)
+
+
+def _merge_traceable(out_acc, lse_acc, out_blk, lse_blk, empty_rows: bool = True) -> None:
+    """:func:`merge_` in the ops ``torch.compile`` captures whole (``out=`` is a graph break there); the
+    empty-row guard always on: fused, it costs no pass."""
+    lse_blk = lse_blk.to(lse_acc.dtype)
+    w = torch.sigmoid(lse_blk - lse_acc).masked_fill(lse_blk == float("-inf"), 0.0)
+    out_acc.lerp_(out_blk.to(out_acc.dtype), w.unsqueeze(-1))
+    lse_acc.copy_(torch.logaddexp(lse_acc, lse_blk))
+
+
+def fused_merge(backend: str = "inductor"):
+    """:func:`merge_` compiled by ``torch.compile`` (``backend``) into one pass over the accumulators:
+    reads ``out_acc``, the block's ``out`` in its own dtype and both LSEs once, writes both accumulators
+    once (eager: five launches and an fp32 copy of the block), falling back to :func:`merge_` where it
+    does not compile (:class:`FusedOrEager`). Same signature and results as :func:`merge_`.
+
+    Not the ring's merge: a compiled call costs the host more than the eager merge's five launches
+    (on CPU, 24–30 µs against 11 µs per call at small blocks; ``benchmarks/sequence.py --glue
+    --compile-merge``), which is where the ring's glue shows (many small blocks). ``benchmarks/sequence.py
+    --compile-merge`` times both on a GPU, where the fused one saves the block's bytes at large blocks."""
+    return FusedOrEager(torch.compile(_merge_traceable, backend=backend, dynamic=True, fullgraph=True))
+
+
+class FusedOrEager:
+    """A compiled merge, or :func:`merge_` from the first time torch cannot compile it here (no C compiler
+    for Triton's launcher, an unsupported build), with one warning: a failed compile raises before the
+    graph runs, so the eager merge then does the call's whole work."""
+
+    def __init__(self, fused):
+        self.fused, self.failed = fused, None
+
+    def __call__(self, out_acc, lse_acc, out_blk, lse_blk, empty_rows: bool = True) -> None:
+        if self.failed is None:
+            try:
+                return self.fused(out_acc, lse_acc, out_blk, lse_blk, empty_rows)
+            except torch._dynamo.exc.TorchDynamoException as e:  # compiling failed: nothing was written yet
+                self.failed = e
+                warnings.warn(f"ring attention: the fused LSE merge does not compile here ({type(e).__name__}: "
+                              f"{str(e).splitlines()[0][:200] if str(e) else ''}); merging eagerly (same results, "
+                              "more passes)", RuntimeWarning, stacklevel=2)
+        merge_(out_acc, lse_acc, out_blk, lse_blk, empty_rows)
 
 
 # --------------------------------------------------------------------------- one ring step
 
 
 def _rows(x: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
-    return x[:, :, lo:hi]
+    """Rows ``[lo, hi)`` of ``x [b, h, L, ...]``: ``x`` itself for all of them (a view costs the host
+    microseconds, and a ring step takes a handful per call)."""
+    return x if lo == 0 and hi == x.shape[2] else x.narrow(2, lo, hi - lo)
+
+
+class QueryRows:
+    """One rank's query-side tensors (each ``[b, h, L, ...]``) cut to a call's rows ``[lo, hi)`` and made
+    dense once per ring pass, then reused by every step that takes the same rows: under zigzag the
+    second piece's rows serve every step whose K/V block comes from a later rank (about N/2 steps),
+    and the fused kernels need dense inputs (a row slice of ``[b, h, L, d]`` is not). Whole-shard rows
+    are the tensors themselves (no copy)."""
+
+    def __init__(self, *tensors: torch.Tensor):
+        self.tensors = tensors
+        self._cut: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}
+
+    def __call__(self, lo: int, hi: int) -> tuple[torch.Tensor, ...]:
+        cut = self._cut.get((lo, hi))
+        if cut is None:
+            cut = self._cut[(lo, hi)] = tuple(_rows(x, lo, hi).contiguous() for x in self.tensors)
+        return cut
 
 
 def _keep(mask, c: BlockCall):
     return None if mask is None else mask(c)
 
 
-def forward_step(q, k, v, calls: list[BlockCall], out_acc, lse_acc, scale: float, backend: str,
+def forward_step(q: QueryRows, k, v, calls: list[BlockCall], out_acc, lse_acc, scale: float, backend: str,
                  merge=merge_, mask=None, allowed=None) -> None:
-    """Run one ring step's calls (queries of this rank × the visiting K/V block) and merge.
+    """Run one ring step's calls (queries of this rank, ``q``'s rows, × the visiting K/V block) and merge.
 
     ``out_acc [b, h, L, d]`` / ``lse_acc [b, h, L]`` are updated in place (rows with nothing
     accumulated yet hold ``0`` / ``-inf``). ``mask``: ``call → keep [b, h, lq, lk]``, attention
     dropout's scales of that call's block pair (None: no dropout); ``allowed``: ``call → [b, lq, lk]``,
-    the pairs packed documents let attend (None: all).
+    the pairs packed documents let attend (None: all, so that no block row is empty).
     """
     for c in calls:
-        out, lse = block_forward(_rows(q, c.q_lo, c.q_hi), _rows(k, c.k_lo, c.k_hi), _rows(v, c.k_lo, c.k_hi),
+        (qc,) = q(c.q_lo, c.q_hi)
+        out, lse = block_forward(qc, _rows(k, c.k_lo, c.k_hi), _rows(v, c.k_lo, c.k_hi),
                                  c.causal, scale, backend, _keep(mask, c), _keep(allowed, c))
-        merge(_rows(out_acc, c.q_lo, c.q_hi), _rows(lse_acc, c.q_lo, c.q_hi), out, lse)
+        merge(_rows(out_acc, c.q_lo, c.q_hi), _rows(lse_acc, c.q_lo, c.q_hi), out, lse, allowed is not None)
 
 
-def first_step_forward(q, k, v, calls: list[BlockCall], scale: float, backend: str, mask=None, allowed=None):
+def first_step_forward(q: QueryRows, k, v, calls: list[BlockCall], scale: float, backend: str, mask=None,
+                       allowed=None, merge=merge_):
     """The local (diagonal) step, which covers every query row exactly once: its
     result initialises the accumulators without a merge. Returns ``(out_acc, lse_acc)``."""
-    b, h, L, d = q.shape
-    ad = acc_dtype(q.dtype)
+    (whole,) = q.tensors
+    b, h, L, d = whole.shape
+    ad = acc_dtype(whole.dtype)
     if len(calls) == 1 and calls[0].q_lo == 0 and calls[0].q_hi == L:
         c = calls[0]
-        out, lse = block_forward(q, _rows(k, c.k_lo, c.k_hi), _rows(v, c.k_lo, c.k_hi), c.causal, scale, backend,
+        out, lse = block_forward(whole, _rows(k, c.k_lo, c.k_hi), _rows(v, c.k_lo, c.k_hi), c.causal, scale, backend,
                                  _keep(mask, c), _keep(allowed, c))
         return out.to(ad), lse.to(ad)
-    out_acc = torch.zeros(b, h, L, v.shape[-1], dtype=ad, device=q.device)
-    lse_acc = torch.full((b, h, L), float("-inf"), dtype=ad, device=q.device)
-    forward_step(q, k, v, calls, out_acc, lse_acc, scale, backend, mask=mask, allowed=allowed)
+    out_acc = torch.zeros(b, h, L, v.shape[-1], dtype=ad, device=whole.device)
+    lse_acc = torch.full((b, h, L), float("-inf"), dtype=ad, device=whole.device)
+    forward_step(q, k, v, calls, out_acc, lse_acc, scale, backend, merge=merge, mask=mask, allowed=allowed)
     return out_acc, lse_acc
 
 
-def backward_step(dout, q, k, v, out, lse, calls: list[BlockCall], dq_acc, scale: float, backend: str, mask=None,
+def backward_step(rows: QueryRows, k, v, calls: list[BlockCall], dq_acc, scale: float, backend: str, mask=None,
                   allowed=None):
-    """Gradients of one ring step: adds into ``dq_acc [b, h, L, d]`` and returns
+    """Gradients of one ring step: ``rows`` holds this rank's ``dout, q, out, lse`` (the final forward
+    result, ``lse`` in the accumulation dtype); adds into ``dq_acc [b, h, L, d]`` and returns
     ``[(call, dk, dv)]`` for the visiting block (added to its travelling dK/dV later,
     once that buffer has arrived). ``mask``, ``allowed``: as :func:`forward_step`'s."""
     grads = []
     for c in calls:
-        qs = (c.q_lo, c.q_hi)
-        dq, dk, dv = block_backward(_rows(dout, *qs), _rows(q, *qs), _rows(k, c.k_lo, c.k_hi),
-                                    _rows(v, c.k_lo, c.k_hi), _rows(out, *qs), _rows(lse, *qs),
+        do, qc, out, lse = rows(c.q_lo, c.q_hi)
+        dq, dk, dv = block_backward(do, qc, _rows(k, c.k_lo, c.k_hi), _rows(v, c.k_lo, c.k_hi), out, lse,
                                     c.causal, scale, backend, _keep(mask, c), _keep(allowed, c))
-        _rows(dq_acc, *qs).add_(dq)
+        _rows(dq_acc, c.q_lo, c.q_hi).add_(dq)
         grads.append((c, dk, dv))
     return grads
 
 
 def add_kv_grads_(dkv: torch.Tensor, grads) -> None:
     """Add a step's ``[(call, dk, dv)]`` into the travelling ``dkv [2, b, h_kv, L, d]``."""
+    dk_acc, dv_acc = dkv
     for c, dk, dv in grads:
-        dkv[0, :, :, c.k_lo:c.k_hi].add_(dk)
-        dkv[1, :, :, c.k_lo:c.k_hi].add_(dv)
+        _rows(dk_acc, c.k_lo, c.k_hi).add_(dk)
+        _rows(dv_acc, c.k_lo, c.k_hi).add_(dv)

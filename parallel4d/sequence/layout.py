@@ -17,6 +17,7 @@ and whether with a diagonal causal mask) lives here too, as pure functions.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -146,6 +147,13 @@ def _runs(idx: list[int]) -> list[tuple[int, int]]:
 
 
 def step_plan(rank: int, src: int, n: int, layout: str, causal: bool, local_len: int) -> list[BlockCall]:
+    """Kernel calls for queries of ``rank`` against the K/V block owned by ``src`` (:func:`_step_plan`, kept
+    per arguments: every forward and backward of every layer asks again)."""
+    return list(_step_plan(rank, src, n, layout, causal, local_len))
+
+
+@functools.lru_cache(maxsize=4096)
+def _step_plan(rank: int, src: int, n: int, layout: str, causal: bool, local_len: int) -> tuple[BlockCall, ...]:
     """Kernel calls for queries of ``rank`` against the K/V block owned by ``src``.
 
     Piece pairs are classified by global position: key piece after query piece →
@@ -156,9 +164,9 @@ def step_plan(rank: int, src: int, n: int, layout: str, causal: bool, local_len:
     local order is global order).
     """
     if not causal:
-        return [BlockCall(0, local_len, 0, local_len, False)]
+        return (BlockCall(0, local_len, 0, local_len, False),)
     if src == rank:
-        return [BlockCall(0, local_len, 0, local_len, True)]
+        return (BlockCall(0, local_len, 0, local_len, True),)
     qp, kp = pieces_of(rank, n, layout), pieces_of(src, n, layout)
     p = local_len // len(qp)
     visible = [tuple(j for j, gk in enumerate(kp) if gk < gq) for gq in qp]
@@ -171,7 +179,7 @@ def step_plan(rank: int, src: int, n: int, layout: str, causal: bool, local_len:
         for lo, hi in _runs(list(visible[i])):
             calls.append(BlockCall(i * p, (j + 1) * p, lo * p, hi * p, False))
         i = j + 1
-    return calls
+    return tuple(calls)
 
 
 @dataclass(frozen=True)

@@ -38,8 +38,8 @@ import torch.distributed as dist
 
 from parallel4d.distributed import comm
 
-from parallel4d.sequence.kernels import (acc_dtype, add_kv_grads_, backward_step, default_scale, first_step_forward, forward_step,
-                      resolve_backend)
+from parallel4d.sequence.kernels import (QueryRows, acc_dtype, add_kv_grads_, backward_step, default_scale,
+                                         first_step_forward, forward_step, resolve_backend)
 from parallel4d.config.rules.sequence import check_layout
 from parallel4d.sequence.layout import global_position, rank_positions, step_plan
 
@@ -156,6 +156,7 @@ class RingAttention(torch.autograd.Function):
         buf = torch.empty_like(kv) if n > 1 else None
         works = None
         out_acc = lse_acc = None
+        rows = QueryRows(q)
         for t in range(n):
             if works is not None:
                 comm.wait(works, timeout_s, f"ring_attention forward: K/V block of step {t}", deadlines)
@@ -165,9 +166,9 @@ class RingAttention(torch.autograd.Function):
                 works = ring.shift(kv, buf, stats, FWD_KV)
             calls, mask, allowed = masks.step(t)
             if t == 0:
-                out_acc, lse_acc = first_step_forward(q, kv[0], kv[1], calls, scale, backend, mask, allowed)
+                out_acc, lse_acc = first_step_forward(rows, kv[0], kv[1], calls, scale, backend, mask, allowed)
             else:
-                forward_step(q, kv[0], kv[1], calls, out_acc, lse_acc, scale, backend, mask=mask, allowed=allowed)
+                forward_step(rows, kv[0], kv[1], calls, out_acc, lse_acc, scale, backend, mask=mask, allowed=allowed)
         out = out_acc.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse_acc)
         ctx.cfg = (ring, causal, layout, scale, stats, timeout_s, backend, deadlines, dropout, documents)
@@ -182,6 +183,7 @@ class RingAttention(torch.autograd.Function):
         ad = acc_dtype(q.dtype)
         dout = dout.contiguous()
         dq = torch.zeros(q.shape, dtype=ad, device=q.device)
+        rows = QueryRows(dout, q, out, lse)
         kv = torch.stack([k, v])  # K/V travel again; never reuse blocks held since forward
         kv_buf = torch.empty_like(kv) if n > 1 else None
         dkv = torch.zeros(kv.shape, dtype=ad, device=q.device)
@@ -195,7 +197,7 @@ class RingAttention(torch.autograd.Function):
             if t + 1 < n:
                 kv_works = ring.shift(kv, kv_buf, stats, BWD_KV)
             calls, mask, allowed = masks.step(t)
-            grads = backward_step(dout, q, kv[0], kv[1], out, lse, calls, dq, scale, backend, mask, allowed)
+            grads = backward_step(rows, kv[0], kv[1], calls, dq, scale, backend, mask, allowed)
             if dkv_works is not None:  # the accumulator of this step's block, from prev
                 comm.wait(dkv_works, timeout_s, f"ring_attention backward: dK/dV of step {t}", deadlines)
                 dkv, dkv_buf = dkv_buf, dkv
