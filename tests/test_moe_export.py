@@ -32,7 +32,8 @@ from conftest import run_in_this_process  # noqa: E402
 from parallel4d.config.load import make_config  # noqa: E402
 from parallel4d.models import hf  # noqa: E402
 from parallel4d.models.build import shape_from_config  # noqa: E402
-from test_hf import S, _dense, _tokens, transformers_warnings  # noqa: E402,F401  (a fixture)
+from test_hf import S, _dense, _tokens  # noqa: E402
+from test_hf import transformers_warnings  # noqa: E402,F401  (a fixture, used by name)
 from test_pretrained import _job, _with_tokenizer  # noqa: E402
 
 # own models (test_hf's _dense: hidden 32, 4 heads): one per transformers type, each with what it alone has

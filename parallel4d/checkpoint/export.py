@@ -6,9 +6,10 @@ straight into ``config.json`` + safetensors (:func:`.models.hf.save_hf`, sharded
 no dense copy of the model is made, in memory or on disk, so the memory used does not grow with the
 model (``benchmarks/export.py``). A mixture of experts is written as transformers' ``save_pretrained`` writes
 it — Qwen3-MoE, Qwen2-MoE or Mixtral (:func:`.models.hf.hf_config` picks the type), one tensor per expert
-and projection, each read whole (one expert's ``[I, h]``: the most held at once where it exceeds a block). The architecture is the ``model:`` section of the config saved
-with the checkpoint. A job with ``model.pretrained`` gets back that directory's config.json (what
-training changed, merged), tokenizer and generation files, which its checkpoints carry (:mod:`.hf_source`).
+and projection, each read whole (one expert's ``[I, h]``: the most held at once where it exceeds a block).
+The architecture is the ``model:`` section of the config saved with the checkpoint. A job with
+``model.pretrained`` gets back that directory's config.json (what training changed, merged), tokenizer and
+generation files, which its checkpoints carry (:mod:`.hf_source`).
 OUT_DIR follows :mod:`.outputs`' rules: never the checkpoint or inside it, and written as a whole —
 the files go in a temporary directory, moved into OUT_DIR once all are complete.
 """
