@@ -4,9 +4,12 @@ The checkpoint's dense tensors are read a block of rows at a time (:class:`.rows
 straight into ``config.json`` + safetensors (:func:`.models.hf.save_hf`, sharded above
 ``max_shard_bytes``), which ``transformers.AutoModelForCausalLM.from_pretrained(OUT_DIR)`` loads:
 no dense copy of the model is made, in memory or on disk, so the memory used does not grow with the
-model (``benchmarks/export.py``). The architecture is the ``model:`` section of the config saved
-with the checkpoint. A job with ``model.pretrained`` gets back that directory's config.json (what
-training changed, merged), tokenizer and generation files, which its checkpoints carry (:mod:`.hf_source`).
+model (``benchmarks/export.py``). A mixture of experts is written as transformers' ``save_pretrained`` writes
+it — Qwen3-MoE, Qwen2-MoE or Mixtral (:func:`.models.hf.hf_config` picks the type), one tensor per expert
+and projection, each read whole (one expert's ``[I, h]``: the most held at once where it exceeds a block).
+The architecture is the ``model:`` section of the config saved with the checkpoint. A job with
+``model.pretrained`` gets back that directory's config.json (what training changed, merged), tokenizer and
+generation files, which its checkpoints carry (:mod:`.hf_source`).
 OUT_DIR follows :mod:`.outputs`' rules: never the checkpoint or inside it, and written as a whole —
 the files go in a temporary directory, moved into OUT_DIR once all are complete.
 """
@@ -49,21 +52,36 @@ def export(ckpt: str | Path, out_dir: str | Path, max_shard_bytes: int = 5 << 30
     path = resolve_checkpoint(ckpt)
     out_dir = check_output(out_dir, "OUT_DIR", [(path, "the checkpoint it reads")], kind="directory")
     model_cfg = make_config(saved_config(path)).model
-    if model_cfg.num_experts:
-        raise ConfigError(f"parallel4d export: {path} holds a mixture-of-experts model (model.num_experts="
-                          f"{model_cfg.num_experts}); writing one as a Hugging Face directory is not supported yet "
-                          "(issue 48's third part); `parallel4d generate` and `checkpoint gather` read it")
     try:
         hf = importlib.import_module("parallel4d.models.hf")  # safetensors: the optional hf extra
     except ImportError as e:
         raise ConfigError(f"parallel4d export needs the hf extra ({e.name} is missing): "
                           "pip install 'parallel4d[hf]'") from None
+    _refusals(hf, path, model_cfg)
     verified(path)  # after the cheap refusals: it reads every byte of the checkpoint
     with new_directory(out_dir, "OUT_DIR") as tmp:
         _write_hf(hf, path, model_cfg, tmp, max_shard_bytes)
         written = [p.name for p in tmp.iterdir()]
     hf.remove_stale_weights(out_dir, written)  # an earlier export's shards, where it is written over
     return out_dir
+
+
+def _refusals(hf, path: Path, model_cfg) -> None:
+    """What the export cannot write, from the checkpoint's metadata alone: a model no transformers model type
+    holds (say q/k norms with a shared expert), tensors that are not the model's (experts saved otherwise
+    than as the dense ``[num_experts, ...]`` tensors every layout saves)."""
+    try:
+        hf.hf_config(model_cfg, torch.float32)
+    except ValueError as e:
+        raise ConfigError(f"parallel4d export: {path}: {e}") from None
+    with CheckpointTensors(path) as tensors:
+        shapes = {k: shape for k, (shape, _) in ModelTensors(tensors, model_cfg.tie_embeddings).shapes.items()}
+    problem = hf.fit_problem(shapes, model_cfg)
+    if problem:
+        raise ConfigError(f"parallel4d export: {path} does not hold the model its saved config describes: tensor "
+                          f"{problem}; export reads the dense tensors every parallel4d layout saves (experts "
+                          "stacked [num_experts, ...]): resume the run with this parallel4d and export the "
+                          "checkpoint it saves")
 
 
 def _write_hf(hf, path: Path, model_cfg, out: Path, max_shard_bytes: int) -> None:

@@ -8,13 +8,14 @@
   :class:`HFCheckpoint` underneath keeps the files open and reads a tensor, or a slice of one,
   by its Hugging Face name.
 * :func:`save_hf`: a dense state dict → ``config.json`` + ``model.safetensors`` (or shards and
-  ``model.safetensors.index.json``) that ``AutoModelForCausalLM.from_pretrained`` loads.
+  ``model.safetensors.index.json``) that ``AutoModelForCausalLM.from_pretrained`` loads; a mixture of
+  experts as Qwen3-MoE, Qwen2-MoE or Mixtral, one tensor per expert and projection (:func:`stored_tensors`).
 
 Transforms (a dense tensor from the Hugging Face one): ``copy``; ``t``: GPT-2's ``Conv1D`` keeps
-its weight ``[in, out]``, ``nn.Linear`` ``[out, in]``; loading only (mixtures of experts,
-:mod:`parallel4d.models.moe.spec`): ``experts``, one checkpoint tensor per expert (``{e}`` in its name),
-stacked, or transformers 5's fused experts, ``gate_half`` / ``up_half`` of ``gate_up_proj``. Every tensor keeps its shape both ways (GPT-2's
-position table all its ``n_positions = model.max_positions`` rows, whatever ``seq_len``). With tied
+its weight ``[in, out]``, ``nn.Linear`` ``[out, in]``; mixtures of experts (:mod:`parallel4d.models.moe.spec`):
+``experts``, one checkpoint tensor per expert (``{e}`` in its name), stacked, both ways; loading only,
+transformers 5's fused experts, ``gate_half`` / ``up_half`` of ``gate_up_proj``. Every tensor keeps its shape
+both ways (GPT-2's position table all its ``n_positions = model.max_positions`` rows, whatever ``seq_len``). With tied
 embeddings the dense state dict holds the token table twice (``embed.tok.weight`` and
 ``head.weight``, one tensor); a checkpoint holds it once. This module needs ``safetensors``
 (the ``hf`` extra), never ``transformers``; nothing else in parallel4d imports it.
@@ -305,6 +306,33 @@ def remove_stale_weights(out: Path, files: list[str]) -> None:
             os.remove(stale)
 
 
+def fit_problem(shapes: dict[str, torch.Size], model_cfg) -> str | None:
+    """Why dense tensors of ``shapes`` (name → shape) are not ``model_cfg``'s: the first name missing, else
+    the first unexpected, else the first of another shape (None when they are its tensors)."""
+    want = dense_shapes(model_cfg)
+    missing, unexpected = [k for k in want if k not in shapes], sorted(set(shapes) - set(want))
+    if missing or unexpected:
+        return f"{missing[0]!r} is missing" if missing else f"{unexpected[0]!r} is unexpected"
+    wrong = [k for k in want if shapes[k] != want[k]]
+    return f"{wrong[0]!r} is {list(shapes[wrong[0]])}, expected {list(want[wrong[0]])}" if wrong else None
+
+
+def stored_tensors(model_cfg) -> dict[str, tuple[str, str, int | None]]:
+    """Every tensor :func:`save_hf` writes: Hugging Face name → ``(dense name, transform, expert)``, in the
+    model's order; an ``experts`` entry is one tensor per expert (``expert``: its index, the dense tensor's row
+    along the first dimension; None for every other tensor), as transformers' ``save_pretrained`` writes them."""
+    shapes, out = dense_shapes(model_cfg), {}
+    for p4d, (hf, how) in p4d_to_hf(model_cfg).items():
+        for e, (name, _) in enumerate(_stored(hf, how, shapes[p4d])):
+            out[name] = (p4d, how, e if how == "experts" else None)
+    return out
+
+
+def _stored_shape(shape: torch.Size, how: str) -> list[int]:
+    """The shape a dense tensor of ``shape`` is stored as: transposed (``t``), one expert's (``experts``)."""
+    return list(reversed(shape)) if how == "t" else list(shape[1:]) if how == "experts" else list(shape)
+
+
 def save_hf(state: dict[str, torch.Tensor] | DenseSource, model_cfg, out_dir, max_shard_bytes: int = 5 << 30) -> Path:
     """Write the dense ``state`` (a state dict, or a :class:`DenseSource`) of ``config.ModelConfig``
     ``model_cfg`` as a Hugging Face checkpoint in ``out_dir``: ``config.json`` (:func:`hf_config`,
@@ -312,40 +340,39 @@ def save_hf(state: dict[str, torch.Tensor] | DenseSource, model_cfg, out_dir, ma
     + ``model.safetensors.index.json`` when the tensors exceed ``max_shard_bytes`` (a tensor larger
     than that gets a shard of its own). Each file is written as it is read, a block of rows at a time
     (:func:`write_safetensors`): memory stays bounded whatever the model's size.
-    Tied embeddings: the token table once (no ``lm_head.weight``, as transformers writes it).
-    ``ValueError`` for a missing, unexpected or wrong-shaped tensor. Returns ``out_dir``."""
+    Tied embeddings: the token table once (no ``lm_head.weight``, as transformers writes it); experts one
+    tensor per expert and projection (:func:`stored_tensors`).
+    ``ValueError`` for a missing, unexpected or wrong-shaped tensor, or a model no transformers type
+    holds (:func:`hf_config`). Returns ``out_dir``."""
     source = _Tensors(state) if isinstance(state, dict) else state
-    have = {k: shape for k, (shape, _) in source.shapes.items()}
-    shapes = dense_shapes(model_cfg)
-    wrong = sorted(set(shapes) ^ set(have)) or [k for k in shapes if have[k] != shapes[k]]
-    if wrong:
-        k = wrong[0]
-        raise ValueError(f"state dict does not fit the model: {k!r} is " + (
-            f"{list(have[k])}, expected {list(shapes[k])}" if k in shapes and k in have else
-            "missing" if k in shapes else "unexpected"))
+    problem = fit_problem({k: shape for k, (shape, _) in source.shapes.items()}, model_cfg)
+    if problem:
+        raise ValueError(f"state dict does not fit the model: {problem}")
     if model_cfg.tie_embeddings and isinstance(state, dict) \
             and not torch.equal(state["head.weight"], state["embed.tok.weight"]):
         raise ValueError("model.tie_embeddings is true but head.weight differs from embed.tok.weight")
-    tensors = {hf: (p4d, how) for p4d, (hf, how) in p4d_to_hf(model_cfg).items()}
+    dtype = source.shapes["embed.tok.weight"][1]
+    config = hf_config(model_cfg, dtype)  # before any file: a model no transformers type holds is refused
+    tensors = stored_tensors(model_cfg)
+    nbytes = {name: _nbytes(_stored_shape(source.shapes[p4d][0], how), source.shapes[p4d][1])
+              for name, (p4d, how, _) in tensors.items()}
     shards, size = [[]], 0
-    for name, (p4d, _) in tensors.items():
-        nbytes = _nbytes(*source.shapes[p4d])
-        if shards[-1] and size + nbytes > max_shard_bytes:
+    for name in tensors:
+        if shards[-1] and size + nbytes[name] > max_shard_bytes:
             shards.append([])
             size = 0
         shards[-1].append(name)
-        size += nbytes
+        size += nbytes[name]
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    dtype = source.shapes["embed.tok.weight"][1]
-    (out / "config.json").write_text(json.dumps(hf_config(model_cfg, dtype), indent=2) + "\n")
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     files = ["model.safetensors"] if len(shards) == 1 else \
         [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     remove_stale_weights(out, files)
     for file, names in zip(files, shards):
         write_safetensors(out / file, {n: tensors[n] for n in names}, source)
     if len(shards) > 1:
-        index = {"metadata": {"total_size": sum(_nbytes(*source.shapes[p4d]) for p4d, _ in tensors.values())},
+        index = {"metadata": {"total_size": sum(nbytes.values())},
                  "weight_map": {n: f for f, names in zip(files, shards) for n in names}}
         (out / INDEX).write_text(json.dumps(index, indent=2) + "\n")
     return out
@@ -363,16 +390,17 @@ def _nbytes(shape: torch.Size, dtype: torch.dtype) -> int:
     return torch.Size(shape).numel() * dtype.itemsize
 
 
-def write_safetensors(path: Path, tensors: dict[str, tuple[str, str]], source: DenseSource) -> None:
-    """Write ``tensors`` (safetensors name → ``(dense name in source, transform)``, in file order) to
-    the safetensors file ``path``: the header first (every shape, dtype and offset is known), then each
-    tensor's bytes, read from ``source`` ~:data:`BLOCK_BYTES` of rows at a time and written in place.
-    ``t`` (the dense tensor transposed): each block of dense rows is a block of the file's columns.
+def write_safetensors(path: Path, tensors: dict[str, tuple[str, str, int | None]], source: DenseSource) -> None:
+    """Write ``tensors`` (safetensors name → ``(dense name in source, transform, expert)``, in file order:
+    :func:`stored_tensors`' entries) to the safetensors file ``path``: the header first (every shape, dtype and
+    offset is known), then each tensor's bytes, read from ``source`` ~:data:`BLOCK_BYTES` of rows at a time
+    and written in place. ``t`` (the dense tensor transposed): each block of dense rows is a block of the
+    file's columns; ``experts``: the dense tensor's row ``expert``, one expert's projection, read whole.
     Written as ``.NAME.tmp`` and renamed once complete."""
     header, offset = {}, 0
-    for name, (p4d, how) in tensors.items():
+    for name, (p4d, how, _) in tensors.items():
         shape, dtype = source.shapes[p4d]
-        shape = list(reversed(shape)) if how == "t" else list(shape)
+        shape = _stored_shape(shape, how)
         header[name] = {"dtype": _DTYPES[dtype], "shape": shape, "data_offsets": [offset, offset + _nbytes(shape, dtype)]}
         offset += _nbytes(shape, dtype)
     text = json.dumps({"__metadata__": {"format": "pt"}, **header}, separators=(",", ":")).encode()
@@ -382,8 +410,12 @@ def write_safetensors(path: Path, tensors: dict[str, tuple[str, str]], source: D
     with open(tmp, "wb") as f:
         f.write(struct.pack("<Q", len(text)) + text)
         f.truncate(base + offset)
-        for name, (p4d, how) in tensors.items():
-            _write_tensor(f.fileno(), base + header[name]["data_offsets"][0], p4d, how, source)
+        for name, (p4d, how, expert) in tensors.items():
+            at = base + header[name]["data_offsets"][0]
+            if how == "experts":  # rows [e, e+1): one expert's [I, h] or [h, I], the whole stored tensor
+                _pwrite(f.fileno(), source.read(p4d, expert, expert + 1), at)
+            else:
+                _write_tensor(f.fileno(), at, p4d, how, source)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 from parallel4d.config.rules.common import divisors, not_divisible, or_list
 from parallel4d.config.rules.moe import MOE_FIELDS, field_problems as moe_field_problems
 from parallel4d.models.moe.spec import HF_MOE_TYPES, MoeShape, fields_from_hf as moe_fields_from_hf, \
-    hf_layer_names, layer_matrices, sparse_layers
+    hf_config_keys, hf_layer_names, hf_model_type, hf_type_problems, layer_matrices, sparse_layers
 from parallel4d.models.spec import ModelSpec, NameMap, need, refuse, stage_training_flops, training_flops
 
 if TYPE_CHECKING:
@@ -216,38 +216,65 @@ def fields_from_hf(c: dict) -> dict:
 
 
 def _hf_type(m: ModelConfig) -> str:
-    """The transformers family of a model: qwen3 (q/k norms), qwen2 (q, k, v biases) or llama."""
-    if m.qk_norm and m.qkv_bias:
-        raise ValueError("model.qk_norm with model.qkv_bias has no transformers model type (Qwen3's attention_bias "
-                         "also puts a bias on o_proj); it cannot be exported")
+    """The transformers family of a model: qwen3 (q/k norms), qwen2 (q, k, v biases) or llama; an MoE model's
+    :func:`~parallel4d.models.moe.spec.hf_model_type` (qwen3_moe, qwen2_moe or mixtral): the nearest type, which
+    :func:`_type_problems` says when it cannot hold the model (:func:`hf_config` refuses it then)."""
+    moe = MoeShape.of(m)
+    if moe is not None:
+        return hf_model_type(moe, m.qk_norm)
     return "qwen3" if m.qk_norm else "qwen2" if m.qkv_bias else "llama"
+
+
+def _type_problems(m: ModelConfig) -> list[str]:
+    """Why no transformers model type holds ``m`` (none: :func:`_hf_type`'s does)."""
+    moe = MoeShape.of(m)
+    if moe is not None:
+        return hf_type_problems(moe, m.qk_norm, m.qkv_bias)
+    return ["model.qk_norm with model.qkv_bias: Qwen3's attention_bias also puts a bias on o_proj"] \
+        if m.qk_norm and m.qkv_bias else []
+
+
+_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                  "qwen3_moe": "Qwen3MoeForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
+                  "mixtral": "MixtralForCausalLM"}
 
 
 def hf_config(m: ModelConfig, common: dict) -> dict:
     """``LlamaForCausalLM``'s ``config.json``, ``Qwen2ForCausalLM``'s with ``qkv_bias`` (Llama's own
-    attention bias would include ``o_proj``) or ``Qwen3ForCausalLM``'s with ``qk_norm``; the rotary as
-    transformers 5 writes it (``rope_parameters``); the attention dropout the model trained with."""
-    if m.num_experts:
-        raise ValueError(f"model.num_experts={m.num_experts}: writing a mixture-of-experts model as a Hugging Face "
-                         "directory is not supported yet (issue 48's third part); the checkpoint keeps it")
-    kind = _hf_type(m)
-    arch = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}[kind]
+    attention bias would include ``o_proj``) or ``Qwen3ForCausalLM``'s with ``qk_norm``; with experts
+    ``Qwen3MoeForCausalLM``'s, ``Qwen2MoeForCausalLM``'s or ``MixtralForCausalLM``'s (:func:`_hf_type`);
+    the rotary as transformers 5 writes it (``rope_parameters``); the attention dropout the model trained
+    with. ``ValueError`` naming the fields for a model no transformers type holds."""
+    problems = _type_problems(m)
+    if problems:
+        raise ValueError(f"{'; '.join(problems)}: no transformers model type holds this model, so it cannot be "
+                         "written as a Hugging Face directory (the checkpoint keeps it; `parallel4d generate` "
+                         "reads it)")
+    kind, moe = _hf_type(m), MoeShape.of(m)
     scaling = m.rope_scaling.model_dump(exclude_none=True) if m.rope_scaling else {"rope_type": "default"}
-    out = {"architectures": [arch], "model_type": kind,
-           **common, "hidden_size": m.hidden, "intermediate_size": m.mlp_width, "num_hidden_layers": m.layers,
-           "num_attention_heads": m.heads, "num_key_value_heads": m.kv_heads_or_heads, "hidden_act": "silu",
-           "max_position_embeddings": m.positions, "rms_norm_eps": m.norm_eps, "attention_dropout": m.attention_p,
-           "rope_parameters": {**scaling, "rope_theta": m.rope_theta}}
+    out = {"architectures": [_ARCHITECTURES[kind]], "model_type": kind,
+           **common, "hidden_size": m.hidden,
+           "intermediate_size": m.expert_width if kind == "mixtral" else m.mlp_width,  # Mixtral's: its experts'
+           "num_hidden_layers": m.layers, "num_attention_heads": m.heads, "num_key_value_heads": m.kv_heads_or_heads,
+           "hidden_act": "silu", "max_position_embeddings": m.positions, "rms_norm_eps": m.norm_eps,
+           "attention_dropout": m.attention_p, "rope_parameters": {**scaling, "rope_theta": m.rope_theta}}
+    windows = {"use_sliding_window": False, "sliding_window": None}
     if kind == "qwen2":
-        return {**out, "use_sliding_window": False, "sliding_window": None, "max_window_layers": m.layers}
-    windows = {"use_sliding_window": False, "sliding_window": None, "max_window_layers": m.layers} if kind == "qwen3" \
-        else {"mlp_bias": False}
-    return {**out, "head_dim": m.head_size, "attention_bias": False, **windows}
+        return {**out, **windows, "max_window_layers": m.layers}
+    out["head_dim"] = m.head_size
+    if kind in ("qwen3_moe", "qwen2_moe", "mixtral"):
+        attention = {"qwen3_moe": {"attention_bias": False, **windows},
+                     "qwen2_moe": {"qkv_bias": m.qkv_bias, **windows, "max_window_layers": m.layers},
+                     "mixtral": {"sliding_window": None}}[kind]
+        return {**out, **attention, **hf_config_keys(moe, kind)}
+    windows = {**windows, "max_window_layers": m.layers} if kind == "qwen3" else {"mlp_bias": False}
+    return {**out, "attention_bias": False, **windows}
 
 
 def hf_names(m: ModelConfig) -> NameMap:
     """Dense name → ``(Hugging Face name, transform)``: block names are Hugging Face's own, under
-    ``model.layers.<i>``; ``qkv_bias``: Qwen2's q, k, v biases too; ``qk_norm``: Qwen3's q and k norms."""
+    ``model.layers.<i>``; ``qkv_bias``: Qwen2's q, k, v biases too; ``qk_norm``: Qwen3's q and k norms; an MoE
+    layer's router and experts as its model type stores them (:func:`~parallel4d.models.moe.spec.hf_layer_names`)."""
     out = {"embed.tok.weight": ("model.embed_tokens.weight", "copy")}
     names = _BLOCK + ((*(f"self_attn.{p}_proj.bias" for p in "qkv"),) if m.qkv_bias else ()) + \
         (("self_attn.q_norm.weight", "self_attn.k_norm.weight") if m.qk_norm else ())
@@ -257,8 +284,8 @@ def hf_names(m: ModelConfig) -> NameMap:
         out.update({f"blocks.{i}.{n}": (f"model.layers.{i}.{n}", "copy") for n in names
                     if not (i in sparse and n.startswith("mlp."))})
         if i in sparse:  # one tensor per expert ("experts"), or fused: models/hf.py
-            out.update({f"blocks.{i}.mlp.{n}": (f"model.layers.{i}.mlp.{hf}", how)
-                        for n, (hf, how) in hf_layer_names(moe).items()})
+            out.update({f"blocks.{i}.mlp.{n}": (f"model.layers.{i}.{hf}", how)
+                        for n, (hf, how) in hf_layer_names(moe, _hf_type(m)).items()})
     out["head.norm.weight"] = ("model.norm.weight", "copy")
     return out
 

@@ -1,5 +1,6 @@
 """Mixtures of experts without torch: the fields as the model reads them, which layers are MoE layers,
-their parameters and FLOPs, and a transformers ``config.json``'s MoE keys → ``model:`` fields.
+their parameters and FLOPs, a transformers ``config.json``'s MoE keys ↔ ``model:`` fields, and the
+transformers model type (Qwen3-MoE, Qwen2-MoE, Mixtral) and tensor names of a model, both ways.
 
 Torch-free (the config imports it through the llama spec). The rules on the fields themselves are
 ``config/rules/moe.py``'s.
@@ -93,35 +94,102 @@ def fields_from_hf(c: dict) -> dict:
     return out
 
 
-def hf_layer_names(moe: MoeShape) -> dict[str, tuple[str, str]]:
-    """One MoE layer's tensors: our name under ``mlp.`` → ``(transformers' name under mlp., transform)``, in the
-    layout published checkpoints and transformers 5's ``save_pretrained`` write: one tensor per expert and
-    projection, ``"experts"`` — ``{e}`` in the name stands for each expert, whose tensors stacked along a first
-    dimension are ours. :func:`alternatives` names the same tensor in the other layouts (fused, Mixtral's)."""
-    out = {"gate.weight": ("gate.weight", "copy"),
-           **{f"experts.{p}_proj": (f"experts.{{e}}.{p}_proj.weight", "experts") for p in ("gate", "up", "down")}}
-    if moe.shared_width:
-        out.update({f"shared_expert.{p}_proj.weight": (f"shared_expert.{p}_proj.weight", "copy")
-                    for p in ("gate", "up", "down")})
-        out["shared_expert_gate.weight"] = ("shared_expert_gate.weight", "copy")
-    return out
+#: config.json keys each MoE model_type writes (its experts' count: the Qwens' num_experts, which transformers 4
+#: and 5 both read, Mixtral's num_local_experts); Mixtral's other MoE fields are fixed (:func:`fields_from_hf`)
+_HF_WRITES = {"qwen3_moe": ("num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob", "decoder_sparse_step",
+                            "mlp_only_layers", "router_aux_loss_coef", "output_router_logits"),
+              "mixtral": ("num_experts_per_tok", "router_aux_loss_coef", "output_router_logits")}
+_HF_WRITES["qwen2_moe"] = (*_HF_WRITES["qwen3_moe"], "shared_expert_intermediate_size")
+
+
+def hf_model_type(moe: MoeShape, qk_norm: bool) -> str:
+    """The transformers ``model_type`` whose names and ``config.json`` an MoE model's are: ``qwen3_moe`` with q/k
+    norms, ``qwen2_moe`` with a shared expert, else ``mixtral`` — the types :func:`fields_from_hf` reads, each
+    loaded back as itself. :func:`hf_type_problems` says what that type cannot hold."""
+    return "qwen3_moe" if qk_norm else "qwen2_moe" if moe.shared_width else "mixtral"
+
+
+def hf_type_problems(moe: MoeShape, qk_norm: bool, qkv_bias: bool) -> list[str]:
+    """What the :func:`hf_model_type` of a model lacks, as ``model.*`` fields with why: Qwen3-MoE has no shared
+    expert nor q, k, v biases; Mixtral no biases, and it renormalises the top-k in every layer."""
+    kind = hf_model_type(moe, qk_norm)
+    if kind == "qwen3_moe":
+        return ([f"model.qk_norm with model.shared_expert_intermediate_size={moe.shared_width}: Qwen3-MoE (q/k norms) "
+                 "has no shared expert, Qwen2-MoE (a shared expert) no q/k norms"] if moe.shared_width else []) + \
+            (["model.qk_norm with model.qkv_bias: Qwen3-MoE (q/k norms) has no q, k, v biases"] if qkv_bias else [])
+    if kind == "qwen2_moe":
+        return []
+    lacks = (["model.qkv_bias"] if qkv_bias else []) + ([] if moe.norm_topk_prob else ["model.norm_topk_prob=false"]) \
+        + ([f"model.decoder_sparse_step={moe.sparse_step}"] if moe.sparse_step != 1 else []) \
+        + ([f"model.mlp_only_layers={list(moe.mlp_only_layers)}"] if moe.mlp_only_layers else [])
+    return [f"{', '.join(lacks)} without q/k norms or a shared expert: Mixtral (neither) has no biases and "
+            "renormalises the top-k (norm_topk_prob) in every layer; Qwen3-MoE needs model.qk_norm, Qwen2-MoE "
+            "model.shared_expert_intermediate_size > 0"] if lacks else []
+
+
+def hf_config_keys(moe: MoeShape, model_type: str) -> dict:
+    """The MoE keys of a ``model_type`` (:func:`hf_model_type`) ``config.json``: :func:`fields_from_hf` reversed
+    (Mixtral's expert width is its intermediate_size, the family's to write)."""
+    fields = {"num_experts_per_tok": moe.top_k, "moe_intermediate_size": moe.expert_width,
+              "shared_expert_intermediate_size": moe.shared_width, "norm_topk_prob": moe.norm_topk_prob,
+              "decoder_sparse_step": moe.sparse_step, "mlp_only_layers": list(moe.mlp_only_layers),
+              "router_aux_loss_coef": moe.aux_loss_coef, "output_router_logits": moe.output_router_logits}
+    experts = {"num_local_experts": moe.num_experts, "router_jitter_noise": 0.0} if model_type == "mixtral" \
+        else {"num_experts": moe.num_experts}
+    return {**experts, **{k: fields[k] for k in _HF_WRITES[model_type]}}
 
 
 _MIXTRAL = {"gate": "w1", "down": "w2", "up": "w3"}  # Mixtral's published expert names
+_PROJECTIONS = {**{v: k for k, v in _MIXTRAL.items()}, **{f"{k}_proj": k for k in _MIXTRAL}}  # stored → gate|up|down
+
+
+def hf_layer_names(moe: MoeShape, model_type: str) -> dict[str, tuple[str, str]]:
+    """One MoE layer's tensors: our name under ``mlp.`` → ``(transformers' name under the layer, transform)``, in
+    the layout published checkpoints and transformers 5's ``save_pretrained`` write for ``model_type``
+    (:func:`hf_model_type`): one tensor per expert and projection, ``"experts"`` — ``{e}`` in the name stands
+    for each expert, whose tensors stacked along a first dimension are ours; the Qwens' under ``mlp.``
+    (``experts.{e}.gate_proj``), Mixtral's under ``block_sparse_moe.`` (``experts.{e}.w1``: gate, ``w2``: down,
+    ``w3``: up). :func:`alternatives` names the same tensor in the other layouts (fused, the other names)."""
+    block = "block_sparse_moe" if model_type == "mixtral" else "mlp"
+    out = {"gate.weight": (f"{block}.gate.weight", "copy"),
+           **{f"experts.{p}_proj": (f"{block}.experts.{{e}}.{_stored_projection(p, model_type)}.weight", "experts")
+              for p in ("gate", "up", "down")}}
+    if moe.shared_width:
+        out.update({f"shared_expert.{p}_proj.weight": (f"mlp.shared_expert.{p}_proj.weight", "copy")
+                    for p in ("gate", "up", "down")})
+        out["shared_expert_gate.weight"] = ("mlp.shared_expert_gate.weight", "copy")
+    return out
+
+
+def _stored_projection(projection: str, model_type: str) -> str:
+    """A projection's (gate, up, down) name among one expert's tensors of ``model_type``."""
+    return _MIXTRAL[projection] if model_type == "mixtral" else f"{projection}_proj"
+
+
+def _layouts(layer: str, projection: str) -> list[tuple[str, str]]:
+    """Every stored form of a layer's ``projection`` (gate, up, down): one tensor per expert under the Qwens'
+    names, transformers 5's fused experts (``experts.gate_up_proj [E, 2I, h]``, gate rows first: ``"gate_half"`` /
+    ``"up_half"``; ``experts.down_proj [E, h, I]``: ``"copy"``), one per expert under Mixtral's names."""
+    fused = (f"{layer}.mlp.experts.down_proj", "copy") if projection == "down" else \
+        (f"{layer}.mlp.experts.gate_up_proj", f"{projection}_half")
+    return [(f"{layer}.mlp.experts.{{e}}.{projection}_proj.weight", "experts"), fused,
+            (f"{layer}.block_sparse_moe.experts.{{e}}.{_MIXTRAL[projection]}.weight", "experts")]
 
 
 def alternatives(hf: str, how: str) -> list[tuple[str, str]]:
     """Other names and transforms of an entry of :func:`hf_layer_names` (its full name) in the other layouts
-    found in the wild, in the order a loader tries them: transformers 5's fused experts (``experts.gate_up_proj
-    [E, 2I, h]``, gate rows first: ``"gate_half"`` / ``"up_half"``; ``experts.down_proj [E, h, I]``: ``"copy"``),
-    then Mixtral's published ``block_sparse_moe.gate`` and ``block_sparse_moe.experts.{e}.w1|w2|w3`` (gate,
-    down, up). None for a tensor outside an MoE layer's router and experts."""
-    if hf.endswith(".mlp.gate.weight"):
-        return [(hf.replace(".mlp.gate.", ".block_sparse_moe.gate."), how)]
-    if how != "experts":
+    found in the wild, in the order a loader tries them (:func:`_layouts`; the router under ``mlp.gate`` or
+    ``block_sparse_moe.gate``). None for a tensor outside an MoE layer's router and experts."""
+    for block in (".mlp.", ".block_sparse_moe."):
+        layer, found, rest = hf.partition(block)
+        if found:
+            break
+    else:
         return []
-    stem, _, projection = hf.partition(".{e}.")
-    kind = projection.removesuffix("_proj.weight")
-    fused = (f"{stem}.down_proj", "copy") if kind == "down" else (f"{stem}.gate_up_proj", f"{kind}_half")
-    mixtral = (f"{stem.replace('.mlp.experts', '.block_sparse_moe.experts')}.{{e}}.{_MIXTRAL[kind]}.weight", how)
-    return [fused, mixtral]
+    if rest == "gate.weight":
+        forms = [(f"{layer}.mlp.gate.weight", how), (f"{layer}.block_sparse_moe.gate.weight", how)]
+    elif how == "experts" and rest.startswith("experts.{e}."):
+        forms = _layouts(layer, _PROJECTIONS[rest.split(".")[2]])
+    else:
+        return []
+    return [f for f in forms if f[0] != hf]
