@@ -86,7 +86,7 @@ class Part:
     what: str
 
 
-PREDICTIONS = Step("plan --device predictions", "gpu_check_steps:predictions", 25, 10,
+PREDICTIONS = Step("plan --device predictions", "gpu_check_steps:predictions", 13, 10,
                    "the planner's step and memory for each measured one-GPU step, beside the measure")
 
 
@@ -97,16 +97,19 @@ def launch_step(config: str) -> Step:
 
 PARTS = {
     "default": Part("default", DEFAULT_CAP_S, (
-        Step("GPU-marked tests", "gpu_check_steps:gpu_tests", 45, 35,
+        Step("GPU-marked tests", "gpu_check_steps:gpu_tests", 40, 35,
              "pytest -m gpu over the files holding a GPU test"),
         Step("engine vs plain (Llama-3.2-1B shape)", "gpu_check_steps:engine_vs_plain_1b", 90, 60,
              "benchmarks/engine_vs_plain.py: the engine at every size 1 against the plain loop, bf16, seq 2048"),
-        Step("hetero side by side (1.4B GPT)", "gpu_check_steps:hetero_side_by_side", 65, 45,
+        Step("hetero side by side (1.4B GPT)", "gpu_check_steps:hetero_side_by_side", 55, 45,
              "benchmarks/hetero_gpu.py, 1 warm-up and 3 timed steps: plain, hetero resident and half, DeepSpeed"),
-        Step("ring at 8 ranks (s = 32k, causal)", "gpu_check_steps:ring_8_ranks", 30, 15,
-             "benchmarks/sequence.py: the ring's blocks against one fused SDPA call, cuDNN blocks"),
-        Step("2D block (8B shape)", "gpu_check_steps:tensor2d_block", 30, 20,
+        Step("ring at 8 ranks (s = 32k, causal)", "gpu_check_steps:ring_8_ranks", 50, 30,
+             "benchmarks/sequence.py --ring-check --ring 8: the ring's blocks at N = 8, s = 16k and 32k causal, "
+             "against one fused SDPA call, cuDNN blocks"),
+        Step("2D block (8B shape)", "gpu_check_steps:tensor2d_block", 25, 20,
              "benchmarks/tensor2d.py's GPU case: one 8B-shaped block at q = 2 and 4 against the dense block"),
+        Step("MoE layer (Qwen3-30B-A3B shape)", "gpu_check_steps:moe_layer", 12, 10,
+             "benchmarks/moe_layer.py: 128 experts, top-8, grouped products against the loop over experts"),
         PREDICTIONS), "the most telling figures, within 5 minutes on one H100"),
     "launches": Part("launches", NAMED_CAP_S, tuple(launch_step(f"configs/{n}.yaml")
                                                     for n in ("quickstart", "llama", "hetero", "sequence")),

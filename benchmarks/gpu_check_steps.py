@@ -185,17 +185,12 @@ def hetero_side_by_side(ctx: Context) -> None:
     ctx.record.headline(_targets_line(hg.targets(res)))
 
 
-# ==== CALL SITE: the ring at 8 ranks (issue #47, point 2) ============================================
-# benchmarks/sequence.py's main(argv) as it is; a cheaper entry point of sequence.py replaces this one call.
-RING_GPU_ARGV = ["--seq", "32768", "--ring", "8", "--causal", "yes", "--blocks", "cudnn"]
-RING_TINY_ARGV = ["--quick", "--seq", "64", "--ring", "8", "--causal", "yes", "--blocks", "cpu_flash",
-                  "--heads", "2", "--dim", "16"]
-
-
+# The ring at 8 ranks (issue #47, point 2): benchmarks/sequence.py's --ring-check at N = 8 (s = 16k and 32k causal,
+# cuDNN blocks, the targets beside; N = 4 is in PART=sweeps; --quick on the CPU: the same path at tiny sizes).
 def ring_at_8(tiny: bool, out: Path) -> dict:
-    """The ring's blocks at 8 ranks, s = 32k causal, against one fused call: ``sequence.py``'s result."""
-    return _benchmark("sequence").main([*(RING_TINY_ARGV if tiny else RING_GPU_ARGV), "--out", str(out)])
-# ==== end of the ring's call site =====================================================================
+    """The ring's blocks at 8 (and 4) ranks against one fused call: ``sequence.py``'s result."""
+    tiny_argv = ["--quick", "--seq", "64", "--heads", "2", "--dim", "16", "--blocks", "cpu_flash"]
+    return _benchmark("sequence").main(["--ring-check", "--ring", "8", *(tiny_argv if tiny else []), "--out", str(out)])
 
 
 RING_KEYS = ("seq", "causal", "ring", "ulysses", "blocks", "merge", "mono_backend", "mono_fwd_bwd_ms",
@@ -220,27 +215,24 @@ def ring_8_ranks(ctx: Context) -> None:
     ctx.record.headline(_ring_line(rows))
 
 
-# ==== CALL SITE: the 2D block on one GPU (issue #47, point 3) ========================================
-# benchmarks/tensor2d.py's GPU case, once it exists: TENSOR2D_ENTRY(tiny: bool, out: str) -> dict of figures
-# (per q: block and dense seconds, efficiency per FLOP). Missing, the step is reported "not_available".
-TENSOR2D_ENTRY = "gpu_block"
-
-
-def tensor2d_at_8b(tiny: bool, out: Path) -> dict | None:
-    entry = getattr(_benchmark("tensor2d"), TENSOR2D_ENTRY, None)
-    return None if entry is None else entry(tiny=tiny, out=str(out))
-# ==== end of the 2D block's call site =================================================================
+def tensor2d_at_8b(tiny: bool, out: Path) -> dict:
+    """The 2D block on one GPU (issue #47, point 3): ``tensor2d.gpu_block`` (per q: block and dense seconds,
+    efficiency per FLOP)."""
+    return _benchmark("tensor2d").gpu_block(tiny=tiny, out=str(out))
 
 
 def tensor2d_block(ctx: Context) -> None:
-    """(e) the 2D block: its figures, or ``not_available`` until ``tensor2d.py`` has its GPU case."""
+    """(e) the 2D block: its figures."""
     figures = tensor2d_at_8b(ctx.tiny, ctx.scratch / "tensor2d_gpu.json")
-    if figures is None:
-        ctx.record.status("not_available", f"benchmarks/tensor2d.py has no {TENSOR2D_ENTRY}() yet (issue #47, "
-                                           "point 3)")
-        return
     ctx.record.figure("block", figures)
     ctx.record.headline(str(figures.get("headline", "measured")))
+
+
+def moe_layer(ctx: Context) -> None:
+    """(f) issue #48's figure: a Qwen3-30B-A3B-shaped MoE layer, grouped experts against the loop."""
+    res = _benchmark("moe_layer").gpu_moe(tiny=ctx.tiny, out=str(ctx.scratch / "moe_layer.json"))
+    ctx.record.figure("moe_layer", {k: res[k] for k in ("shape", "tokens", "dtype", "grouped_usable", "results")})
+    ctx.record.headline(res["headline"])
 
 
 def predictions(ctx: Context) -> None:
