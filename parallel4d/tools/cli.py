@@ -110,7 +110,7 @@ def _cmd_plan(args) -> int:
     micro = cfg.data.batch_size // (p.dp * q * cfg.pipeline.microbatches)
     seq = m.seq_len // p.sp
     capacity = parse_bytes(args.gpus_memory) if args.gpus_memory else None
-    print(f"world size      {cfg.world_size}  (pp={p.pp} dp={p.dp} sp={p.sp} tp={p.tp} → q={q})")
+    print(f"world size      {cfg.world_size}  ({p.sizes} → q={q})")
     print(f"mesh shape      (pp, dp, sp, tp_row, tp_col) = ({p.pp}, {p.dp}, {p.sp}, {q}, {q})")
     print(f"model           {m.layers} layers, hidden {m.hidden}, {m.heads} heads, vocab {m.vocab_size}, seq {m.seq_len}")
     print(f"pipeline        {cfg.pipeline.schedule}, {cfg.pipeline.num_chunks(p.pp)} chunks, "
