@@ -58,4 +58,8 @@ def expert_ffn(x: torch.Tensor, counts: torch.Tensor, gate_proj: torch.Tensor, u
             rows = x[start:start + n]
             out.append(F.linear(F.silu(F.linear(rows, gate_proj[e])) * F.linear(rows, up_proj[e]), down_proj[e]))
             start += n
-    return torch.cat(out) if out else x.new_zeros((0, down_proj.shape[1]))
+    if out:
+        return torch.cat(out)
+    # no rows: still [0, h] computed from x, so that a backward through x (an expert-parallel rank's
+    # all-to-alls, which its peers run too) reaches this rank as well
+    return F.linear(x, x.new_zeros(down_proj.shape[1], x.shape[1]))

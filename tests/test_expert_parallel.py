@@ -1,0 +1,137 @@
+"""``parallel.ep`` in the engine (#48.2): an MoE llama's experts split over ep of the dp·sp data-replica
+ranks, trained in float64 on 4 gloo workers, equal to one process on the whole batch — every loss
+(1e-10) and every parameter after 3 AdamW steps with clipping (1e-9) — with the load-balancing loss
+on (its statistics summed over the data replicas) and with packed documents; and a checkpoint saved at
+ep=2 resumed at ep=1, ep=4 and dp=4 (experts saved as boxes of the stacked tensors, any layout loads them).
+
+Layouts: dp=2 × sp=2 at ep 1 (experts replicated, reduced as dense weights), 2 and 4, and dp=4 at ep=2.
+One micro-batch per step: the auxiliary loss is a forward's, and the one-process forward is then the
+whole batch (with m micro-batches the layout's micro-batch ``i`` is every replica's ``i``-th share).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from conftest import run_workers
+import torch.nn.functional as F
+
+from parallel4d.data.packing import IGNORE, boundary_targets, document_starts
+from parallel4d.models.moe.balance import load_balancing_loss
+from test_llama import check_pieces, dense_run
+from test_packed_training import EOD
+
+BASE = {"model": {"arch": "llama", "vocab_size": 16, "seq_len": 16, "hidden": 32, "heads": 4, "kv_heads": 2,
+                  "layers": 3, "intermediate_size": 40, "num_experts": 4, "num_experts_per_tok": 2,
+                  "moe_intermediate_size": 16, "shared_expert_intermediate_size": 24, "mlp_only_layers": [1],
+                  "output_router_logits": True, "router_aux_loss_coef": 0.5},
+        "data": {"source": "synthetic", "batch_size": 8},
+        "optimizer": {"lr": 0.02, "warmup_steps": 1, "weight_decay": 0.1, "schedule": "cosine", "min_lr": 0.002},
+        "train": {"steps": 3, "dtype": "float64", "grad_clip": 0.05, "timeout_s": 60}}
+
+
+def _job(parallel: dict, **sections) -> dict:
+    return {**BASE, "parallel": parallel, **sections, "train": {**BASE["train"], **sections.get("train", {})}}
+
+
+PACKED = "dp=2 × sp=2, ep=2, packed documents"
+LAYOUTS = {
+    "dp=2 × sp=2, ep=1": _job({"dp": 2, "sp": 2}),
+    "dp=2 × sp=2, ep=2": _job({"dp": 2, "sp": 2, "ep": 2}),
+    "dp=2 × sp=2, ep=4": _job({"dp": 2, "sp": 2, "ep": 4}),
+    "dp=4, ep=2": _job({"dp": 4, "ep": 2}),
+    PACKED: _job({"dp": 2, "sp": 2, "ep": 2},  # 4 rows: the reference runs each document alone
+                 data={**BASE["data"], "batch_size": 4, "packing": "documents", "eod_token": EOD}),
+}
+# a checkpoint at step 2 of ep=2 (dp=2 × sp=2), resumed for step 3 in each of these
+RESUMED = {"ep=1": {"dp": 2, "sp": 2}, "ep=4": {"dp": 2, "sp": 2, "ep": 4}, "dp=4, ep=2": {"dp": 4, "ep": 2}}
+
+
+def _train(jobs: dict, tmp: str) -> dict:
+    """On every rank: each job's losses and this rank's pieces of every dense parameter (test_llama's
+    format); then ep=2 saved at step 2 and resumed under each of :data:`RESUMED` for step 3."""
+    from test_llama import train_layouts
+
+    from parallel4d.config.load import make_config
+    from parallel4d.data.batches import build_dataset
+    from parallel4d.distributed.mesh import init_mesh
+    from parallel4d.engine.compose import compose
+    from parallel4d.training.checkpoints import load_checkpoint, save_checkpoint
+
+    out = train_layouts(jobs)
+
+    def engine_of(parallel):
+        cfg = make_config(_job(parallel))
+        mesh = init_mesh(dp=cfg.parallel.dp, sp=cfg.parallel.sp, timeout_s=60)
+        return cfg, mesh, compose(cfg, mesh), build_dataset(cfg)
+
+    cfg, mesh, engine, data = engine_of({"dp": 2, "sp": 2, "ep": 2})
+    for step in range(2):
+        engine.train_step(*data.batch(step))
+    save_checkpoint(engine, cfg, root=f"{tmp}/checkpoints")
+    engine.close()
+    mesh.close()
+    for name, parallel in RESUMED.items():
+        cfg, mesh, engine, data = engine_of(parallel)
+        load_checkpoint(engine, f"{tmp}/checkpoints")
+        loss = float(engine.train_step(*data.batch(engine.step)))
+        pieces = {k[len("model."):]: [(tuple(off), view.detach().clone()) for off, view in v.pieces]
+                  for k, v in engine.state_dict().items() if k.startswith("model.")}
+        out[f"resumed {name}"] = [loss], pieces
+        engine.close()
+        mesh.close()
+    return out
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    return run_workers(_train, 4, LAYOUTS, str(tmp_path_factory.mktemp("ep")), timeout_s=300)
+
+
+@functools.cache
+def one_process(packed: bool):
+    """The dense model on the whole batch in this process (the layout changes nothing: one run for all);
+    with packed documents each document alone (tests/test_packed_training.py's reference), the
+    load-balancing loss over every document's tokens."""
+    if not packed:
+        return dense_run(BASE)
+    return dense_run(LAYOUTS[PACKED], loss_of=documents_and_balance)
+
+
+def documents_and_balance(model, tokens, targets, step):
+    """The batch's mean token loss with every document run on its own, plus ``router_aux_loss_coef`` × the
+    load-balancing loss of the statistics of all those forwards together (one forward's, as the packed one)."""
+    targets = boundary_targets(tokens, targets, EOD)
+    total, loads = 0.0, []
+    for row, starts in enumerate(document_starts(tokens, EOD)):
+        cuts = starts.nonzero().flatten().tolist() + [tokens.shape[1]]
+        for lo, hi in zip(cuts, cuts[1:]):
+            logits, state = model.run(tokens[row:row + 1, lo:hi])
+            loads += [state.routing[i] for i in sorted(state.routing)]
+            total = total + F.cross_entropy(logits[0], targets[row, lo:hi], ignore_index=IGNORE, reduction="sum")
+    moe, tokens_loss = model.shape.moe, total / int((targets != IGNORE).sum())
+    if not moe.output_router_logits:
+        return tokens_loss
+    return tokens_loss + moe.aux_loss_coef * load_balancing_loss(loads, moe.num_experts)
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_experts_over_data_and_sequence_ranks_train_as_one_process(trained, name):
+    """Losses (cross entropy + 0.5 × the load-balancing loss) 1e-10, every parameter after 3 steps 1e-9;
+    each rank's expert pieces are its slice of the one-process stacked tensors."""
+    want_losses, want = one_process(name == PACKED)
+    assert want_losses[1] < want_losses[0]
+    check_pieces(trained, name, want_losses, want)
+    ep = LAYOUTS[name]["parallel"].get("ep", 1)
+    rows = {off[0] for _, pieces in [r[name] for r in trained] for off, t in pieces["blocks.0.mlp.experts.gate_proj"]}
+    assert rows == set(range(0, 4, 4 // ep))  # ep boxes of E/ep experts each
+
+
+@pytest.mark.parametrize("name", list(RESUMED))
+def test_a_checkpoint_saved_at_ep_2_resumes_under_another_layout(trained, name):
+    """Step 3 after resuming ep=2's step-2 checkpoint: the straight one-process run's loss and parameters."""
+    want_losses, want = one_process(False)
+    check_pieces(trained, f"resumed {name}", want_losses[2:], want)
