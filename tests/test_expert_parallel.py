@@ -34,15 +34,19 @@ BASE = {"model": {"arch": "llama", "vocab_size": 16, "seq_len": 16, "hidden": 32
 
 
 def _job(parallel: dict, **sections) -> dict:
+    """BASE at ``parallel``; ``sections`` replace BASE's (``train`` is merged into it)."""
     return {**BASE, "parallel": parallel, **sections, "train": {**BASE["train"], **sections.get("train", {})}}
 
 
 PACKED = "dp=2 × sp=2, ep=2, packed documents"
+ACCUMULATED = "dp=2 × sp=2, ep=2, 2 micro-batches, blocks recomputed"
 LAYOUTS = {
     "dp=2 × sp=2, ep=1": _job({"dp": 2, "sp": 2}),
     "dp=2 × sp=2, ep=2": _job({"dp": 2, "sp": 2, "ep": 2}),
     "dp=2 × sp=2, ep=4": _job({"dp": 2, "sp": 2, "ep": 4}),
     "dp=4, ep=2": _job({"dp": 4, "ep": 2}),
+    ACCUMULATED: _job({"dp": 2, "sp": 2, "ep": 2}, pipeline={"microbatches": 2},
+                      train={"activation_checkpointing": "blocks"}),
     PACKED: _job({"dp": 2, "sp": 2, "ep": 2},  # 4 rows: the reference runs each document alone
                  data={**BASE["data"], "batch_size": 4, "packing": "documents", "eod_token": EOD}),
 }
@@ -92,13 +96,23 @@ def trained(tmp_path_factory):
 
 
 @functools.cache
-def one_process(packed: bool):
+def one_process(name: str | None = None):
     """The dense model on the whole batch in this process (the layout changes nothing: one run for all);
     with packed documents each document alone (tests/test_packed_training.py's reference), the
-    load-balancing loss over every document's tokens."""
-    if not packed:
-        return dense_run(BASE)
-    return dense_run(LAYOUTS[PACKED], loss_of=documents_and_balance)
+    load-balancing loss over every document's tokens; with 2 micro-batches (over dp = 2) micro-batch i is
+    each data replica's i-th half of its rows, one forward each."""
+    if name == PACKED:
+        return dense_run(LAYOUTS[PACKED], loss_of=documents_and_balance)
+    if name == ACCUMULATED:
+        return dense_run(LAYOUTS[ACCUMULATED], loss_of=replicas_microbatches)
+    return dense_run(BASE)
+
+
+def replicas_microbatches(model, tokens, targets, step):
+    """Micro-batch i of 2 over dp = 2 replicas of 4 rows each: rows ``4d + 2i`` and ``4d + 2i + 1`` of each
+    replica d, weighing 1/2."""
+    halves = [[4 * d + 2 * i + j for d in range(2) for j in range(2)] for i in range(2)]
+    return sum(model(tokens[rows], targets[rows], step=step) for rows in halves) / 2
 
 
 def documents_and_balance(model, tokens, targets, step):
@@ -122,7 +136,7 @@ def documents_and_balance(model, tokens, targets, step):
 def test_experts_over_data_and_sequence_ranks_train_as_one_process(trained, name):
     """Losses (cross entropy + 0.5 × the load-balancing loss) 1e-10, every parameter after 3 steps 1e-9;
     each rank's expert pieces are its slice of the one-process stacked tensors."""
-    want_losses, want = one_process(name == PACKED)
+    want_losses, want = one_process(name if name in (PACKED, ACCUMULATED) else None)
     assert want_losses[1] < want_losses[0]
     check_pieces(trained, name, want_losses, want)
     ep = LAYOUTS[name]["parallel"].get("ep", 1)
@@ -133,5 +147,5 @@ def test_experts_over_data_and_sequence_ranks_train_as_one_process(trained, name
 @pytest.mark.parametrize("name", list(RESUMED))
 def test_a_checkpoint_saved_at_ep_2_resumes_under_another_layout(trained, name):
     """Step 3 after resuming ep=2's step-2 checkpoint: the straight one-process run's loss and parameters."""
-    want_losses, want = one_process(False)
+    want_losses, want = one_process()
     check_pieces(trained, f"resumed {name}", want_losses[2:], want)

@@ -78,8 +78,9 @@ def _cmd_validate(args) -> int:
     cfg = load_config(args.config, args.overrides)
     check_job(cfg, not under_torchrun(), _device_type(cfg), args.config)
     print(cfg.shown_yaml(), end="")  # model: only the fields its family reads
-    print(f"# world size: {cfg.world_size} = pp·dp·sp·tp = {cfg.parallel.pp}·{cfg.parallel.dp}·"
-          f"{cfg.parallel.sp}·{cfg.parallel.tp}")
+    p = cfg.parallel
+    print(f"# world size: {cfg.world_size} = pp·dp·sp·tp = {p.pp}·{p.dp}·{p.sp}·{p.tp}"
+          + (f"; experts split over ep={p.ep} of the dp·sp = {p.dp * p.sp} data-replica ranks" if p.ep > 1 else ""))
     return 0
 
 
