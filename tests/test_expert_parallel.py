@@ -50,6 +50,7 @@ LAYOUTS = {
     PACKED: _job({"dp": 2, "sp": 2, "ep": 2},  # 4 rows: the reference runs each document alone
                  data={**BASE["data"], "batch_size": 4, "packing": "documents", "eod_token": EOD}),
 }
+EVAL_BATCH = 50  # a batch no step trained on, evaluated after the resumed step
 # a checkpoint at step 2 of ep=2 (dp=2 × sp=2), resumed for step 3 in each of these
 RESUMED = {"ep=1": {"dp": 2, "sp": 2}, "ep=4": {"dp": 2, "sp": 2, "ep": 4}, "dp=4, ep=2": {"dp": 4, "ep": 2}}
 
@@ -85,6 +86,7 @@ def _train(jobs: dict, tmp: str) -> dict:
         pieces = {k[len("model."):]: [(tuple(off), view.detach().clone()) for off, view in v.pieces]
                   for k, v in engine.state_dict().items() if k.startswith("model.")}
         out[f"resumed {name}"] = [loss], pieces
+        out[f"evaluated {name}"] = float(engine.evaluate(*data.batch(EVAL_BATCH)))
         engine.close()
         mesh.close()
     return out
@@ -146,6 +148,19 @@ def test_experts_over_data_and_sequence_ranks_train_as_one_process(trained, name
 
 @pytest.mark.parametrize("name", list(RESUMED))
 def test_a_checkpoint_saved_at_ep_2_resumes_under_another_layout(trained, name):
-    """Step 3 after resuming ep=2's step-2 checkpoint: the straight one-process run's loss and parameters."""
+    """Step 3 after resuming ep=2's step-2 checkpoint: the straight one-process run's loss and parameters;
+    then the evaluation of another batch (forwards only, the auxiliary loss's statistics summed over the
+    replicas there too) is the one-process model's loss on it."""
+    from parallel4d.config.load import make_config
+    from parallel4d.data.batches import build_dataset
+    from parallel4d.engine.model import model_shape
+    from parallel4d.models.build import build_dense
+
     want_losses, want = one_process()
     check_pieces(trained, f"resumed {name}", want_losses[2:], want)
+    cfg = make_config(BASE)
+    model = build_dense(model_shape(cfg)).double()
+    model.load_state_dict(want)
+    with torch.no_grad():
+        evaluated = float(model(*build_dataset(cfg).batch(EVAL_BATCH)))
+    assert all(abs(r[f"evaluated {name}"] - evaluated) <= 1e-10 * evaluated for r in trained)
