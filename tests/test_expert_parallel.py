@@ -1,8 +1,9 @@
 """``parallel.ep`` in the engine (#48.2): an MoE llama's experts split over ep of the dp·sp data-replica
 ranks, trained in float64 on 4 gloo workers, equal to one process on the whole batch — every loss
 (1e-10) and every parameter after 3 AdamW steps with clipping (1e-9) — with the load-balancing loss
-on (its statistics summed over the data replicas) and with packed documents; and a checkpoint saved at
-ep=2 resumed at ep=1, ep=4 and dp=4 (experts saved as boxes of the stacked tensors, any layout loads them).
+on (its statistics summed over the data replicas) and with packed documents; a checkpoint saved at
+ep=2 resumed at ep=1, ep=4 and dp=4 (experts saved as boxes of the stacked tensors, any layout loads them);
+and a Qwen3-MoE directory loaded at ep=2, each rank reading its experts only.
 
 Layouts: dp=2 × sp=2 at ep 1 (experts replicated, reduced as dense weights), 2 and 4, and dp=4 at ep=2.
 One micro-batch per step: the auxiliary loss is a forward's, and the one-process forward is then the
@@ -55,9 +56,34 @@ EVAL_BATCH = 50  # a batch no step trained on, evaluated after the resumed step
 RESUMED = {"ep=1": {"dp": 2, "sp": 2}, "ep=4": {"dp": 2, "sp": 2, "ep": 4}, "dp=4, ep=2": {"dp": 4, "ep": 2}}
 
 
-def _train(jobs: dict, tmp: str) -> dict:
+def pretrained_job(directory: str, parallel: dict) -> dict:
+    """``model.pretrained`` (a Qwen3-MoE directory) evaluated in float64 at ``parallel``."""
+    return {"model": {"pretrained": directory, "seq_len": 16}, "parallel": parallel,
+            "data": {"source": "synthetic", "batch_size": 4}, "train": {"dtype": "float64", "timeout_s": 60}}
+
+
+def evaluate_pretrained(directory: str, parallel: dict) -> tuple[float, int]:
+    """``(the evaluated loss of batch 0, the bytes this rank read from the directory)``."""
+    from parallel4d.config.load import make_config
+    from parallel4d.data.batches import build_dataset
+    from parallel4d.distributed.mesh import init_mesh
+    from parallel4d.engine.compose import compose
+
+    cfg = make_config(pretrained_job(directory, parallel))
+    p = cfg.parallel
+    mesh = init_mesh(dp=p.dp, sp=p.sp, timeout_s=60)
+    engine = compose(cfg, mesh)
+    loss = float(engine.evaluate(*build_dataset(cfg).batch(0)))
+    read = engine.pretrained_bytes_read
+    engine.close()
+    mesh.close()
+    return loss, read
+
+
+def _train(jobs: dict, tmp: str, pretrained: str | None) -> dict:
     """On every rank: each job's losses and this rank's pieces of every dense parameter (test_llama's
-    format); then ep=2 saved at step 2 and resumed under each of :data:`RESUMED` for step 3."""
+    format); then ep=2 saved at step 2 and resumed under each of :data:`RESUMED` for step 3; and the
+    ``pretrained`` directory (None: transformers is missing) evaluated at ep=2."""
     from test_llama import train_layouts
 
     from parallel4d.config.load import make_config
@@ -89,12 +115,33 @@ def _train(jobs: dict, tmp: str) -> dict:
         out[f"evaluated {name}"] = float(engine.evaluate(*data.batch(EVAL_BATCH)))
         engine.close()
         mesh.close()
+    if pretrained is not None:
+        out["pretrained"] = evaluate_pretrained(pretrained, {"dp": 2, "sp": 2, "ep": 2})
     return out
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory):
-    return run_workers(_train, 4, LAYOUTS, str(tmp_path_factory.mktemp("ep")), timeout_s=300)
+def qwen3_moe(tmp_path_factory) -> str | None:
+    """A tiny Qwen3-MoE directory transformers saved (4 experts, top-2, auxiliary loss on); None without
+    transformers."""
+    try:
+        from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+    except ImportError:
+        return None
+    torch.manual_seed(0)
+    model = Qwen3MoeForCausalLM(Qwen3MoeConfig(
+        vocab_size=61, hidden_size=32, intermediate_size=40, num_attention_heads=4, num_key_value_heads=2,
+        num_hidden_layers=2, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=12,
+        max_position_embeddings=64, initializer_range=0.2, tie_word_embeddings=False, output_router_logits=True,
+        router_aux_loss_coef=0.5, bos_token_id=None, eos_token_id=None, pad_token_id=None))
+    out = tmp_path_factory.mktemp("qwen3_moe")
+    model.save_pretrained(out)
+    return str(out)
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, qwen3_moe):
+    return run_workers(_train, 4, LAYOUTS, str(tmp_path_factory.mktemp("ep")), qwen3_moe, timeout_s=300)
 
 
 @functools.cache
@@ -164,3 +211,16 @@ def test_a_checkpoint_saved_at_ep_2_resumes_under_another_layout(trained, name):
     with torch.no_grad():
         evaluated = float(model(*build_dataset(cfg).batch(EVAL_BATCH)))
     assert all(abs(r[f"evaluated {name}"] - evaluated) <= 1e-10 * evaluated for r in trained)
+
+
+def test_a_pretrained_moe_directory_loads_each_ranks_experts_only(trained, qwen3_moe, single_rank):
+    """model.pretrained at dp=2 × sp=2, ep=2: every rank evaluates one process's loss (1e-10) having read
+    the directory but for the other rank's experts (its 2 of the 4 of each layer)."""
+    if qwen3_moe is None:
+        pytest.skip("transformers (the hf extra) writes the directory")
+    whole, whole_read = evaluate_pretrained(qwen3_moe, {})
+    experts_bytes = 2 * 4 * 3 * 32 * 12 * 4  # 2 layers × 4 experts × 3 float32 [12, 32] matrices
+    for loss, read in (r["pretrained"] for r in trained):
+        assert abs(loss - whole) <= 1e-10 * whole
+        assert whole_read - read == experts_bytes // 2
+
