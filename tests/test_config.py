@@ -23,7 +23,7 @@ def test_defaults_are_a_valid_small_job():
     cfg = Config.model_validate({})
     assert cfg.world_size == 1
     assert parallel4d.Config is Config
-    assert set(cfg.parallel.model_dump()) == {"pp", "dp", "sp", "tp"}
+    assert set(cfg.parallel.model_dump()) == {"pp", "dp", "sp", "tp", "ep"}
 
 
 def test_yaml_round_trip(tmp_path):

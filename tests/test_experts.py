@@ -74,6 +74,19 @@ def test_local_dispatch_equals_each_token_through_its_experts_with_gradients():
         torch.testing.assert_close(a.grad, b.grad, rtol=0, atol=1e-12)
 
 
+def test_experts_without_rows_stay_in_the_graph_of_their_input():
+    """An expert-parallel rank that receives no rows still returns ``[0, h]`` computed from them: the backward
+    then reaches its all-to-alls, which its peers run too (a constant would leave them waiting)."""
+    from parallel4d.models.moe.routing import expert_ffn
+
+    rows = torch.zeros(0, H, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(2, 3, H, dtype=torch.float64)
+    out = expert_ffn(rows, torch.zeros(2, dtype=torch.int64), w, w, w.transpose(1, 2))
+    assert out.shape == (0, H) and out.grad_fn is not None
+    out.sum().backward()
+    assert rows.grad.shape == (0, H)
+
+
 # --- 16 ranks ------------------------------------------------------------------------------------
 
 

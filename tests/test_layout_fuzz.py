@@ -1,7 +1,8 @@
 """#33: Hypothesis draws jobs across the whole space — pp, dp, sp, tp; every schedule, waves, split
 backward and hop cost; ring layouts and Ulysses; hetero with budgets from the minimum up (ZeRO where
 dp·sp > 1); activation checkpointing; gpt2 and llama (GQA, tied and untied; a vocabulary the 2D grid
-pads or not); evaluation; a resume
+pads or not; mixture-of-experts layers split over parallel.ep where they run: pp = tp = 1, no hetero);
+evaluation; a resume
 mid-run — and runs each through ``parallel4d check``'s own code (:mod:`parallel4d.tools.check`):
 the shrunk job on gloo workers in float64 against one process, losses to 1e-10, every parameter to 1e-9.
 
@@ -66,8 +67,9 @@ def jobs(draw) -> tuple[list[str], float | None, int | None]:
     out.append(f"train.activation_checkpointing={draw(st.sampled_from(['none', 'blocks']))}")
     if draw(st.booleans()):
         out.append("train.eval_every=2")
-    budget = draw(st.sampled_from([None, 0.001, 0.2, 0.5]))
-    out.append(f"hetero.enabled={budget is not None or draw(st.booleans())}")
+    experts = _experts(draw, dp * sp) if "model.arch=llama" in out and pp == tp == 1 else []  # where MoE runs
+    budget = None if experts else draw(st.sampled_from([None, 0.001, 0.2, 0.5]))  # for now: no hetero
+    out += experts + [f"hetero.enabled={not experts and (budget is not None or draw(st.booleans()))}"]
     resume = draw(st.sampled_from([None, None, None, 1, 2]))
     return out, budget, resume
 
@@ -94,6 +96,17 @@ def _model(draw) -> list[str]:
         out.append(f"model.kv_heads={draw(st.sampled_from([4, 2, 1]))}")  # MHA, GQA, MQA
         out.append(f"model.qk_norm={draw(st.booleans())}")
     return out
+
+
+def _experts(draw, replicas: int) -> list[str]:
+    """Mixture-of-experts layers (or none): 4 experts, top-1 or 2, split over an ep dividing the ``replicas``
+    data-replica ranks, the load-balancing loss on or off."""
+    if not draw(st.booleans()):
+        return []
+    ep = draw(st.sampled_from([e for e in (1, 2, 4) if replicas % e == 0]))
+    return ["model.num_experts=4", f"model.num_experts_per_tok={draw(st.sampled_from([2, 1]))}",
+            "model.moe_intermediate_size=16", f"model.output_router_logits={draw(st.booleans())}",
+            "model.router_aux_loss_coef=0.5", f"parallel.ep={ep}"]
 
 
 def _with_budget(job: list[str], share: float | None) -> list[str]:

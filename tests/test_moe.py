@@ -293,19 +293,46 @@ def test_moe_fields_that_cannot_run_are_refused(fields, words):
 
 
 @pytest.mark.parametrize("sections, words", [
-    ({"parallel": {"dp": 2}}, ["parallel.dp=2", "use parallel.dp=1"]),
+    ({"parallel": {"pp": 2}}, ["parallel.pp=2", "use parallel.pp=1", "pipelines", "come later"]),
     ({"parallel": {"tp": 4}}, ["parallel.tp=4", "use parallel.tp=1"]),
+    ({"train": {"compile": "blocks"}}, ["train.compile=blocks", "train.compile=none"]),
     ({"hetero": {"enabled": True}}, ["hetero.enabled=true", "hetero.enabled=false"]),
     ({"model": {"arch": "gpt2"}}, ["model.arch=gpt2: only the llama family", "model.num_experts=0"]),
 ])
 def test_moe_layouts_not_supported_yet_are_refused(sections, words):
-    """What MoE layers do not run in yet (one process, issue 48's first part) is refused naming the field."""
+    """What MoE layers do not run in yet (pipelines, the grid, hetero, compiled blocks) is refused naming the field."""
     job = {"model": {"arch": "llama", "num_experts": 4, "num_experts_per_tok": 2, **sections.get("model", {})},
            **{k: v for k, v in sections.items() if k != "model"}}
     with pytest.raises(ConfigError) as e:
         make_config(job)
     assert all(w in str(e.value) for w in words), str(e.value)
 
+
+@pytest.mark.parametrize("parallel, model, words", [
+    ({"dp": 2, "sp": 2, "ep": 3}, {}, ["parallel.ep=3 does not divide parallel.dp × parallel.sp = 2 × 2 = 4",
+                                      "use parallel.ep=2 or 4"]),
+    ({"dp": 4, "sp": 2, "ep": 8}, {}, ["parallel.ep=8 is more than model.num_experts=4", "use parallel.ep=4"]),
+    ({"dp": 6, "ep": 3}, {}, ["parallel.ep=3 does not split model.num_experts=4 experts evenly",
+                              "use parallel.ep=2"]),
+    ({"dp": 2, "ep": 2}, {"num_experts": 0, "num_experts_per_tok": None},
+     ["parallel.ep=2 with model.num_experts=0", "use parallel.ep=1"]),
+])
+def test_expert_parallel_sizes_that_cannot_split_the_experts_are_refused(parallel, model, words):
+    """parallel.ep: drawn from dp·sp, dividing the experts, an MoE model's; each refusal names the nearest ep
+    that works."""
+    job = {"model": {"arch": "llama", "num_experts": 4, "num_experts_per_tok": 2, **model},
+           "parallel": parallel, "data": {"batch_size": 24}}
+    with pytest.raises(ConfigError) as e:
+        make_config(job)
+    assert all(w in str(e.value) for w in words), str(e.value)
+
+
+@pytest.mark.parametrize("parallel", [{"dp": 2, "sp": 2}, {"dp": 2, "sp": 2, "ep": 4}, {"dp": 4, "ep": 2}])
+def test_moe_runs_over_data_and_sequence_ranks_with_experts_split_or_replicated(parallel):
+    """dp and sp (and ep drawn from them) are accepted for MoE models; ep adds no ranks."""
+    cfg = make_config({"model": {"arch": "llama", "num_experts": 4, "num_experts_per_tok": 2},
+                       "parallel": parallel, "data": {"batch_size": 8}})
+    assert cfg.world_size == parallel["dp"] * parallel.get("sp", 1)
 
 
 def test_plan_refuses_moe_layers_in_one_line():

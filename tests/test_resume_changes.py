@@ -67,7 +67,7 @@ def test_saves_and_the_resume_are_events_between_the_logged_steps(resumed):
         ("step", 1), ("step", 2), ("save", 2), ("step", 3), ("step", 4), ("save", 4), ("resume", 4), ("step", 5),
         ("step", 6), ("save", 6)]
     resume = read_events(out / "metrics.jsonl")[2]
-    assert resume["parallel"] == {"pp": 1, "dp": 1, "sp": 1, "tp": 1}
+    assert resume["parallel"] == {"pp": 1, "dp": 1, "sp": 1, "tp": 1, "ep": 1}
     assert resume["changes"] == summary["resumed_with_changes"] and resume["checkpoint"].endswith("step_00000004")
     assert [e["final"] for e in read_events(out / "metrics.jsonl") if e["event"] == "save"] == [False, True, True]
     assert all(e["seconds"] > 0 for e in log if e.get("event") == "save")

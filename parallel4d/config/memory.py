@@ -5,8 +5,8 @@
 run, so refusing it never refuses a job that fits. What it counts, per rank (the largest rank holds at
 least the average over the ranks, which is what these are):
 
-* **model state** — the dense parameters (the family's count: norms and biases left out) over
-  ``pp·tp``, times the bytes each holds: parameter, gradient and Adam's two moments in the parameters'
+* **model state** — the dense parameters (the family's count: norms and biases left out; an MoE model's
+  routed experts over ``parallel.ep``, each rank holding its share) over ``pp·tp``, times the bytes each holds: parameter, gradient and Adam's two moments in the parameters'
   dtype (``4·p``) without hetero; under hetero what its chunks keep on the host (:func:`hetero_host_bytes`)
   and, on a CPU job, the master state a budget could have put on the device; under a ``deepspeed:``
   section parameters and gradients in at least 16 bits partitioned over ``dp·sp`` (ZeRO-3's least),
@@ -38,6 +38,7 @@ from parallel4d.config.checks import dense_parameters
 from parallel4d.config.rules import hetero as hetero_rules
 from parallel4d.config.rules.common import DTYPE_BYTES, human_bytes
 from parallel4d.config.rules.tensor2d import padded_vocab
+from parallel4d.models.moe.spec import MoeShape, expert_parameters
 
 if TYPE_CHECKING:  # annotations only: the schema imports the rules this module imports
     from parallel4d.config.schema import Config
@@ -68,7 +69,8 @@ class RankBytes:
 def rank_bytes(cfg: Config) -> RankBytes:
     """What every rank of ``cfg`` holds at least, on average over the ranks (see the module)."""
     p, m, t = cfg.parallel, cfg.model, cfg.train
-    params = dense_parameters(m) // (p.pp * p.tp)
+    experts = expert_parameters(MoeShape.of(m), m.hidden, m.layers)  # split over ep, not replicated
+    params = (dense_parameters(m) - experts + experts // p.ep) // (p.pp * p.tp)
     item = DTYPE_BYTES[t.parameters]
     replicas = p.dp * p.sp
     device = host = placed = saved = 0

@@ -98,12 +98,15 @@ Pattern = Annotated[str, AfterValidator(_encodes)]
 
 
 class ParallelConfig(_Section):
-    """Sizes of the mesh axes. World size = pp·dp·sp·tp; tp = q² for the q×q grid."""
+    """Sizes of the mesh axes. World size = pp·dp·sp·tp; tp = q² for the q×q grid. ``ep`` adds no ranks:
+    it is drawn from the ``dp·sp`` data-replica ranks (config/rules/moe.py)."""
 
     pp: int = Field(1, ge=1, le=MAX_RANKS, description="pipeline stages (ranks along the pp axis)")
     dp: int = Field(1, ge=1, le=MAX_RANKS, description="data-parallel replicas")
     sp: int = Field(1, ge=1, le=MAX_RANKS, description="sequence-parallel ranks (ring attention)")
     tp: int = Field(1, ge=1, le=MAX_RANKS, description="2D tensor-parallel ranks, a perfect square q²")
+    ep: int = Field(1, ge=1, le=MAX_RANKS, description="expert-parallel ranks: each MoE layer's experts split over "
+                                                       "ep of the dp·sp data-replica ranks (no extra ranks)")
 
     @field_validator("tp")
     @classmethod
@@ -118,6 +121,11 @@ class ParallelConfig(_Section):
     @property
     def world_size(self) -> int:
         return self.pp * self.dp * self.sp * self.tp
+
+    @property
+    def sizes(self) -> str:
+        """``"pp=1 dp=2 sp=2 tp=1"``, with `` ep=2`` where experts are split (ep > 1)."""
+        return f"pp={self.pp} dp={self.dp} sp={self.sp} tp={self.tp}" + (f" ep={self.ep}" if self.ep > 1 else "")
 
 
 class Tensor2DConfig(_Section):

@@ -10,7 +10,9 @@ is posted over the data replicas ``dp·sp`` while the backward goes on.
 :meth:`GradBuckets.finish` posts what is left (parameters that got fewer
 contributions, or none; ``deferred`` ones, whose grads change after the backward:
 the tied copies of a pipeline), waits for every bucket with the timeout and divides
-by the number of replicas.
+by the number of replicas. A parameter split over ranks rather than replicated on every replica
+(an expert under expert parallelism, ``sum_over``) is summed over the group of ranks that hold it
+instead, in buckets of its own, and divided by the same number of replicas.
 
 Each parameter's ``.grad`` is a view of its bucket's buffer (allocated once):
 :meth:`GradBuckets.start` points the grads there (zeroed), the backward accumulates
@@ -45,8 +47,8 @@ class _Bucket:
     (None when the buffer's dtype or device differs from the parameters': then grads are cast in and out)."""
 
     def __init__(self, index: int, params: list[nn.Parameter], device: torch.device,
-                 reduce_dtype: torch.dtype | None = None):
-        self.index, self.params = index, params
+                 reduce_dtype: torch.dtype | None = None, group=None, label: str = "dp_grad"):
+        self.index, self.params, self.group, self.label = index, params, group, label
         dtype = reduce_dtype or params[0].dtype
         self.flat = torch.empty(sum(p.numel() for p in params), dtype=dtype, device=device)
         self.views = None
@@ -87,11 +89,12 @@ class _Bucket:
                 v.zero_()
             p.grad = v
 
-    def post(self, group, stats) -> None:
-        """Post the async sum of the buffer (in place); under a cast, copy the present grads in first."""
+    def post(self, stats) -> None:
+        """Post the async sum of the buffer over the bucket's group (in place); under a cast, copy the
+        present grads in first."""
         if self.views is not None:
             self._adopt()
-            self.work = comm.all_reduce(self.flat, group, stats=stats, label="dp_grad", async_op=True)
+            self.work = comm.all_reduce(self.flat, self.group, stats=stats, label=self.label, async_op=True)
             return
         self.grads = [p.grad for p in self.params if p.grad is not None]
         n = sum(g.numel() for g in self.grads)
@@ -100,7 +103,7 @@ class _Bucket:
             self.flat[offset:offset + g.numel()].copy_(g.reshape(-1))
             offset += g.numel()
         if n:
-            self.work = comm.all_reduce(self.flat[:n], group, stats=stats, label="dp_grad", async_op=True)
+            self.work = comm.all_reduce(self.flat[:n], self.group, stats=stats, label=self.label, async_op=True)
 
     def unpack(self, replicas: int) -> None:
         """Divide the summed buffer by ``replicas`` (under a cast: and copy it back into the grads)."""
@@ -116,12 +119,13 @@ class _Bucket:
             offset += g.numel()
 
 
-def _split(params: list[nn.Parameter], bucket_bytes: float) -> list[list[nn.Parameter]]:
-    """Consecutive runs of one dtype, each closed once it holds ``bucket_bytes``."""
+def _split(params: list[nn.Parameter], bucket_bytes: float, kind=lambda p: None) -> list[list[nn.Parameter]]:
+    """Consecutive runs of one dtype and one ``kind`` (the group a parameter is summed over), each closed
+    once it holds ``bucket_bytes``."""
     out: list[list[nn.Parameter]] = []
     size = 0
     for p in params:
-        if not out or size >= bucket_bytes or p.dtype != out[-1][0].dtype:
+        if not out or size >= bucket_bytes or p.dtype != out[-1][0].dtype or kind(p) != kind(out[-1][0]):
             out.append([])
             size = 0
         out[-1].append(p)
@@ -131,20 +135,30 @@ def _split(params: list[nn.Parameter], bucket_bytes: float) -> list[list[nn.Para
 
 class GradBuckets:
     """Bucketed async gradient all-reduce over ``mesh.group_over("dp", "sp")``, posted from
-    gradient hooks. Per step: :meth:`start` before the backward, :meth:`finish` after it."""
+    gradient hooks. Per step: :meth:`start` before the backward, :meth:`finish` after it.
+    ``sum_over``: ``(group, label, parameters)`` summed over ``group`` instead (counted under ``label``),
+    still divided by the ``dp·sp`` replicas: an expert's gradient over the ranks holding that expert."""
 
     def __init__(self, params: Iterable[nn.Parameter], mesh, *, bucket_bytes: float, timeout_s: float,
                  expected: dict[int, int], deferred: Iterable[nn.Parameter] = (),
-                 reduce_dtype: torch.dtype | None = None):
+                 reduce_dtype: torch.dtype | None = None, sum_over: tuple | None = None):
         params = list({id(p): p for p in params}.values())
         skip = {id(p) for p in deferred}
         self.mesh, self.timeout_s = mesh, timeout_s
         self.group = mesh.group_over("dp", "sp")
         self.replicas = mesh.size("dp") * mesh.size("sp")
+        other_group, other_label, others = sum_over if sum_over is not None else (None, None, ())
+        other = {id(p) for p in others}
+
+        def kind(p):
+            return id(p) in other
+
         early = [p for p in reversed(params) if id(p) not in skip]
         late = [p for p in reversed(params) if id(p) in skip]
-        groups = _split(early, bucket_bytes) + _split(late, bucket_bytes)
-        self.buckets = [_Bucket(i, ps, mesh.device, reduce_dtype) for i, ps in enumerate(groups)]
+        groups = _split(early, bucket_bytes, kind) + _split(late, bucket_bytes, kind)
+        self.buckets = [_Bucket(i, ps, mesh.device, reduce_dtype,
+                                *((other_group, other_label) if kind(ps[0]) else (self.group, "dp_grad")))
+                        for i, ps in enumerate(groups)]
         self._where = {id(p): b for b in self.buckets for p in b.params}
         self._expected = {id(p): (0 if id(p) in skip else expected.get(id(p), 1)) for p in params}
         self._counts: dict[int, int] = {}
@@ -179,7 +193,7 @@ class GradBuckets:
                 self.posted_in_backward += 1
 
     def _post_next(self) -> None:
-        self.buckets[self._next].post(self.group, self.mesh.comm_stats)
+        self.buckets[self._next].post(self.mesh.comm_stats)
         self._next += 1
 
     def finish(self) -> None:
@@ -189,10 +203,10 @@ class GradBuckets:
             self._post_next()
         n = len(self.buckets)
         for b in self.buckets:
-            comm.wait(b.work, self.timeout_s, f"{WHAT}, bucket {b.index + 1} of {n}", self.mesh.deadlines)
-        for b in self.buckets:
-            if b.work is not None:
-                b.unpack(self.replicas)
+            what = WHAT if b.group is self.group else f"{b.label} all-reduce over the ranks holding the same parameters"
+            comm.wait(b.work, self.timeout_s, f"{what}, bucket {b.index + 1} of {n}", self.mesh.deadlines)
+        for b in self.buckets:  # every bucket, even one summed over a group of one (no work): the same divisor
+            b.unpack(self.replicas)
 
     def remove(self) -> None:
         """Take the hooks off the parameters."""

@@ -30,8 +30,10 @@ import torch.utils.checkpoint
 
 from parallel4d.config.errors import ConfigError
 from parallel4d.config.schema import Config
+from parallel4d.distributed import comm
 from parallel4d.distributed.mesh import Mesh
 from parallel4d.engine.compile import compile_block
+from parallel4d.engine.experts import place_experts
 from parallel4d.engine.flops import stage_flops
 from parallel4d.engine.model import (LocalModel, PositionedEmbedding, model_shape, parameter_dtype,
                                      pipeline_activation_dtype)
@@ -149,8 +151,8 @@ def build_stages(cfg: Config, mesh: Mesh, wanted=None, untie: bool = False, cont
 def _loss(cfg: Config, mesh: Mesh, context: ForwardContext):
     """The token loss: the mean over this rank's data (the grid's under tp), or, with packed documents,
     the sum times the forward's ``loss_weight`` (:func:`~.batch.packed_step`); plus the family's auxiliary
-    loss of the forward (what its modules recorded in the context's state: MoE's load balancing; one
-    process only for now, config/rules/moe.py)."""
+    loss of the forward (what its modules recorded in the context's state: MoE's load balancing) over the
+    whole micro-batch, on every data replica (:func:`_auxiliary_over_replicas`)."""
     tp, vocab = mesh.size("tp_row") > 1, cfg.model.vocab_size  # the head's logits: the vocabulary padded to q
     if cfg.data.packing == "none":
         token_loss = loss_2d(mesh, vocab=vocab) if tp else cross_entropy
@@ -161,12 +163,38 @@ def _loss(cfg: Config, mesh: Mesh, context: ForwardContext):
         def token_loss(logits, targets):
             return summed(logits, targets) * context.packed.loss_weight
 
-    shape, auxiliary = model_shape(cfg), family(cfg.model.arch).model_type.auxiliary_loss
+    auxiliary = _auxiliary_over_replicas(cfg, mesh, context)
 
     def loss(logits, targets):
-        return with_auxiliary(token_loss(logits, targets), auxiliary(shape, context.state))
+        return with_auxiliary(token_loss(logits, targets), auxiliary())
 
     return loss
+
+
+def _auxiliary_over_replicas(cfg: Config, mesh: Mesh, context: ForwardContext):
+    """``() → the family's auxiliary loss term of the forward now in context`` (None: none), as this data
+    replica adds it to its token loss. The micro-batch's tokens are spread over the ``R = dp·sp`` data
+    replicas: the load statistics are summed over them (``sum_over_ranks``: one all-reduce of ``E + 1``
+    numbers, no gradient), which makes each replica's term its share of the whole micro-batch's loss (the
+    shares sum to it, and each has the gradient of the whole with respect to that replica's router
+    probabilities: models/moe/balance.py). The replicas' gradients are then averaged (divided by ``R``),
+    so each share is counted ``R`` times: the replicas' reported mean is then the token loss's mean plus
+    the whole micro-batch's auxiliary loss, and the averaged gradient the one-process one."""
+    shape, auxiliary = model_shape(cfg), family(cfg.model.arch).model_type.auxiliary_loss
+    replicas = mesh.size("dp") * mesh.size("sp")
+    if replicas == 1:
+        return lambda: auxiliary(shape, context.state)
+    group = mesh.group_over("dp", "sp")
+
+    def summed(totals: torch.Tensor) -> torch.Tensor:
+        comm.all_reduce(totals, group, stats=mesh.comm_stats, label="moe.balance")
+        return totals
+
+    def share():
+        term = auxiliary(shape, context.state, sum_over_ranks=summed)
+        return None if term is None else term * replicas
+
+    return share
 
 
 def _placed(module: nn.Module, device: torch.device, dtype: torch.dtype) -> nn.Module:
@@ -327,9 +355,10 @@ def compose(cfg: Config, mesh: Mesh) -> Engine:
         loss_fn = executor.loss_fn
     else:
         stages, loss_fn = build_stages(cfg, mesh, context=context)
+    experts = place_experts(cfg, mesh, stages)  # parallel.ep: this rank's experts only, before layouts and optimizer
     model = local_model(cfg, stages)
     dense, local = model.dense, model.stages()
-    store = parameter_store(cfg, mesh, model, executor, tied_params, tied_sync)  # hetero's chunks or plain
+    store = parameter_store(cfg, mesh, model, executor, tied_params, tied_sync, experts)  # hetero's chunks or plain
     engine = Engine(cfg, mesh, store, loss_fn, list(local.values()), executor=executor, tied_sync=tied_sync,
                     dense=dense, context=context, pipeline_order=order)
     engine.pretrained_bytes_read = model.pretrained_bytes_read

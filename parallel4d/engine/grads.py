@@ -1,7 +1,9 @@
 """Gradients across the mesh: averaged over the data replicas (``dp × sp``) — during the
 backward in buckets (:func:`gradient_buckets`), or in one all-reduce after it
-(:func:`average_gradients`, the reference) — and the whole model's gradient norm with each
-dense element counted once, whatever the layout."""
+(:func:`average_gradients`, the reference for dense parameters) — and the whole model's gradient
+norm with each dense element counted once, whatever the layout. Under expert parallelism an
+expert's gradient is summed over the ranks holding that expert instead, and its squared norm over
+the ranks that split the experts (:mod:`.experts`)."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ from parallel4d.config.schema import Config
 from parallel4d.distributed import comm
 from parallel4d.distributed.ddp import GradBuckets
 from parallel4d.distributed.mesh import Mesh
+from parallel4d.engine.experts import ExpertShards
 from parallel4d.engine.model import TORCH_DTYPES
 from parallel4d.optim.norms import weighted_sq_norm
 
@@ -57,14 +60,22 @@ def sum_over_model_axes(sq: torch.Tensor, mesh: Mesh) -> torch.Tensor:
     return sq
 
 
-def global_grad_norm(params: list[nn.Parameter], mesh: Mesh, tied_copies: set[int] = frozenset()) -> torch.Tensor:
+def global_grad_norm(params: list[nn.Parameter], mesh: Mesh, tied_copies: set[int] = frozenset(),
+                     experts: ExpertShards | None = None) -> torch.Tensor:
     """L2 norm of the whole model's gradient, each distinct dense element counted once
-    (:func:`norm_weight`), shards on different tp/pp ranks summed; float64 ``[]``. A constant number
-    of kernels whatever the number of parameters (:func:`~parallel4d.optim.norms.weighted_sq_norm`)."""
+    (:func:`norm_weight`), shards on different tp/pp ranks summed — and ``experts``' slices (expert
+    parallelism) summed over their ep group —; float64 ``[]``. A constant number of kernels whatever the
+    number of parameters (:func:`~parallel4d.optim.norms.weighted_sq_norm`)."""
     q = mesh.size("tp_row")
-    with_grad = [p for p in params if p.grad is not None]
+    split = {id(p) for p in experts.params} if experts is not None else set()
+    with_grad = [p for p in params if p.grad is not None and id(p) not in split]
     sq = weighted_sq_norm([p.grad.detach() for p in with_grad], [norm_weight(p, q, tied_copies) for p in with_grad],
                           mesh.device)
+    if experts is not None:  # each rank of an ep group holds other experts: their squares add up
+        mine = [p.grad.detach() for p in experts.params if p.grad is not None]
+        expert_sq = weighted_sq_norm(mine, [1.0] * len(mine), mesh.device)
+        comm.all_reduce(expert_sq, experts.ep, stats=mesh.comm_stats, label="grad_norm")
+        sq = sq + expert_sq
     return sum_over_model_axes(sq, mesh).sqrt()
 
 
@@ -81,12 +92,14 @@ def accumulations(params: list[nn.Parameter], executor, microbatches: int) -> di
 
 
 def gradient_buckets(params: list[nn.Parameter], mesh: Mesh, cfg: Config, executor,
-                     deferred: list[nn.Parameter]) -> GradBuckets | None:
+                     deferred: list[nn.Parameter], experts: ExpertShards | None = None) -> GradBuckets | None:
     """Bucketed all-reduces over ``dp·sp`` posted during the backward (:class:`GradBuckets`);
     None with one replica. ``deferred``: parameters whose reduction waits for the step's end (a
-    tied table's copies, summed between two pp ranks first)."""
+    tied table's copies, summed between two pp ranks first). ``experts``: this rank's expert slices,
+    summed over their replicas instead (``ep_grad``) and divided by ``dp·sp`` all the same."""
     if mesh.size("dp") * mesh.size("sp") == 1:
         return None
+    sum_over = (experts.replicas, "ep_grad", experts.params) if experts is not None else None
     return GradBuckets(params, mesh, bucket_bytes=cfg.train.dp_bucket_mb * 2**20, timeout_s=cfg.train.timeout_s,
                        expected=accumulations(params, executor, cfg.pipeline.microbatches), deferred=deferred,
-                       reduce_dtype=TORCH_DTYPES[cfg.train.grad_reduce])
+                       reduce_dtype=TORCH_DTYPES[cfg.train.grad_reduce], sum_over=sum_over)

@@ -10,6 +10,7 @@ import torch.nn as nn
 from parallel4d.checkpoint.shards import DenseShards, Pieces, whole
 from parallel4d.engine.model import PositionedEmbedding
 from parallel4d.models.build import Shape, build_stage
+from parallel4d.models.moe.layer import Experts
 from parallel4d.models.stages import stage_names
 from parallel4d.tensor2d import Composite2D
 
@@ -18,7 +19,9 @@ def dense_layouts(stages: dict[str, nn.Module], tied: bool) -> dict[str, tuple[s
     """``{name in LocalModel: (dense name, dense shape, pieces)}`` for every parameter name
     (tied aliases included): where each local parameter sits in the single-process model.
 
-    A 2D stage reports its own layout; any other parameter is the whole dense tensor.
+    A 2D stage reports its own layout; an MoE layer's experts under expert parallelism are one box
+    of each stacked tensor, rows ``held`` along ``E`` (:meth:`~parallel4d.models.moe.layer.Experts.dense_layout`,
+    as a 2D block is a box of its matrix); any other parameter is the whole dense tensor.
     A tied LM head (shared, or its untied copy on the last pipeline stage) is the token
     table ``embed.tok.weight``."""
     out = {}
@@ -30,12 +33,19 @@ def dense_layouts(stages: dict[str, nn.Module], tied: bool) -> dict[str, tuple[s
             found = {n: (d, shape, pieces) for n, (d, (shape, pieces)) in stage.dense_layout().items()}
         else:
             found = {n: (n, tuple(p.shape), whole) for n, p in stage.named_parameters(remove_duplicate=False)}
+            found.update(_expert_boxes(stage))
         for name, (dense, shape, pieces) in found.items():
             dense = f"{stage_name}.{dense}"
             if tied and dense == "head.weight":
                 dense = "embed.tok.weight"
             out[local + name] = (dense, shape, pieces)
     return out
+
+
+def _expert_boxes(stage: nn.Module) -> dict[str, tuple[str, tuple, Pieces]]:
+    """``{name: (name, dense shape, pieces)}`` of the stage's experts (all E of them when held whole)."""
+    return {f"{prefix}.{name}": (f"{prefix}.{name}", shape, pieces) for prefix, module in stage.named_modules()
+            if isinstance(module, Experts) for name, (shape, pieces) in module.dense_layout().items()}
 
 
 LocalState = tuple[dict[str, torch.Tensor], dict[str, dict[str, torch.Tensor]]]  # (parameters, optimizer state)

@@ -26,6 +26,7 @@ from parallel4d.config.rules import hetero as hetero_rules
 from parallel4d.config.schema import Config
 from parallel4d.distributed.mesh import Mesh
 from parallel4d.engine import grads
+from parallel4d.engine.experts import ExpertShards
 from parallel4d.engine.memory import SavedActivations, adam_state_bytes, optimizer_state_bytes, tensor_bytes
 from parallel4d.engine.model import TORCH_DTYPES, LocalModel
 from parallel4d.engine.state import LocalState
@@ -141,10 +142,11 @@ class PlainStore(ParameterStore):
     replica)."""
 
     def __init__(self, model: nn.Module, optimizer, mesh: Mesh, tied_params: list[nn.Parameter], *,
-                 cfg: Config, executor=None, defer_tied: bool = False):
+                 cfg: Config, executor=None, defer_tied: bool = False, experts: ExpertShards | None = None):
         super().__init__(model, optimizer, mesh, tied_params)
+        self.experts = experts  # expert parallelism: this rank's expert slices and their groups
         self.grad_sync = grads.gradient_buckets(self.params, mesh, cfg, executor,
-                                                deferred=self.tied_params if defer_tied else ())
+                                                deferred=self.tied_params if defer_tied else (), experts=experts)
 
     def start_gradient_reduction(self) -> None:
         if self.grad_sync is not None:
@@ -159,7 +161,7 @@ class PlainStore(ParameterStore):
             self.grad_sync.finish()
 
     def grad_norm(self) -> torch.Tensor:
-        return grads.global_grad_norm(self.params, self.mesh, {id(p) for p in self.tied_params})
+        return grads.global_grad_norm(self.params, self.mesh, {id(p) for p in self.tied_params}, self.experts)
 
     def scale_gradients(self, coef: torch.Tensor) -> None:
         grads = [p.grad for p in self.params if p.grad is not None]
@@ -324,11 +326,12 @@ class DataReplicas:
 
 
 def parameter_store(cfg: Config, mesh: Mesh, model: LocalModel, executor=None, tied_params=(),
-                    tied_sync=None) -> ParameterStore:
+                    tied_sync=None, experts: ExpertShards | None = None) -> ParameterStore:
     """The store ``cfg`` asks for over ``model`` (its optimizer built from ``optimizer.*`` with the
     dense names' parameter groups): hetero's chunks when ``hetero.enabled``, else plain.
     ``tied_sync``: the table tied across two pp ranks is summed between them at the step's end,
-    so its data-parallel reduction waits for that."""
+    so its data-parallel reduction waits for that. ``experts``: this rank's expert slices under expert
+    parallelism (:func:`~.experts.place_experts`; the plain store only: config/rules/moe.py)."""
     named = model.dense_named_parameters()
     if cfg.hetero.enabled:
         model, optimizer = hetero_wrap(model, cfg.optimizer, cfg.hetero, mesh=DataReplicas(mesh),
@@ -341,4 +344,4 @@ def parameter_store(cfg: Config, mesh: Mesh, model: LocalModel, executor=None, t
         return HeteroStore(model, optimizer, mesh, list(tied_params))
     optimizer = build_optimizer(named, cfg.optimizer, cfg.train.fused)
     return PlainStore(model, optimizer, mesh, list(tied_params), cfg=cfg, executor=executor,
-                      defer_tied=tied_sync is not None)
+                      defer_tied=tied_sync is not None, experts=experts)

@@ -127,7 +127,7 @@ def _say_starting(cfg: Config, device: str, threads: int) -> Callable[[], None]:
     says, once they have all joined the process group, how long that took."""
     n, p = cfg.world_size, cfg.parallel
     workers = f"{n} worker{'s' if n > 1 else ''}"
-    _say(f"starting {workers} (pp={p.pp} dp={p.dp} sp={p.sp} tp={p.tp}) on {device}, "
+    _say(f"starting {workers} ({p.sizes}) on {device}, "
          f"{threads} thread{'s' if threads > 1 else ''} each")
     t0 = time.monotonic()
     return lambda: _say(f"{workers} joined the process group in {time.monotonic() - t0:.1f}s; building the model")

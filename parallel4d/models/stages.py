@@ -95,9 +95,11 @@ class DenseModel(nn.Module):
     build_stage: Callable[..., nn.Module]
 
     @staticmethod
-    def auxiliary_loss(shape, state: State) -> torch.Tensor | None:
+    def auxiliary_loss(shape, state: State, sum_over_ranks=None) -> torch.Tensor | None:
         """What the family adds to a forward's token loss, from what its modules recorded in the forward's
-        ``state`` (mixtures of experts: the load-balancing loss); None: nothing (the default)."""
+        ``state`` (mixtures of experts: the load-balancing loss); None: nothing (the default).
+        ``sum_over_ranks``: sums the term's statistics over the ranks sharing the forward's batch (None: this
+        process holds all of it)."""
         return None
 
     def __init__(self, shape, seed: int = 0):

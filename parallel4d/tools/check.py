@@ -51,7 +51,7 @@ RUN = ["train.dtype=float64", "train.param_dtype=null", "train.autocast_dtype=nu
        "checkpoint.dir=null", "hetero.compute_device=cpu", "hetero.dynamic_budget=false",
        "model.dropout=0.0", "model.attention_dropout=null", "model.embedding_dropout=null"]
 # The reference: one process, none of the techniques (the model and the data as the check's)
-REFERENCE = ["parallel.pp=1", "parallel.dp=1", "parallel.sp=1", "parallel.tp=1", "pipeline.schedule=1f1b",
+REFERENCE = ["parallel.pp=1", "parallel.dp=1", "parallel.sp=1", "parallel.tp=1", "parallel.ep=1", "pipeline.schedule=1f1b",
              "pipeline.waves=1", "pipeline.split_backward=false", "pipeline.hop_cost=null",
              "sequence.ulysses=1", "hetero.enabled=false", "train.activation_checkpointing=none"]
 
@@ -390,7 +390,7 @@ def _where(cfg: Config, name: str) -> str:
 def format_report(path, plan: Plan, outcome: Outcome) -> list[str]:
     """The table ``parallel4d check`` prints."""
     c, p = plan.cfg, plan.cfg.parallel
-    lines = [f"parallel4d check {path}: {c.world_size} ranks (pp={p.pp} dp={p.dp} sp={p.sp} tp={p.tp}), "
+    lines = [f"parallel4d check {path}: {c.world_size} ranks ({p.sizes}), "
              f"{c.train.steps} steps in float64 on CPU against one process",
              f"  model {c.model.arch}: layers={c.model.layers} hidden={c.model.hidden} heads={c.model.heads}"
              + (f" kv_heads={c.model.kv_heads}" if c.model.kv_heads else "")

@@ -78,8 +78,9 @@ def _cmd_validate(args) -> int:
     cfg = load_config(args.config, args.overrides)
     check_job(cfg, not under_torchrun(), _device_type(cfg), args.config)
     print(cfg.shown_yaml(), end="")  # model: only the fields its family reads
-    print(f"# world size: {cfg.world_size} = pp·dp·sp·tp = {cfg.parallel.pp}·{cfg.parallel.dp}·"
-          f"{cfg.parallel.sp}·{cfg.parallel.tp}")
+    p = cfg.parallel
+    print(f"# world size: {cfg.world_size} = pp·dp·sp·tp = {p.pp}·{p.dp}·{p.sp}·{p.tp}"
+          + (f"; experts split over ep={p.ep} of the dp·sp = {p.dp * p.sp} data-replica ranks" if p.ep > 1 else ""))
     return 0
 
 
@@ -110,7 +111,7 @@ def _cmd_plan(args) -> int:
     micro = cfg.data.batch_size // (p.dp * q * cfg.pipeline.microbatches)
     seq = m.seq_len // p.sp
     capacity = parse_bytes(args.gpus_memory) if args.gpus_memory else None
-    print(f"world size      {cfg.world_size}  (pp={p.pp} dp={p.dp} sp={p.sp} tp={p.tp} → q={q})")
+    print(f"world size      {cfg.world_size}  ({p.sizes} → q={q})")
     print(f"mesh shape      (pp, dp, sp, tp_row, tp_col) = ({p.pp}, {p.dp}, {p.sp}, {q}, {q})")
     print(f"model           {m.layers} layers, hidden {m.hidden}, {m.heads} heads, vocab {m.vocab_size}, seq {m.seq_len}")
     print(f"pipeline        {cfg.pipeline.schedule}, {cfg.pipeline.num_chunks(p.pp)} chunks, "

@@ -1,6 +1,6 @@
 """Mixture-of-experts rules (``model.num_experts`` and the fields beside it): what the router and the
-layer selection need, the MoE fields set on a dense model, and the layouts MoE layers do not run in
-yet (one process only, issue 48's first part: expert parallelism over ranks comes with its second).
+layer selection need, the MoE fields set on a dense model, ``parallel.ep`` (experts over data-replica
+ranks) and the layouts MoE layers do not run in yet (data, sequence and expert ranks only, for now).
 
 Torch-free; ``models/llama/spec.py`` calls :func:`field_problems` among its rules, ``config/checks.py``
 :func:`layout_problems` among the cross-field rules.
@@ -8,7 +8,10 @@ Torch-free; ``models/llama/spec.py`` calls :func:`field_problems` among its rule
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING
+
+from parallel4d.config.rules.common import closest, divisors, or_list
 
 if TYPE_CHECKING:  # annotations only: the schema imports the rules
     from parallel4d.config.schema import Config, ModelConfig
@@ -44,29 +47,57 @@ def field_problems(m: ModelConfig) -> list[str]:
     return out
 
 
+def ep_problems(cfg: Config) -> list[str]:
+    """``parallel.ep``: an MoE model's experts split over ``ep`` of the ``dp·sp`` data-replica ranks, so
+    ``ep`` divides ``dp·sp`` and the expert count, and is at most that count. The fix: the nearest ep
+    that divides both (a divisor of their gcd)."""
+    p, e = cfg.parallel, cfg.model.num_experts
+    if p.ep == 1:
+        return []
+    if not e:
+        return [f"parallel.ep={p.ep} with model.num_experts=0 (no mixture-of-experts layers) has no experts to "
+                "split; use parallel.ep=1, or an MoE model (model.num_experts > 0, model.arch=llama)"]
+    replicas = p.dp * p.sp
+    fits = or_list(closest(divisors(math.gcd(replicas, e)), p.ep))
+    if replicas % p.ep:
+        return [f"parallel.ep={p.ep} does not divide parallel.dp × parallel.sp = {p.dp} × {p.sp} = {replicas} "
+                f"(the expert-parallel ranks are drawn from the data-replica ranks); use parallel.ep={fits}, or "
+                f"dp·sp a multiple of {p.ep}"]
+    if p.ep > e:
+        return [f"parallel.ep={p.ep} is more than model.num_experts={e}: each expert-parallel rank holds at least "
+                f"one whole expert; use parallel.ep={fits}"]
+    if e % p.ep:
+        return [f"parallel.ep={p.ep} does not split model.num_experts={e} experts evenly over its ranks; use "
+                f"parallel.ep={fits}"]
+    return []
+
+
+#: what MoE layers do not compose with yet, and the fix of each
+_NOT_YET = "pipelines, the 2D grid, hetero, DeepSpeed and compiled blocks come later"
+
+
 def layout_problems(cfg: Config, family_has_moe: bool) -> list[str]:
     """MoE fields on a dense model (``num_experts: 0``, any family), MoE layers in a family that has none
-    (``family_has_moe``: the family reads ``num_experts``), or in a layout they do not run in yet: one
-    process, no hetero, no DeepSpeed, no compiled blocks."""
+    (``family_has_moe``: the family reads ``num_experts``), ``parallel.ep`` (:func:`ep_problems`), or MoE
+    layers in a layout they do not run in yet: data and sequence ranks (dp, sp, ep) only — no pp, no tp,
+    no hetero, DeepSpeed or compiled blocks."""
     m = cfg.model
     if not m.num_experts:
         stray = _set_fields(m)
-        return [f"{', '.join(stray)} with model.num_experts=0 (no MoE layers) is read by nothing; set "
-                "model.num_experts to the routed experts per MoE layer (model.arch=llama), or remove them"] \
-            if stray else []
+        return ([f"{', '.join(stray)} with model.num_experts=0 (no MoE layers) is read by nothing; set "
+                 "model.num_experts to the routed experts per MoE layer (model.arch=llama), or remove them"]
+                if stray else []) + ep_problems(cfg)
     if not family_has_moe:
         return [f"model.num_experts={m.num_experts} with model.arch={m.arch}: only the llama family has "
                 "mixture-of-experts layers; use model.arch=llama, or model.num_experts=0"]
     p = cfg.parallel
-    wide = [f"parallel.{a}={getattr(p, a)}" for a in ("pp", "dp", "sp", "tp") if getattr(p, a) > 1]
-    other = ([f"hetero.enabled=true"] if cfg.hetero.enabled else []) + \
-        (["a deepspeed: section"] if cfg.deepspeed is not None else []) + \
-        ([f"train.compile={cfg.train.compile}"] if cfg.train.compile != "none" else [])
-    if not wide + other:
-        return []
-    fix = ", ".join([f"parallel.{w.split('=')[0].split('.')[1]}=1" for w in wide] +
-                    ["hetero.enabled=false" for o in other if o.startswith("hetero")] +
-                    ["remove the deepspeed: section" for o in other if o.startswith("a deepspeed")] +
-                    ["train.compile=none" for o in other if o.startswith("train.compile")])
-    return [f"model.num_experts={m.num_experts} (mixture-of-experts layers) runs in one process only for now "
-            f"(expert parallelism and the other axes come later), not with {', '.join(wide + other)}; use {fix}"]
+    wide = [(f"parallel.{a}={getattr(p, a)}", f"parallel.{a}=1") for a in ("pp", "tp") if getattr(p, a) > 1]
+    other = ([("hetero.enabled=true", "hetero.enabled=false")] if cfg.hetero.enabled else []) + \
+        ([("a deepspeed: section", "remove the deepspeed: section")] if cfg.deepspeed is not None else []) + \
+        ([(f"train.compile={cfg.train.compile}", "train.compile=none")] if cfg.train.compile != "none" else [])
+    out = ep_problems(cfg)
+    if wide + other:
+        out.append(f"model.num_experts={m.num_experts} (mixture-of-experts layers) runs over parallel.dp, "
+                   f"parallel.sp and parallel.ep for now ({_NOT_YET}), not with "
+                   f"{', '.join(w for w, _ in wide + other)}; use {', '.join(f for _, f in wide + other)}")
+    return out

@@ -243,10 +243,11 @@ def build_stage(shape: LlamaShape, index: int, seed: int = 0, tied_weight: nn.Pa
     return seeded_stage(shape, index, seed, tied_weight, meta, make_stage, init_weights)
 
 
-def moe_auxiliary_loss(shape: LlamaShape, state) -> torch.Tensor | None:
+def moe_auxiliary_loss(shape: LlamaShape, state, sum_over_ranks=None) -> torch.Tensor | None:
     """The load-balancing loss term of one forward (:func:`~parallel4d.models.moe.balance.auxiliary_loss`
-    over what its MoE layers recorded in ``state``); None for a dense model."""
-    return auxiliary_loss(shape.moe, state.routing)
+    over what its MoE layers recorded in ``state``; ``sum_over_ranks``: its statistics summed over the ranks
+    sharing the batch); None for a dense model."""
+    return auxiliary_loss(shape.moe, state.routing, sum_over_ranks)
 
 
 class Llama(DenseModel):

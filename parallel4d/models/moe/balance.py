@@ -64,11 +64,12 @@ def load_balancing_loss(loads: list[LayerLoad], num_experts: int,
     return num_experts * (counts * probs).sum() / (tokens * tokens)
 
 
-def auxiliary_loss(moe: MoeShape | None, routing: dict) -> torch.Tensor | None:
+def auxiliary_loss(moe: MoeShape | None, routing: dict,
+                   sum_over_ranks: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor | None:
     """What a family adds to one forward's token loss: ``router_aux_loss_coef · aux`` over the layers in
     ``routing`` (the forward State's ``{layer: LayerLoad}``), or None (no MoE layers, or
-    ``output_router_logits`` off, or nothing recorded)."""
+    ``output_router_logits`` off, or nothing recorded). ``sum_over_ranks``: as :func:`load_balancing_loss`'s."""
     if moe is None or not moe.output_router_logits or not routing:
         return None
     loads = [routing[layer] for layer in sorted(routing)]
-    return moe.aux_loss_coef * load_balancing_loss(loads, moe.num_experts)
+    return moe.aux_loss_coef * load_balancing_loss(loads, moe.num_experts, sum_over_ranks)

@@ -9,6 +9,9 @@ grouped matrix product can read them as they are; :func:`from_transformers_exper
 
 from __future__ import annotations
 
+import functools
+from typing import Callable
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -33,17 +36,41 @@ class Router(nn.Module):
 
 class Experts(nn.Module):
     """``E`` SwiGLU experts of width ``I``, each weight stacked along its first dimension ``E`` (under
-    expert parallelism, this rank's experts only): an :class:`~parallel4d.experts.ExpertFn`."""
+    expert parallelism, this rank's experts only: :attr:`held`, after :meth:`keep`): an
+    :class:`~parallel4d.experts.ExpertFn`."""
+
+    NAMES = ("gate_proj", "up_proj", "down_proj")
 
     def __init__(self, hidden: int, width: int, num_experts: int):
         super().__init__()
         self.gate_proj = nn.Parameter(torch.empty(num_experts, width, hidden))
         self.up_proj = nn.Parameter(torch.empty(num_experts, width, hidden))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, width))
+        self.num_experts, self.held = num_experts, range(num_experts)
 
     def forward(self, x, counts):
-        """Rows ``x`` ``[N, h]`` sorted by expert (``counts`` ``[E]`` each) → ``[N, h]``."""
+        """Rows ``x`` ``[N, h]`` sorted by expert (``counts`` ``[E_held]`` each) → ``[N, h]``."""
         return expert_ffn(x, counts, self.gate_proj, self.up_proj, self.down_proj)
+
+    def keep(self, experts: range) -> None:
+        """Keep only ``experts`` (a contiguous range of the ``E``, from the whole stacked weights this
+        module was built with, e.g. from the seed): new parameters of their rows, the rest freed."""
+        for name in self.NAMES:
+            whole = getattr(self, name)
+            setattr(self, name, nn.Parameter(whole.detach()[experts.start:experts.stop].clone(),
+                                             requires_grad=whole.requires_grad))
+        self.held = range(self.held.start + experts.start, self.held.start + experts.stop)
+
+    def dense_layout(self) -> dict[str, tuple[tuple[int, ...], Callable]]:
+        """``{name: (the stacked shape of all E experts, pieces)}``: this rank's experts are one box of
+        each dense tensor, at row :attr:`held`'s start along ``E`` (the checkpoints' layout-free format)."""
+        return {name: ((self.num_experts, *getattr(self, name).shape[1:]),
+                       functools.partial(_rows_from, self.held.start)) for name in self.NAMES}
+
+
+def _rows_from(first: int, t: torch.Tensor) -> list[tuple[tuple[int, ...], torch.Tensor]]:
+    """Pieces of a tensor that is rows ``first..`` of its dense tensor (along dim 0)."""
+    return [((first,) + (0,) * (t.dim() - 1), t)]
 
 
 class SparseMoE(ReadsContext):
@@ -64,6 +91,12 @@ class SparseMoE(ReadsContext):
             self.shared_expert = shared_expert
             self.shared_expert_gate = nn.Linear(hidden, 1, bias=False)
         self.has_shared = shared_expert is not None
+
+    def place_experts(self, dispatcher: Dispatcher) -> None:
+        """Dispatch through ``dispatcher`` and keep only its experts (``dispatcher.experts``) of the whole
+        stacked weights built here (:meth:`Experts.keep`)."""
+        self.dispatcher = dispatcher
+        self.experts.keep(dispatcher.experts)
 
     def forward(self, x):
         shape = x.shape

@@ -54,6 +54,8 @@ def expert_ffn(x: torch.Tensor, counts: torch.Tensor, gate_proj: torch.Tensor, u
     device) where :func:`grouped_usable` says torch has them for these tensors, else a loop over the
     experts (:func:`looped_ffn`: one host read of ``counts``, one product per expert with rows). Both
     compute the same products; float64 (the exactness tests) always loops."""
+    if x.shape[0] == 0:  # (the grouped product's backward refuses empty operands)
+        return no_rows(x, down_proj)
     if grouped_usable(x, gate_proj, down_proj):
         return grouped_ffn(x, counts, gate_proj, up_proj, down_proj)
     return looped_ffn(x, counts, gate_proj, up_proj, down_proj)
@@ -67,7 +69,13 @@ def looped_ffn(x, counts, gate_proj, up_proj, down_proj) -> torch.Tensor:
             rows = x[start:start + n]
             out.append(F.linear(F.silu(F.linear(rows, gate_proj[e])) * F.linear(rows, up_proj[e]), down_proj[e]))
             start += n
-    return torch.cat(out) if out else x.new_zeros((0, down_proj.shape[1]))
+    return torch.cat(out) if out else no_rows(x, down_proj)
+
+
+def no_rows(x: torch.Tensor, down_proj: torch.Tensor) -> torch.Tensor:
+    """``[0, h]`` for a rank whose experts got no row, still computed from ``x``: a backward through ``x``
+    (an expert-parallel rank's all-to-alls, which its peers run too) must reach this rank as well."""
+    return F.linear(x, x.new_zeros(down_proj.shape[1], x.shape[1]))
 
 
 def grouped_ffn(x, counts, gate_proj, up_proj, down_proj) -> torch.Tensor:

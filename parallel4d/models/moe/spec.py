@@ -52,6 +52,11 @@ def sparse_layers(moe: MoeShape | None, layers: int) -> list[int]:
     return [] if moe is None else [i for i in range(layers) if moe.is_sparse(i)]
 
 
+def expert_parameters(moe: MoeShape | None, hidden: int, layers: int) -> int:
+    """Every routed expert's SwiGLU over the model's MoE layers: what ``parallel.ep`` splits (``3·h·I·E`` per layer)."""
+    return len(sparse_layers(moe, layers)) * moe.num_experts * 3 * hidden * moe.expert_width if moe else 0
+
+
 def layer_matrices(moe: MoeShape, hidden: int) -> tuple[int, int]:
     """``(parameters, active)`` of one MoE layer's matrices: every expert's SwiGLU ``3·h·I`` (``k`` of them
     per token), the router ``h·E``, the shared expert ``3·h·I_s`` and its gate ``h`` (both per token)."""

@@ -1,0 +1,226 @@
+"""``parallel.ep`` in the engine (#48.2): an MoE llama's experts split over ep of the dp·sp data-replica
+ranks, trained in float64 on 4 gloo workers, equal to one process on the whole batch — every loss
+(1e-10) and every parameter after 3 AdamW steps with clipping (1e-9) — with the load-balancing loss
+on (its statistics summed over the data replicas) and with packed documents; a checkpoint saved at
+ep=2 resumed at ep=1, ep=4 and dp=4 (experts saved as boxes of the stacked tensors, any layout loads them);
+and a Qwen3-MoE directory loaded at ep=2, each rank reading its experts only.
+
+Layouts: dp=2 × sp=2 at ep 1 (experts replicated, reduced as dense weights), 2 and 4, and dp=4 at ep=2.
+One micro-batch per step: the auxiliary loss is a forward's, and the one-process forward is then the
+whole batch (with m micro-batches the layout's micro-batch ``i`` is every replica's ``i``-th share).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from conftest import run_workers
+import torch.nn.functional as F
+
+from parallel4d.data.packing import IGNORE, boundary_targets, document_starts
+from parallel4d.models.moe.balance import load_balancing_loss
+from test_llama import check_pieces, dense_run
+from test_packed_training import EOD
+
+BASE = {"model": {"arch": "llama", "vocab_size": 16, "seq_len": 16, "hidden": 32, "heads": 4, "kv_heads": 2,
+                  "layers": 3, "intermediate_size": 40, "num_experts": 4, "num_experts_per_tok": 2,
+                  "moe_intermediate_size": 16, "shared_expert_intermediate_size": 24, "mlp_only_layers": [1],
+                  "output_router_logits": True, "router_aux_loss_coef": 0.5},
+        "data": {"source": "synthetic", "batch_size": 8},
+        "optimizer": {"lr": 0.02, "warmup_steps": 1, "weight_decay": 0.1, "schedule": "cosine", "min_lr": 0.002},
+        "train": {"steps": 3, "dtype": "float64", "grad_clip": 0.05, "timeout_s": 60}}
+
+
+def _job(parallel: dict, **sections) -> dict:
+    """BASE at ``parallel``; ``sections`` replace BASE's (``train`` is merged into it)."""
+    return {**BASE, "parallel": parallel, **sections, "train": {**BASE["train"], **sections.get("train", {})}}
+
+
+PACKED = "dp=2 × sp=2, ep=2, packed documents"
+ACCUMULATED = "dp=2 × sp=2, ep=2, 2 micro-batches, blocks recomputed"
+LAYOUTS = {
+    "dp=2 × sp=2, ep=1": _job({"dp": 2, "sp": 2}),
+    "dp=2 × sp=2, ep=2": _job({"dp": 2, "sp": 2, "ep": 2}),
+    "dp=2 × sp=2, ep=4": _job({"dp": 2, "sp": 2, "ep": 4}),
+    "dp=4, ep=2": _job({"dp": 4, "ep": 2}),
+    ACCUMULATED: _job({"dp": 2, "sp": 2, "ep": 2}, pipeline={"microbatches": 2},
+                      train={"activation_checkpointing": "blocks"}),
+    PACKED: _job({"dp": 2, "sp": 2, "ep": 2},  # 4 rows: the reference runs each document alone
+                 data={**BASE["data"], "batch_size": 4, "packing": "documents", "eod_token": EOD}),
+}
+EVAL_BATCH = 50  # a batch no step trained on, evaluated after the resumed step
+# a checkpoint at step 2 of ep=2 (dp=2 × sp=2), resumed for step 3 in each of these
+RESUMED = {"ep=1": {"dp": 2, "sp": 2}, "ep=4": {"dp": 2, "sp": 2, "ep": 4}, "dp=4, ep=2": {"dp": 4, "ep": 2}}
+
+
+def pretrained_job(directory: str, parallel: dict) -> dict:
+    """``model.pretrained`` (a Qwen3-MoE directory) evaluated in float64 at ``parallel``."""
+    return {"model": {"pretrained": directory, "seq_len": 16}, "parallel": parallel,
+            "data": {"source": "synthetic", "batch_size": 4}, "train": {"dtype": "float64", "timeout_s": 60}}
+
+
+def evaluate_pretrained(directory: str, parallel: dict) -> tuple[float, int]:
+    """``(the evaluated loss of batch 0, the bytes this rank read from the directory)``."""
+    from parallel4d.config.load import make_config
+    from parallel4d.data.batches import build_dataset
+    from parallel4d.distributed.mesh import init_mesh
+    from parallel4d.engine.compose import compose
+
+    cfg = make_config(pretrained_job(directory, parallel))
+    p = cfg.parallel
+    mesh = init_mesh(dp=p.dp, sp=p.sp, timeout_s=60)
+    engine = compose(cfg, mesh)
+    loss = float(engine.evaluate(*build_dataset(cfg).batch(0)))
+    read = engine.pretrained_bytes_read
+    engine.close()
+    mesh.close()
+    return loss, read
+
+
+def _train(jobs: dict, tmp: str, pretrained: str | None) -> dict:
+    """On every rank: each job's losses and this rank's pieces of every dense parameter (test_llama's
+    format); then ep=2 saved at step 2 and resumed under each of :data:`RESUMED` for step 3; and the
+    ``pretrained`` directory (None: transformers is missing) evaluated at ep=2."""
+    from test_llama import train_layouts
+
+    from parallel4d.config.load import make_config
+    from parallel4d.data.batches import build_dataset
+    from parallel4d.distributed.mesh import init_mesh
+    from parallel4d.engine.compose import compose
+    from parallel4d.training.checkpoints import load_checkpoint, save_checkpoint
+
+    out = train_layouts(jobs)
+
+    def engine_of(parallel):
+        cfg = make_config(_job(parallel))
+        mesh = init_mesh(dp=cfg.parallel.dp, sp=cfg.parallel.sp, timeout_s=60)
+        return cfg, mesh, compose(cfg, mesh), build_dataset(cfg)
+
+    cfg, mesh, engine, data = engine_of({"dp": 2, "sp": 2, "ep": 2})
+    for step in range(2):
+        engine.train_step(*data.batch(step))
+    save_checkpoint(engine, cfg, root=f"{tmp}/checkpoints")
+    engine.close()
+    mesh.close()
+    for name, parallel in RESUMED.items():
+        cfg, mesh, engine, data = engine_of(parallel)
+        load_checkpoint(engine, f"{tmp}/checkpoints")
+        loss = float(engine.train_step(*data.batch(engine.step)))
+        pieces = {k[len("model."):]: [(tuple(off), view.detach().clone()) for off, view in v.pieces]
+                  for k, v in engine.state_dict().items() if k.startswith("model.")}
+        out[f"resumed {name}"] = [loss], pieces
+        out[f"evaluated {name}"] = float(engine.evaluate(*data.batch(EVAL_BATCH)))
+        engine.close()
+        mesh.close()
+    if pretrained is not None:
+        out["pretrained"] = evaluate_pretrained(pretrained, {"dp": 2, "sp": 2, "ep": 2})
+    return out
+
+
+@pytest.fixture(scope="module")
+def qwen3_moe(tmp_path_factory) -> str | None:
+    """A tiny Qwen3-MoE directory transformers saved (4 experts, top-2, auxiliary loss on); None without
+    transformers."""
+    try:
+        from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+    except ImportError:
+        return None
+    torch.manual_seed(0)
+    model = Qwen3MoeForCausalLM(Qwen3MoeConfig(
+        vocab_size=61, hidden_size=32, intermediate_size=40, num_attention_heads=4, num_key_value_heads=2,
+        num_hidden_layers=2, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=12,
+        max_position_embeddings=64, initializer_range=0.2, tie_word_embeddings=False, output_router_logits=True,
+        router_aux_loss_coef=0.5, bos_token_id=None, eos_token_id=None, pad_token_id=None))
+    out = tmp_path_factory.mktemp("qwen3_moe")
+    model.save_pretrained(out)
+    return str(out)
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, qwen3_moe):
+    return run_workers(_train, 4, LAYOUTS, str(tmp_path_factory.mktemp("ep")), qwen3_moe, timeout_s=300)
+
+
+@functools.cache
+def one_process(name: str | None = None):
+    """The dense model on the whole batch in this process (the layout changes nothing: one run for all);
+    with packed documents each document alone (tests/test_packed_training.py's reference), the
+    load-balancing loss over every document's tokens; with 2 micro-batches (over dp = 2) micro-batch i is
+    each data replica's i-th half of its rows, one forward each."""
+    if name == PACKED:
+        return dense_run(LAYOUTS[PACKED], loss_of=documents_and_balance)
+    if name == ACCUMULATED:
+        return dense_run(LAYOUTS[ACCUMULATED], loss_of=replicas_microbatches)
+    return dense_run(BASE)
+
+
+def replicas_microbatches(model, tokens, targets, step):
+    """Micro-batch i of 2 over dp = 2 replicas of 4 rows each: rows ``4d + 2i`` and ``4d + 2i + 1`` of each
+    replica d, weighing 1/2."""
+    halves = [[4 * d + 2 * i + j for d in range(2) for j in range(2)] for i in range(2)]
+    return sum(model(tokens[rows], targets[rows], step=step) for rows in halves) / 2
+
+
+def documents_and_balance(model, tokens, targets, step):
+    """The batch's mean token loss with every document run on its own, plus ``router_aux_loss_coef`` × the
+    load-balancing loss of the statistics of all those forwards together (one forward's, as the packed one)."""
+    targets = boundary_targets(tokens, targets, EOD)
+    total, loads = 0.0, []
+    for row, starts in enumerate(document_starts(tokens, EOD)):
+        cuts = starts.nonzero().flatten().tolist() + [tokens.shape[1]]
+        for lo, hi in zip(cuts, cuts[1:]):
+            logits, state = model.run(tokens[row:row + 1, lo:hi])
+            loads += [state.routing[i] for i in sorted(state.routing)]
+            total = total + F.cross_entropy(logits[0], targets[row, lo:hi], ignore_index=IGNORE, reduction="sum")
+    moe, tokens_loss = model.shape.moe, total / int((targets != IGNORE).sum())
+    if not moe.output_router_logits:
+        return tokens_loss
+    return tokens_loss + moe.aux_loss_coef * load_balancing_loss(loads, moe.num_experts)
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_experts_over_data_and_sequence_ranks_train_as_one_process(trained, name):
+    """Losses (cross entropy + 0.5 × the load-balancing loss) 1e-10, every parameter after 3 steps 1e-9;
+    each rank's expert pieces are its slice of the one-process stacked tensors."""
+    want_losses, want = one_process(name if name in (PACKED, ACCUMULATED) else None)
+    assert want_losses[1] < want_losses[0]
+    check_pieces(trained, name, want_losses, want)
+    ep = LAYOUTS[name]["parallel"].get("ep", 1)
+    rows = {off[0] for _, pieces in [r[name] for r in trained] for off, t in pieces["blocks.0.mlp.experts.gate_proj"]}
+    assert rows == set(range(0, 4, 4 // ep))  # ep boxes of E/ep experts each
+
+
+@pytest.mark.parametrize("name", list(RESUMED))
+def test_a_checkpoint_saved_at_ep_2_resumes_under_another_layout(trained, name):
+    """Step 3 after resuming ep=2's step-2 checkpoint: the straight one-process run's loss and parameters;
+    then the evaluation of another batch (forwards only, the auxiliary loss's statistics summed over the
+    replicas there too) is the one-process model's loss on it."""
+    from parallel4d.config.load import make_config
+    from parallel4d.data.batches import build_dataset
+    from parallel4d.engine.model import model_shape
+    from parallel4d.models.build import build_dense
+
+    want_losses, want = one_process()
+    check_pieces(trained, f"resumed {name}", want_losses[2:], want)
+    cfg = make_config(BASE)
+    model = build_dense(model_shape(cfg)).double()
+    model.load_state_dict(want)
+    with torch.no_grad():
+        evaluated = float(model(*build_dataset(cfg).batch(EVAL_BATCH)))
+    assert all(abs(r[f"evaluated {name}"] - evaluated) <= 1e-10 * evaluated for r in trained)
+
+
+def test_a_pretrained_moe_directory_loads_each_ranks_experts_only(trained, qwen3_moe, single_rank):
+    """model.pretrained at dp=2 × sp=2, ep=2: every rank evaluates one process's loss (1e-10) having read
+    the directory but for the other rank's experts (its 2 of the 4 of each layer)."""
+    if qwen3_moe is None:
+        pytest.skip("transformers (the hf extra) writes the directory")
+    whole, whole_read = evaluate_pretrained(qwen3_moe, {})
+    experts_bytes = 2 * 4 * 3 * 32 * 12 * 4  # 2 layers × 4 experts × 3 float32 [12, 32] matrices
+    for loss, read in (r["pretrained"] for r in trained):
+        assert abs(loss - whole) <= 1e-10 * whole
+        assert whole_read - read == experts_bytes // 2
+
