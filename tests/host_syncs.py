@@ -9,7 +9,7 @@ package or test code that made it:
 
 * a read of a device tensor's value on the host: ``.item()``, ``.tolist()``, ``.numpy()``,
   ``float(t)`` / ``int(t)`` / ``bool(t)`` (``if t:``) / ``operator.index(t)``, formatting or printing
-  it, ``x in t``, and the ops whose result's size or answer depends on values (``nonzero``,
+  it, ``x in t``, and the ops whose result's size or answer depends on values (``nonzero``, ``bincount``,
   ``masked_select``, ``unique``, one-argument ``where``, ``equal``, ``allclose``, a boolean mask
   index);
 * a blocking copy between device and host: ``.cpu()`` / ``.to("cpu")`` / ``.numpy()`` /
@@ -61,7 +61,7 @@ _REPO_DIRS = tuple(os.path.join(ROOT, d) + os.sep for d in ("parallel4d", "tests
 # Tensor methods and torch functions that read a tensor's values on the host.
 READS = {"item", "tolist", "numpy", "__float__", "__int__", "__bool__", "__index__", "__complex__", "__format__",
          "__repr__", "__str__", "__array__", "__contains__", "nonzero", "masked_select", "unique",
-         "unique_consecutive", "argwhere", "equal", "allclose", "is_nonzero"}
+         "unique_consecutive", "argwhere", "equal", "allclose", "is_nonzero", "bincount"}
 OBJECT_COLLECTIVES = ("all_gather_object", "broadcast_object_list", "gather_object", "scatter_object_list",
                       "send_object_list", "recv_object_list", "barrier", "monitored_barrier")
 

@@ -100,8 +100,11 @@ def _train(jobs: dict, tmp: str, pretrained: str | None) -> dict:
         return cfg, mesh, compose(cfg, mesh), build_dataset(cfg)
 
     cfg, mesh, engine, data = engine_of({"dp": 2, "sp": 2, "ep": 2})
+    out["router"] = []  # each step's auxiliary loss and expert load, as metrics.jsonl gets them
     for step in range(2):
         engine.train_step(*data.batch(step))
+        report = engine.router_load()
+        out["router"].append((float(report["aux_loss"]), report["expert_load"].tolist()))
     save_checkpoint(engine, cfg, root=f"{tmp}/checkpoints")
     engine.close()
     mesh.close()
@@ -191,6 +194,34 @@ def test_experts_over_data_and_sequence_ranks_train_as_one_process(trained, name
     ep = LAYOUTS[name]["parallel"].get("ep", 1)
     rows = {off[0] for _, pieces in [r[name] for r in trained] for off, t in pieces["blocks.0.mlp.experts.gate_proj"]}
     assert rows == set(range(0, 4, 4 // ep))  # ep boxes of E/ep experts each
+
+
+def router_reference(steps: int) -> list[tuple[float, list[float]]]:
+    """One process on the whole batch: each step's ``router_aux_loss_coef`` × load-balancing loss and each
+    expert's share of the picks over every MoE layer."""
+    reports = []
+
+    def loss_of(model, tokens, targets, step):
+        logits, state = model.run(tokens)
+        loads = [state.routing[i] for i in sorted(state.routing)]
+        moe = model.shape.moe
+        aux = moe.aux_loss_coef * load_balancing_loss(loads, moe.num_experts)
+        picks = sum(load.counts for load in loads)
+        reports.append((float(aux), (picks / picks.sum()).tolist()))
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten()) + aux
+
+    dense_run({**BASE, "train": {**BASE["train"], "steps": steps}}, loss_of)
+    return reports
+
+
+def test_every_rank_reports_the_whole_batchs_auxiliary_loss_and_expert_load(trained):
+    """What metrics.jsonl gets at dp=2 × sp=2, ep=2 (``Engine.router_load``), on every rank: the one-process
+    auxiliary loss of the whole batch (1e-10) and each expert's share of its picks (exact fractions)."""
+    want = router_reference(2)
+    for rank in trained:
+        for (aux, load), (want_aux, want_load) in zip(rank["router"], want, strict=True):
+            assert aux == pytest.approx(want_aux, rel=1e-10)
+            assert load == pytest.approx(want_load, abs=1e-12) and sum(load) == pytest.approx(1.0)
 
 
 @pytest.mark.parametrize("name", list(RESUMED))

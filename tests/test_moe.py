@@ -394,3 +394,36 @@ def test_grouped_experts_compute_what_the_loop_computes_with_every_gradient(auto
     tol = {"rtol": 2e-2, "atol": 2e-2} if autocast else {"rtol": 1e-5, "atol": 1e-5}
     for grouped, looped in zip(*results):
         torch.testing.assert_close(grouped, looped, **tol)
+
+
+def test_metrics_summary_and_plot_report_the_auxiliary_loss_and_expert_load(tmp_path):
+    """A one-process MoE run (2 micro-batches, log every step): each metrics.jsonl record holds the step's
+    ``aux_loss`` — the loss minus the dense model's token loss on the same batch before the step, at the
+    first step — and ``expert_load`` (E shares summing to 1); summary.json's ``moe`` keeps the logged
+    auxiliary losses and the last load; ``parallel4d plot`` draws the router's row."""
+    import json
+
+    import torch.nn.functional as F
+
+    from conftest import run_in_this_process
+    from parallel4d.data.batches import build_dataset
+    from parallel4d.tools.plot import plot_run
+    from parallel4d.training.metrics import read_records
+
+    job = {**BASE, "train": {**BASE["train"], "steps": 2, "log_every": 1, "out_dir": str(tmp_path)},
+           "optimizer": {**BASE["optimizer"], "warmup_steps": 1},
+           "checkpoint": {"enabled": False}}
+    summary = run_in_this_process(job, [])
+    records = read_records(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in records] == [1, 2]
+    for r in records:
+        assert len(r["expert_load"]) == 4 and sum(r["expert_load"]) == pytest.approx(1.0)
+    cfg = make_config(job)
+    model, (x, y) = build_dense(shape_from_config(cfg.model), seed=cfg.train.seed).double(), build_dataset(cfg).batch(0)
+    token_loss = sum(F.cross_entropy(model.run(xm)[0].flatten(0, 1), ym.flatten()) for xm, ym in
+                     zip(x.chunk(2), y.chunk(2))) / 2
+    assert records[0]["aux_loss"] == pytest.approx(records[0]["loss"] - float(token_loss), rel=1e-9)
+    moe = json.loads((tmp_path / "summary.json").read_text())["moe"]
+    assert moe == summary["moe"] and [s for s, _ in moe["aux_loss"]] == [1, 2]
+    assert moe["expert_load"] == records[-1]["expert_load"]
+    assert plot_run(tmp_path).exists()

@@ -43,6 +43,8 @@ from parallel4d.engine.step import Engine
 from parallel4d.engine.store import parameter_store
 from parallel4d.models.build import build_stage, family
 from parallel4d.models.context import ForwardContext, attach
+from parallel4d.models.moe.balance import StepLoad
+from parallel4d.models.moe.spec import MoeShape
 from parallel4d.models.stages import cross_entropy, stage_names, with_auxiliary
 from parallel4d.optim.fused import use_fused_norms
 from parallel4d.pipeline import make_schedule, probe, simulate
@@ -86,7 +88,8 @@ def forward_context(cfg: Config, mesh: Mesh) -> ForwardContext:
     return ForwardContext(cfg.train.seed, _shard_positions(cfg, mesh))
 
 
-def build_stages(cfg: Config, mesh: Mesh, wanted=None, untie: bool = False, context: ForwardContext | None = None):
+def build_stages(cfg: Config, mesh: Mesh, wanted=None, untie: bool = False, context: ForwardContext | None = None,
+                 load: StepLoad | None = None):
     """``(stages, loss_fn)``: ``{stage index: module}`` for the stages in ``wanted``
     (default: all) in this rank's layout, and the loss function.
 
@@ -145,10 +148,19 @@ def build_stages(cfg: Config, mesh: Mesh, wanted=None, untie: bool = False, cont
         stages[0] = PositionedEmbedding(stages[0], positions)
     for stage in stages.values():
         attach(stage, context)
-    return stages, _loss(cfg, mesh, context)
+    return stages, _loss(cfg, mesh, context, load)
 
 
-def _loss(cfg: Config, mesh: Mesh, context: ForwardContext):
+def step_load(cfg: Config, mesh: Mesh) -> StepLoad | None:
+    """Where a step's MoE layers report their load and auxiliary loss (:class:`StepLoad`): an MoE model whose
+    layers record their routing (``model.output_router_logits``); else None."""
+    moe = MoeShape.of(cfg.model)
+    if moe is None or not moe.output_router_logits:
+        return None
+    return StepLoad(moe.num_experts, cfg.pipeline.microbatches, mesh.device)
+
+
+def _loss(cfg: Config, mesh: Mesh, context: ForwardContext, load: StepLoad | None = None):
     """The token loss: the mean over this rank's data (the grid's under tp), or, with packed documents,
     the sum times the forward's ``loss_weight`` (:func:`~.batch.packed_step`); plus the family's auxiliary
     loss of the forward (what its modules recorded in the context's state: MoE's load balancing) over the
@@ -163,7 +175,7 @@ def _loss(cfg: Config, mesh: Mesh, context: ForwardContext):
         def token_loss(logits, targets):
             return summed(logits, targets) * context.packed.loss_weight
 
-    auxiliary = _auxiliary_over_replicas(cfg, mesh, context)
+    auxiliary = _auxiliary_over_replicas(cfg, mesh, context, load)
 
     def loss(logits, targets):
         return with_auxiliary(token_loss(logits, targets), auxiliary())
@@ -171,7 +183,7 @@ def _loss(cfg: Config, mesh: Mesh, context: ForwardContext):
     return loss
 
 
-def _auxiliary_over_replicas(cfg: Config, mesh: Mesh, context: ForwardContext):
+def _auxiliary_over_replicas(cfg: Config, mesh: Mesh, context: ForwardContext, load: StepLoad | None = None):
     """``() → the family's auxiliary loss term of the forward now in context`` (None: none), as this data
     replica adds it to its token loss. The micro-batch's tokens are spread over the ``R = dp·sp`` data
     replicas: the load statistics are summed over them (``sum_over_ranks``: one all-reduce of ``E + 1``
@@ -182,17 +194,23 @@ def _auxiliary_over_replicas(cfg: Config, mesh: Mesh, context: ForwardContext):
     the whole micro-batch's auxiliary loss, and the averaged gradient the one-process one."""
     shape, auxiliary = model_shape(cfg), family(cfg.model.arch).model_type.auxiliary_loss
     replicas = mesh.size("dp") * mesh.size("sp")
-    if replicas == 1:
-        return lambda: auxiliary(shape, context.state)
-    group = mesh.group_over("dp", "sp")
+    group = mesh.group_over("dp", "sp") if replicas > 1 else None
 
     def summed(totals: torch.Tensor) -> torch.Tensor:
-        comm.all_reduce(totals, group, stats=mesh.comm_stats, label="moe.balance")
+        if group is not None:
+            comm.all_reduce(totals, group, stats=mesh.comm_stats, label="moe.balance")
+        if load is not None:
+            load.add_totals(totals)
         return totals
 
     def share():
         term = auxiliary(shape, context.state, sum_over_ranks=summed)
-        return None if term is None else term * replicas
+        if term is None:
+            return None
+        term = term * replicas if replicas > 1 else term
+        if load is not None:
+            load.add_term(term)
+        return term
 
     return share
 
@@ -350,17 +368,18 @@ def compose(cfg: Config, mesh: Mesh) -> Engine:
     executor = tied_sync = order = None
     tied_params: list = []
     context = forward_context(cfg, mesh)
+    load = step_load(cfg, mesh)  # the MoE layers' load and auxiliary loss for metrics.jsonl (None: no MoE)
     if cfg.parallel.pp > 1:
         stages, executor, tied_sync, tied_params, order = build_pipeline(cfg, mesh, context=context)
         loss_fn = executor.loss_fn
     else:
-        stages, loss_fn = build_stages(cfg, mesh, context=context)
+        stages, loss_fn = build_stages(cfg, mesh, context=context, load=load)
     experts = place_experts(cfg, mesh, stages)  # parallel.ep: this rank's experts only, before layouts and optimizer
     model = local_model(cfg, stages)
     dense, local = model.dense, model.stages()
     store = parameter_store(cfg, mesh, model, executor, tied_params, tied_sync, experts)  # hetero's chunks or plain
     engine = Engine(cfg, mesh, store, loss_fn, list(local.values()), executor=executor, tied_sync=tied_sync,
-                    dense=dense, context=context, pipeline_order=order)
+                    dense=dense, context=context, pipeline_order=order, load=load)
     engine.pretrained_bytes_read = model.pretrained_bytes_read
     return engine
 

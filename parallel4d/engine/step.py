@@ -22,6 +22,7 @@ from parallel4d.engine.state import checkpoint_keys, dense_state_dict, local_sta
 from parallel4d.engine.store import ParameterStore
 from parallel4d.engine.trainer import Trainer
 from parallel4d.models.context import Draw, ForwardContext, Packed, State
+from parallel4d.models.moe.balance import StepLoad
 from parallel4d.optim.loss_scale import LossScale
 from parallel4d.optim.optimizer import lr_at
 
@@ -31,7 +32,8 @@ class Engine(Trainer):
     :class:`~parallel4d.engine.trainer.Trainer` contract), over its :class:`~.store.ParameterStore`."""
 
     def __init__(self, cfg: Config, mesh: Mesh, store: ParameterStore, loss_fn, stages, *, executor=None,
-                 tied_sync=None, dense=None, context: ForwardContext | None = None, pipeline_order: dict | None = None):
+                 tied_sync=None, dense=None, context: ForwardContext | None = None, pipeline_order: dict | None = None,
+                 load: StepLoad | None = None):
         self.cfg, self.mesh, self.store = cfg, mesh, store
         # what the stages read besides their input: each forward's dropout draw (training only) and packed documents
         self.context = context if context is not None else ForwardContext(cfg.train.seed)
@@ -62,6 +64,8 @@ class Engine(Trainer):
         self.last_step_skipped: torch.Tensor | None = None  # float16: bool [], whether the last step was skipped
         self.memory: dict | None = None  # what the last step asked to measure held (memory.py's rules)
         self.pretrained_bytes_read: int | None = None  # compose() sets it when model.pretrained is loaded
+        self.load = load  # MoE: the step's expert load and auxiliary loss (what the loss function adds to it)
+        self.last_aux_loss: torch.Tensor | None = None  # MoE: the last step's auxiliary loss, float64 [], see train_step
 
     # --- data ---------------------------------------------------------------------
     def data_rows(self) -> range:
@@ -217,6 +221,8 @@ class Engine(Trainer):
         the device. ``measure_memory``: fill :attr:`memory` (:meth:`measure_gradients`, then the
         optimizer state)."""
         lr = lr_at(self.step, self.cfg.optimizer, self.cfg.train.steps)
+        if self.load is not None:
+            self.load.start_step()
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.last_lr = lr
@@ -240,15 +246,29 @@ class Engine(Trainer):
             scaler.update(overflow)
         self.step += 1
         self.tokens_seen += tokens.numel()
-        return self.mean_over_replicas(loss, "loss")
+        if self.load is None:
+            return self.mean_over_replicas(loss, "loss")
+        # the auxiliary term's replica mean (the whole batch's) in the loss's own all-reduce
+        both = self.mean_over_replicas(torch.cat([loss.reshape(1), self.load.aux.reshape(1)]), "loss")
+        self.last_aux_loss = both[1]
+        return both[0]
+
+    def router_load(self) -> dict | None:
+        """MoE: the last step's ``aux_loss`` (float64 ``[]``, what ``router_aux_loss_coef`` weighs, the whole
+        batch's) and ``expert_load`` (``[E]``, each expert's share of the picks summed over layers and
+        micro-batches), on the device, not read back; None without MoE layers that record their routing."""
+        if self.load is None or self.last_aux_loss is None:
+            return None
+        return {"aux_loss": self.last_aux_loss, "expert_load": self.load.expert_load()}
 
     def mean_over_replicas(self, loss: torch.Tensor, label: str) -> torch.Tensor:
-        """The mean of the data replicas' (dp·sp) mean losses, ``[]``: ``loss`` ([1] or ``[]``) summed
-        in place over them (no collective with one replica) and divided in place.
+        """The mean of the data replicas' (dp·sp) mean losses, ``[]``: ``loss`` ([1] or ``[]``; ``[2]``: two
+        values averaged alike, returned ``[2]``) summed in place over them (no collective with one replica)
+        and divided in place.
 
         The step's last collective, so it returns only once the communication thread has let go of
         the tensor (``comm.wait_released``): a script may exit right after its last step."""
-        total = loss.reshape(())
+        total = loss.reshape(()) if loss.numel() == 1 else loss
         group = self.mesh.group_over("dp", "sp")
         comm.wait_released(lambda: comm.all_reduce(total, group, stats=self.mesh.comm_stats, label=label, async_op=True),
                            total, self.cfg.train.timeout_s, f"{label} all-reduce over the data replicas (dp·sp)",

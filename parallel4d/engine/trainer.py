@@ -67,6 +67,11 @@ class Trainer(Protocol):
         """float16's loss scale (its scale and skipped steps go to metrics.jsonl); None without one."""
 
     @abstractmethod
+    def router_load(self) -> dict | None:
+        """Mixture of experts: the last step's ``aux_loss`` (``[]``) and ``expert_load`` (``[E]``, each expert's
+        share of the picks) on the device, not read back (metrics.jsonl); None without MoE layers."""
+
+    @abstractmethod
     def pretrained_bytes(self) -> int | None:
         """Bytes this rank read of ``model.pretrained``'s Hugging Face weights; None when not loaded here."""
 

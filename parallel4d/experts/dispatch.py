@@ -60,11 +60,18 @@ class ExpertFn(Protocol):
     def __call__(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor: ...
 
 
+def count_per_expert(ids: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """``[E]`` int64: how many of ``ids`` (any shape) name each expert. A scatter-add into ``E`` zeros, not
+    ``torch.bincount``, whose output size depends on the largest id: on a GPU it reads that back (a host
+    sync per call)."""
+    flat = ids.reshape(-1)
+    return torch.zeros(num_experts, dtype=torch.int64, device=ids.device).scatter_add_(0, flat, torch.ones_like(flat))
+
+
 def sort_by_expert(ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``(order [T·k], counts [E])``: the flat slots ``t·k + j`` ordered by expert (stable), and how many
     slots each expert has. ``ids [T, k]`` int64."""
-    flat = ids.reshape(-1)
-    return torch.argsort(flat, stable=True), torch.bincount(flat, minlength=num_experts)
+    return torch.argsort(ids.reshape(-1), stable=True), count_per_expert(ids, num_experts)
 
 
 def combine(rows: torch.Tensor, order: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:

@@ -1,5 +1,5 @@
 """``parallel4d plot RUN_DIR``: a run's curves in one PNG (loss, validation loss, learning rate,
-gradient norm, throughput), from its ``summary.json`` (the loss of every step, the resolved config)
+gradient norm, throughput; a mixture of experts' auxiliary loss and busiest expert), from its ``summary.json`` (the loss of every step, the resolved config)
 and ``metrics.jsonl`` (the logged steps, and its events: checkpoint saves, resumes). Every panel marks
 where the run resumed (and what changed: the layout, the learning rate, ...); the throughput panel
 marks each save and the logged point whose interval holds it (a save's seconds count in that
@@ -140,6 +140,18 @@ def _draw_lr(ax, summary: dict, records: list[dict]) -> None:
         inset.tick_params(labelsize=8, labelleft=False)  # the shape; the values are on the panel's axis
 
 
+def _draw_router(row, records: list[dict]) -> None:
+    """MoE: the auxiliary (load-balancing) loss, and the busiest expert's share of the picks over the mean
+    share (1: every expert equally loaded; E: one expert takes every token)."""
+    steps, aux = _series(records, "aux_loss")
+    row[0].plot(steps, aux, ".-")
+    row[0].set(title="auxiliary loss (router_aux_loss_coef × load balancing)", xlabel="step")
+    loaded = [(r["step"], max(r["expert_load"]) * len(r["expert_load"])) for r in records if "expert_load" in r]
+    row[1].plot(*zip(*loaded), ".-")
+    row[1].axhline(1.0, color="grey", linewidth=0.5)
+    row[1].set(title="busiest expert's load / mean load", xlabel="step")
+
+
 def image_format(out: Path, flag: str = "-o") -> str:
     """The format ``out``'s suffix names (none: png); ``ConfigError`` for one matplotlib does not write."""
     from matplotlib.backend_bases import FigureCanvasBase
@@ -174,7 +186,8 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
     except ImportError:
         raise ConfigError("parallel4d plot needs matplotlib: pip install 'parallel4d[viz]' (make installs it)") from None
     kind = image_format(out)
-    fig, axes = plt.subplots(2, 2, figsize=(12, 8))
+    moe = any("expert_load" in r for r in records)  # mixture of experts: a third row, its router
+    fig, axes = plt.subplots(3 if moe else 2, 2, figsize=(12, 12 if moe else 8))
     ax = axes[0][0]
     ax.plot(*zip(*losses), label="train", linewidth=1)
     steps, val = _series(records, "val_loss")
@@ -188,9 +201,11 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
         steps, values = _series(records, key)
         ax.plot(steps, values, ".-")
         ax.set(title=title, xlabel="step")
+    if moe:
+        _draw_router(axes[2], records)
     found = marks(log)
     _draw_saves(axes[1][1], found)
-    footer = _draw_resumes(fig, [axes[0][0], axes[0][1], axes[1][0], axes[1][1]], found["resumes"])
+    footer = _draw_resumes(fig, [ax for row in axes for ax in row], found["resumes"])
     fig.suptitle(str(run_dir))
     fig.tight_layout(rect=(0, footer, 1, 1))
     try:

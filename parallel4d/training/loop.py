@@ -124,6 +124,7 @@ class _Run:
         self.losses: list[float] = []
         self.validation: list[dict] = []  # {"step", "loss", "perplexity"} per evaluation
         self.memory: dict | None = None  # measured at this process's first step
+        self.router: dict | None = None  # MoE: the logged steps' auxiliary losses and the last expert load
         self.prior_seconds = 0.0  # trained before this process started
         self.prior_throughput: dict = {}  # the session before's figures, kept by a resume with nothing to train
         self.start_step = engine.step  # where this session started
@@ -132,6 +133,14 @@ class _Run:
         self.saved_step: int | None = None  # the step whose state is on disk (saved or loaded here)
         self.saved: Path | None = None
         self.extra_files = job_files(cfg, with_pretrained=lead and cfg.checkpoint.enabled)  # read once
+
+    def note_router(self, record: dict) -> None:
+        """MoE: a logged step's auxiliary loss and expert load, for summary.json's ``moe`` (this session's)."""
+        if "expert_load" not in record:
+            return
+        load = record["expert_load"]
+        self.router = {"aux_loss": [*(self.router or {}).get("aux_loss", []), [record["step"], record["aux_loss"]]],
+                       "expert_load": load, "max_load_over_mean": max(load) * len(load)}
 
     def resume(self, summary_path: Path) -> None:
         """Load the checkpoint :func:`choose_checkpoint` picks (every rank calls this)."""
@@ -301,6 +310,7 @@ def run_training(cfg: Config) -> dict:
                 record = _metrics_record(cfg, mesh, engine, losses[-1], read, interval.tokens_per_second(engine.step, tokens))
                 if evaluated:
                     record.update(val_loss=run.validation[-1]["loss"], val_perplexity=run.validation[-1]["perplexity"])
+                run.note_router(record)
                 if metrics is not None:
                     metrics.write(record)
             if last:
@@ -366,6 +376,7 @@ def _read_back(engine: Trainer, mesh, losses: list[float], pending: list[torch.T
     values: dict = {"losses": list(pending)}
     if logged:
         values.update(grad_norm=engine.last_grad_norm, peaks=gather_per_rank(peak_memory(mesh.device)[0], mesh))
+        values.update(engine.router_load() or {})  # MoE: aux_loss, expert_load
         scaler = engine.loss_scaler()
         if scaler is not None:
             values.update(loss_scale=scaler.scale, skipped_steps=scaler.skipped)
@@ -434,6 +445,8 @@ def _metrics_record(cfg: Config, mesh, engine: Trainer, loss: float, read: dict,
     }
     if "loss_scale" in read:
         record.update(loss_scale=read["loss_scale"], skipped_steps=int(read["skipped_steps"]))
+    if "expert_load" in read:  # MoE: the auxiliary loss and each expert's share of the step's picks
+        record.update(aux_loss=read["aux_loss"], expert_load=read["expert_load"])
     return record
 
 
@@ -480,4 +493,6 @@ def _summary(cfg: Config, mesh, engine: Trainer, run: _Run, elapsed: float, inte
     pipeline = engine.pipeline_step_info()
     if pipeline is not None:
         summary["pipeline"] = {"schedule": cfg.pipeline.schedule, **pipeline}
+    if run.router is not None:  # [step, aux_loss] per logged step; the last logged step's expert load
+        summary["moe"] = run.router
     return summary

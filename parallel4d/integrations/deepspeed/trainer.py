@@ -82,6 +82,10 @@ class DeepSpeedTrainer(Trainer):
         """None: not reported under DeepSpeed."""
         return None
 
+    def router_load(self) -> None:
+        """None: mixture-of-experts models are refused with a deepspeed: section (config/rules/moe.py)."""
+        return None
+
     def hetero_stats(self) -> None:
         """None: hetero and DeepSpeed never run together (the config refuses both)."""
         return None

@@ -73,3 +73,38 @@ def auxiliary_loss(moe: MoeShape | None, routing: dict,
         return None
     loads = [routing[layer] for layer in sorted(routing)]
     return moe.aux_loss_coef * load_balancing_loss(loads, moe.num_experts, sum_over_ranks)
+
+
+class StepLoad:
+    """What one training step's MoE layers report (``metrics.jsonl``'s ``aux_loss`` and ``expert_load``), kept
+    on the device and never read here.
+
+    Each training forward (a micro-batch) adds the picks of every expert summed over its MoE layers — the
+    ``C`` of :func:`load_balancing_loss`, after its sum over the ranks that share the micro-batch: the whole
+    micro-batch's — and its auxiliary-loss term as the loss holds it (``router_aux_loss_coef · aux``, a data
+    replica's share scaled so the replicas' mean is the whole micro-batch's: the engine averages it with the
+    loss, in the same all-reduce). Forwards without gradients (evaluation) add nothing. ``num_experts``:
+    ``E``; ``microbatches``: the forwards of one step (their terms are averaged, as their losses)."""
+
+    def __init__(self, num_experts: int, microbatches: int, device):
+        self.picks = torch.zeros(num_experts, dtype=torch.float64, device=device)
+        self.aux = torch.zeros((), dtype=torch.float64, device=device)
+        self.microbatches = microbatches
+
+    def start_step(self) -> None:
+        self.picks.zero_()
+        self.aux.zero_()
+
+    def add_totals(self, totals: torch.Tensor) -> None:
+        """A forward's summed ``[C_1 … C_E, N]``."""
+        if torch.is_grad_enabled():
+            self.picks += totals[:-1].detach().to(torch.float64)
+
+    def add_term(self, term: torch.Tensor) -> None:
+        """A forward's auxiliary-loss term ``[]``."""
+        if torch.is_grad_enabled():
+            self.aux += term.detach().to(torch.float64) / self.microbatches
+
+    def expert_load(self) -> torch.Tensor:
+        """``[E]``: each expert's share of the step's picks (sums to 1; the ideal is ``1/E`` each)."""
+        return self.picks / self.picks.sum().clamp(min=1.0)

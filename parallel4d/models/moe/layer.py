@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from parallel4d.experts import Dispatcher, OneRank
+from parallel4d.experts import Dispatcher, OneRank, count_per_expert
 from parallel4d.models.context import ReadsContext
 from parallel4d.models.moe.balance import layer_load
 from parallel4d.models.moe.routing import expert_ffn, route
@@ -103,7 +103,7 @@ class SparseMoE(ReadsContext):
         flat = x.reshape(-1, shape[-1])  # [T, h]
         routing = route(self.gate(flat), self.moe.top_k, self.moe.norm_topk_prob)
         if self.moe.output_router_logits and self.context is not None:
-            picks = torch.bincount(routing.experts.reshape(-1), minlength=self.moe.num_experts)
+            picks = count_per_expert(routing.experts, self.moe.num_experts)
             self.context.state.routing[self.layer] = layer_load(routing.probs, picks)
         out = self.dispatcher(flat, routing.experts, routing.weights, self.experts)
         if self.has_shared:

@@ -64,10 +64,13 @@ def expert_ffn(x: torch.Tensor, counts: torch.Tensor, gate_proj: torch.Tensor, u
 def looped_ffn(x, counts, gate_proj, up_proj, down_proj) -> torch.Tensor:
     """:func:`expert_ffn` as a loop over the experts that have rows (``counts`` read on the host once)."""
     out, start = [], 0
+    # unbound once: the backward stacks the experts' gradients in one tensor (indexing the stacked weight
+    # per expert would make each expert's backward write a zero-filled gradient of all E experts)
+    gates, ups, downs = gate_proj.unbind(0), up_proj.unbind(0), down_proj.unbind(0)
     for e, n in enumerate(counts.tolist()):
         if n:
             rows = x[start:start + n]
-            out.append(F.linear(F.silu(F.linear(rows, gate_proj[e])) * F.linear(rows, up_proj[e]), down_proj[e]))
+            out.append(F.linear(F.silu(F.linear(rows, gates[e])) * F.linear(rows, ups[e]), downs[e]))
             start += n
     return torch.cat(out) if out else no_rows(x, down_proj)
 
