@@ -109,6 +109,11 @@ class Recorder:
         out.zero_()
         return self.collective("reduce_scatter_tensor", group, async_op)
 
+    def all_to_all_single(self, out, tensor, output_split_sizes=None, input_split_sizes=None, group=None,
+                          async_op=False):
+        out.zero_()  # the counts of expert parallelism arrive as zeros: every later split is empty
+        return self.collective("all_to_all_single", group, async_op)
+
     def get_rank(self, group=None):
         return self.rank if group is None else group.ranks.index(self.rank)
 
@@ -135,6 +140,7 @@ def recording(world: int):
         "isend": rec.isend, "irecv": rec.irecv, "batch_isend_irecv": rec.batch_isend_irecv, "P2POp": FakeP2POp,
         "broadcast": rec.broadcast, "all_reduce": rec.all_reduce, "reduce": rec.reduce, "all_gather": rec.all_gather,
         "all_gather_into_tensor": rec.all_gather_into_tensor, "reduce_scatter_tensor": rec.reduce_scatter_tensor,
+        "all_to_all_single": rec.all_to_all_single,
         **{name: fake for name, fake in (("all_gather_single", rec.all_gather_into_tensor),  # newer torch's names
                                          ("reduce_scatter_single", rec.reduce_scatter_tensor)) if hasattr(dist, name)},
         "get_rank": rec.get_rank, "get_world_size": rec.get_world_size, "is_initialized": lambda: True,
@@ -226,6 +232,26 @@ def record_ring(n: int, causal: bool = True):
             rec.rank = r
             q, k, v = (torch.ones(1, 2, 2, 4, requires_grad=True) for _ in range(3))
             ring_attention(q, k, v, group, causal=causal, timeout_s=60.0).sum().backward()
+    return dict(rec.events)
+
+
+def record_experts(world: int, ep: int, layers: int = 2):
+    """Per rank of ``world`` ranks in ep groups of ``ep`` consecutive ones, what ``layers`` expert-parallel
+    dispatches post and wait for, forward then backward, with each layer's load statistics summed over the
+    world between them (the load-balancing loss's all-reduce): 4 experts, 3 tokens, top-2."""
+    from parallel4d.experts import ExpertParallel
+
+    groups = [FakeGroup(f"ep[{s}]", range(s, s + ep)) for s in range(0, world, ep)]
+    with recording(world) as rec:
+        for r in range(world):
+            rec.rank = r
+            x = torch.ones(3, 4, requires_grad=True)
+            ids, weights = torch.tensor([[0, 1], [2, 3], [1, 2]]), torch.ones(3, 2)
+            par, h = ExpertParallel(4, groups[r // ep]), x
+            for _ in range(layers):
+                h = par(h, ids, weights, lambda rows, counts: rows * 2.0)
+                dist.all_reduce(torch.zeros(5), group=None)
+            h.sum().backward()
     return dict(rec.events)
 
 

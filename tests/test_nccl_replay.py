@@ -19,7 +19,7 @@ from datetime import timedelta
 import pytest
 import torch
 
-from nccl_fakes import record_hetero_zero, record_pipeline, record_ring, record_summa
+from nccl_fakes import record_experts, record_hetero_zero, record_pipeline, record_ring, record_summa
 from parallel4d.distributed import comm
 from parallel4d.distributed.nccl_replay import Post, Wait, replay
 from parallel4d.pipeline import make_schedule
@@ -201,6 +201,18 @@ def test_ring_attention_posting_is_deadlock_free_under_nccl(sp):
 def test_summa_posting_is_deadlock_free_under_nccl(q, overlap):
     stuck = _stuck(record_summa(q, overlap))
     assert not stuck, stuck[0]
+
+
+@pytest.mark.parametrize("world, ep", [(2, 2), (4, 2), (8, 4)])
+def test_expert_parallel_all_to_alls_are_deadlock_free_under_nccl(world, ep):
+    """#48.4: each MoE layer's three all-to-alls over its ep group (the counts, the rows out, the rows back)
+    and the backward's two, between the load statistics' all-reduces over every rank, in the same order
+    on every rank."""
+    traces = record_experts(world, ep)
+    assert not _stuck(traces), _stuck(traces)[0]
+    posted = [e.ops[0][1] for e in traces[0] if isinstance(e, Post)]
+    assert posted == ["all_to_all_single"] * 3 + ["all_reduce"] + ["all_to_all_single"] * 3 + ["all_reduce"] + \
+        ["all_to_all_single"] * 4
 
 
 @pytest.mark.parametrize("dp", [2, 4])
