@@ -185,9 +185,10 @@ def figures(cfg: Config, expert_bytes: int | None = None) -> ExpertFigures | Non
     m, ep = cfg.model, expert_parallel_size(cfg)
     layers = len(sparse_layers(moe, m.layers))
     local = moe.num_experts // ep
-    element = parameter_dtype(cfg).itemsize
-    weights = 3 * local * m.hidden * moe.expert_width * layers * element if expert_bytes is None else expert_bytes
-    tensors = 3 * layers
+    per_layer_weights = 3 * local * m.hidden * moe.expert_width * parameter_dtype(cfg).itemsize
+    weights = per_layer_weights * layers if expert_bytes is None else expert_bytes
+    mine = weights // per_layer_weights  # the MoE layers on this rank (its pipeline stages')
+    tensors = 3 * mine
     p = cfg.parallel
     tokens = cfg.data.batch_size // (p.dp * p.q * cfg.pipeline.microbatches) * (m.seq_len // p.sp)
     passes = 2 if cfg.train.activation_checkpointing != "none" else 1
@@ -195,7 +196,7 @@ def figures(cfg: Config, expert_bytes: int | None = None) -> ExpertFigures | Non
     per_layer = all_to_all_bytes(tokens, moe.top_k, m.hidden, ep, wire, passes) + counts_bytes(moe.num_experts, ep, passes)
     total, active = spec(m.arch).dense_parameters(m), _active_parameters(m, moe, layers)
     return ExpertFigures(moe.num_experts, moe.top_k, ep, local, layers, weights, weights,
-                         2 * weights + 4 * tensors, per_layer * layers * cfg.pipeline.microbatches,
+                         2 * weights + 4 * tensors, per_layer * mine * cfg.pipeline.microbatches,
                          active, total, flops_per_token(cfg))
 
 
