@@ -185,20 +185,24 @@ def test_all_to_all_bytes_are_what_expert_parallel_sends(recompute, sixteen_work
             assert (got["rows"], got["counts"]) == (want_rows, want_counts), (rank, ep, got)
 
 
-@pytest.mark.parametrize("ep", [2, 4])
-def test_the_plans_stand_in_sends_what_the_formula_says_on_fake_tensors(ep):
+@pytest.mark.parametrize("ep, autocast", [(2, False), (4, False), (4, True)])
+def test_the_plans_stand_in_sends_what_the_formula_says_on_fake_tensors(ep, autocast):
     """The dry run's stand-in for an ExpertParallel dispatcher (fake tensors, the fake process group: no
-    host read of split sizes) counts the same bytes as the formula the 16-worker job checks; its output has
-    the input's shape."""
+    host read of split sizes) counts the same bytes as the formula the 16-worker job checks; under bfloat16
+    autocast the rows go out in float32 and the experts' outputs come back in bfloat16 (as in a real
+    step); its output has the input's shape."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     import torch.distributed as dist
 
-    with _fake_world(0, ep), FakeTensorMode(allow_non_fake_inputs=True), UniformLoad():
+    dtype = torch.float32 if autocast else torch.float64
+    with _fake_world(0, ep), FakeTensorMode(allow_non_fake_inputs=True), UniformLoad(), \
+            torch.autocast("cpu", torch.bfloat16, enabled=autocast):
         stats = CommStats()
         stand_in = UniformExpertParallel(ExpertParallel(E_EP, dist.group.WORLD, stats))
-        x, ids, weights = _uniform_tokens()
-        y = stand_in(x, ids, weights, _experts(E_EP // ep))
-        y.sum().backward()
+        x, ids, weights = _uniform_tokens(dtype)
+        y = stand_in(x, ids, weights, _experts(E_EP // ep, dtype))
+        y.float().sum().backward()
         assert y.shape == x.shape
-    assert stats.sent[A2A] == all_to_all_bytes(T_EP, K_EP, H_EP, ep, 8)
+    size = dtype.itemsize
+    assert stats.sent[A2A] == all_to_all_bytes(T_EP, K_EP, H_EP, ep, size, 1, 2 if autocast else size)
     assert stats.sent[COUNTS] == counts_bytes(E_EP, ep)

@@ -135,20 +135,23 @@ def expert_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
 # --- the experts' figures ------------------------------------------------------------------------
 
 
-def all_to_all_bytes(tokens: int, top_k: int, hidden: int, ep: int, element_bytes: int, passes: int = 1) -> int:
+def all_to_all_bytes(tokens: int, top_k: int, hidden: int, ep: int, element_bytes: int, passes: int = 1,
+                     returned_bytes: int | None = None) -> int:
     """Bytes one rank sends to the other ep ranks for one MoE layer and one micro-batch of ``tokens``
     tokens at the uniform load, ``passes`` forwards (2 when activation checkpointing recomputes the block
     in its backward).
 
-    Each forward moves the rank's ``tokens·top_k`` rows of ``hidden`` elements (``element_bytes`` each) to
-    their experts' ranks and the outputs back: two all-to-alls, of which the ``(ep−1)/ep`` share bound for
-    the other ranks leaves the rank (its own experts' rows stay). The backward sends the two gradients the
-    same way: two more, after the last forward. Plus, per forward, the small all-to-all of the counts per
-    expert (``E`` int64, ``(ep−1)/ep`` of them leaving): not included here (see :func:`counts_bytes`)."""
+    Each forward moves the rank's ``tokens·top_k`` rows of ``hidden`` elements to their experts' ranks
+    (``element_bytes`` each: the blocks' stream, in the parameters' dtype) and the experts' outputs back
+    (``returned_bytes`` each: autocast's dtype under autocast; default ``element_bytes``) — two all-to-alls,
+    of which the ``(ep−1)/ep`` share bound for the other ranks leaves the rank (its own experts' rows stay).
+    The backward, after the last forward, sends the two gradients the same way, each in its tensor's dtype.
+    The small all-to-all of the counts per expert is :func:`counts_bytes`'."""
     if ep == 1:
         return 0
+    returned = element_bytes if returned_bytes is None else returned_bytes
     rows_out = tokens * top_k * (ep - 1) // ep
-    return (2 * passes + 2) * rows_out * hidden * element_bytes
+    return (passes + 1) * rows_out * hidden * (element_bytes + returned)
 
 
 def counts_bytes(num_experts: int, ep: int, passes: int = 1) -> int:
@@ -192,19 +195,17 @@ def figures(cfg: Config, expert_bytes: int | None = None) -> ExpertFigures | Non
     p = cfg.parallel
     tokens = cfg.data.batch_size // (p.dp * p.q * cfg.pipeline.microbatches) * (m.seq_len // p.sp)
     passes = 2 if cfg.train.activation_checkpointing != "none" else 1
-    wire = _activation_bytes(cfg)
-    per_layer = all_to_all_bytes(tokens, moe.top_k, m.hidden, ep, wire, passes) + counts_bytes(moe.num_experts, ep, passes)
+    rows = all_to_all_bytes(tokens, moe.top_k, m.hidden, ep, parameter_dtype(cfg).itemsize, passes, _computed_bytes(cfg))
+    per_layer = rows + counts_bytes(moe.num_experts, ep, passes)
     total, active = spec(m.arch).dense_parameters(m), _active_parameters(m, moe, layers)
     return ExpertFigures(moe.num_experts, moe.top_k, ep, local, layers, weights, weights,
                          2 * weights + 4 * tensors, per_layer * mine * cfg.pipeline.microbatches,
                          active, total, flops_per_token(cfg))
 
 
-def _activation_bytes(cfg: Config) -> int:
-    """The activations' element size in the blocks: autocast's dtype, else the parameters'."""
-    if cfg.train.autocast != "none":
-        return torch.empty((), dtype=getattr(torch, cfg.train.autocast)).element_size()
-    return parameter_dtype(cfg).itemsize
+def _computed_bytes(cfg: Config) -> int:
+    """The element size of what a matrix product returns: autocast's dtype, else the parameters'."""
+    return getattr(torch, cfg.train.autocast).itemsize if cfg.train.autocast != "none" else parameter_dtype(cfg).itemsize
 
 
 def _active_parameters(m, moe: MoeShape, layers: int) -> int:
@@ -223,12 +224,9 @@ def format_experts(f: ExpertFigures) -> list[str]:
              + (" (one ep rank: none)" if f.ep == 1 else " (rows out and back, forward and backward, counts)"),
              f"                FLOPs per token {f.flops_per_token:.3g} (active parameters {f.active_parameters:,} "
              f"of {f.total_parameters:,}: MFU counts these)",
-             f"                routing assumed uniform: each expert {_uniform_note(f)}"]
+             f"                routing assumed uniform: each expert gets T·{f.top_k}/{f.num_experts} of a micro-batch's "
+             "T tokens' rows (a skewed router moves more on the busy ranks)"]
     return lines
-
-
-def _uniform_note(f: ExpertFigures) -> str:
-    return f"gets T·{f.top_k}/{f.num_experts} of a micro-batch's T tokens' rows (a skewed router moves more on the busy ranks)"
 
 
 def is_uniform_depth(moe: MoeShape | None, layers: int) -> bool:
