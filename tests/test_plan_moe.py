@@ -206,3 +206,30 @@ def test_the_plans_stand_in_sends_what_the_formula_says_on_fake_tensors(ep, auto
     size = dtype.itemsize
     assert stats.sent[A2A] == all_to_all_bytes(T_EP, K_EP, H_EP, ep, size, 1, 2 if autocast else size)
     assert stats.sent[COUNTS] == counts_bytes(E_EP, ep)
+
+
+# --- plan --search ----------------------------------------------------------------------------------
+
+
+def test_search_assembles_an_moe_model_from_its_unit_runs_and_shows_its_experts(tmp_path):
+    """The unit dry runs' block is an MoE block: assembled, the candidate's parameters, expert weights,
+    optimizer state and every product's FLOPs are the whole dry run's, its activations within the 0.5 %
+    tests/test_planning.py holds dense models to; the ranking shows the experts' bytes per device."""
+    from parallel4d.planning import profiles
+    from parallel4d.planning.search import Ranked, assembled, format_search, unit
+    from parallel4d.planning.cost import predict
+
+    cfg = load_config(_job(tmp_path, {"model": {"layers": 3}, "pipeline": {"microbatches": 2}}))
+    whole = plan(cfg, timed=True)[0]
+    parts = assembled(cfg, unit(cfg, {}))[0]
+    for f in ("parameters", "gradients", "optimizer_state", "expert_parameters"):
+        assert getattr(parts, f) == pytest.approx(getattr(whole, f), rel=1e-6, abs=8), f
+    assert parts.activations == pytest.approx(whole.activations, rel=5e-3)
+    for phase in ("forward", "backward"):
+        assert total(parts.ops, "matmul", phase) == pytest.approx(total(whole.ops, "matmul", phase), rel=1e-6)
+    prediction = predict(cfg, [parts], profiles.load("h100"))
+    lines = format_search([Ranked([], cfg, parts.device_bytes, prediction, ranks=[parts])], 2**30, 1)
+    assert lines[0].split()[-2:] == ["experts", "all-to-all"]
+    f = figures(cfg, parts.expert_parameters)
+    assert lines[1].split()[-4:] == [*human_bytes(f.parameters + f.gradients + f.optimizer_state).split(), "0", "B"]
+    assert f.parameters == 3 * E * 3 * H * I * 4
