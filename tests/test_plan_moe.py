@@ -23,7 +23,7 @@ from parallel4d.distributed.comm import CommStats
 from parallel4d.engine.flops import flops_per_token
 from parallel4d.experts import ExpertParallel
 from parallel4d.experts.dispatch import A2A, COUNTS
-from parallel4d.planning.dry_run import _fake_world, plan
+from parallel4d.planning.dry_run import _fake_world, moe_layer_activations, plan
 from parallel4d.planning.moe import (UniformExpertParallel, UniformLoad, all_to_all_bytes, counts_bytes, figures,
                                      uniform_counts)
 from parallel4d.planning.trace import total
@@ -101,6 +101,7 @@ def test_plan_prints_the_experts_memory_flops_and_the_uniform_load(tmp_path, cap
     line = next(x for x in out.splitlines() if x.startswith("experts"))
     assert f"{E} per MoE layer × {L} layers, top-{K}, every expert on each rank" in line
     assert f"parameters {human_bytes(weights)}, gradients {human_bytes(weights)}" in line
+    assert f"activations {human_bytes(moe_layer_activations(load_config(path)))} per MoE layer and micro-batch" in line
     assert "routing assumed uniform" in out and "all-to-all over ep 0 B per step" in out
     assert "MFU counts these" in out
 
@@ -121,6 +122,29 @@ def test_the_planned_flops_count_only_the_experts_each_token_reaches(tmp_path):
     table = m.vocab_size * m.hidden * (not m.tie_embeddings)  # an untied token table: looked up, not multiplied
     assert figures(cfg).active_parameters == active + table
     assert (flops_per_token(every) - flops_per_token(cfg)) / 6 == L * (E - K) * 3 * H * I
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_an_moe_layers_planned_activations_are_what_the_layer_saves_with_its_routers_choices(dtype, tmp_path):
+    """``plan``'s per-layer figure (fake tensors, uniform load) against the layer itself on real tensors,
+    random weights routing as they will: the same bytes (every expert gets rows here; the rows' total is
+    ``T·k`` however they spread), bfloat16 autocast included."""
+    from dataclasses import replace
+
+    from parallel4d.engine.memory import SavedActivations
+    from parallel4d.models.moe.layer import SparseMoE
+    from parallel4d.models.moe.spec import MoeShape
+
+    cfg = load_config(_job(tmp_path, {"train": {"dtype": dtype}}))
+    torch.manual_seed(0)
+    layer = SparseMoE(replace(MoeShape.of(cfg.model), shared_width=0), H, 0)
+    for p in layer.parameters():
+        torch.nn.init.normal_(p, std=0.1)
+    x = torch.randn(cfg.data.batch_size * cfg.model.seq_len, H, requires_grad=True)
+    autocast = torch.autocast("cpu", torch.bfloat16, enabled=dtype == "bfloat16")
+    with SavedActivations(layer.parameters()) as meter, autocast:
+        layer(x)
+    assert moe_layer_activations(cfg) == meter.peak > x.numel() * 4
 
 
 def test_uniform_counts_spread_the_slots_over_the_experts():

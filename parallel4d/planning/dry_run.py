@@ -34,7 +34,7 @@ import math
 import re
 from collections import Counter
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.distributed as dist
@@ -46,9 +46,10 @@ from parallel4d.config.load import load_config
 from parallel4d.config.schema import Config
 from parallel4d.engine.model import parameter_dtype
 from parallel4d.engine.compose import compose
+from parallel4d.models.moe.layer import SparseMoE
 from parallel4d.models.moe.spec import MoeShape
 from parallel4d.distributed.mesh import AXES, init_mesh, mesh_shape
-from parallel4d.engine.memory import tensor_bytes
+from parallel4d.engine.memory import SavedActivations, tensor_bytes
 from parallel4d.planning.live import LiveTensors
 from parallel4d.planning.moe import UniformLoad, expert_parameters, is_uniform_depth, stand_in_dispatchers
 from parallel4d.planning.trace import Op, OpTrace
@@ -252,6 +253,25 @@ def _save_bytes(engine, live: LiveTensors) -> int:
     grown = live.peak - before
     live.peak = max(peak, live.peak)
     return grown
+
+
+def moe_layer_activations(cfg: Config) -> int:
+    """The bytes one MoE layer's routed path — its input, router, dispatch, experts and combine; not a shared
+    expert — keeps for the backward of one micro-batch (``[b/(dp·q)/m · s/sp, h]`` tokens) at the uniform
+    load (:mod:`.moe`): the layer's own code on fake tensors in the parameters' dtype, under the job's
+    autocast, counted by the rule a run's first step uses (:class:`~parallel4d.engine.memory.SavedActivations`).
+    Part of :attr:`RankPlan.activations` (which holds every layer's at the step's peak)."""
+    m, p = cfg.model, cfg.parallel
+    moe = replace(MoeShape.of(m), output_router_logits=False, shared_width=0)
+    tokens = cfg.data.batch_size // (p.dp * p.q * cfg.pipeline.microbatches) * (m.seq_len // p.sp)
+    dtype, half = parameter_dtype(cfg), cfg.train.autocast
+    autocast = torch.autocast("cpu", getattr(torch, half)) if half != "none" else nullcontext()
+    with FakeTensorMode(allow_non_fake_inputs=True), _default_dtype(dtype), UniformLoad():
+        layer = SparseMoE(moe, m.hidden, 0)
+        x = torch.empty(tokens, m.hidden, requires_grad=True)
+        with SavedActivations(layer.parameters()) as meter, autocast:
+            layer(x)
+    return meter.peak
 
 
 EXACT_DEPTH = 4  # a deeper one-stage model is planned from two shallow dry runs (see plan)

@@ -214,12 +214,13 @@ def _active_parameters(m, moe: MoeShape, layers: int) -> int:
     return spec(m.arch).dense_parameters(m) - layers * (moe.num_experts - moe.top_k) * 3 * m.hidden * moe.expert_width
 
 
-def format_experts(f: ExpertFigures) -> list[str]:
-    """``plan``'s lines for the experts."""
+def format_experts(f: ExpertFigures, layer_activations: int | None = None) -> list[str]:
+    """``plan``'s lines for the experts; ``layer_activations``: :func:`~.dry_run.moe_layer_activations`."""
     where = "every expert on each rank" if f.ep == 1 else f"{f.experts_per_rank} per rank over ep={f.ep}"
     lines = [f"experts         {f.num_experts} per MoE layer × {f.moe_layers} layers, top-{f.top_k}, {where}; "
              f"their parameters {human(f.parameters)}, gradients {human(f.gradients)}, optimizer "
-             f"{human(f.optimizer_state)} (in the table above)",
+             f"{human(f.optimizer_state)}" + (f", activations {human(layer_activations)} per MoE layer and micro-batch"
+                                               if layer_activations is not None else "") + " (in the table above)",
              f"                all-to-all over ep {human(f.all_to_all)} per step"
              + (" (one ep rank: none)" if f.ep == 1 else " (rows out and back, forward and backward, counts)"),
              f"                FLOPs per token {f.flops_per_token:.3g} (active parameters {f.active_parameters:,} "
