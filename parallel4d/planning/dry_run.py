@@ -16,7 +16,9 @@ fake tensors): a compiled block's saved activations can differ from eager's (AOT
 partitioner chooses what to save and what to recompute in the backward). ``pipeline.hop_cost: auto``
 is planned with the order for free transfers (nothing to measure here). ``data.packing: documents``
 is dry-run on rows of one document each, the most work and bytes (every ring block pair runs); its
-documents are computed for real inside the fake step.
+documents are computed for real inside the fake step. Mixture-of-experts layers route under an assumed
+uniform load, ``T·k/E`` rows per expert (:mod:`.moe`: which experts a token reaches depends on values fake
+tensors lack); a deep model mixing MoE and dense layers is dry-run whole, not extrapolated from two blocks.
 
 Under hetero the dry run also counts every tensor the rank holds at once (:mod:`.live`), from the
 model's build through two steps and a checkpoint's save: the host memory its process grows by
