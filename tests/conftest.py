@@ -38,7 +38,8 @@ def run_workers(fn, world_size, *args, timeout_s=180.0, preload=None, **kwargs):
 # the CI's 2 cores): each module listed defines ``sixteen_worker_job(tmp)``, run on every rank
 # (``tmp``: a directory of its own, shared by the ranks).
 SIXTEEN_WORKER_MODULES = ("test_mesh", "test_llama", "test_e2e", "test_reshard", "test_host_syncs", "test_dropout",
-                          "test_packed_training", "test_check", "test_experts")
+                          "test_packed_training", "test_check", "test_experts",
+                          "test_plan_moe")
 
 
 def _sixteen_worker_jobs(modules, tmp):

@@ -42,8 +42,8 @@ READ = ("tolist", "parallel4d/training/metrics.py")  # read_together: a read ste
 VALIDATION = ("__float__", "parallel4d/training/loop.py")  # _validate: the validation loss
 MEMORY = ("dist.all_gather_object", "parallel4d/training/metrics.py")  # first step: what each rank holds
 OVERFLOW = ("__bool__", "parallel4d/engine/store.py")  # float16's flag, where the optimizer cannot skip
-# mixture of experts: the loop over experts reads its row counts (float64, or where the grouped product is not
-# there), and expert parallelism its all-to-all's split sizes, once per MoE layer and forward
+# mixture of experts: the loop over experts reads its row counts (float32 and float64, or where the grouped
+# product is not there), and expert parallelism its all-to-all's split sizes, once per MoE layer and forward
 LOOPED_COUNTS = ("tolist", "parallel4d/models/moe/routing.py")
 EP_SPLITS = ("tolist", "parallel4d/experts/dispatch.py")
 MOE = {"arch": "llama", "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16,
@@ -184,9 +184,10 @@ def test_a_planted_item_in_the_step_is_caught(single_rank, monkeypatch):
       "train": {"eval_every": 4, "eval_batches": 1}}, ()),
     ("packed documents in a grouped-query llama",
      {"model": {"arch": "llama", "kv_heads": 2}, "data": {"packing": "documents", "eod_token": 5}}, ()),
-    ("mixture of experts, grouped experts: the counts stay on the device", {"model": MOE}, ()),
-    ("mixture of experts in float64: the loop over experts reads its counts, each layer",
-     {"model": MOE, "train": {"dtype": "float64"}}, (LOOPED_COUNTS,) * 4),
+    ("mixture of experts, grouped experts (bf16): the counts stay on the device",
+     {"model": MOE, "train": {"dtype": "bfloat16"}}, ()),
+    ("mixture of experts in float32: the loop over experts reads its counts, each layer", {"model": MOE},
+     (LOOPED_COUNTS,) * 4),
     ("llama with dynamic rotary past its positions",
      {"model": {"arch": "llama", "kv_heads": 2, "max_positions": 8,
                 "rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}}, ()),
@@ -269,7 +270,8 @@ SIXTEEN = {  # each alone fills the 16 ranks with data parallelism
     # packed documents: the ring's block skipping is decided on the host, from the documents' host copy
     "ring sp, packed documents": {"parallel": {"sp": 2, "dp": 8}, "data": {"packing": "documents", "eod_token": 5}},
     "hetero ZeRO": {"parallel": {"dp": 16}, "hetero": {"enabled": True, "chunk_elems": 4096}},
-    "experts ep=4 over dp=8 × sp=2": {"parallel": {"dp": 8, "sp": 2, "ep": 4}, "model": MOE},
+    "experts ep=4 over dp=8 × sp=2 (bf16: grouped experts)": {"parallel": {"dp": 8, "sp": 2, "ep": 4}, "model": MOE,
+                                                             "train": {"dtype": "bfloat16"}},
 }
 
 

@@ -64,8 +64,8 @@ def count_per_expert(ids: torch.Tensor, num_experts: int) -> torch.Tensor:
     """``[E]`` int64: how many of ``ids`` (any shape) name each expert. A scatter-add into ``E`` zeros, not
     ``torch.bincount``, whose output size depends on the largest id: on a GPU it reads that back (a host
     sync per call)."""
-    flat = ids.reshape(-1)
-    return torch.zeros(num_experts, dtype=torch.int64, device=ids.device).scatter_add_(0, flat, torch.ones_like(flat))
+    flat = ids.reshape(-1)  # (out of place: a plan's dry run answers this one op with an assumed load)
+    return torch.zeros(num_experts, dtype=torch.int64, device=ids.device).scatter_add(0, flat, torch.ones_like(flat))
 
 
 def sort_by_expert(ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:

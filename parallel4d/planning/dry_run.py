@@ -16,7 +16,9 @@ fake tensors): a compiled block's saved activations can differ from eager's (AOT
 partitioner chooses what to save and what to recompute in the backward). ``pipeline.hop_cost: auto``
 is planned with the order for free transfers (nothing to measure here). ``data.packing: documents``
 is dry-run on rows of one document each, the most work and bytes (every ring block pair runs); its
-documents are computed for real inside the fake step.
+documents are computed for real inside the fake step. Mixture-of-experts layers route under an assumed
+uniform load, ``T·k/E`` rows per expert (:mod:`.moe`: which experts a token reaches depends on values fake
+tensors lack); a deep model mixing MoE and dense layers is dry-run whole, not extrapolated from two blocks.
 
 Under hetero the dry run also counts every tensor the rank holds at once (:mod:`.live`), from the
 model's build through two steps and a checkpoint's save: the host memory its process grows by
@@ -34,7 +36,7 @@ import math
 import re
 from collections import Counter
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.distributed as dist
@@ -46,8 +48,12 @@ from parallel4d.config.load import load_config
 from parallel4d.config.schema import Config
 from parallel4d.engine.model import parameter_dtype
 from parallel4d.engine.compose import compose
+from parallel4d.models.moe.layer import SparseMoE
+from parallel4d.models.moe.spec import MoeShape
 from parallel4d.distributed.mesh import AXES, init_mesh, mesh_shape
+from parallel4d.engine.memory import SavedActivations, tensor_bytes
 from parallel4d.planning.live import LiveTensors
+from parallel4d.planning.moe import UniformLoad, expert_parameters, is_uniform_depth, stand_in_dispatchers
 from parallel4d.planning.trace import Op, OpTrace
 
 HEADROOM = 0.9  # a job fits when its largest rank needs at most this share of the device's memory
@@ -80,6 +86,7 @@ class RankPlan:
     # hetero under 16-bit chunks: where the master state is (its stats' optimizer_rows_on_device, ..._on_host,
     # optimizer_device_bytes, optimizer_host_bytes); None otherwise
     master_placement: dict[str, int] | None = None
+    expert_parameters: int | None = None  # MoE layers: the bytes of this rank's routed experts' weights (planning.moe)
 
     @property
     def host_bytes_per_param(self) -> float | None:
@@ -149,11 +156,6 @@ def dry_run(cfg: Config, pp_rank: int = 0, timed: bool = False) -> RankPlan:
     """One step's forward and backward of the rank at pipeline position ``pp_rank`` (its other
     coordinates 0), on fake tensors in this process (see the module docstring). ``timed``: the
     whole step (the optimizer's too), its ops traced into :attr:`RankPlan.ops` for the time model."""
-    if cfg.model.num_experts:  # routing is data-dependent: fake tensors hold no router logits to pick experts by
-        raise ConfigError(f"parallel4d plan cannot dry-run mixture-of-experts layers yet (model.num_experts="
-                          f"{cfg.model.num_experts}: which experts a token reaches depends on values fake tensors do "
-                          "not hold; issue 48's fourth part); plan the same model with model.num_experts=0 for its "
-                          "attention and embeddings")
     p = cfg.parallel
     shape = mesh_shape(p.pp, p.dp, p.sp, p.tp)
     rank = pp_rank * math.prod(shape[1:])
@@ -165,7 +167,8 @@ def dry_run(cfg: Config, pp_rank: int = 0, timed: bool = False) -> RankPlan:
         cfg = cfg.model_copy(update={"pipeline": cfg.pipeline.model_copy(update={"hop_cost": None})})
     with _fake_world(rank, cfg.world_size):
         mesh = init_mesh(p.pp, p.dp, p.sp, p.tp, timeout_s=cfg.train.timeout_s)
-        with FakeTensorMode(allow_non_fake_inputs=True), _default_dtype(parameter_dtype(cfg)):
+        with FakeTensorMode(allow_non_fake_inputs=True), _default_dtype(parameter_dtype(cfg)), \
+                UniformLoad() if cfg.model.num_experts else nullcontext():
             trace = OpTrace() if timed else None
             held, optimizer = _one_step(cfg, mesh, trace)
     return RankPlan(pp_rank, rank, held["parameters"], held["gradients"], optimizer, held["activations"],
@@ -173,7 +176,23 @@ def dry_run(cfg: Config, pp_rank: int = 0, timed: bool = False) -> RankPlan:
                     held.get("hetero_moved"), held.get("hetero_params"), held.get("hetero_min_budget"),
                     held["calls_by_axis"], trace.ops() if trace else None, trace.calls() if trace else None,
                     held.get("host_peak"), held.get("save_bytes"), held.get("hetero_host_transient"),
-                    held.get("master_placement"))
+                    held.get("master_placement"), held.get("expert_parameters"))
+
+
+def _composed(cfg: Config, mesh):
+    """The rank's engine, its MoE layers' expert-parallel dispatchers replaced by their uniform-load stand-ins
+    (:mod:`.moe`)."""
+    engine = compose(cfg, mesh)
+    stand_in_dispatchers(engine.model)
+    return engine
+
+
+def _with_experts(memory: dict, engine) -> dict:
+    """``memory`` with the bytes of the rank's routed experts' weights (MoE layers only)."""
+    experts = expert_parameters(engine.model)
+    if experts:
+        memory["expert_parameters"] = tensor_bytes(experts)
+    return memory
 
 
 def _one_step(cfg: Config, mesh, trace: OpTrace | None) -> tuple[dict, int]:
@@ -185,14 +204,14 @@ def _one_step(cfg: Config, mesh, trace: OpTrace | None) -> tuple[dict, int]:
     ``trace``: entered around a whole step (the steady second one under hetero)."""
     if cfg.hetero.enabled:
         return _hetero_steps(cfg, mesh, trace)
-    engine = compose(cfg, mesh)
+    engine = _composed(cfg, mesh)
     tokens = _tokens(cfg, engine)
     if trace is None:
         engine.measure_gradients(tokens, tokens)
     else:
         with trace:
             engine.train_step(tokens, tokens, measure_memory=True)
-    return engine.memory, engine.store.expected_optimizer_state_bytes()
+    return _with_experts(engine.memory, engine), engine.store.expected_optimizer_state_bytes()
 
 
 def _tokens(cfg: Config, engine) -> torch.Tensor:
@@ -205,7 +224,7 @@ def _hetero_steps(cfg: Config, mesh, trace: OpTrace | None) -> tuple[dict, int]:
     saves, all inside :class:`.live.LiveTensors`; hetero's own figures from its stats."""
     live = LiveTensors()
     with live:
-        engine = compose(cfg, mesh)
+        engine = _composed(cfg, mesh)
         tokens = _tokens(cfg, engine)
         engine.train_step(tokens, tokens, measure_memory=True)
         memory = engine.memory
@@ -221,7 +240,7 @@ def _hetero_steps(cfg: Config, mesh, trace: OpTrace | None) -> tuple[dict, int]:
     memory.update(hetero_moved=stats["device_bytes_moved_per_step"], hetero_params=stats["params"],
                   hetero_min_budget=stats["min_feasible_budget_bytes"], host_peak=live.peak, save_bytes=save,
                   hetero_host_transient=stats["host_transient_bytes"], master_placement=placement)
-    return memory, engine.store.expected_optimizer_state_bytes()
+    return _with_experts(memory, engine), engine.store.expected_optimizer_state_bytes()
 
 
 _PLACEMENT = ("optimizer_rows_on_device", "optimizer_rows_on_host", "optimizer_device_bytes", "optimizer_host_bytes")
@@ -236,6 +255,25 @@ def _save_bytes(engine, live: LiveTensors) -> int:
     grown = live.peak - before
     live.peak = max(peak, live.peak)
     return grown
+
+
+def moe_layer_activations(cfg: Config) -> int:
+    """The bytes one MoE layer's routed path — its input, router, dispatch, experts and combine; not a shared
+    expert — keeps for the backward of one micro-batch (``[b/(dp·q)/m · s/sp, h]`` tokens) at the uniform
+    load (:mod:`.moe`): the layer's own code on fake tensors in the parameters' dtype, under the job's
+    autocast, counted by the rule a run's first step uses (:class:`~parallel4d.engine.memory.SavedActivations`).
+    Part of :attr:`RankPlan.activations` (which holds every layer's at the step's peak)."""
+    m, p = cfg.model, cfg.parallel
+    moe = replace(MoeShape.of(m), output_router_logits=False, shared_width=0)
+    tokens = cfg.data.batch_size // (p.dp * p.q * cfg.pipeline.microbatches) * (m.seq_len // p.sp)
+    dtype, half = parameter_dtype(cfg), cfg.train.autocast
+    autocast = torch.autocast("cpu", getattr(torch, half)) if half != "none" else nullcontext()
+    with FakeTensorMode(allow_non_fake_inputs=True), _default_dtype(dtype), UniformLoad():
+        layer = SparseMoE(moe, m.hidden, 0)
+        x = torch.empty(tokens, m.hidden, requires_grad=True)
+        with SavedActivations(layer.parameters()) as meter, autocast:
+            layer(x)
+    return meter.peak
 
 
 EXACT_DEPTH = 4  # a deeper one-stage model is planned from two shallow dry runs (see plan)
@@ -270,7 +308,10 @@ MAX_BLOCK_PASSES = 1024  # ~20-30 ms each on fake tensors (2 busy cores): under 
 
 
 def _extrapolates(cfg: Config) -> bool:
-    return cfg.parallel.pp == 1 and cfg.model.layers > EXACT_DEPTH and not cfg.hetero.enabled
+    """Whether :func:`plan` takes ``cfg`` from one- and two-block dry runs: one stage, not hetero, every block
+    alike (a model mixing MoE and dense layers is dry-run whole)."""
+    return cfg.parallel.pp == 1 and cfg.model.layers > EXACT_DEPTH and not cfg.hetero.enabled and \
+        is_uniform_depth(MoeShape.of(cfg.model), cfg.model.layers)
 
 
 def block_passes(cfg: Config) -> int:
@@ -293,7 +334,7 @@ def _extrapolated(one: RankPlan, two: RankPlan, more: int) -> RankPlan:
                     at(one.gradients, two.gradients), at(one.optimizer_state, two.optimizer_state),
                     at(one.activations, two.activations), None, None,
                     per_key(one.sent_by_axis, two.sent_by_axis), calls_by_axis=per_key(one.calls_by_axis, two.calls_by_axis),
-                    ops=ops)
+                    ops=ops, expert_parameters=at(one.expert_parameters, two.expert_parameters))
 
 
 # --- will it fit ------------------------------------------------------------------------------

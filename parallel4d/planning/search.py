@@ -47,6 +47,8 @@ from parallel4d.pipeline import simulate
 from parallel4d.planning.cost import INSIDE, Prediction, half_octave, hop_cost_of, order, order_key, predict, step_floor
 from parallel4d.planning.profiles import Profile
 from parallel4d.planning.trace import Op
+from parallel4d.planning.moe import figures as moe_figures, is_uniform_depth
+from parallel4d.models.moe.spec import MoeShape
 from parallel4d.planning.dry_run import HEADROOM, MAX_BLOCK_PASSES, RankPlan, block_passes, dry_run, human, plan
 
 SCHEDULES = [("1f1b", []), ("hanayo", ["pipeline.waves=1"]), ("hanayo", ["pipeline.waves=2"]),
@@ -176,10 +178,11 @@ def _line(a: RankPlan, b: RankPlan, t: float, ops: Counter, calls: list[Op] | No
     def d(x, y):
         return {k: f(x.get(k, 0), y.get(k, 0)) for k in {**x, **y}}
 
+    experts = None if a.expert_parameters is None else f(a.expert_parameters, b.expert_parameters)
     return RankPlan(a.pp_rank, a.global_rank, f(a.parameters, b.parameters), f(a.gradients, b.gradients),
                     f(a.optimizer_state, b.optimizer_state), f(a.activations, b.activations),
                     sent_by_axis=d(a.sent_by_axis, b.sent_by_axis), calls_by_axis=d(a.calls_by_axis, b.calls_by_axis),
-                    ops=ops, calls=calls)
+                    ops=ops, calls=calls, expert_parameters=experts)
 
 
 def _affine(a: RankPlan, b: RankPlan, t: float) -> RankPlan:
@@ -208,7 +211,9 @@ def _minus(a: RankPlan, b: RankPlan) -> RankPlan:
     return RankPlan(a.pp_rank, a.global_rank, a.parameters - b.parameters, a.gradients - b.gradients,
                     a.optimizer_state - b.optimizer_state, a.activations - b.activations,
                     sent_by_axis=d(a.sent_by_axis, b.sent_by_axis), calls_by_axis=d(a.calls_by_axis, b.calls_by_axis),
-                    ops=Counter({k: n for k, n in d(a.ops, b.ops).items() if n}))
+                    ops=Counter({k: n for k, n in d(a.ops, b.ops).items() if n}),
+                    expert_parameters=None if a.expert_parameters is None else
+                    a.expert_parameters - (b.expert_parameters or 0))
 
 
 UNIT_ROWS = (2, 3)  # not 1: a dimension of one takes other paths in some ops (views, broadcasts)
@@ -283,10 +288,10 @@ def _combine(parts: list[tuple[RankPlan, float]], phase_scale: dict[str, float],
     ops: Counter = Counter()
     sent: Counter = Counter()
     calls: Counter = Counter()
-    fields = dict.fromkeys(("parameters", "gradients", "optimizer_state", "activations"), 0.0)
+    fields = dict.fromkeys(("parameters", "gradients", "optimizer_state", "activations", "expert_parameters"), 0.0)
     for part, w in parts:
         for f in fields:
-            fields[f] += w * getattr(part, f)
+            fields[f] += w * (getattr(part, f) or 0)
         for op, n in part.ops.items():
             ops[op] += w * n * phase_scale.get(op.phase, 1.0)
         for a, n in part.sent_by_axis.items():
@@ -294,7 +299,8 @@ def _combine(parts: list[tuple[RankPlan, float]], phase_scale: dict[str, float],
         for a, n in part.calls_by_axis.items():
             calls[a] += w * n * (inside_scale if a in INSIDE else 1.0)
     return RankPlan(pp_rank, 0, int(fields["parameters"]), int(fields["gradients"]), int(fields["optimizer_state"]),
-                    int(fields["activations"]), sent_by_axis=dict(sent), calls_by_axis=dict(calls), ops=ops)
+                    int(fields["activations"]), sent_by_axis=dict(sent), calls_by_axis=dict(calls), ops=ops,
+                    expert_parameters=int(fields["expert_parameters"]) or None)
 
 
 def _replicas(cfg: Config, r: RankPlan) -> RankPlan:
@@ -369,6 +375,7 @@ def search(path, overrides: list[str], gpus: int, capacity: int, profile: Profil
         raise ConfigError(f"--gpus {gpus}: no layout of {gpus} devices passes this config's rules (tp must be a "
                           "square whose root divides the heads, sp must divide seq_len, the batch must split "
                           "over dp·tp_row and the micro-batches); try another --gpus or change the model or batch")
+    _check_blocks_alike(cands[0][1])
     workers = workers or os.cpu_count() or 1
     cache: dict = {}  # unit runs, Units, orders, peaks
     plain = [c for c in cands if c[1].train.activation_checkpointing == "none"]
@@ -389,6 +396,16 @@ def search(path, overrides: list[str], gpus: int, capacity: int, profile: Profil
         else ""
     say(f"the best {sum(r.exact for r in out)} dry-run whole{unverified} ({time.perf_counter() - t0:.1f} s in all)")
     return sorted(out, key=lambda x: -x.prediction.tokens_per_s)
+
+
+def _check_blocks_alike(cfg: Config) -> None:
+    """The unit runs' one block stands for every block: refused for a model mixing MoE and dense layers."""
+    m = cfg.model
+    if not is_uniform_depth(MoeShape.of(m), m.layers):
+        raise ConfigError(f"--search costs every block as its first one, but this model mixes MoE and dense layers "
+                          f"(model.decoder_sparse_step={m.decoder_sparse_step}, model.mlp_only_layers="
+                          f"{list(m.mlp_only_layers)}): plan its layouts one by one without --search, or search with "
+                          "--set model.decoder_sparse_step=1 --set model.mlp_only_layers=[] for an estimate")
 
 
 def _twin(knobs: list[str]) -> tuple:
@@ -480,18 +497,30 @@ def _whole_plan(cfg: Config, seconds: float) -> list[RankPlan] | None:
             return None
 
 
+def _expert_columns(r: Ranked) -> str:
+    """An MoE candidate's experts per device (weights, gradients, optimizer state) and all-to-all per step."""
+    f = moe_figures(r.cfg, max((x.expert_parameters or 0) for x in r.ranks) if r.ranks else None)
+    return f"{human(f.parameters + f.gradients + f.optimizer_state):>12}{human(f.all_to_all):>12}"
+
+
 def format_search(ranked: list[Ranked], capacity: int, top: int) -> list[str]:
     if not ranked:
         return [f"no candidate fits {HEADROOM:.0%} of {human(capacity)} per device: add devices (--gpus), "
                 "or plan the model smaller (--set model.layers=...), or with hetero (plain plan)"]
-    lines = [f"{'':>3} {'layout':<52}{'memory/device':>15}{'step':>10}{'tokens/s':>12}{'MFU':>7}{'bubble':>8}"]
+    moe = bool(ranked[0].cfg.model.num_experts)
+    lines = [f"{'':>3} {'layout':<52}{'memory/device':>15}{'step':>10}{'tokens/s':>12}{'MFU':>7}{'bubble':>8}"
+             + (f"{'experts':>12}{'all-to-all':>12}" if moe else "")]
     for i, r in enumerate(ranked[:top], 1):
         pred = r.prediction
         mem = f"{human(r.device_bytes)}{'' if r.exact else '~'}"
         step = f"{pred.step_s:.3f}s{'' if r.order_built else '+'}"
         mfu = f"{100 * pred.mfu:.1f}%" if pred.mfu is not None else "–"
         lines.append(f"{i:>3} {r.describe():<52}{mem:>15}{step:>11}{pred.tokens_per_s:>12,.0f}"
-                     f"{mfu:>7}{100 * pred.bubble:>7.1f}%")
+                     f"{mfu:>7}{100 * pred.bubble:>7.1f}%" + (_expert_columns(r) if moe else ""))
+    if moe:
+        lines.append("experts: the largest rank's expert weights, gradients and optimizer state (in memory/device) and "
+                     "the bytes it sends to its ep ranks per step, routing assumed uniform; MFU counts the active "
+                     "parameters (the k experts a token reaches)")
     lines.append("memory: a whole dry run's (exact as `parallel4d plan`), or ~ assembled from unit dry runs "
                  "(not verified in --verify-seconds); step + : with the schedule's order for free transfers, "
                  "an upper bound (its order for the hop built only for the top and each schedule's best)")

@@ -5,7 +5,8 @@ shapes, no values), so the list is the job's own code's ops — the 2D pieces, r
 recomputed forward under activation checkpointing, the optimizer — never a second description of
 them. Each op is kept as an :class:`Op`: its kind, its phase and its work:
 
-* ``matmul``: ``mm``, ``addmm``, ``bmm``, ``baddbmm`` — work in FLOPs, ``2·m·k·n`` per product;
+* ``matmul``: ``mm``, ``addmm``, ``bmm``, ``baddbmm``, ``_grouped_mm`` (mixture-of-experts' experts) —
+  work in FLOPs, ``2·m·k·n`` per product (a grouped product's: its groups' together);
 * ``attention``: ATen's fused attention kernels (any ``_scaled_dot_product_*`` or
   ``_flash/_efficient_attention`` op) — FLOPs ``4·b·h·s_q·s_k·d`` forward, 2.5× that backward
   (the score recomputation and four products), halved when causal (the kernels skip the masked
@@ -30,7 +31,7 @@ from torch.utils._pytree import tree_leaves
 aten = torch.ops.aten
 KINDS = ("matmul", "attention", "memory", "view")
 PHASES = ("forward", "backward", "step")
-_MATMULS = {aten.mm, aten.addmm, aten.bmm, aten.baddbmm}
+_MATMULS = {aten.mm, aten.addmm, aten.bmm, aten.baddbmm, aten._grouped_mm}
 _FREE = {aten.detach, aten.lift_fresh, aten.alias}
 
 
@@ -54,7 +55,11 @@ def _bytes(ts: list[torch.Tensor]) -> int:
 
 
 def _matmul_flops(func, args) -> float:
-    """``2·k`` per output element: the first matrix operand's last dimension is ``k``."""
+    """``2·k`` per output element: the first matrix operand's last dimension is ``k``. A grouped product
+    (``a [N, K] × b [E, K, n]``, ``a [m, ΣK] × b [ΣK, n]`` or batched) multiplies every element of ``a`` by a
+    row of ``n``: ``2·a.numel()·n`` in all."""
+    if func.overloadpacket is aten._grouped_mm:
+        return 2.0 * args[0].numel() * args[1].shape[-1]
     a, b = args[1:3] if func.overloadpacket in (aten.addmm, aten.baddbmm) else args[:2]
     return 2.0 * a.shape[:-1].numel() * b.shape[-1] * a.shape[-1]
 

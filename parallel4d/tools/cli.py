@@ -123,6 +123,12 @@ def _cmd_plan(args) -> int:
           f"activation checkpointing {cfg.train.activation_checkpointing}")
     ranks = plan(cfg, timed=profile is not None)
     print("\n".join(format_ranks(ranks)))
+    if cfg.model.num_experts:
+        from parallel4d.planning.dry_run import moe_layer_activations
+        from parallel4d.planning.moe import figures, format_experts
+
+        print("\n".join(format_experts(figures(cfg, max(r.expert_parameters or 0 for r in ranks)),
+                                        moe_layer_activations(cfg))))
     if profile is not None:
         from parallel4d.planning.cost import format_prediction, predict
 

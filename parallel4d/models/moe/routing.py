@@ -51,9 +51,9 @@ def expert_ffn(x: torch.Tensor, counts: torch.Tensor, gate_proj: torch.Tensor, u
     ``[E, I, h]`` and ``down_proj`` ``[E, h, I]`` (nn.Linear's ``[out, in]`` per expert) → ``[N, h]``.
 
     Grouped matrix products (:func:`grouped_ffn`: three calls, whatever ``E``; ``counts`` stays on the
-    device) where :func:`grouped_usable` says torch has them for these tensors, else a loop over the
-    experts (:func:`looped_ffn`: one host read of ``counts``, one product per expert with rows). Both
-    compute the same products; float64 (the exactness tests) always loops."""
+    device) where :func:`grouped_usable` says torch has them for these tensors (bfloat16), else a loop
+    over the experts (:func:`looped_ffn`: one host read of ``counts``, one product per expert with rows).
+    Both compute the same products; float32 and float64 (the exactness tests) loop."""
     if x.shape[0] == 0:  # (the grouped product's backward refuses empty operands)
         return no_rows(x, down_proj)
     if grouped_usable(x, gate_proj, down_proj):
@@ -108,14 +108,16 @@ class _DenseGrad(torch.autograd.Function):
         return grad.contiguous()
 
 
-#: the dtypes torch's grouped matrix product takes
-GROUPED_DTYPES = (torch.bfloat16, torch.float32)
+#: the dtypes torch's grouped matrix product takes everywhere (its CUDA kernels and its shape checks on fake
+#: tensors, a plan's dry run, take bfloat16 alone; its CPU kernel float32 too)
+GROUPED_DTYPES = (torch.bfloat16,)
 
 
 def grouped_usable(x: torch.Tensor, gate_proj: torch.Tensor, down_proj: torch.Tensor) -> bool:
     """Whether :func:`grouped_ffn` runs for these tensors: torch has ``_grouped_mm``, the compute dtype is
-    one it takes, every row is a multiple of 16 bytes (its alignment), and on CUDA the device is a Hopper or
-    newer (compute capability 9: its grouped GEMM kernels)."""
+    bfloat16 (:data:`GROUPED_DTYPES`; autocast's counts), every row is a multiple of 16 bytes (its
+    alignment), and on CUDA the device is a Hopper or newer (compute capability 9: its grouped GEMM
+    kernels)."""
     dtype = _compute_dtype(x)
     if not hasattr(torch, "_grouped_mm") or dtype not in GROUPED_DTYPES:
         return False
