@@ -219,8 +219,9 @@ def ring_check(out: str | None = None, compile_merge: bool = False) -> dict:
     return main(["--ring-check"] + (["--out", out] if out else []) + (["--compile-merge"] if compile_merge else []))
 
 
-class _Dispatches(TorchDispatchMode):
-    """Counts the ops that compute (not views) dispatched while it is on: what a GPU launches."""
+class LaunchCount(TorchDispatchMode):
+    """Counts the ops that compute (not views) dispatched while it is on: what a GPU launches (also
+    tests/test_sequence.py's count of the ring's ops)."""
 
     def __init__(self):
         super().__init__()
@@ -265,7 +266,7 @@ def glue_case(s: int, heads: int, dim: int, n: int, dtype, rounds: int, merge=me
     for name, fn in fns.items():
         if merge is not merge_ and name.startswith("ring"):  # torch.compile runs under no dispatch mode
             continue
-        with _Dispatches() as d:
+        with LaunchCount() as d:
             fn()
         ops[name] = d.count / len(calls)
     return dict(seq=s, heads=heads, dim=dim, ring=n, dtype=str(dtype), block_calls=len(calls), ms=ms,

@@ -5,6 +5,8 @@ worker from the same seeded full tensors (gathered ring results are compared to 
 """
 
 import math
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -381,29 +383,19 @@ def test_the_fused_merge_on_cuda_equals_the_eager_one(dtype_blk):
     torch.testing.assert_close(got_lse, want_lse, rtol=1e-14, atol=1e-14)
 
 
-class _Ops(TorchDispatchMode):
-    """Counts the ops that compute (not views): what a GPU would launch."""
-
-    def __init__(self):
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.count += not func.is_view
-        return func(*args, **(kwargs or {}))
-
-
 def test_the_ring_launches_few_ops_beside_its_block_kernels():
     """Every rank's steps of a causal zigzag ring of 8 (bf16 blocks, fp32 accumulators: the GPU's path, on
     CPU) dispatch at most 9.5 ops per block call beside the kernel itself, forward and backward together
     (11.0 before the query rows were cut once per pass and the merge's empty-row guard kept to documents):
     on a GPU each is a launch, and small blocks leave the ring waiting on them."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from sequence import LaunchCount  # benchmarks/sequence.py's count of launches
     n, layout = 8, "zigzag"
     q, k, v, do = (torch.randn(1, 2, 16 * n, 8, dtype=torch.bfloat16) for _ in range(4))
     qs, ks, vs, dos = (shard(x, n, layout) for x in (q, k, v, do))
-    with _Ops() as fwd:
+    with LaunchCount() as fwd:
         outs, lses = ring_forward(qs, ks, vs, layout, True, backend="cpu_flash")
-    with _Ops() as bwd:
+    with LaunchCount() as bwd:
         ring_backward(dos, qs, ks, vs, outs, lses, layout, True, backend="cpu_flash")
     calls = sum(len(step_plan(r, (r - t) % n, n, layout, True, 16)) for r in range(n) for t in range(n))
     kernel_ops = 2 * calls  # one forward and one backward op per call

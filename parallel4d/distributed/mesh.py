@@ -195,15 +195,9 @@ class Mesh:
         if key not in self._groups:
             lines = self.lines_along("sp")
             n = self.size("sp")
-            parts = {"sp_ulysses": [line[i:i + ulysses] for line in lines for i in range(0, n, ulysses)],
-                     "sp_ring": [line[j::ulysses] for line in lines for j in range(ulysses)]}
-            made = []
-            for name, rows in parts.items():
-                mine, _ = dist.new_subgroups_by_enumeration(rows, timeout=self._group_timeout())
-                self._made.append(mine)
-                self.comm_stats.name_group(mine, name)
-                made.append(mine)
-            self._groups[key] = tuple(made)
+            self._groups[key] = self._enumerated({
+                "sp_ulysses": [line[i:i + ulysses] for line in lines for i in range(0, n, ulysses)],
+                "sp_ring": [line[j::ulysses] for line in lines for j in range(ulysses)]})
         return self._groups[key]
 
     def ep_split(self, ep: int) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
@@ -219,16 +213,21 @@ class Mesh:
             if n % ep:
                 raise ValueError(f"parallel.ep={ep} does not divide the {n} data-replica ranks (dp·sp): "
                                  "choose parallel.ep dividing parallel.dp × parallel.sp")
-            parts = {"ep": [line[i:i + ep] for line in lines for i in range(0, n, ep)],
-                     "ep_replicas": [line[j::ep] for line in lines for j in range(ep)]}
-            made = []
-            for name, rows in parts.items():
-                mine, _ = dist.new_subgroups_by_enumeration(rows, timeout=self._group_timeout())
-                self._made.append(mine)
-                self.comm_stats.name_group(mine, name)
-                made.append(mine)
-            self._groups[key] = tuple(made)
+            self._groups[key] = self._enumerated({
+                "ep": [line[i:i + ep] for line in lines for i in range(0, n, ep)],
+                "ep_replicas": [line[j::ep] for line in lines for j in range(ep)]})
         return self._groups[key]
+
+    def _enumerated(self, parts: dict[str, list[list[int]]]) -> tuple[dist.ProcessGroup, ...]:
+        """This rank's group of each ``{name: every group's ranks}`` (in order), made with the mesh's timeout
+        and counted under ``name``. Collective: every rank makes every group."""
+        made = []
+        for name, rows in parts.items():
+            mine, _ = dist.new_subgroups_by_enumeration(rows, timeout=self._group_timeout())
+            self._made.append(mine)
+            self.comm_stats.name_group(mine, name)
+            made.append(mine)
+        return tuple(made)
 
     def lines_along(self, *axes: str) -> list[list[int]]:
         """Every group of ranks along ``axes`` (those coordinates vary, the others fixed), one per

@@ -22,7 +22,7 @@ Host reads: the all-to-all's split sizes must be host integers, so :class:`Exper
 per call — this rank's rows per destination and per source, together (the counts it receives come by a
 small equal-split all-to-all first). :func:`dispatch_local` reads nothing.
 
-Autograd: the all-to-alls' gradient is the inverse all-to-all (:class:`_AllToAllV`); everything else is
+Autograd: the all-to-alls' gradient is the inverse all-to-all (:class:`AllToAllRows`); everything else is
 indexing, differentiable as it is. An expert's gradient on its rank therefore sums the contributions
 of every rank's tokens in the ep group: whoever reduces gradients over data replicas must sum expert
 parameters over the ranks that hold the same experts (not over ep) with the same divisor as the
@@ -101,8 +101,9 @@ class OneRank:
         return dispatch_local(x, ids, weights, self.num_experts, expert_fn)
 
 
-class _AllToAllV(torch.autograd.Function):
-    """:func:`comm.all_to_all_v` whose gradient is the inverse all-to-all (the splits swapped)."""
+class AllToAllRows(torch.autograd.Function):
+    """:func:`comm.all_to_all_v` whose gradient is the inverse all-to-all (the splits swapped):
+    ``AllToAllRows.apply(x, send, recv, group, stats)``."""
 
     @staticmethod
     def forward(ctx, x, send, recv, group, stats):
@@ -144,11 +145,11 @@ class ExpertParallel:
         arriving = self._exchange_counts(counts)  # [n, local]: from source s, rows for local expert e
         splits = torch.cat([counts.view(n, local).sum(1), arriving.sum(1)]).tolist()  # the one host read
         send, recv = splits[:n], splits[n:]
-        rows = _AllToAllV.apply(x[order // ids.shape[1]], send, recv, self.group, self.stats)
+        rows = AllToAllRows.apply(x[order // ids.shape[1]], send, recv, self.group, self.stats)
         regroup = self._regroup(arriving, sum(recv))
         out = expert_fn(rows[regroup], arriving.sum(0))
         back = out[torch.argsort(regroup)]  # arrival order again (the inverse permutation)
-        return combine(_AllToAllV.apply(back, recv, send, self.group, self.stats), order, weights)
+        return combine(AllToAllRows.apply(back, recv, send, self.group, self.stats), order, weights)
 
     def _exchange_counts(self, counts: torch.Tensor) -> torch.Tensor:
         """``[n, local]``: how many rows each source sends for each of this rank's experts (an equal-split

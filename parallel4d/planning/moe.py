@@ -36,7 +36,7 @@ from parallel4d.distributed import comm
 from parallel4d.experts import ExpertParallel, combine
 from parallel4d.engine.flops import flops_per_token
 from parallel4d.engine.model import parameter_dtype
-from parallel4d.experts.dispatch import A2A, COUNTS
+from parallel4d.experts.dispatch import COUNTS, AllToAllRows
 from parallel4d.models.moe.layer import Experts
 from parallel4d.models.moe.spec import MoeShape, sparse_layers
 from parallel4d.models.registry import spec
@@ -87,21 +87,6 @@ def _uniform(slots: int, experts: int) -> torch.Tensor:
         return torch.tensor(uniform_counts(slots, experts), dtype=torch.int64)
 
 
-class _CountedAllToAll(torch.autograd.Function):
-    """:func:`comm.all_to_all_v` forward and, with the splits swapped, backward: the same collectives as
-    :class:`~parallel4d.experts.ExpertParallel`'s (counted under its label)."""
-
-    @staticmethod
-    def forward(ctx, x, send, recv, group, stats):
-        ctx.cfg = (send, recv, group, stats)
-        return comm.all_to_all_v(x, send, recv, group, stats=stats, label=A2A)
-
-    @staticmethod
-    def backward(ctx, grad):
-        send, recv, group, stats = ctx.cfg
-        return comm.all_to_all_v(grad.contiguous(), recv, send, group, stats=stats, label=A2A), None, None, None, None
-
-
 class UniformExpertParallel:
     """A dry run's stand-in for ``real`` (an :class:`~parallel4d.experts.ExpertParallel` of ``n`` ranks):
     the same calls — the counts' small all-to-all, the rows' all-to-all out and back, this rank's experts
@@ -120,11 +105,11 @@ class UniformExpertParallel:
         send = [sum(counts[d * local:(d + 1) * local]) for d in range(n)]
         recv = [send[r.rank]] * n
         order = torch.argsort(ids.reshape(-1), stable=True)
-        rows = _CountedAllToAll.apply(x[order // ids.shape[1]], send, recv, r.group, r.stats)
+        rows = AllToAllRows.apply(x[order // ids.shape[1]], send, recv, r.group, r.stats)
         with unset_fake_temporarily():
             mine = torch.tensor(counts[r.rank * local:(r.rank + 1) * local], dtype=torch.int64) * n
         out = expert_fn(rows, mine)
-        return combine(_CountedAllToAll.apply(out, recv, send, r.group, r.stats), order, weights)
+        return combine(AllToAllRows.apply(out, recv, send, r.group, r.stats), order, weights)
 
 
 def stand_in_dispatchers(model: torch.nn.Module) -> int:
