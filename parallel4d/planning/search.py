@@ -217,6 +217,9 @@ def _minus(a: RankPlan, b: RankPlan) -> RankPlan:
 
 
 UNIT_ROWS = (2, 3)  # not 1: a dimension of one takes other paths in some ops (views, broadcasts)
+#: the longest :func:`prepare` waits for its next forked worker's result before doing the rest itself (a unit or
+#: an order takes seconds; a forked child can deadlock on a lock another thread held at the fork)
+TASK_TIMEOUT_S = 120.0
 UNIT_DEPTHS = (0, 1)  # the ends alone (embedding, head, loss, optimizer), then with one block: its difference
 
 
@@ -240,8 +243,8 @@ def _one_task(task: tuple) -> tuple:
     torch.set_num_threads(1)  # a dry run computes nothing: its cost is Python's, one core per worker
     kind, what = task
     if kind == "unit":
-        return _unit_key(what), _unit_runs(what)
-    return order_key(*what), job_schedule(*what)
+        return _task_key(task), _unit_runs(what)
+    return _task_key(task), job_schedule(*what)
 
 
 def prepare(cfgs: list[Config], cache: dict, workers: int, orders: list[tuple[Config, float | None]] = ()) -> None:
@@ -257,7 +260,22 @@ def prepare(cfgs: list[Config], cache: dict, workers: int, orders: list[tuple[Co
         cache.update(_one_task(t) for t in todo)
         return
     with multiprocessing.get_context("fork").Pool(min(workers, len(todo))) as pool:
-        cache.update(pool.imap_unordered(_one_task, todo, chunksize=1))
+        results = pool.imap_unordered(_one_task, todo, chunksize=1)
+        try:
+            for _ in todo:
+                key, value = results.next(timeout=TASK_TIMEOUT_S)
+                cache[key] = value
+        except multiprocessing.TimeoutError:  # a forked worker stuck (a lock a thread held at the fork): go on here
+            print(f"[parallel4d] plan --search: a worker gave nothing for {TASK_TIMEOUT_S:.0f} s; the rest runs in "
+                  "this process", flush=True)
+    left = [t for t in todo if _task_key(t) not in cache]  # (the pool is terminated on leaving the block)
+    cache.update(_one_task(t) for t in left)
+
+
+def _task_key(task: tuple):
+    """The cache key :func:`_one_task` gives ``task``'s value."""
+    kind, what = task
+    return _unit_key(what) if kind == "unit" else order_key(*what)
 
 
 def unit(cfg: Config, cache: dict) -> Unit:
