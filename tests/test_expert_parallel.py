@@ -40,6 +40,7 @@ def _job(parallel: dict, **sections) -> dict:
 
 
 PACKED = "dp=2 × sp=2, ep=2, packed documents"
+COMPILED = "dp=2 × sp=2, ep=2, compiled blocks"
 ACCUMULATED = "dp=2 × sp=2, ep=2, 2 micro-batches, blocks recomputed"
 LAYOUTS = {
     "dp=2 × sp=2, ep=1": _job({"dp": 2, "sp": 2}),
@@ -48,6 +49,7 @@ LAYOUTS = {
     "dp=4, ep=2": _job({"dp": 4, "ep": 2}),
     ACCUMULATED: _job({"dp": 2, "sp": 2, "ep": 2}, pipeline={"microbatches": 2},
                       train={"activation_checkpointing": "blocks"}),
+    COMPILED: _job({"dp": 2, "sp": 2, "ep": 2}, train={"compile": "blocks"}),  # the dispatch a graph break
     PACKED: _job({"dp": 2, "sp": 2, "ep": 2},  # 4 rows: the reference runs each document alone
                  data={**BASE["data"], "batch_size": 4, "packing": "documents", "eod_token": EOD}),
 }
@@ -87,6 +89,9 @@ def _train(jobs: dict, tmp: str, pretrained: str | None) -> dict:
     from test_llama import train_layouts
 
     from parallel4d.config.load import make_config
+    from parallel4d.engine import compile as compile_module
+
+    compile_module.BACKEND = "aot_eager"  # this worker only (test_compile's seam: dynamo and AOTAutograd, no inductor)
     from parallel4d.data.batches import build_dataset
     from parallel4d.distributed.mesh import init_mesh
     from parallel4d.engine.compose import compose

@@ -135,6 +135,7 @@ class ExpertParallel:
         """The experts this rank holds."""
         return range(self.rank * self.local, (self.rank + 1) * self.local)
 
+    @comm.eager  # under train.compile: blocks a graph break: its collectives and host read stay eager
     def __call__(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, expert_fn: ExpertFn) -> torch.Tensor:
         """``[T, h]`` from ``x [T, h]``, ``ids [T, k]`` (global expert indices), ``weights [T, k]``;
         ``expert_fn`` applies this rank's experts (:attr:`experts`, numbered from 0)."""
