@@ -10,7 +10,10 @@ picks the kind once, from ``hetero.enabled``:
   :class:`~parallel4d.distributed.ddp.GradBuckets` while the backward runs.
 * :class:`HeteroStore`: hetero's chunks hold parameters, gradients and optimizer state (a device
   arena backed by host memory; ``p.grad`` stays None); its ZeRO reduces the gradients over the
-  data replicas (:class:`DataReplicas`) and its optimizer updates chunk by chunk.
+  data replicas (:class:`DataReplicas`) and its optimizer updates chunk by chunk. Under expert
+  parallelism the experts' slices get rows of their own, sharded and reduced over the expert replicas
+  (hetero's ``partial_replicas``); their squared norms, summed over every data replica, count each expert
+  once.
 """
 
 from __future__ import annotations
@@ -331,12 +334,14 @@ def parameter_store(cfg: Config, mesh: Mesh, model: LocalModel, executor=None, t
     dense names' parameter groups): hetero's chunks when ``hetero.enabled``, else plain.
     ``tied_sync``: the table tied across two pp ranks is summed between them at the step's end,
     so its data-parallel reduction waits for that. ``experts``: this rank's expert slices under expert
-    parallelism (:func:`~.experts.place_experts`; the plain store only: config/rules/moe.py)."""
+    parallelism (:func:`~.experts.place_experts`), summed over their replicas only."""
     named = model.dense_named_parameters()
     if cfg.hetero.enabled:
+        partial = (experts.params, experts.replicas) if experts is not None else None
         model, optimizer = hetero_wrap(model, cfg.optimizer, cfg.hetero, mesh=DataReplicas(mesh),
                                        param_groups=param_groups(named, cfg.optimizer),
-                                       compute_dtype=TORCH_DTYPES[hetero_rules.compute_dtype(cfg)])
+                                       compute_dtype=TORCH_DTYPES[hetero_rules.compute_dtype(cfg)],
+                                       partial_replicas=partial)
         if cfg.train.grad_clip is None and cfg.train.autocast != "float16":
             # nothing scales the gradients after the backward (no clipping, no loss scale): a host row's
             # update can start as soon as its gradient is final

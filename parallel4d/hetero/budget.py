@@ -2,7 +2,9 @@
 
 Two pools of slots: ``main`` (``C`` elements: P and G of every row, and M, V at dp = 1) and,
 under ZeRO, ``shard`` (``C/dp`` elements: 4 slots for the optimizer's PS, GS, M, V of one row; under
-16-bit chunks 1, for GS: the optimizer works on the host). Slots are in the chunks' (compute) dtype.
+16-bit chunks 1, for GS: the optimizer works on the host) — and one more such pool, ``shard1`` of ``C/n``
+elements, for rows sharded over a smaller replica set of ``n`` ranks (expert parallelism's experts).
+Slots are in the chunks' (compute) dtype.
 A budget below what one module or one optimizer row pins at once is refused up front.
 
 Under 16-bit chunks the budget also says how many rows keep their master state (``W``, ``M``, ``V`` in
@@ -21,7 +23,7 @@ import torch
 
 from parallel4d.config.rules.hetero import SHARD_SLOTS
 from parallel4d.config.schema import HeteroConfig
-from parallel4d.hetero.layout import Layout
+from parallel4d.hetero.layout import Layout, shard_pool
 
 
 @dataclass
@@ -70,21 +72,33 @@ def replica_count(cfg: HeteroConfig, device: torch.device, mesh) -> int:
 def plan_budget(layout: Layout, cfg: HeteroConfig, device: torch.device) -> Budget:
     """The slots of each pool; ``ValueError`` naming the minimum when the budget is too small."""
     cap, dynamic_capacity = _capacity(cfg, device)
-    shard_slots = 0 if layout.dp == 1 else 1 if layout.mixed else SHARD_SLOTS  # mixed: GS only
+    shards = shard_pools(layout)
     # chunks in the main pool: P(+G) per row (ZeRO keeps M, V in the shard pool, 16-bit chunks on the host)
     main_chunks = len(layout.rows) + layout.trainable_rows * (1 if layout.dp > 1 or layout.mixed else 3)
-    main_slots = main_chunks if cap is None else _main_slots(layout, cap, main_chunks, shard_slots)
-    pools = {"main": (layout.C, main_slots)}
-    if shard_slots:
-        pools["shard"] = (layout.Sz, shard_slots)
-    arena = (main_slots * layout.C + shard_slots * layout.Sz) * layout.cdtype.itemsize
+    main_slots = main_chunks if cap is None else _main_slots(layout, cap, main_chunks, shards)
+    pools = {"main": (layout.C, main_slots), **shards}
+    arena = (main_slots * layout.C + _elems(shards)) * layout.cdtype.itemsize
     return Budget(pools, cap, dynamic_capacity, _master_rows(layout, cap, dynamic_capacity, arena,
                                                             main_slots == main_chunks))
 
 
+def shard_pools(layout: Layout) -> dict[str, tuple[int, int]]:
+    """Under ZeRO, ``{pool: (C/n, slots)}`` for each replica set of ``n`` ranks some row is sharded over
+    (``shard``: every data replica; ``shard1``: a smaller set); {} at dp = 1."""
+    if layout.dp == 1:
+        return {}
+    slots = 1 if layout.mixed else SHARD_SLOTS  # mixed: GS only
+    return {shard_pool(i): (layout.C // layout.replicas[i], slots) for i in layout.sets_used()}
+
+
+def _elems(pools: dict[str, tuple[int, int]]) -> int:
+    return sum(elems * slots for elems, slots in pools.values())
+
+
 def master_row_bytes(layout: Layout) -> int:
-    """A trainable row's master state on one rank: ``W``, ``M``, ``V`` of its ``[C/dp]`` window."""
-    return 3 * layout.Sz * layout.dtype.itemsize
+    """A trainable row's master state on one rank at most: ``W``, ``M``, ``V`` of its ``[C/n]`` window (``n``:
+    its replica set's size; the smallest set's, whose windows are the widest)."""
+    return 3 * max(layout.shard_elems(row) for row in layout.rows) * layout.dtype.itemsize
 
 
 def _master_rows(layout: Layout, cap: Optional[int], dynamic: Optional[int], arena: int, all_slots: bool):
@@ -124,15 +138,16 @@ def _capacity(cfg: HeteroConfig, device: torch.device) -> tuple[Optional[int], O
     return cap, cap
 
 
-def _main_slots(layout: Layout, cap: int, main_chunks: int, shard_slots: int) -> int:
+def _main_slots(layout: Layout, cap: int, main_chunks: int, shards: dict[str, tuple[int, int]]) -> int:
     esize = layout.cdtype.itemsize
     chunk_bytes = layout.C * esize
-    shard_bytes = shard_slots * layout.Sz * esize
+    shard_bytes = _elems(shards) * esize
     static_min = static_min_slots(layout)
     main_slots = min(main_chunks, (cap - shard_bytes) // chunk_bytes)
     if main_slots < static_min:
         need = static_min * chunk_bytes + shard_bytes
-        shards = f" plus {shard_slots} ZeRO shard slots of {layout.Sz * esize} bytes" if shard_slots else ""
+        shards = "".join(f" plus {slots} ZeRO shard slots of {elems * esize} bytes"
+                         for elems, slots in shards.values())
         raise ValueError(
             f"hetero.device_budget_bytes={cap} is too small: this model needs at least {static_min} "
             f"chunks of {chunk_bytes} bytes on the device at once{shards}, i.e. the minimum feasible value "

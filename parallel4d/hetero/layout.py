@@ -2,7 +2,9 @@
 
 A *row* is one packing of parameters into ``C`` elements; its mirrored chunks (P, G, M, V
 and, under ZeRO, the shards PS, GS) share that layout. Trainable and frozen parameters
-get rows of their own (frozen rows have no G, M, V). Pure planning: no chunk exists yet.
+get rows of their own (frozen rows have no G, M, V), and so do parameters that only some of the
+data replicas hold (``partial``: expert parallelism's expert slices, the same on the ranks of a smaller
+replica set; ZeRO shards their rows over that set, :attr:`Row.replicas`). Pure planning: no chunk exists yet.
 """
 
 from __future__ import annotations
@@ -50,11 +52,14 @@ class Row:
     V: Optional[Chunk] = None
     PS: Optional[Chunk] = None  # ZeRO shards (dp > 1)
     GS: Optional[Chunk] = None
+    replicas: int = 0  # the replica set ZeRO shards it over (Layout.replicas): 0 every data replica
 
 
 @dataclass(eq=False)
 class Layout:
-    """The packing of one model: rows of ``C`` elements, each split into ``dp`` shards of ``Sz``."""
+    """The packing of one model: rows of ``C`` elements, each split into ``dp`` shards of ``Sz`` — or, a row
+    of a smaller replica set (``row.replicas`` > 0), into ``replicas[row.replicas]`` shards
+    (:meth:`shard_elems`)."""
 
     C: int
     dp: int
@@ -64,9 +69,11 @@ class Layout:
     module_params: dict[nn.Module, list[nn.Parameter]]  # modules with direct parameters
     by_param: dict[int, ParamRecord]  # id(param) → record
     cdtype: torch.dtype = None  # the device chunks' (compute copy); None: ``dtype``
+    replicas: list[int] = None  # each replica set's size: [dp] or [dp, the partial parameters' set]
 
     def __post_init__(self):
         self.cdtype = self.cdtype or self.dtype
+        self.replicas = self.replicas or [self.dp]
 
     @property
     def mixed(self) -> bool:
@@ -76,6 +83,14 @@ class Layout:
     @property
     def Sz(self) -> int:
         return self.C // self.dp
+
+    def shard_elems(self, row: Row) -> int:
+        """Elements of ``row``'s ZeRO shard: ``C`` over the size of its replica set."""
+        return self.C // self.replicas[row.replicas]
+
+    def sets_used(self) -> list[int]:
+        """The replica sets some row is sharded over (0 first)."""
+        return sorted({row.replicas for row in self.rows})
 
     @property
     def params(self) -> int:
@@ -102,10 +117,16 @@ class Layout:
                                "call it after loss.backward() has returned")
 
 
+def shard_pool(replicas: int) -> str:
+    """The pool of ZeRO shards of the rows of replica set ``replicas`` (their shards differ in size by set)."""
+    return "shard" if replicas == 0 else f"shard{replicas}"
+
+
 def plan_layout(model: nn.Module, chunk_elems: Optional[int], dp: int,
-                compute_dtype: Optional[torch.dtype] = None) -> Layout:
+                compute_dtype: Optional[torch.dtype] = None, partial: tuple[frozenset, int] | None = None) -> Layout:
     """Pack ``model``'s parameters into rows; ``chunk_elems`` (``hetero.chunk_elems``) or searched;
-    ``compute_dtype``: the device chunks' dtype (None: the parameters')."""
+    ``compute_dtype``: the device chunks' dtype (None: the parameters'); ``partial``: ``(ids of the
+    parameters only a smaller replica set holds, that set's size)`` — rows of their own (set 1)."""
     order, names, module_params = unique_params(model)
     dtype = common_dtype(order)
     if compute_dtype is not None and (not compute_dtype.is_floating_point
@@ -113,8 +134,10 @@ def plan_layout(model: nn.Module, chunk_elems: Optional[int], dp: int,
         raise ValueError(f"hetero.compute_dtype={compute_dtype} is wider than the parameters ({dtype}); "
                          "use a narrower floating dtype or leave it unset")
     C = choose_chunk_elems([p.numel() for p in order], chunk_elems, dp)
-    rows, records = pack_rows(order, names, C)
-    return Layout(C, dp, dtype, rows, records, module_params, {id(r.param): r for r in records}, compute_dtype)
+    ids, size = partial if partial is not None else (frozenset(), None)
+    rows, records = pack_rows(order, names, C, ids)
+    return Layout(C, dp, dtype, rows, records, module_params, {id(r.param): r for r in records}, compute_dtype,
+                  [dp] if size is None else [dp, size])
 
 
 def unique_params(model: nn.Module):
@@ -164,15 +187,15 @@ def choose_chunk_elems(numels: list[int], requested: Optional[int], dp: int) -> 
     return C
 
 
-def pack_rows(order: list[nn.Parameter], names: dict[int, list[str]], C: int):
-    """``(rows, records)``: trainable parameters first, then frozen ones, in order."""
-    trainable = [p for p in order if p.requires_grad]
-    frozen = [p for p in order if not p.requires_grad]
+def pack_rows(order: list[nn.Parameter], names: dict[int, list[str]], C: int, partial: frozenset = frozenset()):
+    """``(rows, records)``: trainable parameters first, then frozen ones, in order; those in ``partial``
+    (ids) in rows of their own (replica set 1), after the others of their kind."""
     rows: list[Row] = []
     records: list[ParamRecord] = []
-    for group, is_tr in ((trainable, True), (frozen, False)):
+    for is_tr, replicas in ((True, 0), (True, 1), (False, 0), (False, 1)):
+        group = [p for p in order if p.requires_grad == is_tr and (id(p) in partial) == bool(replicas)]
         for chunk_list in pack([p.numel() for p in group], C, ALIGN):
-            row = Row(len(rows), is_tr)
+            row = Row(len(rows), is_tr, replicas=replicas)
             for i, off in chunk_list:
                 p = group[i]
                 rec = ParamRecord(p, names[id(p)], row.index, len(row.records), is_tr, tuple(p.shape), off)

@@ -101,26 +101,30 @@ class HostUpdates:
 
 
 class MasterState:
-    """``W``, ``M``, ``V``: per row index, this rank's ``[hi − lo]`` window in the parameters' dtype
+    """``W``, ``M``, ``V``: per row index, this rank's ``[hi − lo]`` window (``window_of(row)``) in the parameters' dtype
     (frozen rows have ``W`` only), on ``device`` or on the host as ``place`` says; zeros until written."""
 
-    def __init__(self, layout: Layout, window: tuple[int, int], transfers: Transfers, device: torch.device,
+    def __init__(self, layout: Layout, window_of: Callable[[Row], tuple[int, int]], transfers: Transfers,
+                 device: torch.device,
                  updates: HostUpdates):
-        self.layout, self.window, self.transfers, self.device = layout, window, transfers, device
+        self.layout, self.window_of, self.transfers, self.device = layout, window_of, transfers, device
         self.updates = updates
-        self.n = window[1] - window[0]
         self.W: dict[int, torch.Tensor] = {}
         self.M: dict[int, torch.Tensor] = {}
         self.V: dict[int, torch.Tensor] = {}
         self.place: dict[int, str] = {}
 
     def row_bytes(self, row: Row) -> int:
-        return (3 if row.trainable else 1) * self.n * self.layout.dtype.itemsize
+        return (3 if row.trainable else 1) * self.elems(row) * self.layout.dtype.itemsize
+
+    def elems(self, row: Row) -> int:
+        lo, hi = self.window_of(row)
+        return hi - lo
 
     def allocate(self, row: Row, where: str) -> None:
         """``row``'s state, zeros, on the device or the host (one allocation)."""
         k = 3 if row.trainable else 1
-        buf = torch.zeros(k, self.n, dtype=self.layout.dtype, device=self.device if where == DEVICE else "cpu")
+        buf = torch.zeros(k, self.elems(row), dtype=self.layout.dtype, device=self.device if where == DEVICE else "cpu")
         for store, x in zip((self.W, self.M, self.V), buf):
             store[row.index] = x
         self.place[row.index] = where

@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 
 from parallel4d.hetero.chunk import Chunk, TensorInfo, TensorState
-from parallel4d.hetero.layout import Layout, Row
+from parallel4d.hetero.layout import Layout, Row, shard_pool
 from parallel4d.hetero.manager import ChunkManager
 from parallel4d.hetero.master import DEVICE, HOST, MasterState
 from parallel4d.hetero.zero import ZeroShards
@@ -33,13 +33,13 @@ def add_chunks(layout: Layout, mgr: ChunkManager, zero: ZeroShards, master: Opti
             if zero_mode:
                 row.G.meta["spill"] = lambda row=row: zero.reduce_row(row, "on_eviction")
         if row.trainable and master is None:
-            pool = "shard" if zero_mode else "main"
+            pool = shard_pool(row.replicas) if zero_mode else "main"
             row.M = _chunk(row, mgr, zero, "exp_avg", S.FREE, pool=pool)
             row.V = _chunk(row, mgr, zero, "exp_avg_sq", S.FREE, pool=pool)
         if zero_mode and master is None:
-            row.PS = _chunk(row, mgr, zero, "param_shard", S.HOLD, pool="shard")
+            row.PS = _chunk(row, mgr, zero, "param_shard", S.HOLD, pool=shard_pool(row.replicas))
         if zero_mode and row.trainable:
-            row.GS = _chunk(row, mgr, zero, "grad_shard", S.FREE, pool="shard")
+            row.GS = _chunk(row, mgr, zero, "grad_shard", S.FREE, pool=shard_pool(row.replicas))
         if zero_mode:
             row.P.loader = zero.loader(row, master)
             row.P.meta["gathers"] = True
@@ -53,9 +53,9 @@ def add_chunks(layout: Layout, mgr: ChunkManager, zero: ZeroShards, master: Opti
 
 def _chunk(row: Row, mgr: ChunkManager, zero: ZeroShards, kind: str, state: TensorState, pool: str = "main",
            backing: bool = True) -> Chunk:
-    cap = zero.C if pool == "main" else zero.Sz
+    cap = zero.C if pool == "main" else zero.shard_elems(row)
     tensors = [TensorInfo(f"{kind}:{r.name}", r.shape, r.offset, r.param.numel(), state) for r in row.records]
-    base = zero.window[0] if pool == "shard" else 0
+    base = zero.window_of(row)[0] if pool != "main" else 0
     return mgr.add(Chunk(-1, kind, row.index, cap, tensors, pool=pool, base=base), backing=backing)
 
 
@@ -68,8 +68,8 @@ def move_params_into_chunks(layout: Layout, mgr: ChunkManager, zero: ZeroShards,
     storage is freed, so hetero's host memory grows as the model's shrinks."""
     for rec in layout.records:
         rec.placeholder = torch.full((1,), float("nan"), dtype=layout.cdtype, device=device).expand(rec.shape)
-    lo, hi = zero.window
     for row in layout.rows:
+        lo, hi = zero.window_of(row)
         mgr.allocate_backings([row.P, row.G, row.M, row.V, row.PS, row.GS])
         full = torch.zeros(layout.C, dtype=layout.dtype)
         for rec in row.records:

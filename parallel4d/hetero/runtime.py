@@ -14,6 +14,7 @@ import torch.nn as nn
 from torch._subclasses.fake_tensor import is_fake
 
 from parallel4d.config.schema import HeteroConfig, OptimizerConfig
+from parallel4d.distributed import comm
 from parallel4d.hetero.budget import Budget, device_rows_after_warmup, plan_budget, replica_count, resolve_device
 from parallel4d.hetero.layout import Layout, plan_layout
 from parallel4d.hetero.manager import ChunkManager
@@ -23,7 +24,7 @@ from parallel4d.hetero.residency import Residency
 from parallel4d.hetero.saved import SavedTensors
 from parallel4d.hetero.state import FullState
 from parallel4d.hetero.step import RowAdam
-from parallel4d.hetero.zero import ZeroShards
+from parallel4d.hetero.zero import ReplicaSet, ZeroShards
 
 # per-iteration history entries that are per-moment lists or chunk sets, not counters
 _TRACE_KEYS = ("trace", "live", "write", "nonmodel", "start_resident", "start_dirty",
@@ -34,21 +35,25 @@ class HeteroRuntime:
     """Chunks, hooks and the optimizer arithmetic behind one wrapped model."""
 
     def __init__(self, model: nn.Module, opt_cfg: OptimizerConfig, cfg: HeteroConfig, mesh=None,
-                 compute_dtype: torch.dtype | None = None):
+                 compute_dtype: torch.dtype | None = None, partial=None):
         self.model, self.cfg, self.mesh = model, cfg, mesh
         self.device = resolve_device(cfg.compute_device, mesh)
         self.dp = replica_count(cfg, self.device, mesh)
         self.group = mesh.group("dp") if self.dp > 1 else None
         self.dp_rank = mesh.rank("dp") if self.dp > 1 else 0
-        self.layout = plan_layout(model, cfg.chunk_elems, self.dp, compute_dtype)
+        # parameters a smaller replica set holds (wrap's partial_replicas): rows of their own under ZeRO
+        self.partial = partial_set(partial) if self.dp > 1 and partial is not None else None
+        ids = frozenset(id(p) for p in partial[0]) if self.partial is not None else frozenset()
+        self.layout = plan_layout(model, cfg.chunk_elems, self.dp, compute_dtype,
+                                  (ids, self.partial.size) if self.partial is not None else None)
         self.rows, self.records, self.C = self.layout.rows, self.layout.records, self.layout.C
         self.budget = plan_budget(self.layout, cfg, self.device)
         self.mgr = self._manager(cfg, self.budget)
-        self.zero = ZeroShards(self.mgr, self.C, self.dp, self.dp_rank, self.group, mesh)
+        self.zero = ZeroShards(self.mgr, self.C, self.dp, self.dp_rank, self.group, mesh, self.partial)
         # 16-bit chunks: the master parameters and Adam moments of each row on the device or the host
         # (placement: .budget; host rows updated by a worker beside the training thread)
         self.updates = HostUpdates(self.mgr.transfers.note, getattr(mesh, "timeout_s", None) or 1800.0)
-        self.master = (MasterState(self.layout, self.zero.window, self.mgr.transfers, self.device, self.updates)
+        self.master = (MasterState(self.layout, self.zero.window_of, self.mgr.transfers, self.device, self.updates)
                        if self.layout.mixed else None)
         add_chunks(self.layout, self.mgr, self.zero, self.master)
         # every chunk's bytes: what the device would hold with all of them resident
@@ -56,7 +61,8 @@ class HeteroRuntime:
         # the chunks' backings and the host rows' master state, row by row as the parameters' storage goes
         move_params_into_chunks(self.layout, self.mgr, self.zero, self.device, self.master,
                                 frozenset(first_trainable(self.layout, self.budget.master_rows or 0)))
-        self.staging_bytes = self.mgr.transfers.allocate_staging(self.zero.Sz) if self.master else 0
+        widest = max(self.layout.shard_elems(row) for row in self.rows)
+        self.staging_bytes = self.mgr.transfers.allocate_staging(widest) if self.master else 0
         # a dry run's fake tensors belong to its thread's fake mode: the worker could not touch them
         self.updates.inline = self.master is not None and any(is_fake(w) for w in self.master.W.values())
         self._placed = False  # the master rows re-chosen from the warm-up trace (after the first step)
@@ -214,6 +220,14 @@ class HeteroRuntime:
                 "optimizer_device_bytes": m.bytes_on(DEVICE) if m else None,
                 "optimizer_host_bytes": m.bytes_on(HOST) if m else None,
                 "host_update_seconds": self.updates.seconds}
+
+
+def partial_set(partial) -> ReplicaSet:
+    """``(params, group)`` (:func:`~parallel4d.hetero.wrap.wrap`'s ``partial_replicas``) → the replica set of
+    ``group``, a process group whose ranks are data replicas holding the same values of ``params``."""
+    _, group = partial
+    size = comm.group_size(group)
+    return ReplicaSet(size, comm.group_rank(group), group if size > 1 else None)
 
 
 def first_trainable(layout: Layout, n: int) -> list[int]:

@@ -57,8 +57,8 @@ class FullState:
         out = {}
         for row in self.layout.rows:
             live = self._live(row)
-            full = (self.zero.full_row(row.P, row.PS) if self.master is None
-                    else self.zero.full_window(self.master.W[row.index], copy=not live))
+            full = (self.zero.full_row(row, row.P, row.PS) if self.master is None
+                    else self.zero.full_window(row, self.master.W[row.index], copy=not live))
             for rec in row.records:
                 out[rec.name] = _cut(full, rec, live)
         return out
@@ -70,7 +70,7 @@ class FullState:
             if not row.trainable:
                 continue
             g = row.GS if self.layout.dp > 1 else row.G
-            full = self.zero.full_row(row.G, row.GS)
+            full = self.zero.full_row(row, row.G, row.GS)
             for rec, t in zip(row.records, g.tensors):
                 if t.state != S.FREE:
                     out[rec.name] = _cut(full, rec)
@@ -96,10 +96,10 @@ class FullState:
         # that a fresh optimizer's state_dict is a complete DCP load template
         live = self._live(row)
         if self.master is None:
-            m, v = self.zero.full_row(row.M, row.M), self.zero.full_row(row.V, row.V)
+            m, v = self.zero.full_row(row, row.M, row.M), self.zero.full_row(row, row.V, row.V)
             fresh = [t.state == S.FREE for t in row.M.tensors]
         else:
-            m, v = (self.zero.full_window(x[row.index], copy=not live) for x in (self.master.M, self.master.V))
+            m, v = (self.zero.full_window(row, x[row.index], copy=not live) for x in (self.master.M, self.master.V))
             fresh = [steps.get(rec.name, 0) == 0 for rec in row.records]
         out = {}
         for rec, is_fresh in zip(row.records, fresh):
@@ -113,9 +113,10 @@ class FullState:
 
     # --- in -------------------------------------------------------------------------------
     @torch.no_grad()
-    def _write(self, chunk: Chunk, k: int, value: torch.Tensor) -> None:
-        """Write tensor ``k``'s full value (its part inside this rank's window) into ``chunk``; → HOLD."""
-        lo, hi = self.zero.window
+    def _write(self, row, chunk: Chunk, k: int, value: torch.Tensor) -> None:
+        """Write tensor ``k``'s full value (its part inside this rank's window of ``row``) into ``chunk``;
+        → HOLD."""
+        lo, hi = self.zero.window_of(row)
         t = chunk.tensors[k]
         seg = segment(t, lo, hi)
         self.mgr.acquire(chunk, [t], write=True, zero_free=False, record=False)
@@ -125,9 +126,9 @@ class FullState:
         self.mgr.release(chunk, [t], S.HOLD)
 
     @torch.no_grad()
-    def _write_master(self, window: torch.Tensor, t: TensorInfo, value: torch.Tensor) -> None:
-        """Write ``t``'s full value (its part inside this rank's window) into a master ``window``."""
-        lo, hi = self.zero.window
+    def _write_master(self, row, window: torch.Tensor, t: TensorInfo, value: torch.Tensor) -> None:
+        """Write ``t``'s full value (its part inside this rank's window of ``row``) into a master ``window``."""
+        lo, hi = self.zero.window_of(row)
         seg = segment(t, lo, hi)
         if seg is not None:
             flat = value.reshape(-1).to(window.dtype)
@@ -141,9 +142,9 @@ class FullState:
             for rec in row.records:
                 v = _first(values, rec)
                 if v is not None and self.master is not None:
-                    self._write_master(self.master.W[row.index], row.P.tensors[rec.k], v)
+                    self._write_master(row, self.master.W[row.index], row.P.tensors[rec.k], v)
                 elif v is not None:
-                    self._write(target, rec.k, v)
+                    self._write(row, target, rec.k, v)
             if self.layout.dp > 1 or self.master is not None:  # the device's copy is stale now
                 self.mgr.invalidate(row.P)
 
@@ -160,11 +161,11 @@ class FullState:
                     continue
                 steps[rec.name] = int(float(st["step"]))
                 if self.master is None:
-                    self._write(row.M, rec.k, st["exp_avg"])
-                    self._write(row.V, rec.k, st["exp_avg_sq"])
+                    self._write(row, row.M, rec.k, st["exp_avg"])
+                    self._write(row, row.V, rec.k, st["exp_avg_sq"])
                 else:
                     for window, key in ((self.master.M, "exp_avg"), (self.master.V, "exp_avg_sq")):
-                        self._write_master(window[row.index], row.P.tensors[rec.k], st[key])
+                        self._write_master(row, window[row.index], row.P.tensors[rec.k], st[key])
 
     # --- nn.Module state-dict hooks -------------------------------------------------------------
     def install(self, model: nn.Module) -> list:

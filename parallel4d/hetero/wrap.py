@@ -35,7 +35,7 @@ def _validate(cfg, cls, field_name: str):
 
 
 def wrap(model: nn.Module, optimizer_config=None, hetero_config=None, mesh=None, param_groups=None,
-         compute_dtype: torch.dtype | None = None):
+         compute_dtype: torch.dtype | None = None, partial_replicas=None):
     """Move ``model``'s parameters, gradients and Adam states into chunks.
 
     ``optimizer_config``: :class:`~parallel4d.config.OptimizerConfig` or a dict of its
@@ -45,7 +45,10 @@ def wrap(model: nn.Module, optimizer_config=None, hetero_config=None, mesh=None,
     (each once; e.g. ``weight_decay: 0.0`` for norms and biases), default one group of all of
     them; ``compute_dtype``: the device chunks' dtype when narrower than the parameters' (16-bit
     chunks: the parameters compute in it, their master copy and the Adam moments stay in the
-    parameters' dtype on the host), None for one copy. Returns ``(model, optimizer)``: the same module object (hooks
+    parameters' dtype on the host), None for one copy; ``partial_replicas``: ``(params, group)``, parameters
+    of ``model`` that only the data replicas of the process ``group`` hold (the same values on its ranks;
+    other groups hold other values: expert parallelism's expert slices) — ZeRO shards their rows over
+    ``group`` and sums their gradients there, divided by the whole dp as every gradient. Returns ``(model, optimizer)``: the same module object (hooks
     installed, ``state_dict`` gives full values under the original keys) and a
     :class:`~parallel4d.hetero.optim.HeteroOptimizer`.
     """
@@ -53,6 +56,6 @@ def wrap(model: nn.Module, optimizer_config=None, hetero_config=None, mesh=None,
     cfg = _validate(hetero_config, HeteroConfig, "hetero")
     if getattr(model, "_hetero_runtime", None) is not None:
         raise ValueError("hetero.wrap: this model is already wrapped")
-    rt = HeteroRuntime(model, opt_cfg, cfg, mesh, compute_dtype)
+    rt = HeteroRuntime(model, opt_cfg, cfg, mesh, compute_dtype, partial_replicas)
     model._hetero_runtime = rt
     return model, HeteroOptimizer(rt, opt_cfg, param_groups)

@@ -11,9 +11,18 @@ like DDP) as soon as all their tensors' gradients are written, or when evicted b
 All dp ranks run the same program on the same budget and policy, so their chunk
 accesses and eviction decisions are identical and every collective is matched.
 :class:`ZeroShards` does this rank's part: gathers a row's parameters, reduce-scatters its gradients.
+
+Parameters only some of the data replicas hold (expert parallelism: an expert's slices live on its ep rank
+and the ranks at the same place of the other ep groups) have rows of their own, sharded over that smaller
+:class:`ReplicaSet` (``row.replicas``): gathered and reduce-scattered over it — the ranks that hold the same
+values — and divided by the whole dp all the same (each rank's loss is the mean over its own tokens; the
+expert's gradient on its rank already sums what its ep group sent it). Summed over every data replica,
+each rank's squared shards count every element once (:meth:`ZeroShards.all_reduce`).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -53,13 +62,25 @@ def reduce_scatter_sum(full: torch.Tensor, group, dp: int):
         return out, fn(out, full, op=dist.ReduceOp.SUM, group=group, async_op=True)
 
 
+@dataclass(frozen=True)
+class ReplicaSet:
+    """Data replicas holding the same values of some rows: ``size`` ranks, this one ``rank`` of them,
+    their process ``group`` (None at size 1). ZeRO shards those rows over them."""
+
+    size: int
+    rank: int
+    group: object = None
+
+
 class ZeroShards:
     """This rank's share ``[lo, hi)`` of every row (the whole row at dp = 1) and the ZeRO
-    collectives between full ``[C]`` chunks and ``[C/dp]`` shards, counted in the manager's
-    stats and the mesh's byte counters."""
+    collectives between full ``[C]`` chunks and ``[C/n]`` shards — ``n`` the size of the row's
+    replica set (``sets[row.replicas]``; set 0 is every data replica, ``dp``) — counted in the manager's
+    stats and the mesh's byte counters. ``window``, ``Sz``: set 0's."""
 
-    def __init__(self, mgr, C: int, dp: int, rank: int, group, mesh):
+    def __init__(self, mgr, C: int, dp: int, rank: int, group, mesh, partial: ReplicaSet | None = None):
         self.mgr, self.C, self.dp, self.rank, self.group, self.mesh = mgr, C, dp, rank, group, mesh
+        self.sets = [ReplicaSet(dp, rank, group)] + ([partial] if partial is not None else [])
         self.Sz = C // dp
         self.window = window(rank, self.Sz)
         self.reduce_scatters = {"on_completion": 0, "end_of_backward": 0, "on_eviction": 0}
@@ -70,19 +91,32 @@ class ZeroShards:
         """Wait for a ZeRO collective within the mesh's limit (stream-ordered on NCCL)."""
         comm.wait(work, self.mesh.timeout_s, what, self.mesh.deadlines)
 
+    def set_of(self, row) -> ReplicaSet:
+        return self.sets[row.replicas]
+
+    def shard_elems(self, row) -> int:
+        """``C`` over the size of ``row``'s replica set."""
+        return self.C // self.set_of(row).size
+
+    def window_of(self, row) -> tuple[int, int]:
+        """This rank's ``[lo, hi)`` of ``row``."""
+        return window(self.set_of(row).rank, self.shard_elems(row))
+
     def opt_chunks(self, row):
         """``(P, G, M, V, (lo, hi))`` the optimizer updates: under ZeRO the shards."""
         if self.dp > 1:
-            return row.PS, row.GS, row.M, row.V, self.window
+            return row.PS, row.GS, row.M, row.V, self.window_of(row)
         return row.P, row.G, row.M, row.V, self.window
 
     def loader(self, row, master=None):
         """``load(dst[C])``: the row's full parameters, all-gathered from every rank's shard (``PS``, or
         the ``master``'s window rounded to the chunks' dtype under 16-bit chunks)."""
+        replicas, (lo, hi) = self.set_of(row), self.window_of(row)
+
         def load(dst: torch.Tensor):
             """Posts the gather; returns what waits for it."""
-            local = dst.narrow(0, self.window[0], self.Sz)
-            ps, nbytes = row.PS, self.Sz * self.mgr.esize
+            local = dst.narrow(0, lo, hi - lo)
+            ps, nbytes = row.PS, (hi - lo) * self.mgr.esize
             if master is None and ps.slot is not None:
                 local.copy_(self.mgr.read(ps))
             else:
@@ -93,10 +127,12 @@ class ZeroShards:
                     crossed = master.upload(row, local)
                 self.mgr.transfers.compute_waits()
                 self.mgr.count(**(dict(load_bytes=nbytes, loads=1) if crossed else dict(device_fills=1)))
-            work = all_gather_into(dst, local.clone(), self.group, async_op=True)
-            got = (self.dp - 1) * nbytes
+            if replicas.size == 1:  # the whole row is this rank's
+                return lambda: None
+            work = all_gather_into(dst, local.clone(), replicas.group, async_op=True)
+            got = (replicas.size - 1) * nbytes
             self.mgr.count(gather_bytes=got)
-            self.mesh.comm_stats.add("hetero.all_gather", nbytes, got, self.group)
+            self.mesh.comm_stats.add("hetero.all_gather", nbytes, got, replicas.group)
             return lambda: self._wait(work, GATHER)
         return load
 
@@ -113,7 +149,7 @@ class ZeroShards:
         evicting = when == "on_eviction"
         if not evicting:  # pinned until its reduction is added into GS (drain), unless room is short
             self.mgr.pin(row.G, lent=True)
-        self.in_flight.append((row, got, *self._reduce_scatter(row.G, got), not evicting))
+        self.in_flight.append((row, got, *self._reduce_scatter(row, got), not evicting))
         if evicting:  # its slot is given up now; nothing inside an eviction may fill or prefetch
             self.drain(record=False)
         else:
@@ -131,32 +167,37 @@ class ZeroShards:
         the next row; the backward's end drains all."""
         while len(self.in_flight) > keep:
             row, got, shard, work, pinned = self.in_flight.pop(0)
-            self._wait(work, REDUCE)
-            self._accumulate(row.GS, got, shard.div_(self.dp), record)
+            if work is not None:
+                self._wait(work, REDUCE)
+            self._accumulate(row, got, shard.div_(self.dp), record)
             if pinned:
                 self.mgr.unpin(row.G, lent=True)
 
     @torch.no_grad()
-    def _reduce_scatter(self, G, got: list[int]) -> tuple:
-        """Post the sum over dp of resident ``G``'s content, this rank's ``[C/dp]`` part: ``(shard, work)``;
-        ``G``'s tensors → FREE."""
+    def _reduce_scatter(self, row, got: list[int]) -> tuple:
+        """Post the sum over the row's replica set of its resident ``G``'s content, this rank's ``[C/n]``
+        part: ``(shard, work)`` (work None: a set of one rank, nothing to sum); ``G``'s tensors → FREE."""
+        G, replicas = row.G, self.set_of(row)
         full = self.mgr.slot_view(G)
         for t in G.tensors:  # content of FREE tensors is stale: contribute zeros
             if t.state == TensorState.FREE:
                 full.narrow(0, t.offset, t.numel).zero_()
         self.mgr.transfers.note("reduce_scatter", G.cid)
-        shard, work = reduce_scatter_sum(full, self.group, self.dp)
-        sent = (self.dp - 1) * self.Sz * self.mgr.esize
-        self.mgr.count(reduce_scatter_bytes=sent)
-        self.mesh.comm_stats.add("hetero.reduce_scatter", sent, sent, self.group)
+        if replicas.size == 1:
+            shard, work = full.clone(), None
+        else:
+            shard, work = reduce_scatter_sum(full, replicas.group, replicas.size)
+            sent = (replicas.size - 1) * self.shard_elems(row) * self.mgr.esize
+            self.mgr.count(reduce_scatter_bytes=sent)
+            self.mesh.comm_stats.add("hetero.reduce_scatter", sent, sent, replicas.group)
         for k in got:
             G.tensors[k].set_state(TensorState.FREE)
         return shard, work
 
     @torch.no_grad()
-    def _accumulate(self, GS, got: list[int], shard: torch.Tensor, record: bool = True) -> None:
-        """``GS`` += ``shard`` for tensors ``got`` (copy where ``GS`` held no gradient yet)."""
-        lo, hi = self.window
+    def _accumulate(self, row, got: list[int], shard: torch.Tensor, record: bool = True) -> None:
+        """``row.GS`` += ``shard`` for tensors ``got`` (copy where ``GS`` held no gradient yet)."""
+        GS, (lo, hi) = row.GS, self.window_of(row)
         first = {k: GS.tensors[k].state == TensorState.FREE for k in got}
         ts = [GS.tensors[k] for k in got]
         self.mgr.acquire(GS, ts, write=True, zero_free=False, record=record)
@@ -172,19 +213,20 @@ class ZeroShards:
                 dst[a:b].add_(shard[a:b])
         self.mgr.release(GS, ts, TensorState.HOLD_AFTER_BWD)
 
-    def full_row(self, chunk, shard) -> torch.Tensor:
-        """A row's whole ``[C]`` content on the CPU (all-gathered from the shards under ZeRO)."""
-        return self.full_window(self.mgr.read(chunk if self.dp == 1 else shard))
+    def full_row(self, row, chunk, shard) -> torch.Tensor:
+        """``row``'s whole ``[C]`` content of ``chunk`` on the CPU (all-gathered from the ``shard`` s under ZeRO)."""
+        return self.full_window(row, self.mgr.read(chunk if self.dp == 1 else shard))
 
-    def full_window(self, local: torch.Tensor, copy: bool = True) -> torch.Tensor:
-        """A row's whole ``[C]`` on the CPU from every rank's ``[C/dp]`` window ``local`` (any dtype;
-        gathered on the compute device, where the group communicates). At dp = 1 a copy, or with ``copy``
-        False ``local`` itself (the caller's: a host tensor it lends as ``nn.Module.state_dict`` lends the
-        live parameters)."""
-        if self.dp == 1:
+    def full_window(self, row, local: torch.Tensor, copy: bool = True) -> torch.Tensor:
+        """``row``'s whole ``[C]`` on the CPU from every rank of its replica set's ``[C/n]`` window ``local``
+        (any dtype; gathered on the compute device, where the group communicates). At one rank a copy, or with
+        ``copy`` False ``local`` itself (the caller's: a host tensor it lends as ``nn.Module.state_dict``
+        lends the live parameters)."""
+        replicas = self.set_of(row) if self.dp > 1 else self.sets[0]
+        if replicas.size == 1:
             return local.detach() if not copy else local.detach().to("cpu", copy=True)
         full = torch.empty(self.C, dtype=local.dtype, device=self.mgr.device)
-        all_gather_into(full, local.to(self.mgr.device), self.group)
+        all_gather_into(full, local.to(self.mgr.device), replicas.group)
         return full.cpu()
 
     def all_reduce(self, t: torch.Tensor, what: str) -> None:

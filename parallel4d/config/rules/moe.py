@@ -92,8 +92,7 @@ def layout_problems(cfg: Config, family_has_moe: bool) -> list[str]:
                 "mixture-of-experts layers; use model.arch=llama, or model.num_experts=0"]
     p = cfg.parallel
     wide = [(f"parallel.{a}={getattr(p, a)}", f"parallel.{a}=1") for a in ("pp", "tp") if getattr(p, a) > 1]
-    other = ([("hetero.enabled=true", "hetero.enabled=false")] if cfg.hetero.enabled else []) + \
-        ([("a deepspeed: section", "remove the deepspeed: section")] if cfg.deepspeed is not None else [])
+    other = [("a deepspeed: section", "remove the deepspeed: section")] if cfg.deepspeed is not None else []
     out = ep_problems(cfg)
     if wide + other:
         out.append(f"model.num_experts={m.num_experts} (mixture-of-experts layers) runs over parallel.dp, "
