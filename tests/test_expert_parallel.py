@@ -39,6 +39,10 @@ def _job(parallel: dict, **sections) -> dict:
     return {**BASE, "parallel": parallel, **sections, "train": {**BASE["train"], **sections.get("train", {})}}
 
 
+#: hetero's chunks: a device budget below each rank's model data (chunks move), ZeRO over the data replicas, the
+#: experts' rows sharded over their replicas
+HETERO = {"enabled": True, "chunk_elems": 2048, "device_budget_bytes": 150_000}
+HETERO_EP = "dp=2 × sp=2, ep=2, hetero (a budget below the model)"
 PACKED = "dp=2 × sp=2, ep=2, packed documents"
 COMPILED = "dp=2 × sp=2, ep=2, compiled blocks"
 ACCUMULATED = "dp=2 × sp=2, ep=2, 2 micro-batches, blocks recomputed"
@@ -50,6 +54,8 @@ LAYOUTS = {
     ACCUMULATED: _job({"dp": 2, "sp": 2, "ep": 2}, pipeline={"microbatches": 2},
                       train={"activation_checkpointing": "blocks"}),
     COMPILED: _job({"dp": 2, "sp": 2, "ep": 2}, train={"compile": "blocks"}),  # the dispatch a graph break
+    "dp=4, ep=1, hetero": _job({"dp": 4}, hetero={"enabled": True, "chunk_elems": 2048}),
+    HETERO_EP: _job({"dp": 2, "sp": 2, "ep": 2}, hetero=HETERO),  # the last hetero job: its statistics kept
     PACKED: _job({"dp": 2, "sp": 2, "ep": 2},  # 4 rows: the reference runs each document alone
                  data={**BASE["data"], "batch_size": 4, "packing": "documents", "eod_token": EOD}),
 }
@@ -97,7 +103,7 @@ def _train(jobs: dict, tmp: str, pretrained: str | None) -> dict:
     from parallel4d.engine.compose import compose
     from parallel4d.training.checkpoints import load_checkpoint, save_checkpoint
 
-    out = train_layouts(jobs)
+    out = train_layouts(jobs, with_hetero_stats=True)
 
     def engine_of(parallel):
         cfg = make_config(_job(parallel))
@@ -199,6 +205,16 @@ def test_experts_over_data_and_sequence_ranks_train_as_one_process(trained, name
     ep = LAYOUTS[name]["parallel"].get("ep", 1)
     rows = {off[0] for _, pieces in [r[name] for r in trained] for off, t in pieces["blocks.0.mlp.experts.gate_proj"]}
     assert rows == set(range(0, 4, 4 // ep))  # ep boxes of E/ep experts each
+
+
+def test_hetero_moves_chunks_under_a_budget_below_the_models_data(trained):
+    """The hetero layout above ran with its chunks moving: a device budget below every rank's model data
+    (dense rows sharded over the 4 data replicas, the experts' over their 2 replicas) and more bytes moved
+    than the model's data."""
+    for rank in trained:
+        stats = rank["hetero"]
+        assert stats["device_budget_bytes"] == HETERO["device_budget_bytes"] < stats["model_data_bytes"]
+        assert stats["bytes_moved"] > stats["model_data_bytes"]
 
 
 def router_reference(steps: int) -> list[tuple[float, list[float]]]:

@@ -73,14 +73,14 @@ def ep_problems(cfg: Config) -> list[str]:
 
 
 #: what MoE layers do not compose with yet, and the fix of each
-_NOT_YET = "pipelines, the 2D grid, hetero and DeepSpeed come later"
+_NOT_YET = "pipelines, the 2D grid and DeepSpeed come later"
 
 
 def layout_problems(cfg: Config, family_has_moe: bool) -> list[str]:
     """MoE fields on a dense model (``num_experts: 0``, any family), MoE layers in a family that has none
     (``family_has_moe``: the family reads ``num_experts``), ``parallel.ep`` (:func:`ep_problems`), or MoE
-    layers in a layout they do not run in yet: data and sequence ranks (dp, sp, ep) only — no pp, no tp,
-    no hetero or DeepSpeed."""
+    layers in a layout they do not run in yet: data and sequence ranks (dp, sp, ep), with or without
+    hetero, only — no pp, no tp, no DeepSpeed."""
     m = cfg.model
     if not m.num_experts:
         stray = _set_fields(m)
@@ -96,6 +96,6 @@ def layout_problems(cfg: Config, family_has_moe: bool) -> list[str]:
     out = ep_problems(cfg)
     if wide + other:
         out.append(f"model.num_experts={m.num_experts} (mixture-of-experts layers) runs over parallel.dp, "
-                   f"parallel.sp and parallel.ep for now ({_NOT_YET}), not with "
+                   f"parallel.sp and parallel.ep (hetero too) for now ({_NOT_YET}), not with "
                    f"{', '.join(w for w, _ in wide + other)}; use {', '.join(f for _, f in wide + other)}")
     return out
