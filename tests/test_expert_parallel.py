@@ -210,11 +210,16 @@ def test_experts_over_data_and_sequence_ranks_train_as_one_process(trained, name
 def test_hetero_moves_chunks_under_a_budget_below_the_models_data(trained):
     """The hetero layout above ran with its chunks moving: a device budget below every rank's model data
     (dense rows sharded over the 4 data replicas, the experts' over their 2 replicas) and more bytes moved
-    than the model's data."""
+    than the model's data; launch's memory preflight (config/memory.py) stays a lower bound of its host bytes."""
+    from parallel4d.config.load import make_config
+    from parallel4d.config.memory import rank_bytes
+
+    least = rank_bytes(make_config(LAYOUTS[HETERO_EP])).model_state_host
     for rank in trained:
         stats = rank["hetero"]
         assert stats["device_budget_bytes"] == HETERO["device_budget_bytes"] < stats["model_data_bytes"]
         assert stats["bytes_moved"] > stats["model_data_bytes"]
+        assert 0 < least <= stats["host_bytes"]
 
 
 def router_reference(steps: int) -> list[tuple[float, list[float]]]:

@@ -77,7 +77,9 @@ def rank_bytes(cfg: Config) -> RankBytes:
     if cfg.deepspeed is not None:
         device = 0 if _offloads(cfg.deepspeed) else 4 * params // replicas
     elif cfg.hetero.enabled:
-        host, placed = hetero_host_bytes(cfg, params)
+        # ZeRO's window: the dense rows over the dp·sp replicas, a rank's E/ep experts over their dp·sp/ep
+        # replicas — every parameter of the model over dp·sp alike
+        host, placed = hetero_host_bytes(cfg, dense_parameters(m) // (p.pp * p.tp))
         saved = hetero_save_bytes(cfg, params, placed) if cfg.checkpoint.enabled else 0
     else:
         device = 4 * item * params
@@ -86,8 +88,10 @@ def rank_bytes(cfg: Config) -> RankBytes:
 
 
 def hetero_host_bytes(cfg: Config, params: int) -> tuple[int, int]:
-    """``(on the host, placed)``: what hetero's chunks keep in host memory for a rank of ``params``
-    parameters at least, and the master state its budget may put on the compute device instead.
+    """``(on the host, placed)``: what hetero's chunks keep in host memory for a rank at least, and the
+    master state its budget may put on the compute device instead; ``params``: the parameters of the rank's
+    pp·tp share of the model, every expert counted (under ``parallel.ep`` a rank's experts are sharded over
+    their replicas only: ``1/ep`` of the experts over ``1/ep`` of the data replicas).
 
     The rule of hetero/populate.py and hetero/budget.py, per parameter of the rank's ZeRO window
     (``/ (dp·sp)``): with chunks in the parameters' dtype, every chunk's host backing — parameter,
