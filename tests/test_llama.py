@@ -44,12 +44,15 @@ LAYOUTS = {
 }
 
 
-def dense_run(job: dict, loss_of=None):
+def dense_run(job: dict, loss_of=None, prepare=None):
     """The dense model in this process: the engine's AdamW, warm-up and clipping on the whole batch,
     each step's dropout masks drawn over it (``model(..., step=)``; none without dropout). ``loss_of(model,
-    tokens, targets, step)``: the step's loss another way (default: the model's on the whole batch)."""
+    tokens, targets, step)``: the step's loss another way (default: the model's on the whole batch);
+    ``prepare(model)``: changes the weights built from the seed before the first step."""
     cfg = make_config(job)
     model = build_dense(model_shape(cfg), seed=cfg.train.seed).double()
+    if prepare is not None:
+        prepare(model)
     optimizer = build_optimizer(model.named_parameters(), cfg.optimizer)
     data, losses = build_dataset(cfg), []
     for step in range(cfg.train.steps):

@@ -38,16 +38,33 @@ class DenseShards:
     saved, untouched by a load). Loading writes through the views into ``tensor``.
     """
 
-    def __init__(self, shape, tensor: torch.Tensor, pieces: Pieces = whole):
+    def __init__(self, shape, tensor: torch.Tensor, pieces: Pieces = whole, name: str | None = None):
         self.shape = torch.Size(shape)
         self.tensor = tensor
-        self.pieces = [(torch.Size(off), view) for off, view in pieces(tensor)]
-        if sum(view.numel() for _, view in self.pieces) > tensor.numel():
+        self.pieces: list[tuple[torch.Size, torch.Tensor]] = []
+        self._tensors: dict[str, torch.Tensor] = {}
+        self.add(name, tensor, pieces)
+
+    def add(self, name: str | None, tensor: torch.Tensor, pieces: Pieces = whole) -> None:
+        """Another local tensor ``name``'s pieces of the same dense tensor (e.g. one expert, a row of a stacked
+        tensor); a tensor whose pieces are here already (an alias: a tied weight's) adds nothing."""
+        mine = [(torch.Size(off), view) for off, view in pieces(tensor)]
+        if sum(view.numel() for _, view in mine) > tensor.numel():
             raise ValueError(f"the pieces of a {list(tensor.shape)} tensor hold more than it")
-        for off, view in self.pieces:
+        for off, view in mine:
             if len(off) != len(self.shape) or any(o + n > s for o, n, s in zip(off, view.shape, self.shape)):
                 raise ValueError(f"a piece {list(view.shape)} at {list(off)} lies outside the dense "
                                  f"{list(self.shape)}")
+        held = {off for off, _ in self.pieces}
+        if mine and all(off in held for off, _ in mine):
+            return
+        self.pieces += mine
+        if name is not None:
+            self._tensors[name] = tensor
+
+    def tensor_of(self, name: str) -> torch.Tensor:
+        """The local tensor ``name`` added (:meth:`add`); :attr:`tensor` (the first) for any other name."""
+        return self._tensors.get(name, self.tensor)
 
     def size(self) -> torch.Size:
         return self.shape

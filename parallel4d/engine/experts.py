@@ -13,6 +13,14 @@ all ``dp·sp``. An expert's gradient on its rank already sums what every rank of
 divided by the same ``dp·sp`` (:func:`~parallel4d.engine.grads.gradient_buckets`). Its squared norm is
 counted on one rank of each ep group — each expert element once — and summed over the ep group
 (:func:`~parallel4d.engine.grads.global_grad_norm`). Clipping and AdamW are elementwise: unchanged.
+
+Under hetero (:func:`by_expert_under_hetero`) every MoE layer's experts become one module each, so that an
+expert no token chose is not moved, and its dispatcher agrees on the experts that run over the data replicas
+(:class:`~parallel4d.experts.Agreement` over dp·sp, hetero's ZeRO group): whether a replica touches a chunk
+decides its evictions, and so its ZeRO gathers and reduce-scatters, of every row — the dense ones too, which
+all dp·sp ranks share —, so every rank of that group must touch the same experts' chunks, by position,
+whichever experts it holds. An expert that no rank of the group routed to runs nowhere; hetero still steps
+its weights with a zero gradient, as the stacked tensor's zero row would be (``wrap``'s ``zero_grad_steps``).
 """
 
 from __future__ import annotations
@@ -24,8 +32,8 @@ import torch.nn as nn
 
 from parallel4d.config.schema import Config
 from parallel4d.distributed.mesh import Mesh
-from parallel4d.experts import ExpertParallel
-from parallel4d.models.moe.layer import SparseMoE
+from parallel4d.experts import Agreement, ExpertParallel
+from parallel4d.models.moe.layer import Experts, SparseMoE
 
 
 class ExpertShards(NamedTuple):
@@ -43,12 +51,35 @@ def place_experts(cfg: Config, mesh: Mesh, stages: dict[int, nn.Module]) -> Expe
     whole from the seed, so every layout starts from the same experts); None at ep = 1 (every expert on
     every data replica, reduced as a dense parameter). Collective (the mesh's groups on first use)."""
     if cfg.parallel.ep == 1:
+        by_expert_under_hetero(cfg, mesh, stages)
         return None
     ep, replicas = mesh.ep_split(cfg.parallel.ep)
-    params: list[nn.Parameter] = []
     for stage in stages.values():
         for module in stage.modules():
             if isinstance(module, SparseMoE):
                 module.place_experts(ExpertParallel(module.moe.num_experts, ep, mesh.comm_stats))
-                params.extend(module.experts.parameters())
+    by_expert_under_hetero(cfg, mesh, stages)  # before the slices are listed: they are its modules' then
+    params = [p for stage in stages.values() for module in stage.modules() if isinstance(module, Experts)
+              for p in module.parameters()]
     return ExpertShards(ep, replicas, params)
+
+
+def by_expert_under_hetero(cfg: Config, mesh: Mesh, stages: dict[int, nn.Module]) -> None:
+    """With ``hetero.enabled``: every MoE layer's held experts one module each (:meth:`Experts.by_expert`), its
+    dispatcher agreeing on the experts that run over the data replicas (module docstring). Collective (the
+    data replicas' group on first use)."""
+    if not cfg.hetero.enabled:
+        return
+    group = mesh.group_over("dp", "sp") if mesh.size("dp") * mesh.size("sp") > 1 else None
+    for stage in stages.values():
+        for module in stage.modules():
+            if isinstance(module, SparseMoE):
+                module.experts.by_expert()
+                module.dispatcher.agreement = Agreement(group, mesh.comm_stats)
+
+
+def zero_grad_steps(model: nn.Module) -> list[nn.Parameter]:
+    """The expert weights held one module each (:func:`by_expert_under_hetero`): stepped by the optimizer
+    with a zero gradient when no token chose them, as the stacked tensor's rows are."""
+    return [p for module in model.modules() if isinstance(module, Experts) and module.each is not None
+            for p in module.parameters()]

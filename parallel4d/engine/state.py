@@ -43,9 +43,10 @@ def dense_layouts(stages: dict[str, nn.Module], tied: bool) -> dict[str, tuple[s
 
 
 def _expert_boxes(stage: nn.Module) -> dict[str, tuple[str, tuple, Pieces]]:
-    """``{name: (name, dense shape, pieces)}`` of the stage's experts (all E of them when held whole)."""
-    return {f"{prefix}.{name}": (f"{prefix}.{name}", shape, pieces) for prefix, module in stage.named_modules()
-            if isinstance(module, Experts) for name, (shape, pieces) in module.dense_layout().items()}
+    """``{name: (dense name, dense shape, pieces)}`` of the stage's experts (all E of them when held whole;
+    one module per expert: each weight a row of its stacked tensor)."""
+    return {f"{prefix}.{name}": (f"{prefix}.{dense}", shape, pieces) for prefix, module in stage.named_modules()
+            if isinstance(module, Experts) for name, (dense, shape, pieces) in module.dense_layout().items()}
 
 
 LocalState = tuple[dict[str, torch.Tensor], dict[str, dict[str, torch.Tensor]]]  # (parameters, optimizer state)
@@ -58,14 +59,21 @@ def dense_state_dict(step: int, tokens_seen: int, local: LocalState, layouts: di
     pieces, ``layouts``: :func:`dense_layouts`): loadable under any layout."""
     out = {"step": torch.tensor(step), "tokens_seen": torch.tensor(tokens_seen)}
     params, optim = local
+
+    def put(key, shape, t, pieces, name):  # several local tensors of one dense tensor: one expert each
+        if key in out:
+            out[key].add(name, t, pieces)
+        else:
+            out[key] = DenseShards(shape, t, pieces, name)
+
     for name, t in params.items():
         dense, shape, pieces = layouts[name]
-        out.setdefault(f"model.{dense}", DenseShards(shape, t, pieces))
+        put(f"model.{dense}", shape, t, pieces, name)
     for name, state in optim.items():
         dense, shape, pieces = layouts[name]
         out.setdefault(f"optim.{dense}.step", state["step"])
         for k in ("exp_avg", "exp_avg_sq"):
-            out.setdefault(f"optim.{dense}.{k}", DenseShards(shape, state[k], pieces))
+            put(f"optim.{dense}.{k}", shape, state[k], pieces, name)
     return out
 
 
@@ -75,10 +83,10 @@ def local_state(state: dict, layouts: dict) -> LocalState:
     parameters that have one)."""
     params, optim = {}, {}
     for name, (dense, _, _) in layouts.items():
-        params[name] = state[f"model.{dense}"].tensor
+        params[name] = state[f"model.{dense}"].tensor_of(name)
         if f"optim.{dense}.step" in state:
             optim[name] = {"step": state[f"optim.{dense}.step"],
-                           **{k: state[f"optim.{dense}.{k}"].tensor for k in ("exp_avg", "exp_avg_sq")}}
+                           **{k: state[f"optim.{dense}.{k}"].tensor_of(name) for k in ("exp_avg", "exp_avg_sq")}}
     return params, optim
 
 

@@ -29,7 +29,7 @@ from parallel4d.config.rules import hetero as hetero_rules
 from parallel4d.config.schema import Config
 from parallel4d.distributed.mesh import Mesh
 from parallel4d.engine import grads
-from parallel4d.engine.experts import ExpertShards
+from parallel4d.engine.experts import ExpertShards, zero_grad_steps
 from parallel4d.engine.memory import SavedActivations, adam_state_bytes, optimizer_state_bytes, tensor_bytes
 from parallel4d.engine.model import TORCH_DTYPES, LocalModel
 from parallel4d.engine.state import LocalState
@@ -341,7 +341,7 @@ def parameter_store(cfg: Config, mesh: Mesh, model: LocalModel, executor=None, t
         model, optimizer = hetero_wrap(model, cfg.optimizer, cfg.hetero, mesh=DataReplicas(mesh),
                                        param_groups=param_groups(named, cfg.optimizer),
                                        compute_dtype=TORCH_DTYPES[hetero_rules.compute_dtype(cfg)],
-                                       partial_replicas=partial)
+                                       partial_replicas=partial, zero_grad_steps=zero_grad_steps(model))
         if cfg.train.grad_clip is None and cfg.train.autocast != "float16":
             # nothing scales the gradients after the backward (no clipping, no loss scale): a host row's
             # update can start as soon as its gradient is final

@@ -22,6 +22,14 @@ Host reads: the all-to-all's split sizes must be host integers, so :class:`Exper
 per call — this rank's rows per destination and per source, together (the counts it receives come by a
 small equal-split all-to-all first). :func:`dispatch_local` reads nothing.
 
+Agreed experts (:class:`Agreement`, a dispatcher's ``agreement``; the engine sets it under hetero): the experts
+run are then decided on the host, the same on every rank of a group — an expert runs (and its weights are
+touched) when it has rows on some rank of the group, at the same local position (the ranks may hold
+different experts). hetero moves an expert's chunks only when it runs, and every rank of its ZeRO group must
+make the same chunk accesses (its all-gathers, reduce-scatters and evictions match only then); the counts'
+max over the group is read with what the dispatcher reads anyway — still one host read per call
+(:func:`dispatch_local` then reads once too) — and handed to ``expert_fn`` as :class:`HostCounts`.
+
 Autograd: the all-to-alls' gradient is the inverse all-to-all (:class:`AllToAllRows`); everything else is
 indexing, differentiable as it is. An expert's gradient on its rank therefore sums the contributions
 of every rank's tokens in the ep group: whoever reduces gradients over data replicas must sum expert
@@ -31,9 +39,10 @@ dense parameters.
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import torch
+import torch.distributed as dist
 
 from parallel4d.distributed import comm
 
@@ -41,6 +50,8 @@ from parallel4d.distributed import comm
 A2A = "experts.all_to_all"
 #: the label of the small all-to-all of the per-expert counts
 COUNTS = "experts.counts"
+#: the label of the counts' max over an :class:`Agreement`'s group
+AGREE = "experts.agree"
 
 
 class Dispatcher(Protocol):
@@ -53,11 +64,42 @@ class Dispatcher(Protocol):
     def __call__(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, expert_fn: "ExpertFn") -> torch.Tensor: ...
 
 
+class HostCounts(NamedTuple):
+    """An :class:`Agreement`'s host read for ``E_local`` experts: ``rows`` (this rank's rows per expert, the
+    device ``counts`` on the host) and ``used`` (whether the expert has rows on some rank of the group: it
+    runs, on zero rows here if need be)."""
+
+    rows: list[int]
+    used: list[bool]
+
+
+class Agreement:
+    """The ranks of ``group`` (None: this rank alone) run the same experts, by local position: the max of
+    their ``[E_local]`` counts, read with the dispatcher's other host values (:class:`HostCounts`)."""
+
+    def __init__(self, group=None, stats: comm.CommStats | None = None):
+        self.group, self.stats = group, stats
+
+    def most(self, counts: torch.Tensor) -> torch.Tensor:
+        """``[E_local]``: each position's largest count over the group (on the device)."""
+        most = counts.clone()
+        if self.group is not None:
+            comm.all_reduce(most, self.group, op=dist.ReduceOp.MAX, stats=self.stats, label=AGREE)
+        return most
+
+    @staticmethod
+    def host(values: list[int], local: int) -> HostCounts:
+        """The last ``2·local`` of ``values`` (this rank's counts, then the group's max) as :class:`HostCounts`."""
+        rows, most = values[len(values) - 2 * local:len(values) - local], values[len(values) - local:]
+        return HostCounts(rows, [m > 0 for m in most])
+
+
 class ExpertFn(Protocol):
     """Experts applied to rows grouped by expert: ``x [N, h]`` (expert ``e``'s ``counts[e]`` rows after
-    expert ``e-1``'s), ``counts [E_local]`` int64 on ``x``'s device (Σ = N) → ``[N, h_out]``."""
+    expert ``e-1``'s), ``counts [E_local]`` int64 on ``x``'s device (Σ = N) → ``[N, h_out]``; ``host``: the
+    :class:`HostCounts` of an :class:`Agreement` (None without one): run exactly the ``used`` experts."""
 
-    def __call__(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor: ...
+    def __call__(self, x: torch.Tensor, counts: torch.Tensor, host: HostCounts | None = None) -> torch.Tensor: ...
 
 
 def count_per_expert(ids: torch.Tensor, num_experts: int) -> torch.Tensor:
@@ -83,22 +125,35 @@ def combine(rows: torch.Tensor, order: torch.Tensor, weights: torch.Tensor) -> t
 
 
 def dispatch_local(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, num_experts: int,
-                   expert_fn: ExpertFn) -> torch.Tensor:
-    """``[T, h]`` from ``x [T, h]`` with every expert on this rank (no host read)."""
+                   expert_fn: ExpertFn, agreement: Agreement | None = None) -> torch.Tensor:
+    """``[T, h]`` from ``x [T, h]`` with every expert on this rank (no host read; with an ``agreement``, one:
+    the counts and their max over its group)."""
     order, counts = sort_by_expert(ids, num_experts)
-    rows = expert_fn(x[order // ids.shape[1]], counts)
+    if agreement is None:
+        rows = expert_fn(x[order // ids.shape[1]], counts)
+    else:
+        host = Agreement.host(torch.cat([counts, agreement.most(counts)]).tolist(), num_experts)  # the one read
+        rows = expert_fn(x[order // ids.shape[1]], counts, host)
     return combine(rows, order, weights)
 
 
 class OneRank:
-    """Every one of ``num_experts`` experts on this rank (:func:`dispatch_local`)."""
+    """Every one of ``num_experts`` experts on this rank (:func:`dispatch_local`); ``agreement``: see
+    :class:`Agreement` (None: off)."""
 
     def __init__(self, num_experts: int):
         self.num_experts = num_experts
         self.experts = range(num_experts)
+        self.agreement: Agreement | None = None
 
     def __call__(self, x, ids, weights, expert_fn: ExpertFn) -> torch.Tensor:
-        return dispatch_local(x, ids, weights, self.num_experts, expert_fn)
+        if self.agreement is None:
+            return dispatch_local(x, ids, weights, self.num_experts, expert_fn)
+        return _agreed_local(x, ids, weights, self.num_experts, expert_fn, self.agreement)
+
+
+#: with an agreement, a collective and a host read: eager under train.compile: blocks (a graph break)
+_agreed_local = comm.eager(dispatch_local)
 
 
 class AllToAllRows(torch.autograd.Function):
@@ -129,6 +184,7 @@ class ExpertParallel:
                              "choose parallel.ep dividing the expert count")
         self.num_experts, self.group, self.stats = num_experts, group, stats
         self.local = num_experts // self.size
+        self.agreement: Agreement | None = None  # see Agreement
 
     @property
     def experts(self) -> range:
@@ -140,15 +196,20 @@ class ExpertParallel:
         """``[T, h]`` from ``x [T, h]``, ``ids [T, k]`` (global expert indices), ``weights [T, k]``;
         ``expert_fn`` applies this rank's experts (:attr:`experts`, numbered from 0)."""
         if self.size == 1:
-            return dispatch_local(x, ids, weights, self.num_experts, expert_fn)
+            return dispatch_local(x, ids, weights, self.num_experts, expert_fn, self.agreement)
         n, local = self.size, self.local
         order, counts = sort_by_expert(ids, self.num_experts)
         arriving = self._exchange_counts(counts)  # [n, local]: from source s, rows for local expert e
-        splits = torch.cat([counts.view(n, local).sum(1), arriving.sum(1)]).tolist()  # the one host read
-        send, recv = splits[:n], splits[n:]
+        mine = arriving.sum(0)  # [local]: rows for each of this rank's experts
+        agreed = [] if self.agreement is None else [mine, self.agreement.most(mine)]
+        splits = torch.cat([counts.view(n, local).sum(1), arriving.sum(1), *agreed]).tolist()  # the one host read
+        send, recv = splits[:n], splits[n:2 * n]
         rows = AllToAllRows.apply(x[order // ids.shape[1]], send, recv, self.group, self.stats)
         regroup = self._regroup(arriving, sum(recv))
-        out = expert_fn(rows[regroup], arriving.sum(0))
+        if self.agreement is None:
+            out = expert_fn(rows[regroup], mine)
+        else:
+            out = expert_fn(rows[regroup], mine, Agreement.host(splits, local))
         back = out[torch.argsort(regroup)]  # arrival order again (the inverse permutation)
         return combine(AllToAllRows.apply(back, recv, send, self.group, self.stats), order, weights)
 

@@ -260,7 +260,7 @@ class ChunkManager:
             c.extra_pins -= 1
         self._wait_fill(c)  # a prefetched gather still in flight lands before the slot is reused
         if c.dirty and not c.dead and c.backing is not None:
-            self._before_host_write(c)
+            self.before_host_write(c)
             self.transfers.run(lambda: c.backing.copy_(self.slot_view(c), non_blocking=self.cuda), "d2h", c.cid)
             p.freed[c.slot] = self.transfers.written_back()
             for s in st:
@@ -447,7 +447,7 @@ class ChunkManager:
         """Write ``c`` back if it is resident and dirty (it stays resident, now clean)."""
         if c.slot is not None and c.dirty and not c.dead and c.backing is not None:
             self._wait_fill(c)
-            self._before_host_write(c)
+            self.before_host_write(c)
             self.transfers.run(lambda: c.backing.copy_(self.slot_view(c), non_blocking=self.cuda), "d2h", c.cid)
             for s in (self.stats, self.iter_stats):
                 s.writeback_bytes += c.capacity * self.esize
@@ -455,7 +455,7 @@ class ChunkManager:
             c.dirty = False
 
     @staticmethod
-    def _before_host_write(c: Chunk) -> None:
+    def before_host_write(c: Chunk) -> None:
         """A backing the host optimizer may still read (a host row's gradient) is written only after it."""
         guard = c.meta.get("before_host_write")
         if guard is not None:

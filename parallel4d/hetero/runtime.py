@@ -35,7 +35,7 @@ class HeteroRuntime:
     """Chunks, hooks and the optimizer arithmetic behind one wrapped model."""
 
     def __init__(self, model: nn.Module, opt_cfg: OptimizerConfig, cfg: HeteroConfig, mesh=None,
-                 compute_dtype: torch.dtype | None = None, partial=None):
+                 compute_dtype: torch.dtype | None = None, partial=None, zero_grad_steps=()):
         self.model, self.cfg, self.mesh = model, cfg, mesh
         self.device = resolve_device(cfg.compute_device, mesh)
         self.dp = replica_count(cfg, self.device, mesh)
@@ -72,7 +72,7 @@ class HeteroRuntime:
         # host Adam for rows not resident: on CUDA it saves the PCIe round trip; on the CPU nothing
         # (16-bit chunks: the host rows' master is only there)
         host = "fused" if self.device.type == "cuda" else "exact" if self.master else "off"
-        self.adam = RowAdam(self.layout, self.mgr, self.zero, host, self.master, self.updates)
+        self.adam = RowAdam(self.layout, self.mgr, self.zero, host, self.master, self.updates, zero_grad_steps)
         self.full = FullState(self.layout, self.mgr, self.zero, self.master)
         self.residency = Residency(self.layout, self.mgr, self.saved, self.zero)
         self.residency.on_grad_write = self.adam.note_grad_write

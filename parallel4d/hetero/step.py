@@ -32,8 +32,14 @@ class RowAdam:
     """Adam(W) over the rows' chunks; ``steps``: per parameter name, as torch's ``state["step"]``."""
 
     def __init__(self, layout: Layout, mgr: ChunkManager, zero: ZeroShards, host_optimizer: str,
-                 master: MasterState | None = None, updates: HostUpdates | None = None):
+                 master: MasterState | None = None, updates: HostUpdates | None = None, zero_grad_steps=()):
         self.layout, self.mgr, self.zero, self.master, self.updates = layout, mgr, zero, master, updates
+        # per row: the tensors stepped with a zero gradient when none arrived (wrap's zero_grad_steps)
+        self.zero_grad_rows: dict[int, list[int]] = {}
+        for p in zero_grad_steps:
+            rec, row = layout.row_of(p)
+            if rec.trainable:
+                self.zero_grad_rows.setdefault(row.index, []).append(rec.k)
         self._host_optimizer = host_optimizer
         self.host_rows = 0  # row updates done on the host so far
         self.device_rows = 0  # master row updates done on the device so far (16-bit chunks)
@@ -52,6 +58,7 @@ class RowAdam:
         """One update of every parameter that has a gradient (``hp_of[name]``: its lr, beta1,
         beta2, eps, weight_decay, decoupled); the gradient is scaled by ``grad_scale`` first (clipping)."""
         self.layout.check_idle("optimizer.step()")
+        self._zero_unwritten()
         self._host_scale = None  # grad_scale read back once, at the first row updated on the host
         if self._early and grad_scale is not None:
             raise RuntimeError("hetero: the gradients were scaled (clipping, loss scaling) after rows were updated "
@@ -70,6 +77,26 @@ class RowAdam:
                 if t.state in (S.HOLD_AFTER_FWD, S.HOLD_AFTER_BWD):
                     t.set_state(S.HOLD)
         self.mgr.end_iteration()
+
+    def _zero_unwritten(self) -> None:
+        """The tensors of :attr:`zero_grad_rows` without a gradient this step get a zero one where their
+        gradient chunk is — its slot if resident, else its host backing: no chunk moves for them."""
+        for index, ks in self.zero_grad_rows.items():
+            G = self.zero.opt_chunks(self.layout.rows[index])[1]
+            unwritten = [G.tensors[k] for k in ks if G.tensors[k].state == S.FREE]
+            if not unwritten:
+                continue
+            if G.slot is not None:  # zero-filled as FREE tensors are on acquire
+                self.mgr.acquire(G, unwritten, write=True, record=False)
+                self.mgr.release(G, unwritten, S.HOLD_AFTER_BWD)
+                continue
+            self.mgr.before_host_write(G)
+            for t in unwritten:
+                a, b = max(t.offset, G.base), min(t.end, G.base + G.capacity)
+                if a < b:
+                    G.backing[a - G.base:b - G.base].zero_()
+                t.set_state(S.COMPUTE)
+                t.set_state(S.HOLD_AFTER_BWD)
 
     @property
     def host_optimizer(self) -> str:
@@ -154,6 +181,7 @@ class RowAdam:
                                "micro-batches under update_in_backward, or call update_in_backward(False)")
         n = self._writes[row.index] = self._writes.get(row.index, 0) + 1
         if (self.in_backward is None or self.master is None or self.layout.dp > 1 or self._writes_per_step is None
+                or row.index in self.zero_grad_rows  # its write count varies with the experts chosen
                 or not self.mgr.trace.valid or self.master.place[row.index] != HOST
                 or n != self._writes_per_step.get(row.index)):
             return

@@ -35,7 +35,7 @@ def _validate(cfg, cls, field_name: str):
 
 
 def wrap(model: nn.Module, optimizer_config=None, hetero_config=None, mesh=None, param_groups=None,
-         compute_dtype: torch.dtype | None = None, partial_replicas=None):
+         compute_dtype: torch.dtype | None = None, partial_replicas=None, zero_grad_steps=()):
     """Move ``model``'s parameters, gradients and Adam states into chunks.
 
     ``optimizer_config``: :class:`~parallel4d.config.OptimizerConfig` or a dict of its
@@ -48,7 +48,10 @@ def wrap(model: nn.Module, optimizer_config=None, hetero_config=None, mesh=None,
     parameters' dtype on the host), None for one copy; ``partial_replicas``: ``(params, group)``, parameters
     of ``model`` that only the data replicas of the process ``group`` hold (the same values on its ranks;
     other groups hold other values: expert parallelism's expert slices) — ZeRO shards their rows over
-    ``group`` and sums their gradients there, divided by the whole dp as every gradient. Returns ``(model, optimizer)``: the same module object (hooks
+    ``group`` and sums their gradients there, divided by the whole dp as every gradient; ``zero_grad_steps``:
+    parameters of ``model`` each step updates with a zero gradient when none arrived (torch's AdamW skips a
+    parameter without one): experts held one module each, which no token chose, as rows of a stacked
+    tensor they would step with zeros. Returns ``(model, optimizer)``: the same module object (hooks
     installed, ``state_dict`` gives full values under the original keys) and a
     :class:`~parallel4d.hetero.optim.HeteroOptimizer`.
     """
@@ -56,6 +59,6 @@ def wrap(model: nn.Module, optimizer_config=None, hetero_config=None, mesh=None,
     cfg = _validate(hetero_config, HeteroConfig, "hetero")
     if getattr(model, "_hetero_runtime", None) is not None:
         raise ValueError("hetero.wrap: this model is already wrapped")
-    rt = HeteroRuntime(model, opt_cfg, cfg, mesh, compute_dtype, partial_replicas)
+    rt = HeteroRuntime(model, opt_cfg, cfg, mesh, compute_dtype, partial_replicas, zero_grad_steps)
     model._hetero_runtime = rt
     return model, HeteroOptimizer(rt, opt_cfg, param_groups)

@@ -5,6 +5,17 @@ but for the experts, stored stacked — ``experts.gate_proj`` and ``experts.up_p
 ``experts.down_proj`` ``[E, h, I]`` — so that expert parallelism can shard them along ``E`` and a
 grouped matrix product can read them as they are; :func:`from_transformers_experts` maps transformers
 5's fused ``gate_up_proj [E, 2I, h]`` onto them.
+
+Under hetero the experts are one module each (:meth:`Experts.by_expert`: ``experts.each.<e>.gate_proj``
+``[I, h]``, …): hetero moves whole parameters, by the hooks of the module whose ``forward`` uses them, so
+an expert no token chose stays where it is only if it is a module of its own that is not called. Stacked
+weights stay the default: the grouped product (:func:`~.routing.grouped_ffn`) reads them as they are, where
+stacking per-expert weights at each call would copy every expert's weights forward and their gradients
+back. Under hetero the experts that run are called one by one instead of grouped: each one's weights
+arrive by a host-to-device copy or a ZeRO gather, far costlier than the launches a grouped product saves,
+and grouping them would add a device copy of what just arrived (a GPU figure is not yet measured).
+Checkpoints, Hugging Face loading and export see the stacked names and shapes either way
+(:meth:`Experts.dense_layout`: each expert one row of its stacked tensor).
 """
 
 from __future__ import annotations
@@ -16,10 +27,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from parallel4d.experts import Dispatcher, OneRank, count_per_expert
+from parallel4d.experts import Dispatcher, HostCounts, OneRank, count_per_expert
 from parallel4d.models.context import ReadsContext
 from parallel4d.models.moe.balance import layer_load
-from parallel4d.models.moe.routing import expert_ffn, route
+from parallel4d.models.moe.routing import expert_ffn, no_rows, route
 from parallel4d.models.moe.spec import MoeShape
 
 
@@ -34,10 +45,25 @@ class Router(nn.Module):
         return F.linear(x, self.weight)
 
 
+class Expert(nn.Module):
+    """One SwiGLU expert, a row of :class:`Experts`' stacked weights as a module of its own (under hetero):
+    ``gate_proj``, ``up_proj`` ``[I, h]``, ``down_proj`` ``[h, I]``."""
+
+    def __init__(self, gate_proj: torch.Tensor, up_proj: torch.Tensor, down_proj: torch.Tensor, requires_grad: bool):
+        super().__init__()
+        self.gate_proj = nn.Parameter(gate_proj, requires_grad=requires_grad)
+        self.up_proj = nn.Parameter(up_proj, requires_grad=requires_grad)
+        self.down_proj = nn.Parameter(down_proj, requires_grad=requires_grad)
+
+    def forward(self, rows):
+        """``rows`` ``[n, h]`` → ``[n, h]`` (:func:`~.routing.looped_ffn`'s arithmetic for one expert)."""
+        return F.linear(F.silu(F.linear(rows, self.gate_proj)) * F.linear(rows, self.up_proj), self.down_proj)
+
+
 class Experts(nn.Module):
     """``E`` SwiGLU experts of width ``I``, each weight stacked along its first dimension ``E`` (under
-    expert parallelism, this rank's experts only: :attr:`held`, after :meth:`keep`): an
-    :class:`~parallel4d.experts.ExpertFn`."""
+    expert parallelism, this rank's experts only: :attr:`held`, after :meth:`keep`), or one :class:`Expert`
+    module each (:attr:`each`, after :meth:`by_expert`): an :class:`~parallel4d.experts.ExpertFn`."""
 
     NAMES = ("gate_proj", "up_proj", "down_proj")
 
@@ -47,30 +73,67 @@ class Experts(nn.Module):
         self.up_proj = nn.Parameter(torch.empty(num_experts, width, hidden))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, width))
         self.num_experts, self.held = num_experts, range(num_experts)
+        self.each: nn.ModuleList | None = None
 
-    def forward(self, x, counts):
-        """Rows ``x`` ``[N, h]`` sorted by expert (``counts`` ``[E_held]`` each) → ``[N, h]``."""
-        return expert_ffn(x, counts, self.gate_proj, self.up_proj, self.down_proj)
+    def forward(self, x, counts, host: HostCounts | None = None):
+        """Rows ``x`` ``[N, h]`` sorted by expert (``counts`` ``[E_held]`` each) → ``[N, h]``; one module per
+        expert: exactly the ``host.used`` experts run (an :class:`~parallel4d.experts.Agreement`'s; without
+        one, those with rows, ``counts`` read here)."""
+        if self.each is None:
+            return expert_ffn(x, counts, self.gate_proj, self.up_proj, self.down_proj)
+        if host is None:
+            rows = counts.tolist()
+            host = HostCounts(rows, [n > 0 for n in rows])
+        out, start = [], 0
+        for expert, n, used in zip(self.each, host.rows, host.used):
+            if used:  # on zero rows too where another rank of the agreement has some: the same chunks move
+                out.append(expert(x[start:start + n]))
+            start += n
+        return torch.cat(out) if out else no_rows(x, x.new_empty(0, x.shape[1]))
 
     def keep(self, experts: range) -> None:
         """Keep only ``experts`` (a contiguous range of the ``E``, from the whole stacked weights this
         module was built with, e.g. from the seed): new parameters of their rows, the rest freed."""
+        if self.each is not None:
+            raise RuntimeError("Experts.keep: choose the experts before making them one module each (by_expert)")
         for name in self.NAMES:
             whole = getattr(self, name)
             setattr(self, name, nn.Parameter(whole.detach()[experts.start:experts.stop].clone(),
                                              requires_grad=whole.requires_grad))
         self.held = range(self.held.start + experts.start, self.held.start + experts.stop)
 
-    def dense_layout(self) -> dict[str, tuple[tuple[int, ...], Callable]]:
-        """``{name: (the stacked shape of all E experts, pieces)}``: this rank's experts are one box of
-        each dense tensor, at row :attr:`held`'s start along ``E`` (the checkpoints' layout-free format)."""
-        return {name: ((self.num_experts, *getattr(self, name).shape[1:]),
-                       functools.partial(_rows_from, self.held.start)) for name in self.NAMES}
+    def by_expert(self) -> None:
+        """The held experts as one :class:`Expert` module each (:attr:`each`), the stacked parameters freed:
+        a module's hooks then see only its expert's weights (hetero moves the experts that run)."""
+        if self.each is not None:
+            return
+        whole = {name: getattr(self, name) for name in self.NAMES}
+        grad = whole["gate_proj"].requires_grad
+        for name in self.NAMES:
+            delattr(self, name)
+        self.each = nn.ModuleList(Expert(*(whole[name].detach()[e].clone() for name in self.NAMES), grad)
+                                  for e in range(len(self.held)))
+
+    def dense_layout(self) -> dict[str, tuple[str, tuple[int, ...], Callable]]:
+        """``{name: (its stacked tensor's name, the stacked shape of all E experts, pieces)}``: this rank's
+        experts are one box of each stacked tensor, at row :attr:`held`'s start along ``E``; one module per
+        expert, each of its weights is one row (the checkpoints' layout-free format either way)."""
+        if self.each is None:
+            return {name: (name, (self.num_experts, *getattr(self, name).shape[1:]),
+                           functools.partial(_rows_from, self.held.start)) for name in self.NAMES}
+        return {f"each.{j}.{name}": (name, (self.num_experts, *getattr(expert, name).shape),
+                                     functools.partial(_row_at, self.held.start + j))
+                for j, expert in enumerate(self.each) for name in self.NAMES}
 
 
 def _rows_from(first: int, t: torch.Tensor) -> list[tuple[tuple[int, ...], torch.Tensor]]:
     """Pieces of a tensor that is rows ``first..`` of its dense tensor (along dim 0)."""
     return [((first,) + (0,) * (t.dim() - 1), t)]
+
+
+def _row_at(row: int, t: torch.Tensor) -> list[tuple[tuple[int, ...], torch.Tensor]]:
+    """Pieces of a tensor that is row ``row`` of its dense tensor (along a dim 0 it lacks)."""
+    return [((row,) + (0,) * t.dim(), t.unsqueeze(0))]
 
 
 class SparseMoE(ReadsContext):
