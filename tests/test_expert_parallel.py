@@ -13,6 +13,7 @@ whole batch (with m micro-batches the layout's micro-batch ``i`` is every replic
 from __future__ import annotations
 
 import functools
+from unittest import mock
 
 import pytest
 import torch
@@ -59,6 +60,10 @@ LAYOUTS = {
     PACKED: _job({"dp": 2, "sp": 2, "ep": 2},  # 4 rows: the reference runs each document alone
                  data={**BASE["data"], "batch_size": 4, "packing": "documents", "eod_token": EOD}),
 }
+#: hetero's ZeRO with experts 1 and 3 chosen by no token (tests/test_hetero_experts.py's one-sided router, top-1):
+#: every rank skips its second expert (1 on ep rank 0, 3 on ep rank 1), agreed over the 4 data replicas
+UNCHOSEN = "dp=2 × sp=2, ep=2, hetero, top-1, experts 1 and 3 chosen by no token"
+UNCHOSEN_JOB = _job({"dp": 2, "sp": 2, "ep": 2}, hetero=HETERO, model={**BASE["model"], "num_experts_per_tok": 1})
 EVAL_BATCH = 50  # a batch no step trained on, evaluated after the resumed step
 # a checkpoint at step 2 of ep=2 (dp=2 × sp=2), resumed for step 3 in each of these
 RESUMED = {"ep=1": {"dp": 2, "sp": 2}, "ep=4": {"dp": 2, "sp": 2, "ep": 4}, "dp=4, ep=2": {"dp": 4, "ep": 2}}
@@ -104,6 +109,10 @@ def _train(jobs: dict, tmp: str, pretrained: str | None) -> dict:
     from parallel4d.training.checkpoints import load_checkpoint, save_checkpoint
 
     out = train_layouts(jobs, with_hetero_stats=True)
+    from test_hetero_experts import one_sided_router, placed_with
+
+    with mock.patch("parallel4d.engine.compose.place_experts", placed_with(one_sided_router)):
+        out.update(train_layouts({UNCHOSEN: UNCHOSEN_JOB}))
 
     def engine_of(parallel):
         cfg = make_config(_job(parallel))
@@ -198,13 +207,25 @@ def documents_and_balance(model, tokens, targets, step):
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_experts_over_data_and_sequence_ranks_train_as_one_process(trained, name):
     """Losses (cross entropy + 0.5 × the load-balancing loss) 1e-10, every parameter after 3 steps 1e-9;
-    each rank's expert pieces are its slice of the one-process stacked tensors."""
+    each rank's expert pieces are its slice of the one-process stacked tensors: one box of E/ep experts, or
+    under hetero (one module per expert) one box per expert."""
     want_losses, want = one_process(name if name in (PACKED, ACCUMULATED) else None)
     assert want_losses[1] < want_losses[0]
     check_pieces(trained, name, want_losses, want)
-    ep = LAYOUTS[name]["parallel"].get("ep", 1)
-    rows = {off[0] for _, pieces in [r[name] for r in trained] for off, t in pieces["blocks.0.mlp.experts.gate_proj"]}
-    assert rows == set(range(0, 4, 4 // ep))  # ep boxes of E/ep experts each
+    ep, hetero = LAYOUTS[name]["parallel"].get("ep", 1), "hetero" in LAYOUTS[name]
+    for _, pieces in [r[name] for r in trained]:
+        boxes = pieces["blocks.0.mlp.experts.gate_proj"]
+        rows = sorted(off[0] + i for off, t in boxes for i in range(t.shape[0]))
+        assert rows == list(range(rows[0], rows[0] + 4 // ep)) and rows[0] % (4 // ep) == 0, rows
+        assert len(boxes) == (4 // ep if hetero else 1)
+
+
+def test_experts_no_token_chose_are_skipped_alike_on_every_zero_rank(trained):
+    """hetero's ZeRO over the 4 data replicas (dense rows) and the expert replicas (expert rows), each rank
+    skipping the expert no token chose: nothing hangs, and the run equals one process with the same router."""
+    from test_hetero_experts import one_sided_router
+
+    check_pieces(trained, UNCHOSEN, *dense_run(UNCHOSEN_JOB, prepare=one_sided_router))
 
 
 def test_hetero_moves_chunks_under_a_budget_below_the_models_data(trained):

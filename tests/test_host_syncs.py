@@ -12,6 +12,9 @@ Through the training loop and the engine's own ``train_step``, per step:
   rank holds (summary.json's ``memory``);
 * float16 with an optimizer that cannot skip a step on the device (``train.fused=off``/``apex``,
   hetero): one read of the overflow flag per step; with torch's fused AdamW, none;
+* mixture of experts: the loop over experts (float32/64) reads its counts, expert parallelism its split
+  sizes, once per MoE layer and forward each; under hetero one read per MoE layer and forward in every dtype
+  (the experts that run, with the split sizes under ep);
 * hetero: its gradient norm reads the gradient chunks that are off the device (under a budget, and
   most ZeRO shards) on the host (known, reported in #28); rows its optimizer updates on the host read
   the clipping coefficient once per step.
@@ -46,6 +49,9 @@ OVERFLOW = ("__bool__", "parallel4d/engine/store.py")  # float16's flag, where t
 # product is not there), and expert parallelism its all-to-all's split sizes, once per MoE layer and forward
 LOOPED_COUNTS = ("tolist", "parallel4d/models/moe/routing.py")
 EP_SPLITS = ("tolist", "parallel4d/experts/dispatch.py")
+# under hetero the experts that run are decided on the host: the counts and their max over the data replicas,
+# read by the dispatcher (with the split sizes under ep), once per MoE layer and forward, in every dtype
+AGREED_COUNTS = EP_SPLITS
 MOE = {"arch": "llama", "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16,
        "output_router_logits": True}  # TINY's 4 layers all MoE layers
 # hetero under a budget: grad_sq_norm drains the copy streams once and norms the gradients off the device
@@ -188,6 +194,11 @@ def test_a_planted_item_in_the_step_is_caught(single_rank, monkeypatch):
      {"model": MOE, "train": {"dtype": "bfloat16"}}, ()),
     ("mixture of experts in float32: the loop over experts reads its counts, each layer", {"model": MOE},
      (LOOPED_COUNTS,) * 4),
+    ("mixture of experts under hetero (bf16): the experts that run, read with their counts, each layer",
+     {"model": MOE, "train": {"dtype": "bfloat16"}, "hetero": {"enabled": True, "chunk_elems": 4096}},
+     (AGREED_COUNTS,) * 4),
+    ("mixture of experts under hetero in float32: that read, and no other by the loop", {"model": MOE,
+     "hetero": {"enabled": True, "chunk_elems": 4096}}, (AGREED_COUNTS,) * 4),
     ("llama with dynamic rotary past its positions",
      {"model": {"arch": "llama", "kv_heads": 2, "max_positions": 8,
                 "rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}}, ()),
