@@ -42,6 +42,7 @@ def _job(parallel: dict, **sections) -> dict:
 PACKED = "dp=2 × sp=2, ep=2, packed documents"
 COMPILED = "dp=2 × sp=2, ep=2, compiled blocks"
 ACCUMULATED = "dp=2 × sp=2, ep=2, 2 micro-batches, blocks recomputed"
+GRID = "tp=4 (q=2), blocks recomputed"
 LAYOUTS = {
     "dp=2 × sp=2, ep=1": _job({"dp": 2, "sp": 2}),
     "dp=2 × sp=2, ep=2": _job({"dp": 2, "sp": 2, "ep": 2}),
@@ -52,6 +53,7 @@ LAYOUTS = {
     COMPILED: _job({"dp": 2, "sp": 2, "ep": 2}, train={"compile": "blocks"}),  # the dispatch a graph break
     PACKED: _job({"dp": 2, "sp": 2, "ep": 2},  # 4 rows: the reference runs each document alone
                  data={**BASE["data"], "batch_size": 4, "packing": "documents", "eod_token": EOD}),
+    GRID: _job({"tp": 4}, train={"activation_checkpointing": "blocks"}),  # the q=2 grid: experts whole on each rank
 }
 EVAL_BATCH = 50  # a batch no step trained on, evaluated after the resumed step
 # a checkpoint at step 2 of ep=2 (dp=2 × sp=2), resumed for step 3 in each of these
