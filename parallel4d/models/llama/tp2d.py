@@ -42,7 +42,7 @@ class LlamaBlock2D(Composite2D, ReadsContext):
     global positions (None: ``0..s-1``) in a sequence of ``length`` tokens (None: ``s``).
     ``qk_norms``: Qwen3's ``(q_norm, k_norm)``, or None. ``attn_drop``: the dense block's attention
     dropout site for this grid column's heads (None: none). ``mlp``: the SwiGLU's ``(gate, up, down)``
-    :class:`Linear2D`\ s, or a mixture of experts' :class:`SparseMoE2D` (its dense names under ``mlp.``)."""
+    :class:`Linear2D` layers, or a mixture of experts' :class:`SparseMoE2D` (its dense names under ``mlp.``)."""
 
     def __init__(self, norms, projections, mlp, heads: int, kv_heads: int, rotary: Rotary, attention_fn=None,
                  causal: bool = True, qk_norms=None, attn_drop: Site | None = None):
