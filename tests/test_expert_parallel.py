@@ -2,10 +2,12 @@
 ranks, trained in float64 on 4 gloo workers, equal to one process on the whole batch — every loss
 (1e-10) and every parameter after 3 AdamW steps with clipping (1e-9) — with the load-balancing loss
 on (its statistics summed over the data replicas) and with packed documents; a checkpoint saved at
-ep=2 resumed at ep=1, ep=4 and dp=4 (experts saved as boxes of the stacked tensors, any layout loads them);
-and a Qwen3-MoE directory loaded at ep=2, each rank reading its experts only.
+ep=2 resumed at ep=1, ep=4, dp=4 and tp=4, and one saved at tp=4 resumed at ep=2 (experts saved as boxes of
+the stacked tensors, any layout loads them); and a Qwen3-MoE directory loaded at ep=2, each rank reading its
+experts only.
 
-Layouts: dp=2 × sp=2 at ep 1 (experts replicated, reduced as dense weights), 2 and 4, and dp=4 at ep=2.
+Layouts: dp=2 × sp=2 at ep 1 (experts replicated, reduced as dense weights), 2 and 4, dp=4 at ep=2, and the
+2D grid tp=4 (q=2: the MoE layers' tokens split over the grid, experts whole on each rank; models/moe/tp2d.py).
 One micro-batch per step: the auxiliary loss is a forward's, and the one-process forward is then the
 whole batch (with m micro-batches the layout's micro-batch ``i`` is every replica's ``i``-th share).
 """
@@ -46,6 +48,7 @@ HETERO_EP = "dp=2 × sp=2, ep=2, hetero (a budget below the model)"
 PACKED = "dp=2 × sp=2, ep=2, packed documents"
 COMPILED = "dp=2 × sp=2, ep=2, compiled blocks"
 ACCUMULATED = "dp=2 × sp=2, ep=2, 2 micro-batches, blocks recomputed"
+GRID = "tp=4 (q=2), blocks recomputed"
 LAYOUTS = {
     "dp=2 × sp=2, ep=1": _job({"dp": 2, "sp": 2}),
     "dp=2 × sp=2, ep=2": _job({"dp": 2, "sp": 2, "ep": 2}),
@@ -58,10 +61,13 @@ LAYOUTS = {
     HETERO_EP: _job({"dp": 2, "sp": 2, "ep": 2}, hetero=HETERO),  # the last hetero job: its statistics kept
     PACKED: _job({"dp": 2, "sp": 2, "ep": 2},  # 4 rows: the reference runs each document alone
                  data={**BASE["data"], "batch_size": 4, "packing": "documents", "eod_token": EOD}),
+    GRID: _job({"tp": 4}, train={"activation_checkpointing": "blocks"}),  # the q=2 grid: experts whole on each rank
 }
 EVAL_BATCH = 50  # a batch no step trained on, evaluated after the resumed step
 # a checkpoint at step 2 of ep=2 (dp=2 × sp=2), resumed for step 3 in each of these
-RESUMED = {"ep=1": {"dp": 2, "sp": 2}, "ep=4": {"dp": 2, "sp": 2, "ep": 4}, "dp=4, ep=2": {"dp": 4, "ep": 2}}
+RESUMED = {"ep=1": {"dp": 2, "sp": 2}, "ep=4": {"dp": 2, "sp": 2, "ep": 4}, "dp=4, ep=2": {"dp": 4, "ep": 2},
+           "tp=4": {"tp": 4}}
+FROM_GRID = "dp=2 × sp=2, ep=2 from tp=4"  # a checkpoint at step 2 of tp=4, resumed for step 3 at ep=2
 
 
 def pretrained_job(directory: str, parallel: dict) -> dict:
@@ -107,8 +113,20 @@ def _train(jobs: dict, tmp: str, pretrained: str | None) -> dict:
 
     def engine_of(parallel):
         cfg = make_config(_job(parallel))
-        mesh = init_mesh(dp=cfg.parallel.dp, sp=cfg.parallel.sp, timeout_s=60)
+        mesh = init_mesh(dp=cfg.parallel.dp, sp=cfg.parallel.sp, tp=cfg.parallel.tp, timeout_s=60)
         return cfg, mesh, compose(cfg, mesh), build_dataset(cfg)
+
+    def resumed(name, parallel, root):
+        """Step 3 at ``parallel`` from the checkpoint under ``root``: its loss and pieces, and an evaluation."""
+        cfg, mesh, engine, data = engine_of(parallel)
+        load_checkpoint(engine, root)
+        loss = float(engine.train_step(*data.batch(engine.step)))
+        pieces = {k[len("model."):]: [(tuple(off), view.detach().clone()) for off, view in v.pieces]
+                  for k, v in engine.state_dict().items() if k.startswith("model.")}
+        out[f"resumed {name}"] = [loss], pieces
+        out[f"evaluated {name}"] = float(engine.evaluate(*data.batch(EVAL_BATCH)))
+        engine.close()
+        mesh.close()
 
     cfg, mesh, engine, data = engine_of({"dp": 2, "sp": 2, "ep": 2})
     out["router"] = []  # each step's auxiliary loss and expert load, as metrics.jsonl gets them
@@ -120,15 +138,14 @@ def _train(jobs: dict, tmp: str, pretrained: str | None) -> dict:
     engine.close()
     mesh.close()
     for name, parallel in RESUMED.items():
-        cfg, mesh, engine, data = engine_of(parallel)
-        load_checkpoint(engine, f"{tmp}/checkpoints")
-        loss = float(engine.train_step(*data.batch(engine.step)))
-        pieces = {k[len("model."):]: [(tuple(off), view.detach().clone()) for off, view in v.pieces]
-                  for k, v in engine.state_dict().items() if k.startswith("model.")}
-        out[f"resumed {name}"] = [loss], pieces
-        out[f"evaluated {name}"] = float(engine.evaluate(*data.batch(EVAL_BATCH)))
-        engine.close()
-        mesh.close()
+        resumed(name, parallel, f"{tmp}/checkpoints")
+    cfg, mesh, engine, data = engine_of({"tp": 4})  # the other way: saved on the grid, resumed at ep=2
+    for step in range(2):
+        engine.train_step(*data.batch(step))
+    save_checkpoint(engine, cfg, root=f"{tmp}/checkpoints-tp")
+    engine.close()
+    mesh.close()
+    resumed(FROM_GRID, {"dp": 2, "sp": 2, "ep": 2}, f"{tmp}/checkpoints-tp")
     if pretrained is not None:
         out["pretrained"] = evaluate_pretrained(pretrained, {"dp": 2, "sp": 2, "ep": 2})
     return out
@@ -222,6 +239,32 @@ def test_hetero_moves_chunks_under_a_budget_below_the_models_data(trained):
         assert 0 < least <= stats["host_bytes"]
 
 
+# the suite's 16-worker job (tests/conftest.py): the grid with every other axis an MoE layer composes with
+SIXTEEN = {"tp=4 × dp=2 × sp=2, ep=2": _job({"tp": 4, "dp": 2, "sp": 2, "ep": 2})}
+
+
+def sixteen_worker_job(tmp):
+    """This file's share of the suite's 16-worker job: :data:`SIXTEEN` trained, and the seconds it took."""
+    import time
+
+    from test_llama import train_layouts
+
+    start = time.perf_counter()
+    out = train_layouts(SIXTEEN)
+    return {**out, "seconds": time.perf_counter() - start}
+
+
+def test_experts_on_the_grid_with_data_sequence_and_expert_ranks_train_as_one_process(sixteen_workers):
+    """tp=4 (q=2) × dp=2 × sp=2 with ep=2 (ep groups: the ranks at one grid position): the one-process losses
+    (1e-10) and parameters (1e-9); each rank's experts are its ep slice, whole on each grid rank."""
+    results = [r["test_expert_parallel"] for r in sixteen_workers]
+    want_losses, want = one_process()
+    for name in SIXTEEN:
+        check_pieces(results, name, want_losses, want)
+        rows = {off for r in results for off, _ in r[name][1]["blocks.0.mlp.experts.gate_proj"]}
+        assert rows == {(0, 0, 0), (2, 0, 0)}
+
+
 def router_reference(steps: int) -> list[tuple[float, list[float]]]:
     """One process on the whole batch: each step's ``router_aux_loss_coef`` × load-balancing loss and each
     expert's share of the picks over every MoE layer."""
@@ -250,9 +293,10 @@ def test_every_rank_reports_the_whole_batchs_auxiliary_loss_and_expert_load(trai
             assert load == pytest.approx(want_load, abs=1e-12) and sum(load) == pytest.approx(1.0)
 
 
-@pytest.mark.parametrize("name", list(RESUMED))
+@pytest.mark.parametrize("name", [*RESUMED, FROM_GRID])
 def test_a_checkpoint_saved_at_ep_2_resumes_under_another_layout(trained, name):
-    """Step 3 after resuming ep=2's step-2 checkpoint: the straight one-process run's loss and parameters;
+    """Step 3 after resuming ep=2's step-2 checkpoint (or, :data:`FROM_GRID`, tp=4's, whose experts every grid
+    rank holds whole): the straight one-process run's loss and parameters;
     then the evaluation of another batch (forwards only, the auxiliary loss's statistics summed over the
     replicas there too) is the one-process model's loss on it."""
     from parallel4d.config.load import make_config

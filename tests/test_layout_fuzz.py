@@ -1,7 +1,7 @@
 """#33: Hypothesis draws jobs across the whole space — pp, dp, sp, tp; every schedule, waves, split
 backward and hop cost; ring layouts and Ulysses; hetero with budgets from the minimum up (ZeRO where
 dp·sp > 1); activation checkpointing; gpt2 and llama (GQA, tied and untied; a vocabulary the 2D grid
-pads or not; mixture-of-experts layers split over parallel.ep where they run: pp = tp = 1, no hetero);
+pads or not; mixture-of-experts layers split over parallel.ep where they run: pp = 1, no hetero);
 evaluation; a resume
 mid-run — and runs each through ``parallel4d check``'s own code (:mod:`parallel4d.tools.check`):
 the shrunk job on gloo workers in float64 against one process, losses to 1e-10, every parameter to 1e-9.
@@ -67,7 +67,7 @@ def jobs(draw) -> tuple[list[str], float | None, int | None]:
     out.append(f"train.activation_checkpointing={draw(st.sampled_from(['none', 'blocks']))}")
     if draw(st.booleans()):
         out.append("train.eval_every=2")
-    experts = _experts(draw, dp * sp) if "model.arch=llama" in out and pp == tp == 1 else []  # where MoE runs
+    experts = _experts(draw, dp * sp) if "model.arch=llama" in out and pp == 1 else []  # where MoE runs
     budget = None if experts else draw(st.sampled_from([None, 0.001, 0.2, 0.5]))  # for now: no hetero
     out += experts + [f"hetero.enabled={not experts and (budget is not None or draw(st.booleans()))}"]
     resume = draw(st.sampled_from([None, None, None, 1, 2]))

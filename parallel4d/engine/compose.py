@@ -191,10 +191,17 @@ def _auxiliary_over_replicas(cfg: Config, mesh: Mesh, context: ForwardContext, l
     shares sum to it, and each has the gradient of the whole with respect to that replica's router
     probabilities: models/moe/balance.py). The replicas' gradients are then averaged (divided by ``R``),
     so each share is counted ``R`` times: the replicas' reported mean is then the token loss's mean plus
-    the whole micro-batch's auxiliary loss, and the averaged gradient the one-process one."""
+    the whole micro-batch's auxiliary loss, and the averaged gradient the one-process one.
+
+    Under 2D tp an MoE layer's q² grid ranks hold disjoint tokens too (models/moe/tp2d.py): the statistics
+    are summed over the grid as well, and each grid rank's share keeps its gradient (the router's gradient
+    is summed over the grid) while its value becomes the grid's sum of shares (one all-reduce of a
+    detached number), so that every grid rank reports the same loss, as its token loss is."""
     shape, auxiliary = model_shape(cfg), family(cfg.model.arch).model_type.auxiliary_loss
     replicas = mesh.size("dp") * mesh.size("sp")
-    group = mesh.group_over("dp", "sp") if replicas > 1 else None
+    grid = mesh.group_over("tp_row", "tp_col") if mesh.size("tp_row") > 1 and MoeShape.of(cfg.model) else None
+    axes = ("dp", "sp") + (("tp_row", "tp_col") if grid is not None else ())
+    group = mesh.group_over(*axes) if replicas > 1 or grid is not None else None
 
     def summed(totals: torch.Tensor) -> torch.Tensor:
         if group is not None:
@@ -208,11 +215,20 @@ def _auxiliary_over_replicas(cfg: Config, mesh: Mesh, context: ForwardContext, l
         if term is None:
             return None
         term = term * replicas if replicas > 1 else term
+        if grid is not None:
+            term = term + (_summed_over(term.detach(), grid, mesh) - term.detach())
         if load is not None:
             load.add_term(term)
         return term
 
     return share
+
+
+def _summed_over(value: torch.Tensor, group, mesh: Mesh) -> torch.Tensor:
+    """``value`` (no gradient) summed over ``group`` (a copy)."""
+    total = value.clone()
+    comm.all_reduce(total, group, stats=mesh.comm_stats, label="moe.balance")
+    return total
 
 
 def _placed(module: nn.Module, device: torch.device, dtype: torch.dtype) -> nn.Module:

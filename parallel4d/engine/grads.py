@@ -72,8 +72,9 @@ def global_grad_norm(params: list[nn.Parameter], mesh: Mesh, tied_copies: set[in
     sq = weighted_sq_norm([p.grad.detach() for p in with_grad], [norm_weight(p, q, tied_copies) for p in with_grad],
                           mesh.device)
     if experts is not None:  # each rank of an ep group holds other experts: their squares add up
-        mine = [p.grad.detach() for p in experts.params if p.grad is not None]
-        expert_sq = weighted_sq_norm(mine, [1.0] * len(mine), mesh.device)
+        mine = [p for p in experts.params if p.grad is not None]  # (under tp on every grid rank: 1/q² each)
+        expert_sq = weighted_sq_norm([p.grad.detach() for p in mine], [norm_weight(p, q, tied_copies) for p in mine],
+                                     mesh.device)
         comm.all_reduce(expert_sq, experts.ep, stats=mesh.comm_stats, label="grad_norm")
         sq = sq + expert_sq
     return sum_over_model_axes(sq, mesh).sqrt()

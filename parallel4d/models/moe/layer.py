@@ -57,8 +57,9 @@ class Experts(nn.Module):
         module was built with, e.g. from the seed): new parameters of their rows, the rest freed."""
         for name in self.NAMES:
             whole = getattr(self, name)
-            setattr(self, name, nn.Parameter(whole.detach()[experts.start:experts.stop].clone(),
-                                             requires_grad=whole.requires_grad))
+            kept = nn.Parameter(whole.detach()[experts.start:experts.stop].clone(), requires_grad=whole.requires_grad)
+            kept.__dict__.update(whole.__dict__)  # the parameter's tags (a 2D layout's tensor2d_replicated_over)
+            setattr(self, name, kept)
         self.held = range(self.held.start + experts.start, self.held.start + experts.stop)
 
     def dense_layout(self) -> dict[str, tuple[tuple[int, ...], Callable]]:
@@ -100,15 +101,25 @@ class SparseMoE(ReadsContext):
 
     def forward(self, x):
         shape = x.shape
-        flat = x.reshape(-1, shape[-1])  # [T, h]
-        routing = route(self.gate(flat), self.moe.top_k, self.moe.norm_topk_prob)
+        return self.mix(x.reshape(-1, shape[-1])).reshape(shape)
+
+    def mix(self, flat: torch.Tensor) -> torch.Tensor:
+        """The layer on tokens ``flat`` ``[T, h]`` → ``[T, h]``: routed (its :class:`~.balance.LayerLoad`
+        recorded), dispatched to the experts, plus the gated shared expert. Each part runs through
+        :meth:`part`."""
+        routing = route(self.part("gate", flat), self.moe.top_k, self.moe.norm_topk_prob)
         if self.moe.output_router_logits and self.context is not None:
             picks = count_per_expert(routing.experts, self.moe.num_experts)
             self.context.state.routing[self.layer] = layer_load(routing.probs, picks)
-        out = self.dispatcher(flat, routing.experts, routing.weights, self.experts)
+        out = self.dispatcher(flat, routing.experts, routing.weights, functools.partial(self.part, "experts"))
         if self.has_shared:
-            out = out + torch.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)
-        return out.reshape(shape)
+            out = out + torch.sigmoid(self.part("shared_expert_gate", flat)) * self.part("shared_expert", flat)
+        return out
+
+    def part(self, name: str, *args) -> torch.Tensor:
+        """Submodule ``name`` (``gate``, ``experts``, ``shared_expert``, ``shared_expert_gate``) on ``args``;
+        a layout whose copies of the parameters need their gradients summed overrides it (the 2D twin)."""
+        return getattr(self, name)(*args)
 
 
 def from_transformers(tensor: torch.Tensor, how: str) -> torch.Tensor:
