@@ -239,7 +239,8 @@ QUICKSTART = ROOT / "configs" / "quickstart.yaml"
 # 16 experts top-2 split over ep=8 of dp=8 (the 8 data replicas), a shared expert, layers 0 and 3 dense
 MOE_JOB = ["model.arch=llama", "model.num_experts=16", "model.num_experts_per_tok=2", "model.moe_intermediate_size=64",
            "model.shared_expert_intermediate_size=96", "model.mlp_only_layers=[0, 3]", "model.output_router_logits=true",
-           "model.router_aux_loss_coef=0.5", "parallel.dp=8", "parallel.ep=8", "data.batch_size=16"]
+           "model.router_aux_loss_coef=0.5", "parallel.dp=8", "parallel.ep=8", "data.source=synthetic",
+           "data.val_fraction=null", "data.batch_size=16"]
 
 
 def test_check_of_an_moe_job_keeps_ep_above_one_and_the_experts_at_a_smaller_shape():
