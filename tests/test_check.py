@@ -280,3 +280,14 @@ def test_sub_layouts_of_an_ep_job_keep_ep_above_one_and_count_no_ranks_for_it():
     assert layouts and all(d["ep"] > 1 and d["ep"] <= 8 for d in layouts)
     assert layouts[0]["dp"] == 4 and layouts[0]["ep"] == 4  # the largest world and ep first
     assert all(d["ep"] == 1 for d in sub_layouts(load_config(QUICKSTART), 2))
+
+
+def test_check_of_an_moe_job_with_a_sparse_step_shrinks_the_layers_keeping_both_kinds():
+    """decoder_sparse_step=2 and mlp_only_layers=[1, 6] of 8 layers: the first check kept all 8 (cutting or
+    clamping the list left no MoE layer among fewer); now 2, one dense and one MoE layer."""
+    from parallel4d.models.moe.spec import MoeShape, sparse_layers
+
+    job = [*MOE_JOB, "parallel.dp=2", "parallel.ep=2", "model.layers=8", "model.decoder_sparse_step=2",
+           "model.mlp_only_layers=[1, 6]"]
+    m = shrunk(QUICKSTART, job).cfg.model
+    assert m.layers == 2 and len(sparse_layers(MoeShape.of(m), m.layers)) == 1, (m.layers, m.mlp_only_layers)

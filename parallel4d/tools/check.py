@@ -161,17 +161,21 @@ def _shape_steps(cfg: Config) -> list[tuple[str, Callable[[], Iterator[list[str]
 
 
 def _layer_kinds(m, n: int) -> Optional[list[str]]:
-    """At ``n`` of the job's ``m.layers`` layers, the overrides that keep its MoE layer selection: the
-    layers of ``mlp_only_layers`` past ``n`` moved to the last; None when the ``n`` layers would lose the
-    MoE layers or the dense ones the job has (``decoder_sparse_step`` applies as it is)."""
+    """At ``n`` of the job's ``m.layers`` layers, the overrides that keep its kinds of layer (MoE layers,
+    and dense ones where it has them: ``decoder_sparse_step`` applies as it is): ``mlp_only_layers``
+    cut to the ``n`` layers, else with its layers past them moved to the last, else one dense layer of
+    the ``n``; None when none keeps both kinds."""
     moe = MoeShape.of(m)
     if moe is None or n == m.layers:
         return []
-    dense = sorted({min(i, n - 1) for i in m.mlp_only_layers})
-    small = dataclasses.replace(moe, mlp_only_layers=tuple(dense))
-    if {small.is_sparse(i) for i in range(n)} != {moe.is_sparse(i) for i in range(m.layers)}:
-        return None
-    return [f"model.mlp_only_layers={json.dumps(dense)}"] if m.mlp_only_layers else []
+    kinds = {moe.is_sparse(i) for i in range(m.layers)}
+    candidates = [[i for i in m.mlp_only_layers if i < n], sorted({min(i, n - 1) for i in m.mlp_only_layers}),
+                  *([i] for i in range(n))] if m.mlp_only_layers else [[]]
+    for dense in candidates:
+        small = dataclasses.replace(moe, mlp_only_layers=tuple(dense))
+        if {small.is_sparse(i) for i in range(n)} == kinds:
+            return [f"model.mlp_only_layers={json.dumps(dense)}"] if m.mlp_only_layers else []
+    return None
 
 
 def _first_valid(path, fixed: list[str], options: Iterator[list[str]]) -> Optional[list[str]]:
