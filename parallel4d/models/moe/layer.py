@@ -102,10 +102,10 @@ class SparseMoE(ReadsContext):
         shape = x.shape
         flat = x.reshape(-1, shape[-1])  # [T, h]
         routing = route(self.gate(flat), self.moe.top_k, self.moe.norm_topk_prob)
+        picks = count_per_expert(routing.experts, self.moe.num_experts)  # once: the dispatch's and the aux loss's
         if self.moe.output_router_logits and self.context is not None:
-            picks = count_per_expert(routing.experts, self.moe.num_experts)
             self.context.state.routing[self.layer] = layer_load(routing.probs, picks)
-        out = self.dispatcher(flat, routing.experts, routing.weights, self.experts)
+        out = self.dispatcher(flat, routing.experts, routing.weights, self.experts, picks)
         if self.has_shared:
             out = out + torch.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)
         return out.reshape(shape)
