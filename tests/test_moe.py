@@ -460,3 +460,16 @@ def test_each_moe_layer_counts_its_picks_per_expert_once(aux):
         _, state = model.run(tokens)
     assert ops.ops["aten.scatter_add.default"] == 2, ops.ops["aten.scatter_add.default"]
     assert sorted(state.routing) == ([0, 2] if aux else [])
+
+
+def test_the_world_log_line_names_ep_where_experts_are_split():
+    """The run's first line named the mesh's axes only: ep (drawn from the data replicas) was missing."""
+    import types
+
+    from parallel4d.training.loop import world_line
+
+    mesh = types.SimpleNamespace(world_size=4, shape={"pp": 1, "dp": 2, "sp": 2, "tp_row": 1, "tp_col": 1})
+    split = make_config({**BASE, "parallel": {"dp": 2, "sp": 2, "ep": 2}})
+    assert world_line(split, mesh, 1_500_000) == ("[parallel4d] world 4 (pp=1, dp=2, sp=2, tp_row=1, tp_col=1, ep=2), "
+                                                  "1.50M parameters per rank, 4 steps")
+    assert "ep=" not in world_line(make_config({**BASE, "parallel": {"dp": 2, "sp": 2}}), mesh, 1)
