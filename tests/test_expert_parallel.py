@@ -15,6 +15,8 @@ whole batch (with m micro-batches the layout's micro-batch ``i`` is every replic
 from __future__ import annotations
 
 import functools
+import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -94,10 +96,19 @@ def evaluate_pretrained(directory: str, parallel: dict) -> tuple[float, int]:
     return loss, read
 
 
+def check_plan():
+    """``parallel4d check``'s plan of test_check's MoE job (ep=8 over dp=8, 16 experts) on 4 workers."""
+    from parallel4d.tools.check import shrunk
+    from test_check import MOE_JOB, QUICKSTART
+
+    return shrunk(QUICKSTART, MOE_JOB, max_workers=4)
+
+
 def _train(jobs: dict, tmp: str, pretrained: str | None) -> dict:
     """On every rank: each job's losses and this rank's pieces of every dense parameter (test_llama's
-    format); then ep=2 saved at step 2 and resumed under each of :data:`RESUMED` for step 3; and the
-    ``pretrained`` directory (None: transformers is missing) evaluated at ep=2."""
+    format); then ep=2 saved at step 2 and resumed under each of :data:`RESUMED` for step 3; the
+    ``pretrained`` directory (None: transformers is missing) evaluated at ep=2; and the layout run of
+    :func:`check_plan` (its overrides in ``tmp/check.json``), as ``parallel4d check`` starts it."""
     from test_llama import train_layouts
 
     from parallel4d.config.load import make_config
@@ -148,6 +159,13 @@ def _train(jobs: dict, tmp: str, pretrained: str | None) -> dict:
     resumed(FROM_GRID, {"dp": 2, "sp": 2, "ep": 2}, f"{tmp}/checkpoints-tp")
     if pretrained is not None:
         out["pretrained"] = evaluate_pretrained(pretrained, {"dp": 2, "sp": 2, "ep": 2})
+    from parallel4d.config.load import load_config
+    from parallel4d.tools.check import into
+    from parallel4d.training.loop import run_training
+    from test_check import QUICKSTART
+
+    overrides = json.loads(Path(tmp, "check.json").read_text())
+    out["check"] = run_training(into(load_config(QUICKSTART, overrides), Path(tmp, "check"))), f"{tmp}/check"
     return out
 
 
@@ -172,7 +190,11 @@ def qwen3_moe(tmp_path_factory) -> str | None:
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory, qwen3_moe):
-    return run_workers(_train, 4, LAYOUTS, str(tmp_path_factory.mktemp("ep")), qwen3_moe, timeout_s=300)
+    tmp = tmp_path_factory.mktemp("ep")
+    from test_check import MOE_JOB
+
+    (tmp / "check.json").write_text(json.dumps([*MOE_JOB, *check_plan().overrides]))  # the job's, then the check's
+    return run_workers(_train, 4, LAYOUTS, str(tmp), qwen3_moe, timeout_s=300)
 
 
 @functools.cache
@@ -325,3 +347,21 @@ def test_a_pretrained_moe_directory_loads_each_ranks_experts_only(trained, qwen3
         assert abs(loss - whole) <= 1e-10 * whole
         assert whole_read - read == experts_bytes // 2
 
+
+
+def test_the_check_of_an_ep_job_shrunk_to_4_workers_is_equal(trained, tmp_path):
+    """``parallel4d check`` of an ep=8 job over dp=8 (16 experts, a shared expert, dense layers, the
+    auxiliary loss) on 4 workers: a sub-layout keeping ep > 1 and fewer experts, equal to one process;
+    its report names ep."""
+    from conftest import run_in_this_process
+    from parallel4d.tools.check import compare, format_report, into
+    from test_check import MOE_JOB, QUICKSTART
+
+    plan = check_plan()
+    summary, out = trained[0]["check"]
+    reference = into(plan.reference(QUICKSTART, MOE_JOB), tmp_path)
+    outcome = compare(plan.cfg, summary, run_in_this_process(reference, []), Path(out) / "checkpoints",
+                      tmp_path / "checkpoints")
+    report = "\n".join(format_report(QUICKSTART, plan, outcome))
+    assert plan.cfg.world_size == 4 and plan.cfg.parallel.ep > 1 and outcome.equal, report
+    assert f"ep={plan.cfg.parallel.ep}" in report.splitlines()[0], report

@@ -446,3 +446,32 @@ def test_metrics_summary_and_plot_report_the_auxiliary_loss_and_expert_load(tmp_
     assert moe == summary["moe"] and [s for s, _ in moe["aux_loss"]] == [1, 2]
     assert moe["expert_load"] == records[-1]["expert_load"]
     assert plot_run(tmp_path).exists()
+
+
+@pytest.mark.parametrize("aux", [True, False], ids=["aux loss", "no aux loss"])
+def test_each_moe_layer_counts_its_picks_per_expert_once(aux):
+    """The counts per expert serve the dispatch (its sort's block sizes) and the load-balancing loss's
+    statistics: one scatter-add per MoE layer and forward, whether the loss is on or not (the layer counted
+    once more for the loss than the dispatcher did). BASE: 3 layers, layer 1 dense."""
+    from op_count import CountOps
+
+    cfg = make_config({**BASE, "model": {**BASE["model"], "output_router_logits": aux}})
+    model = build_dense(shape_from_config(cfg.model), seed=1).double()
+    tokens = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+    with CountOps() as ops:
+        _, state = model.run(tokens)
+    assert ops.ops["aten.scatter_add.default"] == 2, ops.ops["aten.scatter_add.default"]
+    assert sorted(state.routing) == ([0, 2] if aux else [])
+
+
+def test_the_world_log_line_names_ep_where_experts_are_split():
+    """The run's first line named the mesh's axes only: ep (drawn from the data replicas) was missing."""
+    import types
+
+    from parallel4d.training.loop import world_line
+
+    mesh = types.SimpleNamespace(world_size=4, shape={"pp": 1, "dp": 2, "sp": 2, "tp_row": 1, "tp_col": 1})
+    split = make_config({**BASE, "parallel": {"dp": 2, "sp": 2, "ep": 2}})
+    assert world_line(split, mesh, 1_500_000) == ("[parallel4d] world 4 (pp=1, dp=2, sp=2, tp_row=1, tp_col=1, ep=2), "
+                                                  "1.50M parameters per rank, 4 steps")
+    assert "ep=" not in world_line(make_config({**BASE, "parallel": {"dp": 2, "sp": 2}}), mesh, 1)

@@ -103,7 +103,7 @@ class UniformExpertParallel:
     def __init__(self, real: ExpertParallel):
         self.real, self.experts = real, real.experts
 
-    def __call__(self, x, ids, weights, expert_fn):
+    def __call__(self, x, ids, weights, expert_fn, counts=None):  # counts: the uniform load's, not the caller's
         r = self.real
         n, local = r.size, r.local
         counts = uniform_counts(ids.numel(), r.num_experts)

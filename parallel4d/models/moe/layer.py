@@ -108,10 +108,10 @@ class SparseMoE(ReadsContext):
         recorded), dispatched to the experts, plus the gated shared expert. Each part runs through
         :meth:`part`."""
         routing = route(self.part("gate", flat), self.moe.top_k, self.moe.norm_topk_prob)
+        picks = count_per_expert(routing.experts, self.moe.num_experts)  # once: the dispatch's and the aux loss's
         if self.moe.output_router_logits and self.context is not None:
-            picks = count_per_expert(routing.experts, self.moe.num_experts)
             self.context.state.routing[self.layer] = layer_load(routing.probs, picks)
-        out = self.dispatcher(flat, routing.experts, routing.weights, functools.partial(self.part, "experts"))
+        out = self.dispatcher(flat, routing.experts, routing.weights, functools.partial(self.part, "experts"), picks)
         if self.has_shared:
             out = out + torch.sigmoid(self.part("shared_expert_gate", flat)) * self.part("shared_expert", flat)
         return out
