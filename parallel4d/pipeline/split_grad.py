@@ -21,7 +21,8 @@ A parameter used twice in one chunk at different depths is reachable from a boun
 node's W pass, so every contribution is counted exactly once (at some extra compute).
 
 A chunk whose input needs no gradient (chunk 0: token ids) has nothing for B to compute; its W
-is the whole backward.
+is the whole backward. A chunk of several inputs and outputs (a message that carries more than the
+activation) is cut the same way, ``D`` being the nodes from which any input is reachable.
 """
 
 from __future__ import annotations
@@ -44,15 +45,14 @@ class WeightGradients:
 
     def __init__(self, boundaries: list[_Boundary], whole: tuple | None = None):
         self._boundaries = boundaries
-        self._whole = whole  # (output, gradient): no input gradient was needed, W is the whole backward
+        self._whole = whole  # (outputs, gradients) that reach no input: W runs their whole backward
 
     def run(self) -> None:
         """Accumulate the chunk's weight gradients (once; frees the graph's references)."""
         whole, boundaries = self._whole, self._boundaries
         self._whole, self._boundaries = None, []
-        if whole is not None:
-            torch.autograd.backward(whole[0], whole[1])
-            return
+        if whole is not None:  # a graph apart from the boundary nodes' (none of its nodes reaches an input)
+            torch.autograd.backward(whole[0], whole[1], retain_graph=bool(boundaries))
         current: list[Node | None] = [None]
 
         def clamp(grads, node):
@@ -74,35 +74,58 @@ class WeightGradients:
                 h.remove()
 
 
-def input_gradient(y: torch.Tensor, grad: torch.Tensor | None, x: torch.Tensor):
-    """Run B: the gradient of ``x`` (``None`` when ``x`` needs none) and the :class:`WeightGradients`
-    for W. ``y``: the chunk's output (or its scaled loss, ``grad=None``); ``x``: its input leaf."""
-    root = y.grad_fn
-    if root is None:  # a chunk that passes its input through unchanged
-        return (grad if y is x else None), WeightGradients([])
-    order, parents = _graph(root)
-    to_x = _ancestors(get_gradient_edge(x).node, parents) if x.requires_grad else set()
-    if root not in to_x:
-        return None, WeightGradients([], whole=(y, grad))
+def input_gradient(ys, grads, xs):
+    """Run B: the gradient of each of the chunk's inputs ``xs`` (a tuple, ``None`` where one needs none) and
+    the :class:`WeightGradients` for W. ``ys``: the chunk's outputs (or its scaled loss alone, ``grads``
+    None), ``grads``: theirs; ``xs``: its input leaves. An output that does not reach any input (chunk 0's:
+    token ids need no gradient) is left to W whole."""
+    ys, xs = tuple(ys), tuple(xs)
+    grads = tuple(grads) if grads is not None else (None,) * len(ys)
+    passed = [(y, g) for y, g in zip(ys, grads) if y.grad_fn is None]  # an input handed on unchanged, or a constant
+    roots = [(y, g) for y, g in zip(ys, grads) if y.grad_fn is not None]
+    wanted = [x for x in xs if x.requires_grad]
+    order, parents = _graph([y.grad_fn for y, _ in roots])
+    to_x = set().union(*(_ancestors(get_gradient_edge(x).node, parents) for x in wanted))
+    through = [(y, g) for y, g in roots if y.grad_fn in to_x]
+    whole = [(y, g) for y, g in roots if y.grad_fn not in to_x]  # its subgraph holds no node of to_x
     boundary = [n for n in order if n in to_x and any(f is not None and f not in to_x for f, _ in n.next_functions)]
     arrived: dict[Node, tuple] = {}
-    hooks = [n.register_prehook(lambda grads, n=n: arrived.__setitem__(n, grads)) for n in boundary]
-    had = x.grad
-    x.grad = None
-    try:
-        torch.autograd.backward(y, grad, inputs=[x], retain_graph=True)
-    finally:
-        for h in hooks:
-            h.remove()
-    gx, x.grad = x.grad, had
+    had = [x.grad for x in xs]
+    for x in xs:
+        x.grad = None
+    if through:
+        hooks = [n.register_prehook(lambda grads, n=n: arrived.__setitem__(n, grads)) for n in boundary]
+        try:
+            torch.autograd.backward([y for y, _ in through], _grads(through), inputs=wanted, retain_graph=True)
+        finally:
+            for h in hooks:
+                h.remove()
+    gxs = []
+    for x, before in zip(xs, had):
+        g = x.grad
+        for y, gy in passed:  # the output is this input: its gradient is the received one
+            if y is x and gy is not None:
+                g = gy if g is None else g + gy
+        gxs.append(g)
+        x.grad = before
     kept = [_Boundary(n, arrived[n], _leaves([f for f, _ in n.next_functions if f is not None and f not in to_x]))
-            for n in boundary]
-    return gx, WeightGradients(kept)
+            for n in boundary if n in arrived]
+    return tuple(gxs), WeightGradients(kept, whole=(tuple(y for y, _ in whole), _grads(whole)) if whole else None)
 
 
-def _graph(root: Node) -> tuple[list[Node], dict[Node, list[Node]]]:
-    """Nodes reachable from ``root`` in a fixed (depth-first) order, and each node's parents."""
-    order, parents, seen, stack = [root], {}, {root}, [root]
+def _grads(pairs) -> list | None:
+    """The gradients of ``(output, gradient)`` pairs as ``backward`` takes them (None: a scalar loss's ones)."""
+    return None if all(g is None for _, g in pairs) else [g for _, g in pairs]
+
+
+def _graph(roots: list[Node]) -> tuple[list[Node], dict[Node, list[Node]]]:
+    """Nodes reachable from ``roots`` in a fixed (depth-first) order, and each node's parents."""
+    order, parents, seen, stack = [], {}, set(), []
+    for root in roots:
+        if root not in seen:
+            seen.add(root)
+            order.append(root)
+            stack.append(root)
     while stack:
         node = stack.pop()
         for nxt, _ in node.next_functions:
