@@ -182,6 +182,36 @@ def test_an_input_handed_on_unchanged_gets_its_gradient_back():
     torch.testing.assert_close(layer.weight.grad, gy.T @ x.detach(), rtol=1e-13, atol=0)
 
 
+class _Stacked(torch.nn.Module):
+    """Rows through one slice each of a stacked weight ``[2, 6, 6]`` (an MoE layer's experts, looped): two
+    matrix products, two boundary nodes, one parameter."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(2, 6, 6, generator=torch.Generator().manual_seed(2),
+                                                dtype=torch.float64))
+
+    def forward(self, x):
+        return torch.cat([x[:2] @ self.w[0], x[2:] @ self.w[1]])
+
+
+def test_w_accumulates_a_parameter_shared_by_several_boundary_nodes_once():
+    """One accumulation per W, as one backward makes (what the data-parallel buckets count per micro-batch),
+    with the one-backward gradient."""
+    model, g = _Stacked(), torch.randn(5, 6, dtype=torch.float64)
+    x0 = torch.randn(5, 6, dtype=torch.float64)
+    model(x0.clone().requires_grad_()).backward(g)
+    want = model.w.grad.clone()
+    model.w.grad = None
+    accumulated = []
+    model.w.register_post_accumulate_grad_hook(lambda p: accumulated.append(p.grad.clone()))
+    x = x0.clone().requires_grad_()
+    _, weights = input_gradient((model(x),), (g,), (x,))
+    weights.run()
+    assert len(accumulated) == 1
+    torch.testing.assert_close(model.w.grad, want, rtol=1e-13, atol=0)
+
+
 # --- end to end -------------------------------------------------------------------------------
 
 ROOT = Path(__file__).resolve().parents[1]

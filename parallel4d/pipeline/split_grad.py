@@ -18,7 +18,10 @@ functions that do collectives (SUMMA) ask the engine which of their outputs it w
 
 A parameter used twice in one chunk at different depths is reachable from a boundary node's
 ``x`` branch as well; there the other boundary nodes' gradients are clamped to zero during that
-node's W pass, so every contribution is counted exactly once (at some extra compute).
+node's W pass, so every contribution is counted exactly once (at some extra compute). Nodes that
+share a parameter (a stacked weight sliced per expert) run in one pass, each from exactly what it
+received in B, so the parameter accumulates once per W as it does once per backward (what the
+data-parallel buckets count).
 
 A chunk whose input needs no gradient (chunk 0: token ids) has nothing for B to compute; its W
 is the whole backward. A chunk of several inputs and outputs (a message that carries more than the
@@ -53,25 +56,52 @@ class WeightGradients:
         self._whole, self._boundaries = None, []
         if whole is not None:  # a graph apart from the boundary nodes' (none of its nodes reaches an input)
             torch.autograd.backward(whole[0], whole[1], retain_graph=bool(boundaries))
-        current: list[Node | None] = [None]
+        recorded = {b.node: b.grads for b in boundaries}
+        current: set[Node] = set()  # the boundary nodes of the pass that runs
 
         def clamp(grads, node):
-            # Reached through another boundary node's x branch: its own W pass counts it.
-            if node is current[0]:
-                return None
+            # A node of this pass computes from what it received in B, whatever else flows into it; one
+            # reached through another pass's node's x branch is that pass's to count.
+            if node in current:
+                return recorded[node]
             return tuple(None if g is None else torch.zeros_like(g) for g in grads)
 
         hooks = [b.node.register_prehook(lambda grads, node=b.node: clamp(grads, node)) for b in boundaries]
         try:
-            for b in boundaries:
-                current[0] = b.node
-                edges = [GradientEdge(b.node, k) for k, g in enumerate(b.grads) if g is not None]
-                if edges and b.params:
-                    torch.autograd.backward(edges, [g for g in b.grads if g is not None],
-                                            inputs=b.params, retain_graph=True)
+            for group in _sharing(boundaries):
+                current.clear()
+                current.update(b.node for b in group)
+                edges = [GradientEdge(b.node, k) for b in group for k, g in enumerate(b.grads) if g is not None]
+                params = list({id(p): p for b in group for p in b.params}.values())
+                if edges and params:
+                    torch.autograd.backward(edges, [g for b in group for g in b.grads if g is not None],
+                                            inputs=params, retain_graph=True)
         finally:
             for h in hooks:
                 h.remove()
+
+
+def _sharing(boundaries: list[_Boundary]) -> list[list[_Boundary]]:
+    """The boundary nodes in groups that share no parameter (each group's nodes in their order, the groups
+    in the order of their first node): one W pass per group, so that a parameter under several nodes (an
+    expert's slice each, of one stacked weight) accumulates once per W, as it does once per backward."""
+    owner: dict[int, int] = {}  # parameter id → group (its first node's index)
+    parent = list(range(len(boundaries)))
+
+    def root(i: int) -> int:
+        while parent[i] != i:
+            i = parent[i]
+        return i
+
+    for i, b in enumerate(boundaries):
+        for p in b.params:
+            j = owner.setdefault(id(p), i)
+            a, c = root(i), root(j)
+            parent[max(a, c)] = min(a, c)
+    groups: dict[int, list[_Boundary]] = {}
+    for i, b in enumerate(boundaries):
+        groups.setdefault(root(i), []).append(b)
+    return list(groups.values())
 
 
 def input_gradient(ys, grads, xs):

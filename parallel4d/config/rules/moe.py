@@ -73,14 +73,14 @@ def ep_problems(cfg: Config) -> list[str]:
 
 
 #: what MoE layers do not compose with yet, and the fix of each
-_NOT_YET = "pipelines, the 2D grid, hetero and DeepSpeed come later"
+_NOT_YET = "the 2D grid, hetero and DeepSpeed come later"
 
 
 def layout_problems(cfg: Config, family_has_moe: bool) -> list[str]:
     """MoE fields on a dense model (``num_experts: 0``, any family), MoE layers in a family that has none
     (``family_has_moe``: the family reads ``num_experts``), ``parallel.ep`` (:func:`ep_problems`), or MoE
-    layers in a layout they do not run in yet: data and sequence ranks (dp, sp, ep) only — no pp, no tp,
-    no hetero or DeepSpeed."""
+    layers in a layout they do not run in yet: data, sequence and pipeline ranks (dp, sp, ep, pp) only — no
+    tp, no hetero or DeepSpeed."""
     m = cfg.model
     if not m.num_experts:
         stray = _set_fields(m)
@@ -91,12 +91,12 @@ def layout_problems(cfg: Config, family_has_moe: bool) -> list[str]:
         return [f"model.num_experts={m.num_experts} with model.arch={m.arch}: only the llama family has "
                 "mixture-of-experts layers; use model.arch=llama, or model.num_experts=0"]
     p = cfg.parallel
-    wide = [(f"parallel.{a}={getattr(p, a)}", f"parallel.{a}=1") for a in ("pp", "tp") if getattr(p, a) > 1]
+    wide = [(f"parallel.tp={p.tp}", "parallel.tp=1")] if p.tp > 1 else []
     other = ([("hetero.enabled=true", "hetero.enabled=false")] if cfg.hetero.enabled else []) + \
         ([("a deepspeed: section", "remove the deepspeed: section")] if cfg.deepspeed is not None else [])
     out = ep_problems(cfg)
     if wide + other:
         out.append(f"model.num_experts={m.num_experts} (mixture-of-experts layers) runs over parallel.dp, "
-                   f"parallel.sp and parallel.ep for now ({_NOT_YET}), not with "
+                   f"parallel.sp, parallel.ep and parallel.pp for now ({_NOT_YET}), not with "
                    f"{', '.join(w for w, _ in wide + other)}; use {', '.join(f for _, f in wide + other)}")
     return out
