@@ -321,3 +321,24 @@ def test_a_pretrained_moe_directory_loads_each_ranks_experts_only(trained, qwen3
         assert abs(loss - whole) <= 1e-10 * whole
         assert whole_read - read == experts_bytes // 2
 
+
+
+def test_a_pipelines_evaluation_carries_the_statistics_too(single_rank):
+    """Forwards only (``for_evaluation``, as ``Engine.evaluate`` runs a pipeline): 4 chunks in this process
+    (interleaved at pp=1), the loss with the auxiliary term of every layer — the dense model's (1e-12)."""
+    from parallel4d.config.load import make_config
+    from parallel4d.data.batches import build_dataset
+    from parallel4d.distributed.mesh import init_mesh
+    from parallel4d.engine.compose import build_pipeline
+    from parallel4d.engine.model import model_shape
+    from parallel4d.models.build import build_dense
+
+    cfg = make_config(_job({}, pipeline={"schedule": "interleaved", "chunks_per_rank": 4, "microbatches": 1}))
+    mesh = init_mesh(timeout_s=60)
+    evaluation = build_pipeline(cfg, mesh).executor.for_evaluation()
+    tokens, targets = build_dataset(cfg).batch(0)
+    with torch.no_grad():
+        loss = float(evaluation.step([tokens], [targets]).loss)
+        want = float(build_dense(model_shape(cfg), seed=cfg.train.seed).double()(tokens, targets))
+    mesh.close()
+    assert loss == pytest.approx(want, rel=1e-12)
