@@ -6,10 +6,14 @@ ep=2 resumed at ep=1, ep=4, dp=4 and tp=4, and one saved at tp=4 resumed at ep=2
 the stacked tensors, any layout loads them); and a Qwen3-MoE directory loaded at ep=2, each rank reading its
 experts only.
 
-Layouts: dp=2 × sp=2 at ep 1 (experts replicated, reduced as dense weights), 2 and 4, dp=4 at ep=2, and the
-2D grid tp=4 (q=2: the MoE layers' tokens split over the grid, experts whole on each rank; models/moe/tp2d.py).
+Layouts: dp=2 × sp=2 at ep 1 (experts replicated, reduced as dense weights), 2 and 4, dp=4 at ep=2, the
+2D grid tp=4 (q=2: the MoE layers' tokens split over the grid, experts whole on each rank; models/moe/tp2d.py),
+hetero (ZeRO over the data replicas, the experts' rows over their replicas), and pipelines with ep: Hanayo
+pp=2 × dp=2 and zb_h1 (split backward) pp=2 × sp=2, where the load-balancing loss's statistics travel with
+the activations from chunk to chunk (models/moe/balance.py).
 One micro-batch per step: the auxiliary loss is a forward's, and the one-process forward is then the
-whole batch (with m micro-batches the layout's micro-batch ``i`` is every replica's ``i``-th share).
+whole batch (with m micro-batches the layout's micro-batch ``i`` is every replica's ``i``-th share: the
+one process runs those rows as one forward each).
 """
 
 from __future__ import annotations
@@ -51,6 +55,8 @@ PACKED = "dp=2 × sp=2, ep=2, packed documents"
 COMPILED = "dp=2 × sp=2, ep=2, compiled blocks"
 ACCUMULATED = "dp=2 × sp=2, ep=2, 2 micro-batches, blocks recomputed"
 GRID = "tp=4 (q=2), blocks recomputed"
+HANAYO = "Hanayo pp=2 × dp=2, ep=2, 2 micro-batches, blocks recomputed"
+ZERO_BUBBLE = "zb_h1 pp=2 × sp=2, ep=2, 2 micro-batches"
 LAYOUTS = {
     "dp=2 × sp=2, ep=1": _job({"dp": 2, "sp": 2}),
     "dp=2 × sp=2, ep=2": _job({"dp": 2, "sp": 2, "ep": 2}),
@@ -64,7 +70,16 @@ LAYOUTS = {
     PACKED: _job({"dp": 2, "sp": 2, "ep": 2},  # 4 rows: the reference runs each document alone
                  data={**BASE["data"], "batch_size": 4, "packing": "documents", "eod_token": EOD}),
     GRID: _job({"tp": 4}, train={"activation_checkpointing": "blocks"}),  # the q=2 grid: experts whole on each rank
+    # 4 chunks: [embedding, MoE layer 0] on pp rank 0, [dense layer 1], [MoE layer 2] on rank 1, [head] on rank 0
+    HANAYO: _job({"pp": 2, "dp": 2, "ep": 2}, pipeline={"schedule": "hanayo", "waves": 1, "microbatches": 2},
+                 train={"activation_checkpointing": "blocks"}),
+    # [embedding, MoE layer 0, layer 1] on pp rank 0, [MoE layer 2, head: the loss] on rank 1
+    ZERO_BUBBLE: _job({"pp": 2, "sp": 2, "ep": 2}, pipeline={"schedule": "zb_h1", "microbatches": 2}),
 }
+#: micro-batch i of 2 (as one process runs it): the i-th half of each data replica's rows of 8
+MICROBATCH_ROWS = {name: [[4 * d + 2 * i + j for d in range(2) for j in range(2)] for i in range(2)]
+                   for name in (ACCUMULATED, HANAYO)}
+MICROBATCH_ROWS[ZERO_BUBBLE] = [list(range(4)), list(range(4, 8))]  # one data replica
 EVAL_BATCH = 50  # a batch no step trained on, evaluated after the resumed step
 # a checkpoint at step 2 of ep=2 (dp=2 × sp=2), resumed for step 3 in each of these
 RESUMED = {"ep=1": {"dp": 2, "sp": 2}, "ep=4": {"dp": 2, "sp": 2, "ep": 4}, "dp=4, ep=2": {"dp": 4, "ep": 2},
@@ -140,11 +155,8 @@ def _train(jobs: dict, tmp: str, pretrained: str | None) -> dict:
         mesh.close()
 
     cfg, mesh, engine, data = engine_of({"dp": 2, "sp": 2, "ep": 2})
-    out["router"] = []  # each step's auxiliary loss and expert load, as metrics.jsonl gets them
     for step in range(2):
         engine.train_step(*data.batch(step))
-        report = engine.router_load()
-        out["router"].append((float(report["aux_loss"]), report["expert_load"].tolist()))
     save_checkpoint(engine, cfg, root=f"{tmp}/checkpoints")
     engine.close()
     mesh.close()
@@ -197,24 +209,29 @@ def trained(tmp_path_factory, qwen3_moe):
     return run_workers(_train, 4, LAYOUTS, str(tmp), qwen3_moe, timeout_s=300)
 
 
-@functools.cache
 def one_process(name: str | None = None):
     """The dense model on the whole batch in this process (the layout changes nothing: one run for all);
     with packed documents each document alone (tests/test_packed_training.py's reference), the
-    load-balancing loss over every document's tokens; with 2 micro-batches (over dp = 2) micro-batch i is
-    each data replica's i-th half of its rows, one forward each."""
+    load-balancing loss over every document's tokens; with 2 micro-batches each micro-batch's rows
+    (:data:`MICROBATCH_ROWS`) one forward each."""
     if name == PACKED:
+        return _one_process(PACKED)
+    rows = MICROBATCH_ROWS.get(name)
+    return _one_process(None if rows is None else tuple(map(tuple, rows)))
+
+
+@functools.cache
+def _one_process(how):
+    if how == PACKED:
         return dense_run(LAYOUTS[PACKED], loss_of=documents_and_balance)
-    if name == ACCUMULATED:
-        return dense_run(LAYOUTS[ACCUMULATED], loss_of=replicas_microbatches)
-    return dense_run(BASE)
+    if how is None:
+        return dense_run(BASE)
+    return dense_run(BASE, loss_of=functools.partial(microbatches, how))
 
 
-def replicas_microbatches(model, tokens, targets, step):
-    """Micro-batch i of 2 over dp = 2 replicas of 4 rows each: rows ``4d + 2i`` and ``4d + 2i + 1`` of each
-    replica d, weighing 1/2."""
-    halves = [[4 * d + 2 * i + j for d in range(2) for j in range(2)] for i in range(2)]
-    return sum(model(tokens[rows], targets[rows], step=step) for rows in halves) / 2
+def microbatches(rows_of, model, tokens, targets, step):
+    """The mean of each micro-batch's loss, micro-batch i being rows ``rows_of[i]`` of the batch."""
+    return sum(model(tokens[list(rows)], targets[list(rows)], step=step) for rows in rows_of) / len(rows_of)
 
 
 def documents_and_balance(model, tokens, targets, step):
@@ -238,11 +255,12 @@ def documents_and_balance(model, tokens, targets, step):
 def test_experts_over_data_and_sequence_ranks_train_as_one_process(trained, name):
     """Losses (cross entropy + 0.5 × the load-balancing loss) 1e-10, every parameter after 3 steps 1e-9;
     each rank's expert pieces are its slice of the one-process stacked tensors."""
-    want_losses, want = one_process(name if name in (PACKED, ACCUMULATED) else None)
+    want_losses, want = one_process(name)
     assert want_losses[1] < want_losses[0]
     check_pieces(trained, name, want_losses, want)
     ep = LAYOUTS[name]["parallel"].get("ep", 1)
-    rows = {off[0] for _, pieces in [r[name] for r in trained] for off, t in pieces["blocks.0.mlp.experts.gate_proj"]}
+    rows = {off[0] for _, pieces in [r[name] for r in trained]  # on the pp ranks holding layer 0
+            for off, t in pieces.get("blocks.0.mlp.experts.gate_proj", ())}
     assert rows == set(range(0, 4, 4 // ep))  # ep boxes of E/ep experts each
 
 
@@ -287,30 +305,37 @@ def test_experts_on_the_grid_with_data_sequence_and_expert_ranks_train_as_one_pr
         assert rows == {(0, 0, 0), (2, 0, 0)}
 
 
-def router_reference(steps: int) -> list[tuple[float, list[float]]]:
-    """One process on the whole batch: each step's ``router_aux_loss_coef`` × load-balancing loss and each
-    expert's share of the picks over every MoE layer."""
+def router_reference(steps: int, rows_of=(tuple(range(8)),)) -> list[tuple[float, list[float]]]:
+    """One process: each step's ``router_aux_loss_coef`` × load-balancing loss (each micro-batch's — rows
+    ``rows_of[i]``, one forward each — averaged) and each expert's share of the picks over every MoE layer and
+    micro-batch."""
     reports = []
 
     def loss_of(model, tokens, targets, step):
-        logits, state = model.run(tokens)
-        loads = [state.routing[i] for i in sorted(state.routing)]
-        moe = model.shape.moe
-        aux = moe.aux_loss_coef * load_balancing_loss(loads, moe.num_experts)
-        picks = sum(load.counts for load in loads)
-        reports.append((float(aux), (picks / picks.sum()).tolist()))
-        return F.cross_entropy(logits.flatten(0, 1), targets.flatten()) + aux
+        moe, loss, aux_sum, picks = model.shape.moe, 0.0, 0.0, 0.0
+        for rows in map(list, rows_of):
+            logits, state = model.run(tokens[rows])
+            loads = [state.routing[i] for i in sorted(state.routing)]
+            aux = moe.aux_loss_coef * load_balancing_loss(loads, moe.num_experts)
+            picks = picks + sum(load.counts for load in loads)
+            aux_sum += float(aux)
+            loss = loss + F.cross_entropy(logits.flatten(0, 1), targets[rows].flatten()) + aux
+        reports.append((aux_sum / len(rows_of), (picks / picks.sum()).tolist()))
+        return loss / len(rows_of)
 
     dense_run({**BASE, "train": {**BASE["train"], "steps": steps}}, loss_of)
     return reports
 
 
-def test_every_rank_reports_the_whole_batchs_auxiliary_loss_and_expert_load(trained):
-    """What metrics.jsonl gets at dp=2 × sp=2, ep=2 (``Engine.router_load``), on every rank: the one-process
-    auxiliary loss of the whole batch (1e-10) and each expert's share of its picks (exact fractions)."""
-    want = router_reference(2)
+@pytest.mark.parametrize("name", ["dp=2 × sp=2, ep=2", ZERO_BUBBLE])
+def test_every_rank_reports_the_whole_batchs_auxiliary_loss_and_expert_load(trained, name):
+    """What metrics.jsonl gets (``Engine.router_load``), on every rank: the one-process auxiliary loss of the
+    whole batch (1e-10; micro-batches' averaged) and each expert's share of its picks (exact fractions) —
+    under zb_h1 on pp rank 0 too, whose chunk holds MoE layer 0 but not the loss (rank 0 writes
+    metrics.jsonl)."""
+    want = router_reference(3, MICROBATCH_ROWS.get(name, (tuple(range(8)),)))
     for rank in trained:
-        for (aux, load), (want_aux, want_load) in zip(rank["router"], want, strict=True):
+        for (aux, load), (want_aux, want_load) in zip(rank[("router", name)], want, strict=True):
             assert aux == pytest.approx(want_aux, rel=1e-10)
             assert load == pytest.approx(want_load, abs=1e-12) and sum(load) == pytest.approx(1.0)
 
@@ -365,3 +390,22 @@ def test_the_check_of_an_ep_job_shrunk_to_4_workers_is_equal(trained, tmp_path):
     report = "\n".join(format_report(QUICKSTART, plan, outcome))
     assert plan.cfg.world_size == 4 and plan.cfg.parallel.ep > 1 and outcome.equal, report
     assert f"ep={plan.cfg.parallel.ep}" in report.splitlines()[0], report
+def test_a_pipelines_evaluation_carries_the_statistics_too(single_rank):
+    """Forwards only (``for_evaluation``, as ``Engine.evaluate`` runs a pipeline): 4 chunks in this process
+    (interleaved at pp=1), the loss with the auxiliary term of every layer — the dense model's (1e-12)."""
+    from parallel4d.config.load import make_config
+    from parallel4d.data.batches import build_dataset
+    from parallel4d.distributed.mesh import init_mesh
+    from parallel4d.engine.compose import build_pipeline
+    from parallel4d.engine.model import model_shape
+    from parallel4d.models.build import build_dense
+
+    cfg = make_config(_job({}, pipeline={"schedule": "interleaved", "chunks_per_rank": 4, "microbatches": 1}))
+    mesh = init_mesh(timeout_s=60)
+    evaluation = build_pipeline(cfg, mesh).executor.for_evaluation()
+    tokens, targets = build_dataset(cfg).batch(0)
+    with torch.no_grad():
+        loss = float(evaluation.step([tokens], [targets]).loss)
+        want = float(build_dense(model_shape(cfg), seed=cfg.train.seed).double()(tokens, targets))
+    mesh.close()
+    assert loss == pytest.approx(want, rel=1e-12)

@@ -66,7 +66,8 @@ def jobs(draw) -> tuple[list[str], float | None, int | None]:
     out.append(f"train.activation_checkpointing={draw(st.sampled_from(['none', 'blocks']))}")
     if draw(st.booleans()):
         out.append("train.eval_every=2")
-    out += _experts(draw, dp * sp) if "model.arch=llama" in out else []  # the family with MoE layers
+    # the load-balancing loss is a micro-batch's: see _experts
+    out += _experts(draw, dp * sp, dp == 1 or m == 1) if "model.arch=llama" in out else []  # the family with MoE
     budget = draw(st.sampled_from([None, 0.001, 0.2, 0.5]))
     out.append(f"hetero.enabled={budget is not None or draw(st.booleans())}")
     resume = draw(st.sampled_from([None, None, None, 1, 2]))
@@ -97,11 +98,13 @@ def _model(draw) -> list[str]:
     return out
 
 
-def _experts(draw, replicas: int) -> list[str]:
+def _experts(draw, replicas: int, balance: bool = True) -> list[str]:
     """Mixture-of-experts layers (or none) in any layout — which layouts they run in is the config's
     rule (a refused draw is counted as refused): 4 or 8 experts, top-1, top-2 or every expert, split over
     an ep dividing the ``replicas`` data-replica ranks; a shared expert, dense layers (``mlp_only_layers``,
-    ``decoder_sparse_step``), renormalised top-k and the load-balancing loss, each or not."""
+    ``decoder_sparse_step``), renormalised top-k and the load-balancing loss, each or not (the loss
+    off unless ``balance``: the check's one process cuts micro-batches from the whole batch where a layout
+    cuts each data replica's rows, the same batches at dp = 1 or one micro-batch)."""
     if not draw(st.booleans()):
         return []
     e = draw(st.sampled_from([4, 8]))
@@ -114,7 +117,7 @@ def _experts(draw, replicas: int) -> list[str]:
     out += [f"model.decoder_sparse_step={step}"] if step > 1 else []
     dense = draw(st.sampled_from([[], [], [0], [1, 6]]))  # of model.layers=8
     out += [f"model.mlp_only_layers=[{','.join(map(str, dense))}]"] if dense else []
-    aux = draw(st.booleans())
+    aux = balance and draw(st.booleans())
     out.append(f"model.output_router_logits={aux}")
     return out + ([f"model.router_aux_loss_coef={draw(st.sampled_from([0.5, 0.01]))}"] if aux else [])
 

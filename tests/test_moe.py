@@ -316,14 +316,13 @@ def test_moe_fields_that_cannot_run_are_refused(fields, words):
 
 
 @pytest.mark.parametrize("sections, words", [
-    ({"parallel": {"pp": 2}}, ["parallel.pp=2", "use parallel.pp=1", "pipelines", "come later"]),
     ({"parallel": {"tp": 4}, "model": {"seq_len": 15}, "data": {"batch_size": 2}},
      ["parallel.tp=4", "1 × 15 = 15 tokens", "not divisible by 2", "model.seq_len=14 or 16",
       "data.batch_size a multiple of 4"]),
     ({"model": {"arch": "gpt2"}}, ["model.arch=gpt2: only the llama family", "model.num_experts=0"]),
 ])
 def test_moe_layouts_not_supported_yet_are_refused(sections, words):
-    """What MoE layers do not run in yet (pipelines) is refused naming the field, and a 2D grid whose
+    """A family without MoE layers is refused naming the field, and a 2D grid whose
     rows' tokens its MoE layers cannot split over the row's q ranks names the fields that fix it."""
     job = {"model": {"arch": "llama", "num_experts": 4, "num_experts_per_tok": 2, **sections.get("model", {})},
            **{k: v for k, v in sections.items() if k != "model"}}
