@@ -39,7 +39,7 @@ def run_workers(fn, world_size, *args, timeout_s=180.0, preload=None, **kwargs):
 # (``tmp``: a directory of its own, shared by the ranks).
 SIXTEEN_WORKER_MODULES = ("test_mesh", "test_llama", "test_e2e", "test_reshard", "test_host_syncs", "test_dropout",
                           "test_packed_training", "test_check", "test_experts",
-                          "test_plan_moe")
+                          "test_plan_moe", "test_expert_parallel")
 
 
 def _sixteen_worker_jobs(modules, tmp):

@@ -185,12 +185,29 @@ class PipelineMesh:
         return self.pp_group
 
 
-def record_pipeline(schedule, steps: int = 1, timeout_s: float = 60.0, deadlines=None) -> tuple[dict, dict]:
+class CarryingLinear(nn.Module):
+    """An ``nn.Linear(4, 4)`` chunk whose messages carry a float64 ``[3]`` vector beside the activation (a
+    sum of its outputs added to it: MoE's load statistics' shape of message); the ``last`` returns ``y``."""
+
+    def __init__(self, last: bool):
+        super().__init__()
+        self.linear, self.last = nn.Linear(4, 4), last
+
+    def forward(self, x, carried=None):
+        y = self.linear(x)
+        if self.last:
+            return y
+        return y, (0 if carried is None else carried) + y.sum().double().expand(3)
+
+
+def record_pipeline(schedule, steps: int = 1, timeout_s: float = 60.0, deadlines=None,
+                    carried: bool = False) -> tuple[dict, dict]:
     """Per pp rank, what ``PipelineExecutor`` posts and waits for: its construction and ``steps``
     training steps; then its ``for_evaluation()`` twin's construction and ``steps`` steps under
     no_grad (``(training, evaluation)``, each global rank → events); ``deadlines``: :class:`PipelineMesh`'s. Tiny ``nn.Linear(4, 4)`` chunks
-    on ``[2, 4]`` activations. The schedule's validation and message order (pure functions of it)
-    are computed once for all ranks, not once per rank as in a real job."""
+    on ``[2, 4]`` activations (``carried``: :class:`CarryingLinear`, messages of two tensors). The
+    schedule's validation and message order (pure functions of it) are computed once for all ranks, not
+    once per rank as in a real job."""
     from parallel4d.pipeline import executor
 
     pp, m = schedule.pp, schedule.microbatches
@@ -205,9 +222,11 @@ def record_pipeline(schedule, steps: int = 1, timeout_s: float = 60.0, deadlines
         with recording(pp) as rec:
             for r in range(pp):
                 rec.rank = r
-                chunks = {c: nn.Linear(4, 4) for c in schedule.placement[r]}
+                last = schedule.num_chunks - 1
+                chunks = {c: CarryingLinear(c == last) if carried else nn.Linear(4, 4) for c in schedule.placement[r]}
                 ex = executor.PipelineExecutor(schedule, PipelineMesh(pp, r, group, deadlines), chunks,
-                                               lambda y, t: (y * t).mean(), (2, 4), torch.float32, timeout_s=timeout_s)
+                                               lambda y, t: (y * t).mean(), (2, 4), torch.float32, timeout_s=timeout_s,
+                                               carried=[((3,), torch.float64)] if carried else ())
                 for _ in range(steps):
                     ex.step(x, x)
                 training[r] = rec.events.pop(r)

@@ -189,7 +189,7 @@ def test_check_shrinks_each_dimension_to_the_least_the_rules_accept():
 def test_sub_layout_keeps_every_axis_above_one_within_the_limit():
     cfg = load_config(ROOT / "configs" / "quickstart.yaml", ["parallel.pp=8", "parallel.dp=8", "model.layers=8",
                                                             "pipeline.microbatches=8", "data.batch_size=64"])
-    assert sub_layouts(cfg, 16)[0] == {"pp": 8, "dp": 2, "sp": 1, "tp": 1}
+    assert sub_layouts(cfg, 16)[0] == {"pp": 8, "dp": 2, "sp": 1, "tp": 1, "ep": 1}
     assert all(d["pp"] > 1 and d["dp"] > 1 and d["sp"] == d["tp"] == 1 for d in sub_layouts(cfg, 16))
     plan = shrunk(ROOT / "configs" / "quickstart.yaml", ["parallel.pp=8", "parallel.dp=8", "model.layers=8",
                                                          "pipeline.microbatches=8", "data.batch_size=64"],
@@ -231,3 +231,63 @@ def test_dynamic_budget_where_auto_finds_only_the_cpu_is_refused_by_validate(cap
     err = capsys.readouterr().err
     assert "hetero.dynamic_budget=true on the CPU (train.device=auto finds no GPU on this machine)" in err, err
 
+
+
+# --- #48: mixture-of-experts jobs and parallel.ep ---------------------------------------------------
+
+QUICKSTART = ROOT / "configs" / "quickstart.yaml"
+# 16 experts top-2 split over ep=8 of dp=8 (the 8 data replicas), a shared expert, layers 0 and 3 dense
+MOE_JOB = ["model.arch=llama", "model.num_experts=16", "model.num_experts_per_tok=2", "model.moe_intermediate_size=64",
+           "model.shared_expert_intermediate_size=96", "model.mlp_only_layers=[0, 3]", "model.output_router_logits=true",
+           "model.router_aux_loss_coef=0.5", "parallel.dp=8", "parallel.ep=8", "data.source=synthetic",
+           "data.val_fraction=null", "data.batch_size=16"]
+
+
+def test_check_of_an_moe_job_keeps_ep_above_one_and_the_experts_at_a_smaller_shape():
+    """An ep=8 job on 4 workers: ep is kept > 1 (dividing the sub-layout's dp·sp and the experts), the
+    experts shrunk to at least 2 per ep rank with the top-k kept, the expert widths cut, the dense layers
+    of mlp_only_layers still among the fewer layers beside an MoE layer; the report names ep."""
+    from parallel4d.models.moe.spec import MoeShape, sparse_layers
+
+    want = load_config(QUICKSTART, MOE_JOB)
+    plan = shrunk(QUICKSTART, MOE_JOB, max_workers=4)
+    p, m, j = plan.cfg.parallel, plan.cfg.model, want.model
+    assert plan.cfg.world_size == 4 and p.ep > 1 and (p.dp * p.sp) % p.ep == 0, p
+    assert 2 * p.ep <= m.num_experts <= j.num_experts and m.num_experts % p.ep == 0, (p, m.num_experts)
+    assert m.num_experts < j.num_experts  # shrunk: 16 experts were more than 2 per rank
+    assert (m.num_experts_per_tok, m.output_router_logits, m.router_aux_loss_coef) == (2, True, 0.5)
+    assert m.moe_intermediate_size < j.moe_intermediate_size and \
+        0 < m.shared_expert_intermediate_size < j.shared_expert_intermediate_size
+    sparse = sparse_layers(MoeShape.of(m), m.layers)
+    assert m.layers < j.layers and sparse and len(sparse) < m.layers, (m.layers, m.mlp_only_layers)
+    assert f"ep={p.ep}" in plan.notes[0]  # the sub-layout's note
+    assert plan.reference(QUICKSTART, MOE_JOB).parallel.ep == 1
+
+
+def test_check_report_names_ep_and_the_experts():
+    plan = shrunk(QUICKSTART, MOE_JOB, max_workers=4)
+    m = plan.cfg.model
+    outcome = type("O", (), dict(losses=[1.0], reference_losses=[1.0], validation=[], tensors=1, worst=("", 0.0),
+                                 hetero_moved=None, equal=True, first_loss_step=None, first_tensor=None))()
+    head = "\n".join(format_report(QUICKSTART, plan, outcome)[:2])
+    assert f"ep={plan.cfg.parallel.ep}" in head, head
+    assert f"experts={m.num_experts} top_k=2 moe_intermediate_size={m.moe_intermediate_size}" in head, head
+
+
+def test_sub_layouts_of_an_ep_job_keep_ep_above_one_and_count_no_ranks_for_it():
+    cfg = load_config(QUICKSTART, MOE_JOB)
+    layouts = sub_layouts(cfg, 4)
+    assert layouts and all(d["ep"] > 1 and d["ep"] <= 8 for d in layouts)
+    assert layouts[0]["dp"] == 4 and layouts[0]["ep"] == 4  # the largest world and ep first
+    assert all(d["ep"] == 1 for d in sub_layouts(load_config(QUICKSTART), 2))
+
+
+def test_check_of_an_moe_job_with_a_sparse_step_shrinks_the_layers_keeping_both_kinds():
+    """decoder_sparse_step=2 and mlp_only_layers=[1, 6] of 8 layers: the first check kept all 8 (cutting or
+    clamping the list left no MoE layer among fewer); now 2, one dense and one MoE layer."""
+    from parallel4d.models.moe.spec import MoeShape, sparse_layers
+
+    job = [*MOE_JOB, "parallel.dp=2", "parallel.ep=2", "model.layers=8", "model.decoder_sparse_step=2",
+           "model.mlp_only_layers=[1, 6]"]
+    m = shrunk(QUICKSTART, job).cfg.model
+    assert m.layers == 2 and len(sparse_layers(MoeShape.of(m), m.layers)) == 1, (m.layers, m.mlp_only_layers)

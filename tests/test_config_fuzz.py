@@ -111,8 +111,27 @@ def worker_problems(cfg) -> list[str]:
     # hetero/layout.py: a chunk holds the largest parameter and is a multiple of 64 · (dp·sp)
     if h.enabled and h.chunk_elems is not None and h.chunk_elems % (64 * p.dp * p.sp):
         out.append("hetero.chunk_elems not a multiple of 64·dp·sp")
+    if m.num_experts:
+        out += _expert_problems(cfg)
+    elif p.ep > 1:
+        out.append("parallel.ep > 1 without experts")
     if p.pp > 1:
         out += _pipeline_problems(cfg)
+    return out
+
+
+def _expert_problems(cfg) -> list[str]:
+    """What an MoE model's workers need: the llama family's layers, a top-k among the experts (torch.topk),
+    the layers mlp_only_layers names, and the ep ranks drawn from the dp·sp replicas each holding a whole
+    share of the experts (``Mesh.ep_split``, ``ExpertParallel``)."""
+    p, m = cfg.parallel, cfg.model
+    out = [] if m.arch == "llama" else ["experts outside the llama family"]
+    if m.num_experts_per_tok is None or not 1 <= m.num_experts_per_tok <= m.num_experts:
+        out.append("top-k not among the experts")
+    if any(i >= m.layers for i in m.mlp_only_layers):
+        out.append("mlp_only_layers past the layers")
+    if (p.dp * p.sp) % p.ep or m.num_experts % p.ep:
+        out.append("ep does not split the replicas or the experts")
     return out
 
 
@@ -144,12 +163,32 @@ HOP_COST = st.one_of(st.none(), st.just("auto"), st.floats(-2, 5, allow_nan=Fals
                      st.sampled_from([0, 0.5, 1e6, 1e7]))
 
 
+# mixtures of experts (#48): the fields, often together (an MoE model), often alone (a dense one's stray field)
+MOE_FIELDS = {"num_experts": small(0, 16, (0, 4, 4, 8)), "num_experts_per_tok": st.one_of(st.none(), small(1, 16, (1, 2))),
+              "moe_intermediate_size": st.one_of(st.none(), st.sampled_from([8, 16, 24]), st.integers(-1, 64)),
+              "shared_expert_intermediate_size": st.sampled_from([0, 16]), "norm_topk_prob": st.booleans(),
+              "decoder_sparse_step": small(0, 4, (1, 2)), "mlp_only_layers": st.lists(st.integers(-1, 20), max_size=3),
+              "router_aux_loss_coef": st.one_of(st.sampled_from([0.001, 0.5]), st.floats(-1, 2, allow_nan=False)),
+              "output_router_logits": st.booleans()}
+
+
+
+def moe_models():
+    """The MoE fields of a model the rules mostly accept: 4 or 8 experts, top-1 or 2, the options drawn."""
+    return st.fixed_dictionaries(
+        {"num_experts": st.sampled_from([4, 8]), "num_experts_per_tok": st.sampled_from([1, 2])},
+        optional={f: MOE_FIELDS[f] for f in ("moe_intermediate_size", "shared_expert_intermediate_size",
+                                             "norm_topk_prob", "router_aux_loss_coef", "output_router_logits")}
+        | {"mlp_only_layers": st.lists(st.integers(0, 1), max_size=1, unique=True),
+           "decoder_sparse_step": st.sampled_from([1, 2])})
+
+
 @st.composite
 def raw_configs(draw) -> dict:
     """A job dict over the whole space; many draws are invalid."""
     parallel = draw(st.fixed_dictionaries({}, optional={
         "pp": small(1, 16, (1, 1, 2, 4)), "dp": small(1, 16, (1, 1, 2)), "sp": small(1, 16, (1, 1, 2, 4)),
-        "tp": small(1, 16, (1, 1, 4, 4, 9, 16))}))
+        "tp": small(1, 16, (1, 1, 4, 4, 9, 16)), "ep": small(1, 16, (1, 1, 2, 4))}))
     pipeline = draw(st.fixed_dictionaries({}, optional={
         "schedule": st.sampled_from(SCHEDULES), "microbatches": small(1, 16, (1, 2, 4, 8)),
         "waves": small(1, 4, (1, 2)), "chunks_per_rank": small(1, 4, (2,)), "split_backward": st.booleans(),
@@ -171,6 +210,13 @@ def raw_configs(draw) -> dict:
         "layers": small(1, 40, (1, 2, 4, 6, 14)),
         "vocab_size": st.one_of(st.sampled_from([64, 256, 257, 1000]), st.integers(2, 4096)),
         "tie_embeddings": st.booleans(), "max_positions": st.one_of(st.none(), small(1, 256, (64, 128)))}))}
+    kind = draw(st.sampled_from(["dense", "stray MoE fields", "an MoE model"]))
+    if kind == "stray MoE fields":
+        model.update(draw(st.fixed_dictionaries({}, optional=MOE_FIELDS)))
+    elif kind == "an MoE model":  # coherent fields (of the llama family), ep among the replicas: many accepted
+        model.update(arch="llama", **draw(moe_models()))
+        replicas = parallel.get("dp", 1) * parallel.get("sp", 1)
+        parallel["ep"] = draw(st.sampled_from([e for e in (1, 2, 4) if replicas % e == 0]))
     data = draw(st.fixed_dictionaries({}, optional={
         "batch_size": small(1, 64, (8, 16, 32)), "packing": st.sampled_from(["none", "documents"]),
         "eod_token": st.one_of(st.none(), st.integers(0, 5000))}))
@@ -399,6 +445,38 @@ def _too_many_workers(draw, d):
     return _set(d, train__max_local_workers=draw(st.integers(1, _world(d) - 1))), "train.max_local_workers"
 
 
+MOE = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16}  # a valid MoE model's fields
+
+
+def _moe(d: dict, **dotted) -> dict:
+    """``d`` as an MoE model (:data:`MOE`) with ``dotted`` over it."""
+    return _set(d, **{**{f"model__{k}": v for k, v in MOE.items()}, **dotted})
+
+
+def _ep_not_splitting(draw, d):
+    replicas = _get(d, "parallel.dp", 1) * _get(d, "parallel.sp", 1)
+    ep = draw(st.integers(2, 16).filter(lambda e: replicas % e or MOE["num_experts"] % e))
+    return _moe(d, parallel__ep=ep), "parallel.ep"
+
+
+def _top_k_past_experts(draw, d):
+    return _moe(d, model__num_experts_per_tok=draw(st.integers(5, 16))), "model.num_experts_per_tok"
+
+
+def _mlp_only_past_layers(draw, d):
+    return _moe(d, model__mlp_only_layers=[draw(st.integers(_get(d, "model.layers", 4), 40))]), "model.mlp_only_layers"
+
+
+def _moe_field_on_a_dense_model(draw, d):
+    field, value = draw(st.sampled_from([("num_experts_per_tok", 2), ("moe_intermediate_size", 16),
+                                         ("output_router_logits", True), ("mlp_only_layers", [0])]))
+    return _set(d, model__num_experts=0, **{f"model__{field}": value}), "model.num_experts"
+
+
+def _experts_in_gpt2(draw, d):
+    return _moe(d), "model.num_experts"
+
+
 def _world(d: dict) -> int:
     return math.prod(_get(d, f"parallel.{a}", 1) for a in ("pp", "dp", "sp", "tp"))
 
@@ -444,6 +522,11 @@ MUTATIONS = [
     ("end-of-document token without packing", lambda d: True, _eod_without_packing),
     ("autocast over float64 parameters", lambda d: True, _float64_autocast),
     ("more workers than train.max_local_workers", lambda d: _world(d) > 1, _too_many_workers),
+    ("parallel.ep not splitting the replicas or the experts", _llama, _ep_not_splitting),
+    ("top-k past the experts", _llama, _top_k_past_experts),
+    ("mlp_only_layers past the layers", _llama, _mlp_only_past_layers),
+    ("an MoE field on a dense model", lambda d: True, _moe_field_on_a_dense_model),
+    ("experts in gpt2", _gpt2, _experts_in_gpt2),
 ]
 
 
@@ -514,3 +597,23 @@ def test_hetero_dynamic_budget_on_the_cpu_without_a_budget_is_refused_naming_het
     given_budget = {"hetero": {"enabled": True, "dynamic_budget": True, "device_budget_bytes": 10**7},
                     "train": {"device": "cpu", "out_dir": "runs/fuzz"}}
     assert outcome(given_budget)[0] == "accepted"
+
+
+def test_the_raw_draws_reach_every_moe_field_and_parallel_ep_accepted_and_refused():
+    """#48: the raw draws set parallel.ep and each MoE field, and among them are MoE models validate
+    accepts and ones it refuses, ep > 1 among them (generation and validation only: no worker; a fixed
+    seed: the same draws each run)."""
+    seen = set()
+
+    @settings(max_examples=200, database=None, **{**SETTINGS, "derandomize": True})
+    @given(raw_configs())
+    def draw(data):
+        model, ep = data["model"], data.get("parallel", {}).get("ep", 1)
+        seen.update(f"model.{f}" for f in MOE_FIELDS if f in model)
+        seen.update(["parallel.ep > 1"] if ep > 1 else [])
+        if model.get("num_experts"):
+            seen.add(f"an MoE model {check_draw(data)}")
+
+    draw()
+    want = {f"model.{f}" for f in MOE_FIELDS} | {"parallel.ep > 1", "an MoE model accepted", "an MoE model refused"}
+    assert want <= seen, sorted(want - seen)

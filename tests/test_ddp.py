@@ -42,7 +42,8 @@ class SingleAllReduce:
     def finish(self):
         from parallel4d.engine.grads import average_gradients
 
-        average_gradients(self.engine.params, self.engine.mesh, self.engine.cfg.train.timeout_s)
+        average_gradients(self.engine.params, self.engine.mesh, self.engine.cfg.train.timeout_s,
+                          getattr(self.engine.store, "experts", None))
 
 
 class Events:
@@ -101,7 +102,8 @@ def _train(cfg_dict, buckets: bool):
         out["events"] = events.steps
         out["returns_the_reduced_tensor"] = [any(t is loss for t in events.loss_tensors) for loss in losses]
         out["still_held_by_comm_thread"] = _losses_still_held(engine, 200)
-    grad_bytes = sum(q.numel() * q.element_size() for q in engine.params)
+    experts = {id(q) for q in engine.store.experts.params} if getattr(engine.store, "experts", None) else set()
+    grad_bytes = sum(q.numel() * q.element_size() for q in engine.params if id(q) not in experts)  # under dp_grad
     out.update(losses=losses, sent=sent, grad_bytes=grad_bytes,
                params={n: q.detach().clone() for n, q in engine.model.named_parameters()})
     return out
@@ -141,12 +143,18 @@ def _check_same(pairs):
         assert new["sent"] == old["sent"] == [new["grad_bytes"]] * 2, (rank, new["sent"], old["sent"])
 
 
+# experts split over ep = dp = 2: their gradients summed over their replicas (ep_grad), the rest under dp_grad
+EXPERTS = job(parallel={"dp": 2, "ep": 2}, model={"arch": "llama", "num_experts": 4, "num_experts_per_tok": 2,
+                                                  "moe_intermediate_size": 16, "output_router_logits": True})
+
+
 def test_buckets_overlap_backward_and_match_single_all_reduce():
-    """dp = 2, pp = 1, without and with gradient accumulation over 2 micro-batches."""
+    """dp = 2, pp = 1, without and with gradient accumulation over 2 micro-batches; and an MoE model with its
+    experts split over ep = 2 (the single all-reduce then sums them over their replicas)."""
     jobs = [job(parallel={"dp": 2}, pipeline={"microbatches": m}) for m in (1, 2)]
-    per_rank = run_workers(_run_both, 2, jobs, timeout_s=120)
-    pairs = [pair for rank in per_rank for pair in rank]
-    _check_same(pairs)
+    per_rank = run_workers(_run_both, 2, [*jobs, EXPERTS], timeout_s=120)
+    _check_same([pair for rank in per_rank for pair in rank])
+    pairs = [pair for rank in per_rank for pair in rank[:len(jobs)]]
     for new, _ in pairs:
         assert new["buckets"] >= 4
         # Every bucket but the embedding's own is posted from a hook, during the backward.
@@ -240,3 +248,34 @@ def test_grads_are_views_of_the_buckets_no_copy_in_or_out(monkeypatch):
         for p in params:
             p.grad = None
     sync.remove()
+
+
+def test_the_single_all_reduce_reference_sums_expert_grads_over_their_replicas_only(monkeypatch):
+    """Under expert parallelism (ep=2 of dp·sp = 4) an expert's gradient already holds its ep group's tokens:
+    the reference all-reduce (``average_gradients``) sums it over the ranks holding the same experts (2),
+    not over all dp·sp (which would add other experts' gradients), divided by dp·sp as the dense ones
+    and as the buckets do. One process: each group's all-reduce faked as its ranks holding the same gradient."""
+    import types
+
+    from parallel4d.distributed import comm
+    from parallel4d.engine.experts import ExpertShards
+    from parallel4d.engine.grads import average_gradients
+
+    ranks = {"dp·sp": 4, "expert replicas": 2, "ep": 2}
+    reduced = []
+
+    def all_reduce(t, group=None, **kwargs):
+        reduced.append((group, kwargs.get("label")))
+        t.mul_(ranks[group])
+        return _FakeWork()
+
+    monkeypatch.setattr(comm, "all_reduce", all_reduce)
+    monkeypatch.setattr(comm, "wait", lambda work, *args, **kwargs: work.wait())
+    dense, expert = torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(2, 3))
+    dense.grad, expert.grad = torch.full((3,), 2.0), torch.full((2, 3), 2.0)
+    mesh = types.SimpleNamespace(size=lambda axis: {"dp": 2, "sp": 2}.get(axis, 1), group_over=lambda *axes: "dp·sp",
+                                 comm_stats=None, deadlines=None)
+    average_gradients([dense, expert], mesh, 10.0, ExpertShards("ep", "expert replicas", [expert]))
+    assert torch.equal(dense.grad, torch.full((3,), 2.0))  # 4 equal replicas ÷ 4
+    assert torch.equal(expert.grad, torch.full((2, 3), 1.0))  # 2 equal replicas ÷ 4
+    assert sorted(reduced) == [("dp·sp", "dp_grad"), ("expert replicas", "ep_grad")]

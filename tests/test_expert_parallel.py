@@ -2,17 +2,25 @@
 ranks, trained in float64 on 4 gloo workers, equal to one process on the whole batch — every loss
 (1e-10) and every parameter after 3 AdamW steps with clipping (1e-9) — with the load-balancing loss
 on (its statistics summed over the data replicas) and with packed documents; a checkpoint saved at
-ep=2 resumed at ep=1, ep=4 and dp=4 (experts saved as boxes of the stacked tensors, any layout loads them);
-and a Qwen3-MoE directory loaded at ep=2, each rank reading its experts only.
+ep=2 resumed at ep=1, ep=4, dp=4 and tp=4, and one saved at tp=4 resumed at ep=2 (experts saved as boxes of
+the stacked tensors, any layout loads them); and a Qwen3-MoE directory loaded at ep=2, each rank reading its
+experts only.
 
-Layouts: dp=2 × sp=2 at ep 1 (experts replicated, reduced as dense weights), 2 and 4, and dp=4 at ep=2.
+Layouts: dp=2 × sp=2 at ep 1 (experts replicated, reduced as dense weights), 2 and 4, dp=4 at ep=2, the
+2D grid tp=4 (q=2: the MoE layers' tokens split over the grid, experts whole on each rank; models/moe/tp2d.py),
+hetero (ZeRO over the data replicas, the experts' rows over their replicas), and pipelines with ep: Hanayo
+pp=2 × dp=2 and zb_h1 (split backward) pp=2 × sp=2, where the load-balancing loss's statistics travel with
+the activations from chunk to chunk (models/moe/balance.py).
 One micro-batch per step: the auxiliary loss is a forward's, and the one-process forward is then the
-whole batch (with m micro-batches the layout's micro-batch ``i`` is every replica's ``i``-th share).
+whole batch (with m micro-batches the layout's micro-batch ``i`` is every replica's ``i``-th share: the
+one process runs those rows as one forward each).
 """
 
 from __future__ import annotations
 
 import functools
+import json
+from pathlib import Path
 from unittest import mock
 
 import pytest
@@ -47,6 +55,9 @@ HETERO_EP = "dp=2 × sp=2, ep=2, hetero (a budget below the model)"
 PACKED = "dp=2 × sp=2, ep=2, packed documents"
 COMPILED = "dp=2 × sp=2, ep=2, compiled blocks"
 ACCUMULATED = "dp=2 × sp=2, ep=2, 2 micro-batches, blocks recomputed"
+GRID = "tp=4 (q=2), blocks recomputed"
+HANAYO = "Hanayo pp=2 × dp=2, ep=2, 2 micro-batches, blocks recomputed"
+ZERO_BUBBLE = "zb_h1 pp=2 × sp=2, ep=2, 2 micro-batches"
 LAYOUTS = {
     "dp=2 × sp=2, ep=1": _job({"dp": 2, "sp": 2}),
     "dp=2 × sp=2, ep=2": _job({"dp": 2, "sp": 2, "ep": 2}),
@@ -59,14 +70,26 @@ LAYOUTS = {
     HETERO_EP: _job({"dp": 2, "sp": 2, "ep": 2}, hetero=HETERO),  # the last hetero job: its statistics kept
     PACKED: _job({"dp": 2, "sp": 2, "ep": 2},  # 4 rows: the reference runs each document alone
                  data={**BASE["data"], "batch_size": 4, "packing": "documents", "eod_token": EOD}),
+    GRID: _job({"tp": 4}, train={"activation_checkpointing": "blocks"}),  # the q=2 grid: experts whole on each rank
+    # 4 chunks: [embedding, MoE layer 0] on pp rank 0, [dense layer 1], [MoE layer 2] on rank 1, [head] on rank 0
+    HANAYO: _job({"pp": 2, "dp": 2, "ep": 2}, pipeline={"schedule": "hanayo", "waves": 1, "microbatches": 2},
+                 train={"activation_checkpointing": "blocks"}),
+    # [embedding, MoE layer 0, layer 1] on pp rank 0, [MoE layer 2, head: the loss] on rank 1
+    ZERO_BUBBLE: _job({"pp": 2, "sp": 2, "ep": 2}, pipeline={"schedule": "zb_h1", "microbatches": 2}),
 }
+#: micro-batch i of 2 (as one process runs it): the i-th half of each data replica's rows of 8
+MICROBATCH_ROWS = {name: [[4 * d + 2 * i + j for d in range(2) for j in range(2)] for i in range(2)]
+                   for name in (ACCUMULATED, HANAYO)}
+MICROBATCH_ROWS[ZERO_BUBBLE] = [list(range(4)), list(range(4, 8))]  # one data replica
 #: hetero's ZeRO with experts 1 and 3 chosen by no token (tests/test_hetero_experts.py's one-sided router, top-1):
 #: every rank skips its second expert (1 on ep rank 0, 3 on ep rank 1), agreed over the 4 data replicas
 UNCHOSEN = "dp=2 × sp=2, ep=2, hetero, top-1, experts 1 and 3 chosen by no token"
 UNCHOSEN_JOB = _job({"dp": 2, "sp": 2, "ep": 2}, hetero=HETERO, model={**BASE["model"], "num_experts_per_tok": 1})
 EVAL_BATCH = 50  # a batch no step trained on, evaluated after the resumed step
 # a checkpoint at step 2 of ep=2 (dp=2 × sp=2), resumed for step 3 in each of these
-RESUMED = {"ep=1": {"dp": 2, "sp": 2}, "ep=4": {"dp": 2, "sp": 2, "ep": 4}, "dp=4, ep=2": {"dp": 4, "ep": 2}}
+RESUMED = {"ep=1": {"dp": 2, "sp": 2}, "ep=4": {"dp": 2, "sp": 2, "ep": 4}, "dp=4, ep=2": {"dp": 4, "ep": 2},
+           "tp=4": {"tp": 4}}
+FROM_GRID = "dp=2 × sp=2, ep=2 from tp=4"  # a checkpoint at step 2 of tp=4, resumed for step 3 at ep=2
 
 
 def pretrained_job(directory: str, parallel: dict) -> dict:
@@ -93,10 +116,19 @@ def evaluate_pretrained(directory: str, parallel: dict) -> tuple[float, int]:
     return loss, read
 
 
+def check_plan():
+    """``parallel4d check``'s plan of test_check's MoE job (ep=8 over dp=8, 16 experts) on 4 workers."""
+    from parallel4d.tools.check import shrunk
+    from test_check import MOE_JOB, QUICKSTART
+
+    return shrunk(QUICKSTART, MOE_JOB, max_workers=4)
+
+
 def _train(jobs: dict, tmp: str, pretrained: str | None) -> dict:
     """On every rank: each job's losses and this rank's pieces of every dense parameter (test_llama's
-    format); then ep=2 saved at step 2 and resumed under each of :data:`RESUMED` for step 3; and the
-    ``pretrained`` directory (None: transformers is missing) evaluated at ep=2."""
+    format); then ep=2 saved at step 2 and resumed under each of :data:`RESUMED` for step 3; the
+    ``pretrained`` directory (None: transformers is missing) evaluated at ep=2; and the layout run of
+    :func:`check_plan` (its overrides in ``tmp/check.json``), as ``parallel4d check`` starts it."""
     from test_llama import train_layouts
 
     from parallel4d.config.load import make_config
@@ -116,21 +148,13 @@ def _train(jobs: dict, tmp: str, pretrained: str | None) -> dict:
 
     def engine_of(parallel):
         cfg = make_config(_job(parallel))
-        mesh = init_mesh(dp=cfg.parallel.dp, sp=cfg.parallel.sp, timeout_s=60)
+        mesh = init_mesh(dp=cfg.parallel.dp, sp=cfg.parallel.sp, tp=cfg.parallel.tp, timeout_s=60)
         return cfg, mesh, compose(cfg, mesh), build_dataset(cfg)
 
-    cfg, mesh, engine, data = engine_of({"dp": 2, "sp": 2, "ep": 2})
-    out["router"] = []  # each step's auxiliary loss and expert load, as metrics.jsonl gets them
-    for step in range(2):
-        engine.train_step(*data.batch(step))
-        report = engine.router_load()
-        out["router"].append((float(report["aux_loss"]), report["expert_load"].tolist()))
-    save_checkpoint(engine, cfg, root=f"{tmp}/checkpoints")
-    engine.close()
-    mesh.close()
-    for name, parallel in RESUMED.items():
+    def resumed(name, parallel, root):
+        """Step 3 at ``parallel`` from the checkpoint under ``root``: its loss and pieces, and an evaluation."""
         cfg, mesh, engine, data = engine_of(parallel)
-        load_checkpoint(engine, f"{tmp}/checkpoints")
+        load_checkpoint(engine, root)
         loss = float(engine.train_step(*data.batch(engine.step)))
         pieces = {k[len("model."):]: [(tuple(off), view.detach().clone()) for off, view in v.pieces]
                   for k, v in engine.state_dict().items() if k.startswith("model.")}
@@ -138,8 +162,31 @@ def _train(jobs: dict, tmp: str, pretrained: str | None) -> dict:
         out[f"evaluated {name}"] = float(engine.evaluate(*data.batch(EVAL_BATCH)))
         engine.close()
         mesh.close()
+
+    cfg, mesh, engine, data = engine_of({"dp": 2, "sp": 2, "ep": 2})
+    for step in range(2):
+        engine.train_step(*data.batch(step))
+    save_checkpoint(engine, cfg, root=f"{tmp}/checkpoints")
+    engine.close()
+    mesh.close()
+    for name, parallel in RESUMED.items():
+        resumed(name, parallel, f"{tmp}/checkpoints")
+    cfg, mesh, engine, data = engine_of({"tp": 4})  # the other way: saved on the grid, resumed at ep=2
+    for step in range(2):
+        engine.train_step(*data.batch(step))
+    save_checkpoint(engine, cfg, root=f"{tmp}/checkpoints-tp")
+    engine.close()
+    mesh.close()
+    resumed(FROM_GRID, {"dp": 2, "sp": 2, "ep": 2}, f"{tmp}/checkpoints-tp")
     if pretrained is not None:
         out["pretrained"] = evaluate_pretrained(pretrained, {"dp": 2, "sp": 2, "ep": 2})
+    from parallel4d.config.load import load_config
+    from parallel4d.tools.check import into
+    from parallel4d.training.loop import run_training
+    from test_check import QUICKSTART
+
+    overrides = json.loads(Path(tmp, "check.json").read_text())
+    out["check"] = run_training(into(load_config(QUICKSTART, overrides), Path(tmp, "check"))), f"{tmp}/check"
     return out
 
 
@@ -164,27 +211,36 @@ def qwen3_moe(tmp_path_factory) -> str | None:
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory, qwen3_moe):
-    return run_workers(_train, 4, LAYOUTS, str(tmp_path_factory.mktemp("ep")), qwen3_moe, timeout_s=300)
+    tmp = tmp_path_factory.mktemp("ep")
+    from test_check import MOE_JOB
+
+    (tmp / "check.json").write_text(json.dumps([*MOE_JOB, *check_plan().overrides]))  # the job's, then the check's
+    return run_workers(_train, 4, LAYOUTS, str(tmp), qwen3_moe, timeout_s=300)
 
 
-@functools.cache
 def one_process(name: str | None = None):
     """The dense model on the whole batch in this process (the layout changes nothing: one run for all);
     with packed documents each document alone (tests/test_packed_training.py's reference), the
-    load-balancing loss over every document's tokens; with 2 micro-batches (over dp = 2) micro-batch i is
-    each data replica's i-th half of its rows, one forward each."""
+    load-balancing loss over every document's tokens; with 2 micro-batches each micro-batch's rows
+    (:data:`MICROBATCH_ROWS`) one forward each."""
     if name == PACKED:
+        return _one_process(PACKED)
+    rows = MICROBATCH_ROWS.get(name)
+    return _one_process(None if rows is None else tuple(map(tuple, rows)))
+
+
+@functools.cache
+def _one_process(how):
+    if how == PACKED:
         return dense_run(LAYOUTS[PACKED], loss_of=documents_and_balance)
-    if name == ACCUMULATED:
-        return dense_run(LAYOUTS[ACCUMULATED], loss_of=replicas_microbatches)
-    return dense_run(BASE)
+    if how is None:
+        return dense_run(BASE)
+    return dense_run(BASE, loss_of=functools.partial(microbatches, how))
 
 
-def replicas_microbatches(model, tokens, targets, step):
-    """Micro-batch i of 2 over dp = 2 replicas of 4 rows each: rows ``4d + 2i`` and ``4d + 2i + 1`` of each
-    replica d, weighing 1/2."""
-    halves = [[4 * d + 2 * i + j for d in range(2) for j in range(2)] for i in range(2)]
-    return sum(model(tokens[rows], targets[rows], step=step) for rows in halves) / 2
+def microbatches(rows_of, model, tokens, targets, step):
+    """The mean of each micro-batch's loss, micro-batch i being rows ``rows_of[i]`` of the batch."""
+    return sum(model(tokens[list(rows)], targets[list(rows)], step=step) for rows in rows_of) / len(rows_of)
 
 
 def documents_and_balance(model, tokens, targets, step):
@@ -209,12 +265,14 @@ def test_experts_over_data_and_sequence_ranks_train_as_one_process(trained, name
     """Losses (cross entropy + 0.5 × the load-balancing loss) 1e-10, every parameter after 3 steps 1e-9;
     each rank's expert pieces are its slice of the one-process stacked tensors: one box of E/ep experts, or
     under hetero (one module per expert) one box per expert."""
-    want_losses, want = one_process(name if name in (PACKED, ACCUMULATED) else None)
+    want_losses, want = one_process(name)
     assert want_losses[1] < want_losses[0]
     check_pieces(trained, name, want_losses, want)
     ep, hetero = LAYOUTS[name]["parallel"].get("ep", 1), "hetero" in LAYOUTS[name]
     for _, pieces in [r[name] for r in trained]:
-        boxes = pieces["blocks.0.mlp.experts.gate_proj"]
+        boxes = pieces.get("blocks.0.mlp.experts.gate_proj")
+        if boxes is None:  # a pp rank without layer 0
+            continue
         rows = sorted(off[0] + i for off, t in boxes for i in range(t.shape[0]))
         assert rows == list(range(rows[0], rows[0] + 4 // ep)) and rows[0] % (4 // ep) == 0, rows
         assert len(boxes) == (4 // ep if hetero else 1)
@@ -243,37 +301,71 @@ def test_hetero_moves_chunks_under_a_budget_below_the_models_data(trained):
         assert 0 < least <= stats["host_bytes"]
 
 
-def router_reference(steps: int) -> list[tuple[float, list[float]]]:
-    """One process on the whole batch: each step's ``router_aux_loss_coef`` × load-balancing loss and each
-    expert's share of the picks over every MoE layer."""
+# the suite's 16-worker job (tests/conftest.py): the grid with every other axis an MoE layer composes with
+SIXTEEN = {"tp=4 × dp=2 × sp=2, ep=2": _job({"tp": 4, "dp": 2, "sp": 2, "ep": 2})}
+
+
+def sixteen_worker_job(tmp):
+    """This file's share of the suite's 16-worker job: :data:`SIXTEEN` trained, and the seconds it took."""
+    import time
+
+    from test_llama import train_layouts
+
+    start = time.perf_counter()
+    out = train_layouts(SIXTEEN)
+    return {**out, "seconds": time.perf_counter() - start}
+
+
+def test_experts_on_the_grid_with_data_sequence_and_expert_ranks_train_as_one_process(sixteen_workers):
+    """tp=4 (q=2) × dp=2 × sp=2 with ep=2 (ep groups: the ranks at one grid position): the one-process losses
+    (1e-10) and parameters (1e-9); each rank's experts are its ep slice, whole on each grid rank."""
+    results = [r["test_expert_parallel"] for r in sixteen_workers]
+    want_losses, want = one_process()
+    for name in SIXTEEN:
+        check_pieces(results, name, want_losses, want)
+        rows = {off for r in results for off, _ in r[name][1]["blocks.0.mlp.experts.gate_proj"]}
+        assert rows == {(0, 0, 0), (2, 0, 0)}
+
+
+def router_reference(steps: int, rows_of=(tuple(range(8)),)) -> list[tuple[float, list[float]]]:
+    """One process: each step's ``router_aux_loss_coef`` × load-balancing loss (each micro-batch's — rows
+    ``rows_of[i]``, one forward each — averaged) and each expert's share of the picks over every MoE layer and
+    micro-batch."""
     reports = []
 
     def loss_of(model, tokens, targets, step):
-        logits, state = model.run(tokens)
-        loads = [state.routing[i] for i in sorted(state.routing)]
-        moe = model.shape.moe
-        aux = moe.aux_loss_coef * load_balancing_loss(loads, moe.num_experts)
-        picks = sum(load.counts for load in loads)
-        reports.append((float(aux), (picks / picks.sum()).tolist()))
-        return F.cross_entropy(logits.flatten(0, 1), targets.flatten()) + aux
+        moe, loss, aux_sum, picks = model.shape.moe, 0.0, 0.0, 0.0
+        for rows in map(list, rows_of):
+            logits, state = model.run(tokens[rows])
+            loads = [state.routing[i] for i in sorted(state.routing)]
+            aux = moe.aux_loss_coef * load_balancing_loss(loads, moe.num_experts)
+            picks = picks + sum(load.counts for load in loads)
+            aux_sum += float(aux)
+            loss = loss + F.cross_entropy(logits.flatten(0, 1), targets[rows].flatten()) + aux
+        reports.append((aux_sum / len(rows_of), (picks / picks.sum()).tolist()))
+        return loss / len(rows_of)
 
     dense_run({**BASE, "train": {**BASE["train"], "steps": steps}}, loss_of)
     return reports
 
 
-def test_every_rank_reports_the_whole_batchs_auxiliary_loss_and_expert_load(trained):
-    """What metrics.jsonl gets at dp=2 × sp=2, ep=2 (``Engine.router_load``), on every rank: the one-process
-    auxiliary loss of the whole batch (1e-10) and each expert's share of its picks (exact fractions)."""
-    want = router_reference(2)
+@pytest.mark.parametrize("name", ["dp=2 × sp=2, ep=2", ZERO_BUBBLE])
+def test_every_rank_reports_the_whole_batchs_auxiliary_loss_and_expert_load(trained, name):
+    """What metrics.jsonl gets (``Engine.router_load``), on every rank: the one-process auxiliary loss of the
+    whole batch (1e-10; micro-batches' averaged) and each expert's share of its picks (exact fractions) —
+    under zb_h1 on pp rank 0 too, whose chunk holds MoE layer 0 but not the loss (rank 0 writes
+    metrics.jsonl)."""
+    want = router_reference(3, MICROBATCH_ROWS.get(name, (tuple(range(8)),)))
     for rank in trained:
-        for (aux, load), (want_aux, want_load) in zip(rank["router"], want, strict=True):
+        for (aux, load), (want_aux, want_load) in zip(rank[("router", name)], want, strict=True):
             assert aux == pytest.approx(want_aux, rel=1e-10)
             assert load == pytest.approx(want_load, abs=1e-12) and sum(load) == pytest.approx(1.0)
 
 
-@pytest.mark.parametrize("name", list(RESUMED))
+@pytest.mark.parametrize("name", [*RESUMED, FROM_GRID])
 def test_a_checkpoint_saved_at_ep_2_resumes_under_another_layout(trained, name):
-    """Step 3 after resuming ep=2's step-2 checkpoint: the straight one-process run's loss and parameters;
+    """Step 3 after resuming ep=2's step-2 checkpoint (or, :data:`FROM_GRID`, tp=4's, whose experts every grid
+    rank holds whole): the straight one-process run's loss and parameters;
     then the evaluation of another batch (forwards only, the auxiliary loss's statistics summed over the
     replicas there too) is the one-process model's loss on it."""
     from parallel4d.config.load import make_config
@@ -302,3 +394,40 @@ def test_a_pretrained_moe_directory_loads_each_ranks_experts_only(trained, qwen3
         assert abs(loss - whole) <= 1e-10 * whole
         assert whole_read - read == experts_bytes // 2
 
+
+
+def test_the_check_of_an_ep_job_shrunk_to_4_workers_is_equal(trained, tmp_path):
+    """``parallel4d check`` of an ep=8 job over dp=8 (16 experts, a shared expert, dense layers, the
+    auxiliary loss) on 4 workers: a sub-layout keeping ep > 1 and fewer experts, equal to one process;
+    its report names ep."""
+    from conftest import run_in_this_process
+    from parallel4d.tools.check import compare, format_report, into
+    from test_check import MOE_JOB, QUICKSTART
+
+    plan = check_plan()
+    summary, out = trained[0]["check"]
+    reference = into(plan.reference(QUICKSTART, MOE_JOB), tmp_path)
+    outcome = compare(plan.cfg, summary, run_in_this_process(reference, []), Path(out) / "checkpoints",
+                      tmp_path / "checkpoints")
+    report = "\n".join(format_report(QUICKSTART, plan, outcome))
+    assert plan.cfg.world_size == 4 and plan.cfg.parallel.ep > 1 and outcome.equal, report
+    assert f"ep={plan.cfg.parallel.ep}" in report.splitlines()[0], report
+def test_a_pipelines_evaluation_carries_the_statistics_too(single_rank):
+    """Forwards only (``for_evaluation``, as ``Engine.evaluate`` runs a pipeline): 4 chunks in this process
+    (interleaved at pp=1), the loss with the auxiliary term of every layer — the dense model's (1e-12)."""
+    from parallel4d.config.load import make_config
+    from parallel4d.data.batches import build_dataset
+    from parallel4d.distributed.mesh import init_mesh
+    from parallel4d.engine.compose import build_pipeline
+    from parallel4d.engine.model import model_shape
+    from parallel4d.models.build import build_dense
+
+    cfg = make_config(_job({}, pipeline={"schedule": "interleaved", "chunks_per_rank": 4, "microbatches": 1}))
+    mesh = init_mesh(timeout_s=60)
+    evaluation = build_pipeline(cfg, mesh).executor.for_evaluation()
+    tokens, targets = build_dataset(cfg).batch(0)
+    with torch.no_grad():
+        loss = float(evaluation.step([tokens], [targets]).loss)
+        want = float(build_dense(model_shape(cfg), seed=cfg.train.seed).double()(tokens, targets))
+    mesh.close()
+    assert loss == pytest.approx(want, rel=1e-12)

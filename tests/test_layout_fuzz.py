@@ -1,9 +1,8 @@
 """#33: Hypothesis draws jobs across the whole space — pp, dp, sp, tp; every schedule, waves, split
 backward and hop cost; ring layouts and Ulysses; hetero with budgets from the minimum up (ZeRO where
 dp·sp > 1); activation checkpointing; gpt2 and llama (GQA, tied and untied; a vocabulary the 2D grid
-pads or not; mixture-of-experts layers split over parallel.ep where they run: pp = tp = 1, no hetero);
-evaluation; a resume
-mid-run — and runs each through ``parallel4d check``'s own code (:mod:`parallel4d.tools.check`):
+pads or not; mixture-of-experts layers of every shape, split over parallel.ep, in every layout — those
+validate refuses counted as refused); evaluation; a resume mid-run — and runs each through ``parallel4d check``'s own code (:mod:`parallel4d.tools.check`):
 the shrunk job on gloo workers in float64 against one process, losses to 1e-10, every parameter to 1e-9.
 
 A fixed time budget per run (``PARALLEL4D_FUZZ_SECONDS``, default 20 s, a new seed each run): a draw
@@ -67,9 +66,10 @@ def jobs(draw) -> tuple[list[str], float | None, int | None]:
     out.append(f"train.activation_checkpointing={draw(st.sampled_from(['none', 'blocks']))}")
     if draw(st.booleans()):
         out.append("train.eval_every=2")
-    experts = _experts(draw, dp * sp) if "model.arch=llama" in out and pp == tp == 1 else []  # where MoE runs
-    budget = None if experts else draw(st.sampled_from([None, 0.001, 0.2, 0.5]))  # for now: no hetero
-    out += experts + [f"hetero.enabled={not experts and (budget is not None or draw(st.booleans()))}"]
+    # the load-balancing loss is a micro-batch's: see _experts
+    out += _experts(draw, dp * sp, dp == 1 or m == 1) if "model.arch=llama" in out else []  # the family with MoE
+    budget = draw(st.sampled_from([None, 0.001, 0.2, 0.5]))
+    out.append(f"hetero.enabled={budget is not None or draw(st.booleans())}")
     resume = draw(st.sampled_from([None, None, None, 1, 2]))
     return out, budget, resume
 
@@ -98,15 +98,28 @@ def _model(draw) -> list[str]:
     return out
 
 
-def _experts(draw, replicas: int) -> list[str]:
-    """Mixture-of-experts layers (or none): 4 experts, top-1 or 2, split over an ep dividing the ``replicas``
-    data-replica ranks, the load-balancing loss on or off."""
+def _experts(draw, replicas: int, balance: bool = True) -> list[str]:
+    """Mixture-of-experts layers (or none) in any layout — which layouts they run in is the config's
+    rule (a refused draw is counted as refused): 4 or 8 experts, top-1, top-2 or every expert, split over
+    an ep dividing the ``replicas`` data-replica ranks; a shared expert, dense layers (``mlp_only_layers``,
+    ``decoder_sparse_step``), renormalised top-k and the load-balancing loss, each or not (the loss
+    off unless ``balance``: the check's one process cuts micro-batches from the whole batch where a layout
+    cuts each data replica's rows, the same batches at dp = 1 or one micro-batch)."""
     if not draw(st.booleans()):
         return []
-    ep = draw(st.sampled_from([e for e in (1, 2, 4) if replicas % e == 0]))
-    return ["model.num_experts=4", f"model.num_experts_per_tok={draw(st.sampled_from([2, 1]))}",
-            "model.moe_intermediate_size=16", f"model.output_router_logits={draw(st.booleans())}",
-            "model.router_aux_loss_coef=0.5", f"parallel.ep={ep}"]
+    e = draw(st.sampled_from([4, 8]))
+    ep = draw(st.sampled_from([d for d in (1, 2, 4) if replicas % d == 0]))
+    out = [f"model.num_experts={e}", f"model.num_experts_per_tok={draw(st.sampled_from([2, 1, e]))}",
+           "model.moe_intermediate_size=16", f"model.norm_topk_prob={draw(st.booleans())}", f"parallel.ep={ep}"]
+    shared = draw(st.sampled_from([0, 24]))
+    out += [f"model.shared_expert_intermediate_size={shared}"] if shared else []
+    step = draw(st.sampled_from([1, 1, 2]))
+    out += [f"model.decoder_sparse_step={step}"] if step > 1 else []
+    dense = draw(st.sampled_from([[], [], [0], [1, 6]]))  # of model.layers=8
+    out += [f"model.mlp_only_layers=[{','.join(map(str, dense))}]"] if dense else []
+    aux = balance and draw(st.booleans())
+    out.append(f"model.output_router_logits={aux}")
+    return out + ([f"model.router_aux_loss_coef={draw(st.sampled_from([0.5, 0.01]))}"] if aux else [])
 
 
 def _with_budget(job: list[str], share: float | None) -> list[str]:
@@ -166,3 +179,33 @@ def test_a_drawn_layout_trains_as_one_process(draw):
         RUN["failed"].append(f"{line}\n    {type(e).__name__}: {str(e)[-600:]}")
         if not KEEP_GOING:
             raise
+
+
+def test_the_fuzzer_draws_experts_and_ep_in_every_layout_and_the_moe_shapes():
+    """#48: the draws put MoE layers (split over parallel.ep > 1) beside pipelines, the 2D grid and hetero
+    alike — whichever of them validate refuses is the config's call, counted as refused — with every MoE
+    shape the rules know: 4 or 8 experts, top-1, top-2 and every expert, a shared expert, dense layers
+    (mlp_only_layers, decoder_sparse_step), renormalised top-k, the auxiliary loss on and off. Generation only."""
+    seen = set()
+
+    @settings(max_examples=400, deadline=None, database=None, phases=[Phase.generate],
+              suppress_health_check=list(HealthCheck))
+    @seed(48)
+    @given(jobs())
+    def draw(case):
+        job = dict(o.split("=", 1) for o in case[0])
+        if int(job.get("model.num_experts", 0)):
+            e, k = job["model.num_experts"], job["model.num_experts_per_tok"]
+            seen.update({f"experts={e}", "top-k all" if k == e else f"top-k {k}",
+                         *(f"{a}>1" for a in ("pp", "tp", "ep") if int(job[f"parallel.{a}"]) > 1),
+                         *(["hetero"] if job["hetero.enabled"] == "True" else []),
+                         *(f for f in ("model.shared_expert_intermediate_size", "model.mlp_only_layers",
+                                       "model.decoder_sparse_step", "model.router_aux_loss_coef") if f in job),
+                         *(f"{f}={job.get(f)}" for f in ("model.norm_topk_prob", "model.output_router_logits"))})
+
+    draw()
+    want = {"experts=4", "experts=8", "top-k 1", "top-k 2", "top-k all", "pp>1", "tp>1", "ep>1", "hetero",
+            "model.shared_expert_intermediate_size", "model.mlp_only_layers", "model.decoder_sparse_step",
+            "model.router_aux_loss_coef", "model.norm_topk_prob=True", "model.norm_topk_prob=False",
+            "model.output_router_logits=True", "model.output_router_logits=False"}
+    assert want <= seen, sorted(want - seen)

@@ -70,7 +70,9 @@ def dense_run(job: dict, loss_of=None, prepare=None):
 
 def train_layouts(jobs: dict, with_hetero_stats: bool = False):
     """Each job through compose(): its losses and this rank's pieces of every dense parameter (and
-    with ``with_hetero_stats`` the last hetero job's statistics under "hetero")."""
+    with ``with_hetero_stats`` the last hetero job's statistics under "hetero"); for an MoE job whose layers
+    record their routing, each step's ``(aux_loss, expert_load)`` as metrics.jsonl gets them under
+    ``("router", name)``."""
     from parallel4d.engine.compose import compose
     from parallel4d.distributed.mesh import init_mesh
 
@@ -80,7 +82,14 @@ def train_layouts(jobs: dict, with_hetero_stats: bool = False):
         p = cfg.parallel
         mesh = init_mesh(pp=p.pp, dp=p.dp, sp=p.sp, tp=p.tp, timeout_s=60)
         engine, data = compose(cfg, mesh), build_dataset(cfg)
-        losses = [float(engine.train_step(*data.batch(step))) for step in range(cfg.train.steps)]  # read back
+        losses, router = [], []
+        for step in range(cfg.train.steps):
+            losses.append(float(engine.train_step(*data.batch(step))))  # read back
+            report = engine.router_load()
+            if report is not None:
+                router.append((float(report["aux_loss"]), report["expert_load"].tolist()))
+        if router:
+            out[("router", name)] = router
         pieces = {k[len("model."):]: [(tuple(off), view.detach().clone()) for off, view in v.pieces]
                   for k, v in engine.state_dict().items() if k.startswith("model.")}
         out[name] = losses, pieces

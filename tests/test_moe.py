@@ -316,12 +316,14 @@ def test_moe_fields_that_cannot_run_are_refused(fields, words):
 
 
 @pytest.mark.parametrize("sections, words", [
-    ({"parallel": {"pp": 2}}, ["parallel.pp=2", "use parallel.pp=1", "pipelines", "come later"]),
-    ({"parallel": {"tp": 4}}, ["parallel.tp=4", "use parallel.tp=1"]),
+    ({"parallel": {"tp": 4}, "model": {"seq_len": 15}, "data": {"batch_size": 2}},
+     ["parallel.tp=4", "1 × 15 = 15 tokens", "not divisible by 2", "model.seq_len=14 or 16",
+      "data.batch_size a multiple of 4"]),
     ({"model": {"arch": "gpt2"}}, ["model.arch=gpt2: only the llama family", "model.num_experts=0"]),
 ])
 def test_moe_layouts_not_supported_yet_are_refused(sections, words):
-    """What MoE layers do not run in yet (pipelines, the grid) is refused naming the field."""
+    """A family without MoE layers is refused naming the field, and a 2D grid whose
+    rows' tokens its MoE layers cannot split over the row's q ranks names the fields that fix it."""
     job = {"model": {"arch": "llama", "num_experts": 4, "num_experts_per_tok": 2, **sections.get("model", {})},
            **{k: v for k, v in sections.items() if k != "model"}}
     with pytest.raises(ConfigError) as e:
@@ -443,3 +445,32 @@ def test_metrics_summary_and_plot_report_the_auxiliary_loss_and_expert_load(tmp_
     assert moe == summary["moe"] and [s for s, _ in moe["aux_loss"]] == [1, 2]
     assert moe["expert_load"] == records[-1]["expert_load"]
     assert plot_run(tmp_path).exists()
+
+
+@pytest.mark.parametrize("aux", [True, False], ids=["aux loss", "no aux loss"])
+def test_each_moe_layer_counts_its_picks_per_expert_once(aux):
+    """The counts per expert serve the dispatch (its sort's block sizes) and the load-balancing loss's
+    statistics: one scatter-add per MoE layer and forward, whether the loss is on or not (the layer counted
+    once more for the loss than the dispatcher did). BASE: 3 layers, layer 1 dense."""
+    from op_count import CountOps
+
+    cfg = make_config({**BASE, "model": {**BASE["model"], "output_router_logits": aux}})
+    model = build_dense(shape_from_config(cfg.model), seed=1).double()
+    tokens = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+    with CountOps() as ops:
+        _, state = model.run(tokens)
+    assert ops.ops["aten.scatter_add.default"] == 2, ops.ops["aten.scatter_add.default"]
+    assert sorted(state.routing) == ([0, 2] if aux else [])
+
+
+def test_the_world_log_line_names_ep_where_experts_are_split():
+    """The run's first line named the mesh's axes only: ep (drawn from the data replicas) was missing."""
+    import types
+
+    from parallel4d.training.loop import world_line
+
+    mesh = types.SimpleNamespace(world_size=4, shape={"pp": 1, "dp": 2, "sp": 2, "tp_row": 1, "tp_col": 1})
+    split = make_config({**BASE, "parallel": {"dp": 2, "sp": 2, "ep": 2}})
+    assert world_line(split, mesh, 1_500_000) == ("[parallel4d] world 4 (pp=1, dp=2, sp=2, tp_row=1, tp_col=1, ep=2), "
+                                                  "1.50M parameters per rank, 4 steps")
+    assert "ep=" not in world_line(make_config({**BASE, "parallel": {"dp": 2, "sp": 2}}), mesh, 1)

@@ -106,6 +106,16 @@ def test_plan_prints_the_experts_memory_flops_and_the_uniform_load(tmp_path, cap
     assert "MFU counts these" in out
 
 
+def test_the_plan_of_an_moe_model_on_the_grid_holds_whole_experts_and_routes_a_ranks_share(tmp_path):
+    """tp=4 (q=2) × dp=2, ep=2: each grid rank holds its E/ep experts whole (the grid splits the tokens, not
+    the experts: models/moe/tp2d.py), and the all-to-all figure — the rank's ``1/q`` of its grid row's tokens —
+    is what the dry run's ExpertParallel stand-in sent over ep."""
+    cfg = load_config(_job(tmp_path, {"parallel": {"tp": 4, "dp": 2, "ep": 2}, "data": {"batch_size": 8}}))
+    (rank,) = plan(cfg)
+    assert rank.expert_parameters == L * (E // 2) * 3 * H * I * 4
+    assert rank.sent_by_axis["ep"] == figures(cfg).all_to_all
+
+
 def test_the_planned_flops_count_only_the_experts_each_token_reaches(tmp_path):
     """The time model's ops (the dry run's traced products) and MFU's FLOPs per token agree: forward matrix
     products ``2·N`` per token over the active matrices ``N`` (router, k experts, attention, head), the

@@ -119,7 +119,7 @@ def test_b_gives_the_input_gradient_and_w_every_weight_gradient_once(needs_input
     want_x = x.grad
     model.zero_grad(set_to_none=True)
     x = x0.clone().requires_grad_(needs_input)
-    gx, weights = input_gradient(model(x), g, x)
+    (gx,), weights = input_gradient((model(x),), (g,), (x,))
     assert all(p.grad is None for p in model.parameters())  # B touched no weight
     if needs_input:
         torch.testing.assert_close(gx, want_x, rtol=1e-13, atol=0)
@@ -128,6 +128,88 @@ def test_b_gives_the_input_gradient_and_w_every_weight_gradient_once(needs_input
     weights.run()
     for n, p in model.named_parameters():
         torch.testing.assert_close(p.grad, want[n], rtol=1e-13, atol=0, msg=n)
+
+
+class _Carrying(torch.nn.Module):
+    """A chunk whose message carries a small vector beside the activation: ``(x, s) → (y, s')`` with ``s'``
+    the carried ``s`` plus statistics of ``x`` through a weight (a router's probability sums, say)."""
+
+    def __init__(self):
+        super().__init__()
+        self.block, self.gate = _Shared(), torch.nn.Linear(6, 3).double()
+
+    def forward(self, x, s):
+        return self.block(x), s + torch.softmax(self.gate(x), -1).sum(0)
+
+
+@pytest.mark.parametrize("needs_input", [True, False])
+def test_b_and_w_of_a_chunk_of_several_inputs_and_outputs(needs_input):
+    """B gives each input's gradient (the activation's and the carried vector's), W every weight gradient
+    once, as one backward does; with inputs that need no gradient (chunk 0) W is the whole backward."""
+    model = _Carrying()
+    g = torch.Generator().manual_seed(1)
+    x0, s0 = torch.randn(5, 6, generator=g, dtype=torch.float64), torch.randn(3, generator=g, dtype=torch.float64)
+    gy, gs = torch.randn(5, 6, generator=g, dtype=torch.float64), torch.randn(3, generator=g, dtype=torch.float64)
+    x, s = x0.clone().requires_grad_(needs_input), s0.clone().requires_grad_(needs_input)
+    torch.autograd.backward(model(x, s), (gy, gs))
+    want = {n: p.grad.clone() for n, p in model.named_parameters()}
+    want_x = (x.grad, s.grad)
+    model.zero_grad(set_to_none=True)
+    x, s = x0.clone().requires_grad_(needs_input), s0.clone().requires_grad_(needs_input)
+    gxs, weights = input_gradient(model(x, s), (gy, gs), (x, s))
+    assert all(p.grad is None for p in model.parameters())
+    for got, expected in zip(gxs, want_x, strict=True):
+        if needs_input:
+            torch.testing.assert_close(got, expected, rtol=1e-13, atol=0)
+        else:
+            assert got is None
+    weights.run()
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, want[n], rtol=1e-13, atol=0, msg=n)
+
+
+def test_an_input_handed_on_unchanged_gets_its_gradient_back():
+    """A chunk without the layers that add to the carried vector returns it as it came: B hands its
+    gradient straight back."""
+    x, s = torch.randn(2, 6, dtype=torch.float64, requires_grad=True), torch.randn(3, dtype=torch.float64,
+                                                                                    requires_grad=True)
+    layer = torch.nn.Linear(6, 6).double()
+    gy, gs = torch.randn(2, 6, dtype=torch.float64), torch.randn(3, dtype=torch.float64)
+    (gx, got), weights = input_gradient((layer(x), s), (gy, gs), (x, s))
+    torch.testing.assert_close(gx, gy @ layer.weight, rtol=1e-13, atol=0)
+    assert got is gs
+    weights.run()
+    torch.testing.assert_close(layer.weight.grad, gy.T @ x.detach(), rtol=1e-13, atol=0)
+
+
+class _Stacked(torch.nn.Module):
+    """Rows through one slice each of a stacked weight ``[2, 6, 6]`` (an MoE layer's experts, looped): two
+    matrix products, two boundary nodes, one parameter."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(2, 6, 6, generator=torch.Generator().manual_seed(2),
+                                                dtype=torch.float64))
+
+    def forward(self, x):
+        return torch.cat([x[:2] @ self.w[0], x[2:] @ self.w[1]])
+
+
+def test_w_accumulates_a_parameter_shared_by_several_boundary_nodes_once():
+    """One accumulation per W, as one backward makes (what the data-parallel buckets count per micro-batch),
+    with the one-backward gradient."""
+    model, g = _Stacked(), torch.randn(5, 6, dtype=torch.float64)
+    x0 = torch.randn(5, 6, dtype=torch.float64)
+    model(x0.clone().requires_grad_()).backward(g)
+    want = model.w.grad.clone()
+    model.w.grad = None
+    accumulated = []
+    model.w.register_post_accumulate_grad_hook(lambda p: accumulated.append(p.grad.clone()))
+    x = x0.clone().requires_grad_()
+    _, weights = input_gradient((model(x),), (g,), (x,))
+    weights.run()
+    assert len(accumulated) == 1
+    torch.testing.assert_close(model.w.grad, want, rtol=1e-13, atol=0)
 
 
 # --- end to end -------------------------------------------------------------------------------

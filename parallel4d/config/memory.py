@@ -6,7 +6,7 @@ run, so refusing it never refuses a job that fits. What it counts, per rank (the
 least the average over the ranks, which is what these are):
 
 * **model state** — the dense parameters (the family's count: norms and biases left out; an MoE model's
-  routed experts over ``parallel.ep``, each rank holding its share) over ``pp·tp``, times the bytes each holds: parameter, gradient and Adam's two moments in the parameters'
+  routed experts over ``parallel.ep``, each rank holding its share, whole on every rank of a 2D grid) over ``pp·tp``, times the bytes each holds: parameter, gradient and Adam's two moments in the parameters'
   dtype (``4·p``) without hetero; under hetero what its chunks keep on the host (:func:`hetero_host_bytes`)
   and, on a CPU job, the master state a budget could have put on the device; under a ``deepspeed:``
   section parameters and gradients in at least 16 bits partitioned over ``dp·sp`` (ZeRO-3's least),
@@ -69,8 +69,8 @@ class RankBytes:
 def rank_bytes(cfg: Config) -> RankBytes:
     """What every rank of ``cfg`` holds at least, on average over the ranks (see the module)."""
     p, m, t = cfg.parallel, cfg.model, cfg.train
-    experts = expert_parameters(MoeShape.of(m), m.hidden, m.layers)  # split over ep, not replicated
-    params = (dense_parameters(m) - experts + experts // p.ep) // (p.pp * p.tp)
+    experts = expert_parameters(MoeShape.of(m), m.hidden, m.layers)  # split over ep, whole on every grid rank
+    params = (dense_parameters(m) - experts) // (p.pp * p.tp) + experts // (p.ep * p.pp)
     item = DTYPE_BYTES[t.parameters]
     replicas = p.dp * p.sp
     device = host = placed = saved = 0

@@ -43,7 +43,7 @@ from parallel4d.engine.step import Engine
 from parallel4d.engine.store import parameter_store
 from parallel4d.models.build import build_stage, family
 from parallel4d.models.context import ForwardContext, attach
-from parallel4d.models.moe.balance import StepLoad
+from parallel4d.models.moe.balance import CarryingChunk, StepLoad
 from parallel4d.models.moe.spec import MoeShape
 from parallel4d.models.stages import cross_entropy, stage_names, with_auxiliary
 from parallel4d.optim.fused import use_fused_norms
@@ -191,10 +191,17 @@ def _auxiliary_over_replicas(cfg: Config, mesh: Mesh, context: ForwardContext, l
     shares sum to it, and each has the gradient of the whole with respect to that replica's router
     probabilities: models/moe/balance.py). The replicas' gradients are then averaged (divided by ``R``),
     so each share is counted ``R`` times: the replicas' reported mean is then the token loss's mean plus
-    the whole micro-batch's auxiliary loss, and the averaged gradient the one-process one."""
+    the whole micro-batch's auxiliary loss, and the averaged gradient the one-process one.
+
+    Under 2D tp an MoE layer's q² grid ranks hold disjoint tokens too (models/moe/tp2d.py): the statistics
+    are summed over the grid as well, and each grid rank's share keeps its gradient (the router's gradient
+    is summed over the grid) while its value becomes the grid's sum of shares (one all-reduce of a
+    detached number), so that every grid rank reports the same loss, as its token loss is."""
     shape, auxiliary = model_shape(cfg), family(cfg.model.arch).model_type.auxiliary_loss
     replicas = mesh.size("dp") * mesh.size("sp")
-    group = mesh.group_over("dp", "sp") if replicas > 1 else None
+    grid = mesh.group_over("tp_row", "tp_col") if mesh.size("tp_row") > 1 and MoeShape.of(cfg.model) else None
+    axes = ("dp", "sp") + (("tp_row", "tp_col") if grid is not None else ())
+    group = mesh.group_over(*axes) if replicas > 1 or grid is not None else None
 
     def summed(totals: torch.Tensor) -> torch.Tensor:
         if group is not None:
@@ -208,11 +215,20 @@ def _auxiliary_over_replicas(cfg: Config, mesh: Mesh, context: ForwardContext, l
         if term is None:
             return None
         term = term * replicas if replicas > 1 else term
+        if grid is not None:
+            term = term + (_summed_over(term.detach(), grid, mesh) - term.detach())
         if load is not None:
             load.add_term(term)
         return term
 
     return share
+
+
+def _summed_over(value: torch.Tensor, group, mesh: Mesh) -> torch.Tensor:
+    """``value`` (no gradient) summed over ``group`` (a copy)."""
+    total = value.clone()
+    comm.all_reduce(total, group, stats=mesh.comm_stats, label="moe.balance")
+    return total
 
 
 def _placed(module: nn.Module, device: torch.device, dtype: torch.dtype) -> nn.Module:
@@ -270,14 +286,16 @@ def job_schedule(cfg: Config, p2p_cost: float | None = None):
 
 
 def build_pipeline(cfg: Config, mesh: Mesh, loss_scale: float = 1.0,
-                   activation_dtype: torch.dtype | None = None, context: ForwardContext | None = None) -> PipelineParts:
+                   activation_dtype: torch.dtype | None = None, context: ForwardContext | None = None,
+                   load: StepLoad | None = None) -> PipelineParts:
     """Cut the model into the chunks of ``pipeline.schedule`` and build only this rank's.
 
     ``loss_scale`` multiplies each micro-batch's mean loss (the DeepSpeed plugin's 1/sp);
     ``activation_dtype``: what activations and their gradients travel between pp ranks in (default
     :func:`~.model.pipeline_activation_dtype`: the autocast dtype under autocast, else the parameters');
-    chunks cast at their boundaries where it differs from the parameters' dtype. ``context``: as
-    :func:`build_stages`'."""
+    chunks cast at their boundaries where it differs from the parameters' dtype. ``context``, ``load``: as
+    :func:`build_stages`'. With MoE layers that record their routing, each message carries the forward's
+    load statistics beside the activation (:func:`_carrying_routing`)."""
     pl, p, m = cfg.pipeline, cfg.parallel, cfg.model
     fixed = pl.hop_cost if isinstance(pl.hop_cost, float) else None
     schedule = job_schedule(cfg, fixed)
@@ -285,17 +303,20 @@ def build_pipeline(cfg: Config, mesh: Mesh, loss_scale: float = 1.0,
     ranges = pipeline_cut(cfg, schedule.num_chunks)
     mine = schedule.placement[mesh.rank("pp")]
     untie = schedule.owner(0) != schedule.owner(schedule.num_chunks - 1)
-    stages, loss_fn = build_stages(cfg, mesh, {i for c in mine for i in ranges[c]}, untie=untie, context=context)
+    context = context if context is not None else forward_context(cfg, mesh)
+    stages, loss_fn = build_stages(cfg, mesh, {i for c in mine for i in ranges[c]}, untie=untie, context=context,
+                                   load=load)
     if loss_scale != 1.0:
         loss_fn = functools.partial(_scaled_loss, loss_fn, loss_scale)
     wire = activation_dtype or pipeline_activation_dtype(cfg)
     chunks = build_chunks(stages, ranges, mine, activation_dtype=wire if wire != parameter_dtype(cfg) else None)
+    chunks, carried = _carrying_routing(cfg, chunks, schedule.num_chunks, context)
     q, sp = mesh.size("tp_row"), mesh.size("sp")
     act_shape = [cfg.data.batch_size // (p.dp * q * pl.microbatches), m.seq_len // sp, m.hidden // q]
     order = None if fixed is None else _order_info(schedule, hop_cost=fixed)
     if pl.hop_cost == "auto":
         schedule, order = _ordered_for_the_link(cfg, mesh, schedule, chunks, act_shape, wire)
-    executor = PipelineExecutor(schedule, mesh, chunks, loss_fn, act_shape, wire,
+    executor = PipelineExecutor(schedule, mesh, chunks, loss_fn, act_shape, wire, carried=carried,
                                 timeout_s=cfg.train.timeout_s, device=mesh.device)
     tied_sync, tied_params = None, []
     if m.tie_embeddings and untie:
@@ -305,6 +326,18 @@ def build_pipeline(cfg: Config, mesh: Mesh, loss_scale: float = 1.0,
         if shape.layers + 1 in stages:
             tied_params.append(_tied_table(stages[shape.layers + 1], head=True))
     return PipelineParts(stages, executor, tied_sync, tied_params, order)
+
+
+def _carrying_routing(cfg: Config, chunks: dict[int, nn.Module], num_chunks: int, context: ForwardContext):
+    """``(chunks, carried)``: with MoE layers that record their routing (``model.output_router_logits``), each
+    chunk a :class:`~parallel4d.models.moe.balance.CarryingChunk` and its messages carrying the statistics
+    of the layers before it (float64, ``2E + 1``), so that the last chunk's load-balancing loss covers every
+    layer of the forward (models/moe/balance.py); else the chunks as they are and nothing carried."""
+    moe = MoeShape.of(cfg.model)
+    if moe is None or not moe.output_router_logits:
+        return chunks, ()
+    carrying = {c: CarryingChunk(chunk, context, moe.num_experts, last=c == num_chunks - 1) for c, chunk in chunks.items()}
+    return carrying, (CarryingChunk.spec(moe.num_experts),)
 
 
 def _ordered_for_the_link(cfg: Config, mesh: Mesh, schedule, chunks, act_shape, wire) -> tuple:
@@ -370,7 +403,7 @@ def compose(cfg: Config, mesh: Mesh) -> Engine:
     context = forward_context(cfg, mesh)
     load = step_load(cfg, mesh)  # the MoE layers' load and auxiliary loss for metrics.jsonl (None: no MoE)
     if cfg.parallel.pp > 1:
-        stages, executor, tied_sync, tied_params, order = build_pipeline(cfg, mesh, context=context)
+        stages, executor, tied_sync, tied_params, order = build_pipeline(cfg, mesh, context=context, load=load)
         loss_fn = executor.loss_fn
     else:
         stages, loss_fn = build_stages(cfg, mesh, context=context, load=load)

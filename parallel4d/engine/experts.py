@@ -34,6 +34,7 @@ from parallel4d.config.schema import Config
 from parallel4d.distributed.mesh import Mesh
 from parallel4d.experts import Agreement, ExpertParallel
 from parallel4d.models.moe.layer import Experts, SparseMoE
+from parallel4d.models.moe.tp2d import SparseMoE2D
 
 
 class ExpertShards(NamedTuple):
@@ -65,7 +66,7 @@ def place_experts(cfg: Config, mesh: Mesh, stages: dict[int, nn.Module]) -> Expe
 
 
 def by_expert_under_hetero(cfg: Config, mesh: Mesh, stages: dict[int, nn.Module]) -> None:
-    """With ``hetero.enabled``: every MoE layer's held experts one module each (:meth:`Experts.by_expert`), its
+    """With ``hetero.enabled``: every MoE layer's held experts (but a 2D tp layer's) one module each (:meth:`Experts.by_expert`), its
     dispatcher agreeing on the experts that run over the data replicas (module docstring). Collective (the
     data replicas' group on first use)."""
     if not cfg.hetero.enabled:
@@ -73,7 +74,8 @@ def by_expert_under_hetero(cfg: Config, mesh: Mesh, stages: dict[int, nn.Module]
     group = mesh.group_over("dp", "sp") if mesh.size("dp") * mesh.size("sp") > 1 else None
     for stage in stages.values():
         for module in stage.modules():
-            if isinstance(module, SparseMoE):
+            # (under 2D tp the layer calls its experts through its grid's gradient sums: stacked, moved whole)
+            if isinstance(module, SparseMoE) and not isinstance(module, SparseMoE2D):
                 module.experts.by_expert()
                 module.dispatcher.agreement = Agreement(group, mesh.comm_stats)
 

@@ -19,21 +19,36 @@ from parallel4d.engine.model import TORCH_DTYPES
 from parallel4d.optim.norms import weighted_sq_norm
 
 
-def average_gradients(params: list[nn.Parameter], mesh: Mesh, timeout_s: float) -> None:
-    """Average grads over the data-like axes ``dp`` and ``sp`` (every parameter is
-    replicated over both; each rank's loss is the mean over its own tokens) in one
-    all-reduce after the backward. The engine overlaps the same sums with the backward
-    (:class:`~parallel4d.ddp.GradBuckets`); this is the reference they are tested against."""
+def average_gradients(params: list[nn.Parameter], mesh: Mesh, timeout_s: float,
+                      experts: ExpertShards | None = None) -> None:
+    """Average grads over the data-like axes ``dp`` and ``sp`` (every dense parameter is replicated over
+    both; each rank's loss is the mean over its own tokens) in one all-reduce after the backward. The
+    engine overlaps the same sums with the backward (:class:`~parallel4d.ddp.GradBuckets`); this is the
+    reference they are tested against. ``experts``: under expert parallelism this rank's expert slices,
+    summed over the ranks holding the same experts instead (their gradient already holds the ep group's
+    tokens: :mod:`.experts`) and divided by ``dp·sp`` all the same."""
     replicas = mesh.size("dp") * mesh.size("sp")
     if replicas == 1:
         return
-    grads = [p.grad for p in params if p.grad is not None]
+    split = {id(p) for p in experts.params} if experts is not None else set()
+    _sum_and_divide([p.grad for p in params if p.grad is not None and id(p) not in split], mesh,
+                    mesh.group_over("dp", "sp"), "dp_grad", replicas, timeout_s,
+                    "gradient all-reduce over the data replicas (dp·sp)")
+    if experts is not None:
+        _sum_and_divide([p.grad for p in experts.params if p.grad is not None], mesh, experts.replicas, "ep_grad",
+                        replicas, timeout_s, "expert gradient all-reduce over the expert replicas")
+
+
+def _sum_and_divide(grads: list[torch.Tensor], mesh: Mesh, group, label: str, divisor: int, timeout_s: float,
+                    what: str) -> None:
+    """``grads`` summed over ``group`` in one all-reduce (counted under ``label``; ``what`` names it in a
+    timeout), divided by ``divisor``."""
     if not grads:
         return
     flat = torch.cat([g.reshape(-1) for g in grads])
-    work = comm.all_reduce(flat, mesh.group_over("dp", "sp"), stats=mesh.comm_stats, label="dp_grad", async_op=True)
-    comm.wait(work, timeout_s, "gradient all-reduce over the data replicas (dp·sp)", mesh.deadlines)
-    flat /= replicas
+    work = comm.all_reduce(flat, group, stats=mesh.comm_stats, label=label, async_op=True)
+    comm.wait(work, timeout_s, what, mesh.deadlines)
+    flat /= divisor
     offset = 0
     for g in grads:
         g.copy_(flat[offset:offset + g.numel()].view_as(g))
@@ -72,8 +87,9 @@ def global_grad_norm(params: list[nn.Parameter], mesh: Mesh, tied_copies: set[in
     sq = weighted_sq_norm([p.grad.detach() for p in with_grad], [norm_weight(p, q, tied_copies) for p in with_grad],
                           mesh.device)
     if experts is not None:  # each rank of an ep group holds other experts: their squares add up
-        mine = [p.grad.detach() for p in experts.params if p.grad is not None]
-        expert_sq = weighted_sq_norm(mine, [1.0] * len(mine), mesh.device)
+        mine = [p for p in experts.params if p.grad is not None]  # (under tp on every grid rank: 1/q² each)
+        expert_sq = weighted_sq_norm([p.grad.detach() for p in mine], [norm_weight(p, q, tied_copies) for p in mine],
+                                     mesh.device)
         comm.all_reduce(expert_sq, experts.ep, stats=mesh.comm_stats, label="grad_norm")
         sq = sq + expert_sq
     return sum_over_model_axes(sq, mesh).sqrt()

@@ -45,8 +45,9 @@ def dense_layouts(stages: dict[str, nn.Module], tied: bool) -> dict[str, tuple[s
 def _expert_boxes(stage: nn.Module) -> dict[str, tuple[str, tuple, Pieces]]:
     """``{name: (dense name, dense shape, pieces)}`` of the stage's experts (all E of them when held whole;
     one module per expert: each weight a row of its stacked tensor)."""
-    return {f"{prefix}.{name}": (f"{prefix}.{dense}", shape, pieces) for prefix, module in stage.named_modules()
-            if isinstance(module, Experts) for name, (dense, shape, pieces) in module.dense_layout().items()}
+    return {f"{prefix}.{name}": (f"{prefix}.{module.dense_name(name)}", shape, pieces)
+            for prefix, module in stage.named_modules()
+            if isinstance(module, Experts) for name, (shape, pieces) in module.dense_layout().items()}
 
 
 LocalState = tuple[dict[str, torch.Tensor], dict[str, dict[str, torch.Tensor]]]  # (parameters, optimizer state)

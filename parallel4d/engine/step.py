@@ -106,6 +106,8 @@ class Engine(Trainer):
             with self.autocast:
                 result = self.executor.step(list(x.chunk(mb)), list(y.chunk(mb)))
             self.last_step_info = {"peak_activations": result.peak_activations, "wait_s": result.wait_s}
+            if self.load is not None:
+                self._router_load_over_pp()
             if self.tied_sync is not None:
                 self.tied_sync(self.tied_params, timeout_s=self.cfg.train.timeout_s)
             return result.loss.reshape(1)
@@ -117,6 +119,14 @@ class Engine(Trainer):
         for i, (xm, ym) in enumerate(zip(x.chunk(mb), y.chunk(mb))):
             total += self._micro_step(xm, ym, mb, state(i))
         return total / mb
+
+    def _router_load_over_pp(self) -> None:
+        """The step's MoE figures (:class:`StepLoad`) on every pp rank: only the rank of the last chunk computed
+        the losses and added to them (the others hold zeros), so a sum over pp gives each rank the whole
+        micro-batches' figures (``E + 1`` numbers)."""
+        work = comm.all_reduce(self.load.reported, self.mesh.group("pp"), stats=self.mesh.comm_stats,
+                               label="moe.balance", async_op=True)
+        comm.wait(work, self.cfg.train.timeout_s, "the MoE load figures' sum over the pp ranks", self.mesh.deadlines)
 
     def _scale(self) -> torch.Tensor | float:
         """What the loss is multiplied by for the backward: float16's scale (float64 ``[]`` on the

@@ -56,12 +56,15 @@ AGREE = "experts.agree"
 
 class Dispatcher(Protocol):
     """Where a mixture-of-experts layer's experts are: ``dispatcher(x [T, h], ids [T, k], weights [T, k],
-    expert_fn) → [T, h]`` (:class:`OneRank`, :class:`ExpertParallel`). ``experts``: the global indices of
-    the experts ``expert_fn`` applies, numbered from 0 there."""
+    expert_fn, counts) → [T, h]`` (:class:`OneRank`, :class:`ExpertParallel`); ``counts``: the caller's
+    :func:`count_per_expert` of ``ids`` (the layer counts once, for the dispatch and the load-balancing
+    loss alike), None to count here. ``experts``: the global indices of the experts ``expert_fn``
+    applies, numbered from 0 there."""
 
     experts: range
 
-    def __call__(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, expert_fn: "ExpertFn") -> torch.Tensor: ...
+    def __call__(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, expert_fn: "ExpertFn",
+                 counts: torch.Tensor | None = None) -> torch.Tensor: ...
 
 
 class HostCounts(NamedTuple):
@@ -110,10 +113,11 @@ def count_per_expert(ids: torch.Tensor, num_experts: int) -> torch.Tensor:
     return torch.zeros(num_experts, dtype=torch.int64, device=ids.device).scatter_add(0, flat, torch.ones_like(flat))
 
 
-def sort_by_expert(ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+def sort_by_expert(ids: torch.Tensor, num_experts: int,
+                   counts: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(order [T·k], counts [E])``: the flat slots ``t·k + j`` ordered by expert (stable), and how many
-    slots each expert has. ``ids [T, k]`` int64."""
-    return torch.argsort(ids.reshape(-1), stable=True), count_per_expert(ids, num_experts)
+    slots each expert has (``counts`` when the caller counted them already). ``ids [T, k]`` int64."""
+    return torch.argsort(ids.reshape(-1), stable=True), count_per_expert(ids, num_experts) if counts is None else counts
 
 
 def combine(rows: torch.Tensor, order: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -125,10 +129,11 @@ def combine(rows: torch.Tensor, order: torch.Tensor, weights: torch.Tensor) -> t
 
 
 def dispatch_local(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, num_experts: int,
-                   expert_fn: ExpertFn, agreement: Agreement | None = None) -> torch.Tensor:
+                   expert_fn: ExpertFn, counts: torch.Tensor | None = None,
+                   agreement: Agreement | None = None) -> torch.Tensor:
     """``[T, h]`` from ``x [T, h]`` with every expert on this rank (no host read; with an ``agreement``, one:
-    the counts and their max over its group)."""
-    order, counts = sort_by_expert(ids, num_experts)
+    the counts and their max over its group); ``counts``: as :class:`Dispatcher`'s."""
+    order, counts = sort_by_expert(ids, num_experts, counts)
     if agreement is None:
         rows = expert_fn(x[order // ids.shape[1]], counts)
     else:
@@ -146,10 +151,10 @@ class OneRank:
         self.experts = range(num_experts)
         self.agreement: Agreement | None = None
 
-    def __call__(self, x, ids, weights, expert_fn: ExpertFn) -> torch.Tensor:
+    def __call__(self, x, ids, weights, expert_fn: ExpertFn, counts=None) -> torch.Tensor:
         if self.agreement is None:
-            return dispatch_local(x, ids, weights, self.num_experts, expert_fn)
-        return _agreed_local(x, ids, weights, self.num_experts, expert_fn, self.agreement)
+            return dispatch_local(x, ids, weights, self.num_experts, expert_fn, counts)
+        return _agreed_local(x, ids, weights, self.num_experts, expert_fn, counts, self.agreement)
 
 
 #: with an agreement, a collective and a host read: eager under train.compile: blocks (a graph break)
@@ -192,13 +197,15 @@ class ExpertParallel:
         return range(self.rank * self.local, (self.rank + 1) * self.local)
 
     @comm.eager  # under train.compile: blocks a graph break: its collectives and host read stay eager
-    def __call__(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, expert_fn: ExpertFn) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, expert_fn: ExpertFn,
+                 counts: torch.Tensor | None = None) -> torch.Tensor:
         """``[T, h]`` from ``x [T, h]``, ``ids [T, k]`` (global expert indices), ``weights [T, k]``;
-        ``expert_fn`` applies this rank's experts (:attr:`experts`, numbered from 0)."""
+        ``expert_fn`` applies this rank's experts (:attr:`experts`, numbered from 0); ``counts``: as
+        :class:`Dispatcher`'s."""
         if self.size == 1:
-            return dispatch_local(x, ids, weights, self.num_experts, expert_fn, self.agreement)
+            return dispatch_local(x, ids, weights, self.num_experts, expert_fn, counts, self.agreement)
         n, local = self.size, self.local
-        order, counts = sort_by_expert(ids, self.num_experts)
+        order, counts = sort_by_expert(ids, self.num_experts, counts)
         arriving = self._exchange_counts(counts)  # [n, local]: from source s, rows for local expert e
         mine = arriving.sum(0)  # [local]: rows for each of this rank's experts
         agreed = [] if self.agreement is None else [mine, self.agreement.most(mine)]

@@ -13,6 +13,13 @@ Per optimizer step, each pp rank walks its own action list in order:
   input-gradient and keeps the chunk's graph; ``W(i, c)`` later accumulates the
   weight gradients from it and frees it (:mod:`.split_grad`).
 
+Messages. A message is the activation and, when the executor is given ``carried``
+specs, that many small tensors after it (each its own shape and dtype: e.g. float64
+statistics beside bfloat16 activations), the same at every boundary: chunk ``c > 0``
+is called as ``chunk(x, *carried)`` and returns ``(y, *carried)`` (the last chunk's
+output, whatever it is, goes to the loss); their gradients travel back the same way.
+The executor knows nothing of what they hold.
+
 Transfers: shapes/dtypes are known up front (no handshake). Every message has a
 position in one global order (:func:`~.analysis.message_order`) and each rank posts
 its sends and receives, over all its peers, in that order: p2p matching is
@@ -20,7 +27,8 @@ FIFO-correct per pair on gloo and NCCL without tags, no rank ever has to post a
 send it has not produced before a receive it needs, and no cycle of ops waiting
 on each other can form, even where a rank's transfers share one stream and each
 completes only when its peer's op runs (NCCL's rules, replayed for every schedule
-by ``tests/test_nccl_replay.py``). Receives are posted ahead (``recv_lookahead``
+by ``tests/test_nccl_replay.py``). A message of several tensors is that many ops to the same peer, posted one after another
+at the message's position: per pair they still match in order. Receives are posted ahead (``recv_lookahead``
 actions); each op is its own ``isend``/``irecv`` (NCCL: a communicator and stream
 per pair of ranks, created at construction by :meth:`PipelineExecutor._warm_up`).
 Each receive must arrive within ``timeout_s`` of being posted, as NCCL's watchdog
@@ -33,7 +41,7 @@ from __future__ import annotations
 import contextlib
 import time
 from dataclasses import dataclass, field
-from typing import Callable, ContextManager, Sequence, Union
+from typing import Callable, ContextManager, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -45,6 +53,7 @@ from parallel4d.pipeline.split_grad import input_gradient
 from parallel4d.pipeline.types import Action, Schedule
 
 ShapeSpec = Union[Sequence[int], Callable[[int], Sequence[int]]]
+TensorSpec = Tuple[Sequence[int], torch.dtype]  # one tensor of a message: (shape, dtype)
 
 
 @dataclass
@@ -80,13 +89,16 @@ class PipelineExecutor:
             micro-batch, e.g. ``[b/m, s, h]`` (local shard shape under TP/SP), or
             ``f(c) -> shape`` for the output of chunk ``c``.
         activation_dtype: dtype of those tensors (and of their gradients).
+        carried: ``(shape, dtype)`` of each tensor every message carries after the activation (none by
+            default): chunk ``c > 0`` is then called as ``chunk(x, *carried)`` and each chunk but the last
+            returns ``(y, *carried)``; they and their gradients cross pp ranks with the activation.
         timeout_s: limit for any single wait (a receive: from its post).
         recv_lookahead: post the receives of this many upcoming actions early.
     """
 
     def __init__(self, schedule: Schedule, mesh, chunks: dict[int, nn.Module], loss_fn: Callable,
                  activation_shape: ShapeSpec, activation_dtype: torch.dtype = torch.float32, *,
-                 timeout_s: float = 300.0, recv_lookahead: int = 2,
+                 carried: Sequence[TensorSpec] = (), timeout_s: float = 300.0, recv_lookahead: int = 2,
                  device: torch.device | None = None, forward_only: bool = False):
         validate(schedule)
         self.forward_only = forward_only
@@ -107,6 +119,7 @@ class PipelineExecutor:
         self.loss_fn = loss_fn
         self._shape = activation_shape if callable(activation_shape) else (lambda c, s=tuple(activation_shape): s)
         self.dtype = activation_dtype
+        self.carried = tuple((tuple(shape), dtype) for shape, dtype in carried)
         self.timeout_s = float(timeout_s)
         self.lookahead = max(0, int(recv_lookahead))
         self.device = device or mesh.device
@@ -146,6 +159,11 @@ class PipelineExecutor:
         works = comm.p2p(ops, self.group, stats=self.stats, label="pp.warm_up", coalesce=False)
         comm.wait(works, self.timeout_s, what=f"pp rank {self.me}: first transfer with pp ranks {peers}",
                   deadlines=self.mesh.deadlines)
+
+    def specs(self, boundary: int) -> tuple[TensorSpec, ...]:
+        """``(shape, dtype)`` of each tensor of a message at ``boundary`` (the output of chunk ``boundary``,
+        or its gradient): the activation, then the carried tensors."""
+        return ((tuple(self._shape(boundary)), self.dtype),) + self.carried
 
     def _peer(self, pp_index: int) -> int:
         return self.mesh.global_rank("pp", pp_index)
@@ -190,50 +208,54 @@ class PipelineExecutor:
         loss = self._mean_loss(st)
         return StepResult(loss, st.peak, st.peak_mb, st.trace, st.wait_s)
 
-    def _forward(self, st: "_StepState", a: Action, x, inputs, targets):
+    def _forward(self, st: "_StepState", a: Action, xs, inputs, targets):
         i, c = a.microbatch, a.chunk
         if c == 0:
-            x = inputs[i].to(self.device)
+            xs = (inputs[i].to(self.device),)
         else:
-            x = x.detach().requires_grad_(x.is_floating_point())
+            xs = tuple(x.detach().requires_grad_(x.is_floating_point()) for x in xs)
         with self.around_forward(i) if self.around_forward is not None else contextlib.nullcontext():
-            y = self.chunks[c](x)
+            y = self.chunks[c](*xs)
             if c == self.last:  # the loss too reads the micro-batch's context (packed documents' weight)
                 y = self.loss_fn(y, targets[i].to(self.device))
         if c == self.last:
             loss = y
             st.losses.append(loss.detach())
             if not self.forward_only:
-                st.store(a, x, loss)
+                st.store(a, xs, (loss,))
             return None
-        shape = tuple(self._shape(c))
-        if tuple(y.shape) != shape or y.dtype != self.dtype:
-            raise ValueError(f"chunk {c} produced {tuple(y.shape)} {y.dtype} but the executor was told "
-                             f"activation_shape {shape} {self.dtype} for its output")
+        ys = y if isinstance(y, tuple) else (y,)
+        specs = self.specs(c)
+        got = tuple((tuple(t.shape), t.dtype) for t in ys)
+        if got != specs:
+            raise ValueError(f"chunk {c} produced {got} but the executor was told {specs} for its output "
+                             f"(activation_shape, activation_dtype, carried)")
         if not self.forward_only:
-            st.store(a, x, y)
-        return y.detach()
+            st.store(a, xs, ys)
+        return tuple(t.detach() for t in ys)
 
     def for_evaluation(self) -> "PipelineExecutor":
         """The same schedule, chunks and transfers with forwards only: ``step`` under
         ``torch.no_grad()`` returns the mean loss and leaves no gradient (collective on pp)."""
         return PipelineExecutor(self.schedule, self.mesh, self.chunks, self.loss_fn, self._shape, self.dtype,
-                                timeout_s=self.timeout_s, recv_lookahead=self.lookahead, device=self.device,
+                                carried=self.carried, timeout_s=self.timeout_s, recv_lookahead=self.lookahead, device=self.device,
                                 forward_only=True)
 
-    def _backward(self, st: "_StepState", a: Action, grad):
-        x, y = st.release(a)
+    def _backward(self, st: "_StepState", a: Action, grads):
+        xs, ys = st.release(a)
         if a.chunk == self.last:
-            y, grad = y * (self.loss_scale / self.schedule.microbatches), None
+            ys, grads = (ys[0] * (self.loss_scale / self.schedule.microbatches),), None
         if self.split:
-            gx, weights = input_gradient(y, grad, x)
+            gxs, weights = input_gradient(ys, grads, xs)
             st.store(Action("W", a.microbatch, a.chunk), weights)
         else:
-            torch.autograd.backward(y, grad)
-            gx = x.grad
+            pairs = [(y, g) for y, g in zip(ys, grads or (None,) * len(ys)) if y.requires_grad]
+            if pairs:
+                torch.autograd.backward([y for y, _ in pairs], [g for _, g in pairs] if grads else None)
+            gxs = tuple(x.grad for x in xs)
         if a.chunk == 0:
             return None
-        return gx if gx is not None else torch.zeros_like(x)
+        return tuple(g if g is not None else torch.zeros_like(x) for g, x in zip(gxs, xs))
 
     def _mean_loss(self, st: "_StepState") -> torch.Tensor:
         src = self.owner[self.last]
@@ -259,10 +281,10 @@ class _StepState:
     def __init__(self, ex: PipelineExecutor):
         self.ex = ex
         self.ptr = 0                                  # next unposted position in ex.order
-        self.outbox: dict[int, torch.Tensor] = {}     # produced, not yet posted: position → tensor
-        self.recv: dict[int, tuple[torch.Tensor, list, float]] = {}  # position → (buffer, works, posted at)
+        self.outbox: dict[int, tuple] = {}            # produced, not yet posted: position → a message's tensors
+        self.recv: dict[int, tuple[tuple, list, float]] = {}  # position → (buffers, works, posted at)
         self.sends: list[tuple[list, torch.Tensor]] = []
-        self.local: dict[Action, torch.Tensor] = {}   # wave-turn hand-offs, keyed by consumer
+        self.local: dict[Action, tuple] = {}          # wave-turn hand-offs, keyed by consumer
         self.stash: dict[Action, object] = {}        # F → (input, output); W → its WeightGradients
         self.losses: list[torch.Tensor] = []
         self.trace: list = []
@@ -285,13 +307,14 @@ class _StepState:
         while self.ptr <= pos:
             msg = self.ex.order[self.ptr]
             if msg.src == self.ex.me:
-                t = self.outbox.pop(self.ptr, None)
-                if t is None:
+                message = self.outbox.pop(self.ptr, None)
+                if message is None:
                     return False  # produced later; the global order guarantees the wait is not needed now
-                ops.append(("send", t, msg.dst, self.ptr))
+                ops.append(("send", message, msg.dst, self.ptr))
             else:
-                buf = torch.empty(tuple(self.ex._shape(msg.boundary)), dtype=self.ex.dtype, device=self.ex.device)
-                ops.append(("recv", buf, msg.src, self.ptr))
+                bufs = tuple(torch.empty(shape, dtype=dtype, device=self.ex.device)
+                             for shape, dtype in self.ex.specs(msg.boundary))
+                ops.append(("recv", bufs, msg.src, self.ptr))
             self.ptr += 1
         return True
 
@@ -307,16 +330,18 @@ class _StepState:
         if not ops:
             return
         now = time.monotonic()
-        flat = [(kind, t, self.ex._peer(peer)) for kind, t, peer, _ in ops]
-        works = comm.p2p(flat, self.ex.group, stats=self.ex.stats, label="pp.p2p", coalesce=False)
-        for (kind, t, _, pos), w in zip(ops, works):
+        # a message's tensors one op each, one after another to the same peer (matched in order)
+        flat = [(kind, t, self.ex._peer(peer)) for kind, message, peer, _ in ops for t in message]
+        works = iter(comm.p2p(flat, self.ex.group, stats=self.ex.stats, label="pp.p2p", coalesce=False))
+        for kind, message, _, pos in ops:
+            mine = [next(works) for _ in message]
             if kind == "recv":
-                self.recv[pos] = (t, [w], now)
+                self.recv[pos] = (message, mine, now)
             else:
-                self.sends.append(([w], t))
+                self.sends.extend(([w], t) for w, t in zip(mine, message))
 
     def take_input(self, i: int, a: Action):
-        """The received / local tensor action ``a`` consumes (``None`` when it needs none)."""
+        """The received / local message (its tensors) action ``a`` consumes (``None`` when it needs none)."""
         if a in self.local:
             return self.local.pop(a)
         need = self.ex.need.get(a)
@@ -349,7 +374,7 @@ class _StepState:
             self.local[nxt] = out
             return ops
         pos = self.ex.makes[a]
-        self.outbox[pos] = out.contiguous()
+        self.outbox[pos] = tuple(t.contiguous() for t in out)
         if not self._post_upto(pos, ops):
             raise RuntimeError(f"pp rank {self.ex.me}: message plan out of order at {a.describe()} (a bug)")
         return ops

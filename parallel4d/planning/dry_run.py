@@ -53,7 +53,8 @@ from parallel4d.models.moe.spec import MoeShape
 from parallel4d.distributed.mesh import AXES, init_mesh, mesh_shape
 from parallel4d.engine.memory import SavedActivations, tensor_bytes
 from parallel4d.planning.live import LiveTensors
-from parallel4d.planning.moe import UniformLoad, expert_parameters, is_uniform_depth, stand_in_dispatchers
+from parallel4d.planning.moe import (UniformLoad, expert_parameters, is_uniform_depth, routed_tokens,
+                                     stand_in_dispatchers)
 from parallel4d.planning.trace import Op, OpTrace
 
 HEADROOM = 0.9  # a job fits when its largest rank needs at most this share of the device's memory
@@ -259,13 +260,13 @@ def _save_bytes(engine, live: LiveTensors) -> int:
 
 def moe_layer_activations(cfg: Config) -> int:
     """The bytes one MoE layer's routed path — its input, router, dispatch, experts and combine; not a shared
-    expert — keeps for the backward of one micro-batch (``[b/(dp·q)/m · s/sp, h]`` tokens) at the uniform
+    expert — keeps for the backward of one micro-batch (:func:`~.moe.routed_tokens` ``[T, h]``) at the uniform
     load (:mod:`.moe`): the layer's own code on fake tensors in the parameters' dtype, under the job's
     autocast, counted by the rule a run's first step uses (:class:`~parallel4d.engine.memory.SavedActivations`).
     Part of :attr:`RankPlan.activations` (which holds every layer's at the step's peak)."""
-    m, p = cfg.model, cfg.parallel
+    m = cfg.model
     moe = replace(MoeShape.of(m), output_router_logits=False, shared_width=0)
-    tokens = cfg.data.batch_size // (p.dp * p.q * cfg.pipeline.microbatches) * (m.seq_len // p.sp)
+    tokens = routed_tokens(cfg)
     dtype, half = parameter_dtype(cfg), cfg.train.autocast
     autocast = torch.autocast("cpu", getattr(torch, half)) if half != "none" else nullcontext()
     with FakeTensorMode(allow_non_fake_inputs=True), _default_dtype(dtype), UniformLoad():

@@ -49,6 +49,13 @@ def expert_parallel_size(cfg: Config) -> int:
     return cfg.parallel.ep
 
 
+def routed_tokens(cfg: Config) -> int:
+    """The tokens of one micro-batch an MoE layer routes on a rank: ``b/(dp·q)/m · s/sp`` (a grid row's), split
+    over the row's q ranks under 2D tp (models/moe/tp2d.py: each grid rank routes its own ``1/q`` of them)."""
+    p = cfg.parallel
+    return cfg.data.batch_size // (p.dp * p.q * cfg.pipeline.microbatches) * (cfg.model.seq_len // p.sp) // p.q
+
+
 def uniform_counts(slots: int, experts: int) -> list[int]:
     """The uniform load: ``slots`` rows over ``experts`` experts, ``slots // experts`` each, the first
     ``slots mod experts`` one more (they sum to ``slots``)."""
@@ -96,7 +103,7 @@ class UniformExpertParallel:
     def __init__(self, real: ExpertParallel):
         self.real, self.experts = real, real.experts
 
-    def __call__(self, x, ids, weights, expert_fn):
+    def __call__(self, x, ids, weights, expert_fn, counts=None):  # counts: the uniform load's, not the caller's
         r = self.real
         n, local = r.size, r.local
         counts = uniform_counts(ids.numel(), r.num_experts)
@@ -177,8 +184,9 @@ class ExpertFigures:
 def figures(cfg: Config, expert_bytes: int | None = None) -> ExpertFigures | None:
     """``cfg``'s expert figures for a rank (None for a dense model), at the uniform load. ``expert_bytes``:
     the rank's experts' weights as its dry run built them (else every MoE layer's ``E/ep`` experts in the
-    parameters' dtype). Gradients as the weights; the optimizer state two moments and AdamW's 4-byte step
-    per tensor (:func:`parallel4d.engine.memory.adam_state_bytes`' rule)."""
+    parameters' dtype: whole on every rank of a 2D grid, which splits the tokens instead). Gradients as the
+    weights; the optimizer state two moments and AdamW's 4-byte step per tensor
+    (:func:`parallel4d.engine.memory.adam_state_bytes`' rule)."""
     moe = MoeShape.of(cfg.model)
     if moe is None:
         return None
@@ -189,8 +197,7 @@ def figures(cfg: Config, expert_bytes: int | None = None) -> ExpertFigures | Non
     weights = per_layer_weights * layers if expert_bytes is None else expert_bytes
     mine = weights // per_layer_weights  # the MoE layers on this rank (its pipeline stages')
     tensors = 3 * mine
-    p = cfg.parallel
-    tokens = cfg.data.batch_size // (p.dp * p.q * cfg.pipeline.microbatches) * (m.seq_len // p.sp)
+    tokens = routed_tokens(cfg)
     passes = 2 if cfg.train.activation_checkpointing != "none" else 1
     rows = all_to_all_bytes(tokens, moe.top_k, m.hidden, ep, parameter_dtype(cfg).itemsize, passes, _computed_bytes(cfg))
     per_layer = rows + counts_bytes(moe.num_experts, ep, passes)

@@ -140,6 +140,39 @@ def reduce_scatter_batch(x, grid: Grid, label: str):
     return _ReduceScatterBatch.apply(x, grid, label)
 
 
+class _RowAllToAll(torch.autograd.Function):
+    """An all-to-all over my grid row (``along_j``) trading a split of ``scatter`` for one of ``gather``
+    (:func:`~parallel4d.distributed.comm.all_to_all`); the backward is the inverse all-to-all."""
+
+    @staticmethod
+    def forward(ctx, x, grid, label, scatter, gather):
+        ctx.grid, ctx.label, ctx.dims = grid, label, (scatter, gather)
+        return grid.comm.all_to_all(x.contiguous(), grid.along_j, scatter_dim=scatter, gather_dim=gather,
+                                    stats=grid.stats, label=label)
+
+    @staticmethod
+    def backward(ctx, g):
+        scatter, gather = ctx.dims
+        g = ctx.grid.comm.all_to_all(g.contiguous(), ctx.grid.along_j, scatter_dim=gather, gather_dim=scatter,
+                                     stats=ctx.grid.stats, label=ctx.label + ".bwd")
+        return g, None, None, None, None
+
+
+@comm.eager
+def tokens_to_row_rank(x: torch.Tensor, grid: Grid, label: str) -> torch.Tensor:
+    """``[T, h/q]`` (my grid row's ``T`` tokens, hidden block j) → ``[T/q, h]``: token block j of the row's
+    tokens, whole (one all-to-all over the row: the q ranks of a row then hold disjoint tokens, the q²
+    ranks of the grid disjoint ones). ``T`` divisible by q (the config's rule)."""
+    check_divisible(f"{label}: the tokens of a grid row (dim 0 of {tuple(x.shape)})", x.shape[0], grid.q)
+    return _RowAllToAll.apply(x, grid, label, 0, 1)
+
+
+@comm.eager
+def tokens_from_row_rank(y: torch.Tensor, grid: Grid, label: str) -> torch.Tensor:
+    """The inverse of :func:`tokens_to_row_rank`: ``[T/q, h]`` → ``[T, h/q]``."""
+    return _RowAllToAll.apply(y, grid, label, 1, 0)
+
+
 # --- activations: scatter / gather --------------------------------------------------
 
 

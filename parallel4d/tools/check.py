@@ -17,6 +17,7 @@ entries whose exact value is 0: a key bias's gradient is zero in exact arithmeti
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import math
@@ -36,12 +37,13 @@ from parallel4d.config.rules.hetero import chunk_step
 from parallel4d.config.schema import Config
 from parallel4d.engine.compose import job_schedule, pipeline_cut
 from parallel4d.launcher import launch as launch_module
+from parallel4d.models.moe.spec import MoeShape
 from parallel4d.planning.dry_run import plan
 
 LOSS_RTOL = 1e-10
 PARAM_RTOL = 1e-9
 PARAM_ATOL = 1e-12
-AXES = ("pp", "dp", "sp", "tp")
+AXES = ("pp", "dp", "sp", "tp")  # the mesh's axes (their product is the world); ep adds no ranks
 
 # What the check fixes whatever the job says: float64 on CPU, a short run, a checkpoint at its end
 RUN = ["train.dtype=float64", "train.param_dtype=null", "train.autocast_dtype=null",
@@ -72,15 +74,27 @@ class Plan:
 
 def sub_layouts(cfg: Config, limit: int) -> list[dict[str, int]]:
     """Layouts of at most ``limit`` ranks, largest first: each axis at most the job's, an axis > 1 kept
-    > 1, tp a square (its side at least 2 where the job's is). The job's own first when it fits."""
+    > 1, tp a square (its side at least 2 where the job's is), and ``ep`` (experts over ep of the dp·sp
+    replicas: no ranks of its own) at most the job's and > 1 where the job's is — whether it divides the
+    replicas and the experts is the config's rule (``config/rules/moe.py``), applied when each is loaded.
+    The job's own first when it fits."""
     p = cfg.parallel
-    want = {a: getattr(p, a) for a in AXES}
+    want = {a: getattr(p, a) for a in (*AXES, "ep")}
     choices = {a: [v for v in range(2 if want[a] > 1 else 1, want[a] + 1)] for a in ("pp", "dp", "sp")}
     choices["tp"] = [k * k for k in range(2 if want["tp"] > 1 else 1, math.isqrt(want["tp"]) + 1)]
-    out = [dict(zip(AXES, combo)) for combo in itertools.product(*(choices[a] for a in AXES))
-           if math.prod(combo) <= limit]
-    # the largest world, then the job's own sizes where they tie (pp, then tp, sp, dp kept closest)
-    return sorted(out, key=lambda d: (-math.prod(d.values()), *(-d[a] for a in ("pp", "tp", "sp", "dp"))))
+    out = []
+    for combo in itertools.product(*(choices[a] for a in AXES)):
+        replicas = combo[1] * combo[2]
+        if math.prod(combo) <= limit:
+            out += [dict(zip(AXES, combo), ep=ep) for ep in range(2 if want["ep"] > 1 else 1, want["ep"] + 1)
+                    if ep <= replicas]  # drawn from the replicas: never more than they are
+    # the largest world, then the job's own sizes where they tie (pp, then tp, sp, dp kept closest), ep largest
+    return sorted(out, key=lambda d: (-world(d), *(-d[a] for a in ("pp", "tp", "sp", "dp", "ep"))))
+
+
+def world(layout: dict[str, int]) -> int:
+    """The ranks of a layout of :func:`sub_layouts` (``ep`` draws on the data replicas: none of its own)."""
+    return math.prod(layout[a] for a in AXES)
 
 
 # --- the smallest model the rules accept -------------------------------------------------------
@@ -96,7 +110,9 @@ def _shape_steps(cfg: Config) -> list[tuple[str, Callable[[], Iterator[list[str]
         if cfg.hetero.enabled and cfg.hetero.device_budget_bytes is not None:
             first += 3  # more chunks than the least budget holds: the check moves them (one layer fits it)
         for n in [*range(first, min(m.layers, first + 4)), m.layers]:
-            yield [f"model.layers={n}"]
+            kinds = _layer_kinds(m, n)
+            if kinds is not None:
+                yield [f"model.layers={n}", *kinds]
 
     # Qwen3's heads are wider than hidden/heads: the same ratio kept (hidden ≠ heads·head_dim is an option)
     ratio = (m.hidden, m.heads * m.head_dim) if m.head_dim else (1, 1)
@@ -126,7 +142,40 @@ def _shape_steps(cfg: Config) -> list[tuple[str, Callable[[], Iterator[list[str]
             if b <= cfg.data.batch_size:
                 yield [f"data.batch_size={b}"]
 
-    return [("layers", layers), ("heads", heads), ("seq_len", seq), ("batch", batch)]
+    def experts():
+        # at least 2 experts per ep rank (routing within a rank is part of the layout) and the job's top-k;
+        # which counts split over ep: the config's rule (config/rules/moe.py), as the candidates load
+        for e in range(max(2 * p.ep, m.num_experts_per_tok or 1), m.num_experts):
+            yield [f"model.num_experts={e}"]
+        yield []  # the job's own (none without experts)
+
+    def widths():
+        # an expert (and the shared expert) at least 8 wide, as the model; only the widths the job sets
+        fields = [f for f in ("moe_intermediate_size", "shared_expert_intermediate_size") if getattr(m, f)]
+        for w in (8, 12, 16, 24, 32, 48, 64):
+            yield [f"model.{f}={w}" for f in fields if w < getattr(m, f)]
+        yield []
+
+    return [("layers", layers), ("heads", heads), ("experts", experts), ("expert widths", widths),
+            ("seq_len", seq), ("batch", batch)]
+
+
+def _layer_kinds(m, n: int) -> Optional[list[str]]:
+    """At ``n`` of the job's ``m.layers`` layers, the overrides that keep its kinds of layer (MoE layers,
+    and dense ones where it has them: ``decoder_sparse_step`` applies as it is): ``mlp_only_layers``
+    cut to the ``n`` layers, else with its layers past them moved to the last, else one dense layer of
+    the ``n``; None when none keeps both kinds."""
+    moe = MoeShape.of(m)
+    if moe is None or n == m.layers:
+        return []
+    kinds = {moe.is_sparse(i) for i in range(m.layers)}
+    candidates = [[i for i in m.mlp_only_layers if i < n], sorted({min(i, n - 1) for i in m.mlp_only_layers}),
+                  *([i] for i in range(n))] if m.mlp_only_layers else [[]]
+    for dense in candidates:
+        small = dataclasses.replace(moe, mlp_only_layers=tuple(dense))
+        if {small.is_sparse(i) for i in range(n)} == kinds:
+            return [f"model.mlp_only_layers={json.dumps(dense)}"] if m.mlp_only_layers else []
+    return None
 
 
 def _first_valid(path, fixed: list[str], options: Iterator[list[str]]) -> Optional[list[str]]:
@@ -223,15 +272,14 @@ def shrunk(path, job_overrides: list[str], steps: int = 3, max_workers: Optional
         plan.overrides[:0] = weights  # first: the shape's overrides come after them
         if weights:
             plan.notes.insert(0, "model.pretrained: random weights at the family's options (the shape is shrunk)")
-        if math.prod(layout.values()) < cfg.world_size:
+        if world(layout) < cfg.world_size:
             plan.notes.insert(0, f"world size {cfg.world_size} > {limit} local workers: the sub-layout "
-                                 + " ".join(f"{a}={v}" for a, v in layout.items()))
+                                 f"{plan.cfg.parallel.sizes}")
         return plan
     if cfg.world_size <= limit:  # the job's own layout was tried first: more workers would not help
         raise ConfigError(f"the check's run of this job (float64 on CPU, the shape shrunk) is refused: {refusals[0]}")
-    raise ConfigError(f"parallel: no layout of at most {limit} ranks keeps every axis of pp={cfg.parallel.pp} "
-                      f"dp={cfg.parallel.dp} sp={cfg.parallel.sp} tp={cfg.parallel.tp} above 1 under this config's "
-                      "rules; raise --max-workers")
+    raise ConfigError(f"parallel: no layout of at most {limit} ranks keeps every axis of {cfg.parallel.sizes} "
+                      "above 1 under this config's rules; raise --max-workers")
 
 
 def random_weights(cfg: Config) -> list[str]:
@@ -387,6 +435,16 @@ def _where(cfg: Config, name: str) -> str:
     return f"; stage {stage} is in chunk {chunk}, on pp rank {schedule.owner(chunk)}"
 
 
+def _experts_line(m) -> str:
+    """The MoE shape in the report's model line (nothing for a dense model)."""
+    if not m.num_experts:
+        return ""
+    return (f" experts={m.num_experts} top_k={m.num_experts_per_tok} moe_intermediate_size={m.expert_width}"
+            + (f" shared={m.shared_expert_intermediate_size}" if m.shared_expert_intermediate_size else "")
+            + (f" mlp_only_layers={m.mlp_only_layers}" if m.mlp_only_layers else "")
+            + (f" aux={m.router_aux_loss_coef:g}" if m.output_router_logits else ""))
+
+
 def format_report(path, plan: Plan, outcome: Outcome) -> list[str]:
     """The table ``parallel4d check`` prints."""
     c, p = plan.cfg, plan.cfg.parallel
@@ -395,7 +453,7 @@ def format_report(path, plan: Plan, outcome: Outcome) -> list[str]:
              f"  model {c.model.arch}: layers={c.model.layers} hidden={c.model.hidden} heads={c.model.heads}"
              + (f" kv_heads={c.model.kv_heads}" if c.model.kv_heads else "")
              + (f" head_dim={c.model.head_dim}" if c.model.head_dim else "")
-             + f" seq_len={c.model.seq_len} batch={c.data.batch_size}",
+             + _experts_line(c.model) + f" seq_len={c.model.seq_len} batch={c.data.batch_size}",
              *(f"  note: {n}" for n in plan.notes),
              f"  {'step':>4}  {'loss (layout)':>22}  {'loss (one process)':>22}  {'relative':>8}"]
     for i, (x, y) in enumerate(zip(outcome.losses, outcome.reference_losses), 1):

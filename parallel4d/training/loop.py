@@ -210,6 +210,14 @@ def _changes_since(checkpoint: Path, cfg: Config) -> list[dict]:
         return []
 
 
+def world_line(cfg: Config, mesh, parameters: int) -> str:
+    """The run's first log line: the world, the mesh's axes (and ``ep`` where experts are split over the
+    data replicas: it adds no axis of its own), the parameters per rank and the steps."""
+    axes = [f"{a}={n}" for a, n in mesh.shape.items()] + ([f"ep={cfg.parallel.ep}"] if cfg.parallel.ep > 1 else [])
+    return (f"[parallel4d] world {mesh.world_size} ({', '.join(axes)}), {parameters / 1e6:.2f}M parameters per rank, "
+            f"{cfg.train.steps} steps")
+
+
 def _summary_before(path: Path) -> dict:
     """The summary.json a resumed run finds ({} if none or unreadable)."""
     try:
@@ -263,8 +271,7 @@ def run_training(cfg: Config) -> dict:
     metrics = None
     if lead:
         out_dir.mkdir(parents=True, exist_ok=True)
-        _log(f"[parallel4d] world {mesh.world_size} ({', '.join(f'{a}={n}' for a, n in mesh.shape.items())}), "
-             f"{engine.parameter_count() / 1e6:.2f}M parameters per rank, {cfg.train.steps} steps")
+        _log(world_line(cfg, mesh, engine.parameter_count()))
         metrics = MetricsLog(out_dir, run.resumed_from, tensorboard=cfg.train.tensorboard)
         if run.resumed_from is not None:  # where the curves continue, under which layout, with what changed
             metrics.event("resume", run.resumed_from, checkpoint=str(run.saved), parallel=cfg.parallel.model_dump(),

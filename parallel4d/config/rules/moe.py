@@ -1,6 +1,7 @@
 """Mixture-of-experts rules (``model.num_experts`` and the fields beside it): what the router and the
 layer selection need, the MoE fields set on a dense model, ``parallel.ep`` (experts over data-replica
-ranks) and the layouts MoE layers do not run in yet (data, sequence and expert ranks only, for now).
+ranks), the 2D grid's token split (:func:`grid_problems`) and the layouts MoE layers do not run in yet
+(pipelines, hetero, DeepSpeed).
 
 Torch-free; ``models/llama/spec.py`` calls :func:`field_problems` among its rules, ``config/checks.py``
 :func:`layout_problems` among the cross-field rules.
@@ -11,7 +12,7 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
-from parallel4d.config.rules.common import closest, divisors, or_list
+from parallel4d.config.rules.common import closest, divisors, nearest_multiples, or_list
 
 if TYPE_CHECKING:  # annotations only: the schema imports the rules
     from parallel4d.config.schema import Config, ModelConfig
@@ -73,14 +74,33 @@ def ep_problems(cfg: Config) -> list[str]:
 
 
 #: what MoE layers do not compose with yet, and the fix of each
-_NOT_YET = "pipelines, the 2D grid and DeepSpeed come later"
+_NOT_YET = "DeepSpeed comes later"
+
+
+def grid_problems(cfg: Config) -> list[str]:
+    """Under 2D tp (``q = √tp > 1``) an MoE layer splits each grid row's tokens of a micro-batch, ``B/(dp·q·m)``
+    rows of ``S/sp`` tokens, over the row's q ranks (models/moe/tp2d.py): their number must divide by q.
+    (A batch the grid rows do not split is the data rules' to report.)"""
+    p, q = cfg.parallel, cfg.parallel.q
+    rows_per_grid = p.dp * q * cfg.pipeline.microbatches
+    if q == 1 or cfg.data.batch_size % rows_per_grid or cfg.model.seq_len % p.sp:
+        return []
+    rows, tokens = cfg.data.batch_size // rows_per_grid, cfg.model.seq_len // p.sp
+    if (rows * tokens) % q == 0:
+        return []
+    return [f"model.num_experts={cfg.model.num_experts} with parallel.tp={p.tp}: an MoE layer splits each grid row's "
+            f"{rows} × {tokens} = {rows * tokens} tokens of a micro-batch (data.batch_size / (dp·q·microbatches) "
+            f"rows of model.seq_len / parallel.sp) over its q={q} ranks, and {rows * tokens} is not divisible by "
+            f"{q}; use model.seq_len a multiple of parallel.sp × {q} = {p.sp * q} (e.g. model.seq_len="
+            f"{or_list(nearest_multiples(cfg.model.seq_len, p.sp * q))}), or data.batch_size a multiple of "
+            f"{rows_per_grid * q}"]
 
 
 def layout_problems(cfg: Config, family_has_moe: bool) -> list[str]:
     """MoE fields on a dense model (``num_experts: 0``, any family), MoE layers in a family that has none
     (``family_has_moe``: the family reads ``num_experts``), ``parallel.ep`` (:func:`ep_problems`), or MoE
-    layers in a layout they do not run in yet: data and sequence ranks (dp, sp, ep), with or without
-    hetero, only — no pp, no tp, no DeepSpeed."""
+    layers in a layout they do not run in yet: every parallel axis (dp, sp, ep, pp, tp: :func:`grid_problems`),
+    with or without hetero — no DeepSpeed."""
     m = cfg.model
     if not m.num_experts:
         stray = _set_fields(m)
@@ -90,12 +110,9 @@ def layout_problems(cfg: Config, family_has_moe: bool) -> list[str]:
     if not family_has_moe:
         return [f"model.num_experts={m.num_experts} with model.arch={m.arch}: only the llama family has "
                 "mixture-of-experts layers; use model.arch=llama, or model.num_experts=0"]
-    p = cfg.parallel
-    wide = [(f"parallel.{a}={getattr(p, a)}", f"parallel.{a}=1") for a in ("pp", "tp") if getattr(p, a) > 1]
-    other = [("a deepspeed: section", "remove the deepspeed: section")] if cfg.deepspeed is not None else []
-    out = ep_problems(cfg)
-    if wide + other:
-        out.append(f"model.num_experts={m.num_experts} (mixture-of-experts layers) runs over parallel.dp, "
-                   f"parallel.sp and parallel.ep (hetero too) for now ({_NOT_YET}), not with "
-                   f"{', '.join(w for w, _ in wide + other)}; use {', '.join(f for _, f in wide + other)}")
+    out = ep_problems(cfg) + grid_problems(cfg)
+    if cfg.deepspeed is not None:
+        out.append(f"model.num_experts={m.num_experts} (mixture-of-experts layers) runs over every parallel axis "
+                   f"and hetero for now ({_NOT_YET}), not with a deepspeed: section; remove the deepspeed: section "
+                   "(parallel4d's own engine trains MoE models in every layout)")
     return out

@@ -14,7 +14,8 @@ act per head on the local ``[b/q, s, a/q, d]`` (whole heads, their weight ``[d]`
 rank: :class:`~parallel4d.tensor2d.layers.HeadRMSNorm2D`). Rotary embeddings (the dense
 attention's :class:`~.rotary.Rotary`) act per head on the local ``[b/q, a/q, s, d]`` q and k with
 the tokens' global ``positions`` in a sequence of ``length`` tokens. The SwiGLU product is
-elementwise on the matching ``[b/q, s, I/q]`` blocks of gate and up.
+elementwise on the matching ``[b/q, s, I/q]`` blocks of gate and up. An MoE layer (Qwen3-MoE, Qwen2-MoE,
+Mixtral) is :class:`~parallel4d.models.moe.tp2d.SparseMoE2D`: its tokens, not its weights, split over the grid.
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ from parallel4d.models.dropout import Site, attend
 from parallel4d.models.llama.model import Block, Embedding, Head, rotary_positions
 from parallel4d.models.stages import dense_attention
 from parallel4d.models.llama.rotary import Rotary, rotate
+from parallel4d.models.moe.layer import SparseMoE
+from parallel4d.models.moe.tp2d import SparseMoE2D
 from parallel4d.tensor2d.checks import check_divisible, check_heads
 from parallel4d.tensor2d.composite import Composite2D, Head2D
 from parallel4d.tensor2d.layers import HeadRMSNorm2D, Linear2D, RMSNorm2D, VocabParallelEmbedding2D
@@ -38,7 +41,8 @@ class LlamaBlock2D(Composite2D, ReadsContext):
     ``[b/q, a/q, s, d]`` and k, v ``[b/q, kv/q, s, d]``. ``positions`` ``[s]``: the tokens'
     global positions (None: ``0..s-1``) in a sequence of ``length`` tokens (None: ``s``).
     ``qk_norms``: Qwen3's ``(q_norm, k_norm)``, or None. ``attn_drop``: the dense block's attention
-    dropout site for this grid column's heads (None: none)."""
+    dropout site for this grid column's heads (None: none). ``mlp``: the SwiGLU's ``(gate, up, down)``
+    :class:`Linear2D` layers, or a mixture of experts' :class:`SparseMoE2D` (its dense names under ``mlp.``)."""
 
     def __init__(self, norms, projections, mlp, heads: int, kv_heads: int, rotary: Rotary, attention_fn=None,
                  causal: bool = True, qk_norms=None, attn_drop: Site | None = None):
@@ -46,7 +50,10 @@ class LlamaBlock2D(Composite2D, ReadsContext):
         self.attn_drop = attn_drop or Site(0.0, 1, "attention")
         self.input_layernorm, self.post_attention_layernorm = norms
         self.q_proj, self.k_proj, self.v_proj, self.o_proj = projections
-        self.gate_proj, self.up_proj, self.down_proj = mlp
+        if isinstance(mlp, SparseMoE2D):
+            self.mlp = mlp
+        else:
+            self.gate_proj, self.up_proj, self.down_proj = mlp
         self.q_norm, self.k_norm = qk_norms or (None, None)
         q = self.q_proj.grid.q
         self.local_heads, self.local_kv_heads = heads // q, kv_heads // q
@@ -74,15 +81,23 @@ class LlamaBlock2D(Composite2D, ReadsContext):
         return cls((RMSNorm2D.from_dense(block.input_layernorm, mesh, name=f"{name}.input_layernorm"),
                     RMSNorm2D.from_dense(block.post_attention_layernorm, mesh, name=f"{name}.post_attention_layernorm")),
                    tuple(lin(getattr(attn, p), f"self_attn.{p}") for p in ("q_proj", "k_proj", "v_proj", "o_proj")),
+                   SparseMoE2D.from_dense(mlp, mesh, name=f"{name}.mlp") if isinstance(mlp, SparseMoE) else
                    tuple(lin(getattr(mlp, p), f"mlp.{p}") for p in ("gate_proj", "up_proj", "down_proj")),
                    attn.heads, attn.kv_heads, attn.rotary, attention_fn, causal=attn.causal, qk_norms=qk_norms,
                    attn_drop=attn.attn_drop.shifted(mesh.rank("tp_col") * (attn.heads // q)))
 
     def _parts(self):
         norms = [(f"self_attn.{p}.", getattr(self, p)) for p in ("q_norm", "k_norm")] if self.q_norm else []
+        mlp = [("mlp.", self.mlp)] if self.sparse else \
+            [(f"mlp.{p}.", getattr(self, p)) for p in ("gate_proj", "up_proj", "down_proj")]
         return [("input_layernorm.", self.input_layernorm), ("post_attention_layernorm.", self.post_attention_layernorm),
                 *((f"self_attn.{p}.", getattr(self, p)) for p in ("q_proj", "k_proj", "v_proj", "o_proj")), *norms,
-                *((f"mlp.{p}.", getattr(self, p)) for p in ("gate_proj", "up_proj", "down_proj"))]
+                *mlp]
+
+    @property
+    def sparse(self) -> bool:
+        """Whether the block's MLP is a mixture of experts."""
+        return isinstance(getattr(self, "mlp", None), SparseMoE2D)
 
     def attention(self, x):
         """``[b/q, s, h/q]`` → ``[b/q, s, h/q]`` (my heads only; no communication in the core)."""
@@ -102,6 +117,8 @@ class LlamaBlock2D(Composite2D, ReadsContext):
     def forward(self, x):
         x = x + self.attention(self.input_layernorm(x))
         h = self.post_attention_layernorm(x)
+        if self.sparse:
+            return x + self.mlp(h)
         return x + self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
 
 

@@ -98,8 +98,9 @@ class Experts(nn.Module):
             raise RuntimeError("Experts.keep: choose the experts before making them one module each (by_expert)")
         for name in self.NAMES:
             whole = getattr(self, name)
-            setattr(self, name, nn.Parameter(whole.detach()[experts.start:experts.stop].clone(),
-                                             requires_grad=whole.requires_grad))
+            kept = nn.Parameter(whole.detach()[experts.start:experts.stop].clone(), requires_grad=whole.requires_grad)
+            kept.__dict__.update(whole.__dict__)  # the parameter's tags (a 2D layout's tensor2d_replicated_over)
+            setattr(self, name, kept)
         self.held = range(self.held.start + experts.start, self.held.start + experts.stop)
 
     def by_expert(self) -> None:
@@ -113,17 +114,26 @@ class Experts(nn.Module):
             delattr(self, name)
         self.each = nn.ModuleList(Expert(*(whole[name].detach()[e].clone() for name in self.NAMES), grad)
                                   for e in range(len(self.held)))
+        for expert in self.each:  # the parameters' tags, as keep() carries them
+            for name in self.NAMES:
+                getattr(expert, name).__dict__.update(whole[name].__dict__)
 
-    def dense_layout(self) -> dict[str, tuple[str, tuple[int, ...], Callable]]:
-        """``{name: (its stacked tensor's name, the stacked shape of all E experts, pieces)}``: this rank's
-        experts are one box of each stacked tensor, at row :attr:`held`'s start along ``E``; one module per
-        expert, each of its weights is one row (the checkpoints' layout-free format either way)."""
+    def dense_layout(self) -> dict[str, tuple[tuple[int, ...], Callable]]:
+        """``{name: (the stacked shape of all E experts, pieces)}``: this rank's experts are one box of each
+        stacked tensor, at row :attr:`held`'s start along ``E`` — one module per expert, each of its weights
+        (``each.<j>.<name>``, of the stacked tensor :meth:`dense_name`) one row (the checkpoints' layout-free
+        format either way)."""
         if self.each is None:
-            return {name: (name, (self.num_experts, *getattr(self, name).shape[1:]),
+            return {name: ((self.num_experts, *getattr(self, name).shape[1:]),
                            functools.partial(_rows_from, self.held.start)) for name in self.NAMES}
-        return {f"each.{j}.{name}": (name, (self.num_experts, *getattr(expert, name).shape),
+        return {f"each.{j}.{name}": ((self.num_experts, *getattr(expert, name).shape),
                                      functools.partial(_row_at, self.held.start + j))
                 for j, expert in enumerate(self.each) for name in self.NAMES}
+
+    @staticmethod
+    def dense_name(name: str) -> str:
+        """The stacked tensor a parameter of this module is part of: ``gate_proj`` itself, ``each.<j>.gate_proj``'s."""
+        return name.rsplit(".", 1)[-1]
 
 
 def _rows_from(first: int, t: torch.Tensor) -> list[tuple[tuple[int, ...], torch.Tensor]]:
@@ -163,15 +173,25 @@ class SparseMoE(ReadsContext):
 
     def forward(self, x):
         shape = x.shape
-        flat = x.reshape(-1, shape[-1])  # [T, h]
-        routing = route(self.gate(flat), self.moe.top_k, self.moe.norm_topk_prob)
+        return self.mix(x.reshape(-1, shape[-1])).reshape(shape)
+
+    def mix(self, flat: torch.Tensor) -> torch.Tensor:
+        """The layer on tokens ``flat`` ``[T, h]`` → ``[T, h]``: routed (its :class:`~.balance.LayerLoad`
+        recorded), dispatched to the experts, plus the gated shared expert. Each part runs through
+        :meth:`part`."""
+        routing = route(self.part("gate", flat), self.moe.top_k, self.moe.norm_topk_prob)
+        picks = count_per_expert(routing.experts, self.moe.num_experts)  # once: the dispatch's and the aux loss's
         if self.moe.output_router_logits and self.context is not None:
-            picks = count_per_expert(routing.experts, self.moe.num_experts)
             self.context.state.routing[self.layer] = layer_load(routing.probs, picks)
-        out = self.dispatcher(flat, routing.experts, routing.weights, self.experts)
+        out = self.dispatcher(flat, routing.experts, routing.weights, functools.partial(self.part, "experts"), picks)
         if self.has_shared:
-            out = out + torch.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)
-        return out.reshape(shape)
+            out = out + torch.sigmoid(self.part("shared_expert_gate", flat)) * self.part("shared_expert", flat)
+        return out
+
+    def part(self, name: str, *args) -> torch.Tensor:
+        """Submodule ``name`` (``gate``, ``experts``, ``shared_expert``, ``shared_expert_gate``) on ``args``;
+        a layout whose copies of the parameters need their gradients summed overrides it (the 2D twin)."""
+        return getattr(self, name)(*args)
 
 
 def from_transformers(tensor: torch.Tensor, how: str) -> torch.Tensor:
