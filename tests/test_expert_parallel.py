@@ -58,6 +58,7 @@ ACCUMULATED = "dp=2 × sp=2, ep=2, 2 micro-batches, blocks recomputed"
 GRID = "tp=4 (q=2), blocks recomputed"
 HANAYO = "Hanayo pp=2 × dp=2, ep=2, 2 micro-batches, blocks recomputed"
 ZERO_BUBBLE = "zb_h1 pp=2 × sp=2, ep=2, 2 micro-batches"
+FOUR_AXES = "Hanayo pp=2 × zigzag ring sp=2 × tp=4, ep=2, 2 micro-batches, blocks recomputed"
 LAYOUTS = {
     "dp=2 × sp=2, ep=1": _job({"dp": 2, "sp": 2}),
     "dp=2 × sp=2, ep=2": _job({"dp": 2, "sp": 2, "ep": 2}),
@@ -81,6 +82,8 @@ LAYOUTS = {
 MICROBATCH_ROWS = {name: [[4 * d + 2 * i + j for d in range(2) for j in range(2)] for i in range(2)]
                    for name in (ACCUMULATED, HANAYO)}
 MICROBATCH_ROWS[ZERO_BUBBLE] = [list(range(4)), list(range(4, 8))]  # one data replica
+# the grid's two rows of ranks hold rows 0-3 and 4-7 as two data replicas would
+MICROBATCH_ROWS[FOUR_AXES] = MICROBATCH_ROWS[ACCUMULATED]
 #: hetero's ZeRO with experts 1 and 3 chosen by no token (tests/test_hetero_experts.py's one-sided router, top-1):
 #: every rank skips its second expert (1 on ep rank 0, 3 on ep rank 1), agreed over the 4 data replicas
 UNCHOSEN = "dp=2 × sp=2, ep=2, hetero, top-1, experts 1 and 3 chosen by no token"
@@ -302,7 +305,13 @@ def test_hetero_moves_chunks_under_a_budget_below_the_models_data(trained):
 
 
 # the suite's 16-worker job (tests/conftest.py): the grid with every other axis an MoE layer composes with
-SIXTEEN = {"tp=4 × dp=2 × sp=2, ep=2": _job({"tp": 4, "dp": 2, "sp": 2, "ep": 2})}
+SIXTEEN = {"tp=4 × dp=2 × sp=2, ep=2": _job({"tp": 4, "dp": 2, "sp": 2, "ep": 2}),
+           # every axis an MoE layer composes with at once: the pipeline's messages carry the statistics, the grid
+           # splits the MoE layers' tokens, the ring's shards are the ep ranks (4 chunks as HANAYO's)
+           FOUR_AXES: _job({"pp": 2, "sp": 2, "tp": 4, "ep": 2},
+                           pipeline={"schedule": "hanayo", "waves": 1, "microbatches": 2},
+                           sequence={"layout": "zigzag", "causal": True},
+                           train={"activation_checkpointing": "blocks"})}
 
 
 def sixteen_worker_job(tmp):
@@ -317,13 +326,13 @@ def sixteen_worker_job(tmp):
 
 
 def test_experts_on_the_grid_with_data_sequence_and_expert_ranks_train_as_one_process(sixteen_workers):
-    """tp=4 (q=2) × dp=2 × sp=2 with ep=2 (ep groups: the ranks at one grid position): the one-process losses
-    (1e-10) and parameters (1e-9); each rank's experts are its ep slice, whole on each grid rank."""
+    """tp=4 (q=2) × dp=2 × sp=2 with ep=2 (ep groups: the ranks at one grid position), and every axis at once
+    (Hanayo pp=2 × zigzag ring sp=2 × tp=4, ep=2 over the ring's ranks, 2 micro-batches, recomputation): the
+    one-process losses (1e-10) and parameters (1e-9); each rank's experts are its ep slice, whole on each grid rank."""
     results = [r["test_expert_parallel"] for r in sixteen_workers]
-    want_losses, want = one_process()
     for name in SIXTEEN:
-        check_pieces(results, name, want_losses, want)
-        rows = {off for r in results for off, _ in r[name][1]["blocks.0.mlp.experts.gate_proj"]}
+        check_pieces(results, name, *one_process(name))
+        rows = {off for r in results for off, _ in r[name][1].get("blocks.0.mlp.experts.gate_proj", [])}
         assert rows == {(0, 0, 0), (2, 0, 0)}
 
 
