@@ -1,7 +1,7 @@
 """Mixture-of-experts rules (``model.num_experts`` and the fields beside it): what the router and the
 layer selection need, the MoE fields set on a dense model, ``parallel.ep`` (experts over data-replica
 ranks), the 2D grid's token split (:func:`grid_problems`) and the layouts MoE layers do not run in yet
-(pipelines, hetero, DeepSpeed).
+(a deepspeed: section).
 
 Torch-free; ``models/llama/spec.py`` calls :func:`field_problems` among its rules, ``config/checks.py``
 :func:`layout_problems` among the cross-field rules.
@@ -100,7 +100,7 @@ def layout_problems(cfg: Config, family_has_moe: bool) -> list[str]:
     """MoE fields on a dense model (``num_experts: 0``, any family), MoE layers in a family that has none
     (``family_has_moe``: the family reads ``num_experts``), ``parallel.ep`` (:func:`ep_problems`), or MoE
     layers in a layout they do not run in yet: every parallel axis (dp, sp, ep, pp, tp: :func:`grid_problems`),
-    with or without hetero but for hetero on the 2D grid — no DeepSpeed."""
+    with or without hetero — no DeepSpeed."""
     m = cfg.model
     if not m.num_experts:
         stray = _set_fields(m)
@@ -111,11 +111,6 @@ def layout_problems(cfg: Config, family_has_moe: bool) -> list[str]:
         return [f"model.num_experts={m.num_experts} with model.arch={m.arch}: only the llama family has "
                 "mixture-of-experts layers; use model.arch=llama, or model.num_experts=0"]
     out = ep_problems(cfg) + grid_problems(cfg)
-    if cfg.hetero.enabled and cfg.parallel.tp > 1:
-        out.append(f"model.num_experts={m.num_experts} with parallel.tp={cfg.parallel.tp} and hetero.enabled=true: an MoE "
-                   "layer on the 2D grid sums its weights' gradients over the grid where it uses them, which hetero's "
-                   "chunks do not support yet; use hetero.enabled=false, or parallel.tp=1 (MoE layers run under hetero "
-                   "at every other layout)")
     if cfg.deepspeed is not None:
         out.append(f"model.num_experts={m.num_experts} (mixture-of-experts layers) runs over every parallel axis "
                    f"and hetero for now ({_NOT_YET}), not with a deepspeed: section; remove the deepspeed: section "

@@ -177,21 +177,16 @@ class SparseMoE(ReadsContext):
 
     def mix(self, flat: torch.Tensor) -> torch.Tensor:
         """The layer on tokens ``flat`` ``[T, h]`` → ``[T, h]``: routed (its :class:`~.balance.LayerLoad`
-        recorded), dispatched to the experts, plus the gated shared expert. Each part runs through
-        :meth:`part`."""
-        routing = route(self.part("gate", flat), self.moe.top_k, self.moe.norm_topk_prob)
+        recorded), dispatched to the experts, plus the gated shared expert. Each part is its submodule's call
+        (the 2D twin's submodules sum their parameters' gradients over the grid in their own forward)."""
+        routing = route(self.gate(flat), self.moe.top_k, self.moe.norm_topk_prob)
         picks = count_per_expert(routing.experts, self.moe.num_experts)  # once: the dispatch's and the aux loss's
         if self.moe.output_router_logits and self.context is not None:
             self.context.state.routing[self.layer] = layer_load(routing.probs, picks)
-        out = self.dispatcher(flat, routing.experts, routing.weights, functools.partial(self.part, "experts"), picks)
+        out = self.dispatcher(flat, routing.experts, routing.weights, self.experts, picks)
         if self.has_shared:
-            out = out + torch.sigmoid(self.part("shared_expert_gate", flat)) * self.part("shared_expert", flat)
+            out = out + torch.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)
         return out
-
-    def part(self, name: str, *args) -> torch.Tensor:
-        """Submodule ``name`` (``gate``, ``experts``, ``shared_expert``, ``shared_expert_gate``) on ``args``;
-        a layout whose copies of the parameters need their gradients summed overrides it (the 2D twin)."""
-        return getattr(self, name)(*args)
 
 
 def from_transformers(tensor: torch.Tensor, how: str) -> torch.Tensor:

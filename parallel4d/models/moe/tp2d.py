@@ -16,7 +16,10 @@ instead, as Megatron's "parallel folding" gives MoE layers a layout of their own
 Gradients. Every grid rank's parameters are the same and its tokens its own, so each parameter is used
 through :func:`~parallel4d.tensor2d.grid.replicated_over_grid` (tagged ``("tp_row", "tp_col")``, as a
 per-head norm's weight): its gradient is summed over the grid in the backward, each micro-batch's, and a
-gradient norm counts it once. The engine then sums the experts over their replicas and averages over the
+gradient norm counts it once. The sum is taken where the parameter is used, inside the forward of the
+module that owns it (:func:`_forward_with_grid_sums`), as the per-head norm takes it in its own forward:
+after that module's forward pre-hooks ran, so a layout that gives a parameter its data in such a hook
+(hetero's chunks) has placed it, and what autograd saves is a view of those data. The engine then sums the experts over their replicas and averages over the
 data replicas as without the grid. The load-balancing statistics of a forward are the grid's tokens
 together: the engine sums them over the grid ranks too.
 
@@ -28,7 +31,7 @@ by the grid: the memory of ``E/ep`` experts on every rank, as at tp = 1.
 
 from __future__ import annotations
 
-from torch.func import functional_call
+import types
 
 import torch
 import torch.nn as nn
@@ -55,6 +58,7 @@ class SparseMoE2D(SparseMoE):
             self.shared_expert, self.shared_expert_gate = dense.shared_expert, dense.shared_expert_gate
         self.grid, self.name = Grid(mesh), name
         self._tag()
+        self._sum_grads_over_grid()
 
     @classmethod
     def from_dense(cls, dense: SparseMoE, mesh, *, name: str = "mlp") -> "SparseMoE2D":
@@ -63,6 +67,15 @@ class SparseMoE2D(SparseMoE):
     def _tag(self) -> None:
         for p in self.parameters():
             p.tensor2d_replicated_over = ON_EVERY_GRID_RANK
+
+    def _sum_grads_over_grid(self) -> None:
+        """Every submodule that owns parameters uses them through the grid's gradient sums in its own
+        forward (:func:`_forward_with_grid_sums`; the experts' module stays the same one when
+        :meth:`place_experts` keeps their rows, and it reads its parameters at each call)."""
+        for prefix, module in self.named_modules():
+            if module is not self and next(module.parameters(recurse=False), None) is not None:
+                module.grid_sums = (self.grid, f"{self.name}.{prefix}")
+                module.forward = types.MethodType(_forward_with_grid_sums, module)
 
     def place_experts(self, dispatcher: Dispatcher) -> None:
         super().place_experts(dispatcher)
@@ -73,18 +86,6 @@ class SparseMoE2D(SparseMoE):
         label = f"{self.name}.tokens"
         flat = tokens_to_row_rank(x.reshape(bq * s, hq), self.grid, label)  # [T/q, h]: token block j, whole
         return tokens_from_row_rank(self.mix(flat), self.grid, label).reshape(bq, s, hq)
-
-    def part(self, name: str, *args) -> torch.Tensor:
-        """Submodule ``name`` on ``args`` with each of its parameters' gradients summed over the grid."""
-        module = getattr(self, name)
-        used = {n: replicated_over_grid(p, self.grid, f"{self.name}.{name}.{n}.grad")
-                for n, p in module.named_parameters()}
-        out = functional_call(module, used, args)
-        if name == "experts" and args[0].shape[0] == 0:
-            # no rows reached this rank's experts: their weights still take part (a zero gradient), so the
-            # gradient sums over the grid happen on this rank as on its peers
-            out = out + sum(w[:0].sum() for w in used.values())
-        return out
 
     # --- the dense views (Composite2D's parts' interface) ---
 
@@ -103,3 +104,24 @@ class SparseMoE2D(SparseMoE):
 
     def dense_grads(self) -> dict[str, torch.Tensor]:
         return {n: p.grad if p.grad is not None else torch.zeros_like(p) for n, p in self.named_parameters()}
+
+
+def _forward_with_grid_sums(module: nn.Module, *args, **kwargs):
+    """``module``'s own forward with each of its direct parameters used through
+    :func:`~parallel4d.tensor2d.grid.replicated_over_grid` (``module.grid_sums``: the grid, the label's
+    prefix): its gradient summed over the grid. Run as ``module.forward``, after the module's forward
+    pre-hooks: a parameter whose data such a hook places is used as placed. An output without elements (an
+    expert module no row reached on this rank) still takes every weight in (a zero gradient), so that the
+    gradient sums over the grid run on this rank as on its peers."""
+    grid, label = module.grid_sums
+    params = module._parameters  # the aliases stand in for the parameters for this call only
+    kept = dict(params)
+    used = {n: replicated_over_grid(p, grid, f"{label}.{n}.grad") for n, p in kept.items() if p is not None}
+    params.update(used)
+    try:
+        out = type(module).forward(module, *args, **kwargs)
+    finally:
+        params.update(kept)
+    if isinstance(out, torch.Tensor) and out.numel() == 0:
+        out = out + sum(w[:0].sum() for w in used.values())
+    return out
