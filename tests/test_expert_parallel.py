@@ -56,6 +56,7 @@ PACKED = "dp=2 × sp=2, ep=2, packed documents"
 COMPILED = "dp=2 × sp=2, ep=2, compiled blocks"
 ACCUMULATED = "dp=2 × sp=2, ep=2, 2 micro-batches, blocks recomputed"
 GRID = "tp=4 (q=2), blocks recomputed"
+GRID_HETERO = "tp=4 (q=2), hetero (a budget below the model)"
 HANAYO = "Hanayo pp=2 × dp=2, ep=2, 2 micro-batches, blocks recomputed"
 ZERO_BUBBLE = "zb_h1 pp=2 × sp=2, ep=2, 2 micro-batches"
 FOUR_AXES = "Hanayo pp=2 × zigzag ring sp=2 × tp=4, ep=2, 2 micro-batches, blocks recomputed"
@@ -68,6 +69,8 @@ LAYOUTS = {
                       train={"activation_checkpointing": "blocks"}),
     COMPILED: _job({"dp": 2, "sp": 2, "ep": 2}, train={"compile": "blocks"}),  # the dispatch a graph break
     "dp=4, ep=1, hetero": _job({"dp": 4}, hetero={"enabled": True, "chunk_elems": 2048}),
+    # the grid's gradient sums taken on the parameters hetero has placed (each submodule's own forward)
+    GRID_HETERO: _job({"tp": 4}, hetero=HETERO),
     HETERO_EP: _job({"dp": 2, "sp": 2, "ep": 2}, hetero=HETERO),  # the last hetero job: its statistics kept
     PACKED: _job({"dp": 2, "sp": 2, "ep": 2},  # 4 rows: the reference runs each document alone
                  data={**BASE["data"], "batch_size": 4, "packing": "documents", "eod_token": EOD}),
@@ -267,18 +270,20 @@ def documents_and_balance(model, tokens, targets, step):
 def test_experts_over_data_and_sequence_ranks_train_as_one_process(trained, name):
     """Losses (cross entropy + 0.5 × the load-balancing loss) 1e-10, every parameter after 3 steps 1e-9;
     each rank's expert pieces are its slice of the one-process stacked tensors: one box of E/ep experts, or
-    under hetero (one module per expert) one box per expert."""
+    under hetero (one module per expert, but on the 2D grid) one box per expert."""
     want_losses, want = one_process(name)
     assert want_losses[1] < want_losses[0]
     check_pieces(trained, name, want_losses, want)
-    ep, hetero = LAYOUTS[name]["parallel"].get("ep", 1), "hetero" in LAYOUTS[name]
+    parallel = LAYOUTS[name]["parallel"]
+    # hetero makes the experts one module each, but on the 2D grid (stacked there)
+    ep, one_per_expert = parallel.get("ep", 1), "hetero" in LAYOUTS[name] and parallel.get("tp", 1) == 1
     for _, pieces in [r[name] for r in trained]:
         boxes = pieces.get("blocks.0.mlp.experts.gate_proj")
         if boxes is None:  # a pp rank without layer 0
             continue
         rows = sorted(off[0] + i for off, t in boxes for i in range(t.shape[0]))
         assert rows == list(range(rows[0], rows[0] + 4 // ep)) and rows[0] % (4 // ep) == 0, rows
-        assert len(boxes) == (4 // ep if hetero else 1)
+        assert len(boxes) == (4 // ep if one_per_expert else 1)
 
 
 def test_experts_no_token_chose_are_skipped_alike_on_every_zero_rank(trained):

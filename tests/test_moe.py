@@ -320,11 +320,9 @@ def test_moe_fields_that_cannot_run_are_refused(fields, words):
      ["parallel.tp=4", "1 × 15 = 15 tokens", "not divisible by 2", "model.seq_len=14 or 16",
       "data.batch_size a multiple of 4"]),
     ({"model": {"arch": "gpt2"}}, ["model.arch=gpt2: only the llama family", "model.num_experts=0"]),
-    ({"parallel": {"tp": 4}, "hetero": {"enabled": True}},
-     ["parallel.tp=4 and hetero.enabled=true", "use hetero.enabled=false, or parallel.tp=1"]),
 ])
 def test_moe_layouts_not_supported_yet_are_refused(sections, words):
-    """A family without MoE layers and hetero on the 2D grid are refused naming the field, and a 2D grid whose
+    """A family without MoE layers is refused naming the field, and a 2D grid whose
     rows' tokens its MoE layers cannot split over the row's q ranks names the fields that fix it."""
     job = {"model": {"arch": "llama", "num_experts": 4, "num_experts_per_tok": 2, **sections.get("model", {})},
            **{k: v for k, v in sections.items() if k != "model"}}

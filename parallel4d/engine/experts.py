@@ -74,7 +74,8 @@ def by_expert_under_hetero(cfg: Config, mesh: Mesh, stages: dict[int, nn.Module]
     group = mesh.group_over("dp", "sp") if mesh.size("dp") * mesh.size("sp") > 1 else None
     for stage in stages.values():
         for module in stage.modules():
-            # (under 2D tp the layer calls its experts through its grid's gradient sums: stacked, moved whole)
+            # (a 2D tp layer's stay stacked, moved whole: one module each, the grid's ranks would have to agree
+            # on the experts that run, for their gradient sums over the grid)
             if isinstance(module, SparseMoE) and not isinstance(module, SparseMoE2D):
                 module.experts.by_expert()
                 module.dispatcher.agreement = Agreement(group, mesh.comm_stats)
