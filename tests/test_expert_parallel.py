@@ -59,7 +59,7 @@ GRID = "tp=4 (q=2), blocks recomputed"
 GRID_HETERO = "tp=4 (q=2), hetero (a budget below the model)"
 HANAYO = "Hanayo pp=2 × dp=2, ep=2, 2 micro-batches, blocks recomputed"
 ZERO_BUBBLE = "zb_h1 pp=2 × sp=2, ep=2, 2 micro-batches"
-FOUR_AXES = "Hanayo pp=2 × zigzag ring sp=2 × tp=4, ep=2, 2 micro-batches, blocks recomputed"
+FOUR_AXES = "Hanayo pp=2 × zigzag ring sp=2 × tp=4, ep=2, hetero, 2 micro-batches, blocks recomputed"
 LAYOUTS = {
     "dp=2 × sp=2, ep=1": _job({"dp": 2, "sp": 2}),
     "dp=2 × sp=2, ep=2": _job({"dp": 2, "sp": 2, "ep": 2}),
@@ -316,6 +316,7 @@ SIXTEEN = {"tp=4 × dp=2 × sp=2, ep=2": _job({"tp": 4, "dp": 2, "sp": 2, "ep": 
            FOUR_AXES: _job({"pp": 2, "sp": 2, "tp": 4, "ep": 2},
                            pipeline={"schedule": "hanayo", "waves": 1, "microbatches": 2},
                            sequence={"layout": "zigzag", "causal": True},
+                           hetero={**HETERO, "device_budget_bytes": 200_000},  # 4 chunks resident at once here
                            train={"activation_checkpointing": "blocks"})}
 
 
@@ -326,7 +327,7 @@ def sixteen_worker_job(tmp):
     from test_llama import train_layouts
 
     start = time.perf_counter()
-    out = train_layouts(SIXTEEN)
+    out = train_layouts(SIXTEEN, with_hetero_stats=True)  # the hetero statistics: FOUR_AXES's
     return {**out, "seconds": time.perf_counter() - start}
 
 
@@ -339,6 +340,8 @@ def test_experts_on_the_grid_with_data_sequence_and_expert_ranks_train_as_one_pr
         check_pieces(results, name, *one_process(name))
         rows = {off for r in results for off, _ in r[name][1].get("blocks.0.mlp.experts.gate_proj", [])}
         assert rows == {(0, 0, 0), (2, 0, 0)}
+    for r in results:  # FOUR_AXES's chunks moved: a device budget below every rank's model data
+        assert r["hetero"]["device_budget_bytes"] < r["hetero"]["model_data_bytes"] and r["hetero"]["bytes_moved"] > 0
 
 
 def router_reference(steps: int, rows_of=(tuple(range(8)),)) -> list[tuple[float, list[float]]]:
