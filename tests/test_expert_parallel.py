@@ -11,9 +11,10 @@ Layouts: dp=2 × sp=2 at ep 1 (experts replicated, reduced as dense weights), 2 
 hetero (ZeRO over the data replicas, the experts' rows over their replicas), and pipelines with ep: Hanayo
 pp=2 × dp=2 and zb_h1 (split backward) pp=2 × sp=2, where the load-balancing loss's statistics travel with
 the activations from chunk to chunk (models/moe/balance.py).
-One micro-batch per step: the auxiliary loss is a forward's, and the one-process forward is then the
-whole batch (with m micro-batches the layout's micro-batch ``i`` is every replica's ``i``-th share: the
-one process runs those rows as one forward each).
+The auxiliary loss is a forward's (a micro-batch's): with m micro-batches the one process runs rows
+``[i·B/m, (i+1)·B/m)`` as forward i, and every layout's micro-batch i is those rows (``engine/batch.py``: each
+rank holds its share of each micro-batch), so the plain one-process reference holds at dp·q > 1 too;
+``parallel4d check`` of an ep job with 2 micro-batches compares against exactly that.
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ HETERO_EP = "dp=2 × sp=2, ep=2, hetero (a budget below the model)"
 PACKED = "dp=2 × sp=2, ep=2, packed documents"
 COMPILED = "dp=2 × sp=2, ep=2, compiled blocks"
 ACCUMULATED = "dp=2 × sp=2, ep=2, 2 micro-batches, blocks recomputed"
-GRID = "tp=4 (q=2), blocks recomputed"
+GRID = "tp=4 (q=2), 2 micro-batches, blocks recomputed"
 GRID_HETERO = "tp=4 (q=2), hetero (a budget below the model)"
 HANAYO = "Hanayo pp=2 × dp=2, ep=2, 2 micro-batches, blocks recomputed"
 ZERO_BUBBLE = "zb_h1 pp=2 × sp=2, ep=2, 2 micro-batches"
@@ -74,19 +75,14 @@ LAYOUTS = {
     HETERO_EP: _job({"dp": 2, "sp": 2, "ep": 2}, hetero=HETERO),  # the last hetero job: its statistics kept
     PACKED: _job({"dp": 2, "sp": 2, "ep": 2},  # 4 rows: the reference runs each document alone
                  data={**BASE["data"], "batch_size": 4, "packing": "documents", "eod_token": EOD}),
-    GRID: _job({"tp": 4}, train={"activation_checkpointing": "blocks"}),  # the q=2 grid: experts whole on each rank
+    # the q=2 grid: experts whole on each rank; each grid row holds its half of each micro-batch
+    GRID: _job({"tp": 4}, pipeline={"microbatches": 2}, train={"activation_checkpointing": "blocks"}),
     # 4 chunks: [embedding, MoE layer 0] on pp rank 0, [dense layer 1], [MoE layer 2] on rank 1, [head] on rank 0
     HANAYO: _job({"pp": 2, "dp": 2, "ep": 2}, pipeline={"schedule": "hanayo", "waves": 1, "microbatches": 2},
                  train={"activation_checkpointing": "blocks"}),
     # [embedding, MoE layer 0, layer 1] on pp rank 0, [MoE layer 2, head: the loss] on rank 1
     ZERO_BUBBLE: _job({"pp": 2, "sp": 2, "ep": 2}, pipeline={"schedule": "zb_h1", "microbatches": 2}),
 }
-#: micro-batch i of 2 (as one process runs it): the i-th half of each data replica's rows of 8
-MICROBATCH_ROWS = {name: [[4 * d + 2 * i + j for d in range(2) for j in range(2)] for i in range(2)]
-                   for name in (ACCUMULATED, HANAYO)}
-MICROBATCH_ROWS[ZERO_BUBBLE] = [list(range(4)), list(range(4, 8))]  # one data replica
-# the grid's two rows of ranks hold rows 0-3 and 4-7 as two data replicas would
-MICROBATCH_ROWS[FOUR_AXES] = MICROBATCH_ROWS[ACCUMULATED]
 #: hetero's ZeRO with experts 1 and 3 chosen by no token (tests/test_hetero_experts.py's one-sided router, top-1):
 #: every rank skips its second expert (1 on ep rank 0, 3 on ep rank 1), agreed over the 4 data replicas
 UNCHOSEN = "dp=2 × sp=2, ep=2, hetero, top-1, experts 1 and 3 chosen by no token"
@@ -122,12 +118,21 @@ def evaluate_pretrained(directory: str, parallel: dict) -> tuple[float, int]:
     return loss, read
 
 
-def check_plan():
-    """``parallel4d check``'s plan of test_check's MoE job (ep=8 over dp=8, 16 experts) on 4 workers."""
-    from parallel4d.tools.check import shrunk
-    from test_check import MOE_JOB, QUICKSTART
+def checked_job() -> list[str]:
+    """test_check's MoE job (ep=8 over dp=8, 16 experts, the auxiliary loss on) with 2 micro-batches: every data
+    replica holds a share of each, so its auxiliary loss is one process's only if the layout's micro-batch i is
+    one process's micro-batch i."""
+    from test_check import MOE_JOB
 
-    return shrunk(QUICKSTART, MOE_JOB, max_workers=4)
+    return [*MOE_JOB, "pipeline.microbatches=2"]
+
+
+def check_plan():
+    """``parallel4d check``'s plan of :func:`checked_job` on 4 workers."""
+    from parallel4d.tools.check import shrunk
+    from test_check import QUICKSTART
+
+    return shrunk(QUICKSTART, checked_job(), max_workers=4)
 
 
 def _train(jobs: dict, tmp: str, pretrained: str | None) -> dict:
@@ -218,21 +223,26 @@ def qwen3_moe(tmp_path_factory) -> str | None:
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory, qwen3_moe):
     tmp = tmp_path_factory.mktemp("ep")
-    from test_check import MOE_JOB
-
-    (tmp / "check.json").write_text(json.dumps([*MOE_JOB, *check_plan().overrides]))  # the job's, then the check's
+    (tmp / "check.json").write_text(json.dumps([*checked_job(), *check_plan().overrides]))  # the job's, the check's
     return run_workers(_train, 4, LAYOUTS, str(tmp), qwen3_moe, timeout_s=300)
+
+
+def microbatch_rows(name: str | None = None) -> tuple[tuple[int, ...], ...]:
+    """The rows of each micro-batch of job ``name`` (None: BASE's one) as one process cuts its batch of 8:
+    ``[i·8/m, (i+1)·8/m)``."""
+    m = {**LAYOUTS, **SIXTEEN}[name].get("pipeline", {}).get("microbatches", 1) if name else 1
+    return tuple(tuple(range(i * 8 // m, (i + 1) * 8 // m)) for i in range(m))
 
 
 def one_process(name: str | None = None):
     """The dense model on the whole batch in this process (the layout changes nothing: one run for all);
     with packed documents each document alone (tests/test_packed_training.py's reference), the
-    load-balancing loss over every document's tokens; with 2 micro-batches each micro-batch's rows
-    (:data:`MICROBATCH_ROWS`) one forward each."""
+    load-balancing loss over every document's tokens; with m micro-batches one process's m micro-batches
+    (:func:`microbatch_rows`), one forward each."""
     if name == PACKED:
         return _one_process(PACKED)
-    rows = MICROBATCH_ROWS.get(name)
-    return _one_process(None if rows is None else tuple(map(tuple, rows)))
+    rows = microbatch_rows(name)
+    return _one_process(None if len(rows) == 1 else rows)
 
 
 @functools.cache
@@ -372,7 +382,7 @@ def test_every_rank_reports_the_whole_batchs_auxiliary_loss_and_expert_load(trai
     whole batch (1e-10; micro-batches' averaged) and each expert's share of its picks (exact fractions) —
     under zb_h1 on pp rank 0 too, whose chunk holds MoE layer 0 but not the loss (rank 0 writes
     metrics.jsonl)."""
-    want = router_reference(3, MICROBATCH_ROWS.get(name, (tuple(range(8)),)))
+    want = router_reference(3, microbatch_rows(name))
     for rank in trained:
         for (aux, load), (want_aux, want_load) in zip(rank[("router", name)], want, strict=True):
             assert aux == pytest.approx(want_aux, rel=1e-10)
@@ -415,19 +425,21 @@ def test_a_pretrained_moe_directory_loads_each_ranks_experts_only(trained, qwen3
 
 def test_the_check_of_an_ep_job_shrunk_to_4_workers_is_equal(trained, tmp_path):
     """``parallel4d check`` of an ep=8 job over dp=8 (16 experts, a shared expert, dense layers, the
-    auxiliary loss) on 4 workers: a sub-layout keeping ep > 1 and fewer experts, equal to one process;
-    its report names ep."""
+    auxiliary loss, 2 micro-batches) on 4 workers: a sub-layout keeping ep > 1, dp > 1 and fewer experts,
+    equal to one process running the same 2 micro-batches; its report names ep."""
     from conftest import run_in_this_process
     from parallel4d.tools.check import compare, format_report, into
-    from test_check import MOE_JOB, QUICKSTART
+    from test_check import QUICKSTART
 
     plan = check_plan()
     summary, out = trained[0]["check"]
-    reference = into(plan.reference(QUICKSTART, MOE_JOB), tmp_path)
+    reference = into(plan.reference(QUICKSTART, checked_job()), tmp_path)
     outcome = compare(plan.cfg, summary, run_in_this_process(reference, []), Path(out) / "checkpoints",
                       tmp_path / "checkpoints")
     report = "\n".join(format_report(QUICKSTART, plan, outcome))
-    assert plan.cfg.world_size == 4 and plan.cfg.parallel.ep > 1 and outcome.equal, report
+    assert plan.cfg.world_size == 4 and plan.cfg.parallel.ep > 1 and plan.cfg.parallel.dp > 1, report
+    assert plan.cfg.pipeline.microbatches == 2 and plan.cfg.model.output_router_logits, report
+    assert outcome.equal, report
     assert f"ep={plan.cfg.parallel.ep}" in report.splitlines()[0], report
 def test_a_pipelines_evaluation_carries_the_statistics_too(single_rank):
     """Forwards only (``for_evaluation``, as ``Engine.evaluate`` runs a pipeline): 4 chunks in this process

@@ -66,8 +66,7 @@ def jobs(draw) -> tuple[list[str], float | None, int | None]:
     out.append(f"train.activation_checkpointing={draw(st.sampled_from(['none', 'blocks']))}")
     if draw(st.booleans()):
         out.append("train.eval_every=2")
-    # the load-balancing loss is a micro-batch's: see _experts
-    out += _experts(draw, dp * sp, dp == 1 or m == 1) if "model.arch=llama" in out else []  # the family with MoE
+    out += _experts(draw, dp * sp) if "model.arch=llama" in out else []  # the family with MoE
     budget = draw(st.sampled_from([None, 0.001, 0.2, 0.5]))
     out.append(f"hetero.enabled={budget is not None or draw(st.booleans())}")
     resume = draw(st.sampled_from([None, None, None, 1, 2]))
@@ -98,13 +97,12 @@ def _model(draw) -> list[str]:
     return out
 
 
-def _experts(draw, replicas: int, balance: bool = True) -> list[str]:
+def _experts(draw, replicas: int) -> list[str]:
     """Mixture-of-experts layers (or none) in any layout — which layouts they run in is the config's
     rule (a refused draw is counted as refused): 4 or 8 experts, top-1, top-2 or every expert, split over
     an ep dividing the ``replicas`` data-replica ranks; a shared expert, dense layers (``mlp_only_layers``,
-    ``decoder_sparse_step``), renormalised top-k and the load-balancing loss, each or not (the loss
-    off unless ``balance``: the check's one process cuts micro-batches from the whole batch where a layout
-    cuts each data replica's rows, the same batches at dp = 1 or one micro-batch)."""
+    ``decoder_sparse_step``), renormalised top-k and the load-balancing loss (a micro-batch's: every
+    layout's micro-batch i is the check's one process's, engine/batch.py), each or not."""
     if not draw(st.booleans()):
         return []
     e = draw(st.sampled_from([4, 8]))
@@ -117,7 +115,7 @@ def _experts(draw, replicas: int, balance: bool = True) -> list[str]:
     out += [f"model.decoder_sparse_step={step}"] if step > 1 else []
     dense = draw(st.sampled_from([[], [], [0], [1, 6]]))  # of model.layers=8
     out += [f"model.mlp_only_layers=[{','.join(map(str, dense))}]"] if dense else []
-    aux = balance and draw(st.booleans())
+    aux = draw(st.booleans())
     out.append(f"model.output_router_logits={aux}")
     return out + ([f"model.router_aux_loss_coef={draw(st.sampled_from([0.5, 0.01]))}"] if aux else [])
 
@@ -185,7 +183,9 @@ def test_the_fuzzer_draws_experts_and_ep_in_every_layout_and_the_moe_shapes():
     """#48: the draws put MoE layers (split over parallel.ep > 1) beside pipelines, the 2D grid and hetero
     alike — whichever of them validate refuses is the config's call, counted as refused — with every MoE
     shape the rules know: 4 or 8 experts, top-1, top-2 and every expert, a shared expert, dense layers
-    (mlp_only_layers, decoder_sparse_step), renormalised top-k, the auxiliary loss on and off. Generation only."""
+    (mlp_only_layers, decoder_sparse_step), renormalised top-k, the auxiliary loss on and off — on also where
+    the data rows split over dp or the grid's rows with several micro-batches (a micro-batch's loss, each
+    rank holding a share of every micro-batch). Generation only."""
     seen = set()
 
     @settings(max_examples=400, deadline=None, database=None, phases=[Phase.generate],
@@ -201,11 +201,14 @@ def test_the_fuzzer_draws_experts_and_ep_in_every_layout_and_the_moe_shapes():
                          *(["hetero"] if job["hetero.enabled"] == "True" else []),
                          *(f for f in ("model.shared_expert_intermediate_size", "model.mlp_only_layers",
                                        "model.decoder_sparse_step", "model.router_aux_loss_coef") if f in job),
-                         *(f"{f}={job.get(f)}" for f in ("model.norm_topk_prob", "model.output_router_logits"))})
+                         *(f"{f}={job.get(f)}" for f in ("model.norm_topk_prob", "model.output_router_logits")),
+                         *(f"aux loss, {a}>1, micro-batches>1" for a in ("dp", "tp") if int(job[f"parallel.{a}"]) > 1
+                           and int(job["pipeline.microbatches"]) > 1 and job["model.output_router_logits"] == "True")})
 
     draw()
     want = {"experts=4", "experts=8", "top-k 1", "top-k 2", "top-k all", "pp>1", "tp>1", "ep>1", "hetero",
             "model.shared_expert_intermediate_size", "model.mlp_only_layers", "model.decoder_sparse_step",
             "model.router_aux_loss_coef", "model.norm_topk_prob=True", "model.norm_topk_prob=False",
-            "model.output_router_logits=True", "model.output_router_logits=False"}
+            "model.output_router_logits=True", "model.output_router_logits=False",
+            "aux loss, dp>1, micro-batches>1", "aux loss, tp>1, micro-batches>1"}
     assert want <= seen, sorted(want - seen)

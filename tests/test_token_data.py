@@ -183,9 +183,10 @@ def test_a_validation_token_file_is_checked_like_the_training_one(token_file, tm
                      "model": {"vocab_size": 320, "seq_len": 8}, "train": {"eval_every": 5}})
 
 
-def test_a_rank_reads_only_its_rows(tmp_path):
+@pytest.mark.parametrize("rows", [range(2, 4), [1, 5]], ids=["a block", "a share of each of 2 micro-batches"])
+def test_a_rank_reads_only_its_rows(tmp_path, rows):
     """``batch(step, rows)`` reads those windows from the file and no other; they equal the same rows
-    of the whole batch (the engine takes only them: ``engine.local_rows``)."""
+    of the whole batch (the engine takes only them: ``engine.local_rows``, a rank's rows of each micro-batch)."""
     path = counting_file(tmp_path / "count.bin", 4000)
     ds = build_dataset(make_config({"data": {"source": "tokens", "path": str(path), "batch_size": 8},
                                     "model": {"vocab_size": 4000, "seq_len": 8}}))
@@ -204,10 +205,11 @@ def test_a_rank_reads_only_its_rows(tmp_path):
             return self.tokens[index]
 
     ds.tokens = Recorded(ds.tokens)
-    part = ds.batch(5, range(2, 4))
+    part = ds.batch(5, rows)
     assert len(reads) == 2 and all(r.stop - r.start == 9 for r in reads)
+    others = [r for r in range(8) if r not in rows]
     for got, want in zip(part, whole):
-        assert torch.equal(got[2:4], want[2:4]) and not got[:2].any() and not got[4:].any()
+        assert torch.equal(got[list(rows)], want[list(rows)]) and not got[others].any()
 
 
 def test_text_globs_pick_the_corpus_files(tmp_path):

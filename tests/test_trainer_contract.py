@@ -77,7 +77,7 @@ def test_the_engine_implements_the_contract(single_rank):
     engine = compose(make_config(TINY), init_mesh())
     assert Trainer in Engine.__mro__ and isinstance(engine, Trainer)
     assert missing(Engine) == [] and missing(engine) == []
-    assert engine.data_rows() == range(0, 8) and engine.held_memory() is None and engine.hetero_stats() is None
+    assert list(engine.data_rows()) == list(range(8)) and engine.held_memory() is None and engine.hetero_stats() is None
     del engine.last_lr  # an attribute the contract names, gone: seen
     assert missing(engine) == ["last_lr"]
 

@@ -4,8 +4,8 @@ or a user's token file (``TokenFile``).
 
 ``batch(step)`` returns the same ``[batch_size, seq_len]`` tokens and next-token targets on every
 rank for a given (seed, step), whatever the parallel layout. Each rank trains on its own rows
-(``engine.local_rows``) and reads only those (``batch(step, rows)``), so a parallel run sees
-exactly the data of the single-process reference.
+(``engine.local_rows``: its share of each micro-batch) and reads only those (``batch(step, rows)``,
+any sequence of row indices), so a parallel run sees exactly the data of the single-process reference.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ class SyntheticTokens:
     def __init__(self, vocab_size: int, seq_len: int, batch_size: int, seed: int = 0):
         self.vocab_size, self.seq_len, self.batch_size, self.seed = vocab_size, seq_len, batch_size, seed
 
-    def batch(self, step: int, rows: range | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def batch(self, step: int, rows: Sequence[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         del rows  # computed, not read: every row costs next to nothing
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
         start = torch.randint(0, self.vocab_size, (self.batch_size, 1), generator=g)
@@ -86,9 +86,9 @@ class _Windows:
             raise ValueError(f"{what}: {hi - lo} tokens, not more than model.seq_len+1={seq_len + 1}; give more data, "
                              "or a larger data.val_fraction when it is the validation part")
 
-    def batch(self, step: int, rows: range | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def batch(self, step: int, rows: Sequence[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Tokens and next-token targets ``[batch_size, seq_len]`` of step ``step``. ``rows``: read
-        only those windows (a rank's share, ``engine.local_rows``); the other rows are zeros."""
+        only those windows (row indices: a rank's share, ``engine.local_rows``); the other rows are zeros."""
         starts = _window_starts(self.seed, step, self.lo, self.hi, self.seq_len, self.batch_size)
         seq = torch.zeros(self.batch_size, self.seq_len + 1, dtype=torch.int64)
         for r in rows if rows is not None else range(self.batch_size):
@@ -156,7 +156,7 @@ class Validation:
     def __init__(self, source):
         self.source = source
 
-    def batch(self, k: int, rows: range | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def batch(self, k: int, rows: Sequence[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         return self.source.batch(VALIDATION_STREAM + k, rows)
 
 

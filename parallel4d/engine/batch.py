@@ -1,4 +1,6 @@
-"""A rank's share of the global batch: rows block ``dp``, then rows block ``tp_row``, then
+"""A rank's share of the global batch, micro-batch by micro-batch: the batch is cut into the
+``pipeline.microbatches`` micro-batches one process runs (rows ``[i·B/m, (i+1)·B/m)``), each micro-batch
+into ``dp·q`` blocks of rows (rank (dp d, tp_row r) takes block ``d·q + r`` of every micro-batch), then
 sequence shard ``sp`` (in ``sequence.layout``): ``[B, S]`` → ``[B/(dp·q), S/sp]``; with packed
 documents (``data.packing: documents``) also each micro-batch's documents and positions, and the
 targets that never cross a boundary (:func:`packed_step`)."""
@@ -10,6 +12,7 @@ from typing import NamedTuple
 import torch
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
+from parallel4d.config.rules.data import batch_problem
 from parallel4d.data.packing import IGNORE, boundary_targets, document_positions, document_starts
 from parallel4d.distributed.mesh import Mesh, to_device
 from parallel4d.models.context import Packed
@@ -17,25 +20,38 @@ from parallel4d.sequence.documents import Documents
 from parallel4d.sequence.ulysses import hybrid_position_tensor
 
 
-def local_rows(mesh: Mesh, batch_size: int) -> range:
-    """The rows of a global batch this rank trains on: block ``dp`` of the batch, then block
-    ``tp_row`` of that (the sequence shard is taken from those rows)."""
+def microbatch_rows(mesh: Mesh, batch_size: int, microbatches: int = 1) -> list[range]:
+    """This rank's rows of each micro-batch of a global batch, in order: micro-batch ``i`` is rows
+    ``[i·B/m, (i+1)·B/m)`` (one process's micro-batch ``i``, in every layout: what a micro-batch's statistics,
+    the MoE load-balancing loss, need), cut into ``dp·q`` equal blocks, of which this rank takes block
+    ``k = dp rank · q + tp_row rank``: rows ``i·B/m + k·B/(m·dp·q)`` onwards, ``B/(m·dp·q)`` of them
+    (contiguous: a dropout draw names its first). At ``m = 1``: block ``k`` of the batch."""
     dp, q = mesh.size("dp"), mesh.size("tp_row")
-    if batch_size % (dp * q):
-        raise ValueError(f"a batch of {batch_size} rows does not split into dp·q = {dp}·{q} equal parts")
-    per = batch_size // (dp * q)
-    start = (mesh.rank("dp") * q + mesh.rank("tp_row")) * per
-    return range(start, start + per)
+    problem = batch_problem(batch_size, microbatches, [("parallel.dp", dp), ("q", q)])
+    if problem:
+        raise ValueError(problem)
+    per_microbatch = batch_size // microbatches
+    per = per_microbatch // (dp * q)
+    first = (mesh.rank("dp") * q + mesh.rank("tp_row")) * per
+    return [range(i * per_microbatch + first, i * per_microbatch + first + per) for i in range(microbatches)]
 
 
-def local_batch(mesh: Mesh, x: torch.Tensor, layout: str = "zigzag", ulysses: int = 1) -> torch.Tensor:
-    """This rank's share of a global ``[B, S]`` tensor (tokens or targets): its rows
-    (:func:`local_rows`), then sequence shard sp in ``layout`` (``sequence.layout``; with ``ulysses > 1``
-    the hybrid layout, :func:`~parallel4d.sequence.ulysses.hybrid_positions`)
-    → ``[B/(dp·q), S/sp]`` on ``mesh.device``. A host tensor is page-locked and copied without
-    making the host wait (a plain copy from pageable memory would wait for the device's queue)."""
-    rows = local_rows(mesh, x.shape[0])
-    x = x[rows.start:rows.stop]
+def local_rows(mesh: Mesh, batch_size: int, microbatches: int = 1) -> list[int]:
+    """The rows of a global batch this rank trains on (the sequence shard is taken from those rows), in the
+    order it runs them: :func:`microbatch_rows` one micro-batch after the other, ``B/(dp·q)`` rows."""
+    return [row for rows in microbatch_rows(mesh, batch_size, microbatches) for row in rows]
+
+
+def local_batch(mesh: Mesh, x: torch.Tensor, layout: str = "zigzag", ulysses: int = 1,
+                microbatches: int = 1) -> torch.Tensor:
+    """This rank's share of a global ``[B, S]`` tensor (tokens or targets): its rows of each of the
+    ``microbatches`` micro-batches (:func:`local_rows`: ``chunk(microbatches)`` of the result gives them),
+    then sequence shard sp in ``layout`` (``sequence.layout``; with ``ulysses > 1`` the hybrid layout,
+    :func:`~parallel4d.sequence.ulysses.hybrid_positions`) → ``[B/(dp·q), S/sp]`` on ``mesh.device``. A host
+    tensor is page-locked and copied without making the host wait (a plain copy from pageable memory would
+    wait for the device's queue)."""
+    spans = microbatch_rows(mesh, x.shape[0], microbatches)  # slices, not an index tensor: no copy to a device
+    x = x[spans[0].start:spans[0].stop] if len(spans) == 1 else torch.cat([x[r.start:r.stop] for r in spans])
     if mesh.size("sp") > 1:  # the ring's layout is the hybrid one with ulysses = 1
         x = x.index_select(1, hybrid_position_tensor(x.shape[1], mesh.rank("sp"), mesh.size("sp"), ulysses, layout,
                                                      device=x.device))
@@ -71,8 +87,7 @@ def _packed_step(mesh, tokens, targets, eod, microbatches, layout, ulysses) -> P
     if valid == 0:
         raise ValueError(f"data.eod_token={eod}: every target of the batch follows an end-of-document token, so "
                          "no token is left to learn from; check data.eod_token (or the token file's eos_token_id)")
-    rows = local_rows(mesh, tokens.shape[0])
-    starts = document_starts(tokens[rows.start:rows.stop], eod)
+    starts = document_starts(tokens[local_rows(mesh, tokens.shape[0], microbatches)], eod)  # micro-batch-major
     positions = document_positions(starts)  # [b, S]
     if mesh.size("sp") > 1:
         positions = positions.index_select(1, hybrid_position_tensor(tokens.shape[1], mesh.rank("sp"),

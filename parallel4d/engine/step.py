@@ -6,6 +6,7 @@ model's names."""
 from __future__ import annotations
 
 from contextlib import nullcontext
+from typing import Sequence
 
 import torch
 import torch.distributed as dist
@@ -15,7 +16,7 @@ from parallel4d.config.rules.data import eod_token
 from parallel4d.config.schema import Config
 from parallel4d.distributed import comm
 from parallel4d.distributed.mesh import Mesh
-from parallel4d.engine.batch import local_batch, local_rows, packed_step
+from parallel4d.engine.batch import local_batch, local_rows, microbatch_rows, packed_step
 from parallel4d.engine.memory import SavedActivations, tensor_bytes
 from parallel4d.engine.model import TORCH_DTYPES, model_shape, parameter_count
 from parallel4d.engine.state import checkpoint_keys, dense_state_dict, local_state
@@ -68,22 +69,26 @@ class Engine(Trainer):
         self.last_aux_loss: torch.Tensor | None = None  # MoE: the last step's auxiliary loss, float64 [], see train_step
 
     # --- data ---------------------------------------------------------------------
-    def data_rows(self) -> range:
-        """The rows of each global batch this rank reads (the data need not read the others); with
-        packed documents every row (the loss is normalised by the whole batch's valid targets)."""
+    def data_rows(self) -> Sequence[int]:
+        """The rows of each global batch this rank reads (the data need not read the others:
+        :func:`~.batch.local_rows`); with packed documents every row (the loss is normalised by the whole
+        batch's valid targets)."""
         if self.eod is not None:
             return range(self.cfg.data.batch_size)
-        return local_rows(self.mesh, self.cfg.data.batch_size)
+        return local_rows(self.mesh, self.cfg.data.batch_size, self.cfg.pipeline.microbatches)
 
     def local_batch(self, x: torch.Tensor) -> torch.Tensor:
-        """This rank's share of a global ``[B, S]`` tensor: ``[B/(dp·q), S/sp]``."""
-        return local_batch(self.mesh, x, self.cfg.sequence.layout, self.cfg.sequence.ulysses)
+        """This rank's share of a global ``[B, S]`` tensor, its rows of each micro-batch in turn
+        (:func:`~.batch.local_batch`): ``[B/(dp·q), S/sp]``, whose ``chunk(m)`` are its micro-batches."""
+        seq = self.cfg.sequence
+        return local_batch(self.mesh, x, seq.layout, seq.ulysses, self.cfg.pipeline.microbatches)
 
     # --- one step -----------------------------------------------------------------
-    def _draw(self, rows: range, microbatch: int, mb: int) -> Draw:
-        """Micro-batch ``microbatch`` of ``mb``'s dropout draw: this step and the global index of its first
-        sample (this rank's ``rows`` of the batch cut in ``mb`` equal parts), as one process draws it."""
-        return Draw(self.step, rows.start + microbatch * (len(rows) // mb))
+    def _draw(self, rows: list[range], microbatch: int) -> Draw:
+        """Micro-batch ``microbatch``'s dropout draw: this step and the global index of its first sample
+        (``rows``: this rank's rows of each micro-batch, :func:`~.batch.microbatch_rows`), as one process
+        draws it."""
+        return Draw(self.step, rows[microbatch].start)
 
     def _packing(self, tokens: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, list[Packed | None]]:
         """The step's targets and each micro-batch's packed documents (:func:`~.batch.packed_step`; without
@@ -94,11 +99,11 @@ class Engine(Trainer):
         seq = self.cfg.sequence
         return packed_step(self.mesh, tokens, targets, self.eod, mb, seq.layout, seq.ulysses)
 
-    def _forward_backward(self, x, y, rows: range, packs: list[Packed | None]) -> torch.Tensor:
+    def _forward_backward(self, x, y, rows: list[range], packs: list[Packed | None]) -> torch.Tensor:
         mb = self.cfg.pipeline.microbatches
 
         def state(i: int) -> State:  # micro-batch i's
-            return State(self._draw(rows, i, mb), packs[i])
+            return State(self._draw(rows, i), packs[i])
 
         if self.executor is not None:
             self.executor.loss_scale = self._scale()
@@ -154,7 +159,8 @@ class Engine(Trainer):
         targets, packs = self._packing(tokens, targets)
         x, y = self.local_batch(tokens), self.local_batch(targets)
         self.store.start_gradient_reduction()
-        loss = self._forward_backward(x, y, local_rows(self.mesh, tokens.shape[0]), packs)
+        rows = microbatch_rows(self.mesh, tokens.shape[0], self.cfg.pipeline.microbatches)
+        loss = self._forward_backward(x, y, rows, packs)
         self.store.finish_gradient_reduction()
         return loss
 

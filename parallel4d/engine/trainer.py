@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from abc import abstractmethod
 from pathlib import Path
-from typing import Protocol, runtime_checkable
+from typing import Protocol, Sequence, runtime_checkable
 
 import torch
 
@@ -35,8 +35,8 @@ class Trainer(Protocol):
 
     # --- training -------------------------------------------------------------------
     @abstractmethod
-    def data_rows(self) -> range | None:
-        """The rows of each global ``[B, S]`` batch this rank reads, or None for all of them."""
+    def data_rows(self) -> Sequence[int] | None:
+        """The rows of each global ``[B, S]`` batch this rank reads (ascending), or None for all of them."""
 
     @abstractmethod
     def train_step(self, tokens: torch.Tensor, targets: torch.Tensor, measure_grad_norm: bool = False,

@@ -30,7 +30,8 @@ How the engine uses it (one optimizer step = one ``executor.step``)::
     tied = TiedGradSync(mesh, sched)   # collective over the world: build once, on every rank
 
     # 3. each step (zero grads first, as usual)
-    tokens_mb = list(tokens.chunk(m)); targets_mb = list(targets.chunk(m))   # this (dp, …) shard
+    # tokens, targets: this rank's shard, local_batch(mesh, ·, layout, microbatches=m): its rows of each micro-batch
+    tokens_mb = list(tokens.chunk(m)); targets_mb = list(targets.chunk(m))
     res = executor.step(tokens_mb if sched.owner(0) == me else None,
                         targets_mb if sched.owner(sched.num_chunks - 1) == me else None)
     if tied.active and me in tied.owners:

@@ -39,9 +39,9 @@ class Parallel4DEngine(DeepSpeedEngine):
         """One optimizer step on the global batch ``[B, S]`` (``gradient_accumulation_steps``
         micro-batches of this rank's shard through forward / backward / step); the global mean loss,
         float64 ``[]`` on the device (not read back: that would wait for the step)."""
-        layout = self.p4d_cfg.sequence.layout
-        x, y = local_batch(self.p4d_mesh, tokens, layout), local_batch(self.p4d_mesh, targets, layout)
-        gas = self.gradient_accumulation_steps()
+        layout, gas = self.p4d_cfg.sequence.layout, self.gradient_accumulation_steps()
+        # each micro-batch one process's (rows [i·B/m, (i+1)·B/m)), as parallel4d's engine cuts them
+        x, y = (local_batch(self.p4d_mesh, t, layout, microbatches=gas) for t in (tokens, targets))
         total = torch.zeros((), dtype=torch.float64, device=x.device)
         for xm, ym in zip(x.chunk(gas), y.chunk(gas)):
             loss = self(xm, ym)
@@ -73,8 +73,8 @@ class DeepSpeedPipeline:
         """One optimizer step on the global batch ``[B, S]``; the global mean loss, float64 ``[]`` on the device."""
         cfg, mesh = self.p4d_cfg, self.p4d_mesh
         m = cfg.pipeline.microbatches
-        x = local_batch(mesh, tokens, cfg.sequence.layout)
-        y = local_batch(mesh, targets, cfg.sequence.layout)
+        x = local_batch(mesh, tokens, cfg.sequence.layout, microbatches=m)  # rank's share of each micro-batch
+        y = local_batch(mesh, targets, cfg.sequence.layout, microbatches=m)
         result = self.executor.step(list(x.chunk(m)), list(y.chunk(m)))  # the loss is each replica's share
         self.last_step_info = {"peak_activations": result.peak_activations, "wait_s": result.wait_s}
         if self.tied_sync is not None:
