@@ -291,3 +291,12 @@ def test_check_of_an_moe_job_with_a_sparse_step_shrinks_the_layers_keeping_both_
            "model.mlp_only_layers=[1, 6]"]
     m = shrunk(QUICKSTART, job).cfg.model
     assert m.layers == 2 and len(sparse_layers(MoeShape.of(m), m.layers)) == 1, (m.layers, m.mlp_only_layers)
+
+
+def test_check_of_a_routing_moe_job_keeps_more_experts_than_the_top_k():
+    """A top-2 job at ep=1 shrunk to 2 workers: its router chooses 2 of 16, so the shrunk model keeps more
+    experts than its top-k (the first shrink gave 2 experts of top-2: every token to every expert, no routing,
+    and a load-balancing loss that cannot tell which tokens share a micro-batch)."""
+    job = [*MOE_JOB, "parallel.dp=2", "parallel.ep=1"]
+    m = shrunk(QUICKSTART, job, max_workers=2).cfg.model
+    assert m.num_experts_per_tok == 2 < m.num_experts < 16, m.num_experts

@@ -143,9 +143,12 @@ def _shape_steps(cfg: Config) -> list[tuple[str, Callable[[], Iterator[list[str]
                 yield [f"data.batch_size={b}"]
 
     def experts():
-        # at least 2 experts per ep rank (routing within a rank is part of the layout) and the job's top-k;
-        # which counts split over ep: the config's rule (config/rules/moe.py), as the candidates load
-        for e in range(max(2 * p.ep, m.num_experts_per_tok or 1), m.num_experts):
+        # at least 2 experts per ep rank (routing within a rank is part of the layout) and more than the job's
+        # top-k where the job's router chooses (a top-k of every expert routes nothing: the load-balancing loss
+        # could not tell which tokens share a micro-batch); which counts split over ep: the config's rule
+        # (config/rules/moe.py), as the candidates load
+        k = m.num_experts_per_tok or 1
+        for e in range(max(2 * p.ep, k + 1 if k < m.num_experts else k), m.num_experts):
             yield [f"model.num_experts={e}"]
         yield []  # the job's own (none without experts)
 
