@@ -6,7 +6,7 @@ ep=2 resumed at ep=1, ep=4, dp=4 and tp=4, and one saved at tp=4 resumed at ep=2
 the stacked tensors, any layout loads them); and a Qwen3-MoE directory loaded at ep=2, each rank reading its
 experts only.
 
-Layouts: dp=2 × sp=2 at ep 1 (experts replicated, reduced as dense weights), 2 and 4, dp=4 at ep=2, the
+Layouts: dp=2 × sp=2 at ep 1 (experts replicated, reduced as dense weights), 2 and 4 (with Ulysses), dp=4 at ep=2, the
 2D grid tp=4 (q=2: the MoE layers' tokens split over the grid, experts whole on each rank; models/moe/tp2d.py),
 hetero (ZeRO over the data replicas, the experts' rows over their replicas), and pipelines with ep: Hanayo
 pp=2 × dp=2 and zb_h1 (split backward) pp=2 × sp=2, where the load-balancing loss's statistics travel with
@@ -64,7 +64,8 @@ FOUR_AXES = "Hanayo pp=2 × zigzag ring sp=2 × tp=4, ep=2, hetero, 2 micro-batc
 LAYOUTS = {
     "dp=2 × sp=2, ep=1": _job({"dp": 2, "sp": 2}),
     "dp=2 × sp=2, ep=2": _job({"dp": 2, "sp": 2, "ep": 2}),
-    "dp=2 × sp=2, ep=4": _job({"dp": 2, "sp": 2, "ep": 4}),
+    # Ulysses: attention trades heads for sequence over the sp ranks; the MoE layers see [b, s/sp, h] as with a ring
+    "dp=2 × Ulysses sp=2, ep=4": _job({"dp": 2, "sp": 2, "ep": 4}, sequence={"ulysses": 2}),
     "dp=4, ep=2": _job({"dp": 4, "ep": 2}),
     ACCUMULATED: _job({"dp": 2, "sp": 2, "ep": 2}, pipeline={"microbatches": 2},
                       train={"activation_checkpointing": "blocks"}),
