@@ -16,7 +16,8 @@ from typing import Sequence
 import torch
 
 from parallel4d.data.text_files import corpus_files
-from parallel4d.data.token_files import ITEM_BYTES, read_sidecar
+from parallel4d.data.packing import IGNORE
+from parallel4d.data.token_files import ITEM_BYTES, loss_mask_path, read_sidecar
 
 
 class SyntheticTokens:
@@ -94,7 +95,11 @@ class _Windows:
         for r in rows if rows is not None else range(self.batch_size):
             seq[r] = self.tokens[starts[r]:starts[r] + self.seq_len + 1].to(torch.int64)
         self._check_ids(seq, starts)
-        return seq[:, :-1].contiguous(), seq[:, 1:].contiguous()
+        return seq[:, :-1].contiguous(), self._targets(seq[:, 1:], starts, rows)
+
+    def _targets(self, targets: torch.Tensor, starts: list[int], rows) -> torch.Tensor:
+        """The windows' next tokens ``[B, S]`` as the loss takes them (here: all of them)."""
+        return targets.contiguous()
 
     def _check_ids(self, seq: torch.Tensor, starts: list[int]) -> None:
         """Every id the windows ``seq`` (drawn at ``starts``) hold is in range (bytes always are)."""
@@ -114,7 +119,9 @@ class ByteCorpus(_Windows):
 
 class TokenFile(_Windows):
     """Random windows of a token file (``data.source: tokens``), memory-mapped: a step's batch
-    reads its ``batch_size`` windows of ``seq_len + 1`` tokens, never the whole file."""
+    reads its ``batch_size`` windows of ``seq_len + 1`` tokens, never the whole file. A file with a loss
+    mask (chat data: ``parallel4d tokenize`` of ``.jsonl``) gives :data:`~.packing.IGNORE` as the target
+    wherever the mask says the target token carries no loss (the prompts)."""
 
     def __init__(self, path, vocab_size: int, seq_len: int, batch_size: int, seed: int = 0,
                  val_fraction: float | None = None, validation: bool = False, field: str = "data.path"):
@@ -122,9 +129,20 @@ class TokenFile(_Windows):
         self.path, self.field, self.vocab_size, self.item_bytes = path, field, vocab_size, ITEM_BYTES[meta["dtype"]]
         dtype = {"uint16": torch.uint16, "uint32": torch.uint32}[meta["dtype"]]
         self.tokens = torch.from_file(str(path), shared=False, size=meta["tokens"], dtype=dtype)
+        self.loss_mask = (torch.from_file(str(loss_mask_path(path)), shared=False, size=meta["tokens"],
+                                          dtype=torch.uint8) if "loss_mask" in meta else None)
         lo, hi = _split(len(self.tokens), val_fraction, validation)
         self._init_windows(seq_len, batch_size, seed, lo, hi, f"{path}" + (" (its validation part)" if validation
                                                                              and val_fraction else ""))
+
+    def _targets(self, targets: torch.Tensor, starts: list[int], rows) -> torch.Tensor:
+        """``targets`` ``[B, S]`` with IGNORE where the loss mask holds 0 (the read rows' windows only)."""
+        if self.loss_mask is None:
+            return targets.contiguous()
+        keep = torch.zeros_like(targets, dtype=torch.bool)
+        for r in rows if rows is not None else range(self.batch_size):
+            keep[r] = self.loss_mask[starts[r] + 1:starts[r] + self.seq_len + 1].bool()
+        return targets.masked_fill(~keep, IGNORE).contiguous()
 
     def _check_ids(self, seq: torch.Tensor, starts: list[int]) -> None:
         """The second line of defence behind the sidecar's checksum (an old sidecar has none; a file can

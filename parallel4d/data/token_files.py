@@ -2,7 +2,9 @@
 
 ``OUT.bin`` holds token ids back to back (``uint16`` or ``uint32``, the machine's byte order); ``OUT.json``
 beside it says ``{"dtype", "tokens", "vocab_size", "max_id", "sha256", "tokenizer", "tokenizer_sha256",
-"tokenizer_fingerprint", "eos_token_id"}`` (``tokenizer_fingerprint``: a hash of each part of the
+"tokenizer_fingerprint", "eos_token_id"}``, and for chat data ``"loss_mask": {"sha256", "tokens_with_loss"}``:
+the loss mask ``OUT.mask`` beside (:func:`loss_mask_path`: one byte per token, 1 where the token is a
+target that carries loss — an answer's — and 0 where it is not) (``tokenizer_fingerprint``: a hash of each part of the
 tokenizer.json that decides the ids, :mod:`.tokenizer_identity`; sidecars from before it hold the file's
 ``tokenizer_sha256`` only). ``parallel4d tokenize`` writes both; the config checks the sidecar before any worker
 starts (sizes, vocabulary, largest id), and :func:`content_problems` the file's bytes against its
@@ -33,6 +35,12 @@ def sidecar_path(path: str | Path) -> Path:
     return Path(path).with_suffix(".json")
 
 
+def loss_mask_path(path: str | Path) -> Path:
+    """The loss mask of token file ``path`` (``train.bin`` → ``train.mask``): one uint8 per token."""
+    path = Path(path)
+    return path.with_name(path.stem + ".mask")
+
+
 def stamp_path(path: str | Path) -> Path:
     """Where a verified ``path`` is recorded (a dot file beside it)."""
     path = Path(path)
@@ -56,6 +64,10 @@ def _sidecar_type_problem(meta: dict) -> str | None:
     for key in ("sha256", "tokenizer_sha256"):
         if key in meta and not _is_sha256(meta[key]):
             return f"{key} {meta[key]!r} (64 lowercase hex digits)"
+    mask = meta.get("loss_mask")
+    if mask is not None and not (isinstance(mask, dict) and _is_sha256(mask.get("sha256"))
+                                 and _is_count(mask.get("tokens_with_loss"), 1)):
+        return f"loss_mask {mask!r} (its sha256 and tokens_with_loss ≥ 1)"
     parts = meta.get("tokenizer_fingerprint")
     if parts is not None and not (isinstance(parts, dict) and parts and all(map(_is_sha256, parts.values()))):
         return f"tokenizer_fingerprint {parts!r} (each part's 64 lowercase hex digits)"
@@ -108,6 +120,9 @@ def token_file_problems(path: str | Path, vocab_size: int, seq_len: int, field: 
         out.append(f"{field}={str(path)!r} has {size} bytes but its sidecar {sidecar_path(path)} says "
                    f"{meta['tokens']} {meta['dtype']} tokens = {want} bytes (truncated or another file's sidecar?); "
                    "tokenize it again")
+    elif "loss_mask" in meta and _size(loss_mask_path(path)) != meta["tokens"]:
+        out.append(f"{field}={str(path)!r}: its loss mask {loss_mask_path(path)} should hold one byte per token "
+                   f"({meta['tokens']}) but has {_size(loss_mask_path(path))}; tokenize it again")
     elif meta["tokens"] <= seq_len + 1:
         out.append(f"{field}={str(path)!r} holds {meta['tokens']} tokens, not more than model.seq_len+1="
                    f"{seq_len + 1}; tokenize more text or lower model.seq_len")
@@ -119,6 +134,14 @@ def token_file_problems(path: str | Path, vocab_size: int, seq_len: int, field: 
                    f"model.vocab_size={vocab_size}; set model.vocab_size≥{meta['max_id'] + 1}, or tokenize with "
                    "the model's tokenizer")
     return out
+
+
+def _size(path: Path) -> int | None:
+    """``path``'s size in bytes, None where it cannot be read."""
+    try:
+        return path.stat().st_size
+    except OSError:
+        return None
 
 
 def _say(line: str, end: str = "\n") -> None:

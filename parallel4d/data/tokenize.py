@@ -1,5 +1,8 @@
 """``parallel4d tokenize``: text files → a token file (``data.source: tokens``) with Hugging Face
-``tokenizers``, in parallel over the files, each document followed by an end-of-document token.
+``tokenizers``, in parallel over the files, each document followed by an end-of-document token; or
+chat/instruction JSONL files (``.jsonl``: :mod:`.chat`) → a token file of conversations, each rendered
+with the model's chat template and followed by the end-of-document token, and its loss mask
+(:func:`~.token_files.loss_mask_path`: which tokens are answers, the only targets that carry loss).
 
 Nothing a user has is written over by mistake or left half written: an output that is (or whose
 sidecar is) one of the inputs or the tokenizer, by path or by inode, is refused, and so is one
@@ -23,7 +26,8 @@ from pathlib import Path
 from parallel4d.config.errors import ConfigError
 from parallel4d.checkpoint.files import fsync_dir, write_synced
 from parallel4d.checkpoint.outputs import check_output, same_file, temporary_beside, through_link, user_path
-from parallel4d.data.token_files import dtype_for, file_sha256, record_verified, sidecar_path, stamp_path
+from parallel4d.data.token_files import (dtype_for, file_sha256, loss_mask_path, record_verified, sidecar_path,
+                                         stamp_path)
 from parallel4d.data.tokenizer_identity import fingerprint
 
 # the end-of-document tokens of common tokenizers, tried in this order
@@ -81,7 +85,8 @@ def _refuse_aliases(out: Path, sources: list[tuple[Path, str]]) -> None:
     if same_file(out, side):
         raise ConfigError(f"-o {out}: its sidecar (the token file's name with .json) is {side}, the token file "
                           f"itself; name the token file {out.with_suffix('.bin')}")
-    for target, what in ((out, "the token file"), (side, "its sidecar"), (stamp_path(out), "its stamp")):
+    for target, what in ((out, "the token file"), (side, "its sidecar"), (stamp_path(out), "its stamp"),
+                         (loss_mask_path(out), "its loss mask")):
         if target.is_dir():
             raise ConfigError(f"-o {out}: {what} {target} is a directory; give a file name, e.g. "
                               f"{target / 'tokens.bin'}")
@@ -103,19 +108,27 @@ def _write_chunk(sink, data: bytes) -> None:
     sink.write(data)
 
 
-def _write_tokens(tmp: Path, docs, dtype: str) -> tuple[int, int, str]:
-    """Each document's ids into ``tmp``: (tokens, largest id, sha256 of the bytes)."""
+def _write_tokens(tmp: Path, docs, dtype: str, mask_tmp: Path | None = None) -> tuple[int, int, str, dict | None]:
+    """Each document's ids into ``tmp`` (``docs``: ids, or (ids, loss mask) pairs with ``mask_tmp``, the
+    masks' bytes there): (tokens, largest id, sha256 of the bytes, the loss mask's sidecar entry or None)."""
     typecode = "H" if dtype == "uint16" else "I"
-    total, max_id, digest = 0, 0, hashlib.sha256()
-    with open(tmp, "wb") as sink:
-        for ids in docs:
+    total, max_id, digest, mask_digest, with_loss = 0, 0, hashlib.sha256(), hashlib.sha256(), 0
+    with open(tmp, "wb") as sink, open(mask_tmp, "wb") if mask_tmp else nullcontext() as mask_sink:
+        for doc in docs:
+            ids, mask = doc if mask_sink else (doc, None)
             data = array(typecode, ids).tobytes()
             _write_chunk(sink, data)
             digest.update(data)
             total, max_id = total + len(ids), max(max_id, max(ids))
-        sink.flush()
-        os.fsync(sink.fileno())
-    return total, max_id, digest.hexdigest()
+            if mask_sink:
+                mask_sink.write(bytes(mask))
+                mask_digest.update(bytes(mask))
+                with_loss += sum(mask)
+        for f in (sink, mask_sink) if mask_sink else (sink,):
+            f.flush()
+            os.fsync(f.fileno())
+    mask_entry = {"sha256": mask_digest.hexdigest(), "tokens_with_loss": with_loss} if mask_tmp else None
+    return total, max_id, digest.hexdigest(), mask_entry
 
 
 def _rename_both(bin_tmp: Path, out: Path, side_tmp: Path, side: Path) -> None:
@@ -146,18 +159,53 @@ def _documents(pool, jobs, progress: bool):
     return docs
 
 
-def _write_both(jobs: list, out: Path, meta: dict, workers: int, progress: bool) -> dict:
-    """The token file and its sidecar (``meta`` completed) into place together; the sidecar."""
+def _write_both(jobs, out: Path, meta: dict, workers: int, progress: bool, chat: bool = False) -> dict:
+    """The token file and its sidecar (``meta`` completed), with ``chat`` its loss mask too, into place
+    together (the mask first: the sidecar, renamed last, decides which files a reader takes); the sidecar.
+    ``jobs``: text files' :func:`_encode` jobs, or with ``chat`` the (ids, mask) of each conversation."""
     dest, side = through_link(out), through_link(sidecar_path(out))
-    with temporary_beside(dest, "-o") as bin_tmp, temporary_beside(side, "-o") as side_tmp:
-        # on the way out the pool's processes are ended where they are: an interruption waits for none
-        with Pool(workers, initializer=_worker_signals) if workers > 1 else nullcontext() as pool:
-            total, max_id, sha = _write_tokens(bin_tmp, _documents(pool, jobs, progress), meta["dtype"])
+    mask_dest = through_link(loss_mask_path(out))
+    with temporary_beside(dest, "-o") as bin_tmp, temporary_beside(side, "-o") as side_tmp, \
+            temporary_beside(mask_dest, "-o") if chat else nullcontext() as mask_tmp:
+        if chat:
+            total, max_id, sha, mask_entry = _write_tokens(bin_tmp, jobs, meta["dtype"], mask_tmp)
+        else:  # on the way out the pool's processes are ended where they are: an interruption waits for none
+            with Pool(workers, initializer=_worker_signals) if workers > 1 else nullcontext() as pool:
+                total, max_id, sha, mask_entry = _write_tokens(bin_tmp, _documents(pool, jobs, progress),
+                                                               meta["dtype"])
         meta = {"dtype": meta["dtype"], "tokens": total, **meta, "max_id": max_id, "sha256": sha}
+        if mask_entry:
+            meta["loss_mask"] = mask_entry
         write_synced(side_tmp, json.dumps(meta, indent=1) + "\n")
+        if chat:
+            os.replace(mask_tmp, mask_dest)
         _rename_both(bin_tmp, dest, side_tmp, side)
     record_verified(out, sha)  # the bytes just written: the first launch need not hash them again
     return meta
+
+
+def _chat_documents(path: Path, files: list[Path], eos: int) -> list[tuple[list[int], list[int]]]:
+    """Every conversation of the ``.jsonl`` ``files``, checked line by line before any is rendered
+    (:mod:`.chat`), then rendered with the chat template of ``path``'s directory and ended by ``eos``
+    (no loss on it: it is parallel4d's document boundary, not the template's end of turn): (ids, mask)."""
+    from parallel4d.data.chat import chat_tokenizer, encode_conversation, read_conversations
+
+    conversations = [(f, read_conversations(f)) for f in files]  # every line checked first
+    tok, out = chat_tokenizer(path.parent), []
+    for f, convs in conversations:
+        for k, messages in enumerate(convs):
+            ids, mask = encode_conversation(tok, messages, f"{f} (conversation {k + 1})")
+            out.append((ids + [eos], mask + [0]))
+    return out
+
+
+def _is_chat(files: list[Path]) -> bool:
+    """Whether the inputs are chat/instruction JSONL (``.jsonl``: all or none of them)."""
+    chat = [f.suffix == ".jsonl" for f in files]
+    if any(chat) and not all(chat):
+        raise ConfigError("the inputs mix .jsonl chat files and text files; tokenize each kind into its own "
+                          "token file")
+    return all(chat)
 
 
 def tokenize(tokenizer: str, inputs: list[str], out: str, eos_token: str | None = None, workers: int = 1,
@@ -169,14 +217,16 @@ def tokenize(tokenizer: str, inputs: list[str], out: str, eos_token: str | None 
     out_path = user_path(out)
     _refuse_aliases(out_path, sources)
     check_output(out_path, "-o", sources)  # inside a checkpoint, a directory, a place that cannot be written
+    chat = _is_chat(files)
     tok = _load(path)
     eos, vocab = _eos_id(tok, eos_token), tok.get_vocab_size(with_added_tokens=True)
     meta = {"dtype": dtype_for(vocab), "vocab_size": vocab, "tokenizer": str(path.resolve()),
             "tokenizer_sha256": file_sha256(path), "tokenizer_fingerprint": fingerprint(path), "eos_token_id": eos,
             "files": len(inputs)}
+    jobs = _chat_documents(path, files, eos) if chat else [(str(path), str(f), eos) for f in files]
     _make_parent(out_path)
     try:
-        return _write_both([(str(path), str(f), eos) for f in files], out_path, meta, workers, progress)
+        return _write_both(jobs, out_path, meta, workers, progress, chat)
     except OSError as e:  # a full disk, an input gone: nothing was renamed into place
         raise ConfigError(f"-o {out}: tokenizing failed ({e.strerror}: {e.filename}); {out} and its sidecar were "
                           "left as they were; free the space or fix the file and run it again") from None

@@ -155,7 +155,7 @@ def packing_problems(cfg: Config) -> list[str]:
     if d.packing == "none":
         return ([] if d.eod_token is None else
                 [f"data.eod_token={d.eod_token} is read with data.packing=documents; set data.packing=documents "
-                 "or remove data.eod_token"])
+                 "or remove data.eod_token"]) + _unpacked_mask_problems(cfg)
     eod, out = eod_token(cfg), []
     if eod is None:
         where = ("its sidecar names no eos_token_id (tokenized by an older parallel4d); " if d.source == "tokens"
@@ -177,6 +177,28 @@ def packing_problems(cfg: Config) -> list[str]:
                    "the sequence's length, which packed documents do not define; use linear, yarn or llama3 "
                    "scaling, or data.packing=none")
     return out
+
+
+def _has_loss_mask(path: str | None) -> bool:
+    try:
+        return bool(path) and "loss_mask" in read_sidecar(path)
+    except ValueError:  # source_problems names the unreadable sidecar
+        return False
+
+
+def _unpacked_mask_problems(cfg: Config) -> list[str]:
+    """A token file with a loss mask (chat data) under ``data.packing: none`` only where one loss averages
+    the whole batch: unpacked, each rank and micro-batch takes the mean of its own answer tokens, whose
+    count differs between them, so a split batch would average means (packed documents weigh each token
+    by the whole batch's count: exact in every layout)."""
+    d, p = cfg.data, cfg.parallel
+    split = [f"{name}={n}" for name, n in (("parallel.dp", p.dp), ("parallel.sp", p.sp), ("parallel.tp", p.tp),
+                                           ("pipeline.microbatches", cfg.pipeline.microbatches)) if n > 1]
+    if d.source != "tokens" or not split or not any(_has_loss_mask(f) for f in (d.path, d.val_path)):
+        return []
+    return [f"data.path={d.path!r} has a loss mask (chat data) and {', '.join(split)} split the batch, whose parts "
+            "hold different numbers of answer tokens; set data.packing=documents (the loss is then the whole "
+            "batch's mean over its answer tokens in every layout)"]
 
 
 def validation_problems(cfg: Config) -> list[str]:
