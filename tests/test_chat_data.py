@@ -156,3 +156,37 @@ def test_chat_data_without_packing_is_refused_where_ranks_split_the_batch(chat_f
     with pytest.raises(ConfigError, match="loss mask.*parallel.dp=2.*data.packing=documents"):
         make_config(job)
     make_config({**job, "data": {**job["data"], "packing": "documents"}})
+
+
+def test_one_process_float64_packed_chat_loss_equals_transformers_on_each_conversation(model_dir, chat_file,
+                                                                                       monkeypatch):
+    """Packed (``data.packing: documents``): each window cut at the end-of-document tokens, every piece run by
+    transformers alone with labels −100 on its prompts; the summed answer losses over their count."""
+    from test_hf import float64_transformers
+
+    from parallel4d import launch
+
+    job = {"model": {"pretrained": str(model_dir), "seq_len": 32},
+           "data": {"source": "tokens", "path": str(chat_file), "batch_size": 4, "packing": "documents"},
+           "optimizer": {"lr": 1e-3}, "train": {"steps": 1, "dtype": "float64", "grad_clip": None,
+                                                 "out_dir": str(chat_file.parent / "packed"), "log_every": 100}}
+    loss = launch(job)["losses"][0]
+    x, y = build_dataset(make_config(job)).batch(0)
+    eod = json.loads(chat_file.with_suffix(".json").read_text())["eos_token_id"]
+    ref = transformers.AutoModelForCausalLM.from_pretrained(str(model_dir), attn_implementation="eager").double()
+    float64_transformers(monkeypatch, ref)
+    ref.set_attn_implementation("sdpa")
+    total, count = 0.0, 0
+    for row, target in zip(x, y):
+        ends = [int(i) + 1 for i in (row == eod).nonzero()] + [len(row)]
+        start = 0
+        for end in ends:
+            if end > start:  # the piece's tokens and their targets (the end-of-document token's is ignored)
+                labels = target[start:end].masked_fill(row[start:end] == eod, IGNORE)
+                with torch.no_grad():
+                    logits = ref(input_ids=row[start:end][None]).logits[0]
+                total += torch.nn.functional.cross_entropy(logits, labels, ignore_index=IGNORE, reduction="sum").item()
+                count += int((labels != IGNORE).sum())
+            start = end
+    assert 0 < count < y.numel() // 2 and (x == eod).any()
+    assert abs(loss - total / count) < 1e-10, (loss, total / count)

@@ -26,6 +26,7 @@ from pathlib import Path
 from parallel4d.config.errors import ConfigError
 from parallel4d.checkpoint.files import fsync_dir, write_synced
 from parallel4d.checkpoint.outputs import check_output, same_file, temporary_beside, through_link, user_path
+from parallel4d.data.chat import chat_tokenizer, encode_conversation, read_conversations
 from parallel4d.data.token_files import (dtype_for, file_sha256, loss_mask_path, record_verified, sidecar_path,
                                          stamp_path)
 from parallel4d.data.tokenizer_identity import fingerprint
@@ -188,8 +189,6 @@ def _chat_documents(path: Path, files: list[Path], eos: int) -> list[tuple[list[
     """Every conversation of the ``.jsonl`` ``files``, checked line by line before any is rendered
     (:mod:`.chat`), then rendered with the chat template of ``path``'s directory and ended by ``eos``
     (no loss on it: it is parallel4d's document boundary, not the template's end of turn): (ids, mask)."""
-    from parallel4d.data.chat import chat_tokenizer, encode_conversation, read_conversations
-
     conversations = [(f, read_conversations(f)) for f in files]  # every line checked first
     tok, out = chat_tokenizer(path.parent), []
     for f, convs in conversations:

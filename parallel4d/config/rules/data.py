@@ -194,9 +194,10 @@ def _unpacked_mask_problems(cfg: Config) -> list[str]:
     d, p = cfg.data, cfg.parallel
     split = [f"{name}={n}" for name, n in (("parallel.dp", p.dp), ("parallel.sp", p.sp), ("parallel.tp", p.tp),
                                            ("pipeline.microbatches", cfg.pipeline.microbatches)) if n > 1]
-    if d.source != "tokens" or not split or not any(_has_loss_mask(f) for f in (d.path, d.val_path)):
+    masked = [(field, f) for field, f in (("data.path", d.path), ("data.val_path", d.val_path)) if _has_loss_mask(f)]
+    if d.source != "tokens" or not split or not masked:
         return []
-    return [f"data.path={d.path!r} has a loss mask (chat data) and {', '.join(split)} split the batch, whose parts "
+    return [f"{masked[0][0]}={masked[0][1]!r} has a loss mask (chat data) and {', '.join(split)} split the batch, whose parts "
             "hold different numbers of answer tokens; set data.packing=documents (the loss is then the whole "
             "batch's mean over its answer tokens in every layout)"]
 
