@@ -220,3 +220,36 @@ def test_lora_outside_one_process_is_refused_naming_the_field_and_fix(sections, 
     assert all(w in str(e.value) for w in words), str(e.value)
     if "parallel" in sections or "hetero" in sections or "train" in sections:
         assert "runs in one process for now" in str(e.value) and "or remove model.lora" in str(e.value)
+
+
+def test_engine_trains_only_the_adapters_as_one_process_does(single_rank):
+    """``model.lora`` through compose() (one process, two micro-batches, recomputed blocks, warm-up, cosine
+    decay, clipping): the losses (1e-10) and every parameter (1e-9) equal the dense model's with the same
+    adapters (seeded ``train.seed``) trained by the same optimizer; the base does not move, and the store
+    keeps gradients and optimizer state for the adapters only."""
+    from test_llama import BASE, _job, dense_run, train_layouts
+
+    from parallel4d.distributed.mesh import init_mesh
+    from parallel4d.engine.compose import compose
+
+    lora = {"rank": 4, "alpha": 8, "targets": ["q_proj", "v_proj", "down_proj"]}
+    job = _job({}, {"microbatches": 2}, model={"lora": lora},
+               train={**BASE["train"], "activation_checkpointing": "blocks"})
+    cfg = make_config(job)
+    want_losses, want = dense_run(job, prepare=lambda m: add_adapters(m, adapted_modules(cfg.model),
+                                                                      LoraShape.of(cfg.model.lora), cfg.train.seed))
+    losses, pieces = train_layouts({"lora": job})["lora"]
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(want_losses), rtol=1e-10, atol=0)
+    assert set(pieces) == set(want)
+    for dense, [(_, t)] in pieces.items():
+        torch.testing.assert_close(t, want[dense], rtol=1e-9, atol=1e-12, msg=lambda m, d=dense: f"{d}: {m}")
+    base = build_dense(shape_from_config(cfg.model), seed=cfg.train.seed).double().state_dict()
+    assert all(torch.equal(pieces[n][0][1], base[n]) for n in want if not is_adapter(n))
+    assert any(not torch.equal(pieces[n][0][1], 0 * pieces[n][0][1]) for n in want if n.endswith("lora_B"))
+
+    engine = compose(cfg, init_mesh())
+    adapters = {id(p) for n, p in engine.store.model.named_parameters() if is_adapter(n)}
+    assert len(adapters) == 2 * 3 * cfg.model.layers
+    assert {id(p) for p in engine.store.params} == adapters
+    assert {id(p) for g in engine.store.optimizer.param_groups for p in g["params"]} == adapters
+    engine.close()
