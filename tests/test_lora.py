@@ -60,8 +60,9 @@ def _ours_from(ref, targets, rank, alpha, rslora, dropout=0.0):
 
 
 def _peft_of(ref, targets, rank, alpha, rslora, dropout=0.0):
+    conv1d = ref.config.model_type == "gpt2"  # peft's setting for transformers' Conv1D (its merge transposes)
     config = peft.LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets, lora_dropout=dropout,
-                             use_rslora=rslora)
+                             use_rslora=rslora, fan_in_fan_out=conv1d)
     return peft.get_peft_model(ref, config)
 
 
