@@ -7,7 +7,7 @@ from __future__ import annotations
 import re
 from typing import TYPE_CHECKING
 
-from parallel4d.config.rules import data, deepspeed, hetero, moe, pipeline, sequence, tensor2d, training
+from parallel4d.config.rules import data, deepspeed, hetero, lora, moe, pipeline, sequence, tensor2d, training
 from parallel4d.config.rules.common import DTYPE_BYTES, closest, divisors, fixed_fields, or_list
 
 if TYPE_CHECKING:  # annotations only: the schema imports these rules
@@ -64,6 +64,11 @@ def _moe_problems(cfg: Config) -> list[str]:
     return moe.layout_problems(cfg, "num_experts" in spec(cfg.model.arch).fields)
 
 
+def _lora_problems(cfg: Config) -> list[str]:
+    """Low-rank adapters: targets of the family (its spec's peft names), a layout they run in."""
+    return lora.problems(cfg, spec(cfg.model.arch).lora_targets)
+
+
 def _lr_schedule_problems(cfg: Config) -> list[str]:
     return training.lr_schedule_problems(cfg.optimizer, cfg.train.steps)
 
@@ -112,7 +117,7 @@ def _size_problems(cfg: "Config") -> list[str]:
 #: every cross-field rule, in the order their messages are listed
 _RULES = (_grid_problems, sequence.ring_problems, data.batch_split_problems, pipeline.layout_problems,
           hetero.tied_head_problems, pipeline.recompute_problems, pipeline.hop_cost_problems, pipeline.compile_problems,
-          hetero.split_backward_problems, _model_problems, _moe_problems,
+          hetero.split_backward_problems, _model_problems, _moe_problems, _lora_problems,
           _size_problems, _lr_schedule_problems, training.tensorboard_problems, deepspeed.section_problems,
           data.source_problems, data.validation_problems, data.packing_problems, training.dtype_problems, hetero.reduce_dtype_problems,
           hetero.compute_dtype_problems, _fused_problems, deepspeed.float16_problems, deepspeed.dropout_problems)

@@ -229,6 +229,21 @@ class RopeScaling(_Section):
     truncate: Optional[bool] = None  # yarn
 
 
+class LoraConfig(_Section):
+    """``model.lora``: low-rank adapters on the named linears, the base frozen (peft's LoRA)."""
+
+    rank: int = Field(..., ge=1, le=2**16, description="the adapters' rank r: lora_A [r, in], lora_B [out, r]")
+    alpha: Finite = Field(..., gt=0, description="the adapter's product is scaled by alpha / rank (rslora: "
+                          "alpha / √rank), peft's lora_alpha")
+    dropout: Finite = Field(0.0, ge=0, lt=1, description="dropout on each adapter's input (peft's lora_dropout)")
+    targets: list[str] = Field(..., min_length=1, description="the linears adapted, by peft's target_modules names "
+                               "(llama family: q_proj k_proj v_proj o_proj gate_proj up_proj down_proj; gpt2: "
+                               "c_attn c_proj c_fc)")
+    rslora: bool = Field(False, description="rank-stabilised LoRA: scaling alpha / √rank (peft's use_rslora)")
+    adapter: Optional[PathStr] = Field(None, description="a peft adapter directory to start from "
+                                       "(adapter_config.json + adapter_model.safetensors); not read yet")
+
+
 class ModelConfig(_Section):
     arch: ArchName = Field(FAMILY_NAMES[0], description="; ".join(f"{s.name}: {s.summary}" for s in SPECS))
     vocab_size: int = Field(256, ge=2, le=2**32, description="token ids: a token file stores them as uint16 or "
@@ -289,6 +304,8 @@ class ModelConfig(_Section):
                                                                   "training loss (with output_router_logits)")
     output_router_logits: bool = Field(False, description="llama: add router_aux_loss_coef × the load-balancing "
                                                           "loss to the loss, as transformers does when it is true")
+    lora: Optional[LoraConfig] = Field(None, description="low-rank adapters (peft's LoRA): the base frozen, only "
+                                       "the adapters trained")
     pretrained: Optional[PathStr] = Field(None, description="a Hugging Face model directory (config.json and "
                                                             "*.safetensors): the architecture from it, the weights "
                                                             "loaded, each rank reading its own slices")

@@ -43,6 +43,7 @@ from parallel4d.engine.step import Engine
 from parallel4d.engine.store import parameter_store
 from parallel4d.models.build import build_stage, family
 from parallel4d.models.context import ForwardContext, attach
+from parallel4d.models.lora import LoraShape, adapted_modules, add_adapters
 from parallel4d.models.moe.balance import CarryingChunk, StepLoad
 from parallel4d.models.moe.spec import MoeShape
 from parallel4d.models.stages import cross_entropy, stage_names, with_auxiliary
@@ -420,10 +421,15 @@ def compose(cfg: Config, mesh: Mesh) -> Engine:
 def local_model(cfg: Config, stages: dict[int, nn.Module]) -> LocalModel:
     """This rank's ``stages`` (stage index → module) under their dense names, with ``.dense``
     (:func:`~.state.dense_layouts`) and, when ``model.pretrained`` is set, the parameters filled from that
-    checkpoint (only this rank's slices read; ``.pretrained_bytes_read``, else None)."""
+    checkpoint (only this rank's slices read; ``.pretrained_bytes_read``, else None); with ``model.lora``
+    the adapters added (:func:`~parallel4d.models.lora.add_adapters`, seeded ``train.seed``), the rest frozen:
+    the store and the optimizer hold only what requires a gradient."""
     names = stage_names(model_shape(cfg))
     model = LocalModel({names[i]: stages[i] for i in sorted(stages)})
     model.dense = dense_layouts(model.stages(), tied=cfg.model.tie_embeddings)
     model.pretrained_bytes_read = load_pretrained(model, model.dense, cfg.model) if cfg.model.pretrained else None
+    if cfg.model.lora is not None:  # on the loaded base: the base frozen, the adapters beside it
+        add_adapters(model, adapted_modules(cfg.model), LoraShape.of(cfg.model.lora), seed=cfg.train.seed)
+        model.dense = dense_layouts(model.stages(), tied=cfg.model.tie_embeddings)
     return model
 

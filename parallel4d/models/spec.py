@@ -52,6 +52,9 @@ class ModelSpec:
     # the family's usual shapes (model: fields), each with more parameters than the one before: the
     # widths ``parallel4d plan --largest`` grows a model through
     shapes: tuple[Mapping[str, int], ...] = ()
+    # peft's target_modules names of this family's linears (model.lora.targets): the last component of
+    # a linear's Hugging Face module name
+    lora_targets: tuple[str, ...] = ()
 
     def shown(self, m: ModelConfig) -> dict:
         """The ``model:`` section as ``validate`` prints it: this family's fields only (in the schema's

@@ -152,10 +152,11 @@ SPEC = ModelSpec(
     hf_model_types=("gpt2",),
     fields=("arch", "vocab_size", "seq_len", "max_positions", "hidden", "heads", "layers", "mlp_ratio",
             "tie_embeddings", "norm_eps", "init_std", "activation", "dropout", "attention_dropout",
-            "embedding_dropout", "pretrained"),
+            "embedding_dropout", "pretrained", "lora"),
     learned_positions=True, problems=problems, dense_parameters=dense_parameters, flops_per_token=flops_per_token,
     stage_flops=stage_flops,
     fields_from_hf=fields_from_hf, hf_config=hf_config, hf_names=hf_names, hf_positions="n_positions",
     hf_prefix="transformer.", hf_ignored=(".attn.bias", ".attn.masked_bias"), shapes=SHAPES,
     resolved=lambda m: {"max_positions": m.positions},
+    lora_targets=("c_attn", "c_proj", "c_fc"),  # Conv1D layers; c_proj: the attention's and the MLP's
 )

@@ -315,9 +315,11 @@ SPEC = ModelSpec(
     hf_model_types=("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe", "mixtral"),
     fields=("arch", "vocab_size", "seq_len", "hidden", "heads", "kv_heads", "layers", "intermediate_size",
             "tie_embeddings", "norm_eps", "init_std", "rope_theta", "qkv_bias", "max_positions", "head_dim",
-            "qk_norm", "rope_scaling", "attention_dropout", "num_experts", *MOE_FIELDS, "pretrained"),
+            "qk_norm", "rope_scaling", "attention_dropout", "num_experts", *MOE_FIELDS, "pretrained",
+            "lora"),
     learned_positions=False, problems=problems, dense_parameters=dense_parameters, flops_per_token=flops_per_token,
     stage_flops=stage_flops,
     fields_from_hf=fields_from_hf, hf_config=hf_config, hf_names=hf_names, hf_positions="max_position_embeddings",
     hf_ignored=(".rotary_emb.inv_freq",), defaults={"tie_embeddings": False}, resolved=resolved, shapes=SHAPES,
+    lora_targets=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
 )

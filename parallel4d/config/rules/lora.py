@@ -1,0 +1,56 @@
+"""Low-rank adapter rules (``model.lora``): targets the family has, and the layouts adapters do not run
+in yet (one process only for now: every parallel axis, hetero, DeepSpeed, compile and MoE layers come later).
+
+Torch-free; ``config/checks.py`` calls :func:`problems` among the cross-field rules with the family's
+peft target names (its spec's ``lora_targets``).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from parallel4d.config.rules.common import did_you_mean
+
+if TYPE_CHECKING:  # annotations only: the schema imports the rules
+    from parallel4d.config.schema import Config
+
+
+def target_problems(cfg: Config, valid: tuple[str, ...]) -> list[str]:
+    """Each of ``model.lora.targets`` one of the family's peft ``target_modules`` names (``valid``)."""
+    lora, arch = cfg.model.lora, cfg.model.arch
+    out = []
+    for name in dict.fromkeys(lora.targets):
+        if name not in valid:
+            out.append(f"model.lora.targets names {name!r}, not a linear layer of model.arch={arch}; "
+                       f"{did_you_mean(name, valid)}use peft's target_modules names of the family: "
+                       f"{', '.join(valid)}")
+    if len(set(lora.targets)) < len(lora.targets):
+        out.append(f"model.lora.targets={lora.targets} names a layer twice; name each once")
+    return out
+
+
+def layout_problems(cfg: Config) -> list[str]:
+    """What adapters do not run in yet: any parallel axis above 1, hetero, a deepspeed: section,
+    ``train.compile``, MoE layers, an adapter directory to start from (each a later part of issue 49)."""
+    p, m = cfg.parallel, cfg.model
+    wider = [f"parallel.{axis}={getattr(p, axis)}" for axis in ("pp", "dp", "sp", "tp", "ep") if getattr(p, axis) > 1]
+    beside = wider + [f for f, on in (("hetero.enabled=true", cfg.hetero.enabled),
+                                      ("a deepspeed: section", cfg.deepspeed is not None),
+                                      (f"train.compile={cfg.train.compile}", cfg.train.compile != "none"),
+                                      (f"model.num_experts={m.num_experts}", m.num_experts > 0)) if on]
+    out = []
+    if beside:
+        out.append(f"model.lora (low-rank adapters) runs in one process for now, not with {', '.join(beside)}; "
+                   "set every parallel size to 1, hetero.enabled=false, train.compile=none, no deepspeed: section "
+                   "and a dense model, or remove model.lora")
+    if m.lora.adapter is not None:
+        out.append(f"model.lora.adapter={m.lora.adapter!r}: starting from a peft adapter directory is not read yet; "
+                   "remove model.lora.adapter (the adapters start as peft initialises them)")
+    return out
+
+
+def problems(cfg: Config, valid: tuple[str, ...]) -> list[str]:
+    """``model.lora``'s rules (none without it)."""
+    if cfg.model.lora is None:
+        return []
+    return target_problems(cfg, valid) + layout_problems(cfg)
