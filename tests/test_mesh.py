@@ -112,11 +112,21 @@ def _threads_around_two_runs(jobs, tmp):
 
     from conftest import train_in_job
 
+    import time
+
+    def threads(settle_to: int) -> int:
+        # a thread joined in Python (hetero's host worker: shutdown(wait=True)) leaves /proc a moment after the
+        # join returns: wait up to 5 s for the count to come back; a thread left running stays counted
+        deadline = time.monotonic() + 5.0
+        while (n := len(os.listdir("/proc/self/task"))) > settle_to and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return n
+
     counts = [len(os.listdir("/proc/self/task"))]
     for i, cfg in enumerate(jobs):
         train_in_job(cfg, [f"train.out_dir={tmp}/run{i}"])
         gc.collect()
-        counts.append(len(os.listdir("/proc/self/task")))
+        counts.append(threads(counts[0]))
     return counts
 
 
