@@ -55,14 +55,16 @@ def place_experts(cfg: Config, mesh: Mesh, stages: dict[int, nn.Module]) -> Expe
         by_expert_under_hetero(cfg, mesh, stages)
         return None
     ep, replicas = mesh.ep_split(cfg.parallel.ep)
-    for stage in stages.values():
-        for module in stage.modules():
-            if isinstance(module, SparseMoE):
-                module.place_experts(ExpertParallel(module.moe.num_experts, ep, mesh.comm_stats))
+    for layer in _moe_layers(stages):
+        layer.place_experts(ExpertParallel(layer.moe.num_experts, ep, mesh.comm_stats))
     by_expert_under_hetero(cfg, mesh, stages)  # before the slices are listed: they are its modules' then
-    params = [p for stage in stages.values() for module in stage.modules() if isinstance(module, Experts)
-              for p in module.parameters()]
+    params = [p for layer in _moe_layers(stages) for p in layer.experts.parameters()]
     return ExpertShards(ep, replicas, params)
+
+
+def _moe_layers(stages: dict[int, nn.Module]):
+    """Every MoE layer (:class:`SparseMoE`, its 2D twin included) of ``stages``, in order."""
+    return (module for stage in stages.values() for module in stage.modules() if isinstance(module, SparseMoE))
 
 
 def by_expert_under_hetero(cfg: Config, mesh: Mesh, stages: dict[int, nn.Module]) -> None:
@@ -72,13 +74,12 @@ def by_expert_under_hetero(cfg: Config, mesh: Mesh, stages: dict[int, nn.Module]
     if not cfg.hetero.enabled:
         return
     group = mesh.group_over("dp", "sp") if mesh.size("dp") * mesh.size("sp") > 1 else None
-    for stage in stages.values():
-        for module in stage.modules():
-            # (a 2D tp layer's stay stacked, moved whole: one module each, the grid's ranks would have to agree
-            # on the experts that run, for their gradient sums over the grid)
-            if isinstance(module, SparseMoE) and not isinstance(module, SparseMoE2D):
-                module.experts.by_expert()
-                module.dispatcher.agreement = Agreement(group, mesh.comm_stats)
+    for layer in _moe_layers(stages):
+        # (a 2D tp layer's stay stacked, moved whole: one module each, the grid's ranks would have to agree
+        # on the experts that run, for their gradient sums over the grid)
+        if not isinstance(layer, SparseMoE2D):
+            layer.experts.by_expert()
+            layer.dispatcher.agreement = Agreement(group, mesh.comm_stats)
 
 
 def zero_grad_steps(model: nn.Module) -> list[nn.Parameter]:
