@@ -313,3 +313,26 @@ def test_engine_trains_only_the_adapters_as_one_process_does(single_rank):
     assert {id(p) for p in engine.store.params} == adapters
     assert {id(p) for g in engine.store.optimizer.param_groups for p in g["params"]} == adapters
     engine.close()
+
+
+def test_compiled_blocks_with_adapter_dropout_train_as_one_process(single_rank, monkeypatch):
+    """``train.compile: blocks`` (dynamo and AOTAutograd: test_compile's seam) with adapter dropout 0.1 through
+    compose() in one process: the losses (1e-10) and every parameter (1e-9) are the eager dense model's with the
+    same adapters and masks (each adapter's site a graph break, read eagerly every micro-batch)."""
+    from test_llama import BASE, _job, dense_run, train_layouts
+
+    from parallel4d.engine import compile as compile_module
+
+    monkeypatch.setattr(compile_module, "BACKEND", "aot_eager")
+    lora = {"rank": 4, "alpha": 8, "targets": ["q_proj", "up_proj"], "dropout": 0.1}
+    job = _job({}, {"microbatches": 2}, model={"layers": 1, "lora": lora},
+               train={**BASE["train"], "steps": 3, "compile": "blocks"})
+    cfg = make_config(job)
+    want_losses, want = dense_run(job, prepare=lambda m: add_adapters(m, adapted_modules(cfg.model),
+                                                                      LoraShape.of(cfg.model.lora), cfg.train.seed))
+    losses, pieces = train_layouts({"compiled": job})["compiled"]
+    assert all(want[n].abs().max() > 0 for n in want if n.endswith("lora_B"))  # the adapters learnt
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(want_losses), rtol=1e-10, atol=0)
+    assert set(pieces) == set(want)
+    for dense, [(_, t)] in pieces.items():
+        torch.testing.assert_close(t, want[dense], rtol=1e-9, atol=1e-12, msg=lambda m, d=dense: f"{d}: {m}")
