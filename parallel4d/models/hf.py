@@ -206,6 +206,37 @@ def _checked_names(ckpt: HFCheckpoint, model_cfg) -> dict[str, tuple[str, str]]:
     return out
 
 
+class PretrainedSource:
+    """A Hugging Face directory's tensors as a :class:`DenseSource` (dense names, a block of rows read at a
+    time): what a LoRA export merges its adapters into. Checked as :func:`load_hf_state_dict` checks it;
+    use as a context manager."""
+
+    def __init__(self, directory, model_cfg):
+        directory = Path(directory)
+        _check_config(directory, model_cfg)
+        self.ckpt = HFCheckpoint(directory)
+        self.names, dense = _checked_names(self.ckpt, model_cfg), dense_shapes(model_cfg)
+        if model_cfg.tie_embeddings:  # the dense head is the token table
+            self.names["head.weight"] = self.names["embed.tok.weight"]
+        dtypes = {p4d: self.ckpt.read_tensor(_stored(hf, how, dense[p4d])[0][0], (slice(0, 1),)).dtype
+                  for p4d, (hf, how) in self.names.items()}
+        self.shapes = {p4d: (dense[p4d], dtypes[p4d]) for p4d in self.names}
+
+    def read(self, name: str, start: int, stop: int) -> torch.Tensor:
+        shape = self.shapes[name][0]
+        hf, how = self.names[name]
+        if not shape:
+            return self.ckpt.read_tensor(hf)
+        box = (slice(start, stop), *(slice(0, n) for n in shape[1:]))
+        return _read(self.ckpt, hf, how, box, shape)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.ckpt.close()
+
+
 def check_checkpoint(directory, model_cfg) -> None:
     """What :func:`load_pieces` would refuse, from the files' headers alone (no tensor read)."""
     directory = Path(directory)
@@ -296,6 +327,11 @@ class _Tensors:
     def read(self, name: str, start: int, stop: int) -> torch.Tensor:
         t = self.tensors[name].detach()
         return (t if t.dim() == 0 else t[start:stop]).cpu()
+
+
+def tensor_source(tensors: dict[str, torch.Tensor]) -> DenseSource:
+    """A dict of dense tensors as a :class:`DenseSource`."""
+    return _Tensors(tensors)
 
 
 def remove_stale_weights(out: Path, files: list[str]) -> None:

@@ -264,8 +264,10 @@ def _cmd_export(args) -> int:
     from parallel4d.checkpoint.steps import describe_checkpoint
 
     ckpt = resolve_checkpoint(args.checkpoint)  # once: the step said is the step exported
-    out = export(ckpt, args.out_dir, max_shard_bytes=int(args.max_shard_gb * 2**30))
-    print(f"exported {describe_checkpoint(ckpt)} to {out}")
+    out = export(ckpt, args.out_dir, max_shard_bytes=int(args.max_shard_gb * 2**30), adapter=args.adapter,
+                 base=args.base)
+    what = "the LoRA adapter of " if args.adapter else ""
+    print(f"exported {what}{describe_checkpoint(ckpt)} to {out}")
     return 0
 
 
@@ -453,6 +455,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("checkpoint", help="a checkpoint directory (step_*), or a checkpoint root: its newest")
     p.add_argument("out_dir", help="output directory: config.json and *.safetensors")
     p.add_argument("--max-shard-gb", type=float, default=5.0, help="safetensors shard size (default 5)")
+    p.add_argument("--adapter", action="store_true", help="a LoRA job: the adapter alone in peft's format "
+                   "(adapter_config.json + adapter_model.safetensors, for PeftModel.from_pretrained) instead of "
+                   "the merged model")
+    p.add_argument("--base", default=None, metavar="DIR", help="a LoRA job: its base model's directory, where it is "
+                   "no longer where the checkpoint names it (checked by fingerprint)")
     p.set_defaults(func=_cmd_export)
     p = sub.add_parser("tokenize", help="text files (or chat .jsonl) → a token file for data.source=tokens (Hugging "
                                         "Face tokenizers)")
