@@ -320,29 +320,31 @@ class Engine(Trainer):
     # --- checkpointing --------------------------------------------------------------
     def state_dict(self) -> dict:
         """Model and optimizer state for DCP under the dense model's names and shapes, plus ``step``
-        and ``tokens_seen`` (:func:`~.state.dense_state_dict`; with ``model.lora`` the adapters' only, the
-        frozen base named in ``lora_base.json`` instead): loadable under any layout. Doubles
+        and ``tokens_seen`` (:func:`~.state.dense_state_dict`): loadable under any layout. Doubles
         as the load template of :meth:`load_state_dict`."""
-        saved = saved_layouts(self.dense, self.cfg.model.lora is not None)  # a LoRA job: the adapters only
-        return dense_state_dict(self.step, self.tokens_seen, self.store.local_state(saved), saved)
+        return dense_state_dict(self.step, self.tokens_seen, self.store.local_state(self.dense), self.dense)
 
     checkpoint_format = "parallel4d"  # run.json's "format": DCP files under the dense model's names
 
     def checkpoint_state(self) -> dict:
-        """What ``checkpoint.save`` writes: :meth:`state_dict`."""
-        return self.state_dict()
+        """What ``checkpoint.save`` writes: :meth:`state_dict`, with ``model.lora`` the adapters' part only
+        (the frozen base is named in ``lora_base.json``, not copied: ``checkpoint/lora_base.py``)."""
+        saved = saved_layouts(self.dense, self.cfg.model.lora is not None)
+        return dense_state_dict(self.step, self.tokens_seen, self.store.local_state(saved), saved)
 
     def load_checkpoint(self, path) -> None:
         """Restore from checkpoint ``path`` (its files already verified), whatever layout saved it."""
         if self.cfg.model.lora is not None:  # the adapters only: on the base they were trained on
             check_base(path, self.cfg.model, self.cfg.train.seed)
-        state = self.state_dict()
+        state = self.checkpoint_state()
         checkpoint.load(state, path, verify_files=False,
                         known=checkpoint_keys(model_shape(self.cfg), adapted_modules(self.cfg.model)))
         self.load_state_dict(state)
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore from a :meth:`state_dict` template that ``checkpoint.load`` filled."""
-        self.store.load_local_state(local_state(state, saved_layouts(self.dense, self.cfg.model.lora is not None)))
+        """Restore from a :meth:`state_dict` (or :meth:`checkpoint_state`) template that ``checkpoint.load``
+        filled; parameters it lacks (a LoRA job's frozen base) are left as they are."""
+        held = {n: v for n, v in self.dense.items() if f"model.{v[0]}" in state}  # a LoRA checkpoint: adapters
+        self.store.load_local_state(local_state(state, held))
         self.step = int(state["step"])
         self.tokens_seen = int(state["tokens_seen"])
