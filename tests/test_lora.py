@@ -208,7 +208,7 @@ def test_lora_target_the_family_lacks_is_refused(arch, target, words):
     ({"hetero": {"enabled": True}}, ["hetero.enabled=true"]),
     ({"train": {"compile": "blocks"}}, ["train.compile=blocks"]),
     ({"model": {"lora": {"rank": 2, "alpha": 4, "targets": ["q_proj"], "adapter": "somewhere"}}},
-     ["model.lora.adapter='somewhere'", "remove model.lora.adapter"]),
+     ["model.lora.adapter='somewhere'", "cannot read", "point model.lora.adapter at a directory peft's"]),
     ({"model": {"lora": {"rank": 0, "alpha": 4, "targets": ["q_proj"]}}}, ["model.lora.rank", "1 or more"]),
 ])
 def test_lora_outside_one_process_is_refused_naming_the_field_and_fix(sections, words):
