@@ -148,6 +148,7 @@ def test_lora_checkpoint_exports_merged_and_peft_adapter_and_generates(case, tmp
     from transformers import AutoModelForCausalLM
 
     from parallel4d.checkpoint import dcp as checkpoint
+    from parallel4d.tools.cli import main
     from parallel4d.tools.generate import load_model, sample
     from parallel4d.training.checkpoints import save_checkpoint
 
@@ -171,13 +172,21 @@ def test_lora_checkpoint_exports_merged_and_peft_adapter_and_generates(case, tmp
         loaded = _patched(mp, AutoModelForCausalLM.from_pretrained(merged, dtype=torch.float64)).eval()
         d_merged = (_peft_logits(loaded, tokens) - want).abs().max().item()
 
-        only = export(saved, tmp_path / "adapter_out", adapter=True)
+        only = tmp_path / "adapter_out"  # through the command line, as a user types it
+        assert main(["export", str(saved), str(only), "--adapter"]) == 0
         assert sorted(p.name for p in only.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
         base = _patched(mp, AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float64))
         reloaded = peft.PeftModel.from_pretrained(base, only).eval()
         d_adapter = (_peft_logits(reloaded, tokens) - want).abs().max().item()
 
         model, _ = load_model(saved)
+
+        moved = base_dir.rename(tmp_path / "moved_base")  # the base named by the checkpoint has gone elsewhere
+        with pytest.raises(ConfigError) as e:
+            export(saved, tmp_path / "merged_again")
+        assert "which is not there now" in str(e.value) and "--base DIR" in str(e.value), str(e.value)
+        again = export(saved, tmp_path / "merged_again", base=moved)
+        assert (again / "model.safetensors").read_bytes() == (merged / "model.safetensors").read_bytes()
         prompt = tokens[:1, :5]
         ours = sample(model, prompt, 8, temperature=0.0, top_k=None, seed=0)
         merged32 = AutoModelForCausalLM.from_pretrained(merged, dtype=torch.float32).eval()

@@ -206,6 +206,8 @@ def resume_changes(saved: dict, cfg: Config) -> list[dict]:
     saved config lacks (written before they existed), and ``train.steps`` unless the learning rate decays
     over it (``optimizer.decay_steps`` unset). The model's shape is refused before (:func:`check_resume_model`)."""
     was, now = _leaves(saved), _leaves(cfg.model_dump(mode="json"))
+    if isinstance(now.get("model.lora"), dict):  # saved_config drops the adapter it started from: no change
+        now["model.lora"] = {k: v for k, v in now["model.lora"].items() if k != "adapter"}
     o = cfg.optimizer
     silent = _UNREPORTED + (() if o.schedule != "constant" and o.decay_steps is None else ("train.steps",))
     out = []

@@ -28,6 +28,7 @@ import torch
 import torch.nn as nn
 import torch.utils.checkpoint
 
+from parallel4d.checkpoint.adapters import adapter_pieces, load_adapter
 from parallel4d.config.errors import ConfigError
 from parallel4d.config.schema import Config
 from parallel4d.distributed import comm
@@ -37,7 +38,6 @@ from parallel4d.engine.experts import place_experts
 from parallel4d.engine.flops import stage_flops
 from parallel4d.engine.model import (LocalModel, PositionedEmbedding, model_shape, parameter_dtype,
                                      pipeline_activation_dtype)
-from parallel4d.checkpoint.adapters import adapter_pieces, load_adapter
 from parallel4d.engine.pretrained import load_pretrained
 from parallel4d.engine.state import dense_layouts
 from parallel4d.engine.step import Engine
