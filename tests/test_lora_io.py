@@ -126,6 +126,8 @@ def test_peft_adapter_dir_fills_model_lora_and_starts_the_adapters_at_its_weight
 
 
 def test_adapter_dir_that_disagrees_or_uses_what_lora_lacks_is_refused_by_field(tmp_path, monkeypatch):
+    from parallel4d.launcher.preflight import check_job
+
     with monkeypatch.context() as mp:
         _, base_dir, adapter_dir = _made_by_peft("llama", tmp_path, mp)
     with pytest.raises(ConfigError) as e:
@@ -134,6 +136,11 @@ def test_adapter_dir_that_disagrees_or_uses_what_lora_lacks_is_refused_by_field(
     assert "model.lora.rank=8" in said and "has r=4" in said and "remove model.lora.rank" in said, said
     assert "model.lora.targets" not in said, said  # the same names in another order agree
     config = json.loads((adapter_dir / "adapter_config.json").read_text())
+    (adapter_dir / "adapter_config.json").write_text(json.dumps({**config, "r": 2}))  # not its tensors' rank
+    with pytest.raises(ConfigError) as e:
+        check_job(make_config(_job(base_dir, adapter_dir, tmp_path)), local=False)  # before any worker starts
+    said = str(e.value)
+    assert "model.lora.adapter=" in said and "lora_A.weight' is [4, " in said and "this model's is [2, " in said, said
     (adapter_dir / "adapter_config.json").write_text(json.dumps({**config, "use_dora": True}))
     with pytest.raises(ConfigError) as e:
         make_config(_job(base_dir, adapter_dir, tmp_path))

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from parallel4d.config.errors import ConfigError
+from parallel4d.checkpoint.pretrained import check_adapter
 from parallel4d.config.peft_adapter import ADAPTER_CONFIG, ADAPTER_WEIGHTS, adapter_config
 from parallel4d.models.lora import LoraShape, adapted_modules, is_adapter, peft_names
 
@@ -38,33 +38,18 @@ def adapter_pieces(model, layouts: dict) -> dict[str, tuple[tuple, list]]:
     return pieces
 
 
-def load_adapter(pieces: dict[str, tuple[tuple, list]], directory, model_cfg) -> int:
-    """Fill ``pieces`` (:func:`adapter_pieces`) from peft's ``adapter_model.safetensors`` in ``directory``,
+def load_adapter(pieces: dict[str, tuple[tuple, list]], model_cfg) -> int:
+    """Fill ``pieces`` (:func:`adapter_pieces`) from peft's ``adapter_model.safetensors`` in ``model.lora.adapter``,
     reading only those slices; the bytes read. ``ConfigError`` naming the file and tensor for a tensor
-    missing, of another shape, or one the model has no adapter for."""
+    missing, of another shape, or one the model has no adapter for (:func:`check_adapter`)."""
     from safetensors import safe_open  # the hf extra
 
-    path = Path(directory).expanduser() / ADAPTER_WEIGHTS
+    check_adapter(model_cfg)
     names = peft_names(adapted_modules(model_cfg))
-    where = f"model.lora.adapter={model_cfg.lora.adapter!r}: {path}"
-    if not path.is_file():
-        raise ConfigError(f"{where} is not there; save the adapter with peft's save_pretrained (safetensors)")
     read = 0
-    with safe_open(str(path), framework="pt") as f:
-        stored = set(f.keys())
-        extra = sorted(stored - set(names.values()))
-        if extra:
-            raise ConfigError(f"{where} holds {extra[0]!r}, which no adapter of model.lora.targets="
-                              f"{model_cfg.lora.targets} on this model is ({len(extra)} such tensors); the adapter "
-                              "was made for another model")
-        for dense, (shape, boxes) in pieces.items():
-            theirs = names[dense]
-            if theirs not in stored:
-                raise ConfigError(f"{where} has no tensor {theirs!r}; the adapter was made for another model")
-            part = f.get_slice(theirs)
-            if tuple(part.get_shape()) != shape:
-                raise ConfigError(f"{where}: tensor {theirs!r} is {list(part.get_shape())}, the model's {dense} is "
-                                  f"{list(shape)}; the adapter was made for another model")
+    with safe_open(str(Path(model_cfg.lora.adapter).expanduser() / ADAPTER_WEIGHTS), framework="pt") as f:
+        for dense, (_, boxes) in pieces.items():
+            part = f.get_slice(names[dense])
             for offsets, view in boxes:
                 t = part[tuple(slice(o, o + n) for o, n in zip(offsets, view.shape))]
                 read += t.numel() * t.element_size()

@@ -10,6 +10,10 @@ and projection, each read whole (one expert's ``[I, h]``: the most held at once 
 The architecture is the ``model:`` section of the config saved with the checkpoint. A job with
 ``model.pretrained`` gets back that directory's config.json (what training changed, merged), tokenizer and
 generation files, which its checkpoints carry (:mod:`.hf_source`).
+A LoRA job's checkpoint (``model.lora``: the adapters only, its base named in ``lora_base.json``) is written
+merged — the base read from the directory it names (checked by fingerprint; ``--base DIR`` where it moved) a
+block of rows at a time, ``scaling · B·A`` added to each adapted weight (:class:`.adapters.MergedSource`) —
+or, with ``--adapter``, as peft's adapter directory (:func:`.adapters.write_adapter`).
 OUT_DIR follows :mod:`.outputs`' rules: never the checkpoint or inside it, and written as a whole —
 the files go in a temporary directory, moved into OUT_DIR once all are complete.
 """
@@ -24,15 +28,14 @@ import torch
 
 from parallel4d.config.errors import ConfigError
 from parallel4d.config.load import make_config
+from parallel4d.checkpoint.adapters import MergedSource, write_adapter
 from parallel4d.checkpoint.gather import resolve_checkpoint, verified
 from parallel4d.checkpoint.resume import saved_config
 from parallel4d.checkpoint.files import default_mode
 from parallel4d.checkpoint.hf_source import carry_source
-from parallel4d.checkpoint.outputs import check_output, new_directory
-from parallel4d.checkpoint.rows import CheckpointTensors
-from parallel4d.checkpoint.adapters import MergedSource, write_adapter
 from parallel4d.checkpoint.lora_base import BASE_FILE, base_problem, fingerprint, saved_base
-from parallel4d.checkpoint.outputs import user_path
+from parallel4d.checkpoint.outputs import check_output, new_directory, user_path
+from parallel4d.checkpoint.rows import CheckpointTensors
 from parallel4d.models.build import build_dense, shape_from_config
 from parallel4d.models.lora import ADAPTER_PARTS, adapted_modules
 
@@ -57,8 +60,8 @@ def export(ckpt: str | Path, out_dir: str | Path, max_shard_bytes: int = 5 << 30
     """Write checkpoint ``ckpt`` (a ``step_*`` directory or a checkpoint root) to ``out_dir``; returns
     ``out_dir`` (``~`` expanded). ``ConfigError`` for an ``out_dir`` :func:`.outputs.check_output` refuses.
 
-    A LoRA job's checkpoint (``model.lora``): the merged model (:func:`_write_merged`), or with ``adapter``
-    the adapters alone in peft's format; ``base``: the base's directory where it is no longer where the
+    A LoRA job's checkpoint (``model.lora``): the merged model, or with ``adapter``
+    the adapters alone in peft's format (:func:`_write_lora`); ``base``: the base's directory where it is no longer where the
     checkpoint names it (checked by fingerprint, :mod:`.lora_base`)."""
     path = resolve_checkpoint(ckpt)
     out_dir = check_output(out_dir, "OUT_DIR", [(path, "the checkpoint it reads")], kind="directory")
@@ -71,8 +74,7 @@ def export(ckpt: str | Path, out_dir: str | Path, max_shard_bytes: int = 5 << 30
     except ImportError as e:
         raise ConfigError(f"parallel4d export needs the hf extra ({e.name} is missing): "
                           "pip install 'parallel4d[hf]'") from None
-    if model_cfg.lora is None:
-        _refusals(hf, path, model_cfg)
+    _refusals(hf, path, model_cfg)
     verified(path)  # after the cheap refusals: it reads every byte of the checkpoint
     with new_directory(out_dir, "OUT_DIR") as tmp:
         if model_cfg.lora is None:
@@ -114,8 +116,7 @@ def lora_base(hf, path: Path, model_cfg, base: str | Path | None):
                           "there now; give its directory (a copy of it) with --base DIR")
     problem = base_problem(record, {"pretrained": str(where), "fingerprint": fingerprint(where)}, path)
     if problem:
-        raise ConfigError(f"parallel4d export: {problem.split('; point')[0]}; give the base they were trained on "
-                          "with --base DIR")
+        raise ConfigError(f"parallel4d: {problem}; give the base they were trained on with --base DIR")
     try:
         with hf.PretrainedSource(where, model_cfg) as source:
             yield source
@@ -148,6 +149,8 @@ def _refusals(hf, path: Path, model_cfg) -> None:
         hf.hf_config(model_cfg, torch.float32)
     except ValueError as e:
         raise ConfigError(f"parallel4d export: {path}: {e}") from None
+    if model_cfg.lora is not None:  # the adapters only: checkpoint_adapters checks them, the base its own way
+        return
     with CheckpointTensors(path) as tensors:
         shapes = {k: shape for k, (shape, _) in ModelTensors(tensors, model_cfg.tie_embeddings).shapes.items()}
     problem = hf.fit_problem(shapes, model_cfg)

@@ -76,17 +76,13 @@ def _said(record: dict) -> str:
 
 
 def base_problem(saved: dict, now: dict, ckpt: str | Path) -> str | None:
-    """Why the base ``now`` (:func:`base_record` of this job) is not ``saved``, the one checkpoint ``ckpt``'s
-    adapters were trained on; None when it is (the same fingerprint, wherever the files are now)."""
+    """Why the base ``now`` (a :func:`base_record`) is not ``saved``, the one checkpoint ``ckpt``'s adapters were
+    trained on (the caller says the fix); None when it is (the same fingerprint, wherever the files are now)."""
     if saved.get("pretrained") and now.get("pretrained"):
         same = saved.get("fingerprint") == now.get("fingerprint")
     else:
         same = saved.get("pretrained") is None and now.get("pretrained") is None and saved.get("seed") == now.get("seed")
-    if same:
-        return None
-    return (f"checkpoint {ckpt} holds LoRA adapters trained on {_said(saved)}, but this job's base is {_said(now)}; "
-            "point model.pretrained at the base the adapters were trained on (or set the train.seed they were), "
-            "or start afresh in another train.out_dir")
+    return None if same else f"checkpoint {ckpt} holds LoRA adapters trained on {_said(saved)}, not on {_said(now)}"
 
 
 def check_base(ckpt: str | Path, model_cfg, seed: int) -> None:
@@ -95,4 +91,5 @@ def check_base(ckpt: str | Path, model_cfg, seed: int) -> None:
     saved = saved_base(ckpt)
     problem = base_problem(saved, base_record(model_cfg, seed), ckpt) if saved is not None else None
     if problem:
-        raise UnusableCheckpoint(problem)
+        raise UnusableCheckpoint(f"{problem}; point model.pretrained at the base the adapters were trained on (or "
+                                 "set the train.seed they were), or start afresh in another train.out_dir")

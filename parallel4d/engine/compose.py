@@ -434,6 +434,6 @@ def local_model(cfg: Config, stages: dict[int, nn.Module]) -> LocalModel:
         add_adapters(model, adapted_modules(cfg.model), LoraShape.of(cfg.model.lora), seed=cfg.train.seed)
         model.dense = dense_layouts(model.stages(), tied=cfg.model.tie_embeddings)
         if cfg.model.lora.adapter:  # peft's adapter to start from: this rank's slices of it
-            load_adapter(adapter_pieces(model, model.dense), cfg.model.lora.adapter, cfg.model)
+            load_adapter(adapter_pieces(model, model.dense), cfg.model)
     return model
 
