@@ -187,6 +187,7 @@ def test_lora_checkpoint_exports_merged_and_peft_adapter_and_generates(case, tmp
         d_adapter = (_peft_logits(reloaded, tokens) - want).abs().max().item()
 
         model, _ = load_model(saved)
+        prompt = tokens[:1, :5]
 
         moved = base_dir.rename(tmp_path / "moved_base")  # the base named by the checkpoint has gone elsewhere
         with pytest.raises(ConfigError) as e:
@@ -194,7 +195,8 @@ def test_lora_checkpoint_exports_merged_and_peft_adapter_and_generates(case, tmp
         assert "which is not there now" in str(e.value) and "--base DIR" in str(e.value), str(e.value)
         again = export(saved, tmp_path / "merged_again", base=moved)
         assert (again / "model.safetensors").read_bytes() == (merged / "model.safetensors").read_bytes()
-        prompt = tokens[:1, :5]
+        with torch.no_grad():
+            assert torch.equal(load_model(saved, base=moved)[0](prompt), model(prompt))
         ours = sample(model, prompt, 8, temperature=0.0, top_k=None, seed=0)
         merged32 = AutoModelForCausalLM.from_pretrained(merged, dtype=torch.float32).eval()
         theirs_tokens = merged32.generate(prompt, max_new_tokens=8, do_sample=False, pad_token_id=0)

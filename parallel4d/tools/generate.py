@@ -56,11 +56,11 @@ def describe_source(path: Path) -> str:
     return f"the Hugging Face model in {path}" if (path / "config.json").is_file() else describe_checkpoint(path)
 
 
-def load_model(source: str | Path) -> tuple[torch.nn.Module, dict]:
+def load_model(source: str | Path, base: str | Path | None = None) -> tuple[torch.nn.Module, dict]:
     """``(dense model in float32, eval mode; the job config dict)`` from a Hugging Face directory,
     a run directory (its newest checkpoint), a checkpoint root or one ``step_*`` directory; a LoRA job's
     checkpoint runs its base with the adapters merged (``checkpoint.export.merged_state_dict``: the base it
-    names, checked by fingerprint), as ``parallel4d export`` writes it."""
+    names, checked by fingerprint; ``base``: its directory where it has moved), as ``parallel4d export`` writes it."""
     source = model_source(source)
     if (source / "config.json").is_file():
         positions = hf_max_positions(json.loads((source / "config.json").read_text()))
@@ -71,7 +71,7 @@ def load_model(source: str | Path) -> tuple[torch.nn.Module, dict]:
         state = load_hf_state_dict(source, cfg.model)
     elif (data := saved_config(source)).get("model", {}).get("lora"):  # base + adapters, merged
         cfg = make_config(data)
-        state = merged_state_dict(source, cfg.model)
+        state = merged_state_dict(source, cfg.model, base)
         cfg = make_config({**data, "model": {**data["model"], "lora": None}})  # the merged model is a plain one
     else:
         cfg = make_config(data)
@@ -162,12 +162,13 @@ def text_codec(source: str | Path, cfg: dict):
 
 
 def generate(source: str | Path, prompt: str, max_new_tokens: int = 200, temperature: float = 0.8,
-             top_k: int | None = 50, seed: int = 0) -> str:
-    """The prompt and its continuation as text (see the module docstring)."""
+             top_k: int | None = 50, seed: int = 0, base: str | Path | None = None) -> str:
+    """The prompt and its continuation as text (see the module docstring; ``base``: a LoRA checkpoint's base
+    where it has moved)."""
     if max_new_tokens < 0:
         raise ValueError(f"--max-new-tokens must be ≥ 0, got {max_new_tokens}")
     source = model_source(source)
-    model, cfg = load_model(source)
+    model, cfg = load_model(source, base)
     encode, decode = text_codec(source, cfg)
     ids = encode(prompt)
     if not ids:
