@@ -253,3 +253,17 @@ def test_lora_resume_equals_one_run_and_refuses_another_base(tmp_path, monkeypat
     with pytest.raises(UnusableCheckpoint):
         load_checkpoint(third, moved.checkpoint_dir)
     third.close()
+
+
+def test_export_adapter_of_a_checkpoint_without_lora_is_refused(tmp_path, single_rank):
+    from parallel4d.training.checkpoints import save_checkpoint
+
+    cfg = make_config({"model": {"arch": "llama", "vocab_size": 64, "seq_len": 8, "hidden": 16, "heads": 2,
+                                 "layers": 1}, "data": {"batch_size": 2}, "train": {"out_dir": str(tmp_path / "run")}})
+    engine = _engine(cfg)
+    saved = save_checkpoint(engine, cfg)
+    engine.close()
+    assert not (saved / BASE_FILE).exists()  # only a LoRA job's checkpoints name a base
+    with pytest.raises(ConfigError) as e:
+        export(saved, tmp_path / "adapter", adapter=True)
+    assert "not a LoRA job's checkpoint" in str(e.value) and "without --adapter" in str(e.value), str(e.value)
