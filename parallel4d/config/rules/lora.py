@@ -1,5 +1,6 @@
 """Low-rank adapter rules (``model.lora``): targets the family has, and the layouts adapters do not run
-in yet (one process only for now: every parallel axis, hetero, DeepSpeed, compile and MoE layers come later).
+in yet (one process, or expert parallelism over dp·sp, for now: the other parallel axes, hetero, DeepSpeed and
+compile come later), and what an MoE model's routed experts' adapters need (:func:`expert_problems`).
 
 Torch-free; ``config/checks.py`` calls :func:`problems` among the cross-field rules with the family's
 peft target names (its spec's ``lora_targets``).
@@ -29,22 +30,52 @@ def target_problems(cfg: Config, valid: tuple[str, ...]) -> list[str]:
     return out
 
 
+#: the targets that adapt an MoE layer's routed experts, and which fused parameter of peft's each is
+_EXPERT_TARGETS = {"gate_proj": "gate_up_proj", "up_proj": "gate_up_proj", "down_proj": "down_proj"}
+
+
+def expert_problems(cfg: Config) -> list[str]:
+    """Routed experts' adapters (an MoE model, ``model.lora.targets`` naming an MLP projection) as peft adapts
+    transformers 5's fused experts: ``gate_proj`` and ``up_proj`` together (one adapter over both), no
+    dropout; not yet on the 2D grid (``parallel.tp``) nor under hetero (experts one module each)."""
+    lora, p = cfg.model.lora, cfg.parallel
+    named = [t for t in lora.targets if t in _EXPERT_TARGETS]
+    if not cfg.model.num_experts or not named:
+        return []
+    out = []
+    half = {"gate_proj", "up_proj"} & set(named)
+    if len(half) == 1:
+        [have], [lacks] = half, {"gate_proj", "up_proj"} - half
+        out.append(f"model.lora.targets names {have!r} but not {lacks!r}: an MoE layer's experts hold gate_proj and "
+                   f"up_proj fused (peft adapts them as one, gate_up_proj); add {lacks!r} or remove {have!r}")
+    if lora.dropout:
+        out.append(f"model.lora.dropout={lora.dropout} with the experts targeted ({', '.join(named)}): peft applies "
+                   "no dropout on adapted expert weights; set model.lora.dropout=0 or target attention only")
+    beside = ([f"parallel.tp={p.tp}"] if p.tp > 1 else []) + (["hetero.enabled=true"] if cfg.hetero.enabled else [])
+    if beside:
+        out.append(f"model.lora.targets {', '.join(named)} adapt the routed experts, which do not run with "
+                   f"{', '.join(beside)} yet; target attention only (q_proj, k_proj, v_proj, o_proj) or set "
+                   "parallel.tp=1 and hetero.enabled=false")
+    return out
+
+
 def layout_problems(cfg: Config) -> list[str]:
-    """What adapters do not run in yet: any parallel axis above 1, hetero, a deepspeed: section,
-    ``train.compile``, MoE layers, an adapter directory to start from (each a later part of issue 49)."""
-    p, m = cfg.parallel, cfg.model
-    wider = [f"parallel.{axis}={getattr(p, axis)}" for axis in ("pp", "dp", "sp", "tp", "ep") if getattr(p, axis) > 1]
+    """What adapters do not run in yet: any parallel axis above 1 but expert parallelism (``ep`` over
+    ``dp·sp``), hetero, a deepspeed: section, ``train.compile``, an adapter directory to start from (each a
+    later part of issue 49); MoE layers' experts: :func:`expert_problems`."""
+    p = cfg.parallel
+    wider = [f"parallel.{axis}={getattr(p, axis)}" for axis in ("pp", "dp", "sp", "tp")
+             if getattr(p, axis) > 1 and not (axis in ("dp", "sp") and p.ep > 1)]
     beside = wider + [f for f, on in (("hetero.enabled=true", cfg.hetero.enabled),
                                       ("a deepspeed: section", cfg.deepspeed is not None),
-                                      (f"train.compile={cfg.train.compile}", cfg.train.compile != "none"),
-                                      (f"model.num_experts={m.num_experts}", m.num_experts > 0)) if on]
+                                      (f"train.compile={cfg.train.compile}", cfg.train.compile != "none")) if on]
     out = []
     if beside:
         out.append(f"model.lora (low-rank adapters) runs in one process for now, not with {', '.join(beside)}; "
-                   "set every parallel size to 1, hetero.enabled=false, train.compile=none, no deepspeed: section "
-                   "and a dense model, or remove model.lora")
-    if m.lora.adapter is not None:
-        out.append(f"model.lora.adapter={m.lora.adapter!r}: starting from a peft adapter directory is not read yet; "
+                   "set every parallel size to 1 (dp and sp above 1 run with parallel.ep > 1), hetero.enabled=false, "
+                   "train.compile=none and no deepspeed: section, or remove model.lora")
+    if cfg.model.lora.adapter is not None:
+        out.append(f"model.lora.adapter={cfg.model.lora.adapter!r}: starting from a peft adapter directory is not read yet; "
                    "remove model.lora.adapter (the adapters start as peft initialises them)")
     return out
 
@@ -53,4 +84,4 @@ def problems(cfg: Config, valid: tuple[str, ...]) -> list[str]:
     """``model.lora``'s rules (none without it)."""
     if cfg.model.lora is None:
         return []
-    return target_problems(cfg, valid) + layout_problems(cfg)
+    return target_problems(cfg, valid) + expert_problems(cfg) + layout_problems(cfg)
