@@ -60,6 +60,10 @@ GRID = "tp=4 (q=2), 2 micro-batches, blocks recomputed"
 GRID_HETERO = "tp=4 (q=2), hetero (a budget below the model)"
 HANAYO = "Hanayo pp=2 × dp=2, ep=2, 2 micro-batches, blocks recomputed"
 ZERO_BUBBLE = "zb_h1 pp=2 × sp=2, ep=2, 2 micro-batches"
+LORA = "dp=2 × sp=2, ep=2, LoRA on attention, the shared expert, the dense layer and the experts"
+#: model.lora's adapters: the experts' stacked ones split with their experts (summed over the expert replicas)
+LORA_SECTION = {"rank": 2, "alpha": 6, "rslora": True, "targets": ["q_proj", "o_proj", "gate_proj", "up_proj",
+                                                                   "down_proj"]}
 FOUR_AXES = "Hanayo pp=2 × zigzag ring sp=2 × tp=4, ep=2, hetero, 2 micro-batches, blocks recomputed"
 LAYOUTS = {
     "dp=2 × sp=2, ep=1": _job({"dp": 2, "sp": 2}),
@@ -83,6 +87,7 @@ LAYOUTS = {
                  train={"activation_checkpointing": "blocks"}),
     # [embedding, MoE layer 0, layer 1] on pp rank 0, [MoE layer 2, head: the loss] on rank 1
     ZERO_BUBBLE: _job({"pp": 2, "sp": 2, "ep": 2}, pipeline={"schedule": "zb_h1", "microbatches": 2}),
+    LORA: _job({"dp": 2, "sp": 2, "ep": 2}, model={**BASE["model"], "lora": LORA_SECTION}),
 }
 #: hetero's ZeRO with experts 1 and 3 chosen by no token (tests/test_hetero_experts.py's one-sided router, top-1):
 #: every rank skips its second expert (1 on ep rank 0, 3 on ep rank 1), agreed over the 4 data replicas
@@ -240,8 +245,8 @@ def one_process(name: str | None = None):
     with packed documents each document alone (tests/test_packed_training.py's reference), the
     load-balancing loss over every document's tokens; with m micro-batches one process's m micro-batches
     (:func:`microbatch_rows`), one forward each."""
-    if name == PACKED:
-        return _one_process(PACKED)
+    if name in (PACKED, LORA):
+        return _one_process(name)
     rows = microbatch_rows(name)
     return _one_process(None if len(rows) == 1 else rows)
 
@@ -250,9 +255,20 @@ def one_process(name: str | None = None):
 def _one_process(how):
     if how == PACKED:
         return dense_run(LAYOUTS[PACKED], loss_of=documents_and_balance)
+    if how == LORA:
+        return dense_run(LAYOUTS[LORA], prepare=with_adapters)
     if how is None:
         return dense_run(BASE)
     return dense_run(BASE, loss_of=functools.partial(microbatches, how))
+
+
+def with_adapters(model) -> None:
+    """The one-process model of :data:`LORA`: its adapters as the engine adds them (seeded ``train.seed``)."""
+    from parallel4d.config.load import make_config
+    from parallel4d.models.lora import LoraShape, adapted_modules, add_adapters
+
+    cfg = make_config(LAYOUTS[LORA])
+    add_adapters(model, adapted_modules(cfg.model), LoraShape.of(cfg.model.lora), cfg.train.seed)
 
 
 def microbatches(rows_of, model, tokens, targets, step):
@@ -295,6 +311,28 @@ def test_experts_over_data_and_sequence_ranks_train_as_one_process(trained, name
         rows = sorted(off[0] + i for off, t in boxes for i in range(t.shape[0]))
         assert rows == list(range(rows[0], rows[0] + 4 // ep)) and rows[0] % (4 // ep) == 0, rows
         assert len(boxes) == (4 // ep if one_per_expert else 1)
+
+
+def test_lora_adapters_of_the_experts_travel_with_their_experts(trained):
+    """:data:`LORA` at ep=2: each rank holds its experts' adapters only (rows of the stacked ``[E, 2r, h]`` /
+    ``[E, 2I, 2r]`` adapters, the rows of its experts), the base does not move, and the adapters (every
+    expert's too) are one process's after 3 steps (the parametrized test above checks every piece)."""
+    _, want = one_process(LORA)
+    adapters = [n for n in want if ".experts.adapters." in n]
+    assert len(adapters) == 2 * 2 * 2  # 2 MoE layers × gate_up, down × lora_A, lora_B
+    from parallel4d.config.load import make_config
+    from parallel4d.engine.model import model_shape
+    from parallel4d.models.build import build_dense
+
+    cfg = make_config(LAYOUTS[LORA])
+    model = build_dense(model_shape(cfg), seed=cfg.train.seed).double()
+    with_adapters(model)
+    base = dict(model.named_parameters())
+    assert all(torch.equal(want[n], base[n]) for n in want if ".lora_" not in n)
+    assert all(not torch.equal(want[n], base[n]) for n in adapters)
+    for _, pieces in [r[LORA] for r in trained]:
+        [(off, t)] = pieces["blocks.0.mlp.experts.adapters.gate_up_proj.lora_B"]
+        assert t.shape == (2, 2 * 16, 2 * 2) and off[0] in (0, 2), (off, t.shape)
 
 
 def test_experts_no_token_chose_are_skipped_alike_on_every_zero_rank(trained):

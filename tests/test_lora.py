@@ -352,3 +352,30 @@ def test_lora_on_moe_layers_equals_peft_in_float64(case, monkeypatch):
     print(f"\n{case}: logits {d_logits:.1e}, loss {d_loss:.1e}, adapter grads {d_grad:.1e}, "
           f"adapters after 20 AdamW steps {d_params:.1e}")
     assert d_params < 1e-9
+
+
+MOE_MODEL = {"arch": "llama", "hidden": 64, "heads": 4, "num_experts": 4, "num_experts_per_tok": 2,
+             "moe_intermediate_size": 32}
+
+
+@pytest.mark.parametrize("lora, sections, words", [
+    ({"targets": ["gate_proj", "down_proj"]}, {}, ["names 'gate_proj' but not 'up_proj'", "add 'up_proj'"]),
+    ({"targets": ["q_proj", "down_proj"], "dropout": 0.1}, {},
+     ["model.lora.dropout=0.1 with the experts targeted (down_proj)", "set model.lora.dropout=0"]),
+    ({"targets": ["gate_proj", "up_proj"]}, {"parallel": {"tp": 4}}, ["parallel.tp=4", "target attention only"]),
+    ({"targets": ["down_proj"]}, {"hetero": {"enabled": True}}, ["hetero.enabled=true", "target attention only"]),
+    ({"targets": ["q_proj"]}, {"parallel": {"dp": 2}}, ["parallel.dp=2", "run with parallel.ep > 1"]),
+])
+def test_lora_on_experts_where_peft_or_the_layout_cannot_is_refused(lora, sections, words):
+    """The routed experts' adapters: gate_proj and up_proj together (fused), no dropout (peft refuses it
+    there), not yet with 2D tp or hetero; dp above 1 runs only with expert parallelism for now."""
+    job = {"model": {**MOE_MODEL, "lora": {"rank": 2, "alpha": 4, **lora}}, "data": {"batch_size": 8}, **sections}
+    with pytest.raises(ConfigError) as e:
+        make_config(job)
+    assert all(w in str(e.value) for w in words), str(e.value)
+
+
+def test_lora_on_an_moe_model_at_ep_2_is_accepted():
+    cfg = make_config({"model": {**MOE_MODEL, "lora": {"rank": 2, "alpha": 4, "targets": MOE_ALL}},
+                       "parallel": {"dp": 2, "ep": 2}, "data": {"batch_size": 8}})
+    assert cfg.parallel.ep == 2 and cfg.model.lora.targets == MOE_ALL
