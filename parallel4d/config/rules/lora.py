@@ -26,7 +26,7 @@ def target_problems(cfg: Config, valid: tuple[str, ...]) -> list[str]:
                        f"{did_you_mean(name, valid)}use peft's target_modules names of the family: "
                        f"{', '.join(valid)}")
     if len(set(lora.targets)) < len(lora.targets):
-        out.append(f"model.lora.targets={lora.targets} names a layer twice; name each once")
+        out.append(f"model.lora.targets={lora.targets} names a layer twice; remove the repeated name (each once)")
     return out
 
 
