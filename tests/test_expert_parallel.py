@@ -133,12 +133,18 @@ def checked_job() -> list[str]:
     return [*MOE_JOB, "pipeline.microbatches=2"]
 
 
-def check_plan():
-    """``parallel4d check``'s plan of :func:`checked_job` on 4 workers."""
+def checked_lora_job() -> list[str]:
+    """:func:`checked_job` with LoRA adapters on attention, the shared expert, the dense layers and the experts."""
+    return [*checked_job(), f"model.lora={json.dumps(LORA_SECTION)}"]
+
+
+@functools.cache
+def check_plan(job=checked_job):
+    """``parallel4d check``'s plan of ``job()`` (default :func:`checked_job`) on 4 workers."""
     from parallel4d.tools.check import shrunk
     from test_check import QUICKSTART
 
-    return shrunk(QUICKSTART, checked_job(), max_workers=4)
+    return shrunk(QUICKSTART, job(), max_workers=4)
 
 
 def _train(jobs: dict, tmp: str, pretrained: str | None) -> dict:
@@ -202,8 +208,9 @@ def _train(jobs: dict, tmp: str, pretrained: str | None) -> dict:
     from parallel4d.training.loop import run_training
     from test_check import QUICKSTART
 
-    overrides = json.loads(Path(tmp, "check.json").read_text())
-    out["check"] = run_training(into(load_config(QUICKSTART, overrides), Path(tmp, "check"))), f"{tmp}/check"
+    for name in ("check", "check-lora"):
+        overrides = json.loads(Path(tmp, f"{name}.json").read_text())
+        out[name] = run_training(into(load_config(QUICKSTART, overrides), Path(tmp, name))), f"{tmp}/{name}"
     return out
 
 
@@ -230,6 +237,7 @@ def qwen3_moe(tmp_path_factory) -> str | None:
 def trained(tmp_path_factory, qwen3_moe):
     tmp = tmp_path_factory.mktemp("ep")
     (tmp / "check.json").write_text(json.dumps([*checked_job(), *check_plan().overrides]))  # the job's, the check's
+    (tmp / "check-lora.json").write_text(json.dumps([*checked_lora_job(), *check_plan(checked_lora_job).overrides]))
     return run_workers(_train, 4, LAYOUTS, str(tmp), qwen3_moe, timeout_s=300)
 
 
@@ -480,6 +488,31 @@ def test_the_check_of_an_ep_job_shrunk_to_4_workers_is_equal(trained, tmp_path):
     assert plan.cfg.pipeline.microbatches == 2 and plan.cfg.model.output_router_logits, report
     assert outcome.equal, report
     assert f"ep={plan.cfg.parallel.ep}" in report.splitlines()[0], report
+def test_the_check_of_an_ep_lora_job_compares_its_adapters(trained, tmp_path):
+    """``parallel4d check`` of :func:`checked_lora_job` on 4 workers (ep > 1 over dp): equal to one process, the
+    adapters among the tensors compared — every one of them, the experts' stacked ones whole from the ep ranks'
+    rows — and the report's adapters line says how many and how close."""
+    from conftest import run_in_this_process
+    from parallel4d.models.lora import LoraShape, adapted_modules, add_adapters
+    from parallel4d.engine.model import model_shape
+    from parallel4d.models.build import build_dense
+    from parallel4d.tools.check import compare, format_report, into
+    from test_check import QUICKSTART
+
+    plan = check_plan(checked_lora_job)
+    summary, out = trained[0]["check-lora"]
+    reference = into(plan.reference(QUICKSTART, checked_lora_job()), tmp_path)
+    outcome = compare(plan.cfg, summary, run_in_this_process(reference, []), Path(out) / "checkpoints",
+                      tmp_path / "checkpoints")
+    report = "\n".join(format_report(QUICKSTART, plan, outcome))
+    model = build_dense(model_shape(plan.cfg))
+    add_adapters(model, adapted_modules(plan.cfg.model), LoraShape.of(plan.cfg.model.lora))
+    adapters = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert plan.cfg.parallel.ep > 1 and any(".experts.adapters." in n for n in adapters), report
+    assert outcome.equal and outcome.adapters[0] == len(adapters), report
+    assert f"adapters (model.lora): {len(adapters)} tensors" in report and " lora: rank=2" in report, report
+
+
 def test_a_pipelines_evaluation_carries_the_statistics_too(single_rank):
     """Forwards only (``for_evaluation``, as ``Engine.evaluate`` runs a pipeline): 4 chunks in this process
     (interleaved at pp=1), the loss with the auxiliary term of every layer — the dense model's (1e-12)."""
