@@ -38,6 +38,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from parallel4d.models.moe.layer import Experts
 from parallel4d.models.registry import spec
 
 ADAPTER_PARTS = ("lora_A", "lora_B")
@@ -129,8 +130,6 @@ def add_expert_adapters(model: nn.Module, lora: LoraShape, generator: torch.Gene
     ``gate_up_proj`` of rank ``2r`` and alpha ``2·alpha``; each drawn for all ``E`` experts from ``generator``
     and cut to the experts the module holds (expert parallelism: the same draw in every layout). Returns the
     adapted modules' names."""
-    from parallel4d.models.moe.layer import Experts  # (the MoE layer does not import adapters)
-
     fused = expert_adapters(lora.targets)
     done = []
     for name, experts in sorted((n, m) for n, m in model.named_modules() if isinstance(m, Experts)):
