@@ -267,7 +267,7 @@ def test_check_of_an_moe_job_keeps_ep_above_one_and_the_experts_at_a_smaller_sha
 def test_check_report_names_ep_and_the_experts():
     plan = shrunk(QUICKSTART, MOE_JOB, max_workers=4)
     m = plan.cfg.model
-    outcome = type("O", (), dict(losses=[1.0], reference_losses=[1.0], validation=[], tensors=1, worst=("", 0.0),
+    outcome = type("O", (), dict(losses=[1.0], reference_losses=[1.0], validation=[], tensors=1, worst=("", 0.0), adapters=None,
                                  hetero_moved=None, equal=True, first_loss_step=None, first_tensor=None))()
     head = "\n".join(format_report(QUICKSTART, plan, outcome)[:2])
     assert f"ep={plan.cfg.parallel.ep}" in head, head

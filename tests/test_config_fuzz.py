@@ -111,12 +111,33 @@ def worker_problems(cfg) -> list[str]:
     # hetero/layout.py: a chunk holds the largest parameter and is a multiple of 64 · (dp·sp)
     if h.enabled and h.chunk_elems is not None and h.chunk_elems % (64 * p.dp * p.sp):
         out.append("hetero.chunk_elems not a multiple of 64·dp·sp")
+    if m.lora is not None:
+        out += _lora_problems(cfg)
     if m.num_experts:
         out += _expert_problems(cfg)
     elif p.ep > 1:
         out.append("parallel.ep > 1 without experts")
     if p.pp > 1:
         out += _pipeline_problems(cfg)
+    return out
+
+
+#: the linears models/lora.py finds by peft's names in each family (models/<family>/spec.py's name maps)
+FAMILY_LINEARS = {"llama": {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"},
+                  "gpt2": {"c_attn", "c_proj", "c_fc"}}
+
+
+def _lora_problems(cfg) -> list[str]:
+    """What the adapters need (models/lora.py): linears the family has, a rank of 1 or more, a dropout
+    probability; on an MoE model's experts gate_proj and up_proj together (one fused adapter) and no dropout."""
+    m, lora = cfg.model, cfg.model.lora
+    out = [] if set(lora.targets) <= FAMILY_LINEARS[m.arch] else ["a LoRA target the family lacks"]
+    if lora.rank < 1 or not 0 <= lora.dropout < 1 or lora.alpha <= 0:
+        out.append("LoRA rank, alpha or dropout out of range")
+    if m.num_experts and ({"gate_proj", "up_proj"} & set(lora.targets)) not in (set(), {"gate_proj", "up_proj"}):
+        out.append("the experts' gate_proj without up_proj (fused)")
+    if m.num_experts and lora.dropout and {"gate_proj", "up_proj", "down_proj"} & set(lora.targets):
+        out.append("dropout on the experts' adapters")
     return out
 
 
@@ -183,6 +204,22 @@ def moe_models():
            "decoder_sparse_step": st.sampled_from([1, 2])})
 
 
+# low-rank adapters (#49): the fields valid and not; targets of either family, misspelt, the experts' half alone
+LORA_NAMES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "c_attn", "c_proj", "c_fc",
+              "qproj", "lm_head"]
+
+
+def lora_sections():
+    """A ``model.lora`` section: rank, alpha, dropout, rsLoRA, targets, sometimes an adapter directory."""
+    return st.fixed_dictionaries(
+        {"rank": small(0, 8, (1, 2, 4)), "alpha": st.one_of(st.sampled_from([1, 8, 16.0]), st.floats(-1, 64, allow_nan=False)),
+         "targets": st.one_of(st.sampled_from([["q_proj", "v_proj"], ["c_attn", "c_fc"], ["q_proj", "gate_proj", "up_proj",
+                                                                                         "down_proj"]]),
+                              st.lists(st.sampled_from(LORA_NAMES), min_size=1, max_size=5))},
+        optional={"dropout": st.one_of(st.sampled_from([0.0, 0.1]), st.floats(-0.5, 1.5, allow_nan=False)),
+                  "rslora": st.booleans(), "adapter": st.just("somewhere")})
+
+
 @st.composite
 def raw_configs(draw) -> dict:
     """A job dict over the whole space; many draws are invalid."""
@@ -217,6 +254,8 @@ def raw_configs(draw) -> dict:
         model.update(arch="llama", **draw(moe_models()))
         replicas = parallel.get("dp", 1) * parallel.get("sp", 1)
         parallel["ep"] = draw(st.sampled_from([e for e in (1, 2, 4) if replicas % e == 0]))
+    if draw(st.sampled_from([False, False, True])):  # model.lora, its fields valid or not (#49)
+        model["lora"] = draw(lora_sections())
     data = draw(st.fixed_dictionaries({}, optional={
         "batch_size": small(1, 64, (8, 16, 32)), "packing": st.sampled_from(["none", "documents"]),
         "eod_token": st.one_of(st.none(), st.integers(0, 5000))}))
@@ -616,4 +655,25 @@ def test_the_raw_draws_reach_every_moe_field_and_parallel_ep_accepted_and_refuse
 
     draw()
     want = {f"model.{f}" for f in MOE_FIELDS} | {"parallel.ep > 1", "an MoE model accepted", "an MoE model refused"}
+    assert want <= seen, sorted(want - seen)
+
+
+def test_the_raw_draws_reach_model_lora_accepted_and_refused():
+    """#49: the raw draws set model.lora with each of its fields, and among them are jobs validate accepts and
+    ones it refuses, on a dense model and an MoE one (a fixed seed: the same draws each run)."""
+    seen = set()
+
+    @settings(max_examples=600, database=None, **{**SETTINGS, "derandomize": True})
+    @given(raw_configs())
+    def draw(data):
+        lora = data["model"].get("lora")
+        if lora is None:
+            return
+        seen.update(f"model.lora.{f}" for f in lora)
+        kind = "an MoE model" if data["model"].get("num_experts") else "a dense model"
+        seen.add(f"LoRA on {kind} {check_draw(data)}")
+
+    draw()
+    want = {f"model.lora.{f}" for f in ("rank", "alpha", "targets", "dropout", "rslora", "adapter")} | \
+        {f"LoRA on {k} {o}" for k in ("a dense model", "an MoE model") for o in ("accepted", "refused")}
     assert want <= seen, sorted(want - seen)

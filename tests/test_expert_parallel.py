@@ -66,6 +66,11 @@ GRID = "tp=4 (q=2), 2 micro-batches, blocks recomputed"
 GRID_HETERO = "tp=4 (q=2), hetero (a budget below the model)"
 HANAYO = "Hanayo pp=2 × dp=2, ep=2, 2 micro-batches, blocks recomputed"
 ZERO_BUBBLE = "zb_h1 pp=2 × sp=2, ep=2, 2 micro-batches"
+LORA = "dp=2 × sp=2, ep=2, LoRA on attention, the shared expert, the dense layer and the experts"
+#: model.lora's adapters: the experts' stacked ones split with their experts (summed over the expert replicas)
+LORA_SECTION = {"rank": 2, "alpha": 6, "rslora": True, "targets": ["q_proj", "o_proj", "gate_proj", "up_proj",
+                                                                   "down_proj"]}
+LORA_HANAYO = "Hanayo pp=2 × dp=2, ep=2, 2 micro-batches, LoRA on attention, the shared expert and the experts"
 FOUR_AXES = "Hanayo pp=2 × zigzag ring sp=2 × tp=4, ep=2, hetero, 2 micro-batches, blocks recomputed"
 LAYOUTS = {
     "dp=2 × sp=2, ep=1": _job({"dp": 2, "sp": 2}),
@@ -89,17 +94,22 @@ LAYOUTS = {
                  train={"activation_checkpointing": "blocks"}),
     # [embedding, MoE layer 0, layer 1] on pp rank 0, [MoE layer 2, head: the loss] on rank 1
     ZERO_BUBBLE: _job({"pp": 2, "sp": 2, "ep": 2}, pipeline={"schedule": "zb_h1", "microbatches": 2}),
+    LORA: _job({"dp": 2, "sp": 2, "ep": 2}, model={**BASE["model"], "lora": LORA_SECTION}),
+    # the experts' adapters drawn from their stage's generator: pp rank 1's MoE layer 2 draws one process's
+    LORA_HANAYO: _job({"pp": 2, "dp": 2, "ep": 2}, pipeline={"schedule": "hanayo", "waves": 1, "microbatches": 2},
+                      model={**BASE["model"], "lora": LORA_SECTION}),
 }
 
 # --- LoRA (#49) on a dense llama in the data, sequence and pipeline layouts: trained in this job's workers ---
 LORA_MODEL = {k: BASE["model"][k] for k in ("arch", "vocab_size", "seq_len", "hidden", "heads", "kv_heads", "layers",
                                               "intermediate_size")}
-LORA = {"rank": 4, "alpha": 8, "targets": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]}
+DENSE_LORA = {"rank": 4, "alpha": 8, "targets": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                                   "down_proj"]}
 
 
 def _lora_job(parallel: dict, dropout: float = 0.0, **sections) -> dict:
     """The dense llama with adapters on its seven linears (``model.lora.dropout`` ``dropout``) at ``parallel``."""
-    return _job(parallel, model={**LORA_MODEL, "lora": {**LORA, "dropout": dropout}}, **sections)
+    return _job(parallel, model={**LORA_MODEL, "lora": {**DENSE_LORA, "dropout": dropout}}, **sections)
 
 
 LORA_PACKED = "LoRA dp=2 × sp=2, packed documents"
@@ -176,12 +186,18 @@ def checked_job() -> list[str]:
     return [*MOE_JOB, "pipeline.microbatches=2"]
 
 
-def check_plan():
-    """``parallel4d check``'s plan of :func:`checked_job` on 4 workers."""
+def checked_lora_job() -> list[str]:
+    """:func:`checked_job` with LoRA adapters on attention, the shared expert, the dense layers and the experts."""
+    return [*checked_job(), f"model.lora={json.dumps(LORA_SECTION)}"]
+
+
+@functools.cache
+def check_plan(job=checked_job):
+    """``parallel4d check``'s plan of ``job()`` (default :func:`checked_job`) on 4 workers."""
     from parallel4d.tools.check import shrunk
     from test_check import QUICKSTART
 
-    return shrunk(QUICKSTART, checked_job(), max_workers=4)
+    return shrunk(QUICKSTART, job(), max_workers=4)
 
 
 def _train(jobs: dict, tmp: str, pretrained: str | None) -> dict:
@@ -246,8 +262,9 @@ def _train(jobs: dict, tmp: str, pretrained: str | None) -> dict:
     from parallel4d.training.loop import run_training
     from test_check import QUICKSTART
 
-    overrides = json.loads(Path(tmp, "check.json").read_text())
-    out["check"] = run_training(into(load_config(QUICKSTART, overrides), Path(tmp, "check"))), f"{tmp}/check"
+    for name in ("check", "check-lora"):
+        overrides = json.loads(Path(tmp, f"{name}.json").read_text())
+        out[name] = run_training(into(load_config(QUICKSTART, overrides), Path(tmp, name))), f"{tmp}/{name}"
     return out
 
 
@@ -274,6 +291,7 @@ def qwen3_moe(tmp_path_factory) -> str | None:
 def trained(tmp_path_factory, qwen3_moe):
     tmp = tmp_path_factory.mktemp("ep")
     (tmp / "check.json").write_text(json.dumps([*checked_job(), *check_plan().overrides]))  # the job's, the check's
+    (tmp / "check-lora.json").write_text(json.dumps([*checked_lora_job(), *check_plan(checked_lora_job).overrides]))
     return run_workers(_train, 4, {**LAYOUTS, **LORA_LAYOUTS}, str(tmp), qwen3_moe, timeout_s=300)
 
 
@@ -289,8 +307,8 @@ def one_process(name: str | None = None):
     with packed documents each document alone (tests/test_packed_training.py's reference), the
     load-balancing loss over every document's tokens; with m micro-batches one process's m micro-batches
     (:func:`microbatch_rows`), one forward each."""
-    if name == PACKED:
-        return _one_process(PACKED)
+    if name in (PACKED, LORA, LORA_HANAYO):
+        return _one_process(name)
     rows = microbatch_rows(name)
     return _one_process(None if len(rows) == 1 else rows)
 
@@ -299,9 +317,23 @@ def one_process(name: str | None = None):
 def _one_process(how):
     if how == PACKED:
         return dense_run(LAYOUTS[PACKED], loss_of=documents_and_balance)
+    if how == LORA:
+        return dense_run(LAYOUTS[LORA], prepare=with_adapters)
+    if how == LORA_HANAYO:
+        return dense_run(LAYOUTS[how], prepare=with_adapters,
+                         loss_of=functools.partial(microbatches, microbatch_rows(how)))
     if how is None:
         return dense_run(BASE)
     return dense_run(BASE, loss_of=functools.partial(microbatches, how))
+
+
+def with_adapters(model) -> None:
+    """The one-process model of :data:`LORA`: its adapters as the engine adds them (seeded ``train.seed``)."""
+    from parallel4d.config.load import make_config
+    from parallel4d.models.lora import LoraShape, adapted_modules, add_adapters
+
+    cfg = make_config(LAYOUTS[LORA])
+    add_adapters(model, adapted_modules(cfg.model), LoraShape.of(cfg.model.lora), cfg.train.seed)
 
 
 def microbatches(rows_of, model, tokens, targets, step):
@@ -345,6 +377,28 @@ def test_experts_over_data_and_sequence_ranks_train_as_one_process(trained, name
         rows = sorted(off[0] + i for off, t in boxes for i in range(t.shape[0]))
         assert rows == list(range(rows[0], rows[0] + 4 // ep)) and rows[0] % (4 // ep) == 0, rows
         assert len(boxes) == (4 // ep if one_per_expert else 1)
+
+
+def test_lora_adapters_of_the_experts_travel_with_their_experts(trained):
+    """:data:`LORA` at ep=2: each rank holds its experts' adapters only (rows of the stacked ``[E, 2r, h]`` /
+    ``[E, 2I, 2r]`` adapters, the rows of its experts), the base does not move, and the adapters (every
+    expert's too) are one process's after 3 steps (the parametrized test above checks every piece)."""
+    _, want = one_process(LORA)
+    adapters = [n for n in want if ".experts.adapters." in n]
+    assert len(adapters) == 2 * 2 * 2  # 2 MoE layers × gate_up, down × lora_A, lora_B
+    from parallel4d.config.load import make_config
+    from parallel4d.engine.model import model_shape
+    from parallel4d.models.build import build_dense
+
+    cfg = make_config(LAYOUTS[LORA])
+    model = build_dense(model_shape(cfg), seed=cfg.train.seed).double()
+    with_adapters(model)
+    base = dict(model.named_parameters())
+    assert all(torch.equal(want[n], base[n]) for n in want if ".lora_" not in n)
+    assert all(not torch.equal(want[n], base[n]) for n in adapters)
+    for _, pieces in [r[LORA] for r in trained]:
+        [(off, t)] = pieces["blocks.0.mlp.experts.adapters.gate_up_proj.lora_B"]
+        assert t.shape == (2, 2 * 16, 2 * 2) and off[0] in (0, 2), (off, t.shape)
 
 
 def test_experts_no_token_chose_are_skipped_alike_on_every_zero_rank(trained):
@@ -492,6 +546,31 @@ def test_the_check_of_an_ep_job_shrunk_to_4_workers_is_equal(trained, tmp_path):
     assert plan.cfg.pipeline.microbatches == 2 and plan.cfg.model.output_router_logits, report
     assert outcome.equal, report
     assert f"ep={plan.cfg.parallel.ep}" in report.splitlines()[0], report
+def test_the_check_of_an_ep_lora_job_compares_its_adapters(trained, tmp_path):
+    """``parallel4d check`` of :func:`checked_lora_job` on 4 workers (ep > 1 over dp): equal to one process, the
+    adapters among the tensors compared — every one of them, the experts' stacked ones whole from the ep ranks'
+    rows — and the report's adapters line says how many and how close."""
+    from conftest import run_in_this_process
+    from parallel4d.models.lora import LoraShape, adapted_modules, add_adapters
+    from parallel4d.engine.model import model_shape
+    from parallel4d.models.build import build_dense
+    from parallel4d.tools.check import compare, format_report, into
+    from test_check import QUICKSTART
+
+    plan = check_plan(checked_lora_job)
+    summary, out = trained[0]["check-lora"]
+    reference = into(plan.reference(QUICKSTART, checked_lora_job()), tmp_path)
+    outcome = compare(plan.cfg, summary, run_in_this_process(reference, []), Path(out) / "checkpoints",
+                      tmp_path / "checkpoints")
+    report = "\n".join(format_report(QUICKSTART, plan, outcome))
+    model = build_dense(model_shape(plan.cfg))
+    add_adapters(model, adapted_modules(plan.cfg.model), LoraShape.of(plan.cfg.model.lora))
+    adapters = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert plan.cfg.parallel.ep > 1 and any(".experts.adapters." in n for n in adapters), report
+    assert outcome.equal and outcome.adapters[0] == len(adapters), report
+    assert f"adapters (model.lora): {len(adapters)} tensors" in report and " lora: rank=2" in report, report
+
+
 def test_a_pipelines_evaluation_carries_the_statistics_too(single_rank):
     """Forwards only (``for_evaluation``, as ``Engine.evaluate`` runs a pipeline): 4 chunks in this process
     (interleaved at pp=1), the loss with the auxiliary term of every layer — the dense model's (1e-12)."""

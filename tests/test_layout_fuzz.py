@@ -2,7 +2,8 @@
 backward and hop cost; ring layouts and Ulysses; hetero with budgets from the minimum up (ZeRO where
 dp·sp > 1); activation checkpointing; gpt2 and llama (GQA, tied and untied; a vocabulary the 2D grid
 pads or not; mixture-of-experts layers of every shape, split over parallel.ep, in every layout — those
-validate refuses counted as refused); evaluation; a resume mid-run — and runs each through ``parallel4d check``'s own code (:mod:`parallel4d.tools.check`):
+validate refuses counted as refused); LoRA adapters (rank, alpha, rsLoRA, targets, dropout) wherever
+config/rules/lora.py accepts them for the layout drawn; evaluation; a resume mid-run — and runs each through ``parallel4d check``'s own code (:mod:`parallel4d.tools.check`):
 the shrunk job on gloo workers in float64 against one process, losses to 1e-10, every parameter to 1e-9.
 
 A fixed time budget per run (``PARALLEL4D_FUZZ_SECONDS``, default 20 s, a new seed each run): a draw
@@ -12,6 +13,7 @@ that would end after it, at the slowest pace per rank so far, passes without run
 ``parallel4d check configs/quickstart.yaml --set ...``. A draw the
 config refuses is not a test of the layout (refusals: tests/test_config_fuzz.py)."""
 
+import json
 import os
 import random
 import shlex
@@ -70,7 +72,31 @@ def jobs(draw) -> tuple[list[str], float | None, int | None]:
     budget = draw(st.sampled_from([None, 0.001, 0.2, 0.5]))
     out.append(f"hetero.enabled={budget is not None or draw(st.booleans())}")
     resume = draw(st.sampled_from([None, None, None, 1, 2]))
-    return out, budget, resume
+    return out + _lora(draw, out), budget, resume
+
+
+#: each family's peft target_modules names (the config's rule: its spec's lora_targets)
+LORA_TARGETS = {"gpt2": ["c_attn", "c_proj", "c_fc"],
+                "llama": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]}
+
+
+def _lora(draw, job: list[str]) -> list[str]:
+    """``model.lora`` (rank, alpha, rsLoRA, a subset of the family's targets, dropout) where the config's rules
+    accept it for the layout ``job`` drew (config/rules/lora.py decides, not this fuzzer); none otherwise or
+    half the time. The check runs its adapters without dropout, as the model's (tools/check.py)."""
+    if not draw(st.booleans()):
+        return []
+    arch = next(o.split("=", 1)[1] for o in job if o.startswith("model.arch="))
+    every = LORA_TARGETS[arch]
+    targets = draw(st.one_of(st.just(every), st.lists(st.sampled_from(every), min_size=1, unique=True)))
+    lora = {"rank": draw(st.sampled_from([1, 2, 4])), "alpha": draw(st.sampled_from([1, 8, 16])),
+            "rslora": draw(st.booleans()), "targets": targets, "dropout": draw(st.sampled_from([0.0, 0.1]))}
+    out = [f"model.lora={json.dumps(lora)}"]
+    try:
+        load_config(BASE, [*job, *out])
+    except ConfigError:
+        return []
+    return out
 
 
 def _pipeline(draw, pp: int) -> list[str]:
@@ -211,4 +237,56 @@ def test_the_fuzzer_draws_experts_and_ep_in_every_layout_and_the_moe_shapes():
             "model.router_aux_loss_coef", "model.norm_topk_prob=True", "model.norm_topk_prob=False",
             "model.output_router_logits=True", "model.output_router_logits=False",
             "aux loss, dp>1, micro-batches>1", "aux loss, tp>1, micro-batches>1"}
+    assert want <= seen, sorted(want - seen)
+
+
+#: layouts config/rules/lora.py accepts LoRA in (one process, an MoE model's experts over ep=2 of dp=2): where
+#: the coverage below looks at what the LoRA draw gives
+LORA_LAYOUTS = {"llama, one process": ["parallel.dp=1", "model.arch=llama"],
+                "gpt2, one process": ["parallel.dp=1", "model.arch=gpt2"],
+                "llama MoE, dp=2, ep=2": ["parallel.dp=2", "model.arch=llama", "model.num_experts=4",
+                                          "model.num_experts_per_tok=2", "model.moe_intermediate_size=16",
+                                          "parallel.ep=2"]}
+
+
+def test_the_fuzzer_draws_lora_where_the_rules_accept_it():
+    """#49: the draws carry ``model.lora`` only in jobs the config's rules accept with it (config/rules/lora.py
+    decides the layouts: every LoRA job the fuzzer draws loads), and where they accept it the draw covers every
+    rank, alpha, rsLoRA on and off, dropout, every target and subsets of each family's, the routed experts'
+    adapters at parallel.ep > 1. Generation only."""
+    seen, refused = set(), []
+
+    @settings(max_examples=200, deadline=None, database=None, phases=[Phase.generate],
+              suppress_health_check=list(HealthCheck))
+    @seed(49)
+    @given(jobs())
+    def whole(case):
+        if any(o.startswith("model.lora=") for o in case[0]):
+            try:
+                load_config(BASE, case[0])
+            except ConfigError as e:
+                refused.append(str(e))
+
+    @settings(max_examples=150, deadline=None, database=None, phases=[Phase.generate],
+              suppress_health_check=list(HealthCheck))
+    @seed(49)
+    @given(st.sampled_from(list(LORA_LAYOUTS)), st.data())
+    def accepted(name, data):
+        job = LORA_LAYOUTS[name]
+        drawn = data.draw(st.composite(_lora)(job))
+        if not drawn:
+            return
+        lora, arch = json.loads(drawn[0].split("=", 1)[1]), name.split(",")[0].split()[0]
+        every = len(lora["targets"]) == len(LORA_TARGETS[arch])
+        seen.update({f"rank {lora['rank']}", f"alpha {lora['alpha']}", f"rslora={lora['rslora']}",
+                     f"dropout={lora['dropout'] > 0}", f"{arch} {'every' if every else 'some'} targets"})
+        if "parallel.ep=2" in job and {"gate_proj", "up_proj", "down_proj"} & set(lora["targets"]):
+            seen.add("experts' adapters at ep>1")
+
+    whole()
+    accepted()
+    assert not refused, refused[:3]
+    want = {"rank 1", "rank 2", "rank 4", "alpha 1", "alpha 16", "rslora=True", "rslora=False", "dropout=True",
+            "dropout=False", "gpt2 every targets", "gpt2 some targets", "llama every targets", "llama some targets",
+            "experts' adapters at ep>1"}
     assert want <= seen, sorted(want - seen)

@@ -336,3 +336,127 @@ def test_compiled_blocks_with_adapter_dropout_train_as_one_process(single_rank, 
     assert set(pieces) == set(want)
     for dense, [(_, t)] in pieces.items():
         torch.testing.assert_close(t, want[dense], rtol=1e-9, atol=1e-12, msg=lambda m, d=dense: f"{d}: {m}")
+
+
+# --- MoE layers: the routed experts' adapters as peft 0.21 puts them on transformers 5's fused experts --------
+MOE_ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+# (test_moe's transformers model, targets, rank, alpha, rslora, peft's target_parameters beside target_modules)
+MOE_CASES = {
+    # what a peft user writes: target_modules only; peft's conversion for Qwen3-MoE puts gate_proj + up_proj on
+    # experts.gate_up_proj (rank 2r, alpha 2·alpha) and down_proj on experts.down_proj
+    "qwen3_moe all seven, peft's target_modules": ("qwen3_moe top-2 of 4", MOE_ALL, 2, 6.0, False, None),
+    # peft leaves Qwen2-MoE's routed experts alone for these names (no conversion for its type): the same adapters
+    # asked for explicitly beside the shared expert's and the dense layer's linears
+    "qwen2_moe shared expert, dense layer 0, rslora, target_parameters": (
+        "qwen2_moe shared expert, mlp_only_layers=[0]", ["v_proj", "gate_proj", "up_proj", "down_proj"], 3, 5.0,
+        True, ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]),
+    "qwen3_moe experts' gate and up only": ("qwen3_moe top-2 of 4", ["gate_proj", "up_proj"], 2, 4.0, False, None),
+}
+
+
+def _moe_prepare(case, mp):
+    """test_moe's transformers model (float64, perturbed), ours from it with adapters, peft's over it, and
+    ``{our adapter: (peft's parameter, ours → peft's layout)}`` after copying ours (random ``lora_B``) in."""
+    import test_moe
+    from parallel4d.models.lora import expert_peft_names, expert_tensor_to_peft
+
+    model_case, targets, rank, alpha, rslora, parameters = MOE_CASES[case]
+    test_moe.float64_transformers(mp)
+    torch.manual_seed(0)
+    ref = test_moe.CASES[model_case]().double().train()
+    test_moe._perturb(ref)
+    model, _ = test_moe._ours_from(ref)
+    lora = {"rank": rank, "alpha": alpha, "targets": targets, "rslora": rslora}
+    m = make_config({"model": {**model_fields_from_hf(ref.config.to_dict()), "seq_len": test_moe.S,
+                               "lora": lora}}).model
+    modules = adapted_modules(m)
+    add_adapters(model, modules, LoraShape.of(m.lora), seed=3)
+    config = dict(r=rank, lora_alpha=alpha, target_modules=targets, use_rslora=rslora)
+    if parameters:  # the fused gate_up adapter's rank and alpha doubled, as peft's own conversion writes them
+        config = dict(config, target_modules=[t for t in targets if t.endswith(("q_proj", "k_proj", "v_proj", "o_proj"))
+                                              ] + ["gate_proj", "up_proj", "down_proj"],
+                      target_parameters=parameters, rank_pattern={r".*\.gate_up_proj": 2 * rank},
+                      alpha_pattern={r".*\.gate_up_proj": 2 * alpha})
+    theirs = peft.get_peft_model(ref, peft.LoraConfig(**config)).train()
+    params = dict(theirs.named_parameters())
+    names = {o: (t, lambda part, x: x) for o, t in peft_names(modules, in_memory=True).items()}
+    names.update({o: (t, expert_tensor_to_peft) for o, t in expert_peft_names(m, in_memory=True).items()})
+    assert set(t for t, _ in names.values()) == {n for n, p in params.items() if p.requires_grad}, "not peft's"
+    g = torch.Generator().manual_seed(11)
+    with torch.no_grad():
+        for ours, (name, layout) in names.items():
+            p = model.get_parameter(ours)
+            if ours.endswith("lora_B"):
+                p.copy_(0.2 * torch.randn(p.shape, generator=g, dtype=p.dtype))
+            params[name].copy_(layout(ours.rsplit(".", 1)[-1], p))
+    return model.train(), theirs, names
+
+
+def _moe_worst(model, theirs, names, what):
+    params = dict(theirs.named_parameters())
+    return max((layout(o.rsplit(".", 1)[-1], getattr(model.get_parameter(o), what)) - getattr(params[t], what))
+               .abs().max().item() for o, (t, layout) in names.items())
+
+
+@pytest.mark.parametrize("case", list(MOE_CASES))
+def test_lora_on_moe_layers_equals_peft_in_float64(case, monkeypatch):
+    """Attention, the shared expert's and dense layers' linears, and every routed expert's adapter (stacked
+    ``[E, r, in]`` / ``[E, out, r]``, peft's ``[E·r, in]`` / ``[out, r·E]``): logits, loss (with the
+    load-balancing term), every adapter gradient (1e-10) and every adapter after 20 AdamW steps (1e-9)."""
+    import test_moe
+
+    with monkeypatch.context() as mp:
+        model, theirs, names = _moe_prepare(case, mp)
+        tokens, targets = test_moe._batch(1)
+        out = theirs(input_ids=tokens, labels=tokens)
+        loss = model(tokens, targets)
+        d_logits = (model(tokens) - out.logits).abs().max().item()
+        d_loss = abs(loss.item() - out.loss.item())
+        out.loss.backward()
+        loss.backward()
+        d_grad = _moe_worst(model, theirs, names, "grad")
+        assert min(model.get_parameter(o).grad.abs().max().item() for o in names) > 0  # every adapter learns
+        assert any(".experts.adapters." in o for o in names)
+        assert all(p.grad is None for n, p in model.named_parameters() if not is_adapter(n))
+        assert d_logits < 1e-10 and d_loss < 1e-10 and d_grad < 1e-10, (d_logits, d_loss, d_grad)
+        opt_cfg = make_config({"optimizer": {"lr": 1e-2, "weight_decay": 0.1}}).optimizer
+        opts = [build_optimizer(model.named_parameters(), opt_cfg),
+                torch.optim.AdamW([p for p in theirs.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.1)]
+        for step in range(20):
+            tokens, targets = test_moe._batch(100 + step)
+            for opt in opts:
+                opt.zero_grad()
+            theirs(input_ids=tokens, labels=tokens).loss.backward()
+            model(tokens, targets).backward()
+            for opt in opts:
+                opt.step()
+        d_params = _moe_worst(model, theirs, names, "data")
+    print(f"\n{case}: logits {d_logits:.1e}, loss {d_loss:.1e}, adapter grads {d_grad:.1e}, "
+          f"adapters after 20 AdamW steps {d_params:.1e}")
+    assert d_params < 1e-9
+
+
+MOE_MODEL = {"arch": "llama", "hidden": 64, "heads": 4, "num_experts": 4, "num_experts_per_tok": 2,
+             "moe_intermediate_size": 32}
+
+
+@pytest.mark.parametrize("lora, sections, words", [
+    ({"targets": ["gate_proj", "down_proj"]}, {}, ["names 'gate_proj' but not 'up_proj'", "add 'up_proj'"]),
+    ({"targets": ["q_proj", "down_proj"], "dropout": 0.1}, {},
+     ["model.lora.dropout=0.1 with the experts targeted (down_proj)", "set model.lora.dropout=0"]),
+    ({"targets": ["gate_proj", "up_proj"]}, {"parallel": {"tp": 4}}, ["parallel.tp=4", "target attention only"]),
+    ({"targets": ["down_proj"]}, {"hetero": {"enabled": True}}, ["hetero.enabled=true", "target attention only"]),
+])
+def test_lora_on_experts_where_peft_or_the_layout_cannot_is_refused(lora, sections, words):
+    """The routed experts' adapters: gate_proj and up_proj together (fused), no dropout (peft refuses it
+    there), not yet with 2D tp or hetero."""
+    job = {"model": {**MOE_MODEL, "lora": {"rank": 2, "alpha": 4, **lora}}, "data": {"batch_size": 8}, **sections}
+    with pytest.raises(ConfigError) as e:
+        make_config(job)
+    assert all(w in str(e.value) for w in words), str(e.value)
+
+
+def test_lora_on_an_moe_model_at_ep_2_is_accepted():
+    cfg = make_config({"model": {**MOE_MODEL, "lora": {"rank": 2, "alpha": 4, "targets": MOE_ALL}},
+                       "parallel": {"dp": 2, "ep": 2}, "data": {"batch_size": 8}})
+    assert cfg.parallel.ep == 2 and cfg.model.lora.targets == MOE_ALL

@@ -34,7 +34,7 @@ from parallel4d.config.schema import Config
 from parallel4d.distributed import comm
 from parallel4d.distributed.mesh import Mesh
 from parallel4d.engine.compile import compile_block
-from parallel4d.engine.experts import place_experts
+from parallel4d.engine.experts import expert_slices, place_experts
 from parallel4d.engine.flops import stage_flops
 from parallel4d.engine.model import (LocalModel, PositionedEmbedding, model_shape, parameter_dtype,
                                      pipeline_activation_dtype)
@@ -411,6 +411,8 @@ def compose(cfg: Config, mesh: Mesh) -> Engine:
         stages, loss_fn = build_stages(cfg, mesh, context=context, load=load)
     experts = place_experts(cfg, mesh, stages)  # parallel.ep: this rank's experts only, before layouts and optimizer
     model = local_model(cfg, stages)
+    if experts is not None and cfg.model.lora is not None:  # the experts' adapters travel with their experts
+        experts = experts._replace(params=expert_slices(stages))
     dense, local = model.dense, model.stages()
     store = parameter_store(cfg, mesh, model, executor, tied_params, tied_sync, experts)  # hetero's chunks or plain
     engine = Engine(cfg, mesh, store, loss_fn, list(local.values()), executor=executor, tied_sync=tied_sync,

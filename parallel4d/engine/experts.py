@@ -58,8 +58,14 @@ def place_experts(cfg: Config, mesh: Mesh, stages: dict[int, nn.Module]) -> Expe
     for layer in _moe_layers(stages):
         layer.place_experts(ExpertParallel(layer.moe.num_experts, ep, mesh.comm_stats))
     by_expert_under_hetero(cfg, mesh, stages)  # before the slices are listed: they are its modules' then
-    params = [p for layer in _moe_layers(stages) for p in layer.experts.parameters()]
-    return ExpertShards(ep, replicas, params)
+    return ExpertShards(ep, replicas, expert_slices(stages))
+
+
+def expert_slices(stages: dict[int, nn.Module]) -> list[nn.Parameter]:
+    """Every parameter of the MoE layers' experts in ``stages``: their weights and, with ``model.lora``, their
+    adapters (:class:`~parallel4d.models.lora.ExpertsLora`, each expert's with its expert) — listed again once
+    the adapters are added (:func:`~parallel4d.engine.compose.local_model`)."""
+    return [p for layer in _moe_layers(stages) for p in layer.experts.parameters()]
 
 
 def _moe_layers(stages: dict[int, nn.Module]):

@@ -12,6 +12,17 @@ RNG, so every layout drops what one process drops. GPT-2's ``Conv1D`` layers
 ``A`` ``[r, in]`` and ``B`` ``[out, r]`` as peft gives them: its ``fan_in_fan_out`` only transposes the
 merged product ``B·A``, never the adapter; the fused ``c_attn`` has one adapter over all of q, k, v.
 
+Routed experts (an MoE layer's stacked ``experts.gate_proj``, ``up_proj`` ``[E, I, h]``, ``down_proj``
+``[E, h, I]``) are adapted as peft 0.21 adapts transformers 5's fused expert parameters (its ``ParamWrapper``,
+which its config conversion puts on Qwen3-MoE's ``experts.gate_up_proj`` and ``experts.down_proj`` for the
+targets ``gate_proj``, ``up_proj``, ``down_proj``): :class:`ExpertsLora`, one adapter per expert stacked along
+``E`` — ``lora_A`` ``[E, r, in]``, ``lora_B`` ``[E, out, r]`` —, the weight each expert uses ``W_e + scaling ·
+B_e·A_e``. ``gate_proj`` and ``up_proj`` are one adapter over the fused ``[2I, h]`` rows, of rank ``2r`` and
+alpha ``2·alpha`` (peft's rank and alpha patterns: ``alpha / r`` unchanged, rsLoRA's ``√2·alpha / √r``), so
+they are targeted together or not at all; no dropout (peft refuses ``lora_dropout`` there: the input of
+``B·A`` is not separable from the weight's). The shared expert's and dense MLP layers' linears are
+:class:`LoraLinear` s as in a dense model.
+
 The targets are peft's ``target_modules`` names: the last component of a module's Hugging Face name
 (``q_proj`` … ``down_proj``, ``c_attn`` / ``c_proj`` / ``c_fc``; GPT-2's ``c_proj`` is both the attention's
 and the MLP's output, as in peft). Which dense module each is comes from the family's name map
@@ -35,9 +46,11 @@ import torch.nn.functional as F
 
 from parallel4d.models.context import ReadsContext
 from parallel4d.models.dropout import WORD, Site, hash_words
+from parallel4d.models.moe.layer import Experts
 from parallel4d.models.registry import spec
 
 ADAPTER_PARTS = ("lora_A", "lora_B")
+EXPERT_PARTS = 1 << 16  # the routed experts' adapters' part numbers start here: above any stage's linears
 
 
 @dataclass(frozen=True)
@@ -91,6 +104,71 @@ class LoraLinear(nn.Module):
         return f"in={self.in_features}, out={self.out_features}, r={self.lora_A.shape[0]}, scaling={self.scaling}"
 
 
+class ExpertsLora(nn.Module):
+    """One adapter per routed expert, stacked along ``E``: ``lora_A`` ``[E, r, in]`` (each expert's drawn as
+    peft draws the ``[E·r, in]`` matrix it stores: uniform in ±1/√in), ``lora_B`` ``[E, out, r]`` zeros."""
+
+    def __init__(self, experts: int, out_features: int, in_features: int, lora: LoraShape,
+                 like: torch.Tensor, generator: torch.Generator | None = None):
+        super().__init__()
+        self.scaling = lora.scaling
+        kw = dict(dtype=like.dtype, device=like.device)
+        flat = torch.empty(experts * lora.rank, in_features, **kw)  # peft's lora_A weight: fan-in ``in``
+        nn.init.kaiming_uniform_(flat, a=math.sqrt(5), generator=generator)
+        self.lora_A = nn.Parameter(flat.view(experts, lora.rank, in_features))
+        self.lora_B = nn.Parameter(torch.zeros(experts, out_features, lora.rank, **kw))
+
+    def delta(self, weight: torch.Tensor) -> torch.Tensor:
+        """``weight`` ``[E, out, in]`` plus each expert's ``scaling · B_e·A_e`` (peft's ``baddbmm``)."""
+        return torch.baddbmm(weight, self.lora_B, self.lora_A, alpha=self.scaling)
+
+    def extra_repr(self) -> str:
+        e, out, r = self.lora_B.shape
+        return f"experts={e}, in={self.lora_A.shape[-1]}, out={out}, r={r}, scaling={self.scaling}"
+
+
+#: the routed experts' adapters: the fused parameter each adapts (peft's target_parameters), the targets it needs
+EXPERT_ADAPTERS = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
+
+
+def expert_adapters(targets) -> list[str]:
+    """The fused expert parameters (:data:`EXPERT_ADAPTERS`) ``targets`` adapt; ``gate_proj`` without
+    ``up_proj`` (or the reverse) adapts neither (the config refuses it, as peft does)."""
+    return [fused for fused, names in EXPERT_ADAPTERS.items() if set(names) <= set(targets)]
+
+
+def add_expert_adapters(model: nn.Module, lora: LoraShape, seed: int) -> list[str]:
+    """An :class:`ExpertsLora` on each MoE layer's routed experts of ``model`` (``<experts>.adapters.<fused>``),
+    ``gate_up_proj`` of rank ``2r`` and alpha ``2·alpha``; each drawn for all ``E`` experts from its own
+    generator (:func:`adapter_generator` of its block's stage, parts numbered from :data:`EXPERT_PARTS` so
+    never a linear adapter's) and cut to the experts the module holds (expert parallelism, pipelines: the
+    same draw in every layout). Returns the adapted modules' names."""
+    fused = expert_adapters(lora.targets)
+    done = []
+    for name, experts in sorted((n, m) for n, m in model.named_modules() if isinstance(m, Experts)):
+        if not fused:
+            break
+        if experts.each is not None:
+            raise TypeError(f"LoRA on the experts of {name!r}: one module per expert (hetero) holds no adapters")
+        adapters = {}
+        stage = int(name.split(".")[1]) + 1  # blocks.i.…: stage i + 1, as adapter_sites numbers it
+        for number, which in enumerate(fused):
+            generator = adapter_generator(seed, stage, EXPERT_PARTS + number)
+            wide = len(EXPERT_ADAPTERS[which])
+            shape = LoraShape(lora.rank * wide, lora.alpha * wide, 0.0, lora.targets, lora.rslora)
+            weight = experts.down_proj if which == "down_proj" else experts.gate_proj
+            out = weight.shape[1] * wide
+            whole = ExpertsLora(experts.num_experts, out, weight.shape[2], shape, weight, generator)
+            first = experts.held.start
+            for part in ("lora_A", "lora_B"):  # this module's experts only
+                kept = getattr(whole, part).detach()[first:first + len(experts.held)].clone()
+                setattr(whole, part, nn.Parameter(kept))
+            adapters[which] = whole
+            done.append(f"{name}.adapters.{which}")
+        experts.adapters = nn.ModuleDict(adapters)
+    return done
+
+
 def adapted_modules(model_cfg) -> dict[str, str]:
     """``{dense module name: Hugging Face module name}`` of every linear ``model_cfg.lora.targets``
     names (none without ``model.lora``), from the family's name map."""
@@ -116,9 +194,10 @@ def targeted(hf_map: dict[str, tuple[str, str]], targets) -> dict[str, str]:
 def add_adapters(model: nn.Module, modules: dict[str, str], lora: LoraShape, seed: int = 0) -> list[str]:
     """Replace each dense module named in ``modules`` (present in ``model``: a rank's stages may hold a
     part) by a :class:`LoraLinear` over it, its ``lora_A`` drawn from its own generator
-    (:func:`adapter_generator`) and its dropout site reading the model's forward context; freeze every
-    other parameter (:func:`freeze_base`). ``modules``: all the model's adapted modules (what numbers
-    each stage's adapters), not only this rank's. Returns the names of the adapted modules."""
+    (:func:`adapter_generator`) and its dropout site reading the model's forward context; then the routed
+    experts' adapters (:func:`add_expert_adapters`); freeze every other parameter (:func:`freeze_base`).
+    ``modules``: all the model's adapted modules (what numbers each stage's adapters), not only this
+    rank's. Returns the names of the adapted modules."""
     present = dict(model.named_modules())
     context = _context_of(model)
     done = []
@@ -134,6 +213,7 @@ def add_adapters(model: nn.Module, modules: dict[str, str], lora: LoraShape, see
         parent, _, leaf = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, leaf, adapted)
         done.append(name)
+    done += add_expert_adapters(model, lora, seed)
     freeze_base(model)
     return done
 
@@ -183,3 +263,31 @@ def peft_names(modules: dict[str, str], in_memory: bool = False) -> dict[str, st
     tag = ".default" if in_memory else ""
     return {f"{dense}.{part}": f"base_model.model.{hf}.{part}{tag}.weight"
             for dense, hf in modules.items() for part in ADAPTER_PARTS}
+
+
+def expert_peft_names(model_cfg, in_memory: bool = False) -> dict[str, str]:
+    """``{our expert adapter parameter: peft's name}`` (none without expert targets): peft wraps the experts
+    module (``model.layers.<l>.mlp.experts``) once per fused parameter, ``gate_up_proj`` inside
+    ``down_proj`` where both are adapted (its ``base_layer``). The tensors differ in layout:
+    :func:`expert_tensor_to_peft`."""
+    fused = expert_adapters(model_cfg.lora.targets) if model_cfg.lora is not None else []
+    tag = ".default" if in_memory else ""
+    out = {}
+    for dense, (hf, _) in spec(model_cfg.arch).hf_names(model_cfg).items():
+        if not dense.endswith(".experts.down_proj"):
+            continue
+        module = "model." + hf[len("model."):].split(".experts.")[0].replace("block_sparse_moe", "mlp") + ".experts"
+        ours = dense[: -len(".down_proj")]
+        for which in fused:
+            inner = ".base_layer" if which == "gate_up_proj" and len(fused) == 2 else ""
+            out.update({f"{ours}.adapters.{which}.{part}": f"base_model.model.{module}{inner}.{part}{tag}.weight"
+                        for part in ADAPTER_PARTS})
+    return out
+
+
+def expert_tensor_to_peft(part: str, tensor: torch.Tensor) -> torch.Tensor:
+    """An :class:`ExpertsLora` tensor in peft's layout: ``lora_A`` ``[E, r, in]`` → ``[E·r, in]`` (expert-major
+    rows), ``lora_B`` ``[E, out, r]`` → ``[out, r·E]`` (column ``j·E + e`` is expert ``e``'s ``j``-th)."""
+    if part == "lora_A":
+        return tensor.reshape(-1, tensor.shape[-1])
+    return tensor.permute(1, 2, 0).reshape(tensor.shape[1], -1)

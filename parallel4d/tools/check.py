@@ -37,6 +37,7 @@ from parallel4d.config.rules.hetero import chunk_step
 from parallel4d.config.schema import Config
 from parallel4d.engine.compose import job_schedule, pipeline_cut
 from parallel4d.launcher import launch as launch_module
+from parallel4d.models.lora import is_adapter
 from parallel4d.models.moe.spec import MoeShape
 from parallel4d.planning.dry_run import plan
 
@@ -202,6 +203,9 @@ def _features(path, job: list[str], cfg: Config, own: list[str]) -> Optional[tup
         notes.append(f"data.path={cfg.data.path} is not on this machine: synthetic tokens instead")
     if cfg.train.compile != "none":
         notes.append("train.compile: not checked (compiles nothing on CPU in float64)")
+    if cfg.model.lora is not None and cfg.model.lora.dropout:  # as model.dropout (RUN)
+        out.append("model.lora.dropout=0.0")
+        notes.append(f"model.lora.dropout={cfg.model.lora.dropout}: not checked (dropout off, as model.dropout)")
     if cfg.hetero.enabled and cfg.hetero.dynamic_budget:
         notes.append("hetero.dynamic_budget: not checked (a CPU has no device memory to measure)")
     hetero = _hetero_kept(path, [*job, *own, *out], cfg, notes)
@@ -350,6 +354,7 @@ class Outcome:
     first_loss_step: Optional[int]
     first_tensor: Optional[Difference]
     hetero_moved: Optional[int] = None  # rank 0's bytes moved host ↔ device per step: the budget bites
+    adapters: Optional[tuple[int, float]] = None  # model.lora: (adapter tensors, their largest relative difference)
 
     @property
     def equal(self) -> bool:
@@ -407,7 +412,7 @@ def compare(cfg: Config, got: dict, want: dict, got_ckpt: Path, want_ckpt: Path)
     if any(abs(x - y) > LOSS_RTOL * abs(y) for x, y in val) and first_step is None:
         first_step = 0  # a validation loss differs
     mine, ref = _dense(got_ckpt, cfg.model.tie_embeddings), _dense(want_ckpt, cfg.model.tie_embeddings)
-    worst, first = ("", 0.0), None
+    worst, first, adapters = ("", 0.0), None, []
     for name in sorted(ref, key=lambda n: _stage(cfg, n)):  # the model's order (stable within a stage)
         r = ref[name]
         x = mine[name].to(torch.float64)
@@ -415,11 +420,15 @@ def compare(cfg: Config, got: dict, want: dict, got_ckpt: Path, want_ckpt: Path)
         excess = diff - PARAM_RTOL * r.abs() - PARAM_ATOL
         rel = (diff / r.abs().clamp_min(PARAM_ATOL / PARAM_RTOL)).max().item() if diff.numel() else 0.0
         worst = max(worst, (name, rel), key=lambda t: t[1])
+        adapters += [rel] if is_adapter(name) else []
         if first is None and excess.max().item() > 0:
             i = tuple(int(k) for k in torch.unravel_index(excess.argmax(), excess.shape))
             first = Difference(name, i, x[i].item(), r[i].item(), _where(cfg, name))
     moved = (got.get("hetero") or {}).get("device_bytes_moved_per_step")
-    return Outcome(a, b, val, len(ref), worst, first_step, first, moved)
+    if cfg.model.lora is not None and not adapters:  # what LoRA trains must be what is compared
+        raise RuntimeError("model.lora: the checkpoints hold no adapter to compare")
+    lora = (len(adapters), max(adapters)) if cfg.model.lora is not None else None
+    return Outcome(a, b, val, len(ref), worst, first_step, first, moved, lora)
 
 
 def _stage(cfg: Config, name: str) -> int:
@@ -448,6 +457,14 @@ def _experts_line(m) -> str:
             + (f" aux={m.router_aux_loss_coef:g}" if m.output_router_logits else ""))
 
 
+def _lora_line(m) -> str:
+    """The adapters in the report's model line (nothing without ``model.lora``)."""
+    if m.lora is None:
+        return ""
+    return (f" lora: rank={m.lora.rank} alpha={m.lora.alpha:g}{' rslora' if m.lora.rslora else ''} "
+            f"targets={','.join(m.lora.targets)}")
+
+
 def format_report(path, plan: Plan, outcome: Outcome) -> list[str]:
     """The table ``parallel4d check`` prints."""
     c, p = plan.cfg, plan.cfg.parallel
@@ -456,7 +473,7 @@ def format_report(path, plan: Plan, outcome: Outcome) -> list[str]:
              f"  model {c.model.arch}: layers={c.model.layers} hidden={c.model.hidden} heads={c.model.heads}"
              + (f" kv_heads={c.model.kv_heads}" if c.model.kv_heads else "")
              + (f" head_dim={c.model.head_dim}" if c.model.head_dim else "")
-             + _experts_line(c.model) + f" seq_len={c.model.seq_len} batch={c.data.batch_size}",
+             + _experts_line(c.model) + _lora_line(c.model) + f" seq_len={c.model.seq_len} batch={c.data.batch_size}",
              *(f"  note: {n}" for n in plan.notes),
              f"  {'step':>4}  {'loss (layout)':>22}  {'loss (one process)':>22}  {'relative':>8}"]
     for i, (x, y) in enumerate(zip(outcome.losses, outcome.reference_losses), 1):
@@ -465,6 +482,9 @@ def format_report(path, plan: Plan, outcome: Outcome) -> list[str]:
         lines.append(f"  {'val':>4}  {x:>22.16f}  {y:>22.16f}  {abs(x - y) / abs(y):8.1e}")
     lines.append(f"  parameters: {outcome.tensors} tensors, largest relative difference {outcome.worst[1]:.1e}"
                  + (f" ({outcome.worst[0]})" if outcome.worst[0] else ""))
+    if outcome.adapters is not None:
+        lines.append(f"  adapters (model.lora): {outcome.adapters[0]} tensors, largest relative difference "
+                     f"{outcome.adapters[1]:.1e}; the base frozen")
     if outcome.hetero_moved is not None:
         lines.append(f"  hetero: {outcome.hetero_moved:,} bytes moved between host and device per step on rank 0")
     if outcome.equal:

@@ -74,13 +74,16 @@ class Experts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, width))
         self.num_experts, self.held = num_experts, range(num_experts)
         self.each: nn.ModuleList | None = None
+        # low-rank adapters on the stacked weights (model.lora; models/lora.py's add_adapters): None, or
+        # {"gate_up_proj": …, "down_proj": …} modules whose ``delta(weight)`` adds their product to a weight
+        self.adapters: nn.ModuleDict | None = None
 
     def forward(self, x, counts, host: HostCounts | None = None):
         """Rows ``x`` ``[N, h]`` sorted by expert (``counts`` ``[E_held]`` each) → ``[N, h]``; one module per
         expert: exactly the ``host.used`` experts run (an :class:`~parallel4d.experts.Agreement`'s; without
         one, those with rows, ``counts`` read here)."""
         if self.each is None:
-            return expert_ffn(x, counts, self.gate_proj, self.up_proj, self.down_proj)
+            return expert_ffn(x, counts, *self.adapted())
         if host is None:
             rows = counts.tolist()
             host = HostCounts(rows, [n > 0 for n in rows])
@@ -91,16 +94,31 @@ class Experts(nn.Module):
             start += n
         return torch.cat(out) if out else no_rows(x, x.new_empty(0, x.shape[1]))
 
+    def adapted(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The stacked ``gate_proj``, ``up_proj`` ``[E, I, h]`` and ``down_proj`` ``[E, h, I]``, each plus its
+        adapter's scaled product where :attr:`adapters` has one — as peft's ``ParamWrapper`` adapts a fused
+        expert parameter: one adapter over the gate and up projections' rows together (``gate_up_proj``)."""
+        gate, up, down = self.gate_proj, self.up_proj, self.down_proj
+        if self.adapters is None:
+            return gate, up, down
+        if "gate_up_proj" in self.adapters:
+            gate_up = self.adapters["gate_up_proj"].delta(torch.cat([gate, up], dim=1))
+            gate, up = gate_up.split(gate.shape[1], dim=1)
+        if "down_proj" in self.adapters:
+            down = self.adapters["down_proj"].delta(down)
+        return gate, up, down
+
     def keep(self, experts: range) -> None:
         """Keep only ``experts`` (a contiguous range of the ``E``, from the whole stacked weights this
-        module was built with, e.g. from the seed): new parameters of their rows, the rest freed."""
+        module was built with, e.g. from the seed): new parameters of their rows — the adapters' too —, the
+        rest freed."""
         if self.each is not None:
             raise RuntimeError("Experts.keep: choose the experts before making them one module each (by_expert)")
-        for name in self.NAMES:
-            whole = getattr(self, name)
+        for name, whole in list(self.named_parameters()):
+            owner, _, leaf = name.rpartition(".")
             kept = nn.Parameter(whole.detach()[experts.start:experts.stop].clone(), requires_grad=whole.requires_grad)
             kept.__dict__.update(whole.__dict__)  # the parameter's tags (a 2D layout's tensor2d_replicated_over)
-            setattr(self, name, kept)
+            setattr(self.get_submodule(owner) if owner else self, leaf, kept)
         self.held = range(self.held.start + experts.start, self.held.start + experts.stop)
 
     def by_expert(self) -> None:
@@ -108,6 +126,9 @@ class Experts(nn.Module):
         a module's hooks then see only its expert's weights (hetero moves the experts that run)."""
         if self.each is not None:
             return
+        if self.adapters is not None:
+            raise RuntimeError("Experts.by_expert: experts with adapters stay stacked (the config refuses "
+                               "model.lora on experts with hetero)")
         whole = {name: getattr(self, name) for name in self.NAMES}
         grad = whole["gate_proj"].requires_grad
         for name in self.NAMES:
@@ -123,17 +144,18 @@ class Experts(nn.Module):
         stacked tensor, at row :attr:`held`'s start along ``E`` — one module per expert, each of its weights
         (``each.<j>.<name>``, of the stacked tensor :meth:`dense_name`) one row (the checkpoints' layout-free
         format either way)."""
-        if self.each is None:
-            return {name: ((self.num_experts, *getattr(self, name).shape[1:]),
-                           functools.partial(_rows_from, self.held.start)) for name in self.NAMES}
+        if self.each is None:  # (the adapters' stacked tensors too: each row an expert's)
+            return {name: ((self.num_experts, *p.shape[1:]), functools.partial(_rows_from, self.held.start))
+                    for name, p in self.named_parameters()}
         return {f"each.{j}.{name}": ((self.num_experts, *getattr(expert, name).shape),
                                      functools.partial(_row_at, self.held.start + j))
                 for j, expert in enumerate(self.each) for name in self.NAMES}
 
     @staticmethod
     def dense_name(name: str) -> str:
-        """The stacked tensor a parameter of this module is part of: ``gate_proj`` itself, ``each.<j>.gate_proj``'s."""
-        return name.rsplit(".", 1)[-1]
+        """The stacked tensor a parameter of this module is part of: ``gate_proj`` itself (an adapter's
+        ``adapters.gate_up_proj.lora_A`` too), ``each.<j>.gate_proj``'s."""
+        return name.rsplit(".", 1)[-1] if name.startswith("each.") else name
 
 
 def _rows_from(first: int, t: torch.Tensor) -> list[tuple[tuple[int, ...], torch.Tensor]]:
