@@ -102,16 +102,22 @@ def test_targets_of_prompt_tokens_are_ignored(chat_file):
     assert torch.equal(partial[1], y[1]) and bool((partial[0] == IGNORE).all())
 
 
+@pytest.mark.parametrize("microbatches", [1, 2])
 def test_one_process_float64_chat_loss_equals_transformers_with_prompt_labels_ignored(model_dir, chat_file,
-                                                                                     monkeypatch):
+                                                                                     monkeypatch, microbatches):
+    """The step's loss is the whole batch's mean over its answer tokens (transformers' −100 rule on the
+    whole batch), also in 2 micro-batches that hold different numbers of answers (as the Trainer's
+    gradient accumulation counts them: over the whole batch)."""
     from test_hf import float64_transformers
 
     from parallel4d import launch
 
     job = {"model": {"pretrained": str(model_dir), "seq_len": 32},
            "data": {"source": "tokens", "path": str(chat_file), "batch_size": 4},
+           "pipeline": {"microbatches": microbatches},
            "optimizer": {"lr": 1e-3}, "train": {"steps": 1, "dtype": "float64", "grad_clip": None,
-                                                 "out_dir": str(chat_file.parent / "run"), "log_every": 100}}
+                                                 "out_dir": str(chat_file.parent / f"run{microbatches}"),
+                                                 "log_every": 100}}
     loss = launch(job)["losses"][0]
     data = build_dataset(make_config(job))
     x, y = data.batch(0)
@@ -126,6 +132,8 @@ def test_one_process_float64_chat_loss_equals_transformers_with_prompt_labels_ig
     want = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(),
                                              ignore_index=-100).item()
     assert int((y != IGNORE).sum()) < y.numel() // 2
+    halves = [int((h != IGNORE).sum()) for h in y.chunk(2)]
+    assert halves[0] != halves[1]  # the micro-batches' counts differ: a mean of their means would not be this
     assert abs(loss - want) < 1e-10, (loss, want)
 
 
@@ -148,14 +156,38 @@ def test_a_malformed_chat_line_is_refused_naming_file_and_line_before_anything_i
     assert not out.parent.exists()
 
 
-def test_chat_data_without_packing_is_refused_where_ranks_split_the_batch(chat_file):
+def test_chat_data_is_refused_only_where_deepspeeds_engine_would_average_the_parts_means(chat_file):
+    """parallel4d's own engine weighs every answer token by the whole batch's count in every layout
+    (tests/test_expert_parallel.py's chat layouts); DeepSpeed's engine averages each part's mean."""
     from parallel4d.config.errors import ConfigError
 
     job = {"data": {"source": "tokens", "path": str(chat_file), "batch_size": 4},
            "model": {"vocab_size": 320, "seq_len": 32}, "parallel": {"dp": 2}}
-    with pytest.raises(ConfigError, match="loss mask.*parallel.dp=2.*data.packing=documents"):
-        make_config(job)
-    make_config({**job, "data": {**job["data"], "packing": "documents"}})
+    make_config(job)
+    make_config({**job, "pipeline": {"microbatches": 2}, "parallel": {"sp": 2}})
+    with pytest.raises(ConfigError, match="loss mask.*parallel.dp=2.*deepspeed: section.*remove the deepspeed"):
+        make_config({**job, "deepspeed": {}})
+
+
+@pytest.mark.parametrize("packing", ["none", "documents"])
+def test_a_step_without_an_answer_token_takes_loss_zero_and_no_gradient(chat_file, single_rank, packing):
+    """A window of prompts only (short windows of long prompts hold one): no NaN (0/0), no refusal
+    mid-run — loss 0, every gradient 0; the next step trains as usual."""
+    from parallel4d.distributed.mesh import init_mesh
+    from parallel4d.engine.compose import compose
+
+    cfg = make_config({"data": {"source": "tokens", "path": str(chat_file), "batch_size": 4, "packing": packing},
+                       "model": {"vocab_size": 320, "seq_len": 32, "hidden": 32, "heads": 4, "layers": 1},
+                       "pipeline": {"microbatches": 2}, "train": {"dtype": "float64"}})
+    engine = compose(cfg, init_mesh(timeout_s=60))
+    x, y = build_dataset(cfg).batch(0)
+    loss = engine.compute_gradients(x, torch.full_like(y, IGNORE))
+    assert float(loss) == 0.0
+    grads = [p.grad for p in engine.model.parameters() if p.grad is not None]
+    assert grads and all(bool((g == 0).all()) for g in grads)
+    engine.optimizer.zero_grad()
+    assert 0 < float(engine.train_step(x, y)) < 100
+    engine.close()
 
 
 def test_one_process_float64_packed_chat_loss_equals_transformers_on_each_conversation(model_dir, chat_file,
