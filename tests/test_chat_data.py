@@ -222,3 +222,26 @@ def test_one_process_float64_packed_chat_loss_equals_transformers_on_each_conver
             start = end
     assert 0 < count < y.numel() // 2 and (x == eod).any()
     assert abs(loss - total / count) < 1e-10, (loss, total / count)
+
+
+def test_a_changed_loss_mask_is_refused_at_launch_before_any_worker_starts(chat_file, tmp_path, monkeypatch):
+    """The mask is checked against its sidecar's ``loss_mask.sha256`` like the token file against ``sha256``
+    (hashed once, then stamped): a flipped answer byte is named before any worker starts."""
+    import shutil
+
+    from parallel4d.config.errors import ConfigError
+    from parallel4d.launcher import launch as launch_module
+
+    for suffix in (".bin", ".json", ".mask"):
+        shutil.copy(chat_file.with_suffix(suffix), tmp_path / f"train{suffix}")
+    path = tmp_path / "train.bin"
+    job = {"data": {"source": "tokens", "path": str(path), "batch_size": 4},
+           "model": {"vocab_size": 320, "seq_len": 32, "hidden": 32, "heads": 4, "layers": 1},
+           "train": {"steps": 1, "out_dir": str(tmp_path / "run")}}
+    mask = bytearray(path.with_suffix(".mask").read_bytes())
+    mask[mask.index(0)] = 1  # a prompt token turned answer: the size and every other check still hold
+    path.with_suffix(".mask").write_bytes(bytes(mask))
+    monkeypatch.setattr(launch_module, "spawn", lambda *a, **k: pytest.fail("a worker started"))
+    with pytest.raises(ConfigError, match=f"its loss mask {tmp_path / 'train.mask'} changed since `parallel4d "
+                                          "tokenize` wrote it"):
+        launch_module.launch(job)

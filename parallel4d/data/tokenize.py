@@ -182,6 +182,8 @@ def _write_both(jobs, out: Path, meta: dict, workers: int, progress: bool, chat:
             os.replace(mask_tmp, mask_dest)
         _rename_both(bin_tmp, dest, side_tmp, side)
     record_verified(out, sha)  # the bytes just written: the first launch need not hash them again
+    if mask_entry:
+        record_verified(loss_mask_path(out), mask_entry["sha256"])
     return meta
 
 
