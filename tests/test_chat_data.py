@@ -245,3 +245,38 @@ def test_a_changed_loss_mask_is_refused_at_launch_before_any_worker_starts(chat_
     with pytest.raises(ConfigError, match=f"its loss mask {tmp_path / 'train.mask'} changed since `parallel4d "
                                           "tokenize` wrote it"):
         launch_module.launch(job)
+
+
+def test_a_dataset_saved_to_disk_tokenizes_as_the_same_conversations_in_jsonl(model_dir, chat_file, tmp_path):
+    """``parallel4d tokenize DIR``, DIR written by ``datasets``' own ``save_to_disk`` (arrow files, state.json,
+    dataset_info.json; rows of messages and of prompt/completion in one table): the token file and loss mask
+    of the same conversations as a .jsonl file."""
+    datasets = pytest.importorskip("datasets")
+
+    saved = tmp_path / "chat_dataset"
+    columns = ("messages", "prompt", "completion")  # a table's: None where a row has no such key
+    datasets.Dataset.from_list([{k: c.get(k) for k in columns} for c in CONVERSATIONS * 4]).save_to_disk(str(saved))
+    assert {"state.json", "dataset_info.json"} <= {p.name for p in saved.iterdir()}
+    out = tmp_path / "train.bin"
+    assert main(["tokenize", "--tokenizer", str(model_dir), str(saved), "-o", str(out)]) == 0
+    for suffix in (".bin", ".mask"):
+        assert out.with_suffix(suffix).read_bytes() == chat_file.with_suffix(suffix).read_bytes()
+    ours, theirs = (json.loads(p.with_suffix(".json").read_text()) for p in (out, chat_file))
+    assert ours["loss_mask"] == theirs["loss_mask"] and ours["sha256"] == theirs["sha256"]
+
+
+def test_a_malformed_dataset_row_is_refused_naming_the_directory_and_row(model_dir, tmp_path, capsys):
+    datasets = pytest.importorskip("datasets")
+
+    saved = tmp_path / "bad_dataset"
+    datasets.Dataset.from_list([CONVERSATIONS[1], {"prompt": "hi", "completion": None}]).save_to_disk(str(saved))
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(CONVERSATIONS)}).save_to_disk(str(tmp_path / "dd"))
+    capsys.readouterr()  # datasets' own progress bars
+    out = tmp_path / "out" / "train.bin"
+    assert main(["tokenize", "--tokenizer", str(model_dir), str(saved), "-o", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert f"{saved} row 1: completion is missing or not a string; each row is one conversation" in err, err
+    assert len(err.splitlines()) == 1 and not out.parent.exists()
+    assert main(["tokenize", "--tokenizer", str(model_dir), str(tmp_path / "dd"), "-o", str(out)]) == 2
+    assert f"is a DatasetDict (splits train); give one split's directory, e.g. {tmp_path / 'dd' / 'train'}" in \
+        capsys.readouterr().err
