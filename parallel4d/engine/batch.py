@@ -67,10 +67,12 @@ def loss_weight(mesh: Mesh, targets: torch.Tensor, microbatches: int) -> float:
     averaging over the ``dp·sp`` data replicas and the ``1/m`` of each micro-batch then leave exactly the
     batch's mean over its valid tokens — what one process computes, however unevenly the grid rows, sequence
     shards and micro-batches hold them, and whatever ``m`` is (the Hugging Face Trainer's count over its
-    accumulated micro-batches too). A batch without a valid target weighs 0: loss 0, no gradient, not 0/0."""
-    if targets.device.type != "cpu":  # the count is the host's (a device batch would be read back)
-        targets = targets.cpu()
-    valid = int((targets != IGNORE).sum())
+    accumulated micro-batches too). A batch without a valid target weighs 0: loss 0, no gradient, not 0/0.
+    Counted for real even inside a fake-tensor dry run (``parallel4d plan``: pass it real host tensors)."""
+    with unset_fake_temporarily():
+        if targets.device.type != "cpu":  # the count is the host's (a device batch would be read back)
+            targets = targets.cpu()
+        valid = int((targets != IGNORE).sum())
     return mesh.size("dp") * mesh.size("sp") * microbatches / valid if valid else 0.0
 
 
