@@ -163,9 +163,9 @@ def step_load(cfg: Config, mesh: Mesh) -> StepLoad | None:
 
 def _loss(cfg: Config, mesh: Mesh, context: ForwardContext, load: StepLoad | None = None):
     """The token loss: the mean over this rank's data (the grid's under tp), or, where the forward's state has
-    a ``loss_weight`` (packed documents, a loss mask), the sum times it (:func:`~.batch.loss_weight`); plus the family's auxiliary
-    loss of the forward (what its modules recorded in the context's state: MoE's load balancing) over the
-    whole micro-batch, on every data replica (:func:`_auxiliary_over_replicas`)."""
+    a ``loss_weight`` (packed documents, a loss mask), the sum times it (:func:`~.batch.loss_weight`); plus
+    the family's auxiliary loss of the forward (what its modules recorded in the context's state: MoE's load
+    balancing) over the whole micro-batch, on every data replica (:func:`_auxiliary_over_replicas`)."""
     tp, vocab = mesh.size("tp_row") > 1, cfg.model.vocab_size  # the head's logits: the vocabulary padded to q
     mean = loss_2d(mesh, vocab=vocab) if tp else cross_entropy
     summed = VocabParallelCrossEntropy2D(mesh, reduction="sum", vocab=vocab) if tp else functools.partial(
