@@ -169,8 +169,8 @@ def test_chat_data_is_refused_only_where_deepspeeds_engine_would_average_the_par
         make_config({**job, "deepspeed": {}})
 
 
-@pytest.mark.parametrize("packing", ["none", "documents"])
-def test_a_step_without_an_answer_token_takes_loss_zero_and_no_gradient(chat_file, single_rank, packing):
+@pytest.mark.parametrize("packing, microbatches", [("none", 1), ("documents", 2)])
+def test_a_step_without_an_answer_token_takes_loss_zero_and_no_gradient(chat_file, single_rank, packing, microbatches):
     """A window of prompts only (short windows of long prompts hold one): no NaN (0/0), no refusal
     mid-run — loss 0, every gradient 0; the next step trains as usual."""
     from parallel4d.distributed.mesh import init_mesh
@@ -178,7 +178,7 @@ def test_a_step_without_an_answer_token_takes_loss_zero_and_no_gradient(chat_fil
 
     cfg = make_config({"data": {"source": "tokens", "path": str(chat_file), "batch_size": 4, "packing": packing},
                        "model": {"vocab_size": 320, "seq_len": 32, "hidden": 32, "heads": 4, "layers": 1},
-                       "pipeline": {"microbatches": 2}, "train": {"dtype": "float64"}})
+                       "pipeline": {"microbatches": microbatches}, "train": {"dtype": "float64"}})
     engine = compose(cfg, init_mesh(timeout_s=60))
     x, y = build_dataset(cfg).batch(0)
     loss = engine.compute_gradients(x, torch.full_like(y, IGNORE))
