@@ -102,16 +102,22 @@ def test_targets_of_prompt_tokens_are_ignored(chat_file):
     assert torch.equal(partial[1], y[1]) and bool((partial[0] == IGNORE).all())
 
 
+@pytest.mark.parametrize("microbatches", [1, 2])
 def test_one_process_float64_chat_loss_equals_transformers_with_prompt_labels_ignored(model_dir, chat_file,
-                                                                                     monkeypatch):
+                                                                                     monkeypatch, microbatches):
+    """The step's loss is the whole batch's mean over its answer tokens (transformers' −100 rule on the
+    whole batch), also in 2 micro-batches that hold different numbers of answers (as the Trainer's
+    gradient accumulation counts them: over the whole batch)."""
     from test_hf import float64_transformers
 
     from parallel4d import launch
 
     job = {"model": {"pretrained": str(model_dir), "seq_len": 32},
            "data": {"source": "tokens", "path": str(chat_file), "batch_size": 4},
+           "pipeline": {"microbatches": microbatches},
            "optimizer": {"lr": 1e-3}, "train": {"steps": 1, "dtype": "float64", "grad_clip": None,
-                                                 "out_dir": str(chat_file.parent / "run"), "log_every": 100}}
+                                                 "out_dir": str(chat_file.parent / f"run{microbatches}"),
+                                                 "log_every": 100}}
     loss = launch(job)["losses"][0]
     data = build_dataset(make_config(job))
     x, y = data.batch(0)
@@ -126,6 +132,8 @@ def test_one_process_float64_chat_loss_equals_transformers_with_prompt_labels_ig
     want = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(),
                                              ignore_index=-100).item()
     assert int((y != IGNORE).sum()) < y.numel() // 2
+    halves = [int((h != IGNORE).sum()) for h in y.chunk(2)]
+    assert halves[0] != halves[1]  # the micro-batches' counts differ: a mean of their means would not be this
     assert abs(loss - want) < 1e-10, (loss, want)
 
 
@@ -148,14 +156,38 @@ def test_a_malformed_chat_line_is_refused_naming_file_and_line_before_anything_i
     assert not out.parent.exists()
 
 
-def test_chat_data_without_packing_is_refused_where_ranks_split_the_batch(chat_file):
+def test_chat_data_is_refused_only_where_deepspeeds_engine_would_average_the_parts_means(chat_file):
+    """parallel4d's own engine weighs every answer token by the whole batch's count in every layout
+    (tests/test_expert_parallel.py's chat layouts); DeepSpeed's engine averages each part's mean."""
     from parallel4d.config.errors import ConfigError
 
     job = {"data": {"source": "tokens", "path": str(chat_file), "batch_size": 4},
            "model": {"vocab_size": 320, "seq_len": 32}, "parallel": {"dp": 2}}
-    with pytest.raises(ConfigError, match="loss mask.*parallel.dp=2.*data.packing=documents"):
-        make_config(job)
-    make_config({**job, "data": {**job["data"], "packing": "documents"}})
+    make_config(job)
+    make_config({**job, "pipeline": {"microbatches": 2}, "parallel": {"sp": 2}})
+    with pytest.raises(ConfigError, match="loss mask.*parallel.dp=2.*deepspeed: section.*remove the deepspeed"):
+        make_config({**job, "deepspeed": {}})
+
+
+@pytest.mark.parametrize("packing, microbatches", [("none", 1), ("documents", 2)])
+def test_a_step_without_an_answer_token_takes_loss_zero_and_no_gradient(chat_file, single_rank, packing, microbatches):
+    """A window of prompts only (short windows of long prompts hold one): no NaN (0/0), no refusal
+    mid-run — loss 0, every gradient 0; the next step trains as usual."""
+    from parallel4d.distributed.mesh import init_mesh
+    from parallel4d.engine.compose import compose
+
+    cfg = make_config({"data": {"source": "tokens", "path": str(chat_file), "batch_size": 4, "packing": packing},
+                       "model": {"vocab_size": 320, "seq_len": 32, "hidden": 32, "heads": 4, "layers": 1},
+                       "pipeline": {"microbatches": microbatches}, "train": {"dtype": "float64"}})
+    engine = compose(cfg, init_mesh(timeout_s=60))
+    x, y = build_dataset(cfg).batch(0)
+    loss = engine.compute_gradients(x, torch.full_like(y, IGNORE))
+    assert float(loss) == 0.0
+    grads = [p.grad for p in engine.model.parameters() if p.grad is not None]
+    assert grads and all(bool((g == 0).all()) for g in grads)
+    engine.optimizer.zero_grad()
+    assert 0 < float(engine.train_step(x, y)) < 100
+    engine.close()
 
 
 def test_one_process_float64_packed_chat_loss_equals_transformers_on_each_conversation(model_dir, chat_file,
@@ -190,3 +222,61 @@ def test_one_process_float64_packed_chat_loss_equals_transformers_on_each_conver
             start = end
     assert 0 < count < y.numel() // 2 and (x == eod).any()
     assert abs(loss - total / count) < 1e-10, (loss, total / count)
+
+
+def test_a_changed_loss_mask_is_refused_at_launch_before_any_worker_starts(chat_file, tmp_path, monkeypatch):
+    """The mask is checked against its sidecar's ``loss_mask.sha256`` like the token file against ``sha256``
+    (hashed once, then stamped): a flipped answer byte is named before any worker starts."""
+    import shutil
+
+    from parallel4d.config.errors import ConfigError
+    from parallel4d.launcher import launch as launch_module
+
+    for suffix in (".bin", ".json", ".mask"):
+        shutil.copy(chat_file.with_suffix(suffix), tmp_path / f"train{suffix}")
+    path = tmp_path / "train.bin"
+    job = {"data": {"source": "tokens", "path": str(path), "batch_size": 4},
+           "model": {"vocab_size": 320, "seq_len": 32, "hidden": 32, "heads": 4, "layers": 1},
+           "train": {"steps": 1, "out_dir": str(tmp_path / "run")}}
+    mask = bytearray(path.with_suffix(".mask").read_bytes())
+    mask[mask.index(0)] = 1  # a prompt token turned answer: the size and every other check still hold
+    path.with_suffix(".mask").write_bytes(bytes(mask))
+    monkeypatch.setattr(launch_module, "spawn", lambda *a, **k: pytest.fail("a worker started"))
+    with pytest.raises(ConfigError, match=f"its loss mask {tmp_path / 'train.mask'} changed since `parallel4d "
+                                          "tokenize` wrote it"):
+        launch_module.launch(job)
+
+
+def test_a_dataset_saved_to_disk_tokenizes_as_the_same_conversations_in_jsonl(model_dir, chat_file, tmp_path):
+    """``parallel4d tokenize DIR``, DIR written by ``datasets``' own ``save_to_disk`` (arrow files, state.json,
+    dataset_info.json; rows of messages and of prompt/completion in one table): the token file and loss mask
+    of the same conversations as a .jsonl file."""
+    datasets = pytest.importorskip("datasets")
+
+    saved = tmp_path / "chat_dataset"
+    columns = ("messages", "prompt", "completion")  # a table's: None where a row has no such key
+    datasets.Dataset.from_list([{k: c.get(k) for k in columns} for c in CONVERSATIONS * 4]).save_to_disk(str(saved))
+    assert {"state.json", "dataset_info.json"} <= {p.name for p in saved.iterdir()}
+    out = tmp_path / "train.bin"
+    assert main(["tokenize", "--tokenizer", str(model_dir), str(saved), "-o", str(out)]) == 0
+    for suffix in (".bin", ".mask"):
+        assert out.with_suffix(suffix).read_bytes() == chat_file.with_suffix(suffix).read_bytes()
+    ours, theirs = (json.loads(p.with_suffix(".json").read_text()) for p in (out, chat_file))
+    assert ours["loss_mask"] == theirs["loss_mask"] and ours["sha256"] == theirs["sha256"]
+
+
+def test_a_malformed_dataset_row_is_refused_naming_the_directory_and_row(model_dir, tmp_path, capsys):
+    datasets = pytest.importorskip("datasets")
+
+    saved = tmp_path / "bad_dataset"
+    datasets.Dataset.from_list([CONVERSATIONS[1], {"prompt": "hi", "completion": None}]).save_to_disk(str(saved))
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(CONVERSATIONS)}).save_to_disk(str(tmp_path / "dd"))
+    capsys.readouterr()  # datasets' own progress bars
+    out = tmp_path / "out" / "train.bin"
+    assert main(["tokenize", "--tokenizer", str(model_dir), str(saved), "-o", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert f"{saved} row 1: completion is missing or not a string; each row is one conversation" in err, err
+    assert len(err.splitlines()) == 1 and not out.parent.exists()
+    assert main(["tokenize", "--tokenizer", str(model_dir), str(tmp_path / "dd"), "-o", str(out)]) == 2
+    assert f"is a DatasetDict (splits train); give one split's directory, e.g. {tmp_path / 'dd' / 'train'}" in \
+        capsys.readouterr().err

@@ -138,7 +138,9 @@ def test_bad_override_and_bad_file(tmp_path):
 
 
 def test_shipped_configs_validate():
-    paths = sorted((ROOT / "configs").glob("*.yaml"))
+    from conftest import shipped_configs
+
+    paths = shipped_configs(ROOT)
     assert paths
     for path in paths:
         load_config(path)

@@ -287,12 +287,49 @@ def qwen3_moe(tmp_path_factory) -> str | None:
     return str(out)
 
 
+def write_chat_tokens(path: Path) -> Path:
+    """A token file of 80 conversations over BASE's 16 ids and its loss mask, as `parallel4d tokenize` writes
+    chat data: each a prompt (2–11 tokens, no loss), an answer (1–5 tokens, loss) and the end-of-document
+    token :data:`EOD` (no loss); so a window's rows, sequence shards and micro-batches hold different numbers
+    of answer tokens."""
+    import hashlib
+    from array import array
+
+    g, ids, mask = torch.Generator().manual_seed(49), [], []
+    for _ in range(80):
+        prompt, answer = (int(torch.randint(lo, hi, (), generator=g)) for lo, hi in ((2, 12), (1, 6)))
+        ids += [t + (t >= EOD) for t in torch.randint(0, 15, (prompt + answer,), generator=g).tolist()] + [EOD]
+        mask += [0] * prompt + [1] * answer + [0]
+    data, masks = array("H", ids).tobytes(), bytes(mask)  # uint16 in the machine's order, as tokenize
+    path.write_bytes(data)
+    path.with_suffix(".mask").write_bytes(masks)
+    path.with_suffix(".json").write_text(json.dumps(
+        {"dtype": "uint16", "tokens": len(ids), "vocab_size": 16, "max_id": max(ids), "eos_token_id": EOD,
+         "sha256": hashlib.sha256(data).hexdigest(),
+         "loss_mask": {"sha256": hashlib.sha256(masks).hexdigest(), "tokens_with_loss": sum(mask)}}))
+    return path
+
+
+CHAT = "chat data, dp=2 × ring sp=2, ep=2, 2 micro-batches"
+CHAT_PACKED = "chat data packed, dp=2 × ring sp=2, ep=2, 2 micro-batches"
+
+
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory, qwen3_moe):
+def chat_layouts(tmp_path_factory) -> dict:
+    """The chat-data layouts (#49.3): answers only carry loss, unpacked and packed, over every axis that splits
+    a batch's answer tokens unevenly (data replicas, ring shards, micro-batches)."""
+    path = str(write_chat_tokens(tmp_path_factory.mktemp("chat") / "chat.bin"))
+    data = {"source": "tokens", "path": path, "batch_size": 4}  # 4 rows: the packed reference runs each document alone
+    return {name: _job({"dp": 2, "sp": 2, "ep": 2}, pipeline={"microbatches": 2}, data={**data, **extra})
+            for name, extra in ((CHAT, {}), (CHAT_PACKED, {"packing": "documents"}))}
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, qwen3_moe, chat_layouts):
     tmp = tmp_path_factory.mktemp("ep")
     (tmp / "check.json").write_text(json.dumps([*checked_job(), *check_plan().overrides]))  # the job's, the check's
     (tmp / "check-lora.json").write_text(json.dumps([*checked_lora_job(), *check_plan(checked_lora_job).overrides]))
-    return run_workers(_train, 4, {**LAYOUTS, **LORA_LAYOUTS}, str(tmp), qwen3_moe, timeout_s=300)
+    return run_workers(_train, 4, {**LAYOUTS, **LORA_LAYOUTS, **chat_layouts}, str(tmp), qwen3_moe, timeout_s=300)
 
 
 def microbatch_rows(name: str | None = None) -> tuple[tuple[int, ...], ...]:
@@ -357,6 +394,49 @@ def documents_and_balance(model, tokens, targets, step):
     if moe is None or not moe.output_router_logits:
         return tokens_loss
     return tokens_loss + moe.aux_loss_coef * load_balancing_loss(loads, moe.num_experts)
+
+
+def _documents(row: torch.Tensor) -> list[tuple[int, int]]:
+    """The ``[lo, hi)`` spans of a packed row's documents (each ends after an :data:`EOD`)."""
+    cuts = document_starts(row[None], EOD)[0].nonzero().flatten().tolist()
+    return list(zip(cuts, cuts[1:] + [row.shape[0]]))
+
+
+def answers_and_balance(packed: bool, model, tokens, targets, step):
+    """One process on chat data in 2 micro-batches (the batch's halves; with ``packed`` every document run
+    alone): the summed loss of every answer token over their count in the whole batch (transformers' −100
+    rule on the batch), plus ``router_aux_loss_coef`` × each micro-batch's load-balancing loss, averaged."""
+    if packed:
+        targets = boundary_targets(tokens, targets, EOD)
+    total, aux, moe = 0.0, 0.0, model.shape.moe
+    half = tokens.shape[0] // 2
+    for rows in (slice(0, half), slice(half, 2 * half)):
+        pieces = ([(slice(row, row + 1), slice(lo, hi)) for row in range(rows.start, rows.stop)  # documents
+                   for lo, hi in _documents(tokens[row])] if packed else [(rows, slice(None))])  # the micro-batch
+        loads = []
+        for r, c in pieces:
+            logits, state = model.run(tokens[r, c])
+            loads += [state.routing[i] for i in sorted(state.routing)]
+            total = total + F.cross_entropy(logits.flatten(0, 1), targets[r, c].flatten(), ignore_index=IGNORE,
+                                            reduction="sum")
+        aux = aux + moe.aux_loss_coef * load_balancing_loss(loads, moe.num_experts)
+    return total / int((targets != IGNORE).sum()) + aux / 2
+
+
+@pytest.mark.parametrize("name", [CHAT, CHAT_PACKED])
+def test_chat_data_over_data_ring_and_microbatch_ranks_trains_as_one_process(trained, chat_layouts, name):
+    """Only the answers carry loss, and the ranks' and micro-batches' shares hold different numbers of them:
+    the losses (1e-10) and every parameter after 3 steps (1e-9) are one process's, whose loss is the whole
+    batch's mean over its answer tokens."""
+    from parallel4d.config.load import make_config
+    from parallel4d.data.batches import build_dataset
+
+    job = chat_layouts[name]
+    _, y = build_dataset(make_config(job)).batch(0)
+    per_block = [int((row != IGNORE).sum()) for row in y]  # micro-batch i's rows 2i, 2i + 1: dp rank 0's, 1's
+    assert 0 < sum(per_block) < y.numel() // 2 and len(set(per_block)) > 1  # uneven shares: a mean of means ≠
+    want_losses, want = dense_run(job, loss_of=functools.partial(answers_and_balance, name == CHAT_PACKED))
+    check_pieces(trained, name, want_losses, want)
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))

@@ -18,6 +18,7 @@ from parallel4d.config.memory import memory_problems, rank_bytes
 from parallel4d.distributed import startup
 from parallel4d.launcher import preflight
 from parallel4d.tools.cli import main
+from conftest import shipped_configs
 
 ROOT = Path(__file__).resolve().parents[1]
 GIB = 2**30
@@ -80,7 +81,7 @@ def test_a_gpu_job_is_measured_against_its_gpu_and_hetero_is_offered(tmp_path, c
     assert memory_problems(on_host, 1, "cuda", (1 << 50, "ample"), 80 * GIB) == []
 
 
-@pytest.mark.parametrize("path", sorted((ROOT / "configs").glob("*.yaml")), ids=lambda p: p.stem)
+@pytest.mark.parametrize("path", shipped_configs(ROOT), ids=lambda p: p.stem)
 def test_the_shipped_configs_are_not_refused(path):
     """On this machine's memory as it is, and on 80 GiB GPUs."""
     cfg = load_config(path)

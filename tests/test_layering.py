@@ -57,7 +57,7 @@ TECHNIQUES = ("parallel4d.tensor2d", "parallel4d.pipeline", "parallel4d.sequence
 #: what L0 and everything importing it runs may import besides the standard library
 TORCH_FREE_THIRD_PARTY = ("pydantic", "pydantic_core", "yaml")
 #: optional extras, which a function may import where it needs them (with the parts of parallel4d that need them)
-EXTRAS = ("deepspeed", "transformers", "tokenizers", "safetensors", "matplotlib", "tensorboard",
+EXTRAS = ("deepspeed", "transformers", "tokenizers", "safetensors", "datasets", "matplotlib", "tensorboard",
           "torch.utils.tensorboard", "apex", "parallel4d.integrations.deepspeed", "parallel4d.models.hf")
 #: (module pattern, import) a function there puts off on purpose, and why; the standard library may always be
 DEFERRED = {

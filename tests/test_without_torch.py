@@ -16,10 +16,11 @@ from pathlib import Path
 
 import yaml
 
+from conftest import shipped_configs
 from parallel4d.tools.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
-CONFIGS = sorted(p for p in (ROOT / "configs").glob("*.yaml") if "deepspeed" not in yaml.safe_load(p.read_text()))
+CONFIGS = [p for p in shipped_configs(ROOT) if "deepspeed" not in yaml.safe_load(p.read_text())]
 
 # Runs first in the child: every later `import torch` (or numpy) fails as on a machine without it.
 BLOCK = '''

@@ -1,7 +1,8 @@
-"""Chat and instruction data for ``parallel4d tokenize``: JSONL lines → conversations → token ids and
-the loss mask that says which tokens are answers (the assistant's turns).
+"""Chat and instruction data for ``parallel4d tokenize``: JSONL lines (or the rows of a Hugging Face
+``datasets`` dataset saved to disk with ``save_to_disk``) → conversations → token ids and the loss mask
+that says which tokens are answers (the assistant's turns).
 
-A line is one conversation, either ``{"messages": [{"role": ..., "content": ...}, ...]}`` (roles
+A line (a row) is one conversation, either ``{"messages": [{"role": ..., "content": ...}, ...]}`` (roles
 ``system``, ``user``, ``assistant``, ``tool``) or ``{"prompt": ..., "completion": ...}`` (read as a user
 turn and the assistant's answer). Every line is checked before anything is rendered or written: bad
 JSON, a message without a role or string content, an unknown role, or a conversation with no assistant
@@ -67,9 +68,42 @@ def _messages(record: dict) -> list[dict]:
     return [{"role": "user", "content": record["prompt"]}, {"role": "assistant", "content": record["completion"]}]
 
 
-def read_conversations(path: Path) -> list[list[dict]]:
-    """Every conversation of JSONL file ``path`` (blank lines skipped), each a list of messages;
-    ConfigError naming the file and line of the first malformed one."""
+def _conversation(record, where: str, what: str) -> list[dict]:
+    """The messages of one parsed record (a JSONL line, a dataset row); ConfigError naming ``where``
+    (``file:line``) and the fix when it is no conversation (``what``: a line, a row)."""
+    problem = _line_problem(record)
+    if problem:
+        raise ConfigError(f"{where}: {problem}; each {what} is one conversation: "
+                          '{"messages": [{"role": "user", "content": ...}, {"role": "assistant", '
+                          '"content": ...}]} or {"prompt": ..., "completion": ...}')
+    return _messages(record)
+
+
+def is_saved_dataset(path: Path) -> bool:
+    """Whether ``path`` is a directory Hugging Face ``datasets`` wrote with ``save_to_disk`` (its arrow
+    files, ``state.json`` and ``dataset_info.json``; a ``DatasetDict``'s holds ``dataset_dict.json`` and a
+    directory per split)."""
+    return path.is_dir() and ((path / "state.json").is_file() or (path / "dataset_dict.json").is_file())
+
+
+def _dataset_conversations(path: Path) -> list[list[dict]]:
+    """Every row of the dataset saved at ``path`` (:func:`is_saved_dataset`), read by ``datasets`` itself
+    (``load_from_disk``: its arrow files memory-mapped, its features decoded as ``datasets`` decodes them)."""
+    if (path / "dataset_dict.json").is_file():
+        splits = sorted(p.name for p in path.iterdir() if (p / "state.json").is_file())
+        raise ConfigError(f"{path} is a DatasetDict (splits {', '.join(splits) or 'none'}); give one split's "
+                          f"directory, e.g. {path / (splits[0] if splits else 'train')}")
+    try:
+        from datasets import load_from_disk
+    except ImportError as e:
+        raise ConfigError(f"{path} is a dataset saved by Hugging Face datasets, which reads it ({e.name} is "
+                          "missing): pip install 'parallel4d[hf]'") from None
+    # a column a row does not use reads None there (the dataset's columns are the union of its rows' keys)
+    return [_conversation({key: v for key, v in row.items() if v is not None}, f"{path} row {k}", "row")
+            for k, row in enumerate(load_from_disk(str(path)))]
+
+
+def _jsonl_conversations(path: Path) -> list[list[dict]]:
     out = []
     with open(path, encoding="utf-8", errors="replace") as lines:
         for number, line in enumerate(lines, 1):
@@ -81,12 +115,15 @@ def read_conversations(path: Path) -> list[list[dict]]:
                 raise ConfigError(f"{path}:{number}: not JSON ({e.msg}); each line is one conversation: "
                                   '{"messages": [{"role": "user", "content": ...}, ...]} or '
                                   '{"prompt": ..., "completion": ...}') from None
-            problem = _line_problem(record)
-            if problem:
-                raise ConfigError(f"{path}:{number}: {problem}; each line is one conversation: "
-                                  '{"messages": [{"role": "user", "content": ...}, {"role": "assistant", '
-                                  '"content": ...}]} or {"prompt": ..., "completion": ...}')
-            out.append(_messages(record))
+            out.append(_conversation(record, f"{path}:{number}", "line"))
+    return out
+
+
+def read_conversations(path: Path) -> list[list[dict]]:
+    """Every conversation of JSONL file ``path`` (blank lines skipped) or of the dataset saved at ``path``
+    (:func:`is_saved_dataset`; row ``k`` as a line), each a list of messages; ConfigError naming the file
+    and line (the row) of the first malformed one."""
+    out = _dataset_conversations(path) if is_saved_dataset(path) else _jsonl_conversations(path)
     if not out:
         raise ConfigError(f"{path} holds no conversation; leave it out of the inputs")
     return out

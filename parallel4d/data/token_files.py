@@ -8,8 +8,9 @@ target that carries loss — an answer's — and 0 where it is not) (``tokenizer
 tokenizer.json that decides the ids, :mod:`.tokenizer_identity`; sidecars from before it hold the file's
 ``tokenizer_sha256`` only). ``parallel4d tokenize`` writes both; the config checks the sidecar before any worker
 starts (sizes, vocabulary, largest id), and :func:`content_problems` the file's bytes against its
-``sha256`` (once: a stamp ``.OUT.bin.verified`` beside it records a verified file, keyed by its size,
-times and inode, so an unchanged file is not hashed again); the dataset maps the file.
+``sha256``, and a loss mask's against the ``loss_mask`` entry's (once: a stamp ``.OUT.bin.verified`` —
+``.OUT.mask.verified`` — beside each records a verified file, keyed by its size, times and inode, so an
+unchanged file is not hashed again); the dataset maps the file.
 """
 
 from __future__ import annotations
@@ -277,11 +278,22 @@ def _content_problems(path: Path, field: str, pretrained, warn) -> list[str]:
         warn(f"{field}={str(path)!r}: its sidecar records no sha256 (written by an older parallel4d), so its "
              "content cannot be checked; tokenize it again to record one")
         return []
-    key = _stamp_key(path, meta["sha256"])
-    if _stamped(path, key):
-        return []
-    if file_sha256(path, f"checking {field}={str(path)!r}") != meta["sha256"]:
+    if not _holds(path, meta["sha256"], f"checking {field}={str(path)!r}"):
         return [f"{field}={str(path)!r} changed since `parallel4d tokenize` wrote it (its sha256 differs from the "
                 f"one in {sidecar_path(path)}); tokenize it again"]
-    record_verified(path, meta["sha256"], key)
+    mask = loss_mask_path(path)
+    if "loss_mask" in meta and not _holds(mask, meta["loss_mask"]["sha256"], f"checking {mask}"):
+        return [f"{field}={str(path)!r}: its loss mask {mask} changed since `parallel4d tokenize` wrote it (its "
+                f"sha256 differs from the loss_mask one in {sidecar_path(path)}); tokenize it again"]
     return []
+
+
+def _holds(path: Path, sha256: str, label: str) -> bool:
+    """Whether ``path`` holds the bytes of ``sha256``: stamped as verified, or hashed now (and stamped)."""
+    key = _stamp_key(path, sha256)
+    if _stamped(path, key):
+        return True
+    if file_sha256(path, label) != sha256:
+        return False
+    record_verified(path, sha256, key)
+    return True

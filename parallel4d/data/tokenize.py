@@ -1,7 +1,8 @@
 """``parallel4d tokenize``: text files → a token file (``data.source: tokens``) with Hugging Face
 ``tokenizers``, in parallel over the files, each document followed by an end-of-document token; or
-chat/instruction JSONL files (``.jsonl``: :mod:`.chat`) → a token file of conversations, each rendered
-with the model's chat template and followed by the end-of-document token, and its loss mask
+chat/instruction data (``.jsonl`` files, or Hugging Face ``datasets`` saved to disk: :mod:`.chat`) → a token
+file of conversations, each rendered with the model's chat template and followed by the end-of-document
+token, and its loss mask
 (:func:`~.token_files.loss_mask_path`: which tokens are answers, the only targets that carry loss).
 
 Nothing a user has is written over by mistake or left half written: an output that is (or whose
@@ -26,7 +27,7 @@ from pathlib import Path
 from parallel4d.config.errors import ConfigError
 from parallel4d.checkpoint.files import fsync_dir, write_synced
 from parallel4d.checkpoint.outputs import check_output, same_file, temporary_beside, through_link, user_path
-from parallel4d.data.chat import chat_tokenizer, encode_conversation, read_conversations
+from parallel4d.data.chat import chat_tokenizer, encode_conversation, is_saved_dataset, read_conversations
 from parallel4d.data.token_files import (dtype_for, file_sha256, loss_mask_path, record_verified, sidecar_path,
                                          stamp_path)
 from parallel4d.data.tokenizer_identity import fingerprint
@@ -72,6 +73,11 @@ def _encode(job: tuple[str, str, int]) -> list[int]:
 
 def _check_inputs(inputs: list[Path]) -> None:
     for f in inputs:
+        if is_saved_dataset(f):
+            continue
+        if f.is_dir():
+            raise ConfigError(f"{f} is a directory, not a dataset saved by Hugging Face datasets (no state.json "
+                              "there); give text files, .jsonl chat files or a directory `save_to_disk` wrote")
         if not f.is_file():
             raise ConfigError(f"{f}: no such file; give text files to tokenize")
         if f.stat().st_size == 0:
@@ -182,6 +188,8 @@ def _write_both(jobs, out: Path, meta: dict, workers: int, progress: bool, chat:
             os.replace(mask_tmp, mask_dest)
         _rename_both(bin_tmp, dest, side_tmp, side)
     record_verified(out, sha)  # the bytes just written: the first launch need not hash them again
+    if mask_entry:
+        record_verified(loss_mask_path(out), mask_entry["sha256"])
     return meta
 
 
@@ -199,11 +207,11 @@ def _chat_documents(path: Path, files: list[Path], eos: int) -> list[tuple[list[
 
 
 def _is_chat(files: list[Path]) -> bool:
-    """Whether the inputs are chat/instruction JSONL (``.jsonl``: all or none of them)."""
-    chat = [f.suffix == ".jsonl" for f in files]
+    """Whether the inputs are chat/instruction data (``.jsonl`` files, datasets saved to disk: all or none)."""
+    chat = [f.suffix == ".jsonl" or is_saved_dataset(f) for f in files]
     if any(chat) and not all(chat):
-        raise ConfigError("the inputs mix .jsonl chat files and text files; tokenize each kind into its own "
-                          "token file")
+        raise ConfigError("the inputs mix chat data (.jsonl files, saved datasets) and text files; tokenize each "
+                          "kind into its own token file")
     return all(chat)
 
 

@@ -3,7 +3,8 @@
 into ``dp·q`` blocks of rows (rank (dp d, tp_row r) takes block ``d·q + r`` of every micro-batch), then
 sequence shard ``sp`` (in ``sequence.layout``): ``[B, S]`` → ``[B/(dp·q), S/sp]``; with packed
 documents (``data.packing: documents``) also each micro-batch's documents and positions, and the
-targets that never cross a boundary (:func:`packed_step`)."""
+targets that never cross a boundary (:func:`packed_step`); where the ranks hold different numbers of
+valid targets (packed documents, a loss mask) what each one's summed loss weighs (:func:`loss_weight`)."""
 
 from __future__ import annotations
 
@@ -58,6 +59,23 @@ def local_batch(mesh: Mesh, x: torch.Tensor, layout: str = "zigzag", ulysses: in
     return to_device(x.contiguous(), mesh.device)
 
 
+def loss_weight(mesh: Mesh, targets: torch.Tensor, microbatches: int) -> float:
+    """What each forward's summed token loss is multiplied by where the ranks' and micro-batches' shares of
+    the step's valid targets differ (packed documents, chat data's loss mask): ``dp·sp·m / N``, ``N`` the
+    valid targets (not :data:`~parallel4d.data.packing.IGNORE`) of the whole global batch ``targets``
+    ``[B, S]``, counted here on the host (every row of it read: :meth:`Engine.data_rows`). The gradient
+    averaging over the ``dp·sp`` data replicas and the ``1/m`` of each micro-batch then leave exactly the
+    batch's mean over its valid tokens — what one process computes, however unevenly the grid rows, sequence
+    shards and micro-batches hold them, and whatever ``m`` is (the Hugging Face Trainer's count over its
+    accumulated micro-batches too). A batch without a valid target weighs 0: loss 0, no gradient, not 0/0.
+    Counted for real even inside a fake-tensor dry run (``parallel4d plan``: pass it real host tensors)."""
+    with unset_fake_temporarily():
+        if targets.device.type != "cpu":  # the count is the host's (a device batch would be read back)
+            targets = targets.cpu()
+        valid = int((targets != IGNORE).sum())
+    return mesh.size("dp") * mesh.size("sp") * microbatches / valid if valid else 0.0
+
+
 class PackedStep(NamedTuple):
     """One step's packed documents (:func:`packed_step`)."""
 
@@ -66,25 +84,22 @@ class PackedStep(NamedTuple):
 
 
 def packed_step(mesh: Mesh, tokens: torch.Tensor, targets: torch.Tensor, eod: int, microbatches: int,
-                layout: str = "zigzag", ulysses: int = 1) -> PackedStep:
+                layout: str = "zigzag", ulysses: int = 1, masked: bool = False) -> PackedStep:
     """A step of packed documents from the global batch's host ``tokens`` and ``targets`` ``[B, S]``:
     documents end after each ``eod`` token (:mod:`parallel4d.data.packing`), whose target is ignored.
-
-    Each rank sums its token losses and weighs the sum by ``dp·sp·m / N`` (``N``: the whole batch's
-    valid targets, counted here on the host): the gradient averaging over the ``dp·sp`` data replicas
-    and the ``1/m`` of each micro-batch then leave exactly the batch's mean over its valid tokens, as one
-    process computes it, however unevenly the ranks hold them. The documents are data, computed for real
-    even inside a fake-tensor dry run (``parallel4d plan``: pass it real host tensors)."""
+    The loss then weighs each rank's summed token loss by :func:`loss_weight` of the returned targets.
+    ``masked``: the data has a loss mask (chat data), so a batch of prompts only is data, not a wrong
+    ``eod`` (refused without one). The documents are data, computed for real even inside a fake-tensor
+    dry run (``parallel4d plan``: pass it real host tensors)."""
     with unset_fake_temporarily():
-        return _packed_step(mesh, tokens, targets, eod, microbatches, layout, ulysses)
+        return _packed_step(mesh, tokens, targets, eod, microbatches, layout, ulysses, masked)
 
 
-def _packed_step(mesh, tokens, targets, eod, microbatches, layout, ulysses) -> PackedStep:
-    if tokens.device.type != "cpu":  # the counting below is the host's (a device batch would be read back)
+def _packed_step(mesh, tokens, targets, eod, microbatches, layout, ulysses, masked) -> PackedStep:
+    if tokens.device.type != "cpu":  # the documents are the host's (a device batch would be read back)
         tokens, targets = tokens.cpu(), targets.cpu()
     targets = boundary_targets(tokens, targets, eod)
-    valid = int((targets != IGNORE).sum())
-    if valid == 0:
+    if not masked and not bool((targets != IGNORE).any()):
         raise ValueError(f"data.eod_token={eod}: every target of the batch follows an end-of-document token, so "
                          "no token is left to learn from; check data.eod_token (or the token file's eos_token_id)")
     starts = document_starts(tokens[local_rows(mesh, tokens.shape[0], microbatches)], eod)  # micro-batch-major
@@ -92,7 +107,6 @@ def _packed_step(mesh, tokens, targets, eod, microbatches, layout, ulysses) -> P
     if mesh.size("sp") > 1:
         positions = positions.index_select(1, hybrid_position_tensor(tokens.shape[1], mesh.rank("sp"),
                                                                      mesh.size("sp"), ulysses, layout))
-    weight = mesh.size("dp") * mesh.size("sp") * microbatches / valid
-    packs = [Packed(Documents.from_starts(s.contiguous(), mesh.device), to_device(p.contiguous(), mesh.device), weight)
+    packs = [Packed(Documents.from_starts(s.contiguous(), mesh.device), to_device(p.contiguous(), mesh.device))
              for s, p in zip(starts.chunk(microbatches), positions.chunk(microbatches))]
     return PackedStep(targets, packs)

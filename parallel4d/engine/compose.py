@@ -100,8 +100,8 @@ def build_stages(cfg: Config, mesh: Mesh, wanted=None, untie: bool = False, cont
     ``sp > 1``), and its dense copy dropped: a rank never holds the whole model.
     ``untie``: the LM head is on another pp rank than the embedding, so it gets its
     own copy of the tied table. ``loss_fn(logits, targets)`` is the mean token loss
-    over this rank's data (over the grid's batch under tp); with packed documents the summed one times
-    the forward's ``loss_weight``. ``context``: what the stages read besides their input
+    over this rank's data (over the grid's batch under tp); with packed documents or a loss mask the summed
+    one times the forward's ``loss_weight``. ``context``: what the stages read besides their input
     (:func:`forward_context`; None: a holder no one sets, so no dropout and no packing).
     """
     shape = model_shape(cfg)
@@ -163,19 +163,18 @@ def step_load(cfg: Config, mesh: Mesh) -> StepLoad | None:
 
 
 def _loss(cfg: Config, mesh: Mesh, context: ForwardContext, load: StepLoad | None = None):
-    """The token loss: the mean over this rank's data (the grid's under tp), or, with packed documents,
-    the sum times the forward's ``loss_weight`` (:func:`~.batch.packed_step`); plus the family's auxiliary
-    loss of the forward (what its modules recorded in the context's state: MoE's load balancing) over the
-    whole micro-batch, on every data replica (:func:`_auxiliary_over_replicas`)."""
+    """The token loss: the mean over this rank's data (the grid's under tp), or, where the forward's state has
+    a ``loss_weight`` (packed documents, a loss mask), the sum times it (:func:`~.batch.loss_weight`); plus
+    the family's auxiliary loss of the forward (what its modules recorded in the context's state: MoE's load
+    balancing) over the whole micro-batch, on every data replica (:func:`_auxiliary_over_replicas`)."""
     tp, vocab = mesh.size("tp_row") > 1, cfg.model.vocab_size  # the head's logits: the vocabulary padded to q
-    if cfg.data.packing == "none":
-        token_loss = loss_2d(mesh, vocab=vocab) if tp else cross_entropy
-    else:
-        summed = VocabParallelCrossEntropy2D(mesh, reduction="sum", vocab=vocab) if tp else functools.partial(
-            cross_entropy, reduction="sum")
+    mean = loss_2d(mesh, vocab=vocab) if tp else cross_entropy
+    summed = VocabParallelCrossEntropy2D(mesh, reduction="sum", vocab=vocab) if tp else functools.partial(
+        cross_entropy, reduction="sum")
 
-        def token_loss(logits, targets):
-            return summed(logits, targets) * context.packed.loss_weight
+    def token_loss(logits, targets):
+        weight = context.state.loss_weight  # set by the engine per forward; None: this forward's own mean
+        return mean(logits, targets) if weight is None else summed(logits, targets) * weight
 
     auxiliary = _auxiliary_over_replicas(cfg, mesh, context, load)
 

@@ -13,11 +13,11 @@ import torch.distributed as dist
 
 from parallel4d.checkpoint import dcp as checkpoint
 from parallel4d.checkpoint.lora_base import check_base
-from parallel4d.config.rules.data import eod_token
+from parallel4d.config.rules.data import eod_token, has_loss_mask
 from parallel4d.config.schema import Config
 from parallel4d.distributed import comm
 from parallel4d.distributed.mesh import Mesh
-from parallel4d.engine.batch import local_batch, local_rows, microbatch_rows, packed_step
+from parallel4d.engine.batch import local_batch, local_rows, loss_weight, microbatch_rows, packed_step
 from parallel4d.engine.memory import SavedActivations, tensor_bytes
 from parallel4d.engine.model import TORCH_DTYPES, model_shape, parameter_count
 from parallel4d.engine.state import checkpoint_keys, dense_state_dict, local_state, saved_layouts
@@ -41,6 +41,10 @@ class Engine(Trainer):
         # what the stages read besides their input: each forward's dropout draw (training only) and packed documents
         self.context = context if context is not None else ForwardContext(cfg.train.seed)
         self.eod = eod_token(cfg) if cfg.data.packing == "documents" else None  # None: no packing
+        # the ranks hold different numbers of valid targets (packed documents, chat data's loss mask): each sums
+        # its token losses, weighed by the whole batch's count (batch.loss_weight), so every rank reads every row
+        self.masked = has_loss_mask(cfg)
+        self.weighed = self.eod is not None or self.masked
         self.pipeline_order = pipeline_order  # pipeline.hop_cost: what the pipeline's order was built for
         self.model, self.optimizer = store.model, store.optimizer  # the LocalModel; what steps it
         self.dense = dense  # {LocalModel name: (dense name, shape, pieces)}: see dense_layouts()
@@ -73,9 +77,9 @@ class Engine(Trainer):
     # --- data ---------------------------------------------------------------------
     def data_rows(self) -> Sequence[int]:
         """The rows of each global batch this rank reads (the data need not read the others:
-        :func:`~.batch.local_rows`); with packed documents every row (the loss is normalised by the whole
-        batch's valid targets)."""
-        if self.eod is not None:
+        :func:`~.batch.local_rows`); with packed documents or a loss mask every row (the loss is normalised by
+        the whole batch's valid targets, counted on the host: :func:`~.batch.loss_weight`)."""
+        if self.weighed:
             return range(self.cfg.data.batch_size)
         return local_rows(self.mesh, self.cfg.data.batch_size, self.cfg.pipeline.microbatches)
 
@@ -92,20 +96,26 @@ class Engine(Trainer):
         draws it."""
         return Draw(self.step, rows[microbatch].start)
 
-    def _packing(self, tokens: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, list[Packed | None]]:
-        """The step's targets and each micro-batch's packed documents (:func:`~.batch.packed_step`; without
-        packing the targets as given and None for each)."""
+    def _packing(self, tokens: torch.Tensor, targets: torch.Tensor
+                 ) -> tuple[torch.Tensor, list[Packed | None], float | None]:
+        """The step's targets, each micro-batch's packed documents (:func:`~.batch.packed_step`; without
+        packing the targets as given and None for each) and what each forward's summed token loss weighs
+        (:func:`~.batch.loss_weight`; None: each forward takes its own tokens' mean)."""
         mb = self.cfg.pipeline.microbatches
-        if self.eod is None:
-            return targets, [None] * mb
-        seq = self.cfg.sequence
-        return packed_step(self.mesh, tokens, targets, self.eod, mb, seq.layout, seq.ulysses)
+        if self.eod is not None:
+            seq = self.cfg.sequence
+            targets, packs = packed_step(self.mesh, tokens, targets, self.eod, mb, seq.layout, seq.ulysses,
+                                         self.masked)
+        else:
+            packs = [None] * mb
+        return targets, packs, loss_weight(self.mesh, targets, mb) if self.weighed else None
 
-    def _forward_backward(self, x, y, rows: list[range], packs: list[Packed | None]) -> torch.Tensor:
+    def _forward_backward(self, x, y, rows: list[range], packs: list[Packed | None], weight: float | None
+                          ) -> torch.Tensor:
         mb = self.cfg.pipeline.microbatches
 
         def state(i: int) -> State:  # micro-batch i's
-            return State(self._draw(rows, i), packs[i])
+            return State(self._draw(rows, i), packs[i], weight)
 
         if self.executor is not None:
             self.executor.loss_scale = self._scale()
@@ -158,11 +168,11 @@ class Engine(Trainer):
         ``.grad`` holds this rank's share of the gradient of the global mean loss (reduced
         over the data replicas dp·sp; under hetero its ZeRO reduces at the step). Returns the
         mean loss of this data replica's tokens, float64 ``[1]``, equal on its tp and pp ranks."""
-        targets, packs = self._packing(tokens, targets)
+        targets, packs, weight = self._packing(tokens, targets)
         x, y = self.local_batch(tokens), self.local_batch(targets)
         self.store.start_gradient_reduction()
         rows = microbatch_rows(self.mesh, tokens.shape[0], self.cfg.pipeline.microbatches)
-        loss = self._forward_backward(x, y, rows, packs)
+        loss = self._forward_backward(x, y, rows, packs, weight)
         self.store.finish_gradient_reduction()
         return loss
 
@@ -172,7 +182,7 @@ class Engine(Trainer):
         touched), in ``pipeline.microbatches`` micro-batches as a training step cuts it: equal in
         every layout to the dense model's loss on the batch. Float64 ``[]`` on the device, not read
         back (as :meth:`train_step`'s). Collective over the whole mesh."""
-        targets, packs = self._packing(tokens, targets)
+        targets, packs, weight = self._packing(tokens, targets)
         x, y = self.local_batch(tokens), self.local_batch(targets)
         mb = self.cfg.pipeline.microbatches
         total = torch.zeros(1, dtype=torch.float64, device=self.device)
@@ -180,12 +190,13 @@ class Engine(Trainer):
             if self.executor is not None:
                 if self._eval_executor is None:
                     self._eval_executor = self.executor.for_evaluation()
-                self._eval_executor.around_forward = lambda i: self.context.entering(State(packed=packs[i]))
+                self._eval_executor.around_forward = lambda i: self.context.entering(State(packed=packs[i],
+                                                                                            loss_weight=weight))
                 total += self._eval_executor.step(list(x.chunk(mb)), list(y.chunk(mb))).loss
             else:
                 for xm, ym, packed in zip(x.chunk(mb), y.chunk(mb), packs):
                     h = xm
-                    with self.context.entering(State(packed=packed)):
+                    with self.context.entering(State(packed=packed, loss_weight=weight)):
                         for stage in self._stages:
                             h = stage(h)
                         total += self.loss_fn(h, ym).double() / mb

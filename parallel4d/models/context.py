@@ -10,6 +10,8 @@ forward and any recomputation of it; ``DenseModel`` for its ``step=`` and ``docu
   dropout's masks are hashed (None: no dropout — evaluation, generation);
 * ``packed`` (:class:`Packed`): the forward's packed documents — which document each global position
   of its rows is in, each local token's position in its document — (None: one document per row);
+* ``loss_weight``: what the forward's summed token loss is multiplied by (None: the loss is the mean over
+  the forward's own tokens);
 * ``routing``: what the forward's mixture-of-experts layers record for its load-balancing loss.
 
 Fixed per model: ``seed`` (``train.seed``) and ``positions``, the global sequence positions of the
@@ -41,12 +43,10 @@ class Packed:
     """One forward's packed documents. ``documents``: the document of every global position of the
     forward's ``b`` rows (``[b, S]``, the whole sequence); ``positions`` ``[b, s]``: each local token's
     position in its document (what learned positions and rotary read instead of the global one), on
-    the compute device; ``loss_weight``: what the forward's summed token loss is multiplied by (the
-    engine's: the step's valid targets differ between ranks, so each sums and the weight normalises)."""
+    the compute device."""
 
     documents: Documents
     positions: torch.Tensor
-    loss_weight: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -54,10 +54,14 @@ class State:
     """What :meth:`ForwardContext.entering` sets (and a recomputation re-enters). ``routing``: what the
     forward's MoE layers record for its loss (``{layer: models.moe.balance.LayerLoad}``), new with each
     State, so each forward (micro-batch) has its own; a recomputation re-enters the same one and
-    overwrites its layers' entries."""
+    overwrites its layers' entries. ``loss_weight``: what the forward's summed token loss is multiplied by
+    (the engine's, when the step's valid targets differ between ranks — packed documents, a loss mask — so
+    each sums and the weight normalises by the whole batch's count: ``engine/batch.py`` loss_weight); None:
+    the mean over the forward's own tokens."""
 
     draw: Draw | None = None
     packed: Packed | None = None
+    loss_weight: float | None = None
     routing: dict = field(default_factory=dict, compare=False, hash=False)
 
 

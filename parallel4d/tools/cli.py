@@ -463,12 +463,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--base", default=None, metavar="DIR", help="a LoRA job: its base model's directory, where it is "
                    "no longer where the checkpoint names it (checked by fingerprint)")
     p.set_defaults(func=_cmd_export)
-    p = sub.add_parser("tokenize", help="text files (or chat .jsonl) → a token file for data.source=tokens (Hugging "
-                                        "Face tokenizers)")
+    p = sub.add_parser("tokenize", help="text files (or chat .jsonl, saved datasets) → a token file for "
+                                        "data.source=tokens (Hugging Face tokenizers)")
     p.add_argument("inputs", nargs="+", help="text files, tokenized in this order, each ending with the "
                                              "end-of-document token; or .jsonl chat/instruction files (messages, or "
-                                             "prompt/completion, one conversation a line), rendered with the "
-                                             "tokenizer's chat template, with a loss mask on the answers")
+                                             "prompt/completion, one conversation a line) or directories of "
+                                             "Hugging Face datasets' save_to_disk (one conversation a row), "
+                                             "rendered with the tokenizer's chat template, with a loss mask on "
+                                             "the answers")
     p.add_argument("--tokenizer", required=True, help="a tokenizer.json, or a model directory holding one")
     p.add_argument("-o", "--out", required=True, help="the token file, e.g. data/train.bin (its .json sidecar beside)")
     p.add_argument("--eos-token", default=None, help="the end-of-document token (default: the tokenizer's usual one)")

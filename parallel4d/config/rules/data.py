@@ -186,20 +186,29 @@ def _has_loss_mask(path: str | None) -> bool:
         return False
 
 
+def has_loss_mask(cfg: Config) -> bool:
+    """Whether the job's token files (``data.path``, ``data.val_path``) carry a loss mask (chat data): the
+    ranks' and micro-batches' shares of a batch then hold different numbers of valid targets, and the engine
+    weighs each one's summed loss by the whole batch's count (``engine/batch.py`` loss_weight)."""
+    d = cfg.data
+    return d.source == "tokens" and any(_has_loss_mask(f) for f in (d.path, d.val_path))
+
+
 def _unpacked_mask_problems(cfg: Config) -> list[str]:
-    """A token file with a loss mask (chat data) under ``data.packing: none`` only where one loss averages
-    the whole batch: unpacked, each rank and micro-batch takes the mean of its own answer tokens, whose
-    count differs between them, so a split batch would average means (packed documents weigh each token
-    by the whole batch's count: exact in every layout)."""
+    """A token file with a loss mask (chat data) under a ``deepspeed:`` section only where one loss averages
+    the whole batch: DeepSpeed's engine takes each rank's and micro-batch's mean of its own answer tokens,
+    whose count differs between them, so a split batch would average means (parallel4d's own engine weighs
+    every token by the whole batch's count: exact in every layout)."""
     d, p = cfg.data, cfg.parallel
     split = [f"{name}={n}" for name, n in (("parallel.dp", p.dp), ("parallel.sp", p.sp), ("parallel.tp", p.tp),
                                            ("pipeline.microbatches", cfg.pipeline.microbatches)) if n > 1]
     masked = [(field, f) for field, f in (("data.path", d.path), ("data.val_path", d.val_path)) if _has_loss_mask(f)]
-    if d.source != "tokens" or not split or not masked:
+    if cfg.deepspeed is None or d.source != "tokens" or not split or not masked:
         return []
-    return [f"{masked[0][0]}={masked[0][1]!r} has a loss mask (chat data) and {', '.join(split)} split the batch, whose parts "
-            "hold different numbers of answer tokens; set data.packing=documents (the loss is then the whole "
-            "batch's mean over its answer tokens in every layout)"]
+    return [f"{masked[0][0]}={masked[0][1]!r} has a loss mask (chat data) and {', '.join(split)} split the batch "
+            "under a deepspeed: section, whose engine averages each part's own answer tokens (their counts differ); "
+            "remove the deepspeed: section (parallel4d's engine weighs every answer token by the whole batch's "
+            "count in every layout)"]
 
 
 def validation_problems(cfg: Config) -> list[str]:
