@@ -27,7 +27,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from parallel4d.models.lora_tp2d import LoraLinear2D
 from parallel4d.models.registry import spec
+from parallel4d.tensor2d.composite import Composite2D
+from parallel4d.tensor2d.layers import Linear2D
 
 ADAPTER_PARTS = ("lora_A", "lora_B")
 
@@ -64,11 +67,9 @@ class LoraLinear(nn.Module):
         self.in_features, self.out_features = base.in_features, base.out_features
         self.weight, self.bias = base.weight, base.bias
         self.scaling, self.dropout = lora.scaling, lora.dropout
-        kw = dict(dtype=base.weight.dtype, device=base.weight.device)
-        self.lora_A = nn.Parameter(torch.empty(lora.rank, self.in_features, **kw))
-        self.lora_B = nn.Parameter(torch.zeros(self.out_features, lora.rank, **kw))
-        # nn.Linear's default weight init, peft's init_lora_weights=True: uniform in ±1/√in
-        nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5), generator=generator)
+        self.lora_A = nn.Parameter(initial_lora_A(lora.rank, self.in_features, base.weight, generator))
+        self.lora_B = nn.Parameter(torch.zeros(self.out_features, lora.rank, dtype=base.weight.dtype,
+                                               device=base.weight.device))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` ``[..., in]`` → ``[..., out]``: the base's output plus the scaled adapter's."""
@@ -78,6 +79,16 @@ class LoraLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, r={self.lora_A.shape[0]}, scaling={self.scaling}"
+
+
+def initial_lora_A(rank: int, in_features: int, like: torch.Tensor,
+                   generator: torch.Generator | None = None) -> torch.Tensor:
+    """A fresh ``lora_A`` ``[rank, in_features]`` in ``like``'s dtype and on its device: nn.Linear's default
+    weight init, peft's ``init_lora_weights=True`` (``kaiming_uniform(a=√5)``: uniform in ±1/√in), drawn on
+    the host from ``generator`` (a CPU generator: the same values on any device, in any layout)."""
+    a = torch.empty(rank, in_features, dtype=like.dtype)
+    nn.init.kaiming_uniform_(a, a=math.sqrt(5), generator=generator)
+    return a.to(like.device)
 
 
 def adapted_modules(model_cfg) -> dict[str, str]:
@@ -104,24 +115,43 @@ def targeted(hf_map: dict[str, tuple[str, str]], targets) -> dict[str, str]:
 
 def add_adapters(model: nn.Module, modules: dict[str, str], lora: LoraShape, seed: int = 0) -> list[str]:
     """Replace each dense module named in ``modules`` (present in ``model``: a rank's stages may hold a
-    part) by a :class:`LoraLinear` over it, in sorted dense-name order, every ``lora_A`` drawn from one
+    part) by a :class:`LoraLinear` over it — over a 2D stage's :class:`~parallel4d.tensor2d.layers.Linear2D`
+    (found by its dense name), a :class:`~parallel4d.models.lora_tp2d.LoraLinear2D` holding this grid rank's
+    slices of the same dense adapter —, in sorted dense-name order, every ``lora_A`` drawn from one
     generator seeded ``seed``; freeze every other parameter (:func:`freeze_base`). Returns the names
     of the adapted modules."""
     g = torch.Generator().manual_seed(seed)
-    present = dict(model.named_modules())
+    present = by_dense_name(model)
+    local = {id(m): n for n, m in model.named_modules()}
     done = []
     for name in sorted(modules):
         base = present.get(name)
         if base is None:
             continue
-        if not isinstance(base, nn.Linear):
+        if isinstance(base, Linear2D):  # the dense adapter, drawn as one process draws it, then sliced
+            adapter = LoraLinear2D(base, lora, initial_lora_A(lora.rank, base.in_features, base.weight, g),
+                                   torch.zeros(base.out_features, lora.rank, dtype=base.weight.dtype))
+        elif isinstance(base, nn.Linear):
+            adapter = LoraLinear(base, lora, g)
+        else:
             raise TypeError(f"LoRA target {modules[name]!r} is dense module {name!r}, a {type(base).__name__}, "
                             "not a linear layer")
-        parent, _, leaf = name.rpartition(".")
-        setattr(model.get_submodule(parent) if parent else model, leaf, LoraLinear(base, lora, g))
+        parent, _, leaf = local[id(base)].rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, leaf, adapter)
         done.append(name)
     freeze_base(model)
     return done
+
+
+def by_dense_name(model: nn.Module) -> dict[str, nn.Module]:
+    """``{dense module name: module}`` of ``model``'s modules: their own names, and a 2D stage's parts
+    (:meth:`~parallel4d.tensor2d.composite.Composite2D.dense_parts`) under the dense module's names, the
+    stage's name in ``model`` being the dense stage's (``blocks.0`` of :class:`~parallel4d.engine.model.LocalModel`)."""
+    out = dict(model.named_modules())
+    for name, module in list(out.items()):
+        if isinstance(module, Composite2D):
+            out.update({f"{name}.{part}" if name else part: layer for part, layer in module.dense_parts().items()})
+    return out
 
 
 def is_adapter(name: str) -> bool:
