@@ -88,6 +88,20 @@ LAYOUTS = {
 #: every rank skips its second expert (1 on ep rank 0, 3 on ep rank 1), agreed over the 4 data replicas
 UNCHOSEN = "dp=2 × sp=2, ep=2, hetero, top-1, experts 1 and 3 chosen by no token"
 UNCHOSEN_JOB = _job({"dp": 2, "sp": 2, "ep": 2}, hetero=HETERO, model={**BASE["model"], "num_experts_per_tok": 1})
+#: LoRA on the 2D grid (#49, models/lora_tp2d.py), dense models trained in this job too (one launch for both):
+#: every llama linear adapted (2 micro-batches, blocks recomputed: the adapter's row all-reduce runs again in the
+#: backward), GPT-2's fused c_attn (one adapter over q, k, v, its rows permuted as the base's) with rsLoRA
+DENSE = {"vocab_size": 16, "seq_len": 16, "hidden": 32, "heads": 4, "layers": 2}
+LORA_GRID = {
+    "llama tp=4 (q=2), LoRA on all seven linears": _job(
+        {"tp": 4}, model={**DENSE, "arch": "llama", "kv_heads": 2, "intermediate_size": 40,
+                          "lora": {"rank": 4, "alpha": 8, "targets": ["q_proj", "k_proj", "v_proj", "o_proj",
+                                                                      "gate_proj", "up_proj", "down_proj"]}},
+        pipeline={"microbatches": 2}, train={"activation_checkpointing": "blocks"}),
+    "gpt2 tp=4 (q=2), LoRA on c_attn, c_proj, c_fc, rsLoRA": _job(
+        {"tp": 4}, model={**DENSE, "arch": "gpt2",
+                          "lora": {"rank": 2, "alpha": 6, "rslora": True, "targets": ["c_attn", "c_proj", "c_fc"]}}),
+}
 EVAL_BATCH = 50  # a batch no step trained on, evaluated after the resumed step
 # a checkpoint at step 2 of ep=2 (dp=2 × sp=2), resumed for step 3 in each of these
 RESUMED = {"ep=1": {"dp": 2, "sp": 2}, "ep=4": {"dp": 2, "sp": 2, "ep": 4}, "dp=4, ep=2": {"dp": 4, "ep": 2},
@@ -157,6 +171,7 @@ def _train(jobs: dict, tmp: str, pretrained: str | None) -> dict:
 
     with mock.patch("parallel4d.engine.compose.place_experts", placed_with(one_sided_router)):
         out.update(train_layouts({UNCHOSEN: UNCHOSEN_JOB}))
+    out.update(train_layouts(LORA_GRID))
 
     def engine_of(parallel):
         cfg = make_config(_job(parallel))
@@ -388,6 +403,43 @@ def test_every_rank_reports_the_whole_batchs_auxiliary_loss_and_expert_load(trai
         for (aux, load), (want_aux, want_load) in zip(rank[("router", name)], want, strict=True):
             assert aux == pytest.approx(want_aux, rel=1e-10)
             assert load == pytest.approx(want_load, abs=1e-12) and sum(load) == pytest.approx(1.0)
+
+
+def adapted_run(job: dict):
+    """One process: the dense model with the adapters ``local_model`` adds (seeded ``train.seed``), trained by
+    the same optimizer (test_llama's ``dense_run``)."""
+    from parallel4d.config.load import make_config
+    from parallel4d.models.lora import LoraShape, adapted_modules, add_adapters
+
+    cfg = make_config(job)
+    return dense_run(job, prepare=lambda m: add_adapters(m, adapted_modules(cfg.model), LoraShape.of(cfg.model.lora),
+                                                         cfg.train.seed))
+
+
+@pytest.mark.parametrize("name", list(LORA_GRID))
+def test_lora_adapters_on_the_grid_train_as_one_process(trained, name):
+    """LoRA at tp=4 (q=2): every rank's losses (1e-10) and pieces of every dense parameter after 3 AdamW steps
+    with clipping (1e-9) are one process's with the same adapters; the base's pieces are the initial model's
+    bit for bit (frozen), every ``lora_B`` moved off its zeros, and the adapters are saved under the dense
+    names, whole ``[r, in]`` / ``[out, r]`` tensors tiled by the ranks' pieces."""
+    from parallel4d.config.load import make_config
+    from parallel4d.engine.model import model_shape
+    from parallel4d.models.build import build_dense
+    from parallel4d.models.lora import is_adapter
+
+    want_losses, want = adapted_run(LORA_GRID[name])
+    check_pieces(trained, name, want_losses, want)
+    cfg = make_config(LORA_GRID[name])
+    base = build_dense(model_shape(cfg), seed=cfg.train.seed).double().state_dict()
+    adapters = sorted(n for n in want if is_adapter(n))
+    assert len(adapters) == 2 * cfg.model.layers * (7 if cfg.model.arch == "llama" else 4), adapters
+    for _, pieces in (r[name] for r in trained):
+        for dense, boxes in pieces.items():
+            for off, t in boxes:
+                if not is_adapter(dense):
+                    box = base[dense][tuple(slice(o, o + n) for o, n in zip(off, t.shape))]
+                    assert torch.equal(t, box), f"{name}: the frozen {dense} moved"
+    assert all(want[n].abs().sum() > 0 for n in adapters if n.endswith("lora_B"))
 
 
 @pytest.mark.parametrize("name", [*RESUMED, FROM_GRID])

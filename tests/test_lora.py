@@ -204,7 +204,8 @@ def test_lora_target_the_family_lacks_is_refused(arch, target, words):
 
 @pytest.mark.parametrize("sections, words", [
     ({"parallel": {"dp": 2}}, ["parallel.dp=2"]),
-    ({"parallel": {"tp": 4}}, ["parallel.tp=4"]),
+    ({"parallel": {"tp": 4}, "model": {"lora": {"rank": 2, "alpha": 4, "targets": ["q_proj"], "dropout": 0.1}}},
+     ["model.lora.dropout=0.1 with parallel.tp=4", "set model.lora.dropout=0 or parallel.tp=1"]),
     ({"hetero": {"enabled": True}}, ["hetero.enabled=true"]),
     ({"train": {"compile": "blocks"}}, ["train.compile=blocks"]),
     ({"model": {"lora": {"rank": 2, "alpha": 4, "targets": ["q_proj"], "adapter": "somewhere"}}},
@@ -219,8 +220,16 @@ def test_lora_outside_one_process_is_refused_naming_the_field_and_fix(sections, 
     with pytest.raises(ConfigError) as e:
         make_config(job)
     assert all(w in str(e.value) for w in words), str(e.value)
-    if "parallel" in sections or "hetero" in sections or "train" in sections:
+    if "hetero" in sections or "train" in sections or "dp" in sections.get("parallel", {}):
         assert "runs in one process for now" in str(e.value) and "or remove model.lora" in str(e.value)
+
+
+def test_lora_on_the_2d_grid_is_accepted():
+    """``parallel.tp=4`` with adapters (dropout 0) validates: tests/test_expert_parallel.py trains it."""
+    cfg = make_config({"model": {"arch": "llama", "hidden": 64, "heads": 4,
+                                 "lora": {"rank": 2, "alpha": 4, "targets": ["q_proj"]}},
+                       "parallel": {"tp": 4}, "data": {"batch_size": 8}})
+    assert cfg.parallel.tp == 4 and cfg.model.lora.rank == 2
 
 
 def test_engine_trains_only_the_adapters_as_one_process_does(single_rank):
