@@ -88,7 +88,7 @@ LAYOUTS = {
 #: every rank skips its second expert (1 on ep rank 0, 3 on ep rank 1), agreed over the 4 data replicas
 UNCHOSEN = "dp=2 × sp=2, ep=2, hetero, top-1, experts 1 and 3 chosen by no token"
 UNCHOSEN_JOB = _job({"dp": 2, "sp": 2, "ep": 2}, hetero=HETERO, model={**BASE["model"], "num_experts_per_tok": 1})
-#: LoRA on the 2D grid (#49, models/lora_tp2d.py), dense models trained in this job too (one launch for both):
+#: LoRA on the 2D grid (#49, models/lora.py LoraLinear2D), dense models trained in this job too (one launch for both):
 #: every llama linear adapted (2 micro-batches, blocks recomputed: the adapter's row all-reduce runs again in the
 #: backward), GPT-2's fused c_attn (one adapter over q, k, v, its rows permuted as the base's) with rsLoRA
 DENSE = {"vocab_size": 16, "seq_len": 16, "hidden": 32, "heads": 4, "layers": 2}

@@ -15,8 +15,7 @@ from parallel4d.distributed.mesh import init_mesh
 from parallel4d.distributed.startup import visible_gpus
 from parallel4d.models.gpt2.model import Block, GPTShape, build_gpt
 from parallel4d.models.gpt2.tp2d import Block2D, TokenPositionEmbedding2D, from_dense_stage, qkv_permutation
-from parallel4d.models.lora import LoraLinear, LoraShape
-from parallel4d.models.lora_tp2d import LoraLinear2D
+from parallel4d.models.lora import LoraLinear, LoraLinear2D, LoraShape
 from parallel4d.tensor2d import (Embedding2D, Head2D, LayerNorm2D, Linear2D, LMHead2D, VocabParallelCrossEntropy2D,
                                  VocabParallelEmbedding2D, gather_2d, scatter_2d, split_batch)
 
@@ -321,7 +320,7 @@ def check_padded_vocab(mesh, vocab: int, steps: int = 3, ties=(True, False)):
 
 
 def check_lora(mesh):
-    """LoraLinear2D (models/lora_tp2d.py) against the dense LoraLinear, on a plain linear and on GPT-2's fused
+    """LoraLinear2D (models/lora.py) against the dense LoraLinear, on a plain linear and on GPT-2's fused
     qkv (its output features permuted over the grid columns, one adapter over q, k and v), ``lora_B`` random:
     the output, dX and every gradient (the base's and the adapter's), the dense state dict under the dense
     names, the layout's boxes of the dense tensors, and ``to_dense``."""

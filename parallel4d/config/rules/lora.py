@@ -45,7 +45,7 @@ def layout_problems(cfg: Config) -> list[str]:
         out.append(f"model.lora (low-rank adapters) runs in one process for now, not with {', '.join(beside)}; "
                    "set every parallel size to 1, hetero.enabled=false, train.compile=none, no deepspeed: section "
                    "and a dense model, or remove model.lora")
-    if p.tp > 1 and m.lora.dropout > 0:  # the 2D adapter (models/lora_tp2d.py) draws no dropout mask yet
+    if p.tp > 1 and m.lora.dropout > 0:  # the 2D adapter (models/lora.py LoraLinear2D) draws no dropout mask yet
         out.append(f"model.lora.dropout={m.lora.dropout} with parallel.tp={p.tp}: the adapters' dropout is not drawn "
                    "on the 2D grid yet; set model.lora.dropout=0 or parallel.tp=1")
     if m.lora.adapter is not None:
