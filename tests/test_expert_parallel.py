@@ -15,6 +15,12 @@ The auxiliary loss is a forward's (a micro-batch's): with m micro-batches the on
 ``[i·B/m, (i+1)·B/m)`` as forward i, and every layout's micro-batch i is those rows (``engine/batch.py``: each
 rank holds its share of each micro-batch), so the plain one-process reference holds at dp·q > 1 too;
 ``parallel4d check`` of an ep job with 2 micro-batches compares against exactly that.
+
+The same workers train LoRA (``model.lora``, #49) on the dense llama: dp × ring sp with recomputation, 2
+micro-batches and adapter dropout, Ulysses, Hanayo, zb_h1 (split backward: the W pass finds weight gradients for
+the adapters only), packed documents and the 2D grid tp=4 (also GPT-2's fused c_attn there), each equal to one
+process with the same adapters, the base unchanged and only the adapters trained, reduced and given optimizer
+state (:data:`LORA_LAYOUTS`).
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ from conftest import run_workers
 import torch.nn.functional as F
 
 from parallel4d.data.packing import IGNORE, boundary_targets, document_starts
+from parallel4d.models.lora import LoraShape, adapted_modules, add_adapters, is_adapter
 from parallel4d.models.moe.balance import load_balancing_loss
 from test_llama import check_pieces, dense_run
 from test_packed_training import EOD
@@ -84,24 +91,61 @@ LAYOUTS = {
     # [embedding, MoE layer 0, layer 1] on pp rank 0, [MoE layer 2, head: the loss] on rank 1
     ZERO_BUBBLE: _job({"pp": 2, "sp": 2, "ep": 2}, pipeline={"schedule": "zb_h1", "microbatches": 2}),
 }
+
+# --- LoRA (#49) on a dense llama in the data, sequence and pipeline layouts: trained in this job's workers ---
+LORA_MODEL = {k: BASE["model"][k] for k in ("arch", "vocab_size", "seq_len", "hidden", "heads", "kv_heads", "layers",
+                                              "intermediate_size")}
+LORA = {"rank": 4, "alpha": 8, "targets": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]}
+
+
+def _lora_job(parallel: dict, dropout: float = 0.0, **sections) -> dict:
+    """The dense llama with adapters on its seven linears (``model.lora.dropout`` ``dropout``) at ``parallel``."""
+    return _job(parallel, model={**LORA_MODEL, "lora": {**LORA, "dropout": dropout}}, **sections)
+
+
+LORA_PACKED = "LoRA dp=2 × sp=2, packed documents"
+LORA_LAYOUTS = {
+    # the adapters' gradients reduced in buckets over the 4 data replicas, the base's not at all
+    "LoRA dp=2 × ring sp=2, 2 micro-batches, blocks recomputed, adapter dropout":
+        _lora_job({"dp": 2, "sp": 2}, 0.1, pipeline={"microbatches": 2}, train={"activation_checkpointing": "blocks"}),
+    "LoRA dp=2 × Ulysses sp=2, adapter dropout": _lora_job({"dp": 2, "sp": 2}, 0.1, sequence={"ulysses": 2}),
+    # 4 chunks: [embedding (frozen: its output needs no gradient), layer 0], [layer 1], [layer 2], [head]
+    "LoRA Hanayo pp=2 × dp=2, 2 micro-batches, blocks recomputed, adapter dropout":
+        _lora_job({"pp": 2, "dp": 2}, 0.1, pipeline={"schedule": "hanayo", "waves": 1, "microbatches": 2},
+                  train={"activation_checkpointing": "blocks"}),
+    # the split backward's W pass: weight gradients for the adapters only, the frozen linears none
+    "LoRA zb_h1 pp=2 × sp=2, 2 micro-batches, adapter dropout":
+        _lora_job({"pp": 2, "sp": 2}, 0.1, pipeline={"schedule": "zb_h1", "microbatches": 2}),
+    LORA_PACKED: _lora_job({"dp": 2, "sp": 2},  # 4 rows: the reference runs each document alone (no dropout)
+                           data={**BASE["data"], "batch_size": 4, "packing": "documents", "eod_token": EOD}),
+    # the 2D grid (models/lora.py LoraLinear2D): x·A_jᵀ all-reduced over the grid row, again in the recomputation;
+    # each rank's dropout mask the grid column's input features of its batch block
+    "LoRA tp=4 (q=2), 2 micro-batches, blocks recomputed, adapter dropout":
+        _lora_job({"tp": 4}, 0.1, pipeline={"microbatches": 2}, train={"activation_checkpointing": "blocks"}),
+    # GPT-2's fused c_attn on the grid: one adapter over q, k and v, its lora_B rows permuted as the weight's
+    "LoRA gpt2 tp=4 (q=2), c_attn, c_proj, c_fc, rsLoRA, adapter dropout":
+        _job({"tp": 4}, model={**{k: LORA_MODEL[k] for k in ("vocab_size", "seq_len", "hidden", "heads", "layers")},
+                               "arch": "gpt2", "lora": {"rank": 2, "alpha": 6, "rslora": True, "dropout": 0.1,
+                                                        "targets": ["c_attn", "c_proj", "c_fc"]}}),
+}  # compiled blocks: tests/test_lora.py, in one process (compiling in 4 workers on 2 cores took 35 s)
+
+
+def held_for_training(engine) -> dict[str, list[str]]:
+    """What this rank holds for training, by local parameter name: what the store trains, what the gradient
+    buckets reduce, what the optimizer keeps state for, and the parameters with a gradient after the step."""
+    named = {id(p): n for n, p in engine.store.model.named_parameters()}
+    buckets = getattr(engine.store, "grad_sync", None)
+    return {"trained": sorted(named[id(p)] for p in engine.store.params),
+            "reduced": sorted(named[id(p)] for b in (buckets.buckets if buckets else ()) for p in b.params),
+            "optimizer state": sorted(named[id(p)] for p in engine.store.optimizer.state),
+            "with a gradient": sorted(n for n, p in engine.store.model.named_parameters() if p.grad is not None),
+            "adapters": sorted(n for n in named.values() if is_adapter(n))}
+
+
 #: hetero's ZeRO with experts 1 and 3 chosen by no token (tests/test_hetero_experts.py's one-sided router, top-1):
 #: every rank skips its second expert (1 on ep rank 0, 3 on ep rank 1), agreed over the 4 data replicas
 UNCHOSEN = "dp=2 × sp=2, ep=2, hetero, top-1, experts 1 and 3 chosen by no token"
 UNCHOSEN_JOB = _job({"dp": 2, "sp": 2, "ep": 2}, hetero=HETERO, model={**BASE["model"], "num_experts_per_tok": 1})
-#: LoRA on the 2D grid (#49, models/lora.py LoraLinear2D), dense models trained in this job too (one launch for both):
-#: every llama linear adapted (2 micro-batches, blocks recomputed: the adapter's row all-reduce runs again in the
-#: backward), GPT-2's fused c_attn (one adapter over q, k, v, its rows permuted as the base's) with rsLoRA
-DENSE = {"vocab_size": 16, "seq_len": 16, "hidden": 32, "heads": 4, "layers": 2}
-LORA_GRID = {
-    "llama tp=4 (q=2), LoRA on all seven linears": _job(
-        {"tp": 4}, model={**DENSE, "arch": "llama", "kv_heads": 2, "intermediate_size": 40,
-                          "lora": {"rank": 4, "alpha": 8, "targets": ["q_proj", "k_proj", "v_proj", "o_proj",
-                                                                      "gate_proj", "up_proj", "down_proj"]}},
-        pipeline={"microbatches": 2}, train={"activation_checkpointing": "blocks"}),
-    "gpt2 tp=4 (q=2), LoRA on c_attn, c_proj, c_fc, rsLoRA": _job(
-        {"tp": 4}, model={**DENSE, "arch": "gpt2",
-                          "lora": {"rank": 2, "alpha": 6, "rslora": True, "targets": ["c_attn", "c_proj", "c_fc"]}}),
-}
 EVAL_BATCH = 50  # a batch no step trained on, evaluated after the resumed step
 # a checkpoint at step 2 of ep=2 (dp=2 × sp=2), resumed for step 3 in each of these
 RESUMED = {"ep=1": {"dp": 2, "sp": 2}, "ep=4": {"dp": 2, "sp": 2, "ep": 4}, "dp=4, ep=2": {"dp": 4, "ep": 2},
@@ -166,12 +210,12 @@ def _train(jobs: dict, tmp: str, pretrained: str | None) -> dict:
     from parallel4d.engine.compose import compose
     from parallel4d.training.checkpoints import load_checkpoint, save_checkpoint
 
-    out = train_layouts(jobs, with_hetero_stats=True)
+    out = train_layouts({n: j for n, j in jobs.items() if n not in LORA_LAYOUTS}, with_hetero_stats=True)
+    out.update(train_layouts({n: j for n, j in jobs.items() if n in LORA_LAYOUTS}, inspect=held_for_training))
     from test_hetero_experts import one_sided_router, placed_with
 
     with mock.patch("parallel4d.engine.compose.place_experts", placed_with(one_sided_router)):
         out.update(train_layouts({UNCHOSEN: UNCHOSEN_JOB}))
-    out.update(train_layouts(LORA_GRID))
 
     def engine_of(parallel):
         cfg = make_config(_job(parallel))
@@ -240,13 +284,13 @@ def qwen3_moe(tmp_path_factory) -> str | None:
 def trained(tmp_path_factory, qwen3_moe):
     tmp = tmp_path_factory.mktemp("ep")
     (tmp / "check.json").write_text(json.dumps([*checked_job(), *check_plan().overrides]))  # the job's, the check's
-    return run_workers(_train, 4, LAYOUTS, str(tmp), qwen3_moe, timeout_s=300)
+    return run_workers(_train, 4, {**LAYOUTS, **LORA_LAYOUTS}, str(tmp), qwen3_moe, timeout_s=300)
 
 
 def microbatch_rows(name: str | None = None) -> tuple[tuple[int, ...], ...]:
     """The rows of each micro-batch of job ``name`` (None: BASE's one) as one process cuts its batch of 8:
     ``[i·8/m, (i+1)·8/m)``."""
-    m = {**LAYOUTS, **SIXTEEN}[name].get("pipeline", {}).get("microbatches", 1) if name else 1
+    m = {**LAYOUTS, **SIXTEEN, **LORA_LAYOUTS}[name].get("pipeline", {}).get("microbatches", 1) if name else 1
     return tuple(tuple(range(i * 8 // m, (i + 1) * 8 // m)) for i in range(m))
 
 
@@ -276,8 +320,9 @@ def microbatches(rows_of, model, tokens, targets, step):
 
 
 def documents_and_balance(model, tokens, targets, step):
-    """The batch's mean token loss with every document run on its own, plus ``router_aux_loss_coef`` × the
-    load-balancing loss of the statistics of all those forwards together (one forward's, as the packed one)."""
+    """The batch's mean token loss with every document run on its own, plus (an MoE model recording its routing)
+    ``router_aux_loss_coef`` × the load-balancing loss of the statistics of all those forwards together (one
+    forward's, as the packed one)."""
     targets = boundary_targets(tokens, targets, EOD)
     total, loads = 0.0, []
     for row, starts in enumerate(document_starts(tokens, EOD)):
@@ -287,7 +332,7 @@ def documents_and_balance(model, tokens, targets, step):
             loads += [state.routing[i] for i in sorted(state.routing)]
             total = total + F.cross_entropy(logits[0], targets[row, lo:hi], ignore_index=IGNORE, reduction="sum")
     moe, tokens_loss = model.shape.moe, total / int((targets != IGNORE).sum())
-    if not moe.output_router_logits:
+    if moe is None or not moe.output_router_logits:
         return tokens_loss
     return tokens_loss + moe.aux_loss_coef * load_balancing_loss(loads, moe.num_experts)
 
@@ -405,43 +450,6 @@ def test_every_rank_reports_the_whole_batchs_auxiliary_loss_and_expert_load(trai
             assert load == pytest.approx(want_load, abs=1e-12) and sum(load) == pytest.approx(1.0)
 
 
-def adapted_run(job: dict):
-    """One process: the dense model with the adapters ``local_model`` adds (seeded ``train.seed``), trained by
-    the same optimizer (test_llama's ``dense_run``)."""
-    from parallel4d.config.load import make_config
-    from parallel4d.models.lora import LoraShape, adapted_modules, add_adapters
-
-    cfg = make_config(job)
-    return dense_run(job, prepare=lambda m: add_adapters(m, adapted_modules(cfg.model), LoraShape.of(cfg.model.lora),
-                                                         cfg.train.seed))
-
-
-@pytest.mark.parametrize("name", list(LORA_GRID))
-def test_lora_adapters_on_the_grid_train_as_one_process(trained, name):
-    """LoRA at tp=4 (q=2): every rank's losses (1e-10) and pieces of every dense parameter after 3 AdamW steps
-    with clipping (1e-9) are one process's with the same adapters; the base's pieces are the initial model's
-    bit for bit (frozen), every ``lora_B`` moved off its zeros, and the adapters are saved under the dense
-    names, whole ``[r, in]`` / ``[out, r]`` tensors tiled by the ranks' pieces."""
-    from parallel4d.config.load import make_config
-    from parallel4d.engine.model import model_shape
-    from parallel4d.models.build import build_dense
-    from parallel4d.models.lora import is_adapter
-
-    want_losses, want = adapted_run(LORA_GRID[name])
-    check_pieces(trained, name, want_losses, want)
-    cfg = make_config(LORA_GRID[name])
-    base = build_dense(model_shape(cfg), seed=cfg.train.seed).double().state_dict()
-    adapters = sorted(n for n in want if is_adapter(n))
-    assert len(adapters) == 2 * cfg.model.layers * (7 if cfg.model.arch == "llama" else 4), adapters
-    for _, pieces in (r[name] for r in trained):
-        for dense, boxes in pieces.items():
-            for off, t in boxes:
-                if not is_adapter(dense):
-                    box = base[dense][tuple(slice(o, o + n) for o, n in zip(off, t.shape))]
-                    assert torch.equal(t, box), f"{name}: the frozen {dense} moved"
-    assert all(want[n].abs().sum() > 0 for n in adapters if n.endswith("lora_B"))
-
-
 @pytest.mark.parametrize("name", [*RESUMED, FROM_GRID])
 def test_a_checkpoint_saved_at_ep_2_resumes_under_another_layout(trained, name):
     """Step 3 after resuming ep=2's step-2 checkpoint (or, :data:`FROM_GRID`, tp=4's, whose experts every grid
@@ -513,3 +521,50 @@ def test_a_pipelines_evaluation_carries_the_statistics_too(single_rank):
         want = float(build_dense(model_shape(cfg), seed=cfg.train.seed).double()(tokens, targets))
     mesh.close()
     assert loss == pytest.approx(want, rel=1e-12)
+
+
+def lora_one_process(name: str):
+    """One process training the dense llama with job ``name``'s adapters (added as the engine adds them: seeded
+    ``train.seed``), on the whole batch with each step's adapter-dropout masks drawn over it (a micro-batch's
+    rows are drawn as the whole batch's, so m micro-batches change nothing); packed: each document alone. (GPT-2's
+    job: the dense GPT-2 the same way.)"""
+    from parallel4d.config.load import make_config
+
+    job = LORA_LAYOUTS[name]
+    cfg = make_config(job)
+
+    def prepare(model):
+        add_adapters(model, adapted_modules(cfg.model), LoraShape.of(cfg.model.lora), cfg.train.seed)
+
+    return dense_run(job, loss_of=documents_and_balance if name == LORA_PACKED else None, prepare=prepare)
+
+
+@pytest.mark.parametrize("name", list(LORA_LAYOUTS))
+def test_lora_adapters_train_in_every_data_sequence_pipeline_and_grid_layout_as_one_process(trained, name):
+    """``model.lora`` (llama: all seven linears, rank 4; gpt2: its three, rsLoRA) in float64: every rank's losses (1e-10) and every parameter's
+    pieces after 3 AdamW steps with clipping (1e-9) are one process's, the adapters moved and the base as built;
+    every rank trains, reduces and keeps optimizer state for its adapters only, and no frozen parameter holds a
+    gradient."""
+    from parallel4d.config.load import make_config
+    from parallel4d.engine.model import model_shape
+    from parallel4d.models.build import build_dense
+
+    want_losses, want = lora_one_process(name)
+    assert want_losses[-1] < want_losses[0]
+    check_pieces(trained, name, want_losses, want)
+    cfg = make_config(LORA_LAYOUTS[name])
+    built = build_dense(model_shape(cfg), seed=cfg.train.seed).double().state_dict()
+    for rank in trained:
+        _, pieces = rank[name]
+        for dense, boxes in pieces.items():
+            for off, t in boxes:
+                box = tuple(slice(o, o + n) for o, n in zip(off, t.shape))
+                if is_adapter(dense):
+                    assert not dense.endswith("lora_B") or t.abs().max() > 0, (name, dense)
+                else:
+                    assert torch.equal(t, built[dense][box]), (name, dense)
+        held = rank[("inspect", name)]
+        assert held["adapters"] and held["trained"] == held["adapters"] == held["optimizer state"], (name, held)
+        assert set(held["with a gradient"]) <= set(held["adapters"]), (name, held)
+        parallel = LORA_LAYOUTS[name]["parallel"]
+        assert held["reduced"] == (held["adapters"] if parallel.get("dp", 1) * parallel.get("sp", 1) > 1 else []), held

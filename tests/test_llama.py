@@ -68,11 +68,11 @@ def dense_run(job: dict, loss_of=None, prepare=None):
     return losses, {n: p.detach() for n, p in model.named_parameters()}
 
 
-def train_layouts(jobs: dict, with_hetero_stats: bool = False):
+def train_layouts(jobs: dict, with_hetero_stats: bool = False, inspect=None):
     """Each job through compose(): its losses and this rank's pieces of every dense parameter (and
     with ``with_hetero_stats`` the last hetero job's statistics under "hetero"); for an MoE job whose layers
     record their routing, each step's ``(aux_loss, expert_load)`` as metrics.jsonl gets them under
-    ``("router", name)``."""
+    ``("router", name)``; ``inspect(engine)``, if given, after the last step under ``("inspect", name)``."""
     from parallel4d.engine.compose import compose
     from parallel4d.distributed.mesh import init_mesh
 
@@ -93,6 +93,8 @@ def train_layouts(jobs: dict, with_hetero_stats: bool = False):
         pieces = {k[len("model."):]: [(tuple(off), view.detach().clone()) for off, view in v.pieces]
                   for k, v in engine.state_dict().items() if k.startswith("model.")}
         out[name] = losses, pieces
+        if inspect is not None:
+            out[("inspect", name)] = inspect(engine)
         if with_hetero_stats and cfg.hetero.enabled:
             out["hetero"] = engine.hetero_stats()
         engine.close()  # a shared worker trains other jobs after this one

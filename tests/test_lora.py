@@ -12,7 +12,11 @@ optimizer state. The float64 patch of transformers is tests/test_hf.py's, with t
 ``Tensor.float`` that keeps float64 (transformers' own loss of ``labels``).
 
 Also: peft's initialisation (``lora_A`` uniform in ±1/√in, ``lora_B`` zeros: the adapted model starts
-as its base), and the config's refusals (a target the family lacks, a layout other than one process).
+as its base), and the config's refusals (a target the family lacks, a layout adapters do not run in yet: 2D tp, hetero,
+DeepSpeed, MoE). Dropout on the adapter input is the counter-based draw of ``models/dropout.py`` (a ``lora``
+site per adapter): equal to peft with its ``lora_dropout`` modules replaced by those sites. The layouts (data,
+ring/Ulysses sequence, Hanayo and zero-bubble pipelines, recomputation, packing, compile) are trained in
+tests/test_expert_parallel.py's 4-worker job against one process.
 """
 
 from __future__ import annotations
@@ -30,6 +34,8 @@ from parallel4d.config.errors import ConfigError  # noqa: E402
 from parallel4d.config.hf_fields import model_fields_from_hf  # noqa: E402
 from parallel4d.config.load import make_config  # noqa: E402
 from parallel4d.models.build import build_dense, shape_from_config  # noqa: E402
+from parallel4d.models.context import Draw, ForwardContext  # noqa: E402
+from parallel4d.models.dropout import keep_scale, site_key  # noqa: E402
 from parallel4d.models.hf import p4d_to_hf  # noqa: E402
 from parallel4d.models.lora import LoraShape, adapted_modules, add_adapters, is_adapter, peft_names  # noqa: E402
 from parallel4d.optim.optimizer import build_optimizer  # noqa: E402
@@ -150,24 +156,62 @@ def test_lora_equals_peft_in_float64(case, monkeypatch):
 
 
 def test_lora_dropout_on_the_adapter_input_as_peft_applies_it(monkeypatch):
-    """``model.lora.dropout`` in training: the same masks as peft's ``lora_dropout`` when torch's
-    generator starts alike (both draw one mask per adapted linear, in the forward's order), so the same
-    loss and gradients; a different seed gives another loss (the dropout is on)."""
+    """``model.lora.dropout`` in training: peft with each adapter's ``lora_dropout`` module replaced by our
+    site of that adapter (the masks are ours: counter-based, not torch's RNG; where peft applies them is
+    peft's — the adapter's input only) gives our loss and adapter gradients (1e-10); another step draws
+    other masks (the dropout is on), evaluation none."""
     with monkeypatch.context() as mp:
         model, theirs, names = _prepare("llama all seven", mp, dropout=0.25)
+        for ours, peft_name in names.items():
+            if ours.endswith(".lora_A"):  # peft's module: its lora_A.default.weight's owner's owner
+                module = theirs.get_submodule(peft_name[: -len(".lora_A.default.weight")])
+                module.lora_dropout["default"] = model.get_submodule(ours[: -len(".lora_A")]).lora_dropout
         tokens, targets = _tokens(2)
-        torch.manual_seed(5)
-        out = theirs(input_ids=tokens, labels=tokens)
-        torch.manual_seed(5)
-        loss = model(tokens, targets)
+        with model.context.drawing(Draw(step=4)):
+            out = theirs(input_ids=tokens, labels=tokens)
+        loss = model(tokens, targets, step=4)
         out.loss.backward()
         loss.backward()
-        torch.manual_seed(6)
-        other = model(tokens, targets).item()
-    print(f"\nlora dropout 0.25: loss {abs(loss.item() - out.loss.item()):.1e}, "
-          f"grads {_worst(model, theirs, names, 'grad'):.1e}")
-    assert abs(loss.item() - out.loss.item()) < 1e-10 and _worst(model, theirs, names, "grad") < 1e-10
-    assert abs(other - loss.item()) > 1e-6
+        other = model(tokens, targets, step=5).item()
+        evaluated = model.eval()(tokens, targets, step=4).item()
+        plain = theirs.eval()(input_ids=tokens, labels=tokens).loss.item()
+    d_loss, d_grad = abs(loss.item() - out.loss.item()), _worst(model, theirs, names, "grad")
+    print(f"\nlora dropout 0.25: loss {d_loss:.1e}, grads {d_grad:.1e}")
+    assert d_loss < 1e-10 and d_grad < 1e-10
+    assert abs(other - loss.item()) > 1e-6 and abs(evaluated - loss.item()) > 1e-6
+    assert abs(evaluated - plain) < 1e-10
+
+
+def test_lora_dropout_masks_the_adapter_input_by_dense_element_and_leaves_the_base_input():
+    """An adapted linear in training: base(x) + scaling·B·A·(x ⊙ keep), keep the ``lora`` site's mask of
+    each dense element (sample, global position, input feature; :func:`~parallel4d.models.dropout.keep_scale`
+    of its stage and part), not torch's RNG (a reseeded torch draws the same); a shard of the batch (rows
+    2..3 as micro-batch or data replica, positions 4..11 as a sequence shard) gets the whole's slice."""
+    m = make_config({"model": {"arch": "llama", "hidden": 32, "heads": 4, "layers": 2, "seq_len": 16,
+                               "lora": {"rank": 4, "alpha": 8, "dropout": 0.3, "targets": ["q_proj", "v_proj"]}},
+                     "train": {"seed": 9}}).model
+    model = build_dense(shape_from_config(m), seed=9).double().train()
+    add_adapters(model, adapted_modules(m), LoraShape.of(m.lora), seed=9)
+    v = model.get_submodule("blocks.1.self_attn.v_proj")  # stage 2, the second of the stage's adapters
+    with torch.no_grad():
+        v.lora_B.copy_(torch.randn(v.lora_B.shape, generator=torch.Generator().manual_seed(1)))
+    x = torch.randn(4, 16, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    keep = keep_scale(site_key(9, 3, 2, "lora", 2), 0.3, [torch.arange(4), torch.arange(16), torch.arange(32)],
+                      torch.float64)
+    want = x @ v.weight.T + ((x * keep) @ v.lora_A.T @ v.lora_B.T) * v.scaling
+    with torch.no_grad(), model.context.drawing(Draw(step=3)):
+        torch.manual_seed(0)
+        got = v(x)
+        torch.manual_seed(1)
+        again = v(x)
+    assert v.lora_dropout.stage == 2 and v.lora_dropout.part == 2 and 0 < float((keep == 0).double().mean()) < 0.5
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    assert torch.equal(got, again)
+    shard = ForwardContext(9, positions=torch.arange(4, 12))
+    v.lora_dropout.context = shard
+    with torch.no_grad(), shard.drawing(Draw(step=3, first_row=2)):
+        part = v(x[2:4, 4:12])
+    torch.testing.assert_close(part, want[2:4, 4:12], rtol=1e-12, atol=1e-12)
 
 
 def test_lora_starts_as_peft_initialises_it_and_scales_by_alpha_over_rank():
@@ -203,33 +247,39 @@ def test_lora_target_the_family_lacks_is_refused(arch, target, words):
 
 
 @pytest.mark.parametrize("sections, words", [
-    ({"parallel": {"dp": 2}}, ["parallel.dp=2"]),
-    ({"parallel": {"tp": 4}, "model": {"lora": {"rank": 2, "alpha": 4, "targets": ["q_proj"], "dropout": 0.1}}},
-     ["model.lora.dropout=0.1 with parallel.tp=4", "set model.lora.dropout=0 or parallel.tp=1"]),
     ({"hetero": {"enabled": True}}, ["hetero.enabled=true"]),
-    ({"train": {"compile": "blocks"}}, ["train.compile=blocks"]),
     ({"model": {"lora": {"rank": 2, "alpha": 4, "targets": ["q_proj"], "adapter": "somewhere"}}},
      ["model.lora.adapter='somewhere'", "remove model.lora.adapter"]),
     ({"model": {"lora": {"rank": 0, "alpha": 4, "targets": ["q_proj"]}}}, ["model.lora.rank", "1 or more"]),
 ])
-def test_lora_outside_one_process_is_refused_naming_the_field_and_fix(sections, words):
+def test_lora_in_a_layout_it_does_not_run_in_yet_is_refused_naming_the_field_and_fix(sections, words):
+    with pytest.raises(ConfigError) as e:
+        make_config(_lora_job(sections))
+    assert all(w in str(e.value) for w in words), str(e.value)
+    if "parallel" in sections or "hetero" in sections:
+        assert "runs with data, sequence, pipeline and 2D tensor parallelism" in str(e.value), str(e.value)
+        assert "or remove model.lora" in str(e.value), str(e.value)
+
+
+@pytest.mark.parametrize("sections", [
+    {"parallel": {"dp": 2, "sp": 2}, "train": {"activation_checkpointing": "blocks"}},
+    {"parallel": {"sp": 2}, "sequence": {"ulysses": 2}},
+    {"parallel": {"pp": 2}, "pipeline": {"schedule": "zb_h1", "microbatches": 2}},
+    {"parallel": {"pp": 2}, "pipeline": {"schedule": "hanayo", "waves": 1, "microbatches": 2}},
+    {"train": {"compile": "blocks"}},
+    {"parallel": {"tp": 4}, "model": {"lora": {"rank": 2, "alpha": 4, "targets": ["q_proj"], "dropout": 0.1}}},
+])
+def test_lora_is_accepted_with_data_sequence_pipeline_and_2d_parallelism_and_compile(sections):
+    make_config(_lora_job(sections))
+
+
+def _lora_job(sections: dict) -> dict:
+    """A small llama job with adapters on ``q_proj``; ``sections`` merged into its sections."""
     job = {"model": {"arch": "llama", "hidden": 64, "heads": 4, "lora": {"rank": 2, "alpha": 4, "targets": ["q_proj"]}},
            "data": {"batch_size": 8}}
     for key, value in sections.items():
         job[key] = {**job.get(key, {}), **value}
-    with pytest.raises(ConfigError) as e:
-        make_config(job)
-    assert all(w in str(e.value) for w in words), str(e.value)
-    if "hetero" in sections or "train" in sections or "dp" in sections.get("parallel", {}):
-        assert "runs in one process for now" in str(e.value) and "or remove model.lora" in str(e.value)
-
-
-def test_lora_on_the_2d_grid_is_accepted():
-    """``parallel.tp=4`` with adapters (dropout 0) validates: tests/test_expert_parallel.py trains it."""
-    cfg = make_config({"model": {"arch": "llama", "hidden": 64, "heads": 4,
-                                 "lora": {"rank": 2, "alpha": 4, "targets": ["q_proj"]}},
-                       "parallel": {"tp": 4}, "data": {"batch_size": 8}})
-    assert cfg.parallel.tp == 4 and cfg.model.lora.rank == 2
+    return job
 
 
 def test_engine_trains_only_the_adapters_as_one_process_does(single_rank):
@@ -263,3 +313,26 @@ def test_engine_trains_only_the_adapters_as_one_process_does(single_rank):
     assert {id(p) for p in engine.store.params} == adapters
     assert {id(p) for g in engine.store.optimizer.param_groups for p in g["params"]} == adapters
     engine.close()
+
+
+def test_compiled_blocks_with_adapter_dropout_train_as_one_process(single_rank, monkeypatch):
+    """``train.compile: blocks`` (dynamo and AOTAutograd: test_compile's seam) with adapter dropout 0.1 through
+    compose() in one process: the losses (1e-10) and every parameter (1e-9) are the eager dense model's with the
+    same adapters and masks (each adapter's site a graph break, read eagerly every micro-batch)."""
+    from test_llama import BASE, _job, dense_run, train_layouts
+
+    from parallel4d.engine import compile as compile_module
+
+    monkeypatch.setattr(compile_module, "BACKEND", "aot_eager")
+    lora = {"rank": 4, "alpha": 8, "targets": ["q_proj", "up_proj"], "dropout": 0.1}
+    job = _job({}, {"microbatches": 2}, model={"layers": 1, "lora": lora},
+               train={**BASE["train"], "steps": 3, "compile": "blocks"})
+    cfg = make_config(job)
+    want_losses, want = dense_run(job, prepare=lambda m: add_adapters(m, adapted_modules(cfg.model),
+                                                                      LoraShape.of(cfg.model.lora), cfg.train.seed))
+    losses, pieces = train_layouts({"compiled": job})["compiled"]
+    assert all(want[n].abs().max() > 0 for n in want if n.endswith("lora_B"))  # the adapters learnt
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(want_losses), rtol=1e-10, atol=0)
+    assert set(pieces) == set(want)
+    for dense, [(_, t)] in pieces.items():
+        torch.testing.assert_close(t, want[dense], rtol=1e-9, atol=1e-12, msg=lambda m, d=dense: f"{d}: {m}")

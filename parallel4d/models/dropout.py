@@ -11,7 +11,9 @@ The sites (``transformers``' own):
 * gpt2: ``embedding`` after token + position embedding (``embd_pdrop``), ``attention`` on the
   attention probabilities (``attn_pdrop``), ``attention_output`` and ``mlp_output`` on each residual
   branch's output before its add (``resid_pdrop``);
-* llama: ``attention`` only (``attention_dropout``; transformers' Llama and Qwen have no other).
+* llama: ``attention`` only (``attention_dropout``; transformers' Llama and Qwen have no other);
+* ``lora``: a low-rank adapter's input (``model.lora.dropout``, peft's ``lora_dropout``; the base
+  sees its input untouched), one per adapted linear: ``part`` 1, 2, … numbers a stage's adapters.
 
 Contract. Each site is a :class:`Site` module of a stage, keyed by the stage's index and its kind.
 Every site of one model (a rank's stages) reads the same
@@ -42,7 +44,7 @@ from parallel4d.models.context import ReadsContext
 
 WORD = 0xFFFFFFFF
 _MULT = 0x45D9F3B  # < 2^27: a 32-bit word times it stays below 2^59
-KINDS = ("embedding", "attention", "attention_output", "mlp_output")
+KINDS = ("embedding", "attention", "attention_output", "mlp_output", "lora")
 
 
 def _mix(x):
@@ -52,10 +54,17 @@ def _mix(x):
     return (x >> 16) ^ x
 
 
-def site_key(seed: int, step: int, stage: int, kind: str) -> int:
-    """The 32-bit key of one site's masks in one step: stage index and kind (:data:`KINDS`)."""
+def site_key(seed: int, step: int, stage: int, kind: str, part: int = 0) -> int:
+    """The 32-bit key of one site's masks in one step: stage index, kind (:data:`KINDS`) and, for a kind
+    with several sites in a stage (the adapters'), which one (``part`` ≥ 1; 0: the stage's only one)."""
+    words = (seed & WORD, seed >> 32, step & WORD, step >> 32, stage, KINDS.index(kind)) + ((part,) if part else ())
+    return hash_words(words)
+
+
+def hash_words(words) -> int:
+    """32-bit words (Python ints) → one 32-bit key, each word mixed into the last."""
     h = 0x9E3779B9
-    for word in (seed & WORD, seed >> 32, step & WORD, step >> 32, stage, KINDS.index(kind)):
+    for word in words:
         h = _mix(h ^ (word & WORD))
     return h
 
@@ -75,26 +84,27 @@ def keep_scale(key: int, p: float, coords: Sequence[torch.Tensor], dtype: torch.
 class Site(ReadsContext):
     """A dropout site of stage ``stage`` (0 the embedding, 1…L the blocks), ``kind`` one of
     :data:`KINDS`, rate ``p``; ``offset``: where this module's features (``[b, s, w]`` sites) or heads
-    (the attention's) start in the dense ones (a 2D twin's grid column)."""
+    (the attention's) start in the dense ones (a 2D twin's grid column); ``part``: which of the stage's
+    sites of this kind (the adapters': 1, 2, …; 0: the only one)."""
 
-    def __init__(self, p: float, stage: int, kind: str, offset: int = 0):
+    def __init__(self, p: float, stage: int, kind: str, offset: int = 0, part: int = 0):
         super().__init__()
         if kind not in KINDS:
             raise ValueError(f"dropout site kind {kind!r} is not one of {KINDS}")
-        self.p, self.stage, self.kind, self.offset = float(p), stage, kind, offset
+        self.p, self.stage, self.kind, self.offset, self.part = float(p), stage, kind, offset, part
 
     def extra_repr(self) -> str:
-        return f"p={self.p}, stage={self.stage}, kind={self.kind}, offset={self.offset}"
+        return f"p={self.p}, stage={self.stage}, kind={self.kind}, offset={self.offset}, part={self.part}"
 
     def shifted(self, offset: int) -> "Site":
         """The same site for a slice starting at dense feature / head ``offset`` (a 2D twin's)."""
-        return Site(self.p, self.stage, self.kind, offset)
+        return Site(self.p, self.stage, self.kind, offset, self.part)
 
     def _key(self) -> int | None:
         draw = None if self.context is None else self.context.draw
         if draw is None:
             return None
-        return site_key(self.context.seed, draw.step, self.stage, self.kind)
+        return site_key(self.context.seed, draw.step, self.stage, self.kind, self.part)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` ``[b, s, w]`` (this slice's features) with the dense elements' masks applied."""

@@ -4,7 +4,10 @@ A targeted linear ``y = x·Wᵀ + b`` (``W`` ``[out, in]``, frozen) becomes
 ``y = x·Wᵀ + b + scaling · B·A·dropout(x)`` with ``A`` (``lora_A``) ``[r, in]`` drawn as
 ``kaiming_uniform(a=√5)`` — a fresh ``nn.Linear(in, r)``'s weight —, ``B`` (``lora_B``) ``[out, r]``
 zeros (so the adapted model starts equal to its base), ``scaling = alpha / r`` (rsLoRA: ``alpha / √r``),
-and the dropout on the adapter's input only (the base sees ``x`` itself). GPT-2's ``Conv1D`` layers
+and the dropout on the adapter's input only (the base sees ``x`` itself): a
+:class:`~parallel4d.models.dropout.Site` of kind ``lora`` (one per adapter, ``part`` 1, 2, … in its stage),
+whose masks are a function of the dense element (sample, global position, input feature), never torch's
+RNG, so every layout drops what one process drops. GPT-2's ``Conv1D`` layers
 (``c_attn``, ``c_proj``, ``c_fc``: ``[in, out]`` in transformers, ``[out, in]`` here) get the same
 ``A`` ``[r, in]`` and ``B`` ``[out, r]`` as peft gives them: its ``fan_in_fan_out`` only transposes the
 merged product ``B·A``, never the adapter; the fused ``c_attn`` has one adapter over all of q, k, v.
@@ -17,9 +20,12 @@ and the MLP's output, as in peft). Which dense module each is comes from the fam
 those to peft's (``<hf module>.lora_A.weight``, as ``get_peft_model_state_dict`` writes them, under
 ``base_model.model.``).
 
+Each ``lora_A`` is drawn from a generator of its own, seeded from ``(train.seed, stage, part)``: a rank
+holding some of the stages (a pipeline's) draws the adapters one process draws there.
+
 On the 2D grid (``parallel.tp``) a targeted :class:`~parallel4d.tensor2d.layers.Linear2D` (found by its dense
 name in its 2D stage) becomes a :class:`LoraLinear2D`: the same dense adapter, drawn as one process draws it,
-held as this grid rank's slices.
+held as this grid rank's slices, its dropout site shifted to the grid column's input features.
 """
 
 from __future__ import annotations
@@ -32,6 +38,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from parallel4d.distributed import comm
+from parallel4d.models.context import ReadsContext
+from parallel4d.models.dropout import WORD, Site, hash_words
 from parallel4d.models.registry import spec
 from parallel4d.tensor2d.composite import Composite2D
 from parallel4d.tensor2d.grid import all_reduce_sum, block_of, gather_columns
@@ -66,22 +74,25 @@ class LoraShape:
 
 class LoraLinear(nn.Module):
     """A frozen linear (the same ``weight`` ``[out, in]`` and ``bias`` ``[out]`` Parameters as the one it
-    replaces, so their names stay) plus a trainable adapter ``lora_A`` ``[r, in]``, ``lora_B`` ``[out, r]``."""
+    replaces, so their names stay) plus a trainable adapter ``lora_A`` ``[r, in]``, ``lora_B`` ``[out, r]``;
+    ``lora_dropout``: the adapter input's dropout site (``lora.dropout``; stage ``stage``, ``part``)."""
 
-    def __init__(self, base: nn.Linear, lora: LoraShape, generator: torch.Generator | None = None):
+    def __init__(self, base: nn.Linear, lora: LoraShape, generator: torch.Generator | None = None,
+                 stage: int = 1, part: int = 1):
         super().__init__()
         self.in_features, self.out_features = base.in_features, base.out_features
         self.weight, self.bias = base.weight, base.bias
-        self.scaling, self.dropout = lora.scaling, lora.dropout
+        self.scaling = lora.scaling
+        self.lora_dropout = Site(lora.dropout, stage, "lora", part=part)
         self.lora_A = nn.Parameter(initial_lora_A(lora.rank, self.in_features, base.weight, generator))
         self.lora_B = nn.Parameter(torch.zeros(self.out_features, lora.rank, dtype=base.weight.dtype,
                                                device=base.weight.device))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``x`` ``[..., in]`` → ``[..., out]``: the base's output plus the scaled adapter's."""
+        """``x`` ``[b, s, in]`` → ``[b, s, out]``: the base's output plus the scaled adapter's (of ``x``
+        with the dropout's mask: the dense elements' masks, whatever slice of the batch ``x`` is)."""
         base = F.linear(x, self.weight, self.bias)
-        a = F.dropout(x, self.dropout, self.training) if self.dropout else x
-        return base + F.linear(F.linear(a, self.lora_A), self.lora_B) * self.scaling
+        return base + F.linear(F.linear(self.lora_dropout(x), self.lora_A), self.lora_B) * self.scaling
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, r={self.lora_A.shape[0]}, scaling={self.scaling}"
@@ -113,18 +124,17 @@ class LoraLinear2D(Linear2D):
 
     The dense views (``dense_state_dict``, ``dense_grads``, ``dense_layout``: checkpoints, export) name the
     adapter as the dense model does (``….lora_A`` ``[r, in]``, ``….lora_B`` ``[out, r]``, whole) beside the
-    base's ``….weight`` / ``….bias``. Dropout on the adapter's input is not drawn here: the config refuses
-    ``model.lora.dropout`` above 0 with ``parallel.tp`` above 1.
+    base's ``….weight`` / ``….bias``. The dropout on the adapter's input is the dense adapter's site
+    (``lora_dropout``, stage ``stage``, ``part``) shifted to input feature ``j·in/q``: the local ``[b/q, s, in/q]``
+    block drops the elements one process drops there (the draw's first row is the grid row's batch block).
     """
 
-    def __init__(self, base: Linear2D, lora: LoraShape, lora_A: torch.Tensor, lora_B: torch.Tensor):
+    def __init__(self, base: Linear2D, lora: LoraShape, lora_A: torch.Tensor, lora_B: torch.Tensor,
+                 stage: int = 1, part: int = 1):
         """``lora_A`` ``[r, in]`` and ``lora_B`` ``[out, r]``: the dense adapter (every rank the same),
         sliced here with no communication."""
         super().__init__(base.in_features, base.out_features, base.mesh, name=base.name, overlap=base.overlap,
                          of=base)
-        if lora.dropout:
-            raise ValueError(f"{base.name}: model.lora.dropout={lora.dropout} is not drawn on the 2D grid yet; "
-                             "set model.lora.dropout=0 or parallel.tp=1")
         if tuple(lora_A.shape) != (lora.rank, self.in_features) or tuple(lora_B.shape) != (self.out_features,
                                                                                            lora.rank):
             raise ValueError(f"{base.name}: adapter shapes {tuple(lora_A.shape)}, {tuple(lora_B.shape)} are not "
@@ -132,8 +142,9 @@ class LoraLinear2D(Linear2D):
                              f"[{self.out_features}, {lora.rank}]")
         g, kw = self.grid, dict(dtype=base.weight.dtype, device=base.weight.device)
         rows = lora_B if self.out_perm is None else lora_B[self.out_perm.to(lora_B.device)]
-        self.lora = lora
+        self.lora, self.stage, self.part = lora, stage, part
         self.scaling = lora.scaling
+        self.lora_dropout = Site(lora.dropout, stage, "lora", offset=g.j * (self.in_features // g.q), part=part)
         self.lora_A = new_param(block_of(lora_A.detach(), g.j, g.q, 1).to(**kw), ("tp_row",))
         self.lora_B = new_param(block_of(rows.detach(), g.j, g.q, 0).to(**kw), ("tp_row",))
 
@@ -141,7 +152,7 @@ class LoraLinear2D(Linear2D):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` ``[b/q, s, in/q]`` → ``[b/q, s, out/q]``: the base's output plus the scaled adapter's."""
         g = self.grid
-        partial = F.linear(x, self.replicated("lora_A"))  # [b/q, s, r]: my input block's share
+        partial = F.linear(self.lora_dropout(x), self.replicated("lora_A"))  # [b/q, s, r]: my input block's share
         u = all_reduce_sum(partial, g.along_j, g.stats, f"{self.name}.lora_A.sum", g.comm)
         return super().forward(x) + F.linear(u, self.replicated("lora_B")) * self.scaling
 
@@ -163,7 +174,7 @@ class LoraLinear2D(Linear2D):
         base = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None,
                          dtype=self.weight.dtype, device=self.weight.device)
         base.load_state_dict({k: sd[k] for k in ("weight", "bias") if k in sd})
-        dense = LoraLinear(base, self.lora, torch.Generator())  # its draw replaced at once
+        dense = LoraLinear(base, self.lora, torch.Generator(), self.stage, self.part)  # its draw replaced at once
         with torch.no_grad():
             dense.lora_A.copy_(sd["lora_A"])
             dense.lora_B.copy_(sd["lora_B"])
@@ -208,28 +219,31 @@ def targeted(hf_map: dict[str, tuple[str, str]], targets) -> dict[str, str]:
 def add_adapters(model: nn.Module, modules: dict[str, str], lora: LoraShape, seed: int = 0) -> list[str]:
     """Replace each dense module named in ``modules`` (present in ``model``: a rank's stages may hold a
     part) by a :class:`LoraLinear` over it — over a 2D stage's :class:`~parallel4d.tensor2d.layers.Linear2D`
-    (found by its dense name), a :class:`LoraLinear2D` holding this grid rank's
-    slices of the same dense adapter —, in sorted dense-name order, every ``lora_A`` drawn from one
-    generator seeded ``seed``; freeze every other parameter (:func:`freeze_base`). Returns the names
-    of the adapted modules."""
-    g = torch.Generator().manual_seed(seed)
+    (found by its dense name, :func:`by_dense_name`), a :class:`LoraLinear2D` holding this grid rank's slices of
+    the same dense adapter —, its ``lora_A`` drawn from its own generator
+    (:func:`adapter_generator`) and its dropout site reading the model's forward context; freeze every
+    other parameter (:func:`freeze_base`). ``modules``: all the model's adapted modules (what numbers
+    each stage's adapters), not only this rank's. Returns the names of the adapted modules."""
     present = by_dense_name(model)
     local = {id(m): n for n, m in model.named_modules()}
+    context = _context_of(model)
     done = []
-    for name in sorted(modules):
+    for name, (stage, part) in adapter_sites(modules).items():
         base = present.get(name)
         if base is None:
             continue
+        g = adapter_generator(seed, stage, part)
         if isinstance(base, Linear2D):  # the dense adapter, drawn as one process draws it, then sliced
-            adapter = LoraLinear2D(base, lora, initial_lora_A(lora.rank, base.in_features, base.weight, g),
-                                   torch.zeros(base.out_features, lora.rank, dtype=base.weight.dtype))
+            adapted = LoraLinear2D(base, lora, initial_lora_A(lora.rank, base.in_features, base.weight, g),
+                                   torch.zeros(base.out_features, lora.rank, dtype=base.weight.dtype), stage, part)
         elif isinstance(base, nn.Linear):
-            adapter = LoraLinear(base, lora, g)
+            adapted = LoraLinear(base, lora, g, stage, part)
         else:
             raise TypeError(f"LoRA target {modules[name]!r} is dense module {name!r}, a {type(base).__name__}, "
                             "not a linear layer")
+        adapted.lora_dropout.context = context
         parent, _, leaf = local[id(base)].rpartition(".")
-        setattr(model.get_submodule(parent) if parent else model, leaf, adapter)
+        setattr(model.get_submodule(parent) if parent else model, leaf, adapted)
         done.append(name)
     freeze_base(model)
     return done
@@ -244,6 +258,32 @@ def by_dense_name(model: nn.Module) -> dict[str, nn.Module]:
         if isinstance(module, Composite2D):
             out.update({f"{name}.{part}" if name else part: layer for part, layer in module.dense_parts().items()})
     return out
+
+
+def adapter_sites(modules) -> dict[str, tuple[int, int]]:
+    """``{dense module name: (stage, part)}``: the stage of ``blocks.i.…`` is ``i + 1`` (stages.stage_names'
+    order), and a stage's adapters are numbered 1, 2, … in sorted dense-name order."""
+    out, count = {}, {}
+    for name in sorted(modules):
+        head, index, *_ = name.split(".") + [""]
+        if head != "blocks" or not index.isdigit():
+            raise ValueError(f"LoRA adapts the blocks' linears only, not dense module {name!r}")
+        stage = int(index) + 1
+        count[stage] = count.get(stage, 0) + 1
+        out[name] = stage, count[stage]
+    return out
+
+
+def adapter_generator(seed: int, stage: int, part: int) -> torch.Generator:
+    """The generator of one adapter's ``lora_A``: seeded from ``(seed, stage, part)`` alone, so any rank
+    holding the adapter draws the same (four words: never a dropout site's key, which has six or seven)."""
+    return torch.Generator().manual_seed(hash_words((seed & WORD, seed >> 32, stage, part)))
+
+
+def _context_of(model: nn.Module):
+    """The forward context the model's modules read (every one of a model reads the same; None: none set)."""
+    return next((m.context for m in model.modules() if isinstance(m, ReadsContext) and m.context is not None),
+                None)
 
 
 def is_adapter(name: str) -> bool:

@@ -1,6 +1,6 @@
 """Low-rank adapter rules (``model.lora``): targets the family has, and the layouts adapters do not run
-in yet (one process or the 2D grid for now: the other parallel axes, hetero, DeepSpeed, compile and MoE layers
-come later).
+in yet (data, sequence and pipeline parallelism, 2D tp, recomputation, packing and compile run; hetero,
+DeepSpeed and MoE layers come later).
 
 Torch-free; ``config/checks.py`` calls :func:`problems` among the cross-field rules with the family's
 peft target names (its spec's ``lora_targets``).
@@ -31,23 +31,18 @@ def target_problems(cfg: Config, valid: tuple[str, ...]) -> list[str]:
 
 
 def layout_problems(cfg: Config) -> list[str]:
-    """What adapters do not run in yet: any parallel axis above 1 but the 2D grid (``parallel.tp``), hetero, a
-    deepspeed: section, ``train.compile``, MoE layers, adapter dropout on the grid, an adapter directory to start
-    from (each a later part of issue 49)."""
+    """What adapters do not run in yet: ep (which needs MoE layers), hetero, a deepspeed: section, MoE layers,
+    an adapter directory to start from (each a later part of issue 49)."""
     p, m = cfg.parallel, cfg.model
-    wider = [f"parallel.{axis}={getattr(p, axis)}" for axis in ("pp", "dp", "sp", "ep") if getattr(p, axis) > 1]
+    wider = [f"parallel.{axis}={getattr(p, axis)}" for axis in ("ep",) if getattr(p, axis) > 1]
     beside = wider + [f for f, on in (("hetero.enabled=true", cfg.hetero.enabled),
                                       ("a deepspeed: section", cfg.deepspeed is not None),
-                                      (f"train.compile={cfg.train.compile}", cfg.train.compile != "none"),
                                       (f"model.num_experts={m.num_experts}", m.num_experts > 0)) if on]
     out = []
     if beside:
-        out.append(f"model.lora (low-rank adapters) runs in one process for now, not with {', '.join(beside)}; "
-                   "set every parallel size to 1, hetero.enabled=false, train.compile=none, no deepspeed: section "
+        out.append(f"model.lora (low-rank adapters) runs with data, sequence, pipeline and 2D tensor "
+                   f"parallelism for now, not with {', '.join(beside)}; set hetero.enabled=false, no deepspeed: section "
                    "and a dense model, or remove model.lora")
-    if p.tp > 1 and m.lora.dropout > 0:  # the 2D adapter (models/lora.py LoraLinear2D) draws no dropout mask yet
-        out.append(f"model.lora.dropout={m.lora.dropout} with parallel.tp={p.tp}: the adapters' dropout is not drawn "
-                   "on the 2D grid yet; set model.lora.dropout=0 or parallel.tp=1")
     if m.lora.adapter is not None:
         out.append(f"model.lora.adapter={m.lora.adapter!r}: starting from a peft adapter directory is not read yet; "
                    "remove model.lora.adapter (the adapters start as peft initialises them)")

@@ -72,14 +72,20 @@ def load_balancing_loss(loads: list[LayerLoad], num_experts: int,
     """``E · Σ_e C_e · P_e / N²`` over ``loads`` (every MoE layer of one forward), ``[]``.
     ``sum_over_ranks``: sums the vector ``[C_1 … C_E, N]`` over the ranks that share the micro-batch
     (None: this process holds all of it); see the module doc for why that alone makes it exact."""
-    counts = torch.stack([load.counts for load in loads]).sum(dim=0)
-    probs = torch.stack([load.prob_sums for load in loads]).sum(dim=0)
-    tokens = _tokens(loads, counts)
+    counts, tokens, probs = _summed(loads)
     totals = torch.cat([counts, tokens.reshape(1)])
     if sum_over_ranks is not None:
         totals = sum_over_ranks(totals)
     counts, tokens = totals[:-1], totals[-1]
     return num_experts * (counts * probs).sum() / (tokens * tokens)
+
+
+def _summed(loads: list[LayerLoad], dtype: torch.dtype | None = None):
+    """``(C, N, P)``: the counts ``[E]``, tokens ``[]`` and probability sums ``[E]`` of ``loads`` summed
+    over the layers (in ``dtype``, None: the loads' own); ``P`` keeps its gradient."""
+    counts = torch.stack([load.counts.to(dtype or load.counts.dtype) for load in loads]).sum(dim=0)
+    probs = torch.stack([load.prob_sums.to(dtype or load.prob_sums.dtype) for load in loads]).sum(dim=0)
+    return counts, _tokens(loads, counts), probs
 
 
 def _tokens(loads: list[LayerLoad], like: torch.Tensor) -> torch.Tensor:
@@ -95,9 +101,8 @@ def carried_totals(routing: dict, num_experts: int, device) -> torch.Tensor:
     loads = [routing[layer] for layer in sorted(routing)]
     if not loads:
         return torch.zeros(2 * num_experts + 1, dtype=torch.float64, device=device)
-    counts = torch.stack([load.counts.to(torch.float64) for load in loads]).sum(dim=0)
-    probs = torch.stack([load.prob_sums.to(torch.float64) for load in loads]).sum(dim=0)
-    return torch.cat([counts, _tokens(loads, counts).reshape(1), probs])
+    counts, tokens, probs = _summed(loads, torch.float64)
+    return torch.cat([counts, tokens.reshape(1), probs])
 
 
 def carried_load(totals: torch.Tensor, num_experts: int) -> LayerLoad:
