@@ -249,7 +249,7 @@ def test_lora_target_the_family_lacks_is_refused(arch, target, words):
 @pytest.mark.parametrize("sections, words", [
     ({"hetero": {"enabled": True}}, ["hetero.enabled=true"]),
     ({"model": {"lora": {"rank": 2, "alpha": 4, "targets": ["q_proj"], "adapter": "somewhere"}}},
-     ["model.lora.adapter='somewhere'", "remove model.lora.adapter"]),
+     ["model.lora.adapter='somewhere'", "cannot read", "point model.lora.adapter at a directory peft's"]),
     ({"model": {"lora": {"rank": 0, "alpha": 4, "targets": ["q_proj"]}}}, ["model.lora.rank", "1 or more"]),
 ])
 def test_lora_in_a_layout_it_does_not_run_in_yet_is_refused_naming_the_field_and_fix(sections, words):

@@ -7,6 +7,7 @@ Layout under the checkpoint directory::
                                (*_model_states.pt, *_optim_states.pt) under a deepspeed: section
         config.yaml            the job's config (extra_files of the caller)
         pretrained/            model.pretrained's config.json, tokenizer and other small files (checkpoint/hf_source.py)
+        lora_base.json         a LoRA job's base, named: its model.* tensors are the adapters only (checkpoint/lora_base.py)
         run.json               run id, step, save time and the caller's info (train.py: loss history)
         checksums.json         size and sha256 of every other file; written last, before the rename
     latest                 the name of the newest checkpoint (replaced atomically)

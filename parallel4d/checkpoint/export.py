@@ -10,6 +10,10 @@ and projection, each read whole (one expert's ``[I, h]``: the most held at once 
 The architecture is the ``model:`` section of the config saved with the checkpoint. A job with
 ``model.pretrained`` gets back that directory's config.json (what training changed, merged), tokenizer and
 generation files, which its checkpoints carry (:mod:`.hf_source`).
+A LoRA job's checkpoint (``model.lora``: the adapters only, its base named in ``lora_base.json``) is written
+merged — the base read from the directory it names (checked by fingerprint; ``--base DIR`` where it moved) a
+block of rows at a time, ``scaling · B·A`` added to each adapted weight (:class:`.adapters.MergedSource`) —
+or, with ``--adapter``, as peft's adapter directory (:func:`.adapters.write_adapter`).
 OUT_DIR follows :mod:`.outputs`' rules: never the checkpoint or inside it, and written as a whole —
 the files go in a temporary directory, moved into OUT_DIR once all are complete.
 """
@@ -17,18 +21,23 @@ the files go in a temporary directory, moved into OUT_DIR once all are complete.
 from __future__ import annotations
 
 import importlib
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 
 from parallel4d.config.errors import ConfigError
 from parallel4d.config.load import make_config
+from parallel4d.checkpoint.adapters import MergedSource, write_adapter
 from parallel4d.checkpoint.gather import resolve_checkpoint, verified
 from parallel4d.checkpoint.resume import saved_config
 from parallel4d.checkpoint.files import default_mode
 from parallel4d.checkpoint.hf_source import carry_source
-from parallel4d.checkpoint.outputs import check_output, new_directory
+from parallel4d.checkpoint.lora_base import BASE_FILE, base_problem, fingerprint, saved_base
+from parallel4d.checkpoint.outputs import check_output, new_directory, user_path
 from parallel4d.checkpoint.rows import CheckpointTensors
+from parallel4d.models.build import build_dense, shape_from_config
+from parallel4d.models.lora import ADAPTER_PARTS, adapted_modules
 
 
 class ModelTensors:
@@ -46,12 +55,20 @@ class ModelTensors:
         return self.tensors.read(self.keys[name], start, stop)
 
 
-def export(ckpt: str | Path, out_dir: str | Path, max_shard_bytes: int = 5 << 30) -> Path:
+def export(ckpt: str | Path, out_dir: str | Path, max_shard_bytes: int = 5 << 30, adapter: bool = False,
+           base: str | Path | None = None) -> Path:
     """Write checkpoint ``ckpt`` (a ``step_*`` directory or a checkpoint root) to ``out_dir``; returns
-    ``out_dir`` (``~`` expanded). ``ConfigError`` for an ``out_dir`` :func:`.outputs.check_output` refuses."""
+    ``out_dir`` (``~`` expanded). ``ConfigError`` for an ``out_dir`` :func:`.outputs.check_output` refuses.
+
+    A LoRA job's checkpoint (``model.lora``): the merged model, or with ``adapter``
+    the adapters alone in peft's format (:func:`_write_lora`); ``base``: the base's directory where it is no longer where the
+    checkpoint names it (checked by fingerprint, :mod:`.lora_base`)."""
     path = resolve_checkpoint(ckpt)
     out_dir = check_output(out_dir, "OUT_DIR", [(path, "the checkpoint it reads")], kind="directory")
     model_cfg = make_config(saved_config(path)).model
+    if adapter and model_cfg.lora is None:
+        raise ConfigError(f"parallel4d export --adapter: {path} is not a LoRA job's checkpoint (its config has no "
+                          "model.lora); export it without --adapter")
     try:
         hf = importlib.import_module("parallel4d.models.hf")  # safetensors: the optional hf extra
     except ImportError as e:
@@ -60,10 +77,68 @@ def export(ckpt: str | Path, out_dir: str | Path, max_shard_bytes: int = 5 << 30
     _refusals(hf, path, model_cfg)
     verified(path)  # after the cheap refusals: it reads every byte of the checkpoint
     with new_directory(out_dir, "OUT_DIR") as tmp:
-        _write_hf(hf, path, model_cfg, tmp, max_shard_bytes)
+        if model_cfg.lora is None:
+            _write_hf(hf, path, model_cfg, tmp, max_shard_bytes)
+        else:
+            _write_lora(hf, path, model_cfg, tmp, max_shard_bytes, adapter, base)
         written = [p.name for p in tmp.iterdir()]
     hf.remove_stale_weights(out_dir, written)  # an earlier export's shards, where it is written over
     return out_dir
+
+
+def checkpoint_adapters(path: Path, model_cfg) -> dict[str, torch.Tensor]:
+    """``{dense adapter name: tensor}`` of a LoRA job's checkpoint ``path`` (small: ``r·(in + out)`` each)."""
+    names = [f"{m}.{part}" for m in adapted_modules(model_cfg) for part in ADAPTER_PARTS]
+    with CheckpointTensors(path) as tensors:
+        missing = [n for n in names if f"model.{n}" not in tensors.shapes]
+        if missing:
+            raise ConfigError(f"parallel4d export: {path} has no adapter tensor {missing[0]!r} ({len(missing)} "
+                              f"missing) although its config has model.lora.targets={model_cfg.lora.targets}")
+        return {n: tensors.read(f"model.{n}") for n in names}
+
+
+@contextmanager
+def lora_base(hf, path: Path, model_cfg, base: str | Path | None):
+    """The frozen base of LoRA checkpoint ``path`` as a dense source: the pretrained directory its
+    ``lora_base.json`` names (or ``base``, a copy of it: the same fingerprint), or the random base of the
+    train.seed it records; ConfigError naming both when it is not the base the adapters were trained on."""
+    record = saved_base(path)
+    if record is None:
+        raise ConfigError(f"{path} holds LoRA adapters but no {BASE_FILE} naming their base; resume the run with "
+                          "this parallel4d for a step to save a checkpoint that names it")
+    if base is None and record.get("pretrained") is None:
+        dense = build_dense(shape_from_config(model_cfg), seed=record["seed"]).state_dict()
+        yield hf.tensor_source(dense)
+        return
+    where = user_path(base) if base is not None else Path(record["pretrained"])
+    if not where.is_dir():
+        raise ConfigError(f"{path} holds LoRA adapters trained on model.pretrained={str(where)!r}, which is not "
+                          "there now; give its directory (a copy of it) with --base DIR")
+    problem = base_problem(record, {"pretrained": str(where), "fingerprint": fingerprint(where)}, path)
+    if problem:
+        raise ConfigError(f"parallel4d: {problem}; give the base they were trained on with --base DIR")
+    try:
+        with hf.PretrainedSource(where, model_cfg) as source:
+            yield source
+    except (ValueError, OSError) as e:
+        raise ConfigError(f"the base {where}: {e}") from None
+
+
+def _write_lora(hf, path: Path, model_cfg, out: Path, max_shard_bytes: int, adapter: bool,
+                base: str | Path | None) -> None:
+    """LoRA checkpoint ``path`` into ``out``: the adapters in peft's format (``adapter``), else the merged
+    model as a Hugging Face directory (with the base's carried files)."""
+    adapters = checkpoint_adapters(path, model_cfg)
+    record = saved_base(path) or {}
+    if adapter:
+        write_adapter(out, adapters, model_cfg, record.get("pretrained"))
+    else:
+        with lora_base(hf, path, model_cfg, base) as source:
+            merged = MergedSource(source, adapters, model_cfg)
+            hf.save_hf(merged, model_cfg, out, max_shard_bytes=max_shard_bytes)
+        dtype = merged.shapes["embed.tok.weight"][1]
+        carry_source(path, out, model_cfg, lambda m: hf.hf_config(m, dtype))
+    default_mode(list(out.iterdir()))  # readable by others (safetensors' writer leaves 0600)
 
 
 def _refusals(hf, path: Path, model_cfg) -> None:
@@ -74,6 +149,8 @@ def _refusals(hf, path: Path, model_cfg) -> None:
         hf.hf_config(model_cfg, torch.float32)
     except ValueError as e:
         raise ConfigError(f"parallel4d export: {path}: {e}") from None
+    if model_cfg.lora is not None:  # the adapters only: checkpoint_adapters checks them, the base its own way
+        return
     with CheckpointTensors(path) as tensors:
         shapes = {k: shape for k, (shape, _) in ModelTensors(tensors, model_cfg.tie_embeddings).shapes.items()}
     problem = hf.fit_problem(shapes, model_cfg)
@@ -92,3 +169,14 @@ def _write_hf(hf, path: Path, model_cfg, out: Path, max_shard_bytes: int) -> Non
     dtype = source.shapes["embed.tok.weight"][1]
     carry_source(path, out, model_cfg, lambda m: hf.hf_config(m, dtype))
     default_mode(list(out.iterdir()))  # readable by others (safetensors' writer leaves 0600)
+
+
+def merged_state_dict(path: Path, model_cfg, base: str | Path | None = None) -> dict[str, torch.Tensor]:
+    """LoRA checkpoint ``path``'s merged model as one dense state dict (whole tensors in memory: for
+    ``parallel4d generate``, which runs the model in one process anyway)."""
+    hf = importlib.import_module("parallel4d.models.hf")
+    adapters = checkpoint_adapters(path, model_cfg)
+    with lora_base(hf, path, model_cfg, base) as source:
+        merged = MergedSource(source, adapters, model_cfg)
+        return {name: merged.read(name, 0, shape[0] if len(shape) else 1)
+                for name, (shape, _) in merged.shapes.items()}

@@ -5,6 +5,7 @@ import it at module top; reading the files' headers imports the extra (and torch
 from __future__ import annotations
 
 import importlib
+import os
 from typing import Any, Callable
 
 from parallel4d.config.errors import ConfigError
@@ -28,3 +29,18 @@ def check_pretrained(model_cfg) -> None:
     """Every weight file of ``model.pretrained`` there and of the model's shape, from the files'
     headers alone (no tensor read); ConfigError naming the directory otherwise."""
     pretrained_checkpoint(model_cfg, lambda hf: hf.check_checkpoint(model_cfg.pretrained, model_cfg))
+
+
+def check_adapter(model_cfg) -> None:
+    """``model.lora.adapter``'s weights hold exactly the model's adapters, each of its shape, from the file's
+    header alone (:func:`parallel4d.models.hf.check_adapter`); ConfigError naming the field and tensor."""
+    where = model_cfg.lora.adapter
+    try:
+        hf = importlib.import_module("parallel4d.models.hf")  # safetensors: the optional hf extra
+    except ImportError as e:
+        raise ConfigError(f"model.lora.adapter needs the hf extra ({e.name} is missing): "
+                          "pip install 'parallel4d[hf]' (make installs it)") from None
+    try:
+        hf.check_adapter(os.path.expanduser(where), model_cfg)
+    except (ValueError, OSError) as e:
+        raise ConfigError(f"model.lora.adapter={where!r}: {e}") from None

@@ -12,6 +12,7 @@ import yaml
 
 from parallel4d.checkpoint.checksums import CHECKSUMS, verify
 from parallel4d.checkpoint.failures import CheckpointError, UnusableCheckpoint, on_writer
+from parallel4d.checkpoint.lora_base import check_base
 from parallel4d.checkpoint.steps import (WHY_BROKEN, broken_dirs, latest_name, recover, step_dirs,
                                          step_of)
 from parallel4d.config.errors import ConfigError
@@ -135,8 +136,9 @@ def check_start(root: str | Path, resume: bool) -> None:
 
 
 def saved_config(ckpt: str | Path) -> dict:
-    """The job config saved with checkpoint ``ckpt`` (``config.yaml``), without ``model.pretrained``
-    (its fields are all in the saved model section); :class:`UnusableCheckpoint` when it has none, or
+    """The job config saved with checkpoint ``ckpt`` (``config.yaml``), without ``model.pretrained`` nor
+    ``model.lora.adapter`` (their fields are all in the saved model section; a LoRA job's base is in its
+    ``lora_base.json``); :class:`UnusableCheckpoint` when it has none, or
     one that is not a config's mapping."""
     saved = Path(ckpt) / "config.yaml"
     if not saved.is_file():
@@ -151,6 +153,9 @@ def saved_config(ckpt: str | Path) -> dict:
         raise UnusableCheckpoint(f"{saved} holds no job config (a mapping of sections), so the model's architecture "
                                  "is unknown; use another checkpoint, or write the job's config.yaml there")
     data.get("model", {}).pop("pretrained", None)
+    lora = data.get("model", {}).get("lora")
+    if isinstance(lora, dict):  # its fields are in the saved section; its weights are in the checkpoint
+        lora.pop("adapter", None)
     return data
 
 
@@ -168,6 +173,18 @@ def check_resume_model(root: str | Path, model: ModelConfig) -> None:
         raise ConfigError(f"train.resume=true but checkpoint {found} holds another model: {'; '.join(changes)}; "
                           "resume with the model.* settings it was saved with, or start afresh in another "
                           "train.out_dir")
+
+
+def check_resume_base(root: str | Path, cfg: Config) -> None:
+    """Refuse resuming a LoRA job's newest checkpoint under ``root`` on another base than the one its adapters
+    were trained on (:mod:`.lora_base`), before any worker starts; ``ConfigError`` naming both."""
+    found = latest_checkpoint(root)
+    if found is None or cfg.model.lora is None:
+        return
+    try:
+        check_base(found, cfg.model, cfg.train.seed)
+    except UnusableCheckpoint as e:
+        raise ConfigError(f"train.resume=true but {e}") from None
 
 
 # What a resume may change without a word: where files go, how often the run logs or evaluates, its
@@ -189,6 +206,8 @@ def resume_changes(saved: dict, cfg: Config) -> list[dict]:
     saved config lacks (written before they existed), and ``train.steps`` unless the learning rate decays
     over it (``optimizer.decay_steps`` unset). The model's shape is refused before (:func:`check_resume_model`)."""
     was, now = _leaves(saved), _leaves(cfg.model_dump(mode="json"))
+    if isinstance(now.get("model.lora"), dict):  # saved_config drops the adapter it started from: no change
+        now["model.lora"] = {k: v for k, v in now["model.lora"].items() if k != "adapter"}
     o = cfg.optimizer
     silent = _UNREPORTED + (() if o.schedule != "constant" and o.decay_steps is None else ("train.steps",))
     out = []

@@ -16,6 +16,7 @@ from parallel4d.config.reader import _parse_yaml, apply_overrides
 from parallel4d.config.schema import Config, expand_home
 
 from parallel4d.config.hf_fields import mismatches, model_fields_from_hf
+from parallel4d.config.peft_adapter import disagreements, lora_fields, read_adapter_config
 
 
 def make_config(data: dict | Config | None = None, overrides: list[str] | None = None) -> Config:
@@ -23,7 +24,7 @@ def make_config(data: dict | Config | None = None, overrides: list[str] | None =
     if isinstance(data, Config):
         data = data.model_dump(mode="json")
     # a deep copy: overrides and model.pretrained's fields set nested keys, never in the caller's dict
-    data = _pretrained_fields(apply_overrides(copy.deepcopy(data or {}), overrides))
+    data = _adapter_fields(_pretrained_fields(apply_overrides(copy.deepcopy(data or {}), overrides)))
     try:
         return Config.model_validate(data)
     except ValidationError as err:
@@ -54,6 +55,25 @@ def _pretrained_fields(data: dict) -> dict:
         raise ConfigError("invalid configuration:\n" + "\n".join(f"  - {d}; remove the field or change it"
                                                                   for d in disagree))
     return {**data, "model": {**fields, **model}}
+
+
+def _adapter_fields(data: dict) -> dict:
+    """``model.lora`` completed from ``model.lora.adapter``'s ``adapter_config.json`` (peft's), as
+    ``PeftModel.from_pretrained`` takes the adapter's shape; a shape field the job also gives must agree
+    (ConfigError naming both), a dropout the job gives is kept."""
+    model = data.get("model")
+    lora = model.get("lora") if isinstance(model, dict) else None
+    where = lora.get("adapter") if isinstance(lora, dict) else None
+    if not isinstance(where, str) or not where:
+        return data  # absent, or refused by the field's own validation
+    try:
+        fields = lora_fields(read_adapter_config(expand_home(where)), where)
+    except ValueError as e:
+        raise ConfigError(f"model.lora.adapter={where!r}: {e}") from None
+    disagree = disagreements(fields, lora, where)
+    if disagree:
+        raise ConfigError("invalid configuration:\n" + "\n".join(f"  - {d}" for d in disagree))
+    return {**data, "model": {**model, "lora": {**fields, **lora}}}
 
 
 MAX_CONFIG_BYTES = 1 << 20  # a job file is a few hundred bytes; refuse reading a huge one into memory

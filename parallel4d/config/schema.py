@@ -241,7 +241,9 @@ class LoraConfig(_Section):
                                "c_attn c_proj c_fc)")
     rslora: bool = Field(False, description="rank-stabilised LoRA: scaling alpha / √rank (peft's use_rslora)")
     adapter: Optional[PathStr] = Field(None, description="a peft adapter directory to start from "
-                                       "(adapter_config.json + adapter_model.safetensors); not read yet")
+                                       "(adapter_config.json + adapter_model.safetensors, as peft's save_pretrained "
+                                       "writes it): its r, lora_alpha, target_modules, use_rslora fill rank, alpha, "
+                                       "targets, rslora (given ones must agree) and its weights start the adapters")
 
 
 class ModelConfig(_Section):

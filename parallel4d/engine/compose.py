@@ -28,6 +28,7 @@ import torch
 import torch.nn as nn
 import torch.utils.checkpoint
 
+from parallel4d.checkpoint.adapters import adapter_pieces, load_adapter
 from parallel4d.config.errors import ConfigError
 from parallel4d.config.schema import Config
 from parallel4d.distributed import comm
@@ -422,7 +423,8 @@ def local_model(cfg: Config, stages: dict[int, nn.Module]) -> LocalModel:
     """This rank's ``stages`` (stage index → module) under their dense names, with ``.dense``
     (:func:`~.state.dense_layouts`) and, when ``model.pretrained`` is set, the parameters filled from that
     checkpoint (only this rank's slices read; ``.pretrained_bytes_read``, else None); with ``model.lora``
-    the adapters added (:func:`~parallel4d.models.lora.add_adapters`, seeded ``train.seed``), the rest frozen:
+    the adapters added (:func:`~parallel4d.models.lora.add_adapters`, seeded ``train.seed``, or read from
+    ``model.lora.adapter``: :func:`~parallel4d.checkpoint.adapters.load_adapter`), the rest frozen:
     the store and the optimizer hold only what requires a gradient."""
     names = stage_names(model_shape(cfg))
     model = LocalModel({names[i]: stages[i] for i in sorted(stages)})
@@ -431,5 +433,7 @@ def local_model(cfg: Config, stages: dict[int, nn.Module]) -> LocalModel:
     if cfg.model.lora is not None:  # on the loaded base: the base frozen, the adapters beside it
         add_adapters(model, adapted_modules(cfg.model), LoraShape.of(cfg.model.lora), seed=cfg.train.seed)
         model.dense = dense_layouts(model.stages(), tied=cfg.model.tie_embeddings)
+        if cfg.model.lora.adapter:  # peft's adapter to start from: this rank's slices of it
+            load_adapter(adapter_pieces(model, model.dense), cfg.model)
     return model
 

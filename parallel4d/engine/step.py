@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from parallel4d.checkpoint import dcp as checkpoint
+from parallel4d.checkpoint.lora_base import check_base
 from parallel4d.config.rules.data import eod_token
 from parallel4d.config.schema import Config
 from parallel4d.distributed import comm
@@ -19,10 +20,11 @@ from parallel4d.distributed.mesh import Mesh
 from parallel4d.engine.batch import local_batch, local_rows, microbatch_rows, packed_step
 from parallel4d.engine.memory import SavedActivations, tensor_bytes
 from parallel4d.engine.model import TORCH_DTYPES, model_shape, parameter_count
-from parallel4d.engine.state import checkpoint_keys, dense_state_dict, local_state
+from parallel4d.engine.state import checkpoint_keys, dense_state_dict, local_state, saved_layouts
 from parallel4d.engine.store import ParameterStore
 from parallel4d.engine.trainer import Trainer
 from parallel4d.models.context import Draw, ForwardContext, Packed, State
+from parallel4d.models.lora import adapted_modules
 from parallel4d.models.moe.balance import StepLoad
 from parallel4d.optim.loss_scale import LossScale
 from parallel4d.optim.optimizer import lr_at
@@ -325,17 +327,24 @@ class Engine(Trainer):
     checkpoint_format = "parallel4d"  # run.json's "format": DCP files under the dense model's names
 
     def checkpoint_state(self) -> dict:
-        """What ``checkpoint.save`` writes: :meth:`state_dict`."""
-        return self.state_dict()
+        """What ``checkpoint.save`` writes: :meth:`state_dict`, with ``model.lora`` the adapters' part only
+        (the frozen base is named in ``lora_base.json``, not copied: ``checkpoint/lora_base.py``)."""
+        saved = saved_layouts(self.dense, self.cfg.model.lora is not None)
+        return dense_state_dict(self.step, self.tokens_seen, self.store.local_state(saved), saved)
 
     def load_checkpoint(self, path) -> None:
         """Restore from checkpoint ``path`` (its files already verified), whatever layout saved it."""
-        state = self.state_dict()
-        checkpoint.load(state, path, verify_files=False, known=checkpoint_keys(model_shape(self.cfg)))
+        if self.cfg.model.lora is not None:  # the adapters only: on the base they were trained on
+            check_base(path, self.cfg.model, self.cfg.train.seed)
+        state = self.checkpoint_state()
+        checkpoint.load(state, path, verify_files=False,
+                        known=checkpoint_keys(model_shape(self.cfg), adapted_modules(self.cfg.model)))
         self.load_state_dict(state)
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore from a :meth:`state_dict` template that ``checkpoint.load`` filled."""
-        self.store.load_local_state(local_state(state, self.dense))
+        """Restore from a :meth:`state_dict` (or :meth:`checkpoint_state`) template that ``checkpoint.load``
+        filled; parameters it lacks (a LoRA job's frozen base) are left as they are."""
+        held = {n: v for n, v in self.dense.items() if f"model.{v[0]}" in state}  # a LoRA checkpoint: adapters
+        self.store.load_local_state(local_state(state, held))
         self.step = int(state["step"])
         self.tokens_seen = int(state["tokens_seen"])

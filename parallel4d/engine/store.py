@@ -209,9 +209,11 @@ class PlainStore(ParameterStore):
         return None
 
     def local_state(self, names) -> LocalState:
-        """The live tensors; zeros for the optimizer state of a parameter before its first step."""
+        """The live tensors of ``names``; zeros for the optimizer state of a parameter before its first step."""
         params, optim = {}, {}
         for name, p in self.model.named_parameters(remove_duplicate=False):
+            if name not in names:  # a LoRA job's frozen base: not in its checkpoints
+                continue
             params[name] = p.data
             if p.requires_grad:
                 optim[name] = self.optimizer.state.get(p) or {
@@ -221,6 +223,8 @@ class PlainStore(ParameterStore):
     def load_local_state(self, local: LocalState) -> None:
         params, optim = local
         for name, p in self.model.named_parameters():
+            if name not in params:  # a LoRA job's frozen base: as model.pretrained / train.seed made it
+                continue
             with torch.no_grad():
                 p.copy_(params[name])
             if p.requires_grad and float(optim[name]["step"]) > 0:

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from parallel4d.checkpoint.failures import CheckpointError
-from parallel4d.checkpoint.resume import check_resume_model, check_start, holds_checkpoints, latest_checkpoint
+from parallel4d.checkpoint.resume import check_resume_base, check_resume_model, check_start, holds_checkpoints, latest_checkpoint
 from parallel4d.checkpoint.steps import save_in_progress
 from parallel4d.distributed import elastic
 from parallel4d.distributed.deadlines import group_timeout_s
@@ -83,6 +83,7 @@ def _check_other_runs(cfg: Config) -> None:
     check_history(cfg.train.out_dir, cfg.train.resume, continues)
     if cfg.checkpoint.enabled and cfg.train.resume:
         check_resume_model(cfg.checkpoint_dir, cfg.model)
+        check_resume_base(cfg.checkpoint_dir, cfg)
 
 
 def _remove_unused(created: list[Path]) -> None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from parallel4d.checkpoint.pretrained import check_pretrained
+from parallel4d.checkpoint.pretrained import check_adapter, check_pretrained
 from parallel4d.config.errors import ConfigError
 from parallel4d.config.memory import memory_problems
 from parallel4d.config.rules.data import byte_text_problems
@@ -27,7 +27,7 @@ def check_job(cfg: Config, local: bool, device_type: str = "cpu", source: str | 
     """Every check of a valid config that needs the machine but no lock and no worker: the local
     limits (``local``: this process spawns the workers), a dynamic hetero budget where ``auto`` finds
     only the CPU, a ``deepspeed:`` section against DeepSpeed
-    for ``device_type``, ``model.pretrained``'s weight files, byte text under its tokenizer, the token
+    for ``device_type``, ``model.pretrained``'s weight files, ``model.lora.adapter``'s tensors, byte text under its tokenizer, the token
     files' contents. A ``ConfigError`` names ``source`` (the job file) first, as the config's own errors do."""
     try:
         problems = local_job_problems(cfg) if local else []
@@ -39,6 +39,8 @@ def check_job(cfg: Config, local: bool, device_type: str = "cpu", source: str | 
             deepspeed_integration().resolve(cfg, device_type)
         if cfg.model.pretrained:  # every weight file there and of the model's shape, from the headers
             check_pretrained(cfg.model)
+        if cfg.model.lora is not None and cfg.model.lora.adapter:  # peft's adapter: its tensors' shapes
+            check_adapter(cfg.model)
         _refuse(byte_text_problems(cfg))  # byte ids under a model whose tokenizer reads them as other tokens
         verify_token_files(cfg)  # the token files' bytes against their sidecars (hashed once, then stamped)
     except ConfigError as e:

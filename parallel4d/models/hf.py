@@ -34,7 +34,9 @@ import torch
 from safetensors import safe_open
 
 from parallel4d.config.hf_fields import mismatches, model_fields_from_hf
+from parallel4d.config.peft_adapter import ADAPTER_WEIGHTS
 from parallel4d.models.build import build_stage, shape_from_config
+from parallel4d.models.lora import ADAPTER_PARTS, adapted_modules, peft_names
 from parallel4d.models.moe.spec import alternatives
 from parallel4d.models.registry import spec
 from parallel4d.models.stages import stage_names
@@ -206,6 +208,72 @@ def _checked_names(ckpt: HFCheckpoint, model_cfg) -> dict[str, tuple[str, str]]:
     return out
 
 
+class PretrainedSource:
+    """A Hugging Face directory's tensors as a :class:`DenseSource` (dense names, a block of rows read at a
+    time): what a LoRA export merges its adapters into. Checked as :func:`load_hf_state_dict` checks it;
+    use as a context manager."""
+
+    def __init__(self, directory, model_cfg):
+        directory = Path(directory)
+        _check_config(directory, model_cfg)
+        self.ckpt = HFCheckpoint(directory)
+        self.names, dense = _checked_names(self.ckpt, model_cfg), dense_shapes(model_cfg)
+        if model_cfg.tie_embeddings:  # the dense head is the token table
+            self.names["head.weight"] = self.names["embed.tok.weight"]
+        dtypes = {p4d: self.ckpt.read_tensor(_stored(hf, how, dense[p4d])[0][0], (slice(0, 1),)).dtype
+                  for p4d, (hf, how) in self.names.items()}
+        self.shapes = {p4d: (dense[p4d], dtypes[p4d]) for p4d in self.names}
+
+    def read(self, name: str, start: int, stop: int) -> torch.Tensor:
+        shape = self.shapes[name][0]
+        hf, how = self.names[name]
+        if not shape:
+            return self.ckpt.read_tensor(hf)
+        box = (slice(start, stop), *(slice(0, n) for n in shape[1:]))
+        return _read(self.ckpt, hf, how, box, shape)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.ckpt.close()
+
+
+def adapter_shapes(model_cfg) -> dict[str, tuple[int, ...]]:
+    """peft's adapter tensor name → shape for ``model.lora`` on ``model_cfg``: ``lora_A`` ``[r, in]``,
+    ``lora_B`` ``[out, r]`` of each adapted linear (its dense weight ``[out, in]``)."""
+    shapes, r, modules = dense_shapes(model_cfg), model_cfg.lora.rank, adapted_modules(model_cfg)
+    names = peft_names(modules)
+    out = {}
+    for m in modules:
+        rows, cols = shapes[f"{m}.weight"]
+        out.update({names[f"{m}.{part}"]: shape for part, shape in zip(ADAPTER_PARTS, ((r, cols), (rows, r)))})
+    return out
+
+
+def check_adapter(directory, model_cfg) -> None:
+    """peft's ``adapter_model.safetensors`` in ``directory`` holds exactly ``model.lora``'s adapters, each of
+    its shape (from the header alone); ``ValueError`` naming the file and tensor, ``OSError`` for no file."""
+    path = Path(directory) / ADAPTER_WEIGHTS
+    if not path.is_file():
+        raise OSError(f"{path} is not there; save the adapter with peft's save_pretrained (safetensors)")
+    want = adapter_shapes(model_cfg)
+    with safe_open(str(path), framework="pt") as f:
+        stored = {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}
+    extra, missing = sorted(set(stored) - set(want)), [n for n in want if n not in stored]
+    wrong = [n for n in want if n in stored and stored[n] != want[n]]
+    if extra:
+        raise ValueError(f"{path} holds {extra[0]!r} ({len(extra)} such tensors), which no adapter of "
+                         f"model.lora.targets={model_cfg.lora.targets} on this model is; the adapter was made for "
+                         "another model")
+    if missing:
+        raise ValueError(f"{path} has no tensor {missing[0]!r} ({len(missing)} missing); the adapter was made for "
+                         "another model")
+    if wrong:
+        raise ValueError(f"{path}: tensor {wrong[0]!r} is {list(stored[wrong[0]])}, this model's is "
+                         f"{list(want[wrong[0]])}; the adapter was made for another model")
+
+
 def check_checkpoint(directory, model_cfg) -> None:
     """What :func:`load_pieces` would refuse, from the files' headers alone (no tensor read)."""
     directory = Path(directory)
@@ -296,6 +364,11 @@ class _Tensors:
     def read(self, name: str, start: int, stop: int) -> torch.Tensor:
         t = self.tensors[name].detach()
         return (t if t.dim() == 0 else t[start:stop]).cpu()
+
+
+def tensor_source(tensors: dict[str, torch.Tensor]) -> DenseSource:
+    """A dict of dense tensors as a :class:`DenseSource`."""
+    return _Tensors(tensors)
 
 
 def remove_stale_weights(out: Path, files: list[str]) -> None:

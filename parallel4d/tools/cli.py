@@ -264,8 +264,10 @@ def _cmd_export(args) -> int:
     from parallel4d.checkpoint.steps import describe_checkpoint
 
     ckpt = resolve_checkpoint(args.checkpoint)  # once: the step said is the step exported
-    out = export(ckpt, args.out_dir, max_shard_bytes=int(args.max_shard_gb * 2**30))
-    print(f"exported {describe_checkpoint(ckpt)} to {out}")
+    out = export(ckpt, args.out_dir, max_shard_bytes=int(args.max_shard_gb * 2**30), adapter=args.adapter,
+                 base=args.base)
+    what = "the LoRA adapter of " if args.adapter else ""
+    print(f"exported {what}{describe_checkpoint(ckpt)} to {out}")
     return 0
 
 
@@ -326,7 +328,8 @@ def _cmd_generate(args) -> int:
     source = model_source(args.source)  # once: the checkpoint said is the one sampled (stderr: stdout is the text)
     print(f"parallel4d: generating from {describe_source(source)}", file=sys.stderr)
     try:
-        text = generate(source, args.prompt, args.max_new_tokens, args.temperature, args.top_k, args.seed)
+        text = generate(source, args.prompt, args.max_new_tokens, args.temperature, args.top_k, args.seed,
+                        base=args.base)
     except ValueError as e:
         print(f"parallel4d: {e}", file=sys.stderr)
         return 2
@@ -449,10 +452,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("checkpoint", help="a checkpoint directory (step_*), or a checkpoint root: its newest")
     p.add_argument("out", help="output file, e.g. model.pt")
     p.set_defaults(func=_cmd_gather)
-    p = sub.add_parser("export", help="write a checkpoint (any layout) as a Hugging Face model directory")
+    p = sub.add_parser("export", help="write a checkpoint (any layout) as a Hugging Face model directory (a LoRA "
+                                      "job's: the merged model, or with --adapter peft's adapter directory)")
     p.add_argument("checkpoint", help="a checkpoint directory (step_*), or a checkpoint root: its newest")
     p.add_argument("out_dir", help="output directory: config.json and *.safetensors")
     p.add_argument("--max-shard-gb", type=float, default=5.0, help="safetensors shard size (default 5)")
+    p.add_argument("--adapter", action="store_true", help="a LoRA job: the adapter alone in peft's format "
+                   "(adapter_config.json + adapter_model.safetensors, for PeftModel.from_pretrained) instead of "
+                   "the merged model")
+    p.add_argument("--base", default=None, metavar="DIR", help="a LoRA job: its base model's directory, where it is "
+                   "no longer where the checkpoint names it (checked by fingerprint)")
     p.set_defaults(func=_cmd_export)
     p = sub.add_parser("tokenize", help="text files (or chat .jsonl) → a token file for data.source=tokens (Hugging "
                                         "Face tokenizers)")
@@ -477,6 +486,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=0.8, help="0: greedy")
     p.add_argument("--top-k", type=int, default=50, help="sample among the k likeliest tokens (0: all)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--base", default=None, metavar="DIR", help="a LoRA job's checkpoint: its base model's directory, "
+                   "where it is no longer where the checkpoint names it (checked by fingerprint)")
     p.set_defaults(func=_cmd_generate)
     p = sub.add_parser("check", help="the job's layout and features on a shrunk model, a few float64 steps on "
                                      "CPU against one process: exit 0 when losses and every parameter are equal")

@@ -8,8 +8,12 @@ a time, keeping every layer's keys and values: ``[b, kv_heads, t, d]`` per layer
 one token's work, not the context's.
 
 Text: bytes for a byte-level model (``vocab_size`` 256, the corpus and synthetic data), else the
-tokenizer a token file's sidecar names (``data.source: tokens``) or the directory's
-``tokenizer.json``.
+tokenizer a token file's sidecar names (``data.source: tokens``), the directory's ``tokenizer.json``
+or the one a checkpoint carries from its ``model.pretrained`` (``pretrained/tokenizer.json``).
+
+A LoRA job's checkpoint (``model.lora``: the adapters only, the base named) runs as its merged model: the
+base it names (checked by fingerprint) with ``scaling · B·A`` added to each adapted weight, the model
+``parallel4d export`` writes.
 """
 
 from __future__ import annotations
@@ -22,6 +26,8 @@ import torch
 
 from parallel4d.config.errors import ConfigError
 from parallel4d.config.load import make_config
+from parallel4d.checkpoint.export import merged_state_dict
+from parallel4d.checkpoint.hf_source import SOURCE_DIR
 from parallel4d.checkpoint.resume import saved_config
 from parallel4d.checkpoint.gather import gather, resolve_checkpoint, with_tied_head
 from parallel4d.checkpoint.outputs import user_path
@@ -50,9 +56,11 @@ def describe_source(path: Path) -> str:
     return f"the Hugging Face model in {path}" if (path / "config.json").is_file() else describe_checkpoint(path)
 
 
-def load_model(source: str | Path) -> tuple[torch.nn.Module, dict]:
+def load_model(source: str | Path, base: str | Path | None = None) -> tuple[torch.nn.Module, dict]:
     """``(dense model in float32, eval mode; the job config dict)`` from a Hugging Face directory,
-    a run directory (its newest checkpoint), a checkpoint root or one ``step_*`` directory."""
+    a run directory (its newest checkpoint), a checkpoint root or one ``step_*`` directory; a LoRA job's
+    checkpoint runs its base with the adapters merged (``checkpoint.export.merged_state_dict``: the base it
+    names, checked by fingerprint; ``base``: its directory where it has moved), as ``parallel4d export`` writes it."""
     source = model_source(source)
     if (source / "config.json").is_file():
         positions = hf_max_positions(json.loads((source / "config.json").read_text()))
@@ -61,8 +69,11 @@ def load_model(source: str | Path) -> tuple[torch.nn.Module, dict]:
         from parallel4d.models.hf import load_hf_state_dict  # safetensors: the hf extra
 
         state = load_hf_state_dict(source, cfg.model)
+    elif (data := saved_config(source)).get("model", {}).get("lora"):  # base + adapters, merged
+        cfg = make_config(data)
+        state = merged_state_dict(source, cfg.model, base)
+        cfg = make_config({**data, "model": {**data["model"], "lora": None}})  # the merged model is a plain one
     else:
-        data = saved_config(source)
         cfg = make_config(data)
         with tempfile.TemporaryDirectory() as tmp:
             dense = gather(source, Path(tmp) / "model.pt", progress=False)
@@ -133,6 +144,8 @@ def text_codec(source: str | Path, cfg: dict):
         tokenizer = read_sidecar(data["path"]).get("tokenizer")
     elif (source / "tokenizer.json").is_file():
         tokenizer = str(source / "tokenizer.json")
+    elif (source / SOURCE_DIR / "tokenizer.json").is_file():  # a checkpoint carrying model.pretrained's tokenizer
+        tokenizer = str(source / SOURCE_DIR / "tokenizer.json")
     if tokenizer is None:
         if cfg["model"]["vocab_size"] > 256:
             raise ConfigError(f"{source}: a vocabulary of {cfg['model']['vocab_size']} is not bytes and no tokenizer "
@@ -149,12 +162,13 @@ def text_codec(source: str | Path, cfg: dict):
 
 
 def generate(source: str | Path, prompt: str, max_new_tokens: int = 200, temperature: float = 0.8,
-             top_k: int | None = 50, seed: int = 0) -> str:
-    """The prompt and its continuation as text (see the module docstring)."""
+             top_k: int | None = 50, seed: int = 0, base: str | Path | None = None) -> str:
+    """The prompt and its continuation as text (see the module docstring; ``base``: a LoRA checkpoint's base
+    where it has moved)."""
     if max_new_tokens < 0:
         raise ValueError(f"--max-new-tokens must be ≥ 0, got {max_new_tokens}")
     source = model_source(source)
-    model, cfg = load_model(source)
+    model, cfg = load_model(source, base)
     encode, decode = text_codec(source, cfg)
     ids = encode(prompt)
     if not ids:

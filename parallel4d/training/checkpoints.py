@@ -18,6 +18,7 @@ import torch.distributed as dist
 from parallel4d.checkpoint import dcp as checkpoint
 from parallel4d.checkpoint.failures import UnusableCheckpoint
 from parallel4d.checkpoint.hf_source import checkpoint_files, source_files
+from parallel4d.checkpoint.lora_base import base_file
 from parallel4d.checkpoint.resume import choose_checkpoint
 from parallel4d.checkpoint.steps import read_info
 from parallel4d.config.schema import Config
@@ -36,9 +37,11 @@ def _lead() -> bool:
 def job_files(cfg: Config, with_pretrained: bool = True) -> dict[str, str | bytes]:
     """What each checkpoint of ``cfg``'s job carries besides the state: ``config.yaml`` and, with
     ``model.pretrained`` and ``with_pretrained`` (the process that writes them, when it saves at all),
-    the directory's small files (``hf_source.source_files``: one too large to carry is left out with
+    a LoRA job's base record (``checkpoint/lora_base.py``) and the directory's small files (``hf_source.source_files``: one too large to carry is left out with
     a warning)."""
     files: dict[str, str | bytes] = {"config.yaml": cfg.to_yaml()}
+    if with_pretrained:  # a LoRA job's base, named: its checkpoints hold the adapters only
+        files.update(base_file(cfg.model, cfg.train.seed))
     if with_pretrained and cfg.model.pretrained:  # its tokenizer etc., for the export
         found, skipped = source_files(cfg.model.pretrained)
         if skipped:

@@ -31,8 +31,8 @@ def target_problems(cfg: Config, valid: tuple[str, ...]) -> list[str]:
 
 
 def layout_problems(cfg: Config) -> list[str]:
-    """What adapters do not run in yet: ep (which needs MoE layers), hetero, a deepspeed: section, MoE layers,
-    an adapter directory to start from (each a later part of issue 49)."""
+    """What adapters do not run in yet: ep (which needs MoE layers), hetero, a deepspeed: section, MoE layers
+    (each a later part of issue 49)."""
     p, m = cfg.parallel, cfg.model
     wider = [f"parallel.{axis}={getattr(p, axis)}" for axis in ("ep",) if getattr(p, axis) > 1]
     beside = wider + [f for f, on in (("hetero.enabled=true", cfg.hetero.enabled),
@@ -43,9 +43,6 @@ def layout_problems(cfg: Config) -> list[str]:
         out.append(f"model.lora (low-rank adapters) runs with data, sequence, pipeline and 2D tensor "
                    f"parallelism for now, not with {', '.join(beside)}; set hetero.enabled=false, no deepspeed: section "
                    "and a dense model, or remove model.lora")
-    if m.lora.adapter is not None:
-        out.append(f"model.lora.adapter={m.lora.adapter!r}: starting from a peft adapter directory is not read yet; "
-                   "remove model.lora.adapter (the adapters start as peft initialises them)")
     return out
 
 
