@@ -18,8 +18,9 @@ rank holds its share of each micro-batch), so the plain one-process reference ho
 
 The same workers train LoRA (``model.lora``, #49) on the dense llama: dp × ring sp with recomputation, 2
 micro-batches and adapter dropout, Ulysses, Hanayo, zb_h1 (split backward: the W pass finds weight gradients for
-the adapters only) and packed documents, each equal to one process with the same adapters, the base unchanged
-and only the adapters trained, reduced and given optimizer state (:data:`LORA_LAYOUTS`).
+the adapters only), packed documents and the 2D grid tp=4 (also GPT-2's fused c_attn there), each equal to one
+process with the same adapters, the base unchanged and only the adapters trained, reduced and given optimizer
+state (:data:`LORA_LAYOUTS`).
 """
 
 from __future__ import annotations
@@ -127,6 +128,16 @@ LORA_LAYOUTS = {
         _lora_job({"pp": 2, "sp": 2}, 0.1, pipeline={"schedule": "zb_h1", "microbatches": 2}),
     LORA_PACKED: _lora_job({"dp": 2, "sp": 2},  # 4 rows: the reference runs each document alone (no dropout)
                            data={**BASE["data"], "batch_size": 4, "packing": "documents", "eod_token": EOD}),
+    # the 2D grid (models/lora.py LoraLinear2D): x·A_jᵀ all-reduced over the grid row, again in the recomputation;
+    # each rank's dropout mask the grid column's input features of its batch block
+    "LoRA tp=4 (q=2), 2 micro-batches, blocks recomputed, adapter dropout":
+        _lora_job({"tp": 4}, 0.1, pipeline={"microbatches": 2}, train={"activation_checkpointing": "blocks"}),
+    # GPT-2's fused c_attn on the grid: one adapter over q, k and v, its lora_B rows permuted as the weight's
+    "LoRA gpt2 tp=4 (q=2), c_attn, c_proj, c_fc, rsLoRA, adapter dropout":
+        _job({"tp": 4}, model={**{k: LORA_MODEL[k] for k in ("vocab_size", "seq_len", "hidden", "heads", "layers")},
+                               "arch": "gpt2", "lora": {"rank": 2, "alpha": 6, "rslora": True, "dropout": 0.1,
+                                                        "targets": ["c_attn", "c_proj", "c_fc"]}},
+             optimizer={**BASE["optimizer"], "lr": 0.05}),  # its third loss below its first (the test's check)
 }  # compiled blocks: tests/test_lora.py, in one process (compiling in 4 workers on 2 cores took 35 s)
 
 
@@ -675,7 +686,8 @@ def test_a_pipelines_evaluation_carries_the_statistics_too(single_rank):
 def lora_one_process(name: str):
     """One process training the dense llama with job ``name``'s adapters (added as the engine adds them: seeded
     ``train.seed``), on the whole batch with each step's adapter-dropout masks drawn over it (a micro-batch's
-    rows are drawn as the whole batch's, so m micro-batches change nothing); packed: each document alone."""
+    rows are drawn as the whole batch's, so m micro-batches change nothing); packed: each document alone. (GPT-2's
+    job: the dense GPT-2 the same way.)"""
     from parallel4d.config.load import make_config
 
     job = LORA_LAYOUTS[name]
@@ -688,8 +700,8 @@ def lora_one_process(name: str):
 
 
 @pytest.mark.parametrize("name", list(LORA_LAYOUTS))
-def test_lora_adapters_train_in_every_data_sequence_and_pipeline_layout_as_one_process(trained, name):
-    """``model.lora`` (all seven linears, rank 4) in float64: every rank's losses (1e-10) and every parameter's
+def test_lora_adapters_train_in_every_data_sequence_pipeline_and_grid_layout_as_one_process(trained, name):
+    """``model.lora`` (llama: all seven linears, rank 4; gpt2: its three, rsLoRA) in float64: every rank's losses (1e-10) and every parameter's
     pieces after 3 AdamW steps with clipping (1e-9) are one process's, the adapters moved and the base as built;
     every rank trains, reduces and keeps optimizer state for its adapters only, and no frozen parameter holds a
     gradient."""

@@ -247,7 +247,6 @@ def test_lora_target_the_family_lacks_is_refused(arch, target, words):
 
 
 @pytest.mark.parametrize("sections, words", [
-    ({"parallel": {"tp": 4}}, ["parallel.tp=4"]),
     ({"hetero": {"enabled": True}}, ["hetero.enabled=true"]),
     ({"model": {"lora": {"rank": 2, "alpha": 4, "targets": ["q_proj"], "adapter": "somewhere"}}},
      ["model.lora.adapter='somewhere'", "cannot read", "point model.lora.adapter at a directory peft's"]),
@@ -258,7 +257,7 @@ def test_lora_in_a_layout_it_does_not_run_in_yet_is_refused_naming_the_field_and
         make_config(_lora_job(sections))
     assert all(w in str(e.value) for w in words), str(e.value)
     if "parallel" in sections or "hetero" in sections:
-        assert "runs with data, sequence and pipeline parallelism" in str(e.value), str(e.value)
+        assert "runs with data, sequence, expert, pipeline and 2D tensor parallelism" in str(e.value), str(e.value)
         assert "or remove model.lora" in str(e.value), str(e.value)
 
 
@@ -268,8 +267,9 @@ def test_lora_in_a_layout_it_does_not_run_in_yet_is_refused_naming_the_field_and
     {"parallel": {"pp": 2}, "pipeline": {"schedule": "zb_h1", "microbatches": 2}},
     {"parallel": {"pp": 2}, "pipeline": {"schedule": "hanayo", "waves": 1, "microbatches": 2}},
     {"train": {"compile": "blocks"}},
+    {"parallel": {"tp": 4}, "model": {"lora": {"rank": 2, "alpha": 4, "targets": ["q_proj"], "dropout": 0.1}}},
 ])
-def test_lora_is_accepted_with_data_sequence_and_pipeline_parallelism_and_compile(sections):
+def test_lora_is_accepted_with_data_sequence_pipeline_and_2d_parallelism_and_compile(sections):
     make_config(_lora_job(sections))
 
 

@@ -14,7 +14,8 @@ from conftest import run_workers
 from parallel4d.distributed.mesh import init_mesh
 from parallel4d.distributed.startup import visible_gpus
 from parallel4d.models.gpt2.model import Block, GPTShape, build_gpt
-from parallel4d.models.gpt2.tp2d import Block2D, TokenPositionEmbedding2D, from_dense_stage
+from parallel4d.models.gpt2.tp2d import Block2D, TokenPositionEmbedding2D, from_dense_stage, qkv_permutation
+from parallel4d.models.lora import LoraLinear, LoraLinear2D, LoraShape
 from parallel4d.tensor2d import (Embedding2D, Head2D, LayerNorm2D, Linear2D, LMHead2D, VocabParallelCrossEntropy2D,
                                  VocabParallelEmbedding2D, gather_2d, scatter_2d, split_batch)
 
@@ -41,15 +42,19 @@ def _check_grads(layer2d, dense, what, skip=()):
         _close(grads[name], p.grad, f"{what} grad {name}")
 
 
-def _run_activation_layer(mesh, dense, layer2d, X, what):
-    """Forward + backward of a [b, s, h] → [b, s, n] layer; compares output, dX, dparams."""
-    G = torch.randn(dense(X).shape, dtype=F64, generator=torch.Generator().manual_seed(5))
+def _run_activation_layer(mesh, dense, layer2d, X, what, out_perm=None):
+    """Forward + backward of a [b, s, h] → [b, s, n] layer; compares output, dX, dparams. ``out_perm``: the
+    2D layer's output is the dense one's features in this order (a Linear2D's ``out_perm``)."""
+    def ref(x):
+        return dense(x) if out_perm is None else dense(x)[..., out_perm]
+
+    G = torch.randn(ref(X).shape, dtype=F64, generator=torch.Generator().manual_seed(5))
     Xd = X.clone().requires_grad_(True)
-    (dense(Xd) * G).sum().backward()
+    (ref(Xd) * G).sum().backward()
     x = scatter_2d(X, mesh).requires_grad_(True)
     y = layer2d(x)
-    _close(y, scatter_2d(dense(X).detach(), mesh), f"{what} output")
-    _close(gather_2d(y, mesh), dense(X).detach(), f"{what} gathered output")
+    _close(y, scatter_2d(ref(X).detach(), mesh), f"{what} output")
+    _close(gather_2d(y, mesh), ref(X).detach(), f"{what} gathered output")
     (y * scatter_2d(G, mesh)).sum().backward()
     _close(x.grad, scatter_2d(Xd.grad, mesh), f"{what} dX")
     _check_grads(layer2d, dense, what)
@@ -314,6 +319,39 @@ def check_padded_vocab(mesh, vocab: int, steps: int = 3, ties=(True, False)):
             assert not layer.weight[_padded_rows(layer)].any(), f"{name}: padded rows changed"
 
 
+def check_lora(mesh):
+    """LoraLinear2D (models/lora.py) against the dense LoraLinear, on a plain linear and on GPT-2's fused
+    qkv (its output features permuted over the grid columns, one adapter over q, k and v), ``lora_B`` random:
+    the output, dX and every gradient (the base's and the adapter's), the dense state dict under the dense
+    names, the layout's boxes of the dense tensors, and ``to_dense``."""
+    q = mesh.q
+    gen = torch.Generator().manual_seed(17)
+    b, s, h = 2 * q, 3, 2 * q
+    X = torch.randn(b, s, h, dtype=F64, generator=gen)
+    lora = LoraShape(rank=3, alpha=5.0)
+    for n, perm in ((3 * q, None), (3 * h, qkv_permutation(h, q))):
+        what = f"LoraLinear2D(out={n}, permuted={perm is not None})"
+        dense = LoraLinear(nn.Linear(h, n, dtype=F64), lora, gen)
+        _randomise(dense, gen)
+        adapted = LoraLinear2D(Linear2D.from_dense(dense, mesh, name="lin", out_perm=perm), lora,
+                               dense.lora_A, dense.lora_B)
+        assert adapted.lora_A.shape == (3, h // q) and adapted.lora_B.shape == (n // q, 3)
+        _run_activation_layer(mesh, dense, adapted, X, what, out_perm=perm)
+        want = dense.state_dict()
+        got = adapted.dense_state_dict()
+        assert sorted(got) == sorted(want) == ["bias", "lora_A", "lora_B", "weight"], sorted(got)
+        for name, (shape, pieces) in adapted.dense_layout().items():
+            assert shape == tuple(want[name].shape), (what, name)
+            _close(got[name], want[name], f"{what} dense {name}")
+            for off, view in pieces(getattr(adapted, name).detach()):
+                _close(view, want[name][tuple(slice(o, o + k) for o, k in zip(off, view.shape))],
+                       f"{what} layout box of {name} at {off}")
+        back = adapted.to_dense()
+        assert isinstance(back, LoraLinear) and back.scaling == dense.scaling
+        for name, t in back.state_dict().items():
+            _close(t, want[name], f"{what}.to_dense {name}")
+
+
 def check_errors(mesh):
     """User mistakes raise ValueError on every rank before any collective (no hang after)."""
     with pytest.raises(ValueError, match=r"lin.in_features=5 is not divisible by q=2; use lin.in_features=4 or 6"):
@@ -331,6 +369,7 @@ def _q2_job():
     mesh = init_mesh(tp=4)
     check_errors(mesh)
     check_layers(mesh)
+    check_lora(mesh)
     check_block(mesh)
     check_gpt(mesh, tie=True)
     check_gpt(mesh, tie=False)

@@ -33,6 +33,10 @@ those to peft's (``<hf module>.lora_A.weight``, as ``get_peft_model_state_dict``
 
 Each ``lora_A`` is drawn from a generator of its own, seeded from ``(train.seed, stage, part)``: a rank
 holding some of the stages (a pipeline's) draws the adapters one process draws there.
+
+On the 2D grid (``parallel.tp``) a targeted :class:`~parallel4d.tensor2d.layers.Linear2D` (found by its dense
+name in its 2D stage) becomes a :class:`LoraLinear2D`: the same dense adapter, drawn as one process draws it,
+held as this grid rank's slices, its dropout site shifted to the grid column's input features.
 """
 
 from __future__ import annotations
@@ -44,10 +48,15 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from parallel4d.distributed import comm
 from parallel4d.models.context import ReadsContext
 from parallel4d.models.dropout import WORD, Site, hash_words
 from parallel4d.models.moe.layer import Experts
 from parallel4d.models.registry import spec
+from parallel4d.tensor2d.composite import Composite2D
+from parallel4d.tensor2d.grid import all_reduce_sum, block_of, gather_columns
+from parallel4d.tensor2d.layer_base import DenseLayout, box_at, new_param
+from parallel4d.tensor2d.layers import Linear2D
 
 ADAPTER_PARTS = ("lora_A", "lora_B")
 EXPERT_PARTS = 1 << 16  # the routed experts' adapters' part numbers start here: above any stage's linears
@@ -88,11 +97,9 @@ class LoraLinear(nn.Module):
         self.weight, self.bias = base.weight, base.bias
         self.scaling = lora.scaling
         self.lora_dropout = Site(lora.dropout, stage, "lora", part=part)
-        kw = dict(dtype=base.weight.dtype, device=base.weight.device)
-        self.lora_A = nn.Parameter(torch.empty(lora.rank, self.in_features, **kw))
-        self.lora_B = nn.Parameter(torch.zeros(self.out_features, lora.rank, **kw))
-        # nn.Linear's default weight init, peft's init_lora_weights=True: uniform in ±1/√in
-        nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5), generator=generator)
+        self.lora_A = nn.Parameter(initial_lora_A(lora.rank, self.in_features, base.weight, generator))
+        self.lora_B = nn.Parameter(torch.zeros(self.out_features, lora.rank, dtype=base.weight.dtype,
+                                               device=base.weight.device))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` ``[b, s, in]`` → ``[b, s, out]``: the base's output plus the scaled adapter's (of ``x``
@@ -113,8 +120,7 @@ class ExpertsLora(nn.Module):
         super().__init__()
         self.scaling = lora.scaling
         kw = dict(dtype=like.dtype, device=like.device)
-        flat = torch.empty(experts * lora.rank, in_features, **kw)  # peft's lora_A weight: fan-in ``in``
-        nn.init.kaiming_uniform_(flat, a=math.sqrt(5), generator=generator)
+        flat = initial_lora_A(experts * lora.rank, in_features, like, generator)  # peft's [E·r, in]: fan-in ``in``
         self.lora_A = nn.Parameter(flat.view(experts, lora.rank, in_features))
         self.lora_B = nn.Parameter(torch.zeros(experts, out_features, lora.rank, **kw))
 
@@ -169,6 +175,102 @@ def add_expert_adapters(model: nn.Module, lora: LoraShape, seed: int) -> list[st
     return done
 
 
+class LoraLinear2D(Linear2D):
+    """The 2D twin of :class:`LoraLinear` (``parallel.tp = q²``): a converted linear (the same ``weight`` /
+    ``bias`` Parameters, so their names stay) plus this grid rank's slices of the adapter, ``lora_A``
+    ``[r, in/q]`` and ``lora_B`` ``[out/q, r]``.
+
+    On grid rank (i, j) the input ``x`` is ``[b/q, s, in/q]`` (batch block i, input features block j) and the
+    base's output ``[b/q, s, out/q]`` (batch block i, output features block j). The adapter is split so that
+    no activation wider than ``r`` crosses ranks:
+
+    * ``lora_A`` ``[r, in]``: input-feature block j, ``[r, in/q]``, held by every rank of grid column j
+      (replicated over the rows, as a bias is); ``u = x · A_jᵀ`` is a partial sum, all-reduced over my grid
+      row (``along_j``: the other input blocks of the same tokens) into ``[b/q, s, r]``;
+    * ``lora_B`` ``[out, r]``: output-feature block j, ``[out/q, r]``, replicated over the rows the same way
+      (with the base's ``out_perm`` applied first: GPT-2's fused ``c_attn`` keeps one adapter over q, k, v, its
+      rows reordered as the base's are); ``u · B_jᵀ · scaling`` is exactly block (i, j) of the dense adapter's
+      output, added to the base's.
+
+    Backward: the all-reduce's backward sums ``du`` over the grid row (each column's ``B_j`` contributes to it),
+    so ``dx = du · A_j`` is the dense gradient's block; each rank's ``lora_A`` / ``lora_B`` gradient covers
+    its batch block only and is summed over the grid column (:func:`~parallel4d.tensor2d.grid.replicated_over_rows`),
+    so the optimizer sees on every replica the dense gradient of its slice. The extra traffic per adapted
+    layer: one all-reduce of ``[b/q, s, r]`` over the row forward, one backward, and the two adapter
+    gradients' sums over the column.
+
+    The dense views (``dense_state_dict``, ``dense_grads``, ``dense_layout``: checkpoints, export) name the
+    adapter as the dense model does (``….lora_A`` ``[r, in]``, ``….lora_B`` ``[out, r]``, whole) beside the
+    base's ``….weight`` / ``….bias``. The dropout on the adapter's input is the dense adapter's site
+    (``lora_dropout``, stage ``stage``, ``part``) shifted to input feature ``j·in/q``: the local ``[b/q, s, in/q]``
+    block drops the elements one process drops there (the draw's first row is the grid row's batch block).
+    """
+
+    def __init__(self, base: Linear2D, lora: LoraShape, lora_A: torch.Tensor, lora_B: torch.Tensor,
+                 stage: int = 1, part: int = 1):
+        """``lora_A`` ``[r, in]`` and ``lora_B`` ``[out, r]``: the dense adapter (every rank the same),
+        sliced here with no communication."""
+        super().__init__(base.in_features, base.out_features, base.mesh, name=base.name, overlap=base.overlap,
+                         of=base)
+        if tuple(lora_A.shape) != (lora.rank, self.in_features) or tuple(lora_B.shape) != (self.out_features,
+                                                                                           lora.rank):
+            raise ValueError(f"{base.name}: adapter shapes {tuple(lora_A.shape)}, {tuple(lora_B.shape)} are not "
+                             f"[r, in] = [{lora.rank}, {self.in_features}] and [out, r] = "
+                             f"[{self.out_features}, {lora.rank}]")
+        g, kw = self.grid, dict(dtype=base.weight.dtype, device=base.weight.device)
+        rows = lora_B if self.out_perm is None else lora_B[self.out_perm.to(lora_B.device)]
+        self.lora, self.stage, self.part = lora, stage, part
+        self.scaling = lora.scaling
+        self.lora_dropout = Site(lora.dropout, stage, "lora", offset=g.j * (self.in_features // g.q), part=part)
+        self.lora_A = new_param(block_of(lora_A.detach(), g.j, g.q, 1).to(**kw), ("tp_row",))
+        self.lora_B = new_param(block_of(rows.detach(), g.j, g.q, 0).to(**kw), ("tp_row",))
+
+    @comm.eager  # the base's SUMMA, then the adapter's collectives: labels stay out of traced code
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` ``[b/q, s, in/q]`` → ``[b/q, s, out/q]``: the base's output plus the scaled adapter's."""
+        g = self.grid
+        partial = F.linear(self.lora_dropout(x), self.replicated("lora_A"))  # [b/q, s, r]: my input block's share
+        u = all_reduce_sum(partial, g.along_j, g.stats, f"{self.name}.lora_A.sum", g.comm)
+        return super().forward(x) + F.linear(u, self.replicated("lora_B")) * self.scaling
+
+    def _by_output(self, get) -> dict[str, torch.Tensor]:
+        return {**super()._by_output(get), "lora_B": gather_columns(get(self.lora_B), self.grid, dim=0)}
+
+    def _dense(self, get):
+        return {**super()._dense(get), "lora_A": gather_columns(get(self.lora_A), self.grid, dim=1).contiguous()}
+
+    def dense_layout(self) -> dict[str, DenseLayout]:
+        g, runs = self.grid, self.output_runs()
+        return {**super().dense_layout(),
+                "lora_A": ((self.lora.rank, self.in_features), box_at(0, g.j * (self.in_features // g.q))),
+                "lora_B": ((self.out_features, self.lora.rank), lambda t: [((d, 0), t[k:k + n]) for d, k, n in runs])}
+
+    def to_dense(self) -> nn.Module:
+        """The dense :class:`LoraLinear` (collective: every grid rank calls it)."""
+        sd = self.dense_state_dict()
+        base = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None,
+                         dtype=self.weight.dtype, device=self.weight.device)
+        base.load_state_dict({k: sd[k] for k in ("weight", "bias") if k in sd})
+        dense = LoraLinear(base, self.lora, torch.Generator(), self.stage, self.part)  # its draw replaced at once
+        with torch.no_grad():
+            dense.lora_A.copy_(sd["lora_A"])
+            dense.lora_B.copy_(sd["lora_B"])
+        return dense
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, r={self.lora.rank}, scaling={self.scaling}"
+
+
+def initial_lora_A(rank: int, in_features: int, like: torch.Tensor,
+                   generator: torch.Generator | None = None) -> torch.Tensor:
+    """A fresh ``lora_A`` ``[rank, in_features]`` in ``like``'s dtype and on its device: nn.Linear's default
+    weight init, peft's ``init_lora_weights=True`` (``kaiming_uniform(a=√5)``: uniform in ±1/√in), drawn on
+    the host from ``generator`` (a CPU generator: the same values on any device, in any layout)."""
+    a = torch.empty(rank, in_features, dtype=like.dtype)
+    nn.init.kaiming_uniform_(a, a=math.sqrt(5), generator=generator)
+    return a.to(like.device)
+
+
 def adapted_modules(model_cfg) -> dict[str, str]:
     """``{dense module name: Hugging Face module name}`` of every linear ``model_cfg.lora.targets``
     names (none without ``model.lora``), from the family's name map."""
@@ -193,29 +295,48 @@ def targeted(hf_map: dict[str, tuple[str, str]], targets) -> dict[str, str]:
 
 def add_adapters(model: nn.Module, modules: dict[str, str], lora: LoraShape, seed: int = 0) -> list[str]:
     """Replace each dense module named in ``modules`` (present in ``model``: a rank's stages may hold a
-    part) by a :class:`LoraLinear` over it, its ``lora_A`` drawn from its own generator
-    (:func:`adapter_generator`) and its dropout site reading the model's forward context; then the routed
-    experts' adapters (:func:`add_expert_adapters`); freeze every other parameter (:func:`freeze_base`).
-    ``modules``: all the model's adapted modules (what numbers each stage's adapters), not only this
-    rank's. Returns the names of the adapted modules."""
-    present = dict(model.named_modules())
+    part) by a :class:`LoraLinear` over it — over a 2D stage's :class:`~parallel4d.tensor2d.layers.Linear2D`
+    (found by its dense name, :func:`by_dense_name`), a :class:`LoraLinear2D` holding this grid rank's slices of
+    the same dense adapter —, its ``lora_A`` drawn from its own generator
+    (:func:`adapter_generator`) and its dropout site reading the model's forward context; then the
+    routed experts' adapters (:func:`add_expert_adapters`); freeze every other parameter
+    (:func:`freeze_base`). ``modules``: all the model's adapted modules (what numbers each stage's
+    adapters), not only this rank's. Returns the names of the adapted modules."""
+    present = by_dense_name(model)
+    local = {id(m): n for n, m in model.named_modules()}
     context = _context_of(model)
     done = []
     for name, (stage, part) in adapter_sites(modules).items():
         base = present.get(name)
         if base is None:
             continue
-        if not isinstance(base, nn.Linear):
+        g = adapter_generator(seed, stage, part)
+        if isinstance(base, Linear2D):  # the dense adapter, drawn as one process draws it, then sliced
+            adapted = LoraLinear2D(base, lora, initial_lora_A(lora.rank, base.in_features, base.weight, g),
+                                   torch.zeros(base.out_features, lora.rank, dtype=base.weight.dtype), stage, part)
+        elif isinstance(base, nn.Linear):
+            adapted = LoraLinear(base, lora, g, stage, part)
+        else:
             raise TypeError(f"LoRA target {modules[name]!r} is dense module {name!r}, a {type(base).__name__}, "
                             "not a linear layer")
-        adapted = LoraLinear(base, lora, adapter_generator(seed, stage, part), stage, part)
         adapted.lora_dropout.context = context
-        parent, _, leaf = name.rpartition(".")
+        parent, _, leaf = local[id(base)].rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, leaf, adapted)
         done.append(name)
     done += add_expert_adapters(model, lora, seed)
     freeze_base(model)
     return done
+
+
+def by_dense_name(model: nn.Module) -> dict[str, nn.Module]:
+    """``{dense module name: module}`` of ``model``'s modules: their own names, and a 2D stage's parts
+    (:meth:`~parallel4d.tensor2d.composite.Composite2D.dense_parts`) under the dense module's names, the
+    stage's name in ``model`` being the dense stage's (``blocks.0`` of :class:`~parallel4d.engine.model.LocalModel`)."""
+    out = dict(model.named_modules())
+    for name, module in list(out.items()):
+        if isinstance(module, Composite2D):
+            out.update({f"{name}.{part}" if name else part: layer for part, layer in module.dense_parts().items()})
+    return out
 
 
 def adapter_sites(modules) -> dict[str, tuple[int, int]]:

@@ -59,6 +59,11 @@ class Composite2D(nn.Module):
     def _layout_parts(self):
         return self._parts()
 
+    def dense_parts(self) -> dict[str, nn.Module]:
+        """``{dense module name: 2D part}`` relative to this stage (``self_attn.q_proj`` → its
+        :class:`~.layers.Linear2D`): where a dense module's twin is, for whoever adds to a converted stage."""
+        return {prefix.rstrip("."): layer for prefix, layer in self._layout_parts() if prefix}
+
     def to_dense(self, dense_module: nn.Module) -> nn.Module:
         """Load the gathered parameters into ``dense_module`` (same structure as the source)."""
         missing, unexpected = dense_module.load_state_dict(self.dense_state_dict(), strict=False)

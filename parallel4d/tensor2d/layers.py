@@ -53,17 +53,22 @@ class Linear2D(Layer2D):
     (forward 1 SUMMA, backward 2: dX = abt(dY, W), dW = atb(X, dY))."""
 
     def __init__(self, in_features: int, out_features: int, mesh, bias: bool = True, *, name: str = "linear",
-                 overlap: bool = True, dtype=None, device=None):
+                 overlap: bool = True, dtype=None, device=None, of: "Linear2D | None" = None):
+        """``of``: a layer of the same shape whose Parameters (weight, bias) and output order this one
+        holds instead of new ones (a subclass adding to a converted layer keeps its weights and names)."""
         super().__init__(mesh, name)
         q = self.grid.q
         check_divisible(f"{name}.in_features", in_features, q)
         check_divisible(f"{name}.out_features", out_features, q)
         self.in_features, self.out_features, self.overlap = in_features, out_features, overlap
+        self.register_buffer("out_perm", None if of is None else of.out_perm, persistent=False)
+        self.out_order: list[int] | None = None if of is None else of.out_order
+        if of is not None:
+            self.weight, self.bias = of.weight, of.bias
+            return
         device = device or mesh.device
         self.weight = new_param(torch.empty(in_features // q, out_features // q, dtype=dtype, device=device))
         self.bias = new_param(torch.zeros(out_features // q, dtype=dtype, device=device), ("tp_row",)) if bias else None
-        self.register_buffer("out_perm", None, persistent=False)
-        self.out_order: list[int] | None = None
         nn.init.normal_(self.weight, 0.0, 0.02)
 
     @classmethod
@@ -102,24 +107,36 @@ class Linear2D(Layer2D):
             y = y + replicated_over_rows(self.bias, self.grid, f"{self.name}.bias.grad").to(y.dtype)
         return y
 
-    def _dense(self, get):
-        w = gather_blocks(get(self.weight), self.grid).t()
-        out = {"weight": w}
+    def _by_output(self, get) -> dict[str, torch.Tensor]:
+        """The gathered tensors whose first dimension is the output features, in the layer's order
+        (``out_perm``'s, when it has one)."""
+        out = {"weight": gather_blocks(get(self.weight), self.grid).t()}
         if self.bias is not None:
             out["bias"] = gather_columns(get(self.bias), self.grid)
+        return out
+
+    def _dense(self, get):
+        out = self._by_output(get)
         perm = self.out_perm
         if perm is not None:
             inv = torch.argsort(perm)
             out = {k: v[inv] for k, v in out.items()}
         return {k: v.contiguous() for k, v in out.items()}
 
+    def output_runs(self) -> list[tuple[int, int, int]]:
+        """``(dense start, local start, length)`` of this grid column's output features (one run, or
+        with ``out_perm`` one per part: qkv's rows are three runs, from q, k and v)."""
+        g = self.grid
+        n_out = self.out_features // g.q
+        mine = list(range(g.j * n_out, (g.j + 1) * n_out))  # my output features, in local order
+        if self.out_perm is not None:
+            mine = self.out_order[g.j * n_out:(g.j + 1) * n_out]
+        return index_runs(mine)
+
     def dense_layout(self) -> dict[str, DenseLayout]:
         g = self.grid
-        n_out, n_in = self.out_features // g.q, self.in_features // g.q
-        mine = list(range(g.j * n_out, (g.j + 1) * n_out))  # my output features, in local order
-        if self.out_perm is not None:  # qkv: my rows are three runs, from q, k and v
-            mine = self.out_order[g.j * n_out:(g.j + 1) * n_out]
-        runs = index_runs(mine)
+        n_in = self.in_features // g.q
+        runs = self.output_runs()
         out = {"weight": ((self.out_features, self.in_features),  # local [in/q, out/q] holds Wᵀ's block
                           lambda t: [((d, g.i * n_in), t.t()[k:k + n]) for d, k, n in runs])}
         if self.bias is not None:

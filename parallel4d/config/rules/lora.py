@@ -1,5 +1,5 @@
 """Low-rank adapter rules (``model.lora``): targets the family has, and the layouts adapters do not run
-in yet (data, sequence, expert and pipeline parallelism, recomputation, packing and compile run; 2D tp,
+in yet (data, sequence, expert and pipeline parallelism, 2D tp, recomputation, packing and compile run;
 hetero and DeepSpeed come later), and what an MoE model's routed experts' adapters need
 (:func:`expert_problems`).
 
@@ -61,15 +61,14 @@ def expert_problems(cfg: Config) -> list[str]:
 
 
 def layout_problems(cfg: Config) -> list[str]:
-    """What adapters do not run in yet: 2D tensor parallelism, hetero, a deepspeed: section (each a later
-    part of issue 49); MoE layers' experts: :func:`expert_problems`."""
-    p = cfg.parallel
-    beside = [f for f, on in ((f"parallel.tp={p.tp}", p.tp > 1), ("hetero.enabled=true", cfg.hetero.enabled),
+    """What adapters do not run in yet: hetero, a deepspeed: section (each a later part of issue 49); MoE
+    layers' experts: :func:`expert_problems`."""
+    beside = [f for f, on in (("hetero.enabled=true", cfg.hetero.enabled),
                               ("a deepspeed: section", cfg.deepspeed is not None)) if on]
     out = []
     if beside:
-        out.append(f"model.lora (low-rank adapters) runs with data, sequence, expert and pipeline parallelism for "
-                   f"now, not with {', '.join(beside)}; set parallel.tp=1, hetero.enabled=false and no deepspeed: "
+        out.append(f"model.lora (low-rank adapters) runs with data, sequence, expert, pipeline and 2D tensor "
+                   f"parallelism for now, not with {', '.join(beside)}; set hetero.enabled=false and no deepspeed: "
                    "section, or remove model.lora")
     return out
 
