@@ -34,8 +34,7 @@ def layout_problems(cfg: Config) -> list[str]:
     ``train.compile``, MoE layers, an adapter directory to start from (each a later part of issue 49)."""
     p, m = cfg.parallel, cfg.model
     wider = [f"parallel.{axis}={getattr(p, axis)}" for axis in ("pp", "dp", "sp", "tp", "ep") if getattr(p, axis) > 1]
-    beside = wider + [f for f, on in (("hetero.enabled=true", cfg.hetero.enabled),
-                                      ("a deepspeed: section", cfg.deepspeed is not None),
+    beside = wider + [f for f, on in (("a deepspeed: section", cfg.deepspeed is not None),
                                       (f"train.compile={cfg.train.compile}", cfg.train.compile != "none"),
                                       (f"model.num_experts={m.num_experts}", m.num_experts > 0)) if on]
     out = []
