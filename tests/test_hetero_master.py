@@ -31,8 +31,13 @@ def train(model, step, steps=STEPS, rank=0, dp=1):
 
 
 def reference(dtype, steps=STEPS, master_dtype=torch.float32, opt_cfg=OPT):
-    """``(losses, master state dict)`` of torch alone: a ``dtype`` compute copy, ``master_dtype`` masters."""
+    """``(losses, master state dict)`` of torch alone: a ``dtype`` compute copy, ``master_dtype`` masters; a
+    frozen parameter has no master (hetero holds it in the chunks' dtype only): its value is the compute copy's."""
     master, model = build().to(master_dtype), build().to(dtype)  # same seed (the blocks' checkpointing is bound)
+    with torch.no_grad():
+        for p, w in zip(model.parameters(), master.parameters()):
+            if not p.requires_grad:
+                w.copy_(p)
     pairs = [(p, w) for p, w in zip(model.parameters(), master.parameters()) if p.requires_grad]
     opt = torch.optim.AdamW([w for _, w in pairs], lr=opt_cfg["lr"], betas=opt_cfg["betas"], eps=opt_cfg["eps"],
                             weight_decay=opt_cfg["weight_decay"], foreach=False)

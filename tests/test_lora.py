@@ -205,7 +205,7 @@ def test_lora_target_the_family_lacks_is_refused(arch, target, words):
 @pytest.mark.parametrize("sections, words", [
     ({"parallel": {"dp": 2}}, ["parallel.dp=2"]),
     ({"parallel": {"tp": 4}}, ["parallel.tp=4"]),
-    ({"hetero": {"enabled": True}}, ["hetero.enabled=true"]),
+    ({"hetero": {"enabled": True}, "parallel": {"dp": 2, "pp": 2}}, ["parallel.pp=2"]),
     ({"train": {"compile": "blocks"}}, ["train.compile=blocks"]),
     ({"model": {"lora": {"rank": 2, "alpha": 4, "targets": ["q_proj"], "adapter": "somewhere"}}},
      ["model.lora.adapter='somewhere'", "remove model.lora.adapter"]),

@@ -1,5 +1,6 @@
 """Low-rank adapter rules (``model.lora``): targets the family has, and the layouts adapters do not run
-in yet (one process only for now: every parallel axis, hetero, DeepSpeed, compile and MoE layers come later).
+in yet (one process, or hetero with ZeRO over parallel.dp, for now: the other parallel axes, DeepSpeed, compile and
+MoE layers come later).
 
 Torch-free; ``config/checks.py`` calls :func:`problems` among the cross-field rules with the family's
 peft target names (its spec's ``lora_targets``).
@@ -30,18 +31,20 @@ def target_problems(cfg: Config, valid: tuple[str, ...]) -> list[str]:
 
 
 def layout_problems(cfg: Config) -> list[str]:
-    """What adapters do not run in yet: any parallel axis above 1, hetero, a deepspeed: section,
+    """What adapters do not run in yet: any parallel axis above 1 (but parallel.dp under hetero), a deepspeed: section,
     ``train.compile``, MoE layers, an adapter directory to start from (each a later part of issue 49)."""
     p, m = cfg.parallel, cfg.model
-    wider = [f"parallel.{axis}={getattr(p, axis)}" for axis in ("pp", "dp", "sp", "tp", "ep") if getattr(p, axis) > 1]
+    # under hetero the data replicas are ZeRO's (its chunks reduce the adapters' gradients; the base has none)
+    wider = [f"parallel.{axis}={getattr(p, axis)}" for axis in ("pp", "dp", "sp", "tp", "ep")
+             if getattr(p, axis) > 1 and not (axis == "dp" and cfg.hetero.enabled)]
     beside = wider + [f for f, on in (("a deepspeed: section", cfg.deepspeed is not None),
                                       (f"train.compile={cfg.train.compile}", cfg.train.compile != "none"),
                                       (f"model.num_experts={m.num_experts}", m.num_experts > 0)) if on]
     out = []
     if beside:
         out.append(f"model.lora (low-rank adapters) runs in one process for now, not with {', '.join(beside)}; "
-                   "set every parallel size to 1, hetero.enabled=false, train.compile=none, no deepspeed: section "
-                   "and a dense model, or remove model.lora")
+                   "set every parallel size to 1 (parallel.dp may stay with hetero.enabled=true), train.compile=none, "
+                   "no deepspeed: section and a dense model, or remove model.lora")
     if m.lora.adapter is not None:
         out.append(f"model.lora.adapter={m.lora.adapter!r}: starting from a peft adapter directory is not read yet; "
                    "remove model.lora.adapter (the adapters start as peft initialises them)")
