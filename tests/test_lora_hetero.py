@@ -21,6 +21,7 @@ from test_llama import BASE, _job, check_pieces, dense_run, train_layouts
 LORA = {"rank": 4, "alpha": 8, "targets": ["q_proj", "v_proj", "down_proj"]}
 #: 2048-element chunks (16 KiB in float64); the model's chunks hold ~500 KB, the budget about a fifth of it
 HETERO = {"enabled": True, "chunk_elems": 2048, "device_budget_bytes": 100_000}
+LORA_ZERO = "LoRA, hetero ZeRO over dp=2 (a budget below the model)"  # in test_hetero_master.py's 2-worker job
 
 
 def lora_hetero_job(parallel: dict | None = None, **train) -> dict:
@@ -79,7 +80,7 @@ def test_frozen_base_costs_its_sixteen_bit_chunks_and_nothing_else(single_rank):
     assert not set(rt.master.W) & {row.index for row in frozen}
     st = engine.hetero_stats()
     C = st["chunk_elems"]
-    assert st["frozen_host_bytes"] == 2 * C * len(frozen)
+    assert st["frozen_rows"] == len(frozen) and st["frozen_host_bytes"] == 2 * C * len(frozen)
     assert st["frozen_params"] == sum(p.numel() for n, p in engine.store.model.named_parameters() if not is_adapter(n))
     # hetero's whole host memory: the frozen chunks, the adapters' gradient backings and float32 masters, staging
     assert st["host_bytes"] == 2 * C * len(frozen) + (2 + 12) * C * len(trainable) + st["staging_bytes"]

@@ -220,7 +220,7 @@ class HeteroRuntime:
         rows = [row for row in self.rows if not row.trainable]
         host = sum(c.capacity for row in rows for c in (row.P, row.PS) if c is not None and c.backing is not None)
         params = sum(r.param.numel() for row in rows for r in row.records)
-        return {"frozen_params": params, "frozen_host_bytes": host * self.mgr.esize,
+        return {"frozen_rows": len(rows), "frozen_params": params, "frozen_host_bytes": host * self.mgr.esize,
                 "frozen_host_bytes_per_param": host * self.mgr.esize / params if params else None}
 
     def _placement(self) -> dict:
