@@ -56,3 +56,23 @@ def problems(cfg: Config, valid: tuple[str, ...]) -> list[str]:
     if cfg.model.lora is None:
         return []
     return target_problems(cfg, valid) + layout_problems(cfg)
+
+
+def _linears(m) -> dict[str, list[tuple[int, int]]]:
+    """Per peft target name, the ``(in, out)`` of each linear of one layer it names (GPT-2's ``c_proj`` is
+    two: the attention's and the MLP's; its ``c_attn`` one fused q, k, v)."""
+    attn, kv = m.heads * m.head_size, m.kv_heads_or_heads * m.head_size
+    h, w = m.hidden, m.mlp_width
+    return {"q_proj": [(h, attn)], "k_proj": [(h, kv)], "v_proj": [(h, kv)], "o_proj": [(attn, h)],
+            "gate_proj": [(h, w)], "up_proj": [(h, w)], "down_proj": [(w, h)],
+            "c_attn": [(h, 3 * h)], "c_proj": [(h, h), (w, h)], "c_fc": [(h, w)]}
+
+
+def adapter_parameters(m) -> int:
+    """Elements of the adapters ``model.lora`` adds to the model ``m`` (0 without it): ``rank·(in + out)``
+    per targeted linear (``lora_A`` ``[r, in]``, ``lora_B`` ``[out, r]``), every layer."""
+    if m.lora is None:
+        return 0
+    shapes = _linears(m)
+    per_layer = sum(i + o for t in dict.fromkeys(m.lora.targets) for i, o in shapes.get(t, ()))
+    return m.lora.rank * per_layer * m.layers
