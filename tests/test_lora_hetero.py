@@ -86,3 +86,40 @@ def test_frozen_base_costs_its_sixteen_bit_chunks_and_nothing_else(single_rank):
     assert st["host_bytes"] == 2 * C * len(frozen) + (2 + 12) * C * len(trainable) + st["staging_bytes"]
     engine.close()
     mesh.close()
+
+
+def test_launch_estimate_and_plan_count_a_frozen_base_at_its_chunk_bytes():
+    """config/memory.py's lower bound and ``parallel4d plan``'s dry run of a LoRA job: the frozen base at its
+    chunks' bytes alone (bfloat16 chunks: 2 a parameter; no gradient, master or moments), so the host bytes
+    per parameter (besides the compute chunks) fall from full fine-tuning's 14 to about 2 plus the adapters'
+    share; the estimate stays at most the dry run's (the adapters' padded row is left out, as all padding). Without hetero the plain store's frozen base holds its
+    values only (no gradient, no optimizer state)."""
+    from parallel4d.config.memory import rank_bytes
+    from parallel4d.config.rules.lora import adapter_parameters
+    from parallel4d.planning.dry_run import plan
+
+    model = {**BASE["model"], "vocab_size": 256, "hidden": 128, "heads": 4, "kv_heads": 2, "intermediate_size": 384}
+    job = {**BASE, "model": model, "train": {**BASE["train"], "dtype": "bfloat16", "grad_clip": None},
+           "hetero": {"enabled": True}}
+    full, lora = make_config(job), make_config({**job, "model": {**model, "lora": LORA}})
+    (f,), (ll,) = plan(full), plan(lora)
+    adapters = adapter_parameters(lora.model)
+    assert ll.hetero_params == f.hetero_params + adapters
+
+    def held(r):  # hetero's model state: the host's, and the master state its budget (none: all) put on the device
+        return r.hetero_host + r.master_placement["optimizer_device_bytes"]
+
+    per = [held(r) / r.hetero_params for r in (f, ll)]
+    print("bytes per parameter besides the compute chunks, full / LoRA:", per)
+    # LoRA: 2 for the base, the adapters' 14 over their one row, padded to a whole chunk at this size (1.5 more)
+    assert per[0] > 14 and per[1] < 4
+    est = [rank_bytes(cfg) for cfg in (full, lora)]
+    est = [e.model_state_host + e.master_placed for e in est]
+    assert 0.75 * held(f) <= est[0] <= held(f) and est[1] <= held(ll), (est, held(f), held(ll))
+    assert 2 * f.hetero_params <= est[1] < est[0] / 4  # the base's 16-bit bytes, and hardly more
+    plain = {**job, "hetero": {"enabled": False}}
+    (pf,), (pl,) = plan(make_config(plain)), plan(make_config({**plain, "model": {**model, "lora": LORA}}))
+    for cfg_job, r in ((plain, pf), ({**plain, "model": {**model, "lora": LORA}}, pl)):
+        est = rank_bytes(make_config(cfg_job)).model_state_device
+        assert 0.75 * (r.parameters + r.gradients + r.optimizer_state) <= est <= r.parameters + r.gradients + r.optimizer_state
+    assert pl.gradients + pl.optimizer_state < (pf.gradients + pf.optimizer_state) / 4
