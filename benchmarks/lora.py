@@ -151,7 +151,7 @@ def table(res: dict) -> list[str]:
 def gpu_lora(tiny: bool, out: str) -> dict:
     """``make gpu-check PART=lora``'s entry: the GPU shape (``tiny``: the CPU one); writes ``out``, returns the
     result with a one-line ``headline``."""
-    res = measure(gpu=not tiny, steps=1 if tiny else 3)
+    res = measure(gpu=not tiny, steps=2 if tiny else 3)
     with open(out, "w") as f:
         json.dump(res, f, indent=1)
     r = res["lora_over_full_tokens_per_s"]
