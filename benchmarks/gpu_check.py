@@ -11,7 +11,7 @@ Never installs anything: it runs with the interpreter it is given (``GPU_PYTHON`
   until it exists); then ``parallel4d plan --device`` predictions beside each measured one-GPU step;
 * named parts, each within :data:`NAMED_CAP_S` (8 minutes): ``launches`` (one-GPU launches of the example
   configs), ``sweeps`` (the full ring/Ulysses sweep and the full ``hetero_gpu.py``, with predictions),
-  ``ladders`` (the largest-model ladders).
+  ``ladders`` (the largest-model ladders), ``lora`` (LoRA against full fine-tuning, ``benchmarks/lora.py``).
 
 Each step (``benchmarks/gpu_check_steps.py``) runs in a child process of its own session — a fresh interpreter,
 forked from this one in the dry run — with its own cap, and records what it finds as it goes (:class:`Record`);
@@ -27,7 +27,7 @@ profile to that JSON.
 predictions; no GPU figures: the JSON says so), into ``--out`` or ``runs/gpu_check/dry_run/``.
 ``--plan`` (or no GPU visible): prints what would run and exits 0.
 
-Usage: ``python benchmarks/gpu_check.py [--part default|launches|sweeps|ladders] [--dry-run | --plan]
+Usage: ``python benchmarks/gpu_check.py [--part default|launches|sweeps|ladders|lora] [--dry-run | --plan]
 [--profile h100|h200|FILE] [--out FILE]``.
 """
 
@@ -124,6 +124,11 @@ PARTS = {
         Step("engine vs plain compiled (Llama-3.2-1B shape)", "gpu_check_steps:engine_vs_plain_compiled", 300, 180,
              "benchmarks/engine_vs_plain.py --compile: train.compile: blocks against the plain loop's blocks compiled"),
         PREDICTIONS), "torch.compile's blocks in both loops (inductor's compile time included)"),
+    "lora": Part("lora", NAMED_CAP_S, (
+        Step("LoRA vs full fine-tuning (Llama-3.2-1B shape)", "gpu_check_steps:lora", 300, 120,
+             "benchmarks/lora.py --gpu: full fine-tuning and LoRA (rank 16, every linear), plain and under hetero, "
+             "bf16, seq 1024: tokens/s, the device's peak, hetero's host bytes per (frozen) parameter"),),
+        "LoRA against full fine-tuning of one model (issue 49)"),
     "ladders": Part("ladders", NAMED_CAP_S, (
         Step("largest-model ladders", "gpu_check_steps:ladders", 470, 420,
              "benchmarks/hetero_gpu.py --ladders-only: the largest model hetero and DeepSpeed each train"),),

@@ -235,6 +235,13 @@ def moe_layer(ctx: Context) -> None:
     ctx.record.headline(res["headline"])
 
 
+def lora(ctx: Context) -> None:
+    """Issue #49's figure: LoRA against full fine-tuning of the Llama-3.2-1B shape, plain and under hetero."""
+    res = _benchmark("lora").gpu_lora(tiny=ctx.tiny, out=str(ctx.scratch / "lora.json"))
+    ctx.record.figure("lora", {k: res[k] for k in ("config", "lora", "steps", "runs", "lora_over_full_tokens_per_s")})
+    ctx.record.headline(res["headline"])
+
+
 def predictions(ctx: Context) -> None:
     """The planner's step and memory (``parallel4d plan --device``) beside each one-GPU step measured so far."""
     calibrate = _benchmark("calibrate")

@@ -139,6 +139,16 @@ LORA_LAYOUTS = {
                                                         "targets": ["c_attn", "c_proj", "c_fc"]}},
              optimizer={**BASE["optimizer"], "lr": 0.05}),  # its third loss below its first (the test's check)
 }  # compiled blocks: tests/test_lora.py, in one process (compiling in 4 workers on 2 cores took 35 s)
+#: LoRA under hetero beside the other axes (dp alone: tests/test_hetero_master.py): the frozen base in chunks of
+#: its own rows (no gradient, master or moments), moving under a budget below the model
+LORA_HETERO = {
+    "LoRA dp=2 × ring sp=2, hetero, 2 micro-batches, adapter dropout":
+        _lora_job({"dp": 2, "sp": 2}, 0.1, pipeline={"microbatches": 2}, hetero=HETERO),
+    "LoRA tp=4 (q=2), hetero, adapter dropout": _lora_job({"tp": 4}, 0.1, hetero=HETERO),
+    "LoRA Hanayo pp=2 × dp=2, hetero, 2 micro-batches, adapter dropout":
+        _lora_job({"pp": 2, "dp": 2}, 0.1, pipeline={"schedule": "hanayo", "waves": 1, "microbatches": 2},
+                  hetero=HETERO),
+}
 
 
 def held_for_training(engine) -> dict[str, list[str]]:
@@ -151,6 +161,12 @@ def held_for_training(engine) -> dict[str, list[str]]:
             "optimizer state": sorted(named[id(p)] for p in engine.store.optimizer.state),
             "with a gradient": sorted(n for n, p in engine.store.model.named_parameters() if p.grad is not None),
             "adapters": sorted(n for n in named.values() if is_adapter(n))}
+
+
+def hetero_frozen(engine) -> dict:
+    """Under hetero: the frozen rows and their parameters, and the bytes moved between host and device."""
+    stats = engine.hetero_stats()
+    return {k: stats[k] for k in ("frozen_rows", "frozen_params", "bytes_moved")}
 
 
 #: hetero's ZeRO with experts 1 and 3 chosen by no token (tests/test_hetero_experts.py's one-sided router, top-1):
@@ -229,6 +245,7 @@ def _train(jobs: dict, tmp: str, pretrained: str | None) -> dict:
 
     out = train_layouts({n: j for n, j in jobs.items() if n not in LORA_LAYOUTS}, with_hetero_stats=True)
     out.update(train_layouts({n: j for n, j in jobs.items() if n in LORA_LAYOUTS}, inspect=held_for_training))
+    out.update(train_layouts({n: j for n, j in jobs.items() if n in LORA_HETERO}, inspect=hetero_frozen))
     from test_hetero_experts import one_sided_router, placed_with
 
     with mock.patch("parallel4d.engine.compose.place_experts", placed_with(one_sided_router)):
@@ -340,7 +357,7 @@ def trained(tmp_path_factory, qwen3_moe, chat_layouts):
     tmp = tmp_path_factory.mktemp("ep")
     (tmp / "check.json").write_text(json.dumps([*checked_job(), *check_plan().overrides]))  # the job's, the check's
     (tmp / "check-lora.json").write_text(json.dumps([*checked_lora_job(), *check_plan(checked_lora_job).overrides]))
-    return run_workers(_train, 4, {**LAYOUTS, **LORA_LAYOUTS, **chat_layouts}, str(tmp), qwen3_moe, timeout_s=300)
+    return run_workers(_train, 4, {**LAYOUTS, **LORA_LAYOUTS, **LORA_HETERO, **chat_layouts}, str(tmp), qwen3_moe, timeout_s=300)
 
 
 def microbatch_rows(name: str | None = None) -> tuple[tuple[int, ...], ...]:
@@ -690,13 +707,35 @@ def lora_one_process(name: str):
     job: the dense GPT-2 the same way.)"""
     from parallel4d.config.load import make_config
 
-    job = LORA_LAYOUTS[name]
+    job = {**LORA_LAYOUTS, **LORA_HETERO}[name]
     cfg = make_config(job)
 
     def prepare(model):
         add_adapters(model, adapted_modules(cfg.model), LoraShape.of(cfg.model.lora), cfg.train.seed)
 
     return dense_run(job, loss_of=documents_and_balance if name == LORA_PACKED else None, prepare=prepare)
+
+
+@pytest.mark.parametrize("name", list(LORA_HETERO))
+def test_lora_under_hetero_beside_the_other_axes_trains_as_one_process(trained, name):
+    """Hetero with the data, sequence, grid and pipeline axes (float64, a device budget below the model): losses
+    (1e-10) and every parameter (1e-9) one process's after 3 steps, the base as built; every rank holds frozen
+    rows and moves chunks."""
+    from parallel4d.config.load import make_config
+    from parallel4d.engine.model import model_shape
+    from parallel4d.models.build import build_dense
+
+    want_losses, want = lora_one_process(name)
+    check_pieces(trained, name, want_losses, want)
+    cfg = make_config(LORA_HETERO[name])
+    built = build_dense(model_shape(cfg), seed=cfg.train.seed).double().state_dict()
+    for rank in trained:
+        for dense, boxes in rank[name][1].items():
+            for off, t in boxes:
+                if not is_adapter(dense):
+                    assert torch.equal(t, built[dense][tuple(slice(o, o + n) for o, n in zip(off, t.shape))]), dense
+        held = rank[("inspect", name)]
+        assert held["frozen_rows"] > 0 and held["frozen_params"] > 0 and held["bytes_moved"] > 0, (name, held)
 
 
 @pytest.mark.parametrize("name", list(LORA_LAYOUTS))

@@ -31,8 +31,13 @@ def train(model, step, steps=STEPS, rank=0, dp=1):
 
 
 def reference(dtype, steps=STEPS, master_dtype=torch.float32, opt_cfg=OPT):
-    """``(losses, master state dict)`` of torch alone: a ``dtype`` compute copy, ``master_dtype`` masters."""
+    """``(losses, master state dict)`` of torch alone: a ``dtype`` compute copy, ``master_dtype`` masters; a
+    frozen parameter has no master (hetero holds it in the chunks' dtype only): its value is the compute copy's."""
     master, model = build().to(master_dtype), build().to(dtype)  # same seed (the blocks' checkpointing is bound)
+    with torch.no_grad():
+        for p, w in zip(model.parameters(), master.parameters()):
+            if not p.requires_grad:
+                w.copy_(p)
     pairs = [(p, w) for p, w in zip(model.parameters(), master.parameters()) if p.requires_grad]
     opt = torch.optim.AdamW([w for _, w in pairs], lr=opt_cfg["lr"], betas=opt_cfg["betas"], eps=opt_cfg["eps"],
                             weight_decay=opt_cfg["weight_decay"], foreach=False)
@@ -104,8 +109,11 @@ def _zero_worker():
     from parallel4d.distributed.mesh import init_mesh
 
     torch.set_num_threads(1)
+    from test_lora_hetero import LORA_ZERO, lora_hetero_job
+    from test_llama import train_layouts
+
+    out = train_layouts({LORA_ZERO: lora_hetero_job({"dp": 2})}, with_hetero_stats=True)  # a LoRA base under ZeRO
     mesh = init_mesh(dp=dist.get_world_size())
-    out = {}
     for dtype, master, cfg in ((torch.float32, torch.float64, OPT64), (torch.bfloat16, torch.float32, OPT)):
         ref_losses, ref_sd = reference(dtype, master_dtype=master, opt_cfg=cfg)
         budget, row = None, 3 * 8192 // mesh.size("dp") * master.itemsize  # a row's W, M, V window
@@ -170,6 +178,18 @@ def test_sixteen_bit_chunks_under_zero_equal_one_process(zero_job):
         sent = [r[dtype, "resident"]["stats"]["total"]["reduce_scatter_bytes"] for dtype in ("torch.bfloat16", "torch.float32")]
         assert 2 * sent[0] == sent[1] > 0  # bf16 gradients are reduced in bf16
 
+
+
+def test_lora_under_hetero_zero_equals_one_process(zero_job):
+    """A frozen LoRA base under ZeRO over dp=2 (float64, a budget below the model): losses and every parameter
+    equal one process's; each rank keeps its half of every frozen row (its PS shard) and nothing else of it."""
+    from test_lora_hetero import LORA_ZERO, check_against_one_process, lora_hetero_job
+
+    check_against_one_process(zero_job, LORA_ZERO, lora_hetero_job({"dp": 2}))
+    for r in zero_job:
+        st = r["hetero"]
+        assert st["dp"] == 2 and st["total"]["loads"] > 0 and st["total"]["reduce_scatter_bytes"] > 0
+        assert st["frozen_rows"] > 0 and st["frozen_host_bytes"] == st["frozen_rows"] * 8 * st["chunk_elems"] // 2
 
 
 def test_gathers_are_posted_ahead_of_the_compute_that_needs_them(zero_job):

@@ -90,11 +90,13 @@ def test_every_row_whose_master_fits_lives_on_the_device_and_the_result_is_the_a
 def test_when_everything_fits_nothing_crosses_to_the_host_or_is_updated_there():
     st, rt = hetero(None)[3:]
     assert st["host_optimizer_rows"] == 0 and st["optimizer_rows_on_host"] == 0
-    frozen = [row for row in rt.layout.rows if not row.trainable]  # their W only: read once, never updated
+    frozen = [row for row in rt.layout.rows if not row.trainable]  # 16-bit chunks alone: read once, never updated
     # what crosses: the frozen rows' first upload (the plain path's model.to(device)); after it nothing
     assert st["total"]["loads"] == len(frozen) and st["total"]["writebacks"] == 0
     assert st["last_iteration"]["moved_bytes"] == 0 and st["last_iteration"]["device_fills"] == 0
-    assert st["optimizer_host_bytes"] == sum(rt.master.row_bytes(row) for row in frozen) > 0
+    # no master state on the host: the frozen rows have none, only their chunks' 16-bit backings
+    assert st["optimizer_host_bytes"] == 0 and not set(rt.master.W) & {row.index for row in frozen}
+    assert st["frozen_host_bytes"] == len(frozen) * st["chunk_bytes"] > 0
 
 
 def test_a_dynamic_budget_places_the_master_rows_from_the_warm_up_trace():

@@ -215,6 +215,29 @@ def test_largest_prints_both_models_and_writes_json(largest_run):
         assert name in printed, printed
 
 
+LORA = "model.lora={rank: 8, alpha: 16, targets: [c_attn, c_proj, c_fc]}"
+
+
+def test_largest_answers_for_lora_with_a_base_larger_on_half_the_memory(largest_run, tmp_path):
+    """--largest with model.lora: on half the host memory (20 MiB) LoRA's largest base is larger than full
+    fine-tuning's on all of it (40 MiB, largest_run): the frozen base costs its chunks' bytes alone (4 a
+    parameter in float32, over dp) where a trained one costs 16 (a checkpoint's save still gathers the
+    base whole). The grown model is still a LoRA job and one layer more does not fit. (Grown from 2 layers:
+    DeepSpeed's side, which trains every parameter, must fit the config's own model on 20 MiB.)"""
+    path, half = tmp_path / "plan.json", SMALL_MEMORY.host // 2
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        assert main(["plan", str(config_path("hetero")), "--gpu-memory", "80GiB", "--host-memory", "20MiB",
+                     "--largest", "--grow", "layers", "--set", "model.layers=2", "--set", LORA,
+                     "--json", str(path)]) == 0
+    got, full = json.loads(path.read_text()), largest_run[1]
+    print("largest base with LoRA on 20 MiB / full fine-tuning on 40 MiB:", got["largest_params"],
+          full["largest_params"])
+    assert got["lora"] and not full["lora"] and "a LoRA fine-tune of that base" in printed.getvalue()
+    assert got["largest_params"] > full["largest_params"]
+    assert got["largest"]["host_bytes"] <= half < got["largest"]["one_layer_more"]["host_bytes"]
+
+
 def test_largest_grows_through_the_familys_shapes_first(monkeypatch):
     """--grow shapes: the widest of the family's shapes whose own depth fits (of 192, 256, 384; the next
     wider one, judged here, does not), then layers at its width, on both sides (a stand-in ladder of

@@ -7,7 +7,8 @@ least the average over the ranks, which is what these are):
 
 * **model state** — the dense parameters (the family's count: norms and biases left out; an MoE model's
   routed experts over ``parallel.ep``, each rank holding its share, whole on every rank of a 2D grid) over ``pp·tp``, times the bytes each holds: parameter, gradient and Adam's two moments in the parameters'
-  dtype (``4·p``) without hetero; under hetero what its chunks keep on the host (:func:`hetero_host_bytes`)
+  dtype (``4·p``) without hetero — a frozen parameter (``model.lora``'s base) its value only (``1·p``), the
+  adapters ``4·p`` —; under hetero what its chunks keep on the host (:func:`hetero_host_bytes`)
   and, on a CPU job, the master state a budget could have put on the device; under a ``deepspeed:``
   section parameters and gradients in at least 16 bits partitioned over ``dp·sp`` (ZeRO-3's least),
   not counted where it offloads (its split between host and device is DeepSpeed's);
@@ -37,6 +38,7 @@ from typing import TYPE_CHECKING
 from parallel4d.config.checks import dense_parameters
 from parallel4d.config.rules import hetero as hetero_rules
 from parallel4d.config.rules.common import DTYPE_BYTES, human_bytes
+from parallel4d.config.rules.lora import adapter_parameters
 from parallel4d.config.rules.tensor2d import padded_vocab
 from parallel4d.models.moe.spec import MoeShape, expert_parameters
 
@@ -71,6 +73,9 @@ def rank_bytes(cfg: Config) -> RankBytes:
     p, m, t = cfg.parallel, cfg.model, cfg.train
     experts = expert_parameters(MoeShape.of(m), m.hidden, m.layers)  # split over ep, whole on every grid rank
     params = (dense_parameters(m) - experts) // (p.pp * p.tp) + experts // (p.ep * p.pp)
+    adapters = adapter_parameters(m) // (p.pp * p.tp)  # model.lora: the base (params) frozen, these trained
+    frozen = params if m.lora is not None else 0
+    params += adapters
     item = DTYPE_BYTES[t.parameters]
     replicas = p.dp * p.sp
     device = host = placed = saved = 0
@@ -79,19 +84,21 @@ def rank_bytes(cfg: Config) -> RankBytes:
     elif cfg.hetero.enabled:
         # ZeRO's window: the dense rows over the dp·sp replicas, a rank's E/ep experts over their dp·sp/ep
         # replicas — every parameter of the model over dp·sp alike
-        host, placed = hetero_host_bytes(cfg, dense_parameters(m) // (p.pp * p.tp))
-        saved = hetero_save_bytes(cfg, params, placed) if cfg.checkpoint.enabled else 0
+        host, placed = hetero_host_bytes(cfg, dense_parameters(m) // (p.pp * p.tp) + adapters, frozen)
+        saved = hetero_save_bytes(cfg, params, placed, frozen) if cfg.checkpoint.enabled else 0
     else:
-        device = 4 * item * params
+        device = 4 * item * (params - frozen) + item * frozen
     return RankBytes(device, host, _activations(cfg), 2 * TOKEN_BYTES * cfg.data.batch_size * m.seq_len, placed,
                      saved)
 
 
-def hetero_host_bytes(cfg: Config, params: int) -> tuple[int, int]:
+def hetero_host_bytes(cfg: Config, params: int, frozen: int = 0) -> tuple[int, int]:
     """``(on the host, placed)``: what hetero's chunks keep in host memory for a rank at least, and the
     master state its budget may put on the compute device instead; ``params``: the parameters of the rank's
     pp·tp share of the model, every expert counted (under ``parallel.ep`` a rank's experts are sharded over
-    their replicas only: ``1/ep`` of the experts over ``1/ep`` of the data replicas).
+    their replicas only: ``1/ep`` of the experts over ``1/ep`` of the data replicas); ``frozen``: how many of
+    them are frozen (``model.lora``'s base), held in the chunks' dtype alone (``citem``: no gradient, no
+    master, no moments).
 
     The rule of hetero/populate.py and hetero/budget.py, per parameter of the rank's ZeRO window
     (``/ (dp·sp)``): with chunks in the parameters' dtype, every chunk's host backing — parameter,
@@ -101,23 +108,27 @@ def hetero_host_bytes(cfg: Config, params: int) -> tuple[int, int]:
     dynamic; every row without a budget). The chunks' padding and the device's arena are left out."""
     item = DTYPE_BYTES[cfg.train.parameters]
     chunk = DTYPE_BYTES[hetero_rules.compute_dtype(cfg)]
-    window = params // (cfg.parallel.dp * cfg.parallel.sp)
+    replicas = cfg.parallel.dp * cfg.parallel.sp
+    window, still = (params - frozen) // replicas, chunk * frozen // replicas
     if chunk == item:
-        return 4 * item * window, 0
+        return 4 * item * window + still, 0
     master = 3 * item * window
     budget = cfg.hetero.device_budget_bytes
     placed = master if budget is None else min(master, budget)
-    return chunk * window + master - placed, placed
+    return chunk * window + master - placed + still, placed
 
 
-def hetero_save_bytes(cfg: Config, params: int, placed: int) -> int:
+def hetero_save_bytes(cfg: Config, params: int, placed: int, frozen: int = 0) -> int:
     """What a checkpoint's save gathers on the host beside hetero's own memory: the rank's parameters and
     both Adam moments whole in the parameters' dtype (``3·item``; under ZeRO every data replica gathers
     them), except with 16-bit chunks at one replica, where the host master is saved from its live tensors
-    and only the rows ``placed`` on the device are copied (hetero/state.py)."""
+    and only the rows ``placed`` on the device are copied (hetero/state.py); the ``frozen`` parameters
+    (no moments) are copied out of their chunks, widened to the parameters' dtype."""
     item = DTYPE_BYTES[cfg.train.parameters]
     mixed = DTYPE_BYTES[hetero_rules.compute_dtype(cfg)] != item
-    return placed if mixed and cfg.parallel.dp * cfg.parallel.sp == 1 else 3 * item * params
+    if mixed and cfg.parallel.dp * cfg.parallel.sp == 1:
+        return placed + item * frozen
+    return 3 * item * params - 2 * item * frozen
 
 
 def _activations(cfg: Config) -> int:

@@ -44,6 +44,10 @@ Engine-facing API::
   not fully resident at ``step()`` are updated on the host with torch's fused CPU AdamW
   (``model._hetero_runtime.host_optimizer``: "fused" | "exact" | "off"). On the CPU compute device
   both are off by default (nothing to overlap) and switched on by the tests.
+* Frozen parameters (``requires_grad`` False: a LoRA base) get rows of their own with no gradient, Adam
+  or ZeRO-reduction chunks and, under 16-bit chunks, no master: their chunks in the compute dtype are their
+  only copy (2 host bytes a parameter in bfloat16). They stream like every chunk, forward and backward (a
+  module's frozen parameters are released once its inputs' gradients are computed).
 * Limits: every parameter must be a direct parameter of a module whose ``forward``
   uses it (module hooks drive residency); activation checkpointing must use
   ``use_reentrant=False``; all parameters share one floating dtype; do not move the

@@ -9,13 +9,14 @@ master parameters ``W`` and Adam moments ``M``, ``V`` here. Where they live is a
   rule: the 16-bit chunks first, the optimizer state in what is left; :mod:`.budget`). Such a row is
   updated on the device, from its gradient chunk where it is, and its parameter chunk is rounded from
   ``W`` on the device: nothing crosses the host link.
-* ``host``: the rest (and frozen rows, which have ``W`` only). Such a row is updated on the host from
+* ``host``: the rest. Such a row is updated on the host from
   its gradient's host backing by a worker beside the training thread (:class:`HostUpdates`), and a
   parameter chunk is filled by rounding ``W`` down on the host, so only 16-bit bytes cross the link.
 
 Each row's state is one allocation of its own, so a row that changes placement after the warm-up frees
 its old home. Host bytes per parameter of a host row (float32 master, 16-bit chunks, dp = 1): 4 (W) + 4
-(M) + 4 (V) + 2 (the gradient's backing) = 14.
+(M) + 4 (V) + 2 (the gradient's backing) = 14. Frozen rows (a LoRA base) have no state here: nothing updates
+them, so their chunks' own backings in the compute dtype are their only copy (2 bytes per parameter).
 """
 
 from __future__ import annotations
@@ -101,8 +102,8 @@ class HostUpdates:
 
 
 class MasterState:
-    """``W``, ``M``, ``V``: per row index, this rank's ``[hi − lo]`` window (``window_of(row)``) in the parameters' dtype
-    (frozen rows have ``W`` only), on ``device`` or on the host as ``place`` says; zeros until written."""
+    """``W``, ``M``, ``V``: per trainable row index, this rank's ``[hi − lo]`` window (``window_of(row)``) in the
+    parameters' dtype, on ``device`` or on the host as ``place`` says; zeros until written."""
 
     def __init__(self, layout: Layout, window_of: Callable[[Row], tuple[int, int]], transfers: Transfers,
                  device: torch.device,
@@ -115,7 +116,7 @@ class MasterState:
         self.place: dict[int, str] = {}
 
     def row_bytes(self, row: Row) -> int:
-        return (3 if row.trainable else 1) * self.elems(row) * self.layout.dtype.itemsize
+        return 3 * self.elems(row) * self.layout.dtype.itemsize
 
     def elems(self, row: Row) -> int:
         lo, hi = self.window_of(row)
@@ -123,8 +124,7 @@ class MasterState:
 
     def allocate(self, row: Row, where: str) -> None:
         """``row``'s state, zeros, on the device or the host (one allocation)."""
-        k = 3 if row.trainable else 1
-        buf = torch.zeros(k, self.elems(row), dtype=self.layout.dtype, device=self.device if where == DEVICE else "cpu")
+        buf = torch.zeros(3, self.elems(row), dtype=self.layout.dtype, device=self.device if where == DEVICE else "cpu")
         for store, x in zip((self.W, self.M, self.V), buf):
             store[row.index] = x
         self.place[row.index] = where

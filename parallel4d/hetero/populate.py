@@ -21,12 +21,15 @@ from parallel4d.hetero.zero import ZeroShards
 S = TensorState
 
 
-def add_chunks(layout: Layout, mgr: ChunkManager, zero: ZeroShards, master: Optional[MasterState] = None) -> None:
+def add_chunks(layout: Layout, mgr: ChunkManager, zero: ZeroShards, master_state: Optional[MasterState] = None) -> None:
     """P (and G, M, V for trainable rows) per row; under ZeRO also the shards PS, GS, with M
     and V only as shards, and P a cache-only chunk filled by all-gathering PS. With a ``master``
-    (16-bit chunks) there are no M, V and PS chunks: P is filled from the master's ``W``."""
+    (16-bit chunks) a trainable row has no M, V and PS chunks: P is filled from the master's ``W``; a
+    frozen row has no master (nothing updates it): its P (or PS) holds it in the chunks' dtype, host
+    backing included — a frozen parameter's only copy."""
     zero_mode = layout.dp > 1
     for row in layout.rows:
+        master = master_of(row, master_state)
         row.P = _chunk(row, mgr, zero, "param", S.HOLD, backing=not zero_mode and master is None)
         if row.trainable:  # under ZeRO G is staging only: evicted, it is reduced into GS (zero.reduce_row)
             row.G = _chunk(row, mgr, zero, "grad", S.FREE, backing=not zero_mode)
@@ -44,11 +47,17 @@ def add_chunks(layout: Layout, mgr: ChunkManager, zero: ZeroShards, master: Opti
             row.P.loader = zero.loader(row, master)
             row.P.meta["gathers"] = True
         elif master is not None:
-            row.P.loader = (lambda dst, row=row: master.upload(row, dst))
-        if master is not None and row.trainable:  # the host update reads the gradient's backing
+            row.P.loader = (lambda dst, row=row, master=master: master.upload(row, dst))
+        if master is not None:  # the host update reads the gradient's backing
             for c in (row.G, row.GS):
                 if c is not None:
-                    c.meta["before_host_write"] = lambda row=row: master.updates.wait(row.index)
+                    c.meta["before_host_write"] = lambda row=row, master=master: master.updates.wait(row.index)
+
+
+def master_of(row: Row, master: Optional[MasterState]) -> Optional[MasterState]:
+    """The master state behind ``row``'s chunks: ``master`` for a trainable row, None for a frozen one
+    (16-bit chunks hold a frozen parameter alone: no master copy, no moments)."""
+    return master if row.trainable else None
 
 
 def _chunk(row: Row, mgr: ChunkManager, zero: ZeroShards, kind: str, state: TensorState, pool: str = "main",
@@ -76,10 +85,10 @@ def move_params_into_chunks(layout: Layout, mgr: ChunkManager, zero: ZeroShards,
             full.narrow(0, rec.offset, rec.param.numel()).copy_(rec.param.detach().reshape(-1))
             rec.param.data = rec.placeholder  # free the original storage row by row
             rec.param.grad = None
-        if master is not None:
+        if master_of(row, master) is not None:
             master.allocate(row, DEVICE if row.index in on_device else HOST)
             master.W[row.index].copy_(full[lo:hi])
-        elif layout.dp > 1:
+        elif layout.dp > 1:  # rounded to the chunks' dtype as they are written (a frozen row's only copy)
             row.PS.backing.copy_(full[lo:hi])
         else:
             row.P.backing.copy_(full)

@@ -6,8 +6,11 @@
   a hook on each output that requires grad marks the *pre-backward* moment.
 * pre-backward (output-gradient hook): parameters → COMPUTE until their gradient is written
   (``register_post_accumulate_grad_hook``: the gradient is copied/added into the grad chunk,
-  ``p.grad = None``, parameter → HOLD_AFTER_BWD). Frozen parameters and anything still held
-  are released by an end-of-backward callback.
+  ``p.grad = None``, parameter → HOLD_AFTER_BWD). Frozen parameters (a LoRA base) have no gradient to
+  say their module's backward is over: the forward pre-hook passes the module's inputs that require grad
+  through an identity (:class:`AfterBackward`) whose backward — the inputs' gradients from this module
+  complete — releases them, so a frozen base streams layer by layer in the backward too. Anything still
+  held (a module whose inputs need no gradient) is released by an end-of-backward callback.
 * a forward pre-hook that runs *inside* backward is activation-checkpoint recomputation:
   its holds last until the backward hold is released, so the views the recomputation saved
   cannot be relocated before they are used.
@@ -38,6 +41,21 @@ def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
+class AfterBackward(torch.autograd.Function):
+    """The identity on a module's input tensors; its backward (every input's gradient from this module
+    written) calls ``release`` — the module's backward is done with its frozen parameters."""
+
+    @staticmethod
+    def forward(ctx, release, *xs):
+        ctx.release = release
+        return tuple(x.view_as(x) for x in xs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.release()
+        return (None, *grads)
+
+
 class Residency:
     """Holds and releases parameters around each module's forward and backward, and puts
     each gradient into its grad chunk (reduce-scattering complete rows under ZeRO)."""
@@ -45,6 +63,10 @@ class Residency:
     def __init__(self, layout: Layout, mgr: ChunkManager, saved: SavedTensors, zero: ZeroShards):
         self.layout, self.mgr, self.saved, self.zero = layout, mgr, saved, zero
         self.mod_groups: dict[nn.Module, list[Group]] = {m: self._groups(ps) for m, ps in layout.module_params.items()}
+        # per module, its frozen parameters' records (released after its backward: AfterBackward)
+        self.frozen: dict[nn.Module, list[ParamRecord]] = {
+            m: fs for m, ps in layout.module_params.items()
+            if (fs := list({id(p): layout.by_param[id(p)] for p in ps if not layout.by_param[id(p)].trainable}.values()))}
         self._cb_task = None  # the backward whose end-of-backward callback is queued
         self.on_grad_write = None  # called with a row after each gradient written into it (the optimizer's count)
 
@@ -97,6 +119,24 @@ class Residency:
             return
         for chunk, tensors, recs in self.mod_groups[mod]:
             self._hold(chunk, tensors, recs)
+        if mod in self.frozen and torch.is_grad_enabled():
+            return self._after_backward(mod, args)
+
+    def _after_backward(self, mod, args: tuple):
+        """``args`` with the tensors that require grad passed through :class:`AfterBackward` (None: none do)."""
+        at = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.requires_grad]
+        if not at:
+            return None
+        out = list(args)
+        for i, x in zip(at, AfterBackward.apply(lambda: self._release_frozen(mod), *(args[i] for i in at))):
+            out[i] = x
+        return tuple(out)
+
+    def _release_frozen(self, mod) -> None:
+        """``mod``'s backward is over: its frozen parameters' backward holds released."""
+        for rec in self.frozen[mod]:
+            if rec.bwd_held:
+                self._release_bwd(rec)
 
     def _post_forward(self, mod, args, out) -> None:
         self.saved.exit()

@@ -183,6 +183,7 @@ class HeteroRuntime:
             "host_bytes": self.host_bytes,
             "params": self.layout.params,
             "host_bytes_per_param": self.host_bytes / self.layout.params,
+            **self._frozen(),
             "host_transient_bytes": self.host_transient_bytes,
             "device_bytes_moved_per_step": last["moved_bytes"] if last else None,
             "compute_dtype": str(self.layout.cdtype).removeprefix("torch."),
@@ -211,6 +212,16 @@ class HeteroRuntime:
             "last_iteration": {k: v for k, v in last.items() if k not in _TRACE_KEYS}
             if last else None,
         }
+
+    def _frozen(self) -> dict:
+        """The frozen rows' part (a LoRA base): their parameters and the host bytes of their chunks' backings
+        (nothing else exists for them: no master, no moments, no gradient) — under 16-bit chunks 2 bytes
+        per parameter plus the rows' padding, over dp under ZeRO."""
+        rows = [row for row in self.rows if not row.trainable]
+        host = sum(c.capacity for row in rows for c in (row.P, row.PS) if c is not None and c.backing is not None)
+        params = sum(r.param.numel() for row in rows for r in row.records)
+        return {"frozen_rows": len(rows), "frozen_params": params, "frozen_host_bytes": host * self.mgr.esize,
+                "frozen_host_bytes_per_param": host * self.mgr.esize / params if params else None}
 
     def _placement(self) -> dict:
         """Where the master state is (16-bit chunks; None otherwise: Adam's moments are chunks then)."""

@@ -16,6 +16,7 @@ from parallel4d.hetero.chunk import Chunk, TensorInfo, TensorState
 from parallel4d.hetero.layout import Layout, ParamRecord
 from parallel4d.hetero.manager import ChunkManager
 from parallel4d.hetero.master import MasterState
+from parallel4d.hetero.populate import master_of
 from parallel4d.hetero.zero import ZeroShards, segment
 
 S = TensorState
@@ -43,7 +44,8 @@ class FullState:
     def _live(self, row) -> bool:
         """Whether the state dicts lend ``row``'s live master rather than a copy: dp = 1 (nothing to gather)
         and the state on the host (a checkpoint's save then needs no second copy of it)."""
-        return self.master is not None and self.layout.dp == 1 and self.master.W[row.index].device.type == "cpu"
+        return (master_of(row, self.master) is not None and self.layout.dp == 1
+                and self.master.W[row.index].device.type == "cpu")
 
     def _settle(self) -> None:
         """The host rows' updates done: what follows reads or writes their master state."""
@@ -52,15 +54,16 @@ class FullState:
 
     # --- out ------------------------------------------------------------------------------
     def params(self) -> dict[str, torch.Tensor]:
-        """The parameters (the master copy under 16-bit chunks)."""
+        """The parameters (the master copy under 16-bit chunks; a frozen one's chunk value, in the chunks'
+        dtype, widened to the parameters')."""
         self._settle()
         out = {}
         for row in self.layout.rows:
             live = self._live(row)
-            full = (self.zero.full_row(row, row.P, row.PS) if self.master is None
+            full = (self.zero.full_row(row, row.P, row.PS) if master_of(row, self.master) is None
                     else self.zero.full_window(row, self.master.W[row.index], copy=not live))
             for rec in row.records:
-                out[rec.name] = _cut(full, rec, live)
+                out[rec.name] = _cut(full, rec, live).to(self.layout.dtype)
         return out
 
     def gradients(self) -> dict[str, torch.Tensor]:
@@ -138,14 +141,14 @@ class FullState:
         self._settle()
         self.layout.check_idle("load_state_dict()")
         for row in self.layout.rows:
-            target = row.PS if self.layout.dp > 1 else row.P
+            target, master = row.PS if self.layout.dp > 1 else row.P, master_of(row, self.master)
             for rec in row.records:
                 v = _first(values, rec)
-                if v is not None and self.master is not None:
-                    self._write_master(row, self.master.W[row.index], row.P.tensors[rec.k], v)
+                if v is not None and master is not None:
+                    self._write_master(row, master.W[row.index], row.P.tensors[rec.k], v)
                 elif v is not None:
                     self._write(row, target, rec.k, v)
-            if self.layout.dp > 1 or self.master is not None:  # the device's copy is stale now
+            if self.layout.dp > 1 or master is not None:  # the device's copy is stale now
                 self.mgr.invalidate(row.P)
 
     def load_optimizer(self, sd: dict, steps: dict[str, int]) -> None:

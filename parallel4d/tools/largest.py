@@ -25,6 +25,10 @@ hetero's host memory and the most it adds at once, a checkpoint's gathered state
 The search: a binary search over the widths, then over the depth a guess interpolated between the
 two latest dry runs (the bytes grow about linearly with the layers), so a few dry runs each.
 
+**LoRA.** With ``model.lora`` the candidates keep it: the same adapters on each base, the base frozen, so
+the dry runs hold the base in its chunks alone (hetero/populate.py: no gradient, master or moments) and
+the largest is the largest *base* that a LoRA fine-tune fits (its parameters counted without the adapters).
+
 **DeepSpeed.** ``deepspeed.runtime.zero.stage3.estimate_zero3_model_states_mem_needs``, the function
 behind the rows ``estimate_zero3_model_states_mem_needs_all_cold`` prints, for ZeRO-3 with
 parameters and optimizer offloaded to the CPU (``cpu_offload_params``, ``cpu_offload``; ``zero_init``;
@@ -353,6 +357,11 @@ def format_largest(result: Largest, memory: Memory) -> list[str]:
         lines.append(f"  {name:<26}{_params(v.params):>12}  {shape_text(v.cfg.model):<44}{human(v.device):>12}"
                      f"{human(v.host):>12}")
     on, dn = result.ours_next, result.deepspeed_next
+    lora = cfg.model.lora
+    if lora is not None:  # the base frozen: its chunks only (16-bit under autocast), the adapters trained
+        lines.append(f"  ours: a LoRA fine-tune of that base (model.lora: rank {lora.rank} on "
+                     f"{', '.join(lora.targets)}; the base frozen, held in its chunks alone: no gradient, master "
+                     "or moments); DeepSpeed's estimator trains every parameter")
     lines += [f"  ratio {result.ratio:.2f}× DeepSpeed's",
               f"  one layer more does not fit: ours at {on.layers} layers needs {human(on.device)} device, "
               f"{human(on.host)} host; DeepSpeed's at {dn.layers}, {human(dn.device)} per GPU, "
@@ -382,4 +391,5 @@ def largest_json(result: Largest, memory: Memory) -> dict:
             "ratio": result.ratio, "largest": _side(result.ours, result.ours_next),
             "deepspeed_largest": _side(result.deepspeed, result.deepspeed_next), "gpu_memory": memory.gpu,
             "host_memory": memory.host, "headroom": HEADROOM, "grow": result.grow, "seconds": result.seconds,
+            "lora": result.ours.cfg.model.lora is not None,
             "models": result.models, "dry_runs": result.dry_runs}

@@ -1,7 +1,6 @@
 """Low-rank adapter rules (``model.lora``): targets the family has, and the layouts adapters do not run
-in yet (data, sequence, expert and pipeline parallelism, 2D tp, recomputation, packing and compile run;
-hetero and DeepSpeed come later), and what an MoE model's routed experts' adapters need
-(:func:`expert_problems`).
+in yet (every parallel axis, recomputation, packing, compile and hetero run; a deepspeed: section comes
+later), and what an MoE model's routed experts' adapters need (:func:`expert_problems`).
 
 Torch-free; ``config/checks.py`` calls :func:`problems` among the cross-field rules with the family's
 peft target names (its spec's ``lora_targets``).
@@ -61,16 +60,12 @@ def expert_problems(cfg: Config) -> list[str]:
 
 
 def layout_problems(cfg: Config) -> list[str]:
-    """What adapters do not run in yet: hetero, a deepspeed: section (each a later part of issue 49); MoE
-    layers' experts: :func:`expert_problems`."""
-    beside = [f for f, on in (("hetero.enabled=true", cfg.hetero.enabled),
-                              ("a deepspeed: section", cfg.deepspeed is not None)) if on]
-    out = []
-    if beside:
-        out.append(f"model.lora (low-rank adapters) runs with data, sequence, expert, pipeline and 2D tensor "
-                   f"parallelism for now, not with {', '.join(beside)}; set hetero.enabled=false and no deepspeed: "
-                   "section, or remove model.lora")
-    return out
+    """What adapters do not run in yet: a deepspeed: section (its engine owns the optimizer and the gradient
+    reduction: a later part of issue 49); MoE layers' experts: :func:`expert_problems`."""
+    if cfg.deepspeed is None:
+        return []
+    return ["model.lora (low-rank adapters) runs in parallel4d's own engine (every parallel axis, hetero), not "
+            "with a deepspeed: section yet; remove the deepspeed: section or model.lora"]
 
 
 def problems(cfg: Config, valid: tuple[str, ...]) -> list[str]:
@@ -78,3 +73,23 @@ def problems(cfg: Config, valid: tuple[str, ...]) -> list[str]:
     if cfg.model.lora is None:
         return []
     return target_problems(cfg, valid) + expert_problems(cfg) + layout_problems(cfg)
+
+
+def _linears(m) -> dict[str, list[tuple[int, int]]]:
+    """Per peft target name, the ``(in, out)`` of each linear of one layer it names (GPT-2's ``c_proj`` is
+    two: the attention's and the MLP's; its ``c_attn`` one fused q, k, v)."""
+    attn, kv = m.heads * m.head_size, m.kv_heads_or_heads * m.head_size
+    h, w = m.hidden, m.mlp_width
+    return {"q_proj": [(h, attn)], "k_proj": [(h, kv)], "v_proj": [(h, kv)], "o_proj": [(attn, h)],
+            "gate_proj": [(h, w)], "up_proj": [(h, w)], "down_proj": [(w, h)],
+            "c_attn": [(h, 3 * h)], "c_proj": [(h, h), (w, h)], "c_fc": [(h, w)]}
+
+
+def adapter_parameters(m) -> int:
+    """Elements of the adapters ``model.lora`` adds to the model ``m`` (0 without it): ``rank·(in + out)``
+    per targeted linear (``lora_A`` ``[r, in]``, ``lora_B`` ``[out, r]``), every layer."""
+    if m.lora is None:
+        return 0
+    shapes = _linears(m)
+    per_layer = sum(i + o for t in dict.fromkeys(m.lora.targets) for i, o in shapes.get(t, ()))
+    return m.lora.rank * per_layer * m.layers
