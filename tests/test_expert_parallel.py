@@ -243,7 +243,8 @@ def _train(jobs: dict, tmp: str, pretrained: str | None) -> dict:
     from parallel4d.engine.compose import compose
     from parallel4d.training.checkpoints import load_checkpoint, save_checkpoint
 
-    out = train_layouts({n: j for n, j in jobs.items() if n not in LORA_LAYOUTS}, with_hetero_stats=True)
+    out = train_layouts({n: j for n, j in jobs.items() if n not in {**LORA_LAYOUTS, **LORA_HETERO}},
+                        with_hetero_stats=True)
     out.update(train_layouts({n: j for n, j in jobs.items() if n in LORA_LAYOUTS}, inspect=held_for_training))
     out.update(train_layouts({n: j for n, j in jobs.items() if n in LORA_HETERO}, inspect=hetero_frozen))
     from test_hetero_experts import one_sided_router, placed_with

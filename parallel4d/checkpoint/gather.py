@@ -58,8 +58,9 @@ def verified(found: Path) -> Path:
 
 def with_tied_head(model_state: dict, tied: bool) -> dict:
     """A checkpoint's (or gather's) model tensors as the dense model's ``state_dict()`` lists them:
-    with tied embeddings the checkpoint holds the token table once, and ``head.weight`` is it."""
-    if tied and "head.weight" not in model_state:
+    with tied embeddings the checkpoint holds the token table once, and ``head.weight`` is it (a LoRA job's
+    checkpoint holds the adapters alone: no table, no head)."""
+    if tied and "head.weight" not in model_state and "embed.tok.weight" in model_state:
         return {**model_state, "head.weight": model_state["embed.tok.weight"]}
     return dict(model_state)
 
