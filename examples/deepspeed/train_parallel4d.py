@@ -34,6 +34,9 @@ def main(path: str) -> None:
         engine.step()
         if torch.distributed.get_rank() == 0:
             print(f"step {step + 1} loss {loss.item():.10f}", flush=True)
+    # joins the communication threads before the interpreter exits (one still dropping a finished gloo work
+    # while Python finalizes aborts the process: "terminate called without an active exception")
+    torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
