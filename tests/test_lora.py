@@ -113,6 +113,18 @@ def _prepare(case, mp, dropout=0.0):
     return model.train(), theirs.train(), names
 
 
+def _once(model, theirs, tokens, targets, worst_grad):
+    """One forward and backward of ours and peft's on ``tokens``: peft's output and the largest differences
+    ``(logits, loss, adapter gradients)`` (``worst_grad()`` after both backwards)."""
+    out = theirs(input_ids=tokens, labels=tokens)
+    loss = model(tokens, targets)
+    d_logits = (model(tokens) - out.logits).abs().max().item()
+    d_loss = abs(loss.item() - out.loss.item())
+    out.loss.backward()
+    loss.backward()
+    return out, (d_logits, d_loss, worst_grad())
+
+
 @pytest.mark.parametrize("case", list(CASES))
 def test_lora_equals_peft_in_float64(case, monkeypatch):
     with monkeypatch.context() as mp:
@@ -120,13 +132,8 @@ def test_lora_equals_peft_in_float64(case, monkeypatch):
         base = {n: p.detach().clone() for n, p in model.named_parameters() if not is_adapter(n)}
         tokens, targets = _tokens(1)
 
-        out = theirs(input_ids=tokens, labels=tokens)
-        loss = model(tokens, targets)
-        d_logits = (model(tokens) - out.logits).abs().max().item()
-        d_loss = abs(loss.item() - out.loss.item())
-        out.loss.backward()
-        loss.backward()
-        d_grad = _worst(model, theirs, names, "grad")
+        out, (d_logits, d_loss, d_grad) = _once(model, theirs, tokens, targets,
+                                                lambda: _worst(model, theirs, names, "grad"))
         assert out.logits.dtype == torch.float64 and out.logits.abs().max() > 1.0
         assert min(model.get_parameter(o).grad.abs().max().item() for o in names) > 0  # every adapter learns
         assert all(p.grad is None for n, p in model.named_parameters() if not is_adapter(n))  # none kept
@@ -407,13 +414,8 @@ def test_lora_on_moe_layers_equals_peft_in_float64(case, monkeypatch):
     with monkeypatch.context() as mp:
         model, theirs, names = _moe_prepare(case, mp)
         tokens, targets = test_moe._batch(1)
-        out = theirs(input_ids=tokens, labels=tokens)
-        loss = model(tokens, targets)
-        d_logits = (model(tokens) - out.logits).abs().max().item()
-        d_loss = abs(loss.item() - out.loss.item())
-        out.loss.backward()
-        loss.backward()
-        d_grad = _moe_worst(model, theirs, names, "grad")
+        _, (d_logits, d_loss, d_grad) = _once(model, theirs, tokens, targets,
+                                              lambda: _moe_worst(model, theirs, names, "grad"))
         assert min(model.get_parameter(o).grad.abs().max().item() for o in names) > 0  # every adapter learns
         assert any(".experts.adapters." in o for o in names)
         assert all(p.grad is None for n, p in model.named_parameters() if not is_adapter(n))

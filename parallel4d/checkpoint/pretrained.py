@@ -14,15 +14,21 @@ from parallel4d.config.errors import ConfigError
 def pretrained_checkpoint(model_cfg, use: Callable[[Any], Any]) -> Any:
     """``use(parallel4d.models.hf)`` on ``model.pretrained``; ConfigError naming the directory for a
     missing hf extra, file or tensor, or a tensor of the wrong shape."""
+    return _with_hf("model.pretrained", model_cfg.pretrained, use)
+
+
+def _with_hf(field: str, value, use: Callable[[Any], Any]) -> Any:
+    """``use(parallel4d.models.hf)``; a missing hf extra, or a ValueError / OSError of ``use`` (a file or
+    tensor missing or of the wrong shape), as a ConfigError naming ``field`` and its ``value``."""
     try:
         hf = importlib.import_module("parallel4d.models.hf")  # safetensors: the optional hf extra
     except ImportError as e:
-        raise ConfigError(f"model.pretrained needs the hf extra ({e.name} is missing): "
+        raise ConfigError(f"{field} needs the hf extra ({e.name} is missing): "
                           "pip install 'parallel4d[hf]' (make installs it)") from None
     try:
         return use(hf)
     except (ValueError, OSError) as e:
-        raise ConfigError(f"model.pretrained={model_cfg.pretrained!r}: {e}") from None
+        raise ConfigError(f"{field}={value!r}: {e}") from None
 
 
 def check_pretrained(model_cfg) -> None:
@@ -35,12 +41,4 @@ def check_adapter(model_cfg) -> None:
     """``model.lora.adapter``'s weights hold exactly the model's adapters, each of its shape, from the file's
     header alone (:func:`parallel4d.models.hf.check_adapter`); ConfigError naming the field and tensor."""
     where = model_cfg.lora.adapter
-    try:
-        hf = importlib.import_module("parallel4d.models.hf")  # safetensors: the optional hf extra
-    except ImportError as e:
-        raise ConfigError(f"model.lora.adapter needs the hf extra ({e.name} is missing): "
-                          "pip install 'parallel4d[hf]' (make installs it)") from None
-    try:
-        hf.check_adapter(os.path.expanduser(where), model_cfg)
-    except (ValueError, OSError) as e:
-        raise ConfigError(f"model.lora.adapter={where!r}: {e}") from None
+    _with_hf("model.lora.adapter", where, lambda hf: hf.check_adapter(os.path.expanduser(where), model_cfg))
