@@ -135,7 +135,9 @@ def test_fp8_linear_equals_torchao_float8_linear_under_its_rowwise_recipe():
     float8 = pytest.importorskip("torchao.float8", reason="torchao is the fp8 extra: pip install 'parallel4d[fp8]'")
     torch.manual_seed(2)
     base = torch.nn.Linear(64, 48, bias=False).bfloat16()
-    theirs = float8.Float8Linear.from_float(base, config=float8.Float8LinearConfig.from_recipe_name("rowwise"))
+    theirs = torch.nn.Sequential(base)  # its public swap: every nn.Linear inside a module, parameters shared
+    float8.convert_to_float8_training(theirs, config=float8.Float8LinearConfig.from_recipe_name("rowwise"))
+    assert type(theirs[0]).__name__ == "Float8Linear" and theirs[0].weight is base.weight
     x = torch.randn(3, 16, 64, dtype=torch.bfloat16) * torch.logspace(-2, 2, 16, dtype=torch.bfloat16).unsqueeze(1)
     dy = torch.randn(3, 16, 48, dtype=torch.bfloat16)
     results = []

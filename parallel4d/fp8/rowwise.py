@@ -14,7 +14,8 @@ magnitude lands in ``(224, 448]``; values beyond ±448 cannot occur but are satu
 
 ``_scaled_mm``'s layout rules: ``A8`` row-major, ``B8`` column-major, both contiguous in that sense.
 CUDA's rowwise kernel writes bfloat16 only: a float32 or float16 result is then computed in bfloat16 and
-cast (torchao does the same); on the CPU it is written in the asked dtype.
+cast (torchao does the same); on the CPU it is written in the asked dtype. CUDA's kernels also want K and
+N multiples of 16 (torchao pads them under ``pad_inner_dim``; not done here yet: the GPU path is unmeasured).
 """
 
 from __future__ import annotations
