@@ -18,7 +18,7 @@ import torch
 from parallel4d.config.errors import ConfigError
 from parallel4d.config.load import make_config
 from parallel4d.fp8.linear import RowwiseLinear, rowwise_linear
-from parallel4d.fp8.rowwise import E4M3_MAX, dequantized, rowwise_mm, scales
+from parallel4d.fp8.rowwise import E4M3_MAX, dequantized, device_problem, rowwise_mm, scales
 
 #: e4m3's unit roundoff: 3 mantissa bits, a rounded element within 2⁻⁴ of its value (relative)
 E4M3_U = 2.0 ** -4
@@ -187,6 +187,22 @@ def test_fp8_is_off_by_default_and_accepted_in_one_process_with_float32_or_bfloa
     assert make_config({}).train.fp8 == "none"
     for dtype in ("float32", "bfloat16"):
         assert make_config(_fp8_job(dtype=dtype)).train.fp8 == "rowwise"
+
+
+def test_a_gpu_without_fp8_products_is_refused_naming_it_and_the_fix(monkeypatch):
+    """compose() refuses ``train.fp8`` on a GPU below compute capability 8.9 (no FP8 tensor cores: ``_scaled_mm``
+    fails there) with the GPU's name and capability; 8.9 and later, and the CPU, run it. (CUDA's answers are
+    faked: no GPU is asked.)"""
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100-SXM4-80GB")
+    for capability, refused in (((8, 0), True), ((8, 6), True), ((8, 9), False), ((9, 0), False)):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, c=capability: c)
+        problem = device_problem(torch.device("cuda", 0))
+        assert (problem is not None) == refused, (capability, problem)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    message = device_problem(torch.device("cuda", 0))
+    assert all(w in message for w in ("NVIDIA A100-SXM4-80GB", "compute capability 8.0", "8.9 or later",
+                                      "set train.fp8=none")), message
+    assert device_problem(torch.device("cpu")) is None
 
 
 #: how many steps the FP8 run is compared over
