@@ -34,7 +34,7 @@ $(VENV)/.installed: $(BIN)/python pyproject.toml
 	    $(BIN)/pip install -q "$(TORCH_CPU)"; \
 	  fi; \
 	fi
-	$(BIN)/pip install -q -e ".[test,viz,deepspeed,hf]"
+	$(BIN)/pip install -q -e ".[test,viz,deepspeed,hf,fp8]"
 	@touch $@
 
 install: $(VENV)/.installed

@@ -121,6 +121,15 @@ def test_check_of_one_process_says_there_is_nothing_to_compare_and_exits_0(tmp_p
         assert len(out) == 1 and "is the reference itself: nothing to compare" in out[0], out
 
 
+def test_check_of_an_fp8_job_runs_it_in_float64_without_fp8_and_says_so():
+    """An FP8 job (one process, recomputed blocks: something to compare) was refused by its own check: the check
+    runs float64, where train.fp8 is refused. Its run sets train.fp8=none and a note says FP8 is not checked."""
+    plan = shrunk(ROOT / "configs" / "quickstart.yaml", ["parallel.dp=1", "train.dtype=bfloat16",
+                                                          "train.fp8=rowwise", "train.activation_checkpointing=blocks"])
+    assert (plan.cfg.train.fp8, plan.cfg.train.dtype) == ("none", "float64")
+    assert any("train.fp8=rowwise: not checked" in note for note in plan.notes), plan.notes
+
+
 def test_check_of_one_process_with_hetero_still_compares():
     """hetero's chunks are what the one-process reference leaves out: something to compare."""
     assert nothing_to_compare(ROOT / "configs" / "hetero.yaml", ["parallel.dp=1", "data.batch_size=8"]) is None

@@ -7,7 +7,7 @@ from __future__ import annotations
 import re
 from typing import TYPE_CHECKING
 
-from parallel4d.config.rules import data, deepspeed, hetero, lora, moe, pipeline, sequence, tensor2d, training
+from parallel4d.config.rules import data, deepspeed, fp8, hetero, lora, moe, pipeline, sequence, tensor2d, training
 from parallel4d.config.rules.common import DTYPE_BYTES, closest, divisors, fixed_fields, or_list
 
 if TYPE_CHECKING:  # annotations only: the schema imports these rules
@@ -120,4 +120,5 @@ _RULES = (_grid_problems, sequence.ring_problems, data.batch_split_problems, pip
           hetero.split_backward_problems, _model_problems, _moe_problems, _lora_problems,
           _size_problems, _lr_schedule_problems, training.tensorboard_problems, deepspeed.section_problems,
           data.source_problems, data.validation_problems, data.packing_problems, training.dtype_problems, hetero.reduce_dtype_problems,
-          hetero.compute_dtype_problems, _fused_problems, deepspeed.float16_problems, deepspeed.dropout_problems)
+          hetero.compute_dtype_problems, _fused_problems, deepspeed.float16_problems, deepspeed.dropout_problems,
+          fp8.problems)

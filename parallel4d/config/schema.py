@@ -430,6 +430,12 @@ class TrainConfig(_Section):
                                                                "on every rank)")
     loss_scale_window: int = Field(1000, ge=1, le=MAX_STEPS, description="float16: steps without an overflow before the loss "
                                                            "scale doubles")
+    fp8: Literal["none", "rowwise"] = Field(
+        "none", description="rowwise: every linear of the transformer blocks (attention projections, MLP) computes "
+                            "its forward and both backward products in FP8 (e4m3 operands, one power-of-two scale per "
+                            "row of the left operand and per column of the right, float32 sums: torchao's rowwise "
+                            "recipe); the embedding, the LM head, the master weights and the optimizer unchanged. "
+                            "One process only for now; none: the products in train.dtype")
     device: Literal["auto", "cpu", "cuda"] = "auto"
     grad_clip: Optional[Finite] = Field(None, gt=0)
     out_dir: PathStr = "runs/default"

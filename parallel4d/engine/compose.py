@@ -42,8 +42,10 @@ from parallel4d.engine.pretrained import load_pretrained
 from parallel4d.engine.state import dense_layouts
 from parallel4d.engine.step import Engine
 from parallel4d.engine.store import parameter_store
+from parallel4d.fp8.rowwise import device_problem
 from parallel4d.models.build import build_stage, family
 from parallel4d.models.context import ForwardContext, attach
+from parallel4d.models.fp8 import use_fp8
 from parallel4d.models.lora import LoraShape, adapted_modules, add_adapters
 from parallel4d.models.moe.balance import CarryingChunk, StepLoad
 from parallel4d.models.moe.spec import MoeShape
@@ -399,6 +401,8 @@ def compose(cfg: Config, mesh: Mesh) -> Engine:
         if mesh.size(axis) != size:
             raise ConfigError(f"the mesh has {axis}={mesh.size(axis)} but the config asks for {size}; "
                               "build the mesh from cfg.parallel")
+    if cfg.train.fp8 != "none" and (problem := device_problem(mesh.device)) is not None:
+        raise ConfigError(problem)
     executor = tied_sync = order = None
     tied_params: list = []
     context = forward_context(cfg, mesh)
@@ -426,7 +430,8 @@ def local_model(cfg: Config, stages: dict[int, nn.Module]) -> LocalModel:
     checkpoint (only this rank's slices read; ``.pretrained_bytes_read``, else None); with ``model.lora``
     the adapters added (:func:`~parallel4d.models.lora.add_adapters`, seeded ``train.seed``, or read from
     ``model.lora.adapter``: :func:`~parallel4d.checkpoint.adapters.load_adapter`), the rest frozen:
-    the store and the optimizer hold only what requires a gradient."""
+    the store and the optimizer hold only what requires a gradient; with ``train.fp8: rowwise`` the blocks'
+    linears computing in FP8 (:func:`~parallel4d.models.fp8.use_fp8`)."""
     names = stage_names(model_shape(cfg))
     model = LocalModel({names[i]: stages[i] for i in sorted(stages)})
     model.dense = dense_layouts(model.stages(), tied=cfg.model.tie_embeddings)
@@ -436,5 +441,7 @@ def local_model(cfg: Config, stages: dict[int, nn.Module]) -> LocalModel:
         model.dense = dense_layouts(model.stages(), tied=cfg.model.tie_embeddings)
         if cfg.model.lora.adapter:  # peft's adapter to start from: this rank's slices of it
             load_adapter(adapter_pieces(model, model.dense), cfg.model)
+    if cfg.train.fp8 == "rowwise":  # the blocks' linears compute in FP8 over the same parameters
+        use_fp8(model)
     return model
 

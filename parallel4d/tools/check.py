@@ -47,7 +47,7 @@ PARAM_ATOL = 1e-12
 AXES = ("pp", "dp", "sp", "tp")  # the mesh's axes (their product is the world); ep adds no ranks
 
 # What the check fixes whatever the job says: float64 on CPU, a short run, a checkpoint at its end
-RUN = ["train.dtype=float64", "train.param_dtype=null", "train.autocast_dtype=null",
+RUN = ["train.dtype=float64", "train.param_dtype=null", "train.autocast_dtype=null", "train.fp8=none",
        "train.grad_reduce_dtype=null", "train.device=cpu", "train.compile=none", "train.fused=torch",
        "train.log_every=1000", "train.tensorboard=false", "train.resume=false", "train.threads_per_worker=1",
        "train.job_timeout_s=null", "train.grad_clip=null", "checkpoint.enabled=true", "checkpoint.every=0",
@@ -203,6 +203,9 @@ def _features(path, job: list[str], cfg: Config, own: list[str]) -> Optional[tup
         notes.append(f"data.path={cfg.data.path} is not on this machine: synthetic tokens instead")
     if cfg.train.compile != "none":
         notes.append("train.compile: not checked (compiles nothing on CPU in float64)")
+    if cfg.train.fp8 != "none":  # RUN sets none: a float64 run has no FP8 products
+        notes.append(f"train.fp8={cfg.train.fp8}: not checked (the check runs in float64; tests/test_fp8.py pins "
+                     "the FP8 products)")
     if cfg.model.lora is not None and cfg.model.lora.dropout:  # as model.dropout (RUN)
         out.append("model.lora.dropout=0.0")
         notes.append(f"model.lora.dropout={cfg.model.lora.dropout}: not checked (dropout off, as model.dropout)")

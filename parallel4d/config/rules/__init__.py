@@ -7,7 +7,8 @@ returns its messages (None or [] when it holds), naming the fields and a value t
   strategies themselves (``tensor2d/checks.py``, ``pipeline/checks.py``, ``sequence/layout.py``);
 * ``data`` (the batch split, the sources, held-out data), ``training`` (dtypes, fused kernels,
   TensorBoard, the learning-rate schedule), ``deepspeed`` (the section's rules that need no
-  DeepSpeed), ``job`` (the local launcher's and torchrun's limits).
+  DeepSpeed), ``job`` (the local launcher's and torchrun's limits), ``lora`` and ``moe`` (what adapters
+  and MoE layers need), ``fp8`` (``train.fp8``: float64 refused, the layouts it does not run in yet).
 
 ``config/checks.py`` lists a job file's rules in the order their messages appear.
 """

@@ -1,0 +1,81 @@
+"""Rowwise-scaled FP8 products, as torchao's ``rowwise`` float8 training recipe defines them.
+
+A product ``A·B`` (``A`` ``[M, K]``, ``B`` ``[K, N]``, any float dtype) runs as
+``torch._scaled_mm(A8, B8, 1/sA, 1/sB)``: each operand rounded to ``float8_e4m3fn`` after scaling along
+the contracted dimension K — one scale per row of ``A`` (``sA`` ``[M, 1]``) and one per column of ``B``
+(``sB`` ``[1, N]``) —, the product accumulated in float32 and unscaled by ``1/(sA·sB)``.
+
+A scale (:func:`scales`) is ``448 / amax`` (448 is e4m3's largest finite value; ``amax`` the largest
+magnitude of the row or column, floored at :data:`AMAX_FLOOR` so a zero row gets a finite scale),
+computed in float64, rounded to float32, then *down* to a power of two (torchao's rowwise recipe sets
+``round_scales_to_power_of_2``): scaling and unscaling are then exact, the only rounding is e4m3's
+(3 mantissa bits: a relative error of at most 2⁻⁴ per element) and the float32 sums. The largest
+magnitude lands in ``(224, 448]``; values beyond ±448 cannot occur but are saturated all the same.
+
+``_scaled_mm``'s layout rules: ``A8`` row-major, ``B8`` column-major, both contiguous in that sense.
+CUDA's rowwise kernel writes bfloat16 only: a float32 or float16 result is then computed in bfloat16 and
+cast (torchao does the same); on the CPU it is written in the asked dtype. CUDA's kernels also want K and
+N multiples of 16 (torchao pads them under ``pad_inner_dim``; not done here yet: the GPU path is unmeasured).
+"""
+
+from __future__ import annotations
+
+import torch
+
+#: the operands' dtype and its largest finite value
+E4M3 = torch.float8_e4m3fn
+E4M3_MAX = float(torch.finfo(E4M3).max)
+#: the least amax a scale is computed from (a row of zeros gets 448 / 1e-12, rounded down to 2^48)
+AMAX_FLOOR = 1e-12
+
+
+@torch.no_grad()
+def scales(t: torch.Tensor, dim: int) -> torch.Tensor:
+    """float32 scales of ``t`` (2-D), one per slice along ``dim`` reduced (``dim=1``: one per row, ``[M, 1]``;
+    ``dim=0``: one per column, ``[1, N]``): the largest power of two ≤ ``448 / max(amax, 1e-12)``."""
+    amax = t.abs().amax(dim=dim, keepdim=True).to(torch.float64)
+    scale = (E4M3_MAX / amax.clamp(min=AMAX_FLOOR)).to(torch.float32)
+    return torch.exp2(torch.floor(torch.log2(scale)))
+
+
+@torch.no_grad()
+def quantize(t: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``t · scale`` (in float32) rounded to e4m3, saturated at ±448; ``scale`` broadcasts over ``t``."""
+    return (t.to(torch.float32) * scale).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
+
+
+def result_dtype(device: torch.device, out_dtype: torch.dtype) -> torch.dtype:
+    """What ``_scaled_mm`` writes for a wanted ``out_dtype``: CUDA's rowwise kernel bfloat16 only."""
+    return torch.bfloat16 if device.type == "cuda" else out_dtype
+
+
+@torch.no_grad()
+def rowwise_mm(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """``a·b`` (``a`` ``[M, K]``, ``b`` ``[K, N]``) in FP8 with dynamic rowwise scales (the module doc):
+    ``[M, N]`` in ``out_dtype``."""
+    sa, sb = scales(a, 1), scales(b, 0)
+    a8 = quantize(a, sa).contiguous()  # row-major
+    b8 = quantize(b, sb).t().contiguous().t()  # column-major
+    out = torch._scaled_mm(a8, b8, scale_a=sa.reciprocal(), scale_b=sb.reciprocal(),
+                           out_dtype=result_dtype(a.device, out_dtype), use_fast_accum=False)
+    return out.to(out_dtype)
+
+
+def dequantized(t: torch.Tensor, dim: int) -> torch.Tensor:
+    """``t`` as :func:`rowwise_mm` sees it, in float64: rounded to e4m3 with :func:`scales` along ``dim``
+    and scaled back (the reference the products are tested against)."""
+    s = scales(t, dim)
+    return quantize(t, s).to(torch.float64) / s.to(torch.float64)
+
+
+def device_problem(device: torch.device) -> str | None:
+    """Why ``device`` cannot run FP8 products (None: it can): a CUDA GPU needs compute capability 8.9 or
+    later (Ada, Hopper, Blackwell) for ``_scaled_mm``; the CPU runs them (slowly, for checking)."""
+    if device.type != "cuda":
+        return None
+    capability = torch.cuda.get_device_capability(device)
+    if capability >= (8, 9):
+        return None
+    return (f"train.fp8=rowwise needs FP8 products, which {torch.cuda.get_device_name(device)} (compute capability "
+            f"{capability[0]}.{capability[1]}) lacks: they need 8.9 or later (Ada, Hopper, Blackwell); set "
+            "train.fp8=none on this GPU")

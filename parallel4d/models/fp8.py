@@ -1,0 +1,29 @@
+"""``train.fp8: rowwise`` on a model: every linear of the transformer blocks (the attention projections
+and the MLP) becomes a :class:`~parallel4d.fp8.linear.RowwiseLinear` over the same parameters; the
+embedding and the LM head stay as they are (torchtitan leaves its output layer in 16 bits too)."""
+
+from __future__ import annotations
+
+import torch.nn as nn
+
+from parallel4d.fp8.linear import RowwiseLinear
+
+
+def blocks_of(model: nn.Module) -> list[nn.Module]:
+    """The transformer blocks of a dense model (``.blocks``, a list) or of a rank's local model (a dict)."""
+    blocks = model.blocks
+    return list(blocks.values() if isinstance(blocks, nn.ModuleDict) else blocks)
+
+
+def use_fp8(model: nn.Module) -> list[str]:
+    """Swap every ``nn.Linear`` inside ``model``'s blocks for a :class:`RowwiseLinear` holding its
+    parameters (names, values and optimizer identity unchanged). Returns the swapped modules' names
+    within their block, block by block."""
+    done = []
+    for block in blocks_of(model):
+        for name, module in list(block.named_modules()):
+            if type(module) is nn.Linear:
+                parent, _, leaf = name.rpartition(".")
+                setattr(block.get_submodule(parent) if parent else block, leaf, RowwiseLinear.of(module))
+                done.append(name)
+    return done

@@ -1,0 +1,238 @@
+"""FP8 training, its foundation (#50.1, .2): rowwise-scaled e4m3 products (parallel4d/fp8/) pinned against a
+float64 reference that multiplies the same quantized operands, the FP8 linear's three products and gradients,
+torchao's ``Float8Linear`` under its ``rowwise`` recipe where torchao is installed, ``train.fp8``'s refusals,
+and a one-process training run in FP8 against the same run in bfloat16.
+
+The float64 reference sees exactly what the FP8 product sees (each operand rounded to e4m3 with the same
+power-of-two scales, scaled back exactly): what remains is the float32 accumulation's rounding, at most
+``K · 2⁻²⁴ · Σ|a·b|`` per element, plus the rounding of the result to its dtype (bfloat16: 2⁻⁸ relative).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from parallel4d.config.errors import ConfigError
+from parallel4d.config.load import make_config
+from parallel4d.fp8.linear import RowwiseLinear, rowwise_linear
+from parallel4d.fp8.rowwise import E4M3_MAX, dequantized, device_problem, rowwise_mm, scales
+
+#: e4m3's unit roundoff: 3 mantissa bits, a rounded element within 2⁻⁴ of its value (relative)
+E4M3_U = 2.0 ** -4
+#: float32's and bfloat16's unit roundoff
+F32_U, BF16_U = 2.0 ** -24, 2.0 ** -8
+
+
+def _matrix(rows: int, cols: int, seed: int) -> torch.Tensor:
+    """``[rows, cols]`` spanning magnitudes: rows of very different sizes, one outlier per row (a scale set by
+    one element), row 1 and column 2 zero (a row's and a column's amax floored)."""
+    g = torch.Generator().manual_seed(seed)
+    t = torch.randn(rows, cols, generator=g) * torch.logspace(-3, 3, rows).unsqueeze(1)
+    t[torch.arange(rows), torch.randint(0, cols, (rows,), generator=g)] *= 50
+    t[1], t[:, 2] = 0, 0
+    return t
+
+
+def assert_within_accumulation(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """``out`` = the float64 product of ``a`` and ``b`` as e4m3 sees them (rows of ``a``, columns of ``b``
+    scaled), to float32 accumulation over K and the rounding to ``out``'s dtype."""
+    qa, qb = dequantized(a, 1), dequantized(b, 0)
+    want, size = qa @ qb, qa.abs() @ qb.abs()
+    u_out = {torch.float32: 0.0, torch.bfloat16: BF16_U}[out.dtype]
+    bound = a.shape[1] * F32_U * size + u_out * want.abs() + 1e-300
+    err = (out.double() - want).abs()
+    assert (err <= bound).all(), f"worst error / bound {float((err / bound).max()):.3g}"
+
+
+def test_scales_are_the_largest_power_of_two_that_keeps_each_row_within_448():
+    """torchao's rowwise scale: 448 / amax rounded down to a power of two, per row (``dim=1``) or per column
+    (``dim=0``), float32: the row's largest magnitude lands in (224, 448]; a zero row gets a finite scale."""
+    a = _matrix(16, 32, seed=0)
+    for dim in (1, 0):
+        s = scales(a, dim)
+        assert s.dtype == torch.float32 and s.shape == ((16, 1) if dim else (1, 32))
+        assert torch.equal(s, torch.exp2(torch.round(torch.log2(s))))  # powers of two
+        amax = a.abs().amax(dim=dim, keepdim=True).double()
+        live = amax > 0
+        assert (amax * s <= E4M3_MAX)[live].all() and (2 * amax * s > E4M3_MAX)[live].all()
+    assert torch.isfinite(scales(a, 1)[1]).all() and scales(a, 1)[1].item() == 2.0 ** math.floor(math.log2(448e12))
+
+
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("product", ["y = x·Wᵀ", "dX = dY·W", "dW = dYᵀ·X"])
+def test_each_fp8_product_equals_the_quantized_operands_multiplied_in_float64(product, out_dtype):
+    """Each of a linear's three products, its operands laid out as the linear passes them (a transpose's view
+    where it takes one), equals the float64 reference to float32 accumulation; and it is a product of
+    quantized operands: it differs from the unquantized product by far more than accumulation could."""
+    tokens, inp, outp = 48, 64, 32
+    x, w, dy = _matrix(tokens, inp, seed=1), _matrix(outp, inp, seed=2), _matrix(tokens, outp, seed=3)
+    a, b = {"y = x·Wᵀ": (x, w.t()), "dX = dY·W": (dy, w), "dW = dYᵀ·X": (dy.t(), x)}[product]
+    out = rowwise_mm(a, b, out_dtype)
+    assert out.dtype == out_dtype and out.shape == (a.shape[0], b.shape[1])
+    assert_within_accumulation(out, a, b)
+    exact = a.double() @ b.double()
+    assert ((out.double() - exact).abs() > 1e3 * a.shape[1] * F32_U * (a.abs() @ b.abs()).double()).any()
+
+
+def _count_scaled_mm(monkeypatch) -> list:
+    """Every ``torch._scaled_mm`` call from here on appends its operands' dtypes to the returned list."""
+    calls, real = [], torch._scaled_mm
+
+    def counted(a, b, *args, **kwargs):
+        calls.append((a.dtype, b.dtype))
+        return real(a, b, *args, **kwargs)
+    monkeypatch.setattr(torch, "_scaled_mm", counted)
+    return calls
+
+
+def test_fp8_linear_forward_and_both_gradients_are_the_reference_products(monkeypatch):
+    """:class:`RowwiseLinear` (x ``[2, 24, 64]``, W ``[32, 64]``, a bias): y, dX and dW are each an e4m3 product
+    of its operands scaled along what it contracts (the float64 reference, to float32 accumulation), the bias
+    and its gradient as in ``nn.Linear``; three ``_scaled_mm`` calls on e4m3 operands, none other."""
+    calls = _count_scaled_mm(monkeypatch)
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(64, 32)
+    fp8 = RowwiseLinear.of(linear)
+    assert fp8.weight is linear.weight and fp8.bias is linear.bias
+    x = (torch.randn(2, 24, 64) * torch.logspace(-2, 2, 24).unsqueeze(1)).requires_grad_()
+    dy = torch.randn(2, 24, 32)
+    y = fp8(x)
+    y.backward(dy)
+    rows, drows, w = x.detach().reshape(-1, 64), dy.reshape(-1, 32), linear.weight.detach()
+    assert_within_accumulation((y - linear.bias).detach().reshape(-1, 32), rows, w.t())
+    assert_within_accumulation(x.grad.reshape(-1, 64), drows, w)
+    assert_within_accumulation(linear.weight.grad, drows.t(), rows)
+    torch.testing.assert_close(linear.bias.grad, dy.sum((0, 1)))
+    assert calls == [(torch.float8_e4m3fn, torch.float8_e4m3fn)] * 3
+
+
+def test_under_bfloat16_autocast_the_fp8_linear_computes_in_bfloat16_and_keeps_float32_gradients():
+    """Under autocast the input is cast to bfloat16 (as ``F.linear`` would be): y in bfloat16, the float32
+    input's and weight's gradients in float32, each the reference product of the bfloat16 operands."""
+    torch.manual_seed(1)
+    w = torch.randn(32, 64, requires_grad=True)
+    x = torch.randn(40, 64, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = rowwise_linear(x, w)
+    assert y.dtype == torch.bfloat16
+    dy = torch.randn(40, 32, dtype=torch.bfloat16)
+    y.backward(dy)
+    assert x.grad.dtype == w.grad.dtype == torch.float32
+    xb = x.detach().bfloat16()
+    assert_within_accumulation(y.detach(), xb, w.detach().t())
+    assert_within_accumulation(x.grad.bfloat16(), dy, w.detach())
+    assert_within_accumulation(w.grad.bfloat16(), dy.t(), xb)
+
+
+def test_fp8_linear_equals_torchao_float8_linear_under_its_rowwise_recipe():
+    """torchao's ``Float8Linear`` (``Float8LinearConfig.from_recipe_name("rowwise")``: e4m3 everywhere, axiswise
+    scales rounded down to powers of two) on the CPU, bfloat16 input and weight: the output and both gradients
+    equal ours bit for bit (its gradient products unscale after a unit-scale ``_scaled_mm``; with
+    power-of-two scales that is exact)."""
+    float8 = pytest.importorskip("torchao.float8", reason="torchao is the fp8 extra: pip install 'parallel4d[fp8]'")
+    torch.manual_seed(2)
+    base = torch.nn.Linear(64, 48, bias=False).bfloat16()
+    theirs = torch.nn.Sequential(base)  # its public swap: every nn.Linear inside a module, parameters shared
+    float8.convert_to_float8_training(theirs, config=float8.Float8LinearConfig.from_recipe_name("rowwise"))
+    assert type(theirs[0]).__name__ == "Float8Linear" and theirs[0].weight is base.weight
+    x = torch.randn(3, 16, 64, dtype=torch.bfloat16) * torch.logspace(-2, 2, 16, dtype=torch.bfloat16).unsqueeze(1)
+    dy = torch.randn(3, 16, 48, dtype=torch.bfloat16)
+    results = []
+    for module in (theirs, RowwiseLinear.of(base)):
+        xi = x.clone().requires_grad_()
+        base.weight.grad = None
+        y = module(xi)
+        y.backward(dy)
+        results.append((y.detach(), xi.grad, base.weight.grad.clone()))
+    for name, t, o in zip(("y", "dX", "dW"), *results):
+        assert torch.equal(t, o), f"{name}: worst difference {float((t.float() - o.float()).abs().max())}"
+
+
+def _fp8_job(**train) -> dict:
+    return {"model": {"arch": "llama", "hidden": 64, "heads": 4}, "train": {"dtype": "bfloat16", "fp8": "rowwise",
+                                                                           **train}}
+
+
+@pytest.mark.parametrize("sections, words", [
+    ({"train": {"dtype": "float64"}}, ["train.fp8=rowwise with train.dtype=float64", "never", "train.fp8=none"]),
+    ({"train": {"dtype": "float32", "param_dtype": "float64"}}, ["train.param_dtype=float64", "never"]),
+    ({"parallel": {"tp": 4}}, ["not with parallel.tp=4", "2D tensor parallelism", "set parallel.tp=1"]),
+    ({"parallel": {"pp": 2}}, ["not with parallel.pp=2", "set parallel.pp=1"]),
+    ({"parallel": {"dp": 2}}, ["not with parallel.dp=2", "set parallel.dp=1"]),
+    ({"parallel": {"sp": 2}}, ["not with parallel.sp=2", "set parallel.sp=1"]),
+    ({"hetero": {"enabled": True}}, ["not with hetero.enabled=true", "set hetero.enabled=false"]),
+    ({"deepspeed": {"zero_optimization": {"stage": 1}}}, ["not with a deepspeed: section", "remove it"]),
+    ({"model": {"lora": {"rank": 2, "alpha": 4, "targets": ["q_proj"]}}}, ["not with model.lora", "remove model.lora"]),
+    ({"model": {"num_experts": 4, "num_experts_per_tok": 2}}, ["not with model.num_experts=4", "model.num_experts=0"]),
+    ({"train": {"compile": "blocks"}}, ["not with train.compile=blocks", "set train.compile=none"]),
+])
+def test_fp8_where_it_does_not_run_is_refused_naming_the_field_and_fix(sections, words):
+    """Each layout FP8 linears do not run in yet is refused by name with its fix ("for now" and train.fp8=none);
+    float64 parameters never."""
+    job = _fp8_job()
+    for key, value in sections.items():
+        job[key] = {**job.get(key, {}), **value} if isinstance(value, dict) and key != "deepspeed" else value
+    with pytest.raises(ConfigError) as e:
+        make_config(job)
+    message = str(e.value)
+    assert all(w in message for w in words), message
+    if "never" not in words:
+        assert "runs in one process on a dense model only for now" in message and "or train.fp8=none" in message
+
+
+def test_fp8_is_off_by_default_and_accepted_in_one_process_with_float32_or_bfloat16():
+    assert make_config({}).train.fp8 == "none"
+    for dtype in ("float32", "bfloat16"):
+        assert make_config(_fp8_job(dtype=dtype)).train.fp8 == "rowwise"
+
+
+def test_a_gpu_without_fp8_products_is_refused_naming_it_and_the_fix(monkeypatch):
+    """compose() refuses ``train.fp8`` on a GPU below compute capability 8.9 (no FP8 tensor cores: ``_scaled_mm``
+    fails there) with the GPU's name and capability; 8.9 and later, and the CPU, run it. (CUDA's answers are
+    faked: no GPU is asked.)"""
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100-SXM4-80GB")
+    for capability, refused in (((8, 0), True), ((8, 6), True), ((8, 9), False), ((9, 0), False)):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, c=capability: c)
+        problem = device_problem(torch.device("cuda", 0))
+        assert (problem is not None) == refused, (capability, problem)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    message = device_problem(torch.device("cuda", 0))
+    assert all(w in message for w in ("NVIDIA A100-SXM4-80GB", "compute capability 8.0", "8.9 or later",
+                                      "set train.fp8=none")), message
+    assert device_problem(torch.device("cpu")) is None
+
+
+#: how many steps the FP8 run is compared over
+STEPS = 12
+
+
+def test_fp8_training_stays_within_e4m3_precision_of_bfloat16_training(single_rank, monkeypatch):
+    """``train.fp8: rowwise`` through compose() in one process (a 4-layer llama, bfloat16 autocast, two
+    micro-batches): every step's loss is within ``2⁻⁴ · loss`` of the same job without FP8, over 12 steps.
+
+    Why 2⁻⁴ (e4m3's unit roundoff u, not a fitted number): each element of an FP8 operand is within u of its
+    value, so a product term a·b within about 2u, and a linear's output within 2u of Σ|a·b| at worst. Those
+    roundings are unbiased and independent over the K terms, the tokens and the 28 linears, and the loss is a
+    mean over 128 tokens of a log-softmax: it moves by a small fraction of one term's worst error, so a band
+    of u on the loss holds the first step with a margin, and leaves room for the parameters to drift apart over
+    the steps (every gradient within ~2u as well, and AdamW's updates normalised). The bfloat16 run must fall
+    by more than twice the band over the steps, so a run that learned nothing could not pass; and every linear
+    of the blocks, none else, computes in FP8: 3 ``_scaled_mm`` calls (y, dX, dW) per linear per micro-batch."""
+    from test_llama import BASE, _job, train_layouts
+
+    train = {**BASE["train"], "steps": STEPS, "dtype": "bfloat16"}
+    bf16 = _job({}, {"microbatches": 2}, train=train)
+    fp8 = _job({}, {"microbatches": 2}, train={**train, "fp8": "rowwise"})
+    want, want_pieces = train_layouts({"bf16": bf16})["bf16"]
+    calls = _count_scaled_mm(monkeypatch)
+    losses, pieces = train_layouts({"fp8": fp8})["fp8"]
+    layers = BASE["model"]["layers"]
+    assert len(calls) == 3 * 7 * layers * 2 * STEPS  # q, k, v, o, gate, up, down in each block
+    assert set(pieces) == set(want_pieces)  # the same parameters, under the same names
+    want, losses = torch.tensor(want), torch.tensor(losses)
+    assert want[0] - want[-1] > 2 * E4M3_U * want[0], f"bfloat16 fell from {want[0]:.3f} to {want[-1]:.3f} only"
+    worst = ((losses - want).abs() / want).max()
+    assert worst <= E4M3_U, f"FP8 losses {losses.tolist()} against bfloat16's {want.tolist()}: worst {worst:.3g}"
