@@ -75,7 +75,7 @@ class Experts(nn.Module):
         self.num_experts, self.held = num_experts, range(num_experts)
         self.each: nn.ModuleList | None = None
         # low-rank adapters on the stacked weights (model.lora; models/lora.py's add_adapters): None, or
-        # {"gate_up_proj": …, "down_proj": …} modules whose ``delta(weight)`` adds their product to a weight
+        # {"gate_up_proj": …, "down_proj": …} modules whose call ``(weight)`` adds their product to a weight
         self.adapters: nn.ModuleDict | None = None
 
     def forward(self, x, counts, host: HostCounts | None = None):
@@ -102,10 +102,10 @@ class Experts(nn.Module):
         if self.adapters is None:
             return gate, up, down
         if "gate_up_proj" in self.adapters:
-            gate_up = self.adapters["gate_up_proj"].delta(torch.cat([gate, up], dim=1))
+            gate_up = self.adapters["gate_up_proj"](torch.cat([gate, up], dim=1))
             gate, up = gate_up.split(gate.shape[1], dim=1)
         if "down_proj" in self.adapters:
-            down = self.adapters["down_proj"].delta(down)
+            down = self.adapters["down_proj"](down)
         return gate, up, down
 
     def keep(self, experts: range) -> None:
