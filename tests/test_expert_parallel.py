@@ -73,6 +73,8 @@ LORA_SECTION = {"rank": 2, "alpha": 6, "rslora": True, "targets": ["q_proj", "o_
                                                                    "down_proj"]}
 LORA_HANAYO = "Hanayo pp=2 × dp=2, ep=2, 2 micro-batches, LoRA on attention, the shared expert and the experts"
 LORA_GRID = "tp=4 (q=2), LoRA on attention, the shared expert, the dense layer and the experts"
+LORA_HETERO_EXPERTS = ("LoRA dp=2 × sp=2, ep=2, hetero, on attention, the shared expert, the dense layer and the "
+                       "experts")
 FOUR_AXES = "Hanayo pp=2 × zigzag ring sp=2 × tp=4, ep=2, hetero, 2 micro-batches, blocks recomputed"
 LAYOUTS = {
     "dp=2 × sp=2, ep=1": _job({"dp": 2, "sp": 2}),
@@ -152,6 +154,9 @@ LORA_HETERO = {
     "LoRA Hanayo pp=2 × dp=2, hetero, 2 micro-batches, adapter dropout":
         _lora_job({"pp": 2, "dp": 2}, 0.1, pipeline={"schedule": "hanayo", "waves": 1, "microbatches": 2},
                   hetero=HETERO),
+    # the experts one module each (hetero), each with its rows of the experts' adapters, split over ep=2
+    LORA_HETERO_EXPERTS: _job({"dp": 2, "sp": 2, "ep": 2}, hetero=HETERO,
+                              model={**BASE["model"], "lora": LORA_SECTION}),
 }
 
 

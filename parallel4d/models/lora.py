@@ -145,6 +145,17 @@ def expert_adapters(targets) -> list[str]:
     return [fused for fused, names in EXPERT_ADAPTERS.items() if set(names) <= set(targets)]
 
 
+def _rows_of(whole: ExpertsLora, experts: range) -> ExpertsLora:
+    """A new :class:`ExpertsLora` of ``whole``'s scaling holding the rows ``experts`` of its ``lora_A`` /
+    ``lora_B`` (copies: ``whole`` holds all ``E`` experts' adapters)."""
+    kept = ExpertsLora.__new__(ExpertsLora)
+    nn.Module.__init__(kept)
+    kept.scaling = whole.scaling
+    for part in ADAPTER_PARTS:
+        setattr(kept, part, nn.Parameter(getattr(whole, part).detach()[experts.start:experts.stop].clone()))
+    return kept
+
+
 def expert_shape(lora: LoraShape, which: str) -> LoraShape:
     """The adapter of the experts' fused parameter ``which`` (:data:`EXPERT_ADAPTERS`): ``gate_up_proj`` one over
     two projections, of rank ``2r`` and alpha ``2·alpha`` (peft's rank and alpha patterns), ``down_proj`` ``lora``'s
@@ -164,23 +175,23 @@ def add_expert_adapters(model: nn.Module, lora: LoraShape, seed: int) -> list[st
     for name, experts in sorted((n, m) for n, m in model.named_modules() if isinstance(m, Experts)):
         if not fused:
             break
-        if experts.each is not None:
-            raise TypeError(f"LoRA on the experts of {name!r}: one module per expert (hetero) holds no adapters")
         adapters = {}
         stage = int(name.split(".")[1]) + 1  # blocks.i.…: stage i + 1, as adapter_sites numbers it
         for number, which in enumerate(fused):
             generator = adapter_generator(seed, stage, EXPERT_PARTS + number)
             shape = expert_shape(lora, which)
-            weight = experts.down_proj if which == "down_proj" else experts.gate_proj
-            out = weight.shape[1] * len(EXPERT_ADAPTERS[which])
-            whole = ExpertsLora(experts.num_experts, out, weight.shape[2], shape, weight, generator)
-            first = experts.held.start
-            for part in ("lora_A", "lora_B"):  # this module's experts only
-                kept = getattr(whole, part).detach()[first:first + len(experts.held)].clone()
-                setattr(whole, part, nn.Parameter(kept))
+            stacked = experts if experts.each is None else experts.each[0]  # one expert's: its [out, in] the same
+            weight = stacked.down_proj if which == "down_proj" else stacked.gate_proj
+            out = weight.shape[-2] * len(EXPERT_ADAPTERS[which])
+            whole = ExpertsLora(experts.num_experts, out, weight.shape[-1], shape, weight, generator)
             adapters[which] = whole
             done.append(f"{name}.adapters.{which}")
-        experts.adapters = nn.ModuleDict(adapters)
+        held = range(experts.held.start, experts.held.stop)  # this module's experts only
+        if experts.each is None:
+            experts.adapters = nn.ModuleDict({w: _rows_of(a, held) for w, a in adapters.items()})
+        else:  # one module per expert (hetero): each its rows, a stack of one
+            for j, expert in zip(held, experts.each):
+                expert.adapters = nn.ModuleDict({w: _rows_of(a, range(j, j + 1)) for w, a in adapters.items()})
     for module in model.modules():  # a 2D layer's experts: the new adapters join its gradient sums over the grid
         if hasattr(module, "adopt_parameters"):
             module.adopt_parameters()

@@ -37,7 +37,7 @@ _EXPERT_TARGETS = {"gate_proj": "gate_up_proj", "up_proj": "gate_up_proj", "down
 def expert_problems(cfg: Config) -> list[str]:
     """Routed experts' adapters (an MoE model, ``model.lora.targets`` naming an MLP projection) as peft adapts
     transformers 5's fused experts: ``gate_proj`` and ``up_proj`` together (one adapter over both), no
-    dropout; not yet under hetero (experts one module each)."""
+    dropout."""
     lora = cfg.model.lora
     named = [t for t in lora.targets if t in _EXPERT_TARGETS]
     if not cfg.model.num_experts or not named:
@@ -51,10 +51,6 @@ def expert_problems(cfg: Config) -> list[str]:
     if lora.dropout:
         out.append(f"model.lora.dropout={lora.dropout} with the experts targeted ({', '.join(named)}): peft applies "
                    "no dropout on adapted expert weights; set model.lora.dropout=0 or target attention only")
-    if cfg.hetero.enabled:
-        out.append(f"model.lora.targets {', '.join(named)} adapt the routed experts, which do not run with "
-                   "hetero.enabled=true yet; target attention only (q_proj, k_proj, v_proj, o_proj) or set "
-                   "hetero.enabled=false")
     return out
 
 
