@@ -13,7 +13,12 @@ the adapter (``PeftModel.save_pretrained``). Then:
   directory, which ``PeftModel.from_pretrained`` loads onto the original base to the same logits (llama and
   GPT-2's Conv1D); ``generate`` on the checkpoint picks the merged export's greedy tokens in transformers;
 * a run of 4 steps equals 2 steps + a resume for 2 (losses and adapters); a resume on another base is refused
-  naming both bases.
+  naming both bases;
+* MoE (Qwen3-MoE, Mixtral): the routed experts' adapters as peft 0.21 saves them for transformers 5's fused experts
+  (``target_parameters``, the fused gate_up_proj's rank and alpha doubled) start the job, are checkpointed and
+  resumed, merged into each expert's weights by export (transformers' logits = peft's), written back by
+  ``--adapter`` as peft writes them, and read as an expert-parallel rank's slices; what the dense model cannot be
+  is refused by key, and ``--adapter`` where peft would load the adapter otherwise.
 """
 
 from __future__ import annotations
