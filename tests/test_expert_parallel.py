@@ -72,6 +72,9 @@ LORA = "dp=2 × sp=2, ep=2, LoRA on attention, the shared expert, the dense laye
 LORA_SECTION = {"rank": 2, "alpha": 6, "rslora": True, "targets": ["q_proj", "o_proj", "gate_proj", "up_proj",
                                                                    "down_proj"]}
 LORA_HANAYO = "Hanayo pp=2 × dp=2, ep=2, 2 micro-batches, LoRA on attention, the shared expert and the experts"
+LORA_GRID = "tp=4 (q=2), LoRA on attention, the shared expert, the dense layer and the experts"
+LORA_HETERO_EXPERTS = ("LoRA dp=2 × sp=2, ep=2, hetero, on attention, the shared expert, the dense layer and the "
+                       "experts")
 FOUR_AXES = "Hanayo pp=2 × zigzag ring sp=2 × tp=4, ep=2, hetero, 2 micro-batches, blocks recomputed"
 LAYOUTS = {
     "dp=2 × sp=2, ep=1": _job({"dp": 2, "sp": 2}),
@@ -99,6 +102,9 @@ LAYOUTS = {
     # the experts' adapters drawn from their stage's generator: pp rank 1's MoE layer 2 draws one process's
     LORA_HANAYO: _job({"pp": 2, "dp": 2, "ep": 2}, pipeline={"schedule": "hanayo", "waves": 1, "microbatches": 2},
                       model={**BASE["model"], "lora": LORA_SECTION}),
+    # the grid: the experts' (and the shared expert's) adapters whole on each grid rank, their gradients summed
+    # over the grid inside their own modules' forward as the experts' weights' are (models/moe/tp2d.py)
+    LORA_GRID: _job({"tp": 4}, model={**BASE["model"], "lora": LORA_SECTION}),
 }
 
 # --- LoRA (#49) on a dense llama in the data, sequence and pipeline layouts: trained in this job's workers ---
@@ -148,6 +154,9 @@ LORA_HETERO = {
     "LoRA Hanayo pp=2 × dp=2, hetero, 2 micro-batches, adapter dropout":
         _lora_job({"pp": 2, "dp": 2}, 0.1, pipeline={"schedule": "hanayo", "waves": 1, "microbatches": 2},
                   hetero=HETERO),
+    # the experts one module each (hetero), each with its rows of the experts' adapters, split over ep=2
+    LORA_HETERO_EXPERTS: _job({"dp": 2, "sp": 2, "ep": 2}, hetero=HETERO,
+                              model={**BASE["model"], "lora": LORA_SECTION}),
 }
 
 
@@ -373,7 +382,7 @@ def one_process(name: str | None = None):
     with packed documents each document alone (tests/test_packed_training.py's reference), the
     load-balancing loss over every document's tokens; with m micro-batches one process's m micro-batches
     (:func:`microbatch_rows`), one forward each."""
-    if name in (PACKED, LORA, LORA_HANAYO):
+    if name in (PACKED, LORA, LORA_HANAYO, LORA_GRID):
         return _one_process(name)
     rows = microbatch_rows(name)
     return _one_process(None if len(rows) == 1 else rows)
@@ -383,7 +392,7 @@ def one_process(name: str | None = None):
 def _one_process(how):
     if how == PACKED:
         return dense_run(LAYOUTS[PACKED], loss_of=documents_and_balance)
-    if how == LORA:
+    if how in (LORA, LORA_GRID):  # the same model and batch: the layouts' one process
         return dense_run(LAYOUTS[LORA], prepare=with_adapters)
     if how == LORA_HANAYO:
         return dense_run(LAYOUTS[how], prepare=with_adapters,

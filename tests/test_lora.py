@@ -445,19 +445,19 @@ MOE_MODEL = {"arch": "llama", "hidden": 64, "heads": 4, "num_experts": 4, "num_e
     ({"targets": ["gate_proj", "down_proj"]}, {}, ["names 'gate_proj' but not 'up_proj'", "add 'up_proj'"]),
     ({"targets": ["q_proj", "down_proj"], "dropout": 0.1}, {},
      ["model.lora.dropout=0.1 with the experts targeted (down_proj)", "set model.lora.dropout=0"]),
-    ({"targets": ["gate_proj", "up_proj"]}, {"parallel": {"tp": 4}}, ["parallel.tp=4", "target attention only"]),
-    ({"targets": ["down_proj"]}, {"hetero": {"enabled": True}}, ["hetero.enabled=true", "target attention only"]),
 ])
 def test_lora_on_experts_where_peft_or_the_layout_cannot_is_refused(lora, sections, words):
     """The routed experts' adapters: gate_proj and up_proj together (fused), no dropout (peft refuses it
-    there), not yet with 2D tp or hetero."""
+    there)."""
     job = {"model": {**MOE_MODEL, "lora": {"rank": 2, "alpha": 4, **lora}}, "data": {"batch_size": 8}, **sections}
     with pytest.raises(ConfigError) as e:
         make_config(job)
     assert all(w in str(e.value) for w in words), str(e.value)
 
 
-def test_lora_on_an_moe_model_at_ep_2_is_accepted():
+@pytest.mark.parametrize("sections", [{"parallel": {"dp": 2, "ep": 2}}, {"parallel": {"tp": 4}},
+                                      {"parallel": {"dp": 2, "ep": 2}, "hetero": {"enabled": True}}])
+def test_lora_on_an_moe_model_at_ep_2_on_the_2d_grid_or_under_hetero_is_accepted(sections):
     cfg = make_config({"model": {**MOE_MODEL, "lora": {"rank": 2, "alpha": 4, "targets": MOE_ALL}},
-                       "parallel": {"dp": 2, "ep": 2}, "data": {"batch_size": 8}})
-    assert cfg.parallel.ep == 2 and cfg.model.lora.targets == MOE_ALL
+                       "data": {"batch_size": 8}, **sections})
+    assert cfg.model.lora.targets == MOE_ALL and cfg.hetero.enabled == ("hetero" in sections)

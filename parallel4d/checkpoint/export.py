@@ -28,7 +28,7 @@ import torch
 
 from parallel4d.config.errors import ConfigError
 from parallel4d.config.load import make_config
-from parallel4d.checkpoint.adapters import MergedSource, write_adapter
+from parallel4d.checkpoint.adapters import MergedSource, peft_problem, write_adapter
 from parallel4d.checkpoint.gather import resolve_checkpoint, verified
 from parallel4d.checkpoint.resume import saved_config
 from parallel4d.checkpoint.files import default_mode
@@ -37,7 +37,7 @@ from parallel4d.checkpoint.lora_base import BASE_FILE, base_problem, fingerprint
 from parallel4d.checkpoint.outputs import check_output, new_directory, user_path
 from parallel4d.checkpoint.rows import CheckpointTensors
 from parallel4d.models.build import build_dense, shape_from_config
-from parallel4d.models.lora import ADAPTER_PARTS, adapted_modules
+from parallel4d.models.lora import adapter_names
 
 
 class ModelTensors:
@@ -74,7 +74,7 @@ def export(ckpt: str | Path, out_dir: str | Path, max_shard_bytes: int = 5 << 30
     except ImportError as e:
         raise ConfigError(f"parallel4d export needs the hf extra ({e.name} is missing): "
                           "pip install 'parallel4d[hf]'") from None
-    _refusals(hf, path, model_cfg)
+    _refusals(hf, path, model_cfg, adapter)
     verified(path)  # after the cheap refusals: it reads every byte of the checkpoint
     with new_directory(out_dir, "OUT_DIR") as tmp:
         if model_cfg.lora is None:
@@ -87,8 +87,9 @@ def export(ckpt: str | Path, out_dir: str | Path, max_shard_bytes: int = 5 << 30
 
 
 def checkpoint_adapters(path: Path, model_cfg) -> dict[str, torch.Tensor]:
-    """``{dense adapter name: tensor}`` of a LoRA job's checkpoint ``path`` (small: ``r·(in + out)`` each)."""
-    names = [f"{m}.{part}" for m in adapted_modules(model_cfg) for part in ADAPTER_PARTS]
+    """``{dense adapter name: tensor}`` of a LoRA job's checkpoint ``path`` (small: ``r·(in + out)`` each, the
+    routed experts' stacked ``[E, …]``)."""
+    names = adapter_names(model_cfg)
     with CheckpointTensors(path) as tensors:
         missing = [n for n in names if f"model.{n}" not in tensors.shapes]
         if missing:
@@ -141,14 +142,18 @@ def _write_lora(hf, path: Path, model_cfg, out: Path, max_shard_bytes: int, adap
     default_mode(list(out.iterdir()))  # readable by others (safetensors' writer leaves 0600)
 
 
-def _refusals(hf, path: Path, model_cfg) -> None:
+def _refusals(hf, path: Path, model_cfg, adapter: bool = False) -> None:
     """What the export cannot write, from the checkpoint's metadata alone: a model no transformers model type
     holds (say q/k norms with a shared expert), tensors that are not the model's (experts saved otherwise
-    than as the dense ``[num_experts, ...]`` tensors every layout saves)."""
+    than as the dense ``[num_experts, ...]`` tensors every layout saves), an ``adapter`` peft would load
+    otherwise (:func:`.adapters.peft_problem`)."""
     try:
-        hf.hf_config(model_cfg, torch.float32)
+        model_type = hf.hf_config(model_cfg, torch.float32)["model_type"]
     except ValueError as e:
         raise ConfigError(f"parallel4d export: {path}: {e}") from None
+    problem = peft_problem(model_cfg, model_type) if adapter else None
+    if problem:
+        raise ConfigError(f"parallel4d export --adapter: {path}: {problem}")
     if model_cfg.lora is not None:  # the adapters only: checkpoint_adapters checks them, the base its own way
         return
     with CheckpointTensors(path) as tensors:

@@ -10,7 +10,7 @@ import torch.nn as nn
 from parallel4d.checkpoint.shards import DenseShards, Pieces, whole
 from parallel4d.engine.model import PositionedEmbedding
 from parallel4d.models.build import Shape, build_stage
-from parallel4d.models.lora import ADAPTER_PARTS, is_adapter
+from parallel4d.models.lora import is_adapter
 from parallel4d.models.moe.layer import Experts
 from parallel4d.models.stages import stage_names
 from parallel4d.tensor2d import Composite2D
@@ -98,12 +98,13 @@ def saved_layouts(layouts: dict, lora: bool) -> dict:
     return {n: v for n, v in layouts.items() if is_adapter(v[0])} if lora else layouts
 
 
-def checkpoint_keys(shape: Shape, adapted: dict[str, str] | None = None) -> set[str]:
+def checkpoint_keys(shape: Shape, adapters: list[str] | None = None) -> set[str]:
     """Every key :func:`dense_state_dict` has on some rank: the whole model's, from its shapes; with
-    ``adapted`` (``models.lora.adapted_modules``: a LoRA job) the adapters' and their optimizer state's only."""
+    ``adapters`` (``models.lora.adapter_names``: a LoRA job's adapter parameters, the routed experts' too) the
+    adapters' and their optimizer state's only."""
     keys = {"step", "tokens_seen"}
-    if adapted:
-        dense = [f"{m}.{part}" for m in adapted for part in ADAPTER_PARTS]
+    if adapters:
+        dense = adapters
         return keys | {f"model.{d}" for d in dense} | {f"optim.{d}.{k}" for d in dense
                                                         for k in ("step", "exp_avg", "exp_avg_sq")}
     for index, stage_name in enumerate(stage_names(shape)):

@@ -24,7 +24,7 @@ from parallel4d.engine.state import checkpoint_keys, dense_state_dict, local_sta
 from parallel4d.engine.store import ParameterStore
 from parallel4d.engine.trainer import Trainer
 from parallel4d.models.context import Draw, ForwardContext, Packed, State
-from parallel4d.models.lora import adapted_modules
+from parallel4d.models.lora import adapter_names
 from parallel4d.models.moe.balance import StepLoad
 from parallel4d.optim.loss_scale import LossScale
 from parallel4d.optim.optimizer import lr_at
@@ -349,7 +349,7 @@ class Engine(Trainer):
             check_base(path, self.cfg.model, self.cfg.train.seed)
         state = self.checkpoint_state()
         checkpoint.load(state, path, verify_files=False,
-                        known=checkpoint_keys(model_shape(self.cfg), adapted_modules(self.cfg.model)))
+                        known=checkpoint_keys(model_shape(self.cfg), adapter_names(self.cfg.model)))
         self.load_state_dict(state)
 
     def load_state_dict(self, state: dict) -> None:

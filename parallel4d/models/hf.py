@@ -36,7 +36,8 @@ from safetensors import safe_open
 from parallel4d.config.hf_fields import mismatches, model_fields_from_hf
 from parallel4d.config.peft_adapter import ADAPTER_WEIGHTS
 from parallel4d.models.build import build_stage, shape_from_config
-from parallel4d.models.lora import ADAPTER_PARTS, adapted_modules, peft_names
+from parallel4d.models.lora import (ADAPTER_PARTS, EXPERT_ADAPTERS, adapted_experts, adapted_modules,
+                                    expert_peft_names, peft_names)
 from parallel4d.models.moe.spec import alternatives
 from parallel4d.models.registry import spec
 from parallel4d.models.stages import stage_names
@@ -241,13 +242,22 @@ class PretrainedSource:
 
 def adapter_shapes(model_cfg) -> dict[str, tuple[int, ...]]:
     """peft's adapter tensor name → shape for ``model.lora`` on ``model_cfg``: ``lora_A`` ``[r, in]``,
-    ``lora_B`` ``[out, r]`` of each adapted linear (its dense weight ``[out, in]``)."""
+    ``lora_B`` ``[out, r]`` of each adapted linear (its dense weight ``[out, in]``); an MoE layer's experts'
+    ``[E·R, in]`` and ``[out, R·E]`` per fused parameter (:func:`~parallel4d.models.lora.expert_tensor_to_peft`)."""
     shapes, r, modules = dense_shapes(model_cfg), model_cfg.lora.rank, adapted_modules(model_cfg)
     names = peft_names(modules)
     out = {}
     for m in modules:
         rows, cols = shapes[f"{m}.weight"]
         out.update({names[f"{m}.{part}"]: shape for part, shape in zip(ADAPTER_PARTS, ((r, cols), (rows, r)))})
+    experts = expert_peft_names(model_cfg)  # peft's [E·R, in] and [out, R·E] (R = 2r for the fused gate_up_proj)
+    for module, (_, fused) in adapted_experts(model_cfg).items():
+        for which in fused:
+            e, rows, cols = shapes[f"{module}.{'down_proj' if which == 'down_proj' else 'gate_proj'}"]
+            wide = len(EXPERT_ADAPTERS[which])
+            rank, rows = r * wide, rows * wide
+            out.update({experts[f"{module}.adapters.{which}.{part}"]: shape
+                        for part, shape in zip(ADAPTER_PARTS, ((e * rank, cols), (rows, rank * e)))})
     return out
 
 

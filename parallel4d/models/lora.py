@@ -124,8 +124,10 @@ class ExpertsLora(nn.Module):
         self.lora_A = nn.Parameter(flat.view(experts, lora.rank, in_features))
         self.lora_B = nn.Parameter(torch.zeros(experts, out_features, lora.rank, **kw))
 
-    def delta(self, weight: torch.Tensor) -> torch.Tensor:
-        """``weight`` ``[E, out, in]`` plus each expert's ``scaling · B_e·A_e`` (peft's ``baddbmm``)."""
+    def forward(self, weight: torch.Tensor) -> torch.Tensor:
+        """``weight`` ``[E, out, in]`` plus each expert's ``scaling · B_e·A_e`` (peft's ``baddbmm``); the module's
+        call, so that a layout wrapping the forward of each module that owns parameters (the 2D grid's gradient
+        sums, :mod:`~parallel4d.models.moe.tp2d`) sees the adapters used."""
         return torch.baddbmm(weight, self.lora_B, self.lora_A, alpha=self.scaling)
 
     def extra_repr(self) -> str:
@@ -143,6 +145,25 @@ def expert_adapters(targets) -> list[str]:
     return [fused for fused, names in EXPERT_ADAPTERS.items() if set(names) <= set(targets)]
 
 
+def _rows_of(whole: ExpertsLora, experts: range) -> ExpertsLora:
+    """A new :class:`ExpertsLora` of ``whole``'s scaling holding the rows ``experts`` of its ``lora_A`` /
+    ``lora_B`` (copies: ``whole`` holds all ``E`` experts' adapters)."""
+    kept = ExpertsLora.__new__(ExpertsLora)
+    nn.Module.__init__(kept)
+    kept.scaling = whole.scaling
+    for part in ADAPTER_PARTS:
+        setattr(kept, part, nn.Parameter(getattr(whole, part).detach()[experts.start:experts.stop].clone()))
+    return kept
+
+
+def expert_shape(lora: LoraShape, which: str) -> LoraShape:
+    """The adapter of the experts' fused parameter ``which`` (:data:`EXPERT_ADAPTERS`): ``gate_up_proj`` one over
+    two projections, of rank ``2r`` and alpha ``2·alpha`` (peft's rank and alpha patterns), ``down_proj`` ``lora``'s
+    own; no dropout."""
+    wide = len(EXPERT_ADAPTERS[which])
+    return LoraShape(lora.rank * wide, lora.alpha * wide, 0.0, lora.targets, lora.rslora)
+
+
 def add_expert_adapters(model: nn.Module, lora: LoraShape, seed: int) -> list[str]:
     """An :class:`ExpertsLora` on each MoE layer's routed experts of ``model`` (``<experts>.adapters.<fused>``),
     ``gate_up_proj`` of rank ``2r`` and alpha ``2·alpha``; each drawn for all ``E`` experts from its own
@@ -154,24 +175,26 @@ def add_expert_adapters(model: nn.Module, lora: LoraShape, seed: int) -> list[st
     for name, experts in sorted((n, m) for n, m in model.named_modules() if isinstance(m, Experts)):
         if not fused:
             break
-        if experts.each is not None:
-            raise TypeError(f"LoRA on the experts of {name!r}: one module per expert (hetero) holds no adapters")
         adapters = {}
         stage = int(name.split(".")[1]) + 1  # blocks.i.…: stage i + 1, as adapter_sites numbers it
         for number, which in enumerate(fused):
             generator = adapter_generator(seed, stage, EXPERT_PARTS + number)
-            wide = len(EXPERT_ADAPTERS[which])
-            shape = LoraShape(lora.rank * wide, lora.alpha * wide, 0.0, lora.targets, lora.rslora)
-            weight = experts.down_proj if which == "down_proj" else experts.gate_proj
-            out = weight.shape[1] * wide
-            whole = ExpertsLora(experts.num_experts, out, weight.shape[2], shape, weight, generator)
-            first = experts.held.start
-            for part in ("lora_A", "lora_B"):  # this module's experts only
-                kept = getattr(whole, part).detach()[first:first + len(experts.held)].clone()
-                setattr(whole, part, nn.Parameter(kept))
+            shape = expert_shape(lora, which)
+            stacked = experts if experts.each is None else experts.each[0]  # one expert's: its [out, in] the same
+            weight = stacked.down_proj if which == "down_proj" else stacked.gate_proj
+            out = weight.shape[-2] * len(EXPERT_ADAPTERS[which])
+            whole = ExpertsLora(experts.num_experts, out, weight.shape[-1], shape, weight, generator)
             adapters[which] = whole
             done.append(f"{name}.adapters.{which}")
-        experts.adapters = nn.ModuleDict(adapters)
+        held = range(experts.held.start, experts.held.stop)  # this module's experts only
+        if experts.each is None:
+            experts.adapters = nn.ModuleDict({w: _rows_of(a, held) for w, a in adapters.items()})
+        else:  # one module per expert (hetero): each its rows, a stack of one
+            for j, expert in zip(held, experts.each):
+                expert.adapters = nn.ModuleDict({w: _rows_of(a, range(j, j + 1)) for w, a in adapters.items()})
+    for module in model.modules():  # a 2D layer's experts: the new adapters join its gradient sums over the grid
+        if hasattr(module, "adopt_parameters"):
+            module.adopt_parameters()
     return done
 
 
@@ -386,19 +409,29 @@ def peft_names(modules: dict[str, str], in_memory: bool = False) -> dict[str, st
             for dense, hf in modules.items() for part in ADAPTER_PARTS}
 
 
+def adapted_experts(model_cfg) -> dict[str, tuple[str, list[str]]]:
+    """``{dense name of an MoE layer's experts module: (its transformers 5 module name, the fused parameters
+    adapted)}`` (none without expert targets): ``blocks.<l>.mlp.experts`` → ``model.layers.<l>.mlp.experts``
+    (Mixtral's ``block_sparse_moe`` is ``mlp`` there too), ``["gate_up_proj", "down_proj"]`` or a part."""
+    fused = expert_adapters(model_cfg.lora.targets) if model_cfg.lora is not None else []
+    if not fused:
+        return {}
+    out = {}
+    for dense, (hf, _) in spec(model_cfg.arch).hf_names(model_cfg).items():
+        if dense.endswith(".experts.down_proj"):
+            module = "model." + hf[len("model."):].split(".experts.")[0].replace("block_sparse_moe", "mlp")
+            out[dense[: -len(".down_proj")]] = f"{module}.experts", list(fused)
+    return out
+
+
 def expert_peft_names(model_cfg, in_memory: bool = False) -> dict[str, str]:
     """``{our expert adapter parameter: peft's name}`` (none without expert targets): peft wraps the experts
     module (``model.layers.<l>.mlp.experts``) once per fused parameter, ``gate_up_proj`` inside
     ``down_proj`` where both are adapted (its ``base_layer``). The tensors differ in layout:
     :func:`expert_tensor_to_peft`."""
-    fused = expert_adapters(model_cfg.lora.targets) if model_cfg.lora is not None else []
     tag = ".default" if in_memory else ""
     out = {}
-    for dense, (hf, _) in spec(model_cfg.arch).hf_names(model_cfg).items():
-        if not dense.endswith(".experts.down_proj"):
-            continue
-        module = "model." + hf[len("model."):].split(".experts.")[0].replace("block_sparse_moe", "mlp") + ".experts"
-        ours = dense[: -len(".down_proj")]
+    for ours, (module, fused) in adapted_experts(model_cfg).items():
         for which in fused:
             inner = ".base_layer" if which == "gate_up_proj" and len(fused) == 2 else ""
             out.update({f"{ours}.adapters.{which}.{part}": f"base_model.model.{module}{inner}.{part}{tag}.weight"
@@ -412,3 +445,19 @@ def expert_tensor_to_peft(part: str, tensor: torch.Tensor) -> torch.Tensor:
     if part == "lora_A":
         return tensor.reshape(-1, tensor.shape[-1])
     return tensor.permute(1, 2, 0).reshape(tensor.shape[1], -1)
+
+
+def expert_tensor_from_peft(part: str, tensor: torch.Tensor, experts: int) -> torch.Tensor:
+    """peft's layout of an :class:`ExpertsLora` tensor back to ours (:func:`expert_tensor_to_peft`'s inverse):
+    ``lora_A`` ``[E·r, in]`` → ``[E, r, in]``, ``lora_B`` ``[out, r·E]`` → ``[E, out, r]``."""
+    if part == "lora_A":
+        return tensor.reshape(experts, -1, tensor.shape[-1])
+    return tensor.reshape(tensor.shape[0], -1, experts).permute(2, 0, 1)
+
+
+def adapter_names(model_cfg) -> list[str]:
+    """Every adapter parameter's dense name of ``model.lora`` on ``model_cfg``: each adapted linear's
+    ``….lora_A`` / ``….lora_B``, then each MoE layer's experts' ``….experts.adapters.<fused>.lora_A`` /
+    ``lora_B``."""
+    linears = [f"{m}.{part}" for m in adapted_modules(model_cfg) for part in ADAPTER_PARTS]
+    return linears + list(expert_peft_names(model_cfg))

@@ -37,8 +37,8 @@ _EXPERT_TARGETS = {"gate_proj": "gate_up_proj", "up_proj": "gate_up_proj", "down
 def expert_problems(cfg: Config) -> list[str]:
     """Routed experts' adapters (an MoE model, ``model.lora.targets`` naming an MLP projection) as peft adapts
     transformers 5's fused experts: ``gate_proj`` and ``up_proj`` together (one adapter over both), no
-    dropout; not yet on the 2D grid (``parallel.tp``) nor under hetero (experts one module each)."""
-    lora, p = cfg.model.lora, cfg.parallel
+    dropout."""
+    lora = cfg.model.lora
     named = [t for t in lora.targets if t in _EXPERT_TARGETS]
     if not cfg.model.num_experts or not named:
         return []
@@ -51,11 +51,6 @@ def expert_problems(cfg: Config) -> list[str]:
     if lora.dropout:
         out.append(f"model.lora.dropout={lora.dropout} with the experts targeted ({', '.join(named)}): peft applies "
                    "no dropout on adapted expert weights; set model.lora.dropout=0 or target attention only")
-    beside = ([f"parallel.tp={p.tp}"] if p.tp > 1 else []) + (["hetero.enabled=true"] if cfg.hetero.enabled else [])
-    if beside:
-        out.append(f"model.lora.targets {', '.join(named)} adapt the routed experts, which do not run with "
-                   f"{', '.join(beside)} yet; target attention only (q_proj, k_proj, v_proj, o_proj) or set "
-                   "parallel.tp=1 and hetero.enabled=false")
     return out
 
 

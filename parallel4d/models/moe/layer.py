@@ -15,7 +15,9 @@ back. Under hetero the experts that run are called one by one instead of grouped
 arrive by a host-to-device copy or a ZeRO gather, far costlier than the launches a grouped product saves,
 and grouping them would add a device copy of what just arrived (a GPU figure is not yet measured).
 Checkpoints, Hugging Face loading and export see the stacked names and shapes either way
-(:meth:`Experts.dense_layout`: each expert one row of its stacked tensor).
+(:meth:`Experts.dense_layout`: each expert one row of its stacked tensor). LoRA adapters on the experts
+(``models/lora.py``'s ExpertsLora, :func:`adapted_weights`) are stacked the same way: :attr:`Experts.adapters`,
+or under hetero each :class:`Expert`'s own rows (``each.<j>.adapters.…``, a stack of one).
 """
 
 from __future__ import annotations
@@ -45,19 +47,39 @@ class Router(nn.Module):
         return F.linear(x, self.weight)
 
 
+def adapted_weights(gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, adapters: nn.ModuleDict | None):
+    """Stacked expert weights ``gate``, ``up`` ``[E, I, h]`` and ``down`` ``[E, h, I]``, each plus its adapter's
+    scaled product where ``adapters`` (``models/lora.py``'s ExpertsLora by fused parameter) has one — as peft's
+    ``ParamWrapper`` adapts a fused expert parameter: one adapter over the gate and up projections' rows together
+    (``gate_up_proj``)."""
+    if adapters is None:
+        return gate, up, down
+    if "gate_up_proj" in adapters:
+        gate_up = adapters["gate_up_proj"](torch.cat([gate, up], dim=1))
+        gate, up = gate_up.split(gate.shape[1], dim=1)
+    if "down_proj" in adapters:
+        down = adapters["down_proj"](down)
+    return gate, up, down
+
+
 class Expert(nn.Module):
     """One SwiGLU expert, a row of :class:`Experts`' stacked weights as a module of its own (under hetero):
-    ``gate_proj``, ``up_proj`` ``[I, h]``, ``down_proj`` ``[h, I]``."""
+    ``gate_proj``, ``up_proj`` ``[I, h]``, ``down_proj`` ``[h, I]``; with LoRA (:attr:`adapters`) its rows of the
+    experts' adapters (``[1, r, in]`` / ``[1, out, r]``: a stack of one)."""
 
     def __init__(self, gate_proj: torch.Tensor, up_proj: torch.Tensor, down_proj: torch.Tensor, requires_grad: bool):
         super().__init__()
         self.gate_proj = nn.Parameter(gate_proj, requires_grad=requires_grad)
         self.up_proj = nn.Parameter(up_proj, requires_grad=requires_grad)
         self.down_proj = nn.Parameter(down_proj, requires_grad=requires_grad)
+        self.adapters: nn.ModuleDict | None = None
 
     def forward(self, rows):
         """``rows`` ``[n, h]`` → ``[n, h]`` (:func:`~.routing.looped_ffn`'s arithmetic for one expert)."""
-        return F.linear(F.silu(F.linear(rows, self.gate_proj)) * F.linear(rows, self.up_proj), self.down_proj)
+        gate, up, down = self.gate_proj, self.up_proj, self.down_proj
+        if self.adapters is not None:
+            gate, up, down = (w[0] for w in adapted_weights(gate[None], up[None], down[None], self.adapters))
+        return F.linear(F.silu(F.linear(rows, gate)) * F.linear(rows, up), down)
 
 
 class Experts(nn.Module):
@@ -75,7 +97,7 @@ class Experts(nn.Module):
         self.num_experts, self.held = num_experts, range(num_experts)
         self.each: nn.ModuleList | None = None
         # low-rank adapters on the stacked weights (model.lora; models/lora.py's add_adapters): None, or
-        # {"gate_up_proj": …, "down_proj": …} modules whose ``delta(weight)`` adds their product to a weight
+        # {"gate_up_proj": …, "down_proj": …} modules whose call ``(weight)`` adds their product to a weight
         self.adapters: nn.ModuleDict | None = None
 
     def forward(self, x, counts, host: HostCounts | None = None):
@@ -98,15 +120,7 @@ class Experts(nn.Module):
         """The stacked ``gate_proj``, ``up_proj`` ``[E, I, h]`` and ``down_proj`` ``[E, h, I]``, each plus its
         adapter's scaled product where :attr:`adapters` has one — as peft's ``ParamWrapper`` adapts a fused
         expert parameter: one adapter over the gate and up projections' rows together (``gate_up_proj``)."""
-        gate, up, down = self.gate_proj, self.up_proj, self.down_proj
-        if self.adapters is None:
-            return gate, up, down
-        if "gate_up_proj" in self.adapters:
-            gate_up = self.adapters["gate_up_proj"].delta(torch.cat([gate, up], dim=1))
-            gate, up = gate_up.split(gate.shape[1], dim=1)
-        if "down_proj" in self.adapters:
-            down = self.adapters["down_proj"].delta(down)
-        return gate, up, down
+        return adapted_weights(self.gate_proj, self.up_proj, self.down_proj, self.adapters)
 
     def keep(self, experts: range) -> None:
         """Keep only ``experts`` (a contiguous range of the ``E``, from the whole stacked weights this
@@ -127,8 +141,8 @@ class Experts(nn.Module):
         if self.each is not None:
             return
         if self.adapters is not None:
-            raise RuntimeError("Experts.by_expert: experts with adapters stay stacked (the config refuses "
-                               "model.lora on experts with hetero)")
+            raise RuntimeError("Experts.by_expert: make the experts one module each before adding their adapters "
+                               "(models/lora.py's add_expert_adapters gives each its rows)")
         whole = {name: getattr(self, name) for name in self.NAMES}
         grad = whole["gate_proj"].requires_grad
         for name in self.NAMES:
@@ -147,15 +161,20 @@ class Experts(nn.Module):
         if self.each is None:  # (the adapters' stacked tensors too: each row an expert's)
             return {name: ((self.num_experts, *p.shape[1:]), functools.partial(_rows_from, self.held.start))
                     for name, p in self.named_parameters()}
-        return {f"each.{j}.{name}": ((self.num_experts, *getattr(expert, name).shape),
-                                     functools.partial(_row_at, self.held.start + j))
-                for j, expert in enumerate(self.each) for name in self.NAMES}
+        out = {}
+        for j, expert in enumerate(self.each):
+            out.update({f"each.{j}.{name}": ((self.num_experts, *getattr(expert, name).shape),
+                                             functools.partial(_row_at, self.held.start + j)) for name in self.NAMES})
+            out.update({f"each.{j}.{name}": ((self.num_experts, *p.shape[1:]),  # a stack of one: row held + j
+                                             functools.partial(_rows_from, self.held.start + j))
+                        for name, p in expert.named_parameters() if name not in self.NAMES})
+        return out
 
     @staticmethod
     def dense_name(name: str) -> str:
         """The stacked tensor a parameter of this module is part of: ``gate_proj`` itself (an adapter's
-        ``adapters.gate_up_proj.lora_A`` too), ``each.<j>.gate_proj``'s."""
-        return name.rsplit(".", 1)[-1] if name.startswith("each.") else name
+        ``adapters.gate_up_proj.lora_A`` too), ``each.<j>.gate_proj``'s (``each.<j>.adapters.…``'s)."""
+        return name.split(".", 2)[2] if name.startswith("each.") else name
 
 
 def _rows_from(first: int, t: torch.Tensor) -> list[tuple[tuple[int, ...], torch.Tensor]]:

@@ -21,7 +21,9 @@ module that owns it (:func:`_forward_with_grid_sums`), as the per-head norm take
 after that module's forward pre-hooks ran, so a layout that gives a parameter its data in such a hook
 (hetero's chunks) has placed it, and what autograd saves is a view of those data. The engine then sums the experts over their replicas and averages over the
 data replicas as without the grid. The load-balancing statistics of a forward are the grid's tokens
-together: the engine sums them over the grid ranks too.
+together: the engine sums them over the grid ranks too. LoRA adapters added after the conversion (the routed
+experts' ``experts.adapters.*``, whose call adds their product to an expert weight, and the shared expert's
+linears) join the same sums (:meth:`SparseMoE2D.adopt_parameters`).
 
 Cost (per MoE layer and micro-batch): two all-to-alls of ``T·h/q`` elements over a row (forward and
 backward each), and the all-reduce over the grid of every weight's gradient in the backward — the
@@ -73,9 +75,17 @@ class SparseMoE2D(SparseMoE):
         forward (:func:`_forward_with_grid_sums`; the experts' module stays the same one when
         :meth:`place_experts` keeps their rows, and it reads its parameters at each call)."""
         for prefix, module in self.named_modules():
-            if module is not self and next(module.parameters(recurse=False), None) is not None:
+            owns = next(module.parameters(recurse=False), None) is not None
+            if module is not self and owns and not hasattr(module, "grid_sums"):
                 module.grid_sums = (self.grid, f"{self.name}.{prefix}")
                 module.forward = types.MethodType(_forward_with_grid_sums, module)
+
+    def adopt_parameters(self) -> None:
+        """Parameters added after the conversion (the routed experts' LoRA adapters, ``experts.adapters.*``:
+        modules whose call adds their product to an expert weight) tagged and summed over the grid as the
+        layer's own."""
+        self._tag()
+        self._sum_grads_over_grid()
 
     def place_experts(self, dispatcher: Dispatcher) -> None:
         super().place_experts(dispatcher)
