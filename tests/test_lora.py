@@ -461,3 +461,29 @@ def test_lora_on_an_moe_model_at_ep_2_on_the_2d_grid_or_under_hetero_is_accepted
     cfg = make_config({"model": {**MOE_MODEL, "lora": {"rank": 2, "alpha": 4, "targets": MOE_ALL}},
                        "data": {"batch_size": 8}, **sections})
     assert cfg.model.lora.targets == MOE_ALL and cfg.hetero.enabled == ("hetero" in sections)
+
+
+@pytest.mark.parametrize("model, targets", [
+    ({"arch": "llama", "hidden": 32, "heads": 4, "kv_heads": 2, "layers": 2, "intermediate_size": 48}, MOE_ALL),
+    ({"arch": "gpt2", "hidden": 32, "heads": 4, "layers": 2}, ["c_attn", "c_proj", "c_fc"]),
+    ({**MOE_MODEL, "layers": 3, "mlp_only_layers": [0], "shared_expert_intermediate_size": 24, "intermediate_size": 40},
+     MOE_ALL),
+    ({**MOE_MODEL, "layers": 2, "decoder_sparse_step": 2}, ["q_proj", "down_proj"]),
+])
+def test_the_configs_adapter_count_is_the_models(model, targets):
+    """``config/rules/lora.adapter_parameters`` (torch-free: launch's memory estimate and plan) counts the
+    adapters the model holds once they are added: the dense ones (attention, dense layers' MLPs, the shared
+    expert) and the routed experts' (what parallel.ep splits) apart."""
+    from parallel4d.config.rules.lora import adapter_parameters
+    from parallel4d.engine.model import model_shape
+    from parallel4d.models.build import build_dense
+
+    cfg = make_config({"model": {**model, "lora": {"rank": 3, "alpha": 6, "targets": targets}},
+                       "data": {"batch_size": 8}})
+    built = build_dense(model_shape(cfg), seed=0)
+    add_adapters(built, adapted_modules(cfg.model), LoraShape.of(cfg.model.lora))
+    counted = {"dense": 0, "experts": 0}
+    for name, p in built.named_parameters():
+        if is_adapter(name):
+            counted["experts" if ".experts.adapters." in name else "dense"] += p.numel()
+    assert adapter_parameters(cfg.model) == (counted["dense"], counted["experts"]), counted

@@ -103,7 +103,7 @@ def test_launch_estimate_and_plan_count_a_frozen_base_at_its_chunk_bytes():
            "hetero": {"enabled": True}}
     full, lora = make_config(job), make_config({**job, "model": {**model, "lora": LORA}})
     (f,), (ll,) = plan(full), plan(lora)
-    adapters = adapter_parameters(lora.model)
+    adapters = sum(adapter_parameters(lora.model))
     assert ll.hetero_params == f.hetero_params + adapters
 
     def held(r):  # hetero's model state: the host's, and the master state its budget (none: all) put on the device

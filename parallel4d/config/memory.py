@@ -73,7 +73,8 @@ def rank_bytes(cfg: Config) -> RankBytes:
     p, m, t = cfg.parallel, cfg.model, cfg.train
     experts = expert_parameters(MoeShape.of(m), m.hidden, m.layers)  # split over ep, whole on every grid rank
     params = (dense_parameters(m) - experts) // (p.pp * p.tp) + experts // (p.ep * p.pp)
-    adapters = adapter_parameters(m) // (p.pp * p.tp)  # model.lora: the base (params) frozen, these trained
+    dense_adapters, expert_adapters = adapter_parameters(m)  # model.lora: the base (params) frozen, these trained
+    adapters = dense_adapters // (p.pp * p.tp) + expert_adapters // (p.ep * p.pp)  # the experts' split as they are
     frozen = params if m.lora is not None else 0
     params += adapters
     item = DTYPE_BYTES[t.parameters]

@@ -70,21 +70,38 @@ def problems(cfg: Config, valid: tuple[str, ...]) -> list[str]:
     return target_problems(cfg, valid) + expert_problems(cfg) + layout_problems(cfg)
 
 
-def _linears(m) -> dict[str, list[tuple[int, int]]]:
-    """Per peft target name, the ``(in, out)`` of each linear of one layer it names (GPT-2's ``c_proj`` is
-    two: the attention's and the MLP's; its ``c_attn`` one fused q, k, v)."""
+def _linears(m, width: int) -> dict[str, list[tuple[int, int]]]:
+    """Per peft target name, the ``(in, out)`` of each linear of one layer it names, the MLP's of ``width``
+    (GPT-2's ``c_proj`` is two: the attention's and the MLP's; its ``c_attn`` one fused q, k, v)."""
     attn, kv = m.heads * m.head_size, m.kv_heads_or_heads * m.head_size
-    h, w = m.hidden, m.mlp_width
+    h, w = m.hidden, width
     return {"q_proj": [(h, attn)], "k_proj": [(h, kv)], "v_proj": [(h, kv)], "o_proj": [(attn, h)],
             "gate_proj": [(h, w)], "up_proj": [(h, w)], "down_proj": [(w, h)],
             "c_attn": [(h, 3 * h)], "c_proj": [(h, h), (w, h)], "c_fc": [(h, w)]}
 
 
-def adapter_parameters(m) -> int:
-    """Elements of the adapters ``model.lora`` adds to the model ``m`` (0 without it): ``rank·(in + out)``
-    per targeted linear (``lora_A`` ``[r, in]``, ``lora_B`` ``[out, r]``), every layer."""
+def _is_sparse(m, layer: int) -> bool:
+    """Whether layer ``layer`` (from 0) of ``m`` holds routed experts (transformers' rule, as models/moe/spec.py's)."""
+    return bool(m.num_experts) and layer not in m.mlp_only_layers and (layer + 1) % m.decoder_sparse_step == 0
+
+
+def adapter_parameters(m) -> tuple[int, int]:
+    """Elements of the adapters ``model.lora`` adds to the model ``m`` (``(0, 0)`` without it): ``(dense,
+    experts)``. Dense: ``rank·(in + out)`` per targeted linear (``lora_A`` ``[r, in]``, ``lora_B``
+    ``[out, r]``), every layer — an MoE layer's attention and shared expert, a dense layer's MLP. Experts: the
+    routed experts' (:func:`expert_problems`'s fused layout, what ``parallel.ep`` splits with them): ``gate_proj``
+    + ``up_proj`` one adapter of rank ``2r`` over the fused ``[2I, h]``, ``down_proj`` one of rank ``r``, per expert."""
     if m.lora is None:
-        return 0
-    shapes = _linears(m)
-    per_layer = sum(i + o for t in dict.fromkeys(m.lora.targets) for i, o in shapes.get(t, ()))
-    return m.lora.rank * per_layer * m.layers
+        return 0, 0
+    r, targets = m.lora.rank, list(dict.fromkeys(m.lora.targets))
+    dense = experts = 0
+    for layer in range(m.layers):
+        sparse = _is_sparse(m, layer)
+        shapes = _linears(m, m.shared_expert_intermediate_size if sparse else m.mlp_width)
+        mlp_here = not sparse or m.shared_expert_intermediate_size  # a dense layer's MLP, or the shared expert's
+        dense += r * sum(i + o for t in targets if mlp_here or t not in _EXPERT_TARGETS for i, o in shapes.get(t, ()))
+        if sparse:
+            h, width = m.hidden, m.expert_width
+            fused = 2 * r * (h + 2 * width) if {"gate_proj", "up_proj"} <= set(targets) else 0
+            experts += m.num_experts * (fused + (r * (width + h) if "down_proj" in targets else 0))
+    return dense, experts
