@@ -71,6 +71,12 @@ def _made_by_peft(case, tmp_path, mp):
     _patched(mp, ref)
     theirs = peft.get_peft_model(ref, peft.LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets,
                                                       use_rslora=rslora, fan_in_fan_out=name == "gpt2"))
+    return _saved_with_random_b(theirs, base_dir, adapter_dir)
+
+
+def _saved_with_random_b(theirs, base_dir, adapter_dir):
+    """peft's model ``theirs`` with every ``lora_B`` drawn (seeded; peft starts them at zero, which would
+    hide the adapter) and saved to ``adapter_dir``: ``(theirs in eval mode, base_dir, adapter_dir)``."""
     g = torch.Generator().manual_seed(11)
     with torch.no_grad():
         for n, p in theirs.named_parameters():
@@ -295,13 +301,7 @@ def _moe_made_by_peft(tmp_path, mp, case="qwen3_moe top-2 of 4"):
     base_dir, adapter_dir = tmp_path / "base", tmp_path / "adapter"
     ref.save_pretrained(base_dir)
     theirs = peft.get_peft_model(ref, peft.LoraConfig(r=2, lora_alpha=6.0, target_modules=MOE_PEFT[case]))
-    g = torch.Generator().manual_seed(11)
-    with torch.no_grad():
-        for n, p in theirs.named_parameters():
-            if "lora_B" in n:
-                p.copy_(0.2 * torch.randn(p.shape, generator=g, dtype=p.dtype))
-    theirs.save_pretrained(adapter_dir)
-    return theirs.eval(), base_dir, adapter_dir
+    return _saved_with_random_b(theirs, base_dir, adapter_dir)
 
 
 def _moe_job(base_dir, adapter_dir, tmp_path):

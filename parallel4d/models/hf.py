@@ -36,8 +36,8 @@ from safetensors import safe_open
 from parallel4d.config.hf_fields import mismatches, model_fields_from_hf
 from parallel4d.config.peft_adapter import ADAPTER_WEIGHTS
 from parallel4d.models.build import build_stage, shape_from_config
-from parallel4d.models.lora import (ADAPTER_PARTS, EXPERT_ADAPTERS, adapted_experts, adapted_modules,
-                                    expert_peft_names, peft_names)
+from parallel4d.config.rules.lora import EXPERT_ADAPTERS
+from parallel4d.models.lora import ADAPTER_PARTS, adapted_experts, adapted_modules, expert_peft_names, peft_names
 from parallel4d.models.moe.spec import alternatives
 from parallel4d.models.registry import spec
 from parallel4d.models.stages import stage_names

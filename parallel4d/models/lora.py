@@ -51,7 +51,9 @@ import torch.nn.functional as F
 from parallel4d.distributed import comm
 from parallel4d.models.context import ReadsContext
 from parallel4d.models.dropout import WORD, Site, hash_words
+from parallel4d.config.rules.lora import EXPERT_ADAPTERS
 from parallel4d.models.moe.layer import Experts
+from parallel4d.models.moe.tp2d import SparseMoE2D
 from parallel4d.models.registry import spec
 from parallel4d.tensor2d.composite import Composite2D
 from parallel4d.tensor2d.grid import all_reduce_sum, block_of, gather_columns
@@ -135,10 +137,6 @@ class ExpertsLora(nn.Module):
         return f"experts={e}, in={self.lora_A.shape[-1]}, out={out}, r={r}, scaling={self.scaling}"
 
 
-#: the routed experts' adapters: the fused parameter each adapts (peft's target_parameters), the targets it needs
-EXPERT_ADAPTERS = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
-
-
 def expert_adapters(targets) -> list[str]:
     """The fused expert parameters (:data:`EXPERT_ADAPTERS`) ``targets`` adapt; ``gate_proj`` without
     ``up_proj`` (or the reverse) adapts neither (the config refuses it, as peft does)."""
@@ -193,7 +191,7 @@ def add_expert_adapters(model: nn.Module, lora: LoraShape, seed: int) -> list[st
             for j, expert in zip(held, experts.each):
                 expert.adapters = nn.ModuleDict({w: _rows_of(a, range(j, j + 1)) for w, a in adapters.items()})
     for module in model.modules():  # a 2D layer's experts: the new adapters join its gradient sums over the grid
-        if hasattr(module, "adopt_parameters"):
+        if isinstance(module, SparseMoE2D):
             module.adopt_parameters()
     return done
 

@@ -30,8 +30,11 @@ def target_problems(cfg: Config, valid: tuple[str, ...]) -> list[str]:
     return out
 
 
-#: the targets that adapt an MoE layer's routed experts, and which fused parameter of peft's each is
-_EXPERT_TARGETS = {"gate_proj": "gate_up_proj", "up_proj": "gate_up_proj", "down_proj": "down_proj"}
+#: an MoE layer's routed experts' adapters: the fused parameter each adapts (peft's target_parameters), the
+#: targets it needs (models/lora.py builds them from this)
+EXPERT_ADAPTERS = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
+#: the targets that adapt the routed experts, and which fused parameter each is
+_EXPERT_TARGETS = {t: fused for fused, targets in EXPERT_ADAPTERS.items() for t in targets}
 
 
 def expert_problems(cfg: Config) -> list[str]:
