@@ -487,3 +487,13 @@ def test_the_configs_adapter_count_is_the_models(model, targets):
         if is_adapter(name):
             counted["experts" if ".experts.adapters." in name else "dense"] += p.numel()
     assert adapter_parameters(cfg.model) == (counted["dense"], counted["experts"]), counted
+
+
+def test_a_rank_holding_no_adapter_builds_an_optimizer_over_nothing():
+    """A LoRA pipeline rank may hold only the frozen head (the layout fuzzer's gpt2 of 1 layer at pp=2: rank 1
+    holds [head]): its optimizer is one empty group that steps on nothing, not torch's "empty parameter list"."""
+    head = torch.nn.Linear(4, 4)
+    head.requires_grad_(False)
+    opt = build_optimizer(head.named_parameters(), make_config({}).optimizer)
+    assert [g["params"] for g in opt.param_groups] == [[]]
+    opt.step()

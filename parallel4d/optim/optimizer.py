@@ -28,7 +28,9 @@ def decays(dense_name: str, ndim: int, opt_cfg) -> bool:
 
 def param_groups(named: Iterable[tuple[str, nn.Parameter]], opt_cfg) -> list[dict]:
     """``[{"params": [...], "weight_decay": wd}, {"params": [...], "weight_decay": 0.0}]`` (empty
-    groups left out) from ``(dense name, parameter)`` pairs, each parameter once."""
+    groups left out) from ``(dense name, parameter)`` pairs, each parameter once; one empty group where
+    nothing is trained (a LoRA pipeline rank holding only the embedding or the head: it still steps with
+    the others, on nothing)."""
     with_decay, without, seen = [], [], set()
     for name, p in named:
         if id(p) in seen or not p.requires_grad:
@@ -37,7 +39,7 @@ def param_groups(named: Iterable[tuple[str, nn.Parameter]], opt_cfg) -> list[dic
         (with_decay if decays(name, p.dim(), opt_cfg) else without).append(p)
     groups = [{"params": with_decay, "weight_decay": float(opt_cfg.weight_decay)},
               {"params": without, "weight_decay": 0.0}]
-    return [g for g in groups if g["params"]]
+    return [g for g in groups if g["params"]] or groups[1:]
 
 
 def build_optimizer(named: Iterable[tuple[str, nn.Parameter]], opt_cfg, fused: str = "off") -> torch.optim.Optimizer:
