@@ -302,7 +302,8 @@ class HeteroStore(ParameterStore):
 
     def load_local_state(self, local: LocalState) -> None:
         params, optim = local
-        hetero_load_state_dict(self.model, self.optimizer, {"model": params, "optim": {"state": optim}})
+        hetero_load_state_dict(self.model, self.optimizer, {"model": params, "optim": {"state": optim}},
+                               frozen_may_be_missing=True)  # a LoRA checkpoint: adapters only
 
 
 class DataReplicas:

@@ -70,9 +70,15 @@ def state_dict(model, opt) -> dict:
     return {"model": model.state_dict(), "optim": opt.state_dict()}
 
 
-def load_state_dict(model, opt, sd: dict) -> None:
-    """Inverse of :func:`state_dict`; works for any dp layout of the saved job."""
-    model.load_state_dict(sd["model"])
+def load_state_dict(model, opt, sd: dict, *, frozen_may_be_missing: bool = False) -> None:
+    """Inverse of :func:`state_dict`; works for any dp layout of the saved job. With
+    ``frozen_may_be_missing`` (a LoRA checkpoint: adapters only) a frozen parameter absent from
+    ``sd["model"]`` keeps its chunks' values; a trained one absent is still an error."""
+    loaded = model.load_state_dict(sd["model"], strict=not frozen_may_be_missing)
+    trained = {n for n, p in model.named_parameters() if p.requires_grad}
+    missing = sorted(set(loaded.missing_keys) & trained) + list(loaded.unexpected_keys)
+    if missing:
+        raise RuntimeError(f"hetero state dict: trained parameters missing or unknown keys: {missing}")
     opt.load_state_dict(sd["optim"])
 
 

@@ -190,7 +190,9 @@ class FullState:
         full = self.params()
         for rec in self.layout.records:
             rec.param.data = full[rec.name].to(self.mgr.device)
-        self._loading = {rec.name: rec.param.data for rec in self.layout.records}
+        # only what the dict holds is written back (a LoRA checkpoint leaves the frozen base's chunks alone)
+        self._loading = {rec.name: rec.param.data for rec in self.layout.records
+                         if any(prefix + n in state_dict for n in rec.names)}
 
     def _load_post_hook(self, module, incompatible) -> None:
         values, self._loading = self._loading, None
