@@ -20,6 +20,8 @@ N multiples of 16 (torchao pads them under ``pad_inner_dim``; not done here yet:
 
 from __future__ import annotations
 
+from typing import Callable, Optional
+
 import torch
 
 #: the operands' dtype and its largest finite value
@@ -29,13 +31,34 @@ E4M3_MAX = float(torch.finfo(E4M3).max)
 AMAX_FLOOR = 1e-12
 
 
+#: An amax's reduction over the ranks that hold the rest of its rows or columns: ``amax`` (float64, the
+#: local ``[M, 1]`` or ``[1, N]``) → the all-reduced MAX over the group, same shape (in place is fine). A
+#: layout that splits a product's contracted dimension over ranks passes one so that every rank computes
+#: the scale one process would (None: the dimension is whole on this rank).
+AmaxSync = Optional[Callable[[torch.Tensor], torch.Tensor]]
+
+
 @torch.no_grad()
-def scales(t: torch.Tensor, dim: int) -> torch.Tensor:
-    """float32 scales of ``t`` (2-D), one per slice along ``dim`` reduced (``dim=1``: one per row, ``[M, 1]``;
-    ``dim=0``: one per column, ``[1, N]``): the largest power of two ≤ ``448 / max(amax, 1e-12)``."""
-    amax = t.abs().amax(dim=dim, keepdim=True).to(torch.float64)
-    scale = (E4M3_MAX / amax.clamp(min=AMAX_FLOOR)).to(torch.float32)
+def amax(t: torch.Tensor, dim: int) -> torch.Tensor:
+    """float64 largest magnitudes of ``t`` (2-D) along ``dim`` (``dim=1``: per row ``[M, 1]``; ``0``: per column
+    ``[1, N]``)."""
+    return t.abs().amax(dim=dim, keepdim=True).to(torch.float64)
+
+
+@torch.no_grad()
+def scales_of_amax(largest: torch.Tensor) -> torch.Tensor:
+    """float32 scales for float64 ``largest`` magnitudes: the largest power of two ≤ ``448 / max(amax, 1e-12)``."""
+    scale = (E4M3_MAX / largest.clamp(min=AMAX_FLOOR)).to(torch.float32)
     return torch.exp2(torch.floor(torch.log2(scale)))
+
+
+@torch.no_grad()
+def scales(t: torch.Tensor, dim: int, sync: AmaxSync = None) -> torch.Tensor:
+    """float32 scales of ``t`` (2-D), one per slice along ``dim`` reduced (``dim=1``: one per row, ``[M, 1]``;
+    ``dim=0``: one per column, ``[1, N]``): the largest power of two ≤ ``448 / max(amax, 1e-12)``, the amax
+    reduced by ``sync`` first where the slices continue on other ranks."""
+    largest = amax(t, dim)
+    return scales_of_amax(largest if sync is None else sync(largest))
 
 
 @torch.no_grad()
@@ -50,15 +73,24 @@ def result_dtype(device: torch.device, out_dtype: torch.dtype) -> torch.dtype:
 
 
 @torch.no_grad()
-def rowwise_mm(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-    """``a·b`` (``a`` ``[M, K]``, ``b`` ``[K, N]``) in FP8 with dynamic rowwise scales (the module doc):
-    ``[M, N]`` in ``out_dtype``."""
-    sa, sb = scales(a, 1), scales(b, 0)
-    a8 = quantize(a, sa).contiguous()  # row-major
-    b8 = quantize(b, sb).t().contiguous().t()  # column-major
-    out = torch._scaled_mm(a8, b8, scale_a=sa.reciprocal(), scale_b=sb.reciprocal(),
-                           out_dtype=result_dtype(a.device, out_dtype), use_fast_accum=False)
+def scaled_mm(a8: torch.Tensor, b8: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor,
+              out_dtype: torch.dtype) -> torch.Tensor:
+    """``(a8/sa)·(b8/sb)`` (e4m3 ``a8`` ``[M, K]`` with ``sa`` ``[M, 1]``, ``b8`` ``[K, N]`` with ``sb`` ``[1, N]``),
+    accumulated in float32, ``[M, N]`` in ``out_dtype``; the operands laid out as ``_scaled_mm`` wants here."""
+    out = torch._scaled_mm(a8.contiguous(), b8.t().contiguous().t(), scale_a=sa.reciprocal(),
+                           scale_b=sb.reciprocal(), out_dtype=result_dtype(a8.device, out_dtype),
+                           use_fast_accum=False)
     return out.to(out_dtype)
+
+
+@torch.no_grad()
+def rowwise_mm(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype, *, sync_a: AmaxSync = None,
+               sync_b: AmaxSync = None) -> torch.Tensor:
+    """``a·b`` (``a`` ``[M, K]``, ``b`` ``[K, N]``) in FP8 with dynamic rowwise scales (the module doc):
+    ``[M, N]`` in ``out_dtype``. ``sync_a`` / ``sync_b``: where K is split over ranks (each holds a slice of
+    the sum), the reduction of ``a``'s row and ``b``'s column amaxes over them."""
+    sa, sb = scales(a, 1, sync_a), scales(b, 0, sync_b)
+    return scaled_mm(quantize(a, sa), quantize(b, sb), sa, sb, out_dtype)
 
 
 def dequantized(t: torch.Tensor, dim: int) -> torch.Tensor:
