@@ -390,6 +390,31 @@ def test_state_dict_roundtrip_and_unused_parameter():
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
+def test_a_dict_without_some_frozen_parameters_loads_only_what_it_holds_and_a_missing_trained_one_is_refused():
+    """hetero's loader with ``frozen_may_be_missing`` (a LoRA checkpoint): the frozen parameters absent from the
+    dict keep their chunks' values; the trained ones are written; a trained one absent is an error."""
+    from parallel4d.hetero import load_state_dict, state_dict
+
+    name = "embed.pos.weight"  # frozen by build()
+    m, opt = wrap(build(), OPT, dict(compute_device="cpu"))
+    train(m, opt, steps=2)
+    saved = state_dict(m, opt)
+    fresh_model = build()
+    with torch.no_grad():
+        fresh_model.embed.pos.weight.add_(1.0)  # the fresh frozen value differs from the saved one
+    m2, opt2 = wrap(fresh_model, OPT, dict(compute_device="cpu"))
+    kept = m2.state_dict()[name].clone()
+    partial = {"model": {k: v for k, v in saved["model"].items() if k != name}, "optim": saved["optim"]}
+    load_state_dict(m2, opt2, partial, frozen_may_be_missing=True)
+    after = m2.state_dict()
+    assert torch.equal(after[name], kept) and not torch.equal(after[name], saved["model"][name])
+    assert all(torch.equal(after[k], v) for k, v in partial["model"].items())
+    trained = "blocks.0.ln1.weight"
+    with pytest.raises(RuntimeError, match=trained):
+        load_state_dict(m2, opt2, {"model": {k: v for k, v in partial["model"].items() if k != trained},
+                                   "optim": saved["optim"]}, frozen_may_be_missing=True)
+
+
 def test_clip_grad_norm_matches_torch():
     ref = build()
     ropt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=OPT["lr"], betas=OPT["betas"],
