@@ -11,7 +11,7 @@ TORCH_CPU ?= torch==2.13.0
 TORCH_GPU ?= torch==2.11.0
 # make gpu-check: the Python with CUDA torch (the venv's when it imports torch, else the system's) and
 # the part to run: default (the most telling figures, within 5 minutes on one H100, each step under its own
-# cap) or a named part within 8 minutes: launches, sweeps, compile, ladders, lora (benchmarks/gpu_check.py --plan lists them);
+# cap) or a named part within 8 minutes: launches, sweeps, compile, ladders, lora, fp8 (benchmarks/gpu_check.py --plan lists them);
 # GPU_CHECK_ARGS: more of its flags (--out FILE, --profile NAME|FILE)
 GPU_PYTHON ?= $(shell $(BIN)/python -c "import torch" 2>/dev/null && echo $(BIN)/python || echo $(PYTHON))
 PART ?= default

@@ -11,7 +11,8 @@ Never installs anything: it runs with the interpreter it is given (``GPU_PYTHON`
   until it exists); then ``parallel4d plan --device`` predictions beside each measured one-GPU step;
 * named parts, each within :data:`NAMED_CAP_S` (8 minutes): ``launches`` (one-GPU launches of the example
   configs), ``sweeps`` (the full ring/Ulysses sweep and the full ``hetero_gpu.py``, with predictions),
-  ``ladders`` (the largest-model ladders), ``lora`` (LoRA against full fine-tuning, ``benchmarks/lora.py``).
+  ``ladders`` (the largest-model ladders), ``lora`` (LoRA against full fine-tuning, ``benchmarks/lora.py``),
+  ``fp8`` (FP8 against bf16: the 8B-shaped block and the 1B launch, ``benchmarks/fp8.py``).
 
 Each step (``benchmarks/gpu_check_steps.py``) runs in a child process of its own session — a fresh interpreter,
 forked from this one in the dry run — with its own cap, and records what it finds as it goes (:class:`Record`);
@@ -27,7 +28,7 @@ profile to that JSON.
 predictions; no GPU figures: the JSON says so), into ``--out`` or ``runs/gpu_check/dry_run/``.
 ``--plan`` (or no GPU visible): prints what would run and exits 0.
 
-Usage: ``python benchmarks/gpu_check.py [--part default|launches|sweeps|ladders|lora] [--dry-run | --plan]
+Usage: ``python benchmarks/gpu_check.py [--part default|launches|sweeps|ladders|lora|fp8] [--dry-run | --plan]
 [--profile h100|h200|FILE] [--out FILE]``.
 """
 
@@ -129,6 +130,14 @@ PARTS = {
              "benchmarks/lora.py --gpu: full fine-tuning and LoRA (rank 16, every linear), plain and under hetero, "
              "bf16, seq 1024: tokens/s, the device's peak, hetero's host bytes per (frozen) parameter"),),
         "LoRA against full fine-tuning of one model (issue 49)"),
+    "fp8": Part("fp8", NAMED_CAP_S, (
+        Step("FP8 block (8B shape)", "gpu_check_steps:fp8_block", 90, 40,
+             "benchmarks/fp8.py's block: one 8B-shaped llama block, forward + backward, train.fp8 rowwise against "
+             "bf16, dense (target >= 1.3x) and as the 4 ranks of a 2x2 grid on the one GPU"),
+        Step("FP8 engine (Llama-3.2-1B shape)", "gpu_check_steps:fp8_engine", 300, 150,
+             "benchmarks/fp8.py's engine: the 1B launch with train.fp8 rowwise against none, seq 2048, batch 4: "
+             "tokens/s, MFU in bf16's and FP8's peak"),),
+        "FP8 products against bf16 (issue 50)"),
     "ladders": Part("ladders", NAMED_CAP_S, (
         Step("largest-model ladders", "gpu_check_steps:ladders", 470, 420,
              "benchmarks/hetero_gpu.py --ladders-only: the largest model hetero and DeepSpeed each train"),),

@@ -242,6 +242,20 @@ def lora(ctx: Context) -> None:
     ctx.record.headline(res["headline"])
 
 
+def fp8_block(ctx: Context) -> None:
+    """Issue #50's block figure: the 8B-shaped block in FP8 against bf16, dense and as 2D blocks."""
+    res = _benchmark("fp8").gpu_fp8_block(tiny=ctx.tiny, out=str(ctx.scratch / "fp8_block.json"))
+    ctx.record.figure("block", res["block"])
+    ctx.record.headline(res["headline"])
+
+
+def fp8_engine(ctx: Context) -> None:
+    """Issue #50's launch figure: the engine's 1B model in FP8 against bf16 (tokens/s, MFU in both peaks)."""
+    res = _benchmark("fp8").gpu_fp8_engine(tiny=ctx.tiny, out=str(ctx.scratch / "fp8_engine.json"))
+    ctx.record.figure("engine", res["engine"])
+    ctx.record.headline(res["headline"])  # no one_gpu_step: the planner's matmul rate is bf16's, not FP8's
+
+
 def predictions(ctx: Context) -> None:
     """The planner's step and memory (``parallel4d plan --device``) beside each one-GPU step measured so far."""
     calibrate = _benchmark("calibrate")

@@ -361,13 +361,19 @@ def dense_step(dense, X, G):
     return _runs([dense], [X.detach().requires_grad_(True)], [G])
 
 
-def grid_step(dense, X, G, q: int):
-    """The step of all q² ranks of a q×q grid built from ``dense``, each on its block of ``X`` / ``G``."""
+def grid_blocks(dense, X, G, q: int) -> tuple[list, list, list]:
+    """The q² ranks of a q×q grid built from ``dense``: their 2D blocks and each one's block of ``X`` / ``G``
+    (``[b/q, s, h/q]``)."""
     ranks = grid_ranks(q, X.device)
     blocks = [LlamaBlock2D.from_dense(dense, r, name="block") for r in ranks]
     xs = [X.chunk(q, 0)[r.rank("tp_row")].chunk(q, -1)[r.rank("tp_col")].contiguous().requires_grad_(True) for r in ranks]
     gs = [G.chunk(q, 0)[r.rank("tp_row")].chunk(q, -1)[r.rank("tp_col")].contiguous() for r in ranks]
-    return _runs(blocks, xs, gs)
+    return blocks, xs, gs
+
+
+def grid_step(dense, X, G, q: int):
+    """The step of all q² ranks of a q×q grid built from ``dense``, each on its block of ``X`` / ``G``."""
+    return _runs(*grid_blocks(dense, X, G, q))
 
 
 def step_flops(step) -> int:

@@ -236,3 +236,29 @@ def test_fp8_training_stays_within_e4m3_precision_of_bfloat16_training(single_ra
     assert want[0] - want[-1] > 2 * E4M3_U * want[0], f"bfloat16 fell from {want[0]:.3f} to {want[-1]:.3f} only"
     worst = ((losses - want).abs() / want).max()
     assert worst <= E4M3_U, f"FP8 losses {losses.tolist()} against bfloat16's {want.tolist()}: worst {worst:.3g}"
+
+
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+def test_padding_to_multiples_of_16_leaves_each_product_unchanged(monkeypatch, out_dtype):
+    """CUDA's ``_scaled_mm`` wants M, K and N multiples of 16: ``scaled_mm`` pads the quantized operands with
+    zeros and slices the result (``pad_to=16`` forces on the CPU what a GPU does by default). ``_scaled_mm``
+    then sees 48×32 by 32×32 operands for a 40×24 by 24×20 product, and the product equals the unpadded one
+    bit for bit (zeros add nothing to a sum; the scales come from the unpadded operands). Without ``pad_to``
+    the CPU pads nothing."""
+    from parallel4d.fp8.rowwise import quantize, scaled_mm
+
+    shapes, real = [], torch._scaled_mm
+
+    def recorded(a, b, *args, **kwargs):
+        shapes.append((tuple(a.shape), tuple(b.shape), tuple(kwargs["scale_a"].shape), tuple(kwargs["scale_b"].shape)))
+        return real(a, b, *args, **kwargs)
+    monkeypatch.setattr(torch, "_scaled_mm", recorded)
+    a, b = _matrix(40, 24, seed=4), _matrix(20, 24, seed=5).t()  # b a transpose's view, as the forward passes W
+    sa, sb = scales(a, 1), scales(b, 0)
+    a8, b8 = quantize(a, sa), quantize(b, sb)
+    unpadded = scaled_mm(a8, b8, sa, sb, out_dtype)
+    padded = scaled_mm(a8, b8, sa, sb, out_dtype, pad_to=16)
+    assert shapes == [((40, 24), (24, 20), (40, 1), (1, 20)), ((48, 32), (32, 32), (48, 1), (1, 32))]
+    assert padded.shape == (40, 20) and padded.dtype == out_dtype and padded.is_contiguous()
+    assert torch.equal(padded, unpadded)
+    assert_within_accumulation(padded, a, b)

@@ -14,8 +14,10 @@ magnitude lands in ``(224, 448]``; values beyond ±448 cannot occur but are satu
 
 ``_scaled_mm``'s layout rules: ``A8`` row-major, ``B8`` column-major, both contiguous in that sense.
 CUDA's rowwise kernel writes bfloat16 only: a float32 or float16 result is then computed in bfloat16 and
-cast (torchao does the same); on the CPU it is written in the asked dtype. CUDA's kernels also want K and
-N multiples of 16 (torchao pads them under ``pad_inner_dim``; not done here yet: the GPU path is unmeasured).
+cast (torchao does the same); on the CPU it is written in the asked dtype. CUDA's kernels also want M, K
+and N multiples of 16: :func:`scaled_mm` pads the quantized operands there with zeros (torchao pads K and N
+under ``pad_inner_dim``) and slices the result — a zero adds nothing to a sum, and the scales are taken
+from the operands before padding, so the product is the unpadded one.
 """
 
 from __future__ import annotations
@@ -72,15 +74,40 @@ def result_dtype(device: torch.device, out_dtype: torch.dtype) -> torch.dtype:
     return torch.bfloat16 if device.type == "cuda" else out_dtype
 
 
+#: what CUDA's ``_scaled_mm`` wants each of M, K and N to be a multiple of
+CUDA_MULTIPLE = 16
+
+
+def padded_size(n: int, multiple: int) -> int:
+    """``n`` rounded up to a multiple of ``multiple``."""
+    return -(-n // multiple) * multiple
+
+
+def _padded(t: torch.Tensor, rows: int, cols: int, fill: float = 0.0) -> torch.Tensor:
+    """``t`` (2-D) in the top-left corner of a ``[rows, cols]`` tensor of ``fill`` (``t`` itself where it fits)."""
+    if t.shape == (rows, cols):
+        return t
+    out = t.new_full((rows, cols), fill)
+    out[: t.shape[0], : t.shape[1]] = t
+    return out
+
+
 @torch.no_grad()
 def scaled_mm(a8: torch.Tensor, b8: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor,
-              out_dtype: torch.dtype) -> torch.Tensor:
+              out_dtype: torch.dtype, *, pad_to: int | None = None) -> torch.Tensor:
     """``(a8/sa)·(b8/sb)`` (e4m3 ``a8`` ``[M, K]`` with ``sa`` ``[M, 1]``, ``b8`` ``[K, N]`` with ``sb`` ``[1, N]``),
-    accumulated in float32, ``[M, N]`` in ``out_dtype``; the operands laid out as ``_scaled_mm`` wants here."""
-    out = torch._scaled_mm(a8.contiguous(), b8.t().contiguous().t(), scale_a=sa.reciprocal(),
-                           scale_b=sb.reciprocal(), out_dtype=result_dtype(a8.device, out_dtype),
-                           use_fast_accum=False)
-    return out.to(out_dtype)
+    accumulated in float32, ``[M, N]`` in ``out_dtype``; the operands laid out as ``_scaled_mm`` wants here.
+    ``pad_to``: M, K and N padded with zeros to multiples of it (the padded rows' and columns' scales 1)
+    and the result sliced back; None: :data:`CUDA_MULTIPLE` on a GPU, no padding elsewhere."""
+    multiple = (CUDA_MULTIPLE if a8.device.type == "cuda" else 1) if pad_to is None else pad_to
+    (m, k), n = a8.shape, b8.shape[1]
+    mp, kp, np_ = (padded_size(d, multiple) for d in (m, k, n))
+    a = _padded(a8.contiguous(), mp, kp)
+    b = _padded(b8.t().contiguous(), np_, kp).t()  # column-major [K', N']
+    out = torch._scaled_mm(a, b, scale_a=_padded(sa, mp, 1, 1.0).reciprocal(),
+                           scale_b=_padded(sb, 1, np_, 1.0).reciprocal(),
+                           out_dtype=result_dtype(a8.device, out_dtype), use_fast_accum=False)
+    return out[:m, :n].contiguous().to(out_dtype)
 
 
 @torch.no_grad()
