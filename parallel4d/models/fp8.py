@@ -27,3 +27,9 @@ def use_fp8(model: nn.Module) -> list[str]:
                 setattr(block.get_submodule(parent) if parent else block, leaf, RowwiseLinear.of(module))
                 done.append(name)
     return done
+
+
+def fp8_linears(model: nn.Module) -> int:
+    """How many of ``model``'s modules compute in FP8 (:class:`RowwiseLinear`): summary.json's ``fp8``, which
+    ``parallel4d check`` reads to say its comparison ran FP8 products."""
+    return sum(isinstance(m, RowwiseLinear) for m in model.modules())
