@@ -155,6 +155,7 @@ def test_check_of_an_fp8_job_is_equal_to_fp8_in_one_process_and_tells_it_from_a_
     against = compare(plan.cfg, run_in_this_process(plain, []), json.loads((tmp_path / "fp8" / "one" / "summary.json")
                       .read_text()), tmp_path / "plain" / "checkpoints", tmp_path / "fp8" / "one" / "checkpoints")
     assert not against.equal and against.first_loss_step == 1 and against.fp8 == (0, linears), against
+    assert "tolerances: FP8 (rowwise) in one process only" in "\n".join(format_report(job, plan, against))
 
 
 def test_check_of_one_process_with_hetero_still_compares():

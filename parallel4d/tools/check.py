@@ -43,7 +43,6 @@ from parallel4d.models.moe.spec import MoeShape
 from parallel4d.planning.dry_run import plan
 
 
-
 @dataclass(frozen=True)
 class Tolerance:
     """What equal means for a check: every loss within ``loss`` relative; every parameter within ``param``
@@ -63,11 +62,12 @@ class Tolerance:
 FLOAT64 = Tolerance(loss=1e-10, param=1e-9, param_atol=1e-12)
 #: ``train.fp8`` on both sides over float32 parameters: the same scales (#50.3), so what differs is float32's
 #: reordering of sums (the products' own sums and the reductions across ranks). Losses: the issue's 1e-6. A
-#: parameter after n AdamW steps carries n float32 roundings of its own (n·2⁻²⁴ ≈ 2e-7) and the update's share of a
-#: reordered gradient: AdamW's update is about lr whatever the gradient's scale, so a gradient off by γ moves it by
-#: about 2γ·lr, γ ≈ √K·2⁻²⁴ for a sum of K terms (K ≤ 2048 tokens here: 3e-6), lr ≤ 1e-3: ~1e-8 absolute, under
-#: 1e-5 of entries above 1e-2. Below 1e-2 (biases that start at 0; a key bias's gradient is only rounding noise η,
-#: which AdamW turns into lr·η/(η+ε)), 1e-7 absolute. FP8 against no FP8 moves parameters by 5e-3 and more (e4m3: 2⁻⁴).
+#: parameter after n AdamW steps carries n float32 roundings of its own (n·2⁻²⁴ ≈ 2e-7) and the update's share
+#: of a reordered gradient: AdamW's update is about lr whatever the gradient's scale, so a gradient off by γ
+#: moves it by about 2γ·lr, γ ≈ √K·2⁻²⁴ for a sum of K terms (K ≤ 2048 tokens here: 3e-6), lr ≤ 1e-3: ~1e-8
+#: absolute, under 1e-5 of entries above 1e-2. Below 1e-2 (biases that start at 0; a key bias's gradient is only
+#: rounding noise η, which AdamW turns into lr·η/(η+ε)), 1e-7 absolute. FP8 against no FP8 moves parameters by
+#: 5e-3 and more (e4m3 rounds to 2⁻⁴): the check tells them apart (tests/test_check.py).
 FP8 = Tolerance(loss=1e-6, param=1e-5, param_atol=1e-7)
 AXES = ("pp", "dp", "sp", "tp")  # the mesh's axes (their product is the world); ep adds no ranks
 
@@ -264,7 +264,8 @@ def _hetero_kept(path, fixed: list[str], cfg: Config, notes: list[str]) -> Optio
     small = load_config(path, fixed)
     # the same share of the model data on the device: bytes scale with the weights and the dtype's size (the
     # check's: float64, or float32 under FP8)
-    scale = dense_parameters(small.model) / max(1, dense_parameters(cfg.model)) * _element_bytes(small) / _element_bytes(cfg)
+    scale = dense_parameters(small.model) / max(1, dense_parameters(cfg.model)) * _element_bytes(small) \
+        / _element_bytes(cfg)
     step = chunk_step(small.parallel.dp * small.parallel.sp)
     for factor in (2 ** k for k in range(40)):
         hetero = [f"hetero.device_budget_bytes={max(1, int(h.device_budget_bytes * scale * factor))}"] \
@@ -531,6 +532,14 @@ def _lora_line(m) -> str:
             f"targets={','.join(m.lora.targets)}")
 
 
+def _fp8_said(c: Config, outcome: Outcome) -> str:
+    """The verdict's words on FP8 (nothing without ``train.fp8``): on both sides, or in one process only."""
+    if outcome.fp8 is None:
+        return ""
+    where = "on both sides" if outcome.fp8[0] else "in one process only (no linear of the layout's)"
+    return f"FP8 ({c.train.fp8}) {where}, float32 parameters: "
+
+
 def format_report(path, plan: Plan, outcome: Outcome) -> list[str]:
     """The table ``parallel4d check`` prints."""
     c, p = plan.cfg, plan.cfg.parallel
@@ -556,10 +565,11 @@ def format_report(path, plan: Plan, outcome: Outcome) -> list[str]:
                      f"{outcome.fp8[1]} in one process")
     if outcome.hetero_moved is not None:
         lines.append(f"  hetero: {outcome.hetero_moved:,} bytes moved between host and device per step on rank 0")
-    both = f"FP8 ({c.train.fp8}) on both sides, float32 parameters: " if outcome.fp8 is not None else ""
+    applied = _fp8_said(c, outcome) + outcome.tolerance.describe()
     if outcome.equal:
-        lines.append(f"EQUAL: {both}{outcome.tolerance.describe()}")
+        lines.append(f"EQUAL: {applied}")
     else:
+        lines.append(f"  tolerances: {applied}")
         if outcome.first_loss_step is not None:
             lines.append(f"DIFFERS: the loss of step {outcome.first_loss_step} first" if outcome.first_loss_step
                          else "DIFFERS: a validation loss")
