@@ -12,7 +12,8 @@ import parallel4d.launcher.launch as launch_module
 from parallel4d.config.errors import ConfigError
 from parallel4d.config.load import load_config
 from conftest import run_in_this_process
-from parallel4d.tools.check import _where, compare, format_report, into, nothing_to_compare, shrunk, sub_layouts
+from parallel4d.tools.check import (FLOAT64, FP8, Outcome, _where, compare, format_report, into, nothing_to_compare,
+                                    run_check, shrunk, sub_layouts, tolerance)
 from parallel4d.tools.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -121,13 +122,40 @@ def test_check_of_one_process_says_there_is_nothing_to_compare_and_exits_0(tmp_p
         assert len(out) == 1 and "is the reference itself: nothing to compare" in out[0], out
 
 
-def test_check_of_an_fp8_job_runs_it_in_float64_without_fp8_and_says_so():
-    """An FP8 job (one process, recomputed blocks: something to compare) was refused by its own check: the check
-    runs float64, where train.fp8 is refused. Its run sets train.fp8=none and a note says FP8 is not checked."""
-    plan = shrunk(ROOT / "configs" / "quickstart.yaml", ["parallel.dp=1", "train.dtype=bfloat16",
-                                                          "train.fp8=rowwise", "train.activation_checkpointing=blocks"])
-    assert (plan.cfg.train.fp8, plan.cfg.train.dtype) == ("none", "float64")
-    assert any("train.fp8=rowwise: not checked" in note for note in plan.notes), plan.notes
+#: a one-process FP8 job with something to compare (recomputed blocks: the forward's FP8 products run twice)
+FP8_JOB = ["parallel.dp=1", "train.dtype=bfloat16", "train.fp8=rowwise", "train.activation_checkpointing=blocks"]
+
+
+def test_check_of_an_fp8_job_runs_fp8_over_float32_on_both_sides():
+    """#50.3: the check ran an FP8 job in float64 without FP8 (float64 refuses it) and said "not checked". Now both
+    the layout and its one-process reference keep train.fp8, over float32 parameters, held to the FP8 tolerances."""
+    plan = shrunk(ROOT / "configs" / "quickstart.yaml", FP8_JOB)
+    reference = plan.reference(ROOT / "configs" / "quickstart.yaml", FP8_JOB)
+    for cfg in (plan.cfg, reference):
+        assert (cfg.train.fp8, cfg.train.parameters, cfg.train.autocast) == ("rowwise", "float32", "none")
+    assert tolerance(plan.cfg) == FP8 and tolerance(shrunk(ROOT / "configs" / "quickstart.yaml", []).cfg) == FLOAT64
+    assert any("train.fp8=rowwise: checked in float32" in note for note in plan.notes), plan.notes
+
+
+def test_check_of_an_fp8_job_is_equal_to_fp8_in_one_process_and_tells_it_from_a_reference_without_fp8(tmp_path):
+    """#50.3: the check of a one-process FP8 job (its recomputed blocks against plain ones, in this process) is
+    EQUAL at the FP8 tolerances, counts the linears that ran in FP8 on both sides and says so in its verdict; the
+    same layout against a reference without FP8 DIFFERS (the tolerances tell e4m3's rounding from float32's)."""
+    job = ROOT / "configs" / "quickstart.yaml"
+    plan = shrunk(job, FP8_JOB)
+    outcome = run_check(job, FP8_JOB, plan, tmp_path / "fp8", train=lambda cfg: run_in_this_process(cfg, []))
+    report = "\n".join(format_report(job, plan, outcome))
+    linears = 4 * plan.cfg.model.layers  # gpt2's blocks: attention's qkv and output, the MLP's two (not the LM head)
+    assert outcome.equal and outcome.tolerance == FP8, report
+    assert outcome.fp8 == (linears, linears), report
+    assert "FP8 (rowwise) on both sides" in report.splitlines()[-1] and "within 1e-06" in report, report
+    assert "in FP8 (rowwise) over float32 parameters on CPU" in report.splitlines()[0], report
+
+    plain = into(plan.reference(job, FP8_JOB), tmp_path / "plain", fp8="none")  # the same reference without FP8
+    against = compare(plan.cfg, run_in_this_process(plain, []), json.loads((tmp_path / "fp8" / "one" / "summary.json")
+                      .read_text()), tmp_path / "plain" / "checkpoints", tmp_path / "fp8" / "one" / "checkpoints")
+    assert not against.equal and against.first_loss_step == 1 and against.fp8 == (0, linears), against
+    assert "tolerances: FP8 (rowwise) in one process only" in "\n".join(format_report(job, plan, against))
 
 
 def test_check_of_one_process_with_hetero_still_compares():
@@ -276,8 +304,8 @@ def test_check_of_an_moe_job_keeps_ep_above_one_and_the_experts_at_a_smaller_sha
 def test_check_report_names_ep_and_the_experts():
     plan = shrunk(QUICKSTART, MOE_JOB, max_workers=4)
     m = plan.cfg.model
-    outcome = type("O", (), dict(losses=[1.0], reference_losses=[1.0], validation=[], tensors=1, worst=("", 0.0), adapters=None,
-                                 hetero_moved=None, equal=True, first_loss_step=None, first_tensor=None))()
+    outcome = Outcome(losses=[1.0], reference_losses=[1.0], validation=[], tensors=1, worst=("", 0.0),
+                      first_loss_step=None, first_tensor=None)
     head = "\n".join(format_report(QUICKSTART, plan, outcome)[:2])
     assert f"ep={plan.cfg.parallel.ep}" in head, head
     assert f"experts={m.num_experts} top_k=2 moe_intermediate_size={m.moe_intermediate_size}" in head, head

@@ -3,8 +3,10 @@ backward and hop cost; ring layouts and Ulysses; hetero with budgets from the mi
 dp·sp > 1); activation checkpointing; gpt2 and llama (GQA, tied and untied; a vocabulary the 2D grid
 pads or not; mixture-of-experts layers of every shape, split over parallel.ep, in every layout — those
 validate refuses counted as refused); LoRA adapters (rank, alpha, rsLoRA, targets, dropout) wherever
-config/rules/lora.py accepts them for the layout drawn; evaluation; a resume mid-run — and runs each through ``parallel4d check``'s own code (:mod:`parallel4d.tools.check`):
-the shrunk job on gloo workers in float64 against one process, losses to 1e-10, every parameter to 1e-9.
+config/rules/lora.py accepts them for the layout drawn; FP8 linears (``train.fp8=rowwise``) wherever
+config/rules/fp8.py accepts them; evaluation; a resume mid-run — and runs each through ``parallel4d check``'s own
+code (:mod:`parallel4d.tools.check`): the shrunk job on gloo workers in float64 against one process, losses to
+1e-10, every parameter to 1e-9 (an FP8 draw: FP8 on both sides over float32, at the check's FP8 tolerances).
 
 A fixed time budget per run (``PARALLEL4D_FUZZ_SECONDS``, default 20 s, a new seed each run): a draw
 that would end after it, at the slowest pace per rank so far, passes without running
@@ -72,7 +74,8 @@ def jobs(draw) -> tuple[list[str], float | None, int | None]:
     budget = draw(st.sampled_from([None, 0.001, 0.2, 0.5]))
     out.append(f"hetero.enabled={budget is not None or draw(st.booleans())}")
     resume = draw(st.sampled_from([None, None, None, 1, 2]))
-    return out + _lora(draw, out), budget, resume
+    out += _lora(draw, out)
+    return out + _fp8(draw, out), budget, resume
 
 
 #: each family's peft target_modules names (the config's rule: its spec's lora_targets)
@@ -92,6 +95,20 @@ def _lora(draw, job: list[str]) -> list[str]:
     lora = {"rank": draw(st.sampled_from([1, 2, 4])), "alpha": draw(st.sampled_from([1, 8, 16])),
             "rslora": draw(st.booleans()), "targets": targets, "dropout": draw(st.sampled_from([0.0, 0.1]))}
     out = [f"model.lora={json.dumps(lora)}"]
+    try:
+        load_config(BASE, [*job, *out])
+    except ConfigError:
+        return []
+    return out
+
+
+def _fp8(draw, job: list[str]) -> list[str]:
+    """``train.fp8=rowwise`` where the config's rules accept it for the job drawn (config/rules/fp8.py decides, not
+    this fuzzer); none otherwise or half the time. The check runs an FP8 job in FP8 on both sides, over float32
+    parameters, at FP8's tolerances (tools/check.py)."""
+    if not draw(st.booleans()):
+        return []
+    out = ["train.fp8=rowwise"]
     try:
         load_config(BASE, [*job, *out])
     except ConfigError:
@@ -290,3 +307,54 @@ def test_the_fuzzer_draws_lora_where_the_rules_accept_it():
             "dropout=False", "gpt2 every targets", "gpt2 some targets", "llama every targets", "llama some targets",
             "experts' adapters at ep>1"}
     assert want <= seen, sorted(want - seen)
+
+
+#: candidate layouts for train.fp8 (config/rules/fp8.py decides which accept it: today one process on a dense model;
+#: more as the FP8 layouts land): the coverage below expects the draw exactly where the rules accept FP8
+FP8_LAYOUTS = {"gpt2, one process": ["parallel.dp=1", "model.arch=gpt2"],
+               "llama, one process": ["parallel.dp=1", "model.arch=llama"],
+               "dp=2": ["parallel.dp=2"], "pp=2": ["parallel.dp=1", "parallel.pp=2"],
+               "sp=2": ["parallel.dp=1", "parallel.sp=2"], "tp=4": ["parallel.dp=1", "parallel.tp=4"],
+               "hetero": ["parallel.dp=1", "hetero.enabled=true"],
+               "MoE": ["parallel.dp=1", "model.arch=llama", "model.num_experts=4", "model.num_experts_per_tok=2",
+                       "model.moe_intermediate_size=16"],
+               "LoRA": ["parallel.dp=1", 'model.lora={"rank": 2, "targets": ["c_attn"]}']}
+
+
+def _accepts(job: list[str]) -> bool:
+    try:
+        load_config(BASE, job)
+        return True
+    except ConfigError:
+        return False
+
+
+def test_the_fuzzer_draws_fp8_exactly_where_the_rules_accept_it():
+    """#50.3: the draws carry ``train.fp8=rowwise`` only in jobs the config's rules accept with it (every FP8 job the
+    fuzzer draws loads), in each layout the rules accept FP8 in — half the time — and in none they refuse it in
+    (config/rules/fp8.py decides, not this fuzzer: a layout whose refusal lifts is drawn with FP8 from then on). The
+    check runs an FP8 draw in FP8 on both sides (tools/check.py). Generation only."""
+    accepted = {name for name, job in FP8_LAYOUTS.items() if _accepts([*job, "train.fp8=rowwise"])}
+    seen, refused = set(), []
+
+    @settings(max_examples=100, deadline=None, database=None, phases=[Phase.generate],
+              suppress_health_check=list(HealthCheck))
+    @seed(50)
+    @given(jobs())
+    def whole(case):
+        if "train.fp8=rowwise" in case[0] and not _accepts(case[0]):
+            refused.append(case[0])
+
+    @settings(max_examples=120, deadline=None, database=None, phases=[Phase.generate],
+              suppress_health_check=list(HealthCheck))
+    @seed(50)
+    @given(st.sampled_from(list(FP8_LAYOUTS)), st.data())
+    def layouts(name, data):
+        seen.add((name, bool(data.draw(st.composite(_fp8)(FP8_LAYOUTS[name])))))
+
+    whole()
+    layouts()
+    assert not refused, refused[:3]
+    assert "gpt2, one process" in accepted and accepted <= set(FP8_LAYOUTS)
+    want = {(name, drawn) for name in FP8_LAYOUTS for drawn in ((True, False) if name in accepted else (False,))}
+    assert seen == want, (sorted(want - seen), sorted(seen - want))

@@ -27,3 +27,10 @@ def use_fp8(model: nn.Module) -> list[str]:
                 setattr(block.get_submodule(parent) if parent else block, leaf, RowwiseLinear.of(module))
                 done.append(name)
     return done
+
+
+def fp8_linears(model: nn.Module) -> int:
+    """How many of ``model``'s modules compute in FP8: each :class:`RowwiseLinear`, and each linear whose ``fp8``
+    recipe is set (a 2D block's SUMMA linear, #50.4). summary.json's ``fp8``: ``parallel4d check`` reads it to say
+    its comparison ran FP8 products."""
+    return sum(isinstance(m, RowwiseLinear) or getattr(m, "fp8", None) is not None for m in model.modules())

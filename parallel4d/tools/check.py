@@ -7,9 +7,10 @@ config names (schedule, waves, split backward, hop cost, ring layout, Ulysses, h
 budget ratio, ZeRO, activation checkpointing, the model family and its options, tied head, packing,
 evaluation), shrinks the model to the smallest shape the config's own rules accept, and trains a few
 steps on CPU over gloo in float64. The reference is the same job on one process with none of the
-techniques: plain layers, no pipeline, no ring, no chunks. Equal means every step's loss within
-:data:`LOSS_RTOL` and every parameter within :data:`PARAM_RTOL` (relative; :data:`PARAM_ATOL` for
-entries whose exact value is 0: a key bias's gradient is zero in exact arithmetic).
+techniques: plain layers, no pipeline, no ring, no chunks. Equal means every step's loss and every
+parameter within the run's :class:`Tolerance` (:func:`tolerance`): in float64 :data:`FLOAT64`; a job with
+``train.fp8`` runs its FP8 products on both sides, over float32 parameters (FP8 never runs in float64),
+against :data:`FP8`.
 
 :func:`shrunk` (pure: configs in, overrides out), :func:`run_check` (runs both, compares) and
 :func:`format_report` are apart, so the fuzzer in the suite runs draws through the same code.
@@ -41,9 +42,33 @@ from parallel4d.models.lora import is_adapter
 from parallel4d.models.moe.spec import MoeShape
 from parallel4d.planning.dry_run import plan
 
-LOSS_RTOL = 1e-10
-PARAM_RTOL = 1e-9
-PARAM_ATOL = 1e-12
+
+@dataclass(frozen=True)
+class Tolerance:
+    """What equal means for a check: every loss within ``loss`` relative; every parameter within ``param``
+    relative, an entry under ``param_atol / param`` in size within ``param_atol`` absolute instead (a key
+    bias's gradient is zero in exact arithmetic: its entries are rounding noise)."""
+
+    loss: float
+    param: float
+    param_atol: float
+
+    def describe(self) -> str:
+        return (f"every loss within {self.loss:g}, every parameter within {self.param:g} (relative; entries under "
+                f"{self.param_atol / self.param:g} within {self.param_atol:g} absolute)")
+
+
+#: float64 on both sides: the techniques reorder float64 sums only
+FLOAT64 = Tolerance(loss=1e-10, param=1e-9, param_atol=1e-12)
+#: ``train.fp8`` on both sides over float32 parameters: the same scales (#50.3), so what differs is float32's
+#: reordering of sums (the products' own sums and the reductions across ranks). Losses: the issue's 1e-6. A
+#: parameter after n AdamW steps carries n float32 roundings of its own (n·2⁻²⁴ ≈ 2e-7) and the update's share
+#: of a reordered gradient: AdamW's update is about lr whatever the gradient's scale, so a gradient off by γ
+#: moves it by about 2γ·lr, γ ≈ √K·2⁻²⁴ for a sum of K terms (K ≤ 2048 tokens here: 3e-6), lr ≤ 1e-3: ~1e-8
+#: absolute, under 1e-5 of entries above 1e-2. Below 1e-2 (biases that start at 0; a key bias's gradient is only
+#: rounding noise η, which AdamW turns into lr·η/(η+ε)), 1e-7 absolute. FP8 against no FP8 moves parameters by
+#: 5e-3 and more (e4m3 rounds to 2⁻⁴): the check tells them apart (tests/test_check.py).
+FP8 = Tolerance(loss=1e-6, param=1e-5, param_atol=1e-7)
 AXES = ("pp", "dp", "sp", "tp")  # the mesh's axes (their product is the world); ep adds no ranks
 
 # What the check fixes whatever the job says: float64 on CPU, a short run, a checkpoint at its end
@@ -53,6 +78,21 @@ RUN = ["train.dtype=float64", "train.param_dtype=null", "train.autocast_dtype=nu
        "train.job_timeout_s=null", "train.grad_clip=null", "checkpoint.enabled=true", "checkpoint.every=0",
        "checkpoint.dir=null", "hetero.compute_device=cpu", "hetero.dynamic_budget=false",
        "model.dropout=0.0", "model.attention_dropout=null", "model.embedding_dropout=null"]
+
+
+def fixed_run(cfg: Config) -> list[str]:
+    """:data:`RUN`; for a job with ``train.fp8``, its FP8 kept over float32 parameters (FP8 never runs in
+    float64: config/rules/fp8.py), on both sides of the comparison."""
+    if cfg.train.fp8 == "none":
+        return RUN
+    return [*RUN, "train.dtype=float32", f"train.fp8={cfg.train.fp8}"]
+
+
+def tolerance(cfg: Config) -> Tolerance:
+    """What equal means for the check's run ``cfg``: :data:`FP8` where its products are FP8, else :data:`FLOAT64`."""
+    return FLOAT64 if cfg.train.fp8 == "none" else FP8
+
+
 # The reference: one process, none of the techniques (the model and the data as the check's)
 REFERENCE = ["parallel.pp=1", "parallel.dp=1", "parallel.sp=1", "parallel.tp=1", "parallel.ep=1", "pipeline.schedule=1f1b",
              "pipeline.waves=1", "pipeline.split_backward=false", "pipeline.hop_cost=null",
@@ -203,9 +243,9 @@ def _features(path, job: list[str], cfg: Config, own: list[str]) -> Optional[tup
         notes.append(f"data.path={cfg.data.path} is not on this machine: synthetic tokens instead")
     if cfg.train.compile != "none":
         notes.append("train.compile: not checked (compiles nothing on CPU in float64)")
-    if cfg.train.fp8 != "none":  # RUN sets none: a float64 run has no FP8 products
-        notes.append(f"train.fp8={cfg.train.fp8}: not checked (the check runs in float64; tests/test_fp8.py pins "
-                     "the FP8 products)")
+    if cfg.train.fp8 != "none" and cfg.train.dtype != "float32":  # fixed_run: FP8 over float32 parameters
+        notes.append(f"train.fp8={cfg.train.fp8}: checked in float32 (train.dtype={cfg.train.dtype}: its FP8 "
+                     "products the same, their outputs and the parameters in float32 on both sides)")
     if cfg.model.lora is not None and cfg.model.lora.dropout:  # as model.dropout (RUN)
         out.append("model.lora.dropout=0.0")
         notes.append(f"model.lora.dropout={cfg.model.lora.dropout}: not checked (dropout off, as model.dropout)")
@@ -222,8 +262,10 @@ def _hetero_kept(path, fixed: list[str], cfg: Config, notes: list[str]) -> Optio
     if not h.enabled or (h.device_budget_bytes is None and h.chunk_elems is None):
         return []
     small = load_config(path, fixed)
-    # the same share of the model data on the device: bytes scale with the weights and the dtype's size
-    scale = dense_parameters(small.model) / max(1, dense_parameters(cfg.model)) * 8 / _element_bytes(cfg)
+    # the same share of the model data on the device: bytes scale with the weights and the dtype's size (the
+    # check's: float64, or float32 under FP8)
+    scale = dense_parameters(small.model) / max(1, dense_parameters(cfg.model)) * _element_bytes(small) \
+        / _element_bytes(cfg)
     step = chunk_step(small.parallel.dp * small.parallel.sp)
     for factor in (2 ** k for k in range(40)):
         hetero = [f"hetero.device_budget_bytes={max(1, int(h.device_budget_bytes * scale * factor))}"] \
@@ -234,7 +276,7 @@ def _hetero_kept(path, fixed: list[str], cfg: Config, notes: list[str]) -> Optio
             if factor > 1:
                 notes.append(f"hetero: {factor}× the job's budget ratio, the least the rules accept at this shape")
             return _at_least_the_layouts(load_config(path, [*fixed, *hetero]), hetero, notes)
-        if scale * factor > 8 / _element_bytes(cfg):
+        if scale * factor > _element_bytes(small) / _element_bytes(cfg):
             return None
     return None
 
@@ -263,14 +305,14 @@ def _element_bytes(cfg: Config) -> int:
 def shrunk(path, job_overrides: list[str], steps: int = 3, max_workers: Optional[int] = None) -> Plan:
     """The check's overrides for the job ``path`` + ``job_overrides``: its layout (or the largest
     sub-layout of at most ``max_workers`` ranks, default ``train.max_local_workers``), each model and
-    batch dimension cut to the smallest value the rules accept, the run fixed to :data:`RUN`."""
+    batch dimension cut to the smallest value the rules accept, the run fixed (:func:`fixed_run`)."""
     cfg = load_config(path, job_overrides)
     if cfg.deepspeed is not None:
         raise ConfigError("deepspeed: parallel4d check runs parallel4d's own engine; DeepSpeed's is checked "
                           "against ours by tests/test_deepspeed.py. Remove the deepspeed: section to check the "
                           "same layout on our engine")
     limit = max_workers or cfg.train.max_local_workers
-    run = [*RUN, f"train.steps={steps}", f"train.max_local_workers={limit}"]
+    run = [*fixed_run(cfg), f"train.steps={steps}", f"train.max_local_workers={limit}"]
     weights = random_weights(cfg)
     job, refusals = [*job_overrides, *weights], []
     for layout in sub_layouts(cfg, limit):
@@ -287,9 +329,15 @@ def shrunk(path, job_overrides: list[str], steps: int = 3, max_workers: Optional
                                  f"{plan.cfg.parallel.sizes}")
         return plan
     if cfg.world_size <= limit:  # the job's own layout was tried first: more workers would not help
-        raise ConfigError(f"the check's run of this job (float64 on CPU, the shape shrunk) is refused: {refusals[0]}")
+        raise ConfigError(f"the check's run of this job ({_precision(cfg)} on CPU, the shape shrunk) is refused: "
+                          f"{refusals[0]}")
     raise ConfigError(f"parallel: no layout of at most {limit} ranks keeps every axis of {cfg.parallel.sizes} "
                       "above 1 under this config's rules; raise --max-workers")
+
+
+def _precision(cfg: Config) -> str:
+    """What the check computes ``cfg``'s job in (:func:`fixed_run`), in words."""
+    return "float64" if cfg.train.fp8 == "none" else f"FP8 ({cfg.train.fp8}) over float32 parameters"
 
 
 def random_weights(cfg: Config) -> list[str]:
@@ -358,6 +406,8 @@ class Outcome:
     first_tensor: Optional[Difference]
     hetero_moved: Optional[int] = None  # rank 0's bytes moved host ↔ device per step: the budget bites
     adapters: Optional[tuple[int, float]] = None  # model.lora: (adapter tensors, their largest relative difference)
+    tolerance: Tolerance = FLOAT64  # what equal meant (:func:`tolerance`)
+    fp8: Optional[tuple[int, int]] = None  # train.fp8: the linears computing in FP8 (the layout's ranks, one process)
 
     @property
     def equal(self) -> bool:
@@ -406,13 +456,14 @@ def _dense(checkpoints: Path, tied: bool) -> dict:
 
 
 def compare(cfg: Config, got: dict, want: dict, got_ckpt: Path, want_ckpt: Path) -> Outcome:
-    """The runs' summaries and final checkpoints against :data:`LOSS_RTOL` / :data:`PARAM_RTOL`."""
+    """The runs' summaries and final checkpoints against ``cfg``'s :func:`tolerance`."""
+    tol = tolerance(cfg)
     a, b = got["losses"], want["losses"]
-    bad = [i for i, (x, y) in enumerate(zip(a, b)) if abs(x - y) > LOSS_RTOL * abs(y)]
+    bad = [i for i, (x, y) in enumerate(zip(a, b)) if abs(x - y) > tol.loss * abs(y)]
     bad += [min(len(a), len(b))] if len(a) != len(b) else []
     first_step = bad[0] + 1 if bad else None
     val = [(x["loss"], y["loss"]) for x, y in zip(got.get("validation", []), want.get("validation", []))]
-    if any(abs(x - y) > LOSS_RTOL * abs(y) for x, y in val) and first_step is None:
+    if any(abs(x - y) > tol.loss * abs(y) for x, y in val) and first_step is None:
         first_step = 0  # a validation loss differs
     mine, ref = _dense(got_ckpt, cfg.model.tie_embeddings), _dense(want_ckpt, cfg.model.tie_embeddings)
     worst, first, adapters = ("", 0.0), None, []
@@ -420,8 +471,8 @@ def compare(cfg: Config, got: dict, want: dict, got_ckpt: Path, want_ckpt: Path)
         r = ref[name]
         x = mine[name].to(torch.float64)
         diff = (x - r).abs()
-        excess = diff - PARAM_RTOL * r.abs() - PARAM_ATOL
-        rel = (diff / r.abs().clamp_min(PARAM_ATOL / PARAM_RTOL)).max().item() if diff.numel() else 0.0
+        excess = diff - tol.param * r.abs() - tol.param_atol
+        rel = (diff / r.abs().clamp_min(tol.param_atol / tol.param)).max().item() if diff.numel() else 0.0
         worst = max(worst, (name, rel), key=lambda t: t[1])
         adapters += [rel] if is_adapter(name) else []
         if first is None and excess.max().item() > 0:
@@ -431,7 +482,20 @@ def compare(cfg: Config, got: dict, want: dict, got_ckpt: Path, want_ckpt: Path)
     if cfg.model.lora is not None and not adapters:  # what LoRA trains must be what is compared
         raise RuntimeError("model.lora: the checkpoints hold no adapter to compare")
     lora = (len(adapters), max(adapters)) if cfg.model.lora is not None else None
-    return Outcome(a, b, val, len(ref), worst, first_step, first, moved, lora)
+    return Outcome(a, b, val, len(ref), worst, first_step, first, moved, lora, tol, _fp8_linears(cfg, got, want))
+
+
+def _fp8_linears(cfg: Config, got: dict, want: dict) -> Optional[tuple[int, int]]:
+    """``train.fp8``: the linears that computed in FP8 on all the layout's ranks and in one process (summary.json's
+    ``fp8``). The one process must have some — else both sides could be the same non-FP8 run and equal; a layout
+    whose products were not FP8 against it differs by far more than :data:`FP8` (e4m3 rounds to 2⁻⁴)."""
+    if cfg.train.fp8 == "none":
+        return None
+    layout, one = (sum((s.get("fp8") or {}).get("linears_per_rank", [])) for s in (got, want))
+    if one == 0:
+        raise RuntimeError(f"train.fp8={cfg.train.fp8}: the one-process run computed no linear in FP8 (its "
+                           "summary.json has no fp8 linears): there is no FP8 reference to compare with")
+    return layout, one
 
 
 def _stage(cfg: Config, name: str) -> int:
@@ -468,11 +532,19 @@ def _lora_line(m) -> str:
             f"targets={','.join(m.lora.targets)}")
 
 
+def _fp8_said(c: Config, outcome: Outcome) -> str:
+    """The verdict's words on FP8 (nothing without ``train.fp8``): on both sides, or in one process only."""
+    if outcome.fp8 is None:
+        return ""
+    where = "on both sides" if outcome.fp8[0] else "in one process only (no linear of the layout's)"
+    return f"FP8 ({c.train.fp8}) {where}, float32 parameters: "
+
+
 def format_report(path, plan: Plan, outcome: Outcome) -> list[str]:
     """The table ``parallel4d check`` prints."""
     c, p = plan.cfg, plan.cfg.parallel
     lines = [f"parallel4d check {path}: {c.world_size} ranks ({p.sizes}), "
-             f"{c.train.steps} steps in float64 on CPU against one process",
+             f"{c.train.steps} steps in {_precision(c)} on CPU against one process",
              f"  model {c.model.arch}: layers={c.model.layers} hidden={c.model.hidden} heads={c.model.heads}"
              + (f" kv_heads={c.model.kv_heads}" if c.model.kv_heads else "")
              + (f" head_dim={c.model.head_dim}" if c.model.head_dim else "")
@@ -488,12 +560,16 @@ def format_report(path, plan: Plan, outcome: Outcome) -> list[str]:
     if outcome.adapters is not None:
         lines.append(f"  adapters (model.lora): {outcome.adapters[0]} tensors, largest relative difference "
                      f"{outcome.adapters[1]:.1e}; the base frozen")
+    if outcome.fp8 is not None:
+        lines.append(f"  fp8: {outcome.fp8[0]} linears computed in FP8 ({c.train.fp8}) over the layout's ranks, "
+                     f"{outcome.fp8[1]} in one process")
     if outcome.hetero_moved is not None:
         lines.append(f"  hetero: {outcome.hetero_moved:,} bytes moved between host and device per step on rank 0")
+    applied = _fp8_said(c, outcome) + outcome.tolerance.describe()
     if outcome.equal:
-        lines.append(f"EQUAL: every loss within {LOSS_RTOL:g}, every parameter within {PARAM_RTOL:g} (relative; "
-                     f"entries under {PARAM_ATOL / PARAM_RTOL:g} against {PARAM_ATOL / PARAM_RTOL:g})")
+        lines.append(f"EQUAL: {applied}")
     else:
+        lines.append(f"  tolerances: {applied}")
         if outcome.first_loss_step is not None:
             lines.append(f"DIFFERS: the loss of step {outcome.first_loss_step} first" if outcome.first_loss_step
                          else "DIFFERS: a validation loss")

@@ -36,6 +36,7 @@ from parallel4d.engine.model import tf32_allowed, use_tf32
 from parallel4d.engine.trainer import Trainer
 from parallel4d.distributed.mesh import init_mesh
 from parallel4d.integrations import deepspeed_integration
+from parallel4d.models.fp8 import fp8_linears
 from parallel4d.training.checkpoints import check_format, job_files
 from parallel4d.training.host_memory import HostPeak
 from parallel4d.training.metrics import MetricsLog, gather_objects, gather_per_rank, peak_memory, read_together
@@ -133,6 +134,8 @@ class _Run:
         self.saved_step: int | None = None  # the step whose state is on disk (saved or loaded here)
         self.saved: Path | None = None
         self.extra_files = job_files(cfg, with_pretrained=lead and cfg.checkpoint.enabled)  # read once
+        # train.fp8: each rank's linears computing in FP8, gathered once (summary.json's fp8: what check reads)
+        self.fp8 = gather_objects(fp8_linears(engine.model)) if cfg.train.fp8 != "none" else None
 
     def note_router(self, record: dict) -> None:
         """MoE: a logged step's auxiliary loss and expert load, for summary.json's ``moe`` (this session's)."""
@@ -502,4 +505,6 @@ def _summary(cfg: Config, mesh, engine: Trainer, run: _Run, elapsed: float, inte
         summary["pipeline"] = {"schedule": cfg.pipeline.schedule, **pipeline}
     if run.router is not None:  # [step, aux_loss] per logged step; the last logged step's expert load
         summary["moe"] = run.router
+    if run.fp8 is not None:
+        summary["fp8"] = {"recipe": cfg.train.fp8, "linears_per_rank": run.fp8}
     return summary
