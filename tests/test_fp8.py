@@ -341,3 +341,25 @@ def test_fp8_training_stays_within_e4m3_precision_of_bfloat16_training(single_ra
     assert want[0] - want[-1] > 2 * E4M3_U * want[0], f"bfloat16 fell from {want[0]:.3f} to {want[-1]:.3f} only"
     worst = ((losses - want).abs() / want).max()
     assert worst <= E4M3_U, f"FP8 losses {losses.tolist()} against bfloat16's {want.tolist()}: worst {worst:.3g}"
+
+
+def test_fp8_under_hetero_in_one_process_trains_as_the_dense_model_without_a_collective(single_rank):
+    """Hetero without ZeRO (one data replica: chunks under a device budget below the model, nothing sharded):
+    the FP8 linears over hetero's placed parameters train as the dense model in FP8 — losses within 1e-6
+    (relative) over 4 steps, every parameter within float32's reordering (1e-5) — and, with every micro-batch
+    whole on the rank, no amax is reduced (no ``fp8.amax`` collective)."""
+    from test_expert_parallel import _fp8_job as dense_fp8_job, _fp8_one_process, fp8_held
+    from test_llama import train_layouts
+
+    job = dense_fp8_job({}, hetero={"enabled": True, "chunk_elems": 2048, "device_budget_bytes": 60_000})
+    got = train_layouts({"hetero": job}, inspect=fp8_held)
+    want_losses, want = _fp8_one_process(1, False)
+    losses, pieces = got["hetero"]
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(want_losses), rtol=1e-6, atol=0)
+    for dense, boxes in pieces.items():
+        for off, t in boxes:
+            torch.testing.assert_close(t, want[dense][tuple(slice(o, o + n) for o, n in zip(off, t.shape))],
+                                       rtol=0, atol=1e-5, msg=lambda m, d=dense: f"{d}: {m}")
+    held = got[("inspect", "hetero")]
+    assert held["linears"] == 7 * 3 and held["synced"] == 0 and held["amax all-reduces"] == 0, held
+    assert held["bytes moved"] > 0, held
