@@ -21,6 +21,10 @@ micro-batches and adapter dropout, Ulysses, Hanayo, zb_h1 (split backward: the W
 the adapters only), packed documents and the 2D grid tp=4 (also GPT-2's fused c_attn there), each equal to one
 process with the same adapters, the base unchanged and only the adapters trained, reduced and given optimizer
 state (:data:`LORA_LAYOUTS`).
+
+And FP8 (``train.fp8: rowwise``, #50) on the dense llama in float32: dp × ring sp with recomputation, dp × Ulysses,
+1F1B, Hanayo, zb_h1 and zbv (split backward), hetero ZeRO and packed documents, each within 1e-6 of one process in
+FP8 over 4 steps, the weight gradients' token amaxes MAX-reduced over the data replicas (:data:`FP8_LAYOUTS`).
 """
 
 from __future__ import annotations
@@ -171,6 +175,7 @@ def _fp8_job(parallel: dict, **sections) -> dict:
 
 
 FP8_HETERO = "FP8 hetero (ZeRO over dp=2 × ring sp=2, a budget below the model)"
+FP8_PACKED = "FP8 dp=2 × ring sp=2, packed documents"
 FP8_LAYOUTS = {
     "FP8 dp=2 × ring sp=2, 2 micro-batches, blocks recomputed":
         _fp8_job({"dp": 2, "sp": 2}, pipeline={"microbatches": 2}, train={"activation_checkpointing": "blocks"}),
@@ -186,6 +191,8 @@ FP8_LAYOUTS = {
     "FP8 zbv pp=2 × dp=2, 2 micro-batches": _fp8_job({"pp": 2, "dp": 2}, pipeline={"schedule": "zbv", "microbatches": 2}),
     FP8_HETERO: _fp8_job({"dp": 2, "sp": 2}, hetero={"enabled": True, "chunk_elems": 2048,
                                                      "device_budget_bytes": 60_000}),
+    FP8_PACKED: _fp8_job({"dp": 2, "sp": 2}, data={**BASE["data"], "batch_size": 4, "packing": "documents",
+                                                   "eod_token": EOD}),
 }
 
 
@@ -827,7 +834,20 @@ def fp8_one_process(name: str):
     m micro-batches; under sp with the ring's attention kernel on one rank (the attention core the layout
     computes, see :func:`test_fp8_trains_in_the_data_sequence_and_pipeline_layouts_and_hetero_as_one_process`)."""
     job = FP8_LAYOUTS[name]
+    if name == FP8_PACKED:
+        return _fp8_packed_one_process()
     return _fp8_one_process(job.get("pipeline", {}).get("microbatches", 1), job["parallel"].get("sp", 1) > 1)
+
+
+@functools.cache
+def _fp8_packed_one_process():
+    """:data:`FP8_PACKED` through compose() in this process (its one rank holds the whole batch; packed
+    documents masked in one forward, as the layout's): the dense model cannot be the reference here, since it
+    runs each document alone, and each alone is another FP8 product (its own tokens' scales)."""
+    from test_llama import train_layouts
+
+    losses, pieces = train_layouts({"one": {**FP8_LAYOUTS[FP8_PACKED], "parallel": {}}})["one"]
+    return losses, {dense: boxes[0][1] for dense, boxes in pieces.items()}
 
 
 @functools.cache
@@ -859,7 +879,8 @@ def test_fp8_trains_in_the_data_sequence_and_pipeline_layouts_and_hetero_as_one_
     4 steps — the weight gradients' scales are the whole micro-batch's (their token amaxes MAX-reduced over the
     dp·sp replicas: one ``fp8.amax`` all-reduce per FP8 linear per micro-batch per step on every rank) —, and
     the parameters within float32's reordering but for at most 0.1 % of the elements (flipped e4m3 roundings),
-    those within 2⁻⁴·lr. Hetero's chunks moved.
+    those within 2⁻⁴·lr. Hetero's chunks moved. Packed documents: against one process through compose()
+    (:func:`_fp8_packed_one_process`).
 
     Why one process with the ring's kernel under sp: FP8's rounding is discontinuous, so a float32 reordering in
     the attention core (the ring's blockwise softmax against SDPA: ~1e-7) flips e4m3 roundings, and each flip
