@@ -11,6 +11,7 @@ power-of-two scales, scaled back exactly): what remains is the float32 accumulat
 from __future__ import annotations
 
 import math
+import threading
 
 import pytest
 import torch
@@ -151,6 +152,102 @@ def test_fp8_linear_equals_torchao_float8_linear_under_its_rowwise_recipe():
         assert torch.equal(t, o), f"{name}: worst difference {float((t.float() - o.float()).abs().max())}"
 
 
+def _two_ranks_group():
+    """A fake group of two ranks in this process (threads): ``sync_of(rank)`` is rank's
+    :data:`~parallel4d.fp8.rowwise.AmaxSync`, the elementwise MAX of both ranks' amaxes (what the engine's
+    all-reduce computes); ``calls`` the shapes and dtypes each call got."""
+    barrier, posted, calls = threading.Barrier(2), {}, []
+
+    def sync_of(rank):
+        def sync(largest):
+            calls.append((rank, tuple(largest.shape), largest.dtype))
+            posted[rank] = largest.clone()
+            barrier.wait()
+            reduced = torch.maximum(posted[0], posted[1])
+            barrier.wait()  # both read before either posts again
+            return largest.copy_(reduced)
+        return sync
+    return sync_of, calls
+
+
+def _halves_backward(weight, x, dy, sync_of) -> list[torch.Tensor]:
+    """Each half of the tokens (dim 1 of ``x`` / ``dy`` ``[b, T, ·]``: a sequence shard each) through its own
+    :class:`RowwiseLinear` over a copy of ``weight``, in two threads (two ranks): each half's dW."""
+    half, grads = x.shape[1] // 2, [None, None]
+
+    def rank(r):
+        w = torch.nn.Parameter(weight.detach().clone())
+        layer = RowwiseLinear.of(torch.nn.Linear(1, 1, bias=False), None if sync_of is None else sync_of(r))
+        layer.weight, tokens = w, slice(r * half, (r + 1) * half)
+        layer(x[:, tokens].clone().requires_grad_()).backward(dy[:, tokens])
+        grads[r] = w.grad
+    threads = [threading.Thread(target=rank, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return grads
+
+
+def test_the_token_amax_reduction_makes_two_half_batches_weight_gradients_the_whole_batchs():
+    """dW = dYᵀ·X contracts over the tokens, which data replicas and sequence shards split: two ranks
+    holding half the tokens each, their amaxes MAX-reduced (one call each per backward, on ``[1, out + in]``
+    float64), sum to the whole batch's FP8 dW (the float64 reference with the whole batch's scales, to float32
+    accumulation). Without the reduction each half scales its tokens alone and the sum is another product.
+
+    The halves are far apart in size (X 2⁻¹⁶ smaller on the second, dY on the first): under the whole batch's
+    scales the small ones fall below e4m3's normal range (2⁻⁶ of a scaled 448) and round coarsely, while a half
+    scaled alone keeps them — e4m3 is a floating-point format, so a power-of-two scale changes a product only
+    through the values it pushes below the normal range or saturates."""
+    torch.manual_seed(3)
+    tokens, inp, outp = 32, 64, 48
+    small = torch.cat([torch.ones(tokens // 2), torch.full((tokens // 2,), 2.0 ** -16)]).view(1, tokens, 1)
+    x, dy = torch.randn(2, tokens, inp) * small, torch.randn(2, tokens, outp) * small.flip(1)
+    weight = torch.randn(outp, inp)
+    sync_of, calls = _two_ranks_group()
+    together = sum(_halves_backward(weight, x, dy, sync_of))
+    assert sorted(calls) == [(r, (1, outp + inp), torch.float64) for r in (0, 1)]
+    assert_within_accumulation(together, dy.reshape(-1, outp).t(), x.reshape(-1, inp))
+    alone = sum(_halves_backward(weight, x, dy, None))
+    exact = (dy.reshape(-1, outp).t().double() @ x.reshape(-1, inp).double())
+    assert (together.double() - alone.double()).abs().max() > 1e-3 * exact.abs().max()
+
+
+def test_a_split_backward_computes_each_fp8_product_once(monkeypatch):
+    """Zero-bubble's split backward (pipeline/split_grad.py) through two FP8 linears: B computes the input
+    gradients alone (one dX product per linear, no amax reduction), W the weight gradients alone (one dW
+    product and one reduction per linear); the gradients are those of one whole backward, bit for bit."""
+    from parallel4d.pipeline.split_grad import input_gradient
+
+    torch.manual_seed(4)
+    reductions = []
+
+    def sync(largest):
+        reductions.append(largest.shape)
+        return largest
+    layers = [RowwiseLinear.of(torch.nn.Linear(32, 32, bias=False), sync) for _ in range(2)]
+    x, dy = torch.randn(3, 8, 32), torch.randn(3, 8, 32)
+
+    def forward(inp):
+        return layers[1](torch.relu(layers[0](inp)))
+    xw = x.clone().requires_grad_()
+    forward(xw).backward(dy)
+    want = [xw.grad] + [layer.weight.grad.clone() for layer in layers]
+    for layer in layers:
+        layer.weight.grad = None
+    xs = x.clone().requires_grad_()
+    y = forward(xs)
+    calls = _count_scaled_mm(monkeypatch)
+    reductions.clear()
+    (dx,), weights = input_gradient([y], [dy], [xs])
+    assert len(calls) == 2 and not reductions, "B: one dX product per linear, nothing else"
+    assert all(layer.weight.grad is None for layer in layers)
+    weights.run()
+    assert len(calls) == 4 and len(reductions) == 2, "W: one dW product and one reduction per linear"
+    for name, got, w in zip(("dX", "dW 0", "dW 1"), [dx] + [layer.weight.grad for layer in layers], want):
+        assert torch.equal(got, w), name
+
+
 def _fp8_job(**train) -> dict:
     return {"model": {"arch": "llama", "hidden": 64, "heads": 4}, "train": {"dtype": "bfloat16", "fp8": "rowwise",
                                                                            **train}}
@@ -160,10 +257,6 @@ def _fp8_job(**train) -> dict:
     ({"train": {"dtype": "float64"}}, ["train.fp8=rowwise with train.dtype=float64", "never", "train.fp8=none"]),
     ({"train": {"dtype": "float32", "param_dtype": "float64"}}, ["train.param_dtype=float64", "never"]),
     ({"parallel": {"tp": 4}}, ["not with parallel.tp=4", "2D tensor parallelism", "set parallel.tp=1"]),
-    ({"parallel": {"pp": 2}}, ["not with parallel.pp=2", "set parallel.pp=1"]),
-    ({"parallel": {"dp": 2}}, ["not with parallel.dp=2", "set parallel.dp=1"]),
-    ({"parallel": {"sp": 2}}, ["not with parallel.sp=2", "set parallel.sp=1"]),
-    ({"hetero": {"enabled": True}}, ["not with hetero.enabled=true", "set hetero.enabled=false"]),
     ({"deepspeed": {"zero_optimization": {"stage": 1}}}, ["not with a deepspeed: section", "remove it"]),
     ({"model": {"lora": {"rank": 2, "alpha": 4, "targets": ["q_proj"]}}}, ["not with model.lora", "remove model.lora"]),
     ({"model": {"num_experts": 4, "num_experts_per_tok": 2}}, ["not with model.num_experts=4", "model.num_experts=0"]),
@@ -180,13 +273,25 @@ def test_fp8_where_it_does_not_run_is_refused_naming_the_field_and_fix(sections,
     message = str(e.value)
     assert all(w in message for w in words), message
     if "never" not in words:
-        assert "runs in one process on a dense model only for now" in message and "or train.fp8=none" in message
+        assert "runs on a dense model only for now" in message and "or train.fp8=none" in message
 
 
 def test_fp8_is_off_by_default_and_accepted_in_one_process_with_float32_or_bfloat16():
     assert make_config({}).train.fp8 == "none"
     for dtype in ("float32", "bfloat16"):
         assert make_config(_fp8_job(dtype=dtype)).train.fp8 == "rowwise"
+
+
+@pytest.mark.parametrize("sections", [
+    {"parallel": {"dp": 2, "sp": 2}},
+    {"parallel": {"dp": 2, "sp": 2}, "sequence": {"ulysses": 2}},
+    {"parallel": {"pp": 2, "dp": 2}, "pipeline": {"schedule": "zb_h1", "microbatches": 2}},
+    {"parallel": {"dp": 2}, "hetero": {"enabled": True}},
+    {"hetero": {"enabled": True}},
+])
+def test_fp8_is_accepted_over_the_data_sequence_and_pipeline_axes_and_hetero(sections):
+    """The layouts whose FP8 products equal one process's (tests/test_expert_parallel.py trains each)."""
+    assert make_config({**_fp8_job(), **sections}).train.fp8 == "rowwise"
 
 
 def test_a_gpu_without_fp8_products_is_refused_naming_it_and_the_fix(monkeypatch):
@@ -262,3 +367,25 @@ def test_padding_to_multiples_of_16_leaves_each_product_unchanged(monkeypatch, o
     assert padded.shape == (40, 20) and padded.dtype == out_dtype and padded.is_contiguous()
     assert torch.equal(padded, unpadded)
     assert_within_accumulation(padded, a, b)
+
+
+def test_fp8_under_hetero_in_one_process_trains_as_the_dense_model_without_a_collective(single_rank):
+    """Hetero without ZeRO (one data replica: chunks under a device budget below the model, nothing sharded):
+    the FP8 linears over hetero's placed parameters train as the dense model in FP8 — losses within 1e-6
+    (relative) over 4 steps, every parameter within float32's reordering (1e-5) — and, with every micro-batch
+    whole on the rank, no amax is reduced (no ``fp8.amax`` collective)."""
+    from test_expert_parallel import _fp8_job as dense_fp8_job, _fp8_one_process, fp8_held
+    from test_llama import train_layouts
+
+    job = dense_fp8_job({}, hetero={"enabled": True, "chunk_elems": 2048, "device_budget_bytes": 60_000})
+    got = train_layouts({"hetero": job}, inspect=fp8_held)
+    want_losses, want = _fp8_one_process(1, False)
+    losses, pieces = got["hetero"]
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(want_losses), rtol=1e-6, atol=0)
+    for dense, boxes in pieces.items():
+        for off, t in boxes:
+            torch.testing.assert_close(t, want[dense][tuple(slice(o, o + n) for o, n in zip(off, t.shape))],
+                                       rtol=0, atol=1e-5, msg=lambda m, d=dense: f"{d}: {m}")
+    held = got[("inspect", "hetero")]
+    assert held["linears"] == 7 * 3 and held["synced"] == 0 and held["amax all-reduces"] == 0, held
+    assert held["bytes moved"] > 0, held

@@ -1,12 +1,15 @@
 """``train.fp8: rowwise`` on a model: every linear of the transformer blocks (the attention projections
 and the MLP) becomes a :class:`~parallel4d.fp8.linear.RowwiseLinear` over the same parameters; the
-embedding and the LM head stay as they are (torchtitan leaves its output layer in 16 bits too)."""
+embedding and the LM head stay as they are (torchtitan leaves its output layer in 16 bits too). Where the
+layout splits a micro-batch's tokens over ranks, the engine passes the reduction of ``dW``'s token amaxes
+over them (``token_sync``, see :mod:`parallel4d.fp8.linear`)."""
 
 from __future__ import annotations
 
 import torch.nn as nn
 
 from parallel4d.fp8.linear import RowwiseLinear
+from parallel4d.fp8.rowwise import AmaxSync
 
 
 def blocks_of(model: nn.Module) -> list[nn.Module]:
@@ -15,16 +18,17 @@ def blocks_of(model: nn.Module) -> list[nn.Module]:
     return list(blocks.values() if isinstance(blocks, nn.ModuleDict) else blocks)
 
 
-def use_fp8(model: nn.Module) -> list[str]:
+def use_fp8(model: nn.Module, token_sync: AmaxSync = None) -> list[str]:
     """Swap every ``nn.Linear`` inside ``model``'s blocks for a :class:`RowwiseLinear` holding its
-    parameters (names, values and optimizer identity unchanged). Returns the swapped modules' names
-    within their block, block by block."""
+    parameters (names, values and optimizer identity unchanged), each reducing its weight gradient's token
+    amaxes with ``token_sync`` (None: every micro-batch whole on this rank). Returns the swapped modules'
+    names within their block, block by block."""
     done = []
     for block in blocks_of(model):
         for name, module in list(block.named_modules()):
             if type(module) is nn.Linear:
                 parent, _, leaf = name.rpartition(".")
-                setattr(block.get_submodule(parent) if parent else block, leaf, RowwiseLinear.of(module))
+                setattr(block.get_submodule(parent) if parent else block, leaf, RowwiseLinear.of(module, token_sync))
                 done.append(name)
     return done
 

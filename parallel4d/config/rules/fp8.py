@@ -1,5 +1,6 @@
 """FP8 training rules (``train.fp8``): the precision it cannot start from, and the layouts it does not run
-in yet (issue 50 builds it in steps: one process first).
+in yet (issue 50 builds it in steps: the data, sequence and pipeline axes and hetero run; 2D tp, experts,
+LoRA, compiled blocks and DeepSpeed not yet).
 
 Torch-free; ``config/checks.py`` lists :func:`problems` among the cross-field rules.
 """
@@ -22,17 +23,15 @@ def precision_problems(cfg: Config) -> list[str]:
 
 
 def layout_problems(cfg: Config) -> list[str]:
-    """What FP8 linears do not run beside yet: a parallel axis, hetero, a deepspeed: section, LoRA adapters,
-    compiled blocks, MoE layers; each named with the field to change."""
+    """What FP8 linears do not run beside yet: 2D tensor parallelism, expert parallelism, a deepspeed:
+    section, LoRA adapters, compiled blocks, MoE layers; each named with the field to change. (dp, sp — ring
+    and Ulysses —, pp and hetero run: their FP8 products equal one process's, the weight gradients' token
+    amaxes reduced over the data replicas.)"""
     p, m, not_yet = cfg.parallel, cfg.model, []
     if p.tp > 1:
         not_yet.append(f"parallel.tp={p.tp} (2D tensor parallelism: its FP8 panels come later); set parallel.tp=1")
-    for axis in ("pp", "dp", "sp", "ep"):
-        size = getattr(p, axis)
-        if size > 1:
-            not_yet.append(f"parallel.{axis}={size}; set parallel.{axis}=1")
-    if cfg.hetero.enabled:
-        not_yet.append("hetero.enabled=true; set hetero.enabled=false")
+    if p.ep > 1:
+        not_yet.append(f"parallel.ep={p.ep}; set parallel.ep=1")
     if cfg.deepspeed is not None:
         not_yet.append("a deepspeed: section; remove it")
     if m.lora is not None:
@@ -41,8 +40,8 @@ def layout_problems(cfg: Config) -> list[str]:
         not_yet.append(f"train.compile={cfg.train.compile}; set train.compile=none")
     if m.num_experts:
         not_yet.append(f"model.num_experts={m.num_experts} (MoE layers); set model.num_experts=0")
-    return [f"train.fp8={cfg.train.fp8} runs in one process on a dense model only for now, not with {what} "
-            "or train.fp8=none" for what in not_yet]
+    return [f"train.fp8={cfg.train.fp8} runs on a dense model only for now, not with {what} or train.fp8=none"
+            for what in not_yet]
 
 
 def problems(cfg: Config) -> list[str]:
