@@ -159,7 +159,6 @@ def _fp8_job(**train) -> dict:
 @pytest.mark.parametrize("sections, words", [
     ({"train": {"dtype": "float64"}}, ["train.fp8=rowwise with train.dtype=float64", "never", "train.fp8=none"]),
     ({"train": {"dtype": "float32", "param_dtype": "float64"}}, ["train.param_dtype=float64", "never"]),
-    ({"parallel": {"tp": 4}}, ["not with parallel.tp=4", "2D tensor parallelism", "set parallel.tp=1"]),
     ({"parallel": {"pp": 2}}, ["not with parallel.pp=2", "set parallel.pp=1"]),
     ({"parallel": {"dp": 2}}, ["not with parallel.dp=2", "set parallel.dp=1"]),
     ({"parallel": {"sp": 2}}, ["not with parallel.sp=2", "set parallel.sp=1"]),
@@ -187,6 +186,13 @@ def test_fp8_is_off_by_default_and_accepted_in_one_process_with_float32_or_bfloa
     assert make_config({}).train.fp8 == "none"
     for dtype in ("float32", "bfloat16"):
         assert make_config(_fp8_job(dtype=dtype)).train.fp8 == "rowwise"
+
+
+def test_fp8_is_accepted_under_2d_tensor_parallelism():
+    """``parallel.tp`` runs FP8 (the blocks' SUMMA products and panels: tests/test_tensor2d_ops.py,
+    tests/test_expert_parallel.py)."""
+    job = {**_fp8_job(), "parallel": {"tp": 4}}
+    assert make_config(job).parallel.tp == 4
 
 
 def test_a_gpu_without_fp8_products_is_refused_naming_it_and_the_fix(monkeypatch):

@@ -25,6 +25,7 @@ import functools
 from typing import NamedTuple
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.utils.checkpoint
 
@@ -42,7 +43,7 @@ from parallel4d.engine.pretrained import load_pretrained
 from parallel4d.engine.state import dense_layouts
 from parallel4d.engine.step import Engine
 from parallel4d.engine.store import parameter_store
-from parallel4d.fp8.rowwise import device_problem
+from parallel4d.fp8.rowwise import AmaxSync, device_problem
 from parallel4d.models.build import build_stage, family
 from parallel4d.models.context import ForwardContext, attach
 from parallel4d.models.fp8 import use_fp8
@@ -413,7 +414,7 @@ def compose(cfg: Config, mesh: Mesh) -> Engine:
     else:
         stages, loss_fn = build_stages(cfg, mesh, context=context, load=load)
     experts = place_experts(cfg, mesh, stages)  # parallel.ep: this rank's experts only, before layouts and optimizer
-    model = local_model(cfg, stages)
+    model = local_model(cfg, stages, token_sync=token_amax_sync(mesh) if cfg.train.fp8 != "none" else None)
     if experts is not None and cfg.model.lora is not None:  # the experts' adapters travel with their experts
         experts = experts._replace(params=expert_slices(stages))
     dense, local = model.dense, model.stages()
@@ -424,14 +425,29 @@ def compose(cfg: Config, mesh: Mesh) -> Engine:
     return engine
 
 
-def local_model(cfg: Config, stages: dict[int, nn.Module]) -> LocalModel:
+def token_amax_sync(mesh: Mesh) -> AmaxSync:
+    """FP8's reduction of a float64 amax over the data replicas (dp·sp) holding the other tokens of this
+    rank's micro-batch — a MAX all-reduce, counted under ``"fp8.amax/tokens"`` — for the products that
+    contract over the tokens (the weight gradients); None when no other rank holds them."""
+    if mesh.size("dp") * mesh.size("sp") == 1:
+        return None
+    group = mesh.group_over("dp", "sp")
+
+    def sync(largest: torch.Tensor) -> torch.Tensor:
+        mesh.collectives.all_reduce(largest, group, op=dist.ReduceOp.MAX, stats=mesh.comm_stats,
+                                    label="fp8.amax/tokens")
+        return largest
+    return sync
+
+
+def local_model(cfg: Config, stages: dict[int, nn.Module], token_sync: AmaxSync = None) -> LocalModel:
     """This rank's ``stages`` (stage index → module) under their dense names, with ``.dense``
     (:func:`~.state.dense_layouts`) and, when ``model.pretrained`` is set, the parameters filled from that
     checkpoint (only this rank's slices read; ``.pretrained_bytes_read``, else None); with ``model.lora``
     the adapters added (:func:`~parallel4d.models.lora.add_adapters`, seeded ``train.seed``, or read from
     ``model.lora.adapter``: :func:`~parallel4d.checkpoint.adapters.load_adapter`), the rest frozen:
     the store and the optimizer hold only what requires a gradient; with ``train.fp8: rowwise`` the blocks'
-    linears computing in FP8 (:func:`~parallel4d.models.fp8.use_fp8`)."""
+    linears computing in FP8 (:func:`~parallel4d.models.fp8.use_fp8`; ``token_sync``: :func:`token_amax_sync`)."""
     names = stage_names(model_shape(cfg))
     model = LocalModel({names[i]: stages[i] for i in sorted(stages)})
     model.dense = dense_layouts(model.stages(), tied=cfg.model.tie_embeddings)
@@ -442,6 +458,6 @@ def local_model(cfg: Config, stages: dict[int, nn.Module]) -> LocalModel:
         if cfg.model.lora.adapter:  # peft's adapter to start from: this rank's slices of it
             load_adapter(adapter_pieces(model, model.dense), cfg.model)
     if cfg.train.fp8 == "rowwise":  # the blocks' linears compute in FP8 over the same parameters
-        use_fp8(model)
+        use_fp8(model, token_sync)
     return model
 

@@ -22,11 +22,10 @@ def precision_problems(cfg: Config) -> list[str]:
 
 
 def layout_problems(cfg: Config) -> list[str]:
-    """What FP8 linears do not run beside yet: a parallel axis, hetero, a deepspeed: section, LoRA adapters,
-    compiled blocks, MoE layers; each named with the field to change."""
+    """What FP8 linears do not run beside yet: a parallel axis but 2D tensor parallelism (``parallel.tp``: FP8
+    SUMMA panels), hetero, a deepspeed: section, LoRA adapters, compiled blocks, MoE layers; each named with the
+    field to change."""
     p, m, not_yet = cfg.parallel, cfg.model, []
-    if p.tp > 1:
-        not_yet.append(f"parallel.tp={p.tp} (2D tensor parallelism: its FP8 panels come later); set parallel.tp=1")
     for axis in ("pp", "dp", "sp", "ep"):
         size = getattr(p, axis)
         if size > 1:
