@@ -164,6 +164,34 @@ def check_fp8_summa(mesh, overlap=True):
     st.reset()
 
 
+def check_fp8_weight_gradient_over_data_replicas(mesh, synced=True):
+    """dW = Xᵀ·G contracts over the micro-batch's tokens, which the data replicas (dp·sp) split too:
+    ``RowwiseFP8.token_sync`` (the engine's MAX all-reduce over them) extends each column's amax over their
+    tokens, so this replica's dW is its share of one process's FP8 product — its tokens quantized with the
+    scales of all of them. Another replica's tokens (×2¹⁴: this replica's columns then fall below e4m3's
+    normal range under one process's scales) stand in through the callable. ``synced=False``: no callable."""
+    from parallel4d.fp8.rowwise import amax, quantize, scaled_mm, scales
+    from parallel4d.tensor2d import RowwiseFP8
+
+    q, i, j = mesh.q, mesh.rank("tp_row"), mesh.rank("tp_col")
+    g = torch.Generator().manual_seed(50)
+    T, k, n = 6 * q, 8 * q, 6 * q
+    X, G = torch.randn(T, k, generator=g), torch.randn(T, n, generator=g)  # this replica's tokens
+    Xo, Go = (torch.randn(T, c, generator=g) * 2.0 ** 14 for c in (k, n))  # another replica's
+    others = {k // q: amax(Xo.chunk(q, 1)[j], 0), n // q: amax(Go.chunk(q, 1)[j], 0)}  # by column count
+
+    def other_replicas(largest):  # what the MAX over the replicas brings: their tokens' column amaxes
+        return torch.maximum(largest, others[largest.shape[1]])
+
+    fp8 = RowwiseFP8(token_sync=other_replicas if synced else None)
+    got = summa_atb(_blk(X, q, i, j), _blk(G, q, i, j), mesh, name="replicas", fp8=fp8)
+    sx, sg = scales(torch.cat([X, Xo]), 0), scales(torch.cat([G, Go]), 0)
+    want = scaled_mm(quantize(X, sx).t(), quantize(G, sg), sx.t(), sg, torch.float32)
+    allowed = 1e-6 * (X.double().abs().t() @ G.double().abs())
+    worst = float(((got.double() - _blk(want, q, i, j).double()).abs() / _blk(allowed, q, i, j)).max())
+    assert worst <= 1, f"FP8 dW over data replicas: {worst:.3g} × float32's reordering bound"
+
+
 def _q2_job():
     mesh = init_mesh(tp=4)
     _check_ops(mesh)
@@ -173,6 +201,7 @@ def _q2_job():
     _check_autocast_bf16(mesh)
     check_fp8_summa(mesh)
     check_fp8_summa(mesh, overlap=False)
+    check_fp8_weight_gradient_over_data_replicas(mesh)
     return mesh.coords
 
 
