@@ -167,13 +167,12 @@ LORA_HETERO = {
 #: eps 1e-8) — no layout can order float32 sums as one process does. With eps above that noise the runs agree to 1e-7.
 FP8_TRAIN = {"steps": 4, "dtype": "float32", "fp8": "rowwise"}
 FP8_OPT = {**BASE["optimizer"], "eps": 1e-5}
+FP8_GPT2 = {**{k: LORA_MODEL[k] for k in ("vocab_size", "seq_len", "hidden", "heads", "layers")}, "arch": "gpt2"}
 FP8_GRID = {
     "FP8 llama tp=4 (q=2), 2 micro-batches, blocks recomputed":
         _job({"tp": 4}, model={k: v for k, v in LORA_MODEL.items()}, pipeline={"microbatches": 2},
              train={**FP8_TRAIN, "activation_checkpointing": "blocks"}, optimizer=FP8_OPT),
-    "FP8 gpt2 tp=4 (q=2)": _job({"tp": 4}, model={**{k: LORA_MODEL[k] for k in ("vocab_size", "seq_len", "hidden",
-                                                                               "heads", "layers")}, "arch": "gpt2"},
-                                train=FP8_TRAIN, optimizer=FP8_OPT),
+    "FP8 gpt2 tp=4 (q=2)": _job({"tp": 4}, model=FP8_GPT2, train=FP8_TRAIN, optimizer=FP8_OPT),
 }
 
 
@@ -807,20 +806,13 @@ def test_lora_adapters_train_in_every_data_sequence_pipeline_and_grid_layout_as_
         assert held["reduced"] == (held["adapters"] if parallel.get("dp", 1) * parallel.get("sp", 1) > 1 else []), held
 
 
-@pytest.mark.parametrize("name", list(FP8_GRID))
-def test_fp8_on_the_2d_grid_trains_as_one_process_in_fp8(trained, single_rank, name):
-    """``train.fp8: rowwise`` at tp=4 (llama with 2 micro-batches and recomputation, GPT-2 with its fused, permuted
-    qkv): every rank's losses over 4 steps within 1e-6 (relative) of the same job in one process (FP8 there too),
-    every parameter within float32's reordering through AdamW; so each FP8 product used one process's scales.
-    Every block linear's SUMMA reduced its amaxes over the grid and broadcast its weight panel in one byte per
-    element (the forward's panels carry no scales: each receiver holds them); the LM head's stayed in float32
-    (4 bytes per element)."""
+def assert_fp8_as_one_process(ranks: list, name: str, job: dict) -> None:
+    """Every rank's losses of FP8 job ``name`` within 1e-6 (relative) of the same job in one process (FP8 there too,
+    trained here: a one-rank process group is up), every parameter within float32's reordering through AdamW."""
     from test_llama import train_layouts
 
-    job = FP8_GRID[name]
     want_losses, pieces = train_layouts({name: {**job, "parallel": {}}})[name]
-    q = 2
-    for rank in trained:
+    for rank in ranks:
         losses, boxes = rank[name]
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(want_losses), rtol=1e-6, atol=0,
                                    msg=lambda m: f"{name} losses: {m}")
@@ -829,7 +821,20 @@ def test_fp8_on_the_2d_grid_trains_as_one_process_in_fp8(trained, single_rank, n
             for off, t in parts:
                 box = whole[tuple(slice(o, o + n) for o, n in zip(off, t.shape))]
                 torch.testing.assert_close(t, box, rtol=1e-5, atol=5e-6, msg=lambda m, d=dense: f"{name} {d}: {m}")
-        traffic = rank[("inspect", name)]
+
+
+@pytest.mark.parametrize("name", list(FP8_GRID))
+def test_fp8_on_the_2d_grid_trains_as_one_process_in_fp8(trained, single_rank, name):
+    """``train.fp8: rowwise`` at tp=4 (llama with 2 micro-batches and recomputation, GPT-2 with its fused, permuted
+    qkv): every rank's losses over 4 steps within 1e-6 (relative) of the same job in one process (FP8 there too),
+    every parameter within float32's reordering through AdamW; so each FP8 product used one process's scales.
+    Every block linear's SUMMA reduced its amaxes over the grid and broadcast its weight panel in one byte per
+    element (the forward's panels carry no scales: each receiver holds them); the LM head's stayed in float32
+    (4 bytes per element)."""
+    job, q = FP8_GRID[name], 2
+    assert_fp8_as_one_process(trained, name, job)
+    for rank in trained:
+        traffic = dict(rank[("inspect", name)])
         weights = traffic.pop("weights")
 
         def bytes_per_element(layer, op):  # a weight panel is sent once per op (step t = my grid row), q calls
