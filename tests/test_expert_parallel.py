@@ -393,8 +393,8 @@ def trained(tmp_path_factory, qwen3_moe, chat_layouts):
     tmp = tmp_path_factory.mktemp("ep")
     (tmp / "check.json").write_text(json.dumps([*checked_job(), *check_plan().overrides]))  # the job's, the check's
     (tmp / "check-lora.json").write_text(json.dumps([*checked_lora_job(), *check_plan(checked_lora_job).overrides]))
-    return run_workers(_train, 4, {**LAYOUTS, **LORA_LAYOUTS, **LORA_HETERO, **FP8_GRID, **chat_layouts}, str(tmp), qwen3_moe,
-                       timeout_s=300)
+    jobs = {**LAYOUTS, **LORA_LAYOUTS, **LORA_HETERO, **FP8_GRID, **chat_layouts}
+    return run_workers(_train, 4, jobs, str(tmp), qwen3_moe, timeout_s=300)
 
 
 def microbatch_rows(name: str | None = None) -> tuple[tuple[int, ...], ...]:

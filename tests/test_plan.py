@@ -399,7 +399,8 @@ def test_the_plan_counts_fp8_summa_panels_in_one_byte_with_their_scales_and_amax
     saved = {"tp_col": 0, "tp_row": 0}  # tp_col: my grid row (A panels), tp_row: my grid column (B panels)
     for k, n in ((h, 3 * h), (h, h), (h, inter), (inter, h)):  # qkv, proj, fc1, fc2: x [T, k] @ W [k, n]
         k, n = k // q, n // q
-        # forward X·W: X and W panels; dX = dY·Wᵀ: W panel + its rows' scales; dW = Xᵀ·dY: X panel + columns' scales
+        # forward X·W: X and W panels; dX = dY·Wᵀ: W panel + its rows' scales; dW = Xᵀ·dY: X panel + its
+        # columns' scales
         saved["tp_col"] += tokens * k + tokens * k - 4 * k - 8 * (tokens + tokens + k)  # amaxes: X, dY rows; W rows
         saved["tp_row"] += k * n + k * n - 4 * k - 8 * (n + k + n)  # amaxes: W columns; X, dY columns
     for axis, want in saved.items():

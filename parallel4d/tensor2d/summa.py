@@ -95,15 +95,15 @@ class RowwiseFP8:
 
 
 class _Panel:
-    """One rank's operand block in FP8 for the broadcasts: ``q8`` (e4m3) and its float32 ``scale`` (``[m, 1]``
-    per row or ``[1, n]`` per column), scaled along what the op contracts. ``bytes`` is what travels: the
-    e4m3 block as ``uint8``, after the scales when ``with_scales`` (a receiver then unpacks the sender's)."""
+    """One rank's 2-D operand block ``t`` in FP8, scaled along ``dim`` (what the op contracts: ``1`` one scale per
+    row, ``[m, 1]``; ``0`` per column, ``[1, n]``) from its amax reduced by ``sync``. ``own``: ``(e4m3 block,
+    float32 scales)``, what this rank multiplies; ``bytes``: what its broadcast carries, the e4m3 block as
+    ``uint8`` (gloo has no float8), after the scales' bytes when ``with_scales`` (the receivers lack them)."""
 
     def __init__(self, t: torch.Tensor, dim: int, sync, with_scales: bool):
-        self.shape, self.dim, self.with_scales = t.shape, dim, with_scales
-        largest = amax(t, dim)
-        self.scale = scales_of_amax(sync(largest))
-        self.own = quantize(t, self.scale).contiguous(), self.scale  # what this rank multiplies its own block as
+        self.shape, self.with_scales = t.shape, with_scales
+        self.scale = scales_of_amax(sync(amax(t, dim)))
+        self.own = quantize(t, self.scale).contiguous(), self.scale
         q8 = self.own[0].view(torch.uint8).reshape(-1)
         self.bytes = torch.cat([self.scale.reshape(-1).view(torch.uint8), q8]) if with_scales else q8
 
@@ -216,7 +216,9 @@ def _abt(a, b, grid: Grid, name: str, overlap: bool = True, fp8: RowwiseFP8 | No
     op = "summa_abt"
     if fp8 is None:
         bc = _Broadcasts(b, grid.i, grid.col_ranks, grid.along_i, grid, _label(name, op, "bcast_b"))
-        partial = lambda bt, label, t: _product(grid, a, bt.t(), label, t)  # noqa: E731
+
+        def partial(bt, label, t):
+            return _product(grid, a, bt.t(), label, t)
     else:
         pa = _Panel(a, 1, _amax_sync(grid, grid.along_j, _label(name, op, "amax_a")), with_scales=False)
         pb = _Panel(b, 1, _amax_sync(grid, grid.along_j, _label(name, op, "amax_b")), with_scales=True)
@@ -236,10 +238,13 @@ def _atb(a, b, grid: Grid, name: str, overlap: bool = True, fp8: RowwiseFP8 | No
     op = "summa_atb"
     if fp8 is None:
         bc = _Broadcasts(a, grid.j, grid.row_ranks, grid.along_j, grid, _label(name, op, "bcast_a"))
-        partial = lambda at, label, t: _product(grid, at.t(), b, label, t)  # noqa: E731
+
+        def partial(at, label, t):
+            return _product(grid, at.t(), b, label, t)
     else:
-        pa = _Panel(a, 0, _amax_sync(grid, grid.along_i, _label(name, op, "amax_a"), fp8.token_sync), with_scales=True)
-        pb = _Panel(b, 0, _amax_sync(grid, grid.along_i, _label(name, op, "amax_b"), fp8.token_sync), with_scales=False)
+        tokens = fp8.token_sync  # K is the tokens: the data replicas hold the rest of them
+        pa = _Panel(a, 0, _amax_sync(grid, grid.along_i, _label(name, op, "amax_a"), tokens), with_scales=True)
+        pb = _Panel(b, 0, _amax_sync(grid, grid.along_i, _label(name, op, "amax_b"), tokens), with_scales=False)
         bc = _Broadcasts(pa.bytes, grid.j, grid.row_ranks, grid.along_j, grid, _label(name, op, "bcast_a"))
 
         def partial(buf, label, t):
