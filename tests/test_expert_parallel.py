@@ -163,6 +163,22 @@ LORA_HETERO = {
                               model={**BASE["model"], "lora": LORA_SECTION}),
 }
 
+#: ``train.fp8: rowwise`` (#50) on the 2D grid, float32 (products written in float32 on the CPU), 4 steps: every block
+#: linear's SUMMA products in FP8 with one process's scales (amaxes reduced over the grid), panels in eight bits.
+#: AdamW's eps at 1e-5, not 1e-8: its first update lr·g/(|g|+eps) turns a gradient that is float32 noise (|g| ≲ 1e-8,
+#: e.g. GPT-2's key bias, whose true gradient is 0) into a move of up to lr that differs between any two summation
+#: orders; FP8 then rounds the moved weights to other e4m3 values and the runs part (GPT-2's third loss by 1.5e-4 at
+#: eps 1e-8) — no layout can order float32 sums as one process does. With eps above that noise the runs agree to 1e-7.
+FP8_TRAIN = {"steps": 4, "dtype": "float32", "fp8": "rowwise"}
+FP8_OPT = {**BASE["optimizer"], "eps": 1e-5}
+FP8_GPT2 = {**{k: LORA_MODEL[k] for k in ("vocab_size", "seq_len", "hidden", "heads", "layers")}, "arch": "gpt2"}
+FP8_GRID = {
+    "FP8 llama tp=4 (q=2), 2 micro-batches, blocks recomputed":
+        _job({"tp": 4}, model={k: v for k, v in LORA_MODEL.items()}, pipeline={"microbatches": 2},
+             train={**FP8_TRAIN, "activation_checkpointing": "blocks"}, optimizer=FP8_OPT),
+    "FP8 gpt2 tp=4 (q=2)": _job({"tp": 4}, model=FP8_GPT2, train=FP8_TRAIN, optimizer=FP8_OPT),
+}
+
 
 # --- FP8 (#50): the dense llama's blocks in FP8 (train.fp8: rowwise) in float32, in the data, sequence and
 # pipeline layouts and hetero: trained in this job's workers ---
@@ -217,6 +233,15 @@ def held_for_training(engine) -> dict[str, list[str]]:
             "optimizer state": sorted(named[id(p)] for p in engine.store.optimizer.state),
             "with a gradient": sorted(n for n, p in engine.store.model.named_parameters() if p.grad is not None),
             "adapters": sorted(n for n in named.values() if is_adapter(n))}
+
+
+def summa_traffic(engine) -> dict:
+    """What this rank's SUMMA ops moved over the job: per label (``"{layer}:summa_ab/bcast_b"``, ``".../amax_a"``)
+    ``(bytes sent, calls)``, and under ``"weights"`` each grid layer's local weight's element count by its name."""
+    stats = engine.mesh.comm_stats
+    return {"weights": {m.name: m.weight.numel() for m in engine.store.model.modules() if hasattr(m, "grid")
+                        and isinstance(getattr(m, "weight", None), torch.Tensor)},
+            **{label: (n, stats.calls[label]) for label, n in stats.sent.items() if ":summa_" in label}}
 
 
 def hetero_frozen(engine) -> dict:
@@ -299,8 +324,10 @@ def _train(jobs: dict, tmp: str, pretrained: str | None) -> dict:
     from parallel4d.engine.compose import compose
     from parallel4d.training.checkpoints import load_checkpoint, save_checkpoint
 
-    out = train_layouts({n: j for n, j in jobs.items() if n not in {**LORA_LAYOUTS, **LORA_HETERO, **FP8_LAYOUTS}},
+    out = train_layouts({n: j for n, j in jobs.items()
+                         if n not in {**LORA_LAYOUTS, **LORA_HETERO, **FP8_LAYOUTS, **FP8_GRID}},
                         with_hetero_stats=True)
+    out.update(train_layouts({n: j for n, j in jobs.items() if n in FP8_GRID}, inspect=summa_traffic))
     out.update(train_layouts({n: j for n, j in jobs.items() if n in LORA_LAYOUTS}, inspect=held_for_training))
     out.update(train_layouts({n: j for n, j in jobs.items() if n in LORA_HETERO}, inspect=hetero_frozen))
     out.update(train_layouts({n: j for n, j in jobs.items() if n in FP8_LAYOUTS}, inspect=fp8_held))
@@ -415,8 +442,8 @@ def trained(tmp_path_factory, qwen3_moe, chat_layouts):
     tmp = tmp_path_factory.mktemp("ep")
     (tmp / "check.json").write_text(json.dumps([*checked_job(), *check_plan().overrides]))  # the job's, the check's
     (tmp / "check-lora.json").write_text(json.dumps([*checked_lora_job(), *check_plan(checked_lora_job).overrides]))
-    return run_workers(_train, 4, {**LAYOUTS, **LORA_LAYOUTS, **LORA_HETERO, **FP8_LAYOUTS, **chat_layouts}, str(tmp),
-                       qwen3_moe, timeout_s=300)
+    jobs = {**LAYOUTS, **LORA_LAYOUTS, **LORA_HETERO, **FP8_LAYOUTS, **FP8_GRID, **chat_layouts}
+    return run_workers(_train, 4, jobs, str(tmp), qwen3_moe, timeout_s=300)
 
 
 def microbatch_rows(name: str | None = None) -> tuple[tuple[int, ...], ...]:
@@ -602,14 +629,27 @@ SIXTEEN = {"tp=4 × dp=2 × sp=2, ep=2": _job({"tp": 4, "dp": 2, "sp": 2, "ep": 
                            train={"activation_checkpointing": "blocks"})}
 
 
+#: FP8 on the grid beside data replicas (#50): the weight gradients' amaxes reduced over dp too
+#: (:func:`~parallel4d.engine.compose.fp8_token_sync`)
+FP8_SIXTEEN = {"FP8 gpt2 tp=4 × dp=4": _job({"tp": 4, "dp": 4}, model=FP8_GPT2, train=FP8_TRAIN, optimizer=FP8_OPT)}
+
+
+def token_amaxes(engine) -> dict[str, int]:
+    """The MAX all-reduces of FP8's token amaxes over the data replicas this rank made, and their bytes."""
+    stats = engine.mesh.comm_stats
+    return {"calls": stats.calls["fp8.amax"], "bytes": stats.sent["fp8.amax"]}
+
+
 def sixteen_worker_job(tmp):
-    """This file's share of the suite's 16-worker job: :data:`SIXTEEN` trained, and the seconds it took."""
+    """This file's share of the suite's 16-worker job: :data:`SIXTEEN` and :data:`FP8_SIXTEEN` trained, and the
+    seconds it took."""
     import time
 
     from test_llama import train_layouts
 
     start = time.perf_counter()
     out = train_layouts(SIXTEEN, with_hetero_stats=True)  # the hetero statistics: FOUR_AXES's
+    out.update(train_layouts(FP8_SIXTEEN, inspect=token_amaxes))
     return {**out, "seconds": time.perf_counter() - start}
 
 
@@ -909,3 +949,58 @@ def test_fp8_trains_in_the_data_sequence_and_pipeline_layouts_and_hetero_as_one_
         assert held["amax all-reduces"] == held["linears"] * m * steps, held
         assert held["bytes moved"] is None or held["bytes moved"] > 0, held
     assert seen == set(want), set(want) - seen
+def assert_fp8_as_one_process(ranks: list, name: str, job: dict) -> None:
+    """Every rank's losses of FP8 job ``name`` within 1e-6 (relative) of the same job in one process (FP8 there too,
+    trained here: a one-rank process group is up), every parameter within float32's reordering through AdamW."""
+    from test_llama import train_layouts
+
+    want_losses, pieces = train_layouts({name: {**job, "parallel": {}}})[name]
+    for rank in ranks:
+        losses, boxes = rank[name]
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(want_losses), rtol=1e-6, atol=0,
+                                   msg=lambda m: f"{name} losses: {m}")
+        for dense, parts in boxes.items():
+            [(_, whole)] = pieces[dense]
+            for off, t in parts:
+                box = whole[tuple(slice(o, o + n) for o, n in zip(off, t.shape))]
+                torch.testing.assert_close(t, box, rtol=1e-5, atol=5e-6, msg=lambda m, d=dense: f"{name} {d}: {m}")
+
+
+@pytest.mark.parametrize("name", list(FP8_GRID))
+def test_fp8_on_the_2d_grid_trains_as_one_process_in_fp8(trained, single_rank, name):
+    """``train.fp8: rowwise`` at tp=4 (llama with 2 micro-batches and recomputation, GPT-2 with its fused, permuted
+    qkv): every rank's losses over 4 steps within 1e-6 (relative) of the same job in one process (FP8 there too),
+    every parameter within float32's reordering through AdamW; so each FP8 product used one process's scales.
+    Every block linear's SUMMA reduced its amaxes over the grid and broadcast its weight panel in one byte per
+    element (the forward's panels carry no scales: each receiver holds them); the LM head's stayed in float32
+    (4 bytes per element)."""
+    job, q = FP8_GRID[name], 2
+    assert_fp8_as_one_process(trained, name, job)
+    for rank in trained:
+        traffic = dict(rank[("inspect", name)])
+        weights = traffic.pop("weights")
+
+        def bytes_per_element(layer, op):  # a weight panel is sent once per op (step t = my grid row), q calls
+            sent, calls = traffic[f"{layer}:{op}/bcast_b"]
+            return sent / (calls // q) / weights[layer]
+
+        linears = {label.split(":")[0] for label in traffic if label.endswith("summa_ab/amax_a")}
+        per_block = 7 if job["model"].get("arch", "llama") == "llama" else 4  # q k v o gate up down / qkv proj fc1 fc2
+        assert len(linears) == per_block * job["model"]["layers"], sorted(linears)
+        for layer in linears:
+            assert bytes_per_element(layer, "summa_ab") == 1, (layer, traffic)
+            assert f"{layer}.bwd:summa_atb/amax_a" in traffic and f"{layer}.bwd:summa_abt/amax_b" in traffic, layer
+        assert bytes_per_element("head.lm_head", "summa_abt") == 4
+        assert not any(label.startswith("head.") and "amax" in label for label in traffic), sorted(traffic)
+
+
+def test_fp8_on_the_grid_beside_data_replicas_trains_as_one_process_in_fp8(sixteen_workers, single_rank):
+    """GPT-2 in FP8 at tp=4 × dp=4: the weight gradients contract over tokens the grid column and the data replicas
+    share, their amaxes reduced over both (one MAX all-reduce over dp per operand: 2 per block linear per step);
+    every rank's losses within 1e-6 of one process in FP8, every parameter within float32's reordering."""
+    results = [r["test_expert_parallel"] for r in sixteen_workers]
+    for name, job in FP8_SIXTEEN.items():
+        assert_fp8_as_one_process(results, name, job)
+        steps, layers = job["train"]["steps"], job["model"]["layers"]
+        for r in results:
+            assert r[("inspect", name)]["calls"] == 2 * 4 * layers * steps, r[("inspect", name)]

@@ -256,7 +256,6 @@ def _fp8_job(**train) -> dict:
 @pytest.mark.parametrize("sections, words", [
     ({"train": {"dtype": "float64"}}, ["train.fp8=rowwise with train.dtype=float64", "never", "train.fp8=none"]),
     ({"train": {"dtype": "float32", "param_dtype": "float64"}}, ["train.param_dtype=float64", "never"]),
-    ({"parallel": {"tp": 4}}, ["not with parallel.tp=4", "2D tensor parallelism", "set parallel.tp=1"]),
     ({"deepspeed": {"zero_optimization": {"stage": 1}}}, ["not with a deepspeed: section", "remove it"]),
     ({"model": {"lora": {"rank": 2, "alpha": 4, "targets": ["q_proj"]}}}, ["not with model.lora", "remove model.lora"]),
     ({"model": {"num_experts": 4, "num_experts_per_tok": 2}}, ["not with model.num_experts=4", "model.num_experts=0"]),
@@ -293,6 +292,12 @@ def test_fp8_is_accepted_over_the_data_sequence_and_pipeline_axes_and_hetero(sec
     """The layouts whose FP8 products equal one process's (tests/test_expert_parallel.py trains each)."""
     assert make_config({**_fp8_job(), **sections}).train.fp8 == "rowwise"
 
+
+def test_fp8_is_accepted_under_2d_tensor_parallelism():
+    """``parallel.tp`` runs FP8 (the blocks' SUMMA products and panels: tests/test_tensor2d_ops.py,
+    tests/test_expert_parallel.py)."""
+    job = {**_fp8_job(), "parallel": {"tp": 4}}
+    assert make_config(job).parallel.tp == 4
 
 def test_a_gpu_without_fp8_products_is_refused_naming_it_and_the_fix(monkeypatch):
     """compose() refuses ``train.fp8`` on a GPU below compute capability 8.9 (no FP8 tensor cores: ``_scaled_mm``

@@ -381,3 +381,27 @@ def test_under_16_bit_chunks_the_largest_search_keeps_master_rows_in_what_the_gp
     assert low[0].master_placement["optimizer_rows_on_device"] == 0
     assert ranks[0].master_placement["optimizer_rows_on_host"] == 0  # every trainable row's master moved
     assert ranks[0].host_bytes < low[0].host_bytes and ranks[0].device_bytes <= HEADROOM * gpu
+
+
+def test_the_plan_counts_fp8_summa_panels_in_one_byte_with_their_scales_and_amaxes():
+    """``train.fp8: rowwise`` under 2D tp (configs/tensor2d.yaml, GPT-2 at q=2, bfloat16 autocast): the plan's bytes
+    per step along each grid axis fall from bfloat16's by exactly what the blocks' linears' panels save — each
+    SUMMA broadcast of a T×k activation or k×n weight block in 1 byte per element instead of 2, plus 4 bytes per
+    scale where a receiver lacks them (the backward's W rows, X columns), minus the float64 amax all-reduces (8
+    bytes per row or column; rank (0, 0) sends each of its blocks once per op). The reduces of the backward's
+    partial sums and everything outside the blocks (embedding, head, norms) move the same bytes."""
+    cfgs = [load_config(config_path("tensor2d"), ["train.dtype=bfloat16", f"train.fp8={fp8}"])
+            for fp8 in ("none", "rowwise")]
+    bf16, fp8 = (dry_run(cfg).sent_by_axis for cfg in cfgs)
+    m, q = cfgs[0].model, 2
+    tokens = cfgs[0].data.batch_size // q * m.seq_len  # rows of this rank's activation blocks
+    h, inter = m.hidden, 4 * m.hidden
+    saved = {"tp_col": 0, "tp_row": 0}  # tp_col: my grid row (A panels), tp_row: my grid column (B panels)
+    for k, n in ((h, 3 * h), (h, h), (h, inter), (inter, h)):  # qkv, proj, fc1, fc2: x [T, k] @ W [k, n]
+        k, n = k // q, n // q
+        # forward X·W: X and W panels; dX = dY·Wᵀ: W panel + its rows' scales; dW = Xᵀ·dY: X panel + its
+        # columns' scales
+        saved["tp_col"] += tokens * k + tokens * k - 4 * k - 8 * (tokens + tokens + k)  # amaxes: X, dY rows; W rows
+        saved["tp_row"] += k * n + k * n - 4 * k - 8 * (n + k + n)  # amaxes: W columns; X, dY columns
+    for axis, want in saved.items():
+        assert bf16[axis] - fp8[axis] == m.layers * want, (axis, bf16[axis], fp8[axis], m.layers * want)

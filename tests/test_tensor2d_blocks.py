@@ -44,6 +44,31 @@ def test_an_emulated_grid_at_q1_is_the_dense_block():
     torch.testing.assert_close(block(x), dense(x), rtol=0, atol=0)
 
 
+def test_an_emulated_fp8_grid_at_q1_is_the_dense_fp8_block():
+    """train.fp8 on one rank: the 2D block's Linear2D layers in FP8 (SUMMA's panels) compute the dense block's
+    RowwiseLinear products: the forward bit for bit, the input's gradient to float32's reordering (the 2D
+    block sums its branches' gradients in another order)."""
+    from parallel4d.models.fp8 import use_fp8
+
+    dense = bench.llama_block(bench.TINY_BLOCK, "cpu", torch.float32)
+    (rank,) = grid_ranks(1)
+    block = bench.LlamaBlock2D.from_dense(dense, rank, name="block")
+    holder = torch.nn.Module()
+    holder.blocks = torch.nn.ModuleList([block])
+    changed = use_fp8(holder)
+    dense_holder = torch.nn.Module()
+    dense_holder.blocks = torch.nn.ModuleList([dense])
+    assert len(use_fp8(dense_holder)) == len(changed) == 7
+    x = torch.randn(2, bench.TINY_BLOCK.seq, bench.TINY_BLOCK.hidden)
+    xs = [x.clone().requires_grad_(True) for _ in range(2)]
+    ys = [block(xs[0]), dense(xs[1])]
+    torch.testing.assert_close(ys[0], ys[1], rtol=0, atol=0)
+    g = torch.randn_like(ys[0])
+    for y in ys:
+        y.backward(g)
+    torch.testing.assert_close(xs[0].grad, xs[1].grad, rtol=1e-5, atol=1e-6)
+
+
 def test_an_emulated_rank_counts_the_bytes_a_grid_rank_sends():
     """Its stand-in collectives count as comm does: rank (0, 1) of a 2×2 grid, one 2D layer forward."""
     from parallel4d.tensor2d import Linear2D

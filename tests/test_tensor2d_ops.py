@@ -113,6 +113,85 @@ def _check_autocast_bf16(mesh):
     assert mesh.comm_stats.sent["amp.bwd:summa_abt/bcast_b"] == w.numel() * 2
 
 
+def _uneven(rows: int, cols: int, q: int, seed: int) -> torch.Tensor:
+    """A float32 ``[rows, cols]`` whose rows' and columns' largest magnitudes sit in different grid blocks: some
+    rows ×2¹⁴ in their first column block, some columns ×2¹⁴ in their last row block. Scales are powers of two, so
+    a scale from one block alone changes only the elements that fall below e4m3's normal range (2⁻⁶) under the
+    whole row's or column's scale: here the rest of those rows and columns, which one process rounds coarsely."""
+    t = torch.randn(rows, cols, generator=torch.Generator().manual_seed(seed))
+    t[::2, : cols // q] *= 2.0 ** 14
+    t[rows - rows // q:, 1::2] *= 2.0 ** 14
+    return t
+
+
+def check_fp8_summa(mesh, overlap=True):
+    """FP8 SUMMA (``fp8=RowwiseFP8()``, train.fp8: rowwise under 2D tp) equals one process's FP8 products on the
+    whole operands — the forward X·W and both gradients (dX = G·Wᵀ by summa_abt, dW = Xᵀ·G by summa_atb) — to
+    float32's reordering of the sums (each element within 1e-6 of Σ|a·b| over its terms), so every operand was
+    scaled as one process scales it (each amax reduced over the grid row or column holding the rest of its row
+    or column; :func:`_uneven` makes a block's own amax wrong); and the panels travel in one byte per element,
+    with 4 bytes per scale where the receiver lacks them, each amax reduction counted (8 bytes per row or
+    column)."""
+    from parallel4d.fp8.rowwise import rowwise_mm
+    from parallel4d.tensor2d import RowwiseFP8
+
+    q, i, j = mesh.q, mesh.rank("tp_row"), mesh.rank("tp_col")
+    b, s, k, n = 2 * q, 3, 8 * q, 6 * q
+    X, W = _uneven(b * s, k, q, 1).view(b, s, k), _uneven(k, n, q, 2)
+    G = _uneven(b * s, n, q, 3).view(b, s, n)
+    x2, g2 = X.reshape(-1, k), G.reshape(-1, n)
+    products = {"y": (x2, W), "dX": (g2, W.t()), "dW": (x2.t(), g2)}
+    want = {what: rowwise_mm(l, r, torch.float32) for what, (l, r) in products.items()}
+    bound = {what: 1e-6 * (l.double().abs() @ r.double().abs()) for what, (l, r) in products.items()}
+    shapes = {"y": (b, s, n), "dX": (b, s, k), "dW": (k, n)}
+    x, w = _blk(X, q, i, j).requires_grad_(True), _blk(W, q, i, j).requires_grad_(True)
+    st = mesh.comm_stats
+    st.reset()
+    y = summa_ab(x, w, mesh, name="f8", overlap=overlap, fp8=RowwiseFP8())
+    y.backward(_blk(G, q, i, j))
+    for what, got in (("y", y), ("dX", x.grad), ("dW", w.grad)):
+        assert got.dtype == torch.float32
+        expect, allowed = (_blk(t.view(shapes[what]), q, i, j) for t in (want[what], bound[what]))
+        worst = float(((got.double() - expect.double()).abs() / allowed).max())
+        assert worst <= 1, f"FP8 SUMMA {what}: {worst:.3g} × float32's reordering bound"
+    rows = x.numel() // x.shape[-1]
+    assert st.sent["f8:summa_ab/bcast_a"] == x.numel()  # one byte per element, no scales: my row holds them
+    assert st.sent["f8:summa_ab/bcast_b"] == w.numel()
+    assert st.sent["f8:summa_ab/amax_a"] == rows * 8 and st.sent["f8:summa_ab/amax_b"] == w.shape[1] * 8
+    assert st.sent["f8.bwd:summa_abt/bcast_b"] == w.numel() + 4 * w.shape[0]  # W's rows' scales travel
+    assert st.sent["f8.bwd:summa_atb/bcast_a"] == x.numel() + 4 * x.shape[-1]  # X's columns' scales travel
+    assert st.sent["f8.bwd:summa_atb/amax_a"] == x.shape[-1] * 8
+    st.reset()
+
+
+def check_fp8_weight_gradient_over_data_replicas(mesh, synced=True):
+    """dW = Xᵀ·G contracts over the micro-batch's tokens, which the data replicas (dp·sp) split too:
+    ``RowwiseFP8.token_sync`` (the engine's MAX all-reduce over them) extends each column's amax over their
+    tokens, so this replica's dW is its share of one process's FP8 product — its tokens quantized with the
+    scales of all of them. Another replica's tokens (×2¹⁴: this replica's columns then fall below e4m3's
+    normal range under one process's scales) stand in through the callable. ``synced=False``: no callable."""
+    from parallel4d.fp8.rowwise import amax, quantize, scaled_mm, scales
+    from parallel4d.tensor2d import RowwiseFP8
+
+    q, i, j = mesh.q, mesh.rank("tp_row"), mesh.rank("tp_col")
+    g = torch.Generator().manual_seed(50)
+    T, k, n = 6 * q, 8 * q, 6 * q
+    X, G = torch.randn(T, k, generator=g), torch.randn(T, n, generator=g)  # this replica's tokens
+    Xo, Go = (torch.randn(T, c, generator=g) * 2.0 ** 14 for c in (k, n))  # another replica's
+    others = {k // q: amax(Xo.chunk(q, 1)[j], 0), n // q: amax(Go.chunk(q, 1)[j], 0)}  # by column count
+
+    def other_replicas(largest):  # what the MAX over the replicas brings: their tokens' column amaxes
+        return torch.maximum(largest, others[largest.shape[1]])
+
+    fp8 = RowwiseFP8(token_sync=other_replicas if synced else None)
+    got = summa_atb(_blk(X, q, i, j), _blk(G, q, i, j), mesh, name="replicas", fp8=fp8)
+    sx, sg = scales(torch.cat([X, Xo]), 0), scales(torch.cat([G, Go]), 0)
+    want = scaled_mm(quantize(X, sx).t(), quantize(G, sg), sx.t(), sg, torch.float32)
+    allowed = 1e-6 * (X.double().abs().t() @ G.double().abs())
+    worst = float(((got.double() - _blk(want, q, i, j).double()).abs() / _blk(allowed, q, i, j)).max())
+    assert worst <= 1, f"FP8 dW over data replicas: {worst:.3g} × float32's reordering bound"
+
+
 def _q2_job():
     mesh = init_mesh(tp=4)
     _check_ops(mesh)
@@ -120,6 +199,8 @@ def _q2_job():
     _check_bytes(mesh)
     _check_overlap_order(mesh)
     _check_autocast_bf16(mesh)
+    check_fp8_summa(mesh)
+    check_fp8_weight_gradient_over_data_replicas(mesh)
     return mesh.coords
 
 

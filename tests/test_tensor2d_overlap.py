@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from parallel4d.tensor2d import Linear2D
+from parallel4d.tensor2d import Linear2D, RowwiseFP8
 from parallel4d.tensor2d.emulate import LocalRank
 from parallel4d.tensor2d.grid import Grid
 
@@ -57,10 +57,12 @@ def check_summa_order(events: list[tuple[str, int]], q: int, overlap: bool, what
                 assert _at(events, "reduce_wait", t) < posted_next, (what, events)
 
 
-def _layer_steps(overlap: bool, q: int = 3) -> Steps:
-    """Forward and backward of one Linear2D (``[b/q, s, in/q]`` → ``[b/q, s, out/q]``) on grid rank (1, 2)."""
+def _layer_steps(overlap: bool, q: int = 3, fp8: RowwiseFP8 | None = None) -> Steps:
+    """Forward and backward of one Linear2D (``[b/q, s, in/q]`` → ``[b/q, s, out/q]``) on grid rank (1, 2);
+    ``fp8``: its products in FP8 (panels in eight bits)."""
     torch.manual_seed(0)
     lin = Linear2D(4 * q, 2 * q, LocalRank(q, 1, 2), bias=False, name="lin", overlap=overlap)
+    lin.fp8 = fp8
     steps = Steps()
     lin.grid.trace = steps
     x = torch.randn(2, 3, 4, requires_grad=True)
@@ -82,6 +84,15 @@ def test_summa_without_overlap_runs_its_steps_one_after_another():
     # the whole sequence of the forward's op, spelled out: post both blocks, wait, multiply, per step
     assert steps.of("lin:summa_ab") == [e for t in range(3) for e in (("post", t), ("post", t), ("wait", t),
                                                                          ("product", t))]
+
+
+def test_fp8_summa_keeps_the_overlap_forward_and_backward():
+    """train.fp8 under 2D tp: the FP8 panels (quantized once, before the first post) are broadcast in the same
+    order, step t+1's posted before step t's product, in the forward and both backward ops."""
+    steps = _layer_steps(overlap=True, fp8=RowwiseFP8())
+    for op in OPS:
+        check_summa_order(steps.of(op), 3, overlap=True, what=op)
+    assert steps.events and all(("product", t) in steps.of(op) for op in OPS for t in range(3))
 
 
 def test_a_grid_records_nothing_unless_given_a_trace():

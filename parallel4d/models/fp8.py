@@ -1,8 +1,9 @@
 """``train.fp8: rowwise`` on a model: every linear of the transformer blocks (the attention projections
-and the MLP) becomes a :class:`~parallel4d.fp8.linear.RowwiseLinear` over the same parameters; the
-embedding and the LM head stay as they are (torchtitan leaves its output layer in 16 bits too). Where the
-layout splits a micro-batch's tokens over ranks, the engine passes the reduction of ``dW``'s token amaxes
-over them (``token_sync``, see :mod:`parallel4d.fp8.linear`)."""
+and the MLP) becomes a :class:`~parallel4d.fp8.linear.RowwiseLinear` over the same parameters — on the 2D
+grid each block's :class:`~parallel4d.tensor2d.layers.Linear2D` runs its SUMMA products in FP8
+(:class:`~parallel4d.tensor2d.summa.RowwiseFP8`); the embedding and the LM head stay as they are (torchtitan
+leaves its output layer in 16 bits too). Where the layout splits a micro-batch's tokens over ranks, the
+engine passes the reduction of ``dW``'s token amaxes over them (``token_sync``, see :mod:`parallel4d.fp8.linear`)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ import torch.nn as nn
 
 from parallel4d.fp8.linear import RowwiseLinear
 from parallel4d.fp8.rowwise import AmaxSync
+from parallel4d.tensor2d.layers import Linear2D
+from parallel4d.tensor2d.summa import RowwiseFP8
 
 
 def blocks_of(model: nn.Module) -> list[nn.Module]:
@@ -20,13 +23,17 @@ def blocks_of(model: nn.Module) -> list[nn.Module]:
 
 def use_fp8(model: nn.Module, token_sync: AmaxSync = None) -> list[str]:
     """Swap every ``nn.Linear`` inside ``model``'s blocks for a :class:`RowwiseLinear` holding its
-    parameters (names, values and optimizer identity unchanged), each reducing its weight gradient's token
-    amaxes with ``token_sync`` (None: every micro-batch whole on this rank). Returns the swapped modules'
+    parameters (names, values and optimizer identity unchanged), and turn on FP8 in every
+    :class:`Linear2D` there (``token_sync``: the MAX reduction of an amax over the data replicas holding
+    the micro-batch's other tokens, for the weight gradients; None: none do). Returns the changed modules'
     names within their block, block by block."""
     done = []
     for block in blocks_of(model):
         for name, module in list(block.named_modules()):
-            if type(module) is nn.Linear:
+            if isinstance(module, Linear2D):
+                module.fp8 = RowwiseFP8(token_sync)
+                done.append(name)
+            elif type(module) is nn.Linear:
                 parent, _, leaf = name.rpartition(".")
                 setattr(block.get_submodule(parent) if parent else block, leaf, RowwiseLinear.of(module, token_sync))
                 done.append(name)

@@ -44,7 +44,7 @@ built from this package's layers, each stage mirroring its dense module attribut
    gather the dense tensors under the dense module's keys (collective over the grid).
 
 Public API: ``summa_ab, summa_abt, summa_atb`` (autograd; backward of each uses the
-other two), ``Linear2D, LayerNorm2D, RMSNorm2D, HeadRMSNorm2D, Embedding2D, VocabParallelEmbedding2D, LMHead2D,
+other two; ``fp8=RowwiseFP8()``: their products in FP8, the panels in eight bits), ``Linear2D, LayerNorm2D, RMSNorm2D, HeadRMSNorm2D, Embedding2D, VocabParallelEmbedding2D, LMHead2D,
 VocabParallelCrossEntropy2D`` (``from_dense`` / ``to_dense``), ``Composite2D, Head2D, sdpa_attention,
 loss_2d``, ``scatter_2d, gather_2d, split_batch``, ``check_tensor2d``. This package never imports a
 model: the families import it.
@@ -56,10 +56,10 @@ from parallel4d.tensor2d.grid import Grid, gather_2d, scatter_2d, split_batch
 from parallel4d.tensor2d.layers import (Embedding2D, HeadRMSNorm2D, LayerNorm2D, Linear2D, RMSNorm2D, LMHead2D,
                                        VocabParallelCrossEntropy2D, VocabParallelEmbedding2D,
                                        vocab_parallel_cross_entropy)
-from parallel4d.tensor2d.summa import summa_ab, summa_abt, summa_atb
+from parallel4d.tensor2d.summa import RowwiseFP8, summa_ab, summa_abt, summa_atb
 
 __all__ = [
-    "summa_ab", "summa_abt", "summa_atb",
+    "summa_ab", "summa_abt", "summa_atb", "RowwiseFP8",
     "Linear2D", "LayerNorm2D", "RMSNorm2D", "HeadRMSNorm2D", "Embedding2D", "VocabParallelEmbedding2D", "LMHead2D",
     "VocabParallelCrossEntropy2D", "vocab_parallel_cross_entropy",
     "Composite2D", "Head2D", "loss_2d", "sdpa_attention",

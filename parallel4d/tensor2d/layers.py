@@ -45,12 +45,14 @@ from parallel4d.tensor2d.grid import (Grid, block_of, gather_blocks, gather_colu
                                       reduce_scatter_batch, replicated_over_grid, replicated_over_rows)
 from parallel4d.tensor2d.layer_base import (HALF, DenseLayout, Layer2D, box_at, index_runs, new_param, vocab_block_layout,
                                             vocab_rows)
-from parallel4d.tensor2d.summa import summa_ab, summa_abt
+from parallel4d.tensor2d.summa import RowwiseFP8, summa_ab, summa_abt
 
 
 class Linear2D(Layer2D):
     """``y = x @ W + b``: x ``[b/q, s, in/q]`` → y ``[b/q, s, out/q]`` via SUMMA AB
-    (forward 1 SUMMA, backward 2: dX = abt(dY, W), dW = atb(X, dY))."""
+    (forward 1 SUMMA, backward 2: dX = abt(dY, W), dW = atb(X, dY)). ``fp8`` (a :class:`~.summa.RowwiseFP8`,
+    set by ``train.fp8: rowwise`` on the blocks' linears; None: off): the three products in FP8 with the
+    scales one process would use, their panels broadcast in eight bits."""
 
     def __init__(self, in_features: int, out_features: int, mesh, bias: bool = True, *, name: str = "linear",
                  overlap: bool = True, dtype=None, device=None, of: "Linear2D | None" = None):
@@ -61,6 +63,7 @@ class Linear2D(Layer2D):
         check_divisible(f"{name}.in_features", in_features, q)
         check_divisible(f"{name}.out_features", out_features, q)
         self.in_features, self.out_features, self.overlap = in_features, out_features, overlap
+        self.fp8: RowwiseFP8 | None = None if of is None else of.fp8
         self.register_buffer("out_perm", None if of is None else of.out_perm, persistent=False)
         self.out_order: list[int] | None = None if of is None else of.out_order
         if of is not None:
@@ -100,7 +103,7 @@ class Linear2D(Layer2D):
 
     @comm.eager  # SUMMA and a bias add: nothing to compile, and the labels stay out of traced code
     def forward(self, x):
-        y = summa_ab(x, self.weight, self.grid, name=self.name, overlap=self.overlap)
+        y = summa_ab(x, self.weight, self.grid, name=self.name, overlap=self.overlap, fp8=self.fp8)
         if self.bias is not None:
             # added in y's dtype, as nn.Linear does under autocast: a float32 bias would promote a
             # bf16 product, and what follows (ring attention's K/V traffic included) to float32

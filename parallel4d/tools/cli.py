@@ -119,7 +119,8 @@ def _cmd_plan(args) -> int:
     if p.pp > 1:
         print(f"chunks          {_cut(cfg)}  (cut by training FLOPs per token)")
     print(f"activation/rank [b/(dp·q)/m, s/sp, h/q] = [{micro}, {seq}, {m.hidden // q}]")
-    print(f"precision       parameters {cfg.train.parameters}, autocast {cfg.train.autocast}, "
+    fp8 = f", FP8 {cfg.train.fp8} products in the blocks' linears" if cfg.train.fp8 != "none" else ""
+    print(f"precision       parameters {cfg.train.parameters}, autocast {cfg.train.autocast}{fp8}, "
           f"activation checkpointing {cfg.train.activation_checkpointing}")
     ranks = plan(cfg, timed=profile is not None)
     print("\n".join(format_ranks(ranks)))

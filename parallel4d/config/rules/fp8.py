@@ -23,13 +23,11 @@ def precision_problems(cfg: Config) -> list[str]:
 
 
 def layout_problems(cfg: Config) -> list[str]:
-    """What FP8 linears do not run beside yet: 2D tensor parallelism, expert parallelism, a deepspeed:
-    section, LoRA adapters, compiled blocks, MoE layers; each named with the field to change. (dp, sp — ring
-    and Ulysses —, pp and hetero run: their FP8 products equal one process's, the weight gradients' token
-    amaxes reduced over the data replicas.)"""
+    """What FP8 linears do not run beside yet: expert parallelism, a deepspeed: section, LoRA adapters,
+    compiled blocks, MoE layers; each named with the field to change. (dp, sp — ring and Ulysses —, pp,
+    2D tp and hetero run: their FP8 products equal one process's, each amax reduced over the ranks that
+    hold the rest of its contracted dimension: the grid's rows or columns, the data replicas for the tokens.)"""
     p, m, not_yet = cfg.parallel, cfg.model, []
-    if p.tp > 1:
-        not_yet.append(f"parallel.tp={p.tp} (2D tensor parallelism: its FP8 panels come later); set parallel.tp=1")
     if p.ep > 1:
         not_yet.append(f"parallel.ep={p.ep}; set parallel.ep=1")
     if cfg.deepspeed is not None:
