@@ -64,8 +64,9 @@ def _breaks() -> dict:
 
 def train(config: dict, mode: str):
     """``(losses, {dense name: [this rank's pieces]}, graphs compiled by the end of each step, why the
-    graphs broke)`` of ``config`` under ``train.compile=mode``. A recompilation is an error: every
-    block reuses the graphs the first block compiled, and later steps reuse the first step's."""
+    graphs broke, fp8.amax all-reduces counted)`` of ``config`` under ``train.compile=mode``. A
+    recompilation is an error: every block reuses the graphs the first block compiled, and later steps
+    reuse the first step's."""
     import torch._dynamo
 
     from parallel4d.data.batches import build_dataset
@@ -85,7 +86,7 @@ def train(config: dict, mode: str):
               if k.startswith("model.")}
     torch._dynamo.reset()
     reasons = sorted(k for k, n in _breaks().items() if n > breaks.get(k, 0))
-    return losses, pieces, graphs, reasons
+    return losses, pieces, graphs, reasons, engine.mesh.comm_stats.calls.get("fp8.amax", 0)
 
 
 def assert_equal(compiled, eager):
@@ -143,6 +144,63 @@ def test_compiled_blocks_with_inductor_equal_eager(single_rank):
     assert_compiled_once(compiled)
     assert compiled[3] == []  # without collectives or hooks a block is one graph
     assert eager[2] == [0] * STEPS
+
+
+FP8 = {"dtype": "float32", "fp8": "rowwise"}  # FP8 products written in float32 on the CPU
+
+
+def recording(graphs: list):
+    """A backend doing what ``aot_eager`` does (dynamo, then AOTAutograd's forward/backward partition,
+    run as traced), appending each compiled graph's ``(kind, [aten ops called])`` to ``graphs``."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    def compiler(kind):
+        def record(gm, example_inputs):
+            graphs.append((kind, [str(n.target) for n in gm.graph.nodes if n.op == "call_function"]))
+            return make_boxed_func(gm.forward)
+        return record
+
+    return aot_autograd(fw_compiler=compiler("forward"), bw_compiler=compiler("backward"))
+
+
+def fp8_products(graphs: list, kind: str) -> list[int]:
+    """The FP8 products (``_scaled_mm``) of each graph of ``kind``."""
+    return [sum("_scaled_mm" in op for op in ops) for k, ops in graphs if k == kind]
+
+
+def fp8_linears_per_block(config: dict) -> int:
+    """How many linears of one block of ``config``'s model compute in FP8 (one process)."""
+    from parallel4d.distributed.mesh import init_mesh
+    from parallel4d.engine.compose import compose
+    from parallel4d.models.fp8 import fp8_linears
+
+    cfg = make_config(config)
+    stages = compose(cfg, init_mesh()).model.stages()
+    return fp8_linears(stages["blocks.0"])
+
+
+def test_compiled_fp8_blocks_trace_every_product_and_equal_eager_fp8(single_rank, monkeypatch):
+    """``train.fp8: rowwise`` with ``train.compile: blocks``, one process: each block is one graph holding its
+    FP8 linears whole — the forward graph every linear's product, the backward graph both gradients' —, so
+    the amaxes, scales and quantization fuse around them (inductor on a GPU); losses and parameters after
+    3 steps equal eager FP8's bit for bit (the traced graph runs the same kernels in the same order)."""
+    import parallel4d.engine.compile as compile_module
+
+    config = job(train=FP8)
+    eager = train(config, "none")
+    graphs: list = []
+    monkeypatch.setattr(compile_module, "BACKEND", recording(graphs))
+    compiled = train(config, "blocks")
+    torch.testing.assert_close(torch.tensor(compiled[0]), torch.tensor(eager[0]), rtol=0, atol=0)
+    for name, pieces in eager[1].items():
+        for got, want in zip(compiled[1][name], pieces, strict=True):
+            assert torch.equal(got, want), name
+    assert_compiled_once(compiled)
+    assert compiled[3] == []  # no graph break: not a linear left to run eagerly
+    linears = fp8_linears_per_block(config)
+    assert fp8_products(graphs, "forward") == [linears]  # one graph, shared by both blocks
+    assert fp8_products(graphs, "backward") == [2 * linears]  # dX and dW of each
 
 
 # --- every technique, one 4-worker job ----------------------------------------------------------------

@@ -259,7 +259,6 @@ def _fp8_job(**train) -> dict:
     ({"deepspeed": {"zero_optimization": {"stage": 1}}}, ["not with a deepspeed: section", "remove it"]),
     ({"model": {"lora": {"rank": 2, "alpha": 4, "targets": ["q_proj"]}}}, ["not with model.lora", "remove model.lora"]),
     ({"model": {"num_experts": 4, "num_experts_per_tok": 2}}, ["not with model.num_experts=4", "model.num_experts=0"]),
-    ({"train": {"compile": "blocks"}}, ["not with train.compile=blocks", "set train.compile=none"]),
 ])
 def test_fp8_where_it_does_not_run_is_refused_naming_the_field_and_fix(sections, words):
     """Each layout FP8 linears do not run in yet is refused by name with its fix ("for now" and train.fp8=none);

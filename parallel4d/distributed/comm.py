@@ -191,6 +191,22 @@ def all_reduce(tensor, group=None, *, op=dist.ReduceOp.SUM, stats=None, label="a
     return None
 
 
+def traced_all_reduce(tensor: torch.Tensor, group, op: str) -> torch.Tensor:
+    """A new tensor: ``tensor`` all-reduced by ``op`` (``"sum"``, ``"max"``, ...) as a functional collective,
+    which ``torch.compile`` traces into its graphs (forward or backward) — the compiled code runs it, and no
+    Python runs there to count it: the caller counts it with :func:`count_all_reduce` where it runs."""
+    import torch.distributed._functional_collectives as funcol
+
+    return funcol.all_reduce(tensor, op, group)
+
+
+def count_all_reduce(nbytes: int, group, *, stats=None, label: str = "all_reduce") -> None:
+    """Count an all-reduce of ``nbytes`` that ran inside compiled code (:func:`traced_all_reduce`) as
+    :func:`all_reduce` counts its own (none on a group of one)."""
+    if group_size(group) > 1:
+        _count(stats, label, nbytes, nbytes, group)
+
+
 def all_gather(tensor: torch.Tensor, group=None, *, dim: int = 0, stats=None, label="all_gather") -> torch.Tensor:
     """Concatenate every member's ``tensor`` along ``dim`` (same shape on all members)."""
     n = group_size(group)

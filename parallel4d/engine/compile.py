@@ -17,8 +17,12 @@ backward runs the same compiled graph.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn as nn
+
+from parallel4d.fp8.linear import traced_token_syncs
 
 #: torch.compile's backend for the blocks: inductor, torch's default. A seam for the tests: the
 #: multi-process composition test sets "aot_eager" in its workers (dynamo and AOTAutograd, the same
@@ -37,5 +41,30 @@ def compile_block(block: nn.Module, eager_layers: bool = False) -> nn.Module:
         for layer in block.modules():
             if layer is not block and next(layer.parameters(recurse=False), None) is not None:
                 layer.forward = torch.compiler.disable(layer.forward)
-    block.forward = torch.compile(block.forward, backend=BACKEND)
+    compiled = torch.compile(block.forward, backend=BACKEND)
+    block.forward = compiled if eager_layers else counting_traced_collectives(block, compiled)
     return block
+
+
+def counting_traced_collectives(block: nn.Module, compiled):
+    """``compiled`` (``block``'s compiled forward) counting the collectives its graphs trace, which no Python
+    runs to count: an FP8 linear's token-amax all-reduce over the data replicas (``train.fp8: rowwise``
+    with dp·sp > 1, :func:`~parallel4d.fp8.linear.traced_token_syncs`) runs in the compiled backward, once
+    per linear per backward through the block — counted when the block's output gradient arrives (a hook:
+    once per backward, and never for a recomputation's output, which no gradient reaches). The wrapper
+    itself runs eagerly, around the compiled call. (Eager layers count their own: hetero's.)"""
+
+    @functools.wraps(compiled)
+    def forward(*args, **kwargs):
+        out = compiled(*args, **kwargs)
+        counts = traced_token_syncs(block)
+        if counts and isinstance(out, torch.Tensor) and out.requires_grad:
+            out.register_hook(lambda grad: _run_all(counts))
+        return out
+
+    return forward
+
+
+def _run_all(calls: list) -> None:
+    for call in calls:
+        call()

@@ -456,11 +456,28 @@ def fp8_token_sync(mesh: Mesh) -> AmaxSync:
     None with one replica: no collective. Pipelines need nothing more (a micro-batch is whole on its stage)."""
     if mesh.size("dp") * mesh.size("sp") == 1:
         return None
-    group = mesh.group_over("dp", "sp")
+    return ReplicaAmaxSync(mesh.group_over("dp", "sp"), mesh.comm_stats)
 
-    def over_replicas(largest: torch.Tensor) -> torch.Tensor:
-        comm.all_reduce(largest, group, op=dist.ReduceOp.MAX, stats=mesh.comm_stats, label="fp8.amax")
+
+class ReplicaAmaxSync:
+    """:func:`fp8_token_sync`'s reduction: ``largest`` (float64 amaxes) → their MAX over ``group``, labelled
+    ``fp8.amax`` in ``stats``. Eager, a counted in-place all-reduce; traced by ``torch.compile`` (a compiled
+    block's backward, ``train.compile: blocks``), a functional all-reduce inside the graph — no graph break,
+    the quantization around it fused — counted by :meth:`count_traced`, which the compiled block calls once
+    per backward of each FP8 linear that traced it (engine/compile.py)."""
+
+    label = "fp8.amax"
+
+    def __init__(self, group, stats):
+        self.group, self.stats = group, stats
+
+    def __call__(self, largest: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling():
+            return comm.traced_all_reduce(largest, self.group, "max")
+        comm.all_reduce(largest, self.group, op=dist.ReduceOp.MAX, stats=self.stats, label=self.label)
         return largest
 
-    return over_replicas
+    def count_traced(self, nbytes: int) -> None:
+        """Count one traced reduction of ``nbytes`` (compiled code cannot count its own)."""
+        comm.count_all_reduce(nbytes, self.group, stats=self.stats, label=self.label)
 

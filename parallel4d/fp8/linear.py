@@ -21,12 +21,20 @@ column amaxes ``[1, out]`` and ``X``'s ``[1, in]`` by MAX over those ranks, conc
 ``[1, out + in]`` float64 vector: one collective per linear per backward. The forward and ``dX``
 contract over features, whole on every rank: they need none.
 
+Under ``torch.compile`` (``train.compile: blocks``) the function traces whole, forward and backward: the
+amaxes, scales and quantization fuse around ``_scaled_mm`` (the point of compiling FP8, on a GPU). A
+``token_sync`` that runs inside compiled code traces its collective too (a functional all-reduce: no graph
+break) and, since no Python runs there to count it, offers ``count_traced(nbytes)``: the compiled block
+calls it once per backward of each linear (:func:`traced_token_syncs`).
+
 A pipeline that splits the backward (zero-bubble's B and W passes, ``pipeline/split_grad.py``) asks for
 ``dX`` and ``dW`` in two passes: the backward computes only the gradient the engine will use
 (:func:`wanted`), so each product (and ``dW``'s reduction) runs once.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.nn as nn
@@ -40,6 +48,8 @@ def wanted(ctx, k: int) -> bool:
     next nodes (``torch._C._will_engine_execute_node``; tensor2d/summa.py asks the same for its products)."""
     if not ctx.needs_input_grad[k]:
         return False
+    if torch.compiler.is_compiling():  # traced ahead of the backward: no engine to ask (compile refuses a split one)
+        return True
     nxt = ctx.next_functions[k][0]
     try:
         return nxt is None or torch._C._will_engine_execute_node(nxt)
@@ -118,3 +128,12 @@ class RowwiseLinear(nn.Linear):
 
     def extra_repr(self) -> str:
         return super().extra_repr() + ", fp8=rowwise"
+
+
+def traced_token_syncs(module: nn.Module) -> list:
+    """For each :class:`RowwiseLinear` inside ``module`` whose ``token_sync`` can run in compiled code
+    (offers ``count_traced``), a callable counting one backward's reduction (``[1, out + in]`` float64) —
+    what a compiled block calls when its backward runs (engine/compile.py)."""
+    return [functools.partial(m.token_sync.count_traced, 8 * (m.in_features + m.out_features))
+            for m in module.modules()
+            if isinstance(m, RowwiseLinear) and hasattr(m.token_sync, "count_traced")]

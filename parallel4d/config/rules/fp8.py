@@ -1,6 +1,6 @@
 """FP8 training rules (``train.fp8``): the precision it cannot start from, and the layouts it does not run
 in yet (issue 50 builds it in steps: the data, sequence and pipeline axes and hetero run; 2D tp, experts,
-LoRA, compiled blocks and DeepSpeed not yet).
+LoRA and DeepSpeed not yet; compiled blocks run, and are what makes FP8 fast on a GPU).
 
 Torch-free; ``config/checks.py`` lists :func:`problems` among the cross-field rules.
 """
@@ -24,8 +24,8 @@ def precision_problems(cfg: Config) -> list[str]:
 
 def layout_problems(cfg: Config) -> list[str]:
     """What FP8 linears do not run beside yet: expert parallelism, a deepspeed: section, LoRA adapters,
-    compiled blocks, MoE layers; each named with the field to change. (dp, sp — ring and Ulysses —, pp,
-    2D tp and hetero run: their FP8 products equal one process's, each amax reduced over the ranks that
+    MoE layers; each named with the field to change. (dp, sp — ring and Ulysses —, pp,
+    2D tp, hetero and ``train.compile: blocks`` run: their FP8 products equal one process's, each amax reduced over the ranks that
     hold the rest of its contracted dimension: the grid's rows or columns, the data replicas for the tokens.)"""
     p, m, not_yet = cfg.parallel, cfg.model, []
     if p.ep > 1:
@@ -34,8 +34,6 @@ def layout_problems(cfg: Config) -> list[str]:
         not_yet.append("a deepspeed: section; remove it")
     if m.lora is not None:
         not_yet.append("model.lora (the adapted linears); remove model.lora")
-    if cfg.train.compile != "none":
-        not_yet.append(f"train.compile={cfg.train.compile}; set train.compile=none")
     if m.num_experts:
         not_yet.append(f"model.num_experts={m.num_experts} (MoE layers); set model.num_experts=0")
     return [f"train.fp8={cfg.train.fp8} runs on a dense model only for now, not with {what} or train.fp8=none"
