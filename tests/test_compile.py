@@ -214,22 +214,46 @@ LAYOUTS = {
 }
 
 
-def _layouts(layouts: dict) -> dict:
-    """Each layout eager, then compiled with dynamo and AOTAutograd (``aot_eager``: see the docstring)."""
+#: FP8 where the tokens of a micro-batch are split over data replicas: each linear's weight-gradient amaxes
+#: MAX-reduced over them inside the compiled backward (a functional all-reduce, counted by the block)
+FP8_LAYOUTS = {"FP8 dp=2 × 1F1B pp=2": job({"dp": 2, "pp": 2}, pipeline={"schedule": "1f1b", "microbatches": 2},
+                                          model={"tie_embeddings": False}, train=FP8)}
+
+
+def _layouts(layouts: dict, fp8_layouts: dict) -> dict:
+    """Each layout eager, then compiled with dynamo and AOTAutograd (``aot_eager``: see the docstring); each
+    FP8 layout likewise, with the graphs recorded (:func:`recording`: ``aot_eager``'s partition)."""
     import parallel4d.engine.compile as compile_module
 
     compile_module.BACKEND = "aot_eager"  # this worker process only
-    return {name: (train(config, "none"), train(config, "blocks")) for name, config in layouts.items()}
+    out = {name: (train(config, "none"), train(config, "blocks")) for name, config in layouts.items()}
+    for name, config in fp8_layouts.items():
+        graphs: list = []
+        eager = train(config, "none")
+        compile_module.BACKEND = recording(graphs)
+        out[name] = (eager, train(config, "blocks"), graphs)
+    return out
 
 
 def test_compiled_blocks_compose_with_every_technique():
-    results = run_workers(_layouts, 4, LAYOUTS, timeout_s=600)
+    """(The module doc.) And FP8 over data replicas: compiled equals eager FP8 bit for bit on every rank, no
+    graph break, each backward graph holding one amax all-reduce per FP8 linear, and the ``fp8.amax`` count
+    the same as eager's (one per linear per micro-batch per step)."""
+    results = run_workers(_layouts, 4, LAYOUTS, FP8_LAYOUTS, timeout_s=600)
     for rank, by_layout in enumerate(results):
-        for name, (eager, compiled) in by_layout.items():
-            assert_equal(compiled, eager)
+        for name, (eager, compiled, *graphs) in by_layout.items():
             assert_compiled_once(compiled)
-            assert compiled[3], (rank, name)  # the collectives (and hetero's hooks) break the graphs
             assert eager[2] == [0] * STEPS, (rank, name)
+            if name in FP8_LAYOUTS:
+                assert compiled[0] == eager[0] and all(
+                    torch.equal(g, w) for n in eager[1] for g, w in zip(compiled[1][n], eager[1][n], strict=True))
+                assert compiled[3] == [], (rank, name)  # the linears and their reductions inside the graphs
+                assert compiled[4] == eager[4] > 0, (rank, name, compiled[4], eager[4])
+                reductions = [sum("all_reduce" in op for op in ops) for k, ops in graphs[0] if k == "backward"]
+                assert reductions == [n // 2 for n in fp8_products(graphs[0], "backward")] != [0], (rank, graphs[0])
+            else:
+                assert_equal(compiled, eager)
+                assert compiled[3], (rank, name)  # the collectives (and hetero's hooks) break the graphs
 
 
 # --- the rule -------------------------------------------------------------------------------------------
