@@ -33,6 +33,7 @@ from typing import Iterable, Protocol
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 from torch._subclasses.fake_tensor import is_fake
 
 
@@ -195,8 +196,6 @@ def traced_all_reduce(tensor: torch.Tensor, group, op: str) -> torch.Tensor:
     """A new tensor: ``tensor`` all-reduced by ``op`` (``"sum"``, ``"max"``, ...) as a functional collective,
     which ``torch.compile`` traces into its graphs (forward or backward) — the compiled code runs it, and no
     Python runs there to count it: the caller counts it with :func:`count_all_reduce` where it runs."""
-    import torch.distributed._functional_collectives as funcol
-
     return funcol.all_reduce(tensor, op, group)
 
 
