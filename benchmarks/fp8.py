@@ -13,6 +13,12 @@ in bfloat16 and — once the 2D layers compute in FP8 under ``use_fp8`` — in F
 says "not yet". FP8 is observed, not assumed: torch's ``FlopCounterMode`` counts one step of each variant,
 and an FP8 variant's share of FLOPs in ``_scaled_mm`` is reported (0: nothing ran in FP8).
 
+**Compiled.** On a GPU (``--compiled`` on the CPU) the dense block also runs compiled, in bfloat16 and in FP8,
+as ``train.compile: blocks`` compiles a block (``parallel4d.engine.compile.compile_block``, inductor) and as
+torchtitan measures FP8: compiled, an FP8 linear's amaxes, scales and quantization fuse into a few kernels
+around ``_scaled_mm``; eager, each is a pass of its own over the operand. The compiled pair is the figure to
+hold against the target; the eager pair stays beside it (what FP8 costs without compiling).
+
 Speed-up = bfloat16's step / FP8's step (per round, then the median). Target (issue 50): **≥ 1.3× for the
 dense block on one H100/H200**. FP8 pays on large products only: each of its products first reads its two
 operands for their amaxes and writes them in e4m3, passes a bfloat16 product does not make.
@@ -28,7 +34,7 @@ Sizes: on a GPU the full shape; on the CPU ``--small`` (hidden 512) by default, 
 nothing of a GPU's. No GPU figure is recorded until a GPU runs it (``make gpu-check PART=fp8``). Writes
 ``benchmarks/results/fp8_<cpu|gpu>.json`` (device, torch, the sizes, every variant) and prints a table.
 
-Usage: ``python benchmarks/fp8.py [--small | --full | --tiny] [--engine-on-cpu] [--out FILE]``.
+Usage: ``python benchmarks/fp8.py [--small | --full | --tiny] [--engine-on-cpu] [--compiled] [--out FILE]``.
 """
 
 from __future__ import annotations
@@ -51,6 +57,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import tensor2d  # noqa: E402  (benchmarks/tensor2d.py: the block, its 2D ranks, the timed steps)
+from parallel4d.engine.compile import compile_block  # noqa: E402
 from parallel4d.fp8.linear import RowwiseLinear  # noqa: E402
 from parallel4d.models.fp8 import use_fp8  # noqa: E402
 
@@ -90,17 +97,21 @@ def flops_of(step) -> tuple[int, int]:
     return counter.get_total_flops(), sum(n for op, n in by_op.items() if "_scaled_mm" in str(op))
 
 
-def block_variants(size, device) -> tuple[dict, dict]:
+def block_variants(size, device, compiled: bool = False) -> tuple[dict, dict]:
     """The four steps (dense and 2D, bf16 and FP8) and why a variant is left out (FP8-2D where the 2D layers
-    do not compute in FP8 yet)."""
+    do not compute in FP8 yet); ``compiled``: the dense block in bf16 and FP8 compiled too, as
+    ``train.compile: blocks`` compiles it (``compile_block``: inductor), as torchtitan measures FP8."""
     dense = tensor2d.llama_block(size, device, DTYPE)
     g = torch.Generator(device="cpu").manual_seed(1)
     X, G = (torch.randn(size.batch, size.seq, size.hidden, generator=g).to(device, DTYPE) for _ in range(2))
     X2, G2 = (torch.randn(Q * size.batch, size.seq, size.hidden, generator=g).to(device, DTYPE) for _ in range(2))
     dense8 = copy.deepcopy(dense)
     in_fp8([dense8])
-    steps = {"dense bf16": tensor2d.dense_step(dense, X, G), "dense fp8": tensor2d.dense_step(dense8, X, G),
-             "2D bf16": tensor2d.grid_step(dense, X2, G2, Q)}
+    steps = {"dense bf16": tensor2d.dense_step(dense, X, G), "dense fp8": tensor2d.dense_step(dense8, X, G)}
+    if compiled:  # copies, compiled on their first (warm-up) step
+        for name, block in (("dense bf16 compiled", dense), ("dense fp8 compiled", dense8)):
+            steps[name] = tensor2d.dense_step(compile_block(copy.deepcopy(block)), X, G)
+    steps["2D bf16"] = tensor2d.grid_step(dense, X2, G2, Q)
     blocks, xs, gs = tensor2d.grid_blocks(dense, X2, G2, Q)
     left_out = {}
     try:
@@ -115,13 +126,17 @@ def block_variants(size, device) -> tuple[dict, dict]:
     return steps, left_out
 
 
-def measure_blocks(size, device, warmup: int, iters: int, rounds: int) -> dict:
-    """Every variant's step, FLOPs and FP8 share; the speed-ups of FP8 over bf16, dense and 2D."""
+def measure_blocks(size, device, warmup: int, iters: int, rounds: int, compiled: bool | None = None) -> dict:
+    """Every variant's step, FLOPs and FP8 share; the speed-ups of FP8 over bf16, dense and 2D, and dense
+    compiled (``compiled``: the compiled variants too; None: on a GPU only, where they are the figure that
+    counts — FP8's amaxes and quantization fused around ``_scaled_mm``)."""
     device = torch.device(device)
-    steps, left_out = block_variants(size, device)
+    compiled = device.type == "cuda" if compiled is None else compiled
+    steps, left_out = block_variants(size, device, compiled)
     flops = {}
-    for name in list(steps):
-        flops[name] = flops_of(steps[name])
+    for name in list(steps):  # a compiled variant: its eager twin's count (the same products; the counter's
+        eager = name.removesuffix(" compiled")  # dispatch mode would see no ops inside compiled kernels)
+        flops[name] = flops[eager] if eager != name else flops_of(steps[name])
         if name.endswith("fp8") and flops[name][1] == 0:  # nothing ran in FP8: not a measure of FP8
             left_out.setdefault(name, "not yet: no product of this variant ran in _scaled_mm")
             del steps[name]
@@ -142,9 +157,10 @@ def measure_blocks(size, device, warmup: int, iters: int, rounds: int) -> dict:
         results[name] = {"step_s": t, "rounds_s": ts, "flops": total, "scaled_mm_share": scaled / total,
                          "tflops_per_s": total / t / 1e12}
     speedups = {}
-    for layout in ("dense", "2D"):
-        bf16, fp8 = results.get(f"{layout} bf16"), results.get(f"{layout} fp8")
-        speedups[layout] = None if fp8 is None else statistics.median(
+    for layout in ("dense", "2D", "dense compiled"):
+        kind = layout.split()
+        bf16, fp8 = (results.get(" ".join([kind[0], dtype, *kind[1:]])) for dtype in ("bf16", "fp8"))
+        speedups[layout] = None if fp8 is None or bf16 is None else statistics.median(
             b / f for b, f in zip(bf16["rounds_s"], fp8["rounds_s"]))  # per round, then the median
     return {"block": asdict(size), "q": Q, "batch_2d": Q * size.batch, "warmup": warmup, "iters": iters,
             "rounds": rounds, "results": results, "left_out": left_out, "speedup_fp8_over_bf16": speedups,
@@ -226,11 +242,11 @@ def device_name(device: torch.device) -> str:
 
 
 def measure(size, device, *, engine: bool, warmup: int = 2, iters: int = 3, rounds: int = 3,
-            engine_rounds: int = 4, engine_steps: int = 4, engine_batch: int = 4) -> dict:
+            engine_rounds: int = 4, engine_steps: int = 4, engine_batch: int = 4, compiled: bool | None = None) -> dict:
     device = torch.device(device)
     res = {"benchmark": "fp8", "device": device_name(device), "torch": torch.__version__,
            "python": platform.python_version(), "dtype": "bfloat16", "recipe": "rowwise (train.fp8: rowwise)",
-           "block": measure_blocks(size, device, warmup, iters, rounds)}
+           "block": measure_blocks(size, device, warmup, iters, rounds, compiled)}
     if engine:
         res["engine"] = engine_fp8(device.type == "cuda", engine_rounds, engine_steps, engine_batch)
     else:
@@ -253,16 +269,17 @@ def table(res: dict) -> list[str]:
              f"llama block h={s['hidden']} I={s['intermediate']} heads {s['heads']}/{s['kv_heads']} s={s['seq']}, "
              f"batch {s['batch']} dense, {b['batch_2d']} as 2D (q={b['q']}, {b['q'] ** 2} ranks on one device), "
              f"forward + backward, median of {b['rounds']} rounds",
-             f"{'variant':12s}{'step ms':>10s}{'TFLOP/s':>9s}{'in FP8':>8s}{'FP8 speed-up':>14s}"]
-    for name in ("dense bf16", "dense fp8", "2D bf16", "2D fp8"):
+             f"{'variant':21s}{'step ms':>10s}{'TFLOP/s':>9s}{'in FP8':>8s}{'FP8 speed-up':>14s}"]
+    for name in ("dense bf16", "dense fp8", "dense bf16 compiled", "dense fp8 compiled", "2D bf16", "2D fp8"):
         r = b["results"].get(name)
         if r is None:
-            lines.append(f"{name:12s}  {b['left_out'].get(name, 'left out')}")
+            if "compiled" not in name:  # compiled variants: measured on a GPU only
+                lines.append(f"{name:21s}  {b['left_out'].get(name, 'left out')}")
             continue
-        layout = name.split()[0]
-        up = _x(b["speedup_fp8_over_bf16"][layout]) if name.endswith("fp8") else ""
-        target = f"  (target ≥ {b['target_dense_speedup']}× on H100/H200)" if name == "dense fp8" else ""
-        lines.append(f"{name:12s}{r['step_s'] * 1e3:10.2f}{r['tflops_per_s']:9.2f}{r['scaled_mm_share']:8.0%}"
+        layout = name.replace(" bf16", "").replace(" fp8", "")
+        up = _x(b["speedup_fp8_over_bf16"][layout]) if " fp8" in name else ""
+        target = f"  (target ≥ {b['target_dense_speedup']}× on H100/H200)" if name.startswith("dense fp8") else ""
+        lines.append(f"{name:21s}{r['step_s'] * 1e3:10.2f}{r['tflops_per_s']:9.2f}{r['scaled_mm_share']:8.0%}"
                      f"{up:>14s}{target}")
     e = res["engine"]
     if "skipped" in e:
@@ -287,7 +304,8 @@ def table(res: dict) -> list[str]:
 def headline(res: dict) -> str:
     """One line for ``make gpu-check``."""
     b, up = res["block"], res["block"]["speedup_fp8_over_bf16"]
-    line = f"block FP8 / bf16: dense {_x(up['dense'])} (target ≥ {TARGET_DENSE}×), 2D " + (
+    line = (f"block FP8 / bf16: dense {_x(up['dense'])}, compiled {_x(up.get('dense compiled'))} (target ≥ "
+            f"{TARGET_DENSE}×), 2D ") + (
         _x(up["2D"]) if up["2D"] is not None else b["left_out"].get("2D fp8", "—")[:40])
     if "runs" in res["engine"]:
         line += f"; engine {_x(res['engine']['speedup_fp8_over_bf16'])}"
@@ -334,13 +352,15 @@ def main(argv=None) -> dict:
     ap.add_argument("--cpu", action="store_true", help="on the CPU even where a GPU is")
     ap.add_argument("--engine-on-cpu", action="store_true", help="the engine part on the CPU (its small model)")
     ap.add_argument("--rounds", type=int, default=None, help="the block's rounds (GPU 3, CPU 5)")
+    ap.add_argument("--compiled", action="store_true", help="the compiled dense variants on the CPU too (a GPU "
+                                                             "always runs them)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
     cuda = torch.cuda.is_available() and not a.cpu
     block = TINY_BLOCK if a.tiny else SMALL_BLOCK if a.small or (not cuda and not a.full) else FULL_BLOCK
     t0 = time.perf_counter()
     res = measure(block, "cuda" if cuda else "cpu", engine=cuda or a.engine_on_cpu,
-                  rounds=a.rounds or (3 if cuda else 5),
+                  rounds=a.rounds or (3 if cuda else 5), compiled=cuda or a.compiled,
                   **({} if cuda else {"warmup": 1, "iters": 2, "engine_rounds": 2, "engine_steps": 1,
                                       "engine_batch": 2}))
     res["wall_s"] = time.perf_counter() - t0

@@ -59,3 +59,22 @@ def test_the_engine_benchmark_trains_the_same_model_in_fp8_and_in_bf16():
     assert fp8["first_loss"] != none["first_loss"]  # FP8 products, not bfloat16's under another name
     assert none["mfu"] is None and e["peaks_flops"] is None and e["speedup_fp8_over_bf16"] > 0
     assert not dist.is_initialized()
+
+
+def test_the_block_benchmark_times_the_dense_block_compiled_in_bf16_and_fp8(monkeypatch):
+    """With its compiled variants (a GPU always runs them; ``--compiled`` on the CPU): the dense block compiled
+    as ``train.compile: blocks`` compiles it, in bfloat16 and in FP8, each timed beside the eager ones; the
+    compiled FP8 row counts its eager twin's products (all in ``_scaled_mm``) and its speed-up is the compiled
+    bfloat16 step over it. Here compiled by dynamo and AOTAutograd only (``aot_eager``: the path, not inductor's
+    minutes of code generation)."""
+    import parallel4d.engine.compile as compile_module
+
+    monkeypatch.setattr(compile_module, "BACKEND", "aot_eager")
+    b = bench.measure_blocks(bench.TINY_BLOCK, "cpu", warmup=1, iters=1, rounds=1, compiled=True)
+    r = b["results"]
+    assert r["dense fp8 compiled"]["flops"] == r["dense fp8"]["flops"] == r["dense bf16 compiled"]["flops"]
+    assert r["dense fp8 compiled"]["scaled_mm_share"] > 0.9 and r["dense bf16 compiled"]["scaled_mm_share"] == 0
+    assert b["speedup_fp8_over_bf16"]["dense compiled"] == pytest.approx(
+        r["dense bf16 compiled"]["step_s"] / r["dense fp8 compiled"]["step_s"])
+    assert f"compiled {bench._x(b['speedup_fp8_over_bf16']['dense compiled'])} (target" in bench.headline(
+        {"block": b, "engine": {"skipped": "-"}})
