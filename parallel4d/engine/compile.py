@@ -36,35 +36,51 @@ def compile_block(block: nn.Module, eager_layers: bool = False) -> nn.Module:
     ``eager_layers`` (hetero): the layers inside the block that hold parameters run eagerly too. Their
     hooks (which swap ``param.data``) break the graph before and after each of them anyway; compiled,
     each layer's forward (one linear or norm) would be a graph of its own, compiled again for every
-    shape (qkv, projection, MLP) until dynamo's recompile limit, with nothing to fuse."""
-    if eager_layers:
-        for layer in block.modules():
-            if layer is not block and next(layer.parameters(recurse=False), None) is not None:
-                layer.forward = torch.compiler.disable(layer.forward)
+    shape (qkv, projection, MLP) until dynamo's recompile limit, with nothing to fuse. They are looked
+    up at every call (:func:`run_eagerly`), not now: ``train.fp8`` swaps the linears after this."""
     compiled = torch.compile(block.forward, backend=BACKEND)
-    block.forward = compiled if eager_layers else counting_traced_collectives(block, compiled)
-    return block
-
-
-def counting_traced_collectives(block: nn.Module, compiled):
-    """``compiled`` (``block``'s compiled forward) counting the collectives its graphs trace, which no Python
-    runs to count: an FP8 linear's token-amax all-reduce over the data replicas (``train.fp8: rowwise``
-    with dp·sp > 1, :func:`~parallel4d.fp8.linear.traced_token_syncs`) runs in the compiled backward, once
-    per linear per backward through the block — counted when the block's output gradient arrives (a hook:
-    once per backward, and never for a recomputation's output, which no gradient reaches). The wrapper
-    itself runs eagerly, around the compiled call. (Eager layers count their own: hetero's.)"""
 
     @functools.wraps(compiled)
     def forward(*args, **kwargs):
-        out = compiled(*args, **kwargs)
-        counts = traced_token_syncs(block)
-        if counts and isinstance(out, torch.Tensor) and out.requires_grad:
-            out.register_hook(lambda grad: _run_all(counts))
-        return out
+        if eager_layers:
+            run_eagerly(layers_holding_parameters(block))
+        return counting_traced_collectives(block, compiled(*args, **kwargs))
 
-    return forward
+    block.forward = forward
+    return block
+
+
+def layers_holding_parameters(block: nn.Module) -> list[nn.Module]:
+    """The modules inside ``block`` (not itself) that hold parameters of their own."""
+    return [layer for layer in block.modules()
+            if layer is not block and next(layer.parameters(recurse=False), None) is not None]
+
+
+def run_eagerly(layers: list[nn.Module]) -> None:
+    """Each of ``layers``' ``forward`` a ``torch.compiler.disable``d call (once: those already are stay)."""
+    for layer in layers:
+        if not _eager(layer):
+            layer.forward = torch.compiler.disable(layer.forward)
+
+
+def counting_traced_collectives(block: nn.Module, out):
+    """``out`` (what ``block``'s compiled forward returned), counting the collectives its graphs trace, which
+    no Python runs to count: an FP8 linear's token-amax all-reduce over the data replicas (``train.fp8:
+    rowwise`` with dp·sp > 1, :func:`~parallel4d.fp8.linear.traced_token_syncs`) runs in the compiled backward,
+    once per linear per backward through the block — counted when the block's output gradient arrives (a
+    hook: once per backward, and never for a recomputation's output, which no gradient reaches). Eager
+    layers (hetero's) are not traced: they count their own."""
+    counts = traced_token_syncs(m for m in block.modules() if not _eager(m))
+    if counts and isinstance(out, torch.Tensor) and out.requires_grad:
+        out.register_hook(lambda grad: _run_all(counts))
+    return out
 
 
 def _run_all(calls: list) -> None:
     for call in calls:
         call()
+
+
+def _eager(layer: nn.Module) -> bool:
+    """Whether ``layer``'s forward is a ``torch.compiler.disable``d call (:func:`run_eagerly`)."""
+    return getattr(layer.__dict__.get("forward"), "_torchdynamo_disable", False)

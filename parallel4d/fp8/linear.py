@@ -130,10 +130,9 @@ class RowwiseLinear(nn.Linear):
         return super().extra_repr() + ", fp8=rowwise"
 
 
-def traced_token_syncs(module: nn.Module) -> list:
-    """For each :class:`RowwiseLinear` inside ``module`` whose ``token_sync`` can run in compiled code
-    (offers ``count_traced``), a callable counting one backward's reduction (``[1, out + in]`` float64) —
-    what a compiled block calls when its backward runs (engine/compile.py)."""
+def traced_token_syncs(modules) -> list:
+    """For each :class:`RowwiseLinear` among ``modules`` whose ``token_sync`` can run in compiled code (offers
+    ``count_traced``), a callable counting one backward's reduction (``[1, out + in]`` float64) — what a
+    compiled block calls when its backward runs (engine/compile.py)."""
     return [functools.partial(m.token_sync.count_traced, 8 * (m.in_features + m.out_features))
-            for m in module.modules()
-            if isinstance(m, RowwiseLinear) and hasattr(m.token_sync, "count_traced")]
+            for m in modules if isinstance(m, RowwiseLinear) and hasattr(m.token_sync, "count_traced")]
