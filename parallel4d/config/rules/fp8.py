@@ -24,9 +24,10 @@ def precision_problems(cfg: Config) -> list[str]:
 
 def layout_problems(cfg: Config) -> list[str]:
     """What FP8 linears do not run beside yet: expert parallelism, a deepspeed: section, LoRA adapters,
-    MoE layers; each named with the field to change. (dp, sp — ring and Ulysses —, pp,
-    2D tp, hetero and ``train.compile: blocks`` run: their FP8 products equal one process's, each amax reduced over the ranks that
-    hold the rest of its contracted dimension: the grid's rows or columns, the data replicas for the tokens.)"""
+    MoE layers; each named with the field to change. (dp, sp — ring and Ulysses —, pp, 2D tp, hetero and
+    ``train.compile: blocks`` run: their FP8 products equal one process's, each amax reduced over the ranks
+    that hold the rest of its contracted dimension: the grid's rows or columns, the data replicas for the
+    tokens.)"""
     p, m, not_yet = cfg.parallel, cfg.model, []
     if p.ep > 1:
         not_yet.append(f"parallel.ep={p.ep}; set parallel.ep=1")
