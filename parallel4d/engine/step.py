@@ -23,6 +23,7 @@ from parallel4d.engine.model import TORCH_DTYPES, model_shape, parameter_count
 from parallel4d.engine.state import checkpoint_keys, dense_state_dict, local_state, saved_layouts
 from parallel4d.engine.store import ParameterStore
 from parallel4d.engine.trainer import Trainer
+from parallel4d.models.fp8 import fp8_linears
 from parallel4d.models.context import Draw, ForwardContext, Packed, State
 from parallel4d.models.lora import adapter_names
 from parallel4d.models.moe.balance import StepLoad
@@ -316,6 +317,9 @@ class Engine(Trainer):
 
     def pretrained_bytes(self) -> int | None:
         return self.pretrained_bytes_read
+
+    def fp8_linears(self) -> int | None:
+        return fp8_linears(self.model) if self.cfg.train.fp8 != "none" else None
 
     def hetero_stats(self) -> dict | None:
         return self.store.hetero_stats()

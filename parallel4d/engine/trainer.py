@@ -76,6 +76,11 @@ class Trainer(Protocol):
         """Bytes this rank read of ``model.pretrained``'s Hugging Face weights; None when not loaded here."""
 
     @abstractmethod
+    def fp8_linears(self) -> int | None:
+        """``train.fp8``: how many of this rank's linears compute in FP8 (``summary.json``'s ``fp8``, what
+        ``parallel4d check`` reads to say FP8 ran); None when the trainer runs no FP8."""
+
+    @abstractmethod
     def hetero_stats(self) -> dict | None:
         """hetero's statistics (``summary.json``'s ``hetero``); None without hetero."""
 

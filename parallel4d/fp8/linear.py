@@ -35,6 +35,7 @@ A pipeline that splits the backward (zero-bubble's B and W passes, ``pipeline/sp
 from __future__ import annotations
 
 import functools
+from typing import Protocol, runtime_checkable
 
 import torch
 import torch.nn as nn
@@ -130,9 +131,19 @@ class RowwiseLinear(nn.Linear):
         return super().extra_repr() + ", fp8=rowwise"
 
 
+@runtime_checkable
+class TracedAmaxSync(Protocol):
+    """A ``token_sync`` whose collective can run inside compiled code (a traced functional all-reduce), which
+    no Python runs there to count: the compiled block counts it (engine/compose.py ``ReplicaAmaxSync``)."""
+
+    def __call__(self, largest: torch.Tensor) -> torch.Tensor: ...
+
+    def count_traced(self, nbytes: int) -> None: ...
+
+
 def traced_token_syncs(modules) -> list:
-    """For each :class:`RowwiseLinear` among ``modules`` whose ``token_sync`` can run in compiled code (offers
-    ``count_traced``), a callable counting one backward's reduction (``[1, out + in]`` float64) — what a
+    """For each :class:`RowwiseLinear` among ``modules`` whose ``token_sync`` can run in compiled code (a
+    :class:`TracedAmaxSync`), a callable counting one backward's reduction (``[1, out + in]`` float64) — what a
     compiled block calls when its backward runs (engine/compile.py)."""
     return [functools.partial(m.token_sync.count_traced, 8 * (m.in_features + m.out_features))
-            for m in modules if isinstance(m, RowwiseLinear) and hasattr(m.token_sync, "count_traced")]
+            for m in modules if isinstance(m, RowwiseLinear) and isinstance(m.token_sync, TracedAmaxSync)]

@@ -36,7 +36,6 @@ from parallel4d.engine.model import tf32_allowed, use_tf32
 from parallel4d.engine.trainer import Trainer
 from parallel4d.distributed.mesh import init_mesh
 from parallel4d.integrations import deepspeed_integration
-from parallel4d.models.fp8 import fp8_linears
 from parallel4d.training.checkpoints import check_format, job_files
 from parallel4d.training.host_memory import HostPeak
 from parallel4d.training.metrics import MetricsLog, gather_objects, gather_per_rank, peak_memory, read_together
@@ -135,7 +134,8 @@ class _Run:
         self.saved: Path | None = None
         self.extra_files = job_files(cfg, with_pretrained=lead and cfg.checkpoint.enabled)  # read once
         # train.fp8: each rank's linears computing in FP8, gathered once (summary.json's fp8: what check reads)
-        self.fp8 = gather_objects(fp8_linears(engine.model)) if cfg.train.fp8 != "none" else None
+        linears = engine.fp8_linears()
+        self.fp8 = gather_objects(linears) if linears is not None else None
 
     def note_router(self, record: dict) -> None:
         """MoE: a logged step's auxiliary loss and expert load, for summary.json's ``moe`` (this session's)."""

@@ -86,6 +86,10 @@ class DeepSpeedTrainer(Trainer):
         """None: mixture-of-experts models are refused with a deepspeed: section (config/rules/moe.py)."""
         return None
 
+    def fp8_linears(self) -> None:
+        """None: FP8 is refused with a deepspeed: section (config/rules/fp8.py)."""
+        return None
+
     def hetero_stats(self) -> None:
         """None: hetero and DeepSpeed never run together (the config refuses both)."""
         return None
