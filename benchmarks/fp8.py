@@ -140,17 +140,7 @@ def measure_blocks(size, device, warmup: int, iters: int, rounds: int, compiled:
         if name.endswith("fp8") and flops[name][1] == 0:  # nothing ran in FP8: not a measure of FP8
             left_out.setdefault(name, "not yet: no product of this variant ran in _scaled_mm")
             del steps[name]
-    for step in steps.values():
-        for _ in range(warmup):
-            step()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-    syncs: list = []
-    times = {name: [] for name in steps}
-    for _ in range(rounds):  # alternating: a drift of the clock or the load falls on every variant alike
-        for name, step in steps.items():
-            times[name].append(tensor2d.timed_steps(step, iters, device, syncs))
+    times, syncs = tensor2d.alternating_times(steps, warmup, rounds, iters, device)
     results = {}
     for name, ts in times.items():
         t, (total, scaled) = statistics.median(ts), flops[name]

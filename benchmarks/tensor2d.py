@@ -400,6 +400,24 @@ def _syncs_counted(device, into: list):
     into.extend(str(w.message) for w in caught if "synchroniz" in str(w.message).lower())
 
 
+def alternating_times(steps: dict, warmup: int, rounds: int, iters: int, device) -> tuple[dict, list]:
+    """``({name: [seconds per step, one per round]}, host syncs seen)`` of ``steps`` (name → a step), warmed up
+    ``warmup`` times each, then timed in ``rounds`` rounds that run every variant in turn: a drift of the
+    clock or the load falls on every variant alike. On a GPU the peak-memory counter starts after the warmup."""
+    for step in steps.values():
+        for _ in range(warmup):
+            step()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    syncs: list = []
+    times = {name: [] for name in steps}
+    for _ in range(rounds):
+        for name, step in steps.items():
+            times[name].append(timed_steps(step, iters, device, syncs))
+    return times, syncs
+
+
 def timed_steps(step, iters: int, device, syncs: list) -> float:
     """Seconds per step over ``iters`` steps: CUDA events on a GPU (the host waits only after the last)."""
     if device.type == "cuda":
@@ -433,17 +451,7 @@ def measure_blocks(size: BlockSize = GPU_BLOCK, qs=(2, 4), device="cuda", dtype=
     G = torch.randn(size.batch, size.seq, size.hidden, generator=g).to(device, dtype)
     steps = {"dense": dense_step(dense, X, G), **{f"q{q}": grid_step(dense, X, G, q) for q in qs}}
     flops = {name: step_flops(step) for name, step in steps.items()}
-    for step in steps.values():
-        for _ in range(warmup):
-            step()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-    syncs: list = []
-    times = {name: [] for name in steps}
-    for _ in range(rounds):  # alternating, so that a drift of the clock or the load hits every variant alike
-        for name, step in steps.items():
-            times[name].append(timed_steps(step, iters, device, syncs))
+    times, syncs = alternating_times(steps, warmup, rounds, iters, device)
     out = {}
     for name in steps:
         t = statistics.median(times[name])
