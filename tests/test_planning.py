@@ -271,3 +271,30 @@ def test_the_time_model_steps_the_device_rows_there_and_hides_the_host_rows_behi
     assert opt_free == pytest.approx(max(0.0, t_free.host_step_s - t_free.compute_s["forward"]
                                          - t_free.compute_s["backward"]))
     assert opt_free <= opt_clip and device_opt > 0
+
+
+def test_a_verification_past_its_budget_ends_even_when_the_parent_catches_sigterm():
+    """``plan --search`` verifies a candidate in a forked pool with a time budget; past it the pool is ended
+    (SIGTERM to its worker). A parent that catches SIGTERM (a launcher's stop handler, still installed in a
+    test process) must not pass that handler to the worker: the worker would run on, then block writing a
+    result larger than the pipe holds, and the pool's exit would join it for ever (seen in a suite run).
+    Bounded here by an alarm: a hang fails the test instead of stopping the suite."""
+    import signal
+
+    from parallel4d.planning.search import _whole_plan
+
+    cfg = load_config(QUICK, [*SMALL, "parallel.pp=2", "parallel.dp=1", "pipeline.microbatches=4"])
+
+    def hung(signum, frame):
+        raise TimeoutError("the verification's pool did not end within 60 s of its 0.05 s budget")
+
+    old_term, old_alarm = signal.signal(signal.SIGTERM, lambda *a: None), signal.signal(signal.SIGALRM, hung)
+    signal.alarm(60)
+    try:
+        began = time.monotonic()
+        assert _whole_plan(cfg, 0.05) is None
+        assert time.monotonic() - began < 30
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGTERM, old_term)
+        signal.signal(signal.SIGALRM, old_alarm)

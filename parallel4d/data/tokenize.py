@@ -150,9 +150,11 @@ def _rename_both(bin_tmp: Path, out: Path, side_tmp: Path, side: Path) -> None:
         fsync_dir(directory)
 
 
-def _worker_signals() -> None:
-    """A tokenizing process leaves Ctrl-C to the parent, and dies at once when the parent ends the
-    pool (a handler the parent had for SIGTERM would wait for the tokenizer's native code to return)."""
+def pool_worker_signals() -> None:
+    """A pool's forked worker (a tokenizer here, ``plan --search``'s dry runs) leaves Ctrl-C to the parent, and
+    dies at once when the parent ends the pool: a SIGTERM handler inherited from the parent would keep it
+    running (waiting for native code to return, or blocked writing a result nobody reads any more), and the
+    pool's exit, which joins its workers, would wait for ever."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
@@ -177,7 +179,7 @@ def _write_both(jobs, out: Path, meta: dict, workers: int, progress: bool, chat:
         if chat:
             total, max_id, sha, mask_entry = _write_tokens(bin_tmp, jobs, meta["dtype"], mask_tmp)
         else:  # on the way out the pool's processes are ended where they are: an interruption waits for none
-            with Pool(workers, initializer=_worker_signals) if workers > 1 else nullcontext() as pool:
+            with Pool(workers, initializer=pool_worker_signals) if workers > 1 else nullcontext() as pool:
                 total, max_id, sha, mask_entry = _write_tokens(bin_tmp, _documents(pool, jobs, progress),
                                                                meta["dtype"])
         meta = {"dtype": meta["dtype"], "tokens": total, **meta, "max_id": max_id, "sha256": sha}

@@ -41,6 +41,7 @@ import torch
 from parallel4d.config.errors import ConfigError
 from parallel4d.config.load import load_config
 from parallel4d.config.schema import Config
+from parallel4d.data.tokenize import pool_worker_signals
 from parallel4d.engine.compose import job_schedule, pipeline_cut
 from parallel4d.engine.model import pipeline_activation_dtype
 from parallel4d.pipeline import simulate
@@ -259,7 +260,7 @@ def prepare(cfgs: list[Config], cache: dict, workers: int, orders: list[tuple[Co
     if workers <= 1 or len(todo) <= 1:
         cache.update(_one_task(t) for t in todo)
         return
-    with multiprocessing.get_context("fork").Pool(min(workers, len(todo))) as pool:
+    with multiprocessing.get_context("fork").Pool(min(workers, len(todo)), initializer=pool_worker_signals) as pool:
         results = pool.imap_unordered(_one_task, todo, chunksize=1)
         try:
             for _ in todo:
@@ -507,7 +508,7 @@ def _verified(ranked: list[Ranked], capacity: int, profile: Profile, deadline: f
 def _whole_plan(cfg: Config, seconds: float) -> list[RankPlan] | None:
     """``plan(cfg, timed=True)`` in a forked process, or None when it takes more than ``seconds`` (a 7B
     model's pipeline ranks take minutes: the budget is the user's)."""
-    with multiprocessing.get_context("fork").Pool(1) as pool:
+    with multiprocessing.get_context("fork").Pool(1, initializer=pool_worker_signals) as pool:
         pending = pool.apply_async(plan, (cfg,), {"timed": True})
         try:
             return pending.get(timeout=seconds)
