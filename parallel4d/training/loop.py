@@ -134,8 +134,7 @@ class _Run:
         self.saved: Path | None = None
         self.extra_files = job_files(cfg, with_pretrained=lead and cfg.checkpoint.enabled)  # read once
         # train.fp8: each rank's linears computing in FP8, gathered once (summary.json's fp8: what check reads)
-        linears = engine.fp8_linears()
-        self.fp8 = gather_objects(linears) if linears is not None else None
+        self.fp8 = gather_objects(engine.fp8_linears()) if cfg.train.fp8 != "none" else None
 
     def note_router(self, record: dict) -> None:
         """MoE: a logged step's auxiliary loss and expert load, for summary.json's ``moe`` (this session's)."""
