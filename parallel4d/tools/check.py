@@ -246,6 +246,10 @@ def _features(path, job: list[str], cfg: Config, own: list[str]) -> Optional[tup
     if cfg.train.fp8 != "none" and cfg.train.dtype != "float32":  # fixed_run: FP8 over float32 parameters
         notes.append(f"train.fp8={cfg.train.fp8}: checked in float32 (train.dtype={cfg.train.dtype}: its FP8 "
                      "products the same, their outputs and the parameters in float32 on both sides)")
+    if cfg.train.fp8 != "none" and cfg.parallel.sp > 1:
+        notes.append(f"train.fp8={cfg.train.fp8} with parallel.sp={cfg.parallel.sp}: the reference computes attention "
+                     "with SDPA, the layout blockwise; their float32 roundings (~1e-7) can flip an e4m3 rounding, and a "
+                     "difference at FP8's precision may then be the kernels', not the layout's (docs/configuration.md, FP8)")
     if cfg.model.lora is not None and cfg.model.lora.dropout:  # as model.dropout (RUN)
         out.append("model.lora.dropout=0.0")
         notes.append(f"model.lora.dropout={cfg.model.lora.dropout}: not checked (dropout off, as model.dropout)")
