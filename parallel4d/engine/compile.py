@@ -37,14 +37,18 @@ def compile_block(block: nn.Module, eager_layers: bool = False) -> nn.Module:
     hooks (which swap ``param.data``) break the graph before and after each of them anyway; compiled,
     each layer's forward (one linear or norm) would be a graph of its own, compiled again for every
     shape (qkv, projection, MLP) until dynamo's recompile limit, with nothing to fuse. They are looked
-    up at every call (:func:`run_eagerly`), not now: ``train.fp8`` swaps the linears after this."""
+    up at the first call (:func:`run_eagerly`), not now: ``train.fp8`` swaps the linears after this; so are
+    the traced collectives to count (:func:`counting_traced_collectives`), once, off the step's path."""
     compiled = torch.compile(block.forward, backend=BACKEND)
+    counts: list = []  # filled at the first call: [the counting calls of the block's traced collectives]
 
     @functools.wraps(compiled)
     def forward(*args, **kwargs):
-        if eager_layers:
-            run_eagerly(layers_holding_parameters(block))
-        return counting_traced_collectives(block, compiled(*args, **kwargs))
+        if not counts:
+            if eager_layers:
+                run_eagerly(layers_holding_parameters(block))
+            counts.append(traced_token_syncs(m for m in block.modules() if not _eager(m)))
+        return counting_traced_collectives(counts[0], compiled(*args, **kwargs))
 
     block.forward = forward
     return block
@@ -63,14 +67,14 @@ def run_eagerly(layers: list[nn.Module]) -> None:
             layer.forward = torch.compiler.disable(layer.forward)
 
 
-def counting_traced_collectives(block: nn.Module, out):
-    """``out`` (what ``block``'s compiled forward returned), counting the collectives its graphs trace, which
+def counting_traced_collectives(counts: list, out):
+    """``out`` (what a block's compiled forward returned), counting the collectives its graphs trace, which
     no Python runs to count: an FP8 linear's token-amax all-reduce over the data replicas (``train.fp8:
     rowwise`` with dp·sp > 1, :func:`~parallel4d.fp8.linear.traced_token_syncs`) runs in the compiled backward,
     once per linear per backward through the block — counted when the block's output gradient arrives (a
     hook: once per backward, and never for a recomputation's output, which no gradient reaches). Eager
-    layers (hetero's) are not traced: they count their own."""
-    counts = traced_token_syncs(m for m in block.modules() if not _eager(m))
+    layers (hetero's) are not traced: they count their own. ``counts``: the block's counting calls
+    (:func:`~parallel4d.fp8.linear.traced_token_syncs` of its traced modules)."""
     if counts and isinstance(out, torch.Tensor) and out.requires_grad:
         out.register_hook(lambda grad: _run_all(counts))
     return out
