@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -292,6 +293,34 @@ def test_bidirectional_ring_through_launch_equals_sp1(tmp_path, single_rank):
     bidirectional, causal = first_loss(one_job, False), first_loss(one_job, True)
     assert abs(b[0].item() - bidirectional) <= 1e-12 * bidirectional
     assert abs(bidirectional - causal) > 1e-6  # the field makes a difference the check can see
+
+
+# --- sequence.kernel --------------------------------------------------------------------------------
+
+
+def test_sequence_kernel_blockwise_runs_the_rings_kernel_on_one_rank_and_equals_sdpa_in_float64(tmp_path, single_rank,
+                                                                                                 monkeypatch):
+    """``sequence.kernel: blockwise`` at sp = 1: every block's attention is the ring's kernel on the rank alone
+    (``parallel4d check``'s reference for an FP8 job over sp: the core the layout computes) — each block calls it
+    once per forward —, and in float64 the losses equal SDPA's (``auto``) to 1e-12; a sequence its zigzag pieces
+    cannot cut is refused by name."""
+    from parallel4d.sequence import adapter
+    from parallel4d.training.loop import run_training
+
+    calls = []
+    ring = adapter.ring_attention
+    monkeypatch.setattr(adapter, "ring_attention", lambda *a, **k: calls.append(a[3]) or ring(*a, **k))
+    losses = {}
+    for kernel in ("auto", "blockwise"):
+        job = tiny_job(tmp_path / kernel, sequence={"kernel": kernel})
+        losses[kernel] = run_training(Config.model_validate(job))["losses"]
+        assert len(calls) == (0 if kernel == "auto" else 2 * 3), (kernel, len(calls))  # 2 blocks, 3 steps
+    assert all(dist.get_world_size(group) == 1 for group in calls)
+    torch.testing.assert_close(torch.tensor(losses["blockwise"]), torch.tensor(losses["auto"]), rtol=1e-12, atol=0)
+    with pytest.raises(ValueError, match=r"model.seq_len=15 .*sequence.kernel=blockwise; or sequence.layout=contiguous"):
+        Config.model_validate(tiny_job(tmp_path, model={"seq_len": 15}, sequence={"kernel": "blockwise"}))
+    Config.model_validate(tiny_job(tmp_path, model={"seq_len": 15}, sequence={"kernel": "blockwise",
+                                                                              "layout": "contiguous"}))
 
 
 # --- pipeline.microbatches at pp = 1 ---------------------------------------------------------------

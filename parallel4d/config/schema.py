@@ -168,6 +168,10 @@ class SequenceConfig(_Section):
     causal: bool = True
     ulysses: int = Field(1, ge=1, le=2**20, description="sp ranks per Ulysses group (all-to-all over heads); the "
                                                         "ring runs over sp/ulysses: 1 the ring alone, sp pure Ulysses")
+    kernel: Literal["auto", "blockwise"] = Field(
+        "auto", description="the attention core: 'auto' PyTorch's SDPA at parallel.sp=1 and the ring's blockwise "
+                            "kernel above; 'blockwise' the ring's kernel at sp=1 too (on one rank: the core an sp "
+                            "layout computes, e.g. to compare an FP8 run across sp, docs/configuration.md)")
 
 
 class HeteroConfig(_Section):

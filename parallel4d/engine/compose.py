@@ -65,10 +65,14 @@ from parallel4d.tensor2d import Head2D, VocabParallelCrossEntropy2D, loss_2d
 
 def _sequence(cfg: Config, mesh: Mesh):
     """(attention_fn, positions) for ``parallel.sp``: the ring, or Ulysses around it
-    (``sequence.ulysses > 1``); (None, None) when sp = 1."""
-    if mesh.size("sp") == 1:
-        return None, None
+    (``sequence.ulysses > 1``); when sp = 1 (None, None) — the model's own core —, or the ring's kernel
+    on this rank alone (``sequence.kernel: blockwise``) with positions None."""
     seq = cfg.sequence
+    if mesh.size("sp") == 1:
+        if seq.kernel == "auto":
+            return None, None
+        return make_ring_attention_fn(mesh.group("sp"), layout=seq.layout, stats=mesh.comm_stats,
+                                      timeout_s=cfg.train.timeout_s, deadlines=mesh.deadlines), None
     if seq.ulysses > 1:
         fn = make_ulysses_attention_fn(*mesh.sp_split(seq.ulysses), layout=seq.layout, stats=mesh.comm_stats,
                                        timeout_s=cfg.train.timeout_s, deadlines=mesh.deadlines)

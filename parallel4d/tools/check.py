@@ -80,12 +80,21 @@ RUN = ["train.dtype=float64", "train.param_dtype=null", "train.autocast_dtype=nu
        "model.dropout=0.0", "model.attention_dropout=null", "model.embedding_dropout=null"]
 
 
+#: AdamW's eps under FP8 (at least): float32 noise in a gradient that is zero in exact arithmetic (GPT-2's key bias:
+#: softmax ignores what every key adds alike) is ~1e-12 at the check's shapes, and AdamW moves the parameter by
+#: lr·η/(|η|+eps) — lr·1e-4 at eps 1e-8, and another η in each sum order. At 1e-5 that is lr·1e-7, under the
+#: tolerance; a real gradient (≳1e-4 here) steps as it did. Measured on 24 fuzzer-like FP8 draws over sp: at eps 1e-8
+#: GPT-2's key biases 1.05e-5 to 1.53e-5 apart (relative) in 5 of the 11 GPT-2 draws, beyond FP8's 1e-5; at 1e-5 every
+#: parameter of every draw within 3.0e-7.
+FP8_EPS = 1e-5
+
+
 def fixed_run(cfg: Config) -> list[str]:
     """:data:`RUN`; for a job with ``train.fp8``, its FP8 kept over float32 parameters (FP8 never runs in
-    float64: config/rules/fp8.py), on both sides of the comparison."""
+    float64: config/rules/fp8.py), on both sides of the comparison, and AdamW's eps at least :data:`FP8_EPS`."""
     if cfg.train.fp8 == "none":
         return RUN
-    return [*RUN, "train.dtype=float32", f"train.fp8={cfg.train.fp8}"]
+    return [*RUN, "train.dtype=float32", f"train.fp8={cfg.train.fp8}", f"optimizer.eps={max(cfg.optimizer.eps, FP8_EPS)!r}"]
 
 
 def tolerance(cfg: Config) -> Tolerance:
@@ -108,7 +117,15 @@ class Plan:
     notes: list[str] = field(default_factory=list)
 
     def reference(self, path, job_overrides: list[str]) -> Config:
-        return load_config(path, [*job_overrides, *self.overrides, *REFERENCE])
+        return load_config(path, [*job_overrides, *self.overrides, *REFERENCE, *reference_kernel(self.cfg)])
+
+
+def reference_kernel(cfg: Config) -> list[str]:
+    """The reference's attention core: PyTorch's SDPA (code nobody here wrote); for an FP8 job over
+    ``parallel.sp`` the ring's blockwise kernel on one rank, the core the layout computes. FP8's rounding is
+    discontinuous: SDPA's float32 roundings differ from the ring's by ~1e-7, which can flip an e4m3 rounding
+    and part the runs at FP8's precision — a difference of kernels, not of the layout (docs/check.md)."""
+    return ["sequence.kernel=blockwise"] if cfg.train.fp8 != "none" and cfg.parallel.sp > 1 else []
 
 
 # --- the sub-layout -----------------------------------------------------------------------------
@@ -246,10 +263,14 @@ def _features(path, job: list[str], cfg: Config, own: list[str]) -> Optional[tup
     if cfg.train.fp8 != "none" and cfg.train.dtype != "float32":  # fixed_run: FP8 over float32 parameters
         notes.append(f"train.fp8={cfg.train.fp8}: checked in float32 (train.dtype={cfg.train.dtype}: its FP8 "
                      "products the same, their outputs and the parameters in float32 on both sides)")
+    if cfg.train.fp8 != "none" and cfg.optimizer.eps < FP8_EPS:
+        notes.append(f"optimizer.eps={cfg.optimizer.eps:g}: checked at {FP8_EPS:g} on both sides (FP8 over float32: "
+                     "AdamW would turn the float32 noise of a gradient that is zero in exact arithmetic, such as a key "
+                     "bias's, into steps that differ with the order of every sum)")
     if cfg.train.fp8 != "none" and cfg.parallel.sp > 1:
-        notes.append(f"train.fp8={cfg.train.fp8} with parallel.sp={cfg.parallel.sp}: the reference computes attention "
-                     "with SDPA, the layout blockwise; their float32 roundings (~1e-7) can flip an e4m3 rounding, and a "
-                     "difference at FP8's precision may then be the kernels', not the layout's (docs/configuration.md, FP8)")
+        notes.append(f"train.fp8={cfg.train.fp8} with parallel.sp={cfg.parallel.sp}: the reference runs the ring's "
+                     "attention kernel (sequence.kernel=blockwise), the core the layout computes: against SDPA's float32 "
+                     "roundings an e4m3 rounding may flip, and the runs part at FP8's precision (docs/check.md)")
     if cfg.model.lora is not None and cfg.model.lora.dropout:  # as model.dropout (RUN)
         out.append("model.lora.dropout=0.0")
         notes.append(f"model.lora.dropout={cfg.model.lora.dropout}: not checked (dropout off, as model.dropout)")

@@ -42,13 +42,16 @@ def seq_len_problem(seq_len: int, n: int, layout: str, field: str = "seq_len") -
 def ring_problems(cfg: Config) -> list[str]:
     """The job's ``model.seq_len`` over its ring of ``sp/ulysses`` ranks (``parallel.sp > 1``): that many
     pieces, or twice that for the zigzag layout, and a multiple of ``sp`` (each ring shard cut among its
-    Ulysses group); ``sequence.ulysses`` dividing ``sp`` and the heads each grid column holds."""
+    Ulysses group); ``sequence.ulysses`` dividing ``sp`` and the heads each grid column holds. At sp = 1 with
+    ``sequence.kernel: blockwise``, the layout's pieces on a ring of one."""
     sp, u = cfg.parallel.sp, cfg.sequence.ulysses
     if sp % u:
         return [f"sequence.ulysses={u} does not divide parallel.sp={sp}; use one of "
                 f"{[d for d in range(1, sp + 1) if sp % d == 0]} (1: the ring alone, sp: pure Ulysses)"]
-    if sp <= 1:
-        return []
+    if sp <= 1:  # the ring's kernel on one rank still cuts the sequence into its layout's pieces
+        problem = seq_len_problem(cfg.model.seq_len, 1, cfg.sequence.layout, "model.seq_len") \
+            if cfg.sequence.kernel == "blockwise" else None
+        return [f"{problem} (sequence.kernel=blockwise; or sequence.layout=contiguous)"] if problem else []
     ring = sp // u
     div = 2 * ring if cfg.sequence.layout == "zigzag" else ring
     if u > 1:
