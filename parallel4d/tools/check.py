@@ -108,7 +108,8 @@ def fixed_run(cfg: Config) -> list[str]:
     float64: config/rules/fp8.py), on both sides of the comparison, and AdamW's eps at least :data:`FP8_EPS`."""
     if cfg.train.fp8 == "none":
         return RUN
-    return [*RUN, "train.dtype=float32", f"train.fp8={cfg.train.fp8}", f"optimizer.eps={max(cfg.optimizer.eps, FP8_EPS)!r}"]
+    return [*RUN, "train.dtype=float32", f"train.fp8={cfg.train.fp8}",
+            f"optimizer.eps={max(cfg.optimizer.eps, FP8_EPS)!r}"]
 
 
 def tolerance(cfg: Config) -> Tolerance:
@@ -283,8 +284,8 @@ def _features(path, job: list[str], cfg: Config, own: list[str]) -> Optional[tup
                      "bias's, into steps that differ with the order of every sum)")
     if cfg.train.fp8 != "none" and cfg.parallel.sp > 1:
         notes.append(f"train.fp8={cfg.train.fp8} with parallel.sp={cfg.parallel.sp}: the reference runs the ring's "
-                     "attention kernel (sequence.kernel=blockwise), the core the layout computes: against SDPA's float32 "
-                     "roundings an e4m3 rounding may flip, and the runs part at FP8's precision (docs/check.md)")
+                     "attention kernel (sequence.kernel=blockwise), the core the layout computes: against SDPA's "
+                     "float32 roundings an e4m3 rounding may flip, and the runs part at FP8's precision (docs/check.md)")
     if cfg.model.lora is not None and cfg.model.lora.dropout:  # as model.dropout (RUN)
         out.append("model.lora.dropout=0.0")
         notes.append(f"model.lora.dropout={cfg.model.lora.dropout}: not checked (dropout off, as model.dropout)")
