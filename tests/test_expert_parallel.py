@@ -939,17 +939,8 @@ def test_fp8_trains_in_the_data_sequence_and_pipeline_layouts_and_hetero_as_one_
     lr, job = FP8_LAYOUTS[name]["optimizer"]["lr"], FP8_LAYOUTS[name]
     seen = set()
     for rank in trained:
-        losses, pieces = rank[name]
-        torch.testing.assert_close(torch.tensor(losses), torch.tensor(want_losses), rtol=1e-6, atol=0,
-                                   msg=lambda m: f"{name} losses: {m}")
-        beyond, elements = 0, 0
-        for dense, boxes in pieces.items():
-            seen.add(dense)
-            for off, t in boxes:
-                diff = (t - want[dense][tuple(slice(o, o + n) for o, n in zip(off, t.shape))]).abs()
-                assert diff.max() <= 2 ** -4 * lr, (name, dense, float(diff.max()))
-                beyond, elements = beyond + int((diff > FP8_FLOAT32_ATOL).sum()), elements + diff.numel()
-        assert beyond <= FP8_FLIPS * elements, (name, beyond, elements)
+        seen |= assert_fp8_rank_close(name, rank[name], want_losses, want, lr, FP8_FLIPS,
+                                      further=lambda diff, box: diff > FP8_FLOAT32_ATOL)
         held = rank[("inspect", name)]
         steps, m = job["train"]["steps"], job.get("pipeline", {}).get("microbatches", 1)
         assert held["linears"] == held["synced"] > 0, held
@@ -972,20 +963,30 @@ def assert_fp8_as_one_process(ranks: list, name: str, job: dict) -> None:
     split = job["parallel"].get("sp", 1) > 1
     sequence = {**job.get("sequence", {}), "kernel": "blockwise"} if split else {}
     want_losses, pieces = train_layouts({name: {**job, "parallel": {}, "sequence": sequence}})[name]
-    lr = job["optimizer"]["lr"]
+    want = {dense: whole for dense, [(_, whole)] in pieces.items()}
     for rank in ranks:
-        losses, boxes = rank[name]
-        torch.testing.assert_close(torch.tensor(losses), torch.tensor(want_losses), rtol=1e-6, atol=0,
-                                   msg=lambda m: f"{name} losses: {m}")
-        beyond, elements = 0, 0
-        for dense, parts in boxes.items():
-            [(_, whole)] = pieces[dense]
-            for off, t in parts:
-                box = whole[tuple(slice(o, o + n) for o, n in zip(off, t.shape))]
-                diff = (t - box).abs()
-                assert diff.max() <= 2 ** -4 * lr, (name, dense, float(diff.max()))
-                beyond, elements = beyond + int((diff > 1e-5 * box.abs() + 5e-6).sum()), elements + diff.numel()
-        assert beyond <= (FP8_FLIPS if split else 0) * elements, (name, beyond, elements)
+        assert_fp8_rank_close(name, rank[name], want_losses, want, job["optimizer"]["lr"], FP8_FLIPS if split else 0,
+                              further=lambda diff, box: diff > 1e-5 * box.abs() + 5e-6)
+
+
+def assert_fp8_rank_close(name: str, trained: tuple, want_losses: list, want: dict, lr: float, flips: float,
+                          further) -> set[str]:
+    """One rank's ``trained = (losses, {dense name: [(offset, piece)]})`` of FP8 job ``name`` against one process's
+    losses and dense parameters ``want``: every loss within 1e-6 (relative), every element within 2⁻⁴·lr, and at most
+    ``flips`` of the elements ``further(diff, want's box)`` off (e4m3 roundings a float32 reordering flipped).
+    Returns the dense names the rank holds."""
+    losses, pieces = trained
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(want_losses), rtol=1e-6, atol=0,
+                               msg=lambda m: f"{name} losses: {m}")
+    beyond, elements = 0, 0
+    for dense, parts in pieces.items():
+        for off, t in parts:
+            box = want[dense][tuple(slice(o, o + n) for o, n in zip(off, t.shape))]
+            diff = (t - box).abs()
+            assert diff.max() <= 2 ** -4 * lr, (name, dense, float(diff.max()))
+            beyond, elements = beyond + int(further(diff, box).sum()), elements + diff.numel()
+    assert beyond <= flips * elements, (name, beyond, elements)
+    return set(pieces)
 
 
 @pytest.mark.parametrize("name", list(FP8_GRID))

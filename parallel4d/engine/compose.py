@@ -65,15 +65,12 @@ from parallel4d.tensor2d import Head2D, VocabParallelCrossEntropy2D, loss_2d
 
 def _sequence(cfg: Config, mesh: Mesh):
     """(attention_fn, positions) for ``parallel.sp``: the ring, or Ulysses around it
-    (``sequence.ulysses > 1``); when sp = 1 (None, None) — the model's own core —, or the ring's kernel
-    on this rank alone (``sequence.kernel: blockwise``) with positions None."""
+    (``sequence.ulysses > 1``); when sp = 1 (None, None) — the model's own core —, or under
+    ``sequence.kernel: blockwise`` the ring on this rank alone, positions None (0..s-1)."""
     seq = cfg.sequence
-    if mesh.size("sp") == 1:
-        if seq.kernel == "auto":
-            return None, None
-        return make_ring_attention_fn(mesh.group("sp"), layout=seq.layout, stats=mesh.comm_stats,
-                                      timeout_s=cfg.train.timeout_s, deadlines=mesh.deadlines), None
-    if seq.ulysses > 1:
+    if mesh.size("sp") == 1 and seq.kernel == "auto":
+        return None, None
+    if seq.ulysses > 1:  # never at sp = 1: the rules want ulysses to divide sp
         fn = make_ulysses_attention_fn(*mesh.sp_split(seq.ulysses), layout=seq.layout, stats=mesh.comm_stats,
                                        timeout_s=cfg.train.timeout_s, deadlines=mesh.deadlines)
     else:

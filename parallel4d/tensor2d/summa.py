@@ -65,6 +65,9 @@ import torch
 import torch.distributed as dist
 
 from parallel4d.distributed import comm
+# wanted(ctx, k): whether this backward pass uses input k's gradient (a split backward asks for the activation
+# and weight gradients in two passes; the other product and its collectives are skipped — every grid rank
+# makes the same passes, so the collectives still match)
 from parallel4d.fp8.linear import wanted
 from parallel4d.fp8.rowwise import E4M3, AmaxSync, amax, quantize, scaled_mm, scales_of_amax
 from parallel4d.tensor2d.grid import Grid
@@ -259,14 +262,6 @@ def _flat(t):
     return t.reshape(-1, t.shape[-1]).contiguous()
 
 
-def _wanted(ctx, k: int) -> bool:
-    """Whether this backward pass uses input ``k``'s gradient (:func:`parallel4d.fp8.linear.wanted`, the one
-    rule for custom products): a pipeline that splits the backward asks for the activation gradients and the
-    weight gradients in two passes (pipeline/split_grad); the other product and its collectives are then
-    skipped. Every grid rank makes the same passes, so the collectives still match."""
-    return wanted(ctx, k)
-
-
 class _Op(torch.autograd.Function):
     """Common forward plumbing: cast to the compute dtype once, run without autocast."""
 
@@ -301,9 +296,9 @@ class _SummaAB(_Op):
         args = _Op._args(ctx)
         dc = _flat(dc.to(a.dtype))
         da = db = None
-        if _wanted(ctx, 0):  # dA = dC·Bᵀ
+        if wanted(ctx, 0):  # dA = dC·Bᵀ
             da = _abt(dc, b.contiguous(), *args).view(ctx.shapes[0]).to(ctx.in_dtypes[0])
-        if _wanted(ctx, 1):  # dB = Aᵀ·dC
+        if wanted(ctx, 1):  # dB = Aᵀ·dC
             db = _atb(_flat(a), dc, *args).view(ctx.shapes[1]).to(ctx.in_dtypes[1])
         return da, db, None, None, None, None
 
@@ -323,9 +318,9 @@ class _SummaABT(_Op):
         args = _Op._args(ctx)
         dc = _flat(dc.to(a.dtype))
         da = db = None
-        if _wanted(ctx, 0):  # dA = dC·B
+        if wanted(ctx, 0):  # dA = dC·B
             da = _ab(dc, _flat(b), *args).view(ctx.shapes[0]).to(ctx.in_dtypes[0])
-        if _wanted(ctx, 1):  # dB = dCᵀ·A
+        if wanted(ctx, 1):  # dB = dCᵀ·A
             db = _atb(dc, _flat(a), *args).view(ctx.shapes[1]).to(ctx.in_dtypes[1])
         return da, db, None, None, None, None
 
@@ -344,9 +339,9 @@ class _SummaATB(_Op):
         args = _Op._args(ctx)
         dc = dc.to(a.dtype).contiguous()
         da = db = None
-        if _wanted(ctx, 0):  # dA = B·dCᵀ
+        if wanted(ctx, 0):  # dA = B·dCᵀ
             da = _abt(_flat(b), dc, *args).view(ctx.shapes[0]).to(ctx.in_dtypes[0])
-        if _wanted(ctx, 1):  # dB = A·dC
+        if wanted(ctx, 1):  # dB = A·dC
             db = _ab(_flat(a), dc, *args).view(ctx.shapes[1]).to(ctx.in_dtypes[1])
         return da, db, None, None, None, None
 

@@ -282,7 +282,7 @@ def _features(path, job: list[str], cfg: Config, own: list[str]) -> Optional[tup
         notes.append(f"optimizer.eps={cfg.optimizer.eps:g}: checked at {FP8_EPS:g} on both sides (FP8 over float32: "
                      "AdamW would turn the float32 noise of a gradient that is zero in exact arithmetic, such as a key "
                      "bias's, into steps that differ with the order of every sum)")
-    if cfg.train.fp8 != "none" and cfg.parallel.sp > 1:
+    if reference_kernel(cfg):
         notes.append(f"train.fp8={cfg.train.fp8} with parallel.sp={cfg.parallel.sp}: the reference runs the ring's "
                      "attention kernel (sequence.kernel=blockwise), the core the layout computes: against SDPA's "
                      "float32 roundings an e4m3 rounding may flip, and the runs part at FP8's precision (docs/check.md)")
